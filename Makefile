@@ -1,0 +1,29 @@
+# Two commands on a fresh clone: `make demo` (the main job end to end) and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := demo-output
+
+.PHONY: demo test bench clean
+
+$(STAMP): setup.py
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/madp generate $(DEMO)/records --records 100000 --graph skewed --seed 1
+	$(BIN)/madp bound $(DEMO)/records $(DEMO)/bounded --max-contributions 3 --runner DirectRunner
+	$(BIN)/madp verify-bound $(DEMO)/records $(DEMO)/bounded --max-contributions 3
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bound.py
+
+clean:
+	rm -rf $(VENV) $(DEMO) *.egg-info

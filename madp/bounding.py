@@ -1,0 +1,155 @@
+"""Kernels of round-based unanimous-proposal contribution bounding (distributed-contribution-
+bounding paper, Alg. 1), on numpy arrays.
+
+State lives on two sides, which the engines may split into partitions:
+- the *user side*: incidences (user, record) sorted by user, then by the universal preference
+  order; an eligibility flag per incidence; a residual capacity per user;
+- the *record side*: arity and eligibility per record, and the copies selected so far.
+Records are referred to by int64 keys; every function takes partition-local arrays.
+
+With a universal order, the result equals the sequential greedy (Alg. 2 / Alg. 3 of "It's my
+data too") run in that order: see DESIGN.md section 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from madp.hashing import hash_ids
+
+ORDERS = ("arity", "hash", "weight")
+
+
+def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
+                    weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Universal preference order as sort keys (smaller first): (primary, tie-break, tie-break).
+
+    Two independent 64-bit seeded hashes of the id break ties, so every user sees the same
+    total order without any global sort.
+    """
+    if order == "arity":
+        primary = arity.astype(np.float64)
+    elif order == "hash":
+        primary = np.zeros(len(arity), dtype=np.float64)
+    elif order == "weight":
+        if weights is None:
+            raise ValueError("--order weight needs --weight-column")
+        primary = -weights.astype(np.float64)  # higher weight preferred
+    else:
+        raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
+    return primary, hash_ids(ids, seed, purpose=1), hash_ids(ids, seed, purpose=2)
+
+
+def preference_rank_order(primary: np.ndarray, tie: np.ndarray, second_tie: np.ndarray) -> np.ndarray:
+    """Indices sorting records by (primary, tie, second_tie); `second_tie` only matters on a 64-bit tie."""
+    by_tie = np.argsort(tie)
+    order = by_tie[np.argsort(primary[by_tie], kind="stable")]
+    if np.any((primary[order][1:] == primary[order][:-1]) & (tie[order][1:] == tie[order][:-1])):
+        return np.lexsort((second_tie, tie, primary))
+    return order
+
+
+@dataclasses.dataclass
+class UserSide:
+    """Incidences of a set of users, sorted by (user, preference)."""
+    user_ids: pa.Array            # distinct users, in local index order
+    inc_user: np.ndarray          # int64 local user index, non-decreasing
+    inc_record: np.ndarray        # int64 index into `record_keys`
+    record_keys: np.ndarray       # int64 sorted distinct record keys of these incidences
+    first_incidence: np.ndarray   # int64 position of each user's first incidence
+    residual: np.ndarray          # int64 remaining capacity per user
+    capacity: np.ndarray          # int64 capacity per user
+    eligible: np.ndarray          # bool per incidence
+
+    @property
+    def contribution(self) -> np.ndarray:
+        return self.capacity - self.residual
+
+
+def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys: np.ndarray,
+                    record_order: tuple[np.ndarray, ...], capacity_of: "Capacities",
+                    copies: np.ndarray, in_pass: np.ndarray) -> UserSide:
+    """Sort incidences by (user, preference) and derive the state of a (partial) selection.
+
+    Incidences point into a record table (`record_keys`, sorted, with the preference keys
+    `record_order` and, per record, `copies` selected so far and whether one was selected in
+    the current pass). A user's residual is its capacity minus the copies it is part of.
+    """
+    rank = np.empty(len(record_keys), dtype=np.int64)
+    rank[preference_rank_order(*record_order)] = np.arange(len(record_keys))
+    encoded = pc.dictionary_encode(inc_user_ids)
+    user_codes = encoded.indices.to_numpy().astype(np.int64)
+    user_ids = encoded.dictionary
+    if len(user_ids) * max(len(record_keys), 1) < 2**62:
+        order = np.argsort(user_codes * len(record_keys) + rank[inc_record])
+    else:
+        order = np.lexsort((rank[inc_record], user_codes))
+    inc_user, inc_record = user_codes[order], inc_record[order]
+    capacity = capacity_of.lookup(user_ids)
+    used = np.bincount(inc_user, weights=copies[inc_record], minlength=len(user_ids)).astype(np.int64)
+    return UserSide(user_ids=user_ids, inc_user=inc_user, inc_record=inc_record, record_keys=record_keys,
+                    first_incidence=np.searchsorted(inc_user, np.arange(len(user_ids))),
+                    residual=capacity - used, capacity=capacity, eligible=~in_pass[inc_record])
+
+
+@dataclasses.dataclass
+class Capacities:
+    """Per-user capacity: an explicit table overriding a default bound."""
+    default: int
+    user_ids: pa.Array | None = None
+    values: np.ndarray | None = None
+
+    def lookup(self, user_ids: pa.Array) -> np.ndarray:
+        result = np.full(len(user_ids), self.default, dtype=np.int64)
+        if self.user_ids is not None and len(user_ids):
+            if self.user_ids.type != user_ids.type:
+                raise ValueError(f"capacities file has {self.user_ids.type} user ids but the input has {user_ids.type}")
+            where = pc.index_in(user_ids, value_set=self.user_ids).to_numpy(zero_copy_only=False)
+            found = ~np.isnan(where.astype(np.float64))
+            result[found] = self.values[where[found].astype(np.int64)]
+        return result
+
+
+def propose(users: UserSide) -> np.ndarray:
+    """Alg. 1 line 7: each user proposes its top `residual` eligible incidences (bool mask)."""
+    eligible = users.eligible
+    seen = np.cumsum(eligible, dtype=np.int64)
+    before_user = seen[users.first_incidence] - eligible[users.first_incidence] if len(seen) else seen
+    rank = seen - before_user[users.inc_user]  # 1-based rank among the user's eligible records
+    return eligible & (rank <= users.residual[users.inc_user])
+
+
+def unanimous(proposals: np.ndarray, arity: np.ndarray) -> np.ndarray:
+    """Alg. 1 line 8: records proposed by all their users (proposals: local record indices)."""
+    return np.bincount(proposals, minlength=len(arity)) == arity
+
+
+def consume(users: UserSide, accepted: np.ndarray) -> np.ndarray:
+    """Alg. 1 lines 9-13 on the user side: take accepted records, saturate users.
+
+    `accepted` is a bool mask over `users.record_keys`. Returns the mask of records that just
+    became ineligible because one of these users saturated, for the other users to learn of.
+    """
+    taken = users.eligible & accepted[users.inc_record]
+    users.residual -= np.bincount(users.inc_user[taken], minlength=len(users.residual))
+    users.eligible &= ~taken
+    saturated = users.residual[users.inc_user] <= 0
+    dead = np.zeros(len(users.record_keys), dtype=bool)
+    dead[users.inc_record[users.eligible & saturated]] = True
+    users.eligible &= ~saturated
+    return dead
+
+
+def retire(users: UserSide, dead: np.ndarray) -> None:
+    """Alg. 1 line 13 for co-owners: records (mask over record_keys) of saturated users leave E."""
+    users.eligible &= ~dead[users.inc_record]
+
+
+def local_mask(record_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Bool mask over sorted `record_keys` of the given keys (all present)."""
+    mask = np.zeros(len(record_keys), dtype=bool)
+    mask[np.searchsorted(record_keys, keys)] = True
+    return mask

@@ -1,0 +1,127 @@
+"""The `madp` command line: thin wrappers over the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from madp.records import Columns, InputError
+
+LOCAL = "local"
+
+
+def _add_columns(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
+    parser.add_argument("--users-column", default="users", help="column holding the list of user ids (default: users)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="madp", description=__doc__)
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="write a synthetic multi-user dataset (It's my data too, App. C.1)")
+    generate.add_argument("output", help="a .jsonl or .parquet file, or a directory for Parquet shards")
+    generate.add_argument("--records", type=int, required=True)
+    generate.add_argument("--graph", choices=("regular", "skewed"), default="skewed")
+    generate.add_argument("--mean-arity", type=float, default=2.0, help="expected users per record (default 2)")
+    generate.add_argument("--records-per-user", type=float, default=2.0, help="expected records per user (default 2)")
+    generate.add_argument("--alpha", type=float, default=1.5, help="skew of the skewed graph (default 1.5)")
+    generate.add_argument("--features", type=int, default=16, help="dimension of the logistic-regression features")
+    generate.add_argument("--bias-scale", type=float, default=1.0, help="k: weight of the arity-dependent bias")
+    generate.add_argument("--shards", type=int, default=4, help="Parquet shards when OUTPUT is a directory")
+    generate.add_argument("--seed", type=int, default=0)
+
+    bound = commands.add_parser(
+        "bound", help="select records so that no user exceeds its contribution bound",
+        description="Round-based unanimous-proposal contribution bounding. Arguments this command does not "
+                    "know are passed to Apache Beam as pipeline options (e.g. --project, --region, "
+                    "--temp_location, --flink_master, --setup_file).")
+    bound.add_argument("input", help="a .jsonl/.parquet file or a directory of them")
+    bound.add_argument("output", help="output directory: selected/, report.json, rejected/")
+    bound.add_argument("--max-contributions", "-k", type=int, required=True, help="K: records per user at most")
+    bound.add_argument("--order", choices=("arity", "hash", "weight"), default="arity",
+                       help="universal preference: fewer users first (default), seeded hash, or higher weight first")
+    bound.add_argument("--weight-column", help="column of record weights for --order weight")
+    bound.add_argument("--seed", type=int, default=0, help="seed of the hash that breaks ties in the order")
+    bound.add_argument("--capacities", help="file (.csv/.jsonl/.parquet) of rows user, capacity overriding K")
+    bound.add_argument("--max-rounds", type=int, help="stop after R rounds (default: until converged)")
+    bound.add_argument("--duplicates", action="store_true",
+                       help="with-duplicates variant: passes over residual capacities; records get copies")
+    bound.add_argument("--on-invalid", choices=("error", "skip"), default="error",
+                       help="invalid rows stop the run (default) or are skipped into OUTPUT/rejected/")
+    bound.add_argument("--output-shards", type=int, default=1, help="Parquet files in OUTPUT/selected/")
+    bound.add_argument("--runner", default="DirectRunner",
+                       help="'local' (in-process) or a Beam runner: DirectRunner (default), DataflowRunner, "
+                            "FlinkRunner, SparkRunner, ...")
+    bound.add_argument("--partitions", type=int, default=None,
+                       help="Beam only: record and user partitions (default 4; use ~2-4 per worker core)")
+    bound.add_argument("--rounds-per-pipeline", type=int, default=None,
+                       help="Beam only: rounds unrolled in one pipeline run (default 8)")
+    _add_columns(bound)
+
+    verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
+    verify.add_argument("input")
+    verify.add_argument("output", help="a `madp bound` output directory")
+    verify.add_argument("--max-contributions", "-k", type=int, required=True)
+    verify.add_argument("--capacities")
+    _add_columns(verify)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> dict:
+    from madp.synthetic import GraphSpec, generate, write_dataset
+    spec = GraphSpec(records=args.records, graph=args.graph, mean_arity=args.mean_arity,
+                     records_per_user=args.records_per_user, alpha=args.alpha, features=args.features,
+                     bias_scale=args.bias_scale, seed=args.seed)
+    return write_dataset(generate(spec), spec, args.output, args.shards)
+
+
+def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
+    from madp.selection import BoundOptions
+    options = BoundOptions(max_contributions=args.max_contributions, order=args.order, seed=args.seed,
+                           max_rounds=args.max_rounds, duplicates=args.duplicates,
+                           columns=Columns(args.id_column, args.users_column, args.weight_column),
+                           on_invalid=args.on_invalid, capacities=args.capacities, output_shards=args.output_shards)
+    if args.runner == LOCAL:
+        if beam_args or args.partitions or args.rounds_per_pipeline:
+            raise InputError(f"--runner local takes no Beam options (got {beam_args or '--partitions/--rounds-per-pipeline'})")
+        from madp.local_engine import run_local
+        return run_local(args.input, args.output, options)
+    from beam_pipelines.bound import DEFAULT_PARTITIONS, DEFAULT_ROUNDS_PER_PIPELINE, run_beam
+    return run_beam(args.input, args.output, options, ["--runner", args.runner, *beam_args],
+                    partitions=args.partitions or DEFAULT_PARTITIONS,
+                    rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE)
+
+
+def _verify(args: argparse.Namespace) -> dict:
+    from madp.verify import verify_bound
+    return verify_bound(args.input, args.output, args.max_contributions, args.capacities,
+                        args.id_column, args.users_column)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown and args.command != "bound":
+        _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    try:
+        if args.command == "generate":
+            result = _generate(args)
+        elif args.command == "bound":
+            result = _bound(args, unknown)
+            result = {k: v for k, v in result.items() if k != "per_round"}
+        else:
+            result = _verify(args)
+    except InputError as error:
+        print(f"madp {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 1 if result.get("ok") is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

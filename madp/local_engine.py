@@ -1,0 +1,108 @@
+"""The in-process engine: the bounding kernels on the whole graph as one partition."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from madp import records as rec
+from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
+from madp.selection import (BoundOptions, base_report, handle_rejects, prepare_output, read_capacities,
+                            selection_shards, shard_path, write_report, write_selection_shard)
+
+log = logging.getLogger("madp.bound")
+
+
+@dataclasses.dataclass
+class BoundResult:
+    copies: np.ndarray           # per record of the input chunk
+    rounds: list[dict]           # per round: pass, selected, still-eligible records
+    passes: int
+    converged: bool
+    max_user_contribution: int
+    input_users: int
+
+
+def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Capacities) -> BoundResult:
+    """Alg. 1 to convergence (or max_rounds); with duplicates, passes over residual capacities (Alg. 3)."""
+    n, arity = len(chunk), chunk.arity
+    keys = preference_keys(chunk.ids, arity, options.order, options.seed, chunk.weights)
+    inc_record = np.repeat(np.arange(n, dtype=np.int64), arity)
+    users = build_user_side(chunk.users, inc_record, np.arange(n, dtype=np.int64), keys, capacities,
+                            copies=np.zeros(n, dtype=np.int64), in_pass=np.zeros(n, dtype=bool))
+    copies = np.zeros(n, dtype=np.int64)
+    rounds: list[dict] = []
+    passes, converged = 0, False
+    started = time.perf_counter()
+    while True:
+        users.eligible[:] = True
+        eligible = np.ones(n, dtype=bool)
+        dead = consume(users, np.zeros(n, dtype=bool))
+        retire(users, dead)
+        eligible &= ~dead
+        if not eligible.any():
+            converged = True
+            break
+        passes += 1
+        while eligible.any() and (options.max_rounds is None or len(rounds) < options.max_rounds):
+            proposed = propose(users)
+            accepted = unanimous(users.inc_record[proposed], arity) & eligible
+            copies += accepted
+            eligible &= ~accepted
+            dead = consume(users, accepted)
+            retire(users, dead)
+            eligible &= ~dead
+            rounds.append({"round": len(rounds) + 1, "pass": passes, "selected": int(accepted.sum()),
+                           "eligible": int(eligible.sum())})
+            log.info("round %d (pass %d): selected %d, %d records still eligible, %.1f s",
+                     len(rounds), passes, rounds[-1]["selected"], rounds[-1]["eligible"], time.perf_counter() - started)
+        if eligible.any():
+            break  # stopped by max_rounds: undecided records stay unselected
+        if not options.duplicates:
+            converged = True
+            break
+    contribution = users.contribution
+    return BoundResult(copies=copies, rounds=rounds, passes=passes, converged=converged,
+                       max_user_contribution=int(contribution.max()) if len(contribution) else 0,
+                       input_users=len(users.user_ids))
+
+
+def read_input(input_path: str, columns: rec.Columns) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
+    """All valid records of the input, the rejected rows, rows read and repeated users removed."""
+    files = rec.list_input_files(input_path)
+    chunks, rejects, rows_read, removed = [], rec.Rejects(), 0, 0
+    for index, path in enumerate(files):
+        result = rec.read_file(path, index, columns)
+        chunks.append(result.chunk)
+        rejects.extend(result.rejects)
+        rows_read += result.rows_read
+        removed += result.repeated_users_removed
+        log.info("read %s: %d rows (%d/%d files)", path, result.rows_read, index + 1, len(files))
+    chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
+    return chunk, rejects, rows_read, removed
+
+
+def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
+    """`madp bound --runner local`: read, validate, bound, write selection and report."""
+    started = time.perf_counter()
+    chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
+    if options.on_invalid == "error":
+        handle_rejects(rejects, options, output)
+    capacities = (read_capacities(options.capacities, options.max_contributions) if options.capacities
+                  else Capacities(default=options.max_contributions))
+    result = bound_records(chunk, options, capacities)
+    prepare_output(output)
+    handle_rejects(rejects, options, output)
+    selected = result.copies > 0
+    tables = selection_shards(chunk.ids.filter(selected), result.copies[selected], options.output_shards)
+    for shard, table in tables.items():
+        write_selection_shard(shard_path(output, shard, options.output_shards), table)
+    report = base_report(options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed)
+    report.update(selected_records=int(result.copies.sum()), distinct_selected=int(selected.sum()),
+                  max_user_contribution=result.max_user_contribution, rounds=len(result.rounds),
+                  passes=result.passes, converged=result.converged, per_round=result.rounds,
+                  wall_time_s=round(time.perf_counter() - started, 3))
+    write_report(output, report)
+    return report

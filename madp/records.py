@@ -1,0 +1,390 @@
+"""Reading and validating multi-user records: one input file becomes one columnar chunk.
+
+A record is a row with an id (integer or string, unique) and a non-empty list of user
+ids (integers or strings). Both engines call `read_file` and `merge_chunks`, so they
+accept and reject exactly the same rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from madp import storage
+
+INPUT_SUFFIXES = (".jsonl", ".parquet")
+
+# Why a row is rejected, in the order checks run.
+MISSING_ID = "missing_id"
+BAD_ID_TYPE = "bad_id_type"
+MISSING_USERS = "missing_users"
+EMPTY_USERS = "empty_users"
+NULL_USER = "null_user"
+NON_SCALAR_USER = "non_scalar_user"
+BAD_WEIGHT = "bad_weight"
+INVALID_JSON = "invalid_json"
+DUPLICATE_ID = "duplicate_id"
+REJECT_REASONS = (INVALID_JSON, MISSING_ID, BAD_ID_TYPE, MISSING_USERS, EMPTY_USERS,
+                  NULL_USER, NON_SCALAR_USER, BAD_WEIGHT, DUPLICATE_ID)
+
+_ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass
+
+
+class InputError(ValueError):
+    """Bad input or options, with a message that names the file, row and reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    id: str = "id"
+    users: str = "users"
+    weight: str | None = None
+
+
+@dataclasses.dataclass
+class Rejects:
+    """Rejected rows: where they are, why, and what they held (as JSON text)."""
+    file: list[str] = dataclasses.field(default_factory=list)
+    row: list[int] = dataclasses.field(default_factory=list)
+    reason: list[str] = dataclasses.field(default_factory=list)
+    record: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, file: str, row: int, reason: str, record: object) -> None:
+        self.file.append(file)
+        self.row.append(int(row))
+        self.reason.append(reason)
+        self.record.append(json.dumps(record, default=str, sort_keys=True))
+
+    def extend(self, other: "Rejects") -> None:
+        for name in ("file", "row", "reason", "record"):
+            getattr(self, name).extend(getattr(other, name))
+
+    def counts(self) -> dict[str, int]:
+        return {r: self.reason.count(r) for r in REJECT_REASONS if r in self.reason}
+
+    def __len__(self) -> int:
+        return len(self.reason)
+
+    @classmethod
+    def from_jsonl(cls, text: str) -> "Rejects":
+        rejects = cls()
+        for line in text.splitlines():
+            row = json.loads(line)
+            rejects.add(row["file"], row["row"], row["reason"], row["record"])
+        return rejects
+
+    def to_jsonl(self) -> str:
+        rows = sorted(zip(self.file, self.row, self.reason, self.record))
+        return "".join(json.dumps({"file": f, "row": r, "reason": why, "record": json.loads(rec)}) + "\n"
+                       for f, r, why, rec in rows)
+
+
+@dataclasses.dataclass
+class RecordChunk:
+    """Valid records in columnar form: users as a CSR list (offsets into `users`)."""
+    keys: np.ndarray          # int64, unique per record across the whole input
+    ids: pa.Array             # int64 or string
+    offsets: np.ndarray       # int64, len(ids) + 1
+    users: pa.Array           # flat user ids, int64 or string, no repeats within a record
+    weights: np.ndarray | None
+    sources: list[str]        # file of each record, by index into `source_files`
+    source_index: np.ndarray  # int32 index into `sources` per record
+    rows: np.ndarray          # int64 row within its file
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def arity(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclasses.dataclass
+class FileResult:
+    chunk: RecordChunk
+    rejects: Rejects
+    rows_read: int
+    repeated_users_removed: int
+
+
+def list_input_files(path: str) -> list[str]:
+    """The input files of a path: the file itself, or every .jsonl/.parquet file below a directory."""
+    found = storage.kind(path)
+    if found == "directory":
+        files = [f for f in storage.list_files(path)
+                 if f.endswith(INPUT_SUFFIXES) and not posixpath.basename(f).startswith((".", "_"))]
+        if not files:
+            raise InputError(f"{path}: directory holds no .jsonl or .parquet files")
+        return files
+    if found == "missing":
+        raise InputError(f"{path}: no such file or directory")
+    if not path.endswith(INPUT_SUFFIXES):
+        raise InputError(f"{path}: unsupported input format (expected .jsonl or .parquet)")
+    return [path]
+
+
+def read_file(path: str, file_index: int, columns: Columns) -> FileResult:
+    """Read one input file and split it into valid records and rejected rows."""
+    if path.endswith(".parquet"):
+        table = _read_parquet(path, columns)
+        non_conforming = None
+    else:
+        table, non_conforming = _read_jsonl(path, columns)
+    return _validate(table, non_conforming, path, file_index, columns)
+
+
+def _wanted(columns: Columns) -> list[str]:
+    return [c for c in (columns.id, columns.users, columns.weight) if c]
+
+
+def _read_parquet(path: str, columns: Columns) -> pa.Table:
+    schema = pq.read_schema(storage.open_input(path))
+    missing = [c for c in (columns.id, columns.users) if c not in schema.names]
+    if missing:
+        raise InputError(f"{path}: missing column(s) {missing} (found {schema.names}); "
+                         f"use --id-column/--users-column to name them")
+    if columns.weight and columns.weight not in schema.names:
+        raise InputError(f"{path}: missing weight column {columns.weight!r}")
+    return pq.read_table(storage.open_input(path), columns=_wanted(columns))
+
+
+def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, str] | None]:
+    """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
+    try:
+        table = pa_json.read_json(storage.open_input(path))
+        if all(name in table.column_names for name in _wanted(columns)) and _conforming(table, columns):
+            return table.select(_wanted(columns)), None
+        if len(table) == 0:
+            return _empty_table(columns), None
+    except pa.ArrowInvalid:
+        pass
+    return _parse_jsonl_rows(path, columns)
+
+
+def _conforming(table: pa.Table, columns: Columns) -> bool:
+    id_type, users_type = table.schema.field(columns.id).type, table.schema.field(columns.users).type
+    scalar = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string)
+    return (any(f(id_type) for f in scalar)
+            and pa.types.is_list(users_type) and any(f(users_type.value_type) for f in scalar)
+            and (not columns.weight or pa.types.is_integer(table.schema.field(columns.weight).type)
+                 or pa.types.is_floating(table.schema.field(columns.weight).type)))
+
+
+def _empty_table(columns: Columns) -> pa.Table:
+    fields = [pa.field(columns.id, pa.int64()), pa.field(columns.users, pa.list_(pa.int64()))]
+    if columns.weight:
+        fields.append(pa.field(columns.weight, pa.float64()))
+    return pa.Table.from_pylist([], schema=pa.schema(fields))
+
+
+def _is_scalar_id(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _row_problem(obj: dict, columns: Columns) -> str | None:
+    """Why a parsed JSON object cannot be typed as a record, or None (nulls are checked later)."""
+    record_id, record_users = obj.get(columns.id), obj.get(columns.users)
+    if record_id is not None and not _is_scalar_id(record_id):
+        return BAD_ID_TYPE
+    if record_users is not None and (not isinstance(record_users, list)
+                                     or not all(u is None or _is_scalar_id(u) for u in record_users)):
+        return NON_SCALAR_USER
+    weight = obj.get(columns.weight) if columns.weight else None
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+        return BAD_WEIGHT
+    return None
+
+
+def _parse_jsonl_rows(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
+    """Row-by-row parse: rows with wrongly typed fields are blanked and their reason kept."""
+    ids, users, weights = [], [], []
+    problems: dict[int, tuple[str, object]] = {}
+    with storage.open_input(path) as handle:
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    for row, line in enumerate(lines):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            problems[row] = (INVALID_JSON, line.decode("utf-8", "replace"))
+        elif (why := _row_problem(obj, columns)) is not None:
+            problems[row] = (why, obj)
+        if row in problems:
+            ids.append(None), users.append(None), weights.append(None)
+        else:
+            ids.append(obj.get(columns.id)), users.append(obj.get(columns.users))
+            weights.append(obj.get(columns.weight) if columns.weight else None)
+    id_array = _unify_scalars(ids, path, "id")
+    value_array = _unify_scalars([u for us in users if us for u in us], path, "user")
+    arrays = {columns.id: id_array, columns.users: pa.array(users, type=pa.list_(value_array.type))}
+    if columns.weight:
+        arrays[columns.weight] = pa.array(weights, type=pa.float64())
+    return pa.table(arrays), problems
+
+
+def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
+    kinds = {type(v) for v in values if v is not None}
+    if kinds == {int, str}:
+        raise InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
+    kind = kinds.pop() if kinds else int
+    return pa.array(values, type=pa.string() if kind is str else pa.int64())
+
+
+def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None,
+              path: str, file_index: int, columns: Columns) -> FileResult:
+    n = len(table)
+    ids = table.column(columns.id).combine_chunks()
+    if pa.types.is_large_string(ids.type):
+        ids = ids.cast(pa.string())
+    elif pa.types.is_integer(ids.type):
+        ids = ids.cast(pa.int64())
+    elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
+        raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
+    users = table.column(columns.users).combine_chunks()
+    if pa.types.is_null(users.type):
+        users = pa.nulls(n, pa.list_(pa.int64()))
+    if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
+        raise InputError(f"{path}: users column {columns.users!r} has type {users.type}; expected a list")
+    if pa.types.is_large_string(users.type.value_type):
+        users = users.cast(pa.list_(pa.string()))
+    elif pa.types.is_integer(users.type.value_type):
+        users = users.cast(pa.list_(pa.int64()))
+    elif pa.types.is_null(users.type.value_type):
+        users = users.cast(pa.list_(pa.int64()))
+    elif not pa.types.is_string(users.type.value_type):
+        raise InputError(f"{path}: users column {columns.users!r} holds {users.type.value_type}; "
+                         f"expected integer or string user ids")
+
+    reason = np.full(n, "", dtype=object)
+    for row, (why, _) in (non_conforming or {}).items():
+        reason[row] = why
+    lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
+    user_null_in_row = np.zeros(n, dtype=bool)
+    flat = pc.list_flatten(users)
+    if len(flat):
+        parents = pc.list_parent_indices(users).to_numpy()
+        np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
+    weights = None
+    checks = [(ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
+              (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
+              (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
+              (user_null_in_row, NULL_USER)]
+    if columns.weight:
+        weights = table.column(columns.weight).combine_chunks().cast(pa.float64()).to_numpy(zero_copy_only=False)
+        checks.append((~np.isfinite(weights), BAD_WEIGHT))
+    for failed, why in checks:
+        reason[(reason == "") & failed] = why
+    valid = reason == ""
+
+    rejects = Rejects()
+    for row in np.flatnonzero(~valid):
+        if non_conforming and row in non_conforming:
+            record = non_conforming[row][1]
+        else:
+            record = {name: table.column(name)[int(row)].as_py() for name in table.column_names}
+        rejects.add(path, row, reason[row], record)
+
+    rows = np.flatnonzero(valid).astype(np.int64)
+    valid_users = users.filter(pa.array(valid))
+    offsets, flat_users, removed = _drop_repeated_users(valid_users)
+    chunk = RecordChunk(
+        keys=(np.int64(file_index) << np.int64(_ROW_KEY_BITS)) | rows,
+        ids=ids.filter(pa.array(valid)),
+        offsets=offsets, users=flat_users,
+        weights=None if weights is None else weights[valid],
+        sources=[path], source_index=np.zeros(len(rows), dtype=np.int32), rows=rows)
+    return FileResult(chunk, rejects, n, removed)
+
+
+def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int]:
+    """Keep the first occurrence of each user within each record."""
+    flat = pc.list_flatten(users)
+    if len(flat) == 0:
+        return np.zeros(len(users) + 1, dtype=np.int64), flat, 0
+    parents = pc.list_parent_indices(users).to_numpy().astype(np.int64)
+    codes = pc.dictionary_encode(flat).indices.to_numpy().astype(np.int64)
+    order = np.lexsort((np.arange(len(codes)), codes, parents))
+    repeat = np.zeros(len(codes), dtype=bool)
+    same = (parents[order][1:] == parents[order][:-1]) & (codes[order][1:] == codes[order][:-1])
+    repeat[order[1:][same]] = True
+    keep = ~repeat
+    counts = np.bincount(parents[keep], minlength=len(users))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return offsets, flat.filter(pa.array(keep)), int(repeat.sum())
+
+
+def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
+    """Concatenate chunks (in the given order) into one."""
+    non_empty = [c for c in chunks if len(c)] or chunks[:1]
+    _check_same_type([c.ids.type for c in non_empty], "id")
+    _check_same_type([c.users.type for c in non_empty if len(c.users)], "user")
+    sources: list[str] = []
+    source_index = []
+    for c in non_empty:
+        source_index.append(c.source_index + len(sources))
+        sources.extend(c.sources)
+    offsets = [non_empty[0].offsets[:1]]
+    base = 0
+    for c in non_empty:
+        offsets.append(c.offsets[1:] + base)
+        base += int(c.offsets[-1])
+    weights = None if non_empty[0].weights is None else np.concatenate([c.weights for c in non_empty])
+    return RecordChunk(
+        keys=np.concatenate([c.keys for c in non_empty]),
+        ids=pa.concat_arrays([c.ids for c in non_empty]),
+        offsets=np.concatenate(offsets),
+        users=pa.concat_arrays([c.users for c in non_empty]),
+        weights=weights, sources=sources,
+        source_index=np.concatenate(source_index).astype(np.int32),
+        rows=np.concatenate([c.rows for c in non_empty]))
+
+
+def _check_same_type(types: list[pa.DataType], what: str) -> None:
+    if len(set(types)) > 1:
+        raise InputError(f"{what} ids mix integers and strings across input files ({sorted(map(str, set(types)))}); "
+                         f"use one type per column")
+
+
+def duplicate_id_mask(ids: pa.Array) -> np.ndarray:
+    """True for every record whose id occurs more than once (all occurrences: none is preferred)."""
+    if len(ids) == 0:
+        return np.zeros(0, dtype=bool)
+    codes = pc.dictionary_encode(ids).indices.to_numpy()
+    return np.bincount(codes)[codes] > 1
+
+
+def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
+    """The records of `chunk` where `mask` is true, users and all."""
+    index = np.flatnonzero(mask)
+    arity = chunk.arity[index]
+    offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
+    flat_index = np.repeat(chunk.offsets[:-1][index], arity) + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], arity))
+    return RecordChunk(keys=chunk.keys[index], ids=chunk.ids.take(pa.array(index)), offsets=offsets,
+                       users=chunk.users.take(pa.array(flat_index)),
+                       weights=None if chunk.weights is None else chunk.weights[index],
+                       sources=chunk.sources, source_index=chunk.source_index[index], rows=chunk.rows[index])
+
+
+def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
+    """Move every record with a duplicated id from `chunk` to `rejects`."""
+    duplicated = duplicate_id_mask(chunk.ids)
+    for i in np.flatnonzero(duplicated):
+        users = chunk.users[int(chunk.offsets[i]):int(chunk.offsets[i + 1])].to_pylist()
+        rejects.add(chunk.sources[chunk.source_index[i]], chunk.rows[i], DUPLICATE_ID,
+                    {"id": chunk.ids[int(i)].as_py(), "users": users})
+    return take(chunk, ~duplicated) if duplicated.any() else chunk
+
+
+def iter_record_users(chunk: RecordChunk) -> Iterator[tuple[object, list]]:
+    """(id, users) per record, for small data and error messages."""
+    ids, users = chunk.ids.to_pylist(), chunk.users.to_pylist()
+    for i, record_id in enumerate(ids):
+        yield record_id, users[chunk.offsets[i]:chunk.offsets[i + 1]]

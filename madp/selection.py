@@ -1,0 +1,143 @@
+"""Bounding outputs shared by both engines: options, capacities, selection files, report."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from madp.bounding import ORDERS, Capacities
+from madp import storage
+from madp.hashing import partition_of
+from madp.records import Columns, InputError, Rejects
+
+SELECTED_DIR = "selected"
+REJECTED_DIR = "rejected"
+REPORT_FILE = "report.json"
+_ERROR_EXAMPLES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundOptions:
+    max_contributions: int
+    order: str = "arity"
+    seed: int = 0
+    max_rounds: int | None = None
+    duplicates: bool = False
+    columns: Columns = Columns()
+    on_invalid: str = "error"
+    capacities: str | None = None
+    output_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_contributions < 1:
+            raise InputError("--max-contributions must be at least 1")
+        if self.order not in ORDERS:
+            raise InputError(f"--order must be one of {ORDERS}")
+        if self.order == "weight" and not self.columns.weight:
+            raise InputError("--order weight needs --weight-column")
+        if self.max_rounds is not None and self.max_rounds < 1:
+            raise InputError("--max-rounds must be at least 1")
+        if self.on_invalid not in ("error", "skip"):
+            raise InputError("--on-invalid must be 'error' or 'skip'")
+        if self.output_shards < 1:
+            raise InputError("--output-shards must be at least 1")
+
+
+def read_capacities(path: str, default: int) -> Capacities:
+    """Rows (user, capacity) from CSV, JSONL or Parquet; integer capacity >= 0, users unique."""
+    if path.endswith(".parquet"):
+        table = pq.read_table(path)
+    elif path.endswith(".jsonl"):
+        table = pa_json.read_json(path)
+    elif path.endswith(".csv"):
+        table = pa_csv.read_csv(path)
+    else:
+        raise InputError(f"{path}: capacities must be .csv, .jsonl or .parquet")
+    if not {"user", "capacity"} <= set(table.column_names):
+        raise InputError(f"{path}: capacities need columns 'user' and 'capacity' (found {table.column_names})")
+    users, capacity = table.column("user").combine_chunks(), table.column("capacity").combine_chunks()
+    if not pa.types.is_integer(capacity.type):
+        raise InputError(f"{path}: column 'capacity' must hold integers, found {capacity.type}")
+    values = capacity.to_numpy(zero_copy_only=False)
+    problems = [(row, "missing user") for row in np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False))]
+    problems += [(row, "missing or negative capacity") for row in
+                 np.flatnonzero(capacity.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(values, nan=-1) < 0))]
+    codes = pc.dictionary_encode(users).indices.to_numpy(zero_copy_only=False)
+    problems += [(row, "user listed twice") for row in np.flatnonzero(np.bincount(codes)[codes] > 1)]
+    if problems:
+        listed = "; ".join(f"row {row}: {why}" for row, why in sorted(problems)[:_ERROR_EXAMPLES])
+        raise InputError(f"{path}: {len(problems)} invalid capacity rows: {listed}")
+    if pa.types.is_integer(users.type):
+        users = users.cast(pa.int64())
+    return Capacities(default=default, user_ids=users.cast(pa.string()) if pa.types.is_large_string(users.type) else users,
+                      values=values.astype(np.int64))
+
+
+def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None:
+    """Stop on invalid rows (the default), or write every skipped row to OUTPUT/rejected/."""
+    if not len(rejects):
+        return
+    if options.on_invalid == "error":
+        rows = sorted(zip(rejects.file, rejects.row, rejects.reason))
+        examples = "\n".join(f"  {file}: row {row}: {reason}" for file, row, reason in rows[:_ERROR_EXAMPLES])
+        totals = ", ".join(f"{reason}: {count}" for reason, count in rejects.counts().items())
+        raise InputError(f"{len(rejects)} invalid input rows ({totals}); rows count from 0:\n{examples}\n"
+                         f"Fix them, or pass --on-invalid skip to drop them into {output}/{REJECTED_DIR}/")
+    storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), rejects.to_jsonl())
+
+
+def shard_path(output: str, shard: int, shards: int) -> str:
+    return storage.join(output, SELECTED_DIR, f"part-{shard:05d}-of-{shards:05d}.parquet")
+
+
+def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
+    """The selection table (id, copies), sorted by id: both engines write exactly this."""
+    order = pc.sort_indices(ids)
+    return pa.table({"id": ids.take(order), "copies": pa.array(copies[order.to_numpy()], type=pa.int64())})
+
+
+def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int, pa.Table]:
+    """The selection split into output shards by id hash."""
+    shard_of = partition_of(ids, shards) if len(ids) else np.zeros(0, dtype=np.int64)
+    return {shard: sorted_selection(ids.filter(pa.array(shard_of == shard)), copies[shard_of == shard])
+            for shard in range(shards)}
+
+
+def write_selection_shard(path: str, table: pa.Table) -> None:
+    with storage.open_output(path) as handle:
+        pq.write_table(table, handle)
+
+
+def write_report(output: str, report: dict) -> None:
+    storage.write_text(storage.join(output, REPORT_FILE), json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def prepare_output(output: str) -> None:
+    """Clear the results of an earlier run in OUTPUT so that no stale shard survives."""
+    for sub in (SELECTED_DIR, REJECTED_DIR):
+        storage.clear_directory(storage.join(output, sub))
+
+
+def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: int, input_records: int,
+                input_users: int, rejects: Rejects, repeated_users_removed: int) -> dict:
+    return {
+        "engine": engine,
+        "input": input_path,
+        "parameters": {"max_contributions": options.max_contributions, "order": options.order,
+                       "seed": options.seed, "max_rounds": options.max_rounds,
+                       "duplicates": options.duplicates, "capacities": options.capacities,
+                       "id_column": options.columns.id, "users_column": options.columns.users,
+                       "weight_column": options.columns.weight, "on_invalid": options.on_invalid},
+        "input_rows": rows_read,
+        "input_records": input_records,
+        "input_users": input_users,
+        "rejected": rejects.counts(),
+        "rejected_total": len(rejects),
+        "repeated_users_removed": repeated_users_removed,
+    }

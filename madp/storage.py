@@ -1,0 +1,59 @@
+"""Files on local disk or any filesystem pyarrow knows (gs://, s3://, hdfs://), by path or URI."""
+from __future__ import annotations
+
+import os
+import posixpath
+
+import pyarrow.fs as pafs
+
+
+def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in path:
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    return posixpath.join(base, *parts) if "://" in base else os.path.join(base, *parts)
+
+
+def open_input(path: str):
+    filesystem, resolved = _resolve(path)
+    return filesystem.open_input_file(resolved)
+
+
+def open_output(path: str):
+    filesystem, resolved = _resolve(path)
+    filesystem.create_dir(posixpath.dirname(resolved), recursive=True)
+    return filesystem.open_output_stream(resolved)
+
+
+def read_text(path: str) -> str:
+    with open_input(path) as handle:
+        return handle.read().decode("utf-8")
+
+
+def write_text(path: str, text: str) -> None:
+    with open_output(path) as handle:
+        handle.write(text.encode("utf-8"))
+
+
+def kind(path: str) -> str:
+    """'file', 'directory' or 'missing'."""
+    filesystem, resolved = _resolve(path)
+    info = filesystem.get_file_info(resolved)
+    return {pafs.FileType.File: "file", pafs.FileType.Directory: "directory"}.get(info.type, "missing")
+
+
+def list_files(directory: str) -> list[str]:
+    """Every file below a directory, sorted, as paths or URIs like the directory's."""
+    filesystem, resolved = _resolve(directory)
+    infos = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+    prefix = directory.split("://")[0] + "://" if "://" in directory else ""
+    return sorted(prefix + info.path for info in infos if info.type == pafs.FileType.File)
+
+
+def clear_directory(directory: str) -> None:
+    filesystem, resolved = _resolve(directory)
+    if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:
+        filesystem.delete_dir_contents(resolved)

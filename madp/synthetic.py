@@ -1,0 +1,192 @@
+"""Synthetic multi-user datasets of "It's my data too" (Ganesh et al.), App. C.1.
+
+Graphs: `regular` (each record's users uniform among m users) and `skewed` (users chosen with
+probability proportional to (1 + degree)^alpha, a sequential preferential process). Content:
+the logistic-regression task y ~ Bernoulli(sigmoid(k1 <2/(1+k) (a + k |e| b), z>)).
+
+Records need at least one user, so arity is 1 + Poisson(mean_arity - 1) (mean `mean_arity`)
+instead of the paper's Poisson(mean_arity).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from madp.records import InputError
+
+# The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
+# far: this turns the sequential process into O(1/STALENESS * log N) vectorized chunks.
+STALENESS = 0.05
+_FIRST_CHUNK = 1024
+_REDRAWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSpec:
+    records: int
+    graph: str = "skewed"            # "regular" or "skewed"
+    mean_arity: float = 2.0          # E|e|, expected users per record
+    records_per_user: float = 2.0    # d_u, expected records per user
+    alpha: float = 1.5               # skew of the preferential process
+    features: int = 16               # dimension of z
+    steepness: float = 20.0          # k1 of the sigmoid
+    bias_scale: float = 1.0          # k: weight of the arity-dependent bias vector b
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.records < 1:
+            raise InputError("--records must be at least 1")
+        if self.graph not in ("regular", "skewed"):
+            raise InputError("--graph must be 'regular' or 'skewed'")
+        if self.mean_arity < 1:
+            raise InputError("--mean-arity must be at least 1 (every record has a user)")
+        if self.records_per_user <= 0 or self.alpha < 0 or self.features < 1 or self.bias_scale < 0:
+            raise InputError("--records-per-user must be > 0, --alpha >= 0, --features >= 1, --bias-scale >= 0")
+
+    @property
+    def users(self) -> int:
+        return max(1, round(self.records * self.mean_arity / self.records_per_user))
+
+
+@dataclasses.dataclass
+class SyntheticData:
+    offsets: np.ndarray   # int64, CSR offsets of each record's users
+    users: np.ndarray     # int64 user ids
+    features: np.ndarray  # float32 [records, features]
+    labels: np.ndarray    # int64 0/1
+
+
+def arities(rng: np.random.Generator, size: int, mean_arity: float) -> np.ndarray:
+    return 1 + rng.poisson(mean_arity - 1.0, size=size)
+
+
+def regular_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Probabilistic regular graph: arity, then that many distinct users uniformly at random."""
+    arity = np.minimum(arities(rng, spec.records, spec.mean_arity), spec.users)
+    offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
+    users = rng.integers(0, spec.users, size=offsets[-1])
+    parents = np.repeat(np.arange(spec.records), arity)
+    for _ in range(_REDRAWS):
+        repeated = _repeated_within_record(parents, users)
+        if not repeated.any():
+            break
+        users[repeated] = rng.integers(0, spec.users, size=int(repeated.sum()))
+    return _drop_repeats(offsets, parents, users)
+
+
+def skewed_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Preferential process of App. C.1: P(user j) proportional to (1 + d_j)^alpha.
+
+    Users not yet seen all have weight 1, so a draw either opens the next new user or picks a
+    seen user by weight; degrees are refreshed every STALENESS fraction of records.
+    """
+    arity = np.minimum(arities(rng, spec.records, spec.mean_arity), spec.users)
+    offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
+    users = np.empty(offsets[-1], dtype=np.int64)
+    degree = np.zeros(spec.users, dtype=np.int64)
+    seen = 0
+    start = 0
+    while start < spec.records:
+        stop = min(spec.records, start + max(_FIRST_CHUNK, int(start * STALENESS)))
+        lo, hi = offsets[start], offsets[stop]
+        parents = np.repeat(np.arange(start, stop), arity[start:stop])
+        weight = (1.0 + degree[:seen]) ** spec.alpha
+        cumulative = np.cumsum(weight)
+        unseen_weight = float(spec.users - seen)
+        draws = np.empty(hi - lo, dtype=np.int64)
+        pending = np.ones(hi - lo, dtype=bool)
+        for _ in range(_REDRAWS):
+            index = np.flatnonzero(pending)
+            total = unseen_weight + (cumulative[-1] if seen else 0.0)
+            new = rng.random(len(index)) * total < unseen_weight
+            draws[index[~new]] = np.searchsorted(cumulative, rng.random(int((~new).sum())) * cumulative[-1] if seen else
+                                                 np.zeros(0), side="right")
+            opened = int(new.sum())
+            draws[index[new]] = seen + np.arange(opened)
+            seen += opened
+            unseen_weight = float(spec.users - seen)
+            pending = _repeated_within_record(parents, draws)
+            if not pending.any():
+                break
+        users[lo:hi] = draws
+        np.add.at(degree, draws[~pending], 1)
+        start = stop
+    parents = np.repeat(np.arange(spec.records), arity)
+    offsets, users = _drop_repeats(offsets, parents, users)
+    # Activation order would make small user ids the popular ones; hide it.
+    return offsets, rng.permutation(spec.users)[users]
+
+
+def _repeated_within_record(parents: np.ndarray, users: np.ndarray) -> np.ndarray:
+    order = np.lexsort((users, parents))
+    same = (parents[order][1:] == parents[order][:-1]) & (users[order][1:] == users[order][:-1])
+    repeated = np.zeros(len(users), dtype=bool)
+    repeated[order[1:][same]] = True
+    return repeated
+
+
+def _drop_repeats(offsets: np.ndarray, parents: np.ndarray, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = ~_repeated_within_record(parents, users)
+    counts = np.bincount(parents[keep], minlength=len(offsets) - 1)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), users[keep]
+
+
+def logistic_content(spec: GraphSpec, arity: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Features z ~ N(0, I/d); label ~ Bernoulli(sigmoid(k1 <2/(1+k) (a + k|e| b), z>))."""
+    scale = 1.0 / np.sqrt(spec.features)
+    base = rng.normal(0.0, scale, spec.features)
+    bias = rng.normal(0.0, scale, spec.features)
+    z = rng.normal(0.0, scale, (spec.records, spec.features))
+    truth = (2.0 / (1.0 + spec.bias_scale)) * (base[None, :] + spec.bias_scale * arity[:, None] * bias[None, :])
+    logits = spec.steepness * np.einsum("ij,ij->i", truth, z)
+    labels = (rng.random(spec.records) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
+    return z.astype(np.float32), labels
+
+
+def generate(spec: GraphSpec) -> SyntheticData:
+    rng = np.random.default_rng(spec.seed)
+    make_graph = regular_graph if spec.graph == "regular" else skewed_graph
+    offsets, users = make_graph(spec, rng)
+    features, labels = logistic_content(spec, np.diff(offsets), rng)
+    return SyntheticData(offsets=offsets, users=users, features=features, labels=labels)
+
+
+def to_table(data: SyntheticData) -> pa.Table:
+    """Records as rows: integer id, users, and the logistic-regression content."""
+    n = len(data.labels)
+    return pa.table({
+        "id": pa.array(np.arange(n, dtype=np.int64)),
+        "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
+        "features": pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1]),
+        "label": pa.array(data.labels),
+    })
+
+
+def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int) -> dict:
+    """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory."""
+    table = to_table(data)
+    if output.endswith(".jsonl"):
+        with open(output, "w", encoding="utf-8") as handle:
+            for row in table.to_pylist():
+                handle.write(json.dumps(row) + "\n")
+    elif output.endswith(".parquet"):
+        pq.write_table(table, output)
+    else:
+        if shards < 1:
+            raise InputError("--shards must be at least 1")
+        os.makedirs(output, exist_ok=True)
+        bounds = np.linspace(0, len(table), shards + 1).astype(int)
+        for shard in range(shards):
+            pq.write_table(table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
+                           os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"))
+    degree = np.bincount(data.users)
+    degree = degree[degree > 0]
+    return {"output": output, "records": len(table), "incidences": len(data.users), "users": len(degree),
+            "mean_users_per_record": round(len(data.users) / max(len(table), 1), 4),
+            "max_records_per_user": int(degree.max(initial=0)), "median_records_per_user": float(np.median(degree)),
+            "positive_labels": round(float(data.labels.mean()), 4), "graph": spec.graph, "seed": spec.seed}

@@ -1,0 +1,23 @@
+"""madp: user-level differential privacy for ML data whose records belong to several people."""
+from setuptools import find_packages, setup
+
+setup(
+    name="madp",
+    version="0.1.0",
+    description="Contribution bounding, min-sep batching, accounting and DP training for multi-user records",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["madp", "madp.*", "beam_pipelines", "beam_pipelines.*",
+                                    "accounting", "accounting.*", "tf_training", "tf_training.*"]),
+    install_requires=[
+        "apache-beam==2.77.*",
+        "numpy>=2.0",
+        "pyarrow>=15",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "gcp": ["apache-beam[gcp]==2.77.*"],
+    },
+    entry_points={"console_scripts": ["madp=madp.cli:main"]},
+)
