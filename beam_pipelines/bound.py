@@ -13,8 +13,8 @@ over residual capacities for the with-duplicates variant.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
+import pickle
 import logging
 import time
 from typing import Any, Tuple
@@ -23,7 +23,8 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
-from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
+from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, StandardOptions, TypeOptions,
+                                                  WorkerOptions)
 
 from madp import records as rec
 from madp import storage
@@ -37,7 +38,7 @@ log = logging.getLogger("madp.bound")
 NAMESPACE = "madp.bound"
 WORK_DIR = "_work"
 DEFAULT_PARTITIONS = 4
-DEFAULT_ROUNDS_PER_PIPELINE = 8
+DEFAULT_ROUNDS_PER_PIPELINE = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,22 +46,51 @@ class RecordState:
     """A record partition's side of the algorithm (keys sorted)."""
     keys: np.ndarray
     arity: np.ndarray
+    user_partition_offsets: np.ndarray  # CSR: distinct user partitions of each record
+    user_partitions: np.ndarray
     eligible: np.ndarray
     copies: np.ndarray
     in_pass: np.ndarray
-    user_partition_offsets: np.ndarray  # CSR: distinct user partitions of each record
-    user_partitions: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class UserPartition:
-    side: UserSide
-    record_partition: np.ndarray  # record partition of each of side.record_keys
+_CHANGING = {"users": ("eligible", "residual"), "records": ("eligible", "copies", "in_pass")}
 
-    def evolve(self) -> "UserPartition":
-        """A copy whose mutable state can change without touching the input element."""
-        side = dataclasses.replace(self.side, eligible=self.side.eligible.copy(), residual=self.side.residual.copy())
-        return UserPartition(side, self.record_partition)
+
+class PartitionStore:
+    """Partition state kept in files under OUTPUT/_work/, so that only messages are shuffled.
+
+    A handle (static path, changing path) travels with each partition through the graph. The
+    static arrays are written once; the changing ones are written by each step that changes
+    them, under a name unique to (pipeline run, side, partition, step), so a retried bundle
+    rewrites identical content.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def write_arrays(self, name: str, arrays: dict) -> str:
+        path = storage.join(self.directory, name)
+        with storage.open_output(path) as handle:
+            handle.write(pickle.dumps(arrays, protocol=pickle.HIGHEST_PROTOCOL))
+        return path
+
+    @staticmethod
+    def read_arrays(path: str) -> dict:
+        with storage.open_input(path) as handle:
+            return pickle.loads(handle.read())
+
+    def create(self, side: str, part: int, state) -> tuple[str, str]:
+        arrays = dataclasses.asdict(state)
+        static = {k: v for k, v in arrays.items() if k not in _CHANGING[side]}
+        return (self.write_arrays(f"{side}-{part:05d}-static.pkl", static),
+                self.update(side, part, "built", state))
+
+    def update(self, side: str, part: int, step: str, state) -> str:
+        return self.write_arrays(f"{side}-{part:05d}-{step}.pkl", {k: getattr(state, k) for k in _CHANGING[side]})
+
+    def load(self, side: str, handle: tuple[str, str]):
+        arrays = {**self.read_arrays(handle[0]), **self.read_arrays(handle[1])}
+        return UserSide(**arrays) if side == "users" else RecordState(**arrays)
 
 
 def _split(keys: np.ndarray, partition: np.ndarray):
@@ -79,12 +109,18 @@ def _round_stat(round_index: int, what: str) -> str:
     return f"round_{round_index:05d}_{what}"
 
 
-# --- reading ---------------------------------------------------------------------------------
+def _messages(grouped: dict, tag: str) -> np.ndarray:
+    return np.concatenate(grouped[tag]) if grouped[tag] else np.zeros(0, np.int64)
+
+
+# --- reading and building the two sides ---------------------------------------------------------
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _ReadFile(beam.DoFn):
-    def __init__(self, columns: rec.Columns, partitions: int):
-        self.columns, self.partitions = columns, partitions
+    """Read and validate one input file; hand its records to their record partitions."""
+
+    def __init__(self, columns: rec.Columns, partitions: int, store: PartitionStore):
+        self.columns, self.partitions, self.store = columns, partitions, store
 
     def process(self, element):
         index, path = element
@@ -96,19 +132,22 @@ class _ReadFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         partition = partition_of(result.chunk.ids, self.partitions) if len(result.chunk) else np.zeros(0, np.int64)
         for part in np.unique(partition):
-            yield int(part), rec.take(result.chunk, partition == part)
+            yield int(part), self.store.write_arrays(f"chunk-file{index:06d}-to-records{part:05d}.pkl",
+                                                     {"chunk": rec.take(result.chunk, partition == part)})
 
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _BuildRecordPartition(beam.DoFn):
     """Merge a record partition's chunks, reject duplicated ids, attach the partial selection."""
 
-    def __init__(self, options: BoundOptions, partitions: int, state_dir: str | None, new_pass: bool):
-        self.options, self.partitions, self.state_dir, self.new_pass = options, partitions, state_dir, new_pass
+    def __init__(self, options: BoundOptions, partitions: int, store: PartitionStore, state_dir: str | None,
+                 new_pass: bool):
+        self.options, self.partitions, self.store = options, partitions, store
+        self.state_dir, self.new_pass = state_dir, new_pass
 
     def process(self, element):
-        part, chunks = element
-        chunks = sorted(chunks, key=lambda c: int(c.keys[0]))
+        part, paths = element
+        chunks = sorted((self.store.read_arrays(path)["chunk"] for path in paths), key=lambda c: int(c.keys[0]))
         rejects = rec.Rejects()
         chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
         if len(rejects):
@@ -117,8 +156,7 @@ class _BuildRecordPartition(beam.DoFn):
         n = len(chunk)
         copies, in_pass = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
         if self.state_dir:
-            with storage.open_input(storage.join(self.state_dir, f"state-{part:05d}.npz")) as handle:
-                saved = np.load(io.BytesIO(handle.read()))
+            saved = PartitionStore.read_arrays(storage.join(self.state_dir, f"state-{part:05d}.pkl"))
             if not np.array_equal(saved["keys"], chunk.keys):
                 raise RuntimeError(f"partition {part}: input changed between pipeline runs")
             copies, in_pass = saved["copies"], saved["in_pass"] & (not self.new_pass)
@@ -128,16 +166,19 @@ class _BuildRecordPartition(beam.DoFn):
         record_of_incidence = np.repeat(np.arange(n), arity)
         pairs = np.unique(record_of_incidence * self.partitions + user_partition)
         offsets = np.concatenate([[0], np.cumsum(np.bincount(pairs // self.partitions, minlength=n))]).astype(np.int64)
-        yield beam.pvalue.TaggedOutput("ids", (part, (chunk.keys, chunk.ids)))
-        yield part, RecordState(keys=chunk.keys, arity=arity, eligible=~in_pass, copies=copies, in_pass=in_pass,
-                                user_partition_offsets=offsets, user_partitions=pairs % self.partitions)
+        ids = chunk.ids.to_numpy(zero_copy_only=False)
+        self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": ids.astype(str) if ids.dtype == object else ids})
+        state = RecordState(keys=chunk.keys, arity=arity, user_partition_offsets=offsets,
+                            user_partitions=pairs % self.partitions, eligible=~in_pass, copies=copies, in_pass=in_pass)
+        yield part, self.store.create("records", part, state)
         for user_part in np.unique(user_partition):
             mine = user_partition == user_part
             records = record_of_incidence[mine]
-            yield beam.pvalue.TaggedOutput("incidences", (int(user_part), {
+            selection = (copies[records], in_pass[records]) if self.state_dir else None
+            path = self.store.write_arrays(f"incidences-records{part:05d}-to-users{user_part:05d}.pkl", {
                 "users": chunk.users.filter(pa.array(mine)), "record_keys": chunk.keys[records],
-                "order": tuple(k[records] for k in keys), "copies": copies[records], "in_pass": in_pass[records],
-                "record_partition": np.full(len(records), part, dtype=np.int64)}))
+                "order": tuple(k[records] for k in keys), "selection": selection, "record_partition": part})
+            yield beam.pvalue.TaggedOutput("incidences", (int(user_part), path))
 
 
 def _split_capacities(path: str, default: int, partitions: int):
@@ -148,47 +189,58 @@ def _split_capacities(path: str, default: int, partitions: int):
         yield part, Capacities(default, capacities.user_ids.filter(pa.array(mine)), capacities.values[mine])
 
 
-def _build_user_partition(element, default: int):
+def _build_user_partition(element, default: int, store: PartitionStore):
     part, grouped = element
-    chunks = grouped["incidences"]
+    chunks = [store.read_arrays(path) for path in grouped["incidences"]]
     capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
-    record_keys_all = np.concatenate([c["record_keys"] for c in chunks])
-    record_keys, first, inc_record = np.unique(record_keys_all, return_index=True, return_inverse=True)
-    pick = lambda name: np.concatenate([c[name] for c in chunks])[first]  # noqa: E731
-    order = tuple(np.concatenate([c["order"][i] for c in chunks])[first] for i in range(3))
+    record_keys, first, inc_record = np.unique(np.concatenate([c["record_keys"] for c in chunks]),
+                                               return_index=True, return_inverse=True)
+    per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
+    order = tuple(per_record([c["order"][i] for c in chunks]) for i in range(2))
+    record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
+    if chunks[0]["selection"] is None:
+        copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
+    else:
+        copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
     side = build_user_side(pa.concat_arrays([c["users"] for c in chunks]), inc_record.astype(np.int64), record_keys,
-                           order, capacities, pick("copies"), pick("in_pass"))
-    return part, UserPartition(side, pick("record_partition"))
+                           order, capacities, copies, in_pass)
+    return part, (store.create("users", part, side), record_partition)
 
 
-# --- the four steps of a round ------------------------------------------------------------------
+# --- the steps of a round: each joins a partition's handle with its messages ---------------------
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _Propose(beam.DoFn):
+    def __init__(self, store: PartitionStore):
+        self.store = store
+
     def process(self, element):
-        part, state = element
-        proposed = propose(state.side)
-        index = state.side.inc_record[proposed]
-        for record_part, keys in _split(state.side.record_keys[index], state.record_partition[index]):
+        part, (handle, record_partition) = element
+        side = self.store.load("users", handle)
+        index = side.inc_record[propose(side)]
+        for record_part, keys in _split(side.record_keys[index], record_partition[index]):
             yield beam.pvalue.TaggedOutput("proposals", (record_part, keys))
-        yield part, state
+        yield element
 
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _Select(beam.DoFn):
-    def __init__(self, round_index: int):
-        self.round_index = round_index
+    def __init__(self, store: PartitionStore, round_index: int):
+        self.store, self.round_index = store, round_index
 
     def process(self, element):
         part, grouped = element
-        (state,) = grouped["state"]
-        proposals = np.concatenate(grouped["proposals"]) if grouped["proposals"] else np.zeros(0, np.int64)
-        accepted = unanimous(np.searchsorted(state.keys, proposals), state.arity) & state.eligible
+        (handle,) = grouped["state"]
+        state = self.store.load("records", handle)
+        accepted = unanimous(np.searchsorted(state.keys, _messages(grouped, "proposals")), state.arity) & state.eligible
         Metrics.counter(NAMESPACE, "selected_records").inc(int(accepted.sum()))
         yield _stat(_round_stat(self.round_index, "selected"), accepted.sum())
-        yield part, dataclasses.replace(state, eligible=state.eligible & ~accepted, copies=state.copies + accepted,
+        if accepted.any():
+            state = dataclasses.replace(state, eligible=state.eligible & ~accepted, copies=state.copies + accepted,
                                         in_pass=state.in_pass | accepted)
-        yield from _notify_users(state, accepted, "accepted")
+            handle = (handle[0], self.store.update("records", part, f"r{self.round_index:05d}-selected", state))
+            yield from _notify_users(state, accepted, "accepted")
+        yield part, handle
 
 
 def _notify_users(state: RecordState, records: np.ndarray, tag: str):
@@ -202,46 +254,57 @@ def _notify_users(state: RecordState, records: np.ndarray, tag: str):
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _Consume(beam.DoFn):
+    def __init__(self, store: PartitionStore, round_index: int):
+        self.store, self.round_index = store, round_index
+
     def process(self, element):
         part, grouped = element
-        (state,) = grouped["state"]
-        state = state.evolve()
-        keys = np.concatenate(grouped["accepted"]) if grouped["accepted"] else np.zeros(0, np.int64)
-        dead = consume(state.side, local_mask(state.side.record_keys, keys))
-        for record_part, dead_keys in _split(state.side.record_keys[dead], state.record_partition[dead]):
+        ((handle, record_partition),) = grouped["state"]
+        side = self.store.load("users", handle)
+        before = side.eligible.sum()
+        dead = consume(side, local_mask(side.record_keys, _messages(grouped, "accepted")))
+        for record_part, dead_keys in _split(side.record_keys[dead], record_partition[dead]):
             yield beam.pvalue.TaggedOutput("dead", (record_part, dead_keys))
-        yield part, state
+        if side.eligible.sum() != before:
+            handle = (handle[0], self.store.update("users", part, f"r{self.round_index:05d}-consumed", side))
+        yield part, (handle, record_partition)
 
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _RecordDeaths(beam.DoFn):
-    def __init__(self, round_index: int):
-        self.round_index = round_index
+    def __init__(self, store: PartitionStore, round_index: int):
+        self.store, self.round_index = store, round_index
 
     def process(self, element):
         part, grouped = element
-        (state,) = grouped["state"]
-        keys = np.concatenate(grouped["dead"]) if grouped["dead"] else np.zeros(0, np.int64)
-        newly_dead = local_mask(state.keys, keys) & state.eligible
-        state = dataclasses.replace(state, eligible=state.eligible & ~newly_dead)
-        yield _stat(_round_stat(self.round_index, "eligible"), state.eligible.sum())
-        yield part, state
-        yield from _notify_users(state, newly_dead, "dead")
+        (handle,) = grouped["state"]
+        state = self.store.load("records", handle)
+        newly_dead = local_mask(state.keys, _messages(grouped, "dead")) & state.eligible
+        yield _stat(_round_stat(self.round_index, "eligible"), (state.eligible & ~newly_dead).sum())
+        if newly_dead.any():
+            state = dataclasses.replace(state, eligible=state.eligible & ~newly_dead)
+            handle = (handle[0], self.store.update("records", part, f"r{self.round_index:05d}-dead", state))
+            yield from _notify_users(state, newly_dead, "dead")
+        yield part, handle
 
 
 @beam.typehints.with_output_types(Tuple[int, Any])
 class _Retire(beam.DoFn):
+    def __init__(self, store: PartitionStore, round_index: int):
+        self.store, self.round_index = store, round_index
+
     def process(self, element):
         part, grouped = element
-        (state,) = grouped["state"]
+        ((handle, record_partition),) = grouped["state"]
         if grouped["dead"]:
-            state = state.evolve()
-            retire(state.side, local_mask(state.side.record_keys, np.concatenate(grouped["dead"])))
-        yield part, state
+            side = self.store.load("users", handle)
+            retire(side, local_mask(side.record_keys, _messages(grouped, "dead")))
+            handle = (handle[0], self.store.update("users", part, f"r{self.round_index:05d}-retired", side))
+        yield part, (handle, record_partition)
 
 
 class _Step(beam.PTransform):
-    """Join a partitioned state with its messages and apply one step."""
+    """Join a partition's handle with its messages and apply one step."""
 
     def __init__(self, step: beam.DoFn, message: str, outputs: tuple[str, ...]):
         super().__init__()
@@ -257,55 +320,68 @@ class _Step(beam.PTransform):
 class Saturate(beam.PTransform):
     """Alg. 1 lines 9-13: users take accepted records; records of saturated users leave E everywhere."""
 
-    def __init__(self, round_index: int):
+    def __init__(self, store: PartitionStore, round_index: int):
         super().__init__()
-        self.round_index = round_index
+        self.store, self.round_index = store, round_index
 
     def expand(self, inputs):
         users, records, accepted = inputs
-        consumed = (users, accepted) | "UsersTakeAccepted" >> _Step(_Consume(), "accepted", ("dead",))
+        consumed = ((users, accepted)
+                    | "UsersTakeAccepted" >> _Step(_Consume(self.store, self.round_index), "accepted", ("dead",)))
         deaths = ((records, consumed.dead)
-                  | "RecordsLearnDeaths" >> _Step(_RecordDeaths(self.round_index), "dead", ("dead", "stats")))
-        users = (consumed.state, deaths.dead) | "UsersRetireDead" >> _Step(_Retire(), "dead", ())
+                  | "RecordsLearnDeaths" >> _Step(_RecordDeaths(self.store, self.round_index), "dead",
+                                                  ("dead", "stats")))
+        users = ((consumed.state, deaths.dead)
+                 | "UsersRetireDead" >> _Step(_Retire(self.store, self.round_index), "dead", ()))
         return users.state, deaths.state, deaths.stats
 
 
 class ProposalRound(beam.PTransform):
     """One round of Alg. 1: proposals, unanimous selection, saturation."""
 
-    def __init__(self, round_index: int):
+    def __init__(self, store: PartitionStore, round_index: int):
         super().__init__()
-        self.round_index = round_index
+        self.store, self.round_index = store, round_index
 
     def expand(self, inputs):
         users, records = inputs
-        proposed = users | "UsersPropose" >> beam.ParDo(_Propose()).with_outputs("proposals", main="state")
+        proposed = users | "UsersPropose" >> beam.ParDo(_Propose(self.store)).with_outputs("proposals", main="state")
         selected = ((records, proposed.proposals)
-                    | "RecordsSelectUnanimous" >> _Step(_Select(self.round_index), "proposals", ("accepted", "stats")))
-        users, records, death_stats = (proposed.state, selected.state, selected.accepted) | "Saturate" >> Saturate(
-            self.round_index)
+                    | "RecordsSelectUnanimous" >> _Step(_Select(self.store, self.round_index), "proposals",
+                                                        ("accepted", "stats")))
+        users, records, death_stats = ((proposed.state, selected.state, selected.accepted)
+                                       | "Saturate" >> Saturate(self.store, self.round_index))
         return users, records, (selected.stats, death_stats)
 
 
 # --- outputs ------------------------------------------------------------------------------------
 
-def _write_state(element, state_dir: str):
-    part, state = element
-    buffer = io.BytesIO()
-    np.savez(buffer, keys=state.keys, copies=state.copies, in_pass=state.in_pass)
-    with storage.open_output(storage.join(state_dir, f"state-{part:05d}.npz")) as handle:
-        handle.write(buffer.getvalue())
-    yield "selected_records", int(state.copies.sum())
-    yield "distinct_selected", int((state.copies > 0).sum())
+@beam.typehints.with_output_types(Tuple[int, Any])
+class _FinishRecords(beam.DoFn):
+    """Save the partial selection for a following pipeline run; emit selection shards and counts."""
+
+    def __init__(self, store: PartitionStore, state_dir: str, shards: int):
+        self.store, self.state_dir, self.shards = store, state_dir, shards
+
+    def process(self, element):
+        part, handle = element
+        state = self.store.load("records", handle)
+        PartitionStore(self.state_dir).write_arrays(
+            f"state-{part:05d}.pkl", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass})
+        yield _stat("selected_records", state.copies.sum())
+        yield _stat("distinct_selected", (state.copies > 0).sum())
+        selected = state.copies > 0
+        ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.pkl"))["ids"]
+        for shard, table in selection_shards(pa.array(ids[selected]), state.copies[selected], self.shards).items():
+            if len(table):
+                yield shard, table
 
 
-def _selection_by_shard(element, shards: int):
-    _, grouped = element
-    (state,), ((keys, ids),) = grouped["state"], grouped["ids"]
-    selected = state.copies > 0
-    for shard, table in selection_shards(ids.filter(pa.array(selected)), state.copies[selected], shards).items():
-        if len(table):
-            yield shard, table
+def _user_stats(element, store: PartitionStore):
+    _, (handle, _) = element
+    side = store.load("users", handle)
+    yield "input_users", len(side.residual)
+    yield "max_user_contribution", int(side.contribution.max(initial=0))
 
 
 def _write_shard(element, output: str, shards: int):
@@ -313,7 +389,6 @@ def _write_shard(element, output: str, shards: int):
     table = pa.concat_tables(tables)
     write_selection_shard(shard_path(output, shard, shards),
                           sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy()))
-    yield shard
 
 
 def _aggregate_stats(element):
@@ -328,54 +403,49 @@ def _merge_rejects(batches) -> rec.Rejects:
     return merged
 
 
-def _write_summary(stats: list, path: str):
-    storage.write_text(path, json.dumps(dict(stats), sort_keys=True))
-
-
 class BoundPipeline(beam.PTransform):
     """Read records, build both sides, run `rounds` unrolled rounds, write selection and state."""
 
     def __init__(self, files: list[str], output: str, options: BoundOptions, partitions: int, rounds: int,
-                 state_dir: str | None, new_pass: bool):
+                 run_index: int, new_pass: bool):
         super().__init__()
         self.files, self.output, self.options, self.partitions = files, output, options, partitions
-        self.rounds, self.state_dir, self.new_pass = rounds, state_dir, new_pass
+        self.rounds, self.run_index, self.new_pass = rounds, run_index, new_pass
 
     def expand(self, pbegin):
         work = storage.join(self.output, WORK_DIR)
+        store = PartitionStore(storage.join(work, f"run-{self.run_index:04d}"))
+        state_dir = storage.join(work, "state")
         read = (pbegin
                 | "ListFiles" >> beam.Create(list(enumerate(self.files)))
                 | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadAndValidate" >> beam.ParDo(_ReadFile(self.options.columns, self.partitions)).with_outputs(
+                | "ReadAndValidate" >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
                     "rejects", "stats", main="chunks"))
         built = (read.chunks
                  | "GroupRecordPartitions" >> beam.GroupByKey()
                  | "BuildRecordPartitions" >> beam.ParDo(_BuildRecordPartition(
-                     self.options, self.partitions, self.state_dir, self.new_pass)).with_outputs(
-                     "ids", "incidences", "rejects", "stats", main="records"))
+                     self.options, self.partitions, store, state_dir if self.run_index else None,
+                     self.new_pass)).with_outputs("incidences", "rejects", "stats", main="records"))
         capacities = (pbegin | "CapacitiesFile" >> beam.Create([self.options.capacities] if self.options.capacities
                                                                 else [])
                       | "SplitCapacities" >> beam.FlatMap(_split_capacities, self.options.max_contributions,
                                                           self.partitions))
         users = ({"incidences": built.incidences, "capacities": capacities}
                  | "GroupUserPartitions" >> beam.CoGroupByKey()
-                 | "BuildUserPartitions" >> beam.Map(_build_user_partition, self.options.max_contributions))
+                 | "BuildUserPartitions" >> beam.Map(_build_user_partition, self.options.max_contributions, store))
         no_messages = pbegin | "NoAcceptedYet" >> beam.Create([])
-        users, records, setup_stats = (users, built.records, no_messages) | "SaturateInitially" >> Saturate(0)
+        users, records, setup_stats = (users, built.records, no_messages) | "SaturateInitially" >> Saturate(store, 0)
         stats = [read.stats, built.stats, setup_stats]
         for round_index in range(1, self.rounds + 1):
-            users, records, round_stats = (users, records) | f"Round{round_index}" >> ProposalRound(round_index)
+            users, records, round_stats = (users, records) | f"Round{round_index}" >> ProposalRound(store, round_index)
             stats.extend(round_stats)
-        stats.append(users | "UserStats" >> beam.FlatMap(
-            lambda e: [("input_users", len(e[1].side.user_ids)),
-                       ("max_user_contribution", int(e[1].side.contribution.max(initial=0)))]))
-        stats.append(records | "WriteState" >> beam.FlatMap(_write_state, storage.join(work, "state")))
-        shards = self.options.output_shards
-        _ = ({"state": records, "ids": built.ids}
-             | "JoinIds" >> beam.CoGroupByKey()
-             | "SelectionByShard" >> beam.FlatMap(_selection_by_shard, shards)
+        stats.append(users | "UserStats" >> beam.FlatMap(_user_stats, store))
+        finished = records | "FinishRecords" >> beam.ParDo(
+            _FinishRecords(store, state_dir, self.options.output_shards)).with_outputs("stats", main="shards")
+        stats.append(finished.stats)
+        _ = (finished.shards
              | "GroupShards" >> beam.GroupByKey()
-             | "WriteShards" >> beam.FlatMap(_write_shard, self.output, shards))
+             | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards))
         _ = ((read.rejects, built.rejects) | "AllRejects" >> beam.Flatten()
              | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
              | "WriteRejects" >> beam.Map(lambda r: storage.write_text(storage.join(work, "rejected.jsonl"),
@@ -384,13 +454,17 @@ class BoundPipeline(beam.PTransform):
                 | "GroupStats" >> beam.GroupByKey()
                 | "AggregateStats" >> beam.Map(_aggregate_stats)
                 | "CollectStats" >> beam.combiners.ToList()
-                | "WriteSummary" >> beam.Map(_write_summary, storage.join(work, "summary.json")))
+                | "WriteSummary" >> beam.Map(lambda stats: storage.write_text(
+                    storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True))))
 
 
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
-    """The user's Beam options; the DirectRunner defaults to 2 worker processes."""
+    """The user's Beam options, with our defaults where the user set none."""
     options = PipelineOptions(beam_args)
     explicit = options.get_all_options(drop_default=True)
+    if "pipeline_type_check" not in explicit:
+        # Hundreds of transforms: introspecting each one's type hints costs seconds per run.
+        options.view_as(TypeOptions).pipeline_type_check = False
     if options.view_as(StandardOptions).runner in (None, "DirectRunner"):
         options.view_as(StandardOptions).runner = "DirectRunner"
         direct = options.view_as(DirectOptions)
@@ -398,6 +472,8 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
             direct.direct_running_mode = "multi_processing"
         if "direct_num_workers" not in explicit:
             direct.direct_num_workers = 2
+        if "default_sdk_harness_log_level" not in explicit:
+            options.view_as(WorkerOptions).default_sdk_harness_log_level = "WARNING"
     return options
 
 
@@ -415,12 +491,12 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     prepare_output(output)
     beam_options = pipeline_options(beam_args)
     rounds: list[dict] = []
-    passes, pass_rounds, state_dir, new_pass, converged, rejects = 1, 0, None, False, False, None
+    passes, pass_rounds, run_index, new_pass, converged, rejects = 1, 0, 0, False, False, None
     while True:
         block = rounds_per_pipeline if options.max_rounds is None else min(rounds_per_pipeline,
                                                                             options.max_rounds - len(rounds))
         with beam.Pipeline(options=beam_options) as pipeline:
-            _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, state_dir, new_pass)
+            _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_index, new_pass)
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:
             rejects_file = storage.join(work, "rejected.jsonl")
@@ -442,7 +518,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
             pass_rounds += 1
             log.info("round %d (pass %d): selected %d, %d records still eligible, %.1f s", len(rounds), passes,
                      rounds[-1]["selected"], eligible, time.perf_counter() - started)
-        state_dir, new_pass = storage.join(work, "state"), False
+        run_index, new_pass = run_index + 1, False
         if eligible > 0:
             if options.max_rounds is not None and len(rounds) >= options.max_rounds:
                 break

@@ -19,16 +19,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from madp.hashing import hash_ids
+from madp.records import InputError
 
 ORDERS = ("arity", "hash", "weight")
 
 
 def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
-                    weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Universal preference order as sort keys (smaller first): (primary, tie-break, tie-break).
+                    weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Universal preference order as sort keys, smaller first: (primary, seeded 64-bit id hash).
 
-    Two independent 64-bit seeded hashes of the id break ties, so every user sees the same
-    total order without any global sort.
+    The hash breaks ties, so every user sees the same total order without any global sort; on
+    the rare tie of both keys, the record key (input file and row) decides.
     """
     if order == "arity":
         primary = arity.astype(np.float64)
@@ -40,22 +41,21 @@ def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
         primary = -weights.astype(np.float64)  # higher weight preferred
     else:
         raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
-    return primary, hash_ids(ids, seed, purpose=1), hash_ids(ids, seed, purpose=2)
+    return primary, hash_ids(ids, seed, purpose=1)
 
 
-def preference_rank_order(primary: np.ndarray, tie: np.ndarray, second_tie: np.ndarray) -> np.ndarray:
-    """Indices sorting records by (primary, tie, second_tie); `second_tie` only matters on a 64-bit tie."""
+def preference_rank_order(primary: np.ndarray, tie: np.ndarray, record_keys: np.ndarray) -> np.ndarray:
+    """Indices sorting records by (primary, tie, record key); the key only matters on a 64-bit tie."""
     by_tie = np.argsort(tie)
     order = by_tie[np.argsort(primary[by_tie], kind="stable")]
     if np.any((primary[order][1:] == primary[order][:-1]) & (tie[order][1:] == tie[order][:-1])):
-        return np.lexsort((second_tie, tie, primary))
+        return np.lexsort((record_keys, tie, primary))
     return order
 
 
 @dataclasses.dataclass
 class UserSide:
     """Incidences of a set of users, sorted by (user, preference)."""
-    user_ids: pa.Array            # distinct users, in local index order
     inc_user: np.ndarray          # int64 local user index, non-decreasing
     inc_record: np.ndarray        # int64 index into `record_keys`
     record_keys: np.ndarray       # int64 sorted distinct record keys of these incidences
@@ -68,6 +68,10 @@ class UserSide:
     def contribution(self) -> np.ndarray:
         return self.capacity - self.residual
 
+    def copy(self) -> "UserSide":
+        """A copy whose changing state (eligible, residual) is its own."""
+        return dataclasses.replace(self, eligible=self.eligible.copy(), residual=self.residual.copy())
+
 
 def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys: np.ndarray,
                     record_order: tuple[np.ndarray, ...], capacity_of: "Capacities",
@@ -79,7 +83,7 @@ def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys:
     the current pass). A user's residual is its capacity minus the copies it is part of.
     """
     rank = np.empty(len(record_keys), dtype=np.int64)
-    rank[preference_rank_order(*record_order)] = np.arange(len(record_keys))
+    rank[preference_rank_order(*record_order, record_keys)] = np.arange(len(record_keys))
     encoded = pc.dictionary_encode(inc_user_ids)
     user_codes = encoded.indices.to_numpy().astype(np.int64)
     user_ids = encoded.dictionary
@@ -90,7 +94,7 @@ def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys:
     inc_user, inc_record = user_codes[order], inc_record[order]
     capacity = capacity_of.lookup(user_ids)
     used = np.bincount(inc_user, weights=copies[inc_record], minlength=len(user_ids)).astype(np.int64)
-    return UserSide(user_ids=user_ids, inc_user=inc_user, inc_record=inc_record, record_keys=record_keys,
+    return UserSide(inc_user=inc_user, inc_record=inc_record, record_keys=record_keys,
                     first_incidence=np.searchsorted(inc_user, np.arange(len(user_ids))),
                     residual=capacity - used, capacity=capacity, eligible=~in_pass[inc_record])
 
@@ -105,9 +109,12 @@ class Capacities:
     def lookup(self, user_ids: pa.Array) -> np.ndarray:
         result = np.full(len(user_ids), self.default, dtype=np.int64)
         if self.user_ids is not None and len(user_ids):
-            if self.user_ids.type != user_ids.type:
-                raise ValueError(f"capacities file has {self.user_ids.type} user ids but the input has {user_ids.type}")
-            where = pc.index_in(user_ids, value_set=self.user_ids).to_numpy(zero_copy_only=False)
+            try:
+                listed = self.user_ids.cast(user_ids.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise InputError(f"capacities file has {self.user_ids.type} user ids that do not match the "
+                                 f"input's {user_ids.type} user ids: {error}") from error
+            where = pc.index_in(user_ids, value_set=listed).to_numpy(zero_copy_only=False)
             found = ~np.isnan(where.astype(np.float64))
             result[found] = self.values[where[found].astype(np.int64)]
         return result

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     bound.add_argument("--partitions", type=int, default=None,
                        help="Beam only: record and user partitions (default 4; use ~2-4 per worker core)")
     bound.add_argument("--rounds-per-pipeline", type=int, default=None,
-                       help="Beam only: rounds unrolled in one pipeline run (default 8)")
+                       help="Beam only: rounds unrolled in one pipeline run (default 6)")
     _add_columns(bound)
 
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")

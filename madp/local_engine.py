@@ -66,7 +66,7 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
     contribution = users.contribution
     return BoundResult(copies=copies, rounds=rounds, passes=passes, converged=converged,
                        max_user_contribution=int(contribution.max()) if len(contribution) else 0,
-                       input_users=len(users.user_ids))
+                       input_users=len(users.residual))
 
 
 def read_input(input_path: str, columns: rec.Columns) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:

@@ -94,12 +94,15 @@ class RecordChunk:
     offsets: np.ndarray       # int64, len(ids) + 1
     users: pa.Array           # flat user ids, int64 or string, no repeats within a record
     weights: np.ndarray | None
-    sources: list[str]        # file of each record, by index into `source_files`
-    source_index: np.ndarray  # int32 index into `sources` per record
-    rows: np.ndarray          # int64 row within its file
+    sources: dict[int, str]   # input file of each file index in `keys`
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def source(self, record: int) -> tuple[str, int]:
+        """(file, row) a record was read from."""
+        key = int(self.keys[record])
+        return self.sources[key >> _ROW_KEY_BITS], key & ((1 << _ROW_KEY_BITS) - 1)
 
     @property
     def arity(self) -> np.ndarray:
@@ -300,7 +303,7 @@ def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | N
         ids=ids.filter(pa.array(valid)),
         offsets=offsets, users=flat_users,
         weights=None if weights is None else weights[valid],
-        sources=[path], source_index=np.zeros(len(rows), dtype=np.int32), rows=rows)
+        sources={file_index: path})
     return FileResult(chunk, rejects, n, removed)
 
 
@@ -326,11 +329,7 @@ def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
     non_empty = [c for c in chunks if len(c)] or chunks[:1]
     _check_same_type([c.ids.type for c in non_empty], "id")
     _check_same_type([c.users.type for c in non_empty if len(c.users)], "user")
-    sources: list[str] = []
-    source_index = []
-    for c in non_empty:
-        source_index.append(c.source_index + len(sources))
-        sources.extend(c.sources)
+    sources = {index: path for c in non_empty for index, path in c.sources.items()}
     offsets = [non_empty[0].offsets[:1]]
     base = 0
     for c in non_empty:
@@ -342,9 +341,7 @@ def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
         ids=pa.concat_arrays([c.ids for c in non_empty]),
         offsets=np.concatenate(offsets),
         users=pa.concat_arrays([c.users for c in non_empty]),
-        weights=weights, sources=sources,
-        source_index=np.concatenate(source_index).astype(np.int32),
-        rows=np.concatenate([c.rows for c in non_empty]))
+        weights=weights, sources=sources)
 
 
 def _check_same_type(types: list[pa.DataType], what: str) -> None:
@@ -370,7 +367,7 @@ def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
     return RecordChunk(keys=chunk.keys[index], ids=chunk.ids.take(pa.array(index)), offsets=offsets,
                        users=chunk.users.take(pa.array(flat_index)),
                        weights=None if chunk.weights is None else chunk.weights[index],
-                       sources=chunk.sources, source_index=chunk.source_index[index], rows=chunk.rows[index])
+                       sources=chunk.sources)
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
@@ -378,7 +375,7 @@ def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
     duplicated = duplicate_id_mask(chunk.ids)
     for i in np.flatnonzero(duplicated):
         users = chunk.users[int(chunk.offsets[i]):int(chunk.offsets[i + 1])].to_pylist()
-        rejects.add(chunk.sources[chunk.source_index[i]], chunk.rows[i], DUPLICATE_ID,
+        rejects.add(*chunk.source(i), DUPLICATE_ID,
                     {"id": chunk.ids[int(i)].as_py(), "users": users})
     return take(chunk, ~duplicated) if duplicated.any() else chunk
 

@@ -95,20 +95,23 @@ def skewed_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray,
         stop = min(spec.records, start + max(_FIRST_CHUNK, int(start * STALENESS)))
         lo, hi = offsets[start], offsets[stop]
         parents = np.repeat(np.arange(start, stop), arity[start:stop])
-        weight = (1.0 + degree[:seen]) ** spec.alpha
-        cumulative = np.cumsum(weight)
+        cumulative = np.cumsum((1.0 + degree[:seen]) ** spec.alpha)  # weights of users seen before the chunk
+        seen_weight = float(cumulative[-1]) if seen else 0.0
         unseen_weight = float(spec.users - seen)
         draws = np.empty(hi - lo, dtype=np.int64)
         pending = np.ones(hi - lo, dtype=bool)
         for _ in range(_REDRAWS):
             index = np.flatnonzero(pending)
-            total = unseen_weight + (cumulative[-1] if seen else 0.0)
-            new = rng.random(len(index)) * total < unseen_weight
-            draws[index[~new]] = np.searchsorted(cumulative, rng.random(int((~new).sum())) * cumulative[-1] if seen else
-                                                 np.zeros(0), side="right")
-            opened = int(new.sum())
-            draws[index[new]] = seen + np.arange(opened)
+            new = rng.random(len(index)) * (unseen_weight + seen_weight) < unseen_weight
+            old = index[~new]
+            draws[old] = (np.searchsorted(cumulative, rng.random(len(old)) * seen_weight, side="right")
+                          if seen_weight else rng.integers(0, max(seen, 1), size=len(old)))
+            wanted = index[new]
+            opened = min(len(wanted), spec.users - seen)
+            draws[wanted[:opened]] = seen + np.arange(opened)
             seen += opened
+            # Only in tiny graphs do draws ask for more new users than exist: take seen ones.
+            draws[wanted[opened:]] = rng.integers(0, seen, size=len(wanted) - opened)
             unseen_weight = float(spec.users - seen)
             pending = _repeated_within_record(parents, draws)
             if not pending.any():
