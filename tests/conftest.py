@@ -1,0 +1,35 @@
+"""Shared helpers: small graphs written as input files."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def write_records(path: str, rows: list[dict]) -> str:
+    """Rows as a .jsonl or .parquet file."""
+    if path.endswith(".jsonl"):
+        with open(path, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def graph_rows(offsets: np.ndarray, users: np.ndarray, ids=None) -> list[dict]:
+    ids = list(range(len(offsets) - 1)) if ids is None else ids
+    return [{"id": ids[i], "users": users[offsets[i]:offsets[i + 1]].tolist()} for i in range(len(offsets) - 1)]
+
+
+@pytest.fixture
+def small_graph():
+    from madp.synthetic import GraphSpec, generate
+    data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
+    return graph_rows(data.offsets, data.users)

@@ -1,0 +1,117 @@
+"""Invalid rows stop the run with a clear error, or are skipped, written out and counted."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_records
+from madp.local_engine import run_local
+from madp.records import Columns, InputError, list_input_files, read_file
+from madp.selection import BoundOptions
+
+BAD_JSONL = """{"id": 1, "users": [1, 2], "text": "kept"}
+{"id": 2, "users": [2, 2, 3]}
+{"id": null, "users": [1]}
+{"users": [1]}
+{"id": 3, "users": []}
+{"id": 4}
+{"id": 5, "users": [1, null]}
+{"id": 6, "users": [[1], 2]}
+{"id": 7, "users": [{"name": "x"}]}
+{"id": 10, "users": [4]}
+{"id": 10, "users": [5]}
+this is not json
+{"id": 7.5, "users": [1]}
+
+{"id": 8, "users": "alice"}
+{"id": 9, "users": [6]}
+"""
+EXPECTED = {"missing_id": 2, "empty_users": 1, "missing_users": 1, "null_user": 1, "non_scalar_user": 3,
+            "duplicate_id": 2, "invalid_json": 1, "bad_id_type": 1}
+
+
+@pytest.fixture
+def bad_input(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(BAD_JSONL)
+    return str(path)
+
+
+def test_error_names_file_row_reason_and_totals(tmp_path, bad_input):
+    with pytest.raises(InputError) as error:
+        run_local(bad_input, str(tmp_path / "out"), BoundOptions(max_contributions=1))
+    message = str(error.value)
+    assert "12 invalid input rows" in message
+    assert f"{bad_input}: row 2: missing_id" in message
+    assert "non_scalar_user: 3" in message and "--on-invalid skip" in message
+    assert not (tmp_path / "out" / "selected").exists(), "a failed run writes no selection"
+
+
+def test_skip_writes_and_counts_every_rejected_row(tmp_path, bad_input):
+    report = run_local(bad_input, str(tmp_path / "out"), BoundOptions(max_contributions=1, on_invalid="skip"))
+    assert report["rejected"] == EXPECTED and report["rejected_total"] == 12
+    assert report["input_rows"] == 15 and report["input_records"] == 3
+    assert report["repeated_users_removed"] == 1
+    rejected = [json.loads(line) for line in open(tmp_path / "out" / "rejected" / "rejected.jsonl")]
+    assert len(rejected) == 12 and {r["file"] for r in rejected} == {bad_input}
+    by_row = {r["row"]: r for r in rejected}
+    assert by_row[11]["reason"] == "invalid_json" and by_row[11]["record"] == "this is not json"
+    assert by_row[9]["reason"] == by_row[10]["reason"] == "duplicate_id", "no occurrence of a duplicated id is kept"
+    assert by_row[13]["record"] == {"id": 8, "users": "alice"}
+
+
+def test_repeated_users_are_deduplicated(tmp_path):
+    path = write_records(str(tmp_path / "r.jsonl"), [{"id": "a", "users": ["x", "x", "y", "x"]}])
+    result = read_file(path, 0, Columns())
+    assert result.repeated_users_removed == 2 and result.chunk.users.to_pylist() == ["x", "y"]
+
+
+def test_parquet_nulls_and_custom_columns(tmp_path):
+    table = pa.table({"doc": pa.array([1, 2, None, 4]), "authors": pa.array([[1], None, [2], [3, None]]),
+                      "content": ["a", "b", "c", "d"]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    options = BoundOptions(max_contributions=1, on_invalid="skip", columns=Columns("doc", "authors"))
+    report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
+    assert report["rejected"] == {"missing_id": 1, "missing_users": 1, "null_user": 1}
+    assert report["selected_records"] == 1
+    with pytest.raises(InputError, match="missing column"):
+        run_local(str(tmp_path / "p.parquet"), str(tmp_path / "o2"), BoundOptions(max_contributions=1))
+
+
+def test_mixed_id_types_across_files_are_an_error(tmp_path):
+    write_records(str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1]}])
+    write_records(str(tmp_path / "b.jsonl"), [{"id": "two", "users": [1]}])
+    with pytest.raises(InputError, match="mix integers and strings"):
+        run_local(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1))
+
+
+def test_missing_and_unsupported_inputs(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        list_input_files(str(tmp_path / "nope"))
+    (tmp_path / "x.csv").write_text("id,users\n")
+    with pytest.raises(InputError, match="unsupported input format"):
+        list_input_files(str(tmp_path / "x.csv"))
+    with pytest.raises(InputError, match="no .jsonl or .parquet"):
+        list_input_files(str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_contributions": 0}, "--max-contributions"),
+    ({"max_contributions": 1, "order": "weight"}, "--weight-column"),
+    ({"max_contributions": 1, "max_rounds": 0}, "--max-rounds"),
+    ({"max_contributions": 1, "on_invalid": "ignore"}, "--on-invalid"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        BoundOptions(**kwargs)
+
+
+def test_bad_capacities_file(tmp_path, small_graph):
+    input_path = write_records(str(tmp_path / "in.parquet"), small_graph)
+    capacities = tmp_path / "caps.csv"
+    capacities.write_text("user,capacity\n1,2\n1,3\n2,-1\n")
+    with pytest.raises(InputError, match="row 0: user listed twice.*row 2: missing or negative capacity"):
+        run_local(input_path, str(tmp_path / "out"), BoundOptions(max_contributions=1, capacities=str(capacities)))
