@@ -1,0 +1,122 @@
+"""Contribution bounding benchmark: local engine vs Beam DirectRunner vs a sequential Python greedy.
+
+Each measurement runs in its own child process, so wall time and peak memory belong to it alone.
+- greedy: the straightforward sequential greedy (tests/reference.py) on the in-memory graph,
+  including the computation of the universal order;
+- local-kernels: the round-based kernels on the same in-memory graph (madp.local_engine.bound_records);
+- local: `madp bound --runner local` end to end (read Parquet, validate, bound, write);
+- direct: `madp bound --runner DirectRunner` end to end (2 worker processes).
+Targets (issue 2): local-kernels >= 3x faster than greedy; DirectRunner within 5x of local at 2M;
+local under 4 GB peak memory at 10M records.
+
+    python benchmarks/bound.py [--records 2000000] [--memory-records 10000000] [-k 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def measure(mode: str, data: str, k: int, output: str) -> dict:
+    """Run one mode in this process and return its timing (called in a child)."""
+    import numpy as np
+
+    from madp.bounding import Capacities, preference_keys
+    from madp.local_engine import bound_records, read_input, run_local
+    from madp.records import Columns
+    from madp.selection import BoundOptions
+
+    options = BoundOptions(max_contributions=k)
+    if mode in ("greedy", "local-kernels"):
+        chunk = read_input(data, Columns())[0]
+        started = time.perf_counter()
+        if mode == "greedy":
+            from reference import sequential_greedy
+            keys = preference_keys(chunk.ids, chunk.arity, "arity", 0)
+            order = np.lexsort((np.arange(len(chunk)), keys[1], keys[0])).tolist()
+            users, offsets = chunk.users.to_numpy().tolist(), chunk.offsets.tolist()
+            record_users = [users[offsets[i]:offsets[i + 1]] for i in range(len(chunk))]
+            copies = np.array(sequential_greedy(order, record_users, {}, k))
+            rounds = None
+        else:
+            result = bound_records(chunk, options, Capacities(k))
+            copies, rounds = result.copies, len(result.rounds)
+        return {"wall_s": time.perf_counter() - started, "records": len(chunk), "selected": int(copies.sum()),
+                "rounds": rounds}
+    if mode == "local":
+        report = run_local(data, output, options)
+    else:
+        from beam_pipelines.bound import run_beam
+        report = run_beam(data, output, options, ["--runner", "DirectRunner"])
+    return {"wall_s": report["wall_time_s"], "records": report["input_records"],
+            "selected": report["selected_records"], "rounds": report["rounds"]}
+
+
+def child(mode: str, data: str, k: int, work: str) -> dict:
+    """Run `measure` in a fresh process; add its peak resident memory."""
+    process = subprocess.Popen([sys.executable, __file__, "--child", mode, "--data", data, "-k", str(k),
+                                "--output", os.path.join(work, f"out-{mode}")],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{mode} failed with status {status}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss_mb"] = round(usage.ru_maxrss / 1024)
+    return result
+
+
+def generate(records: int, path: str) -> None:
+    subprocess.run([sys.executable, "-m", "madp.cli", "-q", "generate", path, "--records", str(records),
+                    "--graph", "skewed", "--seed", "1"], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=2_000_000)
+    parser.add_argument("--memory-records", type=int, default=10_000_000, help="0 skips the memory run")
+    parser.add_argument("-k", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.data, args.k, args.output)))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="madp-bench-") as work:
+        data = os.path.join(work, "records")
+        generate(args.records, data)
+        results = {mode: child(mode, data, args.k, work) for mode in ("greedy", "local-kernels", "local", "direct")}
+        if args.memory_records:
+            big = os.path.join(work, "records-big")
+            generate(args.memory_records, big)
+            results[f"local@{args.memory_records:,}"] = child("local", big, args.k, work)
+
+    print(f"skewed graph, {args.records:,} records, mean arity 2, K = {args.k}")
+    print(f"{'run':<22}{'wall s':>9}{'records/s':>13}{'rounds':>8}{'kept':>8}{'peak MB':>9}")
+    for name, r in results.items():
+        print(f"{name:<22}{r['wall_s']:>9.2f}{r['records'] / r['wall_s']:>13,.0f}{r['rounds'] or '-':>8}"
+              f"{r['selected'] / r['records']:>8.1%}{r['peak_rss_mb']:>9}")
+    assert len({results[m]["selected"] for m in ("greedy", "local-kernels", "local", "direct")}) == 1, \
+        "all approaches must select the same number of records"
+    print(f"local-kernels speed-up over greedy: {results['greedy']['wall_s'] / results['local-kernels']['wall_s']:.1f}x"
+          " (target >= 3x)")
+    print(f"DirectRunner / local wall time:    {results['direct']['wall_s'] / results['local']['wall_s']:.1f}x"
+          " (target <= 5x)")
+    if args.memory_records:
+        print(f"local peak memory at {args.memory_records:,} records: "
+              f"{results[f'local@{args.memory_records:,}']['peak_rss_mb']} MB (target < 4096 MB)")
+
+
+if __name__ == "__main__":
+    main()
