@@ -24,6 +24,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
+from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, StandardOptions, TypeOptions,
                                                   WorkerOptions)
 
@@ -130,6 +131,9 @@ def _split(keys: np.ndarray, partition: np.ndarray):
 
 
 def _stat(name: str, value: int) -> beam.pvalue.TaggedOutput:
+    """A count for the run's summary, also reported as a Beam counter (which retries may inflate)."""
+    if not name.startswith("max_"):
+        Metrics.counter(NAMESPACE, name).inc(int(value))
     return beam.pvalue.TaggedOutput("stats", (name, int(value)))
 
 
@@ -172,8 +176,8 @@ class _ReadFile(beam.DoFn):
     def process(self, element):
         index, path = element
         result = rec.read_file(path, index, self.columns)
-        Metrics.counter(NAMESPACE, "input_rows").inc(result.rows_read)
         yield _stat("input_rows", result.rows_read)
+        yield from (_stat(f"rejected_{reason}", count) for reason, count in result.rejects.counts().items())
         yield _stat("repeated_users_removed", result.repeated_users_removed)
         if len(result.rejects):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
@@ -198,6 +202,7 @@ class _BuildRecordPartition(beam.DoFn):
         chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
+            yield _stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))
         yield _stat("input_records", len(chunk))
         n = len(chunk)
         copies, in_pass = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
@@ -283,7 +288,6 @@ class _Select(beam.DoFn):
         (handle,) = grouped[STATE]
         state = self.store.load("records", handle)
         accepted = unanimous(np.searchsorted(state.keys, _messages(grouped, "proposals")), state.arity) & state.eligible
-        Metrics.counter(NAMESPACE, "selected_records").inc(int(accepted.sum()))
         yield _stat(_round_stat(self.round_index, "selected"), accepted.sum())
         if accepted.any():
             state = dataclasses.replace(state, eligible=state.eligible & ~accepted, copies=state.copies + accepted,
@@ -432,6 +436,8 @@ class _FinishRecords(beam.DoFn):
 def _user_stats(element, store: PartitionStore):
     _, (_, (handle, _)) = element
     side = store.load("users", handle)
+    Metrics.counter(NAMESPACE, "input_users").inc(len(side.residual))
+    Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
     yield "input_users", len(side.residual)
     yield "max_user_contribution", int(side.contribution.max(initial=0))
 
@@ -510,6 +516,12 @@ class BoundPipeline(beam.PTransform):
                     storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True))))
 
 
+def _counters(result) -> dict[str, int]:
+    """This namespace's Beam counters of a finished run (committed values where the runner has them)."""
+    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
+    return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in found}
+
+
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     """The user's Beam options, with our defaults where the user set none."""
     options = PipelineOptions(beam_args)
@@ -544,11 +556,15 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     beam_options = pipeline_options(beam_args)
     rounds: list[dict] = []
     passes, pass_rounds, run_index, new_pass, converged, rejects = 1, 0, 0, False, False, None
+    counters: list[dict] = []
     while True:
         block = rounds_per_pipeline if options.max_rounds is None else min(rounds_per_pipeline,
                                                                             options.max_rounds - len(rounds))
-        with beam.Pipeline(options=beam_options) as pipeline:
-            _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_index, new_pass)
+        pipeline = beam.Pipeline(options=beam_options)
+        _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_index, new_pass)
+        result = pipeline.run()
+        result.wait_until_finish()
+        counters.append(_counters(result))
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:
             rejects_file = storage.join(work, "rejected.jsonl")
@@ -590,6 +606,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
                   distinct_selected=summary.get("distinct_selected", 0),
                   max_user_contribution=summary.get("max_user_contribution", 0), rounds=len(rounds),
                   passes=passes, converged=converged, per_round=rounds, partitions=partitions,
+                  beam_counters_per_run=counters,
                   wall_time_s=round(time.perf_counter() - started, 3))
     storage.clear_directory(work)
     write_report(output, report)

@@ -45,6 +45,10 @@ def sharded_input(tmp_path, small_graph):
 def test_default_direct_runner_two_workers(tmp_path, sharded_input):
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), [])
     assert beam["converged"] and beam["rounds"] >= 2 and beam["engine"] == "DirectRunner"
+    (counters,) = beam["beam_counters_per_run"]
+    for name in ("input_rows", "input_records", "input_users", "selected_records", "distinct_selected"):
+        assert counters[name] == beam[name], name
+    assert counters["round_00001_selected"] == beam["per_round"][0]["selected"]
     assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]
 
 
