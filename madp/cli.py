@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
 
     bound = commands.add_parser(
-        "bound", help="select records so that no user exceeds its contribution bound",
+        "bound", allow_abbrev=False, help="select records so that no user exceeds its contribution bound",
         description="Round-based unanimous-proposal contribution bounding. Arguments this command does not "
                     "know are passed to Apache Beam as pipeline options (e.g. --project, --region, "
                     "--temp_location, --flink_master, --setup_file).")
