@@ -279,20 +279,36 @@ class _Propose(beam.DoFn):
 
 
 @beam.typehints.with_output_types(Tuple[int, Any])
-class _Select(beam.DoFn):
+class _JoinedStep(beam.DoFn):
+    """A step of round `round_index`: one partition's state, joined with the messages sent to it."""
+
     def __init__(self, store: PartitionStore, round_index: int):
         self.store, self.round_index = store, round_index
 
     def process(self, element):
         part, grouped = element[0], _by_kind(element[1])
-        (handle,) = grouped[STATE]
+        (state,) = grouped.pop(STATE)
+        yield from self.step(part, state, grouped)
+
+    def saved(self, side: str, part: int, static: str, state, step: str) -> tuple[str, str]:
+        return static, self.store.update(side, part, f"r{self.round_index:05d}-{step}", state)
+
+    def step(self, part: int, state, messages: dict):
+        raise NotImplementedError
+
+
+class _Select(_JoinedStep):
+    """Record side: select the records proposed by all their users; tell those users."""
+
+    def step(self, part, handle, messages):
         state = self.store.load("records", handle)
-        accepted = unanimous(np.searchsorted(state.keys, _messages(grouped, "proposals")), state.arity) & state.eligible
+        accepted = unanimous(np.searchsorted(state.keys, _messages(messages, "proposals")), state.arity)
+        accepted &= state.eligible
         yield _stat(_round_stat(self.round_index, "selected"), accepted.sum())
         if accepted.any():
             state = dataclasses.replace(state, eligible=state.eligible & ~accepted, copies=state.copies + accepted,
                                         in_pass=state.in_pass | accepted)
-            handle = (handle[0], self.store.update("records", part, f"r{self.round_index:05d}-selected", state))
+            handle = self.saved("records", part, handle[0], state, "selected")
             yield from _notify_users(state, accepted, "accepted")
         yield _keep(part, handle)
 
@@ -306,54 +322,44 @@ def _notify_users(state: RecordState, records: np.ndarray, tag: str):
         yield _send(tag, user_part, keys)
 
 
-@beam.typehints.with_output_types(Tuple[int, Any])
-class _Consume(beam.DoFn):
-    def __init__(self, store: PartitionStore, round_index: int):
-        self.store, self.round_index = store, round_index
+class _Consume(_JoinedStep):
+    """User side: take the accepted records; tell record partitions which records saturation killed."""
 
-    def process(self, element):
-        part, grouped = element[0], _by_kind(element[1])
-        ((handle, record_partition),) = grouped[STATE]
+    def step(self, part, state, messages):
+        handle, record_partition = state
         side = self.store.load("users", handle)
         before = side.eligible.sum()
-        dead = consume(side, local_mask(side.record_keys, _messages(grouped, "accepted")))
+        dead = consume(side, local_mask(side.record_keys, _messages(messages, "accepted")))
         for record_part, dead_keys in _split(side.record_keys[dead], record_partition[dead]):
             yield _send("dead", record_part, dead_keys)
         if side.eligible.sum() != before:
-            handle = (handle[0], self.store.update("users", part, f"r{self.round_index:05d}-consumed", side))
+            handle = self.saved("users", part, handle[0], side, "consumed")
         yield _keep(part, (handle, record_partition))
 
 
-@beam.typehints.with_output_types(Tuple[int, Any])
-class _RecordDeaths(beam.DoFn):
-    def __init__(self, store: PartitionStore, round_index: int):
-        self.store, self.round_index = store, round_index
+class _RecordDeaths(_JoinedStep):
+    """Record side: mark killed records ineligible; tell all their users."""
 
-    def process(self, element):
-        part, grouped = element[0], _by_kind(element[1])
-        (handle,) = grouped[STATE]
+    def step(self, part, handle, messages):
         state = self.store.load("records", handle)
-        newly_dead = local_mask(state.keys, _messages(grouped, "dead")) & state.eligible
+        newly_dead = local_mask(state.keys, _messages(messages, "dead")) & state.eligible
         yield _stat(_round_stat(self.round_index, "eligible"), (state.eligible & ~newly_dead).sum())
         if newly_dead.any():
             state = dataclasses.replace(state, eligible=state.eligible & ~newly_dead)
-            handle = (handle[0], self.store.update("records", part, f"r{self.round_index:05d}-dead", state))
+            handle = self.saved("records", part, handle[0], state, "dead")
             yield from _notify_users(state, newly_dead, "dead")
         yield _keep(part, handle)
 
 
-@beam.typehints.with_output_types(Tuple[int, Any])
-class _Retire(beam.DoFn):
-    def __init__(self, store: PartitionStore, round_index: int):
-        self.store, self.round_index = store, round_index
+class _Retire(_JoinedStep):
+    """User side: drop the records that a co-owner's saturation killed."""
 
-    def process(self, element):
-        part, grouped = element[0], _by_kind(element[1])
-        ((handle, record_partition),) = grouped[STATE]
-        if "dead" in grouped:
+    def step(self, part, state, messages):
+        handle, record_partition = state
+        if "dead" in messages:
             side = self.store.load("users", handle)
-            retire(side, local_mask(side.record_keys, _messages(grouped, "dead")))
-            handle = (handle[0], self.store.update("users", part, f"r{self.round_index:05d}-retired", side))
+            retire(side, local_mask(side.record_keys, _messages(messages, "dead")))
+            handle = self.saved("users", part, handle[0], side, "retired")
         yield _keep(part, (handle, record_partition))
 
 

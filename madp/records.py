@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
-from typing import Iterator
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -378,10 +376,3 @@ def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
         rejects.add(*chunk.source(i), DUPLICATE_ID,
                     {"id": chunk.ids[int(i)].as_py(), "users": users})
     return take(chunk, ~duplicated) if duplicated.any() else chunk
-
-
-def iter_record_users(chunk: RecordChunk) -> Iterator[tuple[object, list]]:
-    """(id, users) per record, for small data and error messages."""
-    ids, users = chunk.ids.to_pylist(), chunk.users.to_pylist()
-    for i, record_id in enumerate(ids):
-        yield record_id, users[chunk.offsets[i]:chunk.offsets[i + 1]]
