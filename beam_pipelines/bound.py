@@ -566,6 +566,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     while True:
         block = rounds_per_pipeline if options.max_rounds is None else min(rounds_per_pipeline,
                                                                             options.max_rounds - len(rounds))
+        log.info("pipeline run %d: pass %d, rounds %d-%d", run_index + 1, passes, len(rounds) + 1, len(rounds) + block)
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_index, new_pass)
         result = pipeline.run()

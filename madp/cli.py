@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    # Beam relays its workers' start-up warnings (missing GCP client libraries, unparsed
+    # options) through these loggers; they say nothing about the job.
+    logging.getLogger("apache_beam").setLevel(logging.ERROR)
+    logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
     try:
         if args.command == "generate":
             result = _generate(args)
