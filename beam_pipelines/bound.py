@@ -50,12 +50,11 @@ class RecordState:
     arity: np.ndarray
     user_partition_offsets: np.ndarray  # CSR: distinct user partitions of each record
     user_partitions: np.ndarray
-    eligible: np.ndarray
     copies: np.ndarray
     in_pass: np.ndarray
 
 
-_CHANGING = {"users": ("eligible", "residual"), "records": ("eligible", "copies", "in_pass")}
+_CHANGING = {"users": ("eligible", "residual"), "records": ("copies", "in_pass")}
 
 
 class PartitionStore:
@@ -128,6 +127,39 @@ def _split(keys: np.ndarray, partition: np.ndarray):
     parts, starts = np.unique(partition[order], return_index=True)
     for part, chunk in zip(parts, np.split(keys[order], starts[1:])):
         yield int(part), chunk
+
+
+def _partition_bits(rows: np.ndarray, partitions: np.ndarray, n: int, num_partitions: int) -> np.ndarray:
+    """Per row, the set of partitions as a bitmask: n x ceil(P/64) uint64 words."""
+    bits = np.zeros((n, (num_partitions + 63) // 64), dtype=np.uint64)
+    np.bitwise_or.at(bits, (rows, partitions // 64), np.left_shift(np.uint64(1), (partitions % 64).astype(np.uint64)))
+    return bits
+
+
+def _bits_below(partition: int, words: int) -> np.ndarray:
+    """Bitmask (one row of words) of the partitions numbered below `partition`."""
+    mask = np.zeros(words, dtype=np.uint64)
+    mask[: partition // 64] = np.uint64(0xFFFFFFFFFFFFFFFF)
+    if partition % 64:
+        mask[partition // 64] = np.uint64((1 << (partition % 64)) - 1)
+    return mask
+
+
+def _set_bits(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, partition) for every set bit of a bitmask matrix."""
+    rows, partitions = [], []
+    for word in range(bits.shape[1]):
+        values = bits[:, word].copy()
+        index = np.flatnonzero(values)
+        while len(index):
+            lowest = values[index] & (~values[index] + np.uint64(1))
+            rows.append(index)
+            partitions.append(64 * word + np.log2(lowest.astype(np.float64)).astype(np.int64))
+            values[index] ^= lowest
+            index = index[values[index] != 0]
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(partitions)
 
 
 def _stat(name: str, value: int) -> beam.pvalue.TaggedOutput:
@@ -222,15 +254,16 @@ class _BuildRecordPartition(beam.DoFn):
         ids = chunk.ids.to_numpy(zero_copy_only=False)
         self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": ids.astype(str) if ids.dtype == object else ids})
         state = RecordState(keys=chunk.keys, arity=arity, user_partition_offsets=offsets,
-                            user_partitions=pairs % self.partitions, eligible=~in_pass, copies=copies, in_pass=in_pass)
+                            user_partitions=pairs % self.partitions, copies=copies, in_pass=in_pass)
         yield _keep(part, self.store.create("records", part, state))
+        coowners = _partition_bits(pairs // self.partitions, pairs % self.partitions, n, self.partitions)
         slices = {}
         for user_part in np.unique(user_partition):
             mine = user_partition == user_part
             records = record_of_incidence[mine]
             slices[int(user_part)] = {
                 "users": chunk.users.filter(pa.array(mine)), "record_keys": chunk.keys[records],
-                "order": tuple(k[records] for k in keys), "record_partition": part,
+                "order": tuple(k[records] for k in keys), "record_partition": part, "coowners": coowners[records],
                 "selection": (copies[records], in_pass[records]) if self.state_dir else None}
         for user_part, where in self.store.write_slices(f"incidences-from-records{part:05d}.pkl", slices).items():
             yield beam.pvalue.TaggedOutput("incidences", (user_part, where))
@@ -259,7 +292,11 @@ def _build_user_partition(element, default: int, store: PartitionStore):
         copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
     side = build_user_side(pa.concat_arrays([c["users"] for c in chunks]), inc_record.astype(np.int64), record_keys,
                            order, capacities, copies, in_pass)
-    return _keep(part, (store.create("users", part, side), record_partition))
+    coowners = per_record([c["coowners"] for c in chunks])
+    owner = ~np.any(coowners & _bits_below(part, coowners.shape[1]), axis=1)
+    routing = store.write_arrays(f"users-{part:05d}-routing.pkl", {
+        "record_partition": record_partition, "coowners": coowners, "owner": owner})
+    return _keep(part, (*store.create("users", part, side), routing))
 
 
 # --- the steps of a round: each joins a partition's handle with its messages ---------------------
@@ -270,10 +307,10 @@ class _Propose(beam.DoFn):
         self.store = store
 
     def process(self, element):
-        part, (_, (handle, record_partition)) = element
-        side = self.store.load("users", handle)
+        part, (_, handle) = element
+        side, routing = self.store.load("users", handle), _read_static(handle[2])
         index = side.inc_record[propose(side)]
-        for record_part, keys in _split(side.record_keys[index], record_partition[index]):
+        for record_part, keys in _split(side.record_keys[index], routing["record_partition"][index]):
             yield _send("proposals", record_part, keys)
         yield element
 
@@ -303,11 +340,9 @@ class _Select(_JoinedStep):
     def step(self, part, handle, messages):
         state = self.store.load("records", handle)
         accepted = unanimous(np.searchsorted(state.keys, _messages(messages, "proposals")), state.arity)
-        accepted &= state.eligible
         yield _stat(_round_stat(self.round_index, "selected"), accepted.sum())
         if accepted.any():
-            state = dataclasses.replace(state, eligible=state.eligible & ~accepted, copies=state.copies + accepted,
-                                        in_pass=state.in_pass | accepted)
+            state = dataclasses.replace(state, copies=state.copies + accepted, in_pass=state.in_pass | accepted)
             handle = self.saved("records", part, handle[0], state, "selected")
             yield from _notify_users(state, accepted, "accepted")
         yield _keep(part, handle)
@@ -323,44 +358,35 @@ def _notify_users(state: RecordState, records: np.ndarray, tag: str):
 
 
 class _Consume(_JoinedStep):
-    """User side: take the accepted records; tell record partitions which records saturation killed."""
-
-    def step(self, part, state, messages):
-        handle, record_partition = state
-        side = self.store.load("users", handle)
-        before = side.eligible.sum()
-        dead = consume(side, local_mask(side.record_keys, _messages(messages, "accepted")))
-        for record_part, dead_keys in _split(side.record_keys[dead], record_partition[dead]):
-            yield _send("dead", record_part, dead_keys)
-        if side.eligible.sum() != before:
-            handle = self.saved("users", part, handle[0], side, "consumed")
-        yield _keep(part, (handle, record_partition))
-
-
-class _RecordDeaths(_JoinedStep):
-    """Record side: mark killed records ineligible; tell all their users."""
+    """User side: take the accepted records; retire the records its saturated users kill, here and
+    (by message) in the co-owners' user partitions."""
 
     def step(self, part, handle, messages):
-        state = self.store.load("records", handle)
-        newly_dead = local_mask(state.keys, _messages(messages, "dead")) & state.eligible
-        yield _stat(_round_stat(self.round_index, "eligible"), (state.eligible & ~newly_dead).sum())
-        if newly_dead.any():
-            state = dataclasses.replace(state, eligible=state.eligible & ~newly_dead)
-            handle = self.saved("records", part, handle[0], state, "dead")
-            yield from _notify_users(state, newly_dead, "dead")
+        side, routing = self.store.load("users", handle), _read_static(handle[2])
+        before = side.eligible.sum()
+        dead = consume(side, local_mask(side.record_keys, _messages(messages, "accepted")))
+        retire(side, dead)
+        rows, partitions = _set_bits(routing["coowners"][dead])
+        elsewhere = partitions != part
+        for user_part, keys in _split(side.record_keys[dead][rows[elsewhere]], partitions[elsewhere]):
+            yield _send("dead", user_part, keys)
+        if side.eligible.sum() != before:
+            handle = (*self.saved("users", part, handle[0], side, "consumed"), handle[2])
         yield _keep(part, handle)
 
 
 class _Retire(_JoinedStep):
-    """User side: drop the records that a co-owner's saturation killed."""
+    """User side: retire the records that saturation killed elsewhere; count the eligible records
+    this partition owns (lowest user partition among a record's users)."""
 
-    def step(self, part, state, messages):
-        handle, record_partition = state
+    def step(self, part, handle, messages):
+        side, routing = self.store.load("users", handle), _read_static(handle[2])
         if "dead" in messages:
-            side = self.store.load("users", handle)
             retire(side, local_mask(side.record_keys, _messages(messages, "dead")))
-            handle = self.saved("users", part, handle[0], side, "retired")
-        yield _keep(part, (handle, record_partition))
+            handle = (*self.saved("users", part, handle[0], side, "retired"), handle[2])
+        eligible_records = np.bincount(side.inc_record[side.eligible], minlength=len(side.record_keys)) > 0
+        yield _stat(_round_stat(self.round_index, "eligible"), (eligible_records & routing["owner"]).sum())
+        yield _keep(part, handle)
 
 
 class _Step(beam.PTransform):
@@ -389,14 +415,12 @@ class Saturate(beam.PTransform):
         self.store, self.round_index = store, round_index
 
     def expand(self, inputs):
-        users, records, accepted = inputs
+        users, accepted = inputs
         consumed = ((users, accepted)
                     | "UsersTakeAccepted" >> _Step(_Consume(self.store, self.round_index), ("dead",)))
-        deaths = ((records, consumed.dead)
-                  | "RecordsLearnDeaths" >> _Step(_RecordDeaths(self.store, self.round_index), ("dead", "stats")))
-        users = ((consumed.state, deaths.dead)
-                 | "UsersRetireDead" >> _Step(_Retire(self.store, self.round_index), ()))
-        return users.state, deaths.state, deaths.stats
+        retired = ((consumed.state, consumed.dead)
+                   | "CoOwnersRetireDead" >> _Step(_Retire(self.store, self.round_index), ("stats",)))
+        return retired.state, retired.stats
 
 
 class ProposalRound(beam.PTransform):
@@ -411,9 +435,8 @@ class ProposalRound(beam.PTransform):
         proposed = users | "UsersPropose" >> beam.ParDo(_Propose(self.store)).with_outputs("proposals", main="state")
         selected = ((records, proposed.proposals)
                     | "RecordsSelectUnanimous" >> _Step(_Select(self.store, self.round_index), ("accepted", "stats")))
-        users, records, death_stats = ((proposed.state, selected.state, selected.accepted)
-                                       | "Saturate" >> Saturate(self.store, self.round_index))
-        return users, records, (selected.stats, death_stats)
+        users, death_stats = (proposed.state, selected.accepted) | "Saturate" >> Saturate(self.store, self.round_index)
+        return users, selected.state, (selected.stats, death_stats)
 
 
 # --- outputs ------------------------------------------------------------------------------------
@@ -440,7 +463,7 @@ class _FinishRecords(beam.DoFn):
 
 
 def _user_stats(element, store: PartitionStore):
-    _, (_, (handle, _)) = element
+    _, (_, handle) = element
     side = store.load("users", handle)
     Metrics.counter(NAMESPACE, "input_users").inc(len(side.residual))
     Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
@@ -498,7 +521,8 @@ class BoundPipeline(beam.PTransform):
                  | "GroupUserPartitions" >> beam.CoGroupByKey()
                  | "BuildUserPartitions" >> beam.Map(_build_user_partition, self.options.max_contributions, store))
         no_messages = pbegin | "NoAcceptedYet" >> beam.Create([])
-        users, records, setup_stats = (users, built.records, no_messages) | "SaturateInitially" >> Saturate(store, 0)
+        users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
+        records = built.records
         stats = [read.stats, built.stats, setup_stats]
         for round_index in range(1, self.rounds + 1):
             users, records, round_stats = (users, records) | f"Round{round_index}" >> ProposalRound(store, round_index)
