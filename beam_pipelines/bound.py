@@ -2,21 +2,22 @@
 
 Records are split into `partitions` record partitions (by id hash) and user partitions (by
 user hash); every element is a whole columnar partition, never a single record. Each round of
-Alg. 1 is unrolled in the graph as four shuffles:
+Alg. 1 is unrolled in the graph as three shuffles of messages (record keys):
 
-  users --proposals--> records --accepted--> users --dead--> records --dead--> users
+  users --proposals--> records --accepted--> users --dead--> co-owners' user partitions
 
-A pipeline run unrolls a block of rounds; the driver (`run_beam`) chains runs until the
-algorithm converges, carrying the partial selection in OUTPUT/_work/, and starts a new pass
-over residual capacities for the with-duplicates variant.
+Partition arrays stay in a `PartitionStore` under OUTPUT/_work/; only handles and messages
+travel through the graph. A pipeline run unrolls a block of rounds; the driver (`run_beam`)
+chains runs until the algorithm converges, carrying the partial selection, and starts a new
+pass over residual capacities for the with-duplicates variant.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import pickle
 import logging
+import pickle
 import time
 from typing import Any, Tuple
 

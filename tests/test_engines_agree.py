@@ -59,12 +59,14 @@ def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
     assert local["passes"] > 1 and local["selected_records"] > local["distinct_selected"]
 
 
-def test_string_ids_capacities_one_partition_sharded_output(tmp_path, small_graph):
-    rows = [{"id": f"doc-{r['id']}", "users": [f"u{u}" for u in r["users"]], "body": "x"} for r in small_graph]
+def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, small_graph):
+    rows = [{"id": f"doc-{r['id']}", "users": [f"u{u}" for u in r["users"]], "body": "x", "w": r["id"] % 5}
+            for r in small_graph]
     input_path = write_records(str(tmp_path / "records.jsonl"), rows)
     capacities = tmp_path / "capacities.csv"
     capacities.write_text("user,capacity\n" + "".join(f"u{u},{u % 4}\n" for u in range(0, 400, 3)))
-    options = BoundOptions(max_contributions=2, capacities=str(capacities), output_shards=3)
+    options = BoundOptions(max_contributions=2, capacities=str(capacities), output_shards=3, order="weight",
+                           columns=Columns(weight="w"))
     assert_same(tmp_path, input_path, options, ["--direct_num_workers=1"], partitions=1)
     assert verify_bound(input_path, str(tmp_path / "beam"), 2, str(capacities))["ok"]
 
