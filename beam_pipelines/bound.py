@@ -603,7 +603,8 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
             rejects = rec.Rejects.from_jsonl(storage.read_text(rejects_file)
                                              if storage.kind(rejects_file) == "file" else "")
             if len(rejects) and options.on_invalid == "error":
-                storage.clear_directory(output)
+                prepare_output(output)  # this run's partial selection must not outlive its error
+                storage.clear_directory(work)
             handle_rejects(rejects, options, output)
         eligible = summary.get(_round_stat(0, "eligible"), 0)
         if eligible == 0 and pass_rounds == 0:

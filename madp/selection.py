@@ -119,9 +119,10 @@ def write_report(output: str, report: dict) -> None:
 
 
 def prepare_output(output: str) -> None:
-    """Clear the results of an earlier run in OUTPUT so that no stale shard survives."""
+    """Clear the results of an earlier run (and only those) so that no stale shard survives."""
     for sub in (SELECTED_DIR, REJECTED_DIR):
         storage.clear_directory(storage.join(output, sub))
+    storage.remove_file(storage.join(output, REPORT_FILE))
 
 
 def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: int, input_records: int,

@@ -57,3 +57,9 @@ def clear_directory(directory: str) -> None:
     filesystem, resolved = _resolve(directory)
     if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:
         filesystem.delete_dir_contents(resolved)
+
+
+def remove_file(path: str) -> None:
+    filesystem, resolved = _resolve(path)
+    if filesystem.get_file_info(resolved).type == pafs.FileType.File:
+        filesystem.delete_file(resolved)

@@ -110,3 +110,16 @@ def test_partition_bitmasks_beyond_64_partitions():
         owner = ~np.any(bits & _bits_below(partition, 3), axis=1)
         expected = [not any(p < partition for r, p in zip(rows, partitions) if r == row) for row in range(50)]
         assert owner.tolist() == expected
+
+
+def test_beam_error_removes_only_its_own_outputs(tmp_path):
+    from madp.records import InputError
+    input_path = write_records(str(tmp_path / "bad.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": []}])
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "notes.txt").write_text("the user's own file")
+    with pytest.raises(InputError, match="row 1: empty_users"):
+        run_beam(input_path, str(output), BoundOptions(max_contributions=1), ["--direct_running_mode=in_memory"])
+    assert (output / "notes.txt").read_text() == "the user's own file"
+    assert not (output / "report.json").exists()
+    assert not [f for d in ("_work", "rejected", "selected") if (output / d).exists() for f in (output / d).iterdir()]
