@@ -19,6 +19,7 @@ import json
 import logging
 import pickle
 import time
+import uuid
 from typing import Any, Tuple
 
 import apache_beam as beam
@@ -61,10 +62,10 @@ _CHANGING = {"users": ("eligible", "residual"), "records": ("copies", "in_pass")
 class PartitionStore:
     """Partition state kept in files under OUTPUT/_work/, so that only messages are shuffled.
 
-    A handle (static path, changing path) travels with each partition through the graph. The
-    static arrays are written once; the changing ones are written by each step that changes
-    them, under a name unique to (pipeline run, side, partition, step), so a retried bundle
-    rewrites identical content.
+    A handle (static path, changing path; for users also a routing path) travels with each
+    partition through the graph. The static arrays are written once; the changing ones are
+    written by each step that changes them, under a name unique to (pipeline run, side,
+    partition, step), so a retried bundle rewrites identical content.
     """
 
     def __init__(self, directory: str):
@@ -108,7 +109,7 @@ class PartitionStore:
     def update(self, side: str, part: int, step: str, state) -> str:
         return self.write_arrays(f"{side}-{part:05d}-{step}.pkl", {k: getattr(state, k) for k in _CHANGING[side]})
 
-    def load(self, side: str, handle: tuple[str, str]):
+    def load(self, side: str, handle: tuple[str, ...]):
         arrays = {**_read_static(handle[0]), **self.read_arrays(handle[1])}
         return UserSide(**arrays) if side == "users" else RecordState(**arrays)
 
@@ -495,14 +496,14 @@ class BoundPipeline(beam.PTransform):
     """Read records, build both sides, run `rounds` unrolled rounds, write selection and state."""
 
     def __init__(self, files: list[str], output: str, options: BoundOptions, partitions: int, rounds: int,
-                 run_index: int, new_pass: bool):
+                 run_name: str, continues: bool, new_pass: bool):
         super().__init__()
         self.files, self.output, self.options, self.partitions = files, output, options, partitions
-        self.rounds, self.run_index, self.new_pass = rounds, run_index, new_pass
+        self.rounds, self.run_name, self.continues, self.new_pass = rounds, run_name, continues, new_pass
 
     def expand(self, pbegin):
         work = storage.join(self.output, WORK_DIR)
-        store = PartitionStore(storage.join(work, f"run-{self.run_index:04d}"))
+        store = PartitionStore(storage.join(work, self.run_name))
         state_dir = storage.join(work, "state")
         read = (pbegin
                 | "ListFiles" >> beam.Create(list(enumerate(self.files)))
@@ -512,7 +513,7 @@ class BoundPipeline(beam.PTransform):
         built = (read.chunks
                  | "GroupRecordPartitions" >> beam.GroupByKey()
                  | "BuildRecordPartitions" >> beam.ParDo(_BuildRecordPartition(
-                     self.options, self.partitions, store, state_dir if self.run_index else None,
+                     self.options, self.partitions, store, state_dir if self.continues else None,
                      self.new_pass)).with_outputs("incidences", "rejects", "stats", main="records"))
         capacities = (pbegin | "CapacitiesFile" >> beam.Create([self.options.capacities] if self.options.capacities
                                                                 else [])
@@ -588,12 +589,16 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     rounds: list[dict] = []
     passes, pass_rounds, run_index, new_pass, converged, rejects = 1, 0, 0, False, False, None
     counters: list[dict] = []
+    invocation = uuid.uuid4().hex[:12]
     while True:
         block = rounds_per_pipeline if options.max_rounds is None else min(rounds_per_pipeline,
                                                                             options.max_rounds - len(rounds))
         log.info("pipeline run %d: pass %d, rounds %d-%d", run_index + 1, passes, len(rounds) + 1, len(rounds) + block)
         pipeline = beam.Pipeline(options=beam_options)
-        _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_index, new_pass)
+        # Unique per invocation: workers cache static arrays by path.
+        run_name = f"{invocation}-run-{run_index:04d}"
+        _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_name, run_index > 0,
+                                                new_pass)
         result = pipeline.run()
         result.wait_until_finish()
         counters.append(_counters(result))

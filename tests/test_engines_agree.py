@@ -123,3 +123,15 @@ def test_beam_error_removes_only_its_own_outputs(tmp_path):
     assert (output / "notes.txt").read_text() == "the user's own file"
     assert not (output / "report.json").exists()
     assert not [f for d in ("_work", "rejected", "selected") if (output / d).exists() for f in (output / d).iterdir()]
+
+
+def test_second_beam_run_into_same_output(tmp_path, small_graph):
+    """A second run into the same OUTPUT gives the result of its own input alone."""
+    first = write_records(str(tmp_path / "first.parquet"), small_graph)
+    second = write_records(str(tmp_path / "second.parquet"), small_graph[: len(small_graph) // 2])
+    args = ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    run_beam(first, str(tmp_path / "out"), BoundOptions(max_contributions=2), args)
+    again = run_beam(second, str(tmp_path / "out"), BoundOptions(max_contributions=2), args)
+    expected = run_local(second, str(tmp_path / "local"), BoundOptions(max_contributions=2))
+    assert again["selected_records"] == expected["selected_records"]
+    assert selection_files(str(tmp_path / "out")) == selection_files(str(tmp_path / "local"))
