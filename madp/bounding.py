@@ -4,7 +4,7 @@ bounding paper, Alg. 1), on numpy arrays.
 State lives on two sides, which the engines may split into partitions:
 - the *user side*: incidences (user, record) sorted by user, then by the universal preference
   order; an eligibility flag per incidence; a residual capacity per user;
-- the *record side*: arity and eligibility per record, and the copies selected so far.
+- the *record side*: the arity of each record, to recognise unanimous proposals.
 Records are referred to by int64 keys; every function takes partition-local arrays.
 
 With a universal order, the result equals the sequential greedy (Alg. 2 / Alg. 3 of "It's my
@@ -67,10 +67,6 @@ class UserSide:
     @property
     def contribution(self) -> np.ndarray:
         return self.capacity - self.residual
-
-    def copy(self) -> "UserSide":
-        """A copy whose changing state (eligible, residual) is its own."""
-        return dataclasses.replace(self, eligible=self.eligible.copy(), residual=self.residual.copy())
 
 
 def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys: np.ndarray,

@@ -48,7 +48,7 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
         passes += 1
         while eligible.any() and (options.max_rounds is None or len(rounds) < options.max_rounds):
             proposed = propose(users)
-            accepted = unanimous(users.inc_record[proposed], arity) & eligible
+            accepted = unanimous(users.inc_record[proposed], arity)
             copies += accepted
             eligible &= ~accepted
             dead = consume(users, accepted)
