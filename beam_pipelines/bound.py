@@ -253,8 +253,7 @@ class _BuildRecordPartition(beam.DoFn):
         # Sort and mask: numpy 2's hash-based np.unique is ~25x slower on these many distinct values.
         pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])]
         offsets = np.concatenate([[0], np.cumsum(np.bincount(pairs // self.partitions, minlength=n))]).astype(np.int64)
-        ids = chunk.ids.to_numpy(zero_copy_only=False)
-        self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": ids.astype(str) if ids.dtype == object else ids})
+        self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": chunk.ids})
         state = RecordState(keys=chunk.keys, arity=arity, user_partition_offsets=offsets,
                             user_partitions=pairs % self.partitions, copies=copies, in_pass=in_pass)
         yield _keep(part, self.store.create("records", part, state))
@@ -281,6 +280,8 @@ def _split_capacities(path: str, default: int, partitions: int):
 
 def _build_user_partition(element, default: int, store: PartitionStore):
     part, grouped = element
+    if not grouped["incidences"]:
+        return  # capacities listed for users of no record
     chunks = [store.read_slice(where) for where in grouped["incidences"]]
     capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
     record_keys, first, inc_record = np.unique(np.concatenate([c["record_keys"] for c in chunks]),
@@ -298,7 +299,7 @@ def _build_user_partition(element, default: int, store: PartitionStore):
     owner = ~np.any(coowners & _bits_below(part, coowners.shape[1]), axis=1)
     routing = store.write_arrays(f"users-{part:05d}-routing.pkl", {
         "record_partition": record_partition, "coowners": coowners, "owner": owner})
-    return _keep(part, (*store.create("users", part, side), routing))
+    yield _keep(part, (*store.create("users", part, side), routing))
 
 
 # --- the steps of a round: each joins a partition's handle with its messages ---------------------
@@ -459,7 +460,8 @@ class _FinishRecords(beam.DoFn):
         yield _stat("distinct_selected", (state.copies > 0).sum())
         selected = state.copies > 0
         ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.pkl"))["ids"]
-        for shard, table in selection_shards(pa.array(ids[selected]), state.copies[selected], self.shards).items():
+        for shard, table in selection_shards(ids.filter(pa.array(selected)), state.copies[selected],
+                                             self.shards).items():
             if len(table):
                 yield shard, table
 
@@ -521,7 +523,7 @@ class BoundPipeline(beam.PTransform):
                                                           self.partitions))
         users = ({"incidences": built.incidences, "capacities": capacities}
                  | "GroupUserPartitions" >> beam.CoGroupByKey()
-                 | "BuildUserPartitions" >> beam.Map(_build_user_partition, self.options.max_contributions, store))
+                 | "BuildUserPartitions" >> beam.FlatMap(_build_user_partition, self.options.max_contributions, store))
         no_messages = pbegin | "NoAcceptedYet" >> beam.Create([])
         users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
         records = built.records

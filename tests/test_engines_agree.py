@@ -135,3 +135,13 @@ def test_second_beam_run_into_same_output(tmp_path, small_graph):
     expected = run_local(second, str(tmp_path / "local"), BoundOptions(max_contributions=2))
     assert again["selected_records"] == expected["selected_records"]
     assert selection_files(str(tmp_path / "out")) == selection_files(str(tmp_path / "local"))
+
+
+def test_capacities_for_users_without_records(tmp_path):
+    input_path = write_records(str(tmp_path / "tiny.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": [1, 2]},
+                                                                {"id": 3, "users": [2]}])
+    capacities = tmp_path / "caps.csv"
+    capacities.write_text("user,capacity\n" + "".join(f"{u},1\n" for u in range(1, 200)))
+    options = BoundOptions(max_contributions=2, capacities=str(capacities))
+    local, _ = assert_same(tmp_path, input_path, options, ["--direct_running_mode=in_memory"], partitions=8)
+    assert local["selected_records"] == 2
