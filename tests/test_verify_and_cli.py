@@ -81,3 +81,15 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     code, _, err = run_cli(capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local",
                            "--project", "x")
     assert code == 2 and "takes no Beam options" in err
+
+
+def test_generate_single_files_are_valid_input(tmp_path, capsys):
+    for name in ("records.jsonl", "records.parquet"):
+        code, generated, _ = run_cli(capsys, "generate", str(tmp_path / name), "--records", "300", "--graph",
+                                     "regular", "--features", "3")
+        assert code == 0 and generated["records"] == 300
+        code, report, _ = run_cli(capsys, "bound", str(tmp_path / name), str(tmp_path / f"out-{name}"), "-k", "1",
+                                  "--runner", "local")
+        assert code == 0 and report["input_records"] == 300 and report["rejected_total"] == 0
+    first = open(tmp_path / "records.jsonl").readline()
+    assert set(json.loads(first)) == {"id", "users", "features", "label"} and len(json.loads(first)["features"]) == 3
