@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import pickle
+import re
 import time
 import uuid
 from typing import Any, Tuple
@@ -550,6 +551,11 @@ class BoundPipeline(beam.PTransform):
                     storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True))))
 
 
+def _input_error_in(error: Exception) -> rec.InputError | None:
+    found = re.search(r"InputError: (.+?)(?: \[while running|\n|$)", str(error))
+    return rec.InputError(found.group(1)) if found else None
+
+
 def _counters(result) -> dict[str, int]:
     """This namespace's Beam counters of a finished run (committed values where the runner has them)."""
     found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
@@ -601,8 +607,12 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         run_name = f"{invocation}-run-{run_index:04d}"
         _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_name, run_index > 0,
                                                 new_pass)
-        result = pipeline.run()
-        result.wait_until_finish()
+        try:
+            result = pipeline.run()
+            result.wait_until_finish()
+        except Exception as error:  # the runner wraps what workers raise; bad input must still read clearly
+            raise _input_error_in(error) or error
+
         counters.append(_counters(result))
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:

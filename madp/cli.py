@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     # Beam relays its workers' start-up warnings (missing GCP client libraries, unparsed
     # options) through these loggers; they say nothing about the job.
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
+    # The DirectRunner also relays worker tracebacks; the driver raises the same failure itself.
+    logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
     try:
         if args.command == "generate":

@@ -325,7 +325,7 @@ def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int
 def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
     """Concatenate chunks (in the given order) into one."""
     non_empty = [c for c in chunks if len(c)] or chunks[:1]
-    _check_same_type([c.ids.type for c in non_empty], "id")
+    _check_same_type([c.ids.type for c in non_empty], "record")
     _check_same_type([c.users.type for c in non_empty if len(c.users)], "user")
     sources = {index: path for c in non_empty for index, path in c.sources.items()}
     offsets = [non_empty[0].offsets[:1]]

@@ -145,3 +145,12 @@ def test_capacities_for_users_without_records(tmp_path):
     options = BoundOptions(max_contributions=2, capacities=str(capacities))
     local, _ = assert_same(tmp_path, input_path, options, ["--direct_running_mode=in_memory"], partitions=8)
     assert local["selected_records"] == 2
+
+
+def test_input_error_inside_a_worker_reads_clearly(tmp_path):
+    from madp.records import InputError
+    write_records(str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1]}])
+    write_records(str(tmp_path / "b.jsonl"), [{"id": "x", "users": [2]}])
+    with pytest.raises(InputError, match=r"^record ids mix integers and strings across input files"):
+        run_beam(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1),
+                 ["--direct_running_mode=in_memory"], partitions=1)
