@@ -94,8 +94,14 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
         for user in users_of.get(record_id, ()):
             contribution[user] += copies if isinstance(copies, int) else 0
     capacity = _capacities(capacities_path)
-    over = sorted(((user, count, capacity.get(user, max_contributions)) for user, count in contribution.items()
-                   if count > capacity.get(user, max_contributions)), key=lambda v: (-v[1], str(v[0])))
+    # A CSV cannot say whether user "123" is a number: match capacities by text as well as by value.
+    capacity_by_text = {str(user): bound for user, bound in capacity.items()}
+
+    def bound_of(user) -> int:
+        return capacity.get(user, capacity_by_text.get(str(user), max_contributions))
+
+    over = sorted(((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
+                  key=lambda v: (-v[1], str(v[0])))
     violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
     return {"ok": not violations, "selected_records": sum(c for c in selected.values() if isinstance(c, int)),
             "distinct_selected": len(selected), "users_with_selected_records": len(contribution),

@@ -93,3 +93,16 @@ def test_generate_single_files_are_valid_input(tmp_path, capsys):
         assert code == 0 and report["input_records"] == 300 and report["rejected_total"] == 0
     first = open(tmp_path / "records.jsonl").readline()
     assert set(json.loads(first)) == {"id", "users", "features", "label"} and len(json.loads(first)["features"]) == 3
+
+
+def test_verify_applies_csv_capacities_to_string_user_ids(tmp_path, capsys):
+    rows = [{"id": i, "users": ["123"]} for i in range(3)]
+    input_path = write_records(str(tmp_path / "in.jsonl"), rows)
+    capacities = tmp_path / "caps.csv"
+    capacities.write_text("user,capacity\n123,1\n")
+    report = bound(tmp_path, capsys, input_path, "--capacities", str(capacities))
+    assert report["selected_records"] == 1, "the producer applies capacity 1 to user '123'"
+    corrupt(tmp_path, lambda rows: [{**rows[0], "copies": 2}])
+    code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2",
+                               "--capacities", str(capacities))
+    assert code == 1 and "user '123' contributes 2 records, bound 1" in verdict["violations"]
