@@ -26,11 +26,12 @@ MISSING_USERS = "missing_users"
 EMPTY_USERS = "empty_users"
 NULL_USER = "null_user"
 NON_SCALAR_USER = "non_scalar_user"
+BAD_USER_TYPE = "bad_user_type"
 BAD_WEIGHT = "bad_weight"
 INVALID_JSON = "invalid_json"
 DUPLICATE_ID = "duplicate_id"
 REJECT_REASONS = (INVALID_JSON, MISSING_ID, BAD_ID_TYPE, MISSING_USERS, EMPTY_USERS,
-                  NULL_USER, NON_SCALAR_USER, BAD_WEIGHT, DUPLICATE_ID)
+                  NULL_USER, NON_SCALAR_USER, BAD_USER_TYPE, BAD_WEIGHT, DUPLICATE_ID)
 
 _ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass
 
@@ -185,18 +186,25 @@ def _empty_table(columns: Columns) -> pa.Table:
     return pa.Table.from_pylist([], schema=pa.schema(fields))
 
 
-def _is_scalar_id(value: object) -> bool:
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _is_id(value: object) -> bool:
+    """A string, or an integer that fits in 64 bits (JSON booleans are not integers here)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)
+                                      and _INT64[0] <= value <= _INT64[1])
 
 
 def _row_problem(obj: dict, columns: Columns) -> str | None:
     """Why a parsed JSON object cannot be typed as a record, or None (nulls are checked later)."""
     record_id, record_users = obj.get(columns.id), obj.get(columns.users)
-    if record_id is not None and not _is_scalar_id(record_id):
+    if record_id is not None and not _is_id(record_id):
         return BAD_ID_TYPE
     if record_users is not None and (not isinstance(record_users, list)
-                                     or not all(u is None or _is_scalar_id(u) for u in record_users)):
+                                     or any(isinstance(u, (list, dict)) for u in record_users)):
         return NON_SCALAR_USER
+    if record_users is not None and not all(u is None or _is_id(u) for u in record_users):
+        return BAD_USER_TYPE
     weight = obj.get(columns.weight) if columns.weight else None
     if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
         return BAD_WEIGHT

@@ -28,9 +28,13 @@ this is not json
 
 {"id": 8, "users": "alice"}
 {"id": 9, "users": [6]}
+{"id": 123456789012345678901234567890, "users": [1]}
+{"id": 11, "users": [1.5]}
+{"id": 12, "users": [true]}
+{"id": 13, "users": [99999999999999999999999]}
 """
 EXPECTED = {"missing_id": 2, "empty_users": 1, "missing_users": 1, "null_user": 1, "non_scalar_user": 3,
-            "duplicate_id": 2, "invalid_json": 1, "bad_id_type": 1}
+            "bad_user_type": 3, "duplicate_id": 2, "invalid_json": 1, "bad_id_type": 2}
 
 
 @pytest.fixture
@@ -44,7 +48,7 @@ def test_error_names_file_row_reason_and_totals(tmp_path, bad_input):
     with pytest.raises(InputError) as error:
         run_local(bad_input, str(tmp_path / "out"), BoundOptions(max_contributions=1))
     message = str(error.value)
-    assert "12 invalid input rows" in message
+    assert "16 invalid input rows" in message
     assert f"{bad_input}: row 2: missing_id" in message
     assert "non_scalar_user: 3" in message and "--on-invalid skip" in message
     assert not (tmp_path / "out" / "selected").exists(), "a failed run writes no selection"
@@ -52,11 +56,11 @@ def test_error_names_file_row_reason_and_totals(tmp_path, bad_input):
 
 def test_skip_writes_and_counts_every_rejected_row(tmp_path, bad_input):
     report = run_local(bad_input, str(tmp_path / "out"), BoundOptions(max_contributions=1, on_invalid="skip"))
-    assert report["rejected"] == EXPECTED and report["rejected_total"] == 12
-    assert report["input_rows"] == 15 and report["input_records"] == 3
+    assert report["rejected"] == EXPECTED and report["rejected_total"] == 16
+    assert report["input_rows"] == 19 and report["input_records"] == 3
     assert report["repeated_users_removed"] == 1
     rejected = [json.loads(line) for line in open(tmp_path / "out" / "rejected" / "rejected.jsonl")]
-    assert len(rejected) == 12 and {r["file"] for r in rejected} == {bad_input}
+    assert len(rejected) == 16 and {r["file"] for r in rejected} == {bad_input}
     by_row = {r["row"]: r for r in rejected}
     assert by_row[11]["reason"] == "invalid_json" and by_row[11]["record"] == "this is not json"
     assert by_row[9]["reason"] == by_row[10]["reason"] == "duplicate_id", "no occurrence of a duplicated id is kept"
