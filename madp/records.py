@@ -247,14 +247,21 @@ def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
     return pa.array(values, type=pa.string() if kind is str else pa.int64())
 
 
+def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Array:
+    try:
+        return values.cast(target)
+    except pa.ArrowInvalid as error:
+        raise InputError(f"{path}: {what} do not fit {target} (64-bit signed integers): {error}") from error
+
+
 def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None,
               path: str, file_index: int, columns: Columns) -> FileResult:
     n = len(table)
     ids = table.column(columns.id).combine_chunks()
     if pa.types.is_large_string(ids.type):
-        ids = ids.cast(pa.string())
+        ids = _cast(ids, pa.string(), path, "ids")
     elif pa.types.is_integer(ids.type):
-        ids = ids.cast(pa.int64())
+        ids = _cast(ids, pa.int64(), path, "ids")
     elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
         raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
     users = table.column(columns.users).combine_chunks()
@@ -263,11 +270,9 @@ def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | N
     if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
         raise InputError(f"{path}: users column {columns.users!r} has type {users.type}; expected a list")
     if pa.types.is_large_string(users.type.value_type):
-        users = users.cast(pa.list_(pa.string()))
-    elif pa.types.is_integer(users.type.value_type):
-        users = users.cast(pa.list_(pa.int64()))
-    elif pa.types.is_null(users.type.value_type):
-        users = users.cast(pa.list_(pa.int64()))
+        users = _cast(users, pa.list_(pa.string()), path, "user ids")
+    elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
+        users = _cast(users, pa.list_(pa.int64()), path, "user ids")
     elif not pa.types.is_string(users.type.value_type):
         raise InputError(f"{path}: users column {columns.users!r} holds {users.type.value_type}; "
                          f"expected integer or string user ids")

@@ -119,3 +119,9 @@ def test_bad_capacities_file(tmp_path, small_graph):
     capacities.write_text("user,capacity\n1,2\n1,3\n2,-1\n")
     with pytest.raises(InputError, match="row 0: user listed twice.*row 2: missing or negative capacity"):
         run_local(input_path, str(tmp_path / "out"), BoundOptions(max_contributions=1, capacities=str(capacities)))
+
+
+def test_unsigned_ids_beyond_int64_are_a_clear_error(tmp_path):
+    pq.write_table(pa.table({"id": pa.array([1, 2**64 - 1], pa.uint64()), "users": [[1], [2]]}), tmp_path / "u.parquet")
+    with pytest.raises(InputError, match="ids do not fit int64"):
+        read_file(str(tmp_path / "u.parquet"), 0, Columns())
