@@ -11,8 +11,8 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from madp.bounding import ORDERS, Capacities
 from madp import storage
+from madp.bounding import ORDERS, Capacities
 from madp.hashing import partition_of
 from madp.records import Columns, InputError, Rejects
 
@@ -51,32 +51,35 @@ class BoundOptions:
 
 def read_capacities(path: str, default: int) -> Capacities:
     """Rows (user, capacity) from CSV, JSONL or Parquet; integer capacity >= 0, users unique."""
-    if path.endswith(".parquet"):
-        table = pq.read_table(path)
-    elif path.endswith(".jsonl"):
-        table = pa_json.read_json(path)
-    elif path.endswith(".csv"):
-        table = pa_csv.read_csv(path)
-    else:
+    readers = {".parquet": pq.read_table, ".jsonl": pa_json.read_json, ".csv": pa_csv.read_csv}
+    reader = next((read for suffix, read in readers.items() if path.endswith(suffix)), None)
+    if reader is None:
         raise InputError(f"{path}: capacities must be .csv, .jsonl or .parquet")
+    if storage.kind(path) != "file":
+        raise InputError(f"{path}: no such capacities file")
+    with storage.open_input(path) as handle:
+        table = reader(handle)
     if not {"user", "capacity"} <= set(table.column_names):
         raise InputError(f"{path}: capacities need columns 'user' and 'capacity' (found {table.column_names})")
     users, capacity = table.column("user").combine_chunks(), table.column("capacity").combine_chunks()
     if not pa.types.is_integer(capacity.type):
         raise InputError(f"{path}: column 'capacity' must hold integers, found {capacity.type}")
     values = capacity.to_numpy(zero_copy_only=False)
-    problems = [(row, "missing user") for row in np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False))]
+    missing_user = users.is_null().to_numpy(zero_copy_only=False)
+    problems = [(row, "missing user") for row in np.flatnonzero(missing_user)]
     problems += [(row, "missing or negative capacity") for row in
                  np.flatnonzero(capacity.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(values, nan=-1) < 0))]
-    codes = pc.dictionary_encode(users).indices.to_numpy(zero_copy_only=False)
-    problems += [(row, "user listed twice") for row in np.flatnonzero(np.bincount(codes)[codes] > 1)]
+    present = np.flatnonzero(~missing_user)
+    codes = pc.dictionary_encode(users.take(pa.array(present))).indices.to_numpy()
+    problems += [(row, "user listed twice") for row in present[np.bincount(codes)[codes] > 1]] if len(codes) else []
     if problems:
         listed = "; ".join(f"row {row}: {why}" for row, why in sorted(problems)[:_ERROR_EXAMPLES])
         raise InputError(f"{path}: {len(problems)} invalid capacity rows: {listed}")
     if pa.types.is_integer(users.type):
         users = users.cast(pa.int64())
-    return Capacities(default=default, user_ids=users.cast(pa.string()) if pa.types.is_large_string(users.type) else users,
-                      values=values.astype(np.int64))
+    elif pa.types.is_large_string(users.type):
+        users = users.cast(pa.string())
+    return Capacities(default=default, user_ids=users, values=values.astype(np.int64))
 
 
 def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None:

@@ -125,3 +125,17 @@ def test_unsigned_ids_beyond_int64_are_a_clear_error(tmp_path):
     pq.write_table(pa.table({"id": pa.array([1, 2**64 - 1], pa.uint64()), "users": [[1], [2]]}), tmp_path / "u.parquet")
     with pytest.raises(InputError, match="ids do not fit int64"):
         read_file(str(tmp_path / "u.parquet"), 0, Columns())
+
+
+def test_capacities_file_problems(tmp_path):
+    from madp.selection import read_capacities
+    with pytest.raises(InputError, match="no such capacities file"):
+        read_capacities(str(tmp_path / "none.csv"), 1)
+    (tmp_path / "nulls.jsonl").write_text('{"user": null, "capacity": 1}\n{"user": 4, "capacity": null}\n'
+                                          '{"user": 4, "capacity": 2}\n')
+    with pytest.raises(InputError, match="row 0: missing user; row 1: missing or negative capacity; row 1: user "
+                                         "listed twice; row 2: user listed twice"):
+        read_capacities(str(tmp_path / "nulls.jsonl"), 1)
+    (tmp_path / "good.jsonl").write_text('{"user": "a", "capacity": 0}\n{"user": "b", "capacity": 5}\n')
+    capacities = read_capacities(str(tmp_path / "good.jsonl"), 2)
+    assert capacities.lookup(pa.array(["b", "z", "a"])).tolist() == [5, 2, 0]
