@@ -65,9 +65,14 @@ def _number_or_text(value: str):
 def verify_bound(input_path: str, output: str, max_contributions: int, capacities_path: str | None = None,
                  id_column: str = "id", users_column: str = "users") -> dict:
     """Recompute every user's contribution from the input and OUTPUT/selected; list violations."""
+    shards = sorted(glob.glob(os.path.join(output, "selected", "*.parquet")))
+    missing = [f"no selection: {output}/selected/*.parquet not found"] if not shards else []
+    missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
+    if missing:
+        return {"ok": False, "violation_count": len(missing), "violations": missing}
     selected: dict = {}
     violations: list[str] = []
-    for shard in sorted(glob.glob(os.path.join(output, "selected", "*.parquet"))):
+    for shard in shards:
         table = pq.read_table(shard)
         for record_id, copies in zip(table.column("id").to_pylist(), table.column("copies").to_pylist()):
             if record_id in selected:

@@ -106,3 +106,12 @@ def test_verify_applies_csv_capacities_to_string_user_ids(tmp_path, capsys):
     code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2",
                                "--capacities", str(capacities))
     assert code == 1 and "user '123' contributes 2 records, bound 1" in verdict["violations"]
+
+
+def test_verify_never_passes_on_missing_evidence(tmp_path, capsys, small_graph):
+    input_path = write_records(str(tmp_path / "in.parquet"), small_graph)
+    code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "nowhere"), "-k", "2")
+    assert code == 1 and verdict["violations"] == [f"no selection: {tmp_path / 'nowhere'}/selected/*.parquet not found"]
+    bound(tmp_path, capsys, input_path)
+    code, verdict, _ = run_cli(capsys, "verify-bound", str(tmp_path / "gone.parquet"), str(tmp_path / "out"), "-k", "2")
+    assert code == 1 and "no input at" in verdict["violations"][0]
