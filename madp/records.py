@@ -146,27 +146,29 @@ def _wanted(columns: Columns) -> list[str]:
     return [c for c in (columns.id, columns.users, columns.weight) if c]
 
 
-def _read_parquet(path: str, columns: Columns) -> pa.Table:
-    schema = pq.read_schema(storage.open_input(path))
-    missing = [c for c in (columns.id, columns.users) if c not in schema.names]
+def _require_columns(path: str, found: list[str], columns: Columns) -> None:
+    missing = [c for c in _wanted(columns) if c not in found]
     if missing:
-        raise InputError(f"{path}: missing column(s) {missing} (found {schema.names}); "
-                         f"use --id-column/--users-column to name them")
-    if columns.weight and columns.weight not in schema.names:
-        raise InputError(f"{path}: missing weight column {columns.weight!r}")
+        raise InputError(f"{path}: no column {missing} in any row (found {found}); "
+                         f"name the columns with --id-column, --users-column or --weight-column")
+
+
+def _read_parquet(path: str, columns: Columns) -> pa.Table:
+    _require_columns(path, pq.read_schema(storage.open_input(path)).names, columns)
     return pq.read_table(storage.open_input(path), columns=_wanted(columns))
 
 
-def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, str] | None]:
+def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
     """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
     try:
         table = pa_json.read_json(storage.open_input(path))
-        if all(name in table.column_names for name in _wanted(columns)) and _conforming(table, columns):
-            return table.select(_wanted(columns)), None
-        if len(table) == 0:
-            return _empty_table(columns), None
     except pa.ArrowInvalid:
-        pass
+        return _parse_jsonl_rows(path, columns)
+    if len(table) == 0:
+        return _empty_table(columns), None
+    _require_columns(path, table.column_names, columns)
+    if _conforming(table, columns):
+        return table.select(_wanted(columns)), None
     return _parse_jsonl_rows(path, columns)
 
 

@@ -81,8 +81,11 @@ def test_parquet_nulls_and_custom_columns(tmp_path):
     report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
     assert report["rejected"] == {"missing_id": 1, "missing_users": 1, "null_user": 1}
     assert report["selected_records"] == 1
-    with pytest.raises(InputError, match="missing column"):
+    with pytest.raises(InputError, match=r"no column \['id', 'users'\] in any row"):
         run_local(str(tmp_path / "p.parquet"), str(tmp_path / "o2"), BoundOptions(max_contributions=1))
+    write_records(str(tmp_path / "j.jsonl"), [{"doc": 1, "authors": [1]}])
+    with pytest.raises(InputError, match=r"no column \['id', 'users'\] in any row.*--id-column"):
+        run_local(str(tmp_path / "j.jsonl"), str(tmp_path / "o3"), BoundOptions(max_contributions=1))
 
 
 def test_mixed_id_types_across_files_are_an_error(tmp_path):
