@@ -12,8 +12,11 @@ setup(
                                     "accounting", "accounting.*", "tf_training", "tf_training.*"]),
     install_requires=[
         "apache-beam==2.77.*",
+        "attrs<24",  # dp-accounting 0.6 needs it
+        "dp-accounting==0.6.0",
         "numpy>=2.0",
         "pyarrow>=15",
+        "scipy>=1.11",
     ],
     extras_require={
         "test": ["pytest>=8"],

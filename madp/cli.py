@@ -9,11 +9,27 @@ import sys
 from madp.records import Columns, InputError
 
 LOCAL = "local"
+log = logging.getLogger("madp")
 
 
 def _add_columns(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
     parser.add_argument("--users-column", default="users", help="column holding the list of user ids (default: users)")
+
+
+def _add_mechanism(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls"), required=True,
+                        help="dpsgd: example-level Poisson sampling, k records per user (mixture of Gaussians); "
+                             "dpsgd-uls: user-level Poisson sampling")
+    parser.add_argument("--delta", type=float, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--sampling-prob", type=float, help="dpsgd: q (or --batch-size with --dataset-size)")
+    parser.add_argument("--batch-size", type=float, help="dpsgd: expected batch size")
+    parser.add_argument("--dataset-size", type=int, help="dpsgd: records (also enables the delta warning)")
+    parser.add_argument("--max-contributions", "-k", type=int, default=1, help="dpsgd: records per user k")
+    parser.add_argument("--user-sampling-prob", type=float, help="dpsgd-uls: q_user (or --cohort-size)")
+    parser.add_argument("--cohort-size", type=float, help="dpsgd-uls: expected users per step")
+    parser.add_argument("--num-users", type=int, help="dpsgd-uls: users (also enables the delta warning)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +77,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="Beam only: rounds unrolled in one pipeline run (default 6)")
     _add_columns(bound)
 
+    calibrate = commands.add_parser("calibrate", help="the noise multiplier sigma for a target (epsilon, delta)")
+    _add_mechanism(calibrate)
+    calibrate.add_argument("--epsilon", type=float, required=True)
+    calibrate.add_argument("--tolerance", type=float, default=1e-3, help="relative precision of sigma (default 1e-3)")
+    inverse = commands.add_parser("epsilon", help="epsilon of a mechanism at a given noise multiplier")
+    _add_mechanism(inverse)
+    inverse.add_argument("--noise-multiplier", type=float, required=True)
+
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
     verify.add_argument("output", help="a `madp bound` output directory")
@@ -95,6 +119,47 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE)
 
 
+def _mechanism(args: argparse.Namespace):
+    from accounting.mechanisms import DpSgd, DpSgdUls, sampling_probability
+    if args.mechanism == "dpsgd":
+        q = args.sampling_prob
+        if q is None:
+            if args.batch_size is None or args.dataset_size is None:
+                raise InputError("dpsgd needs --sampling-prob, or --batch-size with --dataset-size")
+            q = sampling_probability(args.batch_size, args.dataset_size)
+        population = args.dataset_size
+        mechanism = DpSgd(q, args.steps, args.max_contributions)
+    else:
+        q = args.user_sampling_prob
+        if q is None:
+            if args.cohort_size is None or args.num_users is None:
+                raise InputError("dpsgd-uls needs --user-sampling-prob, or --cohort-size with --num-users")
+            q = sampling_probability(args.cohort_size, args.num_users)
+        population = args.num_users
+        mechanism = DpSgdUls(q, args.steps)
+    if population and args.delta > 1 / population:
+        log.warning("delta %g exceeds 1/%d: a mechanism could release one record or user in the clear", args.delta,
+                    population)
+    return mechanism
+
+
+def _accounting(args: argparse.Namespace) -> dict:
+    import dataclasses
+
+    from accounting.calibrate import calibrate, epsilon
+    mechanism = _mechanism(args)
+    result = {"mechanism": mechanism.name, **dataclasses.asdict(mechanism), "delta": args.delta,
+              "dataset_size": args.dataset_size, "num_users": args.num_users, "batch_size": args.batch_size,
+              "cohort_size": args.cohort_size}
+    if args.command == "epsilon":
+        return {**result, "noise_multiplier": args.noise_multiplier,
+                "epsilon": epsilon(mechanism, args.noise_multiplier, args.delta)}
+    calibration = calibrate(mechanism, args.epsilon, args.delta, args.tolerance)
+    return {**result, "noise_multiplier": calibration.noise_multiplier, "epsilon": calibration.epsilon,
+            "target_epsilon": args.epsilon, "relative_tolerance": args.tolerance,
+            "accountant": "PLD (dp_accounting), pessimistic discretization"}
+
+
 def _verify(args: argparse.Namespace) -> dict:
     from madp.verify import verify_bound
     return verify_bound(args.input, args.output, args.max_contributions, args.capacities,
@@ -119,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bound":
             result = _bound(args, unknown)
             result = {k: v for k, v in result.items() if k != "per_round"}
+        elif args.command in ("calibrate", "epsilon"):
+            result = _accounting(args)
         else:
             result = _verify(args)
     except InputError as error:
