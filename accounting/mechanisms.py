@@ -5,12 +5,17 @@
   Thm. 1), self-composed over T steps; accounted with PLD only.
 - `DpSgdUls`: DP-SGD with user-level Poisson sampling (probability q_user) and one clipped
   gradient per user: PoissonSampled(q_user, Gaussian(sigma)) over T steps.
+- `BandMf`: BandMF without amplification on (k, b)-min-sep batches (each user in at most k
+  steps, at least b apart). With a `bands`-banded Toeplitz C and b >= bands, participations
+  touch disjoint rows of C, so ||C x||^2 is the sum of their columns' squared norms: one
+  Gaussian mechanism (b-min-sep paper, Sec. 2.3) whose sensitivity is that sum at its largest.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import numpy as np
 from dp_accounting import dp_event
 from scipy.stats import binom
 
@@ -67,7 +72,45 @@ class DpSgdUls:
         return dp_event.SelfComposedDpEvent(step, self.steps)
 
 
-Mechanism = DpSgd | DpSgdUls
+@dataclasses.dataclass(frozen=True)
+class BandMf:
+    """Unamplified BandMF on (k, b)-min-sep batches with strategy bands `coefficients`."""
+    steps: int
+    min_sep: int
+    max_participations: int
+    coefficients: tuple[float, ...]
+
+    name = "bandmf"
+
+    def __post_init__(self) -> None:
+        _check_steps(self.steps)
+        bands = len(self.coefficients)
+        if not isinstance(self.min_sep, int) or self.min_sep < 1:
+            raise InputError(f"--min-sep must be an integer >= 1, got {self.min_sep}")
+        if bands > self.min_sep:
+            raise InputError(f"--bands ({bands}) must not exceed --min-sep ({self.min_sep}): participations closer "
+                             f"than the bands overlap in C and this analysis does not hold")
+        most = 1 + (self.steps - 1) // self.min_sep
+        if not isinstance(self.max_participations, int) or not 1 <= self.max_participations <= most:
+            raise InputError(f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
+                             f"min-sep {self.min_sep}, got {self.max_participations}")
+
+    @property
+    def sensitivity(self) -> float:
+        """max ||C x|| over (k, b)-min-sep participations x.
+
+        Column j of C holds the bands that fit before the horizon, so column norms never grow
+        with j and the worst case participates as early as possible: steps 0, b, ..., (k-1) b.
+        """
+        squares = np.asarray(self.coefficients, dtype=np.float64) ** 2
+        starts = self.min_sep * np.arange(self.max_participations)
+        return math.sqrt(sum(float(squares[: self.steps - start].sum()) for start in starts))
+
+    def event(self, noise_multiplier: float) -> dp_event.DpEvent:
+        return dp_event.GaussianDpEvent(noise_multiplier / self.sensitivity)
+
+
+Mechanism = DpSgd | DpSgdUls | BandMf
 
 
 def sampling_probability(batch_size: float, dataset_size: int) -> float:

@@ -18,9 +18,10 @@ def _add_columns(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_mechanism(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls"), required=True,
+    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf"), required=True,
                         help="dpsgd: example-level Poisson sampling, k records per user (mixture of Gaussians); "
-                             "dpsgd-uls: user-level Poisson sampling")
+                             "dpsgd-uls: user-level Poisson sampling; bandmf: BandMF on (k, b)-min-sep batches, "
+                             "unamplified")
     parser.add_argument("--delta", type=float, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--sampling-prob", type=float, help="dpsgd: q (or --batch-size with --dataset-size)")
@@ -30,6 +31,15 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-sampling-prob", type=float, help="dpsgd-uls: q_user (or --cohort-size)")
     parser.add_argument("--cohort-size", type=float, help="dpsgd-uls: expected users per step")
     parser.add_argument("--num-users", type=int, help="dpsgd-uls: users (also enables the delta warning)")
+    _add_strategy(parser)
+    parser.add_argument("--min-sep", type=int, help="bandmf: b, steps between a user's participations (>= bands)")
+    parser.add_argument("--max-participations", type=int, help="bandmf: k, participations per user")
+
+
+def _add_strategy(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bands", type=int, help="bandmf: bands of the strategy matrix C")
+    parser.add_argument("--strategy", choices=("sqrt", "optimized"), default="sqrt",
+                        help="bandmf: banded square root (default) or MSE-optimized banded Toeplitz C")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     inverse = commands.add_parser("epsilon", help="epsilon of a mechanism at a given noise multiplier")
     _add_mechanism(inverse)
     inverse.add_argument("--noise-multiplier", type=float, required=True)
+    strategy = commands.add_parser("strategy", help="BandMF strategy coefficients and their prefix-sum MSE")
+    strategy.add_argument("--steps", type=int, required=True)
+    _add_strategy(strategy)
 
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
@@ -119,8 +132,23 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE)
 
 
+def _strategy(args: argparse.Namespace) -> dict:
+    from accounting.strategies import coefficients, prefix_sum_mse, sqrt_coefficients
+    if args.bands is None:
+        raise InputError("--bands is required")
+    bands = coefficients(args.strategy, args.steps, args.bands)
+    return {"steps": args.steps, "bands": args.bands, "strategy": args.strategy, "coefficients": bands.tolist(),
+            "prefix_sum_mse": prefix_sum_mse(bands, args.steps),
+            "sqrt_prefix_sum_mse": prefix_sum_mse(sqrt_coefficients(args.bands), args.steps)}
+
+
 def _mechanism(args: argparse.Namespace):
-    from accounting.mechanisms import DpSgd, DpSgdUls, sampling_probability
+    from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, sampling_probability
+    if args.mechanism == "bandmf":
+        if None in (args.bands, args.min_sep, args.max_participations):
+            raise InputError("bandmf needs --bands, --min-sep and --max-participations")
+        return BandMf(args.steps, args.min_sep, args.max_participations,
+                      tuple(_strategy(args)["coefficients"]))
     if args.mechanism == "dpsgd":
         q = args.sampling_prob
         if q is None:
@@ -149,6 +177,7 @@ def _accounting(args: argparse.Namespace) -> dict:
     from accounting.calibrate import calibrate, epsilon
     mechanism = _mechanism(args)
     result = {"mechanism": mechanism.name, **dataclasses.asdict(mechanism), "delta": args.delta,
+              "strategy": args.strategy if args.mechanism == "bandmf" else None,
               "dataset_size": args.dataset_size, "num_users": args.num_users, "batch_size": args.batch_size,
               "cohort_size": args.cohort_size}
     if args.command == "epsilon":
@@ -186,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             result = {k: v for k, v in result.items() if k != "per_round"}
         elif args.command in ("calibrate", "epsilon"):
             result = _accounting(args)
+        elif args.command == "strategy":
+            result = _strategy(args)
         else:
             result = _verify(args)
     except InputError as error:
