@@ -1,0 +1,173 @@
+"""Monte Carlo accounting kernels for BandMF with (multi-attribution) b-min-sep Poisson sampling.
+
+The worst case of one user is the matrix mechanism y = C x + z, z ~ N(0, sigma^2 I) (P), against
+y = z (Q). Under P the user is available at step i unless it participated in the previous b - 1
+steps; when available it contributes x_i ~ Binomial(k_u, p) records (k_u = 1: Alg. 1 of the
+b-min-sep paper; k_u > 1: Sec. 6.2). The likelihood ratio P(y)/Q(y) is f_1 of the backward
+recursion (eq. (1), extended to Binomial counts):
+
+    f_i = Binom(0) f_{i+1} + sum_{j>=1} Binom(j) r_i(j) f_{i+b},   f_i = 1 for i > T,
+    r_i(j) = exp((j <c_i, y_i..y_{i+b-1}> - j^2 ||c_i||^2 / 2) / sigma^2),
+
+with c_i the nonzero part of column i of C. Samples are vectorized; the recursion runs in log
+space. Estimate-verify-release (a formal guarantee from these estimates) builds on this.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from scipy.stats import binom
+
+from madp.records import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class MinSepProcess:
+    """One user's participation process: T steps, min-sep b, probability p, up to k_u records."""
+    steps: int
+    min_sep: int
+    sampling_prob: float
+    max_contributions: int
+    coefficients: tuple[float, ...]  # bands of C, len <= min_sep
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) > self.min_sep:
+            raise InputError(f"--bands ({len(self.coefficients)}) must not exceed --min-sep ({self.min_sep})")
+        if not 0 < self.sampling_prob <= 1 or self.steps < 1 or self.max_contributions < 1:
+            raise InputError("need 0 < p <= 1, steps >= 1 and k_u >= 1")
+
+    @property
+    def count_log_probs(self) -> np.ndarray:
+        """log Binomial(j; k_u, p) for j = 0..k_u."""
+        return binom.logpmf(np.arange(self.max_contributions + 1), self.max_contributions, self.sampling_prob)
+
+
+def sample_participations(process: MinSepProcess, samples: int, rng: np.random.Generator) -> np.ndarray:
+    """Records of the user in each step (T x samples), following the min-sep availability rule."""
+    if process.max_contributions == 1:
+        counts = (rng.random((process.steps, samples)) < process.sampling_prob).astype(np.int64)
+    else:
+        counts = rng.binomial(process.max_contributions, process.sampling_prob, size=(process.steps, samples))
+    blocked_until = np.zeros(samples, dtype=np.int64)  # first step the user is available again
+    for step in range(process.steps):
+        row = counts[step]
+        row[blocked_until > step] = 0
+        blocked_until[row > 0] = step + process.min_sep
+    return counts
+
+
+def mean_shift(process: MinSepProcess, participations: np.ndarray) -> np.ndarray:
+    """C x for each sample (T x samples): the banded Toeplitz product, O(T b)."""
+    shift = np.zeros(participations.shape, dtype=np.float64)
+    for lag, value in enumerate(process.coefficients):
+        shift[lag:] += value * participations[: process.steps - lag]
+    return shift
+
+
+# Largest log participation weight of the linear-space path: between two rescalings (every b
+# steps) a path picks up at most two weights, so values stay below exp(2 * 250) < float max.
+_LINEAR_LOG_WEIGHT_LIMIT = 250.0
+_CHUNK = 1024  # samples per block: the (T x chunk) arrays stay in cache
+
+
+def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, outputs: np.ndarray) -> np.ndarray:
+    """log P(y)/Q(y) per sample; `outputs` is T x samples (one column per sample)."""
+    return np.concatenate([_log_ratio_block(process, noise_multiplier, outputs[:, start:start + _CHUNK])
+                           for start in range(0, outputs.shape[1], _CHUNK)]) if outputs.shape[1] else np.zeros(0)
+
+
+def _log_participation_weight(process: MinSepProcess, noise_multiplier: float, by_step: np.ndarray) -> np.ndarray:
+    """log W_i = log sum_j Binom(j) r_i(j) for every step (rows) and sample (columns).
+
+    W_i does not depend on f, so it is computed for all steps at once.
+    """
+    steps = by_step.shape[0]
+    c = np.asarray(process.coefficients, dtype=np.float64)
+    dots = np.zeros_like(by_step)  # <c_i, y_i..y_{i+bands-1}>, truncated at the horizon
+    for lag, value in enumerate(c):
+        dots[: steps - lag] += value * by_step[lag:]
+    column_norms = np.array([float(np.sum(c[: steps - i] ** 2)) for i in range(steps)])[:, None]
+    log_probs, variance = process.count_log_probs, noise_multiplier ** 2
+
+    def log_term(count: int) -> np.ndarray:  # log Binom(count) + log r_i(count), in place on a copy
+        term = dots * (count / variance)
+        term -= column_norms * (count ** 2 / (2 * variance))
+        term += log_probs[count]
+        return term
+
+    log_weight = log_term(1)
+    for count in range(2, process.max_contributions + 1):
+        np.logaddexp(log_weight, log_term(count), out=log_weight)
+    return log_weight
+
+
+def _log_ratio_block(process: MinSepProcess, noise_multiplier: float, outputs: np.ndarray) -> np.ndarray:
+    by_step = np.ascontiguousarray(outputs)
+    log_weight = _log_participation_weight(process, noise_multiplier, by_step)
+    if log_weight.max() <= _LINEAR_LOG_WEIGHT_LIMIT:
+        return _recursion_linear(process, log_weight)
+    return _recursion_log(process, log_weight)
+
+
+def _recursion_linear(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray:
+    """f_i = Binom(0) f_{i+1} + W_i f_{i+b} in linear space; every b steps the live window (rows
+    i..i+b) is divided by its per-sample maximum, whose log accumulates in `log_scale`."""
+    steps, samples = log_weight.shape
+    gap = process.min_sep
+    weight = np.exp(log_weight)
+    stay = float(np.exp(process.count_log_probs[0]))
+    f = np.ones((steps + gap, samples))
+    log_scale = np.zeros(samples)
+    scratch = np.empty(samples)
+    for i in range(steps - 1, -1, -1):
+        np.multiply(weight[i], f[i + gap], out=f[i])
+        np.multiply(f[i + 1], stay, out=scratch)
+        f[i] += scratch
+        if i % gap == 0:
+            window = f[i:i + gap + 1]
+            peak = window.max(axis=0)
+            window /= peak
+            log_scale += np.log(peak)
+    return np.log(f[0]) + log_scale
+
+
+def _recursion_log(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray:
+    """The same recursion in log space, for weights too large for the linear path."""
+    steps, samples = log_weight.shape
+    log_f = np.zeros((steps + process.min_sep, samples))
+    stay = process.count_log_probs[0]
+    for i in range(steps - 1, -1, -1):
+        np.logaddexp(stay + log_f[i + 1], log_weight[i] + log_f[i + process.min_sep], out=log_f[i])
+    return log_f[0].copy()
+
+
+def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, seed: int,
+                      under: str) -> np.ndarray:
+    """log P/Q at outputs drawn under P (`under="P"`) or under Q (`"Q"`); reproducible from `seed`.
+
+    Drawn and evaluated in blocks of samples, so the T x block arrays stay in cache.
+    """
+    if under not in ("P", "Q"):
+        raise ValueError(f"under must be 'P' or 'Q', got {under!r}")
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for start in range(0, samples, _CHUNK):
+        size = min(_CHUNK, samples - start)
+        outputs = rng.standard_normal((process.steps, size))
+        outputs *= noise_multiplier
+        if under == "P":
+            outputs += mean_shift(process, sample_participations(process, size, rng))
+        blocks.append(_log_ratio_block(process, noise_multiplier, outputs))
+    return np.concatenate(blocks) if blocks else np.zeros(0)
+
+
+def hockey_stick(log_ratios: np.ndarray, epsilon: float, under: str) -> tuple[float, float]:
+    """Estimate and standard error of delta(epsilon) in one direction.
+
+    Under P: delta(P || Q) = E_P[(1 - e^(eps - L))_+]; under Q: delta(Q || P) = E_Q[(1 - e^(eps + L))_+],
+    with L = log P/Q.
+    """
+    exponent = epsilon - log_ratios if under == "P" else epsilon + log_ratios
+    terms = np.clip(-np.expm1(exponent), 0.0, None)
+    return float(terms.mean()), float(terms.std(ddof=1) / np.sqrt(len(terms)))
