@@ -71,3 +71,20 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
                  for seed, under in ((1, "P"), (2, "Q"))]
     (delta, error) = max(estimates)
     assert abs(delta - expected) <= 4 * error + 0.02 * expected, (estimates, expected)
+
+
+def test_evr_sample_count_reproduces_the_known_value():
+    from accounting.evr import overall_delta, samples_needed
+    samples = samples_needed(2e-6, 1e-6)
+    assert samples == pytest.approx(5.9e7, rel=0.01)  # b-min-sep paper / DESIGN.md: about 5.9e7
+    assert overall_delta(1e-6, samples, 2e-6) <= 2e-6 < overall_delta(1e-6, samples - 1, 2e-6)
+
+
+def test_evr_failure_bound_shrinks_with_samples_and_gap():
+    from accounting.evr import failure_probability, samples_needed
+    from madp.records import InputError
+    assert failure_probability(1e-6, 2e-6, 10**7) > failure_probability(1e-6, 2e-6, 10**8)
+    assert failure_probability(1e-6, 2e-6, 10**7) > failure_probability(1e-6, 4e-6, 10**7)
+    assert samples_needed(1e-5, 5e-6) < samples_needed(2e-6, 1e-6)
+    with pytest.raises(InputError):
+        samples_needed(1e-6, 2e-6)
