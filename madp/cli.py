@@ -143,32 +143,36 @@ def _strategy(args: argparse.Namespace) -> dict:
 
 
 def _mechanism(args: argparse.Namespace):
-    from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, sampling_probability
+    from accounting.mechanisms import BandMf, DpSgd, DpSgdUls
     if args.mechanism == "bandmf":
         if None in (args.bands, args.min_sep, args.max_participations):
             raise InputError("bandmf needs --bands, --min-sep and --max-participations")
         return BandMf(args.steps, args.min_sep, args.max_participations,
                       tuple(_strategy(args)["coefficients"]))
     if args.mechanism == "dpsgd":
-        q = args.sampling_prob
-        if q is None:
-            if args.batch_size is None or args.dataset_size is None:
-                raise InputError("dpsgd needs --sampling-prob, or --batch-size with --dataset-size")
-            q = sampling_probability(args.batch_size, args.dataset_size)
         population = args.dataset_size
-        mechanism = DpSgd(q, args.steps, args.max_contributions)
+        mechanism = DpSgd(_probability(args, args.sampling_prob, args.batch_size, population,
+                                       ("--sampling-prob", "--batch-size", "--dataset-size")),
+                          args.steps, args.max_contributions)
     else:
-        q = args.user_sampling_prob
-        if q is None:
-            if args.cohort_size is None or args.num_users is None:
-                raise InputError("dpsgd-uls needs --user-sampling-prob, or --cohort-size with --num-users")
-            q = sampling_probability(args.cohort_size, args.num_users)
         population = args.num_users
-        mechanism = DpSgdUls(q, args.steps)
+        mechanism = DpSgdUls(_probability(args, args.user_sampling_prob, args.cohort_size, population,
+                                          ("--user-sampling-prob", "--cohort-size", "--num-users")), args.steps)
     if population and args.delta > 1 / population:
         log.warning("delta %g exceeds 1/%d: a mechanism could release one record or user in the clear", args.delta,
                     population)
     return mechanism
+
+
+def _probability(args: argparse.Namespace, probability: float | None, expected: float | None,
+                 population: int | None, names: tuple[str, str, str]) -> float:
+    """A sampling probability given directly, or as an expected count out of a population."""
+    from accounting.mechanisms import sampling_probability
+    if probability is not None:
+        return probability
+    if expected is None or population is None:
+        raise InputError(f"{args.mechanism} needs {names[0]}, or {names[1]} with {names[2]}")
+    return sampling_probability(expected, population)
 
 
 def _accounting(args: argparse.Namespace) -> dict:
