@@ -43,25 +43,40 @@ class MinSepProcess:
         return binom.logpmf(np.arange(self.max_contributions + 1), self.max_contributions, self.sampling_prob)
 
 
-def sample_participations(process: MinSepProcess, samples: int, rng: np.random.Generator) -> np.ndarray:
-    """Records of the user in each step (T x samples), following the min-sep availability rule."""
-    if process.max_contributions == 1:
-        counts = (rng.random((process.steps, samples)) < process.sampling_prob).astype(np.int64)
-    else:
-        counts = rng.binomial(process.max_contributions, process.sampling_prob, size=(process.steps, samples))
-    blocked_until = np.zeros(samples, dtype=np.int64)  # first step the user is available again
-    for step in range(process.steps):
-        row = counts[step]
-        row[blocked_until > step] = 0
-        blocked_until[row > 0] = step + process.min_sep
-    return counts
+def sample_participations(process: MinSepProcess, samples: int,
+                          rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, sample, records) of every participation, by waiting times between participations.
+
+    At each available step the user takes part with probability p' = P(Binomial(k_u, p) >= 1),
+    so the wait to its next participation is Geometric(p'); after one it is unavailable for
+    b - 1 steps; the record count is Binomial(k_u, p) conditioned on being >= 1.
+    """
+    count_probs = np.exp(process.count_log_probs)
+    participate = 1.0 - count_probs[0]
+    steps, sample_ids, counts = [], [], []
+    position = rng.geometric(participate, samples) - 1
+    alive = np.arange(samples)
+    while len(alive):
+        inside = position < process.steps
+        alive, position = alive[inside], position[inside]
+        steps.append(position)
+        sample_ids.append(alive)
+        counts.append(1 + rng.choice(process.max_contributions, size=len(alive),
+                                     p=count_probs[1:] / participate) if process.max_contributions > 1
+                      else np.ones(len(alive), dtype=np.int64))
+        position = position + process.min_sep + rng.geometric(participate, len(alive)) - 1
+    return np.concatenate(steps), np.concatenate(sample_ids), np.concatenate(counts)
 
 
-def mean_shift(process: MinSepProcess, participations: np.ndarray) -> np.ndarray:
-    """C x for each sample (T x samples): the banded Toeplitz product, O(T b)."""
-    shift = np.zeros(participations.shape, dtype=np.float64)
+def mean_shift(process: MinSepProcess, participations: tuple[np.ndarray, np.ndarray, np.ndarray],
+               samples: int) -> np.ndarray:
+    """C x for each sample (T x samples). A sample's participations are >= b >= bands apart, so
+    their columns of C never overlap and each entry is written once."""
+    shift = np.zeros((process.steps, samples))
+    steps, sample_ids, counts = participations
     for lag, value in enumerate(process.coefficients):
-        shift[lag:] += value * participations[: process.steps - lag]
+        inside = steps + lag < process.steps
+        shift[steps[inside] + lag, sample_ids[inside]] = value * counts[inside]
     return shift
 
 
@@ -84,10 +99,13 @@ def _log_participation_weight(process: MinSepProcess, noise_multiplier: float, b
     """
     steps = by_step.shape[0]
     c = np.asarray(process.coefficients, dtype=np.float64)
-    dots = np.zeros_like(by_step)  # <c_i, y_i..y_{i+bands-1}>, truncated at the horizon
-    for lag, value in enumerate(c):
-        dots[: steps - lag] += value * by_step[lag:]
-    column_norms = np.array([float(np.sum(c[: steps - i] ** 2)) for i in range(steps)])[:, None]
+    dots = by_step * c[0]  # dots_i = <c_i, y_i..y_{i+bands-1}>, truncated at the horizon
+    scratch = np.empty_like(by_step)
+    for lag in range(1, len(c)):
+        np.multiply(by_step[lag:], c[lag], out=scratch[: steps - lag])
+        dots[: steps - lag] += scratch[: steps - lag]
+    # ||c_i||^2: the bands that fit before the horizon.
+    column_norms = np.cumsum(c ** 2)[np.minimum(len(c), steps - np.arange(steps)) - 1][:, None]
     log_probs, variance = process.count_log_probs, noise_multiplier ** 2
 
     def log_term(count: int) -> np.ndarray:  # log Binom(count) + log r_i(count), in place on a copy
@@ -157,7 +175,7 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
         outputs = rng.standard_normal((process.steps, size))
         outputs *= noise_multiplier
         if under == "P":
-            outputs += mean_shift(process, sample_participations(process, size, rng))
+            outputs += mean_shift(process, sample_participations(process, size, rng), size)
         blocks.append(_log_ratio_block(process, noise_multiplier, outputs))
     return np.concatenate(blocks) if blocks else np.zeros(0)
 

@@ -88,3 +88,27 @@ def test_evr_failure_bound_shrinks_with_samples_and_gap():
     assert samples_needed(1e-5, 5e-6) < samples_needed(2e-6, 1e-6)
     with pytest.raises(InputError):
         samples_needed(1e-6, 2e-6)
+
+
+def test_waiting_time_sampler_matches_a_step_by_step_simulation():
+    """Participations per sample, records per participation and gaps, against the rule applied step by step."""
+    from accounting.monte_carlo import sample_participations
+    samples = 300_000
+    process = MinSepProcess(60, 5, 0.08, 3, (1.0,))
+    steps, sample_ids, counts = sample_participations(process, samples, np.random.default_rng(3))
+    per_sample = np.bincount(sample_ids, minlength=samples)
+    order = np.lexsort((steps, sample_ids))
+    same = sample_ids[order][1:] == sample_ids[order][:-1]
+    assert np.diff(steps[order])[same].min() >= 5 and steps.max() < 60
+
+    rng = np.random.default_rng(4)  # the rule, step by step: available -> Binomial(k_u, p) records
+    available_from, total, records = np.zeros(samples, int), np.zeros(samples, int), 0
+    for step in range(60):
+        drawn = rng.binomial(3, 0.08, samples)
+        taken = (available_from <= step) & (drawn > 0)
+        total += taken
+        records += drawn[taken].sum()
+        available_from[taken] = step + 5
+    difference_error = np.sqrt(per_sample.var() / samples + total.var() / samples)
+    assert abs(per_sample.mean() - total.mean()) < 4 * difference_error
+    assert counts.mean() == pytest.approx(records / total.sum(), abs=0.003)
