@@ -7,10 +7,14 @@ Hoeffding). Algorithm 5 then satisfies (epsilon, delta + q (1 - delta))-DP, mini
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 from scipy.optimize import minimize_scalar
 
+from accounting.monte_carlo import MinSepProcess, sample_log_ratios
 from madp.records import InputError
 
 
@@ -49,3 +53,84 @@ def samples_needed(target_delta: float, base_delta: float) -> int:
         else:
             low = middle
     return high
+
+
+# --- Algorithm 5: choosing sigma for BandMF with b-min-sep sampling ------------------------------
+
+# Candidate sigmas: the estimate times 1 + 1%, 2%, 4%, ..., 32%. Verified from the top, so a
+# few verifications find the lowest candidate the fresh samples confirm.
+RUNG_STEPS = tuple(0.01 * 2 ** j for j in range(6))
+CHUNK = 8192         # samples per task: the unit of parallelism and of seeding
+
+
+@dataclasses.dataclass(frozen=True)
+class MinSepCalibration:
+    noise_multiplier: float
+    verified: bool                 # False: the formally accounted fallback was released
+    fallback_noise_multiplier: float
+    estimated_noise_multiplier: float
+    ladder: tuple[float, ...]
+    outcomes: tuple[bool, ...]     # verification of each rung tried, from the top
+    samples: int                   # per verification and direction
+    base_delta: float
+    overall_delta: float           # the (epsilon, delta) guarantee of Algorithm 5
+
+
+def _chunk_terms(task) -> float:
+    """Sum of hockey-stick terms of one seeded chunk (runs in worker processes)."""
+    process, sigma, epsilon, size, seed, under = task
+    ratios = sample_log_ratios(process, sigma, size, seed, under)
+    exponent = epsilon - ratios if under == "P" else epsilon + ratios
+    return float(np.clip(-np.expm1(exponent), 0.0, None).sum())
+
+
+def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples: int, seed: tuple[int, ...],
+                   workers: int) -> float:
+    """Monte Carlo delta(epsilon), the larger of both directions; chunks seeded by (seed, direction, chunk),
+    so the result does not depend on the number of workers."""
+    tasks = [(process, sigma, epsilon, min(CHUNK, samples - start),
+              int(np.random.SeedSequence([*seed, direction, start // CHUNK]).generate_state(1)[0]), under)
+             for direction, under in enumerate(("P", "Q")) for start in range(0, samples, CHUNK)]
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            sums = list(pool.map(_chunk_terms, tasks))
+    else:
+        sums = [_chunk_terms(task) for task in tasks]
+    half = len(tasks) // 2
+    return max(sum(sums[:half]), sum(sums[half:])) / samples
+
+
+def calibrate_minsep(process_for, fallback_sigma: float, epsilon: float, delta: float, samples: int | None = None,
+                     seed: int = 0, workers: int = 1) -> MinSepCalibration:
+    """Algorithm 5 of the b-min-sep paper with a Monte Carlo verifier.
+
+    `process_for` is the user's participation process; `fallback_sigma` a noise multiplier that
+    satisfies (epsilon, delta) by a formal analysis (unamplified BandMF), the ladder's last rung.
+    Candidates below it: an estimate (bisection on separate samples) times 1 + RUNG_STEPS.
+    Rungs are verified from the top with fresh samples at base delta delta/2; the lowest rung such
+    that it and all above it verify is released. Overall guarantee: (epsilon, overall_delta).
+    """
+    base_delta = delta / 2
+    samples = samples or samples_needed(delta, base_delta)
+    guarantee = overall_delta(base_delta, samples, delta)
+    if guarantee > delta:
+        raise InputError(f"{samples} samples give at best delta {guarantee:.3g}; need "
+                         f"{samples_needed(delta, base_delta)} for delta {delta:g}")
+    low, high = fallback_sigma / 8, fallback_sigma
+    for _ in range(12):  # estimate: bisection with common random numbers
+        middle = math.sqrt(low * high)
+        estimated = estimate_delta(process_for, middle, epsilon, samples, (seed, 0), workers)
+        if estimated <= base_delta:
+            high = middle
+        else:
+            low = middle
+    ladder = tuple(s for s in (high * (1 + step) for step in RUNG_STEPS) if s < fallback_sigma)
+    released, outcomes = fallback_sigma, []
+    for rung in range(len(ladder) - 1, -1, -1):
+        accepted = estimate_delta(process_for, ladder[rung], epsilon, samples, (seed, 1, rung), workers) <= base_delta
+        outcomes.append(accepted)
+        if not accepted:
+            break
+        released = ladder[rung]
+    return MinSepCalibration(released, released < fallback_sigma, fallback_sigma, high, ladder, tuple(outcomes),
+                             samples, base_delta, guarantee)

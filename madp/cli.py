@@ -18,10 +18,11 @@ def _add_columns(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_mechanism(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf"), required=True,
+    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf", "bandmf-minsep"), required=True,
                         help="dpsgd: example-level Poisson sampling, k records per user (mixture of Gaussians); "
                              "dpsgd-uls: user-level Poisson sampling; bandmf: BandMF on (k, b)-min-sep batches, "
-                             "unamplified")
+                             "unamplified; bandmf-minsep: BandMF with b-min-sep Poisson sampling (Monte Carlo, "
+                             "calibrate only)")
     parser.add_argument("--delta", type=float, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--sampling-prob", type=float, help="dpsgd: q (or --batch-size with --dataset-size)")
@@ -34,6 +35,10 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     _add_strategy(parser)
     parser.add_argument("--min-sep", type=int, help="bandmf: b, steps between a user's participations (>= bands)")
     parser.add_argument("--max-participations", type=int, help="bandmf: k, participations per user")
+    parser.add_argument("--samples", type=int, help="bandmf-minsep: Monte Carlo samples per verification "
+                                                    "(default: what estimate-verify-release needs for --delta)")
+    parser.add_argument("--seed", type=int, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
+    parser.add_argument("--workers", type=int, default=1, help="bandmf-minsep: worker processes")
 
 
 def _add_strategy(parser: argparse.ArgumentParser) -> None:
@@ -175,10 +180,40 @@ def _probability(args: argparse.Namespace, probability: float | None, expected: 
     return sampling_probability(expected, population)
 
 
+def _minsep(args: argparse.Namespace) -> dict:
+    """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
+    import dataclasses
+    import time
+
+    from accounting.calibrate import calibrate
+    from accounting.evr import calibrate_minsep
+    from accounting.mechanisms import BandMf
+    from accounting.monte_carlo import MinSepProcess
+    if args.command != "calibrate":
+        raise InputError("bandmf-minsep is available in `madp calibrate` only (its Monte Carlo inverse is not built)")
+    if None in (args.sampling_prob, args.bands, args.min_sep) or args.workers < 1:
+        raise InputError("bandmf-minsep needs --sampling-prob, --bands and --min-sep (and --workers >= 1)")
+    started = time.perf_counter()
+    bands = tuple(_strategy(args)["coefficients"])
+    process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
+    most = 1 + (args.steps - 1) // args.min_sep  # participations min-sep allows, each with up to k_u records
+    fallback = args.max_contributions * calibrate(BandMf(args.steps, args.min_sep, most, bands), args.epsilon,
+                                                  args.delta).noise_multiplier
+    result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers)
+    return {"mechanism": "bandmf-minsep", "steps": args.steps, "sampling_prob": args.sampling_prob,
+            "min_sep": args.min_sep, "bands": args.bands, "strategy": args.strategy, "coefficients": list(bands),
+            "max_contributions": args.max_contributions, "epsilon": args.epsilon, "target_delta": args.delta,
+            **dataclasses.asdict(result), "delta": result.overall_delta, "seed": args.seed, "workers": args.workers,
+            "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)",
+            "wall_time_s": round(time.perf_counter() - started, 3)}
+
+
 def _accounting(args: argparse.Namespace) -> dict:
     import dataclasses
 
     from accounting.calibrate import calibrate, epsilon
+    if args.mechanism == "bandmf-minsep":
+        return _minsep(args)
     mechanism = _mechanism(args)
     result = {"mechanism": mechanism.name, **dataclasses.asdict(mechanism), "delta": args.delta,
               "strategy": args.strategy if args.mechanism == "bandmf" else None,

@@ -1,0 +1,64 @@
+"""Estimate-verify-release calibration of BandMF with b-min-sep sampling (Algorithm 5)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import accounting.evr as evr
+from accounting.calibrate import calibrate, epsilon
+from accounting.mechanisms import DpSgdUls
+from accounting.monte_carlo import MinSepProcess
+from madp.cli import main
+from madp.records import InputError
+
+POISSON = MinSepProcess(30, 1, 0.1, 1, (1.0,))  # b = 1, one band, k_u = 1: DP-SGD with Poisson sampling
+
+
+def fallback_sigma(target_epsilon: float, delta: float) -> float:
+    return calibrate(DpSgdUls(1.0, 30), target_epsilon, delta).noise_multiplier  # every step, no amplification
+
+
+def test_released_sigma_is_private_by_the_exact_poisson_accountant():
+    result = evr.calibrate_minsep(POISSON, fallback_sigma(1.0, 0.02), 1.0, 0.02, seed=3)
+    assert result.verified and result.overall_delta <= 0.02
+    exact = calibrate(DpSgdUls(0.1, 30), 1.0, 0.02).noise_multiplier  # the same PLD as dpsgd with k = 1
+    assert exact <= result.noise_multiplier < 1.5 * exact
+    assert epsilon(DpSgdUls(0.1, 30), result.noise_multiplier, 0.02) <= 1.0
+
+
+def test_same_result_for_any_number_of_workers():
+    runs = [evr.calibrate_minsep(MinSepProcess(40, 3, 0.08, 2, (0.8, 0.6)), 20.0, 2.0, 0.02, seed=1, workers=w)
+            for w in (1, 2)]
+    assert runs[0] == runs[1]
+
+
+def test_fallback_is_released_when_no_candidate_verifies(monkeypatch):
+    real = evr.estimate_delta
+
+    def optimistic_estimate(process, sigma, eps, samples, seed, workers):
+        return 0.0 if seed[1] == 0 else real(process, sigma, eps, samples, seed, workers)  # a wrong estimate
+
+    monkeypatch.setattr(evr, "estimate_delta", optimistic_estimate)
+    # The estimate sinks to the bisection's floor, fallback / 8 = 0.5, and every candidate up to
+    # 0.5 * 1.32 is far below the ~1.2 that Poisson DP-SGD needs here: all must fail verification.
+    fallback = 4.0
+    result = evr.calibrate_minsep(POISSON, fallback, 1.0, 0.02, seed=3)
+    assert not result.verified and result.noise_multiplier == fallback and result.outcomes == (False,)
+
+
+def test_too_few_samples_is_an_error():
+    with pytest.raises(InputError, match="give at best delta"):
+        evr.calibrate_minsep(POISSON, 10.0, 1.0, 0.02, samples=100)
+
+
+def test_cli(capsys):
+    args = ["-q", "calibrate", "--mechanism", "bandmf-minsep", "--epsilon", "2", "--delta", "0.02", "--steps", "60",
+            "--sampling-prob", "0.05", "--min-sep", "4", "--bands", "3", "--max-contributions", "2", "--seed", "4"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verified"] and result["noise_multiplier"] < result["fallback_noise_multiplier"]
+    assert result["delta"] <= 0.02 and result["samples"] == evr.samples_needed(0.02, 0.01)
+    assert main(["-q", "epsilon", "--mechanism", "bandmf-minsep", "--noise-multiplier", "2", "--delta", "0.02",
+                 "--steps", "60"]) == 2
+    assert "calibrate` only" in capsys.readouterr().err
