@@ -9,6 +9,7 @@
   steps, at least b apart). With a `bands`-banded Toeplitz C and b >= bands, participations
   touch disjoint rows of C, so ||C x||^2 is the sum of their columns' squared norms: one
   Gaussian mechanism (b-min-sep paper, Sec. 2.3) whose sensitivity is that sum at its largest.
+- `BandMfCyclic`: BandMF with cyclic Poisson sampling, for comparison (Sec. 3).
 """
 from __future__ import annotations
 
@@ -110,7 +111,36 @@ class BandMf:
         return dp_event.GaussianDpEvent(noise_multiplier / self.sensitivity)
 
 
-Mechanism = DpSgd | DpSgdUls | BandMf
+@dataclasses.dataclass(frozen=True)
+class BandMfCyclic:
+    """BandMF with cyclic Poisson sampling (single attribution; b-min-sep paper, Sec. 3).
+
+    The data is split into `min_sep` = b subsets and step i Poisson-samples subset i mod b with
+    probability `sampling_prob`. An example of the first subset can take part in steps 0, b, 2b,
+    ...: ceil(T / b) chances whose rows of C (at most b bands) do not overlap, so the mechanism is
+    ceil(T / b) Poisson-subsampled Gaussians with sensitivity one column norm of C.
+    """
+    sampling_prob: float
+    steps: int
+    min_sep: int
+    coefficients: tuple[float, ...]
+
+    name = "bandmf-cyclic"
+
+    def __post_init__(self) -> None:
+        _check_probability("--sampling-prob", self.sampling_prob)
+        _check_steps(self.steps)
+        if not isinstance(self.min_sep, int) or self.min_sep < len(self.coefficients):
+            raise InputError(f"--min-sep (the number of subsets) must be an integer >= --bands "
+                             f"({len(self.coefficients)}), got {self.min_sep}")
+
+    def event(self, noise_multiplier: float) -> dp_event.DpEvent:
+        column = float(np.linalg.norm(self.coefficients[: self.steps]))
+        step = dp_event.PoissonSampledDpEvent(self.sampling_prob, dp_event.GaussianDpEvent(noise_multiplier / column))
+        return dp_event.SelfComposedDpEvent(step, -(-self.steps // self.min_sep))
+
+
+Mechanism = DpSgd | DpSgdUls | BandMf | BandMfCyclic
 
 
 def sampling_probability(batch_size: float, dataset_size: int) -> float:

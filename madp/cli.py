@@ -18,11 +18,12 @@ def _add_columns(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_mechanism(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf", "bandmf-minsep"), required=True,
+    parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf", "bandmf-minsep", "bandmf-cyclic"), required=True,
                         help="dpsgd: example-level Poisson sampling, k records per user (mixture of Gaussians); "
                              "dpsgd-uls: user-level Poisson sampling; bandmf: BandMF on (k, b)-min-sep batches, "
                              "unamplified; bandmf-minsep: BandMF with b-min-sep Poisson sampling (Monte Carlo, "
-                             "calibrate only)")
+                             "calibrate only); bandmf-cyclic: BandMF with cyclic Poisson sampling over --min-sep "
+                             "subsets")
     parser.add_argument("--delta", type=float, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--sampling-prob", type=float, help="dpsgd: q (or --batch-size with --dataset-size)")
@@ -148,7 +149,11 @@ def _strategy(args: argparse.Namespace) -> dict:
 
 
 def _mechanism(args: argparse.Namespace):
-    from accounting.mechanisms import BandMf, DpSgd, DpSgdUls
+    from accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls
+    if args.mechanism == "bandmf-cyclic":
+        if None in (args.sampling_prob, args.bands, args.min_sep):
+            raise InputError("bandmf-cyclic needs --sampling-prob, --bands and --min-sep")
+        return BandMfCyclic(args.sampling_prob, args.steps, args.min_sep, tuple(_strategy(args)["coefficients"]))
     if args.mechanism == "bandmf":
         if None in (args.bands, args.min_sep, args.max_participations):
             raise InputError("bandmf needs --bands, --min-sep and --max-participations")
@@ -216,7 +221,7 @@ def _accounting(args: argparse.Namespace) -> dict:
         return _minsep(args)
     mechanism = _mechanism(args)
     result = {"mechanism": mechanism.name, **dataclasses.asdict(mechanism), "delta": args.delta,
-              "strategy": args.strategy if args.mechanism == "bandmf" else None,
+              "strategy": args.strategy if args.mechanism.startswith("bandmf") else None,
               "dataset_size": args.dataset_size, "num_users": args.num_users, "batch_size": args.batch_size,
               "cohort_size": args.cohort_size}
     if args.command == "epsilon":

@@ -103,3 +103,20 @@ def test_cli_strategy_and_bandmf(capsys):
     assert main(["-q", "epsilon", "--mechanism", "bandmf", "--noise-multiplier", "1", "--delta", "1e-5",
                  "--steps", "200", "--bands", "4"]) == 2
     assert "bandmf needs --bands, --min-sep and --max-participations" in capsys.readouterr().err
+
+
+def test_cyclic_poisson_bandmf():
+    from accounting.mechanisms import BandMfCyclic
+    # One subset and one band: DP-SGD with Poisson sampling.
+    poisson = pld_privacy_accountant.PLDAccountant(value_discretization_interval=DISCRETIZATION)
+    poisson.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.3)),
+                                                 40))
+    assert epsilon(BandMfCyclic(0.05, 40, 1, (1.0,)), 1.3, 1e-5) == pytest.approx(poisson.get_epsilon(1e-5), rel=1e-9)
+    # b subsets: ceil(T / b) chances, each a Poisson-sampled Gaussian at sigma / (column norm).
+    c = sqrt_coefficients(4)
+    cyclic = pld_privacy_accountant.PLDAccountant(value_discretization_interval=DISCRETIZATION)
+    cyclic.compose(dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(0.2, dp_event.GaussianDpEvent(1.3 / np.linalg.norm(c))), 11))
+    assert epsilon(BandMfCyclic(0.2, 41, 4, tuple(c)), 1.3, 1e-5) == pytest.approx(cyclic.get_epsilon(1e-5), rel=1e-9)
+    with pytest.raises(InputError, match="--min-sep"):
+        BandMfCyclic(0.2, 41, 3, tuple(c))
