@@ -64,16 +64,17 @@ CHUNK = 8192         # samples per task: the unit of parallelism and of seeding
 
 
 @dataclasses.dataclass(frozen=True)
-class MinSepCalibration:
-    noise_multiplier: float
+class MinSepRelease:
+    """What Algorithm 5 released: a noise multiplier (calibrate) or an epsilon (inverse)."""
+    value: float
     verified: bool                 # False: the formally accounted fallback was released
-    fallback_noise_multiplier: float
-    estimated_noise_multiplier: float
+    fallback: float
+    estimate: float
     ladder: tuple[float, ...]
-    outcomes: tuple[bool, ...]     # verification of each rung tried, from the top
+    outcomes: tuple[bool, ...]     # verification of each candidate tried, from the top
     samples: int                   # per verification and direction
     base_delta: float
-    overall_delta: float           # the (epsilon, delta) guarantee of Algorithm 5
+    overall_delta: float           # the delta of the released (epsilon, delta) guarantee
 
 
 def _chunk_terms(task) -> float:
@@ -100,37 +101,60 @@ def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples
     return max(sum(sums[:half]), sum(sums[half:])) / samples
 
 
-def calibrate_minsep(process_for, fallback_sigma: float, epsilon: float, delta: float, samples: int | None = None,
-                     seed: int = 0, workers: int = 1) -> MinSepCalibration:
-    """Algorithm 5 of the b-min-sep paper with a Monte Carlo verifier.
-
-    `process_for` is the user's participation process; `fallback_sigma` a noise multiplier that
-    satisfies (epsilon, delta) by a formal analysis (unamplified BandMF), the ladder's last rung.
-    Candidates below it: an estimate (bisection on separate samples) times 1 + RUNG_STEPS.
-    Rungs are verified from the top with fresh samples at base delta delta/2; the lowest rung such
-    that it and all above it verify is released. Overall guarantee: (epsilon, overall_delta).
-    """
+def _sample_count(delta: float, samples: int | None) -> tuple[int, float, float]:
     base_delta = delta / 2
     samples = samples or samples_needed(delta, base_delta)
     guarantee = overall_delta(base_delta, samples, delta)
     if guarantee > delta:
         raise InputError(f"{samples} samples give at best delta {guarantee:.3g}; need "
                          f"{samples_needed(delta, base_delta)} for delta {delta:g}")
-    low, high = fallback_sigma / 8, fallback_sigma
-    for _ in range(12):  # estimate: bisection with common random numbers
+    return samples, base_delta, guarantee
+
+
+def _estimate_verify_release(passes, fallback: float, low: float, seed: int) -> tuple[float, float, tuple, tuple]:
+    """Algorithm 5 over candidates of one parameter, larger being more private (sigma, or a claimed epsilon).
+
+    `passes(value, seed_tag)` runs the Monte Carlo verifier. The estimate bisects (geometrically,
+    with common random numbers) between `low` and the formally valid `fallback`; candidates are the
+    estimate times 1 + RUNG_STEPS, below the fallback, verified from the top with fresh samples; the
+    lowest candidate such that it and all above it pass is released, else the fallback. Releasing
+    a candidate that is not private needs the highest such candidate to pass: probability <= q.
+    """
+    high = fallback
+    for _ in range(16):
         middle = math.sqrt(low * high)
-        estimated = estimate_delta(process_for, middle, epsilon, samples, (seed, 0), workers)
-        if estimated <= base_delta:
+        if passes(middle, (seed, 0)):
             high = middle
         else:
             low = middle
-    ladder = tuple(s for s in (high * (1 + step) for step in RUNG_STEPS) if s < fallback_sigma)
-    released, outcomes = fallback_sigma, []
+    ladder = tuple(value for value in (high * (1 + step) for step in RUNG_STEPS) if value < fallback)
+    released, outcomes = fallback, []
     for rung in range(len(ladder) - 1, -1, -1):
-        accepted = estimate_delta(process_for, ladder[rung], epsilon, samples, (seed, 1, rung), workers) <= base_delta
-        outcomes.append(accepted)
-        if not accepted:
+        outcomes.append(passes(ladder[rung], (seed, 1, rung)))
+        if not outcomes[-1]:
             break
         released = ladder[rung]
-    return MinSepCalibration(released, released < fallback_sigma, fallback_sigma, high, ladder, tuple(outcomes),
-                             samples, base_delta, guarantee)
+    return released, high, ladder, tuple(outcomes)
+
+
+def calibrate_minsep(process: MinSepProcess, fallback_sigma: float, epsilon: float, delta: float,
+                     samples: int | None = None, seed: int = 0, workers: int = 1) -> MinSepRelease:
+    """The smallest verified noise multiplier for (epsilon, delta); `fallback_sigma` satisfies it formally
+    (unamplified BandMF). Verification at base delta delta / 2, in both directions."""
+    samples, base_delta, guarantee = _sample_count(delta, samples)
+    released, estimate, ladder, outcomes = _estimate_verify_release(
+        lambda sigma, tag: estimate_delta(process, sigma, epsilon, samples, tag, workers) <= base_delta,
+        fallback_sigma, fallback_sigma / 8, seed)
+    return MinSepRelease(released, released < fallback_sigma, fallback_sigma, estimate, ladder, outcomes, samples,
+                         base_delta, guarantee)
+
+
+def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, fallback_epsilon: float, delta: float,
+                   samples: int | None = None, seed: int = 0, workers: int = 1) -> MinSepRelease:
+    """The smallest verified epsilon at `noise_multiplier`; `fallback_epsilon` holds formally."""
+    samples, base_delta, guarantee = _sample_count(delta, samples)
+    released, estimate, ladder, outcomes = _estimate_verify_release(
+        lambda eps, tag: estimate_delta(process, noise_multiplier, eps, samples, tag, workers) <= base_delta,
+        fallback_epsilon, fallback_epsilon / 1000, seed)
+    return MinSepRelease(released, released < fallback_epsilon, fallback_epsilon, estimate, ladder, outcomes,
+                         samples, base_delta, guarantee)

@@ -21,8 +21,8 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mechanism", choices=("dpsgd", "dpsgd-uls", "bandmf", "bandmf-minsep", "bandmf-cyclic"), required=True,
                         help="dpsgd: example-level Poisson sampling, k records per user (mixture of Gaussians); "
                              "dpsgd-uls: user-level Poisson sampling; bandmf: BandMF on (k, b)-min-sep batches, "
-                             "unamplified; bandmf-minsep: BandMF with b-min-sep Poisson sampling (Monte Carlo, "
-                             "calibrate only); bandmf-cyclic: BandMF with cyclic Poisson sampling over --min-sep "
+                             "unamplified; bandmf-minsep: BandMF with b-min-sep Poisson sampling (Monte Carlo "
+                             "with estimate-verify-release); bandmf-cyclic: BandMF with cyclic Poisson sampling over --min-sep "
                              "subsets")
     parser.add_argument("--delta", type=float, required=True)
     parser.add_argument("--steps", type=int, required=True)
@@ -187,28 +187,37 @@ def _probability(args: argparse.Namespace, probability: float | None, expected: 
 
 def _minsep(args: argparse.Namespace) -> dict:
     """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
-    import dataclasses
     import time
 
-    from accounting.calibrate import calibrate
-    from accounting.evr import calibrate_minsep
+    from accounting.calibrate import calibrate, epsilon
+    from accounting.evr import calibrate_minsep, epsilon_minsep
     from accounting.mechanisms import BandMf
     from accounting.monte_carlo import MinSepProcess
-    if args.command != "calibrate":
-        raise InputError("bandmf-minsep is available in `madp calibrate` only (its Monte Carlo inverse is not built)")
     if None in (args.sampling_prob, args.bands, args.min_sep) or args.workers < 1:
         raise InputError("bandmf-minsep needs --sampling-prob, --bands and --min-sep (and --workers >= 1)")
     started = time.perf_counter()
     bands = tuple(_strategy(args)["coefficients"])
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
-    most = 1 + (args.steps - 1) // args.min_sep  # participations min-sep allows, each with up to k_u records
-    fallback = args.max_contributions * calibrate(BandMf(args.steps, args.min_sep, most, bands), args.epsilon,
-                                                  args.delta).noise_multiplier
-    result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers)
+    # The fallback: at most this many participations, each with up to k_u records.
+    unamplified = BandMf(args.steps, args.min_sep, 1 + (args.steps - 1) // args.min_sep, bands)
+    k_u = args.max_contributions
+    if args.command == "calibrate":
+        fallback = k_u * calibrate(unamplified, args.epsilon, args.delta).noise_multiplier
+        result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers)
+        named = {"noise_multiplier": result.value, "fallback_noise_multiplier": result.fallback,
+                 "estimated_noise_multiplier": result.estimate, "epsilon": args.epsilon,
+                 "target_epsilon": args.epsilon}
+    else:
+        fallback = epsilon(unamplified, args.noise_multiplier / k_u, args.delta)
+        result = epsilon_minsep(process, args.noise_multiplier, fallback, args.delta, args.samples, args.seed,
+                                args.workers)
+        named = {"noise_multiplier": args.noise_multiplier, "epsilon": result.value, "fallback_epsilon": result.fallback,
+                 "estimated_epsilon": result.estimate}
     return {"mechanism": "bandmf-minsep", "steps": args.steps, "sampling_prob": args.sampling_prob,
             "min_sep": args.min_sep, "bands": args.bands, "strategy": args.strategy, "coefficients": list(bands),
-            "max_contributions": args.max_contributions, "epsilon": args.epsilon, "target_delta": args.delta,
-            **dataclasses.asdict(result), "delta": result.overall_delta, "seed": args.seed, "workers": args.workers,
+            "max_contributions": k_u, **named, "verified": result.verified, "ladder": list(result.ladder),
+            "outcomes": list(result.outcomes), "samples": result.samples, "base_delta": result.base_delta,
+            "target_delta": args.delta, "delta": result.overall_delta, "seed": args.seed, "workers": args.workers,
             "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)",
             "wall_time_s": round(time.perf_counter() - started, 3)}
 

@@ -23,8 +23,8 @@ def test_released_sigma_is_private_by_the_exact_poisson_accountant():
     result = evr.calibrate_minsep(POISSON, fallback_sigma(1.0, 0.02), 1.0, 0.02, seed=3)
     assert result.verified and result.overall_delta <= 0.02
     exact = calibrate(DpSgdUls(0.1, 30), 1.0, 0.02).noise_multiplier  # the same PLD as dpsgd with k = 1
-    assert exact <= result.noise_multiplier < 1.5 * exact
-    assert epsilon(DpSgdUls(0.1, 30), result.noise_multiplier, 0.02) <= 1.0
+    assert exact <= result.value < 1.5 * exact
+    assert epsilon(DpSgdUls(0.1, 30), result.value, 0.02) <= 1.0
 
 
 def test_same_result_for_any_number_of_workers():
@@ -44,7 +44,7 @@ def test_fallback_is_released_when_no_candidate_verifies(monkeypatch):
     # 0.5 * 1.32 is far below the ~1.2 that Poisson DP-SGD needs here: all must fail verification.
     fallback = 4.0
     result = evr.calibrate_minsep(POISSON, fallback, 1.0, 0.02, seed=3)
-    assert not result.verified and result.noise_multiplier == fallback and result.outcomes == (False,)
+    assert not result.verified and result.value == fallback and result.outcomes == (False,)
 
 
 def test_too_few_samples_is_an_error():
@@ -53,12 +53,25 @@ def test_too_few_samples_is_an_error():
 
 
 def test_cli(capsys):
-    args = ["-q", "calibrate", "--mechanism", "bandmf-minsep", "--epsilon", "2", "--delta", "0.02", "--steps", "60",
-            "--sampling-prob", "0.05", "--min-sep", "4", "--bands", "3", "--max-contributions", "2", "--seed", "4"]
-    assert main(args) == 0
+    common = ["--mechanism", "bandmf-minsep", "--delta", "0.02", "--steps", "60", "--sampling-prob", "0.05",
+              "--min-sep", "4", "--bands", "3", "--max-contributions", "2", "--seed", "4"]
+    assert main(["-q", "calibrate", "--epsilon", "2", *common]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] and result["noise_multiplier"] < result["fallback_noise_multiplier"]
     assert result["delta"] <= 0.02 and result["samples"] == evr.samples_needed(0.02, 0.01)
     assert main(["-q", "epsilon", "--mechanism", "bandmf-minsep", "--noise-multiplier", "2", "--delta", "0.02",
                  "--steps", "60"]) == 2
-    assert "calibrate` only" in capsys.readouterr().err
+    assert "bandmf-minsep needs --sampling-prob" in capsys.readouterr().err
+    assert main(["-q", "epsilon", "--noise-multiplier", str(result["noise_multiplier"]), *common]) == 0
+    claimed = json.loads(capsys.readouterr().out)
+    assert claimed["verified"] and claimed["epsilon"] < claimed["fallback_epsilon"]
+    assert claimed["epsilon"] <= 2.0 * (1 + 0.32), "the inverse finds about the epsilon the calibration targeted"
+
+
+def test_epsilon_inverse_is_private_by_the_exact_poisson_accountant():
+    sigma = 1.4
+    fallback = epsilon(DpSgdUls(1.0, 30), sigma, 0.02)
+    result = evr.epsilon_minsep(POISSON, sigma, fallback, 0.02, seed=2)
+    assert result.verified and result.overall_delta <= 0.02
+    exact = epsilon(DpSgdUls(0.1, 30), sigma, 0.02)
+    assert exact <= result.value < 1.5 * exact
