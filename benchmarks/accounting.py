@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accounting.calibrate import calibrate  # noqa: E402
 from accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
+from accounting.evr import estimate_delta  # noqa: E402
 from accounting.monte_carlo import MinSepProcess, sample_log_ratios  # noqa: E402
 from accounting.strategies import sqrt_coefficients  # noqa: E402
 
@@ -45,6 +46,15 @@ def main() -> None:
         sample_log_ratios(process, 1.0, SAMPLES, seed=0, under="P")
         per_sample = (time.perf_counter() - started) / SAMPLES * 1e6
         print(f"  T = {steps}, b = {min_sep}: {per_sample:.1f} us per sample (target <= 20 at T = 1000, b = 8)")
+    process = MinSepProcess(1000, 8, 0.01, 1, tuple(sqrt_coefficients(8)))
+    timings = {}
+    for workers in (1, os.cpu_count() or 1):
+        started = time.perf_counter()
+        estimate_delta(process, 1.0, 2.0, 8 * 8192, (0,), workers)  # both directions: 2 x 65,536 samples
+        timings[workers] = time.perf_counter() - started
+    for workers, wall in timings.items():
+        print(f"  worker processes {workers}: {wall:.1f} s for 131,072 samples (T = 1000, b = 8); "
+              f"speed-up {timings[1] / wall:.2f}x")
 
 
 if __name__ == "__main__":
