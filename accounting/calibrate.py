@@ -11,7 +11,7 @@ import math
 
 from dp_accounting.pld import pld_privacy_accountant
 
-from accounting.mechanisms import Mechanism, check_target
+from accounting.mechanisms import Mechanism, check_delta, check_target
 from madp.records import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -27,7 +27,7 @@ def epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float,
     """Epsilon of `mechanism` at `noise_multiplier` for `delta` (an upper bound)."""
     if not noise_multiplier > 0:
         raise InputError(f"--noise-multiplier must be > 0, got {noise_multiplier}")
-    check_target(1.0, delta)
+    check_delta(delta)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
     accountant.compose(mechanism.event(noise_multiplier))
     return float(accountant.get_epsilon(delta))

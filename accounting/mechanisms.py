@@ -23,14 +23,28 @@ from scipy.stats import binom
 from madp.records import InputError
 
 
-def _check_probability(name: str, value: float) -> None:
+def check_probability(name: str, value: float) -> None:
     if not 0 < value <= 1:
         raise InputError(f"{name} must be in (0, 1], got {value}")
 
 
-def _check_steps(steps: int) -> None:
+def check_steps(steps: int) -> None:
     if not isinstance(steps, int) or steps < 1:
         raise InputError(f"--steps must be an integer >= 1, got {steps}")
+
+
+def check_min_sep(min_sep: int, bands: int) -> None:
+    """Participations at least `min_sep` apart touch disjoint rows of a C with at most that many bands."""
+    if not isinstance(min_sep, int) or min_sep < 1:
+        raise InputError(f"--min-sep must be an integer >= 1, got {min_sep}")
+    if bands > min_sep:
+        raise InputError(f"--bands ({bands}) must not exceed --min-sep ({min_sep}): participations closer "
+                         f"than the bands overlap in C and these analyses do not hold")
+
+
+def check_contributions(max_contributions: int) -> None:
+    if not isinstance(max_contributions, int) or max_contributions < 1:
+        raise InputError(f"--max-contributions must be an integer >= 1, got {max_contributions}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +57,9 @@ class DpSgd:
     name = "dpsgd"
 
     def __post_init__(self) -> None:
-        _check_probability("--sampling-prob", self.sampling_prob)
-        _check_steps(self.steps)
-        if not isinstance(self.max_contributions, int) or self.max_contributions < 1:
-            raise InputError(f"--max-contributions must be an integer >= 1, got {self.max_contributions}")
+        check_probability("--sampling-prob", self.sampling_prob)
+        check_steps(self.steps)
+        check_contributions(self.max_contributions)
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         k = self.max_contributions
@@ -65,8 +78,8 @@ class DpSgdUls:
     name = "dpsgd-uls"
 
     def __post_init__(self) -> None:
-        _check_probability("--user-sampling-prob", self.user_sampling_prob)
-        _check_steps(self.steps)
+        check_probability("--user-sampling-prob", self.user_sampling_prob)
+        check_steps(self.steps)
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         step = dp_event.PoissonSampledDpEvent(self.user_sampling_prob, dp_event.GaussianDpEvent(noise_multiplier))
@@ -84,13 +97,8 @@ class BandMf:
     name = "bandmf"
 
     def __post_init__(self) -> None:
-        _check_steps(self.steps)
-        bands = len(self.coefficients)
-        if not isinstance(self.min_sep, int) or self.min_sep < 1:
-            raise InputError(f"--min-sep must be an integer >= 1, got {self.min_sep}")
-        if bands > self.min_sep:
-            raise InputError(f"--bands ({bands}) must not exceed --min-sep ({self.min_sep}): participations closer "
-                             f"than the bands overlap in C and this analysis does not hold")
+        check_steps(self.steps)
+        check_min_sep(self.min_sep, len(self.coefficients))
         most = 1 + (self.steps - 1) // self.min_sep
         if not isinstance(self.max_participations, int) or not 1 <= self.max_participations <= most:
             raise InputError(f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
@@ -128,11 +136,9 @@ class BandMfCyclic:
     name = "bandmf-cyclic"
 
     def __post_init__(self) -> None:
-        _check_probability("--sampling-prob", self.sampling_prob)
-        _check_steps(self.steps)
-        if not isinstance(self.min_sep, int) or self.min_sep < len(self.coefficients):
-            raise InputError(f"--min-sep (the number of subsets) must be an integer >= --bands "
-                             f"({len(self.coefficients)}), got {self.min_sep}")
+        check_probability("--sampling-prob", self.sampling_prob)
+        check_steps(self.steps)
+        check_min_sep(self.min_sep, len(self.coefficients))  # min_sep: the number of subsets
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         column = float(np.linalg.norm(self.coefficients[: self.steps]))
@@ -150,8 +156,12 @@ def sampling_probability(batch_size: float, dataset_size: int) -> float:
     return batch_size / dataset_size
 
 
+def check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise InputError(f"--delta must be in (0, 1), got {delta}")
+
+
 def check_target(epsilon: float, delta: float) -> None:
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise InputError(f"--epsilon must be > 0, got {epsilon}")
-    if not 0 < delta < 1:
-        raise InputError(f"--delta must be in (0, 1), got {delta}")
+    check_delta(delta)

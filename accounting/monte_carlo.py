@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 from scipy.stats import binom
 
-from madp.records import InputError
+from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +32,10 @@ class MinSepProcess:
     coefficients: tuple[float, ...]  # bands of C, len <= min_sep
 
     def __post_init__(self) -> None:
-        if len(self.coefficients) > self.min_sep:
-            raise InputError(f"--bands ({len(self.coefficients)}) must not exceed --min-sep ({self.min_sep})")
-        if not 0 < self.sampling_prob <= 1 or self.steps < 1 or self.max_contributions < 1:
-            raise InputError("need 0 < p <= 1, steps >= 1 and k_u >= 1")
+        check_steps(self.steps)
+        check_min_sep(self.min_sep, len(self.coefficients))
+        check_probability("--sampling-prob", self.sampling_prob)
+        check_contributions(self.max_contributions)
 
     @property
     def count_log_probs(self) -> np.ndarray:

@@ -138,11 +138,23 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE)
 
 
-def _strategy(args: argparse.Namespace) -> dict:
-    from accounting.strategies import coefficients, prefix_sum_mse, sqrt_coefficients
+def _require(args: argparse.Namespace, mechanism: str, *options: str) -> None:
+    if any(getattr(args, option.lstrip("-").replace("-", "_")) is None for option in options):
+        raise InputError(f"{mechanism} needs {', '.join(options[:-1])} and {options[-1]}")
+
+
+def _bands(args: argparse.Namespace) -> tuple[float, ...]:
+    from accounting.strategies import coefficients
     if args.bands is None:
         raise InputError("--bands is required")
-    bands = coefficients(args.strategy, args.steps, args.bands)
+    return tuple(coefficients(args.strategy, args.steps, args.bands).tolist())
+
+
+def _strategy(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from accounting.strategies import prefix_sum_mse, sqrt_coefficients
+    bands = np.array(_bands(args))
     return {"steps": args.steps, "bands": args.bands, "strategy": args.strategy, "coefficients": bands.tolist(),
             "prefix_sum_mse": prefix_sum_mse(bands, args.steps),
             "sqrt_prefix_sum_mse": prefix_sum_mse(sqrt_coefficients(args.bands), args.steps)}
@@ -151,14 +163,11 @@ def _strategy(args: argparse.Namespace) -> dict:
 def _mechanism(args: argparse.Namespace):
     from accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls
     if args.mechanism == "bandmf-cyclic":
-        if None in (args.sampling_prob, args.bands, args.min_sep):
-            raise InputError("bandmf-cyclic needs --sampling-prob, --bands and --min-sep")
-        return BandMfCyclic(args.sampling_prob, args.steps, args.min_sep, tuple(_strategy(args)["coefficients"]))
+        _require(args, "bandmf-cyclic", "--sampling-prob", "--bands", "--min-sep")
+        return BandMfCyclic(args.sampling_prob, args.steps, args.min_sep, _bands(args))
     if args.mechanism == "bandmf":
-        if None in (args.bands, args.min_sep, args.max_participations):
-            raise InputError("bandmf needs --bands, --min-sep and --max-participations")
-        return BandMf(args.steps, args.min_sep, args.max_participations,
-                      tuple(_strategy(args)["coefficients"]))
+        _require(args, "bandmf", "--bands", "--min-sep", "--max-participations")
+        return BandMf(args.steps, args.min_sep, args.max_participations, _bands(args))
     if args.mechanism == "dpsgd":
         population = args.dataset_size
         mechanism = DpSgd(_probability(args, args.sampling_prob, args.batch_size, population,
@@ -193,10 +202,11 @@ def _minsep(args: argparse.Namespace) -> dict:
     from accounting.evr import calibrate_minsep, epsilon_minsep
     from accounting.mechanisms import BandMf
     from accounting.monte_carlo import MinSepProcess
-    if None in (args.sampling_prob, args.bands, args.min_sep) or args.workers < 1:
-        raise InputError("bandmf-minsep needs --sampling-prob, --bands and --min-sep (and --workers >= 1)")
+    _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
+    if args.workers < 1:
+        raise InputError(f"--workers must be at least 1, got {args.workers}")
     started = time.perf_counter()
-    bands = tuple(_strategy(args)["coefficients"])
+    bands = _bands(args)
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
     # The fallback: at most this many participations, each with up to k_u records.
     unamplified = BandMf(args.steps, args.min_sep, 1 + (args.steps - 1) // args.min_sep, bands)
