@@ -7,6 +7,7 @@ Hoeffding). Algorithm 5 then satisfies (epsilon, delta + q (1 - delta))-DP, mini
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from concurrent.futures import ProcessPoolExecutor
@@ -14,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from accounting.monte_carlo import MinSepProcess, sample_log_ratios
+from accounting.monte_carlo import MinSepProcess, hockey_stick_terms, sample_log_ratios
 from madp.records import InputError
 
 
@@ -80,23 +81,29 @@ class MinSepRelease:
 def _chunk_terms(task) -> float:
     """Sum of hockey-stick terms of one seeded chunk (runs in worker processes)."""
     process, sigma, epsilon, size, seed, under = task
-    ratios = sample_log_ratios(process, sigma, size, seed, under)
-    exponent = epsilon - ratios if under == "P" else epsilon + ratios
-    return float(np.clip(-np.expm1(exponent), 0.0, None).sum())
+    return float(hockey_stick_terms(sample_log_ratios(process, sigma, size, seed, under), epsilon, under).sum())
+
+
+@contextlib.contextmanager
+def task_map(workers: int):
+    """`map` over chunk tasks: in this process, or in one pool of `workers` processes kept for a whole run."""
+    if workers < 1:
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    if workers == 1:
+        yield map
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            yield pool.map
 
 
 def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples: int, seed: tuple[int, ...],
-                   workers: int) -> float:
+                   mapper=map) -> float:
     """Monte Carlo delta(epsilon), the larger of both directions; chunks seeded by (seed, direction, chunk),
-    so the result does not depend on the number of workers."""
+    so the result does not depend on how `mapper` (see `task_map`) spreads them."""
     tasks = [(process, sigma, epsilon, min(CHUNK, samples - start),
               int(np.random.SeedSequence([*seed, direction, start // CHUNK]).generate_state(1)[0]), under)
              for direction, under in enumerate(("P", "Q")) for start in range(0, samples, CHUNK)]
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            sums = list(pool.map(_chunk_terms, tasks))
-    else:
-        sums = [_chunk_terms(task) for task in tasks]
+    sums = list(mapper(_chunk_terms, tasks))
     half = len(tasks) // 2
     return max(sum(sums[:half]), sum(sums[half:])) / samples
 
@@ -142,9 +149,10 @@ def calibrate_minsep(process: MinSepProcess, fallback_sigma: float, epsilon: flo
     """The smallest verified noise multiplier for (epsilon, delta); `fallback_sigma` satisfies it formally
     (unamplified BandMF). Verification at base delta delta / 2, in both directions."""
     samples, base_delta, guarantee = _sample_count(delta, samples)
-    released, estimate, ladder, outcomes = _estimate_verify_release(
-        lambda sigma, tag: estimate_delta(process, sigma, epsilon, samples, tag, workers) <= base_delta,
-        fallback_sigma, fallback_sigma / 8, seed)
+    with task_map(workers) as mapper:
+        released, estimate, ladder, outcomes = _estimate_verify_release(
+            lambda sigma, tag: estimate_delta(process, sigma, epsilon, samples, tag, mapper) <= base_delta,
+            fallback_sigma, fallback_sigma / 8, seed)
     return MinSepRelease(released, released < fallback_sigma, fallback_sigma, estimate, ladder, outcomes, samples,
                          base_delta, guarantee)
 
@@ -153,8 +161,9 @@ def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, fallback_eps
                    samples: int | None = None, seed: int = 0, workers: int = 1) -> MinSepRelease:
     """The smallest verified epsilon at `noise_multiplier`; `fallback_epsilon` holds formally."""
     samples, base_delta, guarantee = _sample_count(delta, samples)
-    released, estimate, ladder, outcomes = _estimate_verify_release(
-        lambda eps, tag: estimate_delta(process, noise_multiplier, eps, samples, tag, workers) <= base_delta,
-        fallback_epsilon, fallback_epsilon / 1000, seed)
+    with task_map(workers) as mapper:
+        released, estimate, ladder, outcomes = _estimate_verify_release(
+            lambda eps, tag: estimate_delta(process, noise_multiplier, eps, samples, tag, mapper) <= base_delta,
+            fallback_epsilon, fallback_epsilon / 1000, seed)
     return MinSepRelease(released, released < fallback_epsilon, fallback_epsilon, estimate, ladder, outcomes,
                          samples, base_delta, guarantee)

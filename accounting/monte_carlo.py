@@ -9,8 +9,9 @@ recursion (eq. (1), extended to Binomial counts):
     f_i = Binom(0) f_{i+1} + sum_{j>=1} Binom(j) r_i(j) f_{i+b},   f_i = 1 for i > T,
     r_i(j) = exp((j <c_i, y_i..y_{i+b-1}> - j^2 ||c_i||^2 / 2) / sigma^2),
 
-with c_i the nonzero part of column i of C. Samples are vectorized; the recursion runs in log
-space. Estimate-verify-release (a formal guarantee from these estimates) builds on this.
+with c_i the nonzero part of column i of C. Samples are vectorized in blocks; the recursion runs
+in linear space with per-sample rescaling (log space when weights are extreme). Estimate-verify-
+release (`accounting/evr.py`) turns these estimates into a formal guarantee.
 """
 from __future__ import annotations
 
@@ -180,12 +181,17 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
     return np.concatenate(blocks) if blocks else np.zeros(0)
 
 
-def hockey_stick(log_ratios: np.ndarray, epsilon: float, under: str) -> tuple[float, float]:
-    """Estimate and standard error of delta(epsilon) in one direction.
+def hockey_stick_terms(log_ratios: np.ndarray, epsilon: float, under: str) -> np.ndarray:
+    """Per-sample terms whose mean is delta(epsilon) in one direction.
 
     Under P: delta(P || Q) = E_P[(1 - e^(eps - L))_+]; under Q: delta(Q || P) = E_Q[(1 - e^(eps + L))_+],
     with L = log P/Q.
     """
     exponent = epsilon - log_ratios if under == "P" else epsilon + log_ratios
-    terms = np.clip(-np.expm1(exponent), 0.0, None)
+    return np.clip(-np.expm1(exponent), 0.0, None)
+
+
+def hockey_stick(log_ratios: np.ndarray, epsilon: float, under: str) -> tuple[float, float]:
+    """Estimate and standard error of delta(epsilon) in one direction."""
+    terms = hockey_stick_terms(log_ratios, epsilon, under)
     return float(terms.mean()), float(terms.std(ddof=1) / np.sqrt(len(terms)))

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accounting.calibrate import calibrate  # noqa: E402
 from accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
-from accounting.evr import estimate_delta  # noqa: E402
+from accounting.evr import estimate_delta, task_map  # noqa: E402
 from accounting.monte_carlo import MinSepProcess, sample_log_ratios  # noqa: E402
 from accounting.strategies import sqrt_coefficients  # noqa: E402
 
@@ -50,7 +50,8 @@ def main() -> None:
     timings = {}
     for workers in (1, os.cpu_count() or 1):
         started = time.perf_counter()
-        estimate_delta(process, 1.0, 2.0, 8 * 8192, (0,), workers)  # both directions: 2 x 65,536 samples
+        with task_map(workers) as mapper:
+            estimate_delta(process, 1.0, 2.0, 8 * 8192, (0,), mapper)  # both directions: 2 x 65,536 samples
         timings[workers] = time.perf_counter() - started
     for workers, wall in timings.items():
         print(f"  worker processes {workers}: {wall:.1f} s for 131,072 samples (T = 1000, b = 8); "

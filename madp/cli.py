@@ -203,8 +203,6 @@ def _minsep(args: argparse.Namespace) -> dict:
     from accounting.mechanisms import BandMf
     from accounting.monte_carlo import MinSepProcess
     _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
-    if args.workers < 1:
-        raise InputError(f"--workers must be at least 1, got {args.workers}")
     started = time.perf_counter()
     bands = _bands(args)
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
