@@ -17,6 +17,8 @@ setup(
         "numpy>=2.0",
         "pyarrow>=15",
         "scipy>=1.11",
+        "google-crc32c>=1.5",  # TFRecord checksums
+        "protobuf>=4",  # reading tf.train.Example in the batch verifier
     ],
     extras_require={
         "test": ["pytest>=8"],

@@ -556,9 +556,9 @@ def _input_error_in(error: Exception) -> rec.InputError | None:
     return rec.InputError(found.group(1)) if found else None
 
 
-def _counters(result) -> dict[str, int]:
-    """This namespace's Beam counters of a finished run (committed values where the runner has them)."""
-    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))["counters"]
+def _counters(result, namespace: str = NAMESPACE) -> dict[str, int]:
+    """A namespace's Beam counters of a finished run (committed values where the runner has them)."""
+    found = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in found}
 
 

@@ -69,12 +69,14 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
                        input_users=len(users.residual))
 
 
-def read_input(input_path: str, columns: rec.Columns) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
-    """All valid records of the input, the rejected rows, rows read and repeated users removed."""
+def read_input(input_path: str, columns: rec.Columns,
+               content: tuple[str, ...] | None = None) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
+    """All valid records of the input (with `content` columns), the rejected rows, rows read and
+    repeated users removed."""
     files = rec.list_input_files(input_path)
     chunks, rejects, rows_read, removed = [], rec.Rejects(), 0, 0
     for index, path in enumerate(files):
-        result = rec.read_file(path, index, columns)
+        result = rec.read_file(path, index, columns, content)
         chunks.append(result.chunk)
         rejects.extend(result.rejects)
         rows_read += result.rows_read

@@ -94,6 +94,7 @@ class RecordChunk:
     users: pa.Array           # flat user ids, int64 or string, no repeats within a record
     weights: np.ndarray | None
     sources: dict[int, str]   # input file of each file index in `keys`
+    content: pa.Table | None = None  # other columns carried along (batching), one row per record
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -132,14 +133,61 @@ def list_input_files(path: str) -> list[str]:
     return [path]
 
 
-def read_file(path: str, file_index: int, columns: Columns) -> FileResult:
-    """Read one input file and split it into valid records and rejected rows."""
+def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
+    """Read one input file and split it into valid records and rejected rows; with `content`,
+    also carry those columns of the valid records."""
     if path.endswith(".parquet"):
         table = _read_parquet(path, columns)
         non_conforming = None
     else:
         table, non_conforming = _read_jsonl(path, columns)
-    return _validate(table, non_conforming, path, file_index, columns)
+    result = _validate(table, non_conforming, path, file_index, columns)
+    if content is not None:
+        rows = result.chunk.keys & ((1 << _ROW_KEY_BITS) - 1)
+        result.chunk.content = _read_content(path, content).take(pa.array(rows))
+    return result
+
+
+def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
+    """The columns of an input file other than the id, users and weight columns."""
+    if path.endswith(".parquet"):
+        names = pq.read_schema(storage.open_input(path)).names
+    else:
+        with storage.open_input(path) as handle:
+            first = next((line for line in handle.read().splitlines() if line.strip()), b"{}")
+        try:
+            names = list(json.loads(first))
+        except (ValueError, TypeError):
+            names = []
+    return tuple(n for n in names if n not in _wanted(columns))
+
+
+def _read_content(path: str, names: tuple[str, ...]) -> pa.Table:
+    """Columns `names` of every row of a file (rows that are not JSON objects read as nulls)."""
+    if path.endswith(".parquet"):
+        found = pq.read_schema(storage.open_input(path)).names
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise InputError(f"{path}: no content column {missing} (found {found})")
+        return pq.read_table(storage.open_input(path), columns=list(names))
+    with storage.open_input(path) as handle:
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    objects = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        objects.append(obj if isinstance(obj, dict) else {})
+    arrays = {}
+    for name in names:
+        if not any(name in obj for obj in objects):
+            raise InputError(f"{path}: no content column {name!r} in any row")
+        try:
+            arrays[name] = pa.array([obj.get(name) for obj in objects])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            raise InputError(f"{path}: content column {name!r} mixes types: {error}") from error
+    return pa.table(arrays) if arrays else pa.table({"_": pa.nulls(len(objects))}).drop(["_"])
 
 
 def _wanted(columns: Columns) -> list[str]:
@@ -349,12 +397,18 @@ def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
         offsets.append(c.offsets[1:] + base)
         base += int(c.offsets[-1])
     weights = None if non_empty[0].weights is None else np.concatenate([c.weights for c in non_empty])
+    content = None
+    if non_empty[0].content is not None:
+        try:
+            content = pa.concat_tables([c.content for c in non_empty], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            raise InputError(f"content columns have different types in different input files: {error}") from error
     return RecordChunk(
         keys=np.concatenate([c.keys for c in non_empty]),
         ids=pa.concat_arrays([c.ids for c in non_empty]),
         offsets=np.concatenate(offsets),
         users=pa.concat_arrays([c.users for c in non_empty]),
-        weights=weights, sources=sources)
+        weights=weights, sources=sources, content=content)
 
 
 def _check_same_type(types: list[pa.DataType], what: str) -> None:
@@ -380,7 +434,8 @@ def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
     return RecordChunk(keys=chunk.keys[index], ids=chunk.ids.take(pa.array(index)), offsets=offsets,
                        users=chunk.users.take(pa.array(flat_index)),
                        weights=None if chunk.weights is None else chunk.weights[index],
-                       sources=chunk.sources)
+                       sources=chunk.sources,
+                       content=None if chunk.content is None else chunk.content.take(pa.array(index)))
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:

@@ -112,3 +112,143 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
             "distinct_selected": len(selected), "users_with_selected_records": len(contribution),
             "max_user_contribution": max(contribution.values(), default=0),
             "users_over_bound": len(over), "violation_count": len(violations), "violations": violations[:_SHOWN]}
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+def _example_class():
+    """tf.train.Example built from its .proto description with the protobuf runtime: no TensorFlow."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    proto = descriptor_pb2.FileDescriptorProto(name="madp_verify_example.proto", package="madp_verify")
+    label = descriptor_pb2.FieldDescriptorProto
+    for name, kind in (("BytesList", label.TYPE_BYTES), ("FloatList", label.TYPE_FLOAT),
+                       ("Int64List", label.TYPE_INT64)):
+        message = proto.message_type.add(name=name)
+        message.field.add(name="value", number=1, type=kind, label=label.LABEL_REPEATED)
+    feature = proto.message_type.add(name="Feature")
+    feature.oneof_decl.add(name="kind")
+    for number, name in ((1, "bytes_list"), (2, "float_list"), (3, "int64_list")):
+        type_name = {"bytes_list": "BytesList", "float_list": "FloatList", "int64_list": "Int64List"}[name]
+        feature.field.add(name=name, number=number, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
+                          type_name=f".madp_verify.{type_name}", oneof_index=0)
+    features = proto.message_type.add(name="Features")
+    entry = features.nested_type.add(name="FeatureEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=label.TYPE_STRING, label=label.LABEL_OPTIONAL)
+    entry.field.add(name="value", number=2, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
+                    type_name=".madp_verify.Feature")
+    features.field.add(name="feature", number=1, type=label.TYPE_MESSAGE, label=label.LABEL_REPEATED,
+                       type_name=".madp_verify.Features.FeatureEntry")
+    example = proto.message_type.add(name="Example")
+    example.field.add(name="features", number=1, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
+                      type_name=".madp_verify.Features")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("madp_verify.Example"))
+
+
+def _masked_crc(data: bytes) -> int:
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def read_tfrecord(path: str):
+    """Each record of a TFRecord file, checking both checksums."""
+    import struct
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    position = 0
+    while position < len(data):
+        if position + 12 > len(data):
+            raise ValueError(f"{path}: truncated record header at byte {position}")
+        header = data[position:position + 8]
+        (length,) = struct.unpack("<Q", header)
+        (length_crc,) = struct.unpack("<I", data[position + 8:position + 12])
+        payload = data[position + 12:position + 12 + length]
+        if length_crc != _masked_crc(header) or len(payload) != length:
+            raise ValueError(f"{path}: corrupt record header at byte {position}")
+        (payload_crc,) = struct.unpack("<I", data[position + 12 + length:position + 16 + length])
+        if payload_crc != _masked_crc(payload):
+            raise ValueError(f"{path}: corrupt record payload at byte {position}")
+        yield payload
+        position += 16 + length
+
+
+def _feature_values(example, name: str) -> list:
+    feature = example.features.feature[name]
+    kind = feature.WhichOneof("kind")
+    return list(getattr(feature, kind).value) if kind else []
+
+
+def verify_batches(output: str, data_path: str, min_sep: int, max_participations: int | None = None,
+                   max_batch_size: int | None = None, id_column: str = "id", users_column: str = "users") -> dict:
+    """Re-read the batches and the records' users; list every min-sep, participation and size violation."""
+    files = sorted(glob.glob(os.path.join(output, "batches-*.tfrecord")))
+    problems = [f"no batches: {output}/batches-*.tfrecord not found"] if not files else []
+    problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
+    if problems:
+        return {"ok": False, "violation_count": len(problems), "violations": problems}
+    users_of: dict = {}
+    for path in _input_files(data_path):
+        for record_id, users in _rows(path, id_column, users_column):
+            users_of[str(record_id)] = set(users) if isinstance(users, list) else set()
+
+    example_class = _example_class()
+    violations: list[str] = []
+    rows_per_step: Counter = Counter()
+    steps_of_user: defaultdict = defaultdict(list)
+    last_step, real_rows, padding_rows, unknown = -1, 0, 0, 0
+    for path in files:
+        for payload in read_tfrecord(path):
+            example = example_class.FromString(payload)
+            step = _feature_values(example, "step")[0]
+            weight = _feature_values(example, "weight")[0]
+            raw_id = _feature_values(example, "id")[0]
+            record_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            if step < last_step:
+                violations.append(f"{os.path.basename(path)}: step {step} after step {last_step}: not in step order")
+            last_step = step
+            rows_per_step[step] += 1
+            if weight == 0.0:
+                padding_rows += 1
+                continue
+            if weight != 1.0:
+                violations.append(f"step {step}: id {record_id} has weight {weight}, expected 1 or 0")
+            real_rows += 1
+            if record_id not in users_of:
+                unknown += 1
+                violations.append(f"step {step}: id {record_id} is not a record of {data_path}")
+                continue
+            for user in users_of[record_id]:
+                steps_of_user[user].append(step)
+
+    closest: list[tuple[int, object, int, int]] = []
+    over: list[tuple[int, object]] = []
+    repeated_in_step = 0
+    for user, steps in steps_of_user.items():
+        distinct = sorted(set(steps))
+        repeated_in_step += len(steps) - len(distinct)
+        gaps = [(b - a, a, b) for a, b in zip(distinct, distinct[1:])]
+        if gaps:
+            gap, first, second = min(gaps)
+            closest.append((gap, user, first, second))
+        if max_participations is not None and len(distinct) > max_participations:
+            over.append((len(distinct), user))
+    closest.sort(key=lambda v: (v[0], str(v[1])))
+    violations += [f"user {user!r} participates at steps {first} and {second}, {gap} apart (< min-sep {min_sep})"
+                   for gap, user, first, second in closest if gap < min_sep]
+    violations += [f"user {user!r} participates in {count} steps (> {max_participations})"
+                   for count, user in sorted(over, key=lambda v: (-v[0], str(v[1])))]
+    if max_batch_size is not None:
+        violations += [f"step {step} has {rows} rows (> max batch size {max_batch_size})"
+                       for step, rows in sorted(rows_per_step.items()) if rows > max_batch_size]
+    return {"ok": not violations, "files": len(files), "steps": len(rows_per_step), "rows": real_rows + padding_rows,
+            "real_rows": real_rows, "padding_rows": padding_rows, "users": len(steps_of_user),
+            "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
+            "min_gap": closest[0][0] if closest else None,
+            "user_rows_sharing_a_step": repeated_in_step, "unknown_ids": unknown,
+            "violation_count": len(violations), "violations": violations[:_SHOWN]}

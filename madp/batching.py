@@ -1,0 +1,480 @@
+"""Batch materialization shared by both engines: options, inputs, the samplers on one partition
+(local engine), TFRecord files and the report.
+
+Flow: selected ids + copies (a `madp bound` output) joined with the records (users, content) ->
+units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, pad -> TFRecords.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import math
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from madp import records as rec
+from madp import sampling, storage, tfrecord
+from madp.hashing import hash_ids
+from madp.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, handle_rejects, write_report
+
+log = logging.getLogger("madp.batch")
+SAMPLERS = ("minsep", "minsep-greedy")
+SCHEMA_FILE = "schema.json"
+RESERVED_FEATURES = ("step", "id", "weight")
+RECORD_STREAM, USER_STREAM = 7, 8  # hash purposes: unit keys (seeded), user identity (unseeded)
+_ENCODE_ROWS = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    steps: int
+    batch_size: float
+    sampler: str = "minsep"
+    min_sep: int = 1
+    warm_up: int | None = None
+    max_batch_size: int | None = None
+    find_max_min_sep: bool = False
+    seed: int = 0
+    columns: rec.Columns = rec.Columns()
+    content_columns: tuple[str, ...] | None = None
+    on_invalid: str = "error"
+    output_shards: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [(self.sampler in SAMPLERS, f"--sampler must be one of {SAMPLERS}"),
+                  (self.steps >= 1, "--steps must be at least 1"),
+                  (self.batch_size > 0, "--batch-size must be positive"),
+                  (self.min_sep >= 1, "--min-sep must be at least 1 (1 is plain Poisson sampling)"),
+                  (self.warm_up is None or self.warm_up >= 0, "--warm-up must be at least 0"),
+                  (self.max_batch_size is None or self.max_batch_size >= 1, "--max-batch-size must be at least 1"),
+                  (self.output_shards >= 1, "--output-shards must be at least 1"),
+                  (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
+                  (self.sampler == "minsep-greedy" or not self.find_max_min_sep,
+                   "--find-max-min-sep applies to --sampler minsep-greedy"),
+                  (self.sampler == "minsep" or float(self.batch_size).is_integer(),
+                   "--batch-size must be an integer for --sampler minsep-greedy (batches have exactly B records)")]
+        for ok, message in checks:
+            if not ok:
+                raise rec.InputError(message)
+
+    @property
+    def warm_up_steps(self) -> int:
+        """Exclusion looks back b-1 steps at i.i.d. samples, so batch sizes are exactly stationary after b-1."""
+        if self.sampler != "minsep":
+            return 0
+        return self.min_sep - 1 if self.warm_up is None else self.warm_up
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def selection_files(selected: str) -> list[str]:
+    files = sorted(f for f in storage.list_files(storage.join(selected, SELECTED_DIR)) if f.endswith(".parquet")) \
+        if storage.kind(storage.join(selected, SELECTED_DIR)) == "directory" else []
+    if not files:
+        raise rec.InputError(f"{selected}: no {SELECTED_DIR}/*.parquet; SELECTED must be a `madp bound` output directory")
+    return files
+
+
+def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
+    with storage.open_input(path) as handle:
+        table = pq.read_table(handle)
+    if not {"id", "copies"} <= set(table.column_names):
+        raise rec.InputError(f"{path}: a selection needs columns id and copies (found {table.column_names})")
+    ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
+    if ids.null_count or copies.null_count or not pa.types.is_integer(copies.type) \
+            or (len(copies) and pc.min(copies).as_py() < 1):
+        raise rec.InputError(f"{path}: ids must be present and copies integers >= 1")
+    if pa.types.is_integer(ids.type):
+        ids = ids.cast(pa.int64())
+    return ids, copies.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def join_selection(chunk: rec.RecordChunk, ids: pa.Array, copies: np.ndarray, data: str) -> tuple[rec.RecordChunk, np.ndarray]:
+    """The selected records of `chunk` (in selection order) and their copies; every selected id must be there."""
+    if len(ids) and len(chunk) and ids.type != chunk.ids.type:
+        raise rec.InputError(f"selected ids are {ids.type} but the ids of {data} are {chunk.ids.type}: "
+                             f"was SELECTED bounded from this data with the same --id-column?")
+    if rec.duplicate_id_mask(ids).any():
+        raise rec.InputError("a selected id is listed twice in SELECTED/selected/")
+    position = pc.index_in(ids, value_set=chunk.ids) if len(chunk) else pa.nulls(len(ids), pa.int32())
+    missing = position.is_null().to_numpy(zero_copy_only=False)
+    if missing.any():
+        shown = ", ".join(repr(v) for v in ids.filter(pa.array(missing))[:10].to_pylist())
+        raise rec.InputError(f"{int(missing.sum())} selected ids are not valid records of {data} (e.g. {shown}): "
+                             f"was SELECTED bounded from this data?")
+    index = position.to_numpy(zero_copy_only=False).astype(np.int64)
+    mask = np.zeros(len(chunk), dtype=bool)
+    mask[index] = True
+    selected = rec.take(chunk, mask)  # in chunk order; `copies` follows it
+    order = np.argsort(index, kind="stable")
+    return selected, copies[order]
+
+
+def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
+    """Feature description of each content column; a null in a selected record is an error."""
+    described = {}
+    for name in content.column_names:
+        if name in RESERVED_FEATURES:
+            raise rec.InputError(f"content column {name!r} has the name of a batch feature {RESERVED_FEATURES}; "
+                                 f"choose the columns with --content-columns")
+        column = content.column(name).combine_chunks()
+        values = pc.list_flatten(column) if _is_list(column.type) else column
+        for array, where in ((column, ""), (values, " (inside its list)")):
+            if array.null_count:
+                row = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
+                record = ids[row].as_py() if array is column else "?"
+                raise rec.InputError(f"content column {name!r} is null{where} for selected record {record!r}; "
+                                     f"fill it or leave the column out with --content-columns")
+        try:
+            kind = tfrecord.feature_kind(values.type)
+        except ValueError as error:
+            raise rec.InputError(f"content column {name!r}: {error}; leave it out with --content-columns") from error
+        if pa.types.is_fixed_size_list(column.type):
+            shape = [column.type.list_size]
+        elif _is_list(column.type):
+            lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+            shape = [int(lengths[0])] if len(lengths) and (lengths == lengths[0]).all() else [None]
+        else:
+            shape = []
+        described[name] = {"dtype": kind, "shape": shape}
+    return described
+
+
+def _is_list(value_type: pa.DataType) -> bool:
+    return pa.types.is_list(value_type) or pa.types.is_large_list(value_type) or pa.types.is_fixed_size_list(value_type)
+
+
+def schema(id_type: pa.DataType, content: dict[str, dict], options: BatchOptions) -> dict:
+    features = {"step": {"dtype": tfrecord.INT64, "shape": []},
+                "id": {"dtype": tfrecord.feature_kind(id_type), "shape": []},
+                "weight": {"dtype": tfrecord.FLOAT, "shape": [], "note": "1.0 real record, 0.0 padding"},
+                **content}
+    return {"features": features, "steps": options.steps, "max_batch_size": options.max_batch_size,
+            "rows_in_step_order": True}
+
+
+# --- units and users ----------------------------------------------------------------------------
+
+def record_hashes(ids: pa.Array, seed: int) -> np.ndarray:
+    return hash_ids(ids, seed, purpose=RECORD_STREAM) if len(ids) else np.zeros(0, np.uint64)
+
+
+def user_hashes(users: pa.Array) -> np.ndarray:
+    """64-bit user identity; a collision would only merge two users' exclusions (never fewer)."""
+    return hash_ids(users, 0, purpose=USER_STREAM) if len(users) else np.zeros(0, np.uint64)
+
+
+def incidences_of(offsets: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position in `records`, flat incidence index) of every user of each listed record."""
+    arity = offsets[records + 1] - offsets[records]
+    owner = np.repeat(np.arange(len(records), dtype=np.int64), arity)
+    within = np.arange(len(owner)) - np.repeat(np.cumsum(arity) - arity, arity)
+    return owner, np.repeat(offsets[records], arity) + within
+
+
+# --- batch files --------------------------------------------------------------------------------
+
+def file_of_step(steps: np.ndarray, total_steps: int, files: int) -> np.ndarray:
+    """Contiguous step ranges per file, so that file names sort in step order."""
+    return (steps * files) // total_steps
+
+
+def step_range(file: int, total_steps: int, files: int) -> range:
+    return range(-(-file * total_steps // files), -(-(file + 1) * total_steps // files))
+
+
+def batch_file_path(output: str, file: int, files: int) -> str:
+    return storage.join(output, f"batches-{file:05d}-of-{files:05d}.tfrecord")
+
+
+def _padding(value_type: pa.DataType, shape: list, rows: int) -> pa.Array:
+    """`rows` zero values of a content column: 0, 0.0 or empty string, or a list of `shape` of them
+    (empty when the length varies)."""
+    if _is_list(value_type):
+        length = shape[0] or 0
+        zeros = _padding(value_type.value_type, [], length * rows)
+        offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * length)
+        padded = pa.FixedSizeListArray.from_arrays(zeros, length) if pa.types.is_fixed_size_list(value_type) \
+            else pa.ListArray.from_arrays(offsets, zeros)
+        return padded.cast(value_type)
+    if pa.types.is_string(value_type) or pa.types.is_large_string(value_type) or pa.types.is_binary(value_type):
+        return pa.array([""] * rows, type=value_type)
+    return pa.array(np.zeros(rows), type=pa.float64()).cast(value_type)
+
+
+def content_shapes(described: dict[str, dict]) -> dict[str, list]:
+    return {name: feature["shape"] for name, feature in described.items()}
+
+
+@dataclasses.dataclass
+class FileRows:
+    """Rows of one batch file before ordering/truncation: aligned arrays plus content."""
+    steps: np.ndarray
+    unit_keys: np.ndarray
+    record_keys: np.ndarray   # seeded record hash: identifies the record across files
+    ids: pa.Array
+    content: pa.Table
+    user_offsets: np.ndarray  # CSR users (hashes) of each row, for participation statistics
+    users: np.ndarray
+
+
+def write_batch_file(path: str, rows: FileRows, steps: range, max_batch_size: int | None,
+                     shapes: dict[str, list]) -> dict:
+    """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
+
+    Returns per-step real row counts and the written rows' (user, step) and unit keys for stats.
+    """
+    keep = sampling.order_and_truncate(rows.steps, sampling.truncation_priority(rows.unit_keys, rows.steps),
+                                       max_batch_size)
+    step = rows.steps[keep]
+    written = np.bincount(step - steps.start, minlength=len(steps)) if len(steps) else np.zeros(0, np.int64)
+    columns = {"step": pa.array(step, pa.int64()), "id": rows.ids.take(pa.array(keep)),
+               "weight": pa.array(np.ones(len(keep), np.float32))}
+    columns.update({name: rows.content.column(name).combine_chunks().take(pa.array(keep))
+                    for name in rows.content.column_names})
+    if max_batch_size is not None:
+        pad = max_batch_size - written
+        pad_steps = np.repeat(np.arange(steps.start, steps.stop), pad)
+        padding = {"step": pa.array(pad_steps, pa.int64()),
+                   "id": pa.array([-1 if pa.types.is_integer(rows.ids.type) else ""] * len(pad_steps),
+                                  type=rows.ids.type),
+                   "weight": pa.array(np.zeros(len(pad_steps), np.float32))}
+        padding.update({name: _padding(rows.content.schema.field(name).type, shapes[name], len(pad_steps))
+                        for name in rows.content.column_names})
+        # Padding rows go after the real rows of their step.
+        order = np.argsort(np.concatenate([step, pad_steps]), kind="stable")
+        columns = {name: pa.concat_arrays([columns[name], padding[name]]).take(pa.array(order)) for name in columns}
+    rows_written = len(columns["step"])
+    with storage.open_output(path) as handle:
+        for start in range(0, rows_written, _ENCODE_ROWS):  # bounded memory: the encoder indexes every byte
+            chunk = {name: column.slice(start, _ENCODE_ROWS) for name, column in columns.items()}
+            handle.write(tfrecord.tfrecord_bytes(tfrecord.serialize_examples(chunk)))
+    owner, flat = incidences_of(rows.user_offsets, keep)
+    return {"written": written, "truncated": len(rows.steps) - len(keep),
+            "padding": int((max_batch_size - written).sum()) if max_batch_size is not None else 0,
+            "user_hashes": rows.users[flat], "user_steps": step[owner], "record_keys": rows.record_keys[keep]}
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
+    """Per-user participations of written rows; exact when all of a user's rows are passed together."""
+    if len(steps) == 0:
+        return {"users": 0, "max_participations": 0, "max_rows": 0, "min_gap": None, "user_rows_sharing_a_step": 0}
+    order = np.lexsort((steps, user_hashes_))
+    user, step = user_hashes_[order], steps[order]
+    new_user = np.concatenate([[True], user[1:] != user[:-1]])
+    new_pair = new_user | np.concatenate([[True], step[1:] != step[:-1]])
+    user_index = np.cumsum(new_user) - 1
+    participations = np.bincount(user_index[new_pair])
+    distinct_user, distinct_step = user[new_pair], step[new_pair]
+    same = distinct_user[1:] == distinct_user[:-1]
+    gaps = (distinct_step[1:] - distinct_step[:-1])[same]
+    return {"users": int(new_user.sum()), "max_participations": int(participations.max()),
+            "max_rows": int(np.bincount(user_index).max()), "min_gap": int(gaps.min()) if len(gaps) else None,
+            "user_rows_sharing_a_step": int((~new_pair).sum())}
+
+
+def merge_participation_stats(parts: list[dict]) -> dict:
+    gaps = [p["min_gap"] for p in parts if p["min_gap"] is not None]
+    return {"users": sum(p["users"] for p in parts),
+            "max_participations": max((p["max_participations"] for p in parts), default=0),
+            "max_rows": max((p["max_rows"] for p in parts), default=0), "min_gap": min(gaps) if gaps else None,
+            "user_rows_sharing_a_step": sum(p["user_rows_sharing_a_step"] for p in parts)}
+
+
+def size_summary(sizes: np.ndarray) -> dict:
+    return {"mean": round(float(sizes.mean()), 4) if len(sizes) else 0.0,
+            "std": round(float(sizes.std()), 4) if len(sizes) else 0.0,
+            "min": int(sizes.min()) if len(sizes) else 0, "max": int(sizes.max()) if len(sizes) else 0,
+            "per_step": sizes.tolist()}
+
+
+def report(options: BatchOptions, engine: str, selected: str, data: str, *, sampled: Sampled, units: int,
+           records: int, sampled_sizes: np.ndarray, files: list[dict], records_never_written: int,
+           participation: dict, rejects: rec.Rejects, content_columns: list[str], started: float) -> dict:
+    """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up."""
+    warm_up = options.warm_up_steps
+    realized = sampled_sizes[warm_up:]
+    written = np.concatenate([f["written"] for f in files])
+    result = {
+        "engine": engine, "selected": selected, "data": data, "sampler": options.sampler,
+        "parameters": {"steps": options.steps, "batch_size": options.batch_size, "min_sep": sampled.min_sep,
+                       "warm_up": warm_up, "max_batch_size": options.max_batch_size, "seed": options.seed,
+                       "output_shards": options.output_shards, "on_invalid": options.on_invalid,
+                       "content_columns": list(content_columns)},
+        "sampling_probability": sampled.probability, "expected_batch_size": sampled.expected_batch_size,
+        "steps": options.steps, "records": records, "units": units,
+        "batch_sizes": size_summary(realized),
+        "relative_error_to_target": round(float(realized.mean() / options.batch_size - 1.0), 6),
+        "written_batch_sizes": {k: v for k, v in size_summary(written).items() if k != "per_step"},
+        "warm_up_batch_sizes": sampled_sizes[:warm_up].tolist(),
+        "truncated_rows": sum(f["truncated"] for f in files), "padding_rows": sum(f["padding"] for f in files),
+        "records_never_written": records_never_written, "participation": participation,
+        "rejected": rejects.counts(), "rejected_total": len(rejects),
+        "wall_time_s": round(time.perf_counter() - started, 3)}
+    if sampled.min_sep_search is not None:
+        result["min_sep_search"] = sampled.min_sep_search
+        result["k"] = participation["max_participations"]
+    return result
+
+
+# --- output directory ---------------------------------------------------------------------------
+
+def prepare_output(output: str) -> None:
+    """Remove an earlier run's batch files, schema, report and rejects (and only those)."""
+    for path in glob.glob(storage.join(output, "batches-*.tfrecord")) if "://" not in output else \
+            [f for f in storage.list_files(output) if "batches-" in f and f.endswith(".tfrecord")]:
+        storage.remove_file(path)
+    for name in (SCHEMA_FILE, REPORT_FILE):
+        storage.remove_file(storage.join(output, name))
+    storage.clear_directory(storage.join(output, REJECTED_DIR))
+
+
+def write_schema(output: str, described: dict) -> None:
+    storage.write_text(storage.join(output, SCHEMA_FILE), json.dumps(described, indent=2, sort_keys=True) + "\n")
+
+
+# --- the local engine ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Dataset:
+    """Selected records (one row each), their copies, users as CSR of hashes, and content."""
+    ids: pa.Array
+    copies: np.ndarray
+    offsets: np.ndarray
+    users: np.ndarray
+    content: pa.Table
+    rejects: rec.Rejects
+
+
+def load(selected: str, data: str, options: BatchOptions, output: str) -> Dataset:
+    from madp.local_engine import read_input
+
+    files = rec.list_input_files(data)
+    names = options.content_columns if options.content_columns is not None \
+        else rec.content_columns(files[0], options.columns)
+    chunk, rejects, _, _ = read_input(data, options.columns, names)
+    if options.on_invalid == "error":
+        handle_rejects(rejects, options, output)
+    selection = [read_selection_file(path) for path in selection_files(selected)]
+    ids = pa.concat_arrays([s[0] for s in selection])
+    copies = np.concatenate([s[1] for s in selection])
+    chunk, copies = join_selection(chunk, ids, copies, data)
+    return Dataset(ids=chunk.ids, copies=copies, offsets=chunk.offsets, users=user_hashes(chunk.users),
+                   content=chunk.content, rejects=rejects)
+
+
+@dataclasses.dataclass
+class Sampled:
+    """Rows of a sampler: record index, unit key and step (warm-up included) of each."""
+    record: np.ndarray
+    keys: np.ndarray
+    step: np.ndarray
+    min_sep: int
+    probability: float | None = None
+    expected_batch_size: float | None = None
+    min_sep_search: list | None = None
+
+
+def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """Alg. 3 on the whole dataset, p calibrated to the target expected batch size."""
+    n = len(dataset.copies)
+    arity = np.diff(dataset.offsets)
+    record_of_incidence = np.repeat(np.arange(n, dtype=np.int64), arity)
+    neighbourhoods = sampling.neighbourhood_sizes(record_of_incidence, dataset.users, dataset.copies)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.seed), dataset.copies)
+    histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
+    probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
+    total = options.steps + options.warm_up_steps
+    unit, step = sampling.sampled_steps(keys, probability, total)
+    record = record_of_unit[unit]
+    owner, flat = incidences_of(dataset.offsets, record)
+    blocked = sampling.blocked_user_steps(dataset.users[flat], step[owner], options.min_sep)
+    survive = ~sampling.excluded_samples(owner, blocked, len(unit))
+    return Sampled(record[survive], keys[unit[survive]], step[survive], options.min_sep, probability,
+                   sampling.expected_batch_size(probability, *histogram, options.min_sep))
+
+
+def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """Alg. 4; with --find-max-min-sep, the largest b before the first failure, trying b = 1, 2, ..."""
+    n, batch = len(dataset.copies), int(options.batch_size)
+    if batch > n:
+        raise rec.InputError(f"--batch-size {batch} is larger than the {n} selected records: "
+                             f"a batch cannot hold a record twice")
+    arity = np.diff(dataset.offsets)
+    record_of_incidence = np.repeat(np.arange(n, dtype=np.int64), arity)
+    _, user_codes = np.unique(dataset.users, return_inverse=True)
+    tried: list[dict] = []
+
+    def attempt(min_sep: int):
+        chosen, filled = sampling.greedy_minsep(record_of_incidence, user_codes.astype(np.int64), n, options.steps,
+                                                batch, min_sep)
+        tried.append({"min_sep": min_sep, "feasible": chosen is not None})
+        if chosen is None and (not options.find_max_min_sep or min_sep == 1):
+            raise rec.InputError(f"no solution for --steps {options.steps} --batch-size {batch} --min-sep {min_sep}: "
+                                 f"batch {filled} cannot be filled, a full pass over the {n} selected records adds "
+                                 f"none to it; lower --min-sep or --batch-size"
+                                 + ("" if options.find_max_min_sep else ", or try --find-max-min-sep"))
+        return chosen
+
+    if not options.find_max_min_sep:
+        chosen, min_sep = attempt(options.min_sep), options.min_sep
+    else:
+        chosen, min_sep = attempt(1), 1
+        while min_sep < options.steps:
+            candidate = attempt(min_sep + 1)
+            if candidate is None:
+                break
+            chosen, min_sep = candidate, min_sep + 1
+    steps = np.repeat(np.arange(options.steps, dtype=np.int64), batch)
+    # A record's copies are interchangeable here; the greedy may use a record any number of times.
+    keys = sampling.splitmix64(record_hashes(dataset.ids, options.seed)[chosen] ^ steps.astype(np.uint64))
+    return Sampled(chosen, keys, steps, min_sep, min_sep_search=tried)
+
+
+def run_local(selected: str, data: str, output: str, options: BatchOptions) -> dict:
+    """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
+    started = time.perf_counter()
+    dataset = load(selected, data, options, output)
+    described = check_content(dataset.content, dataset.ids)
+    sampled = minsep_rows(dataset, options) if options.sampler == "minsep" else greedy_rows(dataset, options)
+    log.info("sampled %d rows in %.1f s", len(sampled.record), time.perf_counter() - started)
+    warm_up = options.warm_up_steps
+    sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
+    real = sampled.step >= warm_up
+    record, keys, step = sampled.record[real], sampled.keys[real], sampled.step[real] - warm_up
+
+    prepare_output(output)
+    handle_rejects(dataset.rejects, options, output)
+    record_keys = record_hashes(dataset.ids, options.seed)
+    files = options.output_shards
+    file_of_row = file_of_step(step, options.steps, files)
+    results = []
+    for file in range(files):
+        mine = np.flatnonzero(file_of_row == file)
+        _, flat = incidences_of(dataset.offsets, record[mine])
+        arity = np.diff(dataset.offsets)[record[mine]]
+        rows = FileRows(steps=step[mine], unit_keys=keys[mine], record_keys=record_keys[record[mine]],
+                        ids=dataset.ids.take(pa.array(record[mine])), content=dataset.content.take(pa.array(record[mine])),
+                        user_offsets=np.concatenate([[0], np.cumsum(arity)]).astype(np.int64), users=dataset.users[flat])
+        results.append(write_batch_file(batch_file_path(output, file, files), rows,
+                                        step_range(file, options.steps, files), options.max_batch_size,
+                                        content_shapes(described)))
+        log.info("wrote %s (%d/%d)", batch_file_path(output, file, files), file + 1, files)
+    write_schema(output, schema(dataset.ids.type, described, options))
+    written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
+    result = report(options, "local", selected, data, sampled=sampled, units=int(dataset.copies.sum()),
+                    records=len(dataset.copies), sampled_sizes=sampled_sizes, files=results,
+                    records_never_written=len(dataset.copies) - len(written_records),
+                    participation=participation_stats(np.concatenate([r["user_hashes"] for r in results]),
+                                                      np.concatenate([r["user_steps"] for r in results])),
+                    rejects=dataset.rejects, content_columns=dataset.content.column_names, started=started)
+    write_report(output, result)
+    return result
