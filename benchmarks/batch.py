@@ -103,6 +103,11 @@ def main() -> None:
             scaling.append({"steps": steps, "rows": len(sampled.record), "s": round(fastest, 3),
                             "us_per_row": round(1e6 * fastest / max(1, len(sampled.record)), 3)})
         results["sampling_scaling"] = scaling
+        # Cost per extra row between the smallest and largest size: the rest is per-record set-up
+        # (unit keys, neighbourhood sizes, calibration of p), independent of the number of steps.
+        extra_rows = scaling[-1]["rows"] - scaling[0]["rows"]
+        results["sampling_marginal_us_per_row"] = round(1e6 * (scaling[-1]["s"] - scaling[0]["s"])
+                                                        / max(1, extra_rows), 3)
         results["mean_batch_size"] = report["batch_sizes"]["mean"]
     print(json.dumps(results, indent=2))
 

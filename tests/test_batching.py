@@ -310,3 +310,20 @@ def test_invalid_rows_are_skipped_and_written_out(tmp_path):
                        BatchOptions(steps=5, batch_size=5, on_invalid="skip"))
     assert report["rejected"] == {"empty_users": 1}
     assert json.loads(open(tmp_path / "out" / "rejected" / "rejected.jsonl").readline())["record"]["id"] == 99
+
+
+def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
+    from madp.cli import main
+    selected, data = graph_data
+    out = str(tmp_path / "out")
+    assert main(["-q", "batch", selected, data, out, "--steps", "50", "--batch-size", "30", "--min-sep", "4",
+                 "--runner", "local"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "local" and "per_step" not in report["batch_sizes"]
+    assert main(["-q", "verify-batches", out, data, "--min-sep", "4"]) == 0
+    capsys.readouterr()
+    assert main(["-q", "verify-batches", out, data, "--min-sep", "40"]) == 1
+    assert "apart (< min-sep 40)" in json.loads(capsys.readouterr().out)["violations"][0]
+    assert main(["-q", "batch", selected, data, out, "--steps", "5", "--batch-size", "5", "--min-sep", "0",
+                 "--runner", "local"]) == 2
+    assert "--min-sep must be at least 1" in capsys.readouterr().err
