@@ -6,9 +6,10 @@
 - `DpSgdUls`: DP-SGD with user-level Poisson sampling (probability q_user) and one clipped
   gradient per user: PoissonSampled(q_user, Gaussian(sigma)) over T steps.
 - `BandMf`: BandMF without amplification on (k, b)-min-sep batches (each user in at most k
-  steps, at least b apart). With a `bands`-banded Toeplitz C and b >= bands, participations
-  touch disjoint rows of C, so ||C x||^2 is the sum of their columns' squared norms: one
-  Gaussian mechanism (b-min-sep paper, Sec. 2.3) whose sensitivity is that sum at its largest.
+  steps, at least b apart, with at most `records_per_step` of its records in one step). With a
+  `bands`-banded Toeplitz C and b >= bands, participations touch disjoint rows of C, so
+  ||C x||^2 is the sum of their columns' squared norms: one Gaussian mechanism (b-min-sep paper,
+  Sec. 2.3) whose sensitivity is that sum at its largest.
 - `BandMfCyclic`: BandMF with cyclic Poisson sampling, for comparison (Sec. 3).
 """
 from __future__ import annotations
@@ -93,6 +94,7 @@ class BandMf:
     min_sep: int
     max_participations: int
     coefficients: tuple[float, ...]
+    records_per_step: int = 1
 
     name = "bandmf"
 
@@ -103,17 +105,20 @@ class BandMf:
         if not isinstance(self.max_participations, int) or not 1 <= self.max_participations <= most:
             raise InputError(f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
                              f"min-sep {self.min_sep}, got {self.max_participations}")
+        if not isinstance(self.records_per_step, int) or self.records_per_step < 1:
+            raise InputError(f"--records-per-step must be an integer >= 1, got {self.records_per_step}")
 
     @property
     def sensitivity(self) -> float:
         """max ||C x|| over (k, b)-min-sep participations x.
 
         Column j of C holds the bands that fit before the horizon, so column norms never grow
-        with j and the worst case participates as early as possible: steps 0, b, ..., (k-1) b.
+        with j and the worst case participates as early as possible: steps 0, b, ..., (k-1) b,
+        each time with `records_per_step` clipped records.
         """
         squares = np.asarray(self.coefficients, dtype=np.float64) ** 2
         starts = self.min_sep * np.arange(self.max_participations)
-        return math.sqrt(sum(float(squares[: self.steps - start].sum()) for start in starts))
+        return self.records_per_step * math.sqrt(sum(float(squares[: self.steps - start].sum()) for start in starts))
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         return dp_event.GaussianDpEvent(noise_multiplier / self.sensitivity)

@@ -36,6 +36,8 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     _add_strategy(parser)
     parser.add_argument("--min-sep", type=int, help="bandmf: b, steps between a user's participations (>= bands)")
     parser.add_argument("--max-participations", type=int, help="bandmf: k, participations per user")
+    parser.add_argument("--records-per-step", type=int, default=1,
+                        help="bandmf: records of one user in one step at most (default 1)")
     parser.add_argument("--samples", type=int, help="bandmf-minsep: Monte Carlo samples per verification "
                                                     "(default: what estimate-verify-release needs for --delta)")
     parser.add_argument("--seed", type=int, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
@@ -64,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--bias-scale", type=float, default=1.0, help="k: weight of the arity-dependent bias")
     generate.add_argument("--shards", type=int, default=4, help="Parquet shards when OUTPUT is a directory")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--holdout", help="also write a held-out test set (same task, records not in OUTPUT) "
+                                            "to this .parquet or .jsonl file")
+    generate.add_argument("--holdout-fraction", type=float, default=0.1,
+                          help="fraction of the generated records held out (default 0.1)")
 
     bound = commands.add_parser(
         "bound", allow_abbrev=False, help="select records so that no user exceeds its contribution bound",
@@ -141,6 +147,29 @@ def _parser() -> argparse.ArgumentParser:
     verify_batches.add_argument("--max-batch-size", type=int, help="B_max: rows per step at most")
     _add_columns(verify_batches)
 
+    training = commands.add_parser("train", help="DP-SGD or DP-BandMF training on `madp batch` outputs")
+    training.add_argument("batches", help="a `madp batch` output directory")
+    training.add_argument("output", help="output directory: model.keras, metrics.json, privacy.json, logs/")
+    training.add_argument("--epsilon", type=float, help="target epsilon: sigma is calibrated to it")
+    training.add_argument("--delta", type=float, default=1e-5)
+    training.add_argument("--noise-multiplier", type=float, help="use this sigma instead (prints its epsilon)")
+    training.add_argument("--mechanism", choices=("auto", "dpsgd", "bandmf", "none"), default="auto",
+                          help="auto: DP-SGD for Poisson batches with --min-sep 1 and one band, else BandMF; "
+                               "none: the non-private baseline")
+    training.add_argument("--bands", type=int, default=1, help="BandMF bands of C (1: DP-SGD noise)")
+    training.add_argument("--strategy", choices=("sqrt", "optimized"), default="sqrt", help="BandMF coefficients")
+    training.add_argument("--model", default="logreg", help="logreg, mlp, or module:function returning (model, loss)")
+    training.add_argument("--features", default="features", help="feature holding the model input")
+    training.add_argument("--label", default="label", help="feature holding the label")
+    training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    training.add_argument("--learning-rate", type=float, default=0.5)
+    training.add_argument("--clip-norm", type=float, default=1.0)
+    training.add_argument("--seed", type=int, default=0, help="seed of the model initialization and the noise")
+    training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
+    training.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    training.add_argument("--max-contributions", "-k", type=int,
+                          help="K (default: read from the bounding report of the batches' SELECTED)")
+
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
     verify.add_argument("output", help="a `madp bound` output directory")
@@ -155,7 +184,7 @@ def _generate(args: argparse.Namespace) -> dict:
     spec = GraphSpec(records=args.records, graph=args.graph, mean_arity=args.mean_arity,
                      records_per_user=args.records_per_user, alpha=args.alpha, features=args.features,
                      bias_scale=args.bias_scale, seed=args.seed)
-    return write_dataset(generate(spec), spec, args.output, args.shards)
+    return write_dataset(generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction)
 
 
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
@@ -193,6 +222,19 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     partitions=args.partitions or DEFAULT_PARTITIONS)
 
 
+def _train(args: argparse.Namespace) -> dict:
+    from tf_training.trainer import TrainOptions, train
+    options = TrainOptions(epsilon=args.epsilon, delta=args.delta, noise_multiplier=args.noise_multiplier,
+                           mechanism=args.mechanism, bands=args.bands, strategy=args.strategy, model=args.model,
+                           features=args.features, label=args.label, optimizer=args.optimizer,
+                           learning_rate=args.learning_rate, clip_norm=args.clip_norm, seed=args.seed,
+                           eval_data=args.eval_data, eval_every=args.eval_every,
+                           max_contributions=args.max_contributions)
+    result = train(args.batches, args.output, options)
+    result["privacy"] = {k: v for k, v in result["privacy"].items() if k != "batch_files_sha256"}
+    return result
+
+
 def _require(args: argparse.Namespace, mechanism: str, *options: str) -> None:
     if any(getattr(args, option.lstrip("-").replace("-", "_")) is None for option in options):
         raise InputError(f"{mechanism} needs {', '.join(options[:-1])} and {options[-1]}")
@@ -222,7 +264,7 @@ def _mechanism(args: argparse.Namespace):
         return BandMfCyclic(args.sampling_prob, args.steps, args.min_sep, _bands(args))
     if args.mechanism == "bandmf":
         _require(args, "bandmf", "--bands", "--min-sep", "--max-participations")
-        return BandMf(args.steps, args.min_sep, args.max_participations, _bands(args))
+        return BandMf(args.steps, args.min_sep, args.max_participations, _bands(args), args.records_per_step)
     if args.mechanism == "dpsgd":
         population = args.dataset_size
         mechanism = DpSgd(_probability(args, args.sampling_prob, args.batch_size, population,
@@ -336,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             from madp.verify import verify_batches
             result = verify_batches(args.output, args.data, args.min_sep, args.max_participations,
                                     args.max_batch_size, args.id_column, args.users_column)
+        elif args.command == "train":
+            result = _train(args)
         elif args.command in ("calibrate", "epsilon"):
             result = _accounting(args)
         elif args.command == "strategy":

@@ -170,15 +170,30 @@ def to_table(data: SyntheticData) -> pa.Table:
     })
 
 
-def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int) -> dict:
-    """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory."""
-    table = to_table(data)
+def _write_table(table: pa.Table, output: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     if output.endswith(".jsonl"):
         with open(output, "w", encoding="utf-8") as handle:
             for row in table.to_pylist():
                 handle.write(json.dumps(row) + "\n")
-    elif output.endswith(".parquet"):
+    else:
         pq.write_table(table, output)
+
+
+def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int, holdout: str | None = None,
+                  holdout_fraction: float = 0.1) -> dict:
+    """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory; with
+    `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead."""
+    table = to_table(data)
+    held_out = 0
+    if holdout is not None:
+        if not 0 < holdout_fraction < 1 or not holdout.endswith((".jsonl", ".parquet")):
+            raise InputError("--holdout must be a .jsonl or .parquet file and --holdout-fraction in (0, 1)")
+        chosen = np.random.default_rng([spec.seed, 1]).random(len(table)) < holdout_fraction
+        _write_table(table.filter(pa.array(chosen)), holdout)
+        table, held_out = table.filter(pa.array(~chosen)), int(chosen.sum())
+    if output.endswith((".jsonl", ".parquet")):
+        _write_table(table, output)
     else:
         if shards < 1:
             raise InputError("--shards must be at least 1")
@@ -189,7 +204,8 @@ def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int
                            os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"))
     degree = np.bincount(data.users)
     degree = degree[degree > 0]
-    return {"output": output, "records": len(table), "incidences": len(data.users), "users": len(degree),
+    return {"output": output, "records": len(table), "held_out_records": held_out,
+            "incidences": len(data.users), "users": len(degree),
             "mean_users_per_record": round(len(data.users) / max(len(table), 1), 4),
             "max_records_per_user": int(degree.max(initial=0)), "median_records_per_user": float(np.median(degree)),
             "positive_labels": round(float(data.labels.mean()), 4), "graph": spec.graph, "seed": spec.seed}

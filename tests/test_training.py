@@ -1,0 +1,165 @@
+"""DP training: clipping against independent gradients, padding, noise scale and BandMF noise
+covariance, BandMF with one band equal to DP-SGD bit for bit, and the privacy report against an
+independent `madp epsilon` call."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from conftest import write_records  # noqa: E402
+from madp.batching import BatchOptions, run_local as batch_local  # noqa: E402
+from madp.cli import main  # noqa: E402
+from madp.local_engine import run_local as bound_local  # noqa: E402
+from madp.selection import BoundOptions  # noqa: E402
+from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from tf_training.queries import BandMfQuery, DpSgdQuery, stateless_noise  # noqa: E402
+from tf_training.trainer import PrivateStep, TrainOptions, binary_logistic_loss, build_model, tf, tf_keras, train  # noqa: E402
+
+
+def logreg(dim: int, seed: int = 1):
+    tf_keras.utils.set_random_seed(seed)
+    model, loss = build_model("logreg", dim)
+    model.layers[0].kernel.assign(np.random.default_rng(seed).normal(size=(dim, 1)).astype(np.float32))
+    return model, loss
+
+
+def privatized(query, model, loss, x, y, weight, expected=1.0):
+    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), query, expected)
+    gradient, _ = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight))
+    return [g.numpy() for g in gradient]
+
+
+def test_every_example_is_clipped_and_padding_changes_nothing():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype(np.float32) * 3
+    y = (rng.random(40) < 0.5).astype(np.float32)
+    model, loss = logreg(3)
+    kernel, bias = (v.numpy() for v in model.trainable_variables)
+    # Independent per-example gradients of the logistic loss: (sigmoid(w.x + b) - y) [x, 1].
+    residual = 1 / (1 + np.exp(-(x @ kernel[:, 0] + bias[0]))) - y
+    per_example = np.concatenate([residual[:, None] * x, residual[:, None]], axis=1)
+    norms = np.linalg.norm(per_example, axis=1)
+    clip = 0.5
+    assert (norms > clip).any() and (norms < clip).any()
+    expected = (per_example * np.minimum(1, clip / norms)[:, None]).sum(axis=0)
+    query = DpSgdQuery(clip, 0.0, seed=3)
+    got = privatized(query, model, loss, x, y, np.ones(40, np.float32))
+    np.testing.assert_allclose(np.concatenate([got[0][:, 0], got[1]]), expected, rtol=1e-5)
+    padded = privatized(query, model, loss, np.concatenate([x, rng.normal(size=(9, 3)).astype(np.float32)]),
+                        np.concatenate([y, np.ones(9, np.float32)]), np.concatenate([np.ones(40), np.zeros(9)]).astype(np.float32))
+    for a, b in zip(got, padded):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_noise_scale_is_sigma_clip_over_expected_batch_size():
+    model, loss = logreg(4000)
+    x, y, weight = np.zeros((5, 4000), np.float32), np.zeros(5, np.float32), np.zeros(5, np.float32)
+    got = privatized(DpSgdQuery(2.0, 1.5, seed=4), model, loss, x, y, weight, expected=10.0)
+    assert np.std(got[0]) == pytest.approx(1.5 * 2.0 / 10.0, rel=0.05)
+
+
+def test_bandmf_noise_has_the_covariance_of_c_inverse():
+    coefficients = (0.8, 0.5, 0.33)
+    template = [tf.TensorSpec((200000,), tf.float32)]
+    query = BandMfQuery(1.0, 1.0, seed=5, coefficients=coefficients, template=template)
+    state = query.initial_global_state()
+    noises = []
+    for _ in range(8):
+        result, state, _ = query.get_noised_result([tf.zeros(200000)], state)
+        noises.append(result[0].numpy())
+    w = np.stack(noises)  # steps x independent coordinates
+    steps = len(w)
+    c = np.zeros((steps, steps))
+    for lag, band in enumerate(coefficients):
+        c += band * np.eye(steps, k=-lag)
+    c_inverse = np.linalg.inv(c)
+    np.testing.assert_allclose(np.cov(w), c_inverse @ c_inverse.T, atol=0.05)
+    # Exactly C w = z for the z of the stateless generator.
+    z = np.stack([stateless_noise([tf.zeros(200000)], 1.0, 5, t)[0].numpy() for t in range(steps)])
+    np.testing.assert_allclose(c @ w, z, atol=1e-4)
+
+
+def test_bandmf_with_one_band_is_dpsgd_bit_for_bit():
+    rng = np.random.default_rng(1)
+    data = [(rng.normal(size=(30, 5)).astype(np.float32), (rng.random(30) < 0.5).astype(np.float32)) for _ in range(6)]
+    weights = []
+    for make_query in (lambda template: DpSgdQuery(1.0, 0.7, seed=9),
+                       lambda template: BandMfQuery(1.0, 0.7, seed=9, coefficients=(1.0,), template=template)):
+        model, loss = logreg(5)
+        template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+        step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.1), make_query(template), 30.0)
+        for x, y in data:
+            step(tf.constant(x), tf.constant(y), tf.ones(30))
+        weights.append([v.numpy() for v in model.trainable_variables])
+    for a, b in zip(*weights):
+        assert np.array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def pipeline_data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("train")
+    spec = GraphSpec(records=4000, graph="skewed", features=8, seed=2)
+    rows = to_table(generate(spec)).to_pylist()
+    data = write_records(str(directory / "records.jsonl"), rows)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=2))
+    return directory, data
+
+
+def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, capsys):
+    directory, data = pipeline_data
+    batches = str(directory / "poisson")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=60, batch_size=64, max_batch_size=80))
+    out = str(directory / "dpsgd")
+    result = train(batches, out, TrainOptions(noise_multiplier=1.2, delta=1e-5, eval_data=data, eval_every=20))
+    privacy = json.load(open(os.path.join(out, "privacy.json")))
+    assert privacy["mechanism"] == "dpsgd" and privacy["contribution_bound"] == 2
+    assert set(privacy["batch_files_sha256"]) == {"batches-00000-of-00001.tfrecord"}
+    assert main(["-q", "epsilon", "--mechanism", "dpsgd", "--noise-multiplier", "1.2", "--delta", "1e-5",
+                 "--steps", "60", "--sampling-prob", str(privacy["parameters"]["sampling_prob"]), "-k", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
+    assert [m["step"] for m in result["eval"]] == [20, 40, 60] and result["final"]["accuracy"] > 0.6
+    assert os.path.exists(os.path.join(out, "model.keras")) and os.listdir(os.path.join(out, "logs"))
+
+
+def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsys):
+    directory, data = pipeline_data
+    batches = str(directory / "greedy")
+    report = batch_local(str(directory / "bounded"), data, batches,
+                         BatchOptions(steps=40, batch_size=50, sampler="minsep-greedy", min_sep=4))
+    out = str(directory / "bandmf")
+    train(batches, out, TrainOptions(noise_multiplier=2.0, bands=4, eval_data=data))
+    privacy = json.load(open(os.path.join(out, "privacy.json")))
+    assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report["k"]
+    assert len(privacy["bands"]) == 4
+    assert main(["-q", "epsilon", "--mechanism", "bandmf", "--noise-multiplier", "2.0", "--delta", "1e-5",
+                 "--steps", "40", "--bands", "4", "--min-sep", "4", "--max-participations", str(report["k"])]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
+
+
+def test_bandmf_on_poisson_minsep_batches_counts_k_records_per_step(pipeline_data):
+    directory, data = pipeline_data
+    batches = str(directory / "minsep")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=30, batch_size=40, min_sep=3))
+    privacy = train(batches, str(directory / "minsep-train"), TrainOptions(noise_multiplier=3.0, bands=3))["privacy"]
+    assert privacy["parameters"]["records_per_step"] == 2 and privacy["parameters"]["max_participations"] == 10
+
+
+def test_calibrated_sigma_meets_the_target(pipeline_data):
+    directory, data = pipeline_data
+    batches = str(directory / "calibrated")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=10, batch_size=200, min_sep=2))
+    privacy = train(batches, str(directory / "calibrated-train"), TrainOptions(epsilon=2.0, bands=2))["privacy"]
+    assert privacy["epsilon"] <= 2.0 and privacy["epsilon"] > 1.99
+
+
+def test_cli_train_refuses_bad_options(pipeline_data, capsys):
+    directory, _ = pipeline_data
+    assert main(["-q", "train", str(directory / "missing"), str(directory / "x"), "--epsilon", "1"]) == 2
+    assert "not a `madp batch` output" in capsys.readouterr().err
+    assert main(["-q", "train", str(directory / "poisson"), str(directory / "x")]) == 2
+    assert "--epsilon" in capsys.readouterr().err

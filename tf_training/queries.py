@@ -1,0 +1,88 @@
+"""The noise of DP-SGD and DP-BandMF as TensorFlow Privacy `DPQuery`s.
+
+Both clip each record (a per-example gradient) to `l2_norm_clip` and sum; the noise is drawn from
+a stateless generator keyed by (seed, step, variable), so a run is reproducible and both queries
+draw the same z_t for the same seed:
+- `DpSgdQuery`: sum + z_t, z_t ~ N(0, (sigma * clip)^2 I) (a GaussianSumQuery with seeded noise);
+- `BandMfQuery`: sum + w_t with w = C^-1 z for the lower-triangular banded Toeplitz C of bands
+  c_0..c_{b-1} (b-min-sep paper, Sec. 2.3): w_t = (z_t - sum_{j>=1} c_j w_{t-j}) / c_0, so the
+  global state keeps the last b-1 noise vectors. With one band (c_0 = 1) w_t = z_t: DP-SGD.
+"""
+from __future__ import annotations
+
+import collections
+
+from tf_training import load_tensorflow
+
+tf = load_tensorflow()
+from tensorflow_privacy.privacy.dp_query import dp_query, gaussian_query  # noqa: E402
+
+
+def stateless_noise(template, stddev, seed, step):
+    """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (seed, step, variable)."""
+    leaves = tf.nest.flatten(template)
+    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(step, tf.int64)])
+    noise = [tf.random.stateless_normal(tf.shape(leaf), seed=tf.random.experimental.stateless_fold_in(key, index),
+                                        stddev=tf.cast(stddev, leaf.dtype), dtype=leaf.dtype)
+             for index, leaf in enumerate(leaves)]
+    return tf.nest.pack_sequence_as(template, noise)
+
+
+class DpSgdQuery(gaussian_query.GaussianSumQuery):
+    """Clip each record to `l2_norm_clip`, sum, add z_t ~ N(0, (noise_multiplier * clip)^2 I)."""
+
+    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "seed", "step"])
+
+    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int):
+        super().__init__(l2_norm_clip, l2_norm_clip * noise_multiplier)
+        self._seed = seed
+
+    def initial_global_state(self):
+        return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32), tf.constant(self._stddev, tf.float32),
+                                 tf.constant(self._seed, tf.int64), tf.constant(0, tf.int64))
+
+    def derive_sample_params(self, global_state):
+        return global_state.l2_norm_clip
+
+    def get_noised_result(self, sample_state, global_state):
+        noise = stateless_noise(sample_state, global_state.stddev, global_state.seed, global_state.step)
+        result = tf.nest.map_structure(tf.add, sample_state, noise)
+        return result, global_state._replace(step=global_state.step + 1), None
+
+
+class BandMfQuery(dp_query.SumAggregationDPQuery):
+    """Clip and sum like `DpSgdQuery`; add w_t = (C^-1 z)_t for a banded Toeplitz C."""
+
+    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "seed", "step", "history"])
+
+    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int, coefficients, template):
+        """`coefficients`: c_0..c_{b-1} (c_0 > 0); `template`: tensors shaped like a record."""
+        if not len(coefficients) or coefficients[0] <= 0:
+            raise ValueError("BandMF needs at least one band, with c_0 > 0")
+        self._clipping = DpSgdQuery(l2_norm_clip, noise_multiplier, seed)
+        self._coefficients = [float(c) for c in coefficients]
+        self._template = template
+
+    def initial_global_state(self):
+        clip_state = self._clipping.initial_global_state()
+        history = tuple(tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), self._template)
+                        for _ in self._coefficients[1:])
+        return self._GlobalState(*clip_state, history=history)
+
+    def derive_sample_params(self, global_state):
+        return global_state.l2_norm_clip
+
+    def preprocess_record(self, params, record):
+        return self._clipping.preprocess_record(params, record)
+
+    def get_noised_result(self, sample_state, global_state):
+        z = stateless_noise(sample_state, global_state.stddev, global_state.seed, global_state.step)
+        leaves = tf.nest.flatten(z)
+        for lag, band in enumerate(self._coefficients[1:]):
+            past = tf.nest.flatten(global_state.history[lag])
+            leaves = [leaf - band * old for leaf, old in zip(leaves, past)]
+        c0 = self._coefficients[0]
+        w = tf.nest.pack_sequence_as(z, [leaf / c0 for leaf in leaves])
+        history = ((w,) + global_state.history[:-1]) if global_state.history else ()
+        result = tf.nest.map_structure(tf.add, sample_state, w)
+        return result, global_state._replace(step=global_state.step + 1, history=history), None

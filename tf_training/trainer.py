@@ -1,0 +1,273 @@
+"""`madp train`: DP-SGD or DP-BandMF on `madp batch` outputs, one training step per materialized step.
+
+Per step: per-example gradients of the weighted loss (padding rows have weight 0, hence zero
+gradient), clipped and summed by the DPQuery, noised (z_t or BandMF's C^-1 z), divided by the
+*expected* batch size, then handed to the optimizer. The mechanism and its parameters come from
+the batches' report and the bounding report, and sigma from the accountant, so the delivered
+guarantee describes the data it was trained on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from accounting.calibrate import calibrate, epsilon
+from accounting.mechanisms import BandMf, DpSgd, Mechanism
+from accounting.strategies import coefficients as strategy_coefficients
+from madp.records import InputError
+from tf_training import load_tensorflow
+from tf_training.data import Batches, open_batches, step_batches
+from tf_training.queries import BandMfQuery, DpSgdQuery
+
+tf = load_tensorflow()
+import tf_keras  # noqa: E402
+
+log = logging.getLogger("madp.train")
+MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    mechanism: str = "auto"
+    bands: int = 1
+    strategy: str = "sqrt"
+    model: str = "logreg"
+    features: str = "features"
+    label: str = "label"
+    optimizer: str = "sgd"
+    learning_rate: float = 0.5
+    clip_norm: float = 1.0
+    seed: int = 0
+    eval_data: str | None = None
+    eval_every: int = 100
+    max_contributions: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [(self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
+                  (self.bands >= 1, "--bands must be at least 1"),
+                  (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
+                  (self.learning_rate > 0, "--learning-rate must be positive"),
+                  (self.clip_norm > 0, "--clip-norm must be positive"),
+                  (self.eval_every >= 1, "--eval-every must be at least 1"),
+                  (self.mechanism == "none" or self.epsilon is not None or self.noise_multiplier is not None,
+                   "give --epsilon (sigma is calibrated) or --noise-multiplier"),
+                  (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive")]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)
+
+
+# --- models -------------------------------------------------------------------------------------
+
+def binary_logistic_loss(labels, logits):
+    """Per-example loss of a one-logit binary classifier."""
+    return tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.cast(tf.reshape(labels, [-1]), tf.float32),
+                                                   logits=tf.reshape(logits, [-1]))
+
+
+def build_model(name: str, input_dim: int):
+    """(Keras model, per-example loss): `logreg`, `mlp`, or `module:function` returning both."""
+    if name == "logreg":
+        return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), binary_logistic_loss
+    if name == "mlp":
+        return tf_keras.Sequential([tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)),
+                                    tf_keras.layers.Dense(1)]), binary_logistic_loss
+    if ":" not in name:
+        raise InputError(f"--model must be logreg, mlp or module:function, got {name!r}")
+    module, function = name.split(":", 1)
+    try:
+        return getattr(importlib.import_module(module), function)(input_dim)
+    except (ImportError, AttributeError) as error:
+        raise InputError(f"--model {name}: {error}") from error
+
+
+# --- privacy ------------------------------------------------------------------------------------
+
+def contribution_bound(batches: Batches, override: int | None) -> int:
+    """K: records (copies) per user at most, from the bounding report next to SELECTED."""
+    if override is not None:
+        return override
+    path = os.path.join(batches.report.get("selected", ""), "report.json")
+    if not os.path.exists(path):
+        raise InputError(f"no bounding report at {path}: give --max-contributions")
+    with open(path) as handle:
+        return int(json.load(handle)["parameters"]["max_contributions"])
+
+
+def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...]) -> Mechanism:
+    """The accounting mechanism the batches and options imply.
+
+    - b-min-sep Poisson batches with b = 1 and one band: DP-SGD with example-level sampling and up
+      to K records per user (ELS mixture of Gaussians);
+    - otherwise BandMF without amplification: at most ceil(T/b) participations, each with up to K
+      records of the user (Poisson batches), or the greedy's k with one record per step.
+    """
+    report, steps = batches.report, batches.steps
+    min_sep = int(report["parameters"]["min_sep"])
+    k = contribution_bound(batches, options.max_contributions)
+    if report["sampler"] == "minsep":
+        if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
+            return DpSgd(float(report["sampling_probability"]), steps, k)
+        if options.mechanism == "dpsgd":
+            raise InputError("--mechanism dpsgd needs --min-sep 1 batches and --bands 1")
+        return BandMf(steps, min_sep, 1 + (steps - 1) // min_sep, bands, records_per_step=k)
+    if options.mechanism == "dpsgd":
+        raise InputError("--mechanism dpsgd needs Poisson (minsep) batches; greedy batches are accounted as BandMF")
+    return BandMf(steps, min_sep, int(report["k"]), bands, records_per_step=1)
+
+
+def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions) -> tuple[float, float]:
+    """(sigma, epsilon delivered at options.delta)."""
+    if options.noise_multiplier is not None:
+        delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
+        log.warning("--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
+                    options.noise_multiplier, delivered, options.delta)
+        return options.noise_multiplier, delivered
+    result = calibrate(mechanism, options.epsilon, options.delta)
+    return result.noise_multiplier, result.epsilon
+
+
+# --- evaluation data ----------------------------------------------------------------------------
+
+def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
+    if path.endswith(".parquet") or os.path.isdir(path):
+        table = pq.read_table(path, columns=[features, label])
+        x = np.stack(table.column(features).to_numpy(zero_copy_only=False)).astype(np.float32)
+        return x, table.column(label).to_numpy().astype(np.float32)
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return (np.array([r[features] for r in rows], dtype=np.float32), np.array([r[label] for r in rows], np.float32))
+
+
+def evaluate(model, loss_fn, x: np.ndarray, y: np.ndarray) -> dict:
+    logits = model(x, training=False)
+    loss = float(tf.reduce_mean(loss_fn(y, logits)))
+    accuracy = float(np.mean((np.asarray(logits).reshape(-1) > 0) == (y > 0.5)))
+    return {"loss": round(loss, 6), "accuracy": round(accuracy, 6)}
+
+
+# --- the training step --------------------------------------------------------------------------
+
+def per_example_gradients(model, loss_fn, x, y, weight):
+    """Gradient of weight_i * loss_i for every example i (vectorized; rows of weight 0 give zeros)."""
+    def one(example):
+        xi, yi, wi = example
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(xi[None], training=True))[0] * wi
+        return tape.gradient(loss, model.trainable_variables)
+    return tf.vectorized_map(one, (x, y, weight))
+
+
+class PrivateStep:
+    """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply."""
+
+    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float):
+        self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
+        self.expected = expected_batch_size
+        self.state = query.initial_global_state()
+
+    def privatized_gradient(self, x, y, weight):
+        return self._privatize(x, y, weight, self.state)
+
+    @tf.function(reduce_retracing=True)
+    def _privatize(self, x, y, weight, state):
+        params = self.query.derive_sample_params(state)
+        grads = per_example_gradients(self.model, self.loss_fn, x, y, weight)
+        clipped = tf.vectorized_map(lambda g: self.query.preprocess_record(params, g), grads)
+        summed = [tf.reduce_sum(g, axis=0) for g in clipped]
+        noised, state, _ = self.query.get_noised_result(summed, state)
+        return [g / self.expected for g in noised], state
+
+    def __call__(self, x, y, weight) -> None:
+        gradient, self.state = self.privatized_gradient(x, y, weight)
+        self.optimizer.apply_gradients(zip(gradient, self.model.trainable_variables))
+
+
+class NonPrivateStep:
+    """The baseline: mean loss over the step's real rows, no clipping, no noise."""
+
+    def __init__(self, model, loss_fn, optimizer):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+
+    @tf.function(reduce_retracing=True)
+    def __call__(self, x, y, weight) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight) / tf.maximum(
+                tf.reduce_sum(weight), 1.0)
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.model.trainable_variables),
+                                           self.model.trainable_variables))
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
+    started = time.perf_counter()
+    batches = open_batches(batches_dir)
+    feature = batches.schema["features"].get(options.features)
+    if feature is None or len(feature["shape"]) != 1 or feature["shape"][0] is None:
+        raise InputError(f"--features {options.features!r} must name a fixed-length feature of the batches "
+                         f"(found {sorted(batches.schema['features'])})")
+    tf_keras.utils.set_random_seed(options.seed)
+    model, loss_fn = build_model(options.model, int(feature["shape"][0]))
+    optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
+                 else tf_keras.optimizers.Adam(options.learning_rate))
+    privacy: dict = {"mechanism": "none"}
+    if options.mechanism == "none":
+        step = NonPrivateStep(model, loss_fn, optimizer)
+    else:
+        bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
+        mechanism = mechanism_for(batches, options, bands)
+        sigma, delivered = noise_multiplier_for(mechanism, options)
+        template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if len(bands) == 1 and mechanism.name == "dpsgd"
+                 else BandMfQuery(options.clip_norm, sigma, options.seed, bands, template))
+        step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size)
+        privacy = {"mechanism": mechanism.name, "parameters": dataclasses.asdict(mechanism),
+                   "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
+                   "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
+                   "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
+                   "strategy": options.strategy, "noise_stddev_of_mean_gradient":
+                       sigma * options.clip_norm / batches.expected_batch_size,
+                   "contribution_bound": contribution_bound(batches, options.max_contributions),
+                   "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
+                   "batch_files_sha256": batches.file_hashes(), "accountant": "PLD (dp_accounting)"}
+    evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
+    metrics: list[dict] = []
+    writer = tf.summary.create_file_writer(os.path.join(output, "logs"))
+    os.makedirs(output, exist_ok=True)
+    loop_started = time.perf_counter()
+    for index, rows in step_batches(batches, [options.features, options.label]):
+        x, y, weight = rows[options.features], rows[options.label].astype(np.float32), rows["weight"]
+        if len(weight) == 0:  # an empty step still adds its noise: one zero-weight row stands in
+            x, y, weight = np.zeros((1, x.shape[1]), np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32)
+        step(tf.constant(x, tf.float32), tf.constant(y), tf.constant(weight, tf.float32))
+        done = index + 1
+        if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
+            metrics.append({"step": done, **evaluate(model, loss_fn, *evaluation)})
+            with writer.as_default():
+                for name in ("loss", "accuracy"):
+                    tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
+        if done % max(1, batches.steps // 10) == 0 or done == batches.steps:
+            rate = done / (time.perf_counter() - loop_started)
+            log.info("step %d/%d, %.1f steps/s, ETA %.0f s%s", done, batches.steps, rate,
+                     (batches.steps - done) / rate, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
+    model.save(os.path.join(output, "model.keras"))
+    result = {"batches": batches_dir, "output": output, "steps": batches.steps, "model": options.model,
+              "optimizer": options.optimizer, "learning_rate": options.learning_rate, "seed": options.seed,
+              "eval": metrics, "final": metrics[-1] if metrics else None,
+              "wall_time_s": round(time.perf_counter() - started, 3),
+              "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2), "privacy": privacy}
+    with open(os.path.join(output, "metrics.json"), "w") as handle:
+        json.dump({k: v for k, v in result.items() if k != "privacy"}, handle, indent=2)
+    with open(os.path.join(output, "privacy.json"), "w") as handle:
+        json.dump(privacy, handle, indent=2, default=list)
+    return result
