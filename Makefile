@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py
 	$(BIN)/python benchmarks/batch.py
+	$(BIN)/python benchmarks/train.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info

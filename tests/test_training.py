@@ -28,9 +28,9 @@ def logreg(dim: int, seed: int = 1):
     return model, loss
 
 
-def privatized(query, model, loss, x, y, weight, expected=1.0):
-    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), query, expected)
-    gradient, _ = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight))
+def privatized(query, model, loss, x, y, weight, expected=1.0, fast=True):
+    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), query, expected, fast=fast)
+    gradient = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight))
     return [g.numpy() for g in gradient]
 
 
@@ -48,12 +48,27 @@ def test_every_example_is_clipped_and_padding_changes_nothing():
     assert (norms > clip).any() and (norms < clip).any()
     expected = (per_example * np.minimum(1, clip / norms)[:, None]).sum(axis=0)
     query = DpSgdQuery(clip, 0.0, seed=3)
-    got = privatized(query, model, loss, x, y, np.ones(40, np.float32))
-    np.testing.assert_allclose(np.concatenate([got[0][:, 0], got[1]]), expected, rtol=1e-5)
+    for fast in (True, False):
+        got = privatized(query, model, loss, x, y, np.ones(40, np.float32), fast=fast)
+        np.testing.assert_allclose(np.concatenate([got[0][:, 0], got[1]]), expected, rtol=1e-5)
     padded = privatized(query, model, loss, np.concatenate([x, rng.normal(size=(9, 3)).astype(np.float32)]),
                         np.concatenate([y, np.ones(9, np.float32)]), np.concatenate([np.ones(40), np.zeros(9)]).astype(np.float32))
     for a, b in zip(got, padded):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_ghost_clipping_equals_per_example_clipping_on_an_mlp():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 6)).astype(np.float32) * 2
+    y = (rng.random(64) < 0.5).astype(np.float32)
+    weight = (rng.random(64) < 0.8).astype(np.float32)
+    tf_keras.utils.set_random_seed(4)
+    model, loss = build_model("mlp", 6)
+    query = DpSgdQuery(0.3, 0.0, seed=1)
+    fast = privatized(query, model, loss, x, y, weight, fast=True)
+    slow = privatized(query, model, loss, x, y, weight, fast=False)
+    for a, b in zip(fast, slow):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_noise_scale_is_sigma_clip_over_expected_batch_size():

@@ -28,6 +28,18 @@ def stateless_noise(template, stddev, seed, step):
     return tf.nest.pack_sequence_as(template, noise)
 
 
+def clip_and_sum(l2_norm_clip, per_example):
+    """sum_i g_i min(1, clip / ||g_i||) over a batch of per-example structures (leading axis i):
+    `preprocess_record` then sum for every record, in one vectorized computation (the record-wise
+    clip_by_global_norm has no vectorized form in TF and would loop over records)."""
+    leaves = tf.nest.flatten(per_example)
+    squares = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(leaf), [tf.shape(leaf)[0], -1]), axis=1)
+                        for leaf in leaves])
+    factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
+    summed = [tf.tensordot(factor, leaf, axes=1) for leaf in leaves]
+    return tf.nest.pack_sequence_as(per_example, summed)
+
+
 class DpSgdQuery(gaussian_query.GaussianSumQuery):
     """Clip each record to `l2_norm_clip`, sum, add z_t ~ N(0, (noise_multiplier * clip)^2 I)."""
 

@@ -24,7 +24,7 @@ from accounting.strategies import coefficients as strategy_coefficients
 from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.data import Batches, open_batches, step_batches
-from tf_training.queries import BandMfQuery, DpSgdQuery
+from tf_training.queries import BandMfQuery, DpSgdQuery, clip_and_sum
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -167,29 +167,74 @@ def per_example_gradients(model, loss_fn, x, y, weight):
     return tf.vectorized_map(one, (x, y, weight))
 
 
-class PrivateStep:
-    """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply."""
+def dense_only(model) -> bool:
+    """Whether `model` is a stack of Dense layers, for which per-example norms need no per-example gradients."""
+    return isinstance(model, tf_keras.Sequential) and all(isinstance(layer, tf_keras.layers.Dense)
+                                                          for layer in model.layers)
 
-    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float):
+
+def dense_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
+    """sum_i g_i min(1, clip / ||g_i||) for a stack of Dense layers without per-example gradients
+    ("ghost clipping", Goodfellow 2015; Lee & Kifer 2021): a Dense layer's per-example kernel
+    gradient is the outer product a_i d_i^T of its input and the gradient at its output, so
+    ||g_i||^2 = sum over layers of (||a_i||^2 + 1) ||d_i||^2 (the 1 for the bias), and the
+    clipped sum is a^T diag(factor) d."""
+    with tf.GradientTape() as tape:
+        inputs, outputs, a = [], [], x
+        for layer in model.layers:
+            z = tf.matmul(a, layer.kernel) + (layer.bias if layer.use_bias else 0.0)
+            inputs.append(a)
+            outputs.append(z)
+            a = layer.activation(z)
+        loss = tf.reduce_sum(loss_fn(y, a) * weight)
+    deltas = tape.gradient(loss, outputs)
+    squares = tf.add_n([(tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0))
+                        * tf.reduce_sum(tf.square(d), axis=1)
+                        for layer, a, d in zip(model.layers, inputs, deltas)])
+    factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
+    gradients = {}
+    for layer, a, d in zip(model.layers, inputs, deltas):
+        scaled = d * factor[:, None]
+        gradients[id(layer.kernel)] = tf.matmul(a, scaled, transpose_a=True)
+        if layer.use_bias:
+            gradients[id(layer.bias)] = tf.reduce_sum(scaled, axis=0)
+    return [gradients[id(v)] for v in model.trainable_variables]
+
+
+class PrivateStep:
+    """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
+
+    Dense-only models take the ghost-clipping path; any other model gets vectorized per-example
+    gradients (`fast=False` forces that path)."""
+
+    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float, fast: bool = True):
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
-        self.state = query.initial_global_state()
+        self.fast = fast and dense_only(model)
+        # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
+        # crosses the tf.function boundary.
+        self._state = tf.nest.map_structure(lambda t: tf.Variable(t, trainable=False),
+                                            query.initial_global_state())
 
     def privatized_gradient(self, x, y, weight):
-        return self._privatize(x, y, weight, self.state)
+        """The step's noisy clipped gradient sum over the expected batch size; advances the noise state."""
+        return self._privatize(x, y, weight)
 
     @tf.function(reduce_retracing=True)
-    def _privatize(self, x, y, weight, state):
+    def _privatize(self, x, y, weight):
+        state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
-        grads = per_example_gradients(self.model, self.loss_fn, x, y, weight)
-        clipped = tf.vectorized_map(lambda g: self.query.preprocess_record(params, g), grads)
-        summed = [tf.reduce_sum(g, axis=0) for g in clipped]
+        if self.fast:
+            summed = dense_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
+        else:
+            summed = clip_and_sum(params, per_example_gradients(self.model, self.loss_fn, x, y, weight))
         noised, state, _ = self.query.get_noised_result(summed, state)
-        return [g / self.expected for g in noised], state
+        tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
+        return [g / self.expected for g in noised]
 
+    @tf.function(reduce_retracing=True)
     def __call__(self, x, y, weight) -> None:
-        gradient, self.state = self.privatized_gradient(x, y, weight)
-        self.optimizer.apply_gradients(zip(gradient, self.model.trainable_variables))
+        self.optimizer.apply_gradients(zip(self._privatize(x, y, weight), self.model.trainable_variables))
 
 
 class NonPrivateStep:
