@@ -448,10 +448,9 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
     if partitions < 1:
         raise rec.InputError("--partitions must be at least 1")
     if options.sampler != "minsep":
-        log.warning("--sampler %s is sequential (Alg. 4): it runs in this process, not on the Beam runner",
-                    options.sampler)
+        log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
         result = batching.run_local(selected, data, output, options)
-        result["engine"] = "local (minsep-greedy is sequential)"
+        result["engine"] = f"local ({options.sampler} runs in the driver)"
         write_report(output, result)
         return result
     started = time.perf_counter()

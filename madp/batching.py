@@ -11,6 +11,7 @@ import glob
 import json
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -24,7 +25,8 @@ from madp.hashing import hash_ids
 from madp.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, handle_rejects, write_report
 
 log = logging.getLogger("madp.batch")
-SAMPLERS = ("minsep", "minsep-greedy")
+SAMPLERS = ("minsep", "minsep-greedy", "users")
+USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"
 RESERVED_FEATURES = ("step", "id", "weight")
 RECORD_STREAM, USER_STREAM = 7, 8  # hash purposes: unit keys (seeded), user identity (unseeded)
@@ -57,7 +59,9 @@ class BatchOptions:
                   (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
                   (self.sampler == "minsep-greedy" or not self.find_max_min_sep,
                    "--find-max-min-sep applies to --sampler minsep-greedy"),
-                  (self.sampler == "minsep" or float(self.batch_size).is_integer(),
+                  (self.sampler != "users" or self.min_sep == 1,
+                   "--sampler users is plain Poisson sampling over users: --min-sep must be 1"),
+                  (self.sampler != "minsep-greedy" or float(self.batch_size).is_integer(),
                    "--batch-size must be an integer for --sampler minsep-greedy (batches have exactly B records)")]
         for ok, message in checks:
             if not ok:
@@ -304,8 +308,9 @@ def report(options: BatchOptions, engine: str, selected: str, data: str, *, samp
     realized = sampled_sizes[warm_up:]
     written = np.concatenate([f["written"] for f in files])
     result = {
-        "engine": engine, "selected": selected, "data": data, "sampler": options.sampler,
+        "engine": engine, "selected": _absolute(selected), "data": _absolute(data), "sampler": options.sampler,
         "parameters": {"steps": options.steps, "batch_size": options.batch_size, "min_sep": sampled.min_sep,
+                       "batch_size_counts": "users" if options.sampler == "users" else "records",
                        "warm_up": warm_up, "max_batch_size": options.max_batch_size, "seed": options.seed,
                        "output_shards": options.output_shards, "on_invalid": options.on_invalid,
                        "content_columns": list(content_columns)},
@@ -319,10 +324,18 @@ def report(options: BatchOptions, engine: str, selected: str, data: str, *, samp
         "records_never_written": records_never_written, "participation": participation,
         "rejected": rejects.counts(), "rejected_total": len(rejects),
         "wall_time_s": round(time.perf_counter() - started, 3)}
+    if sampled.sampled_users is not None:
+        result["users_per_step"] = size_summary(sampled.sampled_users)
+        result["relative_error_to_target"] = round(float(sampled.sampled_users.mean() / options.batch_size - 1.0), 6)
     if sampled.min_sep_search is not None:
         result["min_sep_search"] = sampled.min_sep_search
         result["k"] = participation["max_participations"]
     return result
+
+
+def _absolute(path: str) -> str:
+    """Local paths absolute, so that later stages (the trainer) find the inputs from anywhere."""
+    return path if "://" in path else os.path.abspath(path)
 
 
 # --- output directory ---------------------------------------------------------------------------
@@ -381,6 +394,7 @@ class Sampled:
     probability: float | None = None
     expected_batch_size: float | None = None
     min_sep_search: list | None = None
+    sampled_users: np.ndarray | None = None  # users sampler: users per step, what --batch-size targets
 
 
 def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
@@ -439,12 +453,54 @@ def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     return Sampled(chosen, keys, steps, min_sep, min_sep_search=tried)
 
 
+def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """User-level Poisson sampling (ELS paper's ULS) for single-attribution records: each step
+    samples every user with probability q = B / users (geometric gaps keyed by (seed, user)),
+    and a sampled user brings all its units."""
+    distinct, user_of_record = np.unique(single_users(dataset), return_inverse=True)
+    if not 0 < options.batch_size <= len(distinct):
+        raise rec.InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
+    probability = options.batch_size / len(distinct)
+    user_keys = sampling.splitmix64(distinct ^ sampling.splitmix64(np.uint64(options.seed & 0xFFFFFFFFFFFFFFFF)))
+    user, step = sampling.sampled_steps(user_keys, probability, options.steps)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.seed), dataset.copies)
+    by_user = np.argsort(user_of_record[record_of_unit], kind="stable")
+    units_per_user = np.bincount(user_of_record[record_of_unit], minlength=len(distinct))
+    first_unit = np.concatenate([[0], np.cumsum(units_per_user)[:-1]])
+    owner, position = _expand(first_unit[user], units_per_user[user])
+    unit = by_user[position]
+    return Sampled(record_of_unit[unit], keys[unit], step[owner], 1, probability, float(options.batch_size),
+                   sampled_users=np.bincount(step, minlength=options.steps))
+
+
+def single_users(dataset: Dataset) -> np.ndarray:
+    """The user of each record, which must have exactly one (user-level sampling)."""
+    arity = np.diff(dataset.offsets)
+    if (arity != 1).any():
+        first = int(np.flatnonzero(arity != 1)[0])
+        raise rec.InputError(f"--sampler users needs single-attribution records (one user each); record "
+                             f"{dataset.ids[first].as_py()!r} has {int(arity[first])}")
+    return dataset.users
+
+
+def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, index) for index in starts[owner] .. starts[owner] + counts[owner] - 1, every owner."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.repeat(starts, counts) + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def run_local(selected: str, data: str, output: str, options: BatchOptions) -> dict:
     """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
     started = time.perf_counter()
     dataset = load(selected, data, options, output)
+    if options.sampler == "users":
+        if USER_FEATURE in dataset.content.column_names:
+            raise rec.InputError(f"--sampler users adds a feature {USER_FEATURE!r}: leave the content column "
+                                 f"{USER_FEATURE!r} out with --content-columns")
+        dataset.content = dataset.content.append_column(USER_FEATURE, pa.array(single_users(dataset).view(np.int64)))
     described = check_content(dataset.content, dataset.ids)
-    sampled = minsep_rows(dataset, options) if options.sampler == "minsep" else greedy_rows(dataset, options)
+    samplers = {"minsep": minsep_rows, "minsep-greedy": greedy_rows, "users": user_rows}
+    sampled = samplers[options.sampler](dataset, options)
     log.info("sampled %d rows in %.1f s", len(sampled.record), time.perf_counter() - started)
     warm_up = options.warm_up_steps
     sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)

@@ -119,9 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--steps", type=int, required=True, help="T: training steps (batches)")
     batch.add_argument("--batch-size", type=float, required=True,
                        help="B: expected batch size (minsep) or exact batch size (minsep-greedy)")
-    batch.add_argument("--sampler", choices=("minsep", "minsep-greedy"), default="minsep",
+    batch.add_argument("--sampler", choices=("minsep", "minsep-greedy", "users"), default="minsep",
                        help="minsep: multi-attribution b-min-sep Poisson sampling (default); "
-                            "minsep-greedy: deterministic batches of exactly B")
+                            "minsep-greedy: deterministic batches of exactly B; users: Poisson sampling of "
+                            "users (single-attribution records), B = expected users per step")
     batch.add_argument("--min-sep", type=int, default=1,
                        help="b: steps between a user's participations (default 1: plain Poisson sampling)")
     batch.add_argument("--warm-up", type=int, help="minsep: simulated steps dropped first (default b-1: stationary)")

@@ -178,3 +178,49 @@ def test_cli_train_refuses_bad_options(pipeline_data, capsys):
     assert "not a `madp batch` output" in capsys.readouterr().err
     assert main(["-q", "train", str(directory / "poisson"), str(directory / "x")]) == 2
     assert "--epsilon" in capsys.readouterr().err
+
+
+def test_user_level_clipping_clips_each_users_average_gradient():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(30, 3)).astype(np.float32) * 3
+    y = (rng.random(30) < 0.5).astype(np.float32)
+    weight = (rng.random(30) < 0.8).astype(np.float32)
+    users = rng.integers(0, 7, 30)
+    model, loss = logreg(3)
+    kernel, bias = (v.numpy() for v in model.trainable_variables)
+    residual = 1 / (1 + np.exp(-(x @ kernel[:, 0] + bias[0]))) - y
+    per_example = np.concatenate([residual[:, None] * x, residual[:, None]], axis=1) * weight[:, None]
+    clip, expected = 0.4, np.zeros(4)
+    for user in np.unique(users):
+        mine = users == user
+        average = per_example[mine].sum(axis=0) / max(weight[mine].sum(), 1.0)
+        expected += average * min(1.0, clip / max(np.linalg.norm(average), 1e-30))
+    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, seed=0), 1.0, user_level=True)
+    got = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight), tf.constant(users))
+    np.testing.assert_allclose(np.concatenate([got[0].numpy()[:, 0], got[1].numpy()]), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_user_sampled_batches_train_with_uls(tmp_path, capsys):
+    rng = np.random.default_rng(6)
+    rows = [{"id": i, "users": [int(i % 150)], "features": rng.normal(size=4).tolist(), "label": int(i % 2)}
+            for i in range(900)]
+    data = write_records(str(tmp_path / "single.jsonl"), rows)
+    bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=4))
+    report = batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"),
+                         BatchOptions(steps=400, batch_size=15, sampler="users"))
+    assert report["sampling_probability"] == pytest.approx(0.1)
+    assert abs(report["users_per_step"]["mean"] / 15 - 1) < 0.05
+    # A sampled user brings all its (4) records.
+    assert report["batch_sizes"]["mean"] == pytest.approx(4 * report["users_per_step"]["mean"])
+    privacy = train(str(tmp_path / "batches"), str(tmp_path / "uls"), TrainOptions(noise_multiplier=1.5))["privacy"]
+    assert privacy["mechanism"] == "dpsgd-uls" and privacy["expected_batch_size"] == 15
+    assert main(["-q", "epsilon", "--mechanism", "dpsgd-uls", "--noise-multiplier", "1.5", "--delta", "1e-5",
+                 "--steps", "400", "--user-sampling-prob", str(privacy["parameters"]["user_sampling_prob"])]) == 0
+    assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
+
+
+def test_user_sampler_refuses_multi_user_records(pipeline_data):
+    directory, data = pipeline_data
+    with pytest.raises(Exception, match="single-attribution"):
+        batch_local(str(directory / "bounded"), data, str(directory / "users"),
+                    BatchOptions(steps=5, batch_size=5, sampler="users"))

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from accounting.calibrate import calibrate, epsilon
-from accounting.mechanisms import BandMf, DpSgd, Mechanism
+from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.strategies import coefficients as strategy_coefficients
 from madp.records import InputError
 from tf_training import load_tensorflow
@@ -113,6 +113,10 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
       records of the user (Poisson batches), or the greedy's k with one record per step.
     """
     report, steps = batches.report, batches.steps
+    if report["sampler"] == "users":
+        if len(bands) > 1 or options.mechanism == "bandmf":
+            raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
+        return DpSgdUls(float(report["sampling_probability"]), steps)
     min_sep = int(report["parameters"]["min_sep"])
     k = contribution_bound(batches, options.max_contributions)
     if report["sampler"] == "minsep":
@@ -207,34 +211,54 @@ class PrivateStep:
     Dense-only models take the ghost-clipping path; any other model gets vectorized per-example
     gradients (`fast=False` forces that path)."""
 
-    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float, fast: bool = True):
+    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float, fast: bool = True,
+                 user_level: bool = False):
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
-        self.fast = fast and dense_only(model)
+        self.user_level = user_level
+        self.fast = fast and dense_only(model) and not user_level
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary.
         self._state = tf.nest.map_structure(lambda t: tf.Variable(t, trainable=False),
                                             query.initial_global_state())
 
-    def privatized_gradient(self, x, y, weight):
+    def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size; advances the noise state."""
-        return self._privatize(x, y, weight)
+        return self._privatize(x, y, weight, self._groups(weight, users))
+
+    def _groups(self, weight, users):
+        """Rows clipped together: each row alone, or (user-level) the rows of one user."""
+        if not self.user_level:
+            return tf.range(tf.shape(weight)[0])
+        if users is None:
+            raise ValueError("user-level steps need each row's user")
+        return tf.unique(users).idx
 
     @tf.function(reduce_retracing=True)
-    def _privatize(self, x, y, weight):
+    def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
         if self.fast:
             summed = dense_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
         else:
-            summed = clip_and_sum(params, per_example_gradients(self.model, self.loss_fn, x, y, weight))
+            per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
+            if self.user_level:  # the ULS record of a user: the average gradient of its rows
+                count = tf.reduce_max(groups) + 1
+                totals = tf.math.unsorted_segment_sum(weight, groups, count)
+                per_example = [tf.math.unsorted_segment_sum(g, groups, count)
+                               / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
+                               for g in per_example]
+            summed = clip_and_sum(params, per_example)
         noised, state, _ = self.query.get_noised_result(summed, state)
         tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
         return [g / self.expected for g in noised]
 
+    def __call__(self, x, y, weight, users=None) -> None:
+        self._apply(x, y, weight, self._groups(weight, users))
+
     @tf.function(reduce_retracing=True)
-    def __call__(self, x, y, weight) -> None:
-        self.optimizer.apply_gradients(zip(self._privatize(x, y, weight), self.model.trainable_variables))
+    def _apply(self, x, y, weight, groups) -> None:
+        self.optimizer.apply_gradients(zip(self._privatize(x, y, weight, groups), self.model.trainable_variables))
 
 
 class NonPrivateStep:
@@ -243,8 +267,11 @@ class NonPrivateStep:
     def __init__(self, model, loss_fn, optimizer):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
 
+    def __call__(self, x, y, weight, users=None) -> None:
+        self._apply(x, y, weight)
+
     @tf.function(reduce_retracing=True)
-    def __call__(self, x, y, weight) -> None:
+    def _apply(self, x, y, weight) -> None:
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight) / tf.maximum(
                 tf.reduce_sum(weight), 1.0)
@@ -273,16 +300,18 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         mechanism = mechanism_for(batches, options, bands)
         sigma, delivered = noise_multiplier_for(mechanism, options)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if len(bands) == 1 and mechanism.name == "dpsgd"
+        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if mechanism.name in ("dpsgd", "dpsgd-uls")
                  else BandMfQuery(options.clip_norm, sigma, options.seed, bands, template))
-        step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size)
+        step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
+                           user_level=mechanism.name == "dpsgd-uls")
         privacy = {"mechanism": mechanism.name, "parameters": dataclasses.asdict(mechanism),
                    "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
                    "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
                    "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
                    "strategy": options.strategy, "noise_stddev_of_mean_gradient":
                        sigma * options.clip_norm / batches.expected_batch_size,
-                   "contribution_bound": contribution_bound(batches, options.max_contributions),
+                   "contribution_bound": (None if mechanism.name == "dpsgd-uls"
+                                          else contribution_bound(batches, options.max_contributions)),
                    "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
                    "batch_files_sha256": batches.file_hashes(), "accountant": "PLD (dp_accounting)"}
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
@@ -290,11 +319,15 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     writer = tf.summary.create_file_writer(os.path.join(output, "logs"))
     os.makedirs(output, exist_ok=True)
     loop_started = time.perf_counter()
-    for index, rows in step_batches(batches, [options.features, options.label]):
+    user_level = batches.report["sampler"] == "users"
+    names = [options.features, options.label] + (["user"] if user_level else [])
+    for index, rows in step_batches(batches, names):
         x, y, weight = rows[options.features], rows[options.label].astype(np.float32), rows["weight"]
+        users = rows["user"] if user_level else np.zeros(len(weight), np.int64)
         if len(weight) == 0:  # an empty step still adds its noise: one zero-weight row stands in
             x, y, weight = np.zeros((1, x.shape[1]), np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32)
-        step(tf.constant(x, tf.float32), tf.constant(y), tf.constant(weight, tf.float32))
+            users = np.zeros(1, np.int64)
+        step(tf.constant(x, tf.float32), tf.constant(y), tf.constant(weight, tf.float32), tf.constant(users))
         done = index + 1
         if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
             metrics.append({"step": done, **evaluate(model, loss_fn, *evaluation)})
