@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 import time
 import uuid
 
@@ -25,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 
-from beam_pipelines.bound import PartitionStore, _counters, _input_error_in, _merge_rejects, pipeline_options
+from beam_pipelines.bound import PartitionStore, _by_kind, _counters, _input_error_in, _merge_rejects, pipeline_options
 from madp import batching, sampling, storage
 from madp import records as rec
 from madp.hashing import partition_of
@@ -100,15 +99,13 @@ class _BuildRecordPartition(beam.DoFn):
 
     def process(self, element):
         part, values = element
-        handles = {"records": [], "selection": []}
-        for kind, handle in values:
-            handles[kind].append(handle)
-        chunks = sorted(_gather(self.store, handles["records"]), key=lambda c: int(c.keys[0]))
+        handles = _by_kind(values)
+        chunks = sorted(_gather(self.store, handles.get("records", [])), key=lambda c: int(c.keys[0]))
         rejects = rec.Rejects()
         chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects) if chunks else None
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
-        selection = _gather(self.store, handles["selection"])
+        selection = _gather(self.store, handles.get("selection", []))
         if not selection:
             return
         ids = pa.concat_arrays([s[0] for s in selection])
@@ -117,11 +114,14 @@ class _BuildRecordPartition(beam.DoFn):
             raise rec.InputError(f"{len(ids)} selected ids are not valid records of {self.data} "
                                  f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?")
         chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
+        yield _stat("described", batching.check_content(chunk.content, chunk.ids))
+        yield _stat("records", len(copies))
+        yield _stat("id_type", chunk.ids.type)
         users = batching.user_hashes(chunk.users)
         record_keys = batching.record_hashes(chunk.ids, self.seed)
         partition = {"ids": chunk.ids, "copies": copies, "offsets": chunk.offsets, "users": users,
                      "content": chunk.content, "record_keys": record_keys}
-        yield beam.pvalue.TaggedOutput("partitions", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
+        yield _stat("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
         record_of_incidence = np.repeat(np.arange(len(copies)), np.diff(chunk.offsets))
         destination = _part_of_hash(users, self.partitions)
         for user_part, handle in _slices(self.store, f"incidences-{part:05d}.pkl", destination, lambda mask: (
@@ -143,10 +143,15 @@ class _NeighbourPairs(beam.DoFn):
         copies = _stack(pieces, 2)
         keys, first, local = np.unique(record_keys, return_index=True, return_inverse=True)
         for chunk_index, (owner, neighbour) in enumerate(sampling.neighbour_pairs(local.ravel(), users)):
-            destination = _record_partition_of(keys[owner], self.partitions)
             owner_keys, neighbour_keys, neighbour_copies = keys[owner], keys[neighbour], copies[first[neighbour]]
+            destination = _record_partition_of(owner_keys, self.partitions)
             yield from _slices(self.store, f"pairs-{part:05d}-{chunk_index:05d}.pkl", destination, lambda mask: (
                 owner_keys[mask], neighbour_keys[mask], neighbour_copies[mask]))
+
+
+def _stat(name: str, value) -> beam.pvalue.TaggedOutput:
+    """A named value for the driver's summary of the run."""
+    return beam.pvalue.TaggedOutput("stats", (name, value))
 
 
 def _record_partition_of(record_keys: np.ndarray, partitions: int) -> np.ndarray:
@@ -180,23 +185,6 @@ def _merge_histograms(histograms) -> dict:
     return merged
 
 
-def _stat(name: str, value) -> beam.pvalue.TaggedOutput:
-    return beam.pvalue.TaggedOutput("stats", (name, value))
-
-
-class _Described(beam.DoFn):
-    """Content feature description of each record partition (checked for nulls and types)."""
-
-    def __init__(self, store: PartitionStore):
-        self.store = store
-
-    def process(self, element):
-        _, path = element
-        partition = self.store.read_arrays(path)
-        yield "described", batching.check_content(partition["content"], partition["ids"])
-        yield "records", len(partition["copies"])
-
-
 class PreparePipeline(beam.PTransform):
     """Read, validate and join; store record partitions; histogram of |N(e)| over units."""
 
@@ -217,7 +205,7 @@ class PreparePipeline(beam.PTransform):
         built = ((read.records, selection) | "RecordsAndSelection" >> beam.Flatten()
                  | "GroupRecordPartitions" >> beam.GroupByKey()
                  | "JoinSelection" >> beam.ParDo(_BuildRecordPartition(self.data, self.options.seed, partitions, store))
-                 .with_outputs("partitions", "rejects", main="incidences"))
+                 .with_outputs("stats", "rejects", main="incidences"))
         histogram = (built.incidences
                      | "GroupUserPartitions" >> beam.GroupByKey()
                      | "NeighbourPairs" >> beam.ParDo(_NeighbourPairs(partitions, store))
@@ -228,9 +216,7 @@ class PreparePipeline(beam.PTransform):
         rejects = ((read.rejects, built.rejects) | "AllRejects" >> beam.Flatten()
                    | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
                    | "NamedRejects" >> beam.Map(lambda r: ("rejects", r)))
-        partition_paths = (built.partitions | "PartitionPaths" >> beam.Map(lambda e: ("partition", e)))
-        described = built.partitions | "DescribeContent" >> beam.ParDo(_Described(store))
-        return ((histogram, rejects, partition_paths, described) | "PrepareSummary" >> beam.Flatten()
+        return ((histogram, rejects, built.stats) | "PrepareSummary" >> beam.Flatten()
                 | "CollectPrepare" >> beam.combiners.ToList()
                 | "WritePrepare" >> beam.Map(lambda items: store.write_arrays("prepare-summary.pkl", items)))
 
@@ -302,14 +288,12 @@ class _Survivors(beam.DoFn):
 
     def process(self, element):
         part, values = element
-        handles = {"samples": [], "excluded": []}
-        for kind, handle in values:
-            handles[kind].append(handle)
-        if not handles["samples"]:
+        handles = _by_kind(values)
+        if "samples" not in handles:
             return
         samples = self.store.read_arrays(handles["samples"][0])
         survive = np.ones(len(samples["step"]), dtype=bool)
-        for excluded in _gather(self.store, handles["excluded"]):
+        for excluded in _gather(self.store, handles.get("excluded", [])):
             survive[excluded] = False
         _count("excluded_by_min_sep", int((~survive).sum()))
         record, keys, step = samples["record"][survive], samples["keys"][survive], samples["step"][survive]
@@ -321,13 +305,9 @@ class _Survivors(beam.DoFn):
         rows_by_file = {}
         for file in range(self.plan.files):  # every file hears from every partition, so empty files are written
             mine = np.flatnonzero(file_of_row == file)
-            _, flat = batching.incidences_of(partition["offsets"], record[mine])
-            arity = np.diff(partition["offsets"])[record[mine]]
-            rows_by_file[file] = batching.FileRows(
-                steps=step[mine], unit_keys=keys[mine], record_keys=partition["record_keys"][record[mine]],
-                ids=partition["ids"].take(pa.array(record[mine])),
-                content=partition["content"].take(pa.array(record[mine])),
-                user_offsets=np.concatenate([[0], np.cumsum(arity)]).astype(np.int64), users=partition["users"][flat])
+            rows_by_file[file] = batching.file_rows(partition["ids"], partition["content"], partition["offsets"],
+                                                    partition["users"], partition["record_keys"], record[mine],
+                                                    keys[mine], step[mine])
         yield from self.store.write_slices(f"rows-{part:05d}.pkl", rows_by_file).items()
 
 
@@ -422,13 +402,6 @@ def _run(pipeline: beam.Pipeline) -> dict:
     return _counters(result, NAMESPACE)
 
 
-def _by_name(items: list[tuple[str, object]]) -> dict[str, list]:
-    grouped: dict[str, list] = {}
-    for name, value in items:
-        grouped.setdefault(name, []).append(value)
-    return grouped
-
-
 def _merge_described(described: list[dict]) -> dict:
     merged: dict = {}
     for one in described:
@@ -449,10 +422,7 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
         raise rec.InputError("--partitions must be at least 1")
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
-        result = batching.run_local(selected, data, output, options)
-        result["engine"] = f"local ({options.sampler} runs in the driver)"
-        write_report(output, result)
-        return result
+        return batching.run_local(selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)")
     started = time.perf_counter()
     data_files = rec.list_input_files(data)
     content = options.content_columns if options.content_columns is not None \
@@ -469,7 +439,7 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
     _ = pipeline | "Prepare" >> PreparePipeline(data_files, selection, data, content, options, partitions, store)
     try:
         counters.append(_run(pipeline))
-        prepared = _by_name(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
+        prepared = _by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
         rejects = prepared.get("rejects", [rec.Rejects()])[0]
         handle_rejects(rejects, options, output)
         described = _merge_described(prepared.get("described", []))
@@ -486,12 +456,13 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
         counters.append(_run(pipeline))
-        summary = _by_name(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
+        summary = _by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
     except rec.InputError:
         batching.prepare_output(output)  # no partial batches outlive an error
         storage.clear_directory(work)
         raise
-    batching.write_schema(output, batching.schema(_id_type(partition_paths, store), described, options))
+    id_type = prepared.get("id_type", [pa.int64()])[0]
+    batching.write_schema(output, batching.schema(id_type, described, options))
     records = sum(prepared.get("records", []))
     files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
     sampled = batching.Sampled(np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64),
@@ -509,7 +480,3 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
     write_report(output, result)
     return result
 
-
-def _id_type(partition_paths: dict[int, str], store: PartitionStore) -> pa.DataType:
-    first = next(iter(sorted(partition_paths.items())), None)
-    return store.read_arrays(first[1])["ids"].type if first else pa.int64()

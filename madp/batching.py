@@ -7,11 +7,10 @@ units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
-import math
 import os
+import posixpath
 import time
 
 import numpy as np
@@ -176,10 +175,7 @@ def user_hashes(users: pa.Array) -> np.ndarray:
 
 def incidences_of(offsets: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(position in `records`, flat incidence index) of every user of each listed record."""
-    arity = offsets[records + 1] - offsets[records]
-    owner = np.repeat(np.arange(len(records), dtype=np.int64), arity)
-    within = np.arange(len(owner)) - np.repeat(np.cumsum(arity) - arity, arity)
-    return owner, np.repeat(offsets[records], arity) + within
+    return sampling.expand_ranges(offsets[records], offsets[records + 1] - offsets[records])
 
 
 # --- batch files --------------------------------------------------------------------------------
@@ -228,11 +224,21 @@ class FileRows:
     users: np.ndarray
 
 
+def file_rows(ids: pa.Array, content: pa.Table, offsets: np.ndarray, users: np.ndarray, record_keys: np.ndarray,
+              record: np.ndarray, keys: np.ndarray, step: np.ndarray) -> FileRows:
+    """The rows (record index, unit key, step) of one file, with their ids, content and users."""
+    _, flat = incidences_of(offsets, record)
+    arity = offsets[record + 1] - offsets[record]
+    return FileRows(steps=step, unit_keys=keys, record_keys=record_keys[record], ids=ids.take(pa.array(record)),
+                    content=content.take(pa.array(record)),
+                    user_offsets=np.concatenate([[0], np.cumsum(arity)]).astype(np.int64), users=users[flat])
+
+
 def write_batch_file(path: str, rows: FileRows, steps: range, max_batch_size: int | None,
                      shapes: dict[str, list]) -> dict:
     """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
 
-    Returns per-step real row counts and the written rows' (user, step) and unit keys for stats.
+    Returns per-step real row counts and the written rows' (user, step) and record keys for stats.
     """
     keep = sampling.order_and_truncate(rows.steps, sampling.truncation_priority(rows.unit_keys, rows.steps),
                                        max_batch_size)
@@ -342,9 +348,9 @@ def _absolute(path: str) -> str:
 
 def prepare_output(output: str) -> None:
     """Remove an earlier run's batch files, schema, report and rejects (and only those)."""
-    for path in glob.glob(storage.join(output, "batches-*.tfrecord")) if "://" not in output else \
-            [f for f in storage.list_files(output) if "batches-" in f and f.endswith(".tfrecord")]:
-        storage.remove_file(path)
+    for path in storage.list_files(output, recursive=False) if storage.kind(output) == "directory" else []:
+        if posixpath.basename(path).startswith("batches-") and path.endswith(".tfrecord"):
+            storage.remove_file(path)
     for name in (SCHEMA_FILE, REPORT_FILE):
         storage.remove_file(storage.join(output, name))
     storage.clear_directory(storage.join(output, REJECTED_DIR))
@@ -467,7 +473,7 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     by_user = np.argsort(user_of_record[record_of_unit], kind="stable")
     units_per_user = np.bincount(user_of_record[record_of_unit], minlength=len(distinct))
     first_unit = np.concatenate([[0], np.cumsum(units_per_user)[:-1]])
-    owner, position = _expand(first_unit[user], units_per_user[user])
+    owner, position = sampling.expand_ranges(first_unit[user], units_per_user[user])
     unit = by_user[position]
     return Sampled(record_of_unit[unit], keys[unit], step[owner], 1, probability, float(options.batch_size),
                    sampled_users=np.bincount(step, minlength=options.steps))
@@ -483,13 +489,7 @@ def single_users(dataset: Dataset) -> np.ndarray:
     return dataset.users
 
 
-def _expand(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(owner, index) for index in starts[owner] .. starts[owner] + counts[owner] - 1, every owner."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    return owner, np.repeat(starts, counts) + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def run_local(selected: str, data: str, output: str, options: BatchOptions) -> dict:
+def run_local(selected: str, data: str, output: str, options: BatchOptions, engine: str = "local") -> dict:
     """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
     started = time.perf_counter()
     dataset = load(selected, data, options, output)
@@ -515,18 +515,15 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions) -> d
     results = []
     for file in range(files):
         mine = np.flatnonzero(file_of_row == file)
-        _, flat = incidences_of(dataset.offsets, record[mine])
-        arity = np.diff(dataset.offsets)[record[mine]]
-        rows = FileRows(steps=step[mine], unit_keys=keys[mine], record_keys=record_keys[record[mine]],
-                        ids=dataset.ids.take(pa.array(record[mine])), content=dataset.content.take(pa.array(record[mine])),
-                        user_offsets=np.concatenate([[0], np.cumsum(arity)]).astype(np.int64), users=dataset.users[flat])
+        rows = file_rows(dataset.ids, dataset.content, dataset.offsets, dataset.users, record_keys,
+                         record[mine], keys[mine], step[mine])
         results.append(write_batch_file(batch_file_path(output, file, files), rows,
                                         step_range(file, options.steps, files), options.max_batch_size,
                                         content_shapes(described)))
         log.info("wrote %s (%d/%d)", batch_file_path(output, file, files), file + 1, files)
     write_schema(output, schema(dataset.ids.type, described, options))
     written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
-    result = report(options, "local", selected, data, sampled=sampled, units=int(dataset.copies.sum()),
+    result = report(options, engine, selected, data, sampled=sampled, units=int(dataset.copies.sum()),
                     records=len(dataset.copies), sampled_sizes=sampled_sizes, files=results,
                     records_never_written=len(dataset.copies) - len(written_records),
                     participation=participation_stats(np.concatenate([r["user_hashes"] for r in results]),

@@ -17,10 +17,16 @@ _DRAW_STREAM = np.uint64(0xD1B54A32D192ED03)
 _TRUNCATION_STREAM = np.uint64(0x8CB92BA72F3D8DD7)
 
 
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, index) for every index in starts[owner] .. starts[owner] + counts[owner] - 1, owners in order."""
+    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    within = np.arange(len(owner), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, np.repeat(np.asarray(starts, dtype=np.int64), counts) + within
+
+
 def unit_keys(record_hashes: np.ndarray, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(record index, unit key) of every copy of every record, copies of a record adjacent."""
-    record = np.repeat(np.arange(len(copies), dtype=np.int64), copies)
-    copy_index = np.arange(len(record), dtype=np.int64) - np.repeat(np.cumsum(copies) - copies, copies)
+    record, copy_index = expand_ranges(np.zeros(len(copies), dtype=np.int64), copies)
     return record, splitmix64(record_hashes[record] ^ splitmix64(copy_index.astype(np.uint64)))
 
 
@@ -103,9 +109,8 @@ def neighbour_pairs(record_of_incidence: np.ndarray, user_of_incidence: np.ndarr
     cuts = np.unique(np.searchsorted(pairs_before, np.arange(0, pairs_before[-1] + max_pairs, max_pairs)).clip(0, n))
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         chunk = slice(record_end[lo - 1] if lo else 0, record_end[hi - 1])
-        owner = np.repeat(record[chunk], count[chunk])
-        within = np.arange(len(owner)) - np.repeat(np.cumsum(count[chunk]) - count[chunk], count[chunk])
-        pair = np.sort(owner * n + user_records[np.repeat(first[chunk], count[chunk]) + within])
+        incidence, neighbour_position = expand_ranges(first[chunk], count[chunk])
+        pair = np.sort(record[chunk][incidence] * n + user_records[neighbour_position])
         pair = pair[np.concatenate([[True], pair[1:] != pair[:-1]])]
         yield pair // n, pair % n
 

@@ -45,10 +45,10 @@ def kind(path: str) -> str:
     return {pafs.FileType.File: "file", pafs.FileType.Directory: "directory"}.get(info.type, "missing")
 
 
-def list_files(directory: str) -> list[str]:
-    """Every file below a directory, sorted, as paths or URIs like the directory's."""
+def list_files(directory: str, recursive: bool = True) -> list[str]:
+    """Every file below (or, not recursive, directly in) a directory, sorted, as paths or URIs like the directory's."""
     filesystem, resolved = _resolve(directory)
-    infos = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+    infos = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=recursive))
     prefix = directory.split("://")[0] + "://" if "://" in directory else ""
     return sorted(prefix + info.path for info in infos if info.type == pafs.FileType.File)
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from accounting.calibrate import calibrate, epsilon
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.strategies import coefficients as strategy_coefficients
+from madp.batching import USER_FEATURE
 from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.data import Batches, open_batches, step_batches
@@ -104,7 +105,7 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
         return int(json.load(handle)["parameters"]["max_contributions"])
 
 
-def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...]) -> Mechanism:
+def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
     """The accounting mechanism the batches and options imply.
 
     - b-min-sep Poisson batches with b = 1 and one band: DP-SGD with example-level sampling and up
@@ -118,7 +119,6 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
             raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
         return DpSgdUls(float(report["sampling_probability"]), steps)
     min_sep = int(report["parameters"]["min_sep"])
-    k = contribution_bound(batches, options.max_contributions)
     if report["sampler"] == "minsep":
         if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
             return DpSgd(float(report["sampling_probability"]), steps, k)
@@ -293,25 +293,26 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
                  else tf_keras.optimizers.Adam(options.learning_rate))
     privacy: dict = {"mechanism": "none"}
+    user_level = batches.report["sampler"] == "users"
     if options.mechanism == "none":
         step = NonPrivateStep(model, loss_fn, optimizer)
     else:
         bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
-        mechanism = mechanism_for(batches, options, bands)
+        k = None if user_level else contribution_bound(batches, options.max_contributions)
+        mechanism = mechanism_for(batches, options, bands, k)
         sigma, delivered = noise_multiplier_for(mechanism, options)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if mechanism.name in ("dpsgd", "dpsgd-uls")
                  else BandMfQuery(options.clip_norm, sigma, options.seed, bands, template))
         step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
-                           user_level=mechanism.name == "dpsgd-uls")
+                           user_level=user_level)
         privacy = {"mechanism": mechanism.name, "parameters": dataclasses.asdict(mechanism),
                    "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
                    "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
                    "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
                    "strategy": options.strategy, "noise_stddev_of_mean_gradient":
                        sigma * options.clip_norm / batches.expected_batch_size,
-                   "contribution_bound": (None if mechanism.name == "dpsgd-uls"
-                                          else contribution_bound(batches, options.max_contributions)),
+                   "contribution_bound": k,
                    "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
                    "batch_files_sha256": batches.file_hashes(), "accountant": "PLD (dp_accounting)"}
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
@@ -319,11 +320,10 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     writer = tf.summary.create_file_writer(os.path.join(output, "logs"))
     os.makedirs(output, exist_ok=True)
     loop_started = time.perf_counter()
-    user_level = batches.report["sampler"] == "users"
-    names = [options.features, options.label] + (["user"] if user_level else [])
+    names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
     for index, rows in step_batches(batches, names):
         x, y, weight = rows[options.features], rows[options.label].astype(np.float32), rows["weight"]
-        users = rows["user"] if user_level else np.zeros(len(weight), np.int64)
+        users = rows[USER_FEATURE] if user_level else np.zeros(len(weight), np.int64)
         if len(weight) == 0:  # an empty step still adds its noise: one zero-weight row stands in
             x, y, weight = np.zeros((1, x.shape[1]), np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32)
             users = np.zeros(1, np.int64)
