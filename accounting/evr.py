@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from scipy.optimize import minimize_scalar
 
+from accounting.mechanisms import BandMf
 from accounting.monte_carlo import MinSepProcess, hockey_stick_terms, sample_log_ratios
 from madp.records import InputError
+
+log = logging.getLogger("madp.accounting")
 
 
 def bernoulli_kl(a: float, b: float) -> float:
@@ -62,6 +67,11 @@ def samples_needed(target_delta: float, base_delta: float) -> int:
 # few verifications find the lowest candidate the fresh samples confirm.
 RUNG_STEPS = tuple(0.01 * 2 ** j for j in range(6))
 CHUNK = 8192         # samples per task: the unit of parallelism and of seeding
+# The estimate only places the ladder, so it runs on 1/8 of the verification samples (at least
+# ESTIMATE_MIN_SAMPLES) and bisects to 0.1-0.4%, well inside the ladder's first 1% rung.
+ESTIMATE_FRACTION = 8
+ESTIMATE_MIN_SAMPLES = 65_536
+BISECTION_STEPS = 11
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +84,7 @@ class MinSepRelease:
     ladder: tuple[float, ...]
     outcomes: tuple[bool, ...]     # verification of each candidate tried, from the top
     samples: int                   # per verification and direction
+    estimate_samples: int          # per estimate and direction
     base_delta: float
     overall_delta: float           # the delta of the released (epsilon, delta) guarantee
 
@@ -85,11 +96,16 @@ def _chunk_terms(task) -> float:
 
 
 @contextlib.contextmanager
-def task_map(workers: int):
-    """`map` over chunk tasks: in this process, or in one pool of `workers` processes kept for a whole run."""
+def task_map(workers: int, beam_args: list[str] | None = None):
+    """`map` over chunk tasks: in this process, in one pool of `workers` processes kept for a whole
+    run, or (with `beam_args`) as one Beam pipeline per map on the runner they name."""
     if workers < 1:
         raise InputError(f"--workers must be at least 1, got {workers}")
-    if workers == 1:
+    if beam_args is not None:
+        from beam_pipelines.monte_carlo import BeamTaskMap
+        with BeamTaskMap(beam_args) as mapper:
+            yield mapper
+    elif workers == 1:
         yield map
     else:
         with ProcessPoolExecutor(workers) as pool:
@@ -103,67 +119,85 @@ def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples
     tasks = [(process, sigma, epsilon, min(CHUNK, samples - start),
               int(np.random.SeedSequence([*seed, direction, start // CHUNK]).generate_state(1)[0]), under)
              for direction, under in enumerate(("P", "Q")) for start in range(0, samples, CHUNK)]
+    started = time.perf_counter()
     sums = list(mapper(_chunk_terms, tasks))
     half = len(tasks) // 2
-    return max(sum(sums[:half]), sum(sums[half:])) / samples
+    delta = max(sum(sums[:half]), sum(sums[half:])) / samples
+    elapsed = time.perf_counter() - started
+    log.info("sigma %.6g, epsilon %.6g: delta %.4g from 2 x %d samples in %.1f s (%.0f samples/s)", sigma, epsilon,
+             delta, samples, elapsed, 2 * samples / elapsed)
+    return delta
 
 
-def _sample_count(delta: float, samples: int | None) -> tuple[int, float, float]:
+def _sample_count(delta: float, samples: int | None) -> tuple[int, int, float, float]:
+    """(verification samples, estimate samples, base delta, delta of the released guarantee)."""
     base_delta = delta / 2
     samples = samples or samples_needed(delta, base_delta)
     guarantee = overall_delta(base_delta, samples, delta)
     if guarantee > delta:
         raise InputError(f"{samples} samples give at best delta {guarantee:.3g}; need "
                          f"{samples_needed(delta, base_delta)} for delta {delta:g}")
-    return samples, base_delta, guarantee
+    return samples, min(samples, max(samples // ESTIMATE_FRACTION, ESTIMATE_MIN_SAMPLES)), base_delta, guarantee
 
 
 def _estimate_verify_release(passes, fallback: float, low: float, seed: int) -> tuple[float, float, tuple, tuple]:
     """Algorithm 5 over candidates of one parameter, larger being more private (sigma, or a claimed epsilon).
 
-    `passes(value, seed_tag)` runs the Monte Carlo verifier. The estimate bisects (geometrically,
-    with common random numbers) between `low` and the formally valid `fallback`; candidates are the
-    estimate times 1 + RUNG_STEPS, below the fallback, verified from the top with fresh samples; the
-    lowest candidate such that it and all above it pass is released, else the fallback. Releasing
-    a candidate that is not private needs the highest such candidate to pass: probability <= q.
+    `passes(value, seed_tag, estimating)` runs the Monte Carlo verifier. The estimate bisects
+    (geometrically, with common random numbers) between `low` and the formally valid `fallback`;
+    candidates are the estimate times 1 + RUNG_STEPS, below the fallback, verified from the top with
+    fresh samples; the lowest candidate such that it and all above it pass is released, else the
+    fallback. Releasing a candidate that is not private needs the highest such candidate to pass:
+    probability <= q.
     """
     high = fallback
-    for _ in range(16):
+    for _ in range(BISECTION_STEPS):
         middle = math.sqrt(low * high)
-        if passes(middle, (seed, 0)):
+        if passes(middle, (seed, 0), True):
             high = middle
         else:
             low = middle
     ladder = tuple(value for value in (high * (1 + step) for step in RUNG_STEPS) if value < fallback)
     released, outcomes = fallback, []
     for rung in range(len(ladder) - 1, -1, -1):
-        outcomes.append(passes(ladder[rung], (seed, 1, rung)))
+        outcomes.append(passes(ladder[rung], (seed, 1, rung), False))
         if not outcomes[-1]:
             break
         released = ladder[rung]
     return released, high, ladder, tuple(outcomes)
 
 
+def unamplified(process: MinSepProcess) -> BandMf:
+    """The formally accounted fallback of `process`: BandMF without amplification, with the most
+    participations min-sep allows (ceil(T / b)), each with all k_u records of the user."""
+    return BandMf(process.steps, process.min_sep, 1 + (process.steps - 1) // process.min_sep, process.coefficients,
+                  records_per_step=process.max_contributions)
+
+
 def calibrate_minsep(process: MinSepProcess, fallback_sigma: float, epsilon: float, delta: float,
-                     samples: int | None = None, seed: int = 0, workers: int = 1) -> MinSepRelease:
+                     samples: int | None = None, seed: int = 0, workers: int = 1,
+                     beam_args: list[str] | None = None) -> MinSepRelease:
     """The smallest verified noise multiplier for (epsilon, delta); `fallback_sigma` satisfies it formally
     (unamplified BandMF). Verification at base delta delta / 2, in both directions."""
-    samples, base_delta, guarantee = _sample_count(delta, samples)
-    with task_map(workers) as mapper:
+    samples, estimate_samples, base_delta, guarantee = _sample_count(delta, samples)
+    with task_map(workers, beam_args) as mapper:
         released, estimate, ladder, outcomes = _estimate_verify_release(
-            lambda sigma, tag: estimate_delta(process, sigma, epsilon, samples, tag, mapper) <= base_delta,
+            lambda sigma, tag, estimating: estimate_delta(
+                process, sigma, epsilon, estimate_samples if estimating else samples, tag, mapper) <= base_delta,
             fallback_sigma, fallback_sigma / 8, seed)
     return MinSepRelease(released, released < fallback_sigma, fallback_sigma, estimate, ladder, outcomes, samples,
-                         base_delta, guarantee)
+                         estimate_samples, base_delta, guarantee)
 
 
 def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, fallback_epsilon: float, delta: float,
-                   samples: int | None = None, seed: int = 0, workers: int = 1) -> MinSepRelease:
+                   samples: int | None = None, seed: int = 0, workers: int = 1,
+                   beam_args: list[str] | None = None) -> MinSepRelease:
     """The smallest verified epsilon at `noise_multiplier`; `fallback_epsilon` holds formally."""
-    samples, base_delta, guarantee = _sample_count(delta, samples)
-    with task_map(workers) as mapper:
+    samples, estimate_samples, base_delta, guarantee = _sample_count(delta, samples)
+    with task_map(workers, beam_args) as mapper:
         released, estimate, ladder, outcomes = _estimate_verify_release(
-            lambda eps, tag: estimate_delta(process, noise_multiplier, eps, samples, tag, mapper) <= base_delta,
+            lambda eps, tag, estimating: estimate_delta(
+                process, noise_multiplier, eps, estimate_samples if estimating else samples, tag, mapper) <= base_delta,
             fallback_epsilon, fallback_epsilon / 1000, seed)
     return MinSepRelease(released, released < fallback_epsilon, fallback_epsilon, estimate, ladder, outcomes,
-                         samples, base_delta, guarantee)
+                         samples, estimate_samples, base_delta, guarantee)

@@ -9,9 +9,10 @@ recursion (eq. (1), extended to Binomial counts):
     f_i = Binom(0) f_{i+1} + sum_{j>=1} Binom(j) r_i(j) f_{i+b},   f_i = 1 for i > T,
     r_i(j) = exp((j <c_i, y_i..y_{i+b-1}> - j^2 ||c_i||^2 / 2) / sigma^2),
 
-with c_i the nonzero part of column i of C. Samples are vectorized in blocks; the recursion runs
-in linear space with per-sample rescaling (log space when weights are extreme). Estimate-verify-
-release (`accounting/evr.py`) turns these estimates into a formal guarantee.
+with c_i the nonzero part of column i of C. Samples are vectorized in blocks of samples; steps
+are consumed backwards in cache-sized tiles, b steps at a time as one small matrix product, in
+linear space with per-sample rescaling (log space when Binom(0) is too small for that to be
+exact). Estimate-verify-release (`accounting/evr.py`) turns these estimates into a formal guarantee.
 """
 from __future__ import annotations
 
@@ -69,90 +70,143 @@ def sample_participations(process: MinSepProcess, samples: int,
     return np.concatenate(steps), np.concatenate(sample_ids), np.concatenate(counts)
 
 
-def mean_shift(process: MinSepProcess, participations: tuple[np.ndarray, np.ndarray, np.ndarray],
-               samples: int) -> np.ndarray:
-    """C x for each sample (T x samples). A sample's participations are >= b >= bands apart, so
-    their columns of C never overlap and each entry is written once."""
-    shift = np.zeros((process.steps, samples))
-    steps, sample_ids, counts = participations
-    for lag, value in enumerate(process.coefficients):
-        inside = steps + lag < process.steps
-        shift[steps[inside] + lag, sample_ids[inside]] = value * counts[inside]
-    return shift
-
-
-# Largest log participation weight of the linear-space path: between two rescalings (every b
-# steps) a path picks up at most two weights, so values stay below exp(2 * 250) < float max.
-_LINEAR_LOG_WEIGHT_LIMIT = 250.0
-_CHUNK = 1024  # samples per block: the (T x chunk) arrays stay in cache
+# Samples per block: the unit of vectorization. Steps are processed backwards in tiles of about
+# _TILE_STEPS steps, so every array the kernel touches stays in cache.
+_CHUNK = 2048
+_TILE_STEPS = 64
+# A block's weights are exponentiated relative to their per-sample maximum `shift` (clamped below
+# at _LOWEST_SHIFT, so e^-shift stays finite). float32 exponentials (4x faster) drop weights below e^-87 of the block's largest, i.e.
+# below e^(shift - 87) absolutely, while the carried term s^(b-m) f_next[0] >= s^(2b) times any
+# entry they multiply (f_i >= s f_{i+1}): with shift <= 40 and 2 b log(1/s) <= 20 a dropped term
+# is below e^-27 = 2e-12 of what is kept. Tiles with larger shifts exponentiate in float64; larger
+# b log(1/s) takes the log-space path.
+_LOWEST_SHIFT = -700.0
+_SINGLE_PRECISION_SHIFT = 40.0
+_LINEAR_SPAN = 10.0
 
 
 def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, outputs: np.ndarray) -> np.ndarray:
     """log P(y)/Q(y) per sample; `outputs` is T x samples (one column per sample)."""
-    return np.concatenate([_log_ratio_block(process, noise_multiplier, outputs[:, start:start + _CHUNK])
-                           for start in range(0, outputs.shape[1], _CHUNK)]) if outputs.shape[1] else np.zeros(0)
+    ratios = []
+    for start in range(0, outputs.shape[1], _CHUNK):
+        block = outputs[:, start:start + _CHUNK]
+
+        def fill(out: np.ndarray, first: int, block=block) -> None:
+            out[:] = block[first:first + len(out)]
+        ratios.append(_log_ratios(process, noise_multiplier, block.shape[1], fill))
+    return np.concatenate(ratios) if ratios else np.zeros(0)
 
 
-def _log_participation_weight(process: MinSepProcess, noise_multiplier: float, by_step: np.ndarray) -> np.ndarray:
-    """log W_i = log sum_j Binom(j) r_i(j) for every step (rows) and sample (columns).
+def _band_matrices(coefficients: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(within, across), size x size: the dots <c_i, y_i..y_{i+bands-1}> of the steps of one block of
+    `size` steps are within @ (its outputs) + across @ (the next block's outputs), as bands <= size."""
+    c = np.zeros(size)
+    c[:len(coefficients)] = coefficients
+    lag = np.arange(size)[None, :] - np.arange(size)[:, None]
+    return np.where(lag >= 0, c[lag % size], 0.0), np.where(lag < 0, c[lag % size], 0.0)
 
-    W_i does not depend on f, so it is computed for all steps at once.
+
+def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, fill) -> np.ndarray:
+    """log f_1 for `samples` samples whose outputs `fill(out, first_step)` writes on demand, in blocks of b steps.
+
+    Steps are padded at the front to whole blocks of b = min-sep. Within a block, f_i = s f_{i+1} +
+    W_i f_{i+b} unrolls to f_block = A (W * f_next_block) + s^(b-m) f_next_block[0] with A[m, m'] =
+    s^(m'-m) (m' >= m, s = Binom(0)): one small matrix product per block. Each block's weights are
+    exponentiated relative to their per-sample maximum (float32: the log ratio is exact to ~1e-7
+    relative, see _SINGLE_PRECISION_SHIFT) and each block is rescaled by its maximum, both logs accumulated
+    in `log_scale`.
     """
-    steps = by_step.shape[0]
-    c = np.asarray(process.coefficients, dtype=np.float64)
-    dots = by_step * c[0]  # dots_i = <c_i, y_i..y_{i+bands-1}>, truncated at the horizon
-    scratch = np.empty_like(by_step)
-    for lag in range(1, len(c)):
-        np.multiply(by_step[lag:], c[lag], out=scratch[: steps - lag])
-        dots[: steps - lag] += scratch[: steps - lag]
-    # ||c_i||^2: the bands that fit before the horizon.
-    column_norms = np.cumsum(c ** 2)[np.minimum(len(c), steps - np.arange(steps)) - 1][:, None]
-    log_probs, variance = process.count_log_probs, noise_multiplier ** 2
+    gap, steps = process.min_sep, process.steps
+    blocks = -(-steps // gap)
+    lead = blocks * gap - steps
+    variance = noise_multiplier ** 2
+    coefficients = np.asarray(process.coefficients, dtype=np.float64)
+    dot_within, dot_across = _band_matrices(coefficients / variance, gap)
+    squares = coefficients ** 2  # ||c_i||^2 counts only the bands before the horizon
+    half_norms = np.full(blocks * gap, np.inf)
+    half_norms[lead:] = np.cumsum(squares)[np.minimum(len(squares), steps - np.arange(steps)) - 1] / (2 * variance)
+    log_probs = process.count_log_probs
+    stay = float(np.exp(log_probs[0]))
+    powers = stay ** np.arange(gap + 1)
+    lag = np.arange(gap)[None, :] - np.arange(gap)[:, None]
+    unroll = np.where(lag >= 0, powers[lag % gap], 0.0)
+    carry = powers[gap - np.arange(gap)][:, None]
 
-    def log_term(count: int) -> np.ndarray:  # log Binom(count) + log r_i(count), in place on a copy
-        term = dots * (count / variance)
-        term -= column_norms * (count ** 2 / (2 * variance))
-        term += log_probs[count]
-        return term
+    if stay < np.exp(-_LINEAR_SPAN / gap):
+        return _recursion_log(process, _direct_log_weight(process, noise_multiplier, fill, samples))
+    per_tile = _blocks_per_tile(gap)
+    outputs = np.zeros(((per_tile + 1) * gap, samples))  # the tile's outputs, then the next block's
+    f = np.ones((gap, samples))
+    log_scale = np.zeros(samples)
+    for tile_start, tile_end in _tiles(blocks, gap):
+        size = tile_end - tile_start
+        outputs[size * gap:size * gap + gap] = outputs[:gap]  # the block after this tile
+        first_row = tile_start * gap
+        real = max(first_row, lead)
+        outputs[:real - first_row] = 0.0
+        fill(outputs[real - first_row:size * gap], real - lead)
+        by_block = outputs[:(size + 1) * gap].reshape(size + 1, gap, samples)
+        log_weight = np.matmul(dot_within, by_block[:-1])
+        log_weight += np.matmul(dot_across, by_block[1:])
+        log_weight = _log_weight(log_weight, half_norms[first_row:tile_end * gap].reshape(size, gap, 1), log_probs)
+        shift = np.maximum(log_weight.max(axis=1), _LOWEST_SHIFT)
+        log_weight -= shift[:, None, :]
+        weight = np.exp(log_weight.astype(np.float32) if shift.max() <= _SINGLE_PRECISION_SHIFT else log_weight)
+        carried = np.exp(-shift)
+        log_scale += shift.sum(axis=0)
+        for block in range(size - 1, -1, -1):
+            new = unroll @ (weight[block] * f)
+            new += carry * (f[0] * carried[block])
+            peak = new.max(axis=0)
+            new /= peak
+            log_scale += np.log(peak)
+            f = new
+    result = np.log(f[lead]) + log_scale
+    if not np.isfinite(result).all():  # f_0 >= s^b times its block's peak: cannot happen below _LINEAR_SPAN
+        raise FloatingPointError(f"non-finite privacy loss for {process} at sigma {noise_multiplier}")
+    return result
 
-    log_weight = log_term(1)
-    for count in range(2, process.max_contributions + 1):
-        np.logaddexp(log_weight, log_term(count), out=log_weight)
+
+def _blocks_per_tile(gap: int) -> int:
+    return max(1, _TILE_STEPS // gap)
+
+
+def _tiles(blocks: int, gap: int):
+    """(first block, end block) of each tile, from the last steps backwards."""
+    per_tile = _blocks_per_tile(gap)
+    for end in range(blocks, 0, -per_tile):
+        yield max(0, end - per_tile), end
+
+
+def _log_weight(dots: np.ndarray, half_norms: np.ndarray, log_probs: np.ndarray) -> np.ndarray:
+    """log W_i = log sum_{j>=1} Binom(j) r_i(j) from dots_i / sigma^2 (in place for k_u = 1)."""
+    if len(log_probs) == 2:
+        dots += log_probs[1] - half_norms
+        return dots
+    log_weight = np.full_like(dots, -np.inf)
+    for count in range(1, len(log_probs)):
+        np.logaddexp(log_weight, dots * count + (log_probs[count] - count ** 2 * half_norms), out=log_weight)
     return log_weight
 
 
-def _log_ratio_block(process: MinSepProcess, noise_multiplier: float, outputs: np.ndarray) -> np.ndarray:
-    by_step = np.ascontiguousarray(outputs)
-    log_weight = _log_participation_weight(process, noise_multiplier, by_step)
-    if log_weight.max() <= _LINEAR_LOG_WEIGHT_LIMIT:
-        return _recursion_linear(process, log_weight)
-    return _recursion_log(process, log_weight)
-
-
-def _recursion_linear(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray:
-    """f_i = Binom(0) f_{i+1} + W_i f_{i+b} in linear space; every b steps the live window (rows
-    i..i+b) is divided by its per-sample maximum, whose log accumulates in `log_scale`."""
-    steps, samples = log_weight.shape
-    gap = process.min_sep
-    weight = np.exp(log_weight)
-    stay = float(np.exp(process.count_log_probs[0]))
-    f = np.ones((steps + gap, samples))
-    log_scale = np.zeros(samples)
-    scratch = np.empty(samples)
-    for i in range(steps - 1, -1, -1):
-        np.multiply(weight[i], f[i + gap], out=f[i])
-        np.multiply(f[i + 1], stay, out=scratch)
-        f[i] += scratch
-        if i % gap == 0:
-            window = f[i:i + gap + 1]
-            peak = window.max(axis=0)
-            window /= peak
-            log_scale += np.log(peak)
-    return np.log(f[0]) + log_scale
+def _direct_log_weight(process: MinSepProcess, noise_multiplier: float, fill, samples: int) -> np.ndarray:
+    """log W (T x samples) straight from the definition, for the log-space path; `fill` is asked for the
+    same tiles as in `_log_ratios`, so sampled outputs are drawn again identically."""
+    gap, steps = process.min_sep, process.steps
+    lead = -(-steps // gap) * gap - steps
+    outputs = np.zeros((steps + len(process.coefficients), samples))
+    for tile_start, tile_end in _tiles(-(-steps // gap), gap):
+        first = max(tile_start * gap - lead, 0)
+        fill(outputs[first:tile_end * gap - lead], first)
+    dots = sum(c * outputs[lag:lag + process.steps] for lag, c in enumerate(process.coefficients))
+    squares = np.asarray(process.coefficients) ** 2
+    half_norms = np.cumsum(squares)[np.minimum(len(squares), process.steps - np.arange(process.steps)) - 1]
+    return _log_weight(dots / noise_multiplier ** 2, half_norms[:, None] / (2 * noise_multiplier ** 2),
+                       process.count_log_probs)
 
 
 def _recursion_log(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray:
-    """The same recursion in log space, for weights too large for the linear path."""
+    """f_i = Binom(0) f_{i+1} + W_i f_{i+b} in log space (T x samples weights)."""
     steps, samples = log_weight.shape
     log_f = np.zeros((steps + process.min_sep, samples))
     stay = process.count_log_probs[0]
@@ -165,20 +219,38 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
                       under: str) -> np.ndarray:
     """log P/Q at outputs drawn under P (`under="P"`) or under Q (`"Q"`); reproducible from `seed`.
 
-    Drawn and evaluated in blocks of samples, so the T x block arrays stay in cache.
+    Per block of samples, the participations and each tile of Gaussian outputs have their own
+    generator keyed by (seed, block, tile), so a tile can be drawn again identically.
     """
     if under not in ("P", "Q"):
         raise ValueError(f"under must be 'P' or 'Q', got {under!r}")
-    rng = np.random.default_rng(seed)
-    blocks = []
+    ratios = []
+    bands = np.asarray(process.coefficients)
     for start in range(0, samples, _CHUNK):
         size = min(_CHUNK, samples - start)
-        outputs = rng.standard_normal((process.steps, size))
-        outputs *= noise_multiplier
-        if under == "P":
-            outputs += mean_shift(process, sample_participations(process, size, rng), size)
-        blocks.append(_log_ratio_block(process, noise_multiplier, outputs))
-    return np.concatenate(blocks) if blocks else np.zeros(0)
+        key = [seed, start]
+        steps, ids, counts = (sample_participations(process, size, _generator(key, 0)) if under == "P"
+                              else (np.zeros(0, np.int64),) * 3)
+        order = np.argsort(steps, kind="stable")
+        steps = steps[order]
+        rows = steps[:, None] + np.arange(len(bands))  # entries of C x, one row per participation
+        ids = np.repeat(ids[order], len(bands)).reshape(rows.shape)
+        values = counts[order, None] * bands
+
+        def fill(out: np.ndarray, first: int, key=key, steps=steps, rows=rows, ids=ids, values=values) -> None:
+            """Outputs sigma z + C x of steps first.. first + len(out) - 1. A sample's participations are
+            >= b >= bands apart, so their columns of C never overlap and no entry is added twice."""
+            _generator(key, first + 1).standard_normal(out=out)
+            out *= noise_multiplier
+            low, high = np.searchsorted(steps, [first - len(bands) + 1, first + len(out)])
+            inside = (rows[low:high] >= first) & (rows[low:high] < first + len(out))
+            out[rows[low:high][inside] - first, ids[low:high][inside]] += values[low:high][inside]
+        ratios.append(_log_ratios(process, noise_multiplier, size, fill))
+    return np.concatenate(ratios) if ratios else np.zeros(0)
+
+
+def _generator(key: list[int], stream: int) -> np.random.Generator:
+    return np.random.Generator(np.random.SFC64(np.random.SeedSequence([*key, stream])))
 
 
 def hockey_stick_terms(log_ratios: np.ndarray, epsilon: float, under: str) -> np.ndarray:

@@ -12,12 +12,14 @@ import os
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from accounting.calibrate import calibrate  # noqa: E402
 from accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
 from accounting.evr import estimate_delta, task_map  # noqa: E402
-from accounting.monte_carlo import MinSepProcess, sample_log_ratios  # noqa: E402
+from accounting.monte_carlo import MinSepProcess, _direct_log_weight, _recursion_log, sample_log_ratios  # noqa: E402
 from accounting.strategies import sqrt_coefficients  # noqa: E402
 
 MONTE_CARLO = [(1000, 8), (2000, 16)]
@@ -42,10 +44,23 @@ def main() -> None:
           f"drawn under P:")
     for steps, min_sep in MONTE_CARLO:
         process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
+        timings = {}
+        for under in ("P", "Q"):
+            started = time.perf_counter()
+            sample_log_ratios(process, 1.0, SAMPLES, seed=0, under=under)
+            timings[under] = (time.perf_counter() - started) / SAMPLES * 1e6
+        # Reference in this process: the textbook form, log weights from the definition and the
+        # recursion step by step in log space, on outputs drawn the same way (2048 samples).
+        outputs = np.random.default_rng(0).standard_normal((steps, 2048))
+
+        def fill(out, first):
+            out[:] = outputs[first:first + len(out)]
         started = time.perf_counter()
-        sample_log_ratios(process, 1.0, SAMPLES, seed=0, under="P")
-        per_sample = (time.perf_counter() - started) / SAMPLES * 1e6
-        print(f"  T = {steps}, b = {min_sep}: {per_sample:.1f} us per sample (target <= 20 at T = 1000, b = 8)")
+        _recursion_log(process, _direct_log_weight(process, 1.0, fill, 2048))
+        reference = (time.perf_counter() - started) / 2048 * 1e6
+        print(f"  T = {steps}, b = {min_sep}: {timings['P']:.1f} us per sample under P, {timings['Q']:.1f} under Q "
+              f"(target <= 20 at T = 1000, b = 8); step-by-step log-space reference {reference:.1f} us "
+              f"({reference / timings['P']:.1f}x)")
     process = MinSepProcess(1000, 8, 0.01, 1, tuple(sqrt_coefficients(8)))
     timings = {}
     for workers in (1, os.cpu_count() or 1):

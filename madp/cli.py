@@ -41,7 +41,11 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, help="bandmf-minsep: Monte Carlo samples per verification "
                                                     "(default: what estimate-verify-release needs for --delta)")
     parser.add_argument("--seed", type=int, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
-    parser.add_argument("--workers", type=int, default=1, help="bandmf-minsep: worker processes")
+    parser.add_argument("--workers", type=int, default=1, help="bandmf-minsep: worker processes (--runner local)")
+    parser.add_argument("--runner", default=LOCAL,
+                        help="bandmf-minsep: 'local' (default; --workers processes) or a Beam runner that computes "
+                             "the Monte Carlo chunks (DirectRunner, DataflowRunner, FlinkRunner, SparkRunner); "
+                             "unknown options go to Beam")
 
 
 def _add_strategy(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +172,18 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--seed", type=int, default=0, help="seed of the model initialization and the noise")
     training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
     training.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    training.add_argument("--amplified", action="store_true",
+                          help="account b-min-sep Poisson batches with amplification (bandmf-minsep, Monte Carlo "
+                               "estimate-verify-release; falls back to unamplified BandMF when verification fails)")
+    training.add_argument("--mc-samples", type=int, help="--amplified: Monte Carlo samples per verification "
+                                                         "(default: what estimate-verify-release needs for --delta)")
+    training.add_argument("--mc-workers", type=int, default=1, help="--amplified: worker processes")
+    training.add_argument("--distribution", choices=("default", "mirrored", "tpu"), default="default",
+                          help="tf.distribute strategy: default (one device), mirrored (all local GPUs, or "
+                               "the logical CPUs of --cpu-replicas), tpu")
+    training.add_argument("--tpu", default="", help="--distribution tpu: TPU name or grpc:// address ('' = local TPU VM)")
+    training.add_argument("--cpu-replicas", type=int, default=1,
+                          help="--distribution mirrored without GPUs: split the CPU into this many logical devices")
     training.add_argument("--max-contributions", "-k", type=int,
                           help="K (default: read from the bounding report of the batches' SELECTED)")
 
@@ -230,7 +246,9 @@ def _train(args: argparse.Namespace) -> dict:
                            features=args.features, label=args.label, optimizer=args.optimizer,
                            learning_rate=args.learning_rate, clip_norm=args.clip_norm, seed=args.seed,
                            eval_data=args.eval_data, eval_every=args.eval_every,
-                           max_contributions=args.max_contributions)
+                           max_contributions=args.max_contributions, amplified=args.amplified,
+                           mc_samples=args.mc_samples, mc_workers=args.mc_workers, distribution=args.distribution,
+                           tpu=args.tpu, cpu_replicas=args.cpu_replicas)
     result = train(args.batches, args.output, options)
     result["privacy"] = {k: v for k, v in result["privacy"].items() if k != "batch_files_sha256"}
     return result
@@ -292,48 +310,52 @@ def _probability(args: argparse.Namespace, probability: float | None, expected: 
     return sampling_probability(expected, population)
 
 
-def _minsep(args: argparse.Namespace) -> dict:
+def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
     import time
 
     from accounting.calibrate import calibrate, epsilon
-    from accounting.evr import calibrate_minsep, epsilon_minsep
-    from accounting.mechanisms import BandMf
+    from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
     from accounting.monte_carlo import MinSepProcess
     _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
     started = time.perf_counter()
     bands = _bands(args)
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
-    # The fallback: at most this many participations, each with up to k_u records.
-    unamplified = BandMf(args.steps, args.min_sep, 1 + (args.steps - 1) // args.min_sep, bands)
     k_u = args.max_contributions
+    if args.runner == LOCAL and beam_args:
+        raise InputError(f"--runner local takes no Beam options (got {beam_args})")
+    beam_args = None if args.runner == LOCAL else ["--runner", args.runner, *beam_args]
     if args.command == "calibrate":
-        fallback = k_u * calibrate(unamplified, args.epsilon, args.delta).noise_multiplier
-        result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers)
+        fallback = calibrate(unamplified(process), args.epsilon, args.delta).noise_multiplier
+        result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers,
+                                  beam_args)
         named = {"noise_multiplier": result.value, "fallback_noise_multiplier": result.fallback,
                  "estimated_noise_multiplier": result.estimate, "epsilon": args.epsilon,
                  "target_epsilon": args.epsilon}
     else:
-        fallback = epsilon(unamplified, args.noise_multiplier / k_u, args.delta)
+        fallback = epsilon(unamplified(process), args.noise_multiplier, args.delta)
         result = epsilon_minsep(process, args.noise_multiplier, fallback, args.delta, args.samples, args.seed,
-                                args.workers)
+                                args.workers, beam_args)
         named = {"noise_multiplier": args.noise_multiplier, "epsilon": result.value, "fallback_epsilon": result.fallback,
                  "estimated_epsilon": result.estimate}
     return {"mechanism": "bandmf-minsep", "steps": args.steps, "sampling_prob": args.sampling_prob,
             "min_sep": args.min_sep, "bands": args.bands, "strategy": args.strategy, "coefficients": list(bands),
             "max_contributions": k_u, **named, "verified": result.verified, "ladder": list(result.ladder),
-            "outcomes": list(result.outcomes), "samples": result.samples, "base_delta": result.base_delta,
-            "target_delta": args.delta, "delta": result.overall_delta, "seed": args.seed, "workers": args.workers,
+            "outcomes": list(result.outcomes), "samples": result.samples, "estimate_samples": result.estimate_samples,
+            "base_delta": result.base_delta, "target_delta": args.delta, "delta": result.overall_delta,
+            "seed": args.seed, "workers": args.workers, "runner": args.runner,
             "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)",
             "wall_time_s": round(time.perf_counter() - started, 3)}
 
 
-def _accounting(args: argparse.Namespace) -> dict:
+def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
     import dataclasses
 
     from accounting.calibrate import calibrate, epsilon
     if args.mechanism == "bandmf-minsep":
-        return _minsep(args)
+        return _minsep(args, beam_args)
+    if args.runner != LOCAL or beam_args:
+        raise InputError(f"--runner and Beam options apply to bandmf-minsep only (got {args.runner} {beam_args})")
     mechanism = _mechanism(args)
     result = {"mechanism": mechanism.name, **dataclasses.asdict(mechanism), "delta": args.delta,
               "strategy": args.strategy if args.mechanism.startswith("bandmf") else None,
@@ -356,7 +378,7 @@ def _verify(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, unknown = _parser().parse_known_args(argv)
-    if unknown and args.command not in ("bound", "batch"):
+    if unknown and args.command not in ("bound", "batch", "calibrate", "epsilon"):
         _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -382,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train":
             result = _train(args)
         elif args.command in ("calibrate", "epsilon"):
-            result = _accounting(args)
+            result = _accounting(args, unknown)
         elif args.command == "strategy":
             result = _strategy(args)
         else:

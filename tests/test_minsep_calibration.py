@@ -75,3 +75,21 @@ def test_epsilon_inverse_is_private_by_the_exact_poisson_accountant():
     assert result.verified and result.overall_delta <= 0.02
     exact = epsilon(DpSgdUls(0.1, 30), sigma, 0.02)
     assert exact <= result.value < 1.5 * exact
+
+
+def test_beam_runner_gives_the_local_estimate():
+    """Chunks are seeded by (seed, direction, chunk): a Beam run (2 worker processes) sums the same terms."""
+    process = MinSepProcess(60, 3, 0.1, 2, (1.0, 0.4))
+    with evr.task_map(1) as local:
+        expected = evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
+    with evr.task_map(1, ["--runner", "DirectRunner"]) as beam:
+        assert evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), beam) == expected
+
+
+def test_runner_options_are_checked(capsys):
+    base = ["-q", "calibrate", "--epsilon", "2", "--delta", "1e-3", "--steps", "20"]
+    assert main([*base, "--mechanism", "dpsgd", "--sampling-prob", "0.1", "--runner", "DirectRunner"]) == 2
+    assert "bandmf-minsep only" in capsys.readouterr().err
+    assert main([*base, "--mechanism", "bandmf-minsep", "--sampling-prob", "0.1", "--min-sep", "2", "--bands", "2",
+                 "--direct_num_workers", "2"]) == 2
+    assert "--runner local takes no Beam options" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from madp.local_engine import run_local as bound_local  # noqa: E402
 from madp.selection import BoundOptions  # noqa: E402
 from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from tf_training.queries import BandMfQuery, DpSgdQuery, stateless_noise  # noqa: E402
-from tf_training.trainer import PrivateStep, TrainOptions, binary_logistic_loss, build_model, tf, tf_keras, train  # noqa: E402
+from tf_training.trainer import PrivateStep, TrainOptions, build_model, tf, tf_keras, train  # noqa: E402
 
 
 def logreg(dim: int, seed: int = 1):
@@ -224,3 +224,81 @@ def test_user_sampler_refuses_multi_user_records(pipeline_data):
     with pytest.raises(Exception, match="single-attribution"):
         batch_local(str(directory / "bounded"), data, str(directory / "users"),
                     BatchOptions(steps=5, batch_size=5, sampler="users"))
+
+
+def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight():
+    from tf_training.trainer import shard_step
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(23, 3)).astype(np.float32), rng.random(23).astype(np.float32)
+    weight, users = np.ones(23, np.float32), rng.integers(100, 110, 23)
+    shards = shard_step(x, y, weight, users, replicas=3, rows_per_replica=20)
+    assert [len(s[0]) for s in shards] == [20, 20, 20]
+    seen = []
+    for sx, sy, sw, groups in shards:
+        real = sw > 0
+        assert not sx[~real].any() and not sy[~real].any()
+        mine = [tuple(row) for row in sx[real]]
+        owners = {int(users[[tuple(r) for r in x].index(row)]) for row in mine}
+        seen.append(owners)
+        # groups index the replica's users; padding rows are groups of their own
+        assert len(set(groups[real])) == len(owners) and len(set(groups)) == len(owners) + int((~real).sum())
+    assert sum(len(s) for s in seen) == len(set(users)) and set().union(*seen) == set(users.tolist())
+    per_example = shard_step(x, y, weight, None, replicas=2, rows_per_replica=None)
+    assert [len(s[2]) for s in per_example] == [12, 11] and list(per_example[0][3]) == list(range(12))
+    with pytest.raises(Exception, match="more than the 5 planned"):
+        shard_step(x, y, weight, None, replicas=2, rows_per_replica=5)
+
+
+def _train_cli(batches: str, out: str, *options: str) -> dict:
+    import subprocess
+    import sys
+    command = [sys.executable, "-m", "madp.cli", "-q", "train", batches, out, *options]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    return json.loads(finished.stdout)
+
+
+def test_mirrored_strategy_on_two_cpu_replicas_trains_the_same_model(pipeline_data):
+    """Each replica clips and sums its half, the sums are all-reduced and both add the same noise:
+    the model equals the one-device model up to float summation order."""
+    directory, data = pipeline_data
+    batches = str(directory / "mirrored-batches")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=25, batch_size=60, min_sep=2,
+                                                                       max_batch_size=75))
+    options = ["--noise-multiplier", "1.5", "--bands", "2", "--model", "mlp", "--seed", "3"]
+    one = _train_cli(batches, str(directory / "one-device"), *options)
+    two = _train_cli(batches, str(directory / "two-replicas"), *options, "--distribution", "mirrored",
+                     "--cpu-replicas", "2")
+    assert (one["replicas"], two["replicas"]) == (1, 2)
+    weights = [tf_keras.models.load_model(str(directory / name / "model.keras"), compile=False).get_weights()
+               for name in ("one-device", "two-replicas")]
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(weights[0][0], build_model("mlp", 8)[0].get_weights()[0])  # it trained
+
+
+def test_tpu_distribution_without_a_tpu_is_a_clear_error(pipeline_data, capsys):
+    directory, _ = pipeline_data
+    assert main(["-q", "train", str(directory / "poisson"), str(directory / "tpu"), "--noise-multiplier", "1",
+                 "--distribution", "tpu"]) == 2
+    assert "--distribution tpu: no TPU" in capsys.readouterr().err
+    assert main(["-q", "train", str(directory / "poisson"), str(directory / "tpu"), "--noise-multiplier", "1",
+                 "--cpu-replicas", "2"]) == 2
+    assert "--cpu-replicas" in capsys.readouterr().err
+
+
+def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_data, capsys):
+    directory, data = pipeline_data
+    batches = str(directory / "amplified")
+    report = batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=30, batch_size=40, min_sep=3))
+    privacy = train(batches, str(directory / "amplified-train"),
+                    TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True))["privacy"]
+    assert privacy["mechanism"] == "bandmf-minsep" and privacy["monte_carlo"]["verified"]
+    assert privacy["noise_multiplier"] < privacy["monte_carlo"]["fallback"]
+    assert privacy["parameters"]["max_contributions"] == 2 and privacy["delta"] <= 1e-2
+    assert main(["-q", "calibrate", "--mechanism", "bandmf-minsep", "--epsilon", "3", "--delta", "1e-2",
+                 "--steps", "30", "--sampling-prob", str(report["sampling_probability"]), "--min-sep", "3",
+                 "--bands", "3", "-k", "2"]) == 0
+    independent = json.loads(capsys.readouterr().out)
+    assert independent["noise_multiplier"] == privacy["noise_multiplier"]
+    assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback"]

@@ -33,6 +33,11 @@ class Batches:
         """The divisor of the noisy gradient sum: the target expected size, never the realized one."""
         return float(self.report["parameters"]["batch_size"])
 
+    @property
+    def max_rows_per_step(self) -> int:
+        """Rows of the largest step in the files: B_max where steps are padded to it, else the largest batch."""
+        return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
+
     def file_hashes(self) -> dict[str, str]:
         hashes = {}
         for path in self.files:

@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from accounting.calibrate import calibrate, epsilon
+from accounting.evr import calibrate_minsep, epsilon_minsep
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
+from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp.batching import USER_FEATURE
 from madp.records import InputError
@@ -32,6 +34,7 @@ import tf_keras  # noqa: E402
 
 log = logging.getLogger("madp.train")
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
+DISTRIBUTIONS = ("default", "mirrored", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,12 @@ class TrainOptions:
     eval_data: str | None = None
     eval_every: int = 100
     max_contributions: int | None = None
+    amplified: bool = False
+    mc_samples: int | None = None
+    mc_workers: int = 1
+    distribution: str = "default"
+    tpu: str = ""
+    cpu_replicas: int = 1
 
     def __post_init__(self) -> None:
         checks = [(self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
@@ -62,7 +71,13 @@ class TrainOptions:
                   (self.eval_every >= 1, "--eval-every must be at least 1"),
                   (self.mechanism == "none" or self.epsilon is not None or self.noise_multiplier is not None,
                    "give --epsilon (sigma is calibrated) or --noise-multiplier"),
-                  (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive")]
+                  (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
+                  (not self.amplified or self.mechanism in ("auto", "bandmf"),
+                   "--amplified accounts BandMF: use --mechanism auto or bandmf"),
+                  (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
+                  (self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
+                   "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored"),
+                  (self.mc_workers >= 1, "--mc-workers must be at least 1")]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)
@@ -134,11 +149,39 @@ def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions) -> tuple[f
     """(sigma, epsilon delivered at options.delta)."""
     if options.noise_multiplier is not None:
         delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
-        log.warning("--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
-                    options.noise_multiplier, delivered, options.delta)
+        _warn_override(options, delivered)
         return options.noise_multiplier, delivered
     result = calibrate(mechanism, options.epsilon, options.delta)
     return result.noise_multiplier, result.epsilon
+
+
+def _warn_override(options: TrainOptions, delivered: float) -> None:
+    log.warning("--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
+                options.noise_multiplier, delivered, options.delta)
+
+
+def amplified_noise_multiplier(batches: Batches, options: TrainOptions, fallback: BandMf) -> tuple[float, float, dict]:
+    """(sigma, epsilon, Monte Carlo details) for b-min-sep Poisson batches with amplification
+    (`bandmf-minsep`: estimate-verify-release, the unamplified `fallback` when verification fails)."""
+    if batches.report["sampler"] != "minsep":
+        raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
+    process = MinSepProcess(fallback.steps, fallback.min_sep, float(batches.report["sampling_probability"]),
+                            fallback.records_per_step, fallback.coefficients)
+    log.info("Monte Carlo accounting (estimate-verify-release) for %s", process)
+    if options.noise_multiplier is not None:
+        result = epsilon_minsep(process, options.noise_multiplier, epsilon(fallback, options.noise_multiplier,
+                                                                             options.delta),
+                                options.delta, options.mc_samples, options.seed, options.mc_workers)
+        sigma, delivered = options.noise_multiplier, result.value
+        _warn_override(options, delivered)
+    else:
+        result = calibrate_minsep(process, calibrate(fallback, options.epsilon, options.delta).noise_multiplier,
+                                  options.epsilon, options.delta, options.mc_samples, options.seed, options.mc_workers)
+        sigma, delivered = result.value, options.epsilon
+    details = {"process": dataclasses.asdict(process), "verified": result.verified, "fallback": result.fallback, "samples": result.samples,
+               "estimate_samples": result.estimate_samples, "base_delta": result.base_delta,
+               "released_delta": result.overall_delta, "ladder": list(result.ladder), "outcomes": list(result.outcomes)}
+    return sigma, delivered, details
 
 
 # --- evaluation data ----------------------------------------------------------------------------
@@ -209,32 +252,51 @@ class PrivateStep:
     """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
 
     Dense-only models take the ghost-clipping path; any other model gets vectorized per-example
-    gradients (`fast=False` forces that path)."""
+    gradients (`fast=False` forces that path). Under a tf.distribute strategy every replica clips
+    and sums its rows, the sums are all-reduced, and every replica adds the same noise (the
+    generator is keyed by (seed, step), so the replicas need not talk) and applies the same update.
+    """
 
     def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float, fast: bool = True,
-                 user_level: bool = False):
+                 user_level: bool = False, strategy=None):
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
         self.fast = fast and dense_only(model) and not user_level
+        self.strategy = strategy or tf.distribute.get_strategy()
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
-        # crosses the tf.function boundary.
-        self._state = tf.nest.map_structure(lambda t: tf.Variable(t, trainable=False),
-                                            query.initial_global_state())
+        # crosses the tf.function boundary; all replicas compute the same state.
+        with self.strategy.scope():
+            self._state = tf.nest.map_structure(
+                lambda t: tf.Variable(t, trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA),
+                query.initial_global_state())
 
     def privatized_gradient(self, x, y, weight, users=None):
-        """The step's noisy clipped gradient sum over the expected batch size; advances the noise state."""
-        return self._privatize(x, y, weight, self._groups(weight, users))
+        """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
+        return self._privatize_once(*self._inputs(x, y, weight, users))
 
-    def _groups(self, weight, users):
-        """Rows clipped together: each row alone, or (user-level) the rows of one user."""
-        if not self.user_level:
-            return tf.range(tf.shape(weight)[0])
-        if users is None:
+    def __call__(self, x, y, weight, users=None) -> None:
+        self.apply(*self._inputs(x, y, weight, users))
+
+    def _inputs(self, x, y, weight, users):
+        if self.user_level and users is None:
             raise ValueError("user-level steps need each row's user")
-        return tf.unique(users).idx
+        return x, y, weight, tf.constant(row_groups(np.asarray(users) if self.user_level else None, len(weight)))
 
     @tf.function(reduce_retracing=True)
+    def _privatize_once(self, x, y, weight, groups):
+        return self._privatize(x, y, weight, groups)
+
+    @tf.function(reduce_retracing=True)
+    def apply(self, x, y, weight, groups) -> None:
+        """One step on (per-replica) rows and their clipping groups (`row_groups`)."""
+        self.strategy.run(self._apply_replica, args=(x, y, weight, groups))
+
+    def _apply_replica(self, x, y, weight, groups) -> None:
+        gradients = self._privatize(x, y, weight, groups)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables),
+                                       skip_gradients_aggregation=True)
+
     def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
@@ -243,40 +305,110 @@ class PrivateStep:
         else:
             per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
             if self.user_level:  # the ULS record of a user: the average gradient of its rows
-                count = tf.reduce_max(groups) + 1
+                count = tf.shape(weight)[0]  # static where shapes are (TPU): groups < rows
                 totals = tf.math.unsorted_segment_sum(weight, groups, count)
                 per_example = [tf.math.unsorted_segment_sum(g, groups, count)
                                / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
                                for g in per_example]
             summed = clip_and_sum(params, per_example)
+        summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
         noised, state, _ = self.query.get_noised_result(summed, state)
         tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
         return [g / self.expected for g in noised]
 
-    def __call__(self, x, y, weight, users=None) -> None:
-        self._apply(x, y, weight, self._groups(weight, users))
-
-    @tf.function(reduce_retracing=True)
-    def _apply(self, x, y, weight, groups) -> None:
-        self.optimizer.apply_gradients(zip(self._privatize(x, y, weight, groups), self.model.trainable_variables))
-
 
 class NonPrivateStep:
-    """The baseline: mean loss over the step's real rows, no clipping, no noise."""
+    """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
 
-    def __init__(self, model, loss_fn, optimizer):
+    def __init__(self, model, loss_fn, optimizer, strategy=None):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.strategy = strategy or tf.distribute.get_strategy()
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self._apply(x, y, weight)
+        self.apply(x, y, weight, tf.zeros_like(weight, tf.int32))
 
     @tf.function(reduce_retracing=True)
-    def _apply(self, x, y, weight) -> None:
+    def apply(self, x, y, weight, groups) -> None:
+        self.strategy.run(self._apply_replica, args=(x, y, weight))
+
+    def _apply_replica(self, x, y, weight) -> None:
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight) / tf.maximum(
-                tf.reduce_sum(weight), 1.0)
-        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.model.trainable_variables),
-                                           self.model.trainable_variables))
+            loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight)
+        context = tf.distribute.get_replica_context()
+        gradients, total = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                              (tape.gradient(loss, self.model.trainable_variables),
+                                               tf.reduce_sum(weight)))
+        self.optimizer.apply_gradients(zip([g / tf.maximum(total, 1.0) for g in gradients],
+                                           self.model.trainable_variables), skip_gradients_aggregation=True)
+
+
+# --- distribution -------------------------------------------------------------------------------
+
+def distribution_strategy(options: TrainOptions):
+    """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
+    if options.distribution == "default":
+        return tf.distribute.get_strategy()
+    if options.distribution == "mirrored":
+        if options.cpu_replicas > 1:
+            if tf.config.list_physical_devices("GPU"):
+                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas)
+            except RuntimeError:  # TensorFlow already started: only the same split can be used
+                pass
+            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
+            if len(devices) != options.cpu_replicas:
+                raise InputError(f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
+                                 f"{len(devices)} CPU device(s) in this process; train in a fresh process")
+            return tf.distribute.MirroredStrategy(devices)
+        return tf.distribute.MirroredStrategy()
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=options.tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def row_groups(users: np.ndarray | None, rows: int) -> np.ndarray:
+    """The clipping group of each row: the row itself, or (user-level) its user's index in the step."""
+    if users is None:
+        return np.arange(rows, dtype=np.int32)
+    return np.unique(users, return_inverse=True)[1].astype(np.int32).reshape(-1)
+
+
+def shard_step(x: np.ndarray, y: np.ndarray, weight: np.ndarray, users: np.ndarray | None, replicas: int,
+               rows_per_replica: int | None) -> list[tuple[np.ndarray, ...]]:
+    """Split one step's rows over replicas: (x, y, weight, groups) each, a user's rows on one replica
+    (user-level), every replica padded with zero-weight rows to `rows_per_replica` when given
+    (static shapes for TPUs) or to at least one row."""
+    owner = (np.arange(len(weight)) * replicas // max(len(weight), 1) if users is None
+             else row_groups(users, len(weight)) % replicas)
+    shards = []
+    for replica in range(replicas):
+        mine = owner == replica
+        size = rows_per_replica or max(int(mine.sum()), 1)
+        if mine.sum() > size:
+            raise InputError(f"a step has {int(mine.sum())} rows for one replica, more than the {size} planned")
+        pad = size - int(mine.sum())
+        groups = row_groups(None if users is None else users[mine], int(mine.sum()))
+        shards.append((np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
+                       np.concatenate([y[mine], np.zeros(pad, y.dtype)]),
+                       np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
+                       np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)])))
+    return shards
+
+
+def distribute(strategy, shards: list[tuple[np.ndarray, ...]]) -> tuple:
+    """(x, y, weight, groups) for `strategy.run`: plain tensors on one replica, per-replica values otherwise."""
+    if strategy.num_replicas_in_sync == 1:
+        return tuple(tf.constant(a) for a in shards[0])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda context: tuple(tf.constant(a) for a in shards[context.replica_id_in_sync_group]))
+    return tuple(value)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -288,25 +420,36 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if feature is None or len(feature["shape"]) != 1 or feature["shape"][0] is None:
         raise InputError(f"--features {options.features!r} must name a fixed-length feature of the batches "
                          f"(found {sorted(batches.schema['features'])})")
+    strategy = distribution_strategy(options)
+    replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
-    model, loss_fn = build_model(options.model, int(feature["shape"][0]))
-    optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
-                 else tf_keras.optimizers.Adam(options.learning_rate))
+    with strategy.scope():
+        model, loss_fn = build_model(options.model, int(feature["shape"][0]))
+        optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
+                     else tf_keras.optimizers.Adam(options.learning_rate))
     privacy: dict = {"mechanism": "none"}
     user_level = batches.report["sampler"] == "users"
     if options.mechanism == "none":
-        step = NonPrivateStep(model, loss_fn, optimizer)
+        step = NonPrivateStep(model, loss_fn, optimizer, strategy)
     else:
         bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
         k = None if user_level else contribution_bound(batches, options.max_contributions)
         mechanism = mechanism_for(batches, options, bands, k)
-        sigma, delivered = noise_multiplier_for(mechanism, options)
+        monte_carlo = None
+        if options.amplified:
+            if mechanism.name != "bandmf":
+                raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as "
+                                 f"{mechanism.name}")
+            sigma, delivered, monte_carlo = amplified_noise_multiplier(batches, options, mechanism)
+        else:
+            sigma, delivered = noise_multiplier_for(mechanism, options)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if mechanism.name in ("dpsgd", "dpsgd-uls")
                  else BandMfQuery(options.clip_norm, sigma, options.seed, bands, template))
         step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
-                           user_level=user_level)
-        privacy = {"mechanism": mechanism.name, "parameters": dataclasses.asdict(mechanism),
+                           user_level=user_level, strategy=strategy)
+        privacy = {"mechanism": "bandmf-minsep" if monte_carlo else mechanism.name,
+                   "parameters": dataclasses.asdict(mechanism),
                    "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
                    "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
                    "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
@@ -314,20 +457,27 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                        sigma * options.clip_norm / batches.expected_batch_size,
                    "contribution_bound": k,
                    "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
-                   "batch_files_sha256": batches.file_hashes(), "accountant": "PLD (dp_accounting)"}
+                   "batch_files_sha256": batches.file_hashes(),
+                   "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)" if monte_carlo
+                   else "PLD (dp_accounting)"}
+        if monte_carlo:
+            privacy.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo,
+                           delta=monte_carlo["released_delta"], target_delta=options.delta)
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
     metrics: list[dict] = []
     writer = tf.summary.create_file_writer(os.path.join(output, "logs"))
     os.makedirs(output, exist_ok=True)
     loop_started = time.perf_counter()
     names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
+    # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
+    rows_per_replica = (None if options.distribution == "default"
+                        else -(-max(batches.max_rows_per_step, 1) // replicas))
     for index, rows in step_batches(batches, names):
-        x, y, weight = rows[options.features], rows[options.label].astype(np.float32), rows["weight"]
-        users = rows[USER_FEATURE] if user_level else np.zeros(len(weight), np.int64)
-        if len(weight) == 0:  # an empty step still adds its noise: one zero-weight row stands in
-            x, y, weight = np.zeros((1, x.shape[1]), np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32)
-            users = np.zeros(1, np.int64)
-        step(tf.constant(x, tf.float32), tf.constant(y), tf.constant(weight, tf.float32), tf.constant(users))
+        # Every step runs, an empty one too: its noise is part of the mechanism.
+        shards = shard_step(rows[options.features].astype(np.float32), rows[options.label].astype(np.float32),
+                            rows["weight"].astype(np.float32), rows[USER_FEATURE] if user_level else None,
+                            replicas, rows_per_replica)
+        step.apply(*distribute(strategy, shards))
         done = index + 1
         if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
             metrics.append({"step": done, **evaluate(model, loss_fn, *evaluation)})
@@ -340,6 +490,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                      (batches.steps - done) / rate, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
     model.save(os.path.join(output, "model.keras"))
     result = {"batches": batches_dir, "output": output, "steps": batches.steps, "model": options.model,
+              "distribution": options.distribution, "replicas": replicas,
               "optimizer": options.optimizer, "learning_rate": options.learning_rate, "seed": options.seed,
               "eval": metrics, "final": metrics[-1] if metrics else None,
               "wall_time_s": round(time.perf_counter() - started, 3),
