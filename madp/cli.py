@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="madp", description=__doc__)
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.commands = commands.choices  # name -> subcommand parser (`madp run` maps config keys to their options)
 
     generate = commands.add_parser("generate", help="write a synthetic multi-user dataset (It's my data too, App. C.1)")
     generate.add_argument("output", help="a .jsonl or .parquet file, or a directory for Parquet shards")
@@ -158,6 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--epsilon", type=float, help="target epsilon: sigma is calibrated to it")
     training.add_argument("--delta", type=float, default=1e-5)
     training.add_argument("--noise-multiplier", type=float, help="use this sigma instead (prints its epsilon)")
+    training.add_argument("--calibration", help="a privacy plan (privacy.json of a run, or the calibrate stage of "
+                                                "`madp run`) for these batches: its sigma and guarantee are used")
     training.add_argument("--mechanism", choices=("auto", "dpsgd", "bandmf", "none"), default="auto",
                           help="auto: DP-SGD for Poisson batches with --min-sep 1 and one band, else BandMF; "
                                "none: the non-private baseline")
@@ -187,6 +190,13 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--max-contributions", "-k", type=int,
                           help="K (default: read from the bounding report of the batches' SELECTED)")
 
+    job = commands.add_parser("run", help="the production job from a YAML config: generate, bound, batch, "
+                                          "calibrate, train (each optional, each resumable)")
+    job.add_argument("config", help="YAML config (see examples/demo.yaml)")
+    job.add_argument("--force", action="store_true", help="re-run every stage, even those up to date")
+    job.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override a config value (repeatable), e.g. --set bound.max_contributions=4")
+
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
     verify.add_argument("output", help="a `madp bound` output directory")
@@ -196,20 +206,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _generate(args: argparse.Namespace) -> dict:
-    from madp.synthetic import GraphSpec, generate, write_dataset
-    spec = GraphSpec(records=args.records, graph=args.graph, mean_arity=args.mean_arity,
+def _graph_spec(args: argparse.Namespace):
+    from madp.synthetic import GraphSpec
+    return GraphSpec(records=args.records, graph=args.graph, mean_arity=args.mean_arity,
                      records_per_user=args.records_per_user, alpha=args.alpha, features=args.features,
                      bias_scale=args.bias_scale, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> dict:
+    from madp.synthetic import generate, write_dataset
+    spec = _graph_spec(args)
     return write_dataset(generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction)
 
 
-def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
+def _bound_options(args: argparse.Namespace):
     from madp.selection import BoundOptions
-    options = BoundOptions(max_contributions=args.max_contributions, order=args.order, seed=args.seed,
-                           max_rounds=args.max_rounds, duplicates=args.duplicates,
-                           columns=Columns(args.id_column, args.users_column, args.weight_column),
-                           on_invalid=args.on_invalid, capacities=args.capacities, output_shards=args.output_shards)
+    return BoundOptions(max_contributions=args.max_contributions, order=args.order, seed=args.seed,
+                        max_rounds=args.max_rounds, duplicates=args.duplicates,
+                        columns=Columns(args.id_column, args.users_column, args.weight_column),
+                        on_invalid=args.on_invalid, capacities=args.capacities, output_shards=args.output_shards)
+
+
+def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
+    options = _bound_options(args)
     if args.runner == LOCAL:
         if beam_args or args.partitions or args.rounds_per_pipeline:
             raise InputError(f"--runner local takes no Beam options (got {beam_args or '--partitions/--rounds-per-pipeline'})")
@@ -221,14 +240,18 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE)
 
 
-def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
+def _batch_options(args: argparse.Namespace):
     from madp.batching import BatchOptions
     content = None if args.content_columns is None else tuple(c for c in args.content_columns.split(",") if c)
-    options = BatchOptions(steps=args.steps, batch_size=args.batch_size, sampler=args.sampler, min_sep=args.min_sep,
-                           warm_up=args.warm_up, max_batch_size=args.max_batch_size,
-                           find_max_min_sep=args.find_max_min_sep, seed=args.seed,
-                           columns=Columns(args.id_column, args.users_column), content_columns=content,
-                           on_invalid=args.on_invalid, output_shards=args.output_shards)
+    return BatchOptions(steps=args.steps, batch_size=args.batch_size, sampler=args.sampler, min_sep=args.min_sep,
+                        warm_up=args.warm_up, max_batch_size=args.max_batch_size,
+                        find_max_min_sep=args.find_max_min_sep, seed=args.seed,
+                        columns=Columns(args.id_column, args.users_column), content_columns=content,
+                        on_invalid=args.on_invalid, output_shards=args.output_shards)
+
+
+def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
+    options = _batch_options(args)
     if args.runner == LOCAL:
         if beam_args or args.partitions:
             raise InputError(f"--runner local takes no Beam options (got {beam_args or '--partitions'})")
@@ -239,17 +262,21 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
                     partitions=args.partitions or DEFAULT_PARTITIONS)
 
 
+def _train_options(args: argparse.Namespace):
+    from tf_training.plan import TrainOptions
+    return TrainOptions(epsilon=args.epsilon, delta=args.delta, noise_multiplier=args.noise_multiplier,
+                        mechanism=args.mechanism, bands=args.bands, strategy=args.strategy, model=args.model,
+                        features=args.features, label=args.label, optimizer=args.optimizer,
+                        learning_rate=args.learning_rate, clip_norm=args.clip_norm, seed=args.seed,
+                        eval_data=args.eval_data, eval_every=args.eval_every,
+                        max_contributions=args.max_contributions, amplified=args.amplified,
+                        mc_samples=args.mc_samples, mc_workers=args.mc_workers, distribution=args.distribution,
+                        tpu=args.tpu, cpu_replicas=args.cpu_replicas, calibration=args.calibration)
+
+
 def _train(args: argparse.Namespace) -> dict:
-    from tf_training.trainer import TrainOptions, train
-    options = TrainOptions(epsilon=args.epsilon, delta=args.delta, noise_multiplier=args.noise_multiplier,
-                           mechanism=args.mechanism, bands=args.bands, strategy=args.strategy, model=args.model,
-                           features=args.features, label=args.label, optimizer=args.optimizer,
-                           learning_rate=args.learning_rate, clip_norm=args.clip_norm, seed=args.seed,
-                           eval_data=args.eval_data, eval_every=args.eval_every,
-                           max_contributions=args.max_contributions, amplified=args.amplified,
-                           mc_samples=args.mc_samples, mc_workers=args.mc_workers, distribution=args.distribution,
-                           tpu=args.tpu, cpu_replicas=args.cpu_replicas)
-    result = train(args.batches, args.output, options)
+    from tf_training.trainer import train
+    result = train(args.batches, args.output, _train_options(args))
     result["privacy"] = {k: v for k, v in result["privacy"].items() if k != "batch_files_sha256"}
     return result
 
@@ -376,6 +403,50 @@ def _verify(args: argparse.Namespace) -> dict:
                         args.id_column, args.users_column)
 
 
+def stage_options(args: argparse.Namespace) -> None:
+    """Build (and so validate) the options of a parsed command without running it."""
+    builders = {"generate": _graph_spec, "bound": _bound_options, "batch": _batch_options, "train": _train_options}
+    if args.command in builders:
+        builders[args.command](args)
+
+
+def calibrate_batches(args: argparse.Namespace) -> dict:
+    """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
+    from tf_training.batches import open_batches
+    from tf_training.plan import privacy_plan
+    plan = privacy_plan(open_batches(args.batches), _train_options(args))
+    with open(args.output, "w") as handle:
+        json.dump(plan, handle, indent=2)
+    return plan
+
+
+def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
+    """Run one parsed `madp` command; its result as printed."""
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "bound":
+        result = _bound(args, unknown)
+        return {k: v for k, v in result.items() if k != "per_round"}
+    if args.command == "batch":
+        result = _batch(args, unknown)
+        result["batch_sizes"] = {k: v for k, v in result["batch_sizes"].items() if k != "per_step"}
+        return result
+    if args.command == "verify-batches":
+        from madp.verify import verify_batches
+        return verify_batches(args.output, args.data, args.min_sep, args.max_participations,
+                              args.max_batch_size, args.id_column, args.users_column)
+    if args.command == "train":
+        return _train(args)
+    if args.command in ("calibrate", "epsilon"):
+        return _accounting(args, unknown)
+    if args.command == "strategy":
+        return _strategy(args)
+    if args.command == "run":
+        from madp.run import run
+        return run(args.config, args.set, args.force)
+    return _verify(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, unknown = _parser().parse_known_args(argv)
     if unknown and args.command not in ("bound", "batch", "calibrate", "epsilon"):
@@ -389,26 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
     try:
-        if args.command == "generate":
-            result = _generate(args)
-        elif args.command == "bound":
-            result = _bound(args, unknown)
-            result = {k: v for k, v in result.items() if k != "per_round"}
-        elif args.command == "batch":
-            result = _batch(args, unknown)
-            result["batch_sizes"] = {k: v for k, v in result["batch_sizes"].items() if k != "per_step"}
-        elif args.command == "verify-batches":
-            from madp.verify import verify_batches
-            result = verify_batches(args.output, args.data, args.min_sep, args.max_participations,
-                                    args.max_batch_size, args.id_column, args.users_column)
-        elif args.command == "train":
-            result = _train(args)
-        elif args.command in ("calibrate", "epsilon"):
-            result = _accounting(args, unknown)
-        elif args.command == "strategy":
-            result = _strategy(args)
-        else:
-            result = _verify(args)
+        result = run_stage(args, unknown)
     except InputError as error:
         print(f"madp {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@ guarantee describes the data it was trained on.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import logging
@@ -18,69 +17,18 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 
-from accounting.calibrate import calibrate, epsilon
-from accounting.evr import calibrate_minsep, epsilon_minsep
-from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
-from accounting.monte_carlo import MinSepProcess
-from accounting.strategies import coefficients as strategy_coefficients
 from madp.batching import USER_FEATURE
 from madp.records import InputError
 from tf_training import load_tensorflow
-from tf_training.data import Batches, open_batches, step_batches
+from tf_training.batches import open_batches
+from tf_training.data import step_batches
+from tf_training.plan import TrainOptions, plan_for
 from tf_training.queries import BandMfQuery, DpSgdQuery, clip_and_sum
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
 
 log = logging.getLogger("madp.train")
-MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
-DISTRIBUTIONS = ("default", "mirrored", "tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainOptions:
-    epsilon: float | None = None
-    delta: float = 1e-5
-    noise_multiplier: float | None = None
-    mechanism: str = "auto"
-    bands: int = 1
-    strategy: str = "sqrt"
-    model: str = "logreg"
-    features: str = "features"
-    label: str = "label"
-    optimizer: str = "sgd"
-    learning_rate: float = 0.5
-    clip_norm: float = 1.0
-    seed: int = 0
-    eval_data: str | None = None
-    eval_every: int = 100
-    max_contributions: int | None = None
-    amplified: bool = False
-    mc_samples: int | None = None
-    mc_workers: int = 1
-    distribution: str = "default"
-    tpu: str = ""
-    cpu_replicas: int = 1
-
-    def __post_init__(self) -> None:
-        checks = [(self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
-                  (self.bands >= 1, "--bands must be at least 1"),
-                  (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
-                  (self.learning_rate > 0, "--learning-rate must be positive"),
-                  (self.clip_norm > 0, "--clip-norm must be positive"),
-                  (self.eval_every >= 1, "--eval-every must be at least 1"),
-                  (self.mechanism == "none" or self.epsilon is not None or self.noise_multiplier is not None,
-                   "give --epsilon (sigma is calibrated) or --noise-multiplier"),
-                  (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
-                  (not self.amplified or self.mechanism in ("auto", "bandmf"),
-                   "--amplified accounts BandMF: use --mechanism auto or bandmf"),
-                  (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
-                  (self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
-                   "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored"),
-                  (self.mc_workers >= 1, "--mc-workers must be at least 1")]
-        for ok, message in checks:
-            if not ok:
-                raise InputError(message)
 
 
 # --- models -------------------------------------------------------------------------------------
@@ -105,83 +53,6 @@ def build_model(name: str, input_dim: int):
         return getattr(importlib.import_module(module), function)(input_dim)
     except (ImportError, AttributeError) as error:
         raise InputError(f"--model {name}: {error}") from error
-
-
-# --- privacy ------------------------------------------------------------------------------------
-
-def contribution_bound(batches: Batches, override: int | None) -> int:
-    """K: records (copies) per user at most, from the bounding report next to SELECTED."""
-    if override is not None:
-        return override
-    path = os.path.join(batches.report.get("selected", ""), "report.json")
-    if not os.path.exists(path):
-        raise InputError(f"no bounding report at {path}: give --max-contributions")
-    with open(path) as handle:
-        return int(json.load(handle)["parameters"]["max_contributions"])
-
-
-def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
-    """The accounting mechanism the batches and options imply.
-
-    - b-min-sep Poisson batches with b = 1 and one band: DP-SGD with example-level sampling and up
-      to K records per user (ELS mixture of Gaussians);
-    - otherwise BandMF without amplification: at most ceil(T/b) participations, each with up to K
-      records of the user (Poisson batches), or the greedy's k with one record per step.
-    """
-    report, steps = batches.report, batches.steps
-    if report["sampler"] == "users":
-        if len(bands) > 1 or options.mechanism == "bandmf":
-            raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
-        return DpSgdUls(float(report["sampling_probability"]), steps)
-    min_sep = int(report["parameters"]["min_sep"])
-    if report["sampler"] == "minsep":
-        if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
-            return DpSgd(float(report["sampling_probability"]), steps, k)
-        if options.mechanism == "dpsgd":
-            raise InputError("--mechanism dpsgd needs --min-sep 1 batches and --bands 1")
-        return BandMf(steps, min_sep, 1 + (steps - 1) // min_sep, bands, records_per_step=k)
-    if options.mechanism == "dpsgd":
-        raise InputError("--mechanism dpsgd needs Poisson (minsep) batches; greedy batches are accounted as BandMF")
-    return BandMf(steps, min_sep, int(report["k"]), bands, records_per_step=1)
-
-
-def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions) -> tuple[float, float]:
-    """(sigma, epsilon delivered at options.delta)."""
-    if options.noise_multiplier is not None:
-        delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
-        _warn_override(options, delivered)
-        return options.noise_multiplier, delivered
-    result = calibrate(mechanism, options.epsilon, options.delta)
-    return result.noise_multiplier, result.epsilon
-
-
-def _warn_override(options: TrainOptions, delivered: float) -> None:
-    log.warning("--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
-                options.noise_multiplier, delivered, options.delta)
-
-
-def amplified_noise_multiplier(batches: Batches, options: TrainOptions, fallback: BandMf) -> tuple[float, float, dict]:
-    """(sigma, epsilon, Monte Carlo details) for b-min-sep Poisson batches with amplification
-    (`bandmf-minsep`: estimate-verify-release, the unamplified `fallback` when verification fails)."""
-    if batches.report["sampler"] != "minsep":
-        raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
-    process = MinSepProcess(fallback.steps, fallback.min_sep, float(batches.report["sampling_probability"]),
-                            fallback.records_per_step, fallback.coefficients)
-    log.info("Monte Carlo accounting (estimate-verify-release) for %s", process)
-    if options.noise_multiplier is not None:
-        result = epsilon_minsep(process, options.noise_multiplier, epsilon(fallback, options.noise_multiplier,
-                                                                             options.delta),
-                                options.delta, options.mc_samples, options.seed, options.mc_workers)
-        sigma, delivered = options.noise_multiplier, result.value
-        _warn_override(options, delivered)
-    else:
-        result = calibrate_minsep(process, calibrate(fallback, options.epsilon, options.delta).noise_multiplier,
-                                  options.epsilon, options.delta, options.mc_samples, options.seed, options.mc_workers)
-        sigma, delivered = result.value, options.epsilon
-    details = {"process": dataclasses.asdict(process), "verified": result.verified, "fallback": result.fallback, "samples": result.samples,
-               "estimate_samples": result.estimate_samples, "base_delta": result.base_delta,
-               "released_delta": result.overall_delta, "ladder": list(result.ladder), "outcomes": list(result.outcomes)}
-    return sigma, delivered, details
 
 
 # --- evaluation data ----------------------------------------------------------------------------
@@ -427,42 +298,17 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         model, loss_fn = build_model(options.model, int(feature["shape"][0]))
         optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
                      else tf_keras.optimizers.Adam(options.learning_rate))
-    privacy: dict = {"mechanism": "none"}
     user_level = batches.report["sampler"] == "users"
-    if options.mechanism == "none":
+    privacy = plan_for(batches, options)
+    if privacy["mechanism"] == "none":
         step = NonPrivateStep(model, loss_fn, optimizer, strategy)
     else:
-        bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
-        k = None if user_level else contribution_bound(batches, options.max_contributions)
-        mechanism = mechanism_for(batches, options, bands, k)
-        monte_carlo = None
-        if options.amplified:
-            if mechanism.name != "bandmf":
-                raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as "
-                                 f"{mechanism.name}")
-            sigma, delivered, monte_carlo = amplified_noise_multiplier(batches, options, mechanism)
-        else:
-            sigma, delivered = noise_multiplier_for(mechanism, options)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if mechanism.name in ("dpsgd", "dpsgd-uls")
-                 else BandMfQuery(options.clip_norm, sigma, options.seed, bands, template))
+        sigma = privacy["noise_multiplier"]
+        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
+                 else BandMfQuery(options.clip_norm, sigma, options.seed, privacy["bands"], template))
         step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
                            user_level=user_level, strategy=strategy)
-        privacy = {"mechanism": "bandmf-minsep" if monte_carlo else mechanism.name,
-                   "parameters": dataclasses.asdict(mechanism),
-                   "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
-                   "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
-                   "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
-                   "strategy": options.strategy, "noise_stddev_of_mean_gradient":
-                       sigma * options.clip_norm / batches.expected_batch_size,
-                   "contribution_bound": k,
-                   "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
-                   "batch_files_sha256": batches.file_hashes(),
-                   "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)" if monte_carlo
-                   else "PLD (dp_accounting)"}
-        if monte_carlo:
-            privacy.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo,
-                           delta=monte_carlo["released_delta"], target_delta=options.delta)
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
     metrics: list[dict] = []
     writer = tf.summary.create_file_writer(os.path.join(output, "logs"))

@@ -1,0 +1,306 @@
+"""`madp run CONFIG.yaml`: the production job, generate -> bound -> batch -> calibrate -> train,
+each stage optional (its section present or not) and resumable.
+
+A section's keys are the long options of the `madp` command the stage runs (`max_contributions:
+3` is `--max-contributions 3`), so the config and the CLI never drift apart; `runner` and
+`beam_options` go to Beam. The whole config is parsed and every stage's options are built before
+anything runs. A stage whose outputs exist and whose parameters and input files (names, sizes,
+modification times) are those of its last successful run is skipped; `--force` re-runs all.
+
+Run directory layout: records/ and test.parquet (generate), bound/, batches/ (with the
+independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
+train/, baseline/ (non-private, if asked), and .madp/ with one manifest per finished stage.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+
+import yaml
+
+from madp import storage
+from madp.records import InputError
+
+log = logging.getLogger("madp.run")
+MANIFESTS = ".madp"
+BEAM_KEYS = ("runner", "beam_options")
+# Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
+CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
+                  "max_contributions", "amplified", "mc_samples", "mc_workers", "seed")
+SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    command: list[str]          # the `madp` command line it runs (its parameters)
+    inputs: tuple[str, ...]     # paths whose files it reads
+    output: str                 # the path it writes (a directory, or calibration.json)
+
+
+def load_config(path: str, overrides: list[str]) -> dict:
+    """The YAML config with `--set key.sub=value` overrides (values parsed as YAML)."""
+    try:
+        with open(path) as handle:
+            config = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise InputError(f"config {path}: {error}") from error
+    if not isinstance(config, dict):
+        raise InputError(f"config {path}: the top level must be a mapping of sections")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {override!r}: expected key=value or section.key=value")
+        *sections, leaf = key.split(".")
+        node = config
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise InputError(f"--set {override!r}: {section} is not a section")
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
+def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
+    """Validate the config and return the stages it asks for, in order."""
+    unknown = sorted(set(config) - set(SECTIONS))
+    if unknown:
+        raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    run_dir = config.get("run_dir")
+    if not isinstance(run_dir, str) or not run_dir:
+        raise InputError("config run_dir: required, the directory of the run's outputs")
+    path = lambda name: os.path.join(run_dir, name)  # noqa: E731
+    commands = parser.commands
+    stages = []
+    generate = _section(config, "generate")
+    data = config.get("input")
+    eval_data = None
+    if generate is not None:
+        if data is not None:
+            raise InputError("config input: give either input or a generate section, not both")
+        holdout = generate.pop("holdout", False)
+        if not isinstance(holdout, bool):
+            raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
+        data = path("records")
+        extra = ["--holdout", path("test.parquet")] if holdout else []
+        eval_data = path("test.parquet") if holdout else None
+        stages.append(Stage("generate", ["generate", data, *_flags(commands["generate"], "generate", generate),
+                                         *extra], (), data))
+    if not isinstance(data, str) or not data:
+        raise InputError("config input: required (the records), unless a generate section makes them")
+    bound = _section(config, "bound")
+    if bound is not None:
+        beam = _beam(bound, "bound")
+        flags = _flags(commands["bound"], "bound", bound)
+        stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
+        k = ["--max-contributions", str(bound["max_contributions"])]
+        capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
+        columns = _pick(flags, ("--id-column", "--users-column"))
+        stages.append(Stage("verify-bound", ["verify-bound", data, path("bound"), *k, *capacities, *columns],
+                            (data, path("bound")), path("bound")))
+    batch = _section(config, "batch")
+    if batch is not None:
+        beam = _beam(batch, "batch")
+        flags = _flags(commands["batch"], "batch", batch)
+        stages.append(Stage("batch", ["batch", path("bound"), data, path("batches"), *flags, *beam],
+                            (path("bound"), data), path("batches")))
+        checks = ["--min-sep", str(batch.get("min_sep", 1))]
+        if batch.get("max_batch_size"):
+            checks += ["--max-batch-size", str(batch["max_batch_size"])]
+        stages.append(Stage("verify-batches", ["verify-batches", path("batches"), data, *checks,
+                                               *_pick(flags, ("--id-column", "--users-column"))],
+                            (path("batches"), data), path("batches")))
+    calibrate = _section(config, "calibrate")
+    train = _section(config, "train")
+    if calibrate is not None:
+        outside = sorted(set(calibrate) - set(CALIBRATE_KEYS))
+        if outside:
+            raise InputError(f"config calibrate: {', '.join(outside)} belong to the train section "
+                             f"(calibrate takes {', '.join(CALIBRATE_KEYS)})")
+        stages.append(Stage("calibrate", ["train", path("batches"), path("calibration.json"),
+                                          *_flags(commands["train"], "calibrate", calibrate)],
+                            (path("batches"),), path("calibration.json")))
+    if train is not None:
+        baseline = train.pop("baseline", False)
+        if not isinstance(baseline, bool):
+            raise InputError("config train.baseline: true or false (also trains a non-private model)")
+        inside = sorted(set(train) & set(CALIBRATE_KEYS) - {"seed"})
+        if inside:
+            raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
+        if calibrate is None:
+            raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
+        if eval_data and "eval_data" not in train:
+            train["eval_data"] = eval_data
+        flags = _flags(commands["train"], "train", train)
+        clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
+        evaluation = (train["eval_data"],) if train.get("eval_data") else ()
+        stages.append(Stage("train", ["train", path("batches"), path("train"), "--calibration",
+                                      path("calibration.json"), *clip, *flags],
+                            (path("batches"), path("calibration.json"), *evaluation), path("train")))
+        if baseline:
+            stages.append(Stage("baseline", ["train", path("batches"), path("baseline"), "--mechanism", "none",
+                                             *flags], (path("batches"), *evaluation), path("baseline")))
+    for stage in stages:  # every stage's options parse and build before anything runs
+        _check(parser, stage)
+    return stages
+
+
+def _section(config: dict, name: str) -> dict | None:
+    value = config.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InputError(f"config {name}: a mapping of options")
+    return dict(value)
+
+
+def _beam(section: dict, name: str) -> list[str]:
+    runner = section.pop("runner", "DirectRunner")
+    options = section.pop("beam_options", [])
+    if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
+        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--direct_num_workers, 4]")
+    if runner == "local" and options:
+        raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
+    return ["--runner", str(runner), *map(str, options)]
+
+
+def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list[str]:
+    """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated."""
+    known = {action.dest: action for action in parser._actions if action.option_strings}
+    flags = []
+    for key, value in options.items():
+        action = known.get(key)
+        if action is None or key in ("help",) or action.dest in ("input", "output"):
+            names = ", ".join(sorted(k for k in known if k != "help"))
+            raise InputError(f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
+                             f"(known: {names})")
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise InputError(f"config {section}.{key}: true or false")
+            flags += [flag] if value else []
+        elif value is not None:
+            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            try:
+                converted = action.type(text) if action.type else text
+            except ValueError:
+                raise InputError(f"config {section}.{key}: expected {action.type.__name__}, got {value!r}") from None
+            if action.choices and converted not in action.choices:
+                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, "
+                                 f"got {value!r}")
+            flags += [flag, text]
+    return flags
+
+
+def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
+    """The (flag, value) pairs of `flags` whose flag is one of `names`."""
+    picked = []
+    for index, flag in enumerate(flags[:-1]):
+        if flag in names:
+            picked += [flag, flags[index + 1]]
+    return picked
+
+
+def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
+    from madp import cli
+    try:
+        args, extra = parser.parse_known_args(stage.command)
+    except (argparse.ArgumentError, SystemExit) as error:
+        raise InputError(f"config {stage.name}: {error}") from error
+    if extra and stage.name not in ("bound", "batch"):
+        raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
+    try:
+        cli.stage_options(args)
+    except InputError as error:
+        raise InputError(f"config {stage.name}: {error}") from error
+
+
+# --- resumability -------------------------------------------------------------------------------
+
+def fingerprint(stage: Stage) -> str:
+    """Digest of the stage's command and of the names, sizes and modification times of its input files."""
+    digest = hashlib.sha256(json.dumps(stage.command).encode())
+    for path in stage.inputs:
+        files = storage.list_files(path) if storage.kind(path) == "directory" else [path]
+        for name in sorted(files):
+            if os.path.basename(name).startswith("."):
+                continue
+            status = os.stat(name)
+            digest.update(f"{name}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _manifest(run_dir: str, stage: Stage) -> str:
+    return os.path.join(run_dir, MANIFESTS, f"{stage.name}.json")
+
+
+def up_to_date(run_dir: str, stage: Stage) -> bool:
+    manifest = _manifest(run_dir, stage)
+    if not (os.path.exists(manifest) and os.path.exists(stage.output)):
+        return False
+    with open(manifest) as handle:
+        return json.load(handle).get("fingerprint") == fingerprint(stage)
+
+
+def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
+    from madp import cli
+    config = load_config(config_path, overrides)
+    parser = cli._parser()
+    stages = plan_stages(config, parser)
+    run_dir = config["run_dir"]
+    os.makedirs(os.path.join(run_dir, MANIFESTS), exist_ok=True)
+    summary = {"config": config_path, "run_dir": run_dir, "stages": []}
+    started = time.perf_counter()
+    for number, stage in enumerate(stages, 1):
+        if not force and up_to_date(run_dir, stage):
+            log.info("stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
+                     number, len(stages), stage.name)
+            summary["stages"].append({"stage": stage.name, "status": "skipped"})
+            continue
+        log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
+        if stage.name in ("generate", "train", "baseline") and os.path.isdir(stage.output):
+            shutil.rmtree(stage.output)  # these write fresh outputs; bound and batch clear their own
+        stage_started = time.perf_counter()
+        manifest = _manifest(run_dir, stage)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+        args, extra = parser.parse_known_args(stage.command)
+        result = cli.calibrate_batches(args) if stage.name == "calibrate" else cli.run_stage(args, extra)
+        if result.get("ok") is False:
+            raise InputError(f"stage {stage.name}: the independent verifier failed: "
+                             f"{json.dumps(result, default=str)[:2000]}")
+        with open(manifest, "w") as handle:
+            json.dump({"stage": stage.name, "command": stage.command, "fingerprint": fingerprint(stage)}, handle,
+                      indent=2)
+        summary["stages"].append({"stage": stage.name, "status": "ran",
+                                  "wall_time_s": round(time.perf_counter() - stage_started, 3)})
+    summary["wall_time_s"] = round(time.perf_counter() - started, 3)
+    summary["results"] = _results(run_dir)
+    return summary
+
+
+def _results(run_dir: str) -> dict:
+    """The figures a user looks at first, from the run's reports."""
+    def load(name: str) -> dict | None:
+        path = os.path.join(run_dir, name)
+        return json.load(open(path)) if os.path.exists(path) else None
+    bound, batches = load("bound/report.json"), load("batches/report.json")
+    privacy, train, baseline = load("calibration.json"), load("train/metrics.json"), load("baseline/metrics.json")
+    results = {}
+    if bound:
+        results["bound"] = {"input_records": bound["input_records"], "selected_records": bound["selected_records"]}
+    if batches:
+        results["batch"] = {"sampling_probability": batches.get("sampling_probability"),
+                            "mean_batch_size": batches["batch_sizes"]["mean"]}
+    if privacy and privacy.get("mechanism") != "none":
+        results["privacy"] = {key: privacy.get(key) for key in ("mechanism", "noise_multiplier", "epsilon", "delta")}
+    for name, metrics in (("train", train), ("baseline", baseline)):
+        if metrics and metrics.get("final"):
+            results[name] = metrics["final"]
+    return results
