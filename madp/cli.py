@@ -414,9 +414,9 @@ def calibrate_batches(args: argparse.Namespace) -> dict:
     """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
     from tf_training.batches import open_batches
     from tf_training.plan import privacy_plan
+    from madp import storage
     plan = privacy_plan(open_batches(args.batches), _train_options(args))
-    with open(args.output, "w") as handle:
-        json.dump(plan, handle, indent=2)
+    storage.write_text(args.output, json.dumps(plan, indent=2))
     return plan
 
 

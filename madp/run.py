@@ -18,8 +18,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 
 import yaml
@@ -75,7 +73,7 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
     run_dir = config.get("run_dir")
     if not isinstance(run_dir, str) or not run_dir:
         raise InputError("config run_dir: required, the directory of the run's outputs")
-    path = lambda name: os.path.join(run_dir, name)  # noqa: E731
+    path = lambda name: storage.join(run_dir, name)  # noqa: E731
     commands = parser.commands
     stages = []
     generate = _section(config, "generate")
@@ -227,25 +225,20 @@ def fingerprint(stage: Stage) -> str:
     """Digest of the stage's command and of the names, sizes and modification times of its input files."""
     digest = hashlib.sha256(json.dumps(stage.command).encode())
     for path in stage.inputs:
-        files = storage.list_files(path) if storage.kind(path) == "directory" else [path]
-        for name in sorted(files):
-            if os.path.basename(name).startswith("."):
-                continue
-            status = os.stat(name)
-            digest.update(f"{name}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
+        for name, size, modified in storage.stamps(path):
+            digest.update(f"{name}\0{size}\0{modified}\n".encode())
     return digest.hexdigest()
 
 
 def _manifest(run_dir: str, stage: Stage) -> str:
-    return os.path.join(run_dir, MANIFESTS, f"{stage.name}.json")
+    return storage.join(run_dir, MANIFESTS, f"{stage.name}.json")
 
 
 def up_to_date(run_dir: str, stage: Stage) -> bool:
     manifest = _manifest(run_dir, stage)
-    if not (os.path.exists(manifest) and os.path.exists(stage.output)):
+    if storage.kind(manifest) != "file" or storage.kind(stage.output) == "missing":
         return False
-    with open(manifest) as handle:
-        return json.load(handle).get("fingerprint") == fingerprint(stage)
+    return json.loads(storage.read_text(manifest)).get("fingerprint") == fingerprint(stage)
 
 
 def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
@@ -254,7 +247,6 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
     parser = cli._parser()
     stages = plan_stages(config, parser)
     run_dir = config["run_dir"]
-    os.makedirs(os.path.join(run_dir, MANIFESTS), exist_ok=True)
     summary = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
@@ -264,20 +256,18 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
             summary["stages"].append({"stage": stage.name, "status": "skipped"})
             continue
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
-        if stage.name in ("generate", "train", "baseline") and os.path.isdir(stage.output):
-            shutil.rmtree(stage.output)  # these write fresh outputs; bound and batch clear their own
+        if stage.name in ("generate", "train", "baseline"):
+            storage.clear_directory(stage.output)  # these write fresh outputs; bound and batch clear their own
         stage_started = time.perf_counter()
         manifest = _manifest(run_dir, stage)
-        if os.path.exists(manifest):
-            os.remove(manifest)
+        storage.remove_file(manifest)
         args, extra = parser.parse_known_args(stage.command)
         result = cli.calibrate_batches(args) if stage.name == "calibrate" else cli.run_stage(args, extra)
         if result.get("ok") is False:
             raise InputError(f"stage {stage.name}: the independent verifier failed: "
                              f"{json.dumps(result, default=str)[:2000]}")
-        with open(manifest, "w") as handle:
-            json.dump({"stage": stage.name, "command": stage.command, "fingerprint": fingerprint(stage)}, handle,
-                      indent=2)
+        storage.write_text(manifest, json.dumps({"stage": stage.name, "command": stage.command,
+                                                 "fingerprint": fingerprint(stage)}, indent=2))
         summary["stages"].append({"stage": stage.name, "status": "ran",
                                   "wall_time_s": round(time.perf_counter() - stage_started, 3)})
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
@@ -288,8 +278,8 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
 def _results(run_dir: str) -> dict:
     """The figures a user looks at first, from the run's reports."""
     def load(name: str) -> dict | None:
-        path = os.path.join(run_dir, name)
-        return json.load(open(path)) if os.path.exists(path) else None
+        path = storage.join(run_dir, name)
+        return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
     bound, batches = load("bound/report.json"), load("batches/report.json")
     privacy, train, baseline = load("calibration.json"), load("train/metrics.json"), load("baseline/metrics.json")
     results = {}

@@ -53,6 +53,15 @@ def list_files(directory: str, recursive: bool = True) -> list[str]:
     return sorted(prefix + info.path for info in infos if info.type == pafs.FileType.File)
 
 
+def stamps(path: str) -> list[tuple[str, int, int]]:
+    """(path, size, modification time in ns) of a file, or of every file below a directory."""
+    filesystem, resolved = _resolve(path)
+    info = filesystem.get_file_info(resolved)
+    infos = (filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+             if info.type == pafs.FileType.Directory else [info])
+    return sorted((i.path, i.size, i.mtime_ns or 0) for i in infos if i.type == pafs.FileType.File)
+
+
 def clear_directory(directory: str) -> None:
     filesystem, resolved = _resolve(directory)
     if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
-import os
+import posixpath
 
+from madp import storage
 from madp.records import InputError
 
 
@@ -35,20 +35,21 @@ class Batches:
         hashes = {}
         for path in self.files:
             digest = hashlib.sha256()
-            with open(path, "rb") as handle:
+            with storage.open_input(path) as handle:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
-            hashes[os.path.basename(path)] = digest.hexdigest()
+            hashes[posixpath.basename(path)] = digest.hexdigest()
         return hashes
 
 
 def open_batches(directory: str) -> Batches:
-    files = tuple(sorted(glob.glob(os.path.join(directory, "batches-*.tfrecord"))))
-    missing = [name for name in ("schema.json", "report.json") if not os.path.exists(os.path.join(directory, name))]
+    """The batches of a local or remote (gs://, s3://, hdfs://) `madp batch` output."""
+    listed = storage.list_files(directory, recursive=False) if storage.kind(directory) == "directory" else []
+    files = tuple(path for path in listed if posixpath.basename(path).startswith("batches-")
+                  and path.endswith(".tfrecord"))
+    missing = [name for name in ("schema.json", "report.json") if storage.kind(storage.join(directory, name)) != "file"]
     if not files or missing:
         raise InputError(f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)")
-    with open(os.path.join(directory, "schema.json")) as handle:
-        schema = json.load(handle)
-    with open(os.path.join(directory, "report.json")) as handle:
-        report = json.load(handle)
+    schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
+    report = json.loads(storage.read_text(storage.join(directory, "report.json")))
     return Batches(directory, files, schema, report)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 
 from accounting.calibrate import calibrate, epsilon
 from accounting.evr import calibrate_minsep, epsilon_minsep
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
+from madp import storage
 from madp.records import InputError
 from tf_training.batches import Batches
 
@@ -79,11 +79,10 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
     """K: records (copies) per user at most, from the bounding report next to SELECTED."""
     if override is not None:
         return override
-    path = os.path.join(batches.report.get("selected", ""), "report.json")
-    if not os.path.exists(path):
+    path = storage.join(batches.report.get("selected", ""), "report.json")
+    if storage.kind(path) != "file":
         raise InputError(f"no bounding report at {path}: give --max-contributions")
-    with open(path) as handle:
-        return int(json.load(handle)["parameters"]["max_contributions"])
+    return int(json.loads(storage.read_text(path))["parameters"]["max_contributions"])
 
 
 def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
@@ -192,8 +191,7 @@ def plan_for(batches: Batches, options: TrainOptions) -> dict:
     """The plan of `options.calibration` (checked against the batches and the clip norm), else a new one."""
     if options.calibration is None:
         return privacy_plan(batches, options)
-    with open(options.calibration) as handle:
-        plan = json.load(handle)
+    plan = json.loads(storage.read_text(options.calibration))
     if plan.get("batch_files_sha256") != batches.file_hashes():
         raise InputError(f"--calibration {options.calibration} describes other batch files than {batches.directory}")
     if plan["clip_norm"] != options.clip_norm:

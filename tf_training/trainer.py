@@ -11,12 +11,12 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import time
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from madp import storage
 from madp.batching import USER_FEATURE
 from madp.records import InputError
 from tf_training import load_tensorflow
@@ -58,11 +58,11 @@ def build_model(name: str, input_dim: int):
 # --- evaluation data ----------------------------------------------------------------------------
 
 def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
-    if path.endswith(".parquet") or os.path.isdir(path):
+    if path.endswith(".parquet") or storage.kind(path) == "directory":
         table = pq.read_table(path, columns=[features, label])
         x = np.stack(table.column(features).to_numpy(zero_copy_only=False)).astype(np.float32)
         return x, table.column(label).to_numpy().astype(np.float32)
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
     return (np.array([r[features] for r in rows], dtype=np.float32), np.array([r[label] for r in rows], np.float32))
 
 
@@ -311,8 +311,8 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                            user_level=user_level, strategy=strategy)
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
     metrics: list[dict] = []
-    writer = tf.summary.create_file_writer(os.path.join(output, "logs"))
-    os.makedirs(output, exist_ok=True)
+    tf.io.gfile.makedirs(output)
+    writer = tf.summary.create_file_writer(storage.join(output, "logs"))
     loop_started = time.perf_counter()
     names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
@@ -334,15 +334,14 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             rate = done / (time.perf_counter() - loop_started)
             log.info("step %d/%d, %.1f steps/s, ETA %.0f s%s", done, batches.steps, rate,
                      (batches.steps - done) / rate, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
-    model.save(os.path.join(output, "model.keras"))
+    model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     result = {"batches": batches_dir, "output": output, "steps": batches.steps, "model": options.model,
               "distribution": options.distribution, "replicas": replicas,
               "optimizer": options.optimizer, "learning_rate": options.learning_rate, "seed": options.seed,
               "eval": metrics, "final": metrics[-1] if metrics else None,
               "wall_time_s": round(time.perf_counter() - started, 3),
               "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2), "privacy": privacy}
-    with open(os.path.join(output, "metrics.json"), "w") as handle:
-        json.dump({k: v for k, v in result.items() if k != "privacy"}, handle, indent=2)
-    with open(os.path.join(output, "privacy.json"), "w") as handle:
-        json.dump(privacy, handle, indent=2, default=list)
+    storage.write_text(storage.join(output, "metrics.json"),
+                       json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2))
+    storage.write_text(storage.join(output, "privacy.json"), json.dumps(privacy, indent=2, default=list))
     return result
