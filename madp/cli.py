@@ -190,6 +190,26 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--max-contributions", "-k", type=int,
                           help="K (default: read from the bounding report of the batches' SELECTED)")
 
+    sweep = commands.add_parser("recommend-k", help="sweep the contribution bound k: records kept vs noise, and a "
+                                                    "recommended k")
+    sweep.add_argument("input", help="a .jsonl/.parquet file or a directory of them")
+    sweep.add_argument("--epsilon", type=float, required=True)
+    sweep.add_argument("--delta", type=float, required=True)
+    sweep.add_argument("--steps", type=int, required=True, help="T: training steps")
+    sweep.add_argument("--batch-size", type=float, required=True, help="B: expected records per step")
+    sweep.add_argument("--mechanism", choices=("dpsgd", "bandmf"), default="dpsgd",
+                       help="dpsgd: Poisson batches, k records per user (default); bandmf: b-min-sep Poisson "
+                            "batches, unamplified, k records per step")
+    sweep.add_argument("--min-sep", type=int, default=1, help="bandmf: b")
+    sweep.add_argument("--bands", type=int, default=1, help="bandmf: bands of C")
+    sweep.add_argument("--strategy", choices=("sqrt", "optimized"), default="sqrt")
+    sweep.add_argument("--clip-norm", type=float, default=1.0)
+    sweep.add_argument("--k", default=",".join(map(str, (1, 2, 3, 4, 6, 8, 12, 16))),
+                       help="bounds to try, comma-separated (default 1,2,3,4,6,8,12,16)")
+    sweep.add_argument("--order", choices=("arity", "hash"), default="arity")
+    sweep.add_argument("--seed", type=int, default=0)
+    _add_columns(sweep)
+
     job = commands.add_parser("run", help="the production job from a YAML config: generate, bound, batch, "
                                           "calibrate, train (each optional, each resumable)")
     job.add_argument("config", help="YAML config (see examples/demo.yaml)")
@@ -441,6 +461,15 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
         return _accounting(args, unknown)
     if args.command == "strategy":
         return _strategy(args)
+    if args.command == "recommend-k":
+        from madp.recommend import Sweep, recommend
+        try:
+            ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+        except ValueError:
+            raise InputError(f"--k must list integers, got {args.k!r}") from None
+        return recommend(args.input, Sweep(args.epsilon, args.delta, args.steps, args.batch_size, args.mechanism,
+                                           args.min_sep, args.bands, args.strategy, args.clip_norm, ks, args.order,
+                                           args.seed, Columns(args.id_column, args.users_column)))
     if args.command == "run":
         from madp.run import run
         return run(args.config, args.set, args.force)
