@@ -36,8 +36,9 @@ from madp import storage
 from madp.bounding import Capacities, UserSide, build_user_side, consume, local_mask, preference_keys, propose, \
     retire, unanimous
 from madp.hashing import partition_of
-from madp.selection import (BoundOptions, base_report, handle_rejects, read_capacities, selection_shards,
-                            shard_path, sorted_selection, write_report, write_selection_shard, prepare_output)
+from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, prepare_output,
+                            read_capacities, selection_shards, shard_path, sorted_selection, write_report,
+                            write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 NAMESPACE = "madp.bound"
@@ -247,7 +248,8 @@ class _BuildRecordPartition(beam.DoFn):
                 raise RuntimeError(f"partition {part}: input changed between pipeline runs")
             copies, in_pass = saved["copies"], saved["in_pass"] & (not self.new_pass)
         arity = chunk.arity
-        keys = preference_keys(chunk.ids, arity, self.options.order, self.options.seed, chunk.weights)
+        keys = preference_keys(chunk.ids, arity, self.options.order, self.options.seed, chunk.weights,
+                               alternate_runs(self.options))
         user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else np.zeros(0, np.int64)
         record_of_incidence = np.repeat(np.arange(n), arity)
         pairs = np.sort(record_of_incidence * self.partitions + user_partition)
@@ -551,6 +553,30 @@ class BoundPipeline(beam.PTransform):
                     storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True))))
 
 
+class GroupSizes(beam.PTransform):
+    """--order alternate: records with at most u users and with more, counted as the bounding sees
+    them (valid rows, duplicated ids rejected within their id partition), written to `path`."""
+
+    def __init__(self, files: list[str], options: BoundOptions, partitions: int, store: PartitionStore, path: str):
+        super().__init__()
+        self.files, self.options, self.partitions, self.store, self.path = files, options, partitions, store, path
+
+    def expand(self, pbegin):
+        threshold, store, path = self.options.arity_threshold, self.store, self.path
+        read = (pbegin
+                | "ListFiles" >> beam.Create(list(enumerate(self.files)))
+                | "SpreadFiles" >> beam.Reshuffle()
+                | "ReadAndValidate" >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
+                    "rejects", "stats", main="chunks"))
+        return (read.chunks
+                | "GroupRecordPartitions" >> beam.GroupByKey()
+                | "CountGroups" >> beam.MapTuple(lambda part, paths: group_sizes(rec.reject_duplicates(
+                    rec.merge_chunks(sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))),
+                    rec.Rejects()).arity, threshold))
+                | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
+                | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes)))))
+
+
 def _input_error_in(error: Exception) -> rec.InputError | None:
     found = re.search(r"InputError: (.+?)(?: \[while running|\n|$)", str(error))
     return rec.InputError(found.group(1)) if found else None
@@ -581,6 +607,22 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return options
 
 
+def _count_groups(files: list[str], options: BoundOptions, partitions: int, beam_options, work: str) -> BoundOptions:
+    """One pipeline run that counts the two groups of --order alternate (their sizes place the runs)."""
+    path = storage.join(work, "group-sizes.json")
+    pipeline = beam.Pipeline(options=beam_options)
+    _ = pipeline | "CountGroups" >> GroupSizes(files, options, partitions,
+                                               PartitionStore(storage.join(work, "group-sizes")), path)
+    try:
+        pipeline.run().wait_until_finish()
+    except Exception as error:
+        raise _input_error_in(error) or error
+    small, large = json.loads(storage.read_text(path))
+    log.info("--order alternate: %d records with at most %d users, %d with more", small,
+             options.arity_threshold, large)
+    return dataclasses.replace(options, group_sizes=(small, large))
+
+
 def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str],
              partitions: int = DEFAULT_PARTITIONS, rounds_per_pipeline: int = DEFAULT_ROUNDS_PER_PIPELINE) -> dict:
     """`madp bound --runner <Beam runner>`: chain pipeline runs until the algorithm converges."""
@@ -594,6 +636,8 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     storage.clear_directory(work)
     prepare_output(output)
     beam_options = pipeline_options(beam_args)
+    if options.order == "alternate":
+        options = _count_groups(files, options, partitions, beam_options, work)
     rounds: list[dict] = []
     passes, pass_rounds, run_index, new_pass, converged, rejects = 1, 0, 0, False, False, None
     counters: list[dict] = []

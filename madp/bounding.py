@@ -21,16 +21,42 @@ import pyarrow.compute as pc
 from madp.hashing import hash_ids
 from madp.records import InputError
 
-ORDERS = ("arity", "hash", "weight")
+ORDERS = ("arity", "hash", "weight", "alternate")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlternateRuns:
+    """The bias-mitigating order of It's my data too (Sec. 5.5, App. C.5): runs of `small_run` records
+    with at most `threshold` users alternating with runs of `large_run` records with more; the group
+    sizes place the run boundaries, so the order is a function of the record (universal)."""
+    threshold: int
+    small_run: int
+    large_run: int
+    small_records: int
+    large_records: int
+
+    def run_of(self, arity: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """Primary keys 2 j (small) and 2 j + 1 (large) of run j, a record's rank in its group being
+        estimated by its `position` in [0, 1): the uniform id hash, which also orders each run."""
+        small = arity <= self.threshold
+        runs = np.where(small, np.floor(position * self.small_records / self.small_run),
+                        np.floor(position * self.large_records / self.large_run))
+        return 2 * runs + (~small)
 
 
 def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
-                    weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    weights: np.ndarray | None = None,
+                    alternate: AlternateRuns | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Universal preference order as sort keys, smaller first: (primary, seeded 64-bit id hash).
 
     The hash breaks ties, so every user sees the same total order without any global sort; on
     the rare tie of both keys, the record key (input file and row) decides.
     """
+    tie = hash_ids(ids, seed, purpose=1)
+    if order == "alternate":
+        if alternate is None:
+            raise ValueError("--order alternate needs the run lengths and group sizes")
+        return alternate.run_of(arity, tie / np.float64(2 ** 64)).astype(np.float64), tie
     if order == "arity":
         primary = arity.astype(np.float64)
     elif order == "hash":
@@ -41,7 +67,7 @@ def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
         primary = -weights.astype(np.float64)  # higher weight preferred
     else:
         raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
-    return primary, hash_ids(ids, seed, purpose=1)
+    return primary, tie
 
 
 def preference_rank_order(primary: np.ndarray, tie: np.ndarray, record_keys: np.ndarray) -> np.ndarray:

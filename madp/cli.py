@@ -84,9 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     bound.add_argument("input", help="a .jsonl/.parquet file or a directory of them")
     bound.add_argument("output", help="output directory: selected/, report.json, rejected/")
     bound.add_argument("--max-contributions", "-k", type=int, required=True, help="K: records per user at most")
-    bound.add_argument("--order", choices=("arity", "hash", "weight"), default="arity",
-                       help="universal preference: fewer users first (default), seeded hash, or higher weight first")
+    bound.add_argument("--order", choices=("arity", "hash", "weight", "alternate"), default="arity",
+                       help="universal preference: fewer users first (default), seeded hash, higher weight first, "
+                            "or alternate runs of small and large records (bias mitigation)")
     bound.add_argument("--weight-column", help="column of record weights for --order weight")
+    bound.add_argument("--arity-threshold", type=int,
+                       help="--order alternate: u, records with at most u users are 'small' (It's my data too, 5.5)")
+    bound.add_argument("--small-run", type=int, help="--order alternate: c1, small records per run")
+    bound.add_argument("--large-run", type=int, help="--order alternate: c2, large records per run")
     bound.add_argument("--seed", type=int, default=0, help="seed of the hash that breaks ties in the order")
     bound.add_argument("--capacities", help="file (.csv/.jsonl/.parquet) of rows user, capacity overriding K")
     bound.add_argument("--max-rounds", type=int, help="stop after R rounds (default: until converged)")
@@ -244,7 +249,8 @@ def _bound_options(args: argparse.Namespace):
     return BoundOptions(max_contributions=args.max_contributions, order=args.order, seed=args.seed,
                         max_rounds=args.max_rounds, duplicates=args.duplicates,
                         columns=Columns(args.id_column, args.users_column, args.weight_column),
-                        on_invalid=args.on_invalid, capacities=args.capacities, output_shards=args.output_shards)
+                        on_invalid=args.on_invalid, capacities=args.capacities, output_shards=args.output_shards,
+                        arity_threshold=args.arity_threshold, small_run=args.small_run, large_run=args.large_run)
 
 
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:

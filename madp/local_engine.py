@@ -9,8 +9,8 @@ import numpy as np
 
 from madp import records as rec
 from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
-from madp.selection import (BoundOptions, base_report, handle_rejects, prepare_output, read_capacities,
-                            selection_shards, shard_path, write_report, write_selection_shard)
+from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, prepare_output,
+                            read_capacities, selection_shards, shard_path, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 
@@ -28,7 +28,9 @@ class BoundResult:
 def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Capacities) -> BoundResult:
     """Alg. 1 to convergence (or max_rounds); with duplicates, passes over residual capacities (Alg. 3)."""
     n, arity = len(chunk), chunk.arity
-    keys = preference_keys(chunk.ids, arity, options.order, options.seed, chunk.weights)
+    if options.order == "alternate" and options.group_sizes is None:  # this chunk is the whole input
+        options = dataclasses.replace(options, group_sizes=group_sizes(arity, options.arity_threshold))
+    keys = preference_keys(chunk.ids, arity, options.order, options.seed, chunk.weights, alternate_runs(options))
     inc_record = np.repeat(np.arange(n, dtype=np.int64), arity)
     users = build_user_side(chunk.users, inc_record, np.arange(n, dtype=np.int64), keys, capacities,
                             copies=np.zeros(n, dtype=np.int64), in_pass=np.zeros(n, dtype=bool))
@@ -94,6 +96,8 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
         handle_rejects(rejects, options, output)
     capacities = (read_capacities(options.capacities, options.max_contributions) if options.capacities
                   else Capacities(default=options.max_contributions))
+    if options.order == "alternate":
+        options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.arity_threshold))
     result = bound_records(chunk, options, capacities)
     prepare_output(output)
     handle_rejects(rejects, options, output)

@@ -12,7 +12,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from madp import storage
-from madp.bounding import ORDERS, Capacities
+from madp.bounding import ORDERS, AlternateRuns, Capacities
 from madp.hashing import partition_of
 from madp.records import Columns, InputError, Rejects
 
@@ -33,8 +33,17 @@ class BoundOptions:
     on_invalid: str = "error"
     capacities: str | None = None
     output_shards: int = 1
+    arity_threshold: int | None = None   # --order alternate: u, and the run lengths c1 and c2
+    small_run: int | None = None
+    large_run: int | None = None
+    group_sizes: tuple[int, int] | None = None  # records with <= u and > u users; counted by the engines
 
     def __post_init__(self) -> None:
+        alternate = (self.arity_threshold, self.small_run, self.large_run)
+        if self.order == "alternate" and not all(isinstance(v, int) and v >= 1 for v in alternate):
+            raise InputError("--order alternate needs --arity-threshold, --small-run and --large-run (integers >= 1)")
+        if self.order != "alternate" and any(v is not None for v in alternate):
+            raise InputError("--arity-threshold, --small-run and --large-run apply to --order alternate")
         if self.max_contributions < 1:
             raise InputError("--max-contributions must be at least 1")
         if self.order not in ORDERS:
@@ -47,6 +56,21 @@ class BoundOptions:
             raise InputError("--on-invalid must be 'error' or 'skip'")
         if self.output_shards < 1:
             raise InputError("--output-shards must be at least 1")
+
+
+def alternate_runs(options: BoundOptions) -> AlternateRuns | None:
+    """The run structure of --order alternate once the engine has counted the groups (else None)."""
+    if options.order != "alternate":
+        return None
+    if options.group_sizes is None:
+        raise ValueError("the engine must count the records of each group first (group_sizes)")
+    return AlternateRuns(options.arity_threshold, options.small_run, options.large_run, *options.group_sizes)
+
+
+def group_sizes(arity, threshold: int) -> tuple[int, int]:
+    """(records with at most `threshold` users, records with more)."""
+    small = int((arity <= threshold).sum())
+    return small, len(arity) - small
 
 
 def read_capacities(path: str, default: int) -> Capacities:
@@ -134,6 +158,8 @@ def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: 
         "engine": engine,
         "input": input_path,
         "parameters": {"max_contributions": options.max_contributions, "order": options.order,
+                       "arity_threshold": options.arity_threshold, "small_run": options.small_run,
+                       "large_run": options.large_run, "group_sizes": options.group_sizes,
                        "seed": options.seed, "max_rounds": options.max_rounds,
                        "duplicates": options.duplicates, "capacities": options.capacities,
                        "id_column": options.columns.id, "users_column": options.columns.users,

@@ -154,3 +154,11 @@ def test_input_error_inside_a_worker_reads_clearly(tmp_path):
     with pytest.raises(InputError, match=r"^record ids mix integers and strings across input files"):
         run_beam(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1),
                  ["--direct_running_mode=in_memory"], partitions=1)
+
+
+def test_alternate_order_counts_groups_alike(tmp_path, sharded_input):
+    """Beam counts the two groups in a first run; both engines then use the same universal order."""
+    options = BoundOptions(max_contributions=2, order="alternate", arity_threshold=1, small_run=30, large_run=10)
+    local, beam = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory"], partitions=3)
+    assert local["parameters"]["group_sizes"] == beam["parameters"]["group_sizes"]
+    assert sum(local["parameters"]["group_sizes"]) == local["input_records"]
