@@ -215,6 +215,10 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0)
     _add_columns(sweep)
 
+    mbox = commands.add_parser("import-mbox", help="email (an mbox file) as multi-user records: sender, To and Cc")
+    mbox.add_argument("mbox", help="an mbox file")
+    mbox.add_argument("output", help="directory: records/ (Parquet), rejected.jsonl, report.json")
+
     job = commands.add_parser("run", help="the production job from a YAML config: generate, bound, batch, "
                                           "calibrate, train (each optional, each resumable)")
     job.add_argument("config", help="YAML config (see examples/demo.yaml)")
@@ -467,6 +471,9 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
         return _accounting(args, unknown)
     if args.command == "strategy":
         return _strategy(args)
+    if args.command == "import-mbox":
+        from madp.mbox import import_mbox
+        return import_mbox(args.mbox, args.output)
     if args.command == "recommend-k":
         from madp.recommend import Sweep, recommend
         try:
