@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,train]'
+	$(BIN)/pip install --quiet -e '.[test,train,report]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -21,7 +21,8 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json; r = json.load(open('$(DEMO).json'))['results']; p = r['privacy']; \
 		print(f'test accuracy: private {r[\"train\"][\"accuracy\"]:.4f} vs non-private', \
 		      f'{r[\"baseline\"][\"accuracy\"]:.4f}; private model: {p[\"mechanism\"]},', \
-		      f'sigma {p[\"noise_multiplier\"]:.3g}, (epsilon, delta) = ({p[\"epsilon\"]:.4g}, {p[\"delta\"]:g})')"
+		      f'sigma {p[\"noise_multiplier\"]:.3g}, (epsilon, delta) = ({p[\"epsilon\"]:.4g}, {p[\"delta\"]:g});', \
+		      'report: $(DEMO)/report.html')"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -25,6 +25,7 @@ setup(
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*"],
+        "report": ["matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["madp=madp.cli:main"]},
 )

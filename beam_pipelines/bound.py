@@ -36,9 +36,9 @@ from madp import storage
 from madp.bounding import Capacities, UserSide, build_user_side, consume, local_mask, preference_keys, propose, \
     retire, unanimous
 from madp.hashing import partition_of
-from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, prepare_output,
-                            read_capacities, selection_shards, shard_path, sorted_selection, write_report,
-                            write_selection_shard)
+from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
+                            prepare_output, read_capacities, record_distribution_stats, selection_shards, shard_path,
+                            sorted_selection, user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 NAMESPACE = "madp.bound"
@@ -461,6 +461,8 @@ class _FinishRecords(beam.DoFn):
             f"state-{part:05d}.pkl", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass})
         yield _stat("selected_records", state.copies.sum())
         yield _stat("distinct_selected", (state.copies > 0).sum())
+        for name, count in record_distribution_stats(state.arity, state.copies).items():
+            yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
         selected = state.copies > 0
         ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.pkl"))["ids"]
         for shard, table in selection_shards(ids.filter(pa.array(selected)), state.copies[selected],
@@ -476,6 +478,8 @@ def _user_stats(element, store: PartitionStore):
     Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
     yield "input_users", len(side.residual)
     yield "max_user_contribution", int(side.contribution.max(initial=0))
+    yield from user_distribution_stats(np.bincount(side.inc_user, minlength=len(side.residual)),
+                                       side.contribution).items()
 
 
 def _write_shard(element, output: str, shards: int):
@@ -700,6 +704,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
                   distinct_selected=summary.get("distinct_selected", 0),
                   max_user_contribution=summary.get("max_user_contribution", 0), rounds=len(rounds),
                   passes=passes, converged=converged, per_round=rounds, partitions=partitions,
+                  histograms=histograms(summary),
                   beam_counters_per_run=counters,
                   wall_time_s=round(time.perf_counter() - started, 3))
     storage.clear_directory(work)

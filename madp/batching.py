@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from madp import records as rec
 from madp import sampling, storage, tfrecord
 from madp.hashing import hash_ids
+from madp.progress import Progress
 from madp.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, handle_rejects, write_report
 
 log = logging.getLogger("madp.batch")
@@ -276,7 +277,8 @@ def write_batch_file(path: str, rows: FileRows, steps: range, max_batch_size: in
 def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
     """Per-user participations of written rows; exact when all of a user's rows are passed together."""
     if len(steps) == 0:
-        return {"users": 0, "max_participations": 0, "max_rows": 0, "min_gap": None, "user_rows_sharing_a_step": 0}
+        return {"users": 0, "max_participations": 0, "max_rows": 0, "min_gap": None, "user_rows_sharing_a_step": 0,
+                "gap_histogram": {}}
     order = np.lexsort((steps, user_hashes_))
     user, step = user_hashes_[order], steps[order]
     new_user = np.concatenate([[True], user[1:] != user[:-1]])
@@ -288,7 +290,21 @@ def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
     gaps = (distinct_step[1:] - distinct_step[:-1])[same]
     return {"users": int(new_user.sum()), "max_participations": int(participations.max()),
             "max_rows": int(np.bincount(user_index).max()), "min_gap": int(gaps.min()) if len(gaps) else None,
-            "user_rows_sharing_a_step": int((~new_pair).sum())}
+            "user_rows_sharing_a_step": int((~new_pair).sum()), "gap_histogram": value_counts(gaps)}
+
+
+def value_counts(values: np.ndarray) -> dict[str, int]:
+    """{value: count} with string keys (JSON objects), for histograms that merge by summing."""
+    found, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(found, counts)}
+
+
+def merge_counts(histograms: list[dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for histogram in histograms:
+        for value, count in histogram.items():
+            merged[value] = merged.get(value, 0) + count
+    return dict(sorted(merged.items(), key=lambda item: int(item[0])))
 
 
 def merge_participation_stats(parts: list[dict]) -> dict:
@@ -296,7 +312,8 @@ def merge_participation_stats(parts: list[dict]) -> dict:
     return {"users": sum(p["users"] for p in parts),
             "max_participations": max((p["max_participations"] for p in parts), default=0),
             "max_rows": max((p["max_rows"] for p in parts), default=0), "min_gap": min(gaps) if gaps else None,
-            "user_rows_sharing_a_step": sum(p["user_rows_sharing_a_step"] for p in parts)}
+            "user_rows_sharing_a_step": sum(p["user_rows_sharing_a_step"] for p in parts),
+            "gap_histogram": merge_counts([p["gap_histogram"] for p in parts])}
 
 
 def size_summary(sizes: np.ndarray) -> dict:
@@ -513,6 +530,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     files = options.output_shards
     file_of_row = file_of_step(step, options.steps, files)
     results = []
+    progress = Progress(log, "writing batch files", files, "files")
     for file in range(files):
         mine = np.flatnonzero(file_of_row == file)
         rows = file_rows(dataset.ids, dataset.content, dataset.offsets, dataset.users, record_keys,
@@ -520,7 +538,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         results.append(write_batch_file(batch_file_path(output, file, files), rows,
                                         step_range(file, options.steps, files), options.max_batch_size,
                                         content_shapes(described)))
-        log.info("wrote %s (%d/%d)", batch_file_path(output, file, files), file + 1, files)
+        progress.update(file + 1, f", {len(mine)} rows in {batch_file_path(output, file, files)}")
     write_schema(output, schema(dataset.ids.type, described, options))
     written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
     result = report(options, engine, selected, data, sampled=sampled, units=int(dataset.copies.sum()),

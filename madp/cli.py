@@ -219,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
     mbox.add_argument("mbox", help="an mbox file")
     mbox.add_argument("output", help="directory: records/ (Parquet), rejected.jsonl, report.json")
 
+    page = commands.add_parser("report", help="an HTML page with plots of a `madp run` directory's reports")
+    page.add_argument("run_dir", help="the run_dir of a `madp run`")
+    page.add_argument("--output", help="HTML file (default RUN_DIR/report.html)")
+
     job = commands.add_parser("run", help="the production job from a YAML config: generate, bound, batch, "
                                           "calibrate, train (each optional, each resumable)")
     job.add_argument("config", help="YAML config (see examples/demo.yaml)")
@@ -445,7 +449,9 @@ def calibrate_batches(args: argparse.Namespace) -> dict:
     from tf_training.batches import open_batches
     from tf_training.plan import privacy_plan
     from madp import storage
+    from tf_training.plan import epsilon_curve
     plan = privacy_plan(open_batches(args.batches), _train_options(args))
+    plan["epsilon_curve"] = epsilon_curve(plan)
     storage.write_text(args.output, json.dumps(plan, indent=2))
     return plan
 
@@ -471,6 +477,9 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
         return _accounting(args, unknown)
     if args.command == "strategy":
         return _strategy(args)
+    if args.command == "report":
+        from madp.report import write_report
+        return write_report(args.run_dir, args.output)
     if args.command == "import-mbox":
         from madp.mbox import import_mbox
         return import_mbox(args.mbox, args.output)

@@ -9,8 +9,10 @@ import numpy as np
 
 from madp import records as rec
 from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
-from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, prepare_output,
-                            read_capacities, selection_shards, shard_path, write_report, write_selection_shard)
+from madp.progress import Progress
+from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
+                            prepare_output, read_capacities, record_distribution_stats, selection_shards, shard_path,
+                            user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 
@@ -23,6 +25,8 @@ class BoundResult:
     converged: bool
     max_user_contribution: int
     input_users: int
+    user_degree: np.ndarray        # records per user in the input
+    user_contribution: np.ndarray  # selected records (copies) per user
 
 
 def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Capacities) -> BoundResult:
@@ -68,7 +72,9 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
     contribution = users.contribution
     return BoundResult(copies=copies, rounds=rounds, passes=passes, converged=converged,
                        max_user_contribution=int(contribution.max()) if len(contribution) else 0,
-                       input_users=len(users.residual))
+                       input_users=len(users.residual),
+                       user_degree=np.bincount(users.inc_user, minlength=len(users.residual)),
+                       user_contribution=contribution)
 
 
 def read_input(input_path: str, columns: rec.Columns,
@@ -77,13 +83,14 @@ def read_input(input_path: str, columns: rec.Columns,
     repeated users removed."""
     files = rec.list_input_files(input_path)
     chunks, rejects, rows_read, removed = [], rec.Rejects(), 0, 0
+    progress = Progress(log, "reading input", len(files), "files")
     for index, path in enumerate(files):
         result = rec.read_file(path, index, columns, content)
         chunks.append(result.chunk)
         rejects.extend(result.rejects)
         rows_read += result.rows_read
         removed += result.repeated_users_removed
-        log.info("read %s: %d rows (%d/%d files)", path, result.rows_read, index + 1, len(files))
+        progress.update(index + 1, f", {rows_read} rows")
     chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
     return chunk, rejects, rows_read, removed
 
@@ -109,6 +116,8 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     report.update(selected_records=int(result.copies.sum()), distinct_selected=int(selected.sum()),
                   max_user_contribution=result.max_user_contribution, rounds=len(result.rounds),
                   passes=result.passes, converged=result.converged, per_round=result.rounds,
+                  histograms=histograms({**user_distribution_stats(result.user_degree, result.user_contribution),
+                                         **record_distribution_stats(chunk.arity, result.copies)}),
                   wall_time_s=round(time.perf_counter() - started, 3))
     write_report(output, report)
     return report

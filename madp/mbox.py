@@ -105,7 +105,7 @@ def import_mbox(path: str, output: str) -> dict:
                 written += len(rows)
                 rows = []
                 log.info("%d messages, %d records, %.0f messages/s", messages, written,
-                         messages / (time.perf_counter() - started))
+                         messages / (time.perf_counter() - started))  # the total is unknown while streaming
         if rows:
             writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
             written += len(rows)

@@ -22,6 +22,7 @@ import time
 
 import yaml
 
+import madp
 from madp import storage
 from madp.records import InputError
 
@@ -31,7 +32,7 @@ BEAM_KEYS = ("runner", "beam_options")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
 CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
                   "max_contributions", "amplified", "mc_samples", "mc_workers", "seed")
-SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train")
+SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,13 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
         if baseline:
             stages.append(Stage("baseline", ["train", path("batches"), path("baseline"), "--mechanism", "none",
                                              *flags], (path("batches"), *evaluation), path("baseline")))
+    report = config.get("report", False)
+    if not isinstance(report, bool):
+        raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
+    if report:
+        stages.append(Stage("report", ["report", run_dir], tuple(stage.output for stage in stages
+                                                                  if stage.name != "report"),
+                            path("report.html")))
     for stage in stages:  # every stage's options parse and build before anything runs
         _check(parser, stage)
     return stages
@@ -223,7 +231,7 @@ def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
 
 def fingerprint(stage: Stage) -> str:
     """Digest of the stage's command and of the names, sizes and modification times of its input files."""
-    digest = hashlib.sha256(json.dumps(stage.command).encode())
+    digest = hashlib.sha256(json.dumps([madp.__version__, stage.command]).encode())  # an upgrade re-runs
     for path in stage.inputs:
         for name, size, modified in storage.stamps(path):
             digest.update(f"{name}\0{size}\0{modified}\n".encode())

@@ -73,6 +73,36 @@ def group_sizes(arity, threshold: int) -> tuple[int, int]:
     return small, len(arity) - small
 
 
+# The report's distributions, as counts named so that sums over partitions merge them.
+HISTOGRAMS = {"records_per_user_input": "users_with_input_records_",
+              "records_per_user_selected": "users_with_selected_records_",
+              "records_by_users_input": "input_records_with_users_",
+              "records_by_users_selected": "selected_records_with_users_"}
+
+
+def user_distribution_stats(degree: np.ndarray, contribution: np.ndarray) -> dict[str, int]:
+    """Users by their records in the input and by their selected records (copies)."""
+    return {**_named_counts(HISTOGRAMS["records_per_user_input"], degree),
+            **_named_counts(HISTOGRAMS["records_per_user_selected"], contribution)}
+
+
+def record_distribution_stats(arity: np.ndarray, copies: np.ndarray) -> dict[str, int]:
+    """Records by their number of users, in the input and among the selected (distinct) records."""
+    return {**_named_counts(HISTOGRAMS["records_by_users_input"], arity),
+            **_named_counts(HISTOGRAMS["records_by_users_selected"], arity[copies > 0])}
+
+
+def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
+    found, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True)
+    return {f"{prefix}{int(v):09d}": int(c) for v, c in zip(found, counts)}
+
+
+def histograms(stats: dict[str, int]) -> dict[str, dict[str, int]]:
+    """{histogram: {value: count}} from summed distribution stats."""
+    return {name: {str(int(key[len(prefix):])): count for key, count in sorted(stats.items()) if key.startswith(prefix)}
+            for name, prefix in HISTOGRAMS.items()}
+
+
 def read_capacities(path: str, default: int) -> Capacities:
     """Rows (user, capacity) from CSV, JSONL or Parquet; integer capacity >= 0, users unique."""
     readers = {".parquet": pq.read_table, ".jsonl": pa_json.read_json, ".csv": pa_csv.read_csv}

@@ -15,7 +15,7 @@ from madp.verify import verify_bound
 
 SAME_REPORT_FIELDS = ("input_rows", "input_records", "input_users", "selected_records", "distinct_selected",
                       "max_user_contribution", "rounds", "passes", "converged", "per_round", "rejected",
-                      "rejected_total", "repeated_users_removed")
+                      "rejected_total", "repeated_users_removed", "histograms")
 
 
 def selection_files(output: str) -> dict[str, bytes]:

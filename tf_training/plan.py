@@ -9,6 +9,8 @@ import dataclasses
 import json
 import logging
 
+import numpy as np
+
 from accounting.calibrate import calibrate, epsilon
 from accounting.evr import calibrate_minsep, epsilon_minsep
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
@@ -185,6 +187,24 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
         plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo,
                     delta=monte_carlo["released_delta"], target_delta=options.delta)
     return plan
+
+
+def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
+    """[sigma, epsilon at the plan's delta] from sigma/2 to 2 sigma, for the report (PLD on a 10x coarser grid,
+    still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""
+    if plan["mechanism"] == "none":
+        return []
+    kinds = {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}
+    if plan["mechanism"] == "bandmf-minsep":
+        process = plan["parameters"]
+        mechanism = BandMf(process["steps"], process["min_sep"], 1 + (process["steps"] - 1) // process["min_sep"],
+                           tuple(process["coefficients"]), records_per_step=process["max_contributions"])
+    else:
+        parameters = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
+        mechanism = kinds[plan["mechanism"]](**parameters)
+    sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
+    return [[float(s), epsilon(mechanism, float(s), plan.get("target_delta", plan["delta"]), discretization=1e-2)]
+            for s in sigmas]
 
 
 def plan_for(batches: Batches, options: TrainOptions) -> dict:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from madp import storage
 from madp.batching import USER_FEATURE
+from madp.progress import Progress
 from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
@@ -314,6 +315,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     tf.io.gfile.makedirs(output)
     writer = tf.summary.create_file_writer(storage.join(output, "logs"))
     loop_started = time.perf_counter()
+    progress = Progress(log, "training", batches.steps, "steps")
     names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
     rows_per_replica = (None if options.distribution == "default"
@@ -330,10 +332,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             with writer.as_default():
                 for name in ("loss", "accuracy"):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
-        if done % max(1, batches.steps // 10) == 0 or done == batches.steps:
-            rate = done / (time.perf_counter() - loop_started)
-            log.info("step %d/%d, %.1f steps/s, ETA %.0f s%s", done, batches.steps, rate,
-                     (batches.steps - done) / rate, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
+        progress.update(done, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     result = {"batches": batches_dir, "output": output, "steps": batches.steps, "model": options.model,
               "distribution": options.distribution, "replicas": replicas,

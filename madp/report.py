@@ -1,0 +1,173 @@
+"""`madp report RUN_DIR`: one self-contained HTML page (PNG plots inlined) about a `madp run`.
+
+Every number and plot comes from the run's JSON reports: bound/report.json (histograms of
+records per user and of users per record, before and after bounding), batches/report.json
+(batch sizes per step, gaps between a user's participations), calibration.json (sigma and the
+sigma-epsilon curve) and train/ and baseline/ metrics.json (evaluation curves). Sections whose
+report is missing are listed as such.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+
+from madp import storage
+from madp.records import InputError
+
+SOURCES = {"bound": "bound/report.json", "batches": "batches/report.json", "calibration": "calibration.json",
+           "train": "train/metrics.json", "baseline": "baseline/metrics.json"}
+
+
+def _load(run_dir: str) -> dict[str, dict]:
+    found = {}
+    for name, relative in SOURCES.items():
+        path = storage.join(run_dir, relative)
+        if storage.kind(path) == "file":
+            found[name] = json.loads(storage.read_text(path))
+    return found
+
+
+def _png(figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _counts(histogram: dict[str, int]) -> tuple[list[int], list[int]]:
+    pairs = sorted((int(value), count) for value, count in histogram.items())
+    return [v for v, _ in pairs], [c for _, c in pairs]
+
+
+def _figures(reports: dict[str, dict], plt) -> list[tuple[str, str, str]]:
+    """(title, caption, base64 PNG) of every plot the reports allow."""
+    figures = []
+    bound = reports.get("bound")
+    if bound and bound.get("histograms"):
+        hist = bound["histograms"]
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for key, label in (("records_per_user_input", "input"), ("records_per_user_selected", "after bounding")):
+            values, counts = _counts(hist[key])
+            shown = [(v, c) for v, c in zip(values, counts) if v >= 1]  # log axis; users left with 0: caption
+            axis.plot([v for v, _ in shown], [c for _, c in shown], marker="o", markersize=3, label=label)
+        k = bound["parameters"]["max_contributions"]
+        axis.axvline(k, color="grey", linestyle="--", label=f"K = {k}")
+        axis.set(xscale="log", yscale="log", xlabel="records per user", ylabel="users")
+        axis.legend()
+        without = hist["records_per_user_selected"].get("0", 0)
+        figures.append(("Records per user", f"Users by their number of records in the input and after bounding; "
+                        f"{without:,} users have no selected record (bound/report.json).", _png(figure)))
+        plt.close(figure)
+        values, inputs = _counts(hist["records_by_users_input"])
+        selected = dict(zip(*_counts(hist["records_by_users_selected"])))
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.bar([str(v) for v in values], [selected.get(v, 0) / n for v, n in zip(values, inputs)])
+        axis.set(xlabel="users per record", ylabel="fraction kept", ylim=(0, 1))
+        figures.append(("Kept fraction by record arity", "Fraction of the input records with u users that "
+                        "bounding kept: the bias towards few-user records (bound/report.json).", _png(figure)))
+        plt.close(figure)
+    batches = reports.get("batches")
+    if batches:
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.plot(batches["batch_sizes"]["per_step"], linewidth=0.8, label="sampled")
+        if "per_step" in batches.get("written_batch_sizes", {}):
+            axis.plot(batches["written_batch_sizes"]["per_step"], linewidth=0.8, label="written")
+        axis.axhline(batches["parameters"]["batch_size"], color="grey", linestyle="--", label="target B")
+        axis.set(xlabel="step", ylabel=f"batch size ({batches['parameters']['batch_size_counts']})")
+        axis.legend()
+        figures.append(("Batch sizes", "Realized batch size per step against the target expected size "
+                        "(batches/report.json).", _png(figure)))
+        plt.close(figure)
+        gaps = batches.get("participation", {}).get("gap_histogram")
+        if gaps:
+            values, counts = _counts(gaps)
+            figure, axis = plt.subplots(figsize=(7, 4))
+            axis.bar(values, counts, width=1.0)
+            axis.axvline(batches["parameters"]["min_sep"] - 0.5, color="red", linestyle="--",
+                         label=f"min-sep b = {batches['parameters']['min_sep']}")
+            axis.set(xlabel="steps between a user's consecutive participations", ylabel="gaps", yscale="log")
+            axis.legend()
+            figures.append(("Gaps between participations", "Every gap between two consecutive steps a user "
+                            "takes part in; none is below b (batches/report.json).", _png(figure)))
+            plt.close(figure)
+    calibration = reports.get("calibration")
+    if calibration and calibration.get("epsilon_curve"):
+        sigmas, epsilons = zip(*calibration["epsilon_curve"])
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.plot(sigmas, epsilons, marker="o", markersize=3)
+        axis.plot([calibration["noise_multiplier"]], [calibration["epsilon"]], marker="*", markersize=12,
+                  color="red", label=f"this run: sigma {calibration['noise_multiplier']:.3g}")
+        axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration['delta']:g}")
+        axis.legend()
+        figures.append(("Sigma and epsilon", f"Epsilon of {calibration['mechanism']} as a function of sigma "
+                        "(calibration.json).", _png(figure)))
+        plt.close(figure)
+    curves = {name: reports[name]["eval"] for name in ("train", "baseline") if reports.get(name, {}).get("eval")}
+    if curves:
+        figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for name, points in curves.items():
+            steps = [p["step"] for p in points]
+            axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
+            axes[1].plot(steps, [p["accuracy"] for p in points], label="private" if name == "train" else "non-private")
+        axes[0].set(xlabel="step", ylabel="eval loss")
+        axes[1].set(xlabel="step", ylabel="eval accuracy")
+        axes[1].legend()
+        figures.append(("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ "
+                        "metrics.json).", _png(figure)))
+        plt.close(figure)
+    return figures
+
+
+def _summary(reports: dict[str, dict]) -> list[tuple[str, str]]:
+    rows = []
+    if "bound" in reports:
+        bound = reports["bound"]
+        rows += [("input records", f"{bound['input_records']:,}"), ("input users", f"{bound['input_users']:,}"),
+                 ("contribution bound K", str(bound["parameters"]["max_contributions"])),
+                 ("selected records", f"{bound['selected_records']:,}"),
+                 ("kept fraction", f"{bound['distinct_selected'] / max(bound['input_records'], 1):.3f}")]
+    if "batches" in reports:
+        batches = reports["batches"]
+        rows += [("sampler", batches["sampler"]), ("steps", str(batches["steps"])),
+                 ("expected batch size", f"{batches['parameters']['batch_size']:g}"),
+                 ("min-sep b", str(batches["parameters"]["min_sep"])),
+                 ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}"),
+                 ("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}")]
+    if "calibration" in reports and reports["calibration"].get("mechanism") != "none":
+        plan = reports["calibration"]
+        rows += [("mechanism", plan["mechanism"]), ("noise multiplier sigma", f"{plan['noise_multiplier']:.4g}"),
+                 ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})")]
+    for name, label in (("train", "private"), ("baseline", "non-private")):
+        final = reports.get(name, {}).get("final")
+        if final:
+            rows.append((f"{label} eval accuracy", f"{final['accuracy']:.4f}"))
+    return rows
+
+
+def write_report(run_dir: str, output: str | None = None) -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = _load(run_dir)
+    if not reports:
+        raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
+    figures = _figures(reports, plt)
+    output = output or storage.join(run_dir, "report.html")
+    missing = [relative for name, relative in SOURCES.items() if name not in reports]
+    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
+             "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
+             "figure{margin:1.5em 0}figcaption{color:#555}</style></head><body>",
+             f"<h1>madp run: {html.escape(run_dir)}</h1><table>"]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports)]
+    parts.append("</table>")
+    for title, caption, png in figures:
+        parts.append(f"<figure><h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
+                     f"src='data:image/png;base64,{png}'><figcaption>{html.escape(caption)}</figcaption></figure>")
+    if missing:
+        parts.append(f"<p>Not in this run: {html.escape(', '.join(missing))}.</p>")
+    parts.append("</body></html>")
+    storage.write_text(output, "\n".join(parts))
+    return {"report": output, "figures": [title for title, _, _ in figures], "missing": missing}

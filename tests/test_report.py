@@ -1,0 +1,74 @@
+"""`madp report`: the HTML page of a run, its numbers from the run's reports, and (when Chromium is
+installed) that it renders."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from madp.cli import main
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("tensorflow")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("report")
+    config = {"run_dir": str(directory / "run"),
+              "generate": {"records": 3000, "features": 4, "seed": 2, "holdout": True},
+              "bound": {"max_contributions": 2, "runner": "local"},
+              "batch": {"steps": 40, "batch_size": 50, "min_sep": 3, "runner": "local"},
+              "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 3},
+              "train": {"model": "logreg", "eval_every": 10, "baseline": True}, "report": True}
+    (directory / "job.yaml").write_text(yaml.safe_dump(config))
+    assert main(["-q", "run", str(directory / "job.yaml")]) == 0
+    return str(directory / "run")
+
+
+def test_report_numbers_come_from_the_runs_reports(run_dir, capsys):
+    page = open(os.path.join(run_dir, "report.html")).read()
+    bound = json.load(open(os.path.join(run_dir, "bound", "report.json")))
+    plan = json.load(open(os.path.join(run_dir, "calibration.json")))
+    final = json.load(open(os.path.join(run_dir, "train", "metrics.json")))["final"]
+    cells = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", page))
+    assert cells["selected records"] == f"{bound['selected_records']:,}"
+    assert cells["noise multiplier sigma"] == f"{plan['noise_multiplier']:.4g}"
+    assert cells["private eval accuracy"] == f"{final['accuracy']:.4f}"
+    assert page.count("<img ") == 6 and "data:image/png;base64," in page
+    assert "Not in this run" not in page
+    assert len(plan["epsilon_curve"]) == 9 and sorted(e for _, e in plan["epsilon_curve"])[::-1] == \
+        [e for _, e in plan["epsilon_curve"]]  # epsilon falls as sigma grows
+    histograms = bound["histograms"]
+    assert sum(histograms["records_per_user_input"].values()) == bound["input_users"]
+    assert sum(histograms["records_by_users_selected"].values()) == bound["distinct_selected"]
+    assert max(int(v) for v in histograms["records_per_user_selected"]) <= 2
+
+
+def test_a_partial_run_lists_what_is_missing(run_dir, tmp_path, capsys):
+    partial = tmp_path / "partial"
+    shutil.copytree(os.path.join(run_dir, "bound"), partial / "bound")
+    assert main(["-q", "report", str(partial)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["figures"] == ["Records per user", "Kept fraction by record arity"]
+    assert "calibration.json" in result["missing"] and "Not in this run" in open(partial / "report.html").read()
+    assert main(["-q", "report", str(tmp_path / "nothing")]) == 2
+    assert "no reports of a `madp run`" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium (Debian package chromium) is not installed")
+def test_the_page_renders_in_headless_chromium(run_dir, tmp_path):
+    from matplotlib import image
+    screenshot = tmp_path / "report.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--window-size=1200,3400", f"--screenshot={screenshot}",
+                    "file://" + os.path.abspath(os.path.join(run_dir, "report.html"))],
+                   capture_output=True, timeout=120, check=True)
+    pixels = image.imread(str(screenshot))
+    ink = (pixels[..., :3].mean(axis=2) < 0.9).mean()
+    assert pixels.shape[:2] == (3400, 1200) and ink > 0.03  # drawn plots, not a blank or error page
