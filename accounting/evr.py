@@ -144,13 +144,16 @@ def _estimate_verify_release(passes, fallback: float, low: float, seed: int) -> 
     """Algorithm 5 over candidates of one parameter, larger being more private (sigma, or a claimed epsilon).
 
     `passes(value, seed_tag, estimating)` runs the Monte Carlo verifier. The estimate bisects
-    (geometrically, with common random numbers) between `low` and the formally valid `fallback`;
+    (geometrically, with common random numbers) between `low` (lowered 8x at a time while it still
+    passes) and the formally valid `fallback`;
     candidates are the estimate times 1 + RUNG_STEPS, below the fallback, verified from the top with
     fresh samples; the lowest candidate such that it and all above it pass is released, else the
     fallback. Releasing a candidate that is not private needs the highest such candidate to pass:
     probability <= q.
     """
     high = fallback
+    while passes(low, (seed, 0), True) and low > fallback * 1e-6:  # the bracket must hold the estimate
+        high, low = low, low / 8
     for _ in range(BISECTION_STEPS):
         middle = math.sqrt(low * high)
         if passes(middle, (seed, 0), True):

@@ -74,14 +74,16 @@ def sample_participations(process: MinSepProcess, samples: int,
 # _TILE_STEPS steps, so every array the kernel touches stays in cache.
 _CHUNK = 2048
 _TILE_STEPS = 64
-# A block's weights are exponentiated relative to their per-sample maximum `shift` (clamped below
-# at _LOWEST_SHIFT, so e^-shift stays finite). float32 exponentials (4x faster) drop weights below e^-87 of the block's largest, i.e.
-# below e^(shift - 87) absolutely, while the carried term s^(b-m) f_next[0] >= s^(2b) times any
-# entry they multiply (f_i >= s f_{i+1}): with shift <= 40 and 2 b log(1/s) <= 20 a dropped term
-# is below e^-27 = 2e-12 of what is kept. Tiles with larger shifts exponentiate in float64; larger
-# b log(1/s) takes the log-space path.
-_LOWEST_SHIFT = -700.0
+# A block's weights are exponentiated relative to `shift`, their per-sample maximum clamped below
+# at 0, so weights and e^-shift are at most 1 and a block multiplies values by at most b + 1.
+# float32 exponentials (4x faster) drop weights below e^-87 relative to e^shift, while the carried
+# term s^(b-m) f_next[0] >= s^(2b) times any entry they multiply (f_i >= s f_{i+1}): with shift <= 40
+# and 2 b log(1/s) <= 20 a dropped term is below e^-27 = 2e-12 of what is kept. Tiles with larger
+# shifts exponentiate in float64; larger b log(1/s) takes the log-space path. Values are rescaled
+# every _RESCALE_BLOCKS blocks in float32 tiles (they move by at most (b + 1)^8 up or e^-480 down
+# in between), every block otherwise.
 _SINGLE_PRECISION_SHIFT = 40.0
+_RESCALE_BLOCKS = 8
 _LINEAR_SPAN = 10.0
 
 
@@ -113,8 +115,8 @@ def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, f
     W_i f_{i+b} unrolls to f_block = A (W * f_next_block) + s^(b-m) f_next_block[0] with A[m, m'] =
     s^(m'-m) (m' >= m, s = Binom(0)): one small matrix product per block. Each block's weights are
     exponentiated relative to their per-sample maximum (float32: the log ratio is exact to ~1e-7
-    relative, see _SINGLE_PRECISION_SHIFT) and each block is rescaled by its maximum, both logs accumulated
-    in `log_scale`.
+    relative, see _SINGLE_PRECISION_SHIFT) and blocks are rescaled by their maximum, both logs
+    accumulated in `log_scale`.
     """
     gap, steps = process.min_sep, process.steps
     blocks = -(-steps // gap)
@@ -149,18 +151,20 @@ def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, f
         log_weight = np.matmul(dot_within, by_block[:-1])
         log_weight += np.matmul(dot_across, by_block[1:])
         log_weight = _log_weight(log_weight, half_norms[first_row:tile_end * gap].reshape(size, gap, 1), log_probs)
-        shift = np.maximum(log_weight.max(axis=1), _LOWEST_SHIFT)
+        shift = np.maximum(log_weight.max(axis=1), 0.0)
         log_weight -= shift[:, None, :]
-        weight = np.exp(log_weight.astype(np.float32) if shift.max() <= _SINGLE_PRECISION_SHIFT else log_weight)
+        single = shift.max() <= _SINGLE_PRECISION_SHIFT
+        weight = np.exp(log_weight.astype(np.float32) if single else log_weight)
         carried = np.exp(-shift)
         log_scale += shift.sum(axis=0)
         for block in range(size - 1, -1, -1):
-            new = unroll @ (weight[block] * f)
-            new += carry * (f[0] * carried[block])
-            peak = new.max(axis=0)
-            new /= peak
-            log_scale += np.log(peak)
-            f = new
+            f_next = f
+            f = unroll @ (weight[block] * f_next)
+            f += carry * (f_next[0] * carried[block])
+            if not single or block % _RESCALE_BLOCKS == 0:
+                peak = f.max(axis=0)
+                f /= peak
+                log_scale += np.log(peak)
     result = np.log(f[lead]) + log_scale
     if not np.isfinite(result).all():  # f_0 >= s^b times its block's peak: cannot happen below _LINEAR_SPAN
         raise FloatingPointError(f"non-finite privacy loss for {process} at sigma {noise_multiplier}")

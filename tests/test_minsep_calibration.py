@@ -93,3 +93,11 @@ def test_runner_options_are_checked(capsys):
     assert main([*base, "--mechanism", "bandmf-minsep", "--sampling-prob", "0.1", "--min-sep", "2", "--bands", "2",
                  "--direct_num_workers", "2"]) == 2
     assert "--runner local takes no Beam options" in capsys.readouterr().err
+
+
+def test_estimate_is_found_far_below_the_fallback():
+    """With q = 0.01 amplification cuts sigma ~20x: the bracket must reach below fallback / 8."""
+    process = MinSepProcess(30, 1, 0.01, 1, (1.0,))
+    result = evr.calibrate_minsep(process, fallback_sigma(1.0, 0.02), 1.0, 0.02, seed=2)
+    exact = calibrate(DpSgdUls(0.01, 30), 1.0, 0.02).noise_multiplier
+    assert result.verified and exact <= result.value < 1.5 * exact < fallback_sigma(1.0, 0.02) / 8
