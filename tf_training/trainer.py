@@ -151,9 +151,12 @@ class PrivateStep:
         self.apply(*self._inputs(x, y, weight, users))
 
     def _inputs(self, x, y, weight, users):
-        if self.user_level and users is None:
+        """Groups matter only for user-level clipping; otherwise None (one row per group)."""
+        if not self.user_level:
+            return x, y, weight, None
+        if users is None:
             raise ValueError("user-level steps need each row's user")
-        return x, y, weight, tf.constant(row_groups(np.asarray(users) if self.user_level else None, len(weight)))
+        return x, y, weight, tf.constant(row_groups(np.asarray(users), len(weight)))
 
     @tf.function(reduce_retracing=True)
     def _privatize_once(self, x, y, weight, groups):
@@ -197,10 +200,11 @@ class NonPrivateStep:
         self.strategy = strategy or tf.distribute.get_strategy()
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self.apply(x, y, weight, tf.zeros_like(weight, tf.int32))
+        self.apply(x, y, weight)
 
     @tf.function(reduce_retracing=True)
-    def apply(self, x, y, weight, groups) -> None:
+    def apply(self, x, y, weight, groups=None) -> None:
+        """One step on (per-replica) rows; `groups` (for the same call as PrivateStep's) is not needed."""
         self.strategy.run(self._apply_replica, args=(x, y, weight))
 
     def _apply_replica(self, x, y, weight) -> None:
