@@ -230,27 +230,44 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
         raise ValueError(f"under must be 'P' or 'Q', got {under!r}")
     ratios = []
     bands = np.asarray(process.coefficients)
+    firsts = _tile_first_steps(process)
+    tile_of_first = {int(first): tile for tile, first in enumerate(firsts)}
     for start in range(0, samples, _CHUNK):
         size = min(_CHUNK, samples - start)
         key = [seed, start]
         steps, ids, counts = (sample_participations(process, size, _generator(key, 0)) if under == "P"
                               else (np.zeros(0, np.int64),) * 3)
-        order = np.argsort(steps, kind="stable")
-        steps = steps[order]
-        rows = steps[:, None] + np.arange(len(bands))  # entries of C x, one row per participation
-        ids = np.repeat(ids[order], len(bands)).reshape(rows.shape)
-        values = counts[order, None] * bands
+        # The entries of C x (a sample's participations are >= b >= bands apart, so their columns of C
+        # never overlap and no entry repeats), grouped by tile as flat positions within the tile;
+        # participations in step order make the entries nearly sorted by tile, which timsort likes.
+        by_step = np.argsort(steps, kind="stable")
+        steps, ids, counts = steps[by_step], ids[by_step], counts[by_step]
+        rows = (steps[:, None] + np.arange(len(bands))).ravel()
+        values = (counts[:, None] * bands).ravel()
+        ids = np.repeat(ids, len(bands))
+        inside = rows < process.steps
+        rows, values, ids = rows[inside], values[inside], ids[inside]
+        tiles = np.searchsorted(firsts, rows, side="right") - 1
+        order = np.argsort(tiles, kind="stable")
+        tiles, values = tiles[order], values[order]
+        positions = (rows[order] - firsts[tiles]) * size + ids[order]
+        bounds = np.searchsorted(tiles, np.arange(len(firsts) + 1))
 
-        def fill(out: np.ndarray, first: int, key=key, steps=steps, rows=rows, ids=ids, values=values) -> None:
-            """Outputs sigma z + C x of steps first.. first + len(out) - 1. A sample's participations are
-            >= b >= bands apart, so their columns of C never overlap and no entry is added twice."""
+        def fill(out: np.ndarray, first: int, key=key, positions=positions, values=values, bounds=bounds) -> None:
+            """Outputs sigma z + C x of the tile of steps first.. first + len(out) - 1."""
             _generator(key, first + 1).standard_normal(out=out)
             out *= noise_multiplier
-            low, high = np.searchsorted(steps, [first - len(bands) + 1, first + len(out)])
-            inside = (rows[low:high] >= first) & (rows[low:high] < first + len(out))
-            out[rows[low:high][inside] - first, ids[low:high][inside]] += values[low:high][inside]
+            tile = tile_of_first[first]
+            out.reshape(-1)[positions[bounds[tile]:bounds[tile + 1]]] += values[bounds[tile]:bounds[tile + 1]]
         ratios.append(_log_ratios(process, noise_multiplier, size, fill))
     return np.concatenate(ratios) if ratios else np.zeros(0)
+
+
+def _tile_first_steps(process: MinSepProcess) -> np.ndarray:
+    """The first step of every tile of `_log_ratios`, ascending."""
+    blocks = -(-process.steps // process.min_sep)
+    lead = blocks * process.min_sep - process.steps
+    return np.array(sorted(max(start * process.min_sep - lead, 0) for start, _ in _tiles(blocks, process.min_sep)))
 
 
 def _generator(key: list[int], stream: int) -> np.random.Generator:

@@ -40,15 +40,18 @@ def main() -> None:
         result = calibrate(mechanism, target, 1e-5)
         wall = time.perf_counter() - started
         print(f"{name:<40}{result.noise_multiplier:>10.4f}{result.epsilon:>10.4f}{result.evaluations:>7}{wall:>9.1f}")
-    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, {SAMPLES} samples "
-          f"drawn under P:")
+    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 3 x "
+          f"{SAMPLES} samples:")
     for steps, min_sep in MONTE_CARLO:
         process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
         timings = {}
         for under in ("P", "Q"):
-            started = time.perf_counter()
-            sample_log_ratios(process, 1.0, SAMPLES, seed=0, under=under)
-            timings[under] = (time.perf_counter() - started) / SAMPLES * 1e6
+            runs = []
+            for seed in range(3):  # best of 3
+                started = time.perf_counter()
+                sample_log_ratios(process, 1.0, SAMPLES, seed=seed, under=under)
+                runs.append((time.perf_counter() - started) / SAMPLES * 1e6)
+            timings[under] = min(runs)
         # Reference in this process: the textbook form, log weights from the definition and the
         # recursion step by step in log space, on outputs drawn the same way (2048 samples).
         outputs = np.random.default_rng(0).standard_normal((steps, 2048))
