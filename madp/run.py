@@ -182,7 +182,7 @@ def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list
     flags = []
     for key, value in options.items():
         action = known.get(key)
-        if action is None or key in ("help",) or action.dest in ("input", "output"):
+        if action is None or key == "help":
             names = ", ".join(sorted(k for k in known if k != "help"))
             raise InputError(f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
                              f"(known: {names})")
