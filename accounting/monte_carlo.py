@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 from scipy.stats import binom
 
 from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
@@ -94,7 +95,7 @@ def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, output
         block = outputs[:, start:start + _CHUNK]
 
         def fill(out: np.ndarray, first: int, block=block) -> None:
-            out[:] = block[first:first + len(out)]
+            np.divide(block[first:first + len(out)], noise_multiplier, out=out)
         ratios.append(_log_ratios(process, noise_multiplier, block.shape[1], fill))
     return np.concatenate(ratios) if ratios else np.zeros(0)
 
@@ -109,7 +110,8 @@ def _band_matrices(coefficients: np.ndarray, size: int) -> tuple[np.ndarray, np.
 
 
 def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, fill) -> np.ndarray:
-    """log f_1 for `samples` samples whose outputs `fill(out, first_step)` writes on demand, in blocks of b steps.
+    """log f_1 for `samples` samples whose outputs over sigma `fill(out, first_step)` writes on demand,
+    in blocks of b steps.
 
     Steps are padded at the front to whole blocks of b = min-sep. Within a block, f_i = s f_{i+1} +
     W_i f_{i+b} unrolls to f_block = A (W * f_next_block) + s^(b-m) f_next_block[0] with A[m, m'] =
@@ -123,7 +125,8 @@ def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, f
     lead = blocks * gap - steps
     variance = noise_multiplier ** 2
     coefficients = np.asarray(process.coefficients, dtype=np.float64)
-    dot_within, dot_across = _band_matrices(coefficients / variance, gap)
+    # <c_i, y_i..>/sigma^2 from y/sigma: block j's dots read its 2b outputs and the next block's
+    dot_bands = np.concatenate(_band_matrices(coefficients / noise_multiplier, gap), axis=1)
     squares = coefficients ** 2  # ||c_i||^2 counts only the bands before the horizon
     half_norms = np.full(blocks * gap, np.inf)
     half_norms[lead:] = np.cumsum(squares)[np.minimum(len(squares), steps - np.arange(steps)) - 1] / (2 * variance)
@@ -147,15 +150,17 @@ def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, f
         real = max(first_row, lead)
         outputs[:real - first_row] = 0.0
         fill(outputs[real - first_row:size * gap], real - lead)
-        by_block = outputs[:(size + 1) * gap].reshape(size + 1, gap, samples)
-        log_weight = np.matmul(dot_within, by_block[:-1])
-        log_weight += np.matmul(dot_across, by_block[1:])
-        log_weight = _log_weight(log_weight, half_norms[first_row:tile_end * gap].reshape(size, gap, 1), log_probs)
+        pairs = as_strided(outputs, shape=(size, 2 * gap, samples), writeable=False,  # a view: rows j b..(j+2) b
+                           strides=(gap * outputs.strides[0], *outputs.strides))
+        log_weight = _log_weight(np.matmul(dot_bands, pairs), half_norms[first_row:tile_end * gap].reshape(size, gap, 1),
+                                 log_probs)
         shift = np.maximum(log_weight.max(axis=1), 0.0)
-        log_weight -= shift[:, None, :]
         single = shift.max() <= _SINGLE_PRECISION_SHIFT
-        weight = np.exp(log_weight.astype(np.float32) if single else log_weight)
-        carried = np.exp(-shift)
+        # log W - shift, rounded to float32 in the same pass where the tile allows it
+        weight = np.subtract(log_weight, shift[:, None, :], dtype=np.float32 if single else np.float64,
+                             casting="same_kind" if not single else "unsafe")
+        np.exp(weight, out=weight)
+        carried = np.exp(-shift.astype(np.float32) if single else -shift)
         log_scale += shift.sum(axis=0)
         for block in range(size - 1, -1, -1):
             f_next = f
@@ -205,8 +210,8 @@ def _direct_log_weight(process: MinSepProcess, noise_multiplier: float, fill, sa
     dots = sum(c * outputs[lag:lag + process.steps] for lag, c in enumerate(process.coefficients))
     squares = np.asarray(process.coefficients) ** 2
     half_norms = np.cumsum(squares)[np.minimum(len(squares), process.steps - np.arange(process.steps)) - 1]
-    return _log_weight(dots / noise_multiplier ** 2, half_norms[:, None] / (2 * noise_multiplier ** 2),
-                       process.count_log_probs)
+    return _log_weight(dots / noise_multiplier, half_norms[:, None] / (2 * noise_multiplier ** 2),
+                       process.count_log_probs)  # outputs are y / sigma
 
 
 def _recursion_log(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray:
@@ -251,12 +256,12 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
         order = np.argsort(tiles, kind="stable")
         tiles, values = tiles[order], values[order]
         positions = (rows[order] - firsts[tiles]) * size + ids[order]
+        values /= noise_multiplier  # outputs are y / sigma = z + C x / sigma
         bounds = np.searchsorted(tiles, np.arange(len(firsts) + 1))
 
         def fill(out: np.ndarray, first: int, key=key, positions=positions, values=values, bounds=bounds) -> None:
-            """Outputs sigma z + C x of the tile of steps first.. first + len(out) - 1."""
+            """Outputs over sigma, z + C x / sigma, of the tile of steps first.. first + len(out) - 1."""
             _generator(key, first + 1).standard_normal(out=out)
-            out *= noise_multiplier
             tile = tile_of_first[first]
             out.reshape(-1)[positions[bounds[tile]:bounds[tile + 1]]] += values[bounds[tile]:bounds[tile + 1]]
         ratios.append(_log_ratios(process, noise_multiplier, size, fill))
