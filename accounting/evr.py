@@ -182,25 +182,26 @@ def calibrate_minsep(process: MinSepProcess, fallback_sigma: float, epsilon: flo
                      beam_args: list[str] | None = None) -> MinSepRelease:
     """The smallest verified noise multiplier for (epsilon, delta); `fallback_sigma` satisfies it formally
     (unamplified BandMF). Verification at base delta delta / 2, in both directions."""
-    samples, estimate_samples, base_delta, guarantee = _sample_count(delta, samples)
-    with task_map(workers, beam_args) as mapper:
-        released, estimate, ladder, outcomes = _estimate_verify_release(
-            lambda sigma, tag, estimating: estimate_delta(
-                process, sigma, epsilon, estimate_samples if estimating else samples, tag, mapper) <= base_delta,
-            fallback_sigma, fallback_sigma / 8, seed)
-    return MinSepRelease(released, released < fallback_sigma, fallback_sigma, estimate, ladder, outcomes, samples,
-                         estimate_samples, base_delta, guarantee)
+    return _release(process, lambda sigma: (sigma, epsilon), fallback_sigma, fallback_sigma / 8, delta, samples,
+                    seed, workers, beam_args)
 
 
 def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, fallback_epsilon: float, delta: float,
                    samples: int | None = None, seed: int = 0, workers: int = 1,
                    beam_args: list[str] | None = None) -> MinSepRelease:
     """The smallest verified epsilon at `noise_multiplier`; `fallback_epsilon` holds formally."""
+    return _release(process, lambda eps: (noise_multiplier, eps), fallback_epsilon, fallback_epsilon / 1000, delta,
+                    samples, seed, workers, beam_args)
+
+
+def _release(process: MinSepProcess, sigma_epsilon, fallback: float, low: float, delta: float, samples: int | None,
+             seed: int, workers: int, beam_args: list[str] | None) -> MinSepRelease:
+    """Algorithm 5 over one parameter; `sigma_epsilon(value)` is the (sigma, epsilon) a candidate value claims."""
     samples, estimate_samples, base_delta, guarantee = _sample_count(delta, samples)
     with task_map(workers, beam_args) as mapper:
         released, estimate, ladder, outcomes = _estimate_verify_release(
-            lambda eps, tag, estimating: estimate_delta(
-                process, noise_multiplier, eps, estimate_samples if estimating else samples, tag, mapper) <= base_delta,
-            fallback_epsilon, fallback_epsilon / 1000, seed)
-    return MinSepRelease(released, released < fallback_epsilon, fallback_epsilon, estimate, ladder, outcomes,
-                         samples, estimate_samples, base_delta, guarantee)
+            lambda value, tag, estimating: estimate_delta(
+                process, *sigma_epsilon(value), estimate_samples if estimating else samples, tag, mapper) <= base_delta,
+            fallback, low, seed)
+    return MinSepRelease(released, released < fallback, fallback, estimate, ladder, outcomes, samples,
+                         estimate_samples, base_delta, guarantee)

@@ -100,13 +100,13 @@ def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, output
     return np.concatenate(ratios) if ratios else np.zeros(0)
 
 
-def _band_matrices(coefficients: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(within, across), size x size: the dots <c_i, y_i..y_{i+bands-1}> of the steps of one block of
-    `size` steps are within @ (its outputs) + across @ (the next block's outputs), as bands <= size."""
-    c = np.zeros(size)
+def _band_matrix(coefficients: np.ndarray, size: int) -> np.ndarray:
+    """size x 2 size: the dots <c_i, y_i..y_{i+bands-1}> of the steps of one block of `size` steps are this
+    times the outputs of the block and of the next one (bands <= size)."""
+    c = np.zeros(2 * size)
     c[:len(coefficients)] = coefficients
-    lag = np.arange(size)[None, :] - np.arange(size)[:, None]
-    return np.where(lag >= 0, c[lag % size], 0.0), np.where(lag < 0, c[lag % size], 0.0)
+    lag = np.arange(2 * size)[None, :] - np.arange(size)[:, None]
+    return np.where(lag >= 0, c[np.maximum(lag, 0)], 0.0)
 
 
 def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, fill) -> np.ndarray:
@@ -125,8 +125,8 @@ def _log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, f
     lead = blocks * gap - steps
     variance = noise_multiplier ** 2
     coefficients = np.asarray(process.coefficients, dtype=np.float64)
-    # <c_i, y_i..>/sigma^2 from y/sigma: block j's dots read its 2b outputs and the next block's
-    dot_bands = np.concatenate(_band_matrices(coefficients / noise_multiplier, gap), axis=1)
+    # <c_i, y_i..>/sigma^2 from y/sigma: block j's dots read its b outputs and the next block's
+    dot_bands = _band_matrix(coefficients / noise_multiplier, gap)
     squares = coefficients ** 2  # ||c_i||^2 counts only the bands before the horizon
     half_norms = np.full(blocks * gap, np.inf)
     half_norms[lead:] = np.cumsum(squares)[np.minimum(len(squares), steps - np.arange(steps)) - 1] / (2 * variance)

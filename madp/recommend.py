@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import numpy as np
 import pyarrow.compute as pc
@@ -128,4 +127,4 @@ def _reason(chosen: dict, rows: list[dict], median: float) -> str:
         nxt = larger[0]
         text += (f"; k = {nxt['k']} would keep {100 * (nxt['kept_fraction'] - chosen['kept_fraction']):.1f} points "
                  f"more for {nxt['noise_multiplier'] / chosen['noise_multiplier']:.2f}x the noise")
-    return text if math.isfinite(median) else "no users in the input"
+    return text

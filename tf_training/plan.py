@@ -12,7 +12,7 @@ import logging
 import numpy as np
 
 from accounting.calibrate import calibrate, epsilon
-from accounting.evr import calibrate_minsep, epsilon_minsep
+from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
@@ -194,14 +194,9 @@ def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
     still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""
     if plan["mechanism"] == "none":
         return []
-    kinds = {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}
-    if plan["mechanism"] == "bandmf-minsep":
-        process = plan["parameters"]
-        mechanism = BandMf(process["steps"], process["min_sep"], 1 + (process["steps"] - 1) // process["min_sep"],
-                           tuple(process["coefficients"]), records_per_step=process["max_contributions"])
-    else:
-        parameters = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
-        mechanism = kinds[plan["mechanism"]](**parameters)
+    parameters = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
+    mechanism = (unamplified(MinSepProcess(**parameters)) if plan["mechanism"] == "bandmf-minsep" else
+                 {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters))
     sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
     return [[float(s), epsilon(mechanism, float(s), plan.get("target_delta", plan["delta"]), discretization=1e-2)]
             for s in sigmas]
