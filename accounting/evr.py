@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from accounting.mechanisms import BandMf
+from accounting.calibrate import calibrate
+from accounting.calibrate import epsilon as epsilon_of
+from accounting.mechanisms import BandMf, Mechanism
 from accounting.monte_carlo import MinSepProcess, hockey_stick_terms, sample_log_ratios
 from madp.records import InputError
 
@@ -34,15 +38,24 @@ def failure_probability(base_delta: float, delta: float, samples: int) -> float:
     return math.exp(-samples * bernoulli_kl(base_delta, delta))
 
 
-def overall_delta(base_delta: float, samples: int, target_delta: float) -> float:
-    """min over delta in (base_delta, target_delta] of delta + q(delta) (1 - delta)."""
+def release_deltas(base_delta: float, samples: int, target_delta: float) -> tuple[float, float]:
+    """(delta*, delta* + q(delta*) (1 - delta*)) for the delta* in (base_delta, target_delta] minimizing the
+    second. Theorem A.1 holds at delta*: every candidate it may release, the fallback included, must be
+    (epsilon, delta*)-DP or be rejected with probability >= 1 - q(delta*)."""
     def value(log_delta: float) -> float:
         delta = math.exp(log_delta)
         return delta + failure_probability(base_delta, delta, samples) * (1 - delta)
 
     result = minimize_scalar(value, bounds=(math.log(base_delta) + 1e-12, math.log(target_delta)), method="bounded",
                              options={"xatol": 1e-10})
-    return min(result.fun, value(math.log(target_delta)))
+    if result.fun < value(math.log(target_delta)):
+        return math.exp(result.x), float(result.fun)
+    return target_delta, value(math.log(target_delta))
+
+
+def overall_delta(base_delta: float, samples: int, target_delta: float) -> float:
+    """min over delta in (base_delta, target_delta] of delta + q(delta) (1 - delta)."""
+    return release_deltas(base_delta, samples, target_delta)[1]
 
 
 def samples_needed(target_delta: float, base_delta: float) -> int:
@@ -86,7 +99,27 @@ class MinSepRelease:
     samples: int                   # per verification and direction
     estimate_samples: int          # per estimate and direction
     base_delta: float
-    overall_delta: float           # the delta of the released (epsilon, delta) guarantee
+    mechanism_delta: float         # delta*: candidates and fallback are judged (epsilon, delta*)-DP
+    failure_probability: float     # q(delta*): chance that a candidate which is not passes verification
+    overall_delta: float           # delta* + q (1 - delta*): the delta of Algorithm 5's guarantee
+    attempts: int                  # runs of this same calibration in the attempts ledger, this one included
+
+    def report(self, sigma_fixed: bool) -> dict:
+        """The release as outputs state it. Calibrating sigma is Algorithm 5: a formal (epsilon, delta*
+        + q (1 - delta*)) guarantee. At a fixed sigma (`sigma_fixed`) a verified epsilon is a claim about
+        a fixed mechanism, (epsilon, delta*), wrong with probability <= q; the fallback is formal."""
+        if not sigma_fixed:
+            delta, guarantee = self.overall_delta, "formal (Algorithm 5, estimate-verify-release)"
+        elif self.verified:
+            delta, guarantee = self.mechanism_delta, (f"Monte Carlo claim at a fixed sigma: false with probability "
+                                                      f"<= {self.failure_probability:.3g}")
+        else:
+            delta, guarantee = self.mechanism_delta, "formal (the unamplified fallback's PLD accounting)"
+        return {"verified": self.verified, "guarantee": guarantee, "delta": delta, "samples": self.samples,
+                "estimate_samples": self.estimate_samples, "base_delta": self.base_delta,
+                "mechanism_delta": self.mechanism_delta, "failure_probability": self.failure_probability,
+                "ladder": list(self.ladder), "outcomes": list(self.outcomes), "attempts": self.attempts,
+                "attempts_ledger": attempts_ledger()}
 
 
 def _chunk_terms(task) -> float:
@@ -129,15 +162,16 @@ def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples
     return delta
 
 
-def _sample_count(delta: float, samples: int | None) -> tuple[int, int, float, float]:
-    """(verification samples, estimate samples, base delta, delta of the released guarantee)."""
+def _sample_count(delta: float, samples: int | None) -> tuple[int, int, float, float, float]:
+    """(verification samples, estimate samples, base delta, delta*, delta of the released guarantee)."""
     base_delta = delta / 2
     samples = samples or samples_needed(delta, base_delta)
-    guarantee = overall_delta(base_delta, samples, delta)
+    mechanism_delta, guarantee = release_deltas(base_delta, samples, delta)
     if guarantee > delta:
         raise InputError(f"{samples} samples give at best delta {guarantee:.3g}; need "
                          f"{samples_needed(delta, base_delta)} for delta {delta:g}")
-    return samples, min(samples, max(samples // ESTIMATE_FRACTION, ESTIMATE_MIN_SAMPLES)), base_delta, guarantee
+    estimate_samples = min(samples, max(samples // ESTIMATE_FRACTION, ESTIMATE_MIN_SAMPLES))
+    return samples, estimate_samples, base_delta, mechanism_delta, guarantee
 
 
 def _estimate_verify_release(passes, fallback: float, low: float, seed: int) -> tuple[float, float, tuple, tuple]:
@@ -177,31 +211,76 @@ def unamplified(process: MinSepProcess) -> BandMf:
                   records_per_step=process.max_contributions)
 
 
-def calibrate_minsep(process: MinSepProcess, fallback_sigma: float, epsilon: float, delta: float,
-                     samples: int | None = None, seed: int = 0, workers: int = 1,
-                     beam_args: list[str] | None = None) -> MinSepRelease:
-    """The smallest verified noise multiplier for (epsilon, delta); `fallback_sigma` satisfies it formally
-    (unamplified BandMF). Verification at base delta delta / 2, in both directions."""
-    return _release(process, lambda sigma: (sigma, epsilon), fallback_sigma, fallback_sigma / 8, delta, samples,
-                    seed, workers, beam_args)
+def calibrate_minsep(process: MinSepProcess, epsilon: float, delta: float, samples: int | None = None,
+                     seed: int = 0, workers: int = 1, beam_args: list[str] | None = None,
+                     fallback: Mechanism | None = None) -> MinSepRelease:
+    """Algorithm 5: the smallest verified noise multiplier for (epsilon, delta). The fallback, released
+    when no candidate verifies, is `fallback` (default: unamplified BandMF) calibrated formally at
+    delta*, as Theorem A.1 needs. Verification at base delta delta / 2, in both directions."""
+    mechanism = fallback or unamplified(process)
+    return _release(process, {"epsilon": epsilon}, lambda sigma: (sigma, epsilon),
+                    lambda at: calibrate(mechanism, epsilon, at).noise_multiplier, 1 / 8, delta, samples, seed,
+                    workers, beam_args)
 
 
-def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, fallback_epsilon: float, delta: float,
-                   samples: int | None = None, seed: int = 0, workers: int = 1,
-                   beam_args: list[str] | None = None) -> MinSepRelease:
-    """The smallest verified epsilon at `noise_multiplier`; `fallback_epsilon` holds formally."""
-    return _release(process, lambda eps: (noise_multiplier, eps), fallback_epsilon, fallback_epsilon / 1000, delta,
-                    samples, seed, workers, beam_args)
+def epsilon_minsep(process: MinSepProcess, noise_multiplier: float, delta: float, samples: int | None = None,
+                   seed: int = 0, workers: int = 1, beam_args: list[str] | None = None,
+                   fallback: Mechanism | None = None) -> MinSepRelease:
+    """The smallest epsilon that verifies at `noise_multiplier` (fallback: the formal epsilon of `fallback`,
+    default unamplified BandMF, at delta*). Sigma is fixed, so this is no Algorithm 5 release but a
+    verified claim: a false epsilon is returned only if the highest false candidate passes, probability
+    <= q; the result states (epsilon, delta*) with that failure probability."""
+    mechanism = fallback or unamplified(process)
+    return _release(process, {"noise_multiplier": noise_multiplier}, lambda eps: (noise_multiplier, eps),
+                    lambda at: epsilon_of(mechanism, noise_multiplier, at), 1 / 1000, delta, samples, seed, workers,
+                    beam_args)
 
 
-def _release(process: MinSepProcess, sigma_epsilon, fallback: float, low: float, delta: float, samples: int | None,
-             seed: int, workers: int, beam_args: list[str] | None) -> MinSepRelease:
-    """Algorithm 5 over one parameter; `sigma_epsilon(value)` is the (sigma, epsilon) a candidate value claims."""
-    samples, estimate_samples, base_delta, guarantee = _sample_count(delta, samples)
+def _release(process: MinSepProcess, target: dict, sigma_epsilon, fallback_at, low: float, delta: float,
+             samples: int | None, seed: int, workers: int, beam_args: list[str] | None) -> MinSepRelease:
+    """Algorithm 5 over one parameter; `sigma_epsilon(value)` is the (sigma, epsilon) a candidate value
+    claims, `fallback_at(delta*)` the formally valid value, and the search starts at `low` times it."""
+    samples, estimate_samples, base_delta, mechanism_delta, guarantee = _sample_count(delta, samples)
+    fallback = fallback_at(mechanism_delta)
     with task_map(workers, beam_args) as mapper:
         released, estimate, ladder, outcomes = _estimate_verify_release(
             lambda value, tag, estimating: estimate_delta(
                 process, *sigma_epsilon(value), estimate_samples if estimating else samples, tag, mapper) <= base_delta,
-            fallback, low, seed)
+            fallback, fallback * low, seed)
+    attempts = record_attempt({"process": dataclasses.asdict(process), **target, "delta": delta, "samples": samples},
+                              {"seed": seed, "released": released, "verified": released < fallback})
     return MinSepRelease(released, released < fallback, fallback, estimate, ladder, outcomes, samples,
-                         estimate_samples, base_delta, guarantee)
+                         estimate_samples, base_delta, mechanism_delta,
+                         failure_probability(base_delta, mechanism_delta, samples), guarantee, attempts)
+
+
+# --- the attempts ledger ------------------------------------------------------------------------
+
+def attempts_ledger() -> str:
+    """Where every Monte Carlo calibration is recorded: $MADP_ATTEMPTS_LEDGER, else ~/.madp/."""
+    return os.environ.get("MADP_ATTEMPTS_LEDGER") or os.path.join(os.path.expanduser("~"), ".madp",
+                                                                     "monte-carlo-attempts.jsonl")
+
+
+def record_attempt(calibration: dict, outcome: dict) -> int:
+    """Append one run of `calibration` to the ledger; return how many runs of it the ledger holds.
+
+    A verification errs with probability q; re-running with new seeds until one passes multiplies
+    that by the number of tries. The ledger makes such tries visible (the count is in every result)."""
+    path = attempts_ledger()
+    key = json.dumps(calibration, sort_keys=True, default=list)
+    earlier = 0
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    earlier += json.loads(line).get("calibration") == key
+                except json.JSONDecodeError:
+                    continue
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "calibration": key, **outcome}) + "\n")
+    if earlier:
+        log.warning("this Monte Carlo calibration ran %d times before (%s): choosing among runs multiplies the "
+                    "failure probability by their number", earlier, path)
+    return earlier + 1

@@ -23,6 +23,7 @@ from numpy.lib.stride_tricks import as_strided
 from scipy.stats import binom
 
 from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
+from madp.records import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,10 @@ class MinSepProcess:
         check_min_sep(self.min_sep, len(self.coefficients))
         check_probability("--sampling-prob", self.sampling_prob)
         check_contributions(self.max_contributions)
+        if min(self.coefficients, default=0.0) < 0:
+            raise InputError(f"b-min-sep amplification (Theorem 6.1 of the b-min-sep paper) needs a non-negative "
+                             f"strategy matrix C; these bands have negative entries {self.coefficients}: use "
+                             f"--strategy sqrt, or account without amplification")
 
     @property
     def count_log_probs(self) -> np.ndarray:

@@ -28,6 +28,7 @@ from beam_pipelines.bound import PartitionStore, _by_kind, _counters, _input_err
 from madp import batching, sampling, storage
 from madp import records as rec
 from madp.hashing import partition_of
+from madp.randomness import SecretKey
 from madp.selection import handle_rejects, write_report
 
 log = logging.getLogger("madp.batch")
@@ -94,8 +95,8 @@ class _ReadSelectionFile(beam.DoFn):
 class _BuildRecordPartition(beam.DoFn):
     """Join a record partition with its selected ids; store it; send incidences to user partitions."""
 
-    def __init__(self, data: str, seed: int, partitions: int, store: PartitionStore):
-        self.data, self.seed, self.partitions, self.store = data, seed, partitions, store
+    def __init__(self, data: str, key: SecretKey, partitions: int, store: PartitionStore):
+        self.data, self.key, self.partitions, self.store = data, key, partitions, store
 
     def process(self, element):
         part, values = element
@@ -118,7 +119,7 @@ class _BuildRecordPartition(beam.DoFn):
         yield _stat("records", len(copies))
         yield _stat("id_type", chunk.ids.type)
         users = batching.user_hashes(chunk.users)
-        record_keys = batching.record_hashes(chunk.ids, self.seed)
+        record_keys = batching.record_hashes(chunk.ids, self.key)
         partition = {"ids": chunk.ids, "copies": copies, "offsets": chunk.offsets, "users": users,
                      "content": chunk.content, "record_keys": record_keys}
         yield _stat("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
@@ -204,7 +205,7 @@ class PreparePipeline(beam.PTransform):
                      | "ReadSelection" >> beam.ParDo(_ReadSelectionFile(partitions, store)))
         built = ((read.records, selection) | "RecordsAndSelection" >> beam.Flatten()
                  | "GroupRecordPartitions" >> beam.GroupByKey()
-                 | "JoinSelection" >> beam.ParDo(_BuildRecordPartition(self.data, self.options.seed, partitions, store))
+                 | "JoinSelection" >> beam.ParDo(_BuildRecordPartition(self.data, self.options.key, partitions, store))
                  .with_outputs("stats", "rejects", main="incidences"))
         histogram = (built.incidences
                      | "GroupUserPartitions" >> beam.GroupByKey()

@@ -33,6 +33,7 @@ def main() -> None:
     import numpy as np
 
     from accounting.strategies import sqrt_coefficients
+    from madp.randomness import SecretKey
     from tf_training.queries import BandMfQuery, DpSgdQuery
     from tf_training.trainer import NonPrivateStep, PrivateStep, build_model, tf, tf_keras
 
@@ -48,8 +49,9 @@ def main() -> None:
         if kind == "non-private":
             return NonPrivateStep(model, loss, optimizer)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        query = (BandMfQuery(1.0, 1.0, 0, tuple(sqrt_coefficients(args.bands).tolist()), template)
-                 if kind.startswith("bandmf") else DpSgdQuery(1.0, 1.0, seed=0))
+        key = SecretKey.fresh()
+        query = (BandMfQuery(1.0, 1.0, key, tuple(sqrt_coefficients(args.bands).tolist()), template)
+                 if kind.startswith("bandmf") else DpSgdQuery(1.0, 1.0, key))
         return PrivateStep(model, loss, optimizer, query, float(args.batch_size),
                            fast=kind != "dp-sgd-per-example-gradients")
 

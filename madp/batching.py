@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 
 from madp import records as rec
 from madp import sampling, storage, tfrecord
-from madp.hashing import hash_ids
+from madp.hashing import hash_ids, id_words, siphash24
 from madp.progress import Progress
+from madp.randomness import DETERMINISTIC, SecretKey
 from madp.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, handle_rejects, write_report
 
 log = logging.getLogger("madp.batch")
@@ -29,7 +30,7 @@ SAMPLERS = ("minsep", "minsep-greedy", "users")
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"
 RESERVED_FEATURES = ("step", "id", "weight")
-RECORD_STREAM, USER_STREAM = 7, 8  # hash purposes: unit keys (seeded), user identity (unseeded)
+RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
 _ENCODE_ROWS = 65536
 
 
@@ -42,7 +43,7 @@ class BatchOptions:
     warm_up: int | None = None
     max_batch_size: int | None = None
     find_max_min_sep: bool = False
-    seed: int = 0
+    seed: int | None = None  # None: a fresh secret sampling key; an int reproduces (not private)
     columns: rec.Columns = rec.Columns()
     content_columns: tuple[str, ...] | None = None
     on_invalid: str = "error"
@@ -66,6 +67,13 @@ class BatchOptions:
         for ok, message in checks:
             if not ok:
                 raise rec.InputError(message)
+        # Drawn once per run (by the driver: Beam workers get it with the pipeline), never reported.
+        object.__setattr__(self, "key", SecretKey.for_run(self.seed, "batch sampling", "--seed"))
+
+    @property
+    def sampling(self) -> str:
+        """What the batches' privacy rests on: a secret key, a fixed seed, or (greedy) nothing secret."""
+        return DETERMINISTIC if self.sampler == "minsep-greedy" else self.key.status
 
     @property
     def warm_up_steps(self) -> int:
@@ -83,6 +91,23 @@ def selection_files(selected: str) -> list[str]:
     if not files:
         raise rec.InputError(f"{selected}: no {SELECTED_DIR}/*.parquet; SELECTED must be a `madp bound` output directory")
     return files
+
+
+def selection_digests(selected: str) -> dict[str, str]:
+    """SHA-256 of every selection file batching reads, by its path under SELECTED/selected/."""
+    root = storage.join(selected, SELECTED_DIR)
+    return {posixpath.relpath(path, root): storage.sha256(path) for path in selection_files(selected)}
+
+
+def bound_record(selected: str) -> dict:
+    """What the batches are made from, for the accountant: the bound's contribution bound, its largest
+    user contribution and users (None without SELECTED/report.json), and the selection's digests.
+    Training accounts with this record, so a later re-run of `madp bound` cannot change it."""
+    path = storage.join(selected, REPORT_FILE)
+    bound = json.loads(storage.read_text(path)) if storage.kind(path) == "file" else {}
+    return {"contribution_bound": bound.get("contribution_bound"),
+            "max_user_contribution": bound.get("max_user_contribution"), "input_users": bound.get("input_users"),
+            "selection_sha256": selection_digests(selected)}
 
 
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
@@ -165,8 +190,9 @@ def schema(id_type: pa.DataType, content: dict[str, dict], options: BatchOptions
 
 # --- units and users ----------------------------------------------------------------------------
 
-def record_hashes(ids: pa.Array, seed: int) -> np.ndarray:
-    return hash_ids(ids, seed, purpose=RECORD_STREAM) if len(ids) else np.zeros(0, np.uint64)
+def record_hashes(ids: pa.Array, key: SecretKey) -> np.ndarray:
+    """Each record's 64-bit sampling key: a keyed PRF of its id, unpredictable without `key`."""
+    return siphash24(key.subkey(RECORD_STREAM), id_words(ids)) if len(ids) else np.zeros(0, np.uint64)
 
 
 def user_hashes(users: pa.Array) -> np.ndarray:
@@ -332,11 +358,13 @@ def report(options: BatchOptions, engine: str, selected: str, data: str, *, samp
     written = np.concatenate([f["written"] for f in files])
     result = {
         "engine": engine, "selected": _absolute(selected), "data": _absolute(data), "sampler": options.sampler,
+        "bound": bound_record(selected),
         "parameters": {"steps": options.steps, "batch_size": options.batch_size, "min_sep": sampled.min_sep,
                        "batch_size_counts": "users" if options.sampler == "users" else "records",
                        "warm_up": warm_up, "max_batch_size": options.max_batch_size, "seed": options.seed,
                        "output_shards": options.output_shards, "on_invalid": options.on_invalid,
                        "content_columns": list(content_columns)},
+        "sampling": options.sampling,
         "sampling_probability": sampled.probability, "expected_batch_size": sampled.expected_batch_size,
         "steps": options.steps, "records": records, "units": units,
         "batch_sizes": size_summary(realized),
@@ -426,7 +454,7 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     arity = np.diff(dataset.offsets)
     record_of_incidence = np.repeat(np.arange(n, dtype=np.int64), arity)
     neighbourhoods = sampling.neighbourhood_sizes(record_of_incidence, dataset.users, dataset.copies)
-    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.seed), dataset.copies)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
     histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
     probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
     total = options.steps + options.warm_up_steps
@@ -472,7 +500,7 @@ def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
             chosen, min_sep = candidate, min_sep + 1
     steps = np.repeat(np.arange(options.steps, dtype=np.int64), batch)
     # A record's copies are interchangeable here; the greedy may use a record any number of times.
-    keys = sampling.splitmix64(record_hashes(dataset.ids, options.seed)[chosen] ^ steps.astype(np.uint64))
+    keys = sampling.splitmix64(record_hashes(dataset.ids, options.key)[chosen] ^ steps.astype(np.uint64))
     return Sampled(chosen, keys, steps, min_sep, min_sep_search=tried)
 
 
@@ -484,9 +512,9 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     if not 0 < options.batch_size <= len(distinct):
         raise rec.InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
     probability = options.batch_size / len(distinct)
-    user_keys = sampling.splitmix64(distinct ^ sampling.splitmix64(np.uint64(options.seed & 0xFFFFFFFFFFFFFFFF)))
+    user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
     user, step = sampling.sampled_steps(user_keys, probability, options.steps)
-    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.seed), dataset.copies)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
     by_user = np.argsort(user_of_record[record_of_unit], kind="stable")
     units_per_user = np.bincount(user_of_record[record_of_unit], minlength=len(distinct))
     first_unit = np.concatenate([[0], np.cumsum(units_per_user)[:-1]])
@@ -526,7 +554,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
 
     prepare_output(output)
     handle_rejects(dataset.rejects, options, output)
-    record_keys = record_hashes(dataset.ids, options.seed)
+    record_keys = record_hashes(dataset.ids, options.key)
     files = options.output_shards
     file_of_row = file_of_step(step, options.steps, files)
     results = []

@@ -140,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="B_max: truncate larger batches at random, pad smaller ones with weight-0 rows")
     batch.add_argument("--find-max-min-sep", action="store_true",
                        help="minsep-greedy: use the largest b for which the greedy finds a solution")
-    batch.add_argument("--seed", type=int, default=0, help="seed of all sampling randomness")
+    batch.add_argument("--seed", type=int,
+                       help="TESTING ONLY: reproduce the sampling from this seed; the batches are then not private "
+                            "(default: a fresh secret key per run, never written)")
     batch.add_argument("--content-columns", help="comma-separated columns to carry (default: all but id and users)")
     batch.add_argument("--on-invalid", choices=("error", "skip"), default="error",
                        help="invalid DATA rows: stop (default) or skip them into OUTPUT/rejected/")
@@ -177,7 +179,12 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     training.add_argument("--learning-rate", type=float, default=0.5)
     training.add_argument("--clip-norm", type=float, default=1.0)
-    training.add_argument("--seed", type=int, default=0, help="seed of the model initialization and the noise")
+    training.add_argument("--seed", type=int, default=0, help="seed of the model initialization (not of the noise)")
+    training.add_argument("--noise-seed", type=int,
+                          help="TESTING ONLY: reproduce the noise from this seed; the model is then not private "
+                               "(default: a fresh secret key per run, never written)")
+    training.add_argument("--mc-seed", type=int, default=0,
+                          help="--amplified: seed of the Monte Carlo verification samples (public)")
     training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
     training.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     training.add_argument("--amplified", action="store_true",
@@ -222,6 +229,9 @@ def _parser() -> argparse.ArgumentParser:
     page = commands.add_parser("report", help="an HTML page with plots of a `madp run` directory's reports")
     page.add_argument("run_dir", help="the run_dir of a `madp run`")
     page.add_argument("--output", help="HTML file (default RUN_DIR/report.html)")
+    page.add_argument("--internal", action="store_true",
+                      help="also plot the realized sampling (batch sizes, gaps) where the guarantee relies on its "
+                           "secrecy; the page is then internal, not for publication")
 
     job = commands.add_parser("run", help="the production job from a YAML config: generate, bound, batch, "
                                           "calibrate, train (each optional, each resumable)")
@@ -302,6 +312,7 @@ def _train_options(args: argparse.Namespace):
                         mechanism=args.mechanism, bands=args.bands, strategy=args.strategy, model=args.model,
                         features=args.features, label=args.label, optimizer=args.optimizer,
                         learning_rate=args.learning_rate, clip_norm=args.clip_norm, seed=args.seed,
+                        noise_seed=args.noise_seed, mc_seed=args.mc_seed,
                         eval_data=args.eval_data, eval_every=args.eval_every,
                         max_contributions=args.max_contributions, amplified=args.amplified,
                         mc_samples=args.mc_samples, mc_workers=args.mc_workers, distribution=args.distribution,
@@ -375,8 +386,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
     import time
 
-    from accounting.calibrate import calibrate, epsilon
-    from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
+    from accounting.evr import calibrate_minsep, epsilon_minsep
     from accounting.monte_carlo import MinSepProcess
     _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
     started = time.perf_counter()
@@ -387,24 +397,19 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
         raise InputError(f"--runner local takes no Beam options (got {beam_args})")
     beam_args = None if args.runner == LOCAL else ["--runner", args.runner, *beam_args]
     if args.command == "calibrate":
-        fallback = calibrate(unamplified(process), args.epsilon, args.delta).noise_multiplier
-        result = calibrate_minsep(process, fallback, args.epsilon, args.delta, args.samples, args.seed, args.workers,
-                                  beam_args)
+        result = calibrate_minsep(process, args.epsilon, args.delta, args.samples, args.seed, args.workers, beam_args)
         named = {"noise_multiplier": result.value, "fallback_noise_multiplier": result.fallback,
                  "estimated_noise_multiplier": result.estimate, "epsilon": args.epsilon,
                  "target_epsilon": args.epsilon}
     else:
-        fallback = epsilon(unamplified(process), args.noise_multiplier, args.delta)
-        result = epsilon_minsep(process, args.noise_multiplier, fallback, args.delta, args.samples, args.seed,
-                                args.workers, beam_args)
+        result = epsilon_minsep(process, args.noise_multiplier, args.delta, args.samples, args.seed, args.workers,
+                                beam_args)
         named = {"noise_multiplier": args.noise_multiplier, "epsilon": result.value, "fallback_epsilon": result.fallback,
                  "estimated_epsilon": result.estimate}
     return {"mechanism": "bandmf-minsep", "steps": args.steps, "sampling_prob": args.sampling_prob,
             "min_sep": args.min_sep, "bands": args.bands, "strategy": args.strategy, "coefficients": list(bands),
-            "max_contributions": k_u, **named, "verified": result.verified, "ladder": list(result.ladder),
-            "outcomes": list(result.outcomes), "samples": result.samples, "estimate_samples": result.estimate_samples,
-            "base_delta": result.base_delta, "target_delta": args.delta, "delta": result.overall_delta,
-            "seed": args.seed, "workers": args.workers, "runner": args.runner,
+            "max_contributions": k_u, **named, **result.report(sigma_fixed=args.command == "epsilon"),
+            "target_delta": args.delta, "seed": args.seed, "workers": args.workers, "runner": args.runner,
             "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)",
             "wall_time_s": round(time.perf_counter() - started, 3)}
 
@@ -479,7 +484,7 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
         return _strategy(args)
     if args.command == "report":
         from madp.report import write_report
-        return write_report(args.run_dir, args.output)
+        return write_report(args.run_dir, args.output, args.internal)
     if args.command == "import-mbox":
         from madp.mbox import import_mbox
         return import_mbox(args.mbox, args.output)

@@ -39,18 +39,61 @@ def _fnv1a_bytes(values: pa.Array) -> np.ndarray:
     return h
 
 
-def hash_ids(ids: pa.Array | np.ndarray, seed: int, purpose: int = 0) -> np.ndarray:
-    """Seeded uint64 hash of integer or string ids; `purpose` gives independent streams."""
+def id_words(ids: pa.Array | np.ndarray) -> np.ndarray:
+    """One uint64 per id: an integer id's two's complement bits, a string id's FNV-1a hash."""
     if isinstance(ids, np.ndarray):
         ids = pa.array(ids)
     if isinstance(ids, pa.ChunkedArray):
         ids = ids.combine_chunks()
     if pa.types.is_integer(ids.type):
-        base = ids.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
-    else:
-        base = _fnv1a_bytes(ids)
+        return ids.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
+    return _fnv1a_bytes(ids)
+
+
+def hash_ids(ids: pa.Array | np.ndarray, seed: int, purpose: int = 0) -> np.ndarray:
+    """Seeded uint64 hash of integer or string ids; `purpose` gives independent streams."""
     key = splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ splitmix64(np.uint64(purpose)))
-    return splitmix64(base ^ key)
+    return splitmix64(id_words(ids) ^ key)
+
+
+def _rotl(x: np.ndarray, bits: int) -> np.ndarray:
+    return (x << np.uint64(bits)) | (x >> np.uint64(64 - bits))
+
+
+def siphash24(key: tuple[int, int], words: np.ndarray) -> np.ndarray:
+    """SipHash-2-4 (Aumasson & Bernstein 2012) of each uint64 as an 8-byte little-endian message,
+    under the 128-bit key (k0, k1): a keyed pseudorandom function, so that without the key its
+    outputs cannot be predicted from the inputs, however well the rest of the code is known."""
+    k0, k1 = (np.uint64(k & 0xFFFFFFFFFFFFFFFF) for k in key)
+    m = np.asarray(words, dtype=np.uint64)
+    v0 = np.full(m.shape, k0 ^ np.uint64(0x736F6D6570736575))
+    v1 = np.full(m.shape, k1 ^ np.uint64(0x646F72616E646F6D))
+    v2 = np.full(m.shape, k0 ^ np.uint64(0x6C7967656E657261))
+    v3 = np.full(m.shape, k1 ^ np.uint64(0x7465646279746573))
+
+    def rounds(count: int) -> None:
+        nonlocal v0, v1, v2, v3
+        for _ in range(count):
+            v0 = v0 + v1
+            v1 = _rotl(v1, 13) ^ v0
+            v0 = _rotl(v0, 32)
+            v2 = v2 + v3
+            v3 = _rotl(v3, 16) ^ v2
+            v0 = v0 + v3
+            v3 = _rotl(v3, 21) ^ v0
+            v2 = v2 + v1
+            v1 = _rotl(v1, 17) ^ v2
+            v2 = _rotl(v2, 32)
+
+    with np.errstate(over="ignore"):  # additions wrap modulo 2^64 by definition
+        final = np.uint64(8 << 56)  # the last block: the message length (8 bytes) in its top byte
+        for block in (m, final):
+            v3 = v3 ^ block
+            rounds(2)
+            v0 = v0 ^ block
+        v2 = v2 ^ np.uint64(0xFF)
+        rounds(4)
+    return v0 ^ v1 ^ v2 ^ v3
 
 
 def partition_of(ids: pa.Array | np.ndarray, num_partitions: int) -> np.ndarray:

@@ -14,10 +14,11 @@ import io
 import json
 
 from madp import storage
+from madp.randomness import DETERMINISTIC
 from madp.records import InputError
 
 SOURCES = {"bound": "bound/report.json", "batches": "batches/report.json", "calibration": "calibration.json",
-           "train": "train/metrics.json", "baseline": "baseline/metrics.json"}
+           "train": "train/metrics.json", "privacy": "train/privacy.json", "baseline": "baseline/metrics.json"}
 
 
 def _load(run_dir: str) -> dict[str, dict]:
@@ -40,8 +41,18 @@ def _counts(histogram: dict[str, int]) -> tuple[list[int], list[int]]:
     return [v for v, _ in pairs], [c for _, c in pairs]
 
 
-def _figures(reports: dict[str, dict], plt) -> list[tuple[str, str, str]]:
-    """(title, caption, base64 PNG) of every plot the reports allow."""
+def shows_sampling(reports: dict[str, dict]) -> bool:
+    """Whether the realized sampling (batch sizes per step, participation gaps) may be on a published page:
+    only when no guarantee relies on keeping it secret (deterministic batches, or unamplified accounting)."""
+    plan = reports.get("privacy") or reports.get("calibration")
+    if plan is not None and plan.get("mechanism") != "none":
+        return not plan.get("relies_on_secret_sampling", True)
+    return reports.get("batches", {}).get("sampling") == DETERMINISTIC
+
+
+def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, str, str]]:
+    """(title, caption, base64 PNG) of every plot the reports allow (the realized sampling only if
+    `shows_sampling` or `internal`)."""
     figures = []
     bound = reports.get("bound")
     if bound and bound.get("histograms"):
@@ -68,7 +79,7 @@ def _figures(reports: dict[str, dict], plt) -> list[tuple[str, str, str]]:
                         "bounding kept: the bias towards few-user records (bound/report.json).", _png(figure)))
         plt.close(figure)
     batches = reports.get("batches")
-    if batches:
+    if batches and (internal or shows_sampling(reports)):
         figure, axis = plt.subplots(figsize=(7, 4))
         axis.plot(batches["batch_sizes"]["per_step"], linewidth=0.8, label="sampled")
         if "per_step" in batches.get("written_batch_sizes", {}):
@@ -119,12 +130,13 @@ def _figures(reports: dict[str, dict], plt) -> list[tuple[str, str, str]]:
     return figures
 
 
-def _summary(reports: dict[str, dict]) -> list[tuple[str, str]]:
+def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
     rows = []
     if "bound" in reports:
         bound = reports["bound"]
         rows += [("input records", f"{bound['input_records']:,}"), ("input users", f"{bound['input_users']:,}"),
                  ("contribution bound K", str(bound["parameters"]["max_contributions"])),
+                 ("largest per-user bound (K or a capacity)", str(bound.get("contribution_bound"))),
                  ("selected records", f"{bound['selected_records']:,}"),
                  ("kept fraction", f"{bound['distinct_selected'] / max(bound['input_records'], 1):.3f}")]
     if "batches" in reports:
@@ -132,12 +144,20 @@ def _summary(reports: dict[str, dict]) -> list[tuple[str, str]]:
         rows += [("sampler", batches["sampler"]), ("steps", str(batches["steps"])),
                  ("expected batch size", f"{batches['parameters']['batch_size']:g}"),
                  ("min-sep b", str(batches["parameters"]["min_sep"])),
-                 ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}"),
-                 ("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}")]
-    if "calibration" in reports and reports["calibration"].get("mechanism") != "none":
-        plan = reports["calibration"]
+                 ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}")]
+        if internal or shows_sampling(reports):
+            rows.append(("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}"))
+    plan = reports.get("privacy") or reports.get("calibration")
+    if plan and plan.get("mechanism") != "none":
         rows += [("mechanism", plan["mechanism"]), ("noise multiplier sigma", f"{plan['noise_multiplier']:.4g}"),
-                 ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})")]
+                 ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})"),
+                 ("records per user the accountant assumes (k)", str(plan.get("contribution_bound"))),
+                 ("privacy unit", plan.get("privacy_unit", "")),
+                 ("neighbouring relation", plan.get("neighbouring_relation", "")),
+                 ("batch sampling", plan.get("sampling", "") + ("" if plan.get("relies_on_secret_sampling") else
+                                                               " (the accounting does not rely on it)"))]
+        if "noise" in plan:
+            rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
     for name, label in (("train", "private"), ("baseline", "non-private")):
         final = reports.get(name, {}).get("final")
         if final:
@@ -145,7 +165,8 @@ def _summary(reports: dict[str, dict]) -> list[tuple[str, str]]:
     return rows
 
 
-def write_report(run_dir: str, output: str | None = None) -> dict:
+def write_report(run_dir: str, output: str | None = None, internal: bool = False) -> dict:
+    """The page; `internal` adds the realized sampling even where a guarantee relies on its secrecy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -153,15 +174,22 @@ def write_report(run_dir: str, output: str | None = None) -> dict:
     reports = _load(run_dir)
     if not reports:
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
-    figures = _figures(reports, plt)
+    figures = _figures(reports, plt, internal)
     output = output or storage.join(run_dir, "report.html")
     missing = [relative for name, relative in SOURCES.items() if name not in reports]
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
              "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
              "figure{margin:1.5em 0}figcaption{color:#555}</style></head><body>",
-             f"<h1>madp run: {html.escape(run_dir)}</h1><table>"]
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports)]
+             f"<h1>madp run: {html.escape(run_dir)}</h1>"]
+    if internal:
+        parts.append("<p><strong>INTERNAL: this page shows the realized batch sampling; do not publish it.</strong></p>")
+    elif reports.get("batches") and not shows_sampling(reports):
+        parts.append("<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
+                     "the sampling staying secret (batches/report.json is internal; <code>madp report "
+                     "--internal</code> shows them).</p>")
+    parts.append("<table>")
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports, internal)]
     parts.append("</table>")
     for title, caption, png in figures:
         parts.append(f"<figure><h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "

@@ -31,7 +31,7 @@ MANIFESTS = ".madp"
 BEAM_KEYS = ("runner", "beam_options")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
 CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
-                  "max_contributions", "amplified", "mc_samples", "mc_workers", "seed")
+                  "max_contributions", "amplified", "mc_samples", "mc_workers", "mc_seed")
 SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "report")
 
 
@@ -129,7 +129,7 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
         baseline = train.pop("baseline", False)
         if not isinstance(baseline, bool):
             raise InputError("config train.baseline: true or false (also trains a non-private model)")
-        inside = sorted(set(train) & set(CALIBRATE_KEYS) - {"seed"})
+        inside = sorted(set(train) & set(CALIBRATE_KEYS))
         if inside:
             raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
         if calibrate is None:

@@ -182,6 +182,15 @@ def prepare_output(output: str) -> None:
     storage.remove_file(storage.join(output, REPORT_FILE))
 
 
+def contribution_bound(options: BoundOptions) -> int:
+    """The most records (copies) any user may have in the selection: K, or a larger listed capacity.
+    This, not K alone, is what the accountant must assume for every user."""
+    if not options.capacities:
+        return options.max_contributions
+    listed = read_capacities(options.capacities, options.max_contributions).values
+    return max([options.max_contributions, *listed.tolist()])
+
+
 def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: int, input_records: int,
                 input_users: int, rejects: Rejects, repeated_users_removed: int) -> dict:
     return {
@@ -194,6 +203,7 @@ def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: 
                        "duplicates": options.duplicates, "capacities": options.capacities,
                        "id_column": options.columns.id, "users_column": options.columns.users,
                        "weight_column": options.columns.weight, "on_invalid": options.on_invalid},
+        "contribution_bound": contribution_bound(options),
         "input_rows": rows_read,
         "input_records": input_records,
         "input_users": input_users,

@@ -1,6 +1,7 @@
 """Files on local disk or any filesystem pyarrow knows (gs://, s3://, hdfs://), by path or URI."""
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 
@@ -31,6 +32,15 @@ def open_output(path: str):
 def read_text(path: str) -> str:
     with open_input(path) as handle:
         return handle.read().decode("utf-8")
+
+
+def sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open_input(path) as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_text(path: str, text: str) -> None:

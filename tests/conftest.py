@@ -33,3 +33,11 @@ def small_graph():
     from madp.synthetic import GraphSpec, generate
     data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
     return graph_rows(data.offsets, data.users)
+
+
+@pytest.fixture(autouse=True)
+def attempts_ledger(tmp_path_factory, monkeypatch):
+    """Monte Carlo calibrations record themselves in a ledger: one per test, not the user's."""
+    path = tmp_path_factory.mktemp("ledger") / "monte-carlo-attempts.jsonl"
+    monkeypatch.setenv("MADP_ATTEMPTS_LEDGER", str(path))
+    return path

@@ -102,7 +102,7 @@ def test_calibrated_probability_hits_target_and_rejects_unreachable():
 
 def test_minsep_batches_pass_the_verifier_and_hit_the_target(tmp_path, graph_data):
     selected, data = graph_data
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(steps=1500, batch_size=40, min_sep=5))
+    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=1500, batch_size=40, min_sep=5))
     assert abs(report["batch_sizes"]["mean"] / 40 - 1) < 0.02
     assert abs(report["relative_error_to_target"]) < 0.02
     assert len(report["warm_up_batch_sizes"]) == 4 and len(report["batch_sizes"]["per_step"]) == 1500
@@ -120,7 +120,7 @@ def test_minsep_batches_pass_the_verifier_and_hit_the_target(tmp_path, graph_dat
 
 def test_features_and_schema(tmp_path, graph_data):
     selected, data = graph_data
-    run_local(selected, data, str(tmp_path / "out"), BatchOptions(steps=20, batch_size=30, min_sep=2))
+    run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=20, batch_size=30, min_sep=2))
     schema = json.load(open(tmp_path / "out" / "schema.json"))["features"]
     assert schema["x"] == {"dtype": "float", "shape": [3]} and schema["label"]["dtype"] == "int64"
     assert schema["tag"]["dtype"] == "bytes" and schema["step"]["dtype"] == "int64"
@@ -140,7 +140,7 @@ def test_isolated_record_is_included_with_its_stationary_probability(tmp_path):
     selected, data = bounded(tmp_path, rows, k=1)
     for min_sep in (1, 3):
         out = str(tmp_path / f"out{min_sep}")
-        report = run_local(selected, data, out, BatchOptions(steps=3000, batch_size=20, min_sep=min_sep))
+        report = run_local(selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=20, min_sep=min_sep))
         p = report["sampling_probability"]
         inclusion = report["batch_sizes"]["mean"] / 400
         assert inclusion == pytest.approx(p * (1 - p) ** (min_sep - 1), rel=0.02)
@@ -153,7 +153,7 @@ def test_copies_are_distinct_units(tmp_path):
     path = os.path.join(selected, "selected", "part-00000-of-00001.parquet")
     table = pq.read_table(path)
     pq.write_table(table.set_column(1, "copies", pa.array([3] * len(table), pa.int64())), path)
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(steps=2000, batch_size=15))
+    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=2000, batch_size=15))
     assert report["units"] == 150 and report["sampling_probability"] == pytest.approx(0.1)
     # With min-sep 1 the 3 copies of a record are sampled independently: sometimes together in a step.
     assert report["participation"]["user_rows_sharing_a_step"] > 0
@@ -187,7 +187,7 @@ def test_resharded_input_gives_the_same_batches(tmp_path, small_graph):
     directory.mkdir()
     for shard, start in enumerate(range(0, len(small_graph), 700)):
         write_records(str(directory / f"part-{shard}.parquet"), small_graph[start:start + 700])
-    options = BatchOptions(steps=40, batch_size=30, min_sep=2)
+    options = BatchOptions(seed=0, steps=40, batch_size=30, min_sep=2)
     run_local(selected, data, str(tmp_path / "a"), options)
     run_beam(selected, str(directory), str(tmp_path / "b"), options, BEAM, partitions=2)
     assert batch_files(str(tmp_path / "a")) == batch_files(str(tmp_path / "b"))
@@ -196,7 +196,7 @@ def test_resharded_input_gives_the_same_batches(tmp_path, small_graph):
 def test_truncation_and_padding_give_exactly_max_batch_size_rows(tmp_path, graph_data):
     selected, data = graph_data
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(steps=200, batch_size=40, min_sep=2, max_batch_size=40))
+    report = run_local(selected, data, out, BatchOptions(seed=0, steps=200, batch_size=40, min_sep=2, max_batch_size=40))
     rows = rows_of(out)
     per_step: dict = {}
     for row in rows:
@@ -221,7 +221,7 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
     rows = [{"id": i, "users": [0, 1000 + i]} for i in range(30)]
     selected, data = bounded(tmp_path, rows, k=30)
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1))
+    report = run_local(selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1))
     assert report["truncated_rows"] > 0
     check = verify_batches(out, data, min_sep=3, max_batch_size=1)
     assert check["ok"], check["violations"]
@@ -232,7 +232,7 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
 def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tmp_path, graph_data):
     selected, data = graph_data
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6))
+    report = run_local(selected, data, out, BatchOptions(seed=0, steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6))
     assert report["batch_sizes"]["min"] == report["batch_sizes"]["max"] == 50
     check = verify_batches(out, data, min_sep=6, max_participations=report["k"])
     assert check["ok"], check["violations"]
@@ -243,12 +243,12 @@ def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tm
 def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
     selected, data = graph_data
     options = dict(steps=60, batch_size=200, sampler="minsep-greedy")
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(find_max_min_sep=True, **options))
+    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, find_max_min_sep=True, **options))
     best = report["parameters"]["min_sep"]
     assert 1 < best < 60 and report["min_sep_search"][-1] == {"min_sep": best + 1, "feasible": False}
     assert verify_batches(str(tmp_path / "out"), data, min_sep=best)["ok"]
     with pytest.raises(InputError, match="no solution .* cannot be filled"):
-        run_local(selected, data, str(tmp_path / "x"), BatchOptions(min_sep=best + 1, **options))
+        run_local(selected, data, str(tmp_path / "x"), BatchOptions(seed=0, min_sep=best + 1, **options))
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -263,22 +263,22 @@ def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(InputError, match=message):
-        BatchOptions(**options)
+        BatchOptions(seed=0, **options)
 
 
 def test_infeasible_inputs_give_clear_errors(tmp_path, graph_data):
     selected, data = graph_data
     out = str(tmp_path / "out")
     with pytest.raises(InputError, match=r"must be in \(0, \d+\]"):
-        run_local(selected, data, out, BatchOptions(steps=5, batch_size=10**7))
+        run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=10**7))
     with pytest.raises(InputError, match="larger than the"):
-        run_local(selected, data, out, BatchOptions(steps=5, batch_size=10**7, sampler="minsep-greedy"))
+        run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=10**7, sampler="minsep-greedy"))
     with pytest.raises(InputError, match="unreachable"):
-        run_local(selected, data, out, BatchOptions(steps=5, batch_size=1500, min_sep=50))
+        run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=1500, min_sep=50))
     with pytest.raises(InputError, match="must be a `madp bound` output"):
-        run_local(str(tmp_path), data, out, BatchOptions(steps=5, batch_size=5))
+        run_local(str(tmp_path), data, out, BatchOptions(seed=0, steps=5, batch_size=5))
     with pytest.raises(InputError, match="batch feature"):
-        run_local(selected, data, out, BatchOptions(steps=5, batch_size=5, content_columns=("x", "id")))
+        run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=5, content_columns=("x", "id")))
     assert not os.path.exists(out) or not batch_files(out)
 
 
@@ -286,17 +286,17 @@ def test_selected_ids_missing_from_data_are_an_error(tmp_path, small_graph):
     selected, _ = bounded(tmp_path, small_graph)
     other = write_records(str(tmp_path / "other.jsonl"), small_graph[:100])
     with pytest.raises(InputError, match="selected ids are not valid records"):
-        run_local(selected, other, str(tmp_path / "out"), BatchOptions(steps=5, batch_size=5))
+        run_local(selected, other, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5))
     with pytest.raises(InputError, match="selected ids are not valid records"):
-        run_beam(selected, other, str(tmp_path / "out"), BatchOptions(steps=5, batch_size=5), BEAM)
+        run_beam(selected, other, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5), BEAM)
 
 
 def test_null_content_is_an_error_naming_the_record(tmp_path):
     rows = [{"id": i, "users": [i], "x": (None if i == 7 else 1.0)} for i in range(20)]
     selected, data = bounded(tmp_path, rows, k=1)
     with pytest.raises(InputError, match="'x' is null.* record 7"):
-        run_local(selected, data, str(tmp_path / "out"), BatchOptions(steps=5, batch_size=5))
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(steps=5, batch_size=5, content_columns=()))
+        run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5))
+    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5, content_columns=()))
     assert report["parameters"]["content_columns"] == []
 
 
@@ -305,9 +305,9 @@ def test_invalid_rows_are_skipped_and_written_out(tmp_path):
     data = write_records(str(tmp_path / "data.jsonl"), rows)
     bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=1, on_invalid="skip"))
     with pytest.raises(InputError, match="empty_users"):
-        run_local(str(tmp_path / "bounded"), data, str(tmp_path / "out"), BatchOptions(steps=5, batch_size=5))
+        run_local(str(tmp_path / "bounded"), data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5))
     report = run_local(str(tmp_path / "bounded"), data, str(tmp_path / "out"),
-                       BatchOptions(steps=5, batch_size=5, on_invalid="skip"))
+                       BatchOptions(seed=0, steps=5, batch_size=5, on_invalid="skip"))
     assert report["rejected"] == {"empty_users": 1}
     assert json.loads(open(tmp_path / "out" / "rejected" / "rejected.jsonl").readline())["record"]["id"] == 99
 

@@ -42,7 +42,7 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
                                          BoundOptions(max_contributions=4), 8, 3, "run-0000", False, False)
     pipelines["bound"] = bound
     store = PartitionStore(os.path.join(work, "store"))
-    options = BatchOptions(steps=100, batch_size=50, min_sep=4)
+    options = BatchOptions(seed=0, steps=100, batch_size=50, min_sep=4)
     prepare = beam.Pipeline(options=pipeline_options(beam_args))
     _ = prepare | "Prepare" >> PreparePipeline([os.path.join(work, "records.parquet")],
                                                [os.path.join(work, "selected.parquet")], work, ("features",),
@@ -101,7 +101,7 @@ def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_pat
         config = {"run_dir": str(tmp_path / f"run-{workers}"), "input": data,
                   "bound": {"max_contributions": 2, "partitions": 4,
                             "beam_options": ["--direct_num_workers", workers]},
-                  "batch": {"steps": 40, "batch_size": 60, "min_sep": 3, "partitions": 4, "output_shards": 2,
+                  "batch": {"steps": 40, "batch_size": 60, "min_sep": 3, "partitions": 4, "output_shards": 2, "seed": 9,
                             "beam_options": ["--direct_num_workers", workers]}}
         path = tmp_path / f"job-{workers}.yaml"
         path.write_text(yaml.safe_dump(config))

@@ -15,10 +15,15 @@ from conftest import write_records  # noqa: E402
 from madp.batching import BatchOptions, run_local as batch_local  # noqa: E402
 from madp.cli import main  # noqa: E402
 from madp.local_engine import run_local as bound_local  # noqa: E402
+from madp.randomness import SecretKey  # noqa: E402
 from madp.selection import BoundOptions  # noqa: E402
 from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
-from tf_training.queries import BandMfQuery, DpSgdQuery, stateless_noise  # noqa: E402
+from tf_training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
 from tf_training.trainer import PrivateStep, TrainOptions, build_model, tf, tf_keras, train  # noqa: E402
+
+
+def noise_key(seed: int) -> SecretKey:
+    return SecretKey.from_seed(seed, "training noise")
 
 
 def logreg(dim: int, seed: int = 1):
@@ -47,7 +52,7 @@ def test_every_example_is_clipped_and_padding_changes_nothing():
     clip = 0.5
     assert (norms > clip).any() and (norms < clip).any()
     expected = (per_example * np.minimum(1, clip / norms)[:, None]).sum(axis=0)
-    query = DpSgdQuery(clip, 0.0, seed=3)
+    query = DpSgdQuery(clip, 0.0, noise_key(3))
     for fast in (True, False):
         got = privatized(query, model, loss, x, y, np.ones(40, np.float32), fast=fast)
         np.testing.assert_allclose(np.concatenate([got[0][:, 0], got[1]]), expected, rtol=1e-5)
@@ -64,7 +69,7 @@ def test_ghost_clipping_equals_per_example_clipping_on_an_mlp():
     weight = (rng.random(64) < 0.8).astype(np.float32)
     tf_keras.utils.set_random_seed(4)
     model, loss = build_model("mlp", 6)
-    query = DpSgdQuery(0.3, 0.0, seed=1)
+    query = DpSgdQuery(0.3, 0.0, noise_key(1))
     fast = privatized(query, model, loss, x, y, weight, fast=True)
     slow = privatized(query, model, loss, x, y, weight, fast=False)
     for a, b in zip(fast, slow):
@@ -74,14 +79,14 @@ def test_ghost_clipping_equals_per_example_clipping_on_an_mlp():
 def test_noise_scale_is_sigma_clip_over_expected_batch_size():
     model, loss = logreg(4000)
     x, y, weight = np.zeros((5, 4000), np.float32), np.zeros(5, np.float32), np.zeros(5, np.float32)
-    got = privatized(DpSgdQuery(2.0, 1.5, seed=4), model, loss, x, y, weight, expected=10.0)
+    got = privatized(DpSgdQuery(2.0, 1.5, noise_key(4)), model, loss, x, y, weight, expected=10.0)
     assert np.std(got[0]) == pytest.approx(1.5 * 2.0 / 10.0, rel=0.05)
 
 
 def test_bandmf_noise_has_the_covariance_of_c_inverse():
     coefficients = (0.8, 0.5, 0.33)
     template = [tf.TensorSpec((200000,), tf.float32)]
-    query = BandMfQuery(1.0, 1.0, seed=5, coefficients=coefficients, template=template)
+    query = BandMfQuery(1.0, 1.0, noise_key(5), coefficients=coefficients, template=template)
     state = query.initial_global_state()
     noises = []
     for _ in range(8):
@@ -95,7 +100,7 @@ def test_bandmf_noise_has_the_covariance_of_c_inverse():
     c_inverse = np.linalg.inv(c)
     np.testing.assert_allclose(np.cov(w), c_inverse @ c_inverse.T, atol=0.05)
     # Exactly C w = z for the z of the stateless generator.
-    z = np.stack([stateless_noise([tf.zeros(200000)], 1.0, 5, t)[0].numpy() for t in range(steps)])
+    z = np.stack([stateless_noise([tf.zeros(200000)], 1.0, key_tensor(noise_key(5)), t)[0].numpy() for t in range(steps)])
     np.testing.assert_allclose(c @ w, z, atol=1e-4)
 
 
@@ -103,8 +108,8 @@ def test_bandmf_with_one_band_is_dpsgd_bit_for_bit():
     rng = np.random.default_rng(1)
     data = [(rng.normal(size=(30, 5)).astype(np.float32), (rng.random(30) < 0.5).astype(np.float32)) for _ in range(6)]
     weights = []
-    for make_query in (lambda template: DpSgdQuery(1.0, 0.7, seed=9),
-                       lambda template: BandMfQuery(1.0, 0.7, seed=9, coefficients=(1.0,), template=template)):
+    for make_query in (lambda template: DpSgdQuery(1.0, 0.7, noise_key(9)),
+                       lambda template: BandMfQuery(1.0, 0.7, noise_key(9), coefficients=(1.0,), template=template)):
         model, loss = logreg(5)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.1), make_query(template), 30.0)
@@ -128,7 +133,7 @@ def pipeline_data(tmp_path_factory):
 def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, capsys):
     directory, data = pipeline_data
     batches = str(directory / "poisson")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=60, batch_size=64, max_batch_size=80))
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=60, batch_size=64, max_batch_size=80))
     out = str(directory / "dpsgd")
     result = train(batches, out, TrainOptions(noise_multiplier=1.2, delta=1e-5, eval_data=data, eval_every=20))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
@@ -145,7 +150,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
     directory, data = pipeline_data
     batches = str(directory / "greedy")
     report = batch_local(str(directory / "bounded"), data, batches,
-                         BatchOptions(steps=40, batch_size=50, sampler="minsep-greedy", min_sep=4))
+                         BatchOptions(seed=0, steps=40, batch_size=50, sampler="minsep-greedy", min_sep=4))
     out = str(directory / "bandmf")
     train(batches, out, TrainOptions(noise_multiplier=2.0, bands=4, eval_data=data))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
@@ -159,7 +164,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
 def test_bandmf_on_poisson_minsep_batches_counts_k_records_per_step(pipeline_data):
     directory, data = pipeline_data
     batches = str(directory / "minsep")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=30, batch_size=40, min_sep=3))
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=30, batch_size=40, min_sep=3))
     privacy = train(batches, str(directory / "minsep-train"), TrainOptions(noise_multiplier=3.0, bands=3))["privacy"]
     assert privacy["parameters"]["records_per_step"] == 2 and privacy["parameters"]["max_participations"] == 10
 
@@ -167,7 +172,7 @@ def test_bandmf_on_poisson_minsep_batches_counts_k_records_per_step(pipeline_dat
 def test_calibrated_sigma_meets_the_target(pipeline_data):
     directory, data = pipeline_data
     batches = str(directory / "calibrated")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=10, batch_size=200, min_sep=2))
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=10, batch_size=200, min_sep=2))
     privacy = train(batches, str(directory / "calibrated-train"), TrainOptions(epsilon=2.0, bands=2))["privacy"]
     assert privacy["epsilon"] <= 2.0 and privacy["epsilon"] > 1.99
 
@@ -195,7 +200,7 @@ def test_user_level_clipping_clips_each_users_average_gradient():
         mine = users == user
         average = per_example[mine].sum(axis=0) / max(weight[mine].sum(), 1.0)
         expected += average * min(1.0, clip / max(np.linalg.norm(average), 1e-30))
-    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, seed=0), 1.0, user_level=True)
+    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, noise_key(0)), 1.0, user_level=True)
     got = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight), tf.constant(users))
     np.testing.assert_allclose(np.concatenate([got[0].numpy()[:, 0], got[1].numpy()]), expected, rtol=1e-5, atol=1e-7)
 
@@ -207,7 +212,7 @@ def test_user_sampled_batches_train_with_uls(tmp_path, capsys):
     data = write_records(str(tmp_path / "single.jsonl"), rows)
     bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=4))
     report = batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"),
-                         BatchOptions(steps=400, batch_size=15, sampler="users"))
+                         BatchOptions(seed=0, steps=400, batch_size=15, sampler="users"))
     assert report["sampling_probability"] == pytest.approx(0.1)
     assert abs(report["users_per_step"]["mean"] / 15 - 1) < 0.05
     # A sampled user brings all its (4) records.
@@ -223,7 +228,7 @@ def test_user_sampler_refuses_multi_user_records(pipeline_data):
     directory, data = pipeline_data
     with pytest.raises(Exception, match="single-attribution"):
         batch_local(str(directory / "bounded"), data, str(directory / "users"),
-                    BatchOptions(steps=5, batch_size=5, sampler="users"))
+                    BatchOptions(seed=0, steps=5, batch_size=5, sampler="users"))
 
 
 def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight():
@@ -263,9 +268,9 @@ def test_mirrored_strategy_on_two_cpu_replicas_trains_the_same_model(pipeline_da
     the model equals the one-device model up to float summation order."""
     directory, data = pipeline_data
     batches = str(directory / "mirrored-batches")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=25, batch_size=60, min_sep=2,
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=25, batch_size=60, min_sep=2,
                                                                        max_batch_size=75))
-    options = ["--noise-multiplier", "1.5", "--bands", "2", "--model", "mlp", "--seed", "3"]
+    options = ["--noise-multiplier", "1.5", "--bands", "2", "--model", "mlp", "--seed", "3", "--noise-seed", "3"]
     one = _train_cli(batches, str(directory / "one-device"), *options)
     two = _train_cli(batches, str(directory / "two-replicas"), *options, "--distribution", "mirrored",
                      "--cpu-replicas", "2")
@@ -290,7 +295,7 @@ def test_tpu_distribution_without_a_tpu_is_a_clear_error(pipeline_data, capsys):
 def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_data, capsys):
     directory, data = pipeline_data
     batches = str(directory / "amplified")
-    report = batch_local(str(directory / "bounded"), data, batches, BatchOptions(steps=30, batch_size=40, min_sep=3))
+    report = batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=30, batch_size=40, min_sep=3))
     privacy = train(batches, str(directory / "amplified-train"),
                     TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True))["privacy"]
     assert privacy["mechanism"] == "bandmf-minsep" and privacy["monte_carlo"]["verified"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import posixpath
 
@@ -32,14 +31,7 @@ class Batches:
         return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
 
     def file_hashes(self) -> dict[str, str]:
-        hashes = {}
-        for path in self.files:
-            digest = hashlib.sha256()
-            with storage.open_input(path) as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-            hashes[posixpath.basename(path)] = digest.hexdigest()
-        return hashes
+        return {posixpath.basename(path): storage.sha256(path) for path in self.files}
 
 
 def open_batches(directory: str) -> Batches:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 import numpy as np
+from scipy.stats import binom
 
 from accounting.calibrate import calibrate, epsilon
 from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
@@ -17,6 +19,8 @@ from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import storage
+from madp.batching import SELECTED_DIR, selection_digests
+from madp.randomness import FIXED_SEED
 from madp.records import InputError
 from tf_training.batches import Batches
 
@@ -39,7 +43,9 @@ class TrainOptions:
     optimizer: str = "sgd"
     learning_rate: float = 0.5
     clip_norm: float = 1.0
-    seed: int = 0
+    seed: int = 0                   # model initialization (public); not the noise
+    noise_seed: int | None = None   # None: fresh secret noise key; an int reproduces (not private)
+    mc_seed: int = 0                # Monte Carlo verification samples (public: they only check the accountant)
     eval_data: str | None = None
     eval_every: int = 100
     max_contributions: int | None = None
@@ -78,13 +84,59 @@ class TrainOptions:
 # --- privacy ------------------------------------------------------------------------------------
 
 def contribution_bound(batches: Batches, override: int | None) -> int:
-    """K: records (copies) per user at most, from the bounding report next to SELECTED."""
-    if override is not None:
-        return override
-    path = storage.join(batches.report.get("selected", ""), "report.json")
-    if storage.kind(path) != "file":
-        raise InputError(f"no bounding report at {path}: give --max-contributions")
-    return int(json.loads(storage.read_text(path))["parameters"]["max_contributions"])
+    """K for the accountant: the most records (copies) any user can have in the selection the batches
+    were made from, as `madp batch` recorded it (the bound's largest capacity or K, and at least the
+    largest contribution the bound found). `--max-contributions` may raise it, never lower it."""
+    bound = batches.report.get("bound") or {}
+    _check_selection_unchanged(batches, bound)
+    recorded = max((int(v) for v in (bound.get("contribution_bound"), bound.get("max_user_contribution"))
+                    if v is not None), default=None)
+    if override is not None and recorded is not None and override < recorded:
+        raise InputError(f"--max-contributions {override} is below what the batches were made from: users may "
+                         f"have up to {recorded} records in {batches.report.get('selected')} (its bound report); "
+                         f"the guarantee would not hold")
+    if override is None and recorded is None:
+        raise InputError(f"the batches record no bounding report of {batches.report.get('selected')}: "
+                         f"give --max-contributions")
+    return override if override is not None else recorded
+
+
+def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
+    """A SELECTED re-bounded after batching no longer describes the batches: refuse to guess which holds."""
+    recorded = bound.get("selection_sha256")
+    selected = batches.report.get("selected", "")
+    if not recorded or storage.kind(storage.join(selected, SELECTED_DIR)) != "directory":
+        return
+    current = selection_digests(selected)
+    if current != recorded:
+        raise InputError(f"{selected} changed since {batches.directory} was made from it (its selection files "
+                         f"differ): re-run madp batch on the new selection, or restore the old one")
+
+
+def warn_delta(delta: float, batches: Batches) -> None:
+    users = (batches.report.get("bound") or {}).get("input_users")
+    if users and delta > 1 / users:
+        log.warning("delta %g exceeds 1/%d users: a mechanism could release one user's data in the clear",
+                    delta, users)
+
+
+def truncation_delta(batches: Batches, epsilon_: float) -> float:
+    """The delta that truncating steps to B_max adds to an amplified guarantee (0 without truncation).
+
+    Truncated and untruncated training differ only on the event E that some step samples more than
+    B_max units. Under the fixed-graph zero-out relation E has the same probability rho for both
+    neighbours (it depends on the graph and the sampling only), so coupling the two runs gives
+    (epsilon, delta + rho (1 + e^epsilon)). A step's batch is a subset of its Bernoulli(p) sample of
+    all U units, so rho <= T Pr[Binomial(U, p) > B_max]."""
+    report = batches.report
+    max_batch = report["parameters"].get("max_batch_size")
+    if max_batch is None:
+        return 0.0
+    if report["sampler"] == "users":
+        raise InputError("--max-batch-size truncation of user-sampled batches is not accounted: re-batch without it")
+    rho = min(1.0, batches.steps * float(binom.sf(max_batch, int(report["units"]),
+                                                  float(report["sampling_probability"]))))
+    return rho * (1 + math.exp(epsilon_))
 
 
 def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
@@ -112,14 +164,23 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
     return BandMf(steps, min_sep, int(report["k"]), bands, records_per_step=1)
 
 
-def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions) -> tuple[float, float]:
-    """(sigma, epsilon delivered at options.delta)."""
+def _mechanism_delta(options: TrainOptions, truncation) -> float:
+    """The delta left for the mechanism once truncation's share of the target delta is set aside."""
+    share = truncation(options.epsilon)
+    if share >= options.delta / 2:
+        raise InputError(f"truncation at --max-batch-size costs delta {share:.3g} of the {options.delta:g} asked for "
+                         f"(steps over B_max are too likely): raise --max-batch-size in madp batch, or drop it")
+    return options.delta - share
+
+
+def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation) -> tuple[float, float, float]:
+    """(sigma, epsilon, delta of the released guarantee); `truncation(epsilon)` is the delta truncation adds."""
     if options.noise_multiplier is not None:
         delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
         _warn_override(options, delivered)
-        return options.noise_multiplier, delivered
-    result = calibrate(mechanism, options.epsilon, options.delta)
-    return result.noise_multiplier, result.epsilon
+        return options.noise_multiplier, delivered, options.delta + truncation(delivered)
+    result = calibrate(mechanism, options.epsilon, _mechanism_delta(options, truncation))
+    return result.noise_multiplier, result.epsilon, options.delta
 
 
 def _warn_override(options: TrainOptions, delivered: float) -> None:
@@ -127,66 +188,98 @@ def _warn_override(options: TrainOptions, delivered: float) -> None:
                 options.noise_multiplier, delivered, options.delta)
 
 
-def amplified_noise_multiplier(batches: Batches, options: TrainOptions, fallback: BandMf) -> tuple[float, float, dict]:
-    """(sigma, epsilon, Monte Carlo details) for b-min-sep Poisson batches with amplification
-    (`bandmf-minsep`: estimate-verify-release, the unamplified `fallback` when verification fails)."""
+def amplified_noise_multiplier(batches: Batches, options: TrainOptions, unamplified_: BandMf,
+                               truncation) -> tuple[float, float, float, dict]:
+    """(sigma, epsilon, delta, Monte Carlo details) for b-min-sep Poisson batches with amplification
+    (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
     if batches.report["sampler"] != "minsep":
         raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
-    process = MinSepProcess(fallback.steps, fallback.min_sep, float(batches.report["sampling_probability"]),
-                            fallback.records_per_step, fallback.coefficients)
+    process = MinSepProcess(unamplified_.steps, unamplified_.min_sep, float(batches.report["sampling_probability"]),
+                            unamplified_.records_per_step, unamplified_.coefficients)
     log.info("Monte Carlo accounting (estimate-verify-release) for %s", process)
     if options.noise_multiplier is not None:
-        result = epsilon_minsep(process, options.noise_multiplier, epsilon(fallback, options.noise_multiplier,
-                                                                             options.delta),
-                                options.delta, options.mc_samples, options.seed, options.mc_workers)
+        result = epsilon_minsep(process, options.noise_multiplier, options.delta, options.mc_samples,
+                                options.mc_seed, options.mc_workers)
         sigma, delivered = options.noise_multiplier, result.value
         _warn_override(options, delivered)
     else:
-        result = calibrate_minsep(process, calibrate(fallback, options.epsilon, options.delta).noise_multiplier,
-                                  options.epsilon, options.delta, options.mc_samples, options.seed, options.mc_workers)
+        result = calibrate_minsep(process, options.epsilon, _mechanism_delta(options, truncation), options.mc_samples,
+                                  options.mc_seed, options.mc_workers)
         sigma, delivered = result.value, options.epsilon
-    details = {"process": dataclasses.asdict(process), "verified": result.verified, "fallback": result.fallback, "samples": result.samples,
-               "estimate_samples": result.estimate_samples, "base_delta": result.base_delta,
-               "released_delta": result.overall_delta, "ladder": list(result.ladder), "outcomes": list(result.outcomes)}
-    return sigma, delivered, details
-
-
+    details = {"process": dataclasses.asdict(process), "fallback": result.fallback, "estimate": result.estimate,
+               "seed": options.mc_seed, **result.report(sigma_fixed=options.noise_multiplier is not None)}
+    return sigma, delivered, details["delta"] + truncation(delivered), details
 
 
 # --- the plan -----------------------------------------------------------------------------------
 
+PRIVACY_UNIT = "a user, with every record attributed to them (user-level DP over multi-attribution records)"
+RELATION = ("fixed-graph zero-out: the neighbouring dataset replaces every record of one user by a record with "
+            "zero gradient; both have the same user-record graph, which the guarantee treats as public (keep it "
+            "confidential in practice)")
+AMPLIFIED = ("dpsgd", "dpsgd-uls", "bandmf-minsep")  # accounted with amplification by secret sampling
+
+
 def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
     """Mechanism, sigma and the guarantee for training on `batches` with `options` (privacy.json)."""
     if options.mechanism == "none":
-        return {"mechanism": "none"}
-    user_level = batches.report["sampler"] == "users"
+        return {"mechanism": "none", "private": False}
+    warn_delta(options.delta, batches)
+    report = batches.report
+    user_level = report["sampler"] == "users"
     bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
     k = None if user_level else contribution_bound(batches, options.max_contributions)
     mechanism = mechanism_for(batches, options, bands, k)
+    if options.amplified and mechanism.name != "bandmf":
+        raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as {mechanism.name}")
+    name = "bandmf-minsep" if options.amplified else mechanism.name
+    amplified = name in AMPLIFIED
+    truncation = (lambda eps: truncation_delta(batches, eps)) if amplified else (lambda eps: 0.0)
     monte_carlo = None
     if options.amplified:
-        if mechanism.name != "bandmf":
-            raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as "
-                             f"{mechanism.name}")
-        sigma, delivered, monte_carlo = amplified_noise_multiplier(batches, options, mechanism)
+        sigma, delivered, delta, monte_carlo = amplified_noise_multiplier(batches, options, mechanism, truncation)
     else:
-        sigma, delivered = noise_multiplier_for(mechanism, options)
-    plan = {"mechanism": "bandmf-minsep" if monte_carlo else mechanism.name,
-            "parameters": dataclasses.asdict(mechanism),
+        sigma, delivered, delta = noise_multiplier_for(mechanism, options, truncation)
+    sampling = report.get("sampling", FIXED_SEED)  # batches from before secret keys used a fixed seed
+    plan = {"mechanism": name, "parameters": dataclasses.asdict(mechanism),
             "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
-            "delta": options.delta, "steps": batches.steps, "clip_norm": options.clip_norm,
+            "delta": delta, "target_delta": options.delta, "truncation_delta": truncation(delivered),
+            "privacy_unit": PRIVACY_UNIT, "neighbouring_relation": RELATION,
+            "assumptions": assumptions(report, name, k),
+            "sampling": sampling, "relies_on_secret_sampling": amplified,
+            "steps": batches.steps, "clip_norm": options.clip_norm,
             "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
             "strategy": options.strategy,
             "noise_stddev_of_mean_gradient": sigma * options.clip_norm / batches.expected_batch_size,
             "contribution_bound": k,
-            "min_sep": int(batches.report["parameters"]["min_sep"]), "sampler": batches.report["sampler"],
+            "min_sep": int(report["parameters"]["min_sep"]), "sampler": report["sampler"],
             "batch_files_sha256": batches.file_hashes(),
             "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)" if monte_carlo
             else "PLD (dp_accounting)"}
     if monte_carlo:
-        plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo,
-                    delta=monte_carlo["released_delta"], target_delta=options.delta)
+        plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo)
     return plan
+
+
+def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
+    """What the guarantee of training on these batches rests on, step by step."""
+    sampler = report["sampler"]
+    stated = [f"every user has at most {k} records (copies) in the data trained on: the bound's K or largest "
+              f"capacity, checked by madp verify-bound" if k is not None else
+              "every record has exactly one user (user-level sampling, one clipped gradient per user)"]
+    if sampler == "minsep":
+        stated.append("the sampling probability p was calibrated from neighbourhood sizes, a function of the "
+                      "graph only")
+    if sampler == "minsep-greedy":
+        stated.append("the greedy min-sep schedule is a function of the graph only")
+    if mechanism in AMPLIFIED:
+        stated.append("amplification by subsampling: which units each step sampled stays secret")
+    else:
+        stated.append(f"{mechanism} is accounted without amplification: knowing the schedule costs nothing")
+    if report["parameters"].get("max_batch_size") is not None:
+        stated.append("truncation to --max-batch-size: " + ("its delta (truncation_delta) is added" if
+                      mechanism in AMPLIFIED else "only removes contributions, within the unamplified bound"))
+    return stated
 
 
 def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
@@ -198,7 +291,7 @@ def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
     mechanism = (unamplified(MinSepProcess(**parameters)) if plan["mechanism"] == "bandmf-minsep" else
                  {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters))
     sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
-    return [[float(s), epsilon(mechanism, float(s), plan.get("target_delta", plan["delta"]), discretization=1e-2)]
+    return [[float(s), epsilon(mechanism, float(s), plan["target_delta"], discretization=1e-2)]
             for s in sigmas]
 
 

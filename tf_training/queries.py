@@ -1,8 +1,9 @@
 """The noise of DP-SGD and DP-BandMF as TensorFlow Privacy `DPQuery`s.
 
 Both clip each record (a per-example gradient) to `l2_norm_clip` and sum; the noise is drawn from
-a stateless generator keyed by (seed, step, variable), so a run is reproducible and both queries
-draw the same z_t for the same seed:
+a stateless generator keyed by (noise key, step, variable). The 128-bit noise key is secret (fresh
+entropy per run, see `madp.randomness`): replicas share it in memory and so draw the same z_t
+without talking, and no output holds it. Both queries draw the same z_t for the same key:
 - `DpSgdQuery`: sum + z_t, z_t ~ N(0, (sigma * clip)^2 I) (a GaussianSumQuery with seeded noise);
 - `BandMfQuery`: sum + w_t with w = C^-1 z for the lower-triangular banded Toeplitz C of bands
   c_0..c_{b-1} (b-min-sep paper, Sec. 2.3): w_t = (z_t - sum_{j>=1} c_j w_{t-j}) / c_0, so the
@@ -12,17 +13,25 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
+from madp.randomness import SecretKey
 from tf_training import load_tensorflow
 
 tf = load_tensorflow()
 from tensorflow_privacy.privacy.dp_query import dp_query, gaussian_query  # noqa: E402
 
 
-def stateless_noise(template, stddev, seed, step):
-    """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (seed, step, variable)."""
+def key_tensor(key: SecretKey):
+    """The noise key as the shape-[2] int64 seed of TensorFlow's stateless generators."""
+    return tf.constant(np.array(key.words, dtype=np.uint64).view(np.int64))
+
+
+def stateless_noise(template, stddev, key, step):
+    """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (key, step, variable)."""
     leaves = tf.nest.flatten(template)
-    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(step, tf.int64)])
-    noise = [tf.random.stateless_normal(tf.shape(leaf), seed=tf.random.experimental.stateless_fold_in(key, index),
+    step_key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+    noise = [tf.random.stateless_normal(tf.shape(leaf), seed=tf.random.experimental.stateless_fold_in(step_key, index),
                                         stddev=tf.cast(stddev, leaf.dtype), dtype=leaf.dtype)
              for index, leaf in enumerate(leaves)]
     return tf.nest.pack_sequence_as(template, noise)
@@ -43,21 +52,21 @@ def clip_and_sum(l2_norm_clip, per_example):
 class DpSgdQuery(gaussian_query.GaussianSumQuery):
     """Clip each record to `l2_norm_clip`, sum, add z_t ~ N(0, (noise_multiplier * clip)^2 I)."""
 
-    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "seed", "step"])
+    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "key", "step"])
 
-    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int):
+    def __init__(self, l2_norm_clip: float, noise_multiplier: float, key: SecretKey):
         super().__init__(l2_norm_clip, l2_norm_clip * noise_multiplier)
-        self._seed = seed
+        self._key = key
 
     def initial_global_state(self):
         return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32), tf.constant(self._stddev, tf.float32),
-                                 tf.constant(self._seed, tf.int64), tf.constant(0, tf.int64))
+                                 key_tensor(self._key), tf.constant(0, tf.int64))
 
     def derive_sample_params(self, global_state):
         return global_state.l2_norm_clip
 
     def get_noised_result(self, sample_state, global_state):
-        noise = stateless_noise(sample_state, global_state.stddev, global_state.seed, global_state.step)
+        noise = stateless_noise(sample_state, global_state.stddev, global_state.key, global_state.step)
         result = tf.nest.map_structure(tf.add, sample_state, noise)
         return result, global_state._replace(step=global_state.step + 1), None
 
@@ -65,13 +74,13 @@ class DpSgdQuery(gaussian_query.GaussianSumQuery):
 class BandMfQuery(dp_query.SumAggregationDPQuery):
     """Clip and sum like `DpSgdQuery`; add w_t = (C^-1 z)_t for a banded Toeplitz C."""
 
-    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "seed", "step", "history"])
+    _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev", "key", "step", "history"])
 
-    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int, coefficients, template):
+    def __init__(self, l2_norm_clip: float, noise_multiplier: float, key: SecretKey, coefficients, template):
         """`coefficients`: c_0..c_{b-1} (c_0 > 0); `template`: tensors shaped like a record."""
         if not len(coefficients) or coefficients[0] <= 0:
             raise ValueError("BandMF needs at least one band, with c_0 > 0")
-        self._clipping = DpSgdQuery(l2_norm_clip, noise_multiplier, seed)
+        self._clipping = DpSgdQuery(l2_norm_clip, noise_multiplier, key)
         self._coefficients = [float(c) for c in coefficients]
         self._template = template
 
@@ -88,7 +97,7 @@ class BandMfQuery(dp_query.SumAggregationDPQuery):
         return self._clipping.preprocess_record(params, record)
 
     def get_noised_result(self, sample_state, global_state):
-        z = stateless_noise(sample_state, global_state.stddev, global_state.seed, global_state.step)
+        z = stateless_noise(sample_state, global_state.stddev, global_state.key, global_state.step)
         leaves = tf.nest.flatten(z)
         for lag, band in enumerate(self._coefficients[1:]):
             past = tf.nest.flatten(global_state.history[lag])

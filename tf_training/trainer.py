@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from madp import storage
 from madp.batching import USER_FEATURE
 from madp.progress import Progress
+from madp.randomness import FIXED_SEED, SecretKey
 from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
@@ -310,8 +311,16 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     else:
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         sigma = privacy["noise_multiplier"]
-        query = (DpSgdQuery(options.clip_norm, sigma, options.seed) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
-                 else BandMfQuery(options.clip_norm, sigma, options.seed, privacy["bands"], template))
+        # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
+        noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
+        privacy = {**privacy, "noise": noise_key.status,
+                   "private": noise_key.seed is None and (privacy["sampling"] != FIXED_SEED
+                                                          or not privacy["relies_on_secret_sampling"])}
+        if not privacy["private"]:
+            log.warning("this model is NOT private: %s", "the noise comes from --noise-seed"
+                        if noise_key.seed is not None else "its batches were sampled with a fixed --seed")
+        query = (DpSgdQuery(options.clip_norm, sigma, noise_key) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
+                 else BandMfQuery(options.clip_norm, sigma, noise_key, privacy["bands"], template))
         step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
                            user_level=user_level, strategy=strategy)
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
