@@ -21,7 +21,8 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json; r = json.load(open('$(DEMO).json'))['results']; p = r['privacy']; \
 		print(f'test accuracy: private {r[\"train\"][\"accuracy\"]:.4f} vs non-private', \
 		      f'{r[\"baseline\"][\"accuracy\"]:.4f}; private model: {p[\"mechanism\"]},', \
-		      f'sigma {p[\"noise_multiplier\"]:.3g}, (epsilon, delta) = ({p[\"epsilon\"]:.4g}, {p[\"delta\"]:g});', \
+		      f'sigma {p[\"noise_multiplier\"]:.3g}, (epsilon, delta) = ({p[\"epsilon\"]:.4g}, {p[\"delta\"]:g})', \
+		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
 		      'report: $(DEMO)/report.html')"
 
 test: $(STAMP)

@@ -25,6 +25,7 @@ import yaml
 import madp
 from madp import storage
 from madp.records import InputError
+from madp.report import shows_sampling
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
@@ -289,15 +290,19 @@ def _results(run_dir: str) -> dict:
         path = storage.join(run_dir, name)
         return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
     bound, batches = load("bound/report.json"), load("batches/report.json")
-    privacy, train, baseline = load("calibration.json"), load("train/metrics.json"), load("baseline/metrics.json")
+    privacy = load("train/privacy.json") or load("calibration.json")
+    train, baseline = load("train/metrics.json"), load("baseline/metrics.json")
     results = {}
     if bound:
         results["bound"] = {"input_records": bound["input_records"], "selected_records": bound["selected_records"]}
     if batches:
-        results["batch"] = {"sampling_probability": batches.get("sampling_probability"),
-                            "mean_batch_size": batches["batch_sizes"]["mean"]}
+        results["batch"] = {"sampling_probability": batches.get("sampling_probability")}
+        if shows_sampling({"batches": batches, "privacy": privacy}):  # else the realized sizes stay internal
+            results["batch"]["mean_batch_size"] = batches["batch_sizes"]["mean"]
     if privacy and privacy.get("mechanism") != "none":
-        results["privacy"] = {key: privacy.get(key) for key in ("mechanism", "noise_multiplier", "epsilon", "delta")}
+        results["privacy"] = {key: privacy.get(key) for key in ("mechanism", "noise_multiplier", "epsilon", "delta",
+                                                                 "contribution_bound", "sampling", "noise", "private")
+                              if key in privacy}
     for name, metrics in (("train", train), ("baseline", baseline)):
         if metrics and metrics.get("final"):
             results[name] = metrics["final"]

@@ -135,7 +135,7 @@ def test_greedy_batches_say_they_need_no_secret(bounded, tmp_path):
 
 # --- the contribution bound -------------------------------------------------------------------------
 
-def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_path):
+def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_path, caplog):
     pytest.importorskip("tensorflow")
     from tf_training.batches import open_batches
     from tf_training.plan import TrainOptions, privacy_plan
@@ -154,6 +154,9 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     with pytest.raises(InputError, match="--max-contributions 1 is below"):
         privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=1))
     assert privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=9))["contribution_bound"] == 9
+    with caplog.at_level("WARNING"):
+        privacy_plan(batches, TrainOptions(epsilon=2.0, delta=0.01))
+    assert "delta 0.01 exceeds 1/200 users" in caplog.text
 
 
 def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
@@ -239,7 +242,8 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
               "train": {"model": "logreg", "eval_every": 10}, "report": True}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     assert main(["-q", "run", str(tmp_path / "job.yaml")]) == 0
-    capsys.readouterr()
+    summary = json.loads(capsys.readouterr().out)
+    assert "mean_batch_size" not in summary["results"]["batch"] and summary["results"]["privacy"]["private"] is True
     assert len(drawn) >= 2, "sampling and noise keys drawn fresh (validating the config draws one more)"
     privacy = json.load(open(tmp_path / "run" / "train" / "privacy.json"))
     assert privacy["sampling"] == SECRET and privacy["noise"] == SECRET and privacy["private"] is True
