@@ -470,7 +470,7 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
                                options.min_sep, probability,
                                sampling.expected_batch_size(probability, sizes, counts, options.min_sep))
     result = batching.report(
-        options, beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner, selected, data,
+        options, beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner, selected, data, output,
         sampled=sampled, units=int(counts.sum()), records=records,
         sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(plan.total_steps, np.int64)]), axis=0),
         files=files, records_never_written=records - sum(summary.get("written_records", [])),

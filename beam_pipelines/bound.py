@@ -37,7 +37,8 @@ from madp.bounding import Capacities, UserSide, build_user_side, consume, local_
     retire, unanimous
 from madp.hashing import partition_of
 from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_shards, shard_path,
+                            prepare_output, read_capacities, record_distribution_stats, selection_manifest, selection_shards,
+                            shard_path,
                             sorted_selection, user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
@@ -465,10 +466,8 @@ class _FinishRecords(beam.DoFn):
             yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
         selected = state.copies > 0
         ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.pkl"))["ids"]
-        for shard, table in selection_shards(ids.filter(pa.array(selected)), state.copies[selected],
-                                             self.shards).items():
-            if len(table):
-                yield shard, table
+        # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
+        yield from selection_shards(ids.filter(pa.array(selected)), state.copies[selected], self.shards).items()
 
 
 def _user_stats(element, store: PartitionStore):
@@ -706,6 +705,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
                   passes=passes, converged=converged, per_round=rounds, partitions=partitions,
                   histograms=histograms(summary),
                   beam_counters_per_run=counters,
+                  selection_files=selection_manifest(output, options.output_shards),
                   wall_time_s=round(time.perf_counter() - started, 3))
     storage.clear_directory(work)
     write_report(output, report)

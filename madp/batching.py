@@ -23,7 +23,7 @@ from madp import sampling, storage, tfrecord
 from madp.hashing import hash_ids, id_words, siphash24
 from madp.progress import Progress
 from madp.randomness import DETERMINISTIC, SecretKey
-from madp.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, handle_rejects, write_report
+from madp.selection import REJECTED_DIR, REPORT_FILE, handle_rejects, read_manifest, selection_files, write_report
 
 log = logging.getLogger("madp.batch")
 SAMPLERS = ("minsep", "minsep-greedy", "users")
@@ -85,29 +85,14 @@ class BatchOptions:
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def selection_files(selected: str) -> list[str]:
-    files = sorted(f for f in storage.list_files(storage.join(selected, SELECTED_DIR)) if f.endswith(".parquet")) \
-        if storage.kind(storage.join(selected, SELECTED_DIR)) == "directory" else []
-    if not files:
-        raise rec.InputError(f"{selected}: no {SELECTED_DIR}/*.parquet; SELECTED must be a `madp bound` output directory")
-    return files
-
-
-def selection_digests(selected: str) -> dict[str, str]:
-    """SHA-256 of every selection file batching reads, by its path under SELECTED/selected/."""
-    root = storage.join(selected, SELECTED_DIR)
-    return {posixpath.relpath(path, root): storage.sha256(path) for path in selection_files(selected)}
-
-
 def bound_record(selected: str) -> dict:
     """What the batches are made from, for the accountant: the bound's contribution bound, its largest
-    user contribution and users (None without SELECTED/report.json), and the selection's digests.
+    user contribution, users and parameters, and its selection files (names, sizes, SHA-256).
     Training accounts with this record, so a later re-run of `madp bound` cannot change it."""
-    path = storage.join(selected, REPORT_FILE)
-    bound = json.loads(storage.read_text(path)) if storage.kind(path) == "file" else {}
-    return {"contribution_bound": bound.get("contribution_bound"),
-            "max_user_contribution": bound.get("max_user_contribution"), "input_users": bound.get("input_users"),
-            "selection_sha256": selection_digests(selected)}
+    bound = json.loads(storage.read_text(storage.join(selected, REPORT_FILE)))
+    return {"contribution_bound": bound["contribution_bound"], "max_user_contribution": bound["max_user_contribution"],
+            "input_users": bound["input_users"], "parameters": bound["parameters"],
+            "selection_files": bound["selection_files"]}
 
 
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
@@ -218,6 +203,11 @@ def step_range(file: int, total_steps: int, files: int) -> range:
 
 def batch_file_path(output: str, file: int, files: int) -> str:
     return storage.join(output, f"batches-{file:05d}-of-{files:05d}.tfrecord")
+
+
+def batch_files(output: str) -> list[str]:
+    """The batch files of a finished `madp batch` output, exactly those its report lists."""
+    return read_manifest(output, "batch", "", "files")
 
 
 def _padding(value_type: pa.DataType, shape: list, rows: int) -> pa.Array:
@@ -349,7 +339,7 @@ def size_summary(sizes: np.ndarray) -> dict:
             "per_step": sizes.tolist()}
 
 
-def report(options: BatchOptions, engine: str, selected: str, data: str, *, sampled: Sampled, units: int,
+def report(options: BatchOptions, engine: str, selected: str, data: str, output: str, *, sampled: Sampled, units: int,
            records: int, sampled_sizes: np.ndarray, files: list[dict], records_never_written: int,
            participation: dict, rejects: rec.Rejects, content_columns: list[str], started: float) -> dict:
     """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up."""
@@ -374,6 +364,8 @@ def report(options: BatchOptions, engine: str, selected: str, data: str, *, samp
         "truncated_rows": sum(f["truncated"] for f in files), "padding_rows": sum(f["padding"] for f in files),
         "records_never_written": records_never_written, "participation": participation,
         "rejected": rejects.counts(), "rejected_total": len(rejects),
+        "files": storage.manifest([batch_file_path(output, file, options.output_shards)
+                                   for file in range(options.output_shards)]),
         "wall_time_s": round(time.perf_counter() - started, 3)}
     if sampled.sampled_users is not None:
         result["users_per_step"] = size_summary(sampled.sampled_users)
@@ -569,7 +561,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         progress.update(file + 1, f", {len(mine)} rows in {batch_file_path(output, file, files)}")
     write_schema(output, schema(dataset.ids.type, described, options))
     written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
-    result = report(options, engine, selected, data, sampled=sampled, units=int(dataset.copies.sum()),
+    result = report(options, engine, selected, data, output, sampled=sampled, units=int(dataset.copies.sum()),
                     records=len(dataset.copies), sampled_sizes=sampled_sizes, files=results,
                     records_never_written=len(dataset.copies) - len(written_records),
                     participation=participation_stats(np.concatenate([r["user_hashes"] for r in results]),

@@ -11,7 +11,8 @@ from madp import records as rec
 from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
 from madp.progress import Progress
 from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_shards, shard_path,
+                            prepare_output, read_capacities, record_distribution_stats, selection_manifest, selection_shards,
+                            shard_path,
                             user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
@@ -118,6 +119,7 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
                   passes=result.passes, converged=result.converged, per_round=result.rounds,
                   histograms=histograms({**user_distribution_stats(result.user_degree, result.user_contribution),
                                          **record_distribution_stats(chunk.arity, result.copies)}),
+                  selection_files=selection_manifest(output, options.output_shards),
                   wall_time_s=round(time.perf_counter() - started, 3))
     write_report(output, report)
     return report

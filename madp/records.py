@@ -6,9 +6,12 @@ accept and reject exactly the same rows.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import io
 import json
 import posixpath
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -133,6 +136,30 @@ def list_input_files(path: str) -> list[str]:
     return [path]
 
 
+def jsonl_lines(path: str) -> list[bytes]:
+    """The rows of a JSON Lines file: its non-blank lines, a leading UTF-8 byte order mark removed.
+    Row numbers in errors and rejects count these lines from 0."""
+    with storage.open_input(path) as handle:
+        data = handle.read()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    return [line for line in data.splitlines() if line.strip()]
+
+
+def _arrow_json(lines: list[bytes]) -> pa.Table | None:
+    """Arrow's fast JSON reader over `lines`, or None where it could disagree with one row per line.
+
+    Arrow reads a value split over two lines, or two values on one line, as records and crashes on
+    a top-level `null`; the row-by-row parse rejects such lines, so ids and content cannot shift."""
+    if not all(line.lstrip().startswith(b"{") and line.rstrip().endswith(b"}") for line in lines):
+        return None
+    try:
+        table = pa_json.read_json(io.BytesIO(b"\n".join(lines)))
+    except pa.ArrowInvalid:
+        return None
+    return table if len(table) == len(lines) else None
+
+
 def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
     """Read one input file and split it into valid records and rejected rows; with `content`,
     also carry those columns of the valid records."""
@@ -153,13 +180,20 @@ def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
     if path.endswith(".parquet"):
         names = pq.read_schema(storage.open_input(path)).names
     else:
-        with storage.open_input(path) as handle:
-            first = next((line for line in handle.read().splitlines() if line.strip()), b"{}")
-        try:
-            names = list(json.loads(first))
-        except (ValueError, TypeError):
-            names = []
+        lines = jsonl_lines(path)
+        table = _arrow_json(lines)
+        names = table.column_names if table is not None else list(dict.fromkeys(
+            key for obj in map(_json_object, lines) for key in obj))
     return tuple(n for n in names if n not in _wanted(columns))
+
+
+def _json_object(line: bytes) -> dict:
+    """A line's JSON object, or {} for a line that is not one."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _read_content(path: str, names: tuple[str, ...]) -> pa.Table:
@@ -170,15 +204,7 @@ def _read_content(path: str, names: tuple[str, ...]) -> pa.Table:
         if missing:
             raise InputError(f"{path}: no content column {missing} (found {found})")
         return pq.read_table(storage.open_input(path), columns=list(names))
-    with storage.open_input(path) as handle:
-        lines = [line for line in handle.read().splitlines() if line.strip()]
-    objects = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        objects.append(obj if isinstance(obj, dict) else {})
+    objects = [_json_object(line) for line in jsonl_lines(path)]
     arrays = {}
     for name in names:
         if not any(name in obj for obj in objects):
@@ -208,16 +234,16 @@ def _read_parquet(path: str, columns: Columns) -> pa.Table:
 
 def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
     """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
-    try:
-        table = pa_json.read_json(storage.open_input(path))
-    except pa.ArrowInvalid:
-        return _parse_jsonl_rows(path, columns)
-    if len(table) == 0:
+    lines = jsonl_lines(path)
+    if not lines:
         return _empty_table(columns), None
+    table = _arrow_json(lines)
+    if table is None:
+        return _parse_jsonl_rows(path, lines, columns)
     _require_columns(path, table.column_names, columns)
     if _conforming(table, columns):
         return table.select(_wanted(columns)), None
-    return _parse_jsonl_rows(path, columns)
+    return _parse_jsonl_rows(path, lines, columns)
 
 
 def _conforming(table: pa.Table, columns: Columns) -> bool:
@@ -261,12 +287,11 @@ def _row_problem(obj: dict, columns: Columns) -> str | None:
     return None
 
 
-def _parse_jsonl_rows(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
-    """Row-by-row parse: rows with wrongly typed fields are blanked and their reason kept."""
+def _parse_jsonl_rows(path: str, lines: list[bytes],
+                      columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
+    """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason kept."""
     ids, users, weights = [], [], []
     problems: dict[int, tuple[str, object]] = {}
-    with storage.open_input(path) as handle:
-        lines = [line for line in handle.read().splitlines() if line.strip()]
     for row, line in enumerate(lines):
         try:
             obj = json.loads(line)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
 
 import numpy as np
 import pyarrow as pa
@@ -151,6 +152,50 @@ def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None
 
 def shard_path(output: str, shard: int, shards: int) -> str:
     return storage.join(output, SELECTED_DIR, f"part-{shard:05d}-of-{shards:05d}.parquet")
+
+
+def selection_manifest(output: str, shards: int) -> list[dict]:
+    """`selection_files` of the report: the one definition of the selection, for every consumer."""
+    return storage.manifest([shard_path(output, shard, shards) for shard in range(shards)])
+
+
+def selection_files(selected: str) -> list[str]:
+    """The selection shards of a finished `madp bound` output, exactly those its report lists."""
+    return read_manifest(selected, "bound", SELECTED_DIR, "selection_files")
+
+
+def read_manifest(output: str, what: str, directory: str, listed_key: str) -> list[str]:
+    """The files an output's report lists under `listed_key` (in `directory` of it), checked: the report
+    must exist (it is written last, so an unfinished run has none), every listed file must have its
+    recorded size and SHA-256, and `directory` must hold no other file (hidden ones included)."""
+    report_path = storage.join(output, REPORT_FILE)
+    if storage.kind(report_path) != "file":
+        raise InputError(f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
+                         f"last; re-run madp {what})")
+    listed = json.loads(storage.read_text(report_path)).get(listed_key)
+    if not listed:
+        raise InputError(f"{report_path} lists no {listed_key}: re-run madp {what}")
+    root = storage.join(output, directory) if directory else output
+    present = ({posixpath.relpath(path, root): path for path in storage.list_files(root)}
+               if storage.kind(root) == "directory" else {})
+    expected = {entry["name"]: entry for entry in listed}
+    missing = sorted(set(expected) - set(present))
+    extra = sorted(name for name in set(present) - set(expected) if directory or _is_output_file(name))
+    if missing or extra:
+        raise InputError(f"{root}: " + "; ".join(
+            part for part in (f"missing {missing}" if missing else "",
+                              f"files the {what} did not write {extra}" if extra else "") if part)
+            + f" (its {REPORT_FILE} lists {sorted(expected)}); re-run madp {what}")
+    for name, entry in sorted(expected.items()):
+        path = present[name]
+        if storage.size(path) != entry["bytes"] or storage.sha256(path) != entry["sha256"]:
+            raise InputError(f"{path} is not the file madp {what} wrote (size or SHA-256 differ); re-run madp {what}")
+    return [present[name] for name in sorted(expected)]
+
+
+def _is_output_file(name: str) -> bool:
+    """Batch files are listed beside other outputs (schema, report): only names of their kind must be listed."""
+    return name.startswith("batches-") and name.endswith(".tfrecord")
 
 
 def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:

@@ -43,6 +43,17 @@ def sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def manifest(paths: list[str]) -> list[dict]:
+    """Name, size and SHA-256 of each file: what an output's report lists, so that consumers read
+    exactly the files the producer wrote and notice any change."""
+    return [{"name": posixpath.basename(path), "bytes": size(path), "sha256": sha256(path)} for path in paths]
+
+
+def size(path: str) -> int:
+    filesystem, resolved = _resolve(path)
+    return filesystem.get_file_info(resolved).size
+
+
 def write_text(path: str, text: str) -> None:
     with open_output(path) as handle:
         handle.write(text.encode("utf-8"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import hashlib
 import json
 import os
 from collections import Counter, defaultdict
@@ -23,21 +24,37 @@ def _input_files(path: str) -> list[str]:
     return [path]
 
 
+def _scalar(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def _rows(path: str, id_column: str, users_column: str):
-    """(id, users) of every row that has both, as read from disk."""
+    """(id, users) of every row with a scalar id and a list of scalar users, as read from disk; other
+    rows (undecodable, not JSON objects, list ids, nested users) are invalid and no engine keeps them."""
     if path.endswith(".parquet"):
         table = pq.read_table(path, columns=[id_column, users_column])
-        yield from zip(table.column(id_column).to_pylist(), table.column(users_column).to_pylist())
-        return
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict):
-                    yield row.get(id_column), row.get(users_column)
+        pairs = zip(table.column(id_column).to_pylist(), table.column(users_column).to_pylist())
+    else:
+        pairs = (_json_pair(line, id_column, users_column) for line in _json_lines(path))
+    for record_id, users in pairs:
+        if _scalar(record_id) and isinstance(users, list) and all(_scalar(u) for u in users):
+            yield record_id, users
+
+
+def _json_lines(path: str):
+    """The non-blank lines of a JSON Lines file as bytes, without a leading UTF-8 byte order mark."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
+    return [line for line in data.split(b"\n") if line.strip()]
+
+
+def _json_pair(line: bytes, id_column: str, users_column: str):
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:  # invalid UTF-8 or JSON
+        return None, None
+    return (row.get(id_column), row.get(users_column)) if isinstance(row, dict) else (None, None)
 
 
 def _capacities(path: str | None) -> dict:
@@ -62,11 +79,43 @@ def _number_or_text(value: str):
         return value
 
 
+def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str], list[str]]:
+    """(paths, problems): the files OUTPUT/report.json lists under `key`, each checked for its size and
+    SHA-256, and every file under OUTPUT/`folder` (hidden ones too) that `counts` but is not listed."""
+    report_path = os.path.join(output, "report.json")
+    if not os.path.isfile(report_path):
+        return [], [f"no {report_path}: the run did not finish, its output is incomplete"]
+    with open(report_path, encoding="utf-8") as handle:
+        listed = json.load(handle).get(key) or []
+    root = os.path.join(output, folder)
+    found = set()
+    for directory, _, names in os.walk(root):
+        for name in names:
+            relative = os.path.relpath(os.path.join(directory, name), root)
+            if counts(relative):
+                found.add(relative)
+    problems = [f"{os.path.join(root, name)} is not a file the run wrote (not in {report_path})"
+                for name in sorted(found - {entry["name"] for entry in listed})]
+    paths = []
+    for entry in listed:
+        path = os.path.join(root, entry["name"])
+        if not os.path.isfile(path):
+            problems.append(f"{path} is listed in {report_path} but missing")
+            continue
+        with open(path, "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()
+        if os.path.getsize(path) != entry["bytes"] or digest != entry["sha256"]:
+            problems.append(f"{path} differs from the file the run wrote (size or SHA-256)")
+        paths.append(path)
+    if not listed:
+        problems.append(f"{report_path} lists no {key}")
+    return paths, problems
+
+
 def verify_bound(input_path: str, output: str, max_contributions: int, capacities_path: str | None = None,
                  id_column: str = "id", users_column: str = "users") -> dict:
     """Recompute every user's contribution from the input and OUTPUT/selected; list violations."""
-    shards = sorted(glob.glob(os.path.join(output, "selected", "*.parquet")))
-    missing = [f"no selection: {output}/selected/*.parquet not found"] if not shards else []
+    shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
     if missing:
         return {"ok": False, "violation_count": len(missing), "violations": missing}
@@ -187,8 +236,9 @@ def _feature_values(example, name: str) -> list:
 def verify_batches(output: str, data_path: str, min_sep: int, max_participations: int | None = None,
                    max_batch_size: int | None = None, id_column: str = "id", users_column: str = "users") -> dict:
     """Re-read the batches and the records' users; list every min-sep, participation and size violation."""
-    files = sorted(glob.glob(os.path.join(output, "batches-*.tfrecord")))
-    problems = [f"no batches: {output}/batches-*.tfrecord not found"] if not files else []
+    files, problems = _listed_files(output, "files", "",
+                                    lambda name: os.path.basename(name).startswith("batches-")
+                                    and name.endswith(".tfrecord"))
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}

@@ -41,3 +41,14 @@ def attempts_ledger(tmp_path_factory, monkeypatch):
     path = tmp_path_factory.mktemp("ledger") / "monte-carlo-attempts.jsonl"
     monkeypatch.setenv("MADP_ATTEMPTS_LEDGER", str(path))
     return path
+
+
+def reseal_selection(output) -> None:
+    """After a test rewrites selection shards: list them in the report as if the bound had written them
+    (a faulty engine with a consistent report), so that the verifier's recount is what is tested."""
+    from madp.selection import selection_manifest
+    path = os.path.join(output, "report.json")
+    report = json.load(open(path))
+    report["selection_files"] = selection_manifest(str(output), len(report["selection_files"]))
+    with open(path, "w") as handle:
+        json.dump(report, handle)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from beam_pipelines.batch import run_beam
-from conftest import write_records
+from conftest import reseal_selection, write_records
 from madp import sampling
 from madp.batching import BatchOptions, run_local
 from madp.local_engine import run_local as bound_local
@@ -153,6 +153,7 @@ def test_copies_are_distinct_units(tmp_path):
     path = os.path.join(selected, "selected", "part-00000-of-00001.parquet")
     table = pq.read_table(path)
     pq.write_table(table.set_column(1, "copies", pa.array([3] * len(table), pa.int64())), path)
+    reseal_selection(selected)
     report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=2000, batch_size=15))
     assert report["units"] == 150 and report["sampling_probability"] == pytest.approx(0.1)
     # With min-sep 1 the 3 copies of a record are sampled independently: sometimes together in a step.
@@ -275,7 +276,7 @@ def test_infeasible_inputs_give_clear_errors(tmp_path, graph_data):
         run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=10**7, sampler="minsep-greedy"))
     with pytest.raises(InputError, match="unreachable"):
         run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=1500, min_sep=50))
-    with pytest.raises(InputError, match="must be a `madp bound` output"):
+    with pytest.raises(InputError, match="not a finished `madp bound` output"):
         run_local(str(tmp_path), data, out, BatchOptions(seed=0, steps=5, batch_size=5))
     with pytest.raises(InputError, match="batch feature"):
         run_local(selected, data, out, BatchOptions(seed=0, steps=5, batch_size=5, content_columns=("x", "id")))

@@ -7,7 +7,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conftest import write_records
+from conftest import reseal_selection, write_records
 from madp.cli import main
 
 
@@ -28,6 +28,7 @@ def corrupt(tmp_path, mutate):
     shard = tmp_path / "out" / "selected" / "part-00000-of-00001.parquet"
     rows = pq.read_table(shard).to_pylist()
     pq.write_table(pa.Table.from_pylist(mutate(rows)), shard)
+    reseal_selection(tmp_path / "out")
 
 
 def test_generate_bound_verify_end_to_end(tmp_path, capsys):
@@ -111,7 +112,8 @@ def test_verify_applies_csv_capacities_to_string_user_ids(tmp_path, capsys):
 def test_verify_never_passes_on_missing_evidence(tmp_path, capsys, small_graph):
     input_path = write_records(str(tmp_path / "in.parquet"), small_graph)
     code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "nowhere"), "-k", "2")
-    assert code == 1 and verdict["violations"] == [f"no selection: {tmp_path / 'nowhere'}/selected/*.parquet not found"]
+    assert code == 1 and verdict["violations"] == [f"no {tmp_path / 'nowhere' / 'report.json'}: the run did not "
+                                                   f"finish, its output is incomplete"]
     bound(tmp_path, capsys, input_path)
     code, verdict, _ = run_cli(capsys, "verify-bound", str(tmp_path / "gone.parquet"), str(tmp_path / "out"), "-k", "2")
     assert code == 1 and "no input at" in verdict["violations"][0]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 
 from madp import storage
+from madp.batching import batch_files
 from madp.records import InputError
 
 
@@ -31,17 +31,16 @@ class Batches:
         return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
 
     def file_hashes(self) -> dict[str, str]:
-        return {posixpath.basename(path): storage.sha256(path) for path in self.files}
+        """SHA-256 of each batch file, as `open_batches` checked them against the report."""
+        return {entry["name"]: entry["sha256"] for entry in self.report["files"]}
 
 
 def open_batches(directory: str) -> Batches:
-    """The batches of a local or remote (gs://, s3://, hdfs://) `madp batch` output."""
-    listed = storage.list_files(directory, recursive=False) if storage.kind(directory) == "directory" else []
-    files = tuple(path for path in listed if posixpath.basename(path).startswith("batches-")
-                  and path.endswith(".tfrecord"))
-    missing = [name for name in ("schema.json", "report.json") if storage.kind(storage.join(directory, name)) != "file"]
-    if not files or missing:
+    """The batches of a local or remote (gs://, s3://, hdfs://) finished `madp batch` output: exactly
+    the files its report lists, each with its recorded size and SHA-256."""
+    if storage.kind(storage.join(directory, "schema.json")) != "file":
         raise InputError(f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)")
+    files = tuple(batch_files(directory))
     schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
     report = json.loads(storage.read_text(storage.join(directory, "report.json")))
     return Batches(directory, files, schema, report)

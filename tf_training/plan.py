@@ -19,7 +19,7 @@ from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import storage
-from madp.batching import SELECTED_DIR, selection_digests
+from madp.selection import REPORT_FILE
 from madp.randomness import FIXED_SEED
 from madp.records import InputError
 from tf_training.batches import Batches
@@ -103,12 +103,11 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
 
 def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
     """A SELECTED re-bounded after batching no longer describes the batches: refuse to guess which holds."""
-    recorded = bound.get("selection_sha256")
     selected = batches.report.get("selected", "")
-    if not recorded or storage.kind(storage.join(selected, SELECTED_DIR)) != "directory":
-        return
-    current = selection_digests(selected)
-    if current != recorded:
+    path = storage.join(selected, REPORT_FILE)
+    if storage.kind(path) != "file":
+        return  # SELECTED moved or removed: the batches' own record stands
+    if json.loads(storage.read_text(path)).get("selection_files") != bound.get("selection_files"):
         raise InputError(f"{selected} changed since {batches.directory} was made from it (its selection files "
                          f"differ): re-run madp batch on the new selection, or restore the old one")
 
