@@ -275,11 +275,21 @@ class _BuildRecordPartition(beam.DoFn):
 
 
 def _split_capacities(path: str, default: int, partitions: int):
+    """Each capacity to the user partition of every user id it can match: its own typed id, or for a
+    CSV text id both the string and (if it writes one canonically) the integer; the partition matches
+    it to its users exactly (`Capacities.typed_as`)."""
     capacities = read_capacities(path, default)
-    partition = partition_of(capacities.user_ids, partitions)
+    routes = [capacities.typed_as(pa.string() if pa.types.is_string(capacities.user_ids.type) else pa.int64())]
+    if capacities.text_ids:
+        routes.append(capacities.typed_as(pa.int64()))
+    mine = np.zeros((partitions, len(capacities.values)), dtype=bool)
+    for ids in routes:
+        valid = ~ids.is_null().to_numpy(zero_copy_only=False)
+        partition = partition_of(ids.filter(pa.array(valid)), partitions)
+        mine[partition, np.flatnonzero(valid)] = True
     for part in range(partitions):
-        mine = partition == part
-        yield part, Capacities(default, capacities.user_ids.filter(pa.array(mine)), capacities.values[mine])
+        yield part, Capacities(default, capacities.user_ids.filter(pa.array(mine[part])), capacities.values[mine[part]],
+                               capacities.text_ids)
 
 
 def _build_user_partition(element, default: int, store: PartitionStore):

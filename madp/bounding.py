@@ -123,23 +123,49 @@ def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys:
 
 @dataclasses.dataclass
 class Capacities:
-    """Per-user capacity: an explicit table overriding a default bound."""
+    """Per-user capacity: an explicit table overriding a default bound.
+
+    Typed user ids (JSON Lines, Parquet) match input users of the same type and value only. A CSV
+    cannot type its user ids, so they are kept as text (`text_ids`) and match an input user whose id
+    is that exact text: the string "007", or for integer user ids the integer written "7" (never "007").
+    """
     default: int
     user_ids: pa.Array | None = None
     values: np.ndarray | None = None
+    text_ids: bool = False
+
+    def typed_as(self, target: pa.DataType) -> pa.Array:
+        """The listed users as ids of type `target` (int64 or string), null where a text id cannot be one."""
+        if self.text_ids:
+            if pa.types.is_integer(target):
+                return pa.array([canonical_integer(text) for text in self.user_ids.to_pylist()], pa.int64())
+            return self.user_ids
+        if pa.types.is_integer(self.user_ids.type) != pa.types.is_integer(target):
+            raise InputError(f"capacities file has {self.user_ids.type} user ids but the input's user ids are "
+                             f"{target}: a capacity applies to a user of the same id type only")
+        return self.user_ids
 
     def lookup(self, user_ids: pa.Array) -> np.ndarray:
         result = np.full(len(user_ids), self.default, dtype=np.int64)
         if self.user_ids is not None and len(user_ids):
-            try:
-                listed = self.user_ids.cast(user_ids.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
-                raise InputError(f"capacities file has {self.user_ids.type} user ids that do not match the "
-                                 f"input's {user_ids.type} user ids: {error}") from error
-            where = pc.index_in(user_ids, value_set=listed).to_numpy(zero_copy_only=False)
+            where = pc.index_in(user_ids, value_set=self.typed_as(user_ids.type)).to_numpy(zero_copy_only=False)
             found = ~np.isnan(where.astype(np.float64))
             result[found] = self.values[where[found].astype(np.int64)]
         return result
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def canonical_integer(text: str) -> int | None:
+    """The int64 that `text` writes in canonical decimal ("7", "-12"; not "007", "+7" or " 7"), else None."""
+    if not text or text != text.strip() or text.startswith("+"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if str(value) == text and _INT64[0] <= value <= _INT64[1] else None
 
 
 def propose(users: UserSide) -> np.ndarray:

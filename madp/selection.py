@@ -9,13 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
-import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from madp import storage
 from madp.bounding import ORDERS, AlternateRuns, Capacities
 from madp.hashing import partition_of
-from madp.records import Columns, InputError, Rejects
+from madp.records import Columns, InputError, Rejects, jsonl_lines
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
@@ -105,19 +104,20 @@ def histograms(stats: dict[str, int]) -> dict[str, dict[str, int]]:
 
 
 def read_capacities(path: str, default: int) -> Capacities:
-    """Rows (user, capacity) from CSV, JSONL or Parquet; integer capacity >= 0, users unique."""
-    readers = {".parquet": pq.read_table, ".jsonl": pa_json.read_json, ".csv": pa_csv.read_csv}
-    reader = next((read for suffix, read in readers.items() if path.endswith(suffix)), None)
-    if reader is None:
+    """Rows (user, capacity) from CSV (user ids as text), JSONL or Parquet (typed user ids);
+    integer capacity >= 0, users unique."""
+    if not path.endswith((".csv", ".jsonl", ".parquet")):
         raise InputError(f"{path}: capacities must be .csv, .jsonl or .parquet")
     if storage.kind(path) != "file":
         raise InputError(f"{path}: no such capacities file")
-    with storage.open_input(path) as handle:
-        table = reader(handle)
+    try:
+        table = _capacities_table(path)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:
+        raise InputError(f"{path}: not a readable capacities file: {error}") from error
     if not {"user", "capacity"} <= set(table.column_names):
         raise InputError(f"{path}: capacities need columns 'user' and 'capacity' (found {table.column_names})")
     users, capacity = table.column("user").combine_chunks(), table.column("capacity").combine_chunks()
-    if not pa.types.is_integer(capacity.type):
+    if not pa.types.is_integer(capacity.type) and not (pa.types.is_null(capacity.type) and len(capacity) == 0):
         raise InputError(f"{path}: column 'capacity' must hold integers, found {capacity.type}")
     values = capacity.to_numpy(zero_copy_only=False)
     missing_user = users.is_null().to_numpy(zero_copy_only=False)
@@ -130,11 +130,28 @@ def read_capacities(path: str, default: int) -> Capacities:
     if problems:
         listed = "; ".join(f"row {row}: {why}" for row, why in sorted(problems)[:_ERROR_EXAMPLES])
         raise InputError(f"{path}: {len(problems)} invalid capacity rows: {listed}")
-    if pa.types.is_integer(users.type):
+    if pa.types.is_integer(users.type) or pa.types.is_null(users.type):
         users = users.cast(pa.int64())
-    elif pa.types.is_large_string(users.type):
+    elif pa.types.is_string(users.type) or pa.types.is_large_string(users.type):
         users = users.cast(pa.string())
-    return Capacities(default=default, user_ids=users, values=values.astype(np.int64))
+    else:
+        raise InputError(f"{path}: column 'user' must hold integer or string user ids, found {users.type}")
+    return Capacities(default=default, user_ids=users, values=values.astype(np.int64), text_ids=path.endswith(".csv"))
+
+
+def _capacities_table(path: str) -> pa.Table:
+    with storage.open_input(path) as handle:
+        if path.endswith(".parquet"):
+            return pq.read_table(handle)
+        if path.endswith(".csv"):  # a CSV cannot say whether user 007 is a number: keep its text
+            return pa_csv.read_csv(handle, convert_options=pa_csv.ConvertOptions(column_types={"user": pa.string()}))
+    rows = []
+    for number, line in enumerate(jsonl_lines(path)):
+        row = json.loads(line)
+        if not isinstance(row, dict):
+            raise ValueError(f"row {number} is not a JSON object")
+        rows.append(row)
+    return pa.Table.from_pylist(rows)
 
 
 def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None:

@@ -57,26 +57,20 @@ def _json_pair(line: bytes, id_column: str, users_column: str):
     return (row.get(id_column), row.get(users_column)) if isinstance(row, dict) else (None, None)
 
 
-def _capacities(path: str | None) -> dict:
+def _capacities(path: str | None) -> tuple[dict, bool]:
+    """({user: capacity}, whether the users are text): a CSV's user ids are text, matched to the exact
+    text of an input user id; JSON Lines and Parquet ids are typed, matched by type and value."""
     if path is None:
-        return {}
+        return {}, False
     if path.endswith(".parquet"):
         table = pq.read_table(path)
-        return dict(zip(table.column("user").to_pylist(), table.column("capacity").to_pylist()))
+        return dict(zip(table.column("user").to_pylist(), table.column("capacity").to_pylist())), False
     if path.endswith(".csv"):
         with open(path, newline="", encoding="utf-8") as handle:
-            rows = list(csv.DictReader(handle))
-        return {_number_or_text(r["user"]): int(r["capacity"]) for r in rows}
+            return {r["user"]: int(r["capacity"]) for r in csv.DictReader(handle)}, True
     with open(path, encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
-    return {r["user"]: r["capacity"] for r in rows}
-
-
-def _number_or_text(value: str):
-    try:
-        return int(value)
-    except ValueError:
-        return value
+    return {r["user"]: r["capacity"] for r in rows}, False
 
 
 def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str], list[str]]:
@@ -147,12 +141,10 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
     for record_id, copies in selected.items():
         for user in users_of.get(record_id, ()):
             contribution[user] += copies if isinstance(copies, int) else 0
-    capacity = _capacities(capacities_path)
-    # A CSV cannot say whether user "123" is a number: match capacities by text as well as by value.
-    capacity_by_text = {str(user): bound for user, bound in capacity.items()}
+    capacity, text = _capacities(capacities_path)
 
     def bound_of(user) -> int:
-        return capacity.get(user, capacity_by_text.get(str(user), max_contributions))
+        return capacity.get(str(user) if text else user, max_contributions)
 
     over = sorted(((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
                   key=lambda v: (-v[1], str(v[0])))
