@@ -13,6 +13,7 @@ pass over residual capacities for the with-duplicates variant.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -255,7 +256,7 @@ class _BuildRecordPartition(beam.DoFn):
         record_of_incidence = np.repeat(np.arange(n), arity)
         pairs = np.sort(record_of_incidence * self.partitions + user_partition)
         # Sort and mask: numpy 2's hash-based np.unique is ~25x slower on these many distinct values.
-        pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])]
+        pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])[:len(pairs)]]  # a partition may be empty
         offsets = np.concatenate([[0], np.cumsum(np.bincount(pairs // self.partitions, minlength=n))]).astype(np.int64)
         self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": chunk.ids})
         state = RecordState(keys=chunk.keys, arity=arity, user_partition_offsets=offsets,
@@ -601,8 +602,31 @@ def _counters(result, namespace: str = NAMESPACE) -> dict[str, int]:
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in found}
 
 
+def unknown_beam_args(beam_args: list[str]) -> list[str]:
+    """The flags among `beam_args` that no Beam pipeline option defines (Beam would drop them silently)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    seen, classes = set(), [PipelineOptions]
+    while classes:
+        cls = classes.pop()
+        if cls not in seen:
+            seen.add(cls)
+            classes.extend(cls.__subclasses__())
+            if "_add_argparse_args" in vars(cls):
+                try:
+                    cls._add_argparse_args(parser)
+                except argparse.ArgumentError:
+                    pass  # an option two classes define: the first one suffices here
+    _, unknown = parser.parse_known_args(beam_args)
+    return [arg for arg in unknown if arg.startswith("-")]
+
+
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
-    """The user's Beam options, with our defaults where the user set none."""
+    """The user's Beam options, with our defaults where the user set none; a flag that is neither a
+    madp option nor a Beam option (a typo such as --min_sep) is an error, not silently dropped."""
+    unknown = unknown_beam_args(beam_args)
+    if unknown:
+        raise rec.InputError(f"unrecognized option(s) {' '.join(unknown)}: neither an option of this command "
+                             f"nor a Beam pipeline option (check the spelling: madp options use dashes)")
     options = PipelineOptions(beam_args)
     explicit = options.get_all_options(drop_default=True)
     if "pipeline_type_check" not in explicit:

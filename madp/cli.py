@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 
+from madp import storage
 from madp.records import Columns, InputError
 
 LOCAL = "local"
@@ -503,6 +505,15 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
     return _verify(args)
 
 
+def _written_directory(args: argparse.Namespace) -> str | None:
+    """The output directory a command writes (held exclusively while it runs); `madp run` holds its run_dir."""
+    if args.command in ("bound", "batch", "train", "import-mbox"):
+        return args.output
+    if args.command == "generate" and not args.output.endswith((".jsonl", ".parquet")):
+        return args.output
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args, unknown = _parser().parse_known_args(argv)
     if unknown and args.command not in ("bound", "batch", "calibrate", "epsilon"):
@@ -515,9 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     # The DirectRunner also relays worker tracebacks; the driver raises the same failure itself.
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
+    output = _written_directory(args)
     try:
-        result = run_stage(args, unknown)
-    except InputError as error:
+        with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
+            result = run_stage(args, unknown)
+    except (InputError, storage.OutputLocked) as error:
         print(f"madp {args.command}: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, sort_keys=True))

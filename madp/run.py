@@ -256,6 +256,13 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
     parser = cli._parser()
     stages = plan_stages(config, parser)
     run_dir = config["run_dir"]
+    with storage.exclusive(run_dir, f"run {config_path}"):
+        return _run_stages(run_dir, config_path, stages, parser, force)
+
+
+def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: argparse.ArgumentParser,
+                force: bool) -> dict:
+    from madp import cli
     summary = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):

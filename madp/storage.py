@@ -1,9 +1,13 @@
 """Files on local disk or any filesystem pyarrow knows (gs://, s3://, hdfs://), by path or URI."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import posixpath
+import socket
+import time
 
 import pyarrow.fs as pafs
 
@@ -93,3 +97,76 @@ def remove_file(path: str) -> None:
     filesystem, resolved = _resolve(path)
     if filesystem.get_file_info(resolved).type == pafs.FileType.File:
         filesystem.delete_file(resolved)
+
+
+LOCK_FILE = ".madp.lock"
+
+
+class OutputLocked(RuntimeError):
+    """Another process is writing the output directory."""
+
+
+@contextlib.contextmanager
+def exclusive(output: str, command: str):
+    """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
+    instead of mixing its files with ours. Local directories lock atomically (O_EXCL); a lock left by
+    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) the check
+    and the write are two steps, so two writers started at the same instant can still both pass."""
+    if kind(output) == "file":
+        raise OutputLocked(f"{output} is a file; the output must be a directory")
+    lock = join(output, LOCK_FILE)
+    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                         "since": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    try:
+        _take(output, lock, holder)
+    except PermissionError as error:
+        raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
+    try:
+        yield
+    finally:
+        remove_file(lock)
+
+
+def _take(output: str, lock: str, holder: str) -> None:
+    if "://" in output:
+        if kind(lock) == "file":
+            raise OutputLocked(_held(lock))
+        write_text(lock, holder)
+        return
+    os.makedirs(output, exist_ok=True)
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if not _stale(lock):
+                raise OutputLocked(_held(lock)) from None
+            os.remove(lock)  # its process died (a killed run): the output is ours to redo
+            continue
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(holder)
+        return
+    raise OutputLocked(_held(lock))
+
+
+def _stale(lock: str) -> bool:
+    """Whether a local lock's process is gone (same host, no such pid)."""
+    try:
+        holder = json.loads(read_text(lock))
+        if holder.get("host") != socket.gethostname():
+            return False
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return False
+
+
+def _held(lock: str) -> str:
+    try:
+        holder = json.loads(read_text(lock))
+        who = f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "an unknown process"
+    return (f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({who}); wait for it, "
+            f"or if none is running remove {lock}")
