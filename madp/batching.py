@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from madp import records as rec
 from madp import sampling, storage, tfrecord
@@ -96,8 +95,7 @@ def bound_record(selected: str) -> dict:
 
 
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
-    with storage.open_input(path) as handle:
-        table = pq.read_table(handle)
+    table = storage.read_parquet(path)
     if not {"id", "copies"} <= set(table.column_names):
         raise rec.InputError(f"{path}: a selection needs columns id and copies (found {table.column_names})")
     ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
@@ -145,6 +143,14 @@ def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
                 record = ids[row].as_py() if array is column else "?"
                 raise rec.InputError(f"content column {name!r} is null{where} for selected record {record!r}; "
                                      f"fill it or leave the column out with --content-columns")
+        if pa.types.is_floating(values.type) and len(values):
+            finite = pc.is_finite(values).to_numpy(zero_copy_only=False)
+            if not finite.all():
+                at = int(np.flatnonzero(~finite)[0])
+                row = (pc.list_parent_indices(column).to_numpy()[at] if values is not column else at)
+                raise rec.InputError(f"content column {name!r} holds a NaN or infinite value for selected record "
+                                     f"{ids[int(row)].as_py()!r}: training on it would give a NaN model; fix the "
+                                     f"record or leave the column out with --content-columns")
         try:
             kind = tfrecord.feature_kind(values.type)
         except ValueError as error:
@@ -450,6 +456,7 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
     probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
     total = options.steps + options.warm_up_steps
+    check_fits(probability * len(keys) * total, options)
     unit, step = sampling.sampled_steps(keys, probability, total)
     record = record_of_unit[unit]
     owner, flat = incidences_of(dataset.offsets, record)
@@ -459,9 +466,24 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
                    sampling.expected_batch_size(probability, *histogram, options.min_sep))
 
 
+# Bytes per sampled row in the local engine at its peak (unit, step, record, keys, incidences, sort copies).
+BYTES_PER_SAMPLE = 200
+
+
+def check_fits(expected_rows: float, options: BatchOptions) -> None:
+    """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if expected_rows * BYTES_PER_SAMPLE > memory / 2:
+        raise rec.InputError(f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about "
+                             f"{expected_rows:.3g} rows, about {expected_rows * BYTES_PER_SAMPLE / 2**30:.0f} GiB "
+                             f"in memory, more than half of this machine's {memory / 2**30:.0f} GiB: use fewer steps "
+                             f"or a smaller batch size, or --runner with a Beam cluster")
+
+
 def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     """Alg. 4; with --find-max-min-sep, the largest b before the first failure, trying b = 1, 2, ..."""
     n, batch = len(dataset.copies), int(options.batch_size)
+    check_fits(float(options.steps) * batch, options)
     if batch > n:
         raise rec.InputError(f"--batch-size {batch} is larger than the {n} selected records: "
                              f"a batch cannot hold a record twice")
@@ -504,6 +526,7 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     if not 0 < options.batch_size <= len(distinct):
         raise rec.InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
     probability = options.batch_size / len(distinct)
+    check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
     user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
     user, step = sampling.sampled_steps(user_keys, probability, options.steps)
     record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)

@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = run_stage(args, unknown)
-    except (InputError, storage.OutputLocked) as error:
+    except InputError as error:
         print(f"madp {args.command}: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, sort_keys=True))

@@ -28,7 +28,7 @@ log = logging.getLogger("madp.mbox")
 ROWS_PER_WRITE = 10_000
 SCHEMA = pa.schema([("id", pa.string()), ("users", pa.list_(pa.string())), ("subject", pa.string()),
                     ("body", pa.string())])
-REASONS = ("unparseable", "no_sender", "duplicate_message_id", "undecodable_body")
+REASONS = ("unparseable", "no_sender", "duplicate_message_id", "undecodable_body", "text_before_first_message")
 
 
 def normalized_addresses(*headers: str | None) -> list[str]:
@@ -71,9 +71,24 @@ def message_record(raw: bytes) -> tuple[dict | None, str | None]:
     return {"id": message_id, "users": users, "subject": subject, "body": body}, None
 
 
+def preamble(path: str) -> bytes:
+    """The bytes before the first line that starts a message ("From "): the mbox reader skips them."""
+    head = []
+    with open(path, "rb") as handle:
+        for line in handle:
+            if line.startswith(b"From "):
+                break
+            head.append(line)
+    return b"".join(head)
+
+
 def import_mbox(path: str, output: str) -> dict:
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such mbox file")
+    skipped_text = preamble(path)
+    if skipped_text.strip() and len(skipped_text) == os.path.getsize(path):
+        raise InputError(f"{path}: no message: an mbox file starts each message with a 'From ' line (a single "
+                         f".eml message needs one, e.g. 'From sender@example.com Thu Jan  1 00:00:00 1970')")
     started = time.perf_counter()
     records_dir = os.path.join(output, "records")
     os.makedirs(records_dir, exist_ok=True)
@@ -85,8 +100,12 @@ def import_mbox(path: str, output: str) -> dict:
     rows: list[dict] = []
     written = messages = 0
     box = mailbox.mbox(path, create=False)
-    with pq.ParquetWriter(os.path.join(records_dir, "part-00000.parquet"), SCHEMA) as writer, \
+    with pq.ParquetWriter(os.path.join(records_dir, "part-00000.parquet"), SCHEMA, write_page_checksum=True) as writer, \
             open(os.path.join(output, "rejected.jsonl"), "w") as rejected:
+        if skipped_text.strip():  # the reader drops it; count and keep it rather than lose it silently
+            counts["text_before_first_message"] += 1
+            rejected.write(json.dumps({"message": None, "reason": "text_before_first_message",
+                                       "head": skipped_text[:300].decode("utf-8", "replace")}) + "\n")
         for index, key in enumerate(box.iterkeys()):
             messages += 1
             raw = box.get_bytes(key)

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import gzip
 import io
 import json
+import logging
 import posixpath
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 
 from madp import storage
+from madp.errors import InputError
 
-INPUT_SUFFIXES = (".jsonl", ".parquet")
+log = logging.getLogger("madp")
+
+INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 # Why a row is rejected, in the order checks run.
 MISSING_ID = "missing_id"
@@ -37,10 +41,6 @@ REJECT_REASONS = (INVALID_JSON, MISSING_ID, BAD_ID_TYPE, MISSING_USERS, EMPTY_US
                   NULL_USER, NON_SCALAR_USER, BAD_USER_TYPE, BAD_WEIGHT, DUPLICATE_ID)
 
 _ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass
-
-
-class InputError(ValueError):
-    """Bad input or options, with a message that names the file, row and reason."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,19 +121,34 @@ class FileResult:
 
 
 def list_input_files(path: str) -> list[str]:
-    """The input files of a path: the file itself, or every .jsonl/.parquet file below a directory."""
+    """The input files of a path: the file itself, or every .jsonl, .jsonl.gz or .parquet file below a
+    directory (names starting with '.' or '_' skipped); other files there are named in a warning."""
     found = storage.kind(path)
     if found == "directory":
-        files = [f for f in storage.list_files(path)
-                 if f.endswith(INPUT_SUFFIXES) and not posixpath.basename(f).startswith((".", "_"))]
+        files = [f for f in _visible_files(path) if f.endswith(INPUT_SUFFIXES)]
+        ignored = ignored_input_files(path)
+        if ignored:
+            log.warning("%s: %d files are not read (only %s are): %s", path, len(ignored), ", ".join(INPUT_SUFFIXES),
+                        ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""))
         if not files:
-            raise InputError(f"{path}: directory holds no .jsonl or .parquet files")
+            raise InputError(f"{path}: directory holds no {', '.join(INPUT_SUFFIXES)} files")
         return files
     if found == "missing":
         raise InputError(f"{path}: no such file or directory")
     if not path.endswith(INPUT_SUFFIXES):
-        raise InputError(f"{path}: unsupported input format (expected .jsonl or .parquet)")
+        raise InputError(f"{path}: unsupported input format (expected {', '.join(INPUT_SUFFIXES)})")
     return [path]
+
+
+def _visible_files(directory: str) -> list[str]:
+    return [f for f in storage.list_files(directory) if not posixpath.basename(f).startswith((".", "_"))]
+
+
+def ignored_input_files(path: str) -> list[str]:
+    """Files of an input directory that are not read for their suffix (e.g. .JSONL, .parq, .csv)."""
+    if storage.kind(path) != "directory":
+        return []
+    return [f for f in _visible_files(path) if not f.endswith(INPUT_SUFFIXES)]
 
 
 def jsonl_lines(path: str) -> list[bytes]:
@@ -141,6 +156,11 @@ def jsonl_lines(path: str) -> list[bytes]:
     Row numbers in errors and rejects count these lines from 0."""
     with storage.open_input(path) as handle:
         data = handle.read()
+    if path.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise InputError(f"{path}: not a readable gzip file: {error}") from error
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
     return [line for line in data.splitlines() if line.strip()]
@@ -178,7 +198,7 @@ def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, 
 def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
     """The columns of an input file other than the id, users and weight columns."""
     if path.endswith(".parquet"):
-        names = pq.read_schema(storage.open_input(path)).names
+        names = storage.parquet_columns(path)
     else:
         lines = jsonl_lines(path)
         table = _arrow_json(lines)
@@ -199,11 +219,11 @@ def _json_object(line: bytes) -> dict:
 def _read_content(path: str, names: tuple[str, ...]) -> pa.Table:
     """Columns `names` of every row of a file (rows that are not JSON objects read as nulls)."""
     if path.endswith(".parquet"):
-        found = pq.read_schema(storage.open_input(path)).names
+        found = storage.parquet_columns(path)
         missing = [n for n in names if n not in found]
         if missing:
             raise InputError(f"{path}: no content column {missing} (found {found})")
-        return pq.read_table(storage.open_input(path), columns=list(names))
+        return storage.read_parquet(path, list(names))
     objects = [_json_object(line) for line in jsonl_lines(path)]
     arrays = {}
     for name in names:
@@ -228,8 +248,8 @@ def _require_columns(path: str, found: list[str], columns: Columns) -> None:
 
 
 def _read_parquet(path: str, columns: Columns) -> pa.Table:
-    _require_columns(path, pq.read_schema(storage.open_input(path)).names, columns)
-    return pq.read_table(storage.open_input(path), columns=_wanted(columns))
+    _require_columns(path, storage.parquet_columns(path), columns)
+    return storage.read_parquet(path, _wanted(columns))
 
 
 def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:

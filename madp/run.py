@@ -14,8 +14,10 @@ train/, baseline/ (non-private, if asked), and .madp/ with one manifest per fini
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import time
@@ -99,6 +101,8 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
         beam = _beam(bound, "bound")
         flags = _flags(commands["bound"], "bound", bound)
         stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
+        if "max_contributions" not in bound:
+            raise InputError("config bound.max_contributions: required (the contribution bound K)")
         k = ["--max-contributions", str(bound["max_contributions"])]
         capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
         columns = _pick(flags, ("--id-column", "--users-column"))
@@ -216,10 +220,13 @@ def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
 
 def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
     from madp import cli
+    said = io.StringIO()
     try:
-        args, extra = parser.parse_known_args(stage.command)
+        with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
+            args, extra = parser.parse_known_args(stage.command)
     except (argparse.ArgumentError, SystemExit) as error:
-        raise InputError(f"config {stage.name}: {error}") from error
+        reason = said.getvalue().strip().splitlines()[-1:] or [str(error)]
+        raise InputError(f"config {stage.name}: {reason[0]}") from error
     if extra and stage.name not in ("bound", "batch"):
         raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
     try:
@@ -247,7 +254,12 @@ def up_to_date(run_dir: str, stage: Stage) -> bool:
     manifest = _manifest(run_dir, stage)
     if storage.kind(manifest) != "file" or storage.kind(stage.output) == "missing":
         return False
-    return json.loads(storage.read_text(manifest)).get("fingerprint") == fingerprint(stage)
+    try:
+        recorded = json.loads(storage.read_text(manifest))
+    except ValueError:
+        log.warning("%s is damaged (truncated?): stage %s runs again", manifest, stage.name)
+        return False
+    return isinstance(recorded, dict) and recorded.get("fingerprint") == fingerprint(stage)
 
 
 def run(config_path: str, overrides: list[str], force: bool = False) -> dict:

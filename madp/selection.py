@@ -9,12 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
-import pyarrow.parquet as pq
 
 from madp import storage
 from madp.bounding import ORDERS, AlternateRuns, Capacities
 from madp.hashing import partition_of
-from madp.records import Columns, InputError, Rejects, jsonl_lines
+from madp.records import Columns, InputError, Rejects, ignored_input_files, jsonl_lines
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
@@ -140,9 +139,9 @@ def read_capacities(path: str, default: int) -> Capacities:
 
 
 def _capacities_table(path: str) -> pa.Table:
+    if path.endswith(".parquet"):
+        return storage.read_parquet(path)
     with storage.open_input(path) as handle:
-        if path.endswith(".parquet"):
-            return pq.read_table(handle)
         if path.endswith(".csv"):  # a CSV cannot say whether user 007 is a number: keep its text
             return pa_csv.read_csv(handle, convert_options=pa_csv.ConvertOptions(column_types={"user": pa.string()}))
     rows = []
@@ -229,8 +228,7 @@ def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int
 
 
 def write_selection_shard(path: str, table: pa.Table) -> None:
-    with storage.open_output(path) as handle:
-        pq.write_table(table, handle)
+    storage.write_parquet(table, path)
 
 
 def write_report(output: str, report: dict) -> None:
@@ -266,6 +264,7 @@ def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: 
                        "id_column": options.columns.id, "users_column": options.columns.users,
                        "weight_column": options.columns.weight, "on_invalid": options.on_invalid},
         "contribution_bound": contribution_bound(options),
+        "ignored_files": ignored_input_files(input_path),
         "input_rows": rows_read,
         "input_records": input_records,
         "input_users": input_users,

@@ -9,7 +9,11 @@ import posixpath
 import socket
 import time
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from madp.errors import InputError
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -45,6 +49,32 @@ def sha256(path: str) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_parquet(path: str, columns: list[str] | None = None) -> pa.Table:
+    """A Parquet file's table, its page checksums verified: a truncated, empty or corrupted file is an
+    error that names it, never different records."""
+    if kind(path) == "directory":
+        return pa.concat_tables([read_parquet(file, columns) for file in list_files(path) if file.endswith(".parquet")])
+    try:
+        with open_input(path) as handle:
+            return pq.read_table(handle, columns=columns, page_checksum_verification=True)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+def parquet_columns(path: str) -> list[str]:
+    try:
+        with open_input(path) as handle:
+            return pq.read_schema(handle).names
+    except (pa.ArrowInvalid, OSError) as error:
+        raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+def write_parquet(table: pa.Table, path: str) -> None:
+    """Write with page checksums, so that bit rot in an intermediate file is caught when it is read."""
+    with open_output(path) as handle:
+        pq.write_table(table, handle, write_page_checksum=True)
 
 
 def manifest(paths: list[str]) -> list[dict]:
@@ -102,8 +132,8 @@ def remove_file(path: str) -> None:
 LOCK_FILE = ".madp.lock"
 
 
-class OutputLocked(RuntimeError):
-    """Another process is writing the output directory."""
+class OutputLocked(InputError):
+    """Another process is writing the output directory (or it cannot be written at all)."""
 
 
 @contextlib.contextmanager

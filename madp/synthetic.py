@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from madp import storage
 from madp.records import InputError
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
@@ -177,7 +177,7 @@ def _write_table(table: pa.Table, output: str) -> None:
             for row in table.to_pylist():
                 handle.write(json.dumps(row) + "\n")
     else:
-        pq.write_table(table, output)
+        storage.write_parquet(table, output)
 
 
 def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int, holdout: str | None = None,
@@ -200,8 +200,8 @@ def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int
         os.makedirs(output, exist_ok=True)
         bounds = np.linspace(0, len(table), shards + 1).astype(int)
         for shard in range(shards):
-            pq.write_table(table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
-                           os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"))
+            storage.write_parquet(table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
+                                  os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"))
     degree = np.bincount(data.users)
     degree = degree[degree > 0]
     return {"output": output, "records": len(table), "held_out_records": held_out,

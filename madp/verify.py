@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ _SHOWN = 20
 def _input_files(path: str) -> list[str]:
     if os.path.isdir(path):
         return sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                      if f.endswith((".jsonl", ".parquet")) and not os.path.basename(f).startswith((".", "_")))
+                      if f.endswith((".jsonl", ".jsonl.gz", ".parquet")) and not os.path.basename(f).startswith((".", "_")))
     return [path]
 
 
@@ -32,7 +33,7 @@ def _rows(path: str, id_column: str, users_column: str):
     """(id, users) of every row with a scalar id and a list of scalar users, as read from disk; other
     rows (undecodable, not JSON objects, list ids, nested users) are invalid and no engine keeps them."""
     if path.endswith(".parquet"):
-        table = pq.read_table(path, columns=[id_column, users_column])
+        table = pq.read_table(path, columns=[id_column, users_column], page_checksum_verification=True)
         pairs = zip(table.column(id_column).to_pylist(), table.column(users_column).to_pylist())
     else:
         pairs = (_json_pair(line, id_column, users_column) for line in _json_lines(path))
@@ -41,9 +42,18 @@ def _rows(path: str, id_column: str, users_column: str):
             yield record_id, users
 
 
+def _readable_rows(path: str, id_column: str, users_column: str, violations: list[str]) -> list:
+    """`_rows` of a file, or none and a violation when the file cannot be read at all."""
+    try:
+        return list(_rows(path, id_column, users_column))
+    except (OSError, ValueError, KeyError) as error:
+        violations.append(f"{path}: cannot be read ({error})")
+        return []
+
+
 def _json_lines(path: str):
     """The non-blank lines of a JSON Lines file as bytes, without a leading UTF-8 byte order mark."""
-    with open(path, "rb") as handle:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as handle:
         data = handle.read()
     data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     return [line for line in data.split(b"\n") if line.strip()]
@@ -63,7 +73,7 @@ def _capacities(path: str | None) -> tuple[dict, bool]:
     if path is None:
         return {}, False
     if path.endswith(".parquet"):
-        table = pq.read_table(path)
+        table = pq.read_table(path, page_checksum_verification=True)
         return dict(zip(table.column("user").to_pylist(), table.column("capacity").to_pylist())), False
     if path.endswith(".csv"):
         with open(path, newline="", encoding="utf-8") as handle:
@@ -116,7 +126,7 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
     selected: dict = {}
     violations: list[str] = []
     for shard in shards:
-        table = pq.read_table(shard)
+        table = pq.read_table(shard, page_checksum_verification=True)
         for record_id, copies in zip(table.column("id").to_pylist(), table.column("copies").to_pylist()):
             if record_id in selected:
                 violations.append(f"id {record_id!r} is selected twice in {output}/selected")
@@ -127,7 +137,7 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
     users_of: dict = {}
     occurrences: Counter = Counter()
     for path in _input_files(input_path):
-        for record_id, users in _rows(path, id_column, users_column):
+        for record_id, users in _readable_rows(path, id_column, users_column, violations):
             if record_id in selected:
                 occurrences[record_id] += 1
                 users_of[record_id] = set(users) if isinstance(users, list) else set()
@@ -235,12 +245,12 @@ def verify_batches(output: str, data_path: str, min_sep: int, max_participations
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
     users_of: dict = {}
+    violations: list[str] = []
     for path in _input_files(data_path):
-        for record_id, users in _rows(path, id_column, users_column):
+        for record_id, users in _readable_rows(path, id_column, users_column, violations):
             users_of[str(record_id)] = set(users) if isinstance(users, list) else set()
 
     example_class = _example_class()
-    violations: list[str] = []
     rows_per_step: Counter = Counter()
     steps_of_user: defaultdict = defaultdict(list)
     last_step, real_rows, padding_rows, unknown = -1, 0, 0, 0

@@ -101,7 +101,7 @@ def test_missing_and_unsupported_inputs(tmp_path):
     (tmp_path / "x.csv").write_text("id,users\n")
     with pytest.raises(InputError, match="unsupported input format"):
         list_input_files(str(tmp_path / "x.csv"))
-    with pytest.raises(InputError, match="no .jsonl or .parquet"):
+    with pytest.raises(InputError, match="holds no .jsonl, .jsonl.gz, .parquet files"):
         list_input_files(str(tmp_path))
 
 

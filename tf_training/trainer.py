@@ -14,7 +14,6 @@ import logging
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from madp import storage
 from madp.batching import USER_FEATURE
@@ -61,7 +60,7 @@ def build_model(name: str, input_dim: int):
 
 def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
     if path.endswith(".parquet") or storage.kind(path) == "directory":
-        table = pq.read_table(path, columns=[features, label])
+        table = storage.read_parquet(path, [features, label])
         x = np.stack(table.column(features).to_numpy(zero_copy_only=False)).astype(np.float32)
         return x, table.column(label).to_numpy().astype(np.float32)
     rows = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
