@@ -429,6 +429,8 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     ids = pa.concat_arrays([s[0] for s in selection])
     copies = np.concatenate([s[1] for s in selection])
     chunk, copies = join_selection(chunk, ids, copies, data)
+    if not len(copies):
+        raise rec.InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
     return Dataset(ids=chunk.ids, copies=copies, offsets=chunk.offsets, users=user_hashes(chunk.users),
                    content=chunk.content, rejects=rejects)
 

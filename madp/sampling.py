@@ -144,6 +144,8 @@ def calibrate_probability(target: float, sizes: np.ndarray, counts: np.ndarray, 
     """The smallest p whose stationary expected batch size is `target`, by bisection below the
     first grid point that reaches it (E|B| rises to a peak and then falls when b > 1)."""
     units = int(counts.sum())
+    if units == 0:
+        raise InputError("the selection holds no record (the bound kept none): there is nothing to batch")
     if not 0 < target <= units:
         raise InputError(f"--batch-size {target:g} must be in (0, {units}]: there are {units} selected record copies")
     if min_sep == 1:

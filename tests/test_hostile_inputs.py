@@ -1,0 +1,250 @@
+"""Hostile and malformed inputs through the command line, on the local engine and on Beam: the
+bound and the data never change under the verifiers, nothing is lost silently, and every bad input
+is a clear error (exit 2) that names what is wrong, never a traceback."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_records
+from madp import storage
+from madp.cli import main
+
+ENGINES = {"local": ["--runner", "local"],
+           "beam": ["--runner", "DirectRunner", "--direct_running_mode", "in_memory", "--partitions", "3"]}
+
+
+def cli(capsys, *args) -> tuple[int, dict | None, str]:
+    code = main(["-q", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip().startswith("{") else None), err
+
+
+def rows(count: int, users=lambda i: [i % 7, 100 + i % 5]) -> list[dict]:
+    return [{"id": i, "users": users(i), "x": [float(i), 1.0], "label": i % 2} for i in range(count)]
+
+
+def selected_ids(output) -> set:
+    return set(pq.read_table(os.path.join(output, "selected")).column("id").to_pylist())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_hidden_file_in_the_selection_is_refused_by_batch_and_the_verifier(tmp_path, capsys, engine):
+    data = write_records(str(tmp_path / "d.jsonl"), rows(300))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", *ENGINES[engine])[0] == 0
+    pq.write_table(pa.table({"id": pa.array(range(300), pa.int64()), "copies": pa.array([1] * 300, pa.int64())}),
+                   tmp_path / "b" / "selected" / ".extra.parquet")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
+                       *ENGINES[engine])
+    assert code == 2 and "files the bound did not write ['.extra.parquet']" in err
+    code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / "b", "-k", "2")
+    assert code == 1 and any(".extra.parquet is not a file the run wrote" in v for v in verdict["violations"])
+
+
+def test_an_unfinished_bound_is_refused(tmp_path, capsys):
+    """A killed bound leaves selection shards but no report (written last): nothing may consume them."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(200))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
+    os.remove(tmp_path / "b" / "report.json")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
+                       "--runner", "local")
+    assert code == 2 and "not a finished `madp bound` output" in err
+    code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / "b", "-k", "2")
+    assert code == 1 and "the run did not finish" in verdict["violations"][0]
+
+
+def test_a_changed_batch_file_is_refused_by_training_and_the_verifier(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), rows(300))
+    cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
+    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
+               "--runner", "local", "--output-shards", "2")[0] == 0
+    shutil.copy(tmp_path / "out" / "batches-00000-of-00002.tfrecord", tmp_path / "out" / "batches-00009-of-00010.tfrecord")
+    code, verdict, _ = cli(capsys, "verify-batches", tmp_path / "out", data, "--min-sep", "1")
+    assert code == 1 and "batches-00009-of-00010.tfrecord is not a file the run wrote" in verdict["violations"][0]
+    pytest.importorskip("tensorflow")
+    code, _, err = cli(capsys, "train", tmp_path / "out", tmp_path / "model", "--epsilon", "2")
+    assert code == 2 and "files the batch did not write" in err
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
+    """Arrow reads an object split over two lines, or two objects on one line, as records; the content
+    reader counts lines. Such lines are rejected, so every batched row carries its own record's content."""
+    lines = [json.dumps(r) for r in rows(60)]
+    lines[3] = lines[3].replace(', "users"', ',\n "users"')  # record 3 split over two lines
+    lines[10] = lines[10] + " " + lines[11]  # records 10 and 11 on one line
+    del lines[11]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    code, report, _ = cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--on-invalid", "skip", *ENGINES[engine])
+    assert code == 0 and report["rejected"] == {"invalid_json": 3} and report["input_records"] == 57
+    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "20", "--batch-size", "20",
+               "--on-invalid", "skip", "--seed", "1", *ENGINES[engine])[0] == 0
+    from madp.verify import _example_class, _feature_values, read_tfrecord
+    example = _example_class()
+    batched = [example.FromString(p) for p in read_tfrecord(str(tmp_path / "out" / "batches-00000-of-00001.tfrecord"))]
+    assert batched and all(_feature_values(e, "x")[0] == _feature_values(e, "id")[0] for e in batched)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_capacities_match_user_ids_by_type_and_exact_text(tmp_path, capsys, engine):
+    data = write_records(str(tmp_path / "d.jsonl"), rows(40, users=lambda i: [str(i % 10), f"x{i}"]))
+    (tmp_path / "seven.csv").write_text("user,capacity\n7,0\n")
+    (tmp_path / "padded.csv").write_text("user,capacity\n007,0\n")
+    for name, capped in (("seven", True), ("padded", False)):
+        capacities = tmp_path / f"{name}.csv"
+        assert cli(capsys, "bound", data, tmp_path / name, "-k", "4", "--capacities", capacities,
+                   *ENGINES[engine])[0] == 0
+        assert (7 in selected_ids(tmp_path / name)) is not capped
+        code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / name, "-k", "4", "--capacities", capacities)
+        assert code == 0 and verdict["ok"]
+    (tmp_path / "typed.jsonl").write_text('{"user": 7, "capacity": 0}\n')
+    code, _, err = cli(capsys, "bound", data, tmp_path / "typed", "-k", "4", "--capacities", tmp_path / "typed.jsonl",
+                       "--runner", "local")
+    assert code == 2 and "same id type" in err
+
+
+def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    with storage.exclusive(str(tmp_path / "b"), "bound (another run)"):
+        code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
+        assert code == 2 and "being written by another madp process" in err and "bound (another run)" in err
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "b" / storage.LOCK_FILE).write_text(json.dumps(
+        {"pid": int(dead.stdout), "host": os.uname().nodename, "command": "bound", "since": "then"}))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
+    assert not (tmp_path / "b" / storage.LOCK_FILE).exists()
+    (tmp_path / "file").write_text("")
+    code, _, err = cli(capsys, "bound", data, tmp_path / "file", "-k", "2", "--runner", "local")
+    assert code == 2 and "is a file" in err
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_malformed_jsonl_and_repeated_files_are_counted_not_crashes(tmp_path, capsys, engine):
+    (tmp_path / "null.jsonl").write_text("null\n" + "".join(json.dumps(r) + "\n" for r in rows(30)))
+    code, _, err = cli(capsys, "bound", tmp_path / "null.jsonl", tmp_path / "b1", "-k", "2", *ENGINES[engine])
+    assert code == 2 and "row 0: invalid_json" in err
+    code, report, _ = cli(capsys, "bound", tmp_path / "null.jsonl", tmp_path / "b2", "-k", "2", "--on-invalid", "skip",
+                          *ENGINES[engine])
+    assert code == 0 and report["rejected"] == {"invalid_json": 1} and report["input_records"] == 30
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        shutil.copy(tmp_path / "null.jsonl", twice / name)
+    code, report, _ = cli(capsys, "bound", twice, tmp_path / "b3", "-k", "2", "--on-invalid", "skip", *ENGINES[engine])
+    assert code == 0 and report["rejected"] == {"invalid_json": 2, "duplicate_id": 60} and report["selected_records"] == 0
+
+
+def test_the_verifiers_read_what_the_engines_skip(tmp_path, capsys):
+    lines = [b'\xef\xbb\xbf{"id": 0, "users": [1]}', b'{"id": [1], "users": [1]}', b'{"id": 2, "users": [[2]]}',
+             b'{"id": 3, "users": [3], "x": "\xff"}', b'\xff\xfe{', b'{"id": 5, "users": [5]}']
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    code, report, _ = cli(capsys, "bound", data, tmp_path / "b", "-k", "1", "--on-invalid", "skip", "--runner", "local")
+    assert code == 0 and selected_ids(tmp_path / "b") == {0, 5}
+    code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / "b", "-k", "1")
+    assert code == 0 and verdict["ok"], verdict
+
+
+def test_misspelled_options_are_errors_not_beam_options(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), rows(30))
+    code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--ordr", "hash")
+    assert code == 2 and "unrecognized option(s) --ordr" in err
+    cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
+                       "--min_sep", "4")
+    assert code == 2 and "unrecognized option(s) --min_sep" in err
+
+
+def test_string_ids_on_beam_give_string_typed_empty_shards(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), [{"id": f"r{i}", "users": [i]} for i in range(2)])
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "1", "--output-shards", "4", *ENGINES["beam"])[0] == 0
+    shards = sorted((tmp_path / "b" / "selected").iterdir())
+    assert len(shards) == 4 and {pq.read_schema(s).field("id").type for s in shards} == {pa.string()}
+    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "3", "--batch-size", "1",
+               "--runner", "local")[0] == 0
+
+
+def test_input_files_by_suffix_and_mbox_edges(tmp_path, capsys):
+    directory = tmp_path / "in"
+    directory.mkdir()
+    with gzip.open(directory / "a.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in rows(20))
+    write_records(str(directory / "b.jsonl"), [{**r, "id": r["id"] + 100} for r in rows(20)])
+    (directory / "c.JSONL").write_text("")
+    code, report, _ = cli(capsys, "bound", directory, tmp_path / "b", "-k", "9", "--runner", "local")
+    assert code == 0 and report["input_records"] == 40
+    assert [os.path.basename(f) for f in report["ignored_files"]] == ["c.JSONL"]
+    eml = tmp_path / "one.eml"
+    eml.write_text("From: a@example.com\nTo: b@example.com\nSubject: hi\n\nbody\n")
+    code, _, err = cli(capsys, "import-mbox", eml, tmp_path / "mail")
+    assert code == 2 and "no message" in err
+    box = tmp_path / "box.mbox"
+    box.write_text("stray text\n\nFrom a@example.com Thu Jan  1 00:00:00 1970\nFrom: a@example.com\n"
+                   "To: b@example.com\nSubject: hi\n\nbody\n")
+    code, report, _ = cli(capsys, "import-mbox", box, tmp_path / "mail2")
+    assert code == 0 and report["records"] == 1 and report["skipped"] == {"text_before_first_message": 1}
+    assert "stray text" in (tmp_path / "mail2" / "rejected.jsonl").read_text()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bad_files_and_outputs_are_clear_errors(tmp_path, capsys, engine):
+    data = write_records(str(tmp_path / "d.parquet"), rows(50))
+    truncated = tmp_path / "t.parquet"
+    truncated.write_bytes(open(data, "rb").read()[:300])
+    code, _, err = cli(capsys, "bound", truncated, tmp_path / "b", "-k", "2", *ENGINES[engine])
+    assert code == 2 and "t.parquet: not a readable Parquet file" in err
+    storage.write_parquet(pa.Table.from_pylist(rows(50)), str(tmp_path / "c.parquet"))  # as madp writes Parquet
+    flipped = bytearray(open(tmp_path / "c.parquet", "rb").read())
+    ids = pq.ParquetFile(tmp_path / "c.parquet").metadata.row_group(0).column(0)
+    flipped[(ids.dictionary_page_offset or ids.data_page_offset) + ids.total_compressed_size - 5] ^= 0xFF  # in a page
+    (tmp_path / "f.parquet").write_bytes(bytes(flipped))
+    code, _, err = cli(capsys, "bound", tmp_path / "f.parquet", tmp_path / "b", "-k", "2", "--runner", "local")
+    assert code == 2 and "f.parquet: not a readable Parquet file" in err
+    (tmp_path / "empty.csv").write_text("")
+    code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "empty.csv",
+                       *ENGINES[engine])
+    assert code == 2 and "empty.csv: not a readable capacities file" in err
+    (tmp_path / "zero.csv").write_text("user,capacity\n" + "".join(f"{u},0\n" for u in list(range(7)) + list(range(100, 105))))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "zero.csv",
+               *ENGINES[engine])[0] == 0
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "2",
+                       *ENGINES[engine])
+    assert code == 2 and "nothing to batch" in err
+
+
+def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), [{**r, "x": [float("nan"), 1.0]} if r["id"] == 4 else r
+                                                     for r in rows(30)])
+    cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
+                       "--runner", "local")
+    assert code == 2 and "holds a NaN or infinite value for selected record 4" in err
+
+
+def test_run_configs_and_damaged_manifests(tmp_path, capsys):
+    import yaml
+    config = {"run_dir": str(tmp_path / "run"), "generate": {"records": 500, "features": 2, "seed": 1},
+              "bound": {"runner": "local"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    code, _, err = cli(capsys, "run", tmp_path / "job.yaml")
+    assert code == 2 and "config bound.max_contributions: required" in err
+    config["bound"]["max_contributions"] = 2
+    config["generate"].pop("records")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    code, _, err = cli(capsys, "run", tmp_path / "job.yaml")
+    assert code == 2 and "config generate:" in err and "--records" in err
+    config["generate"]["records"] = 500
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    assert cli(capsys, "run", tmp_path / "job.yaml")[0] == 0
+    (tmp_path / "run" / ".madp" / "bound.json").write_text('{"stage": "bo')
+    code, summary, _ = cli(capsys, "run", tmp_path / "job.yaml")
+    assert code == 0 and {s["stage"]: s["status"] for s in summary["stages"]}["bound"] == "ran"
