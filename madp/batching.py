@@ -29,6 +29,7 @@ SAMPLERS = ("minsep", "minsep-greedy", "users")
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"
 RESERVED_FEATURES = ("step", "id", "weight")
+PADDING_ID = -1  # the id of padding rows ("" for string ids); no selected record may have it
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
 _ENCODE_ROWS = 65536
 
@@ -114,6 +115,10 @@ def join_selection(chunk: rec.RecordChunk, ids: pa.Array, copies: np.ndarray, da
                              f"was SELECTED bounded from this data with the same --id-column?")
     if rec.duplicate_id_mask(ids).any():
         raise rec.InputError("a selected id is listed twice in SELECTED/selected/")
+    reserved = pa.scalar(PADDING_ID if pa.types.is_integer(ids.type) else "", ids.type) if len(ids) else None
+    if reserved is not None and pc.any(pc.equal(ids, reserved)).as_py():
+        raise rec.InputError(f"selected record id {reserved.as_py()!r} is the id of padding rows in batches: "
+                             f"give that record another id")
     position = pc.index_in(ids, value_set=chunk.ids) if len(chunk) else pa.nulls(len(ids), pa.int32())
     missing = position.is_null().to_numpy(zero_copy_only=False)
     if missing.any():
@@ -275,7 +280,7 @@ def write_batch_file(path: str, rows: FileRows, steps: range, max_batch_size: in
         pad = max_batch_size - written
         pad_steps = np.repeat(np.arange(steps.start, steps.stop), pad)
         padding = {"step": pa.array(pad_steps, pa.int64()),
-                   "id": pa.array([-1 if pa.types.is_integer(rows.ids.type) else ""] * len(pad_steps),
+                   "id": pa.array([PADDING_ID if pa.types.is_integer(rows.ids.type) else ""] * len(pad_steps),
                                   type=rows.ids.type),
                    "weight": pa.array(np.zeros(len(pad_steps), np.float32))}
         padding.update({name: _padding(rows.content.schema.field(name).type, shapes[name], len(pad_steps))

@@ -248,3 +248,11 @@ def test_run_configs_and_damaged_manifests(tmp_path, capsys):
     (tmp_path / "run" / ".madp" / "bound.json").write_text('{"stage": "bo')
     code, summary, _ = cli(capsys, "run", tmp_path / "job.yaml")
     assert code == 0 and {s["stage"]: s["status"] for s in summary["stages"]}["bound"] == "ran"
+
+
+def test_a_record_with_the_padding_id_is_refused(tmp_path, capsys):
+    data = write_records(str(tmp_path / "d.jsonl"), [{**r, "id": r["id"] - 1} for r in rows(30)])  # ids -1..28
+    cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
+                       "--runner", "local")
+    assert code == 2 and "selected record id -1 is the id of padding rows" in err
