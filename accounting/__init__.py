@@ -1,1 +1,3 @@
-"""Privacy accounting for DP-SGD and DP-BandMF (not yet built; see the README roadmap)."""
+"""Privacy accounting: mechanisms as small immutable descriptions (`mechanisms`), PLD calibration
+(`calibrate`), strategy matrices (`strategies`), and Monte Carlo accounting of BandMF with b-min-sep
+sampling with estimate-verify-release (`monte_carlo`, `evr`)."""

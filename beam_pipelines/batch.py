@@ -1,6 +1,6 @@
 """Batch materialization (b-min-sep Poisson sampling, Alg. 3) as Apache Beam pipelines: the
-`madp.sampling` kernels on record, user and file partitions, in the parallel form of DESIGN.md
-section 3. Two pipeline runs, because p must be calibrated before sampling:
+`madp.sampling` kernels on record, user and file partitions, in their parallel form (no loop over
+steps). Two pipeline runs, because p must be calibrated before sampling:
 
   Prepare: files -> record partitions (join with the selection) -> user partitions
            -> neighbour pairs -> record partitions -> histogram of |N(e)|        (driver: p)

@@ -8,7 +8,9 @@ State lives on two sides, which the engines may split into partitions:
 Records are referred to by int64 keys; every function takes partition-local arrays.
 
 With a universal order, the result equals the sequential greedy (Alg. 2 / Alg. 3 of "It's my
-data too") run in that order: see DESIGN.md section 2.
+data too") run in that order: a record proposed by all its owners cannot be rejected by the greedy,
+and every record removed for saturation is also rejected by it; the globally first undecided
+record is accepted in every round, so the rounds terminate.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Kernels of batch formation on numpy arrays: b-min-sep Poisson subsampling (b-min-sep paper,
-Alg. 3, in the fully parallel form of DESIGN.md section 3), its sampling-probability calibration,
+Alg. 3, in a fully parallel form with no loop over steps: per-unit sampled steps, then per-user
+exclusion by sorting (user, step)), its sampling-probability calibration,
 truncation/padding (App. D), and the deterministic min-sep greedy (It's my data too, Alg. 4).
 
 A *unit* is one copy of a selected record: a record selected with c copies is c units. Units are

@@ -107,7 +107,7 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
 def test_evr_sample_count_reproduces_the_known_value():
     from accounting.evr import overall_delta, samples_needed
     samples = samples_needed(2e-6, 1e-6)
-    assert samples == pytest.approx(5.9e7, rel=0.01)  # b-min-sep paper / DESIGN.md: about 5.9e7
+    assert samples == pytest.approx(5.9e7, rel=0.01)  # the b-min-sep paper: about 5.9e7
     assert overall_delta(1e-6, samples, 2e-6) <= 2e-6 < overall_delta(1e-6, samples - 1, 2e-6)
 
 

@@ -39,7 +39,7 @@ def test_prefix_sum_mse_matches_the_dense_definition(steps, bands):
 
 
 def test_optimized_strategy_lowers_the_error():
-    # DESIGN.md: about 20-25% below the banded square root at T = 1000, b = 8 (measured 21.5%).
+    # About 20-25% below the banded square root at T = 1000, b = 8 (measured 21.5%).
     for steps, bands, at_most in [(1000, 8, 0.8), (300, 4, 0.9)]:
         sqrt_mse = prefix_sum_mse(sqrt_coefficients(bands), steps)
         optimized = optimized_coefficients(steps, bands)

@@ -2,7 +2,8 @@
 
 TensorFlow is an optional dependency (`pip install -e '.[train]'` plus `tensorflow-privacy`
 installed with --no-deps, see the Makefile); `load_tensorflow` imports it the way that works with
-tf-keras 2.21 and TF Privacy 0.9 (DESIGN.md section 5).
+tf-keras 2.21 and TF Privacy 0.9: legacy Keras, and TF Privacy's modules imported one by one
+(its package import pulls in modules whose pinned dependencies break TF 2.21).
 """
 from __future__ import annotations
 

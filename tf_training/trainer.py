@@ -313,8 +313,8 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
         noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
         privacy = {**privacy, "noise": noise_key.status,
-                   "private": noise_key.seed is None and (privacy["sampling"] != FIXED_SEED
-                                                          or not privacy["relies_on_secret_sampling"])}
+                   "private": noise_key.seed is None and (privacy.get("sampling", FIXED_SEED) != FIXED_SEED
+                                                          or not privacy.get("relies_on_secret_sampling", True))}
         if not privacy["private"]:
             log.warning("this model is NOT private: %s", "the noise comes from --noise-seed"
                         if noise_key.seed is not None else "its batches were sampled with a fixed --seed")
