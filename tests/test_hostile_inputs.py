@@ -256,3 +256,24 @@ def test_a_record_with_the_padding_id_is_refused(tmp_path, capsys):
     code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
                        "--runner", "local")
     assert code == 2 and "selected record id -1 is the id of padding rows" in err
+
+
+def test_content_columns_come_from_every_row_and_huge_samplings_are_refused(tmp_path, capsys):
+    records = rows(30)
+    for record in records[:5]:
+        del record["x"]  # the first rows lack a column the later ones have
+    records[0]["note"] = "only here"
+    data = write_records(str(tmp_path / "d.jsonl"), records[5:] + records[:5])
+    (tmp_path / "first.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    from madp.records import Columns, content_columns
+    assert content_columns(str(tmp_path / "first.jsonl"), Columns()) == ("label", "note", "x")
+    cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
+    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", str(10**9),
+                       "--batch-size", "20", "--content-columns", "label", "--runner", "local")
+    assert code == 2 and "more than half of this machine's" in err
+
+
+def test_an_empty_parquet_file_is_named(tmp_path, capsys):
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    code, _, err = cli(capsys, "bound", tmp_path / "empty.parquet", tmp_path / "b", "-k", "2", "--runner", "local")
+    assert code == 2 and "empty.parquet: not a readable Parquet file" in err
