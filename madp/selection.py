@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -180,10 +181,12 @@ def selection_files(selected: str) -> list[str]:
     return read_manifest(selected, "bound", SELECTED_DIR, "selection_files")
 
 
-def read_manifest(output: str, what: str, directory: str, listed_key: str) -> list[str]:
+def read_manifest(output: str, what: str, directory: str, listed_key: str,
+                  counts: Callable[[str], bool] = lambda name: True) -> list[str]:
     """The files an output's report lists under `listed_key` (in `directory` of it), checked: the report
     must exist (it is written last, so an unfinished run has none), every listed file must have its
-    recorded size and SHA-256, and `directory` must hold no other file (hidden ones included)."""
+    recorded size and SHA-256, and `directory` must hold no other file for which `counts(name)` is
+    true (by default any file, hidden ones included)."""
     report_path = storage.join(output, REPORT_FILE)
     if storage.kind(report_path) != "file":
         raise InputError(f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
@@ -196,7 +199,7 @@ def read_manifest(output: str, what: str, directory: str, listed_key: str) -> li
                if storage.kind(root) == "directory" else {})
     expected = {entry["name"]: entry for entry in listed}
     missing = sorted(set(expected) - set(present))
-    extra = sorted(name for name in set(present) - set(expected) if directory or _is_output_file(name))
+    extra = sorted(name for name in set(present) - set(expected) if counts(name))
     if missing or extra:
         raise InputError(f"{root}: " + "; ".join(
             part for part in (f"missing {missing}" if missing else "",
@@ -207,11 +210,6 @@ def read_manifest(output: str, what: str, directory: str, listed_key: str) -> li
         if storage.size(path) != entry["bytes"] or storage.sha256(path) != entry["sha256"]:
             raise InputError(f"{path} is not the file madp {what} wrote (size or SHA-256 differ); re-run madp {what}")
     return [present[name] for name in sorted(expected)]
-
-
-def _is_output_file(name: str) -> bool:
-    """Batch files are listed beside other outputs (schema, report): only names of their kind must be listed."""
-    return name.startswith("batches-") and name.endswith(".tfrecord")
 
 
 def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
