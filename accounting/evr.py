@@ -118,8 +118,7 @@ class MinSepRelease:
         return {"verified": self.verified, "guarantee": guarantee, "delta": delta, "samples": self.samples,
                 "estimate_samples": self.estimate_samples, "base_delta": self.base_delta,
                 "mechanism_delta": self.mechanism_delta, "failure_probability": self.failure_probability,
-                "ladder": list(self.ladder), "outcomes": list(self.outcomes), "attempts": self.attempts,
-                "attempts_ledger": attempts_ledger()}
+                "ladder": list(self.ladder), "outcomes": list(self.outcomes), "attempts": self.attempts}
 
 
 def _chunk_terms(task) -> float:
