@@ -38,9 +38,8 @@ from madp.bounding import Capacities, UserSide, build_user_side, consume, local_
     retire, unanimous
 from madp.hashing import partition_of
 from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_manifest, selection_shards,
-                            shard_path,
-                            sorted_selection, user_distribution_stats, write_report, write_selection_shard)
+                            prepare_output, read_capacities, record_distribution_stats, selection_manifest,
+                            selection_shards, shard_path, sorted_selection, user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 NAMESPACE = "madp.bound"
@@ -280,7 +279,7 @@ def _split_capacities(path: str, default: int, partitions: int):
     CSV text id both the string and (if it writes one canonically) the integer; the partition matches
     it to its users exactly (`Capacities.typed_as`)."""
     capacities = read_capacities(path, default)
-    routes = [capacities.typed_as(pa.string() if pa.types.is_string(capacities.user_ids.type) else pa.int64())]
+    routes = [capacities.user_ids]
     if capacities.text_ids:
         routes.append(capacities.typed_as(pa.int64()))
     mine = np.zeros((partitions, len(capacities.values)), dtype=bool)

@@ -11,9 +11,8 @@ from madp import records as rec
 from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
 from madp.progress import Progress
 from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_manifest, selection_shards,
-                            shard_path,
-                            user_distribution_stats, write_report, write_selection_shard)
+                            prepare_output, read_capacities, record_distribution_stats, selection_manifest,
+                            selection_shards, shard_path, user_distribution_stats, write_report, write_selection_shard)
 
 log = logging.getLogger("madp.bound")
 

@@ -125,8 +125,9 @@ def list_input_files(path: str) -> list[str]:
     directory (names starting with '.' or '_' skipped); other files there are named in a warning."""
     found = storage.kind(path)
     if found == "directory":
-        files = [f for f in _visible_files(path) if f.endswith(INPUT_SUFFIXES)]
-        ignored = ignored_input_files(path)
+        visible = _visible_files(path)
+        files = [f for f in visible if f.endswith(INPUT_SUFFIXES)]
+        ignored = [f for f in visible if not f.endswith(INPUT_SUFFIXES)]
         if ignored:
             log.warning("%s: %d files are not read (only %s are): %s", path, len(ignored), ", ".join(INPUT_SUFFIXES),
                         ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""))
@@ -183,15 +184,16 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
 def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
     """Read one input file and split it into valid records and rejected rows; with `content`,
     also carry those columns of the valid records."""
-    if path.endswith(".parquet"):
+    lines = None if path.endswith(".parquet") else jsonl_lines(path)  # one read for records and content
+    if lines is None:
         table = _read_parquet(path, columns)
         non_conforming = None
     else:
-        table, non_conforming = _read_jsonl(path, columns)
+        table, non_conforming = _read_jsonl(path, lines, columns)
     result = _validate(table, non_conforming, path, file_index, columns)
     if content is not None:
         rows = result.chunk.keys & ((1 << _ROW_KEY_BITS) - 1)
-        result.chunk.content = _read_content(path, content).take(pa.array(rows))
+        result.chunk.content = _read_content(path, lines, content).take(pa.array(rows))
     return result
 
 
@@ -216,15 +218,16 @@ def _json_object(line: bytes) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
-def _read_content(path: str, names: tuple[str, ...]) -> pa.Table:
-    """Columns `names` of every row of a file (rows that are not JSON objects read as nulls)."""
-    if path.endswith(".parquet"):
+def _read_content(path: str, lines: list[bytes] | None, names: tuple[str, ...]) -> pa.Table:
+    """Columns `names` of every row of a file: Parquet (`lines` None), or the JSON Lines rows `lines`
+    (rows that are not JSON objects read as nulls)."""
+    if lines is None:
         found = storage.parquet_columns(path)
         missing = [n for n in names if n not in found]
         if missing:
             raise InputError(f"{path}: no content column {missing} (found {found})")
         return storage.read_parquet(path, list(names))
-    objects = [_json_object(line) for line in jsonl_lines(path)]
+    objects = [_json_object(line) for line in lines]
     arrays = {}
     for name in names:
         if not any(name in obj for obj in objects):
@@ -252,9 +255,9 @@ def _read_parquet(path: str, columns: Columns) -> pa.Table:
     return storage.read_parquet(path, _wanted(columns))
 
 
-def _read_jsonl(path: str, columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
+def _read_jsonl(path: str, lines: list[bytes],
+                columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
     """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
-    lines = jsonl_lines(path)
     if not lines:
         return _empty_table(columns), None
     table = _arrow_json(lines)
