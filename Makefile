@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py
 	$(BIN)/python benchmarks/batch.py
 	$(BIN)/python benchmarks/train.py
+	$(BIN)/python benchmarks/accounting.py
+	$(BIN)/python benchmarks/audit.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) $(DEMO).json *.egg-info

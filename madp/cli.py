@@ -8,6 +8,7 @@ import logging
 import sys
 
 from madp import storage
+from madp.errors import CheckFailed
 from madp.records import Columns, InputError
 
 LOCAL = "local"
@@ -203,6 +204,11 @@ def _parser() -> argparse.ArgumentParser:
                           help="--distribution mirrored without GPUs: split the CPU into this many logical devices")
     training.add_argument("--max-contributions", "-k", type=int,
                           help="K (default: read from the bounding report of the batches' SELECTED)")
+    training.add_argument("--zero-out", help="a JSON list of record ids whose rows train with weight 0 (zero "
+                                             "gradient): the zero-out neighbour of their users (madp audit)")
+    training.add_argument("--testing-only-noise-scale", type=float, default=1.0,
+                          help="TESTING ONLY: multiply the noise by this while keeping the claimed guarantee "
+                               "(shows that madp audit catches a broken mechanism); the model is not private")
 
     sweep = commands.add_parser("recommend-k", help="sweep the contribution bound k: records kept vs noise, and a "
                                                     "recommended k")
@@ -241,6 +247,24 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--force", action="store_true", help="re-run every stage, even those up to date")
     job.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a config value (repeatable), e.g. --set bound.max_contributions=4")
+
+    audit = commands.add_parser("audit", help="an empirical lower bound on the epsilon of the model a config "
+                                               "trains: plant canary users, train once, guess who was included")
+    audit.add_argument("config", help="the YAML config of `madp run`; its audit section gives the defaults below")
+    audit.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value (repeatable)")
+    audit.add_argument("--canaries", type=int, help="m: canary users (default 1000)")
+    audit.add_argument("--confidence", type=float, help="of the lower bound (default 0.95)")
+    audit.add_argument("--canary-norm", type=float,
+                       help="canary feature norm, in real records' median norms (default 10)")
+    audit.add_argument("--shared", type=float, help="fraction of canaries sharing a record with another (default 0.5)")
+    audit.add_argument("--output", help="directory of the audit's data, model and audit.json (default RUN_DIR/audit)")
+    audit.add_argument("--non-private", action="store_true", default=None,
+                       help="train the audit model without privacy: what the audit can see when nothing protects")
+    audit.add_argument("--testing-only-noise-scale", type=float,
+                       help="TESTING ONLY: scale the audit model's noise while keeping the claim; the audit must fail")
+    audit.add_argument("--seed", type=int, help="TESTING ONLY: reproduce canaries and inclusion (default: secret)")
+    audit.add_argument("--force", action="store_true", help="re-run every stage of the audit's job")
 
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
@@ -318,7 +342,8 @@ def _train_options(args: argparse.Namespace):
                         eval_data=args.eval_data, eval_every=args.eval_every,
                         max_contributions=args.max_contributions, amplified=args.amplified,
                         mc_samples=args.mc_samples, mc_workers=args.mc_workers, distribution=args.distribution,
-                        tpu=args.tpu, cpu_replicas=args.cpu_replicas, calibration=args.calibration)
+                        tpu=args.tpu, cpu_replicas=args.cpu_replicas, calibration=args.calibration,
+                        zero_out=args.zero_out, testing_noise_scale=args.testing_only_noise_scale)
 
 
 def _train(args: argparse.Namespace) -> dict:
@@ -502,6 +527,12 @@ def run_stage(args: argparse.Namespace, unknown: list[str]) -> dict:
     if args.command == "run":
         from madp.run import run
         return run(args.config, args.set, args.force)
+    if args.command == "audit":
+        from madp.audit import run_audit
+        flags = {"canaries": args.canaries, "confidence": args.confidence, "canary_norm": args.canary_norm,
+                 "shared": args.shared, "output": args.output, "non_private": args.non_private,
+                 "testing_noise_scale": args.testing_only_noise_scale, "seed": args.seed}
+        return run_audit(args.config, args.set, flags, args.force)
     return _verify(args)
 
 
@@ -530,6 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = run_stage(args, unknown)
+    except CheckFailed as error:
+        print(json.dumps(error.result, indent=2, sort_keys=True, default=str))
+        print(f"madp {args.command}: FAILED: {error}", file=sys.stderr)
+        return 1
     except InputError as error:
         print(f"madp {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -5,3 +5,12 @@ from __future__ import annotations
 
 class InputError(ValueError):
     """Bad input or options, with a message that names the file, row and reason."""
+
+
+class CheckFailed(InputError):
+    """An independent check (a verifier, an audit) found the output does not have the property it
+    must have; `result` is the check's report. Commands exit 1 on it, as on a failed verification."""
+
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.result = result or {}

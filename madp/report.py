@@ -3,8 +3,8 @@
 Every number and plot comes from the run's JSON reports: bound/report.json (histograms of
 records per user and of users per record, before and after bounding), batches/report.json
 (batch sizes per step, gaps between a user's participations), calibration.json (sigma and the
-sigma-epsilon curve) and train/ and baseline/ metrics.json (evaluation curves). Sections whose
-report is missing are listed as such.
+sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves) and audit/audit.json
+(the measured lower bound beside the claim). Sections whose report is missing are listed as such.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from madp.randomness import DETERMINISTIC
 from madp.records import InputError
 
 SOURCES = {"bound": "bound/report.json", "batches": "batches/report.json", "calibration": "calibration.json",
-           "train": "train/metrics.json", "privacy": "train/privacy.json", "baseline": "baseline/metrics.json"}
+           "train": "train/metrics.json", "privacy": "train/privacy.json", "baseline": "baseline/metrics.json",
+           "audit": "audit/audit.json"}
 
 
 def _load(run_dir: str) -> dict[str, dict]:
@@ -48,6 +49,12 @@ def shows_sampling(reports: dict[str, dict]) -> bool:
     if plan is not None and plan.get("mechanism") != "none":
         return not plan.get("relies_on_secret_sampling", True)
     return reports.get("batches", {}).get("sampling") == DETERMINISTIC
+
+
+def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
+    """Whether the audit may be on a published page: only if its model was private (its numbers are then a
+    second private release of the records, see the page's note), or on an internal page."""
+    return "audit" in reports and (internal or bool(reports["audit"].get("audit_model_private")))
 
 
 def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, str, str]]:
@@ -127,6 +134,22 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         figures.append(("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ "
                         "metrics.json).", _png(figure)))
         plt.close(figure)
+    audit = reports.get("audit")
+    if shows_audit(reports, internal) and audit.get("per_canary"):
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
+            axis.hist([c["score"] for c in audit["per_canary"] if c["included"] == included], bins=30, alpha=0.6,
+                      label=f"{label} canaries")
+        axis.set(xlabel="score (minus the audit model's mean loss on the canary's records)", ylabel="canaries")
+        axis.legend()
+        claimed = audit.get("claimed_epsilon")
+        figures.append(("Privacy audit", f"{audit['canaries']} canary users, each included with probability 1/2; "
+                        f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
+                        f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
+                        f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
+                        f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
+                        _png(figure)))
+        plt.close(figure)
     return figures
 
 
@@ -162,6 +185,14 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         final = reports.get(name, {}).get("final")
         if final:
             rows.append((f"{label} eval accuracy", f"{final['accuracy']:.4f}"))
+    audit = reports.get("audit")
+    if shows_audit(reports, internal):
+        claimed = audit.get("claimed_epsilon")
+        rows += [("audit: measured epsilon lower bound",
+                  f"{audit['epsilon_lower_bound']:.4g} ({100 * audit['confidence']:.0f}% confidence, "
+                  f"{audit['canaries']} canaries, at most {audit['largest_measurable_epsilon']:.3g} measurable)"),
+                 ("audit: claimed epsilon", "none (non-private audit model)" if claimed is None else f"{claimed:.4g}"),
+                 ("audit: verdict", audit["verdict"])]
     return rows
 
 
@@ -176,7 +207,7 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
     figures = _figures(reports, plt, internal)
     output = output or storage.join(run_dir, "report.html")
-    missing = [relative for name, relative in SOURCES.items() if name not in reports]
+    missing = [relative for name, relative in SOURCES.items() if name not in reports and name != "audit"]
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
              "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
              "table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
@@ -188,6 +219,13 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
         parts.append("<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
                      "the sampling staying secret (batches/report.json is internal; <code>madp report "
                      "--internal</code> shows them).</p>")
+    if shows_audit(reports, internal):
+        parts.append("<p>The audit trained a second model on the same records (with canaries). Publishing its "
+                     "results releases that model's statistics too: the records' guarantee for everything on this "
+                     "page is then the composition of both trainings (at most twice epsilon and delta).</p>")
+    elif "audit" in reports:
+        parts.append("<p>The audit is left out: its model was not private (<code>--non-private</code> or a "
+                     "testing option); <code>madp report --internal</code> shows it.</p>")
     parts.append("<table>")
     parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports, internal)]
     parts.append("</table>")

@@ -26,7 +26,7 @@ import yaml
 
 import madp
 from madp import storage
-from madp.records import InputError
+from madp.errors import CheckFailed, InputError
 from madp.report import shows_sampling
 
 log = logging.getLogger("madp.run")
@@ -35,7 +35,7 @@ BEAM_KEYS = ("runner", "beam_options")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
 CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
                   "max_contributions", "amplified", "mc_samples", "mc_workers", "mc_seed")
-SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "report")
+SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +69,10 @@ def load_config(path: str, overrides: list[str]) -> dict:
     return config
 
 
-def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
-    """Validate the config and return the stages it asks for, in order."""
+def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str, list[str]] | None = None
+                ) -> list[Stage]:
+    """Validate the config and return the stages it asks for, in order. `source` (the config file and its
+    `--set` overrides) is what an audit stage re-reads; without it the audit section is only validated."""
     unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
@@ -150,6 +152,16 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser) -> list[Stage]:
         if baseline:
             stages.append(Stage("baseline", ["train", path("batches"), path("baseline"), "--mechanism", "none",
                                              *flags], (path("batches"), *evaluation), path("baseline")))
+    if config.get("audit") is not None:
+        from madp.audit import audit_directory, audit_options
+        options = audit_options(config, {})
+        directory = audit_directory(config, options)
+        if train is None:
+            raise InputError("config audit: needs a train section (the audit trains the config's model)")
+        if source is not None:
+            config_path, overrides = source
+            command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]
+            stages.append(Stage("audit", command, (config_path, data), directory))
     report = config.get("report", False)
     if not isinstance(report, bool):
         raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
@@ -266,7 +278,7 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
     from madp import cli
     config = load_config(config_path, overrides)
     parser = cli._parser()
-    stages = plan_stages(config, parser)
+    stages = plan_stages(config, parser, (config_path, overrides))
     run_dir = config["run_dir"]
     with storage.exclusive(run_dir, f"run {config_path}"):
         return _run_stages(run_dir, config_path, stages, parser, force)
@@ -292,8 +304,8 @@ def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: arg
         args, extra = parser.parse_known_args(stage.command)
         result = cli.calibrate_batches(args) if stage.name == "calibrate" else cli.run_stage(args, extra)
         if result.get("ok") is False:
-            raise InputError(f"stage {stage.name}: the independent verifier failed: "
-                             f"{json.dumps(result, default=str)[:2000]}")
+            raise CheckFailed(f"stage {stage.name}: the independent verifier failed: "
+                              f"{json.dumps(result, default=str)[:2000]}", result)
         storage.write_text(manifest, json.dumps({"stage": stage.name, "command": stage.command,
                                                  "fingerprint": fingerprint(stage)}, indent=2))
         summary["stages"].append({"stage": stage.name, "status": "ran",
@@ -325,4 +337,10 @@ def _results(run_dir: str) -> dict:
     for name, metrics in (("train", train), ("baseline", baseline)):
         if metrics and metrics.get("final"):
             results[name] = metrics["final"]
+    audit = load("audit/audit.json")
+    if audit and not audit.get("audit_model_private"):
+        results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
+    elif audit:
+        results["audit"] = {key: audit[key] for key in ("canaries", "epsilon_lower_bound", "confidence",
+                                                       "largest_measurable_epsilon", "claimed_epsilon", "verdict")}
     return results

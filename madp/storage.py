@@ -123,6 +123,17 @@ def clear_directory(directory: str) -> None:
         filesystem.delete_dir_contents(resolved)
 
 
+def link_or_copy(source: str, target: str) -> None:
+    """Make `target` read as `source`: a symbolic link on local disks, a copy on object stores (no links)."""
+    if "://" not in source and "://" not in target:
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        os.symlink(os.path.abspath(source), target)
+        return
+    with open_input(source) as reader, open_output(target) as writer:
+        while block := reader.read(1 << 24):
+            writer.write(block)
+
+
 def remove_file(path: str) -> None:
     filesystem, resolved = _resolve(path)
     if filesystem.get_file_info(resolved).type == pafs.FileType.File:

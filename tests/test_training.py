@@ -307,3 +307,35 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
     independent = json.loads(capsys.readouterr().out)
     assert independent["noise_multiplier"] == privacy["noise_multiplier"]
     assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback"]
+
+
+def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):
+    """`--zero-out` (the audit's zero-out neighbour): listing no record changes nothing bit for bit, listing
+    every record leaves a non-private model at its initialization, and a bad file is a clear error."""
+    import pyarrow.parquet as pq
+    import tf_keras
+    directory, data = pipeline_data
+    batches = str(directory / "zero-out-batches")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=20, batch_size=64))
+    ids = [row["id"] for row in map(json.loads, open(data))]
+    none, every = directory / "none.json", directory / "every.json"
+    none.write_text("[]")
+    every.write_text(json.dumps(ids))
+
+    def weights(out, **options):
+        train(batches, str(directory / out), TrainOptions(**options))
+        return tf_keras.models.load_model(str(directory / out / "model.keras"), compile=False).get_weights()
+
+    private = dict(noise_multiplier=1.0, noise_seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(weights("plain", **private),
+                                                     weights("zero-none", zero_out=str(none), **private)))
+    from tf_training.trainer import build_model
+    tf_keras.utils.set_random_seed(0)  # what train() does before building the model
+    initial = build_model("logreg", 8)[0].get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(weights("zero-every", mechanism="none", zero_out=str(every)),
+                                                     initial))
+    assert not all(np.array_equal(a, b) for a, b in zip(weights("baseline", mechanism="none"), initial))
+    (directory / "bad.json").write_text('{"ids": 1}')
+    assert main(["-q", "train", batches, str(directory / "bad"), "--mechanism", "none",
+                 "--zero-out", str(directory / "bad.json")]) == 2
+    assert "JSON list of record ids" in capsys.readouterr().err

@@ -56,6 +56,8 @@ class TrainOptions:
     tpu: str = ""
     cpu_replicas: int = 1
     calibration: str | None = None
+    zero_out: str | None = None             # file of record ids whose rows train with weight 0 (madp audit)
+    testing_noise_scale: float = 1.0        # TESTING ONLY: scales the noise, not the claim (not private)
 
     def __post_init__(self) -> None:
         checks = [(self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
@@ -75,7 +77,8 @@ class TrainOptions:
                   (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
                   (self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
                    "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored"),
-                  (self.mc_workers >= 1, "--mc-workers must be at least 1")]
+                  (self.mc_workers >= 1, "--mc-workers must be at least 1"),
+                  (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive")]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)

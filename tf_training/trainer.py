@@ -56,6 +56,24 @@ def build_model(name: str, input_dim: int):
         raise InputError(f"--model {name}: {error}") from error
 
 
+def zero_out_ids(path: str) -> np.ndarray:
+    """The record ids of a `--zero-out` file (a JSON list), as the batches' `id` feature holds them."""
+    try:
+        ids = json.loads(storage.read_text(path))
+    except (OSError, ValueError) as error:
+        raise InputError(f"--zero-out {path}: {error}") from error
+    if not isinstance(ids, list) or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
+        raise InputError(f"--zero-out {path}: expected a JSON list of record ids (integers or strings)")
+    return np.array([i.encode() if isinstance(i, str) else i for i in ids], dtype=object if not ids else None)
+
+
+def load_trained(output: str, options: TrainOptions, input_dim: int):
+    """(model, per-example loss) of a finished `madp train` OUTPUT."""
+    model, loss_fn = build_model(options.model, input_dim)
+    model.set_weights(tf_keras.models.load_model(storage.join(output, "model.keras"), compile=False).get_weights())
+    return model, loss_fn
+
+
 # --- evaluation data ----------------------------------------------------------------------------
 
 def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
@@ -312,14 +330,19 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         sigma = privacy["noise_multiplier"]
         # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
         noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
-        privacy = {**privacy, "noise": noise_key.status,
-                   "private": noise_key.seed is None and (privacy.get("sampling", FIXED_SEED) != FIXED_SEED
-                                                          or not privacy.get("relies_on_secret_sampling", True))}
+        broken = options.testing_noise_scale != 1.0
+        privacy = {**privacy, "noise": noise_key.status if not broken else
+                   f"scaled by {options.testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
+                   "private": noise_key.seed is None and not broken
+                   and (privacy.get("sampling", FIXED_SEED) != FIXED_SEED
+                        or not privacy.get("relies_on_secret_sampling", True))}
         if not privacy["private"]:
             log.warning("this model is NOT private: %s", "the noise comes from --noise-seed"
-                        if noise_key.seed is not None else "its batches were sampled with a fixed --seed")
-        query = (DpSgdQuery(options.clip_norm, sigma, noise_key) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
-                 else BandMfQuery(options.clip_norm, sigma, noise_key, privacy["bands"], template))
+                        if noise_key.seed is not None else "its noise is scaled by --testing-only-noise-scale"
+                        if broken else "its batches were sampled with a fixed --seed")
+        noise = sigma * options.testing_noise_scale  # the claim stays at sigma
+        query = (DpSgdQuery(options.clip_norm, noise, noise_key) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
+                 else BandMfQuery(options.clip_norm, noise, noise_key, privacy["bands"], template))
         step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
                            user_level=user_level, strategy=strategy)
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
@@ -329,13 +352,19 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
     names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
+    zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
+    if zeroed is not None:
+        names.append("id")
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
     rows_per_replica = (None if options.distribution == "default"
                         else -(-max(batches.max_rows_per_step, 1) // replicas))
     for index, rows in step_batches(batches, names):
         # Every step runs, an empty one too: its noise is part of the mechanism.
+        weight = rows["weight"].astype(np.float32)
+        if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
+            weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
         shards = shard_step(rows[options.features].astype(np.float32), rows[options.label].astype(np.float32),
-                            rows["weight"].astype(np.float32), rows[USER_FEATURE] if user_level else None,
+                            weight, rows[USER_FEATURE] if user_level else None,
                             replicas, rows_per_replica)
         step.apply(*distribute(strategy, shards))
         done = index + 1

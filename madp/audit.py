@@ -1,0 +1,326 @@
+"""`madp audit CONFIG.yaml`: an empirical lower bound on the epsilon of the model a config trains,
+from one extra training run with planted canary users (one-run auditing).
+
+m canary users join the job's records. Each owns one record of random content (a random feature
+pattern and label), and half of them also share a record with another canary. Every canary is
+included independently with probability 1/2. Under our neighbouring relation (fixed-graph
+zero-out) "excluded" means its records keep their place in the graph but have zero gradient, so
+all canary records go through bounding and batching exactly as real records do, and training
+gives the excluded canaries' rows weight 0 (`madp train --zero-out`). The audit then scores each
+canary by the trained model's loss on its records, guesses the lowest losses "included" and the
+highest "excluded", and turns the correct guesses into a lower bound on epsilon
+(`accounting.auditing`). A bound above the claimed epsilon refutes the claim: the audit fails.
+
+Everything is written under `run_dir/audit/` (or `--output`): its own records, selection, batches
+and model. The job's own outputs are never touched.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+import pyarrow as pa
+
+from accounting.auditing import one_run_audit
+from madp import storage
+from madp.errors import CheckFailed, InputError
+from madp.randomness import SecretKey
+from madp.records import Columns, content_columns, list_input_files, read_file
+
+log = logging.getLogger("madp.audit")
+AUDIT_FILE = "audit.json"
+CANARY_FILE = "canaries.parquet"
+ZERO_OUT_FILE = "zero-out.json"
+DEFAULT_DIRECTORY = "audit"
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditOptions:
+    canaries: int = 1000
+    confidence: float = 0.95
+    canary_norm: float = 10.0     # canary features' norm, in units of the real records' median feature norm
+    shared: float = 0.5           # fraction of canaries that share one record with another canary
+    output: str | None = None     # default run_dir/audit
+    non_private: bool = False     # train the audit model without privacy (what the audit sees with none)
+    testing_noise_scale: float = 1.0
+    seed: int | None = None       # None: fresh secret inclusion and content
+
+    def __post_init__(self) -> None:
+        checks = [(self.canaries >= 2, "--canaries must be at least 2"),
+                  (0 < self.confidence < 1, "--confidence must be in (0, 1)"),
+                  (self.canary_norm > 0, "--canary-norm must be positive"),
+                  (0 <= self.shared <= 1, "--shared must be in [0, 1]"),
+                  (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+                  (not (self.non_private and self.testing_noise_scale != 1.0),
+                   "--non-private trains without noise: drop --testing-only-noise-scale")]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)
+
+
+OPTION_KEYS = tuple(f.name for f in dataclasses.fields(AuditOptions))
+
+
+# --- canaries -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Canaries:
+    users: list                   # the m canary user ids
+    included: np.ndarray          # bool [m]
+    record_ids: list              # canary record ids
+    owners: list[tuple[int, ...]] # indices into `users` of each record's users
+    table: pa.Table               # the canary records, in the real records' schema
+
+
+def plant(real_files: list[str], columns: Columns, features: str, label: str, options: AuditOptions,
+          rng: np.random.Generator) -> Canaries:
+    """m canary users and their records, with ids no real record or user has, and content of the
+    real records' types: features of norm `canary_norm` x the real median, labels drawn from the real ones."""
+    ids, users, sample = _real_ids(real_files, columns)
+    names = content_columns(real_files[0], columns)
+    if features not in names or label not in names:
+        raise InputError(f"the audit plants canaries in the content columns {features!r} and {label!r} "
+                         f"(the train section's features and label), but {real_files[0]} has {list(names)}")
+    m = options.canaries
+    canary_users = _fresh_ids(users, m, "madp-canary-user-")
+    pairs = rng.permutation(m)[: 2 * int(options.shared * m / 2)].reshape(-1, 2)
+    owners = [(i,) for i in range(m)] + [tuple(sorted(int(u) for u in pair)) for pair in pairs]
+    record_ids = _fresh_ids(ids, len(owners), "madp-canary-record-")
+    width = len(sample.column(features)[0])
+    norms = np.linalg.norm(np.stack(sample.column(features).to_numpy(zero_copy_only=False)), axis=1)
+    norm = options.canary_norm * float(np.median(norms) or 1.0)
+    pattern = canary_patterns(rng, m, len(owners) - m, width) * norm
+    labels = np.asarray(sample.column(label).to_numpy(zero_copy_only=False))
+    chosen = rng.choice(np.unique(labels), size=len(owners))
+    table = _content_table(sample, names, features, label, pattern, chosen, len(owners))
+    table = table.append_column(columns.id, pa.array(record_ids, type=ids.type))
+    table = table.append_column(columns.users, pa.array([[canary_users[i] for i in o] for o in owners],
+                                                        type=pa.list_(users.type)))
+    included = rng.random(m) < 0.5
+    return Canaries(users=canary_users, included=included, record_ids=record_ids, owners=owners, table=table)
+
+
+def canary_patterns(rng: np.random.Generator, own: int, shared: int, width: int) -> np.ndarray:
+    """Unit-norm random feature patterns: the `own` records' mutually orthogonal where width allows (a random
+    orthonormal basis: one canary's gradient then has no component along another's in a linear model), the
+    `shared` records' random signs."""
+    if own <= width:
+        basis, _ = np.linalg.qr(rng.normal(size=(width, own)))
+        first = basis.T
+    else:
+        first = rng.choice([-1.0, 1.0], size=(own, width)) / np.sqrt(width)
+    rest = rng.choice([-1.0, 1.0], size=(shared, width)) / np.sqrt(width)
+    return np.concatenate([first, rest])
+
+
+def _real_ids(files: list[str], columns: Columns) -> tuple[pa.Array, pa.Array, pa.Table]:
+    """Every real record id and user id (to pick fresh ones), and the content of the first file's records."""
+    ids, users = [], []
+    for index, path in enumerate(files):
+        chunk = read_file(path, index, columns).chunk
+        ids.append(chunk.ids)
+        users.append(chunk.users)
+    first = read_file(files[0], 0, columns, content_columns(files[0], columns)).chunk
+    if len(first) == 0:
+        raise InputError(f"{files[0]}: no valid record to take the content types from")
+    return pa.chunked_array(ids).combine_chunks(), pa.chunked_array(users).combine_chunks(), first.content
+
+
+def _fresh_ids(taken: pa.Array, count: int, prefix: str) -> list:
+    """`count` ids of `taken`'s type that `taken` does not hold: integers above its largest, or prefixed strings."""
+    if pa.types.is_integer(taken.type):
+        start = int(max(taken.to_numpy().max(initial=-1), -1)) + 1
+        return list(range(start, start + count))
+    existing = set(taken.to_pylist())
+    names = [f"{prefix}{i}" for i in range(count)]
+    clash = [n for n in names if n in existing]
+    if clash:
+        raise InputError(f"the records already use the canary id {clash[0]!r}; rename it to run an audit")
+    return names
+
+
+def _content_table(sample: pa.Table, names: tuple[str, ...], features: str, label: str,
+                   pattern: np.ndarray, labels: np.ndarray, rows: int) -> pa.Table:
+    arrays = {}
+    for name in names:
+        kind = sample.schema.field(name).type
+        if name == features:
+            flat = pa.array(pattern.ravel(), type=kind.value_type)
+            arrays[name] = (pa.FixedSizeListArray.from_arrays(flat, pattern.shape[1])
+                            if pa.types.is_fixed_size_list(kind) else
+                            pa.ListArray.from_arrays(pa.array(np.arange(rows + 1) * pattern.shape[1], pa.int32()),
+                                                     flat)).cast(kind)
+        elif name == label:
+            arrays[name] = pa.array(labels.tolist(), type=kind)
+        else:
+            arrays[name] = pa.nulls(rows, type=kind)
+    return pa.table(arrays)
+
+
+def zeroed_records(canaries: Canaries) -> list:
+    """Ids of the canary records with an excluded owner: the zero-out neighbour replaces them."""
+    return [rid for rid, owners in zip(canaries.record_ids, canaries.owners)
+            if not all(canaries.included[i] for i in owners)]
+
+
+def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
+    """Each canary's score: minus the mean loss of its records (a memorized canary has a low loss)."""
+    total = np.zeros(len(canaries.users))
+    count = np.zeros(len(canaries.users))
+    for loss, owners in zip(losses, canaries.owners):
+        for i in owners:
+            total[i] += loss
+            count[i] += 1
+    return -total / count
+
+
+# --- the audit job ------------------------------------------------------------------------------
+
+def audit_options(config: dict, flags: dict) -> AuditOptions:
+    """The config's audit section, overridden by command-line flags (those not None)."""
+    section = config.get("audit") or {}
+    if not isinstance(section, dict):
+        raise InputError("config audit: a mapping of options (canaries, confidence, ...)")
+    unknown = sorted(set(section) - set(OPTION_KEYS))
+    if unknown:
+        raise InputError(f"config audit: unknown key(s) {', '.join(unknown)} (known: {', '.join(OPTION_KEYS)})")
+    merged = {**section, **{k: v for k, v in flags.items() if v is not None}}
+    kinds = {f.name: f.type for f in dataclasses.fields(AuditOptions)}
+    for key, value in merged.items():
+        expected = {"int": int, "float": (int, float), "bool": bool}.get(kinds[key].split(" |")[0])
+        if value is not None and expected and (not isinstance(value, expected) or
+                                               (isinstance(value, bool) and expected is not bool)):
+            raise InputError(f"config audit.{key}: expected {kinds[key].split(' |')[0]}, got {value!r}")
+    return AuditOptions(**merged)
+
+
+def audit_directory(config: dict, options: AuditOptions) -> str:
+    """Where the audit writes: run_dir/audit, or --output anywhere outside run_dir (never over the job)."""
+    run_dir = config["run_dir"]
+    default = storage.join(run_dir, DEFAULT_DIRECTORY)
+    if options.output is None:
+        return default
+    inside = lambda path: os.path.normpath(os.path.abspath(path)) if "://" not in path else path.rstrip("/")  # noqa: E731
+    output, job = inside(options.output), inside(run_dir)
+    if output != inside(default) and (output == job or output.startswith(job + os.sep)
+                                       or job.startswith(output + os.sep)):
+        raise InputError(f"audit output {options.output}: inside or around run_dir {run_dir}, where the job's "
+                         f"outputs are; use {default} or a directory outside it")
+    return options.output
+
+
+def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool = False) -> dict:
+    from madp import cli, run
+    config = run.load_config(config_path, overrides)
+    options = audit_options(config, flags)
+    parser = cli._parser()
+    run.plan_stages(copy.deepcopy(config), parser)  # the job itself must be valid
+    if not (config.get("train") and config.get("calibrate") and config.get("bound") and config.get("batch")):
+        raise InputError("config: an audit trains the config's model, so it needs bound, batch, calibrate and "
+                         "train sections")
+    directory = audit_directory(config, options)
+    with storage.exclusive(directory, f"audit {config_path}"):
+        return _audit(config_path, config, options, directory, parser, force)
+
+
+def _audit(config_path: str, config: dict, options: AuditOptions, directory: str, parser, force: bool) -> dict:
+    from madp import cli, run
+    path = lambda name: storage.join(directory, name)  # noqa: E731
+    key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
+    rng = np.random.default_rng(list(key.words))
+    train = dict(config["train"])
+    bound = config["bound"]
+    columns = Columns(bound.get("id_column", "id"), bound.get("users_column", "users"))
+    real = config.get("input")
+    eval_data = None
+    if real is None:  # generate the same records into the audit's own directory
+        generate = dict(config["generate"])
+        stages = run.plan_stages({"run_dir": directory, "generate": generate}, parser)
+        run._run_stages(directory, config_path, stages, parser, force)
+        real = path("records")
+        eval_data = path("test.parquet") if generate.get("holdout") else None
+    real_files = list_input_files(real)
+    canaries = plant(real_files, columns, train.get("features", "features"), train.get("label", "label"),
+                     options, rng)
+    inputs = path("input")
+    storage.clear_directory(inputs)
+    for index, source in enumerate(real_files):
+        suffix = next(s for s in (".jsonl.gz", ".jsonl", ".parquet") if source.endswith(s))
+        storage.link_or_copy(source, storage.join(inputs, f"records-{index:05d}{suffix}"))
+    storage.write_parquet(canaries.table, storage.join(inputs, CANARY_FILE))
+    storage.write_text(path(ZERO_OUT_FILE), json.dumps(zeroed_records(canaries)))
+
+    train.pop("baseline", None)
+    if eval_data and "eval_data" not in train:
+        train["eval_data"] = eval_data
+    train["zero_out"] = path(ZERO_OUT_FILE)
+    if options.testing_noise_scale != 1.0:
+        train["testing_only_noise_scale"] = options.testing_noise_scale
+    job = {"run_dir": directory, "input": inputs, "bound": config["bound"], "batch": config["batch"],
+           "calibrate": config["calibrate"], "train": {**train, "baseline": options.non_private}}
+    stages = [s for s in run.plan_stages(job, parser)
+              if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))]
+    run._run_stages(directory, config_path, stages, parser, force)
+
+    model_dir = path("baseline" if options.non_private else "train")
+    args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
+    losses = _losses(model_dir, cli._train_options(args), canaries)
+    privacy = json.loads(storage.read_text(storage.join(model_dir, "privacy.json")))
+    # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
+    delta = float(privacy.get("delta") or config["calibrate"].get("delta", 1e-5))
+    result = one_run_audit(canary_scores(losses, canaries), canaries.included, delta, options.confidence)
+    return _write(directory, config_path, options, key, canaries, losses, result, privacy)
+
+
+def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
+    from tf_training.trainer import load_trained
+    column = canaries.table.column(train_options.features)
+    x = np.stack(column.to_numpy(zero_copy_only=False)).astype(np.float32)
+    y = np.asarray(canaries.table.column(train_options.label).to_numpy(zero_copy_only=False), np.float32)
+    model, loss_fn = load_trained(model_dir, train_options, x.shape[1])
+    return np.asarray(loss_fn(y, model(x, training=False)), dtype=np.float64)
+
+
+def _write(directory: str, config_path: str, options: AuditOptions, key: SecretKey, canaries: Canaries,
+           losses: np.ndarray, result, privacy: dict) -> dict:
+    claimed = None if privacy.get("mechanism") == "none" else privacy.get("epsilon")
+    refuted = claimed is not None and result.epsilon_lower_bound > claimed
+    if claimed is not None and claimed >= result.measurable:
+        log.warning("the audit cannot refute epsilon %.3g: with %d canaries it measures at most %.3g; "
+                    "plant more canaries (--canaries) for a sharper audit", claimed, result.canaries,
+                    result.measurable)
+    scores = canary_scores(losses, canaries)
+    audit = {
+        "config": config_path, "output": directory,
+        "canaries": result.canaries, "canary_records": len(canaries.record_ids),
+        "shared_records": sum(len(o) > 1 for o in canaries.owners),
+        "included": int(canaries.included.sum()),
+        "guesses": result.guesses, "correct_guesses": result.correct,
+        "epsilon_lower_bound": round(result.epsilon_lower_bound, 4), "confidence": result.confidence,
+        "largest_measurable_epsilon": round(result.measurable, 4),
+        "delta": result.delta, "claimed_epsilon": claimed, "mechanism": privacy.get("mechanism"),
+        "noise_multiplier": privacy.get("noise_multiplier"), "noise": privacy.get("noise"),
+        "non_private": options.non_private, "testing_noise_scale": options.testing_noise_scale,
+        "can_refute_claim": claimed is not None and claimed < result.measurable,
+        "audit_model_private": bool(privacy.get("private")),
+        "inclusion": key.status, "candidates": list(result.candidates),
+        "ok": not refuted,
+        "verdict": ("REFUTED: the measured lower bound exceeds the claimed epsilon" if refuted else
+                    "no claim to check (non-private model)" if claimed is None else
+                    "consistent: the measured lower bound does not exceed the claimed epsilon"),
+        "per_canary": [{"user": user, "included": bool(included), "score": round(float(score), 6)}
+                       for user, included, score in zip(canaries.users, canaries.included, scores)],
+    }
+    storage.write_text(storage.join(directory, AUDIT_FILE), json.dumps(audit, indent=2))
+    log.info("audit: %d of %d guesses correct on %d canaries: epsilon >= %.3f at %.0f%% confidence (claimed %s)",
+             result.correct, result.guesses, result.canaries, result.epsilon_lower_bound,
+             100 * result.confidence, claimed)
+    if refuted:
+        raise CheckFailed(f"the audit refutes the claimed guarantee: epsilon >= {result.epsilon_lower_bound:.3f} "
+                          f"at {100 * result.confidence:.0f}% confidence, above the claimed {claimed} "
+                          f"(delta {result.delta:g}); see {storage.join(directory, AUDIT_FILE)}", audit)
+    return {k: v for k, v in audit.items() if k != "per_canary"}
