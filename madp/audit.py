@@ -119,15 +119,12 @@ def canary_patterns(rng: np.random.Generator, own: int, shared: int, width: int)
 
 def _real_ids(files: list[str], columns: Columns) -> tuple[pa.Array, pa.Array, pa.Table]:
     """Every real record id and user id (to pick fresh ones), and the content of the first file's records."""
-    ids, users = [], []
-    for index, path in enumerate(files):
-        chunk = read_file(path, index, columns).chunk
-        ids.append(chunk.ids)
-        users.append(chunk.users)
-    first = read_file(files[0], 0, columns, content_columns(files[0], columns)).chunk
-    if len(first) == 0:
+    chunks = [read_file(path, index, columns, content_columns(path, columns) if index == 0 else None).chunk
+              for index, path in enumerate(files)]
+    if len(chunks[0]) == 0:
         raise InputError(f"{files[0]}: no valid record to take the content types from")
-    return pa.chunked_array(ids).combine_chunks(), pa.chunked_array(users).combine_chunks(), first.content
+    return (pa.chunked_array([c.ids for c in chunks]).combine_chunks(),
+            pa.chunked_array([c.users for c in chunks]).combine_chunks(), chunks[0].content)
 
 
 def _fresh_ids(taken: pa.Array, count: int, prefix: str) -> list:
@@ -182,6 +179,9 @@ def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 
 def audit_options(config: dict, flags: dict) -> AuditOptions:
     """The config's audit section, overridden by command-line flags (those not None)."""
+    if not all(config.get(name) for name in ("bound", "batch", "calibrate", "train")):
+        raise InputError("config: an audit trains the config's model, so it needs bound, batch, calibrate and "
+                         "train sections")
     section = config.get("audit") or {}
     if not isinstance(section, dict):
         raise InputError("config audit: a mapping of options (canaries, confidence, ...)")
@@ -204,13 +204,16 @@ def audit_directory(config: dict, options: AuditOptions) -> str:
     default = storage.join(run_dir, DEFAULT_DIRECTORY)
     if options.output is None:
         return default
-    inside = lambda path: os.path.normpath(os.path.abspath(path)) if "://" not in path else path.rstrip("/")  # noqa: E731
-    output, job = inside(options.output), inside(run_dir)
-    if output != inside(default) and (output == job or output.startswith(job + os.sep)
-                                       or job.startswith(output + os.sep)):
+    output, job = _normalized(options.output), _normalized(run_dir)
+    if output != _normalized(default) and (output == job or output.startswith(job + os.sep)
+                                            or job.startswith(output + os.sep)):
         raise InputError(f"audit output {options.output}: inside or around run_dir {run_dir}, where the job's "
                          f"outputs are; use {default} or a directory outside it")
     return options.output
+
+
+def _normalized(path: str) -> str:
+    return path.rstrip("/") if "://" in path else os.path.normpath(os.path.abspath(path))
 
 
 def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool = False) -> dict:
@@ -219,9 +222,6 @@ def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool =
     options = audit_options(config, flags)
     parser = cli._parser()
     run.plan_stages(copy.deepcopy(config), parser)  # the job itself must be valid
-    if not (config.get("train") and config.get("calibrate") and config.get("bound") and config.get("batch")):
-        raise InputError("config: an audit trains the config's model, so it needs bound, batch, calibrate and "
-                         "train sections")
     directory = audit_directory(config, options)
     with storage.exclusive(directory, f"audit {config_path}"):
         return _audit(config_path, config, options, directory, parser, force)
@@ -268,12 +268,12 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
 
     model_dir = path("baseline" if options.non_private else "train")
     args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
-    losses = _losses(model_dir, cli._train_options(args), canaries)
+    scores = canary_scores(_losses(model_dir, cli._train_options(args), canaries), canaries)
     privacy = json.loads(storage.read_text(storage.join(model_dir, "privacy.json")))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
     delta = float(privacy.get("delta") or config["calibrate"].get("delta", 1e-5))
-    result = one_run_audit(canary_scores(losses, canaries), canaries.included, delta, options.confidence)
-    return _write(directory, config_path, options, key, canaries, losses, result, privacy)
+    result = one_run_audit(scores, canaries.included, delta, options.confidence)
+    return _write(directory, config_path, options, key, canaries, scores, result, privacy)
 
 
 def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
@@ -286,14 +286,13 @@ def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
 
 
 def _write(directory: str, config_path: str, options: AuditOptions, key: SecretKey, canaries: Canaries,
-           losses: np.ndarray, result, privacy: dict) -> dict:
+           scores: np.ndarray, result, privacy: dict) -> dict:
     claimed = None if privacy.get("mechanism") == "none" else privacy.get("epsilon")
     refuted = claimed is not None and result.epsilon_lower_bound > claimed
     if claimed is not None and claimed >= result.measurable:
         log.warning("the audit cannot refute epsilon %.3g: with %d canaries it measures at most %.3g; "
                     "plant more canaries (--canaries) for a sharper audit", claimed, result.canaries,
                     result.measurable)
-    scores = canary_scores(losses, canaries)
     audit = {
         "config": config_path, "output": directory,
         "canaries": result.canaries, "canary_records": len(canaries.record_ids),

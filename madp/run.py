@@ -154,10 +154,7 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str
                                              *flags], (path("batches"), *evaluation), path("baseline")))
     if config.get("audit") is not None:
         from madp.audit import audit_directory, audit_options
-        options = audit_options(config, {})
-        directory = audit_directory(config, options)
-        if train is None:
-            raise InputError("config audit: needs a train section (the audit trains the config's model)")
+        directory = audit_directory(config, audit_options(config, {}))
         if source is not None:
             config_path, overrides = source
             command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]

@@ -64,7 +64,9 @@ def zero_out_ids(path: str) -> np.ndarray:
         raise InputError(f"--zero-out {path}: {error}") from error
     if not isinstance(ids, list) or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
         raise InputError(f"--zero-out {path}: expected a JSON list of record ids (integers or strings)")
-    return np.array([i.encode() if isinstance(i, str) else i for i in ids], dtype=object if not ids else None)
+    if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
+        return np.array([str(i).encode() for i in ids], dtype=object)
+    return np.array(ids, dtype=np.int64)
 
 
 def load_trained(output: str, options: TrainOptions, input_dim: int):
