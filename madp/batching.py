@@ -31,7 +31,9 @@ SCHEMA_FILE = "schema.json"
 RESERVED_FEATURES = ("step", "id", "weight")
 PADDING_ID = -1  # the id of padding rows ("" for string ids); no selected record may have it
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
-_ENCODE_ROWS = 65536
+# The encoder indexes every byte it places (16 bytes of indices per byte), so rows are encoded in
+# chunks of about this many bytes: 65,536 rows of 16 floats, or 512 rows of 2,048 floats.
+_ENCODE_BYTES = 1 << 23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +293,11 @@ def write_batch_file(path: str, rows: FileRows, steps: range, max_batch_size: in
         order = np.argsort(np.concatenate([step, pad_steps]), kind="stable")
         columns = {name: pa.concat_arrays([columns[name], padding[name]]).take(pa.array(order)) for name in columns}
     rows_written = len(columns["step"])
+    row_bytes = sum(column.nbytes for column in columns.values()) / max(rows_written, 1)
+    chunk_rows = max(1, int(_ENCODE_BYTES // max(row_bytes, 1)))
     with storage.open_output(path) as handle:
-        for start in range(0, rows_written, _ENCODE_ROWS):  # bounded memory: the encoder indexes every byte
-            chunk = {name: column.slice(start, _ENCODE_ROWS) for name, column in columns.items()}
+        for start in range(0, rows_written, chunk_rows):
+            chunk = {name: column.slice(start, chunk_rows) for name, column in columns.items()}
             handle.write(tfrecord.tfrecord_bytes(tfrecord.serialize_examples(chunk)))
     owner, flat = incidences_of(rows.user_offsets, keep)
     return {"written": written, "truncated": len(rows.steps) - len(keep),
