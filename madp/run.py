@@ -31,7 +31,6 @@ from madp.report import shows_sampling
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
-BEAM_KEYS = ("runner", "beam_options")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
 CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
                   "max_contributions", "amplified", "mc_samples", "mc_workers", "mc_seed")
