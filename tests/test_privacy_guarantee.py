@@ -203,10 +203,13 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
 
 # --- the attacker who reads every published output ---------------------------------------------------
 
-def _published_text(run_dir) -> str:
-    """Every output a user would publish or share: the model, metrics, reports, privacy.json, report.html."""
+def _published_text(run_dir, internal: tuple[str, ...] = ("audit",)) -> str:
+    """Every output a user would publish or share: the model, metrics, reports, privacy.json, report.html;
+    not the directories in `internal` (the audit's second model and its data)."""
     chunks = []
-    for root, _, files in os.walk(run_dir):
+    for root, directories, files in os.walk(run_dir):
+        directories[:] = [d for d in directories if os.path.join(root, d) not in
+                          {os.path.join(str(run_dir), i) for i in internal}]
         for name in files:
             if name.endswith((".tfrecord", ".parquet")) or "/." in root:
                 continue  # the data and the batches themselves are never published
@@ -238,8 +241,8 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
               "generate": {"records": 2000, "features": 4, "seed": 3, "holdout": True},
               "bound": {"max_contributions": 2, "runner": "local"},
               "batch": {"steps": 20, "batch_size": 40, "min_sep": 1, "runner": "local"},
-              "calibrate": {"epsilon": 4, "delta": 1e-5},
-              "train": {"model": "logreg", "eval_every": 10}, "report": True}
+              "calibrate": {"noise_multiplier": 1.5, "delta": 1e-5},  # one PLD evaluation, not a search
+              "train": {"model": "logreg", "eval_every": 10}, "audit": {"canaries": 20}, "report": True}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     assert main(["-q", "run", str(tmp_path / "job.yaml")]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -253,15 +256,19 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
     assert "Batch sizes" not in page and "mean realized batch size" not in page, \
         "the realized sampling of an amplified mechanism stays off the published page"
     assert "records per user the accountant assumes (k)</td><td>2<" in page and "zero-out" in page
+    assert "Privacy audit" in page and "composition of both trainings" in page, \
+        "the audit is a second release of the records, and the page says so"
+    assert json.load(open(tmp_path / "run" / "audit" / "audit.json"))["inclusion"] == SECRET
     published = _published_text(tmp_path / "run")
+    everything = published + _published_text(tmp_path / "run", internal=())
     for key in drawn:
         for text in _encodings(key.words):
-            assert text not in published, "a secret key was written to a published output"
+            assert text not in everything, "a secret key was written to an output"
     # The attacker knows the code: try the default seed and every number in the published outputs
     # as the seed of the sampling and of the noise. None of them is the key that was used.
     candidates = {0, 1, 3} | {int(n) for n in re.findall(r"-?\d+", published) if abs(int(n)) < 2**63}
     guessed = {SecretKey.from_seed(candidate, purpose).words for candidate in candidates
-               for purpose in ("batch sampling", "training noise")}
+               for purpose in ("batch sampling", "training noise", "audit canaries")}
     assert not guessed & {key.words for key in drawn}
     # And the batches made from the default seed, the old public default, are not the batches trained on.
     run = tmp_path / "run"
