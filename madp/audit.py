@@ -29,7 +29,7 @@ from accounting.auditing import one_run_audit
 from madp import storage
 from madp.errors import CheckFailed, InputError
 from madp.randomness import SecretKey
-from madp.records import Columns, content_columns, list_input_files, read_file
+from madp.records import INPUT_SUFFIXES, Columns, content_columns, list_input_files, read_file
 
 log = logging.getLogger("madp.audit")
 AUDIT_FILE = "audit.json"
@@ -81,7 +81,7 @@ def plant(real_files: list[str], columns: Columns, features: str, label: str, op
     """m canary users and their records, with ids no real record or user has, and content of the
     real records' types: features of norm `canary_norm` x the real median, labels drawn from the real ones."""
     ids, users, sample = _real_ids(real_files, columns)
-    names = content_columns(real_files[0], columns)
+    names = tuple(sample.column_names)
     if features not in names or label not in names:
         raise InputError(f"the audit plants canaries in the content columns {features!r} and {label!r} "
                          f"(the train section's features and label), but {real_files[0]} has {list(names)}")
@@ -249,7 +249,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     inputs = path("input")
     storage.clear_directory(inputs)
     for index, source in enumerate(real_files):
-        suffix = next(s for s in (".jsonl.gz", ".jsonl", ".parquet") if source.endswith(s))
+        suffix = next(s for s in INPUT_SUFFIXES if source.endswith(s))
         storage.link_or_copy(source, storage.join(inputs, f"records-{index:05d}{suffix}"))
     storage.write_parquet(canaries.table, storage.join(inputs, CANARY_FILE))
     storage.write_text(path(ZERO_OUT_FILE), json.dumps(zeroed_records(canaries)))
