@@ -17,10 +17,12 @@ exact). Estimate-verify-release (`accounting/evr.py`) turns these estimates into
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 from scipy.stats import binom
+from threadpoolctl import threadpool_limits
 
 from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
 from madp.records import InputError
@@ -79,6 +81,8 @@ def sample_participations(process: MinSepProcess, samples: int,
 # Samples per block: the unit of vectorization. Steps are processed backwards in tiles of about
 # _TILE_STEPS steps, so every array the kernel touches stays in cache.
 _CHUNK = 2048
+_BLOCK_SAMPLES = 1024  # samples per block and direction of `sample_log_ratios`
+DIRECTIONS = ("P", "Q")
 _TILE_STEPS = 64
 # A block's weights are exponentiated relative to `shift`, their per-sample maximum clamped below
 # at 0, so weights and e^-shift are at most 1 and a block multiplies values by at most b + 1.
@@ -230,22 +234,28 @@ def _recursion_log(process: MinSepProcess, log_weight: np.ndarray) -> np.ndarray
 
 
 def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, seed: int,
-                      under: str) -> np.ndarray:
-    """log P/Q at outputs drawn under P (`under="P"`) or under Q (`"Q"`); reproducible from `seed`.
+                      directions: tuple[str, ...] = DIRECTIONS) -> np.ndarray:
+    """log P/Q at `samples` outputs drawn under each of `directions` ("P": y = C x + sigma z, "Q": y = sigma z),
+    one row per direction; reproducible from `seed`.
 
-    Per block of samples, the participations and each tile of Gaussian outputs have their own
-    generator keyed by (seed, block, tile), so a tile can be drawn again identically.
+    The directions share the noise z (common random numbers): each row is an independent sample of its own
+    distribution, which is all a test of that direction needs. Per block of samples, the participations and
+    each tile of z have their own generator keyed by (seed, block, tile), so a tile can be drawn again
+    identically, and a direction's row does not depend on which other directions are drawn with it.
     """
-    if under not in ("P", "Q"):
-        raise ValueError(f"under must be 'P' or 'Q', got {under!r}")
+    if not directions or not set(directions) <= set(DIRECTIONS):
+        raise ValueError(f"directions must be some of {DIRECTIONS}, got {directions!r}")
+    _one_blas_thread()
     ratios = []
     bands = np.asarray(process.coefficients)
     firsts = _tile_first_steps(process)
     tile_of_first = {int(first): tile for tile, first in enumerate(firsts)}
-    for start in range(0, samples, _CHUNK):
-        size = min(_CHUNK, samples - start)
+    with_p = "P" in directions
+    for start in range(0, samples, _BLOCK_SAMPLES):
+        size = min(_BLOCK_SAMPLES, samples - start)
+        width = size * len(directions)  # columns: one block of samples per direction, P first
         key = [seed, start]
-        steps, ids, counts = (sample_participations(process, size, _generator(key, 0)) if under == "P"
+        steps, ids, counts = (sample_participations(process, size, _generator(key, 0)) if with_p
                               else (np.zeros(0, np.int64),) * 3)
         # The entries of C x (a sample's participations are >= b >= bands apart, so their columns of C
         # never overlap and no entry repeats), grouped by tile as flat positions within the tile;
@@ -260,17 +270,30 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
         tiles = np.searchsorted(firsts, rows, side="right") - 1
         order = np.argsort(tiles, kind="stable")
         tiles, values = tiles[order], values[order]
-        positions = (rows[order] - firsts[tiles]) * size + ids[order]
+        positions = (rows[order] - firsts[tiles]) * width + ids[order]
         values /= noise_multiplier  # outputs are y / sigma = z + C x / sigma
         bounds = np.searchsorted(tiles, np.arange(len(firsts) + 1))
 
-        def fill(out: np.ndarray, first: int, key=key, positions=positions, values=values, bounds=bounds) -> None:
-            """Outputs over sigma, z + C x / sigma, of the tile of steps first.. first + len(out) - 1."""
-            _generator(key, first + 1).standard_normal(out=out)
+        def fill(out: np.ndarray, first: int, key=key, size=size, positions=positions, values=values,
+                 bounds=bounds) -> None:
+            """Outputs over sigma of the tile of steps first.. first + len(out) - 1: z in every direction's
+            columns, plus C x / sigma in P's."""
+            noise = _generator(key, first + 1).standard_normal((len(out), size))
+            for column in range(0, out.shape[1], size):
+                out[:, column:column + size] = noise
             tile = tile_of_first[first]
             out.reshape(-1)[positions[bounds[tile]:bounds[tile + 1]]] += values[bounds[tile]:bounds[tile + 1]]
-        ratios.append(_log_ratios(process, noise_multiplier, size, fill))
-    return np.concatenate(ratios) if ratios else np.zeros(0)
+        ratios.append(_log_ratios(process, noise_multiplier, width, fill).reshape(len(directions), size))
+    return np.concatenate(ratios, axis=1) if ratios else np.zeros((len(directions), 0))
+
+
+
+@functools.cache
+def _one_blas_thread() -> None:
+    """Limit BLAS to one thread in this process, for good: the kernel's matrix products are small, so
+    threads only add synchronization (2 worker processes: ~51,000 P + Q samples/s with OpenBLAS's threads
+    limited around each call, ~60,000 with one thread throughout), and callers parallelize over chunks."""
+    threadpool_limits(1, user_api="blas")
 
 
 def _tile_first_steps(process: MinSepProcess) -> np.ndarray:

@@ -1,9 +1,10 @@
 """Monte Carlo accounting on a Beam runner, for sample counts beyond one machine.
 
-Each `estimate_delta` of estimate-verify-release becomes one pipeline run: its seeded chunk tasks
-are the elements, spread over workers, each turned into the sum of its hockey-stick terms; the
-sums come back to the driver through one small JSON file. Chunks are seeded by (seed, direction,
-chunk), so the result equals the local one whatever the runner and the number of workers.
+Each wave of chunks of estimate-verify-release (`accounting.evr.stream_chunks`) becomes one pipeline
+run: its seeded chunk tasks are the elements, spread over workers, each turned into its statistics
+(hockey-stick sums and betting steps); they come back to the driver through one small JSON file.
+Chunks are seeded by (seed, chunk) and the driver reads them in seed order, so every estimate and
+verification stops where the local one does, whatever the runner and the number of workers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from beam_pipelines.bound import pipeline_options
 log = logging.getLogger("madp.accounting")
 
 
-class ChunkSums(beam.PTransform):
+class ChunkResults(beam.PTransform):
     """(index, task) -> [(index, fn(task)), ...] as one list: the tasks' results, spread over workers."""
 
     def __init__(self, fn):
@@ -32,7 +33,7 @@ class ChunkSums(beam.PTransform):
         fn = self._fn
         return (tasks
                 | "SpreadChunks" >> beam.Reshuffle()
-                | "HockeyStickSums" >> beam.MapTuple(lambda index, task: (index, fn(task)))
+                | "ChunkStatistics" >> beam.MapTuple(lambda index, task: (index, fn(task)))
                 | "Collect" >> beam.combiners.ToList())
 
 
@@ -57,19 +58,19 @@ class BeamTaskMap:
 
     def __call__(self, fn, tasks) -> list:
         tasks = list(tasks)
-        path = FileSystems.join(self._results_dir, f"chunk-sums-{uuid.uuid4().hex}.json")
+        path = FileSystems.join(self._results_dir, f"chunk-results-{uuid.uuid4().hex}.json")
         with beam.Pipeline(options=self._options) as pipeline:
             _ = (pipeline
                  | "ChunkTasks" >> beam.Create(list(enumerate(tasks)))
-                 | "MonteCarlo" >> ChunkSums(fn)
-                 | "WriteSums" >> beam.Map(_write_json, path))
+                 | "MonteCarlo" >> ChunkResults(fn)
+                 | "WriteResults" >> beam.Map(_write_json, path))
         with FileSystems.open(path) as handle:
-            sums = dict(json.loads(handle.read().decode()))
+            results = dict(json.loads(handle.read().decode()))
         FileSystems.delete([path])
-        if sorted(sums) != list(range(len(tasks))):
-            raise RuntimeError(f"Monte Carlo pipeline returned {len(sums)} of {len(tasks)} chunk sums")
+        if sorted(results) != list(range(len(tasks))):
+            raise RuntimeError(f"Monte Carlo pipeline returned {len(results)} of {len(tasks)} chunk results")
         log.info("Beam Monte Carlo run: %d chunks", len(tasks))
-        return [sums[index] for index in range(len(tasks))]
+        return [results[index] for index in range(len(tasks))]
 
 
 def _write_json(value, path: str) -> None:

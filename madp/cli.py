@@ -41,8 +41,9 @@ def _add_mechanism(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-participations", type=int, help="bandmf: k, participations per user")
     parser.add_argument("--records-per-step", type=int, default=1,
                         help="bandmf: records of one user in one step at most (default 1)")
-    parser.add_argument("--samples", type=int, help="bandmf-minsep: Monte Carlo samples per verification "
-                                                    "(default: what estimate-verify-release needs for --delta)")
+    parser.add_argument("--samples", type=int, help="bandmf-minsep: most Monte Carlo samples one verification may "
+                                                    "draw per direction (default: 4x what the sequential test needs "
+                                                    "at delta 0; it stops as soon as it decides)")
     parser.add_argument("--seed", type=int, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
     parser.add_argument("--workers", type=int, default=1, help="bandmf-minsep: worker processes (--runner local)")
     parser.add_argument("--runner", default=LOCAL,
@@ -193,8 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--amplified", action="store_true",
                           help="account b-min-sep Poisson batches with amplification (bandmf-minsep, Monte Carlo "
                                "estimate-verify-release; falls back to unamplified BandMF when verification fails)")
-    training.add_argument("--mc-samples", type=int, help="--amplified: Monte Carlo samples per verification "
-                                                         "(default: what estimate-verify-release needs for --delta)")
+    training.add_argument("--mc-samples", type=int, help="--amplified: most Monte Carlo samples one verification "
+                                                         "may draw per direction (default: 4x what the sequential "
+                                                         "test needs at delta 0)")
     training.add_argument("--mc-workers", type=int, default=1, help="--amplified: worker processes")
     training.add_argument("--distribution", choices=("default", "mirrored", "tpu"), default="default",
                           help="tf.distribute strategy: default (one device), mirrored (all local GPUs, or "

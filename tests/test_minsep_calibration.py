@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 import accounting.evr as evr
 from accounting.calibrate import calibrate, epsilon
 from accounting.mechanisms import DpSgdUls
+from accounting.evr import RUNG_STEPS
 from accounting.monte_carlo import MinSepProcess
 from madp.cli import main
 from madp.records import InputError
@@ -39,22 +41,17 @@ def test_same_result_for_any_number_of_workers():
 
 
 def test_fallback_is_released_when_no_candidate_verifies(monkeypatch):
-    real = evr.estimate_delta
-
-    def optimistic_estimate(process, sigma, eps, samples, seed, workers):
-        return 0.0 if seed[1] == 0 else real(process, sigma, eps, samples, seed, workers)  # a wrong estimate
-
-    monkeypatch.setattr(evr, "estimate_delta", optimistic_estimate)
-    # A fallback of three unamplified steps (sigma ~4.4, a test double) puts the bisection's floor at
-    # fallback / 8 ~ 0.55, and every candidate up to 0.55 * 1.32 is far below the ~1.2 that Poisson DP-SGD
-    # needs here: all must fail verification.
-    result = evr.calibrate_minsep(POISSON, 1.0, 0.02, seed=3, fallback=DpSgdUls(1.0, 3))
-    assert result.fallback < 5 and result.ladder[-1] < 1.0
-    assert not result.verified and result.value == result.fallback and result.outcomes == (False,)
+    monkeypatch.setattr(evr, "_estimate_passes", lambda *args: (True, None))  # a wrong estimate: every sigma passes
+    # The bracket then sinks to fallback * 1e-6, and every candidate is far below the ~1.2 that Poisson
+    # DP-SGD needs here: each must fail verification, and early (the evidence against it is overwhelming).
+    result = evr.calibrate_minsep(POISSON, 1.0, 0.02, samples=100_000, seed=3, fallback=EVERY_STEP)
+    assert result.ladder[-1] < 0.01
+    assert not result.verified and result.value == result.fallback
+    assert result.outcomes == (False,) * len(RUNG_STEPS) and result.samples_used == (evr.CHUNK,) * len(RUNG_STEPS)
 
 
 def test_too_few_samples_is_an_error():
-    with pytest.raises(InputError, match="give at best delta"):
+    with pytest.raises(InputError, match="cannot verify delta 0.02"):
         evr.calibrate_minsep(POISSON, 1.0, 0.02, samples=100)
 
 
@@ -64,7 +61,7 @@ def test_cli(capsys):
     assert main(["-q", "calibrate", "--epsilon", "2", *common]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] and result["noise_multiplier"] < result["fallback_noise_multiplier"]
-    assert result["delta"] <= 0.02 and result["samples"] == evr.samples_needed(0.02, 0.01)
+    assert result["delta"] <= 0.02 and result["samples"] == evr.default_samples(0.02)
     assert main(["-q", "epsilon", "--mechanism", "bandmf-minsep", "--noise-multiplier", "2", "--delta", "0.02",
                  "--steps", "60"]) == 2
     assert "bandmf-minsep needs --sampling-prob" in capsys.readouterr().err
@@ -82,13 +79,18 @@ def test_epsilon_inverse_is_private_by_the_exact_poisson_accountant():
     assert exact <= result.value < 1.5 * exact
 
 
-def test_beam_runner_gives_the_local_estimate():
-    """Chunks are seeded by (seed, direction, chunk): a Beam run (2 worker processes) sums the same terms."""
+def test_beam_runner_gives_the_local_estimate_and_stops_where_local_does():
+    """Chunks are seeded by (seed, chunk) and read in seed order: a Beam run, 64 chunks per pipeline, sums the
+    same terms and a sequential verification stops at the same chunk as one read chunk by chunk."""
     process = MinSepProcess(60, 3, 0.1, 2, (1.0, 0.4))
     with evr.task_map(1) as local:
         expected = evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
+        verified = evr.verify(process, 4.0, 1.5, 400_000, (5,), local, 1e-4, 1e-3)
+    assert verified[0] and 8192 < verified[1] < 400_000, "the test needs several chunks, and stops before the budget"
     with evr.task_map(1, ["--runner", "DirectRunner"]) as beam:
+        assert beam.wave > 1
         assert evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), beam) == expected
+        assert evr.verify(process, 4.0, 1.5, 400_000, (5,), beam, 1e-4, 1e-3) == verified
 
 
 def test_runner_options_are_checked(capsys):
@@ -109,16 +111,16 @@ def test_estimate_is_found_far_below_the_fallback():
 
 
 def test_fallback_is_calibrated_at_the_delta_the_release_uses():
-    """Theorem A.1 needs the fallback (epsilon, delta*)-DP at the minimizing delta* < target, not at the target."""
-    process = MinSepProcess(30, 1, 0.1, 1, (1.0,))
-    samples = evr.samples_needed(0.02, 0.01)
-    mechanism_delta, overall = evr.release_deltas(0.01, samples, 0.02)
-    assert 0.01 < mechanism_delta < 0.02 and overall <= 0.02
-    result = evr.calibrate_minsep(process, 1.0, 0.02, seed=3, fallback=EVERY_STEP)
-    assert result.mechanism_delta == mechanism_delta
+    """Theorem A.1 needs the fallback (epsilon, delta*)-DP at delta* < target, not at the target."""
+    mechanism_delta, failure = evr.release_deltas(0.02)
+    assert mechanism_delta + failure * (1 - mechanism_delta) == pytest.approx(0.02)
+    assert failure == pytest.approx(evr.FAILURE_SHARE * 0.02) and mechanism_delta < 0.02
+    assert sum(evr.rung_level(failure, rung) for rung in range(len(RUNG_STEPS))) < failure
+    result = evr.calibrate_minsep(POISSON, 1.0, 0.02, seed=3, fallback=EVERY_STEP)
+    assert (result.mechanism_delta, result.failure_probability) == (mechanism_delta, failure)
+    assert result.overall_delta == pytest.approx(0.02)
     assert result.fallback == calibrate(EVERY_STEP, 1.0, mechanism_delta).noise_multiplier
     assert result.fallback > calibrate(EVERY_STEP, 1.0, 0.02).noise_multiplier, "the target delta's sigma is too small"
-    assert overall == pytest.approx(mechanism_delta + result.failure_probability * (1 - mechanism_delta))
 
 
 def test_epsilon_at_fixed_sigma_is_stated_as_a_claim_with_its_failure_probability():
@@ -132,3 +134,59 @@ def test_epsilon_at_fixed_sigma_is_stated_as_a_claim_with_its_failure_probabilit
 def test_non_negative_strategy_is_required_for_amplification():
     with pytest.raises(InputError, match="non-negative"):
         MinSepProcess(30, 2, 0.1, 1, (1.0, -0.2))
+
+
+def poisson_delta(sigma: float, target_epsilon: float) -> float:
+    """delta(epsilon) of POISSON (b = 1: Poisson-sampled DP-SGD) by the PLD accountant, independent of the kernels."""
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_event.SelfComposedDpEvent(
+        dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(sigma)), 30))
+    return accountant.get_delta(target_epsilon)
+
+
+def test_sequential_verification_rarely_passes_a_candidate_that_is_not_private():
+    """The verifier on the real kernels, with its early stops: at a sigma whose PLD delta is 1.47 delta*, 60
+    verifications at level 0.1 pass at most about 10% of the time; at one below delta* / 4 they all
+    pass, each with fewer samples than the fixed-sample Chernoff test at delta* / 2 needs."""
+    bound = 0.002
+    not_private, private = 1.52, 1.9
+    assert poisson_delta(not_private, 1.0) > 1.45 * bound and poisson_delta(private, 1.0) < bound / 4
+    with evr.task_map(1) as mapper:
+        passed = [evr.verify(POISSON, not_private, 1.0, 100_000, (seed,), mapper, bound, 0.1)[0] for seed in range(60)]
+        private_runs = [evr.verify(POISSON, private, 1.0, 100_000, (seed,), mapper, bound, 1e-4) for seed in range(5)]
+    assert sum(passed) <= 6 + 3 * (60 * 0.1 * 0.9) ** 0.5, sum(passed)
+    half = bound / 2
+    chernoff = math.log(1 / 1e-4) / (half * math.log(half / bound) + (1 - half) * math.log((1 - half) / (1 - bound)))
+    assert all(run[0] and run[1] < chernoff for run in private_runs), (private_runs, chernoff)
+
+
+def test_estimate_steps_down_from_a_coarser_target_to_the_right_value():
+    """A known delta(sigma) = exp(-a sigma^2), as estimate_passes would see it without sampling error: the
+    coarse-to-fine estimate lands on the sigma of the target, each level on 1/16 of the samples."""
+    calls = []
+
+    def estimate_passes(value, target, samples, early=True):
+        calls.append(samples)
+        delta = math.exp(-12.0 * value ** 2)
+        return delta <= target, None if early and abs(math.log(delta / target)) > 1 else delta
+
+    target = 1e-7
+    value, slope = evr._estimate(estimate_passes, 12.0, 1.5, target, 16 ** 3 * 4 * evr.CHUNK)
+    assert value == pytest.approx(math.sqrt(math.log(1 / target) / 12.0), rel=5e-3)  # half a rung
+    assert slope == pytest.approx(-1 / (2 * math.log(1 / target)), rel=0.2)
+    assert sorted(set(calls)) == [4 * evr.CHUNK * 16 ** level for level in range(4)]
+    assert calls.count(16 ** 3 * 4 * evr.CHUNK) <= 2, "the full sample count is drawn once or twice"
+
+
+def test_estimate_is_near_the_exact_poisson_sigma_at_a_small_delta():
+    """The estimate on the real kernels, coarsening twice, against the PLD sigma where delta is the target."""
+    process = MinSepProcess(30, 1, 0.1, 1, (1.0,))
+    target = 4e-6
+    with evr.task_map(1) as mapper:
+        def estimate_passes(value, goal, samples, early=True):
+            return evr._estimate_passes(process, value, 1.0, samples, (9, 0), mapper, goal, early)
+        value, _ = evr._estimate(estimate_passes, 20.0, 2.5, target, 2_000_000)
+    exact = calibrate(DpSgdUls(0.1, 30), 1.0, target).noise_multiplier
+    assert value == pytest.approx(exact, rel=0.03)

@@ -77,16 +77,33 @@ def test_log_space_path_redraws_the_same_outputs(monkeypatch):
     """Tiles are drawn from generators keyed by (seed, block, tile): the log-space path, which asks for
     every tile again, sees the outputs the blocked kernel saw."""
     process = MinSepProcess(90, 4, 0.1, 2, (0.9, 0.5))
-    blocked = sample_log_ratios(process, 0.8, 3000, seed=3, under="P")
+    blocked = sample_log_ratios(process, 0.8, 3000, seed=3)
     monkeypatch.setattr(monte_carlo, "_LINEAR_SPAN", -1.0)
-    np.testing.assert_allclose(sample_log_ratios(process, 0.8, 3000, seed=3, under="P"), blocked, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sample_log_ratios(process, 0.8, 3000, seed=3), blocked, rtol=1e-6, atol=1e-6)
 
 
 def test_samples_are_reproducible_from_the_seed():
     process = MinSepProcess(50, 4, 0.1, 1, (0.8, 0.6))
-    first = sample_log_ratios(process, 1.0, 3000, seed=5, under="P")
-    assert np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=5, under="P"))
-    assert not np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=6, under="P"))
+    first = sample_log_ratios(process, 1.0, 3000, seed=5)
+    assert first.shape == (2, 3000)
+    assert np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=5))
+    assert not np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=6))
+
+
+def test_directions_share_the_noise_and_do_not_depend_on_each_other():
+    """P and Q draw the same z: Q's outputs are z and P's are z + C x / sigma, so a direction drawn alone
+    gives the same row, and every P sample without participations has Q's log ratio."""
+    process = MinSepProcess(70, 3, 0.02, 1, (0.9, 0.4))
+    both = sample_log_ratios(process, 0.7, 2500, seed=8)
+    assert np.array_equal(sample_log_ratios(process, 0.7, 2500, seed=8, directions=("P",))[0], both[0])
+    assert np.array_equal(sample_log_ratios(process, 0.7, 2500, seed=8, directions=("Q",))[0], both[1])
+    steps, ids, _ = monte_carlo.sample_participations(process, 1024, monte_carlo._generator([8, 0], 0))
+    silent = np.setdiff1d(np.arange(1024), ids)  # the first block's samples that never participate
+    assert 0 < len(silent) < 1024
+    np.testing.assert_array_equal(both[0, silent], both[1, silent])
+    assert not np.allclose(both[0, ids], both[1, ids])
+    with pytest.raises(ValueError, match="directions"):
+        sample_log_ratios(process, 0.7, 10, seed=8, directions=("R",))
 
 
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
@@ -98,27 +115,10 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
     accountant.compose(dp_event.SelfComposedDpEvent(
         dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps))
     expected = accountant.get_delta(epsilon)
-    estimates = [hockey_stick(sample_log_ratios(process, sigma, samples, seed, under), epsilon, under)
-                 for seed, under in ((1, "P"), (2, "Q"))]
+    ratios = sample_log_ratios(process, sigma, samples, 1)
+    estimates = [hockey_stick(row, epsilon, under) for row, under in zip(ratios, ("P", "Q"))]
     (delta, error) = max(estimates)
     assert abs(delta - expected) <= 4 * error + 0.02 * expected, (estimates, expected)
-
-
-def test_evr_sample_count_reproduces_the_known_value():
-    from accounting.evr import overall_delta, samples_needed
-    samples = samples_needed(2e-6, 1e-6)
-    assert samples == pytest.approx(5.9e7, rel=0.01)  # the b-min-sep paper: about 5.9e7
-    assert overall_delta(1e-6, samples, 2e-6) <= 2e-6 < overall_delta(1e-6, samples - 1, 2e-6)
-
-
-def test_evr_failure_bound_shrinks_with_samples_and_gap():
-    from accounting.evr import failure_probability, samples_needed
-    from madp.records import InputError
-    assert failure_probability(1e-6, 2e-6, 10**7) > failure_probability(1e-6, 2e-6, 10**8)
-    assert failure_probability(1e-6, 2e-6, 10**7) > failure_probability(1e-6, 4e-6, 10**7)
-    assert samples_needed(1e-5, 5e-6) < samples_needed(2e-6, 1e-6)
-    with pytest.raises(InputError):
-        samples_needed(1e-6, 2e-6)
 
 
 def test_waiting_time_sampler_matches_a_step_by_step_simulation():

@@ -14,7 +14,7 @@ import yaml
 
 from beam_pipelines.batch import PreparePipeline, SamplePipeline, _Plan
 from beam_pipelines.bound import BoundPipeline, PartitionStore, pipeline_options
-from beam_pipelines.monte_carlo import ChunkSums
+from beam_pipelines.monte_carlo import ChunkResults
 from madp.batching import BatchOptions
 from madp.cli import _parser, main
 from madp.run import load_config, plan_stages
@@ -54,7 +54,7 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
     _ = sample | "Sample" >> SamplePipeline(plan, {0: os.path.join(work, "part-0")}, 8, store)
     pipelines["batch-sample"] = sample
     accounting = beam.Pipeline(options=pipeline_options(beam_args))
-    _ = (accounting | "ChunkTasks" >> beam.Create([(0, 1.0)]) | "MonteCarlo" >> ChunkSums(float))
+    _ = (accounting | "ChunkTasks" >> beam.Create([(0, 1.0)]) | "MonteCarlo" >> ChunkResults(float))
     pipelines["monte-carlo"] = accounting
     return pipelines
 
