@@ -218,7 +218,8 @@ def verify(process: MinSepProcess, sigma: float, epsilon: float, samples: int, t
            mapper: ChunkMap, mechanism_delta: float, level: float) -> tuple[bool, int]:
     """(passed, samples drawn): whether betting tests in both directions reject delta(epsilon) >= delta*
     at `level` within `samples` samples. Gives up early (fails) once the evidence for delta > delta*
-    reaches 1 / GIVE_UP_LEVEL; a direction that has rejected stops drawing."""
+    reaches 1 / GIVE_UP_LEVEL, or when, past half the samples, the log wealth growing at its rate so far
+    would not reach the threshold in time; a direction that has rejected stops drawing."""
     wealth = {under: np.zeros(2 * len(BETS)) for under in DIRECTIONS}
     rejected: set[str] = set()
     threshold = math.log(1 / level)
@@ -236,6 +237,10 @@ def verify(process: MinSepProcess, sigma: float, epsilon: float, samples: int, t
                 return False, done
             if private >= threshold:
                 rejected.add(under)
+            elif 2 * done >= samples and private + (samples - done) * max(private, 0.0) / done < threshold:
+                log.info("verification at sigma %.6g, epsilon %.6g: failed, direction %s would not pass within %d "
+                         "samples at its rate so far (%d drawn)", sigma, epsilon, under, samples, done)
+                return False, done
         if len(rejected) == len(DIRECTIONS):
             log.info("verification at sigma %.6g, epsilon %.6g: passed at level %.3g after %d samples", sigma,
                      epsilon, level, done)

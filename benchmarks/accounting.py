@@ -28,7 +28,7 @@ from accounting.calibrate import calibrate  # noqa: E402
 from accounting.evr import calibrate_minsep, estimate_delta, task_map  # noqa: E402
 from accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
 from accounting.monte_carlo import (MinSepProcess, _direct_log_weight, _recursion_log, hockey_stick,  # noqa: E402
-                                    sample_log_ratios)
+                                    log_likelihood_ratio, sample_log_ratios)
 from accounting.strategies import sqrt_coefficients  # noqa: E402
 
 SAMPLES = 8192
@@ -62,12 +62,30 @@ def reference_python() -> str:
     return python
 
 
-def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon: float) -> dict:
+def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon: float, *keep: str) -> dict:
     coefficients = json.dumps(list(sqrt_coefficients(min_sep)))
     out = subprocess.run([reference_python(), os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
-                          str(steps), str(min_sep), "0.01", str(samples), coefficients, str(sigma), str(epsilon)],
-                         check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          str(steps), str(min_sep), "0.01", str(samples), coefficients, str(sigma), str(epsilon),
+                          *keep], check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def published_recursion(outputs: np.ndarray, coefficients: np.ndarray, sampling_prob: float, sigma: float,
+                        tail_norms_reversed: bool) -> np.ndarray:
+    """jax_privacy 2.0.0's b-min-sep privacy loss (the paper's recursion in log space, b = len(coefficients)),
+    restated here to locate where it departs from ours: it gives the last b - 1 steps their partial norms
+    ||c_i||^2 in reverse order (`tail_norms_reversed`)."""
+    steps, bands = outputs.shape[0], len(coefficients)
+    padded = np.vstack([outputs, np.zeros((bands, outputs.shape[1]))])
+    dots = sum(c * padded[lag:lag + steps] for lag, c in enumerate(coefficients))
+    partial = np.cumsum(coefficients ** 2)[:-1]
+    norms = np.full(steps, float(np.sum(coefficients ** 2)))
+    norms[steps - bands + 1:] = partial if tail_norms_reversed else partial[::-1]
+    log_f = np.zeros((steps + bands, outputs.shape[1]))
+    for i in range(steps - 1, -1, -1):
+        log_f[i] = np.logaddexp(np.log1p(-sampling_prob) + log_f[i + 1],
+                                np.log(sampling_prob) + (2 * dots[i] - norms[i]) / (2 * sigma ** 2) + log_f[i + bands])
+    return log_f[0]
 
 
 def kernel_timings(with_reference: bool) -> None:
@@ -104,17 +122,28 @@ def estimates_agree(with_reference: bool) -> None:
     """Our delta estimate and jax_privacy's at the same point, each with its standard error."""
     if not with_reference:
         return
-    steps, min_sep, sigma, epsilon, samples = 1000, 8, 0.5, 3.0, 65_536
+    steps, min_sep, sigma, epsilon, samples = 1000, 8, 0.5, 3.0, 262_144
     process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
-    ours = [hockey_stick(row, epsilon, under) for row, under in zip(sample_log_ratios(process, sigma, samples, 7),
-                                                                    ("P", "Q"))]
-    theirs = reference_run(steps, min_sep, samples, sigma, epsilon)["delta"]
-    print(f"\n  delta({epsilon}) at T = {steps}, b = {min_sep}, sigma = {sigma}, {samples} samples per direction:")
+    ratios = np.concatenate([sample_log_ratios(process, sigma, samples, seed) for seed in range(3)], axis=1)
+    ours = [hockey_stick(row, epsilon, under) for row, under in zip(ratios, ("P", "Q"))]
+    with tempfile.TemporaryDirectory() as directory:
+        kept = os.path.join(directory, "outputs.npz")
+        theirs = reference_run(steps, min_sep, samples, sigma, epsilon, kept)["delta"]
+        with np.load(kept) as saved:
+            outputs, their_losses = saved["outputs"], saved["losses"]
+    print(f"\n  delta({epsilon}) at T = {steps}, b = {min_sep}, sigma = {sigma}, 3 x {samples} samples per direction:")
     for (mean, error), under in zip(ours, ("P", "Q")):
         their_mean, their_error = theirs[under]
         gap = abs(mean - their_mean) / max(np.hypot(error, their_error), 1e-300)
         print(f"    {under}: ours {mean:.5f} +- {error:.5f}, jax_privacy {their_mean:.5f} +- {their_error:.5f} "
               f"({gap:.1f} standard errors apart)")
+    mine = log_likelihood_ratio(process, sigma, outputs)
+    coefficients = np.asarray(process.coefficients)
+    print(f"  log P/Q at jax_privacy's first 2048 outputs under P: ours minus theirs up to "
+          f"{np.abs(mine - their_losses).max():.3g}; their recursion restated here gives theirs to "
+          f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, True) - their_losses).max():.1g}, and with "
+          f"the last b - 1 steps' partial norms in order gives ours to "
+          f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, False) - mine).max():.1g}")
 
 
 def worker_scaling() -> None:

@@ -1,10 +1,11 @@
 """Times jax_privacy's Monte Carlo privacy-loss sampler for b-min-sep BandMF; run by benchmarks/accounting.py
 in its own environment (jax_privacy 2.0.0 and its pinned dependencies), so it imports nothing of madp.
 
-    python jax_privacy_monte_carlo.py STEPS MIN_SEP SAMPLING_PROB SAMPLES COEFFICIENTS_JSON SIGMA EPSILON
+    python jax_privacy_monte_carlo.py STEPS MIN_SEP SAMPLING_PROB SAMPLES COEFFICIENTS_JSON SIGMA EPSILON [NPZ]
 
-prints one JSON object: microseconds per sample in each direction (best of 3, one thread) and each
-direction's hockey-stick estimate of delta(EPSILON) with its standard error (from the first run).
+prints one JSON object: microseconds per sample in each direction (best of 3 runs, one thread) and each
+direction's hockey-stick estimate of delta(EPSILON) with its standard error (from all 3 runs). With NPZ,
+it also saves the first 2048 outputs drawn under P and jax_privacy's privacy losses at them.
 """
 from __future__ import annotations
 
@@ -29,16 +30,21 @@ def main() -> None:
     strategy = batch_selection.BMinSepSampling(sampling_prob, steps, min_sep, warm_start=False)
     timings, deltas = {}, {}
     for direction, positive in (("P", True), ("Q", False)):
-        runs = []
+        runs, terms = [], []
         for seed in range(3):
             started = time.perf_counter()
             losses, _ = sample_generation.get_privacy_loss_sample(strategy, sigma, coefficients, seed=seed,
                                                                   positive_sample=positive, num_samples=samples)
             runs.append((time.perf_counter() - started) / samples * 1e6)
-            if seed == 0:  # losses are log P/Q under P and log Q/P under Q: delta = E[(1 - e^(eps - loss))_+]
-                terms = np.clip(-np.expm1(epsilon - np.asarray(losses)), 0.0, None)
-                deltas[direction] = (float(terms.mean()), float(terms.std(ddof=1) / np.sqrt(samples)))
+            if len(sys.argv) > 8 and positive and seed == 0:
+                kept_losses, kept_outputs = sample_generation.get_privacy_loss_sample(
+                    strategy, sigma, coefficients, seed=seed, positive_sample=True, num_samples=2048)
+                np.savez(sys.argv[8], outputs=kept_outputs, losses=kept_losses)
+            # losses are log P/Q under P and log Q/P under Q: delta = E[(1 - e^(eps - loss))_+]
+            terms.append(np.clip(-np.expm1(epsilon - np.asarray(losses)), 0.0, None))
         timings[direction] = min(runs)
+        terms = np.concatenate(terms)
+        deltas[direction] = (float(terms.mean()), float(terms.std(ddof=1) / np.sqrt(len(terms))))
     print(json.dumps({"version": jax_privacy.__version__, "us_per_sample": timings, "delta": deltas}))
 
 
