@@ -37,7 +37,7 @@ FAILURE_SHARE = 0.02   # q = 2% of the target delta; delta* = (delta - q) / (1 -
 RUNG_STEPS = tuple(0.01 * 2 ** j for j in range(6))
 CHUNK = 8192           # samples per task: the unit of parallelism, of seeding and of a test's stopping times
 # The estimate places the ladder: delta* / 2 on ESTIMATE_SAMPLES / delta* samples (at least
-# ESTIMATE_MIN_SAMPLES), whose error moves sigma by about 1.5%.
+# ESTIMATE_MIN_SAMPLES), whose error moves sigma by about 1%.
 ESTIMATE_TARGET = 0.5
 ESTIMATE_SAMPLES = 8
 ESTIMATE_MIN_SAMPLES = 65_536
@@ -159,7 +159,8 @@ def chunk_seed(tag: tuple[int, ...], chunk: int) -> int:
 
 
 def stream_chunks(process: MinSepProcess, sigma: float, epsilon: float, samples: int, tag: tuple[int, ...],
-                  mapper: ChunkMap, bound: float | None = None, directions: Callable[[], tuple[str, ...]] = None):
+                  mapper: ChunkMap, bound: float | None = None,
+                  directions: Callable[[], tuple[str, ...]] | None = None):
     """Yield (samples so far, statistics) chunk by chunk in seed order, mapping `mapper.wave` chunks at a time;
     `directions()` says which directions the next wave still needs. Chunk c of `tag` is the same whatever
     the mapper, so where a caller stops does not depend on it."""
@@ -193,14 +194,14 @@ def _estimate_passes(process: MinSepProcess, sigma: float, epsilon: float, sampl
                      mapper: ChunkMap, target: float, early: bool = True) -> tuple[bool, float | None]:
     """Whether delta(epsilon) <= target by the estimate, stopping as soon as three standard errors (plus
     1 / samples, for when no term was seen yet) decide (if `early`); with the full-sample estimate when
-    it did not stop.
-    Only the ladder's place rests on this, never the guarantee."""
+    it did not stop. Only the ladder's place rests on this, never the guarantee."""
     sums = {under: np.zeros(2) for under in DIRECTIONS}
     for done, statistics in stream_chunks(process, sigma, epsilon, samples, tag, mapper):
         for under, values in statistics.items():
             sums[under] += values[:2]
         means = {under: total[0] / done for under, total in sums.items()}
-        errors = {under: math.sqrt(max(total[1] / done - means[under] ** 2, 0.0) / done) for under, total in sums.items()}
+        errors = {under: math.sqrt(max(total[1] / done - means[under] ** 2, 0.0) / done)
+                  for under, total in sums.items()}
         if not early or done == samples:
             continue
         above = any(means[u] - 3 * errors[u] > target for u in DIRECTIONS)
@@ -253,12 +254,12 @@ def _estimate(estimate_passes, fallback: float, low: float, target: float, sampl
     """(value where delta(value) ~ target, d log value / d log delta there), larger values being more private.
 
     `estimate_passes(value, target, samples, early=True)` -> (delta <= target, full-sample estimate, or
-    None when it stopped early), with common random numbers (the same seeded chunks at every value). With enough samples the value is
-    first found for COARSENING x the target on 1/COARSENING of the samples (recursively), then stepped
-    to the target along the slope found there and interpolated log-log from one (rarely two)
-    full-sample estimates. Otherwise the target is bracketed between `low` (lowered 8x at a time while
-    it still passes) and `fallback`, bisected geometrically, and interpolated log-log once two
-    full-sample estimates straddle it.
+    None when it stopped early), with common random numbers (the same seeded chunks at every value).
+    With enough samples the value is first found for COARSENING x the target on 1/COARSENING of the
+    samples (recursively), then stepped to the target along the slope found there and interpolated
+    log-log from one (rarely two) full-sample estimates. Otherwise the target is bracketed between
+    `low` (lowered 8x at a time while it still passes) and `fallback`, bisected geometrically, and
+    interpolated log-log once two full-sample estimates straddle it.
     """
     if samples // COARSENING >= 4 * CHUNK and COARSENING * target <= 0.1:
         coarse, slope = _estimate(estimate_passes, fallback, low, COARSENING * target, samples // COARSENING)

@@ -66,7 +66,8 @@ def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon:
     coefficients = json.dumps(list(sqrt_coefficients(min_sep)))
     out = subprocess.run([reference_python(), os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
                           str(steps), str(min_sep), "0.01", str(samples), coefficients, str(sigma), str(epsilon),
-                          *keep], check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          *keep], check=True, capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -89,8 +90,8 @@ def published_recursion(outputs: np.ndarray, coefficients: np.ndarray, sampling_
 
 
 def kernel_timings(with_reference: bool) -> None:
-    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 5 (ours) or 3 x "
-          f"{SAMPLES} samples; 'per sample' is one sample of one direction:")
+    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 5 (ours) "
+          f"or 3 x {SAMPLES} samples; 'per sample' is one sample of one direction:")
     for steps, min_sep in ((1000, 8), (2000, 16)):
         process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
         runs = []
@@ -176,7 +177,7 @@ def minsep_calibrations() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Accounting benchmark: DP-SGD calibration and b-min-sep Monte Carlo")
     parser.add_argument("--skip-reference", action="store_true", help="do not run jax_privacy")
     parser.add_argument("--skip-calibrations", action="store_true", help="skip the two bandmf-minsep calibrations")
     args = parser.parse_args()
