@@ -1,3 +1,3 @@
 """Privacy accounting: mechanisms as small immutable descriptions (`mechanisms`), PLD calibration
 (`calibrate`), strategy matrices (`strategies`), and Monte Carlo accounting of BandMF with b-min-sep
-sampling with estimate-verify-release (`monte_carlo`, `evr`)."""
+sampling with estimate-verify-release (`monte_carlo`, `evr`, its sequential tests in `betting`)."""
