@@ -183,11 +183,7 @@ def stream_chunks(process: MinSepProcess, sigma: float, epsilon: float, samples:
 def estimate_delta(process: MinSepProcess, sigma: float, epsilon: float, samples: int, tag: tuple[int, ...],
                    mapper: ChunkMap) -> float:
     """Monte Carlo delta(epsilon) on `samples` samples, the larger of both directions."""
-    sums = dict.fromkeys(DIRECTIONS, 0.0)
-    for _, statistics in stream_chunks(process, sigma, epsilon, samples, tag, mapper):
-        for under, values in statistics.items():
-            sums[under] += values[0]
-    return max(sums.values()) / samples
+    return _estimate_passes(process, sigma, epsilon, samples, tag, mapper, 1.0, early=False)[1]
 
 
 def _estimate_passes(process: MinSepProcess, sigma: float, epsilon: float, samples: int, tag: tuple[int, ...],
