@@ -17,7 +17,7 @@ setup(
         "numpy>=2.0",
         "pyarrow>=15",
         "scipy>=1.11",
-        "threadpoolctl>=3",  # one BLAS thread in the Monte Carlo kernels, which run one process per core
+        "numba>=0.68",  # the compiled Monte Carlo kernels
         "google-crc32c>=1.5",  # TFRecord checksums
         "protobuf>=4",  # reading tf.train.Example in the batch verifier
     ],

@@ -1,4 +1,5 @@
-"""Monte Carlo kernels for b-min-sep BandMF against enumeration and against the PLD of Poisson DP-SGD."""
+"""Monte Carlo kernels for b-min-sep BandMF against enumeration, a log-space reference on the randomness
+they drew, and the PLD of Poisson DP-SGD."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from accounting import monte_carlo
-from accounting.monte_carlo import MinSepProcess, hockey_stick, log_likelihood_ratio, sample_log_ratios
+from accounting.monte_carlo import (MinSepProcess, hockey_stick, log_likelihood_ratio, sample_log_ratios,
+                                    sampled_noise, sampled_participations)
 
 
 def enumerated_log_ratio(process: MinSepProcess, sigma: float, y: np.ndarray) -> float:
@@ -41,8 +42,7 @@ def test_recursion_equals_enumeration(steps, min_sep, bands, k):
     process = MinSepProcess(steps, min_sep, 0.3, k, tuple(rng.uniform(0.2, 1.0, bands)))
     outputs = rng.normal(0.0, 1.2, (steps, 4))
     expected = [enumerated_log_ratio(process, 0.9, outputs[:, s]) for s in range(4)]
-    # float32 exponentials: exact to ~1e-7 relative per weight (see monte_carlo._SINGLE_PRECISION_SHIFT)
-    np.testing.assert_allclose(log_likelihood_ratio(process, 0.9, outputs), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(log_likelihood_ratio(process, 0.9, outputs), expected, rtol=1e-9, atol=1e-9)
 
 
 def log_space_reference(process: MinSepProcess, sigma: float, outputs: np.ndarray) -> np.ndarray:
@@ -60,26 +60,43 @@ def log_space_reference(process: MinSepProcess, sigma: float, outputs: np.ndarra
     return log_f[0]
 
 
-@pytest.mark.parametrize("steps, min_sep, bands, k, p, sigma", [
-    (400, 6, 4, 2, 0.05, 0.6),     # float32 weights
-    (300, 4, 4, 1, 0.01, 0.08),    # block maxima above 40: float64 weights
+CASES = [
+    (400, 6, 4, 2, 0.05, 0.6),     # linear space
+    (300, 4, 4, 1, 0.01, 0.175),   # a quarter of the samples' dots above the linear path's limit: log space
+    (300, 4, 4, 1, 0.01, 0.08),    # log space (sampled: Q's dots straddle the limit)
     (250, 3, 3, 1, 1.0, 0.3),      # s = 0: the log-space path
-    (201, 4, 2, 2, 0.7, 0.03),     # extreme weights, s = 0.09, T not a multiple of b
-    (131, 1, 1, 1, 0.2, 1.0)])     # b = 1, T not a multiple of the tile
-def test_blocked_kernel_equals_the_log_space_recursion(steps, min_sep, bands, k, p, sigma):
+    (201, 4, 2, 2, 0.7, 0.03),     # extreme weights, s = 0.09
+    (131, 1, 1, 1, 0.2, 1.0)]      # b = 1
+
+
+@pytest.mark.parametrize("steps, min_sep, bands, k, p, sigma", CASES)
+def test_kernel_equals_the_log_space_recursion(steps, min_sep, bands, k, p, sigma):
     process = MinSepProcess(steps, min_sep, p, k, tuple(np.linspace(1.0, 0.3, bands)))
     outputs = np.random.default_rng(1).normal(0.0, sigma, (steps, 2500)) + 0.3
     np.testing.assert_allclose(log_likelihood_ratio(process, sigma, outputs),
-                               log_space_reference(process, sigma, outputs), rtol=1e-6, atol=1e-6)
+                               log_space_reference(process, sigma, outputs), rtol=1e-9, atol=1e-9)
 
 
-def test_log_space_path_redraws_the_same_outputs(monkeypatch):
-    """Tiles are drawn from generators keyed by (seed, block, tile): the log-space path, which asks for
-    every tile again, sees the outputs the blocked kernel saw."""
-    process = MinSepProcess(90, 4, 0.1, 2, (0.9, 0.5))
-    blocked = sample_log_ratios(process, 0.8, 3000, seed=3)
-    monkeypatch.setattr(monte_carlo, "_LINEAR_SPAN", -1.0)
-    np.testing.assert_allclose(sample_log_ratios(process, 0.8, 3000, seed=3), blocked, rtol=1e-6, atol=1e-6)
+def strategy_times(process: MinSepProcess, participations: tuple[np.ndarray, ...], samples: int) -> np.ndarray:
+    """C x (T x samples) of the participations (step, sample, records)."""
+    shifted = np.zeros((process.steps + len(process.coefficients), samples))
+    for step, sample, records in zip(*participations):
+        shifted[step:step + len(process.coefficients), sample] += records * np.asarray(process.coefficients)
+    return shifted[:process.steps]
+
+
+@pytest.mark.parametrize("steps, min_sep, bands, k, p, sigma", CASES)
+def test_sampled_ratios_are_the_log_space_recursion_at_the_drawn_outputs(steps, min_sep, bands, k, p, sigma):
+    """The fused sampler equals the reference at the outputs it drew: sigma z under Q, C x + sigma z under P."""
+    process = MinSepProcess(steps, min_sep, p, k, tuple(np.linspace(1.0, 0.3, bands)))
+    samples, seed = 600, 11
+    noise = sigma * sampled_noise(process, samples, seed)
+    participations = sampled_participations(process, samples, seed)
+    assert len(participations[0]) > 0
+    under_p, under_q = sample_log_ratios(process, sigma, samples, seed)
+    np.testing.assert_allclose(under_q, log_space_reference(process, sigma, noise), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(under_p, log_space_reference(process, sigma, noise + strategy_times(
+        process, participations, samples)), rtol=1e-9, atol=1e-9)
 
 
 def test_samples_are_reproducible_from_the_seed():
@@ -88,6 +105,7 @@ def test_samples_are_reproducible_from_the_seed():
     assert first.shape == (2, 3000)
     assert np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=5))
     assert not np.array_equal(first, sample_log_ratios(process, 1.0, 3000, seed=6))
+    assert np.array_equal(sample_log_ratios(process, 1.0, 1000, seed=5), first[:, :1000])  # sample n: stream n
 
 
 def test_directions_share_the_noise_and_do_not_depend_on_each_other():
@@ -97,9 +115,9 @@ def test_directions_share_the_noise_and_do_not_depend_on_each_other():
     both = sample_log_ratios(process, 0.7, 2500, seed=8)
     assert np.array_equal(sample_log_ratios(process, 0.7, 2500, seed=8, directions=("P",))[0], both[0])
     assert np.array_equal(sample_log_ratios(process, 0.7, 2500, seed=8, directions=("Q",))[0], both[1])
-    steps, ids, _ = monte_carlo.sample_participations(process, 1024, monte_carlo._generator([8, 0], 0))
-    silent = np.setdiff1d(np.arange(1024), ids)  # the first block's samples that never participate
-    assert 0 < len(silent) < 1024
+    _, ids, _ = sampled_participations(process, 2500, seed=8)
+    silent = np.setdiff1d(np.arange(2500), ids)  # the samples that never participate
+    assert 0 < len(silent) < 2500
     np.testing.assert_array_equal(both[0, silent], both[1, silent])
     assert not np.allclose(both[0, ids], both[1, ids])
     with pytest.raises(ValueError, match="directions"):
@@ -123,10 +141,9 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
 
 def test_waiting_time_sampler_matches_a_step_by_step_simulation():
     """Participations per sample, records per participation and gaps, against the rule applied step by step."""
-    from accounting.monte_carlo import sample_participations
     samples = 300_000
     process = MinSepProcess(60, 5, 0.08, 3, (1.0,))
-    steps, sample_ids, counts = sample_participations(process, samples, np.random.default_rng(3))
+    steps, sample_ids, counts = sampled_participations(process, samples, seed=3)
     per_sample = np.bincount(sample_ids, minlength=samples)
     order = np.lexsort((steps, sample_ids))
     same = sample_ids[order][1:] == sample_ids[order][:-1]
