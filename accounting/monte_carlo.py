@@ -59,6 +59,7 @@ class MinSepProcess:
 class _Kernel(NamedTuple):
     """What the compiled kernels need of (process, sigma), in the recursion's terms."""
     coefficients: np.ndarray  # c_0..c_(bands-1)
+    overlaps: np.ndarray      # [delta + bands - 1] = sum_m c_m c_(m - delta), |delta| < bands
     inv_sigma: float
     min_sep: int
     stay: float               # s = Binom(0)
@@ -82,7 +83,8 @@ def _kernel(process: MinSepProcess, noise_multiplier: float) -> _Kernel:
     taking = np.exp(log_probs[1:])
     count_cdf = np.cumsum(taking) / taking.sum()
     count_cdf[-1] = 1.0  # uniforms are < 1: never more than k_u records
-    return _Kernel(coefficients, 1.0 / noise_multiplier, process.min_sep, float(np.exp(log_probs[0])),
+    return _Kernel(coefficients, np.correlate(coefficients, coefficients, "full"), 1.0 / noise_multiplier,
+                   process.min_sep, float(np.exp(log_probs[0])),
                    float(log_probs[0]), np.exp(log_table), log_table, count_cdf,
                    bool(process.min_sep * -log_probs[0] <= _LINEAR_SPAN))
 
@@ -90,37 +92,40 @@ def _kernel(process: MinSepProcess, noise_multiplier: float) -> _Kernel:
 # The linear-space recursion rescales f every _CHECK_STEPS steps when it left [1 / _RESCALE_ABOVE,
 # _RESCALE_ABOVE]. It runs when b log(1/s) <= _LINEAR_SPAN and k_u max_i d_i <= _LINEAR_EXPONENT
 # (d_i = <c_i, y> / sigma^2): then f_i / f_(i+1) = s + W_i f_(i+b) / f_(i+1) <= 1 + e^(50 + 20), so in
-# 8 steps f stays below 1e30 e^560 < 1e274, and terms dropped by underflow are below 1e-250 of those kept.
+# 8 steps f stays below 1e30 e^560 < 1e274; f stays above 1e-30 s^8 >= 1e-100, so a term lost to underflow
+# (W_i f_(i+b) < e^50 2.2e-308) is below 1e-170 of the term s f_(i+1) kept beside it.
 # Otherwise the sample's direction takes the log-space recursion (in practice: sigma < ~0.2, or p ~ 1).
 _CHECK_STEPS = 8
 _RESCALE_ABOVE = 1e30
 _LINEAR_SPAN = 20.0
 _LINEAR_EXPONENT = 50.0
-# exp(x) = 2^k e^r, k = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^12 (error < 1e-15):
-# unlike libm's exp, this loop vectorizes.
+# exp(x) = 2^k e^r, k = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor series to r^11 (relative
+# error < 1e-14): unlike libm's exp, this loop vectorizes.
 _LOG2_E = 1.4426950408889634
 _LN2_HIGH = 0.6931471803691238  # ln 2 in two parts, so k ln 2 is exact to 2^-80 for |k| < 1100
 _LN2_LOW = 1.9082149292705877e-10
-_TAYLOR = tuple(1.0 / math.factorial(j) for j in range(12, -1, -1))
+_TAYLOR = tuple(1.0 / math.factorial(j) for j in range(11, -1, -1))
 
 
 @njit(cache=True, fastmath={"contract"})
 def _dots(z, kernel, d):
     """d_i = <c_i, y_i..y_(i+bands-1)> / sigma^2 from z = y / sigma (z zero past the horizon)."""
     steps = d.shape[0]
-    d[:] = 0.0
-    for lag in range(kernel.coefficients.shape[0]):
+    first = kernel.coefficients[0] * kernel.inv_sigma
+    for i in range(steps):
+        d[i] = first * z[i]
+    for lag in range(1, kernel.coefficients.shape[0]):
         band = kernel.coefficients[lag] * kernel.inv_sigma
         for i in range(steps):
             d[i] += band * z[i + lag]
 
 
 @njit(cache=True, fastmath={"contract"})
-def _weights(d, first, end, kernel, bits, out):
-    """W_i = sum_j Binom(j) e^(j d_i - j^2 h_i) for first <= i < end (d_i <= _LINEAR_EXPONENT / k_u):
+def _weights(d, kernel, bits, out):
+    """W_i = sum_j Binom(j) e^(j d_i - j^2 h_i) (every d_i <= _LINEAR_EXPONENT / k_u):
     e^(d_i) by the vectorizable exp above, then Horner's rule in it."""
     powers = bits.view(np.float64)
-    for i in range(first, end):
+    for i in range(d.shape[0]):
         x = max(d[i], -700.0)  # e^-700 instead of less: negligible next to s f_(i+1)
         k = math.floor(x * _LOG2_E + 0.5)
         r = (x - k * _LN2_HIGH) - k * _LN2_LOW
@@ -131,7 +136,7 @@ def _weights(d, first, end, kernel, bits, out):
         out[i] = series
     table = kernel.weight_table
     top = table.shape[0] - 1
-    for i in range(first, end):
+    for i in range(d.shape[0]):
         exponential = out[i] * powers[i]
         weight = table[top, i]
         for count in range(top - 1, -1, -1):
@@ -140,23 +145,31 @@ def _weights(d, first, end, kernel, bits, out):
 
 
 @njit(cache=True, fastmath={"contract"})
-def _log_f_linear(w, kernel, f):
-    """log f_0 of f_i = s f_(i+1) + W_i f_(i+b), f_i = 1 past the horizon, in linear space."""
-    steps, gap = w.shape[0], kernel.min_sep
-    f[steps:steps + gap] = 1.0
-    log_scale, current, i = 0.0, 1.0, steps - 1
+def _log_f_linear(w_a, w_b, kernel, f_a, f_b):
+    """log f_0 of f_i = s f_(i+1) + W_i f_(i+b), f_i = 1 past the horizon, in linear space, for two weight
+    sequences side by side: each step waits on the one before, so two chains cost about what one does."""
+    steps, gap = w_a.shape[0], kernel.min_sep
+    f_a[steps:steps + gap] = 1.0
+    f_b[steps:steps + gap] = 1.0
+    log_scale_a = log_scale_b = 0.0
+    current_a = current_b = 1.0
+    i = steps - 1
     while i >= 0:
         stop = max(i - _CHECK_STEPS, -1)
         for j in range(i, stop, -1):
-            current = kernel.stay * current + w[j] * f[j + gap]
-            f[j] = current
+            current_a = kernel.stay * current_a + w_a[j] * f_a[j + gap]
+            current_b = kernel.stay * current_b + w_b[j] * f_b[j + gap]
+            f_a[j] = current_a
+            f_b[j] = current_b
         i = stop
-        if current > _RESCALE_ABOVE or current < 1.0 / _RESCALE_ABOVE:
+        if not 1.0 / _RESCALE_ABOVE <= min(current_a, current_b) <= max(current_a, current_b) <= _RESCALE_ABOVE:
             for j in range(i + 1, i + 1 + gap):  # the f that later steps read
-                f[j] /= current
-            log_scale += math.log(current)
-            current = 1.0
-    return math.log(current) + log_scale
+                f_a[j] /= current_a
+                f_b[j] /= current_b
+            log_scale_a += math.log(current_a)
+            log_scale_b += math.log(current_b)
+            current_a = current_b = 1.0
+    return math.log(current_a) + log_scale_a, math.log(current_b) + log_scale_b
 
 
 @njit(cache=True)
@@ -173,13 +186,28 @@ def _log_f_log_space(d, kernel, log_f):
     return log_f[0]
 
 
+@njit(inline="always", cache=True)
+def _linear_holds(d, kernel):
+    return kernel.linear and kernel.weight_table.shape[0] * d.max() <= _LINEAR_EXPONENT
+
+
 @njit(cache=True)
-def _log_f(d, kernel, weights, bits, f):
-    """log f_0 from the dots d, in linear space where it is exact, else in log space."""
-    if kernel.linear and kernel.weight_table.shape[0] * d.max() <= _LINEAR_EXPONENT:
-        _weights(d, 0, d.shape[0], kernel, bits, weights)
-        return _log_f_linear(weights, kernel, f)
-    return _log_f_log_space(d, kernel, f)
+def _log_f_rows(d, wanted, kernel, weights, bits, f, out):
+    """out[row] = log f_0 from the dots d[row] for each `wanted` row (P, Q): in linear space where that is
+    exact, the two rows side by side, else in log space."""
+    linear = (wanted[0] and _linear_holds(d[0], kernel), wanted[1] and _linear_holds(d[1], kernel))
+    for row in range(2):
+        if linear[row]:
+            _weights(d[row], kernel, bits, weights[row])
+        elif wanted[row]:
+            out[row] = _log_f_log_space(d[row], kernel, f[row])
+    if linear[0] or linear[1]:
+        first, second = _log_f_linear(weights[0 if linear[0] else 1], weights[1 if linear[1] else 0], kernel,
+                                      f[0], f[1])  # a lone linear row runs twice, at no extra cost
+        if linear[0]:
+            out[0] = first
+        if linear[1]:
+            out[1] = second
 
 
 @njit(cache=True)
@@ -197,14 +225,19 @@ def _participations(state, kernel, steps, starts, counts):
     return taken
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath={"contract"})
 def _add_participation(start, count, kernel, d):
     """Add to the dots d what `count` records at step `start` add: C x / sigma in the outputs over sigma
-    (rows start..start + bands - 1, before the horizon) moves d_i by <c_i, C x> / sigma^2."""
+    (rows start..start + bands - 1, before the horizon) moves d_(start + delta) by count / sigma^2 times
+    sum_m c_m c_(m - delta), the bands' autocorrelation, or its truncation at the horizon."""
     bands, steps = kernel.coefficients.shape[0], d.shape[0]
-    c = kernel.coefficients
     scale = count * kernel.inv_sigma ** 2
-    for i in range(max(0, start - bands + 1), min(steps, start + bands)):
+    if start + bands <= steps:
+        for i in range(max(0, start - bands + 1), start + bands):
+            d[i] += scale * kernel.overlaps[i - start + bands - 1]
+        return
+    c = kernel.coefficients
+    for i in range(max(0, start - bands + 1), steps):
         extra = 0.0
         for row in range(max(start, i), min(start + bands, i + bands, steps)):
             extra += c[row - i] * c[row - start]
@@ -219,22 +252,21 @@ def _sample_log_ratios(kernel, seed, samples, steps, with_p, with_q):
     """[log P/Q under P, under Q] of samples 0..samples - 1 (NaN in a direction not drawn)."""
     ratios = np.full((2, samples), np.nan)
     z = np.zeros(steps + kernel.coefficients.shape[0])  # Q's outputs over sigma, zero past the horizon
-    d_q, d_p, weights = np.empty(steps), np.empty(steps), np.empty(steps)
-    bits, f = np.empty(steps, np.int64), np.empty(steps + kernel.min_sep)
+    dots, weights = np.empty((2, steps)), np.empty((2, steps))  # rows: P, Q
+    bits, f = np.empty(steps, np.int64), np.empty((2, steps + kernel.min_sep))
     starts, counts = np.empty(steps, np.int64), np.empty(steps, np.int64)
+    wanted = np.array([with_p, with_q])
     state = np.empty(4, np.uint64)
     for sample in range(samples):
         seed_stream(state, seed, sample, _NOISE)
         fill_standard_normals(z[:steps], state)
-        _dots(z, kernel, d_q)
-        if with_q:
-            ratios[1, sample] = _log_f(d_q, kernel, weights, bits, f)
+        _dots(z, kernel, dots[1])
         if with_p:
             seed_stream(state, seed, sample, _PARTICIPATIONS)
-            d_p[:] = d_q
+            dots[0] = dots[1]
             for m in range(_participations(state, kernel, steps, starts, counts)):
-                _add_participation(starts[m], counts[m], kernel, d_p)
-            ratios[0, sample] = _log_f(d_p, kernel, weights, bits, f)
+                _add_participation(starts[m], counts[m], kernel, dots[0])
+        _log_f_rows(dots, wanted, kernel, weights, bits, f, ratios[:, sample])
     return ratios
 
 
@@ -242,14 +274,15 @@ def _sample_log_ratios(kernel, seed, samples, steps, with_p, with_q):
 def _log_ratios_of_outputs(kernel, outputs_over_sigma):
     steps, samples = outputs_over_sigma.shape
     z = np.zeros(steps + kernel.coefficients.shape[0])
-    d, weights, bits = np.empty(steps), np.empty(steps), np.empty(steps, np.int64)
-    f = np.empty(steps + kernel.min_sep)
-    ratios = np.empty(samples)
+    dots, weights = np.empty((2, steps)), np.empty((2, steps))
+    bits, f = np.empty(steps, np.int64), np.empty((2, steps + kernel.min_sep))
+    wanted = np.array([True, False])
+    ratios = np.empty((2, samples))
     for sample in range(samples):
         z[:steps] = outputs_over_sigma[:, sample]
-        _dots(z, kernel, d)
-        ratios[sample] = _log_f(d, kernel, weights, bits, f)
-    return ratios
+        _dots(z, kernel, dots[0])
+        _log_f_rows(dots, wanted, kernel, weights, bits, f, ratios[:, sample])
+    return ratios[0]
 
 
 @njit(cache=True)
