@@ -90,12 +90,12 @@ def published_recursion(outputs: np.ndarray, coefficients: np.ndarray, sampling_
 
 
 def kernel_timings(with_reference: bool) -> None:
-    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 5 (ours) "
-          f"or 3 x {SAMPLES} samples; 'per sample' is one sample of one direction:")
+    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 10 runs (ours) "
+          f"or 3 (jax_privacy) of {SAMPLES} samples; 'per sample' is one sample of one direction:")
     for steps, min_sep in ((1000, 8), (2000, 16)):
         process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
         runs = []
-        for seed in range(5):
+        for seed in range(10):
             started = time.perf_counter()
             sample_log_ratios(process, 1.0, SAMPLES, seed)  # both directions, sharing the noise
             runs.append((time.perf_counter() - started) / SAMPLES * 1e6)
