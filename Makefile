@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,train,report]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -25,8 +25,16 @@ demo: $(STAMP)
 		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
 		      'report: $(DEMO)/report.html')"
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q tests
+
+# Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not beam and not tf and not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py

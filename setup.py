@@ -1,4 +1,5 @@
 """madp: user-level differential privacy for ML data whose records belong to several people."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -8,8 +9,18 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["madp", "madp.*", "beam_pipelines", "beam_pipelines.*",
-                                    "accounting", "accounting.*", "tf_training", "tf_training.*"]),
+    packages=find_packages(
+        include=[
+            "madp",
+            "madp.*",
+            "beam_pipelines",
+            "beam_pipelines.*",
+            "accounting",
+            "accounting.*",
+            "tf_training",
+            "tf_training.*",
+        ]
+    ),
     install_requires=[
         "apache-beam==2.77.*",
         "attrs<24",  # dp-accounting 0.6 needs it
@@ -23,6 +34,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        "lint": ["ruff==0.17.*"],
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*"],

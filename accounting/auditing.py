@@ -13,6 +13,7 @@ and its Appendix D procedure). The lower bound at confidence c is the largest ep
 p-value is still below 1 - c: a claim of that epsilon (or less) at that delta is refuted with
 confidence c.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,20 +67,20 @@ def guesses(scores: np.ndarray, included_guesses: int, excluded_guesses: int) ->
         raise InputError(f"{included_guesses} + {excluded_guesses} guesses exceed the {len(order)} canaries")
     result = np.zeros(len(order), dtype=np.int8)
     result[order[:included_guesses]] = 1
-    result[order[len(order) - excluded_guesses:]] = -1
+    result[order[len(order) - excluded_guesses :]] = -1
     return result
 
 
 @dataclasses.dataclass(frozen=True)
 class AuditResult:
     canaries: int
-    guesses: int              # r: the guess count that gave the best bound
-    correct: int              # v
+    guesses: int  # r: the guess count that gave the best bound
+    correct: int  # v
     epsilon_lower_bound: float
     confidence: float
     delta: float
     candidates: tuple[dict, ...]  # every guess plan tried, with its correct guesses and bound
-    measurable: float         # the bound had every guess been right: no larger epsilon can be refuted
+    measurable: float  # the bound had every guess been right: no larger epsilon can be refuted
 
 
 GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -109,10 +110,23 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     candidates = []
     for plus, minus in plans:
         v = int(np.sum(guesses(scores, plus, minus) == truth))
-        candidates.append({"included_guesses": plus, "excluded_guesses": minus, "correct": v,
-                           "epsilon_lower_bound": epsilon_lower_bound(m, plus + minus, v, delta, each)})
+        candidates.append(
+            {
+                "included_guesses": plus,
+                "excluded_guesses": minus,
+                "correct": v,
+                "epsilon_lower_bound": epsilon_lower_bound(m, plus + minus, v, delta, each),
+            }
+        )
     best = max(candidates, key=lambda c: c["epsilon_lower_bound"])
     measurable = max(epsilon_lower_bound(m, r, r, delta, each) for r in {plus + minus for plus, minus in plans})
-    return AuditResult(canaries=m, guesses=best["included_guesses"] + best["excluded_guesses"],
-                       correct=best["correct"], epsilon_lower_bound=best["epsilon_lower_bound"],
-                       confidence=confidence, delta=delta, candidates=tuple(candidates), measurable=measurable)
+    return AuditResult(
+        canaries=m,
+        guesses=best["included_guesses"] + best["excluded_guesses"],
+        correct=best["correct"],
+        epsilon_lower_bound=best["epsilon_lower_bound"],
+        confidence=confidence,
+        delta=delta,
+        candidates=tuple(candidates),
+        measurable=measurable,
+    )

@@ -9,6 +9,7 @@ grid) is one too, so the grid adapts the bet to the data at a cost of log(len(gr
 When the terms are mostly 0 and otherwise fractional, the wealth grows by about
 lambda (b - mean - Var/2) per term, faster than any fixed-sample Chernoff bound for Bernoulli terms.
 """
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 Privacy loss distributions (dp_accounting's PLD accountant) are discretized pessimistically, so
 every epsilon reported here is an upper bound of the true one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ DISCRETIZATION = 1e-3
 SIGMA_RANGE = (1e-2, 1e3)
 
 
-def epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float,
-            discretization: float = DISCRETIZATION) -> float:
+def epsilon(
+    mechanism: Mechanism, noise_multiplier: float, delta: float, discretization: float = DISCRETIZATION
+) -> float:
     """Epsilon of `mechanism` at `noise_multiplier` for `delta` (an upper bound)."""
     if not noise_multiplier > 0:
         raise InputError(f"--noise-multiplier must be > 0, got {noise_multiplier}")
@@ -36,14 +38,19 @@ def epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float,
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     noise_multiplier: float
-    epsilon: float          # achieved at noise_multiplier, <= the target
+    epsilon: float  # achieved at noise_multiplier, <= the target
     target_epsilon: float
     delta: float
     evaluations: int
 
 
-def calibrate(mechanism: Mechanism, target_epsilon: float, delta: float, relative_tolerance: float = 1e-3,
-              discretization: float = DISCRETIZATION) -> Calibration:
+def calibrate(
+    mechanism: Mechanism,
+    target_epsilon: float,
+    delta: float,
+    relative_tolerance: float = 1e-3,
+    discretization: float = DISCRETIZATION,
+) -> Calibration:
     """The smallest sigma (to `relative_tolerance`) whose epsilon is at most `target_epsilon`.
 
     Two bisections on sigma (epsilon decreases with sigma): on a 10x coarser PLD grid to 2%, whose
@@ -60,25 +67,43 @@ def calibrate(mechanism: Mechanism, target_epsilon: float, delta: float, relativ
             value = epsilon(mechanism, sigma, delta, grid)
             log.info("sigma %.6g -> epsilon %.6g (grid %g)", sigma, value, grid)
             return value
+
         return eps
 
-    coarse, _ = _smallest_sigma(on_grid(10 * discretization), target_epsilon, start=1.0, factor=2.0,
-                                tolerance=max(relative_tolerance, 0.02), name=mechanism.name, delta=delta)
-    sigma, achieved = _smallest_sigma(on_grid(discretization), target_epsilon, start=coarse, factor=1.1,
-                                      tolerance=relative_tolerance, name=mechanism.name, delta=delta)
+    coarse, _ = _smallest_sigma(
+        on_grid(10 * discretization),
+        target_epsilon,
+        start=1.0,
+        factor=2.0,
+        tolerance=max(relative_tolerance, 0.02),
+        name=mechanism.name,
+        delta=delta,
+    )
+    sigma, achieved = _smallest_sigma(
+        on_grid(discretization),
+        target_epsilon,
+        start=coarse,
+        factor=1.1,
+        tolerance=relative_tolerance,
+        name=mechanism.name,
+        delta=delta,
+    )
     return Calibration(sigma, achieved, target_epsilon, delta, evaluations)
 
 
-def _smallest_sigma(eps, target: float, start: float, factor: float, tolerance: float, name: str,
-                    delta: float) -> tuple[float, float]:
+def _smallest_sigma(
+    eps, target: float, start: float, factor: float, tolerance: float, name: str, delta: float
+) -> tuple[float, float]:
     """Bracket the target by steps of `factor` from `start`, then bisect on log sigma."""
     low = high = start
     high_eps = low_eps = eps(start)
     while high_eps > target:
         low, high = high, high * factor
         if high > SIGMA_RANGE[1]:
-            raise InputError(f"epsilon {target} is unreachable for {name}: sigma = {SIGMA_RANGE[1]:g} still "
-                             f"gives epsilon {high_eps:.4g} at delta {delta:g}")
+            raise InputError(
+                f"epsilon {target} is unreachable for {name}: sigma = {SIGMA_RANGE[1]:g} still "
+                f"gives epsilon {high_eps:.4g} at delta {delta:g}"
+            )
         high_eps = eps(high)
     while low_eps <= target:
         if low / factor < SIGMA_RANGE[0]:

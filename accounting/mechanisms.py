@@ -12,6 +12,7 @@
   Sec. 2.3) whose sensitivity is that sum at its largest.
 - `BandMfCyclic`: BandMF with cyclic Poisson sampling, for comparison (Sec. 3).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ def check_min_sep(min_sep: int, bands: int) -> None:
     if not isinstance(min_sep, int) or min_sep < 1:
         raise InputError(f"--min-sep must be an integer >= 1, got {min_sep}")
     if bands > min_sep:
-        raise InputError(f"--bands ({bands}) must not exceed --min-sep ({min_sep}): participations closer "
-                         f"than the bands overlap in C and these analyses do not hold")
+        raise InputError(
+            f"--bands ({bands}) must not exceed --min-sep ({min_sep}): participations closer "
+            f"than the bands overlap in C and these analyses do not hold"
+        )
 
 
 def check_contributions(max_contributions: int) -> None:
@@ -51,6 +54,7 @@ def check_contributions(max_contributions: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class DpSgd:
     """Example-level Poisson sampling, up to `max_contributions` records per user."""
+
     sampling_prob: float
     steps: int
     max_contributions: int = 1
@@ -65,14 +69,17 @@ class DpSgd:
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         k = self.max_contributions
         one_step = dp_event.MixtureOfGaussiansDpEvent(
-            standard_deviation=noise_multiplier, sensitivities=[float(j) for j in range(k + 1)],
-            sampling_probs=binom.pmf(range(k + 1), k, self.sampling_prob).tolist())
+            standard_deviation=noise_multiplier,
+            sensitivities=[float(j) for j in range(k + 1)],
+            sampling_probs=binom.pmf(range(k + 1), k, self.sampling_prob).tolist(),
+        )
         return dp_event.SelfComposedDpEvent(one_step, self.steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class DpSgdUls:
     """User-level Poisson sampling: each step samples users, one clipped gradient per user."""
+
     user_sampling_prob: float
     steps: int
 
@@ -90,6 +97,7 @@ class DpSgdUls:
 @dataclasses.dataclass(frozen=True)
 class BandMf:
     """Unamplified BandMF on (k, b)-min-sep batches with strategy bands `coefficients`."""
+
     steps: int
     min_sep: int
     max_participations: int
@@ -103,8 +111,10 @@ class BandMf:
         check_min_sep(self.min_sep, len(self.coefficients))
         most = 1 + (self.steps - 1) // self.min_sep
         if not isinstance(self.max_participations, int) or not 1 <= self.max_participations <= most:
-            raise InputError(f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
-                             f"min-sep {self.min_sep}, got {self.max_participations}")
+            raise InputError(
+                f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
+                f"min-sep {self.min_sep}, got {self.max_participations}"
+            )
         if not isinstance(self.records_per_step, int) or self.records_per_step < 1:
             raise InputError(f"--records-per-step must be an integer >= 1, got {self.records_per_step}")
 
@@ -133,6 +143,7 @@ class BandMfCyclic:
     ...: ceil(T / b) chances whose rows of C (at most b bands) do not overlap, so the mechanism is
     ceil(T / b) Poisson-subsampled Gaussians with sensitivity one column norm of C.
     """
+
     sampling_prob: float
     steps: int
     min_sep: int

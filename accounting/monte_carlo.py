@@ -14,6 +14,7 @@ at a time, fusing its draws (`accounting/random_streams.py`), its dots, its weig
 recursion, in linear space with rescaling where that is exact, else in log space.
 Estimate-verify-release (`accounting/evr.py`) turns these estimates into a formal guarantee.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ DIRECTIONS = ("P", "Q")
 @dataclasses.dataclass(frozen=True)
 class MinSepProcess:
     """One user's participation process: T steps, min-sep b, probability p, up to k_u records."""
+
     steps: int
     min_sep: int
     sampling_prob: float
@@ -46,9 +48,11 @@ class MinSepProcess:
         check_probability("--sampling-prob", self.sampling_prob)
         check_contributions(self.max_contributions)
         if min(self.coefficients, default=0.0) < 0:
-            raise InputError(f"b-min-sep amplification (Theorem 6.1 of the b-min-sep paper) needs a non-negative "
-                             f"strategy matrix C; these bands have negative entries {self.coefficients}: use "
-                             f"--strategy sqrt, or account without amplification")
+            raise InputError(
+                f"b-min-sep amplification (Theorem 6.1 of the b-min-sep paper) needs a non-negative "
+                f"strategy matrix C; these bands have negative entries {self.coefficients}: use "
+                f"--strategy sqrt, or account without amplification"
+            )
 
     @property
     def count_log_probs(self) -> np.ndarray:
@@ -58,16 +62,17 @@ class MinSepProcess:
 
 class _Kernel(NamedTuple):
     """What the compiled kernels need of (process, sigma), in the recursion's terms."""
+
     coefficients: np.ndarray  # c_0..c_(bands-1)
-    overlaps: np.ndarray      # [delta + bands - 1] = sum_m c_m c_(m - delta), |delta| < bands
+    overlaps: np.ndarray  # [delta + bands - 1] = sum_m c_m c_(m - delta), |delta| < bands
     inv_sigma: float
     min_sep: int
-    stay: float               # s = Binom(0)
+    stay: float  # s = Binom(0)
     log_stay: float
     weight_table: np.ndarray  # [j - 1, i] = Binom(j) e^(-j^2 h_i), h_i = ||c_i||^2 / (2 sigma^2)
     log_weight_table: np.ndarray
-    count_cdf: np.ndarray     # P(records <= j | records >= 1), j = 1..k_u
-    linear: bool              # whether s^b allows the linear-space recursion at all
+    count_cdf: np.ndarray  # P(records <= j | records >= 1), j = 1..k_u
+    linear: bool  # whether s^b allows the linear-space recursion at all
 
 
 def _kernel(process: MinSepProcess, noise_multiplier: float) -> _Kernel:
@@ -76,17 +81,25 @@ def _kernel(process: MinSepProcess, noise_multiplier: float) -> _Kernel:
     coefficients = np.asarray(process.coefficients, dtype=np.float64)
     steps = process.steps
     # ||c_i||^2 counts only the bands before the horizon
-    norms = np.cumsum(coefficients ** 2)[np.minimum(len(coefficients), steps - np.arange(steps)) - 1]
+    norms = np.cumsum(coefficients**2)[np.minimum(len(coefficients), steps - np.arange(steps)) - 1]
     counts = np.arange(1, process.max_contributions + 1)[:, None]
     log_probs = process.count_log_probs
-    log_table = log_probs[1:, None] - counts ** 2 * norms[None, :] / (2 * noise_multiplier ** 2)
+    log_table = log_probs[1:, None] - counts**2 * norms[None, :] / (2 * noise_multiplier**2)
     taking = np.exp(log_probs[1:])
     count_cdf = np.cumsum(taking) / taking.sum()
     count_cdf[-1] = 1.0  # uniforms are < 1: never more than k_u records
-    return _Kernel(coefficients, np.correlate(coefficients, coefficients, "full"), 1.0 / noise_multiplier,
-                   process.min_sep, float(np.exp(log_probs[0])),
-                   float(log_probs[0]), np.exp(log_table), log_table, count_cdf,
-                   bool(process.min_sep * -log_probs[0] <= _LINEAR_SPAN))
+    return _Kernel(
+        coefficients,
+        np.correlate(coefficients, coefficients, "full"),
+        1.0 / noise_multiplier,
+        process.min_sep,
+        float(np.exp(log_probs[0])),
+        float(log_probs[0]),
+        np.exp(log_table),
+        log_table,
+        count_cdf,
+        bool(process.min_sep * -log_probs[0] <= _LINEAR_SPAN),
+    )
 
 
 # The linear-space recursion rescales f every _CHECK_STEPS steps when it left [1 / _RESCALE_ABOVE,
@@ -149,8 +162,8 @@ def _log_f_linear(w_a, w_b, kernel, f_a, f_b):
     """log f_0 of f_i = s f_(i+1) + W_i f_(i+b), f_i = 1 past the horizon, in linear space, for two weight
     sequences side by side: each step waits on the one before, so two chains cost about what one does."""
     steps, gap = w_a.shape[0], kernel.min_sep
-    f_a[steps:steps + gap] = 1.0
-    f_b[steps:steps + gap] = 1.0
+    f_a[steps : steps + gap] = 1.0
+    f_b[steps : steps + gap] = 1.0
     log_scale_a = log_scale_b = 0.0
     current_a = current_b = 1.0
     i = steps - 1
@@ -176,7 +189,7 @@ def _log_f_linear(w_a, w_b, kernel, f_a, f_b):
 def _log_f_log_space(d, kernel, log_f):
     """The same recursion in log space, for weights or spans the linear one cannot hold."""
     steps, gap = d.shape[0], kernel.min_sep
-    log_f[steps:steps + gap] = 0.0
+    log_f[steps : steps + gap] = 0.0
     table = kernel.log_weight_table
     for i in range(steps - 1, -1, -1):
         log_weight = -math.inf
@@ -202,8 +215,9 @@ def _log_f_rows(d, wanted, kernel, weights, bits, f, out):
         elif wanted[row]:
             out[row] = _log_f_log_space(d[row], kernel, f[row])
     if linear[0] or linear[1]:
-        first, second = _log_f_linear(weights[0 if linear[0] else 1], weights[1 if linear[1] else 0], kernel,
-                                      f[0], f[1])  # a lone linear row runs twice, at no extra cost
+        first, second = _log_f_linear(
+            weights[0 if linear[0] else 1], weights[1 if linear[1] else 0], kernel, f[0], f[1]
+        )  # a lone linear row runs twice, at no extra cost
         if linear[0]:
             out[0] = first
         if linear[1]:
@@ -231,7 +245,7 @@ def _add_participation(start, count, kernel, d):
     (rows start..start + bands - 1, before the horizon) moves d_(start + delta) by count / sigma^2 times
     sum_m c_m c_(m - delta), the bands' autocorrelation, or its truncation at the horizon."""
     bands, steps = kernel.coefficients.shape[0], d.shape[0]
-    scale = count * kernel.inv_sigma ** 2
+    scale = count * kernel.inv_sigma**2
     if start + bands <= steps:
         for i in range(max(0, start - bands + 1), start + bands):
             d[i] += scale * kernel.overlaps[i - start + bands - 1]
@@ -319,8 +333,9 @@ def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, output
     return _log_ratios_of_outputs(_kernel(process, noise_multiplier), outputs / noise_multiplier)
 
 
-def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: int, seed: int,
-                      directions: tuple[str, ...] = DIRECTIONS) -> np.ndarray:
+def sample_log_ratios(
+    process: MinSepProcess, noise_multiplier: float, samples: int, seed: int, directions: tuple[str, ...] = DIRECTIONS
+) -> np.ndarray:
     """log P/Q at `samples` outputs drawn under each of `directions` ("P": y = C x + sigma z, "Q": y = sigma z),
     one row per direction; reproducible from `seed`.
 
@@ -331,8 +346,14 @@ def sample_log_ratios(process: MinSepProcess, noise_multiplier: float, samples: 
     """
     if not directions or not set(directions) <= set(DIRECTIONS):
         raise ValueError(f"directions must be some of {DIRECTIONS}, got {directions!r}")
-    ratios = _sample_log_ratios(_kernel(process, noise_multiplier), check_seed(seed), samples, process.steps,
-                                "P" in directions, "Q" in directions)[[DIRECTIONS.index(under) for under in directions]]
+    ratios = _sample_log_ratios(
+        _kernel(process, noise_multiplier),
+        check_seed(seed),
+        samples,
+        process.steps,
+        "P" in directions,
+        "Q" in directions,
+    )[[DIRECTIONS.index(under) for under in directions]]
     if not np.isfinite(ratios).all():  # cannot happen: the linear path runs only where it is exact
         raise FloatingPointError(f"non-finite privacy loss for {process} at sigma {noise_multiplier}")
     return ratios

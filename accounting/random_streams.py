@@ -6,6 +6,7 @@ Keying every sample's streams by its number makes a sample's draws independent o
 or directions a call draws, and of how samples are split over workers. None of this randomness is
 secret: it only estimates a privacy loss distribution, and its seed is printed with the estimate.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,10 @@ def _ziggurat_edges() -> np.ndarray:
     """x_0 > x_1 = r > ... > x_255 > x_256 = 0: layer i covers [0, x_i] between heights f(x_i) and f(x_(i+1)),
     f(x) = exp(-x^2 / 2), each of area v; x_0 = v / f(r) is the width that the base layer, tail included,
     would have as a rectangle."""
+
     def density(x: float) -> float:
         return math.exp(-0.5 * x * x)
+
     area = _TAIL_START * density(_TAIL_START) + math.sqrt(math.pi / 2) * math.erfc(_TAIL_START / math.sqrt(2))
     edges = np.zeros(_LAYERS + 1)
     edges[0], edges[1] = area / density(_TAIL_START), _TAIL_START
@@ -32,7 +35,7 @@ def _ziggurat_edges() -> np.ndarray:
 
 
 EDGES = _ziggurat_edges()
-HEIGHTS = np.exp(-0.5 * EDGES ** 2)
+HEIGHTS = np.exp(-0.5 * EDGES**2)
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -146,7 +149,7 @@ def _uniforms(seed, sample, stream, count):
 
 
 def check_seed(seed: int) -> np.uint64:
-    if not 0 <= int(seed) < 2 ** 64:
+    if not 0 <= int(seed) < 2**64:
         raise ValueError(f"a Monte Carlo seed must be in [0, 2^64), got {seed}")
     return np.uint64(seed)
 

@@ -3,6 +3,7 @@
 Coefficients are normalized to unit l2 norm, so one participation has sensitivity 1 (the norm
 of a full column of C) and sigma is the noise multiplier relative to the clip norm.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,7 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
     impulse = np.zeros(steps)
     impulse[0] = 1.0
     first_column = np.cumsum(lfilter([1.0], coefficients, impulse))
-    frobenius = float(np.sum((steps - np.arange(steps)) * first_column ** 2))
+    frobenius = float(np.sum((steps - np.arange(steps)) * first_column**2))
     return frobenius / steps * float(np.sum(coefficients[:steps] ** 2))
 
 

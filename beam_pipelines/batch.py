@@ -12,6 +12,7 @@ Elements are whole columnar partitions; arrays go through a `PartitionStore` und
 and only handles travel through the graph. The greedy sampler (Alg. 4) is sequential by
 definition and runs in the driver whatever the runner.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,14 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 
-from beam_pipelines.bound import PartitionStore, _by_kind, _counters, _input_error_in, _merge_rejects, pipeline_options
+from beam_pipelines.bound import (
+    PartitionStore,
+    _by_kind,
+    _counters,
+    _merge_rejects,
+    _raise_input_error_in,
+    pipeline_options,
+)
 from madp import batching, sampling, storage
 from madp import records as rec
 from madp.hashing import partition_of
@@ -63,6 +71,7 @@ def _stack(pieces: list[tuple], field: int) -> np.ndarray:
 
 # --- prepare ------------------------------------------------------------------------------------
 
+
 class _ReadDataFile(beam.DoFn):
     def __init__(self, columns: rec.Columns, content: tuple[str, ...], partitions: int, store: PartitionStore):
         self.columns, self.content, self.partitions, self.store = columns, content, partitions, store
@@ -74,8 +83,9 @@ class _ReadDataFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         chunk = result.chunk
         destination = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
-        for part, handle in _slices(self.store, f"data-{index:06d}.pkl", destination,
-                                    lambda mask: rec.take(chunk, mask)):
+        for part, handle in _slices(
+            self.store, f"data-{index:06d}.pkl", destination, lambda mask: rec.take(chunk, mask)
+        ):
             yield part, ("records", handle)
 
 
@@ -87,8 +97,12 @@ class _ReadSelectionFile(beam.DoFn):
         index, path = element
         ids, copies = batching.read_selection_file(path)
         destination = partition_of(ids, self.partitions) if len(ids) else np.zeros(0, np.int64)
-        for part, handle in _slices(self.store, f"selection-{index:06d}.pkl", destination,
-                                    lambda mask: (ids.filter(pa.array(mask)), copies[mask])):
+        for part, handle in _slices(
+            self.store,
+            f"selection-{index:06d}.pkl",
+            destination,
+            lambda mask: (ids.filter(pa.array(mask)), copies[mask]),
+        ):
             yield part, ("selection", handle)
 
 
@@ -112,22 +126,33 @@ class _BuildRecordPartition(beam.DoFn):
         ids = pa.concat_arrays([s[0] for s in selection])
         copies = np.concatenate([s[1] for s in selection])
         if chunk is None:
-            raise rec.InputError(f"{len(ids)} selected ids are not valid records of {self.data} "
-                                 f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?")
+            raise rec.InputError(
+                f"{len(ids)} selected ids are not valid records of {self.data} "
+                f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
+            )
         chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
         yield _stat("described", batching.check_content(chunk.content, chunk.ids))
         yield _stat("records", len(copies))
         yield _stat("id_type", chunk.ids.type)
         users = batching.user_hashes(chunk.users)
         record_keys = batching.record_hashes(chunk.ids, self.key)
-        partition = {"ids": chunk.ids, "copies": copies, "offsets": chunk.offsets, "users": users,
-                     "content": chunk.content, "record_keys": record_keys}
+        partition = {
+            "ids": chunk.ids,
+            "copies": copies,
+            "offsets": chunk.offsets,
+            "users": users,
+            "content": chunk.content,
+            "record_keys": record_keys,
+        }
         yield _stat("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
         record_of_incidence = np.repeat(np.arange(len(copies)), np.diff(chunk.offsets))
         destination = _part_of_hash(users, self.partitions)
-        for user_part, handle in _slices(self.store, f"incidences-{part:05d}.pkl", destination, lambda mask: (
-                users[mask], record_keys[record_of_incidence[mask]], copies[record_of_incidence[mask]])):
-            yield user_part, handle
+        yield from _slices(
+            self.store,
+            f"incidences-{part:05d}.pkl",
+            destination,
+            lambda mask: (users[mask], record_keys[record_of_incidence[mask]], copies[record_of_incidence[mask]]),
+        )
 
 
 class _NeighbourPairs(beam.DoFn):
@@ -146,8 +171,12 @@ class _NeighbourPairs(beam.DoFn):
         for chunk_index, (owner, neighbour) in enumerate(sampling.neighbour_pairs(local.ravel(), users)):
             owner_keys, neighbour_keys, neighbour_copies = keys[owner], keys[neighbour], copies[first[neighbour]]
             destination = _record_partition_of(owner_keys, self.partitions)
-            yield from _slices(self.store, f"pairs-{part:05d}-{chunk_index:05d}.pkl", destination, lambda mask: (
-                owner_keys[mask], neighbour_keys[mask], neighbour_copies[mask]))
+            yield from _slices(
+                self.store,
+                f"pairs-{part:05d}-{chunk_index:05d}.pkl",
+                destination,
+                lambda mask: (owner_keys[mask], neighbour_keys[mask], neighbour_copies[mask]),  # noqa: B023 (used now)
+            )
 
 
 def _stat(name: str, value) -> beam.pvalue.TaggedOutput:
@@ -189,40 +218,70 @@ def _merge_histograms(histograms) -> dict:
 class PreparePipeline(beam.PTransform):
     """Read, validate and join; store record partitions; histogram of |N(e)| over units."""
 
-    def __init__(self, data_files: list[str], selection_files: list[str], data: str, content: tuple[str, ...],
-                 options: batching.BatchOptions, partitions: int, store: PartitionStore):
+    def __init__(
+        self,
+        data_files: list[str],
+        selection_files: list[str],
+        data: str,
+        content: tuple[str, ...],
+        options: batching.BatchOptions,
+        partitions: int,
+        store: PartitionStore,
+    ):
         super().__init__()
         self.data_files, self.selection_files, self.data, self.content = data_files, selection_files, data, content
         self.options, self.partitions, self.store = options, partitions, store
 
     def expand(self, pbegin):
         store, partitions = self.store, self.partitions
-        read = (pbegin | "ListDataFiles" >> beam.Create(list(enumerate(self.data_files)))
-                | "SpreadDataFiles" >> beam.Reshuffle()
-                | "ReadAndValidate" >> beam.ParDo(_ReadDataFile(self.options.columns, self.content, partitions,
-                                                                store)).with_outputs("rejects", main="records"))
-        selection = (pbegin | "ListSelectionFiles" >> beam.Create(list(enumerate(self.selection_files)))
-                     | "ReadSelection" >> beam.ParDo(_ReadSelectionFile(partitions, store)))
-        built = ((read.records, selection) | "RecordsAndSelection" >> beam.Flatten()
-                 | "GroupRecordPartitions" >> beam.GroupByKey()
-                 | "JoinSelection" >> beam.ParDo(_BuildRecordPartition(self.data, self.options.key, partitions, store))
-                 .with_outputs("stats", "rejects", main="incidences"))
-        histogram = (built.incidences
-                     | "GroupUserPartitions" >> beam.GroupByKey()
-                     | "NeighbourPairs" >> beam.ParDo(_NeighbourPairs(partitions, store))
-                     | "GroupPairsByRecord" >> beam.GroupByKey()
-                     | "NeighbourhoodHistogram" >> beam.FlatMap(_neighbourhood_histogram, store)
-                     | "MergeHistograms" >> beam.CombineGlobally(_merge_histograms)
-                     | "NamedHistogram" >> beam.Map(lambda h: ("histogram", h)))
-        rejects = ((read.rejects, built.rejects) | "AllRejects" >> beam.Flatten()
-                   | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
-                   | "NamedRejects" >> beam.Map(lambda r: ("rejects", r)))
-        return ((histogram, rejects, built.stats) | "PrepareSummary" >> beam.Flatten()
-                | "CollectPrepare" >> beam.combiners.ToList()
-                | "WritePrepare" >> beam.Map(lambda items: store.write_arrays("prepare-summary.pkl", items)))
+        read = (
+            pbegin
+            | "ListDataFiles" >> beam.Create(list(enumerate(self.data_files)))
+            | "SpreadDataFiles" >> beam.Reshuffle()
+            | "ReadAndValidate"
+            >> beam.ParDo(_ReadDataFile(self.options.columns, self.content, partitions, store)).with_outputs(
+                "rejects", main="records"
+            )
+        )
+        selection = (
+            pbegin
+            | "ListSelectionFiles" >> beam.Create(list(enumerate(self.selection_files)))
+            | "ReadSelection" >> beam.ParDo(_ReadSelectionFile(partitions, store))
+        )
+        built = (
+            (read.records, selection)
+            | "RecordsAndSelection" >> beam.Flatten()
+            | "GroupRecordPartitions" >> beam.GroupByKey()
+            | "JoinSelection"
+            >> beam.ParDo(_BuildRecordPartition(self.data, self.options.key, partitions, store)).with_outputs(
+                "stats", "rejects", main="incidences"
+            )
+        )
+        histogram = (
+            built.incidences
+            | "GroupUserPartitions" >> beam.GroupByKey()
+            | "NeighbourPairs" >> beam.ParDo(_NeighbourPairs(partitions, store))
+            | "GroupPairsByRecord" >> beam.GroupByKey()
+            | "NeighbourhoodHistogram" >> beam.FlatMap(_neighbourhood_histogram, store)
+            | "MergeHistograms" >> beam.CombineGlobally(_merge_histograms)
+            | "NamedHistogram" >> beam.Map(lambda h: ("histogram", h))
+        )
+        rejects = (
+            (read.rejects, built.rejects)
+            | "AllRejects" >> beam.Flatten()
+            | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
+            | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
+        )
+        return (
+            (histogram, rejects, built.stats)
+            | "PrepareSummary" >> beam.Flatten()
+            | "CollectPrepare" >> beam.combiners.ToList()
+            | "WritePrepare" >> beam.Map(lambda items: store.write_arrays("prepare-summary.pkl", items))
+        )
 
 
 # --- sample -------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -251,13 +310,23 @@ class _SamplePartition(beam.DoFn):
         record = record_of_unit[unit]
         _count("units", len(keys))
         _count("sampled_unit_steps", len(unit))
-        yield part, ("samples", self.store.write_arrays(f"samples-{part:05d}.pkl", {
-            "record": record, "keys": keys[unit], "step": step}))
+        yield (
+            part,
+            (
+                "samples",
+                self.store.write_arrays(
+                    f"samples-{part:05d}.pkl", {"record": record, "keys": keys[unit], "step": step}
+                ),
+            ),
+        )
         owner, flat = batching.incidences_of(partition["offsets"], record)
         users = partition["users"][flat]
-        for user_part, handle in _slices(self.store, f"sampled-users-{part:05d}.pkl",
-                                         _part_of_hash(users, self.partitions),
-                                         lambda mask: (users[mask], step[owner[mask]], owner[mask], part)):
+        for user_part, handle in _slices(
+            self.store,
+            f"sampled-users-{part:05d}.pkl",
+            _part_of_hash(users, self.partitions),
+            lambda mask: (users[mask], step[owner[mask]], owner[mask], part),
+        ):
             yield beam.pvalue.TaggedOutput("incidences", (user_part, handle))
 
 
@@ -276,8 +345,9 @@ class _BlockUsers(beam.DoFn):
         source = np.concatenate([np.full(len(p[0]), p[3], np.int64) for p in pieces])
         blocked = sampling.blocked_user_steps(users, steps, self.plan.min_sep)
         excluded_samples, excluded_source = samples[blocked], source[blocked]
-        for part, handle in _slices(self.store, f"excluded-{user_part:05d}.pkl", excluded_source,
-                                    lambda mask: excluded_samples[mask]):
+        for part, handle in _slices(
+            self.store, f"excluded-{user_part:05d}.pkl", excluded_source, lambda mask: excluded_samples[mask]
+        ):
             yield part, ("excluded", handle)
 
 
@@ -306,20 +376,30 @@ class _Survivors(beam.DoFn):
         rows_by_file = {}
         for file in range(self.plan.files):  # every file hears from every partition, so empty files are written
             mine = np.flatnonzero(file_of_row == file)
-            rows_by_file[file] = batching.file_rows(partition["ids"], partition["content"], partition["offsets"],
-                                                    partition["users"], partition["record_keys"], record[mine],
-                                                    keys[mine], step[mine])
+            rows_by_file[file] = batching.file_rows(
+                partition["ids"],
+                partition["content"],
+                partition["offsets"],
+                partition["users"],
+                partition["record_keys"],
+                record[mine],
+                keys[mine],
+                step[mine],
+            )
         yield from self.store.write_slices(f"rows-{part:05d}.pkl", rows_by_file).items()
 
 
 def _concat_rows(pieces: list[batching.FileRows]) -> batching.FileRows:
     base = np.cumsum([0] + [int(p.user_offsets[-1]) for p in pieces[:-1]])
     return batching.FileRows(
-        steps=np.concatenate([p.steps for p in pieces]), unit_keys=np.concatenate([p.unit_keys for p in pieces]),
+        steps=np.concatenate([p.steps for p in pieces]),
+        unit_keys=np.concatenate([p.unit_keys for p in pieces]),
         record_keys=np.concatenate([p.record_keys for p in pieces]),
-        ids=pa.concat_arrays([p.ids for p in pieces]), content=pa.concat_tables([p.content for p in pieces]),
+        ids=pa.concat_arrays([p.ids for p in pieces]),
+        content=pa.concat_tables([p.content for p in pieces]),
         user_offsets=np.concatenate([[0]] + [p.user_offsets[1:] + b for p, b in zip(pieces, base)]).astype(np.int64),
-        users=np.concatenate([p.users for p in pieces]))
+        users=np.concatenate([p.users for p in pieces]),
+    )
 
 
 class _WriteFile(beam.DoFn):
@@ -331,27 +411,38 @@ class _WriteFile(beam.DoFn):
     def process(self, element):
         file, handles = element
         rows = _concat_rows(_gather(self.store, handles))
-        result = batching.write_batch_file(batching.batch_file_path(self.plan.output, file, self.plan.files), rows,
-                                           batching.step_range(file, self.plan.steps, self.plan.files),
-                                           self.plan.max_batch_size, self.plan.shapes)
+        result = batching.write_batch_file(
+            batching.batch_file_path(self.plan.output, file, self.plan.files),
+            rows,
+            batching.step_range(file, self.plan.steps, self.plan.files),
+            self.plan.max_batch_size,
+            self.plan.shapes,
+        )
         _count("written_rows", int(result["written"].sum()))
         _count("truncated_rows", result["truncated"])
         _count("padding_rows", result["padding"])
         yield _stat("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
         users, steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
-        for user_part, handle in _slices(self.store, f"written-users-{file:05d}.pkl",
-                                         _part_of_hash(users, self.partitions), lambda mask: (users[mask], steps[mask])):
+        for user_part, handle in _slices(
+            self.store,
+            f"written-users-{file:05d}.pkl",
+            _part_of_hash(users, self.partitions),
+            lambda mask: (users[mask], steps[mask]),
+        ):
             yield beam.pvalue.TaggedOutput("users", (user_part, handle))
-        for record_part, handle in _slices(self.store, f"written-records-{file:05d}.pkl",
-                                           _record_partition_of(records, self.partitions), lambda mask: records[mask]):
+        for record_part, handle in _slices(
+            self.store,
+            f"written-records-{file:05d}.pkl",
+            _record_partition_of(records, self.partitions),
+            lambda mask: records[mask],
+        ):
             yield beam.pvalue.TaggedOutput("records", (record_part, handle))
 
 
 def _participation(element, store: PartitionStore):
     _, handles = element
     pieces = _gather(store, handles)
-    yield "participation", batching.participation_stats(_stack(pieces, 0),
-                                                        _stack(pieces, 1))
+    yield "participation", batching.participation_stats(_stack(pieces, 0), _stack(pieces, 1))
 
 
 def _written_records(element, store: PartitionStore):
@@ -368,38 +459,59 @@ class SamplePipeline(beam.PTransform):
 
     def expand(self, pbegin):
         plan, store, partitions = self.plan, self.store, self.partitions
-        sampled = (pbegin | "ListPartitions" >> beam.Create(sorted(self.partition_paths.items()))
-                   | "SpreadPartitions" >> beam.Reshuffle()
-                   | "SampleSteps" >> beam.ParDo(_SamplePartition(plan, partitions, store))
-                   .with_outputs("incidences", main="samples"))
-        excluded = (sampled.incidences
-                    | "GroupSampledUsers" >> beam.GroupByKey()
-                    | "BlockUsers" >> beam.ParDo(_BlockUsers(plan, store)))
-        survivors = ((sampled.samples, excluded) | "SamplesAndExclusions" >> beam.Flatten()
-                     | "GroupSamplesByRecord" >> beam.GroupByKey()
-                     | "DropExcluded" >> beam.ParDo(_Survivors(plan, self.partition_paths, store))
-                     .with_outputs("stats", main="rows"))
-        written = (survivors.rows
-                   | "GroupRowsByFile" >> beam.GroupByKey()
-                   | "WriteBatchFiles" >> beam.ParDo(_WriteFile(plan, partitions, store))
-                   .with_outputs("users", "records", "stats", main="unused"))
-        participation = (written.users | "GroupWrittenUsers" >> beam.GroupByKey()
-                         | "Participation" >> beam.FlatMap(_participation, store))
-        records = (written.records | "GroupWrittenRecords" >> beam.GroupByKey()
-                   | "WrittenRecords" >> beam.FlatMap(_written_records, store))
-        return ((survivors.stats, written.stats, participation, records) | "SampleSummary" >> beam.Flatten()
-                | "CollectSample" >> beam.combiners.ToList()
-                | "WriteSample" >> beam.Map(lambda items: store.write_arrays("sample-summary.pkl", items)))
+        sampled = (
+            pbegin
+            | "ListPartitions" >> beam.Create(sorted(self.partition_paths.items()))
+            | "SpreadPartitions" >> beam.Reshuffle()
+            | "SampleSteps"
+            >> beam.ParDo(_SamplePartition(plan, partitions, store)).with_outputs("incidences", main="samples")
+        )
+        excluded = (
+            sampled.incidences
+            | "GroupSampledUsers" >> beam.GroupByKey()
+            | "BlockUsers" >> beam.ParDo(_BlockUsers(plan, store))
+        )
+        survivors = (
+            (sampled.samples, excluded)
+            | "SamplesAndExclusions" >> beam.Flatten()
+            | "GroupSamplesByRecord" >> beam.GroupByKey()
+            | "DropExcluded"
+            >> beam.ParDo(_Survivors(plan, self.partition_paths, store)).with_outputs("stats", main="rows")
+        )
+        written = (
+            survivors.rows
+            | "GroupRowsByFile" >> beam.GroupByKey()
+            | "WriteBatchFiles"
+            >> beam.ParDo(_WriteFile(plan, partitions, store)).with_outputs("users", "records", "stats", main="unused")
+        )
+        participation = (
+            written.users
+            | "GroupWrittenUsers" >> beam.GroupByKey()
+            | "Participation" >> beam.FlatMap(_participation, store)
+        )
+        records = (
+            written.records
+            | "GroupWrittenRecords" >> beam.GroupByKey()
+            | "WrittenRecords" >> beam.FlatMap(_written_records, store)
+        )
+        return (
+            (survivors.stats, written.stats, participation, records)
+            | "SampleSummary" >> beam.Flatten()
+            | "CollectSample" >> beam.combiners.ToList()
+            | "WriteSample" >> beam.Map(lambda items: store.write_arrays("sample-summary.pkl", items))
+        )
 
 
 # --- driver -------------------------------------------------------------------------------------
+
 
 def _run(pipeline: beam.Pipeline) -> dict:
     try:
         result = pipeline.run()
         result.wait_until_finish()
     except Exception as error:  # the runner wraps what workers raise; bad input must still read clearly
-        raise _input_error_in(error) or error
+        _raise_input_error_in(error)
+        raise
     return _counters(result, NAMESPACE)
 
 
@@ -409,25 +521,37 @@ def _merge_described(described: list[dict]) -> dict:
         for name, feature in one.items():
             seen = merged.setdefault(name, dict(feature))
             if seen["dtype"] != feature["dtype"]:
-                raise rec.InputError(f"content column {name!r} is {seen['dtype']} in some records and "
-                                     f"{feature['dtype']} in others")
+                raise rec.InputError(
+                    f"content column {name!r} is {seen['dtype']} in some records and {feature['dtype']} in others"
+                )
             if seen["shape"] != feature["shape"]:
                 seen["shape"] = [None]
     return merged
 
 
-def run_beam(selected: str, data: str, output: str, options: batching.BatchOptions, beam_args: list[str],
-             partitions: int = DEFAULT_PARTITIONS) -> dict:
+def run_beam(
+    selected: str,
+    data: str,
+    output: str,
+    options: batching.BatchOptions,
+    beam_args: list[str],
+    partitions: int = DEFAULT_PARTITIONS,
+) -> dict:
     """`madp batch --runner <Beam runner>`: a prepare run, calibration of p in the driver, a sample run."""
     if partitions < 1:
         raise rec.InputError("--partitions must be at least 1")
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
-        return batching.run_local(selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)")
+        return batching.run_local(
+            selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)"
+        )
     started = time.perf_counter()
     data_files = rec.list_input_files(data)
-    content = options.content_columns if options.content_columns is not None \
+    content = (
+        options.content_columns
+        if options.content_columns is not None
         else rec.content_columns(data_files[0], options.columns)
+    )
     selection = batching.selection_files(selected)
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
@@ -449,10 +573,17 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
         counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
         probability = sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
         log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
-        plan = _Plan(probability=probability, total_steps=options.steps + options.warm_up_steps,
-                     warm_up=options.warm_up_steps, steps=options.steps, min_sep=options.min_sep,
-                     files=options.output_shards, max_batch_size=options.max_batch_size, output=output,
-                     shapes=batching.content_shapes(described))
+        plan = _Plan(
+            probability=probability,
+            total_steps=options.steps + options.warm_up_steps,
+            warm_up=options.warm_up_steps,
+            steps=options.steps,
+            min_sep=options.min_sep,
+            files=options.output_shards,
+            max_batch_size=options.max_batch_size,
+            output=output,
+            shapes=batching.content_shapes(described),
+        )
         partition_paths = dict(prepared.get("partition", []))
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
@@ -466,18 +597,32 @@ def run_beam(selected: str, data: str, output: str, options: batching.BatchOptio
     batching.write_schema(output, batching.schema(id_type, described, options))
     records = sum(prepared.get("records", []))
     files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
-    sampled = batching.Sampled(np.zeros(0, np.int64), np.zeros(0, np.uint64), np.zeros(0, np.int64),
-                               options.min_sep, probability,
-                               sampling.expected_batch_size(probability, sizes, counts, options.min_sep))
+    sampled = batching.Sampled(
+        np.zeros(0, np.int64),
+        np.zeros(0, np.uint64),
+        np.zeros(0, np.int64),
+        options.min_sep,
+        probability,
+        sampling.expected_batch_size(probability, sizes, counts, options.min_sep),
+    )
     result = batching.report(
-        options, beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner, selected, data, output,
-        sampled=sampled, units=int(counts.sum()), records=records,
+        options,
+        beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner,
+        selected,
+        data,
+        output,
+        sampled=sampled,
+        units=int(counts.sum()),
+        records=records,
         sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(plan.total_steps, np.int64)]), axis=0),
-        files=files, records_never_written=records - sum(summary.get("written_records", [])),
+        files=files,
+        records_never_written=records - sum(summary.get("written_records", [])),
         participation=batching.merge_participation_stats(summary.get("participation", [])),
-        rejects=rejects, content_columns=list(content), started=started)
+        rejects=rejects,
+        content_columns=list(content),
+        started=started,
+    )
     result.update(partitions=partitions, beam_counters_per_run=counters)
     storage.clear_directory(work)
     write_report(output, result)
     return result
-

@@ -11,6 +11,7 @@ travel through the graph. A pipeline run unrolls a block of rounds; the driver (
 chains runs until the algorithm converges, carrying the partial selection, and starts a new
 pass over residual capacities for the with-duplicates variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,24 +23,53 @@ import pickle
 import re
 import time
 import uuid
-from typing import Any, Tuple
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
-from apache_beam.options.pipeline_options import (DirectOptions, PipelineOptions, StandardOptions, TypeOptions,
-                                                  WorkerOptions)
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    PipelineOptions,
+    StandardOptions,
+    TypeOptions,
+    WorkerOptions,
+)
 
 from madp import records as rec
 from madp import storage
-from madp.bounding import Capacities, UserSide, build_user_side, consume, local_mask, preference_keys, propose, \
-    retire, unanimous
+from madp.bounding import (
+    Capacities,
+    UserSide,
+    build_user_side,
+    consume,
+    local_mask,
+    preference_keys,
+    propose,
+    retire,
+    unanimous,
+)
 from madp.hashing import partition_of
-from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_manifest,
-                            selection_shards, shard_path, sorted_selection, user_distribution_stats, write_report, write_selection_shard)
+from madp.selection import (
+    BoundOptions,
+    alternate_runs,
+    base_report,
+    group_sizes,
+    handle_rejects,
+    histograms,
+    prepare_output,
+    read_capacities,
+    record_distribution_stats,
+    selection_manifest,
+    selection_shards,
+    shard_path,
+    sorted_selection,
+    user_distribution_stats,
+    write_report,
+    write_selection_shard,
+)
 
 log = logging.getLogger("madp.bound")
 NAMESPACE = "madp.bound"
@@ -51,6 +81,7 @@ DEFAULT_ROUNDS_PER_PIPELINE = 6
 @dataclasses.dataclass(frozen=True)
 class RecordState:
     """A record partition's side of the algorithm (keys sorted)."""
+
     keys: np.ndarray
     arity: np.ndarray
     user_partition_offsets: np.ndarray  # CSR: distinct user partitions of each record
@@ -87,8 +118,10 @@ class PartitionStore:
 
     def write_slices(self, name: str, slices: dict[int, object]) -> dict[int, tuple[str, int, int]]:
         """One file per sender for a bulk exchange; each receiver gets (path, offset, length) of its slice."""
-        blobs = {destination: pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-                 for destination, payload in slices.items()}
+        blobs = {
+            destination: pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            for destination, payload in slices.items()
+        }
         path, offset, where = storage.join(self.directory, name), 0, {}
         with storage.open_output(path) as handle:
             for destination, blob in blobs.items():
@@ -106,8 +139,7 @@ class PartitionStore:
     def create(self, side: str, part: int, state) -> tuple[str, str]:
         arrays = dataclasses.asdict(state)
         static = {k: v for k, v in arrays.items() if k not in _CHANGING[side]}
-        return (self.write_arrays(f"{side}-{part:05d}-static.pkl", static),
-                self.update(side, part, "built", state))
+        return (self.write_arrays(f"{side}-{part:05d}-static.pkl", static), self.update(side, part, "built", state))
 
     def update(self, side: str, part: int, step: str, state) -> str:
         return self.write_arrays(f"{side}-{part:05d}-{step}.pkl", {k: getattr(state, k) for k in _CHANGING[side]})
@@ -203,7 +235,8 @@ def _messages(grouped: dict, tag: str) -> np.ndarray:
 
 # --- reading and building the two sides ---------------------------------------------------------
 
-@beam.typehints.with_output_types(Tuple[int, Any])
+
+@beam.typehints.with_output_types(tuple[int, Any])
 class _ReadFile(beam.DoFn):
     """Read and validate one input file; hand its records to their record partitions."""
 
@@ -223,12 +256,13 @@ class _ReadFile(beam.DoFn):
         yield from self.store.write_slices(f"chunks-from-file{index:06d}.pkl", slices).items()
 
 
-@beam.typehints.with_output_types(Tuple[int, Any])
+@beam.typehints.with_output_types(tuple[int, Any])
 class _BuildRecordPartition(beam.DoFn):
     """Merge a record partition's chunks, reject duplicated ids, attach the partial selection."""
 
-    def __init__(self, options: BoundOptions, partitions: int, store: PartitionStore, state_dir: str | None,
-                 new_pass: bool):
+    def __init__(
+        self, options: BoundOptions, partitions: int, store: PartitionStore, state_dir: str | None, new_pass: bool
+    ):
         self.options, self.partitions, self.store = options, partitions, store
         self.state_dir, self.new_pass = state_dir, new_pass
 
@@ -249,17 +283,24 @@ class _BuildRecordPartition(beam.DoFn):
                 raise RuntimeError(f"partition {part}: input changed between pipeline runs")
             copies, in_pass = saved["copies"], saved["in_pass"] & (not self.new_pass)
         arity = chunk.arity
-        keys = preference_keys(chunk.ids, arity, self.options.order, self.options.seed, chunk.weights,
-                               alternate_runs(self.options))
+        keys = preference_keys(
+            chunk.ids, arity, self.options.order, self.options.seed, chunk.weights, alternate_runs(self.options)
+        )
         user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else np.zeros(0, np.int64)
         record_of_incidence = np.repeat(np.arange(n), arity)
         pairs = np.sort(record_of_incidence * self.partitions + user_partition)
         # Sort and mask: numpy 2's hash-based np.unique is ~25x slower on these many distinct values.
-        pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])[:len(pairs)]]  # a partition may be empty
+        pairs = pairs[np.concatenate([[True], pairs[1:] != pairs[:-1]])[: len(pairs)]]  # a partition may be empty
         offsets = np.concatenate([[0], np.cumsum(np.bincount(pairs // self.partitions, minlength=n))]).astype(np.int64)
         self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": chunk.ids})
-        state = RecordState(keys=chunk.keys, arity=arity, user_partition_offsets=offsets,
-                            user_partitions=pairs % self.partitions, copies=copies, in_pass=in_pass)
+        state = RecordState(
+            keys=chunk.keys,
+            arity=arity,
+            user_partition_offsets=offsets,
+            user_partitions=pairs % self.partitions,
+            copies=copies,
+            in_pass=in_pass,
+        )
         yield _keep(part, self.store.create("records", part, state))
         coowners = _partition_bits(pairs // self.partitions, pairs % self.partitions, n, self.partitions)
         slices = {}
@@ -267,9 +308,13 @@ class _BuildRecordPartition(beam.DoFn):
             mine = user_partition == user_part
             records = record_of_incidence[mine]
             slices[int(user_part)] = {
-                "users": chunk.users.filter(pa.array(mine)), "record_keys": chunk.keys[records],
-                "order": tuple(k[records] for k in keys), "record_partition": part, "coowners": coowners[records],
-                "selection": (copies[records], in_pass[records]) if self.state_dir else None}
+                "users": chunk.users.filter(pa.array(mine)),
+                "record_keys": chunk.keys[records],
+                "order": tuple(k[records] for k in keys),
+                "record_partition": part,
+                "coowners": coowners[records],
+                "selection": (copies[records], in_pass[records]) if self.state_dir else None,
+            }
         for user_part, where in self.store.write_slices(f"incidences-from-records{part:05d}.pkl", slices).items():
             yield beam.pvalue.TaggedOutput("incidences", (user_part, where))
 
@@ -288,8 +333,15 @@ def _split_capacities(path: str, default: int, partitions: int):
         partition = partition_of(ids.filter(pa.array(valid)), partitions)
         mine[partition, np.flatnonzero(valid)] = True
     for part in range(partitions):
-        yield part, Capacities(default, capacities.user_ids.filter(pa.array(mine[part])), capacities.values[mine[part]],
-                               capacities.text_ids)
+        yield (
+            part,
+            Capacities(
+                default,
+                capacities.user_ids.filter(pa.array(mine[part])),
+                capacities.values[mine[part]],
+                capacities.text_ids,
+            ),
+        )
 
 
 def _build_user_partition(element, default: int, store: PartitionStore):
@@ -298,8 +350,9 @@ def _build_user_partition(element, default: int, store: PartitionStore):
         return  # capacities listed for users of no record
     chunks = [store.read_slice(where) for where in grouped["incidences"]]
     capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
-    record_keys, first, inc_record = np.unique(np.concatenate([c["record_keys"] for c in chunks]),
-                                               return_index=True, return_inverse=True)
+    record_keys, first, inc_record = np.unique(
+        np.concatenate([c["record_keys"] for c in chunks]), return_index=True, return_inverse=True
+    )
     per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
     order = tuple(per_record([c["order"][i] for c in chunks]) for i in range(2))
     record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
@@ -307,18 +360,27 @@ def _build_user_partition(element, default: int, store: PartitionStore):
         copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
     else:
         copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
-    side = build_user_side(pa.concat_arrays([c["users"] for c in chunks]), inc_record.astype(np.int64), record_keys,
-                           order, capacities, copies, in_pass)
+    side = build_user_side(
+        pa.concat_arrays([c["users"] for c in chunks]),
+        inc_record.astype(np.int64),
+        record_keys,
+        order,
+        capacities,
+        copies,
+        in_pass,
+    )
     coowners = per_record([c["coowners"] for c in chunks])
     owner = ~np.any(coowners & _bits_below(part, coowners.shape[1]), axis=1)
-    routing = store.write_arrays(f"users-{part:05d}-routing.pkl", {
-        "record_partition": record_partition, "coowners": coowners, "owner": owner})
+    routing = store.write_arrays(
+        f"users-{part:05d}-routing.pkl", {"record_partition": record_partition, "coowners": coowners, "owner": owner}
+    )
     yield _keep(part, (*store.create("users", part, side), routing))
 
 
 # --- the steps of a round: each joins a partition's handle with its messages ---------------------
 
-@beam.typehints.with_output_types(Tuple[int, Any])
+
+@beam.typehints.with_output_types(tuple[int, Any])
 class _Propose(beam.DoFn):
     def __init__(self, store: PartitionStore):
         self.store = store
@@ -332,7 +394,7 @@ class _Propose(beam.DoFn):
         yield element
 
 
-@beam.typehints.with_output_types(Tuple[int, Any])
+@beam.typehints.with_output_types(tuple[int, Any])
 class _JoinedStep(beam.DoFn):
     """A step of round `round_index`: one partition's state, joined with the messages sent to it."""
 
@@ -369,7 +431,8 @@ def _notify_users(state: RecordState, records: np.ndarray, tag: str):
     index = np.flatnonzero(records)
     counts = np.diff(state.user_partition_offsets)[index]
     positions = np.repeat(state.user_partition_offsets[index], counts) + (
-        np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+        np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
     for user_part, keys in _split(np.repeat(state.keys[index], counts), state.user_partitions[positions]):
         yield _send(tag, user_part, keys)
 
@@ -418,10 +481,12 @@ class _Step(beam.PTransform):
         self.step, self.outputs = step, outputs
 
     def expand(self, inputs):
-        return (inputs
-                | "Meet" >> beam.Flatten()
-                | "Join" >> beam.GroupByKey()
-                | "Apply" >> beam.ParDo(self.step).with_outputs(*self.outputs, main=STATE))
+        return (
+            inputs
+            | "Meet" >> beam.Flatten()
+            | "Join" >> beam.GroupByKey()
+            | "Apply" >> beam.ParDo(self.step).with_outputs(*self.outputs, main=STATE)
+        )
 
 
 class Saturate(beam.PTransform):
@@ -433,10 +498,10 @@ class Saturate(beam.PTransform):
 
     def expand(self, inputs):
         users, accepted = inputs
-        consumed = ((users, accepted)
-                    | "UsersTakeAccepted" >> _Step(_Consume(self.store, self.round_index), ("dead",)))
-        retired = ((consumed.state, consumed.dead)
-                   | "CoOwnersRetireDead" >> _Step(_Retire(self.store, self.round_index), ("stats",)))
+        consumed = (users, accepted) | "UsersTakeAccepted" >> _Step(_Consume(self.store, self.round_index), ("dead",))
+        retired = (consumed.state, consumed.dead) | "CoOwnersRetireDead" >> _Step(
+            _Retire(self.store, self.round_index), ("stats",)
+        )
         return retired.state, retired.stats
 
 
@@ -450,15 +515,17 @@ class ProposalRound(beam.PTransform):
     def expand(self, inputs):
         users, records = inputs
         proposed = users | "UsersPropose" >> beam.ParDo(_Propose(self.store)).with_outputs("proposals", main="state")
-        selected = ((records, proposed.proposals)
-                    | "RecordsSelectUnanimous" >> _Step(_Select(self.store, self.round_index), ("accepted", "stats")))
+        selected = (records, proposed.proposals) | "RecordsSelectUnanimous" >> _Step(
+            _Select(self.store, self.round_index), ("accepted", "stats")
+        )
         users, death_stats = (proposed.state, selected.accepted) | "Saturate" >> Saturate(self.store, self.round_index)
         return users, selected.state, (selected.stats, death_stats)
 
 
 # --- outputs ------------------------------------------------------------------------------------
 
-@beam.typehints.with_output_types(Tuple[int, Any])
+
+@beam.typehints.with_output_types(tuple[int, Any])
 class _FinishRecords(beam.DoFn):
     """Save the partial selection for a following pipeline run; emit selection shards and counts."""
 
@@ -469,7 +536,8 @@ class _FinishRecords(beam.DoFn):
         part, (_, handle) = element
         state = self.store.load("records", handle)
         PartitionStore(self.state_dir).write_arrays(
-            f"state-{part:05d}.pkl", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass})
+            f"state-{part:05d}.pkl", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass}
+        )
         yield _stat("selected_records", state.copies.sum())
         yield _stat("distinct_selected", (state.copies > 0).sum())
         for name, count in record_distribution_stats(state.arity, state.copies).items():
@@ -487,15 +555,17 @@ def _user_stats(element, store: PartitionStore):
     Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
     yield "input_users", len(side.residual)
     yield "max_user_contribution", int(side.contribution.max(initial=0))
-    yield from user_distribution_stats(np.bincount(side.inc_user, minlength=len(side.residual)),
-                                       side.contribution).items()
+    yield from user_distribution_stats(
+        np.bincount(side.inc_user, minlength=len(side.residual)), side.contribution
+    ).items()
 
 
 def _write_shard(element, output: str, shards: int):
     shard, tables = element
     table = pa.concat_tables(tables)
-    write_selection_shard(shard_path(output, shard, shards),
-                          sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy()))
+    write_selection_shard(
+        shard_path(output, shard, shards), sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+    )
 
 
 def _aggregate_stats(element):
@@ -513,8 +583,17 @@ def _merge_rejects(batches) -> rec.Rejects:
 class BoundPipeline(beam.PTransform):
     """Read records, build both sides, run `rounds` unrolled rounds, write selection and state."""
 
-    def __init__(self, files: list[str], output: str, options: BoundOptions, partitions: int, rounds: int,
-                 run_name: str, continues: bool, new_pass: bool):
+    def __init__(
+        self,
+        files: list[str],
+        output: str,
+        options: BoundOptions,
+        partitions: int,
+        rounds: int,
+        run_name: str,
+        continues: bool,
+        new_pass: bool,
+    ):
         super().__init__()
         self.files, self.output, self.options, self.partitions = files, output, options, partitions
         self.rounds, self.run_name, self.continues, self.new_pass = rounds, run_name, continues, new_pass
@@ -523,23 +602,35 @@ class BoundPipeline(beam.PTransform):
         work = storage.join(self.output, WORK_DIR)
         store = PartitionStore(storage.join(work, self.run_name))
         state_dir = storage.join(work, "state")
-        read = (pbegin
-                | "ListFiles" >> beam.Create(list(enumerate(self.files)))
-                | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadAndValidate" >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
-                    "rejects", "stats", main="chunks"))
-        built = (read.chunks
-                 | "GroupRecordPartitions" >> beam.GroupByKey()
-                 | "BuildRecordPartitions" >> beam.ParDo(_BuildRecordPartition(
-                     self.options, self.partitions, store, state_dir if self.continues else None,
-                     self.new_pass)).with_outputs("incidences", "rejects", "stats", main="records"))
-        capacities = (pbegin | "CapacitiesFile" >> beam.Create([self.options.capacities] if self.options.capacities
-                                                                else [])
-                      | "SplitCapacities" >> beam.FlatMap(_split_capacities, self.options.max_contributions,
-                                                          self.partitions))
-        users = ({"incidences": built.incidences, "capacities": capacities}
-                 | "GroupUserPartitions" >> beam.CoGroupByKey()
-                 | "BuildUserPartitions" >> beam.FlatMap(_build_user_partition, self.options.max_contributions, store))
+        read = (
+            pbegin
+            | "ListFiles" >> beam.Create(list(enumerate(self.files)))
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "ReadAndValidate"
+            >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
+                "rejects", "stats", main="chunks"
+            )
+        )
+        built = (
+            read.chunks
+            | "GroupRecordPartitions" >> beam.GroupByKey()
+            | "BuildRecordPartitions"
+            >> beam.ParDo(
+                _BuildRecordPartition(
+                    self.options, self.partitions, store, state_dir if self.continues else None, self.new_pass
+                )
+            ).with_outputs("incidences", "rejects", "stats", main="records")
+        )
+        capacities = (
+            pbegin
+            | "CapacitiesFile" >> beam.Create([self.options.capacities] if self.options.capacities else [])
+            | "SplitCapacities" >> beam.FlatMap(_split_capacities, self.options.max_contributions, self.partitions)
+        )
+        users = (
+            {"incidences": built.incidences, "capacities": capacities}
+            | "GroupUserPartitions" >> beam.CoGroupByKey()
+            | "BuildUserPartitions" >> beam.FlatMap(_build_user_partition, self.options.max_contributions, store)
+        )
         no_messages = pbegin | "NoAcceptedYet" >> beam.Create([])
         users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
         records = built.records
@@ -549,21 +640,34 @@ class BoundPipeline(beam.PTransform):
             stats.extend(round_stats)
         stats.append(users | "UserStats" >> beam.FlatMap(_user_stats, store))
         finished = records | "FinishRecords" >> beam.ParDo(
-            _FinishRecords(store, state_dir, self.options.output_shards)).with_outputs("stats", main="shards")
+            _FinishRecords(store, state_dir, self.options.output_shards)
+        ).with_outputs("stats", main="shards")
         stats.append(finished.stats)
-        _ = (finished.shards
-             | "GroupShards" >> beam.GroupByKey()
-             | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards))
-        _ = ((read.rejects, built.rejects) | "AllRejects" >> beam.Flatten()
-             | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
-             | "WriteRejects" >> beam.Map(lambda r: storage.write_text(storage.join(work, "rejected.jsonl"),
-                                                                         r.to_jsonl())))
-        return (stats | "AllStats" >> beam.Flatten()
-                | "GroupStats" >> beam.GroupByKey()
-                | "AggregateStats" >> beam.Map(_aggregate_stats)
-                | "CollectStats" >> beam.combiners.ToList()
-                | "WriteSummary" >> beam.Map(lambda stats: storage.write_text(
-                    storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True))))
+        _ = (
+            finished.shards
+            | "GroupShards" >> beam.GroupByKey()
+            | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards)
+        )
+        _ = (
+            (read.rejects, built.rejects)
+            | "AllRejects" >> beam.Flatten()
+            | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
+            | "WriteRejects"
+            >> beam.Map(lambda r: storage.write_text(storage.join(work, "rejected.jsonl"), r.to_jsonl()))
+        )
+        return (
+            stats
+            | "AllStats" >> beam.Flatten()
+            | "GroupStats" >> beam.GroupByKey()
+            | "AggregateStats" >> beam.Map(_aggregate_stats)
+            | "CollectStats" >> beam.combiners.ToList()
+            | "WriteSummary"
+            >> beam.Map(
+                lambda stats: storage.write_text(
+                    storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True)
+                )
+            )
+        )
 
 
 class GroupSizes(beam.PTransform):
@@ -576,23 +680,38 @@ class GroupSizes(beam.PTransform):
 
     def expand(self, pbegin):
         threshold, store, path = self.options.arity_threshold, self.store, self.path
-        read = (pbegin
-                | "ListFiles" >> beam.Create(list(enumerate(self.files)))
-                | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadAndValidate" >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
-                    "rejects", "stats", main="chunks"))
-        return (read.chunks
-                | "GroupRecordPartitions" >> beam.GroupByKey()
-                | "CountGroups" >> beam.MapTuple(lambda part, paths: group_sizes(rec.reject_duplicates(
-                    rec.merge_chunks(sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))),
-                    rec.Rejects()).arity, threshold))
-                | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
-                | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes)))))
+        read = (
+            pbegin
+            | "ListFiles" >> beam.Create(list(enumerate(self.files)))
+            | "SpreadFiles" >> beam.Reshuffle()
+            | "ReadAndValidate"
+            >> beam.ParDo(_ReadFile(self.options.columns, self.partitions, store)).with_outputs(
+                "rejects", "stats", main="chunks"
+            )
+        )
+        return (
+            read.chunks
+            | "GroupRecordPartitions" >> beam.GroupByKey()
+            | "CountGroups"
+            >> beam.MapTuple(
+                lambda part, paths: group_sizes(
+                    rec.reject_duplicates(
+                        rec.merge_chunks(sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))),
+                        rec.Rejects(),
+                    ).arity,
+                    threshold,
+                )
+            )
+            | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
+            | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes))))
+        )
 
 
-def _input_error_in(error: Exception) -> rec.InputError | None:
+def _raise_input_error_in(error: Exception) -> None:
+    """Raise the InputError a worker raised, which the runner wrapped in `error`, if there is one."""
     found = re.search(r"InputError: (.+?)(?: \[while running|\n|$)", str(error))
-    return rec.InputError(found.group(1)) if found else None
+    if found:
+        raise rec.InputError(found.group(1)) from error
 
 
 def _counters(result, namespace: str = NAMESPACE) -> dict[str, int]:
@@ -624,8 +743,10 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     madp option nor a Beam option (a typo such as --min_sep) is an error, not silently dropped."""
     unknown = unknown_beam_args(beam_args)
     if unknown:
-        raise rec.InputError(f"unrecognized option(s) {' '.join(unknown)}: neither an option of this command "
-                             f"nor a Beam pipeline option (check the spelling: madp options use dashes)")
+        raise rec.InputError(
+            f"unrecognized option(s) {' '.join(unknown)}: neither an option of this command "
+            f"nor a Beam pipeline option (check the spelling: madp options use dashes)"
+        )
     options = PipelineOptions(beam_args)
     explicit = options.get_all_options(drop_default=True)
     if "pipeline_type_check" not in explicit:
@@ -647,20 +768,27 @@ def _count_groups(files: list[str], options: BoundOptions, partitions: int, beam
     """One pipeline run that counts the two groups of --order alternate (their sizes place the runs)."""
     path = storage.join(work, "group-sizes.json")
     pipeline = beam.Pipeline(options=beam_options)
-    _ = pipeline | "CountGroups" >> GroupSizes(files, options, partitions,
-                                               PartitionStore(storage.join(work, "group-sizes")), path)
+    _ = pipeline | "CountGroups" >> GroupSizes(
+        files, options, partitions, PartitionStore(storage.join(work, "group-sizes")), path
+    )
     try:
         pipeline.run().wait_until_finish()
     except Exception as error:
-        raise _input_error_in(error) or error
+        _raise_input_error_in(error)
+        raise
     small, large = json.loads(storage.read_text(path))
-    log.info("--order alternate: %d records with at most %d users, %d with more", small,
-             options.arity_threshold, large)
+    log.info("--order alternate: %d records with at most %d users, %d with more", small, options.arity_threshold, large)
     return dataclasses.replace(options, group_sizes=(small, large))
 
 
-def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str],
-             partitions: int = DEFAULT_PARTITIONS, rounds_per_pipeline: int = DEFAULT_ROUNDS_PER_PIPELINE) -> dict:
+def run_beam(
+    input_path: str,
+    output: str,
+    options: BoundOptions,
+    beam_args: list[str],
+    partitions: int = DEFAULT_PARTITIONS,
+    rounds_per_pipeline: int = DEFAULT_ROUNDS_PER_PIPELINE,
+) -> dict:
     """`madp bound --runner <Beam runner>`: chain pipeline runs until the algorithm converges."""
     if partitions < 1 or rounds_per_pipeline < 1:
         raise rec.InputError("--partitions and --rounds-per-pipeline must be at least 1")
@@ -679,26 +807,32 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     counters: list[dict] = []
     invocation = uuid.uuid4().hex[:12]
     while True:
-        block = rounds_per_pipeline if options.max_rounds is None else min(rounds_per_pipeline,
-                                                                            options.max_rounds - len(rounds))
+        block = (
+            rounds_per_pipeline
+            if options.max_rounds is None
+            else min(rounds_per_pipeline, options.max_rounds - len(rounds))
+        )
         log.info("pipeline run %d: pass %d, rounds %d-%d", run_index + 1, passes, len(rounds) + 1, len(rounds) + block)
         pipeline = beam.Pipeline(options=beam_options)
         # Unique per invocation: workers cache static arrays by path.
         run_name = f"{invocation}-run-{run_index:04d}"
-        _ = pipeline | "Bound" >> BoundPipeline(files, output, options, partitions, block, run_name, run_index > 0,
-                                                new_pass)
+        _ = pipeline | "Bound" >> BoundPipeline(
+            files, output, options, partitions, block, run_name, run_index > 0, new_pass
+        )
         try:
             result = pipeline.run()
             result.wait_until_finish()
         except Exception as error:  # the runner wraps what workers raise; bad input must still read clearly
-            raise _input_error_in(error) or error
+            _raise_input_error_in(error)
+            raise
 
         counters.append(_counters(result))
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:
             rejects_file = storage.join(work, "rejected.jsonl")
-            rejects = rec.Rejects.from_jsonl(storage.read_text(rejects_file)
-                                             if storage.kind(rejects_file) == "file" else "")
+            rejects = rec.Rejects.from_jsonl(
+                storage.read_text(rejects_file) if storage.kind(rejects_file) == "file" else ""
+            )
             if len(rejects) and options.on_invalid == "error":
                 prepare_output(output)  # this run's partial selection must not outlive its error
                 storage.clear_directory(work)
@@ -711,11 +845,23 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
             if eligible == 0:
                 break
             eligible = summary[_round_stat(round_index, "eligible")]
-            rounds.append({"round": len(rounds) + 1, "pass": passes,
-                           "selected": summary[_round_stat(round_index, "selected")], "eligible": eligible})
+            rounds.append(
+                {
+                    "round": len(rounds) + 1,
+                    "pass": passes,
+                    "selected": summary[_round_stat(round_index, "selected")],
+                    "eligible": eligible,
+                }
+            )
             pass_rounds += 1
-            log.info("round %d (pass %d): selected %d, %d records still eligible, %.1f s", len(rounds), passes,
-                     rounds[-1]["selected"], eligible, time.perf_counter() - started)
+            log.info(
+                "round %d (pass %d): selected %d, %d records still eligible, %.1f s",
+                len(rounds),
+                passes,
+                rounds[-1]["selected"],
+                eligible,
+                time.perf_counter() - started,
+            )
         run_index, new_pass = run_index + 1, False
         if eligible > 0:
             if options.max_rounds is not None and len(rounds) >= options.max_rounds:
@@ -727,19 +873,34 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         passes, pass_rounds, new_pass = passes + 1, 0, True
     for shard in range(options.output_shards):
         if storage.kind(shard_path(output, shard, options.output_shards)) == "missing":
-            write_selection_shard(shard_path(output, shard, options.output_shards),
-                                  sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)))
-    report = base_report(options, beam_options.view_as(StandardOptions).runner, input_path,
-                         summary.get("input_rows", 0), summary.get("input_records", 0),
-                         summary.get("input_users", 0), rejects, summary.get("repeated_users_removed", 0))
-    report.update(selected_records=summary.get("selected_records", 0),
-                  distinct_selected=summary.get("distinct_selected", 0),
-                  max_user_contribution=summary.get("max_user_contribution", 0), rounds=len(rounds),
-                  passes=passes, converged=converged, per_round=rounds, partitions=partitions,
-                  histograms=histograms(summary),
-                  beam_counters_per_run=counters,
-                  selection_files=selection_manifest(output, options.output_shards),
-                  wall_time_s=round(time.perf_counter() - started, 3))
+            write_selection_shard(
+                shard_path(output, shard, options.output_shards),
+                sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
+            )
+    report = base_report(
+        options,
+        beam_options.view_as(StandardOptions).runner,
+        input_path,
+        summary.get("input_rows", 0),
+        summary.get("input_records", 0),
+        summary.get("input_users", 0),
+        rejects,
+        summary.get("repeated_users_removed", 0),
+    )
+    report.update(
+        selected_records=summary.get("selected_records", 0),
+        distinct_selected=summary.get("distinct_selected", 0),
+        max_user_contribution=summary.get("max_user_contribution", 0),
+        rounds=len(rounds),
+        passes=passes,
+        converged=converged,
+        per_round=rounds,
+        partitions=partitions,
+        histograms=histograms(summary),
+        beam_counters_per_run=counters,
+        selection_files=selection_manifest(output, options.output_shards),
+        wall_time_s=round(time.perf_counter() - started, 3),
+    )
     storage.clear_directory(work)
     write_report(output, report)
     return report

@@ -6,6 +6,7 @@ run: its seeded chunk tasks are the elements, spread over workers, each turned i
 Chunks are seeded by (seed, chunk) and the driver reads them in seed order, so every estimate and
 verification stops where the local one does, whatever the runner and the number of workers.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,12 @@ class ChunkResults(beam.PTransform):
 
     def expand(self, tasks):
         fn = self._fn
-        return (tasks
-                | "SpreadChunks" >> beam.Reshuffle()
-                | "ChunkStatistics" >> beam.MapTuple(lambda index, task: (index, fn(task)))
-                | "Collect" >> beam.combiners.ToList())
+        return (
+            tasks
+            | "SpreadChunks" >> beam.Reshuffle()
+            | "ChunkStatistics" >> beam.MapTuple(lambda index, task: (index, fn(task)))
+            | "Collect" >> beam.combiners.ToList()
+        )
 
 
 class BeamTaskMap:
@@ -49,7 +52,7 @@ class BeamTaskMap:
             self._local = tempfile.TemporaryDirectory(prefix="madp-monte-carlo-")
             self._results_dir = self._local.name
 
-    def __enter__(self) -> "BeamTaskMap":
+    def __enter__(self) -> BeamTaskMap:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -60,10 +63,12 @@ class BeamTaskMap:
         tasks = list(tasks)
         path = FileSystems.join(self._results_dir, f"chunk-results-{uuid.uuid4().hex}.json")
         with beam.Pipeline(options=self._options) as pipeline:
-            _ = (pipeline
-                 | "ChunkTasks" >> beam.Create(list(enumerate(tasks)))
-                 | "MonteCarlo" >> ChunkResults(fn)
-                 | "WriteResults" >> beam.Map(_write_json, path))
+            _ = (
+                pipeline
+                | "ChunkTasks" >> beam.Create(list(enumerate(tasks)))
+                | "MonteCarlo" >> ChunkResults(fn)
+                | "WriteResults" >> beam.Map(_write_json, path)
+            )
         with FileSystems.open(path) as handle:
             results = dict(json.loads(handle.read().decode()))
         FileSystems.delete([path])

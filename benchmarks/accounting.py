@@ -9,6 +9,7 @@ first use with pip; --skip-reference to go without), timed by benchmarks/jax_pri
 
     python benchmarks/accounting.py [--skip-reference] [--skip-calibrations]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,34 +65,53 @@ def reference_python() -> str:
 
 def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon: float, *keep: str) -> dict:
     coefficients = json.dumps(list(sqrt_coefficients(min_sep)))
-    out = subprocess.run([reference_python(), os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
-                          str(steps), str(min_sep), "0.01", str(samples), coefficients, str(sigma), str(epsilon),
-                          *keep], check=True, capture_output=True, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [
+            reference_python(),
+            os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
+            str(steps),
+            str(min_sep),
+            "0.01",
+            str(samples),
+            coefficients,
+            str(sigma),
+            str(epsilon),
+            *keep,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def published_recursion(outputs: np.ndarray, coefficients: np.ndarray, sampling_prob: float, sigma: float,
-                        tail_norms_reversed: bool) -> np.ndarray:
+def published_recursion(
+    outputs: np.ndarray, coefficients: np.ndarray, sampling_prob: float, sigma: float, tail_norms_reversed: bool
+) -> np.ndarray:
     """jax_privacy 2.0.0's b-min-sep privacy loss (the paper's recursion in log space, b = len(coefficients)),
     restated here to locate where it departs from ours: it gives the last b - 1 steps their partial norms
     ||c_i||^2 in reverse order (`tail_norms_reversed`)."""
     steps, bands = outputs.shape[0], len(coefficients)
     padded = np.vstack([outputs, np.zeros((bands, outputs.shape[1]))])
-    dots = sum(c * padded[lag:lag + steps] for lag, c in enumerate(coefficients))
-    partial = np.cumsum(coefficients ** 2)[:-1]
-    norms = np.full(steps, float(np.sum(coefficients ** 2)))
-    norms[steps - bands + 1:] = partial if tail_norms_reversed else partial[::-1]
+    dots = sum(c * padded[lag : lag + steps] for lag, c in enumerate(coefficients))
+    partial = np.cumsum(coefficients**2)[:-1]
+    norms = np.full(steps, float(np.sum(coefficients**2)))
+    norms[steps - bands + 1 :] = partial if tail_norms_reversed else partial[::-1]
     log_f = np.zeros((steps + bands, outputs.shape[1]))
     for i in range(steps - 1, -1, -1):
-        log_f[i] = np.logaddexp(np.log1p(-sampling_prob) + log_f[i + 1],
-                                np.log(sampling_prob) + (2 * dots[i] - norms[i]) / (2 * sigma ** 2) + log_f[i + bands])
+        log_f[i] = np.logaddexp(
+            np.log1p(-sampling_prob) + log_f[i + 1],
+            np.log(sampling_prob) + (2 * dots[i] - norms[i]) / (2 * sigma**2) + log_f[i + bands],
+        )
     return log_f[0]
 
 
 def kernel_timings(with_reference: bool) -> None:
-    print(f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 10 runs (ours) "
-          f"or 3 (jax_privacy) of {SAMPLES} samples; 'per sample' is one sample of one direction:")
+    print(
+        f"\nMonte Carlo, b-min-sep BandMF (bands = b, p = 0.01, k_u = 1, sigma = 1), one core, best of 10 runs (ours) "
+        f"or 3 (jax_privacy) of {SAMPLES} samples; 'per sample' is one sample of one direction:"
+    )
     for steps, min_sep in ((1000, 8), (2000, 16)):
         process = MinSepProcess(steps, min_sep, 0.01, 1, tuple(sqrt_coefficients(min_sep)))
         runs = []
@@ -106,13 +126,17 @@ def kernel_timings(with_reference: bool) -> None:
         started = time.perf_counter()
         published_recursion(outputs, np.asarray(process.coefficients), 0.01, 1.0, tail_norms_reversed=False)
         textbook = (time.perf_counter() - started) / 2048 * 1e6
-        line = (f"  T = {steps}, b = {min_sep}: ours {ours:.1f} us per sample ({2 * ours:.1f} per P + Q pair); "
-                f"numpy step-by-step log-space recursion {textbook:.1f} us")
+        line = (
+            f"  T = {steps}, b = {min_sep}: ours {ours:.1f} us per sample ({2 * ours:.1f} per P + Q pair); "
+            f"numpy step-by-step log-space recursion {textbook:.1f} us"
+        )
         if with_reference and steps == 1000:
             reference = reference_run(steps, min_sep, SAMPLES, 1.0, 4.0)["us_per_sample"]
             mean = (reference["P"] + reference["Q"]) / 2
-            line += (f"; jax_privacy 2.0.0 {reference['P']:.1f} (P) / {reference['Q']:.1f} (Q) us: "
-                     f"{mean / ours:.1f}x (target >= 10x)")
+            line += (
+                f"; jax_privacy 2.0.0 {reference['P']:.1f} (P) / {reference['Q']:.1f} (Q) us: "
+                f"{mean / ours:.1f}x (target >= 10x)"
+            )
         print(line, flush=True)
 
 
@@ -133,15 +157,19 @@ def estimates_agree(with_reference: bool) -> None:
     for (mean, error), under in zip(ours, ("P", "Q")):
         their_mean, their_error = theirs[under]
         gap = abs(mean - their_mean) / max(np.hypot(error, their_error), 1e-300)
-        print(f"    {under}: ours {mean:.5f} +- {error:.5f}, jax_privacy {their_mean:.5f} +- {their_error:.5f} "
-              f"({gap:.1f} standard errors apart)")
+        print(
+            f"    {under}: ours {mean:.5f} +- {error:.5f}, jax_privacy {their_mean:.5f} +- {their_error:.5f} "
+            f"({gap:.1f} standard errors apart)"
+        )
     mine = log_likelihood_ratio(process, sigma, outputs)
     coefficients = np.asarray(process.coefficients)
-    print(f"  log P/Q at jax_privacy's first 2048 outputs under P: ours minus theirs up to "
-          f"{np.abs(mine - their_losses).max():.3g}; their recursion restated here gives theirs to "
-          f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, True) - their_losses).max():.1g}, and with "
-          f"the last b - 1 steps' partial norms in order gives ours to "
-          f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, False) - mine).max():.1g}")
+    print(
+        f"  log P/Q at jax_privacy's first 2048 outputs under P: ours minus theirs up to "
+        f"{np.abs(mine - their_losses).max():.3g}; their recursion restated here gives theirs to "
+        f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, True) - their_losses).max():.1g}, and with "
+        f"the last b - 1 steps' partial norms in order gives ours to "
+        f"{np.abs(published_recursion(outputs, coefficients, 0.01, sigma, False) - mine).max():.1g}"
+    )
 
 
 def worker_scaling() -> None:
@@ -153,13 +181,17 @@ def worker_scaling() -> None:
             estimate_delta(process, 1.0, 2.0, PAIRS, (0,), mapper)
         timings[workers] = time.perf_counter() - started
     for workers, wall in timings.items():
-        print(f"  worker processes {workers}: {wall:.1f} s for {PAIRS:,} P + Q pairs, pool start included: "
-              f"{wall * workers / (2 * PAIRS) * 1e6:.1f} us per sample per core; speed-up {timings[1] / wall:.2f}x")
+        print(
+            f"  worker processes {workers}: {wall:.1f} s for {PAIRS:,} P + Q pairs, pool start included: "
+            f"{wall * workers / (2 * PAIRS) * 1e6:.1f} us per sample per core; speed-up {timings[1] / wall:.2f}x"
+        )
 
 
 def minsep_calibrations() -> None:
-    print("\nmadp calibrate --mechanism bandmf-minsep --epsilon 4 --steps 1000 --sampling-prob 0.01 --min-sep 8 "
-          "--bands 8 --workers 2:")
+    print(
+        "\nmadp calibrate --mechanism bandmf-minsep --epsilon 4 --steps 1000 --sampling-prob 0.01 --min-sep 8 "
+        "--bands 8 --workers 2:"
+    )
     process = MinSepProcess(1000, 8, 0.01, 1, tuple(sqrt_coefficients(8)))
     with tempfile.TemporaryDirectory() as ledger:
         os.environ["MADP_ATTEMPTS_LEDGER"] = os.path.join(ledger, "attempts.jsonl")  # not the user's ledger
@@ -167,10 +199,13 @@ def minsep_calibrations() -> None:
             started = time.perf_counter()
             result = calibrate_minsep(process, 4.0, delta, workers=2)
             wall = time.perf_counter() - started
-            print(f"  delta {delta:g}: sigma {result.value:.4f} ({'verified' if result.verified else 'FALLBACK'}; "
-                  f"estimate {result.estimate:.4f}, fallback {result.fallback:.2f}), candidates tried "
-                  f"{len(result.outcomes)}, samples drawn {sum(result.samples_used):,} of a budget of "
-                  f"{result.samples:,} per candidate; {wall:.0f} s (target <= {target} s)", flush=True)
+            print(
+                f"  delta {delta:g}: sigma {result.value:.4f} ({'verified' if result.verified else 'FALLBACK'}; "
+                f"estimate {result.estimate:.4f}, fallback {result.fallback:.2f}), candidates tried "
+                f"{len(result.outcomes)}, samples drawn {sum(result.samples_used):,} of a budget of "
+                f"{result.samples:,} per candidate; {wall:.0f} s (target <= {target} s)",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ it failed, and the wall time (generation, bounding, batching, calibration, train
 
     python benchmarks/audit.py [--config examples/audit.yaml] [--canaries 1000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,24 +32,43 @@ def main() -> None:
 
     from madp import cli
 
-    runs = (("non-private audit model", ["--non-private"]), ("DP-SGD (the config)", []),
-            ("DP-SGD, noise x 0.01, same claim", ["--testing-only-noise-scale", "0.01"]))
-    print(f"{'audit model':34} {'lower bound':>11} {'claimed':>8} {'correct':>11} {'measurable':>10} "
-          f"{'exit':>4} {'wall s':>7}")
+    runs = (
+        ("non-private audit model", ["--non-private"]),
+        ("DP-SGD (the config)", []),
+        ("DP-SGD, noise x 0.01, same claim", ["--testing-only-noise-scale", "0.01"]),
+    )
+    print(
+        f"{'audit model':34} {'lower bound':>11} {'claimed':>8} {'correct':>11} {'measurable':>10} "
+        f"{'exit':>4} {'wall s':>7}"
+    )
     with tempfile.TemporaryDirectory() as directory:
         for name, flags in runs:
             started = time.perf_counter()
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                code = cli.main(["-q", "audit", args.config, "--set", f"run_dir={directory}",
-                                 "--canaries", str(args.canaries), *flags])
+                code = cli.main(
+                    [
+                        "-q",
+                        "audit",
+                        args.config,
+                        "--set",
+                        f"run_dir={directory}",
+                        "--canaries",
+                        str(args.canaries),
+                        *flags,
+                    ]
+                )
             wall = time.perf_counter() - started
             result = json.loads(printed.getvalue())
             claimed = result["claimed_epsilon"]
-            print(f"{name:34} {result['epsilon_lower_bound']:>11.3f} "
-                  f"{'none' if claimed is None else f'{claimed:.3f}':>8} "
-                  f"{result['correct_guesses']:>5} / {result['guesses']:<4} {result['largest_measurable_epsilon']:>10.3f} "
-                  f"{code:>4} {wall:>7.1f}", flush=True)
+            print(
+                f"{name:34} {result['epsilon_lower_bound']:>11.3f} "
+                f"{'none' if claimed is None else f'{claimed:.3f}':>8} "
+                f"{result['correct_guesses']:>5} / {result['guesses']:<4} "
+                f"{result['largest_measurable_epsilon']:>10.3f} "
+                f"{code:>4} {wall:>7.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

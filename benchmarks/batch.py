@@ -13,6 +13,7 @@ Targets (issue 3): local sampling >= 1M pairs/s; DirectRunner within 5x of local
 
     python benchmarks/batch.py [--records 1000000] [--steps 1000] [--batch-size 1000] [--min-sep 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,50 +65,75 @@ def main() -> None:
 
     logging.disable(logging.INFO)
     options = batching.BatchOptions(steps=args.steps, batch_size=args.batch_size, min_sep=args.min_sep)
-    results: dict = {"records": args.records, "steps": args.steps, "batch_size": args.batch_size,
-                     "min_sep": args.min_sep}
+    results: dict = {
+        "records": args.records,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "min_sep": args.min_sep,
+    }
     with tempfile.TemporaryDirectory() as directory:
         selected, data = prepare(directory, args.records)
-        fastest, _, dataset = best_of(args.repeats, lambda: batching.load(selected, data, options,
-                                                                           os.path.join(directory, "out")))
+        fastest, _, dataset = best_of(
+            args.repeats, lambda: batching.load(selected, data, options, os.path.join(directory, "out"))
+        )
         results["selected_records"] = len(dataset.copies)
         results["local_reading_s"] = round(fastest, 3)
         fastest, slowest, sampled = best_of(args.repeats, lambda: batching.minsep_rows(dataset, options))
         rows = len(sampled.record)
-        results["local_sampling"] = {"s": round(fastest, 3), "slowest_s": round(slowest, 3), "rows": rows,
-                                     "pairs_per_s": round(rows / fastest)}
+        results["local_sampling"] = {
+            "s": round(fastest, 3),
+            "slowest_s": round(slowest, 3),
+            "rows": rows,
+            "pairs_per_s": round(rows / fastest),
+        }
 
         def local_end_to_end():
             return batching.run_local(selected, data, os.path.join(directory, "local"), options)
 
         fastest, slowest, report = best_of(args.repeats, local_end_to_end)
-        results["local_end_to_end"] = {"s": round(fastest, 3), "slowest_s": round(slowest, 3),
-                                       "pairs_per_s": round(rows / fastest)}
+        results["local_end_to_end"] = {
+            "s": round(fastest, 3),
+            "slowest_s": round(slowest, 3),
+            "pairs_per_s": round(rows / fastest),
+        }
         files = [f for f in os.listdir(os.path.join(directory, "local")) if f.endswith(".tfrecord")]
         results["tfrecord_bytes"] = sum(os.path.getsize(os.path.join(directory, "local", f)) for f in files)
         # Derived: end to end minus reading and sampling, each the fastest of its own runs.
-        results["local_writing_s"] = round(results["local_end_to_end"]["s"] - results["local_reading_s"]
-                                           - results["local_sampling"]["s"], 3)
+        results["local_writing_s"] = round(
+            results["local_end_to_end"]["s"] - results["local_reading_s"] - results["local_sampling"]["s"], 3
+        )
 
-        fastest, slowest, _ = best_of(args.repeats, lambda: run_beam(
-            selected, data, os.path.join(directory, "beam"), options, ["--runner", "DirectRunner"]))
-        results["direct_runner_end_to_end"] = {"s": round(fastest, 3), "slowest_s": round(slowest, 3),
-                                               "pairs_per_s": round(rows / fastest)}
+        fastest, slowest, _ = best_of(
+            args.repeats,
+            lambda: run_beam(selected, data, os.path.join(directory, "beam"), options, ["--runner", "DirectRunner"]),
+        )
+        results["direct_runner_end_to_end"] = {
+            "s": round(fastest, 3),
+            "slowest_s": round(slowest, 3),
+            "pairs_per_s": round(rows / fastest),
+        }
         results["direct_over_local"] = round(fastest / results["local_end_to_end"]["s"], 2)
 
         scaling = []
         for fraction in (0.25, 0.5, 1.0):
             steps = max(1, int(args.steps * fraction))
             scaled = batching.BatchOptions(steps=steps, batch_size=args.batch_size, min_sep=args.min_sep)
-            fastest, _, sampled = best_of(args.repeats, lambda: batching.minsep_rows(dataset, scaled))
-            scaling.append({"steps": steps, "rows": len(sampled.record), "s": round(fastest, 3),
-                            "us_per_row": round(1e6 * fastest / max(1, len(sampled.record)), 3)})
+            fastest, _, sampled = best_of(args.repeats, lambda scaled=scaled: batching.minsep_rows(dataset, scaled))
+            scaling.append(
+                {
+                    "steps": steps,
+                    "rows": len(sampled.record),
+                    "s": round(fastest, 3),
+                    "us_per_row": round(1e6 * fastest / max(1, len(sampled.record)), 3),
+                }
+            )
         results["sampling_scaling"] = scaling
         # Cost per extra row between the smallest and largest size: the rest is per-record set-up
         # (unit keys, neighbourhood sizes, calibration of p), independent of the number of steps.
         extra_rows = scaling[-1]["rows"] - scaling[0]["rows"]
-        results["sampling_marginal_us_per_row"] = round(1e6 * (scaling[-1]["s"] - scaling[0]["s"])
-                                                        / max(1, extra_rows), 3)
+        results["sampling_marginal_us_per_row"] = round(
+            1e6 * (scaling[-1]["s"] - scaling[0]["s"]) / max(1, extra_rows), 3
+        )
         results["mean_batch_size"] = report["batch_sizes"]["mean"]
     print(json.dumps(results, indent=2))
 

@@ -13,6 +13,7 @@ local under 4 GB peak memory at 10M records.
 
     python benchmarks/bound.py [--records 2000000] [--memory-records 10000000] [-k 3] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,24 +44,34 @@ def measure(mode: str, data: str, k: int, output: str) -> dict:
         started = time.perf_counter()
         if mode == "greedy":
             from reference import sequential_greedy
+
             keys = preference_keys(chunk.ids, chunk.arity, "arity", 0)
             order = np.lexsort((np.arange(len(chunk)), keys[1], keys[0])).tolist()
             users, offsets = chunk.users.to_numpy().tolist(), chunk.offsets.tolist()
-            record_users = [users[offsets[i]:offsets[i + 1]] for i in range(len(chunk))]
+            record_users = [users[offsets[i] : offsets[i + 1]] for i in range(len(chunk))]
             copies = np.array(sequential_greedy(order, record_users, {}, k))
             rounds = None
         else:
             result = bound_records(chunk, options, Capacities(k))
             copies, rounds = result.copies, len(result.rounds)
-        return {"wall_s": time.perf_counter() - started, "records": len(chunk), "selected": int(copies.sum()),
-                "rounds": rounds}
+        return {
+            "wall_s": time.perf_counter() - started,
+            "records": len(chunk),
+            "selected": int(copies.sum()),
+            "rounds": rounds,
+        }
     if mode == "local":
         report = run_local(data, output, options)
     else:
         from beam_pipelines.bound import run_beam
+
         report = run_beam(data, output, options, ["--runner", "DirectRunner"])
-    return {"wall_s": report["wall_time_s"], "records": report["input_records"],
-            "selected": report["selected_records"], "rounds": report["rounds"]}
+    return {
+        "wall_s": report["wall_time_s"],
+        "records": report["input_records"],
+        "selected": report["selected_records"],
+        "rounds": report["rounds"],
+    }
 
 
 def best_of(repeats: int, mode: str, data: str, k: int, work: str) -> dict:
@@ -72,9 +83,23 @@ def best_of(repeats: int, mode: str, data: str, k: int, work: str) -> dict:
 
 def child(mode: str, data: str, k: int, work: str) -> dict:
     """Run `measure` in a fresh process; add its peak resident memory."""
-    process = subprocess.Popen([sys.executable, __file__, "--child", mode, "--data", data, "-k", str(k),
-                                "--output", os.path.join(work, f"out-{mode}")],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--data",
+            data,
+            "-k",
+            str(k),
+            "--output",
+            os.path.join(work, f"out-{mode}"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     out = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)
     if status != 0:
@@ -85,8 +110,25 @@ def child(mode: str, data: str, k: int, work: str) -> dict:
 
 
 def generate(records: int, path: str) -> None:
-    subprocess.run([sys.executable, "-m", "madp.cli", "-q", "generate", path, "--records", str(records),
-                    "--graph", "skewed", "--seed", "1"], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "madp.cli",
+            "-q",
+            "generate",
+            path,
+            "--records",
+            str(records),
+            "--graph",
+            "skewed",
+            "--seed",
+            "1",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
 
 
 def main() -> None:
@@ -106,8 +148,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="madp-bench-") as work:
         data = os.path.join(work, "records")
         generate(args.records, data)
-        results = {mode: best_of(args.repeats, mode, data, args.k, work)
-                   for mode in ("greedy", "local-kernels", "local", "direct")}
+        results = {
+            mode: best_of(args.repeats, mode, data, args.k, work)
+            for mode in ("greedy", "local-kernels", "local", "direct")
+        }
         if args.memory_records:
             big = os.path.join(work, "records-big")
             generate(args.memory_records, big)
@@ -116,17 +160,26 @@ def main() -> None:
     print(f"skewed graph, {args.records:,} records, mean arity 2, K = {args.k}; best of {args.repeats} runs")
     print(f"{'run':<22}{'wall s':>9}{'slowest':>9}{'records/s':>13}{'rounds':>8}{'kept':>8}{'peak MB':>9}")
     for name, r in results.items():
-        print(f"{name:<22}{r['wall_s']:>9.2f}{r['slowest_s']:>9.2f}{r['records'] / r['wall_s']:>13,.0f}"
-              f"{r['rounds'] or '-':>8}{r['selected'] / r['records']:>8.1%}{r['peak_rss_mb']:>9}")
-    assert len({results[m]["selected"] for m in ("greedy", "local-kernels", "local", "direct")}) == 1, \
+        print(
+            f"{name:<22}{r['wall_s']:>9.2f}{r['slowest_s']:>9.2f}{r['records'] / r['wall_s']:>13,.0f}"
+            f"{r['rounds'] or '-':>8}{r['selected'] / r['records']:>8.1%}{r['peak_rss_mb']:>9}"
+        )
+    assert len({results[m]["selected"] for m in ("greedy", "local-kernels", "local", "direct")}) == 1, (
         "all approaches must select the same number of records"
-    print(f"local-kernels speed-up over greedy: {results['greedy']['wall_s'] / results['local-kernels']['wall_s']:.1f}x"
-          " (target >= 3x)")
-    print(f"DirectRunner / local wall time:    {results['direct']['wall_s'] / results['local']['wall_s']:.1f}x"
-          " (target <= 5x)")
+    )
+    print(
+        f"local-kernels speed-up over greedy: {results['greedy']['wall_s'] / results['local-kernels']['wall_s']:.1f}x"
+        " (target >= 3x)"
+    )
+    print(
+        f"DirectRunner / local wall time:    {results['direct']['wall_s'] / results['local']['wall_s']:.1f}x"
+        " (target <= 5x)"
+    )
     if args.memory_records:
-        print(f"local peak memory at {args.memory_records:,} records: "
-              f"{results[f'local@{args.memory_records:,}']['peak_rss_mb']} MB (target < 4096 MB)")
+        print(
+            f"local peak memory at {args.memory_records:,} records: "
+            f"{results[f'local@{args.memory_records:,}']['peak_rss_mb']} MB (target < 4096 MB)"
+        )
 
 
 if __name__ == "__main__":

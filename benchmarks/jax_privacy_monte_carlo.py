@@ -7,6 +7,7 @@ prints one JSON object: microseconds per sample in each direction (best of 3 run
 direction's hockey-stick estimate of delta(EPSILON) with its standard error (from all 3 runs). With NPZ,
 it also saves the first 2048 outputs drawn under P and jax_privacy's privacy losses at them.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,14 @@ def main() -> None:
         runs, terms = [], []
         for seed in range(3):
             started = time.perf_counter()
-            losses, _ = sample_generation.get_privacy_loss_sample(strategy, sigma, coefficients, seed=seed,
-                                                                  positive_sample=positive, num_samples=samples)
+            losses, _ = sample_generation.get_privacy_loss_sample(
+                strategy, sigma, coefficients, seed=seed, positive_sample=positive, num_samples=samples
+            )
             runs.append((time.perf_counter() - started) / samples * 1e6)
             if len(sys.argv) > 8 and positive and seed == 0:
                 kept_losses, kept_outputs = sample_generation.get_privacy_loss_sample(
-                    strategy, sigma, coefficients, seed=seed, positive_sample=True, num_samples=2048)
+                    strategy, sigma, coefficients, seed=seed, positive_sample=True, num_samples=2048
+                )
                 np.savez(sys.argv[8], outputs=kept_outputs, losses=kept_losses)
             # losses are log P/Q under P and log Q/P under Q: delta = E[(1 - e^(eps - loss))_+]
             terms.append(np.clip(-np.expm1(epsilon - np.asarray(losses)), 0.0, None))

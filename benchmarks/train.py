@@ -8,6 +8,7 @@ clipping (Dense-only models); `dp-sgd-per-example-gradients` is the general path
 
     python benchmarks/train.py [--model mlp] [--batch-size 1024] [--steps 100] [--bands 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,18 +51,26 @@ def main() -> None:
             return NonPrivateStep(model, loss, optimizer)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         key = SecretKey.fresh()
-        query = (BandMfQuery(1.0, 1.0, key, tuple(sqrt_coefficients(args.bands).tolist()), template)
-                 if kind.startswith("bandmf") else DpSgdQuery(1.0, 1.0, key))
-        return PrivateStep(model, loss, optimizer, query, float(args.batch_size),
-                           fast=kind != "dp-sgd-per-example-gradients")
+        query = (
+            BandMfQuery(1.0, 1.0, key, tuple(sqrt_coefficients(args.bands).tolist()), template)
+            if kind.startswith("bandmf")
+            else DpSgdQuery(1.0, 1.0, key)
+        )
+        return PrivateStep(
+            model, loss, optimizer, query, float(args.batch_size), fast=kind != "dp-sgd-per-example-gradients"
+        )
 
     def run(step, steps: int) -> None:
         for _ in range(steps):
             step(x, y, weight)
         step.model.trainable_variables[0].numpy()  # wait for the last update
 
-    results = {"model": args.model, "batch_size": args.batch_size, "device": "GPU" if tf.config.list_physical_devices("GPU")
-               else "CPU", "steps": args.steps}
+    results = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU",
+        "steps": args.steps,
+    }
     for kind in ("non-private", "dp-sgd", f"bandmf-{args.bands}", "dp-sgd-per-example-gradients"):
         step = make(kind)
         run(step, 5)  # trace
@@ -70,10 +79,16 @@ def main() -> None:
             started = time.perf_counter()
             run(step, args.steps)
             times.append(time.perf_counter() - started)
-        results[kind] = {"steps_per_s": round(args.steps / min(times), 2), "slowest_steps_per_s":
-                         round(args.steps / max(times), 2)}
-    results["dp_sgd_over_non_private"] = round(results["non-private"]["steps_per_s"] / results["dp-sgd"]["steps_per_s"], 2)
-    results["bandmf_over_dp_sgd"] = round(results["dp-sgd"]["steps_per_s"] / results[f"bandmf-{args.bands}"]["steps_per_s"], 2)
+        results[kind] = {
+            "steps_per_s": round(args.steps / min(times), 2),
+            "slowest_steps_per_s": round(args.steps / max(times), 2),
+        }
+    results["dp_sgd_over_non_private"] = round(
+        results["non-private"]["steps_per_s"] / results["dp-sgd"]["steps_per_s"], 2
+    )
+    results["bandmf_over_dp_sgd"] = round(
+        results["dp-sgd"]["steps_per_s"] / results[f"bandmf-{args.bands}"]["steps_per_s"], 2
+    )
     print(json.dumps(results, indent=2))
 
 

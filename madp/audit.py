@@ -14,6 +14,7 @@ highest "excluded", and turns the correct guesses into a lower bound on epsilon
 Everything is written under `run_dir/audit/` (or `--output`): its own records, selection, batches
 and model. The job's own outputs are never touched.
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,21 +43,25 @@ DEFAULT_DIRECTORY = "audit"
 class AuditOptions:
     canaries: int = 1000
     confidence: float = 0.95
-    canary_norm: float = 10.0     # canary features' norm, in units of the real records' median feature norm
-    shared: float = 0.5           # fraction of canaries that share one record with another canary
-    output: str | None = None     # default run_dir/audit
-    non_private: bool = False     # train the audit model without privacy (what the audit sees with none)
+    canary_norm: float = 10.0  # canary features' norm, in units of the real records' median feature norm
+    shared: float = 0.5  # fraction of canaries that share one record with another canary
+    output: str | None = None  # default run_dir/audit
+    non_private: bool = False  # train the audit model without privacy (what the audit sees with none)
     testing_noise_scale: float = 1.0
-    seed: int | None = None       # None: fresh secret inclusion and content
+    seed: int | None = None  # None: fresh secret inclusion and content
 
     def __post_init__(self) -> None:
-        checks = [(self.canaries >= 2, "--canaries must be at least 2"),
-                  (0 < self.confidence < 1, "--confidence must be in (0, 1)"),
-                  (self.canary_norm > 0, "--canary-norm must be positive"),
-                  (0 <= self.shared <= 1, "--shared must be in [0, 1]"),
-                  (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
-                  (not (self.non_private and self.testing_noise_scale != 1.0),
-                   "--non-private trains without noise: drop --testing-only-noise-scale")]
+        checks = [
+            (self.canaries >= 2, "--canaries must be at least 2"),
+            (0 < self.confidence < 1, "--confidence must be in (0, 1)"),
+            (self.canary_norm > 0, "--canary-norm must be positive"),
+            (0 <= self.shared <= 1, "--shared must be in [0, 1]"),
+            (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+            (
+                not (self.non_private and self.testing_noise_scale != 1.0),
+                "--non-private trains without noise: drop --testing-only-noise-scale",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)
@@ -67,24 +72,28 @@ OPTION_KEYS = tuple(f.name for f in dataclasses.fields(AuditOptions))
 
 # --- canaries -----------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Canaries:
-    users: list                   # the m canary user ids
-    included: np.ndarray          # bool [m]
-    record_ids: list              # canary record ids
-    owners: list[tuple[int, ...]] # indices into `users` of each record's users
-    table: pa.Table               # the canary records, in the real records' schema
+    users: list  # the m canary user ids
+    included: np.ndarray  # bool [m]
+    record_ids: list  # canary record ids
+    owners: list[tuple[int, ...]]  # indices into `users` of each record's users
+    table: pa.Table  # the canary records, in the real records' schema
 
 
-def plant(real_files: list[str], columns: Columns, features: str, label: str, options: AuditOptions,
-          rng: np.random.Generator) -> Canaries:
+def plant(
+    real_files: list[str], columns: Columns, features: str, label: str, options: AuditOptions, rng: np.random.Generator
+) -> Canaries:
     """m canary users and their records, with ids no real record or user has, and content of the
     real records' types: features of norm `canary_norm` x the real median, labels drawn from the real ones."""
     ids, users, sample = _real_ids(real_files, columns)
     names = tuple(sample.column_names)
     if features not in names or label not in names:
-        raise InputError(f"the audit plants canaries in the content columns {features!r} and {label!r} "
-                         f"(the train section's features and label), but {real_files[0]} has {list(names)}")
+        raise InputError(
+            f"the audit plants canaries in the content columns {features!r} and {label!r} "
+            f"(the train section's features and label), but {real_files[0]} has {list(names)}"
+        )
     m = options.canaries
     canary_users = _fresh_ids(users, m, "madp-canary-user-")
     pairs = rng.permutation(m)[: 2 * int(options.shared * m / 2)].reshape(-1, 2)
@@ -98,8 +107,9 @@ def plant(real_files: list[str], columns: Columns, features: str, label: str, op
     chosen = rng.choice(np.unique(labels), size=len(owners))
     table = _content_table(sample, names, features, label, pattern, chosen, len(owners))
     table = table.append_column(columns.id, pa.array(record_ids, type=ids.type))
-    table = table.append_column(columns.users, pa.array([[canary_users[i] for i in o] for o in owners],
-                                                        type=pa.list_(users.type)))
+    table = table.append_column(
+        columns.users, pa.array([[canary_users[i] for i in o] for o in owners], type=pa.list_(users.type))
+    )
     included = rng.random(m) < 0.5
     return Canaries(users=canary_users, included=included, record_ids=record_ids, owners=owners, table=table)
 
@@ -119,12 +129,17 @@ def canary_patterns(rng: np.random.Generator, own: int, shared: int, width: int)
 
 def _real_ids(files: list[str], columns: Columns) -> tuple[pa.Array, pa.Array, pa.Table]:
     """Every real record id and user id (to pick fresh ones), and the content of the first file's records."""
-    chunks = [read_file(path, index, columns, content_columns(path, columns) if index == 0 else None).chunk
-              for index, path in enumerate(files)]
+    chunks = [
+        read_file(path, index, columns, content_columns(path, columns) if index == 0 else None).chunk
+        for index, path in enumerate(files)
+    ]
     if len(chunks[0]) == 0:
         raise InputError(f"{files[0]}: no valid record to take the content types from")
-    return (pa.chunked_array([c.ids for c in chunks]).combine_chunks(),
-            pa.chunked_array([c.users for c in chunks]).combine_chunks(), chunks[0].content)
+    return (
+        pa.chunked_array([c.ids for c in chunks]).combine_chunks(),
+        pa.chunked_array([c.users for c in chunks]).combine_chunks(),
+        chunks[0].content,
+    )
 
 
 def _fresh_ids(taken: pa.Array, count: int, prefix: str) -> list:
@@ -140,17 +155,25 @@ def _fresh_ids(taken: pa.Array, count: int, prefix: str) -> list:
     return names
 
 
-def _content_table(sample: pa.Table, names: tuple[str, ...], features: str, label: str,
-                   pattern: np.ndarray, labels: np.ndarray, rows: int) -> pa.Table:
+def _content_table(
+    sample: pa.Table,
+    names: tuple[str, ...],
+    features: str,
+    label: str,
+    pattern: np.ndarray,
+    labels: np.ndarray,
+    rows: int,
+) -> pa.Table:
     arrays = {}
     for name in names:
         kind = sample.schema.field(name).type
         if name == features:
             flat = pa.array(pattern.ravel(), type=kind.value_type)
-            arrays[name] = (pa.FixedSizeListArray.from_arrays(flat, pattern.shape[1])
-                            if pa.types.is_fixed_size_list(kind) else
-                            pa.ListArray.from_arrays(pa.array(np.arange(rows + 1) * pattern.shape[1], pa.int32()),
-                                                     flat)).cast(kind)
+            arrays[name] = (
+                pa.FixedSizeListArray.from_arrays(flat, pattern.shape[1])
+                if pa.types.is_fixed_size_list(kind)
+                else pa.ListArray.from_arrays(pa.array(np.arange(rows + 1) * pattern.shape[1], pa.int32()), flat)
+            ).cast(kind)
         elif name == label:
             arrays[name] = pa.array(labels.tolist(), type=kind)
         else:
@@ -160,8 +183,11 @@ def _content_table(sample: pa.Table, names: tuple[str, ...], features: str, labe
 
 def zeroed_records(canaries: Canaries) -> list:
     """Ids of the canary records with an excluded owner: the zero-out neighbour replaces them."""
-    return [rid for rid, owners in zip(canaries.record_ids, canaries.owners)
-            if not all(canaries.included[i] for i in owners)]
+    return [
+        rid
+        for rid, owners in zip(canaries.record_ids, canaries.owners)
+        if not all(canaries.included[i] for i in owners)
+    ]
 
 
 def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
@@ -177,11 +203,13 @@ def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 
 # --- the audit job ------------------------------------------------------------------------------
 
+
 def audit_options(config: dict, flags: dict) -> AuditOptions:
     """The config's audit section, overridden by command-line flags (those not None)."""
     if not all(config.get(name) for name in ("bound", "batch", "calibrate", "train")):
-        raise InputError("config: an audit trains the config's model, so it needs bound, batch, calibrate and "
-                         "train sections")
+        raise InputError(
+            "config: an audit trains the config's model, so it needs bound, batch, calibrate and train sections"
+        )
     section = config.get("audit") or {}
     if not isinstance(section, dict):
         raise InputError("config audit: a mapping of options (canaries, confidence, ...)")
@@ -192,8 +220,11 @@ def audit_options(config: dict, flags: dict) -> AuditOptions:
     kinds = {f.name: f.type for f in dataclasses.fields(AuditOptions)}
     for key, value in merged.items():
         expected = {"int": int, "float": (int, float), "bool": bool}.get(kinds[key].split(" |")[0])
-        if value is not None and expected and (not isinstance(value, expected) or
-                                               (isinstance(value, bool) and expected is not bool)):
+        if (
+            value is not None
+            and expected
+            and (not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool))
+        ):
             raise InputError(f"config audit.{key}: expected {kinds[key].split(' |')[0]}, got {value!r}")
     return AuditOptions(**merged)
 
@@ -205,10 +236,13 @@ def audit_directory(config: dict, options: AuditOptions) -> str:
     if options.output is None:
         return default
     output, job = _normalized(options.output), _normalized(run_dir)
-    if output != _normalized(default) and (output == job or output.startswith(job + os.sep)
-                                            or job.startswith(output + os.sep)):
-        raise InputError(f"audit output {options.output}: inside or around run_dir {run_dir}, where the job's "
-                         f"outputs are; use {default} or a directory outside it")
+    if output != _normalized(default) and (
+        output == job or output.startswith(job + os.sep) or job.startswith(output + os.sep)
+    ):
+        raise InputError(
+            f"audit output {options.output}: inside or around run_dir {run_dir}, where the job's "
+            f"outputs are; use {default} or a directory outside it"
+        )
     return options.output
 
 
@@ -218,6 +252,7 @@ def _normalized(path: str) -> str:
 
 def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool = False) -> dict:
     from madp import cli, run
+
     config = run.load_config(config_path, overrides)
     options = audit_options(config, flags)
     parser = cli._parser()
@@ -229,6 +264,7 @@ def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool =
 
 def _audit(config_path: str, config: dict, options: AuditOptions, directory: str, parser, force: bool) -> dict:
     from madp import cli, run
+
     path = lambda name: storage.join(directory, name)  # noqa: E731
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
@@ -244,8 +280,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
         real = path("records")
         eval_data = path("test.parquet") if generate.get("holdout") else None
     real_files = list_input_files(real)
-    canaries = plant(real_files, columns, train.get("features", "features"), train.get("label", "label"),
-                     options, rng)
+    canaries = plant(real_files, columns, train.get("features", "features"), train.get("label", "label"), options, rng)
     inputs = path("input")
     storage.clear_directory(inputs)
     for index, source in enumerate(real_files):
@@ -260,10 +295,19 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     train["zero_out"] = path(ZERO_OUT_FILE)
     if options.testing_noise_scale != 1.0:
         train["testing_only_noise_scale"] = options.testing_noise_scale
-    job = {"run_dir": directory, "input": inputs, "bound": config["bound"], "batch": config["batch"],
-           "calibrate": config["calibrate"], "train": {**train, "baseline": options.non_private}}
-    stages = [s for s in run.plan_stages(job, parser)
-              if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))]
+    job = {
+        "run_dir": directory,
+        "input": inputs,
+        "bound": config["bound"],
+        "batch": config["batch"],
+        "calibrate": config["calibrate"],
+        "train": {**train, "baseline": options.non_private},
+    }
+    stages = [
+        s
+        for s in run.plan_stages(job, parser)
+        if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))
+    ]
     run._run_stages(directory, config_path, stages, parser, force)
 
     model_dir = path("baseline" if options.non_private else "train")
@@ -278,6 +322,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
 
 def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
     from tf_training.trainer import load_trained
+
     column = canaries.table.column(train_options.features)
     x = np.stack(column.to_numpy(zero_copy_only=False)).astype(np.float32)
     y = np.asarray(canaries.table.column(train_options.label).to_numpy(zero_copy_only=False), np.float32)
@@ -285,41 +330,77 @@ def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
     return np.asarray(loss_fn(y, model(x, training=False)), dtype=np.float64)
 
 
-def _write(directory: str, config_path: str, options: AuditOptions, key: SecretKey, canaries: Canaries,
-           scores: np.ndarray, result, privacy: dict) -> dict:
+def _write(
+    directory: str,
+    config_path: str,
+    options: AuditOptions,
+    key: SecretKey,
+    canaries: Canaries,
+    scores: np.ndarray,
+    result,
+    privacy: dict,
+) -> dict:
     claimed = None if privacy.get("mechanism") == "none" else privacy.get("epsilon")
     refuted = claimed is not None and result.epsilon_lower_bound > claimed
     if claimed is not None and claimed >= result.measurable:
-        log.warning("the audit cannot refute epsilon %.3g: with %d canaries it measures at most %.3g; "
-                    "plant more canaries (--canaries) for a sharper audit", claimed, result.canaries,
-                    result.measurable)
+        log.warning(
+            "the audit cannot refute epsilon %.3g: with %d canaries it measures at most %.3g; "
+            "plant more canaries (--canaries) for a sharper audit",
+            claimed,
+            result.canaries,
+            result.measurable,
+        )
     audit = {
-        "config": config_path, "output": directory,
-        "canaries": result.canaries, "canary_records": len(canaries.record_ids),
+        "config": config_path,
+        "output": directory,
+        "canaries": result.canaries,
+        "canary_records": len(canaries.record_ids),
         "shared_records": sum(len(o) > 1 for o in canaries.owners),
         "included": int(canaries.included.sum()),
-        "guesses": result.guesses, "correct_guesses": result.correct,
-        "epsilon_lower_bound": round(result.epsilon_lower_bound, 4), "confidence": result.confidence,
+        "guesses": result.guesses,
+        "correct_guesses": result.correct,
+        "epsilon_lower_bound": round(result.epsilon_lower_bound, 4),
+        "confidence": result.confidence,
         "largest_measurable_epsilon": round(result.measurable, 4),
-        "delta": result.delta, "claimed_epsilon": claimed, "mechanism": privacy.get("mechanism"),
-        "noise_multiplier": privacy.get("noise_multiplier"), "noise": privacy.get("noise"),
-        "non_private": options.non_private, "testing_noise_scale": options.testing_noise_scale,
+        "delta": result.delta,
+        "claimed_epsilon": claimed,
+        "mechanism": privacy.get("mechanism"),
+        "noise_multiplier": privacy.get("noise_multiplier"),
+        "noise": privacy.get("noise"),
+        "non_private": options.non_private,
+        "testing_noise_scale": options.testing_noise_scale,
         "can_refute_claim": claimed is not None and claimed < result.measurable,
         "audit_model_private": bool(privacy.get("private")),
-        "inclusion": key.status, "candidates": list(result.candidates),
+        "inclusion": key.status,
+        "candidates": list(result.candidates),
         "ok": not refuted,
-        "verdict": ("REFUTED: the measured lower bound exceeds the claimed epsilon" if refuted else
-                    "no claim to check (non-private model)" if claimed is None else
-                    "consistent: the measured lower bound does not exceed the claimed epsilon"),
-        "per_canary": [{"user": user, "included": bool(included), "score": round(float(score), 6)}
-                       for user, included, score in zip(canaries.users, canaries.included, scores)],
+        "verdict": (
+            "REFUTED: the measured lower bound exceeds the claimed epsilon"
+            if refuted
+            else "no claim to check (non-private model)"
+            if claimed is None
+            else "consistent: the measured lower bound does not exceed the claimed epsilon"
+        ),
+        "per_canary": [
+            {"user": user, "included": bool(included), "score": round(float(score), 6)}
+            for user, included, score in zip(canaries.users, canaries.included, scores)
+        ],
     }
     storage.write_text(storage.join(directory, AUDIT_FILE), json.dumps(audit, indent=2))
-    log.info("audit: %d of %d guesses correct on %d canaries: epsilon >= %.3f at %.0f%% confidence (claimed %s)",
-             result.correct, result.guesses, result.canaries, result.epsilon_lower_bound,
-             100 * result.confidence, claimed)
+    log.info(
+        "audit: %d of %d guesses correct on %d canaries: epsilon >= %.3f at %.0f%% confidence (claimed %s)",
+        result.correct,
+        result.guesses,
+        result.canaries,
+        result.epsilon_lower_bound,
+        100 * result.confidence,
+        claimed,
+    )
     if refuted:
-        raise CheckFailed(f"the audit refutes the claimed guarantee: epsilon >= {result.epsilon_lower_bound:.3f} "
-                          f"at {100 * result.confidence:.0f}% confidence, above the claimed {claimed} "
-                          f"(delta {result.delta:g}); see {storage.join(directory, AUDIT_FILE)}", audit)
+        raise CheckFailed(
+            f"the audit refutes the claimed guarantee: epsilon >= {result.epsilon_lower_bound:.3f} "
+            f"at {100 * result.confidence:.0f}% confidence, above the claimed {claimed} "
+            f"(delta {result.delta:g}); see {storage.join(directory, AUDIT_FILE)}",
+            audit,
+        )
     return {k: v for k, v in audit.items() if k != "per_canary"}

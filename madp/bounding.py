@@ -12,6 +12,7 @@ data too") run in that order: a record proposed by all its owners cannot be reje
 and every record removed for saturation is also rejected by it; the globally first undecided
 record is accepted in every round, so the rounds terminate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ class AlternateRuns:
     """The bias-mitigating order of It's my data too (Sec. 5.5, App. C.5): runs of `small_run` records
     with at most `threshold` users alternating with runs of `large_run` records with more; the group
     sizes place the run boundaries, so the order is a function of the record (universal)."""
+
     threshold: int
     small_run: int
     large_run: int
@@ -41,14 +43,22 @@ class AlternateRuns:
         """Primary keys 2 j (small) and 2 j + 1 (large) of run j, a record's rank in its group being
         estimated by its `position` in [0, 1): the uniform id hash, which also orders each run."""
         small = arity <= self.threshold
-        runs = np.where(small, np.floor(position * self.small_records / self.small_run),
-                        np.floor(position * self.large_records / self.large_run))
+        runs = np.where(
+            small,
+            np.floor(position * self.small_records / self.small_run),
+            np.floor(position * self.large_records / self.large_run),
+        )
         return 2 * runs + (~small)
 
 
-def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
-                    weights: np.ndarray | None = None,
-                    alternate: AlternateRuns | None = None) -> tuple[np.ndarray, np.ndarray]:
+def preference_keys(
+    ids: pa.Array,
+    arity: np.ndarray,
+    order: str,
+    seed: int,
+    weights: np.ndarray | None = None,
+    alternate: AlternateRuns | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Universal preference order as sort keys, smaller first: (primary, seeded 64-bit id hash).
 
     The hash breaks ties, so every user sees the same total order without any global sort; on
@@ -58,7 +68,7 @@ def preference_keys(ids: pa.Array, arity: np.ndarray, order: str, seed: int,
     if order == "alternate":
         if alternate is None:
             raise ValueError("--order alternate needs the run lengths and group sizes")
-        return alternate.run_of(arity, tie / np.float64(2 ** 64)).astype(np.float64), tie
+        return alternate.run_of(arity, tie / np.float64(2**64)).astype(np.float64), tie
     if order == "arity":
         primary = arity.astype(np.float64)
     elif order == "hash":
@@ -84,22 +94,29 @@ def preference_rank_order(primary: np.ndarray, tie: np.ndarray, record_keys: np.
 @dataclasses.dataclass
 class UserSide:
     """Incidences of a set of users, sorted by (user, preference)."""
-    inc_user: np.ndarray          # int64 local user index, non-decreasing
-    inc_record: np.ndarray        # int64 index into `record_keys`
-    record_keys: np.ndarray       # int64 sorted distinct record keys of these incidences
-    first_incidence: np.ndarray   # int64 position of each user's first incidence
-    residual: np.ndarray          # int64 remaining capacity per user
-    capacity: np.ndarray          # int64 capacity per user
-    eligible: np.ndarray          # bool per incidence
+
+    inc_user: np.ndarray  # int64 local user index, non-decreasing
+    inc_record: np.ndarray  # int64 index into `record_keys`
+    record_keys: np.ndarray  # int64 sorted distinct record keys of these incidences
+    first_incidence: np.ndarray  # int64 position of each user's first incidence
+    residual: np.ndarray  # int64 remaining capacity per user
+    capacity: np.ndarray  # int64 capacity per user
+    eligible: np.ndarray  # bool per incidence
 
     @property
     def contribution(self) -> np.ndarray:
         return self.capacity - self.residual
 
 
-def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys: np.ndarray,
-                    record_order: tuple[np.ndarray, ...], capacity_of: "Capacities",
-                    copies: np.ndarray, in_pass: np.ndarray) -> UserSide:
+def build_user_side(
+    inc_user_ids: pa.Array,
+    inc_record: np.ndarray,
+    record_keys: np.ndarray,
+    record_order: tuple[np.ndarray, ...],
+    capacity_of: Capacities,
+    copies: np.ndarray,
+    in_pass: np.ndarray,
+) -> UserSide:
     """Sort incidences by (user, preference) and derive the state of a (partial) selection.
 
     Incidences point into a record table (`record_keys`, sorted, with the preference keys
@@ -118,9 +135,15 @@ def build_user_side(inc_user_ids: pa.Array, inc_record: np.ndarray, record_keys:
     inc_user, inc_record = user_codes[order], inc_record[order]
     capacity = capacity_of.lookup(user_ids)
     used = np.bincount(inc_user, weights=copies[inc_record], minlength=len(user_ids)).astype(np.int64)
-    return UserSide(inc_user=inc_user, inc_record=inc_record, record_keys=record_keys,
-                    first_incidence=np.searchsorted(inc_user, np.arange(len(user_ids))),
-                    residual=capacity - used, capacity=capacity, eligible=~in_pass[inc_record])
+    return UserSide(
+        inc_user=inc_user,
+        inc_record=inc_record,
+        record_keys=record_keys,
+        first_incidence=np.searchsorted(inc_user, np.arange(len(user_ids))),
+        residual=capacity - used,
+        capacity=capacity,
+        eligible=~in_pass[inc_record],
+    )
 
 
 @dataclasses.dataclass
@@ -131,6 +154,7 @@ class Capacities:
     cannot type its user ids, so they are kept as text (`text_ids`) and match an input user whose id
     is that exact text: the string "007", or for integer user ids the integer written "7" (never "007").
     """
+
     default: int
     user_ids: pa.Array | None = None
     values: np.ndarray | None = None
@@ -143,8 +167,10 @@ class Capacities:
                 return pa.array([canonical_integer(text) for text in self.user_ids.to_pylist()], pa.int64())
             return self.user_ids
         if pa.types.is_integer(self.user_ids.type) != pa.types.is_integer(target):
-            raise InputError(f"capacities file has {self.user_ids.type} user ids but the input's user ids are "
-                             f"{target}: a capacity applies to a user of the same id type only")
+            raise InputError(
+                f"capacities file has {self.user_ids.type} user ids but the input's user ids are "
+                f"{target}: a capacity applies to a user of the same id type only"
+            )
         return self.user_ids
 
     def lookup(self, user_ids: pa.Array) -> np.ndarray:

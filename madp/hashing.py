@@ -3,6 +3,7 @@
 Every random choice is a pure function of (seed, id, purpose), so re-runs, re-shardings
 and Beam bundle retries give identical results.
 """
+
 from __future__ import annotations
 
 import numpy as np

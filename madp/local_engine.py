@@ -1,4 +1,5 @@
 """The in-process engine: the bounding kernels on the whole graph as one partition."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,22 +11,36 @@ import numpy as np
 from madp import records as rec
 from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
 from madp.progress import Progress
-from madp.selection import (BoundOptions, alternate_runs, base_report, group_sizes, handle_rejects, histograms,
-                            prepare_output, read_capacities, record_distribution_stats, selection_manifest,
-                            selection_shards, shard_path, user_distribution_stats, write_report, write_selection_shard)
+from madp.selection import (
+    BoundOptions,
+    alternate_runs,
+    base_report,
+    group_sizes,
+    handle_rejects,
+    histograms,
+    prepare_output,
+    read_capacities,
+    record_distribution_stats,
+    selection_manifest,
+    selection_shards,
+    shard_path,
+    user_distribution_stats,
+    write_report,
+    write_selection_shard,
+)
 
 log = logging.getLogger("madp.bound")
 
 
 @dataclasses.dataclass
 class BoundResult:
-    copies: np.ndarray           # per record of the input chunk
-    rounds: list[dict]           # per round: pass, selected, still-eligible records
+    copies: np.ndarray  # per record of the input chunk
+    rounds: list[dict]  # per round: pass, selected, still-eligible records
     passes: int
     converged: bool
     max_user_contribution: int
     input_users: int
-    user_degree: np.ndarray        # records per user in the input
+    user_degree: np.ndarray  # records per user in the input
     user_contribution: np.ndarray  # selected records (copies) per user
 
 
@@ -36,8 +51,15 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
         options = dataclasses.replace(options, group_sizes=group_sizes(arity, options.arity_threshold))
     keys = preference_keys(chunk.ids, arity, options.order, options.seed, chunk.weights, alternate_runs(options))
     inc_record = np.repeat(np.arange(n, dtype=np.int64), arity)
-    users = build_user_side(chunk.users, inc_record, np.arange(n, dtype=np.int64), keys, capacities,
-                            copies=np.zeros(n, dtype=np.int64), in_pass=np.zeros(n, dtype=bool))
+    users = build_user_side(
+        chunk.users,
+        inc_record,
+        np.arange(n, dtype=np.int64),
+        keys,
+        capacities,
+        copies=np.zeros(n, dtype=np.int64),
+        in_pass=np.zeros(n, dtype=bool),
+    )
     copies = np.zeros(n, dtype=np.int64)
     rounds: list[dict] = []
     passes, converged = 0, False
@@ -60,25 +82,43 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
             dead = consume(users, accepted)
             retire(users, dead)
             eligible &= ~dead
-            rounds.append({"round": len(rounds) + 1, "pass": passes, "selected": int(accepted.sum()),
-                           "eligible": int(eligible.sum())})
-            log.info("round %d (pass %d): selected %d, %d records still eligible, %.1f s",
-                     len(rounds), passes, rounds[-1]["selected"], rounds[-1]["eligible"], time.perf_counter() - started)
+            rounds.append(
+                {
+                    "round": len(rounds) + 1,
+                    "pass": passes,
+                    "selected": int(accepted.sum()),
+                    "eligible": int(eligible.sum()),
+                }
+            )
+            log.info(
+                "round %d (pass %d): selected %d, %d records still eligible, %.1f s",
+                len(rounds),
+                passes,
+                rounds[-1]["selected"],
+                rounds[-1]["eligible"],
+                time.perf_counter() - started,
+            )
         if eligible.any():
             break  # stopped by max_rounds: undecided records stay unselected
         if not options.duplicates:
             converged = True
             break
     contribution = users.contribution
-    return BoundResult(copies=copies, rounds=rounds, passes=passes, converged=converged,
-                       max_user_contribution=int(contribution.max()) if len(contribution) else 0,
-                       input_users=len(users.residual),
-                       user_degree=np.bincount(users.inc_user, minlength=len(users.residual)),
-                       user_contribution=contribution)
+    return BoundResult(
+        copies=copies,
+        rounds=rounds,
+        passes=passes,
+        converged=converged,
+        max_user_contribution=int(contribution.max()) if len(contribution) else 0,
+        input_users=len(users.residual),
+        user_degree=np.bincount(users.inc_user, minlength=len(users.residual)),
+        user_contribution=contribution,
+    )
 
 
-def read_input(input_path: str, columns: rec.Columns,
-               content: tuple[str, ...] | None = None) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
+def read_input(
+    input_path: str, columns: rec.Columns, content: tuple[str, ...] | None = None
+) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
     """All valid records of the input (with `content` columns), the rejected rows, rows read and
     repeated users removed."""
     files = rec.list_input_files(input_path)
@@ -101,8 +141,11 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
     if options.on_invalid == "error":
         handle_rejects(rejects, options, output)
-    capacities = (read_capacities(options.capacities, options.max_contributions) if options.capacities
-                  else Capacities(default=options.max_contributions))
+    capacities = (
+        read_capacities(options.capacities, options.max_contributions)
+        if options.capacities
+        else Capacities(default=options.max_contributions)
+    )
     if options.order == "alternate":
         options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.arity_threshold))
     result = bound_records(chunk, options, capacities)
@@ -113,12 +156,22 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     for shard, table in tables.items():
         write_selection_shard(shard_path(output, shard, options.output_shards), table)
     report = base_report(options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed)
-    report.update(selected_records=int(result.copies.sum()), distinct_selected=int(selected.sum()),
-                  max_user_contribution=result.max_user_contribution, rounds=len(result.rounds),
-                  passes=result.passes, converged=result.converged, per_round=result.rounds,
-                  histograms=histograms({**user_distribution_stats(result.user_degree, result.user_contribution),
-                                         **record_distribution_stats(chunk.arity, result.copies)}),
-                  selection_files=selection_manifest(output, options.output_shards),
-                  wall_time_s=round(time.perf_counter() - started, 3))
+    report.update(
+        selected_records=int(result.copies.sum()),
+        distinct_selected=int(selected.sum()),
+        max_user_contribution=result.max_user_contribution,
+        rounds=len(result.rounds),
+        passes=result.passes,
+        converged=result.converged,
+        per_round=result.rounds,
+        histograms=histograms(
+            {
+                **user_distribution_stats(result.user_degree, result.user_contribution),
+                **record_distribution_stats(chunk.arity, result.copies),
+            }
+        ),
+        selection_files=selection_manifest(output, options.output_shards),
+        wall_time_s=round(time.perf_counter() - started, 3),
+    )
     write_report(output, report)
     return report

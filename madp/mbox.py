@@ -7,6 +7,7 @@ content = subject and plain-text body. Messages that cannot be used are skipped,
 reason and written to OUTPUT/rejected.jsonl; records go to OUTPUT/records/ as Parquet, ready for
 `madp bound OUTPUT/records ...`.
 """
+
 from __future__ import annotations
 
 import email
@@ -26,8 +27,9 @@ from madp.records import InputError
 
 log = logging.getLogger("madp.mbox")
 ROWS_PER_WRITE = 10_000
-SCHEMA = pa.schema([("id", pa.string()), ("users", pa.list_(pa.string())), ("subject", pa.string()),
-                    ("body", pa.string())])
+SCHEMA = pa.schema(
+    [("id", pa.string()), ("users", pa.list_(pa.string())), ("subject", pa.string()), ("body", pa.string())]
+)
 REASONS = ("unparseable", "no_sender", "duplicate_message_id", "undecodable_body", "text_before_first_message")
 
 
@@ -52,8 +54,9 @@ def message_record(raw: bytes) -> tuple[dict | None, str | None]:
     try:
         message = email.message_from_bytes(raw, policy=email.policy.default)
         sender = normalized_addresses(str(message.get("From", "") or ""))
-        users = normalized_addresses(str(message.get("From", "") or ""), str(message.get("To", "") or ""),
-                                     str(message.get("Cc", "") or ""))
+        users = normalized_addresses(
+            str(message.get("From", "") or ""), str(message.get("To", "") or ""), str(message.get("Cc", "") or "")
+        )
         subject = str(message.get("Subject", "") or "")
         message_id = str(message.get("Message-ID", "") or "").strip().strip("<>").strip()
         date = str(message.get("Date", "") or "")
@@ -87,8 +90,10 @@ def import_mbox(path: str, output: str) -> dict:
         raise InputError(f"{path}: no such mbox file")
     skipped_text = preamble(path)
     if skipped_text.strip() and len(skipped_text) == os.path.getsize(path):
-        raise InputError(f"{path}: no message: an mbox file starts each message with a 'From ' line (a single "
-                         f".eml message needs one, e.g. 'From sender@example.com Thu Jan  1 00:00:00 1970')")
+        raise InputError(
+            f"{path}: no message: an mbox file starts each message with a 'From ' line (a single "
+            f".eml message needs one, e.g. 'From sender@example.com Thu Jan  1 00:00:00 1970')"
+        )
     started = time.perf_counter()
     records_dir = os.path.join(output, "records")
     os.makedirs(records_dir, exist_ok=True)
@@ -100,12 +105,22 @@ def import_mbox(path: str, output: str) -> dict:
     rows: list[dict] = []
     written = messages = 0
     box = mailbox.mbox(path, create=False)
-    with pq.ParquetWriter(os.path.join(records_dir, "part-00000.parquet"), SCHEMA, write_page_checksum=True) as writer, \
-            open(os.path.join(output, "rejected.jsonl"), "w") as rejected:
+    with (
+        pq.ParquetWriter(os.path.join(records_dir, "part-00000.parquet"), SCHEMA, write_page_checksum=True) as writer,
+        open(os.path.join(output, "rejected.jsonl"), "w") as rejected,
+    ):
         if skipped_text.strip():  # the reader drops it; count and keep it rather than lose it silently
             counts["text_before_first_message"] += 1
-            rejected.write(json.dumps({"message": None, "reason": "text_before_first_message",
-                                       "head": skipped_text[:300].decode("utf-8", "replace")}) + "\n")
+            rejected.write(
+                json.dumps(
+                    {
+                        "message": None,
+                        "reason": "text_before_first_message",
+                        "head": skipped_text[:300].decode("utf-8", "replace"),
+                    }
+                )
+                + "\n"
+            )
         for index, key in enumerate(box.iterkeys()):
             messages += 1
             raw = box.get_bytes(key)
@@ -114,8 +129,10 @@ def import_mbox(path: str, output: str) -> dict:
                 record, reason = None, "duplicate_message_id"
             if record is None:
                 counts[reason] += 1
-                rejected.write(json.dumps({"message": index, "reason": reason,
-                                           "head": raw[:300].decode("utf-8", "replace")}) + "\n")
+                rejected.write(
+                    json.dumps({"message": index, "reason": reason, "head": raw[:300].decode("utf-8", "replace")})
+                    + "\n"
+                )
                 continue
             seen_ids.add(record["id"])
             rows.append(record)
@@ -123,14 +140,24 @@ def import_mbox(path: str, output: str) -> dict:
                 writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
                 written += len(rows)
                 rows = []
-                log.info("%d messages, %d records, %.0f messages/s", messages, written,
-                         messages / (time.perf_counter() - started))  # the total is unknown while streaming
+                log.info(
+                    "%d messages, %d records, %.0f messages/s",
+                    messages,
+                    written,
+                    messages / (time.perf_counter() - started),
+                )  # the total is unknown while streaming
         if rows:
             writer.write_table(pa.Table.from_pylist(rows, SCHEMA))
             written += len(rows)
-    report = {"mbox": path, "output": output, "messages": messages, "records": written,
-              "skipped": {reason: count for reason, count in counts.items() if count},
-              "skipped_total": sum(counts.values()), "wall_time_s": round(time.perf_counter() - started, 3)}
+    report = {
+        "mbox": path,
+        "output": output,
+        "messages": messages,
+        "records": written,
+        "skipped": {reason: count for reason, count in counts.items() if count},
+        "skipped_total": sum(counts.values()),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
     with open(os.path.join(output, "report.json"), "w") as handle:
         json.dump(report, handle, indent=2)
     return report

@@ -1,4 +1,5 @@
 """Progress of long local work: done/total, rate and ETA, logged at most every few seconds."""
+
 from __future__ import annotations
 
 import logging
@@ -18,5 +19,6 @@ class Progress:
         self.last = now
         rate = done / max(now - self.started, 1e-9)
         eta = (self.total - done) / rate if rate > 0 else float("inf")
-        self.log.info("%s: %d/%d %s, %.1f %s/s, ETA %.0f s%s", self.what, done, self.total, self.unit, rate,
-                      self.unit, eta, note)
+        self.log.info(
+            "%s: %d/%d %s, %.1f %s/s, ETA %.0f s%s", self.what, done, self.total, self.unit, rate, self.unit, eta, note
+        )

@@ -6,6 +6,7 @@ system, drawn once per run, kept in memory and never written to an output, log o
 explicit seed derives the key reproducibly (for tests and debugging); the outputs then say
 `FIXED_SEED` and a warning is logged, since anyone who knows the seed regenerates the draws.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,27 +28,33 @@ _MASK = 0xFFFFFFFFFFFFFFFF
 @dataclasses.dataclass(frozen=True)
 class SecretKey:
     """A 128-bit key (two 64-bit words); `seed` is the explicit seed it was derived from, if any."""
+
     words: tuple[int, int] = dataclasses.field(repr=False)
     seed: int | None = None
 
     @classmethod
-    def fresh(cls) -> "SecretKey":
+    def fresh(cls) -> SecretKey:
         value = int.from_bytes(os.urandom(16), "little")
         return cls((value & _MASK, value >> 64))
 
     @classmethod
-    def from_seed(cls, seed: int, purpose: str) -> "SecretKey":
+    def from_seed(cls, seed: int, purpose: str) -> SecretKey:
         """Reproducible: SHA-256 of (purpose, seed), so one seed gives independent keys per purpose."""
         digest = hashlib.sha256(f"madp/{purpose}/{seed}".encode()).digest()
         return cls((int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little")), seed)
 
     @classmethod
-    def for_run(cls, seed: int | None, purpose: str, option: str) -> "SecretKey":
+    def for_run(cls, seed: int | None, purpose: str, option: str) -> SecretKey:
         """Fresh entropy, or (with a warning) the key of an explicit seed given by `option`."""
         if seed is None:
             return cls.fresh()
-        log.warning("%s %d fixes the %s: anyone who knows it can regenerate it, so the result is NOT "
-                    "private (for tests and debugging only)", option, seed, purpose)
+        log.warning(
+            "%s %d fixes the %s: anyone who knows it can regenerate it, so the result is NOT "
+            "private (for tests and debugging only)",
+            option,
+            seed,
+            purpose,
+        )
         return cls.from_seed(seed, purpose)
 
     @property

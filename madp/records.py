@@ -4,6 +4,7 @@ A record is a row with an id (integer or string, unique) and a non-empty list of
 ids (integers or strings). Both engines call `read_file` and `merge_chunks`, so they
 accept and reject exactly the same rows.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -37,8 +38,18 @@ BAD_USER_TYPE = "bad_user_type"
 BAD_WEIGHT = "bad_weight"
 INVALID_JSON = "invalid_json"
 DUPLICATE_ID = "duplicate_id"
-REJECT_REASONS = (INVALID_JSON, MISSING_ID, BAD_ID_TYPE, MISSING_USERS, EMPTY_USERS,
-                  NULL_USER, NON_SCALAR_USER, BAD_USER_TYPE, BAD_WEIGHT, DUPLICATE_ID)
+REJECT_REASONS = (
+    INVALID_JSON,
+    MISSING_ID,
+    BAD_ID_TYPE,
+    MISSING_USERS,
+    EMPTY_USERS,
+    NULL_USER,
+    NON_SCALAR_USER,
+    BAD_USER_TYPE,
+    BAD_WEIGHT,
+    DUPLICATE_ID,
+)
 
 _ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass
 
@@ -53,6 +64,7 @@ class Columns:
 @dataclasses.dataclass
 class Rejects:
     """Rejected rows: where they are, why, and what they held (as JSON text)."""
+
     file: list[str] = dataclasses.field(default_factory=list)
     row: list[int] = dataclasses.field(default_factory=list)
     reason: list[str] = dataclasses.field(default_factory=list)
@@ -64,7 +76,7 @@ class Rejects:
         self.reason.append(reason)
         self.record.append(json.dumps(record, default=str, sort_keys=True))
 
-    def extend(self, other: "Rejects") -> None:
+    def extend(self, other: Rejects) -> None:
         for name in ("file", "row", "reason", "record"):
             getattr(self, name).extend(getattr(other, name))
 
@@ -75,7 +87,7 @@ class Rejects:
         return len(self.reason)
 
     @classmethod
-    def from_jsonl(cls, text: str) -> "Rejects":
+    def from_jsonl(cls, text: str) -> Rejects:
         rejects = cls()
         for line in text.splitlines():
             row = json.loads(line)
@@ -84,19 +96,22 @@ class Rejects:
 
     def to_jsonl(self) -> str:
         rows = sorted(zip(self.file, self.row, self.reason, self.record))
-        return "".join(json.dumps({"file": f, "row": r, "reason": why, "record": json.loads(rec)}) + "\n"
-                       for f, r, why, rec in rows)
+        return "".join(
+            json.dumps({"file": f, "row": r, "reason": why, "record": json.loads(rec)}) + "\n"
+            for f, r, why, rec in rows
+        )
 
 
 @dataclasses.dataclass
 class RecordChunk:
     """Valid records in columnar form: users as a CSR list (offsets into `users`)."""
-    keys: np.ndarray          # int64, unique per record across the whole input
-    ids: pa.Array             # int64 or string
-    offsets: np.ndarray       # int64, len(ids) + 1
-    users: pa.Array           # flat user ids, int64 or string, no repeats within a record
+
+    keys: np.ndarray  # int64, unique per record across the whole input
+    ids: pa.Array  # int64 or string
+    offsets: np.ndarray  # int64, len(ids) + 1
+    users: pa.Array  # flat user ids, int64 or string, no repeats within a record
     weights: np.ndarray | None
-    sources: dict[int, str]   # input file of each file index in `keys`
+    sources: dict[int, str]  # input file of each file index in `keys`
     content: pa.Table | None = None  # other columns carried along (batching), one row per record
 
     def __len__(self) -> int:
@@ -129,8 +144,13 @@ def list_input_files(path: str) -> list[str]:
         files = [f for f in visible if f.endswith(INPUT_SUFFIXES)]
         ignored = [f for f in visible if not f.endswith(INPUT_SUFFIXES)]
         if ignored:
-            log.warning("%s: %d files are not read (only %s are): %s", path, len(ignored), ", ".join(INPUT_SUFFIXES),
-                        ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""))
+            log.warning(
+                "%s: %d files are not read (only %s are): %s",
+                path,
+                len(ignored),
+                ", ".join(INPUT_SUFFIXES),
+                ", ".join(ignored[:10]) + (" ..." if len(ignored) > 10 else ""),
+            )
         if not files:
             raise InputError(f"{path}: directory holds no {', '.join(INPUT_SUFFIXES)} files")
         return files
@@ -163,7 +183,7 @@ def jsonl_lines(path: str) -> list[bytes]:
         except (OSError, EOFError) as error:
             raise InputError(f"{path}: not a readable gzip file: {error}") from error
     if data.startswith(codecs.BOM_UTF8):
-        data = data[len(codecs.BOM_UTF8):]
+        data = data[len(codecs.BOM_UTF8) :]
     return [line for line in data.splitlines() if line.strip()]
 
 
@@ -204,8 +224,11 @@ def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
     else:
         lines = jsonl_lines(path)
         table = _arrow_json(lines)
-        names = table.column_names if table is not None else list(dict.fromkeys(
-            key for obj in map(_json_object, lines) for key in obj))
+        names = (
+            table.column_names
+            if table is not None
+            else list(dict.fromkeys(key for obj in map(_json_object, lines) for key in obj))
+        )
     return tuple(n for n in names if n not in _wanted(columns))
 
 
@@ -246,8 +269,10 @@ def _wanted(columns: Columns) -> list[str]:
 def _require_columns(path: str, found: list[str], columns: Columns) -> None:
     missing = [c for c in _wanted(columns) if c not in found]
     if missing:
-        raise InputError(f"{path}: no column {missing} in any row (found {found}); "
-                         f"name the columns with --id-column, --users-column or --weight-column")
+        raise InputError(
+            f"{path}: no column {missing} in any row (found {found}); "
+            f"name the columns with --id-column, --users-column or --weight-column"
+        )
 
 
 def _read_parquet(path: str, columns: Columns) -> pa.Table:
@@ -255,8 +280,9 @@ def _read_parquet(path: str, columns: Columns) -> pa.Table:
     return storage.read_parquet(path, _wanted(columns))
 
 
-def _read_jsonl(path: str, lines: list[bytes],
-                columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
+def _read_jsonl(
+    path: str, lines: list[bytes], columns: Columns
+) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
     """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
     if not lines:
         return _empty_table(columns), None
@@ -272,10 +298,16 @@ def _read_jsonl(path: str, lines: list[bytes],
 def _conforming(table: pa.Table, columns: Columns) -> bool:
     id_type, users_type = table.schema.field(columns.id).type, table.schema.field(columns.users).type
     scalar = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string)
-    return (any(f(id_type) for f in scalar)
-            and pa.types.is_list(users_type) and any(f(users_type.value_type) for f in scalar)
-            and (not columns.weight or pa.types.is_integer(table.schema.field(columns.weight).type)
-                 or pa.types.is_floating(table.schema.field(columns.weight).type)))
+    return (
+        any(f(id_type) for f in scalar)
+        and pa.types.is_list(users_type)
+        and any(f(users_type.value_type) for f in scalar)
+        and (
+            not columns.weight
+            or pa.types.is_integer(table.schema.field(columns.weight).type)
+            or pa.types.is_floating(table.schema.field(columns.weight).type)
+        )
+    )
 
 
 def _empty_table(columns: Columns) -> pa.Table:
@@ -290,8 +322,9 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 def _is_id(value: object) -> bool:
     """A string, or an integer that fits in 64 bits (JSON booleans are not integers here)."""
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)
-                                      and _INT64[0] <= value <= _INT64[1])
+    return isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
+    )
 
 
 def _row_problem(obj: dict, columns: Columns) -> str | None:
@@ -299,8 +332,9 @@ def _row_problem(obj: dict, columns: Columns) -> str | None:
     record_id, record_users = obj.get(columns.id), obj.get(columns.users)
     if record_id is not None and not _is_id(record_id):
         return BAD_ID_TYPE
-    if record_users is not None and (not isinstance(record_users, list)
-                                     or any(isinstance(u, (list, dict)) for u in record_users)):
+    if record_users is not None and (
+        not isinstance(record_users, list) or any(isinstance(u, (list, dict)) for u in record_users)
+    ):
         return NON_SCALAR_USER
     if record_users is not None and not all(u is None or _is_id(u) for u in record_users):
         return BAD_USER_TYPE
@@ -310,8 +344,9 @@ def _row_problem(obj: dict, columns: Columns) -> str | None:
     return None
 
 
-def _parse_jsonl_rows(path: str, lines: list[bytes],
-                      columns: Columns) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
+def _parse_jsonl_rows(
+    path: str, lines: list[bytes], columns: Columns
+) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
     """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason kept."""
     ids, users, weights = [], [], []
     problems: dict[int, tuple[str, object]] = {}
@@ -352,8 +387,9 @@ def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Arr
         raise InputError(f"{path}: {what} do not fit {target} (64-bit signed integers): {error}") from error
 
 
-def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None,
-              path: str, file_index: int, columns: Columns) -> FileResult:
+def _validate(
+    table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None, path: str, file_index: int, columns: Columns
+) -> FileResult:
     n = len(table)
     ids = table.column(columns.id).combine_chunks()
     if pa.types.is_large_string(ids.type):
@@ -372,8 +408,9 @@ def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | N
     elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
         users = _cast(users, pa.list_(pa.int64()), path, "user ids")
     elif not pa.types.is_string(users.type.value_type):
-        raise InputError(f"{path}: users column {columns.users!r} holds {users.type.value_type}; "
-                         f"expected integer or string user ids")
+        raise InputError(
+            f"{path}: users column {columns.users!r} holds {users.type.value_type}; expected integer or string user ids"
+        )
 
     reason = np.full(n, "", dtype=object)
     for row, (why, _) in (non_conforming or {}).items():
@@ -385,10 +422,12 @@ def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | N
         parents = pc.list_parent_indices(users).to_numpy()
         np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
     weights = None
-    checks = [(ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
-              (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
-              (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
-              (user_null_in_row, NULL_USER)]
+    checks = [
+        (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
+        (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
+        (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
+        (user_null_in_row, NULL_USER),
+    ]
     if columns.weight:
         weights = table.column(columns.weight).combine_chunks().cast(pa.float64()).to_numpy(zero_copy_only=False)
         checks.append((~np.isfinite(weights), BAD_WEIGHT))
@@ -410,9 +449,11 @@ def _validate(table: pa.Table, non_conforming: dict[int, tuple[str, object]] | N
     chunk = RecordChunk(
         keys=(np.int64(file_index) << np.int64(_ROW_KEY_BITS)) | rows,
         ids=ids.filter(pa.array(valid)),
-        offsets=offsets, users=flat_users,
+        offsets=offsets,
+        users=flat_users,
         weights=None if weights is None else weights[valid],
-        sources={file_index: path})
+        sources={file_index: path},
+    )
     return FileResult(chunk, rejects, n, removed)
 
 
@@ -456,13 +497,18 @@ def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
         ids=pa.concat_arrays([c.ids for c in non_empty]),
         offsets=np.concatenate(offsets),
         users=pa.concat_arrays([c.users for c in non_empty]),
-        weights=weights, sources=sources, content=content)
+        weights=weights,
+        sources=sources,
+        content=content,
+    )
 
 
 def _check_same_type(types: list[pa.DataType], what: str) -> None:
     if len(set(types)) > 1:
-        raise InputError(f"{what} ids mix integers and strings across input files ({sorted(map(str, set(types)))}); "
-                         f"use one type per column")
+        raise InputError(
+            f"{what} ids mix integers and strings across input files ({sorted(map(str, set(types)))}); "
+            f"use one type per column"
+        )
 
 
 def duplicate_id_mask(ids: pa.Array) -> np.ndarray:
@@ -479,18 +525,21 @@ def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
     arity = chunk.arity[index]
     offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
     flat_index = np.repeat(chunk.offsets[:-1][index], arity) + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], arity))
-    return RecordChunk(keys=chunk.keys[index], ids=chunk.ids.take(pa.array(index)), offsets=offsets,
-                       users=chunk.users.take(pa.array(flat_index)),
-                       weights=None if chunk.weights is None else chunk.weights[index],
-                       sources=chunk.sources,
-                       content=None if chunk.content is None else chunk.content.take(pa.array(index)))
+    return RecordChunk(
+        keys=chunk.keys[index],
+        ids=chunk.ids.take(pa.array(index)),
+        offsets=offsets,
+        users=chunk.users.take(pa.array(flat_index)),
+        weights=None if chunk.weights is None else chunk.weights[index],
+        sources=chunk.sources,
+        content=None if chunk.content is None else chunk.content.take(pa.array(index)),
+    )
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
     """Move every record with a duplicated id from `chunk` to `rejects`."""
     duplicated = duplicate_id_mask(chunk.ids)
     for i in np.flatnonzero(duplicated):
-        users = chunk.users[int(chunk.offsets[i]):int(chunk.offsets[i + 1])].to_pylist()
-        rejects.add(*chunk.source(i), DUPLICATE_ID,
-                    {"id": chunk.ids[int(i)].as_py(), "users": users})
+        users = chunk.users[int(chunk.offsets[i]) : int(chunk.offsets[i + 1])].to_pylist()
+        rejects.add(*chunk.source(i), DUPLICATE_ID, {"id": chunk.ids[int(i)].as_py(), "users": users})
     return take(chunk, ~duplicated) if duplicated.any() else chunk

@@ -6,6 +6,7 @@ records per user and of users per record, before and after bounding), batches/re
 sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves) and audit/audit.json
 (the measured lower bound beside the claim). Sections whose report is missing are listed as such.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,15 @@ from madp import storage
 from madp.randomness import DETERMINISTIC
 from madp.records import InputError
 
-SOURCES = {"bound": "bound/report.json", "batches": "batches/report.json", "calibration": "calibration.json",
-           "train": "train/metrics.json", "privacy": "train/privacy.json", "baseline": "baseline/metrics.json",
-           "audit": "audit/audit.json"}
+SOURCES = {
+    "bound": "bound/report.json",
+    "batches": "batches/report.json",
+    "calibration": "calibration.json",
+    "train": "train/metrics.json",
+    "privacy": "train/privacy.json",
+    "baseline": "baseline/metrics.json",
+    "audit": "audit/audit.json",
+}
 
 
 def _load(run_dir: str) -> dict[str, dict]:
@@ -74,16 +81,28 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         axis.set(xscale="log", yscale="log", xlabel="records per user", ylabel="users")
         axis.legend()
         without = hist["records_per_user_selected"].get("0", 0)
-        figures.append(("Records per user", f"Users by their number of records in the input and after bounding; "
-                        f"{without:,} users have no selected record (bound/report.json).", _png(figure)))
+        figures.append(
+            (
+                "Records per user",
+                f"Users by their number of records in the input and after bounding; "
+                f"{without:,} users have no selected record (bound/report.json).",
+                _png(figure),
+            )
+        )
         plt.close(figure)
         values, inputs = _counts(hist["records_by_users_input"])
         selected = dict(zip(*_counts(hist["records_by_users_selected"])))
         figure, axis = plt.subplots(figsize=(7, 4))
         axis.bar([str(v) for v in values], [selected.get(v, 0) / n for v, n in zip(values, inputs)])
         axis.set(xlabel="users per record", ylabel="fraction kept", ylim=(0, 1))
-        figures.append(("Kept fraction by record arity", "Fraction of the input records with u users that "
-                        "bounding kept: the bias towards few-user records (bound/report.json).", _png(figure)))
+        figures.append(
+            (
+                "Kept fraction by record arity",
+                "Fraction of the input records with u users that "
+                "bounding kept: the bias towards few-user records (bound/report.json).",
+                _png(figure),
+            )
+        )
         plt.close(figure)
     batches = reports.get("batches")
     if batches and (internal or shows_sampling(reports)):
@@ -94,32 +113,58 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         axis.axhline(batches["parameters"]["batch_size"], color="grey", linestyle="--", label="target B")
         axis.set(xlabel="step", ylabel=f"batch size ({batches['parameters']['batch_size_counts']})")
         axis.legend()
-        figures.append(("Batch sizes", "Realized batch size per step against the target expected size "
-                        "(batches/report.json).", _png(figure)))
+        figures.append(
+            (
+                "Batch sizes",
+                "Realized batch size per step against the target expected size (batches/report.json).",
+                _png(figure),
+            )
+        )
         plt.close(figure)
         gaps = batches.get("participation", {}).get("gap_histogram")
         if gaps:
             values, counts = _counts(gaps)
             figure, axis = plt.subplots(figsize=(7, 4))
             axis.bar(values, counts, width=1.0)
-            axis.axvline(batches["parameters"]["min_sep"] - 0.5, color="red", linestyle="--",
-                         label=f"min-sep b = {batches['parameters']['min_sep']}")
+            axis.axvline(
+                batches["parameters"]["min_sep"] - 0.5,
+                color="red",
+                linestyle="--",
+                label=f"min-sep b = {batches['parameters']['min_sep']}",
+            )
             axis.set(xlabel="steps between a user's consecutive participations", ylabel="gaps", yscale="log")
             axis.legend()
-            figures.append(("Gaps between participations", "Every gap between two consecutive steps a user "
-                            "takes part in; none is below b (batches/report.json).", _png(figure)))
+            figures.append(
+                (
+                    "Gaps between participations",
+                    "Every gap between two consecutive steps a user "
+                    "takes part in; none is below b (batches/report.json).",
+                    _png(figure),
+                )
+            )
             plt.close(figure)
     calibration = reports.get("calibration")
     if calibration and calibration.get("epsilon_curve"):
         sigmas, epsilons = zip(*calibration["epsilon_curve"])
         figure, axis = plt.subplots(figsize=(7, 4))
         axis.plot(sigmas, epsilons, marker="o", markersize=3)
-        axis.plot([calibration["noise_multiplier"]], [calibration["epsilon"]], marker="*", markersize=12,
-                  color="red", label=f"this run: sigma {calibration['noise_multiplier']:.3g}")
+        axis.plot(
+            [calibration["noise_multiplier"]],
+            [calibration["epsilon"]],
+            marker="*",
+            markersize=12,
+            color="red",
+            label=f"this run: sigma {calibration['noise_multiplier']:.3g}",
+        )
         axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration['delta']:g}")
         axis.legend()
-        figures.append(("Sigma and epsilon", f"Epsilon of {calibration['mechanism']} as a function of sigma "
-                        "(calibration.json).", _png(figure)))
+        figures.append(
+            (
+                "Sigma and epsilon",
+                f"Epsilon of {calibration['mechanism']} as a function of sigma (calibration.json).",
+                _png(figure),
+            )
+        )
         plt.close(figure)
     curves = {name: reports[name]["eval"] for name in ("train", "baseline") if reports.get(name, {}).get("eval")}
     if curves:
@@ -131,24 +176,34 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         axes[0].set(xlabel="step", ylabel="eval loss")
         axes[1].set(xlabel="step", ylabel="eval accuracy")
         axes[1].legend()
-        figures.append(("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ "
-                        "metrics.json).", _png(figure)))
+        figures.append(
+            ("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ metrics.json).", _png(figure))
+        )
         plt.close(figure)
     audit = reports.get("audit")
     if shows_audit(reports, internal) and audit.get("per_canary"):
         figure, axis = plt.subplots(figsize=(7, 4))
         for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
-            axis.hist([c["score"] for c in audit["per_canary"] if c["included"] == included], bins=30, alpha=0.6,
-                      label=f"{label} canaries")
+            axis.hist(
+                [c["score"] for c in audit["per_canary"] if c["included"] == included],
+                bins=30,
+                alpha=0.6,
+                label=f"{label} canaries",
+            )
         axis.set(xlabel="score (minus the audit model's mean loss on the canary's records)", ylabel="canaries")
         axis.legend()
         claimed = audit.get("claimed_epsilon")
-        figures.append(("Privacy audit", f"{audit['canaries']} canary users, each included with probability 1/2; "
-                        f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
-                        f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
-                        f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
-                        f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
-                        _png(figure)))
+        figures.append(
+            (
+                "Privacy audit",
+                f"{audit['canaries']} canary users, each included with probability 1/2; "
+                f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
+                f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
+                f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
+                f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
+                _png(figure),
+            )
+        )
         plt.close(figure)
     return figures
 
@@ -157,28 +212,40 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
     rows = []
     if "bound" in reports:
         bound = reports["bound"]
-        rows += [("input records", f"{bound['input_records']:,}"), ("input users", f"{bound['input_users']:,}"),
-                 ("contribution bound K", str(bound["parameters"]["max_contributions"])),
-                 ("largest per-user bound (K or a capacity)", str(bound.get("contribution_bound"))),
-                 ("selected records", f"{bound['selected_records']:,}"),
-                 ("kept fraction", f"{bound['distinct_selected'] / max(bound['input_records'], 1):.3f}")]
+        rows += [
+            ("input records", f"{bound['input_records']:,}"),
+            ("input users", f"{bound['input_users']:,}"),
+            ("contribution bound K", str(bound["parameters"]["max_contributions"])),
+            ("largest per-user bound (K or a capacity)", str(bound.get("contribution_bound"))),
+            ("selected records", f"{bound['selected_records']:,}"),
+            ("kept fraction", f"{bound['distinct_selected'] / max(bound['input_records'], 1):.3f}"),
+        ]
     if "batches" in reports:
         batches = reports["batches"]
-        rows += [("sampler", batches["sampler"]), ("steps", str(batches["steps"])),
-                 ("expected batch size", f"{batches['parameters']['batch_size']:g}"),
-                 ("min-sep b", str(batches["parameters"]["min_sep"])),
-                 ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}")]
+        rows += [
+            ("sampler", batches["sampler"]),
+            ("steps", str(batches["steps"])),
+            ("expected batch size", f"{batches['parameters']['batch_size']:g}"),
+            ("min-sep b", str(batches["parameters"]["min_sep"])),
+            ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}"),
+        ]
         if internal or shows_sampling(reports):
             rows.append(("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}"))
     plan = reports.get("privacy") or reports.get("calibration")
     if plan and plan.get("mechanism") != "none":
-        rows += [("mechanism", plan["mechanism"]), ("noise multiplier sigma", f"{plan['noise_multiplier']:.4g}"),
-                 ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})"),
-                 ("records per user the accountant assumes (k)", str(plan.get("contribution_bound"))),
-                 ("privacy unit", plan.get("privacy_unit", "")),
-                 ("neighbouring relation", plan.get("neighbouring_relation", "")),
-                 ("batch sampling", plan.get("sampling", "") + ("" if plan.get("relies_on_secret_sampling") else
-                                                               " (the accounting does not rely on it)"))]
+        rows += [
+            ("mechanism", plan["mechanism"]),
+            ("noise multiplier sigma", f"{plan['noise_multiplier']:.4g}"),
+            ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})"),
+            ("records per user the accountant assumes (k)", str(plan.get("contribution_bound"))),
+            ("privacy unit", plan.get("privacy_unit", "")),
+            ("neighbouring relation", plan.get("neighbouring_relation", "")),
+            (
+                "batch sampling",
+                plan.get("sampling", "")
+                + ("" if plan.get("relies_on_secret_sampling") else " (the accounting does not rely on it)"),
+            ),
+        ]
         if "noise" in plan:
             rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
     for name, label in (("train", "private"), ("baseline", "non-private")):
@@ -188,17 +255,22 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
     audit = reports.get("audit")
     if shows_audit(reports, internal):
         claimed = audit.get("claimed_epsilon")
-        rows += [("audit: measured epsilon lower bound",
-                  f"{audit['epsilon_lower_bound']:.4g} ({100 * audit['confidence']:.0f}% confidence, "
-                  f"{audit['canaries']} canaries, at most {audit['largest_measurable_epsilon']:.3g} measurable)"),
-                 ("audit: claimed epsilon", "none (non-private audit model)" if claimed is None else f"{claimed:.4g}"),
-                 ("audit: verdict", audit["verdict"])]
+        rows += [
+            (
+                "audit: measured epsilon lower bound",
+                f"{audit['epsilon_lower_bound']:.4g} ({100 * audit['confidence']:.0f}% confidence, "
+                f"{audit['canaries']} canaries, at most {audit['largest_measurable_epsilon']:.3g} measurable)",
+            ),
+            ("audit: claimed epsilon", "none (non-private audit model)" if claimed is None else f"{claimed:.4g}"),
+            ("audit: verdict", audit["verdict"]),
+        ]
     return rows
 
 
 def write_report(run_dir: str, output: str | None = None, internal: bool = False) -> dict:
     """The page; `internal` adds the realized sampling even where a guarantee relies on its secrecy."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -208,30 +280,42 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     figures = _figures(reports, plt, internal)
     output = output or storage.join(run_dir, "report.html")
     missing = [relative for name, relative in SOURCES.items() if name not in reports and name != "audit"]
-    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
-             "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
-             "table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
-             "figure{margin:1.5em 0}figcaption{color:#555}</style></head><body>",
-             f"<h1>madp run: {html.escape(run_dir)}</h1>"]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
+        "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
+        "table{border-collapse:collapse}td{padding:2px 12px;border-bottom:1px solid #ddd}"
+        "figure{margin:1.5em 0}figcaption{color:#555}</style></head><body>",
+        f"<h1>madp run: {html.escape(run_dir)}</h1>",
+    ]
     if internal:
-        parts.append("<p><strong>INTERNAL: this page shows the realized batch sampling; do not publish it.</strong></p>")
+        parts.append(
+            "<p><strong>INTERNAL: this page shows the realized batch sampling; do not publish it.</strong></p>"
+        )
     elif reports.get("batches") and not shows_sampling(reports):
-        parts.append("<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
-                     "the sampling staying secret (batches/report.json is internal; <code>madp report "
-                     "--internal</code> shows them).</p>")
+        parts.append(
+            "<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
+            "the sampling staying secret (batches/report.json is internal; <code>madp report "
+            "--internal</code> shows them).</p>"
+        )
     if shows_audit(reports, internal):
-        parts.append("<p>The audit trained a second model on the same records (with canaries). Publishing its "
-                     "results releases that model's statistics too: the records' guarantee for everything on this "
-                     "page is then the composition of both trainings (at most twice epsilon and delta).</p>")
+        parts.append(
+            "<p>The audit trained a second model on the same records (with canaries). Publishing its "
+            "results releases that model's statistics too: the records' guarantee for everything on this "
+            "page is then the composition of both trainings (at most twice epsilon and delta).</p>"
+        )
     elif "audit" in reports:
-        parts.append("<p>The audit is left out: its model was not private (<code>--non-private</code> or a "
-                     "testing option); <code>madp report --internal</code> shows it.</p>")
+        parts.append(
+            "<p>The audit is left out: its model was not private (<code>--non-private</code> or a "
+            "testing option); <code>madp report --internal</code> shows it.</p>"
+        )
     parts.append("<table>")
     parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports, internal)]
     parts.append("</table>")
     for title, caption, png in figures:
-        parts.append(f"<figure><h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
-                     f"src='data:image/png;base64,{png}'><figcaption>{html.escape(caption)}</figcaption></figure>")
+        parts.append(
+            f"<figure><h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
+            f"src='data:image/png;base64,{png}'><figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
     if missing:
         parts.append(f"<p>Not in this run: {html.escape(', '.join(missing))}.</p>")
     parts.append("</body></html>")

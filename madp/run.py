@@ -11,6 +11,7 @@ Run directory layout: records/ and test.parquet (generate), bound/, batches/ (wi
 independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
 train/, baseline/ (non-private, if asked), and .madp/ with one manifest per finished stage.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,29 @@ from madp.report import shows_sampling
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
-CALIBRATE_KEYS = ("epsilon", "delta", "noise_multiplier", "mechanism", "bands", "strategy", "clip_norm",
-                  "max_contributions", "amplified", "mc_samples", "mc_workers", "mc_seed")
+CALIBRATE_KEYS = (
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "mechanism",
+    "bands",
+    "strategy",
+    "clip_norm",
+    "max_contributions",
+    "amplified",
+    "mc_samples",
+    "mc_workers",
+    "mc_seed",
+)
 SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     name: str
-    command: list[str]          # the `madp` command line it runs (its parameters)
-    inputs: tuple[str, ...]     # paths whose files it reads
-    output: str                 # the path it writes (a directory, or calibration.json)
+    command: list[str]  # the `madp` command line it runs (its parameters)
+    inputs: tuple[str, ...]  # paths whose files it reads
+    output: str  # the path it writes (a directory, or calibration.json)
 
 
 def load_config(path: str, overrides: list[str]) -> dict:
@@ -68,8 +81,9 @@ def load_config(path: str, overrides: list[str]) -> dict:
     return config
 
 
-def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str, list[str]] | None = None
-                ) -> list[Stage]:
+def plan_stages(
+    config: dict, parser: argparse.ArgumentParser, source: tuple[str, list[str]] | None = None
+) -> list[Stage]:
     """Validate the config and return the stages it asks for, in order. `source` (the config file and its
     `--set` overrides) is what an audit stage re-reads; without it the audit section is only validated."""
     unknown = sorted(set(config) - set(SECTIONS))
@@ -93,8 +107,9 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str
         data = path("records")
         extra = ["--holdout", path("test.parquet")] if holdout else []
         eval_data = path("test.parquet") if holdout else None
-        stages.append(Stage("generate", ["generate", data, *_flags(commands["generate"], "generate", generate),
-                                         *extra], (), data))
+        stages.append(
+            Stage("generate", ["generate", data, *_flags(commands["generate"], "generate", generate), *extra], (), data)
+        )
     if not isinstance(data, str) or not data:
         raise InputError("config input: required (the records), unless a generate section makes them")
     bound = _section(config, "bound")
@@ -107,30 +122,59 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str
         k = ["--max-contributions", str(bound["max_contributions"])]
         capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
         columns = _pick(flags, ("--id-column", "--users-column"))
-        stages.append(Stage("verify-bound", ["verify-bound", data, path("bound"), *k, *capacities, *columns],
-                            (data, path("bound")), path("bound")))
+        stages.append(
+            Stage(
+                "verify-bound",
+                ["verify-bound", data, path("bound"), *k, *capacities, *columns],
+                (data, path("bound")),
+                path("bound"),
+            )
+        )
     batch = _section(config, "batch")
     if batch is not None:
         beam = _beam(batch, "batch")
         flags = _flags(commands["batch"], "batch", batch)
-        stages.append(Stage("batch", ["batch", path("bound"), data, path("batches"), *flags, *beam],
-                            (path("bound"), data), path("batches")))
+        stages.append(
+            Stage(
+                "batch",
+                ["batch", path("bound"), data, path("batches"), *flags, *beam],
+                (path("bound"), data),
+                path("batches"),
+            )
+        )
         checks = ["--min-sep", str(batch.get("min_sep", 1))]
         if batch.get("max_batch_size"):
             checks += ["--max-batch-size", str(batch["max_batch_size"])]
-        stages.append(Stage("verify-batches", ["verify-batches", path("batches"), data, *checks,
-                                               *_pick(flags, ("--id-column", "--users-column"))],
-                            (path("batches"), data), path("batches")))
+        stages.append(
+            Stage(
+                "verify-batches",
+                ["verify-batches", path("batches"), data, *checks, *_pick(flags, ("--id-column", "--users-column"))],
+                (path("batches"), data),
+                path("batches"),
+            )
+        )
     calibrate = _section(config, "calibrate")
     train = _section(config, "train")
     if calibrate is not None:
         outside = sorted(set(calibrate) - set(CALIBRATE_KEYS))
         if outside:
-            raise InputError(f"config calibrate: {', '.join(outside)} belong to the train section "
-                             f"(calibrate takes {', '.join(CALIBRATE_KEYS)})")
-        stages.append(Stage("calibrate", ["train", path("batches"), path("calibration.json"),
-                                          *_flags(commands["train"], "calibrate", calibrate)],
-                            (path("batches"),), path("calibration.json")))
+            raise InputError(
+                f"config calibrate: {', '.join(outside)} belong to the train section "
+                f"(calibrate takes {', '.join(CALIBRATE_KEYS)})"
+            )
+        stages.append(
+            Stage(
+                "calibrate",
+                [
+                    "train",
+                    path("batches"),
+                    path("calibration.json"),
+                    *_flags(commands["train"], "calibrate", calibrate),
+                ],
+                (path("batches"),),
+                path("calibration.json"),
+            )
+        )
     if train is not None:
         baseline = train.pop("baseline", False)
         if not isinstance(baseline, bool):
@@ -145,14 +189,26 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str
         flags = _flags(commands["train"], "train", train)
         clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
         evaluation = (train["eval_data"],) if train.get("eval_data") else ()
-        stages.append(Stage("train", ["train", path("batches"), path("train"), "--calibration",
-                                      path("calibration.json"), *clip, *flags],
-                            (path("batches"), path("calibration.json"), *evaluation), path("train")))
+        stages.append(
+            Stage(
+                "train",
+                ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
+                (path("batches"), path("calibration.json"), *evaluation),
+                path("train"),
+            )
+        )
         if baseline:
-            stages.append(Stage("baseline", ["train", path("batches"), path("baseline"), "--mechanism", "none",
-                                             *flags], (path("batches"), *evaluation), path("baseline")))
+            stages.append(
+                Stage(
+                    "baseline",
+                    ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
+                    (path("batches"), *evaluation),
+                    path("baseline"),
+                )
+            )
     if config.get("audit") is not None:
         from madp.audit import audit_directory, audit_options
+
         directory = audit_directory(config, audit_options(config, {}))
         if source is not None:
             config_path, overrides = source
@@ -162,9 +218,14 @@ def plan_stages(config: dict, parser: argparse.ArgumentParser, source: tuple[str
     if not isinstance(report, bool):
         raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
     if report:
-        stages.append(Stage("report", ["report", run_dir], tuple(stage.output for stage in stages
-                                                                  if stage.name != "report"),
-                            path("report.html")))
+        stages.append(
+            Stage(
+                "report",
+                ["report", run_dir],
+                tuple(stage.output for stage in stages if stage.name != "report"),
+                path("report.html"),
+            )
+        )
     for stage in stages:  # every stage's options parse and build before anything runs
         _check(parser, stage)
     return stages
@@ -197,8 +258,9 @@ def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list
         action = known.get(key)
         if action is None or key == "help":
             names = ", ".join(sorted(k for k in known if k != "help"))
-            raise InputError(f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
-                             f"(known: {names})")
+            raise InputError(
+                f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` (known: {names})"
+            )
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
@@ -211,8 +273,7 @@ def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list
             except ValueError:
                 raise InputError(f"config {section}.{key}: expected {action.type.__name__}, got {value!r}") from None
             if action.choices and converted not in action.choices:
-                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, "
-                                 f"got {value!r}")
+                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, got {value!r}")
             flags += [flag, text]
     return flags
 
@@ -228,6 +289,7 @@ def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
 
 def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
     from madp import cli
+
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
@@ -244,6 +306,7 @@ def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
 
 
 # --- resumability -------------------------------------------------------------------------------
+
 
 def fingerprint(stage: Stage) -> str:
     """Digest of the stage's command and of the names, sizes and modification times of its input files."""
@@ -272,6 +335,7 @@ def up_to_date(run_dir: str, stage: Stage) -> bool:
 
 def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
     from madp import cli
+
     config = load_config(config_path, overrides)
     parser = cli._parser()
     stages = plan_stages(config, parser, (config_path, overrides))
@@ -280,15 +344,21 @@ def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
         return _run_stages(run_dir, config_path, stages, parser, force)
 
 
-def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: argparse.ArgumentParser,
-                force: bool) -> dict:
+def _run_stages(
+    run_dir: str, config_path: str, stages: list[Stage], parser: argparse.ArgumentParser, force: bool
+) -> dict:
     from madp import cli
+
     summary = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
         if not force and up_to_date(run_dir, stage):
-            log.info("stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
-                     number, len(stages), stage.name)
+            log.info(
+                "stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
+                number,
+                len(stages),
+                stage.name,
+            )
             summary["stages"].append({"stage": stage.name, "status": "skipped"})
             continue
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
@@ -300,12 +370,16 @@ def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: arg
         args, extra = parser.parse_known_args(stage.command)
         result = cli.calibrate_batches(args) if stage.name == "calibrate" else cli.run_stage(args, extra)
         if result.get("ok") is False:
-            raise CheckFailed(f"stage {stage.name}: the independent verifier failed: "
-                              f"{json.dumps(result, default=str)[:2000]}", result)
-        storage.write_text(manifest, json.dumps({"stage": stage.name, "command": stage.command,
-                                                 "fingerprint": fingerprint(stage)}, indent=2))
-        summary["stages"].append({"stage": stage.name, "status": "ran",
-                                  "wall_time_s": round(time.perf_counter() - stage_started, 3)})
+            raise CheckFailed(
+                f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result
+            )
+        storage.write_text(
+            manifest,
+            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": fingerprint(stage)}, indent=2),
+        )
+        summary["stages"].append(
+            {"stage": stage.name, "status": "ran", "wall_time_s": round(time.perf_counter() - stage_started, 3)}
+        )
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["results"] = _results(run_dir)
     return summary
@@ -313,9 +387,11 @@ def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: arg
 
 def _results(run_dir: str) -> dict:
     """The figures a user looks at first, from the run's reports."""
+
     def load(name: str) -> dict | None:
         path = storage.join(run_dir, name)
         return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
+
     bound, batches = load("bound/report.json"), load("batches/report.json")
     privacy = load("train/privacy.json") or load("calibration.json")
     train, baseline = load("train/metrics.json"), load("baseline/metrics.json")
@@ -327,9 +403,20 @@ def _results(run_dir: str) -> dict:
         if shows_sampling({"batches": batches, "privacy": privacy}):  # else the realized sizes stay internal
             results["batch"]["mean_batch_size"] = batches["batch_sizes"]["mean"]
     if privacy and privacy.get("mechanism") != "none":
-        results["privacy"] = {key: privacy.get(key) for key in ("mechanism", "noise_multiplier", "epsilon", "delta",
-                                                                 "contribution_bound", "sampling", "noise", "private")
-                              if key in privacy}
+        results["privacy"] = {
+            key: privacy.get(key)
+            for key in (
+                "mechanism",
+                "noise_multiplier",
+                "epsilon",
+                "delta",
+                "contribution_bound",
+                "sampling",
+                "noise",
+                "private",
+            )
+            if key in privacy
+        }
     for name, metrics in (("train", train), ("baseline", baseline)):
         if metrics and metrics.get("final"):
             results[name] = metrics["final"]
@@ -337,6 +424,15 @@ def _results(run_dir: str) -> dict:
     if audit and not audit.get("audit_model_private"):
         results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
     elif audit:
-        results["audit"] = {key: audit[key] for key in ("canaries", "epsilon_lower_bound", "confidence",
-                                                       "largest_measurable_epsilon", "claimed_epsilon", "verdict")}
+        results["audit"] = {
+            key: audit[key]
+            for key in (
+                "canaries",
+                "epsilon_lower_bound",
+                "confidence",
+                "largest_measurable_epsilon",
+                "claimed_epsilon",
+                "verdict",
+            )
+        }
     return results

@@ -7,6 +7,7 @@ A *unit* is one copy of a selected record: a record selected with c copies is c 
 identified by a 64-bit key (seeded hash of the record id and copy index); users by a 64-bit hash
 of the user id. Both engines call these functions, so they form identical batches.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -89,8 +90,7 @@ def excluded_samples(sample_of_incidence: np.ndarray, blocked: np.ndarray, sampl
     return np.bincount(sample_of_incidence[blocked], minlength=samples) > 0
 
 
-def neighbour_pairs(record_of_incidence: np.ndarray, user_of_incidence: np.ndarray,
-                    max_pairs: int = 20_000_000):
+def neighbour_pairs(record_of_incidence: np.ndarray, user_of_incidence: np.ndarray, max_pairs: int = 20_000_000):
     """N(e) of Alg. 3 line 1 as pairs: yields (record, neighbour) arrays, each pair once per chunk,
     itself included, all of a record's pairs in one chunk. Work is sum over users of degree^2,
     done about `max_pairs` at a time."""
@@ -116,8 +116,9 @@ def neighbour_pairs(record_of_incidence: np.ndarray, user_of_incidence: np.ndarr
         yield pair // n, pair % n
 
 
-def neighbourhood_sizes(record_of_incidence: np.ndarray, user_of_incidence: np.ndarray,
-                        copies: np.ndarray) -> np.ndarray:
+def neighbourhood_sizes(
+    record_of_incidence: np.ndarray, user_of_incidence: np.ndarray, copies: np.ndarray
+) -> np.ndarray:
     """|N(e)| in units per record: the copies of all records sharing a user with it, itself included."""
     sizes = np.zeros(len(copies), dtype=np.int64)
     for owner, neighbour in neighbour_pairs(record_of_incidence, user_of_incidence):
@@ -140,8 +141,9 @@ def expected_batch_size(probability: float, sizes: np.ndarray, counts: np.ndarra
     return float(probability * (counts * np.exp((min_sep - 1) * sizes * np.log1p(-probability))).sum())
 
 
-def calibrate_probability(target: float, sizes: np.ndarray, counts: np.ndarray, min_sep: int,
-                          relative_tolerance: float = 1e-10) -> float:
+def calibrate_probability(
+    target: float, sizes: np.ndarray, counts: np.ndarray, min_sep: int, relative_tolerance: float = 1e-10
+) -> float:
     """The smallest p whose stationary expected batch size is `target`, by bisection below the
     first grid point that reaches it (E|B| rises to a peak and then falls when b > 1)."""
     units = int(counts.sum())
@@ -157,9 +159,11 @@ def calibrate_probability(target: float, sizes: np.ndarray, counts: np.ndarray, 
     reaching = np.flatnonzero(values >= target)
     if not len(reaching):
         peak = int(np.argmax(values))
-        raise InputError(f"--batch-size {target:g} is unreachable with --min-sep {min_sep} on this data: the "
-                         f"largest expected batch size is {values[peak]:.1f} (at p = {grid[peak]:.3g}); lower "
-                         f"the batch size or the min-sep, or bound contributions more tightly")
+        raise InputError(
+            f"--batch-size {target:g} is unreachable with --min-sep {min_sep} on this data: the "
+            f"largest expected batch size is {values[peak]:.1f} (at p = {grid[peak]:.3g}); lower "
+            f"the batch size or the min-sep, or bound contributions more tightly"
+        )
     low, high = (grid[reaching[0] - 1] if reaching[0] else 0.0), grid[reaching[0]]
     while high - low > relative_tolerance * high:
         middle = 0.5 * (low + high)
@@ -183,8 +187,14 @@ def order_and_truncate(steps: np.ndarray, priority: np.ndarray, max_batch_size: 
     return order[np.arange(len(order)) - start < max_batch_size]
 
 
-def greedy_minsep(record_of_incidence: np.ndarray, user_of_incidence: np.ndarray, records: int,
-                  steps: int, batch_size: int, min_sep: int) -> tuple[np.ndarray | None, int]:
+def greedy_minsep(
+    record_of_incidence: np.ndarray,
+    user_of_incidence: np.ndarray,
+    records: int,
+    steps: int,
+    batch_size: int,
+    min_sep: int,
+) -> tuple[np.ndarray | None, int]:
     """It's my data too, Alg. 4: cycle through records (sorted by increasing arity, then index)
     and append each one whose users all last appeared at least `min_sep` batches earlier; batch
     t is positions [tB, (t+1)B). Returns (the record of each position, T), or (None, t) when a full
@@ -207,7 +217,7 @@ def greedy_minsep(record_of_incidence: np.ndarray, user_of_incidence: np.ndarray
             record = order[cursor]
             cursor = cursor + 1 if cursor + 1 < records else 0
             considered += 1
-            users = users_sorted[offsets[record]:offsets[record + 1]]
+            users = users_sorted[offsets[record] : offsets[record + 1]]
             if all(batch - last_batch[u] >= min_sep for u in users):
                 for u in users:
                     last_batch[u] = batch

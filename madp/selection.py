@@ -1,10 +1,11 @@
 """Bounding outputs shared by both engines: options, capacities, selection files, report."""
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import posixpath
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +34,7 @@ class BoundOptions:
     on_invalid: str = "error"
     capacities: str | None = None
     output_shards: int = 1
-    arity_threshold: int | None = None   # --order alternate: u, and the run lengths c1 and c2
+    arity_threshold: int | None = None  # --order alternate: u, and the run lengths c1 and c2
     small_run: int | None = None
     large_run: int | None = None
     group_sizes: tuple[int, int] | None = None  # records with <= u and > u users; counted by the engines
@@ -74,22 +75,28 @@ def group_sizes(arity, threshold: int) -> tuple[int, int]:
 
 
 # The report's distributions, as counts named so that sums over partitions merge them.
-HISTOGRAMS = {"records_per_user_input": "users_with_input_records_",
-              "records_per_user_selected": "users_with_selected_records_",
-              "records_by_users_input": "input_records_with_users_",
-              "records_by_users_selected": "selected_records_with_users_"}
+HISTOGRAMS = {
+    "records_per_user_input": "users_with_input_records_",
+    "records_per_user_selected": "users_with_selected_records_",
+    "records_by_users_input": "input_records_with_users_",
+    "records_by_users_selected": "selected_records_with_users_",
+}
 
 
 def user_distribution_stats(degree: np.ndarray, contribution: np.ndarray) -> dict[str, int]:
     """Users by their records in the input and by their selected records (copies)."""
-    return {**_named_counts(HISTOGRAMS["records_per_user_input"], degree),
-            **_named_counts(HISTOGRAMS["records_per_user_selected"], contribution)}
+    return {
+        **_named_counts(HISTOGRAMS["records_per_user_input"], degree),
+        **_named_counts(HISTOGRAMS["records_per_user_selected"], contribution),
+    }
 
 
 def record_distribution_stats(arity: np.ndarray, copies: np.ndarray) -> dict[str, int]:
     """Records by their number of users, in the input and among the selected (distinct) records."""
-    return {**_named_counts(HISTOGRAMS["records_by_users_input"], arity),
-            **_named_counts(HISTOGRAMS["records_by_users_selected"], arity[copies > 0])}
+    return {
+        **_named_counts(HISTOGRAMS["records_by_users_input"], arity),
+        **_named_counts(HISTOGRAMS["records_by_users_selected"], arity[copies > 0]),
+    }
 
 
 def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
@@ -99,8 +106,10 @@ def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
 
 def histograms(stats: dict[str, int]) -> dict[str, dict[str, int]]:
     """{histogram: {value: count}} from summed distribution stats."""
-    return {name: {str(int(key[len(prefix):])): count for key, count in sorted(stats.items()) if key.startswith(prefix)}
-            for name, prefix in HISTOGRAMS.items()}
+    return {
+        name: {str(int(key[len(prefix) :])): count for key, count in sorted(stats.items()) if key.startswith(prefix)}
+        for name, prefix in HISTOGRAMS.items()
+    }
 
 
 def read_capacities(path: str, default: int) -> Capacities:
@@ -122,8 +131,12 @@ def read_capacities(path: str, default: int) -> Capacities:
     values = capacity.to_numpy(zero_copy_only=False)
     missing_user = users.is_null().to_numpy(zero_copy_only=False)
     problems = [(row, "missing user") for row in np.flatnonzero(missing_user)]
-    problems += [(row, "missing or negative capacity") for row in
-                 np.flatnonzero(capacity.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(values, nan=-1) < 0))]
+    problems += [
+        (row, "missing or negative capacity")
+        for row in np.flatnonzero(
+            capacity.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(values, nan=-1) < 0)
+        )
+    ]
     present = np.flatnonzero(~missing_user)
     codes = pc.dictionary_encode(users.take(pa.array(present))).indices.to_numpy()
     problems += [(row, "user listed twice") for row in present[np.bincount(codes)[codes] > 1]] if len(codes) else []
@@ -162,8 +175,10 @@ def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None
         rows = sorted(zip(rejects.file, rejects.row, rejects.reason))
         examples = "\n".join(f"  {file}: row {row}: {reason}" for file, row, reason in rows[:_ERROR_EXAMPLES])
         totals = ", ".join(f"{reason}: {count}" for reason, count in rejects.counts().items())
-        raise InputError(f"{len(rejects)} invalid input rows ({totals}); rows count from 0:\n{examples}\n"
-                         f"Fix them, or pass --on-invalid skip to drop them into {output}/{REJECTED_DIR}/")
+        raise InputError(
+            f"{len(rejects)} invalid input rows ({totals}); rows count from 0:\n{examples}\n"
+            f"Fix them, or pass --on-invalid skip to drop them into {output}/{REJECTED_DIR}/"
+        )
     storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), rejects.to_jsonl())
 
 
@@ -181,30 +196,44 @@ def selection_files(selected: str) -> list[str]:
     return read_manifest(selected, "bound", SELECTED_DIR, "selection_files")
 
 
-def read_manifest(output: str, what: str, directory: str, listed_key: str,
-                  counts: Callable[[str], bool] = lambda name: True) -> list[str]:
+def read_manifest(
+    output: str, what: str, directory: str, listed_key: str, counts: Callable[[str], bool] = lambda name: True
+) -> list[str]:
     """The files an output's report lists under `listed_key` (in `directory` of it), checked: the report
     must exist (it is written last, so an unfinished run has none), every listed file must have its
     recorded size and SHA-256, and `directory` must hold no other file for which `counts(name)` is
     true (by default any file, hidden ones included)."""
     report_path = storage.join(output, REPORT_FILE)
     if storage.kind(report_path) != "file":
-        raise InputError(f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
-                         f"last; re-run madp {what})")
+        raise InputError(
+            f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
+            f"last; re-run madp {what})"
+        )
     listed = json.loads(storage.read_text(report_path)).get(listed_key)
     if not listed:
         raise InputError(f"{report_path} lists no {listed_key}: re-run madp {what}")
     root = storage.join(output, directory) if directory else output
-    present = ({posixpath.relpath(path, root): path for path in storage.list_files(root)}
-               if storage.kind(root) == "directory" else {})
+    present = (
+        {posixpath.relpath(path, root): path for path in storage.list_files(root)}
+        if storage.kind(root) == "directory"
+        else {}
+    )
     expected = {entry["name"]: entry for entry in listed}
     missing = sorted(set(expected) - set(present))
     extra = sorted(name for name in set(present) - set(expected) if counts(name))
     if missing or extra:
-        raise InputError(f"{root}: " + "; ".join(
-            part for part in (f"missing {missing}" if missing else "",
-                              f"files the {what} did not write {extra}" if extra else "") if part)
-            + f" (its {REPORT_FILE} lists {sorted(expected)}); re-run madp {what}")
+        raise InputError(
+            f"{root}: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {missing}" if missing else "",
+                    f"files the {what} did not write {extra}" if extra else "",
+                )
+                if part
+            )
+            + f" (its {REPORT_FILE} lists {sorted(expected)}); re-run madp {what}"
+        )
     for name, entry in sorted(expected.items()):
         path = present[name]
         if storage.size(path) != entry["bytes"] or storage.sha256(path) != entry["sha256"]:
@@ -221,8 +250,10 @@ def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
 def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int, pa.Table]:
     """The selection split into output shards by id hash."""
     shard_of = partition_of(ids, shards) if len(ids) else np.zeros(0, dtype=np.int64)
-    return {shard: sorted_selection(ids.filter(pa.array(shard_of == shard)), copies[shard_of == shard])
-            for shard in range(shards)}
+    return {
+        shard: sorted_selection(ids.filter(pa.array(shard_of == shard)), copies[shard_of == shard])
+        for shard in range(shards)
+    }
 
 
 def write_selection_shard(path: str, table: pa.Table) -> None:
@@ -249,18 +280,35 @@ def contribution_bound(options: BoundOptions) -> int:
     return max([options.max_contributions, *listed.tolist()])
 
 
-def base_report(options: BoundOptions, engine: str, input_path: str, rows_read: int, input_records: int,
-                input_users: int, rejects: Rejects, repeated_users_removed: int) -> dict:
+def base_report(
+    options: BoundOptions,
+    engine: str,
+    input_path: str,
+    rows_read: int,
+    input_records: int,
+    input_users: int,
+    rejects: Rejects,
+    repeated_users_removed: int,
+) -> dict:
     return {
         "engine": engine,
         "input": input_path,
-        "parameters": {"max_contributions": options.max_contributions, "order": options.order,
-                       "arity_threshold": options.arity_threshold, "small_run": options.small_run,
-                       "large_run": options.large_run, "group_sizes": options.group_sizes,
-                       "seed": options.seed, "max_rounds": options.max_rounds,
-                       "duplicates": options.duplicates, "capacities": options.capacities,
-                       "id_column": options.columns.id, "users_column": options.columns.users,
-                       "weight_column": options.columns.weight, "on_invalid": options.on_invalid},
+        "parameters": {
+            "max_contributions": options.max_contributions,
+            "order": options.order,
+            "arity_threshold": options.arity_threshold,
+            "small_run": options.small_run,
+            "large_run": options.large_run,
+            "group_sizes": options.group_sizes,
+            "seed": options.seed,
+            "max_rounds": options.max_rounds,
+            "duplicates": options.duplicates,
+            "capacities": options.capacities,
+            "id_column": options.columns.id,
+            "users_column": options.columns.users,
+            "weight_column": options.columns.weight,
+            "on_invalid": options.on_invalid,
+        },
         "contribution_bound": contribution_bound(options),
         "ignored_files": ignored_input_files(input_path),
         "input_rows": rows_read,

@@ -1,4 +1,5 @@
 """Files on local disk or any filesystem pyarrow knows (gs://, s3://, hdfs://), by path or URI."""
+
 from __future__ import annotations
 
 import contextlib
@@ -112,8 +113,11 @@ def stamps(path: str) -> list[tuple[str, int, int]]:
     """(path, size, modification time in ns) of a file, or of every file below a directory."""
     filesystem, resolved = _resolve(path)
     info = filesystem.get_file_info(resolved)
-    infos = (filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
-             if info.type == pafs.FileType.Directory else [info])
+    infos = (
+        filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
+        if info.type == pafs.FileType.Directory
+        else [info]
+    )
     return sorted((i.path, i.size, i.mtime_ns or 0) for i in infos if i.type == pafs.FileType.File)
 
 
@@ -156,8 +160,14 @@ def exclusive(output: str, command: str):
     if kind(output) == "file":
         raise OutputLocked(f"{output} is a file; the output must be a directory")
     lock = join(output, LOCK_FILE)
-    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                         "since": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    holder = json.dumps(
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": command,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+    )
     try:
         _take(output, lock, holder)
     except PermissionError as error:
@@ -209,5 +219,7 @@ def _held(lock: str) -> str:
         who = f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         who = "an unknown process"
-    return (f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({who}); wait for it, "
-            f"or if none is running remove {lock}")
+    return (
+        f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({who}); wait for it, "
+        f"or if none is running remove {lock}"
+    )

@@ -7,6 +7,7 @@ the logistic-regression task y ~ Bernoulli(sigmoid(k1 <2/(1+k) (a + k |e| b), z>
 Records need at least one user, so arity is 1 + Poisson(mean_arity - 1) (mean `mean_arity`)
 instead of the paper's Poisson(mean_arity).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,13 +30,13 @@ _REDRAWS = 8
 @dataclasses.dataclass(frozen=True)
 class GraphSpec:
     records: int
-    graph: str = "skewed"            # "regular" or "skewed"
-    mean_arity: float = 2.0          # E|e|, expected users per record
-    records_per_user: float = 2.0    # d_u, expected records per user
-    alpha: float = 1.5               # skew of the preferential process
-    features: int = 16               # dimension of z
-    steepness: float = 20.0          # k1 of the sigmoid
-    bias_scale: float = 1.0          # k: weight of the arity-dependent bias vector b
+    graph: str = "skewed"  # "regular" or "skewed"
+    mean_arity: float = 2.0  # E|e|, expected users per record
+    records_per_user: float = 2.0  # d_u, expected records per user
+    alpha: float = 1.5  # skew of the preferential process
+    features: int = 16  # dimension of z
+    steepness: float = 20.0  # k1 of the sigmoid
+    bias_scale: float = 1.0  # k: weight of the arity-dependent bias vector b
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -55,10 +56,10 @@ class GraphSpec:
 
 @dataclasses.dataclass
 class SyntheticData:
-    offsets: np.ndarray   # int64, CSR offsets of each record's users
-    users: np.ndarray     # int64 user ids
+    offsets: np.ndarray  # int64, CSR offsets of each record's users
+    users: np.ndarray  # int64 user ids
     features: np.ndarray  # float32 [records, features]
-    labels: np.ndarray    # int64 0/1
+    labels: np.ndarray  # int64 0/1
 
 
 def arities(rng: np.random.Generator, size: int, mean_arity: float) -> np.ndarray:
@@ -104,8 +105,11 @@ def skewed_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray,
             index = np.flatnonzero(pending)
             new = rng.random(len(index)) * (unseen_weight + seen_weight) < unseen_weight
             old = index[~new]
-            draws[old] = (np.searchsorted(cumulative, rng.random(len(old)) * seen_weight, side="right")
-                          if seen_weight else rng.integers(0, max(seen, 1), size=len(old)))
+            draws[old] = (
+                np.searchsorted(cumulative, rng.random(len(old)) * seen_weight, side="right")
+                if seen_weight
+                else rng.integers(0, max(seen, 1), size=len(old))
+            )
             wanted = index[new]
             opened = min(len(wanted), spec.users - seen)
             draws[wanted[:opened]] = seen + np.arange(opened)
@@ -162,12 +166,14 @@ def generate(spec: GraphSpec) -> SyntheticData:
 def to_table(data: SyntheticData) -> pa.Table:
     """Records as rows: integer id, users, and the logistic-regression content."""
     n = len(data.labels)
-    return pa.table({
-        "id": pa.array(np.arange(n, dtype=np.int64)),
-        "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
-        "features": pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1]),
-        "label": pa.array(data.labels),
-    })
+    return pa.table(
+        {
+            "id": pa.array(np.arange(n, dtype=np.int64)),
+            "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
+            "features": pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1]),
+            "label": pa.array(data.labels),
+        }
+    )
 
 
 def _write_table(table: pa.Table, output: str) -> None:
@@ -180,8 +186,14 @@ def _write_table(table: pa.Table, output: str) -> None:
         storage.write_parquet(table, output)
 
 
-def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int, holdout: str | None = None,
-                  holdout_fraction: float = 0.1) -> dict:
+def write_dataset(
+    data: SyntheticData,
+    spec: GraphSpec,
+    output: str,
+    shards: int,
+    holdout: str | None = None,
+    holdout_fraction: float = 0.1,
+) -> dict:
     """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory; with
     `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead."""
     table = to_table(data)
@@ -200,12 +212,22 @@ def write_dataset(data: SyntheticData, spec: GraphSpec, output: str, shards: int
         os.makedirs(output, exist_ok=True)
         bounds = np.linspace(0, len(table), shards + 1).astype(int)
         for shard in range(shards):
-            storage.write_parquet(table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
-                                  os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"))
+            storage.write_parquet(
+                table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
+                os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"),
+            )
     degree = np.bincount(data.users)
     degree = degree[degree > 0]
-    return {"output": output, "records": len(table), "held_out_records": held_out,
-            "incidences": len(data.users), "users": len(degree),
-            "mean_users_per_record": round(len(data.users) / max(len(table), 1), 4),
-            "max_records_per_user": int(degree.max(initial=0)), "median_records_per_user": float(np.median(degree)),
-            "positive_labels": round(float(data.labels.mean()), 4), "graph": spec.graph, "seed": spec.seed}
+    return {
+        "output": output,
+        "records": len(table),
+        "held_out_records": held_out,
+        "incidences": len(data.users),
+        "users": len(degree),
+        "mean_users_per_record": round(len(data.users) / max(len(table), 1), 4),
+        "max_records_per_user": int(degree.max(initial=0)),
+        "median_records_per_user": float(np.median(degree)),
+        "positive_labels": round(float(data.labels.mean()), 4),
+        "graph": spec.graph,
+        "seed": spec.seed,
+    }

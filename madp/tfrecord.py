@@ -5,6 +5,7 @@ per row), so a million rows cost a few numpy passes instead of a million Python 
 format: protobuf encoding of tensorflow/core/example/{example,feature}.proto; TFRecord framing
 is uint64 length, masked crc32c of the length, data, masked crc32c of the data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ _LIST_FIELD = {BYTES: 1, FLOAT: 2, INT64: 3}  # Feature.kind oneof field numbers
 
 @dataclasses.dataclass(frozen=True)
 class Ragged:
-    data: np.ndarray     # uint8
+    data: np.ndarray  # uint8
     lengths: np.ndarray  # int64, one per row
 
     @property
@@ -73,8 +74,7 @@ def _delimited(field: int, payload: Ragged) -> Ragged:
 
 def _flat_values(column: pa.Array) -> tuple[pa.Array, np.ndarray]:
     """(flat values, row of each value) of a scalar or list column."""
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
-            or pa.types.is_fixed_size_list(column.type):
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
         return pc.list_flatten(column), pc.list_parent_indices(column).to_numpy().astype(np.int64)
     return column, np.arange(len(column), dtype=np.int64)
 
@@ -84,8 +84,12 @@ def feature_kind(value_type: pa.DataType) -> str:
         return INT64
     if pa.types.is_floating(value_type):
         return FLOAT
-    if pa.types.is_string(value_type) or pa.types.is_large_string(value_type) or pa.types.is_binary(value_type) \
-            or pa.types.is_large_binary(value_type):
+    if (
+        pa.types.is_string(value_type)
+        or pa.types.is_large_string(value_type)
+        or pa.types.is_binary(value_type)
+        or pa.types.is_large_binary(value_type)
+    ):
         return BYTES
     raise ValueError(f"type {value_type} has no tf.train.Feature kind")
 
@@ -102,9 +106,9 @@ def _values_payload(column: pa.Array) -> tuple[str, Ragged]:
         raw = values.cast(pa.float32()).to_numpy(zero_copy_only=False).astype("<f4").view(np.uint8)
         return kind, Ragged(raw, 4 * np.bincount(row_of_value, minlength=rows).astype(np.int64))
     binary = values.cast(pa.large_binary())
-    offsets = np.frombuffer(binary.buffers()[1], np.int64)[binary.offset:binary.offset + len(binary) + 1]
+    offsets = np.frombuffer(binary.buffers()[1], np.int64)[binary.offset : binary.offset + len(binary) + 1]
     buffer = binary.buffers()[2]
-    flat = np.frombuffer(buffer, np.uint8)[offsets[0]:offsets[-1]] if buffer is not None else np.zeros(0, np.uint8)
+    flat = np.frombuffer(buffer, np.uint8)[offsets[0] : offsets[-1]] if buffer is not None else np.zeros(0, np.uint8)
     return kind, _group(_delimited(1, Ragged(flat.copy(), np.diff(offsets))), row_of_value, rows)
 
 
@@ -128,13 +132,18 @@ def serialize_examples(columns: dict[str, pa.Array]) -> Ragged:
         # Numbers are packed into one field (tag, length, values); strings are already repeated fields.
         packed = kind != BYTES
         list_length = payload.lengths + (1 + _varint_size(payload.lengths) if packed else 0)
-        feature_length = 1 + _varint_size(list_length) + list_length               # kind tag, length, list
+        feature_length = 1 + _varint_size(list_length) + list_length  # kind tag, length, list
         key = bytes([0x0A]) + bytes(_varints(np.array([len(name.encode())])).data) + name.encode()
         entry_length = len(key) + 1 + _varint_size(feature_length) + feature_length  # key, value tag, length, Feature
         features_length += 1 + _varint_size(entry_length) + entry_length
-        segments += [_constant(b"\x0a", rows), _varints(entry_length), _constant(key + b"\x12", rows),
-                     _varints(feature_length), _constant(bytes([_LIST_FIELD[kind] << 3 | 2]), rows),
-                     _varints(list_length)]
+        segments += [
+            _constant(b"\x0a", rows),
+            _varints(entry_length),
+            _constant(key + b"\x12", rows),
+            _varints(feature_length),
+            _constant(bytes([_LIST_FIELD[kind] << 3 | 2]), rows),
+            _varints(list_length),
+        ]
         segments += [_constant(b"\x0a", rows), _varints(payload.lengths), payload] if packed else [payload]
     return _concat([_constant(b"\x0a", rows), _varints(features_length), *segments])
 
@@ -152,10 +161,15 @@ def tfrecord_bytes(examples: Ragged) -> bytes:
     # The header checksum depends on the length only: one crc per distinct length.
     distinct, index = np.unique(header, return_inverse=True)
     length_crc = _masked(np.array([google_crc32c.value(v.tobytes()) for v in distinct], dtype=np.uint64))[index]
-    data_crc = _masked(np.array([google_crc32c.value(data[offsets[i]:offsets[i + 1]]) for i in range(rows)],
-                                dtype=np.uint64))
-    framed = _concat([Ragged(header.view(np.uint8), np.full(rows, 8, np.int64)),
-                      Ragged(length_crc.astype("<u4").view(np.uint8), np.full(rows, 4, np.int64)),
-                      examples,
-                      Ragged(data_crc.astype("<u4").view(np.uint8), np.full(rows, 4, np.int64))])
+    data_crc = _masked(
+        np.array([google_crc32c.value(data[offsets[i] : offsets[i + 1]]) for i in range(rows)], dtype=np.uint64)
+    )
+    framed = _concat(
+        [
+            Ragged(header.view(np.uint8), np.full(rows, 8, np.int64)),
+            Ragged(length_crc.astype("<u4").view(np.uint8), np.full(rows, 4, np.int64)),
+            examples,
+            Ragged(data_crc.astype("<u4").view(np.uint8), np.full(rows, 4, np.int64)),
+        ]
+    )
     return framed.data.tobytes()

@@ -3,6 +3,7 @@
 Deliberately shares no code with the reader, the kernels or the engines: it re-reads the input
 with plain pyarrow / json, and counts contributions with Python dictionaries.
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,11 @@ _SHOWN = 20
 
 def _input_files(path: str) -> list[str]:
     if os.path.isdir(path):
-        return sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-                      if f.endswith((".jsonl", ".jsonl.gz", ".parquet")) and not os.path.basename(f).startswith((".", "_")))
+        return sorted(
+            f
+            for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+            if f.endswith((".jsonl", ".jsonl.gz", ".parquet")) and not os.path.basename(f).startswith((".", "_"))
+        )
     return [path]
 
 
@@ -98,8 +102,10 @@ def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str]
             relative = os.path.relpath(os.path.join(directory, name), root)
             if counts(relative):
                 found.add(relative)
-    problems = [f"{os.path.join(root, name)} is not a file the run wrote (not in {report_path})"
-                for name in sorted(found - {entry["name"] for entry in listed})]
+    problems = [
+        f"{os.path.join(root, name)} is not a file the run wrote (not in {report_path})"
+        for name in sorted(found - {entry["name"] for entry in listed})
+    ]
     paths = []
     for entry in listed:
         path = os.path.join(root, entry["name"])
@@ -116,8 +122,14 @@ def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str]
     return paths, problems
 
 
-def verify_bound(input_path: str, output: str, max_contributions: int, capacities_path: str | None = None,
-                 id_column: str = "id", users_column: str = "users") -> dict:
+def verify_bound(
+    input_path: str,
+    output: str,
+    max_contributions: int,
+    capacities_path: str | None = None,
+    id_column: str = "id",
+    users_column: str = "users",
+) -> dict:
     """Recompute every user's contribution from the input and OUTPUT/selected; list violations."""
     shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
@@ -156,16 +168,25 @@ def verify_bound(input_path: str, output: str, max_contributions: int, capacitie
     def bound_of(user) -> int:
         return capacity.get(str(user) if text else user, max_contributions)
 
-    over = sorted(((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
-                  key=lambda v: (-v[1], str(v[0])))
+    over = sorted(
+        ((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
+        key=lambda v: (-v[1], str(v[0])),
+    )
     violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
-    return {"ok": not violations, "selected_records": sum(c for c in selected.values() if isinstance(c, int)),
-            "distinct_selected": len(selected), "users_with_selected_records": len(contribution),
-            "max_user_contribution": max(contribution.values(), default=0),
-            "users_over_bound": len(over), "violation_count": len(violations), "violations": violations[:_SHOWN]}
+    return {
+        "ok": not violations,
+        "selected_records": sum(c for c in selected.values() if isinstance(c, int)),
+        "distinct_selected": len(selected),
+        "users_with_selected_records": len(contribution),
+        "max_user_contribution": max(contribution.values(), default=0),
+        "users_over_bound": len(over),
+        "violation_count": len(violations),
+        "violations": violations[:_SHOWN],
+    }
 
 
 # --- batches ------------------------------------------------------------------------------------
+
 
 def _example_class():
     """tf.train.Example built from its .proto description with the protobuf runtime: no TensorFlow."""
@@ -173,27 +194,47 @@ def _example_class():
 
     proto = descriptor_pb2.FileDescriptorProto(name="madp_verify_example.proto", package="madp_verify")
     label = descriptor_pb2.FieldDescriptorProto
-    for name, kind in (("BytesList", label.TYPE_BYTES), ("FloatList", label.TYPE_FLOAT),
-                       ("Int64List", label.TYPE_INT64)):
+    for name, kind in (
+        ("BytesList", label.TYPE_BYTES),
+        ("FloatList", label.TYPE_FLOAT),
+        ("Int64List", label.TYPE_INT64),
+    ):
         message = proto.message_type.add(name=name)
         message.field.add(name="value", number=1, type=kind, label=label.LABEL_REPEATED)
     feature = proto.message_type.add(name="Feature")
     feature.oneof_decl.add(name="kind")
     for number, name in ((1, "bytes_list"), (2, "float_list"), (3, "int64_list")):
         type_name = {"bytes_list": "BytesList", "float_list": "FloatList", "int64_list": "Int64List"}[name]
-        feature.field.add(name=name, number=number, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
-                          type_name=f".madp_verify.{type_name}", oneof_index=0)
+        feature.field.add(
+            name=name,
+            number=number,
+            type=label.TYPE_MESSAGE,
+            label=label.LABEL_OPTIONAL,
+            type_name=f".madp_verify.{type_name}",
+            oneof_index=0,
+        )
     features = proto.message_type.add(name="Features")
     entry = features.nested_type.add(name="FeatureEntry")
     entry.options.map_entry = True
     entry.field.add(name="key", number=1, type=label.TYPE_STRING, label=label.LABEL_OPTIONAL)
-    entry.field.add(name="value", number=2, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
-                    type_name=".madp_verify.Feature")
-    features.field.add(name="feature", number=1, type=label.TYPE_MESSAGE, label=label.LABEL_REPEATED,
-                       type_name=".madp_verify.Features.FeatureEntry")
+    entry.field.add(
+        name="value", number=2, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL, type_name=".madp_verify.Feature"
+    )
+    features.field.add(
+        name="feature",
+        number=1,
+        type=label.TYPE_MESSAGE,
+        label=label.LABEL_REPEATED,
+        type_name=".madp_verify.Features.FeatureEntry",
+    )
     example = proto.message_type.add(name="Example")
-    example.field.add(name="features", number=1, type=label.TYPE_MESSAGE, label=label.LABEL_OPTIONAL,
-                      type_name=".madp_verify.Features")
+    example.field.add(
+        name="features",
+        number=1,
+        type=label.TYPE_MESSAGE,
+        label=label.LABEL_OPTIONAL,
+        type_name=".madp_verify.Features",
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("madp_verify.Example"))
@@ -216,13 +257,13 @@ def read_tfrecord(path: str):
     while position < len(data):
         if position + 12 > len(data):
             raise ValueError(f"{path}: truncated record header at byte {position}")
-        header = data[position:position + 8]
+        header = data[position : position + 8]
         (length,) = struct.unpack("<Q", header)
-        (length_crc,) = struct.unpack("<I", data[position + 8:position + 12])
-        payload = data[position + 12:position + 12 + length]
+        (length_crc,) = struct.unpack("<I", data[position + 8 : position + 12])
+        payload = data[position + 12 : position + 12 + length]
         if length_crc != _masked_crc(header) or len(payload) != length:
             raise ValueError(f"{path}: corrupt record header at byte {position}")
-        (payload_crc,) = struct.unpack("<I", data[position + 12 + length:position + 16 + length])
+        (payload_crc,) = struct.unpack("<I", data[position + 12 + length : position + 16 + length])
         if payload_crc != _masked_crc(payload):
             raise ValueError(f"{path}: corrupt record payload at byte {position}")
         yield payload
@@ -235,12 +276,19 @@ def _feature_values(example, name: str) -> list:
     return list(getattr(feature, kind).value) if kind else []
 
 
-def verify_batches(output: str, data_path: str, min_sep: int, max_participations: int | None = None,
-                   max_batch_size: int | None = None, id_column: str = "id", users_column: str = "users") -> dict:
+def verify_batches(
+    output: str,
+    data_path: str,
+    min_sep: int,
+    max_participations: int | None = None,
+    max_batch_size: int | None = None,
+    id_column: str = "id",
+    users_column: str = "users",
+) -> dict:
     """Re-read the batches and the records' users; list every min-sep, participation and size violation."""
-    files, problems = _listed_files(output, "files", "",
-                                    lambda name: os.path.basename(name).startswith("batches-")
-                                    and name.endswith(".tfrecord"))
+    files, problems = _listed_files(
+        output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
+    )
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
@@ -291,16 +339,33 @@ def verify_batches(output: str, data_path: str, min_sep: int, max_participations
         if max_participations is not None and len(distinct) > max_participations:
             over.append((len(distinct), user))
     closest.sort(key=lambda v: (v[0], str(v[1])))
-    violations += [f"user {user!r} participates at steps {first} and {second}, {gap} apart (< min-sep {min_sep})"
-                   for gap, user, first, second in closest if gap < min_sep]
-    violations += [f"user {user!r} participates in {count} steps (> {max_participations})"
-                   for count, user in sorted(over, key=lambda v: (-v[0], str(v[1])))]
+    violations += [
+        f"user {user!r} participates at steps {first} and {second}, {gap} apart (< min-sep {min_sep})"
+        for gap, user, first, second in closest
+        if gap < min_sep
+    ]
+    violations += [
+        f"user {user!r} participates in {count} steps (> {max_participations})"
+        for count, user in sorted(over, key=lambda v: (-v[0], str(v[1])))
+    ]
     if max_batch_size is not None:
-        violations += [f"step {step} has {rows} rows (> max batch size {max_batch_size})"
-                       for step, rows in sorted(rows_per_step.items()) if rows > max_batch_size]
-    return {"ok": not violations, "files": len(files), "steps": len(rows_per_step), "rows": real_rows + padding_rows,
-            "real_rows": real_rows, "padding_rows": padding_rows, "users": len(steps_of_user),
-            "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
-            "min_gap": closest[0][0] if closest else None,
-            "user_rows_sharing_a_step": repeated_in_step, "unknown_ids": unknown,
-            "violation_count": len(violations), "violations": violations[:_SHOWN]}
+        violations += [
+            f"step {step} has {rows} rows (> max batch size {max_batch_size})"
+            for step, rows in sorted(rows_per_step.items())
+            if rows > max_batch_size
+        ]
+    return {
+        "ok": not violations,
+        "files": len(files),
+        "steps": len(rows_per_step),
+        "rows": real_rows + padding_rows,
+        "real_rows": real_rows,
+        "padding_rows": padding_rows,
+        "users": len(steps_of_user),
+        "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
+        "min_gap": closest[0][0] if closest else None,
+        "user_rows_sharing_a_step": repeated_in_step,
+        "unknown_ids": unknown,
+        "violation_count": len(violations),
+        "violations": violations[:_SHOWN],
+    }

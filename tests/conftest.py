@@ -1,4 +1,5 @@
 """Shared helpers: small graphs written as input files."""
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,13 @@ def write_records(path: str, rows: list[dict]) -> str:
 
 def graph_rows(offsets: np.ndarray, users: np.ndarray, ids=None) -> list[dict]:
     ids = list(range(len(offsets) - 1)) if ids is None else ids
-    return [{"id": ids[i], "users": users[offsets[i]:offsets[i + 1]].tolist()} for i in range(len(offsets) - 1)]
+    return [{"id": ids[i], "users": users[offsets[i] : offsets[i + 1]].tolist()} for i in range(len(offsets) - 1)]
 
 
 @pytest.fixture
 def small_graph():
     from madp.synthetic import GraphSpec, generate
+
     data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
     return graph_rows(data.offsets, data.users)
 
@@ -47,6 +49,7 @@ def reseal_selection(output) -> None:
     """After a test rewrites selection shards: list them in the report as if the bound had written them
     (a faulty engine with a consistent report), so that the verifier's recount is what is tested."""
     from madp.selection import selection_manifest
+
     path = os.path.join(output, "report.json")
     report = json.load(open(path))
     report["selection_files"] = selection_manifest(str(output), len(report["selection_files"]))

@@ -3,11 +3,13 @@
 An in-process Python reference that shares no code with madp's engines: tests compare the
 engines with it, and benchmarks/bound.py times it.
 """
+
 from __future__ import annotations
 
 
-def sequential_greedy(order: list[int], record_users: list[list], capacity: dict, default: int,
-                      duplicates: bool = False) -> list[int]:
+def sequential_greedy(
+    order: list[int], record_users: list[list], capacity: dict, default: int, duplicates: bool = False
+) -> list[int]:
     """Copies per record: one pass in `order` (Alg. 2); with duplicates, passes until one adds nothing (Alg. 3)."""
     used: dict = {}
     copies = [0] * len(record_users)

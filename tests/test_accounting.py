@@ -1,4 +1,5 @@
 """DP-SGD accounting against dp_accounting events built here independently, plus theory's shape."""
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def poisson_gaussian(q, sigma, steps):
     return dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sigma", [0.8, 1.2, 3.0])
 def test_one_record_per_user_is_the_poisson_sampled_gaussian(sigma):
     expected = pld(poisson_gaussian(0.02, sigma, 300)).get_epsilon(1e-5)
@@ -32,6 +34,7 @@ def test_one_record_per_user_is_the_poisson_sampled_gaussian(sigma):
     assert epsilon(DpSgdUls(0.02, 300), sigma, 1e-5) == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_k_records_match_the_mixture_of_gaussians_composed_directly(k):
     q, sigma, steps = 0.01, 1.5, 500
@@ -40,6 +43,7 @@ def test_k_records_match_the_mixture_of_gaussians_composed_directly(k):
     assert epsilon(DpSgd(q, steps, k), sigma, 1e-6) == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3])
 def test_never_worse_than_group_privacy(k):
     """Group privacy turns (e1, d1) per record into (k e1, k e^((k-1) e1) d1) per user."""
@@ -52,6 +56,7 @@ def test_never_worse_than_group_privacy(k):
     assert epsilon(DpSgd(q, steps, k), sigma, 1e-5) > epsilon(DpSgd(q, steps, 1), sigma, 1e-5)
 
 
+@pytest.mark.slow
 def test_calibration_meets_the_target_tightly():
     mechanism = DpSgd(0.02, 100, 2)
     result = calibrate(mechanism, 1.0, 1e-5)
@@ -59,11 +64,16 @@ def test_calibration_meets_the_target_tightly():
     assert epsilon(mechanism, result.noise_multiplier / 1.002, 1e-5) > 1.0, "a smaller sigma must miss the target"
 
 
+@pytest.mark.slow
 def test_sigma_moves_as_theory_says():
     base = dict(sampling_prob=0.02, steps=50, max_contributions=1)
     # Every change below moves sigma by far more than the 2% tolerance.
-    sigma = lambda eps=1.0, **change: calibrate(DpSgd(**{**base, **change}), eps, 1e-5,  # noqa: E731
-                                                relative_tolerance=0.02, discretization=1e-2).noise_multiplier
+
+    def sigma(eps=1.0, **change):
+        return calibrate(
+            DpSgd(**{**base, **change}), eps, 1e-5, relative_tolerance=0.02, discretization=1e-2
+        ).noise_multiplier
+
     reference = sigma()
     assert sigma(eps=2.0) < reference < sigma(eps=0.5)
     assert sigma(steps=400) > reference
@@ -71,29 +81,75 @@ def test_sigma_moves_as_theory_says():
     assert sigma(max_contributions=3) > reference
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: DpSgd(0.0, 10), "--sampling-prob"),
-    (lambda: DpSgd(1.5, 10), "--sampling-prob"),
-    (lambda: DpSgd(0.1, 0), "--steps"),
-    (lambda: DpSgd(0.1, 10, 0), "--max-contributions"),
-    (lambda: DpSgdUls(0.1, 2.5), "--steps"),
-    (lambda: calibrate(DpSgd(0.1, 10), 0.0, 1e-5), "--epsilon"),
-    (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "--delta"),
-    (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "--noise-multiplier"),
-    (lambda: calibrate(DpSgd(1.0, 10), 1e-3, 1e-12), "unreachable"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: DpSgd(0.0, 10), "--sampling-prob"),
+        (lambda: DpSgd(1.5, 10), "--sampling-prob"),
+        (lambda: DpSgd(0.1, 0), "--steps"),
+        (lambda: DpSgd(0.1, 10, 0), "--max-contributions"),
+        (lambda: DpSgdUls(0.1, 2.5), "--steps"),
+        (lambda: calibrate(DpSgd(0.1, 10), 0.0, 1e-5), "--epsilon"),
+        (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "--delta"),
+        (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "--noise-multiplier"),
+        (lambda: calibrate(DpSgd(1.0, 10), 1e-3, 1e-12), "unreachable"),
+    ],
+)
 def test_clear_errors(build, message):
     with pytest.raises(InputError, match=message):
         build()
 
 
+@pytest.mark.slow
 def test_cli_calibrate_then_epsilon(capsys):
-    assert main(["-q", "calibrate", "--mechanism", "dpsgd", "--epsilon", "0.5", "--delta", "1e-5", "--steps", "60",
-                 "--batch-size", "100", "--dataset-size", "20000", "-k", "2", "--tolerance", "0.01"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "calibrate",
+                "--mechanism",
+                "dpsgd",
+                "--epsilon",
+                "0.5",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "60",
+                "--batch-size",
+                "100",
+                "--dataset-size",
+                "20000",
+                "-k",
+                "2",
+                "--tolerance",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     calibrated = json.loads(capsys.readouterr().out)
     assert calibrated["sampling_prob"] == 0.005 and calibrated["max_contributions"] == 2
-    assert main(["-q", "epsilon", "--mechanism", "dpsgd", "--noise-multiplier", str(calibrated["noise_multiplier"]),
-                 "--delta", "1e-5", "--steps", "60", "--sampling-prob", "0.005", "-k", "2"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "dpsgd",
+                "--noise-multiplier",
+                str(calibrated["noise_multiplier"]),
+                "--delta",
+                "1e-5",
+                "--steps",
+                "60",
+                "--sampling-prob",
+                "0.005",
+                "-k",
+                "2",
+            ]
+        )
+        == 0
+    )
     checked = json.loads(capsys.readouterr().out)
     assert checked["epsilon"] == pytest.approx(calibrated["epsilon"]) and checked["epsilon"] <= 0.5
     assert main(["-q", "calibrate", "--mechanism", "dpsgd", "--epsilon", "2", "--delta", "1e-5", "--steps", "3"]) == 2
@@ -101,6 +157,21 @@ def test_cli_calibrate_then_epsilon(capsys):
 
 
 def test_cli_warns_when_delta_exceeds_one_over_population(capsys, caplog):
-    main(["epsilon", "--mechanism", "dpsgd-uls", "--noise-multiplier", "2", "--delta", "0.05", "--steps", "10",
-          "--cohort-size", "5", "--num-users", "100"])
+    main(
+        [
+            "epsilon",
+            "--mechanism",
+            "dpsgd-uls",
+            "--noise-multiplier",
+            "2",
+            "--delta",
+            "0.05",
+            "--steps",
+            "10",
+            "--cohort-size",
+            "5",
+            "--num-users",
+            "100",
+        ]
+    )
     assert "delta 0.05 exceeds 1/100" in caplog.text

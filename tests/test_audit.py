@@ -1,6 +1,7 @@
 """`madp audit`: the one-run auditing analysis against an independent exact computation, the zero-out
 neighbour in training, and audits of an auditable job: the non-private model is caught memorizing,
 DP-SGD stays below its claim, and a broken noise is refuted."""
+
 import hashlib
 import json
 import math
@@ -13,15 +14,17 @@ from accounting.auditing import epsilon_lower_bound, guess_plans, guesses, one_r
 from madp import cli
 from madp.errors import InputError
 
+pytestmark = [pytest.mark.tf]
 
 # --- the analysis ---------------------------------------------------------------------------------
+
 
 def reference_p_value(m, r, v, epsilon, delta):
     """The one-run audit p-value term by term in plain Python (no scipy)."""
     q = 1 / (1 + math.exp(-epsilon))
-    pmf = [math.comb(r, k) * q ** k * (1 - q) ** (r - k) for k in range(r + 1)]
+    pmf = [math.comb(r, k) * q**k * (1 - q) ** (r - k) for k in range(r + 1)]
     tail = math.fsum(pmf[v:])
-    slack = max((math.fsum(pmf[v - i:v]) / i for i in range(1, v + 1)), default=0.0)
+    slack = max((math.fsum(pmf[v - i : v]) / i for i in range(1, v + 1)), default=0.0)
     return min(tail + 2 * m * delta * slack, 1.0)
 
 
@@ -30,16 +33,22 @@ def is_the_largest_refuted(bound, m, r, v, delta, confidence, tolerance=1e-3):
     level = 1 - confidence
     if bound == 0:
         return reference_p_value(m, r, v, 0.0, delta) >= level
-    return (reference_p_value(m, r, v, bound - tolerance, delta) < level
-            <= reference_p_value(m, r, v, bound + tolerance, delta))
+    return (
+        reference_p_value(m, r, v, bound - tolerance, delta)
+        < level
+        <= reference_p_value(m, r, v, bound + tolerance, delta)
+    )
 
 
-@pytest.mark.parametrize("m,r,v,delta", [(100, 40, 38, 1e-5), (1000, 60, 55, 1e-5), (50, 50, 50, 0.0),
-                                         (200, 30, 21, 1e-3), (1000, 80, 80, 1e-5)])
+@pytest.mark.parametrize(
+    "m,r,v,delta",
+    [(100, 40, 38, 1e-5), (1000, 60, 55, 1e-5), (50, 50, 50, 0.0), (200, 30, 21, 1e-3), (1000, 80, 80, 1e-5)],
+)
 def test_p_value_matches_an_exact_computation(m, r, v, delta):
     for epsilon in (0.0, 0.5, 1.0, 2.0, 4.0):
-        assert p_value(m, r, v, epsilon, delta) == pytest.approx(reference_p_value(m, r, v, epsilon, delta),
-                                                                 rel=1e-9, abs=1e-14)
+        assert p_value(m, r, v, epsilon, delta) == pytest.approx(
+            reference_p_value(m, r, v, epsilon, delta), rel=1e-9, abs=1e-14
+        )
 
 
 def test_lower_bound_table():
@@ -79,8 +88,10 @@ def test_scores_unrelated_to_inclusion_rarely_refute_anything():
     """The type-I error of the whole procedure (every guess plan, Bonferroni): with scores independent of
     inclusion a positive bound at 95% confidence must be rare (at most 5% in expectation)."""
     rng = np.random.default_rng(3)
-    positive = sum(one_run_audit(rng.normal(size=100), rng.random(100) < 0.5, 1e-5, 0.95).epsilon_lower_bound > 0
-                   for _ in range(200))
+    positive = sum(
+        one_run_audit(rng.normal(size=100), rng.random(100) < 0.5, 1e-5, 0.95).epsilon_lower_bound > 0
+        for _ in range(200)
+    )
     assert positive <= 12  # 5% of 200 is 10; 12 leaves room for sampling error (P[Bin(200, .05) > 12] ~ 0.2)
 
 
@@ -108,15 +119,34 @@ report: true
 def auditable_records(tmp_path_factory):
     """A small high-dimensional task: 1000 records of 1024 features, where a linear model can hold canaries."""
     directory = tmp_path_factory.mktemp("auditable")
-    assert cli.main(["-q", "generate", str(directory / "records"), "--records", "1000", "--features", "1024",
-                     "--seed", "1", "--holdout", str(directory / "test.parquet")]) == 0
+    assert (
+        cli.main(
+            [
+                "-q",
+                "generate",
+                str(directory / "records"),
+                "--records",
+                "1000",
+                "--features",
+                "1024",
+                "--seed",
+                "1",
+                "--holdout",
+                str(directory / "test.parquet"),
+            ]
+        )
+        == 0
+    )
     return directory
 
 
 def _config(tmp_path, records, epsilon=1.0):
     path = tmp_path / "job.yaml"
-    path.write_text(AUDITABLE.format(run_dir=tmp_path / "run", epsilon=epsilon, records=records / "records",
-                                     holdout=records / "test.parquet"))
+    path.write_text(
+        AUDITABLE.format(
+            run_dir=tmp_path / "run", epsilon=epsilon, records=records / "records", holdout=records / "test.parquet"
+        )
+    )
     return str(path)
 
 
@@ -148,6 +178,7 @@ def test_the_non_private_model_is_caught_memorizing(tmp_path, capsys, auditable_
 
 def _excluded_canaries_keep_their_place_in_the_graph_with_zero_gradient(directory, auditable_records):
     import pyarrow.parquet as pq
+
     canaries = pq.read_table(directory / "input" / "canaries.parquet").to_pydict()
     audit = json.loads((directory / "audit.json").read_text())
     included = {c["user"]: c["included"] for c in audit["per_canary"]}
@@ -159,7 +190,9 @@ def _excluded_canaries_keep_their_place_in_the_graph_with_zero_gradient(director
     assert bound["input_records"] == real + len(canaries["id"])  # included or not, every canary record is bounded
 
 
-def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_untouched(tmp_path, capsys, auditable_records):
+def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_untouched(
+    tmp_path, capsys, auditable_records
+):
     config = _config(tmp_path, auditable_records)
     assert cli.main(["-q", "run", config]) == 0
     capsys.readouterr()
@@ -176,7 +209,8 @@ def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_u
     assert "Privacy audit" in page and "composition of both trainings" in page
     changed = {k for k, v in _digests(tmp_path / "run").items() if before.get(k) != v}
     assert changed == {"report.html", os.path.join(".madp", "report.json")} | {
-        k for k in changed if k.startswith("audit" + os.sep) or k == os.path.join(".madp", "audit.json")}
+        k for k in changed if k.startswith("audit" + os.sep) or k == os.path.join(".madp", "audit.json")
+    }
 
 
 def test_a_claim_beyond_the_audits_reach_is_said_so(tmp_path, capsys, caplog, auditable_records):
@@ -197,12 +231,19 @@ def test_a_broken_noise_is_refuted(tmp_path, capsys, auditable_records):
 
 def test_string_ids_in_json_lines_get_string_canaries_and_a_clash_is_named(tmp_path, capsys):
     rng = np.random.default_rng(0)
-    rows = [{"id": f"mail-{i}", "users": [f"u{j}" for j in rng.choice(60, size=2, replace=False)],
-             "features": rng.normal(size=32).round(4).tolist(), "label": int(rng.random() < 0.5)} for i in range(300)]
+    rows = [
+        {
+            "id": f"mail-{i}",
+            "users": [f"u{j}" for j in rng.choice(60, size=2, replace=False)],
+            "features": rng.normal(size=32).round(4).tolist(),
+            "label": int(rng.random() < 0.5),
+        }
+        for i in range(300)
+    ]
     records = tmp_path / "mail.jsonl"
     records.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = tmp_path / "job.yaml"
-    config.write_text(f"""run_dir: {tmp_path / 'run'}
+    config.write_text(f"""run_dir: {tmp_path / "run"}
 input: {records}
 bound: {{max_contributions: 8, runner: local}}
 batch: {{steps: 40, batch_size: 30, min_sep: 1, runner: local}}

@@ -1,6 +1,7 @@
 """Batch materialization: the sampler kernels against brute force, the batches through the
 independent verifier, batch-size calibration, engines agreeing byte for byte, truncation and
 padding, the greedy sampler, and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import reseal_selection, write_records
 
 from beam_pipelines.batch import run_beam
-from conftest import reseal_selection, write_records
 from madp import sampling
 from madp.batching import BatchOptions, run_local
 from madp.local_engine import run_local as bound_local
@@ -30,7 +31,9 @@ def bounded(tmp_path, rows, k=3, name="data.jsonl"):
 
 
 def batch_files(output) -> dict[str, bytes]:
-    return {n: open(os.path.join(output, n), "rb").read() for n in sorted(os.listdir(output)) if n.endswith(".tfrecord")}
+    return {
+        n: open(os.path.join(output, n), "rb").read() for n in sorted(os.listdir(output)) if n.endswith(".tfrecord")
+    }
 
 
 def rows_of(output) -> list[dict]:
@@ -52,6 +55,7 @@ def graph_data(tmp_path, small_graph):
 
 
 # --- kernels ------------------------------------------------------------------------------------
+
 
 def test_blocked_user_steps_matches_brute_force():
     rng = np.random.default_rng(0)
@@ -100,9 +104,13 @@ def test_calibrated_probability_hits_target_and_rejects_unreachable():
 
 # --- b-min-sep sampling end to end -------------------------------------------------------------
 
+
+@pytest.mark.slow
 def test_minsep_batches_pass_the_verifier_and_hit_the_target(tmp_path, graph_data):
     selected, data = graph_data
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=1500, batch_size=40, min_sep=5))
+    report = run_local(
+        selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=1500, batch_size=40, min_sep=5)
+    )
     assert abs(report["batch_sizes"]["mean"] / 40 - 1) < 0.02
     assert abs(report["relative_error_to_target"]) < 0.02
     assert len(report["warm_up_batch_sizes"]) == 4 and len(report["batch_sizes"]["per_step"]) == 1500
@@ -133,6 +141,7 @@ def test_features_and_schema(tmp_path, graph_data):
         assert row["tag"] == [record["tag"].encode()] and row["weight"] == [1.0]
 
 
+@pytest.mark.slow
 def test_isolated_record_is_included_with_its_stationary_probability(tmp_path):
     # Records with a user of their own: included iff sampled and not sampled in the b-1 steps before,
     # p (1-p)^(b-1) -- p itself for b = 1.
@@ -160,6 +169,7 @@ def test_copies_are_distinct_units(tmp_path):
     assert report["participation"]["user_rows_sharing_a_step"] > 0
 
 
+@pytest.mark.beam
 def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, graph_data):
     selected, data = graph_data
     options = BatchOptions(steps=60, batch_size=40, min_sep=3, max_batch_size=45, output_shards=3, seed=5)
@@ -173,21 +183,37 @@ def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, 
         beam = run_beam(selected, data, out, options, args, partitions=partitions)
         assert batch_files(out) == expected, partitions
         assert open(os.path.join(out, "schema.json")).read() == open(tmp_path / "local" / "schema.json").read()
-        for field in ("sampling_probability", "batch_sizes", "written_batch_sizes", "participation",
-                      "records_never_written", "truncated_rows", "padding_rows", "units", "records"):
+        for field in (
+            "sampling_probability",
+            "batch_sizes",
+            "written_batch_sizes",
+            "participation",
+            "records_never_written",
+            "truncated_rows",
+            "padding_rows",
+            "units",
+            "records",
+        ):
             assert beam[field] == local[field], field
-    other_seed = run_local(selected, data, str(tmp_path / "seed6"), BatchOptions(
-        steps=60, batch_size=40, min_sep=3, max_batch_size=45, output_shards=3, seed=6))
-    assert batch_files(str(tmp_path / "seed6")) != expected and other_seed["sampling_probability"] == \
-        local["sampling_probability"]
+    other_seed = run_local(
+        selected,
+        data,
+        str(tmp_path / "seed6"),
+        BatchOptions(steps=60, batch_size=40, min_sep=3, max_batch_size=45, output_shards=3, seed=6),
+    )
+    assert (
+        batch_files(str(tmp_path / "seed6")) != expected
+        and other_seed["sampling_probability"] == local["sampling_probability"]
+    )
 
 
+@pytest.mark.beam
 def test_resharded_input_gives_the_same_batches(tmp_path, small_graph):
     selected, data = bounded(tmp_path, small_graph)
     directory = tmp_path / "sharded"
     directory.mkdir()
     for shard, start in enumerate(range(0, len(small_graph), 700)):
-        write_records(str(directory / f"part-{shard}.parquet"), small_graph[start:start + 700])
+        write_records(str(directory / f"part-{shard}.parquet"), small_graph[start : start + 700])
     options = BatchOptions(seed=0, steps=40, batch_size=30, min_sep=2)
     run_local(selected, data, str(tmp_path / "a"), options)
     run_beam(selected, str(directory), str(tmp_path / "b"), options, BEAM, partitions=2)
@@ -197,7 +223,9 @@ def test_resharded_input_gives_the_same_batches(tmp_path, small_graph):
 def test_truncation_and_padding_give_exactly_max_batch_size_rows(tmp_path, graph_data):
     selected, data = graph_data
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(seed=0, steps=200, batch_size=40, min_sep=2, max_batch_size=40))
+    report = run_local(
+        selected, data, out, BatchOptions(seed=0, steps=200, batch_size=40, min_sep=2, max_batch_size=40)
+    )
     rows = rows_of(out)
     per_step: dict = {}
     for row in rows:
@@ -222,7 +250,9 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
     rows = [{"id": i, "users": [0, 1000 + i]} for i in range(30)]
     selected, data = bounded(tmp_path, rows, k=30)
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1))
+    report = run_local(
+        selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1)
+    )
     assert report["truncated_rows"] > 0
     check = verify_batches(out, data, min_sep=3, max_batch_size=1)
     assert check["ok"], check["violations"]
@@ -230,10 +260,13 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
 
 # --- greedy -------------------------------------------------------------------------------------
 
+
 def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tmp_path, graph_data):
     selected, data = graph_data
     out = str(tmp_path / "out")
-    report = run_local(selected, data, out, BatchOptions(seed=0, steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6))
+    report = run_local(
+        selected, data, out, BatchOptions(seed=0, steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6)
+    )
     assert report["batch_sizes"]["min"] == report["batch_sizes"]["max"] == 50
     check = verify_batches(out, data, min_sep=6, max_participations=report["k"])
     assert check["ok"], check["violations"]
@@ -254,14 +287,18 @@ def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
 
 # --- errors -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("options, message", [
-    (dict(steps=0, batch_size=5), "--steps must be at least 1"),
-    (dict(steps=5, batch_size=5, min_sep=0), "--min-sep must be at least 1"),
-    (dict(steps=5, batch_size=0), "--batch-size must be positive"),
-    (dict(steps=5, batch_size=2.5, sampler="minsep-greedy"), "must be an integer"),
-    (dict(steps=5, batch_size=5, find_max_min_sep=True), "applies to --sampler minsep-greedy"),
-    (dict(steps=5, batch_size=5, max_batch_size=0), "--max-batch-size must be at least 1"),
-])
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(steps=0, batch_size=5), "--steps must be at least 1"),
+        (dict(steps=5, batch_size=5, min_sep=0), "--min-sep must be at least 1"),
+        (dict(steps=5, batch_size=0), "--batch-size must be positive"),
+        (dict(steps=5, batch_size=2.5, sampler="minsep-greedy"), "must be an integer"),
+        (dict(steps=5, batch_size=5, find_max_min_sep=True), "applies to --sampler minsep-greedy"),
+        (dict(steps=5, batch_size=5, max_batch_size=0), "--max-batch-size must be at least 1"),
+    ],
+)
 def test_bad_options_are_refused(options, message):
     with pytest.raises(InputError, match=message):
         BatchOptions(seed=0, **options)
@@ -283,6 +320,7 @@ def test_infeasible_inputs_give_clear_errors(tmp_path, graph_data):
     assert not os.path.exists(out) or not batch_files(out)
 
 
+@pytest.mark.beam
 def test_selected_ids_missing_from_data_are_an_error(tmp_path, small_graph):
     selected, _ = bounded(tmp_path, small_graph)
     other = write_records(str(tmp_path / "other.jsonl"), small_graph[:100])
@@ -297,7 +335,9 @@ def test_null_content_is_an_error_naming_the_record(tmp_path):
     selected, data = bounded(tmp_path, rows, k=1)
     with pytest.raises(InputError, match="'x' is null.* record 7"):
         run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5))
-    report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5, content_columns=()))
+    report = run_local(
+        selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5, content_columns=())
+    )
     assert report["parameters"]["content_columns"] == []
 
 
@@ -307,26 +347,67 @@ def test_invalid_rows_are_skipped_and_written_out(tmp_path):
     bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=1, on_invalid="skip"))
     with pytest.raises(InputError, match="empty_users"):
         run_local(str(tmp_path / "bounded"), data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5))
-    report = run_local(str(tmp_path / "bounded"), data, str(tmp_path / "out"),
-                       BatchOptions(seed=0, steps=5, batch_size=5, on_invalid="skip"))
+    report = run_local(
+        str(tmp_path / "bounded"),
+        data,
+        str(tmp_path / "out"),
+        BatchOptions(seed=0, steps=5, batch_size=5, on_invalid="skip"),
+    )
     assert report["rejected"] == {"empty_users": 1}
     assert json.loads(open(tmp_path / "out" / "rejected" / "rejected.jsonl").readline())["record"]["id"] == 99
 
 
 def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
     from madp.cli import main
+
     selected, data = graph_data
     out = str(tmp_path / "out")
-    assert main(["-q", "batch", selected, data, out, "--steps", "50", "--batch-size", "30", "--min-sep", "4",
-                 "--runner", "local"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "batch",
+                selected,
+                data,
+                out,
+                "--steps",
+                "50",
+                "--batch-size",
+                "30",
+                "--min-sep",
+                "4",
+                "--runner",
+                "local",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["engine"] == "local" and "per_step" not in report["batch_sizes"]
     assert main(["-q", "verify-batches", out, data, "--min-sep", "4"]) == 0
     capsys.readouterr()
     assert main(["-q", "verify-batches", out, data, "--min-sep", "40"]) == 1
     assert "apart (< min-sep 40)" in json.loads(capsys.readouterr().out)["violations"][0]
-    assert main(["-q", "batch", selected, data, out, "--steps", "5", "--batch-size", "5", "--min-sep", "0",
-                 "--runner", "local"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "batch",
+                selected,
+                data,
+                out,
+                "--steps",
+                "5",
+                "--batch-size",
+                "5",
+                "--min-sep",
+                "0",
+                "--runner",
+                "local",
+            ]
+        )
+        == 2
+    )
     assert "--min-sep must be at least 1" in capsys.readouterr().err
 
 
@@ -334,6 +415,7 @@ def test_wide_rows_are_encoded_in_chunks_with_the_same_bytes(graph_data, tmp_pat
     """Rows are encoded in chunks of about _ENCODE_BYTES (the encoder's index arrays cost 16 bytes per byte):
     a chunk smaller than one row gives the same files byte for byte, and the rows parse."""
     from madp import batching
+
     selected, data = graph_data
     options = BatchOptions(seed=0, steps=30, batch_size=8, min_sep=2)
     run_local(selected, data, str(tmp_path / "whole"), options)

@@ -1,5 +1,6 @@
 """Betting tests on the mean of [0, 1] terms: their level under optional stopping, their power against the
 fixed-sample Chernoff test that estimate-verify-release used before, and the sample floor."""
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,10 @@ from accounting.betting import BETS, log_wealth, log_wealth_steps, samples_to_re
 def first_rejection(terms: np.ndarray, bound: float, level: float, chunk: int) -> int | None:
     """Terms read when the wealth against "mean >= bound" first reaches 1 / level, looking after every chunk:
     the wealth after each chunk is summed from per-chunk `log_wealth_steps`, as the verifier does."""
-    totals = np.cumsum([log_wealth_steps(terms[start:start + chunk], bound)
-                        for start in range(0, len(terms), chunk)], axis=0)
-    wealth = logsumexp(totals[:, :len(BETS)], axis=1) - math.log(len(BETS))  # log_wealth, after every chunk
+    totals = np.cumsum(
+        [log_wealth_steps(terms[start : start + chunk], bound) for start in range(0, len(terms), chunk)], axis=0
+    )
+    wealth = logsumexp(totals[:, : len(BETS)], axis=1) - math.log(len(BETS))  # log_wealth, after every chunk
     assert wealth[-1] == pytest.approx(log_wealth(totals[-1])[0])
     crossed = np.flatnonzero(wealth >= math.log(1 / level))
     return min(len(terms), (crossed[0] + 1) * chunk) if len(crossed) else None
@@ -29,13 +31,15 @@ def chernoff_fixed_samples(bound: float, level: float) -> int:
     return math.ceil(math.log(1 / level) / kl)
 
 
+@pytest.mark.slow
 def test_level_holds_under_optional_stopping_at_the_worst_case_mean():
     """Bernoulli terms with mean exactly the bound (the hardest null for terms in [0, 1]), looked at after
     every 25 terms for 5000 terms: the test rejects at most about `level` of the time."""
     rng = np.random.default_rng(0)
     bound, level, runs = 0.02, 0.1, 600
-    rejected = sum(first_rejection((rng.random(5000) < bound).astype(float), bound, level, 25) is not None
-                   for _ in range(runs))
+    rejected = sum(
+        first_rejection((rng.random(5000) < bound).astype(float), bound, level, 25) is not None for _ in range(runs)
+    )
     assert rejected <= level * runs + 3 * math.sqrt(level * runs), rejected
 
 

@@ -1,9 +1,11 @@
 """The round-based algorithm equals the sequential greedy run in the same universal order."""
+
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from reference import sequential_greedy
 
 from madp.bounding import Capacities
 from madp.hashing import hash_ids
@@ -11,33 +13,48 @@ from madp.local_engine import bound_records
 from madp.records import Columns, RecordChunk
 from madp.selection import BoundOptions
 from madp.synthetic import GraphSpec, generate
-from reference import sequential_greedy
 
 
 def as_chunk(offsets, users, ids=None, weights=None) -> RecordChunk:
     n = len(offsets) - 1
-    return RecordChunk(keys=np.arange(n, dtype=np.int64), ids=pa.array(np.arange(n) if ids is None else ids),
-                       offsets=np.asarray(offsets, dtype=np.int64), users=pa.array(users), weights=weights,
-                       sources={0: "memory"})
+    return RecordChunk(
+        keys=np.arange(n, dtype=np.int64),
+        ids=pa.array(np.arange(n) if ids is None else ids),
+        offsets=np.asarray(offsets, dtype=np.int64),
+        users=pa.array(users),
+        weights=weights,
+        sources={0: "memory"},
+    )
 
 
 def reference_order(chunk: RecordChunk, order: str, seed: int) -> list[int]:
     """The documented universal order, sorted here with Python tuples."""
     tie = hash_ids(chunk.ids, seed, purpose=1)
     arity = np.diff(chunk.offsets)
-    primary = {"arity": arity, "hash": np.zeros_like(arity),
-               "weight": None if chunk.weights is None else -chunk.weights}[order]
+    primary = {
+        "arity": arity,
+        "hash": np.zeros_like(arity),
+        "weight": None if chunk.weights is None else -chunk.weights,
+    }[order]
     return sorted(range(len(arity)), key=lambda r: (float(primary[r]), int(tie[r]), r))
 
 
 def check(chunk, k, order="arity", seed=0, duplicates=False, capacity=None):
-    options = BoundOptions(max_contributions=k, order=order, seed=seed, duplicates=duplicates,
-                           columns=Columns(weight="w" if order == "weight" else None))
-    capacities = Capacities(k) if capacity is None else Capacities(k, pa.array(list(capacity)),
-                                                                 np.array(list(capacity.values())))
+    options = BoundOptions(
+        max_contributions=k,
+        order=order,
+        seed=seed,
+        duplicates=duplicates,
+        columns=Columns(weight="w" if order == "weight" else None),
+    )
+    capacities = (
+        Capacities(k)
+        if capacity is None
+        else Capacities(k, pa.array(list(capacity)), np.array(list(capacity.values())))
+    )
     result = bound_records(chunk, options, capacities)
     users = chunk.users.to_pylist()
-    record_users = [users[chunk.offsets[i]:chunk.offsets[i + 1]] for i in range(len(chunk))]
+    record_users = [users[chunk.offsets[i] : chunk.offsets[i + 1]] for i in range(len(chunk))]
     expected = sequential_greedy(reference_order(chunk, order, seed), record_users, capacity or {}, k, duplicates)
     np.testing.assert_array_equal(result.copies, expected)
     assert result.converged
@@ -79,7 +96,7 @@ def test_per_user_capacities_including_zero():
         result = check(as_chunk(data.offsets, data.users), 2, capacity=capacity, duplicates=duplicates)
         zero = {u for u, c in capacity.items() if c == 0}
         for r in np.flatnonzero(result.copies):
-            assert not zero & set(data.users[data.offsets[r]:data.offsets[r + 1]].tolist())
+            assert not zero & set(data.users[data.offsets[r] : data.offsets[r + 1]].tolist())
 
 
 def test_string_ids_and_users():
@@ -125,8 +142,9 @@ def alternate_reference_order(chunk: RecordChunk, seed: int, u: int, c1: int, c2
 
     def key(r):
         is_small = bool(arity[r] <= u)
-        run = int(float(tie[r]) / 2.0 ** 64 * sizes[is_small] / (c1 if is_small else c2))
+        run = int(float(tie[r]) / 2.0**64 * sizes[is_small] / (c1 if is_small else c2))
         return (2 * run + (0 if is_small else 1), int(tie[r]), r)
+
     return sorted(range(len(arity)), key=key)
 
 
@@ -134,11 +152,18 @@ def alternate_reference_order(chunk: RecordChunk, seed: int, u: int, c1: int, c2
 def test_alternate_order_equals_the_sequential_greedy_in_that_order(duplicates):
     data = generate(GraphSpec(records=3000, graph="skewed", seed=8))
     chunk = as_chunk(data.offsets, data.users)
-    options = BoundOptions(max_contributions=2, order="alternate", seed=3, duplicates=duplicates,
-                           arity_threshold=1, small_run=40, large_run=15)
+    options = BoundOptions(
+        max_contributions=2,
+        order="alternate",
+        seed=3,
+        duplicates=duplicates,
+        arity_threshold=1,
+        small_run=40,
+        large_run=15,
+    )
     result = bound_records(chunk, options, Capacities(2))
     users = chunk.users.to_pylist()
-    record_users = [users[chunk.offsets[i]:chunk.offsets[i + 1]] for i in range(len(chunk))]
+    record_users = [users[chunk.offsets[i] : chunk.offsets[i + 1]] for i in range(len(chunk))]
     expected = sequential_greedy(alternate_reference_order(chunk, 3, 1, 40, 15), record_users, {}, 2, duplicates)
     np.testing.assert_array_equal(result.copies, expected)
 
@@ -156,9 +181,13 @@ def test_alternate_order_runs_and_bias_mitigation():
     assert first[0] and not np.any(first[both][1:] == first[both][:-1])
     assert abs(lengths[both][first[both]].mean() - 50) < 3 and abs(lengths[both][~first[both]].mean() - 20) < 1.5
     kept_users = {}
-    for name, options in (("arity", BoundOptions(max_contributions=2)),
-                          ("alternate", BoundOptions(max_contributions=2, order="alternate", arity_threshold=1,
-                                                     small_run=50, large_run=20))):
+    for name, options in (
+        ("arity", BoundOptions(max_contributions=2)),
+        (
+            "alternate",
+            BoundOptions(max_contributions=2, order="alternate", arity_threshold=1, small_run=50, large_run=20),
+        ),
+    ):
         copies = bound_records(chunk, options, Capacities(2)).copies
         kept_users[name] = np.diff(chunk.offsets)[copies > 0].mean()
     assert kept_users["alternate"] > kept_users["arity"] + 0.05  # more multi-user records kept: less bias
@@ -166,6 +195,7 @@ def test_alternate_order_runs_and_bias_mitigation():
 
 def test_alternate_order_options_are_checked():
     from madp.records import InputError
+
     with pytest.raises(InputError, match="--order alternate needs"):
         BoundOptions(max_contributions=2, order="alternate", arity_threshold=1)
     with pytest.raises(InputError, match="apply to --order alternate"):

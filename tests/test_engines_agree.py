@@ -1,21 +1,37 @@
 """The Beam pipeline and the local engine write identical outputs, whatever the partitioning."""
+
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+from conftest import write_records
 
 from beam_pipelines.bound import run_beam
-from conftest import write_records
 from madp.local_engine import run_local
 from madp.records import Columns
 from madp.selection import BoundOptions
 from madp.verify import verify_bound
 
-SAME_REPORT_FIELDS = ("input_rows", "input_records", "input_users", "selected_records", "distinct_selected",
-                      "max_user_contribution", "rounds", "passes", "converged", "per_round", "rejected",
-                      "rejected_total", "repeated_users_removed", "histograms")
+pytestmark = [pytest.mark.beam]
+
+SAME_REPORT_FIELDS = (
+    "input_rows",
+    "input_records",
+    "input_users",
+    "selected_records",
+    "distinct_selected",
+    "max_user_contribution",
+    "rounds",
+    "passes",
+    "converged",
+    "per_round",
+    "rejected",
+    "rejected_total",
+    "repeated_users_removed",
+    "histograms",
+)
 
 
 def selection_files(output: str) -> dict[str, bytes]:
@@ -38,7 +54,7 @@ def sharded_input(tmp_path, small_graph):
     directory = tmp_path / "input"
     directory.mkdir()
     for shard, start in enumerate(range(0, len(small_graph), 1000)):
-        write_records(str(directory / f"part-{shard}.parquet"), small_graph[start:start + 1000])
+        write_records(str(directory / f"part-{shard}.parquet"), small_graph[start : start + 1000])
     return str(directory)
 
 
@@ -54,26 +70,36 @@ def test_default_direct_runner_two_workers(tmp_path, sharded_input):
 
 def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
     options = BoundOptions(max_contributions=3, duplicates=True)
-    local, _ = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory"],
-                           partitions=3, rounds_per_pipeline=2)
+    local, _ = assert_same(
+        tmp_path, sharded_input, options, ["--direct_running_mode=in_memory"], partitions=3, rounds_per_pipeline=2
+    )
     assert local["passes"] > 1 and local["selected_records"] > local["distinct_selected"]
 
 
 def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, small_graph):
-    rows = [{"id": f"doc-{r['id']}", "users": [f"u{u}" for u in r["users"]], "body": "x", "w": r["id"] % 5}
-            for r in small_graph]
+    rows = [
+        {"id": f"doc-{r['id']}", "users": [f"u{u}" for u in r["users"]], "body": "x", "w": r["id"] % 5}
+        for r in small_graph
+    ]
     input_path = write_records(str(tmp_path / "records.jsonl"), rows)
     capacities = tmp_path / "capacities.csv"
     capacities.write_text("user,capacity\n" + "".join(f"u{u},{u % 4}\n" for u in range(0, 400, 3)))
-    options = BoundOptions(max_contributions=2, capacities=str(capacities), output_shards=3, order="weight",
-                           columns=Columns(weight="w"))
+    options = BoundOptions(
+        max_contributions=2, capacities=str(capacities), output_shards=3, order="weight", columns=Columns(weight="w")
+    )
     assert_same(tmp_path, input_path, options, ["--direct_num_workers=1"], partitions=1)
     assert verify_bound(input_path, str(tmp_path / "beam"), 2, str(capacities))["ok"]
 
 
 def test_max_rounds_across_pipeline_runs(tmp_path, sharded_input):
-    local, _ = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2, max_rounds=2), [],
-                           partitions=2, rounds_per_pipeline=1)
+    local, _ = assert_same(
+        tmp_path,
+        sharded_input,
+        BoundOptions(max_contributions=2, max_rounds=2),
+        [],
+        partitions=2,
+        rounds_per_pipeline=1,
+    )
     assert local["rounds"] == 2 and not local["converged"]
 
 
@@ -83,8 +109,10 @@ def test_invalid_rows_skipped_alike(tmp_path, small_graph):
     options = BoundOptions(max_contributions=2, on_invalid="skip")
     local, _ = assert_same(tmp_path, input_path, options, [], partitions=2)
     assert local["rejected"] == {"missing_id": 1, "empty_users": 1, "duplicate_id": 2}
-    assert (open(tmp_path / "local" / "rejected" / "rejected.jsonl").read()
-            == open(tmp_path / "beam" / "rejected" / "rejected.jsonl").read())
+    assert (
+        open(tmp_path / "local" / "rejected" / "rejected.jsonl").read()
+        == open(tmp_path / "beam" / "rejected" / "rejected.jsonl").read()
+    )
 
 
 def test_resharded_input_gives_same_selection(tmp_path, small_graph, sharded_input):
@@ -100,6 +128,7 @@ def test_partition_bitmasks_beyond_64_partitions():
     import numpy as np
 
     from beam_pipelines.bound import _bits_below, _partition_bits, _set_bits
+
     rng = np.random.default_rng(0)
     rows, partitions = rng.integers(0, 50, 400), rng.integers(0, 130, 400)
     bits = _partition_bits(rows, partitions, 50, 130)
@@ -114,6 +143,7 @@ def test_partition_bitmasks_beyond_64_partitions():
 
 def test_beam_error_removes_only_its_own_outputs(tmp_path):
     from madp.records import InputError
+
     input_path = write_records(str(tmp_path / "bad.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": []}])
     output = tmp_path / "out"
     output.mkdir()
@@ -138,8 +168,9 @@ def test_second_beam_run_into_same_output(tmp_path, small_graph):
 
 
 def test_capacities_for_users_without_records(tmp_path):
-    input_path = write_records(str(tmp_path / "tiny.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": [1, 2]},
-                                                                {"id": 3, "users": [2]}])
+    input_path = write_records(
+        str(tmp_path / "tiny.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": [1, 2]}, {"id": 3, "users": [2]}]
+    )
     capacities = tmp_path / "caps.csv"
     capacities.write_text("user,capacity\n" + "".join(f"{u},1\n" for u in range(1, 200)))
     options = BoundOptions(max_contributions=2, capacities=str(capacities))
@@ -149,11 +180,17 @@ def test_capacities_for_users_without_records(tmp_path):
 
 def test_input_error_inside_a_worker_reads_clearly(tmp_path):
     from madp.records import InputError
+
     write_records(str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1]}])
     write_records(str(tmp_path / "b.jsonl"), [{"id": "x", "users": [2]}])
     with pytest.raises(InputError, match=r"^record ids mix integers and strings across input files"):
-        run_beam(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1),
-                 ["--direct_running_mode=in_memory"], partitions=1)
+        run_beam(
+            str(tmp_path),
+            str(tmp_path / "out"),
+            BoundOptions(max_contributions=1),
+            ["--direct_running_mode=in_memory"],
+            partitions=1,
+        )
 
 
 def test_alternate_order_counts_groups_alike(tmp_path, sharded_input):

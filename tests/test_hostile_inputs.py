@@ -1,6 +1,7 @@
 """Hostile and malformed inputs through the command line, on the local engine and on Beam: the
 bound and the data never change under the verifiers, nothing is lost silently, and every bad input
 is a clear error (exit 2) that names what is wrong, never a traceback."""
+
 from __future__ import annotations
 
 import gzip
@@ -13,13 +14,16 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import write_records
+
 from madp import storage
 from madp.cli import main
 
-ENGINES = {"local": ["--runner", "local"],
-           "beam": ["--runner", "DirectRunner", "--direct_running_mode", "in_memory", "--partitions", "3"]}
+ENGINES = {
+    "local": ["--runner", "local"],
+    "beam": ["--runner", "DirectRunner", "--direct_running_mode", "in_memory", "--partitions", "3"],
+}
+ENGINE_CASES = ["local", pytest.param("beam", marks=pytest.mark.beam)]
 
 
 def cli(capsys, *args) -> tuple[int, dict | None, str]:
@@ -36,14 +40,17 @@ def selected_ids(output) -> set:
     return set(pq.read_table(os.path.join(output, "selected")).column("id").to_pylist())
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_a_hidden_file_in_the_selection_is_refused_by_batch_and_the_verifier(tmp_path, capsys, engine):
     data = write_records(str(tmp_path / "d.jsonl"), rows(300))
     assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", *ENGINES[engine])[0] == 0
-    pq.write_table(pa.table({"id": pa.array(range(300), pa.int64()), "copies": pa.array([1] * 300, pa.int64())}),
-                   tmp_path / "b" / "selected" / ".extra.parquet")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
-                       *ENGINES[engine])
+    pq.write_table(
+        pa.table({"id": pa.array(range(300), pa.int64()), "copies": pa.array([1] * 300, pa.int64())}),
+        tmp_path / "b" / "selected" / ".extra.parquet",
+    )
+    code, _, err = cli(
+        capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10", *ENGINES[engine]
+    )
     assert code == 2 and "files the bound did not write ['.extra.parquet']" in err
     code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / "b", "-k", "2")
     assert code == 1 and any(".extra.parquet is not a file the run wrote" in v for v in verdict["violations"])
@@ -54,19 +61,49 @@ def test_an_unfinished_bound_is_refused(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(200))
     assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
     os.remove(tmp_path / "b" / "report.json")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
-                       "--runner", "local")
+    code, _, err = cli(
+        capsys,
+        "batch",
+        tmp_path / "b",
+        data,
+        tmp_path / "out",
+        "--steps",
+        "5",
+        "--batch-size",
+        "10",
+        "--runner",
+        "local",
+    )
     assert code == 2 and "not a finished `madp bound` output" in err
     code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / "b", "-k", "2")
     assert code == 1 and "the run did not finish" in verdict["violations"][0]
 
 
+@pytest.mark.tf
 def test_a_changed_batch_file_is_refused_by_training_and_the_verifier(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(300))
     cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
-    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "10",
-               "--runner", "local", "--output-shards", "2")[0] == 0
-    shutil.copy(tmp_path / "out" / "batches-00000-of-00002.tfrecord", tmp_path / "out" / "batches-00009-of-00010.tfrecord")
+    assert (
+        cli(
+            capsys,
+            "batch",
+            tmp_path / "b",
+            data,
+            tmp_path / "out",
+            "--steps",
+            "5",
+            "--batch-size",
+            "10",
+            "--runner",
+            "local",
+            "--output-shards",
+            "2",
+        )[0]
+        == 0
+    )
+    shutil.copy(
+        tmp_path / "out" / "batches-00000-of-00002.tfrecord", tmp_path / "out" / "batches-00009-of-00010.tfrecord"
+    )
     code, verdict, _ = cli(capsys, "verify-batches", tmp_path / "out", data, "--min-sep", "1")
     assert code == 1 and "batches-00009-of-00010.tfrecord is not a file the run wrote" in verdict["violations"][0]
     pytest.importorskip("tensorflow")
@@ -74,7 +111,7 @@ def test_a_changed_batch_file_is_refused_by_training_and_the_verifier(tmp_path, 
     assert code == 2 and "files the batch did not write" in err
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
     """Arrow reads an object split over two lines, or two objects on one line, as records; the content
     reader counts lines. Such lines are rejected, so every batched row carries its own record's content."""
@@ -86,29 +123,58 @@ def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
     data.write_text("\n".join(lines) + "\n")
     code, report, _ = cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--on-invalid", "skip", *ENGINES[engine])
     assert code == 0 and report["rejected"] == {"invalid_json": 3} and report["input_records"] == 57
-    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "20", "--batch-size", "20",
-               "--on-invalid", "skip", "--seed", "1", *ENGINES[engine])[0] == 0
+    assert (
+        cli(
+            capsys,
+            "batch",
+            tmp_path / "b",
+            data,
+            tmp_path / "out",
+            "--steps",
+            "20",
+            "--batch-size",
+            "20",
+            "--on-invalid",
+            "skip",
+            "--seed",
+            "1",
+            *ENGINES[engine],
+        )[0]
+        == 0
+    )
     from madp.verify import _example_class, _feature_values, read_tfrecord
+
     example = _example_class()
     batched = [example.FromString(p) for p in read_tfrecord(str(tmp_path / "out" / "batches-00000-of-00001.tfrecord"))]
     assert batched and all(_feature_values(e, "x")[0] == _feature_values(e, "id")[0] for e in batched)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_capacities_match_user_ids_by_type_and_exact_text(tmp_path, capsys, engine):
     data = write_records(str(tmp_path / "d.jsonl"), rows(40, users=lambda i: [str(i % 10), f"x{i}"]))
     (tmp_path / "seven.csv").write_text("user,capacity\n7,0\n")
     (tmp_path / "padded.csv").write_text("user,capacity\n007,0\n")
     for name, capped in (("seven", True), ("padded", False)):
         capacities = tmp_path / f"{name}.csv"
-        assert cli(capsys, "bound", data, tmp_path / name, "-k", "4", "--capacities", capacities,
-                   *ENGINES[engine])[0] == 0
+        assert (
+            cli(capsys, "bound", data, tmp_path / name, "-k", "4", "--capacities", capacities, *ENGINES[engine])[0] == 0
+        )
         assert (7 in selected_ids(tmp_path / name)) is not capped
         code, verdict, _ = cli(capsys, "verify-bound", data, tmp_path / name, "-k", "4", "--capacities", capacities)
         assert code == 0 and verdict["ok"]
     (tmp_path / "typed.jsonl").write_text('{"user": 7, "capacity": 0}\n')
-    code, _, err = cli(capsys, "bound", data, tmp_path / "typed", "-k", "4", "--capacities", tmp_path / "typed.jsonl",
-                       "--runner", "local")
+    code, _, err = cli(
+        capsys,
+        "bound",
+        data,
+        tmp_path / "typed",
+        "-k",
+        "4",
+        "--capacities",
+        tmp_path / "typed.jsonl",
+        "--runner",
+        "local",
+    )
     assert code == 2 and "same id type" in err
 
 
@@ -118,8 +184,9 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
         code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
         assert code == 2 and "being written by another madp process" in err and "bound (another run)" in err
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / "b" / storage.LOCK_FILE).write_text(json.dumps(
-        {"pid": int(dead.stdout), "host": os.uname().nodename, "command": "bound", "since": "then"}))
+    (tmp_path / "b" / storage.LOCK_FILE).write_text(
+        json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "command": "bound", "since": "then"})
+    )
     assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
     assert not (tmp_path / "b" / storage.LOCK_FILE).exists()
     (tmp_path / "file").write_text("")
@@ -127,25 +194,34 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
     assert code == 2 and "is a file" in err
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_malformed_jsonl_and_repeated_files_are_counted_not_crashes(tmp_path, capsys, engine):
     (tmp_path / "null.jsonl").write_text("null\n" + "".join(json.dumps(r) + "\n" for r in rows(30)))
     code, _, err = cli(capsys, "bound", tmp_path / "null.jsonl", tmp_path / "b1", "-k", "2", *ENGINES[engine])
     assert code == 2 and "row 0: invalid_json" in err
-    code, report, _ = cli(capsys, "bound", tmp_path / "null.jsonl", tmp_path / "b2", "-k", "2", "--on-invalid", "skip",
-                          *ENGINES[engine])
+    code, report, _ = cli(
+        capsys, "bound", tmp_path / "null.jsonl", tmp_path / "b2", "-k", "2", "--on-invalid", "skip", *ENGINES[engine]
+    )
     assert code == 0 and report["rejected"] == {"invalid_json": 1} and report["input_records"] == 30
     twice = tmp_path / "twice"
     twice.mkdir()
     for name in ("a.jsonl", "b.jsonl"):
         shutil.copy(tmp_path / "null.jsonl", twice / name)
     code, report, _ = cli(capsys, "bound", twice, tmp_path / "b3", "-k", "2", "--on-invalid", "skip", *ENGINES[engine])
-    assert code == 0 and report["rejected"] == {"invalid_json": 2, "duplicate_id": 60} and report["selected_records"] == 0
+    assert (
+        code == 0 and report["rejected"] == {"invalid_json": 2, "duplicate_id": 60} and report["selected_records"] == 0
+    )
 
 
 def test_the_verifiers_read_what_the_engines_skip(tmp_path, capsys):
-    lines = [b'\xef\xbb\xbf{"id": 0, "users": [1]}', b'{"id": [1], "users": [1]}', b'{"id": 2, "users": [[2]]}',
-             b'{"id": 3, "users": [3], "x": "\xff"}', b'\xff\xfe{', b'{"id": 5, "users": [5]}']
+    lines = [
+        b'\xef\xbb\xbf{"id": 0, "users": [1]}',
+        b'{"id": [1], "users": [1]}',
+        b'{"id": 2, "users": [[2]]}',
+        b'{"id": 3, "users": [3], "x": "\xff"}',
+        b"\xff\xfe{",
+        b'{"id": 5, "users": [5]}',
+    ]
     data = tmp_path / "d.jsonl"
     data.write_bytes(b"\n".join(lines) + b"\n")
     code, report, _ = cli(capsys, "bound", data, tmp_path / "b", "-k", "1", "--on-invalid", "skip", "--runner", "local")
@@ -159,18 +235,34 @@ def test_misspelled_options_are_errors_not_beam_options(tmp_path, capsys):
     code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--ordr", "hash")
     assert code == 2 and "unrecognized option(s) --ordr" in err
     cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
-                       "--min_sep", "4")
+    code, _, err = cli(
+        capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5", "--min_sep", "4"
+    )
     assert code == 2 and "unrecognized option(s) --min_sep" in err
 
 
+@pytest.mark.beam
 def test_string_ids_on_beam_give_string_typed_empty_shards(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), [{"id": f"r{i}", "users": [i]} for i in range(2)])
     assert cli(capsys, "bound", data, tmp_path / "b", "-k", "1", "--output-shards", "4", *ENGINES["beam"])[0] == 0
     shards = sorted((tmp_path / "b" / "selected").iterdir())
     assert len(shards) == 4 and {pq.read_schema(s).field("id").type for s in shards} == {pa.string()}
-    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "3", "--batch-size", "1",
-               "--runner", "local")[0] == 0
+    assert (
+        cli(
+            capsys,
+            "batch",
+            tmp_path / "b",
+            data,
+            tmp_path / "out",
+            "--steps",
+            "3",
+            "--batch-size",
+            "1",
+            "--runner",
+            "local",
+        )[0]
+        == 0
+    )
 
 
 def test_input_files_by_suffix_and_mbox_edges(tmp_path, capsys):
@@ -188,14 +280,16 @@ def test_input_files_by_suffix_and_mbox_edges(tmp_path, capsys):
     code, _, err = cli(capsys, "import-mbox", eml, tmp_path / "mail")
     assert code == 2 and "no message" in err
     box = tmp_path / "box.mbox"
-    box.write_text("stray text\n\nFrom a@example.com Thu Jan  1 00:00:00 1970\nFrom: a@example.com\n"
-                   "To: b@example.com\nSubject: hi\n\nbody\n")
+    box.write_text(
+        "stray text\n\nFrom a@example.com Thu Jan  1 00:00:00 1970\nFrom: a@example.com\n"
+        "To: b@example.com\nSubject: hi\n\nbody\n"
+    )
     code, report, _ = cli(capsys, "import-mbox", box, tmp_path / "mail2")
     assert code == 0 and report["records"] == 1 and report["skipped"] == {"text_before_first_message": 1}
     assert "stray text" in (tmp_path / "mail2" / "rejected.jsonl").read_text()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_bad_files_and_outputs_are_clear_errors(tmp_path, capsys, engine):
     data = write_records(str(tmp_path / "d.parquet"), rows(50))
     truncated = tmp_path / "t.parquet"
@@ -210,30 +304,54 @@ def test_bad_files_and_outputs_are_clear_errors(tmp_path, capsys, engine):
     code, _, err = cli(capsys, "bound", tmp_path / "f.parquet", tmp_path / "b", "-k", "2", "--runner", "local")
     assert code == 2 and "f.parquet: not a readable Parquet file" in err
     (tmp_path / "empty.csv").write_text("")
-    code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "empty.csv",
-                       *ENGINES[engine])
+    code, _, err = cli(
+        capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "empty.csv", *ENGINES[engine]
+    )
     assert code == 2 and "empty.csv: not a readable capacities file" in err
-    (tmp_path / "zero.csv").write_text("user,capacity\n" + "".join(f"{u},0\n" for u in list(range(7)) + list(range(100, 105))))
-    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "zero.csv",
-               *ENGINES[engine])[0] == 0
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "2",
-                       *ENGINES[engine])
+    (tmp_path / "zero.csv").write_text(
+        "user,capacity\n" + "".join(f"{u},0\n" for u in list(range(7)) + list(range(100, 105)))
+    )
+    assert (
+        cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--capacities", tmp_path / "zero.csv", *ENGINES[engine])[
+            0
+        ]
+        == 0
+    )
+    code, _, err = cli(
+        capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "2", *ENGINES[engine]
+    )
     assert code == 2 and "nothing to batch" in err
 
 
 def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys):
-    data = write_records(str(tmp_path / "d.jsonl"), [{**r, "x": [float("nan"), 1.0]} if r["id"] == 4 else r
-                                                     for r in rows(30)])
+    data = write_records(
+        str(tmp_path / "d.jsonl"), [{**r, "x": [float("nan"), 1.0]} if r["id"] == 4 else r for r in rows(30)]
+    )
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
-                       "--runner", "local")
+    code, _, err = cli(
+        capsys,
+        "batch",
+        tmp_path / "b",
+        data,
+        tmp_path / "out",
+        "--steps",
+        "5",
+        "--batch-size",
+        "5",
+        "--runner",
+        "local",
+    )
     assert code == 2 and "holds a NaN or infinite value for selected record 4" in err
 
 
 def test_run_configs_and_damaged_manifests(tmp_path, capsys):
     import yaml
-    config = {"run_dir": str(tmp_path / "run"), "generate": {"records": 500, "features": 2, "seed": 1},
-              "bound": {"runner": "local"}}
+
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "generate": {"records": 500, "features": 2, "seed": 1},
+        "bound": {"runner": "local"},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     code, _, err = cli(capsys, "run", tmp_path / "job.yaml")
     assert code == 2 and "config bound.max_contributions: required" in err
@@ -253,8 +371,19 @@ def test_run_configs_and_damaged_manifests(tmp_path, capsys):
 def test_a_record_with_the_padding_id_is_refused(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), [{**r, "id": r["id"] - 1} for r in rows(30)])  # ids -1..28
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", "5", "--batch-size", "5",
-                       "--runner", "local")
+    code, _, err = cli(
+        capsys,
+        "batch",
+        tmp_path / "b",
+        data,
+        tmp_path / "out",
+        "--steps",
+        "5",
+        "--batch-size",
+        "5",
+        "--runner",
+        "local",
+    )
     assert code == 2 and "selected record id -1 is the id of padding rows" in err
 
 
@@ -266,10 +395,24 @@ def test_content_columns_come_from_every_row_and_huge_samplings_are_refused(tmp_
     data = write_records(str(tmp_path / "d.jsonl"), records[5:] + records[:5])
     (tmp_path / "first.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     from madp.records import Columns, content_columns
+
     assert content_columns(str(tmp_path / "first.jsonl"), Columns()) == ("label", "note", "x")
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
-    code, _, err = cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", "--steps", str(10**9),
-                       "--batch-size", "20", "--content-columns", "label", "--runner", "local")
+    code, _, err = cli(
+        capsys,
+        "batch",
+        tmp_path / "b",
+        data,
+        tmp_path / "out",
+        "--steps",
+        str(10**9),
+        "--batch-size",
+        "20",
+        "--content-columns",
+        "label",
+        "--runner",
+        "local",
+    )
     assert code == 2 and "more than half of this machine's" in err
 
 

@@ -1,4 +1,5 @@
 """Invalid rows stop the run with a clear error, or are skipped, written out and counted."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import write_records
+
 from madp.local_engine import run_local
 from madp.records import Columns, InputError, list_input_files, read_file
 from madp.selection import BoundOptions
@@ -33,8 +34,17 @@ this is not json
 {"id": 12, "users": [true]}
 {"id": 13, "users": [99999999999999999999999]}
 """
-EXPECTED = {"missing_id": 2, "empty_users": 1, "missing_users": 1, "null_user": 1, "non_scalar_user": 3,
-            "bad_user_type": 3, "duplicate_id": 2, "invalid_json": 1, "bad_id_type": 2}
+EXPECTED = {
+    "missing_id": 2,
+    "empty_users": 1,
+    "missing_users": 1,
+    "null_user": 1,
+    "non_scalar_user": 3,
+    "bad_user_type": 3,
+    "duplicate_id": 2,
+    "invalid_json": 1,
+    "bad_id_type": 2,
+}
 
 
 @pytest.fixture
@@ -74,8 +84,13 @@ def test_repeated_users_are_deduplicated(tmp_path):
 
 
 def test_parquet_nulls_and_custom_columns(tmp_path):
-    table = pa.table({"doc": pa.array([1, 2, None, 4]), "authors": pa.array([[1], None, [2], [3, None]]),
-                      "content": ["a", "b", "c", "d"]})
+    table = pa.table(
+        {
+            "doc": pa.array([1, 2, None, 4]),
+            "authors": pa.array([[1], None, [2], [3, None]]),
+            "content": ["a", "b", "c", "d"],
+        }
+    )
     pq.write_table(table, tmp_path / "p.parquet")
     options = BoundOptions(max_contributions=1, on_invalid="skip", columns=Columns("doc", "authors"))
     report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
@@ -105,12 +120,15 @@ def test_missing_and_unsupported_inputs(tmp_path):
         list_input_files(str(tmp_path))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_contributions": 0}, "--max-contributions"),
-    ({"max_contributions": 1, "order": "weight"}, "--weight-column"),
-    ({"max_contributions": 1, "max_rounds": 0}, "--max-rounds"),
-    ({"max_contributions": 1, "on_invalid": "ignore"}, "--on-invalid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_contributions": 0}, "--max-contributions"),
+        ({"max_contributions": 1, "order": "weight"}, "--weight-column"),
+        ({"max_contributions": 1, "max_rounds": 0}, "--max-rounds"),
+        ({"max_contributions": 1, "on_invalid": "ignore"}, "--on-invalid"),
+    ],
+)
 def test_bad_options(kwargs, message):
     with pytest.raises(InputError, match=message):
         BoundOptions(**kwargs)
@@ -132,12 +150,17 @@ def test_unsigned_ids_beyond_int64_are_a_clear_error(tmp_path):
 
 def test_capacities_file_problems(tmp_path):
     from madp.selection import read_capacities
+
     with pytest.raises(InputError, match="no such capacities file"):
         read_capacities(str(tmp_path / "none.csv"), 1)
-    (tmp_path / "nulls.jsonl").write_text('{"user": null, "capacity": 1}\n{"user": 4, "capacity": null}\n'
-                                          '{"user": 4, "capacity": 2}\n')
-    with pytest.raises(InputError, match="row 0: missing user; row 1: missing or negative capacity; row 1: user "
-                                         "listed twice; row 2: user listed twice"):
+    (tmp_path / "nulls.jsonl").write_text(
+        '{"user": null, "capacity": 1}\n{"user": 4, "capacity": null}\n{"user": 4, "capacity": 2}\n'
+    )
+    with pytest.raises(
+        InputError,
+        match="row 0: missing user; row 1: missing or negative capacity; row 1: user "
+        "listed twice; row 2: user listed twice",
+    ):
         read_capacities(str(tmp_path / "nulls.jsonl"), 1)
     (tmp_path / "good.jsonl").write_text('{"user": "a", "capacity": 0}\n{"user": "b", "capacity": 5}\n')
     capacities = read_capacities(str(tmp_path / "good.jsonl"), 2)

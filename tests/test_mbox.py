@@ -1,5 +1,6 @@
 """`madp import-mbox`: users from From/To/Cc normalized and deduplicated, Message-ID or a stable
 fallback, plain-text bodies, malformed messages counted and written out, and the records bound."""
+
 from __future__ import annotations
 
 import json
@@ -34,15 +35,36 @@ def message(sender, to=None, cc=None, subject="hello", body="text", message_id=N
 def mbox_file(tmp_path):
     path = tmp_path / "mail.mbox"
     box = mailbox.mbox(str(path))
-    box.add(message("Alice <Alice@Example.com>", "bob@example.com, Carol <carol@example.com>",
-                    cc="ALICE@example.com, dave@example.com", message_id="<m1@example.com>"))
-    box.add(message("bob@example.com", "alice@example.com", subject="Re: hello", body="reply",
-                    message_id="<m2@example.com>", html="<p>reply</p>"))
+    box.add(
+        message(
+            "Alice <Alice@Example.com>",
+            "bob@example.com, Carol <carol@example.com>",
+            cc="ALICE@example.com, dave@example.com",
+            message_id="<m1@example.com>",
+        )
+    )
+    box.add(
+        message(
+            "bob@example.com",
+            "alice@example.com",
+            subject="Re: hello",
+            body="reply",
+            message_id="<m2@example.com>",
+            html="<p>reply</p>",
+        )
+    )
     box.add(message("carol@example.com", "alice@example.com", subject="no id", body="first"))
     box.add(message("carol@example.com", "bob@example.com", message_id="<m1@example.com>"))  # same Message-ID
-    box.add(message(None, "bob@example.com", message_id="<m5@example.com>"))                 # no sender
-    box.add(message("Zoë <zoe@example.com>", "alice@example.com", subject="Grüße", body="Hallo Welt",
-                    message_id="<m6@example.com>"))
+    box.add(message(None, "bob@example.com", message_id="<m5@example.com>"))  # no sender
+    box.add(
+        message(
+            "Zoë <zoe@example.com>",
+            "alice@example.com",
+            subject="Grüße",
+            body="Hallo Welt",
+            message_id="<m6@example.com>",
+        )
+    )
     box.flush()
     return str(path)
 
@@ -82,8 +104,10 @@ def test_missing_mbox_is_a_clear_error(tmp_path, capsys):
 def test_unknown_charset_is_skipped_with_its_reason(tmp_path, capsys):
     path = tmp_path / "odd.mbox"
     box = mailbox.mbox(str(path))
-    box.add(b"From: a@example.com\nTo: b@example.com\nSubject: odd\nMessage-ID: <x@y>\n"
-            b"Content-Type: text/plain; charset=x-no-such-charset\n\nbody\n")
+    box.add(
+        b"From: a@example.com\nTo: b@example.com\nSubject: odd\nMessage-ID: <x@y>\n"
+        b"Content-Type: text/plain; charset=x-no-such-charset\n\nbody\n"
+    )
     box.add(message("a@example.com", "c@example.com", message_id="<ok@y>"))
     box.flush()
     assert main(["-q", "import-mbox", str(path), str(tmp_path / "out")]) == 0

@@ -1,4 +1,5 @@
 """Estimate-verify-release calibration of BandMF with b-min-sep sampling (Algorithm 5)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import pytest
 
 import accounting.evr as evr
 from accounting.calibrate import calibrate, epsilon
-from accounting.mechanisms import DpSgdUls
 from accounting.evr import RUNG_STEPS
+from accounting.mechanisms import DpSgdUls
 from accounting.monte_carlo import MinSepProcess
 from madp.cli import main
 from madp.records import InputError
@@ -25,6 +26,7 @@ def fallback_sigma(target_epsilon: float, delta: float) -> float:
     return calibrate(EVERY_STEP, target_epsilon, delta).noise_multiplier
 
 
+@pytest.mark.slow
 def test_released_sigma_is_private_by_the_exact_poisson_accountant():
     result = evr.calibrate_minsep(POISSON, 1.0, 0.02, seed=3, fallback=EVERY_STEP)
     assert result.verified and result.overall_delta <= 0.02
@@ -33,9 +35,11 @@ def test_released_sigma_is_private_by_the_exact_poisson_accountant():
     assert epsilon(DpSgdUls(0.1, 30), result.value, 0.02) <= 1.0
 
 
+@pytest.mark.slow
 def test_same_result_for_any_number_of_workers():
-    runs = [evr.calibrate_minsep(MinSepProcess(40, 3, 0.08, 2, (0.8, 0.6)), 2.0, 0.02, seed=1, workers=w)
-            for w in (1, 2)]
+    runs = [
+        evr.calibrate_minsep(MinSepProcess(40, 3, 0.08, 2, (0.8, 0.6)), 2.0, 0.02, seed=1, workers=w) for w in (1, 2)
+    ]
     assert [run.attempts for run in runs] == [1, 2], "the ledger counts every run of the same calibration"
     assert runs[0] == dataclasses.replace(runs[1], attempts=1)
 
@@ -56,14 +60,45 @@ def test_too_few_samples_is_an_error():
 
 
 def test_cli(capsys):
-    common = ["--mechanism", "bandmf-minsep", "--delta", "0.02", "--steps", "60", "--sampling-prob", "0.05",
-              "--min-sep", "4", "--bands", "3", "--max-contributions", "2", "--seed", "4"]
+    common = [
+        "--mechanism",
+        "bandmf-minsep",
+        "--delta",
+        "0.02",
+        "--steps",
+        "60",
+        "--sampling-prob",
+        "0.05",
+        "--min-sep",
+        "4",
+        "--bands",
+        "3",
+        "--max-contributions",
+        "2",
+        "--seed",
+        "4",
+    ]
     assert main(["-q", "calibrate", "--epsilon", "2", *common]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] and result["noise_multiplier"] < result["fallback_noise_multiplier"]
     assert result["delta"] <= 0.02 and result["samples"] == evr.default_samples(0.02)
-    assert main(["-q", "epsilon", "--mechanism", "bandmf-minsep", "--noise-multiplier", "2", "--delta", "0.02",
-                 "--steps", "60"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "bandmf-minsep",
+                "--noise-multiplier",
+                "2",
+                "--delta",
+                "0.02",
+                "--steps",
+                "60",
+            ]
+        )
+        == 2
+    )
     assert "bandmf-minsep needs --sampling-prob" in capsys.readouterr().err
     assert main(["-q", "epsilon", "--noise-multiplier", str(result["noise_multiplier"]), *common]) == 0
     claimed = json.loads(capsys.readouterr().out)
@@ -79,6 +114,7 @@ def test_epsilon_inverse_is_private_by_the_exact_poisson_accountant():
     assert exact <= result.value < 1.5 * exact
 
 
+@pytest.mark.beam
 def test_beam_runner_gives_the_local_estimate_and_stops_where_local_does():
     """Chunks are seeded by (seed, chunk) and read in seed order: a Beam run, 64 chunks per pipeline, sums the
     same terms and a sequential verification stops at the same chunk as one read chunk by chunk."""
@@ -97,11 +133,28 @@ def test_runner_options_are_checked(capsys):
     base = ["-q", "calibrate", "--epsilon", "2", "--delta", "1e-3", "--steps", "20"]
     assert main([*base, "--mechanism", "dpsgd", "--sampling-prob", "0.1", "--runner", "DirectRunner"]) == 2
     assert "bandmf-minsep only" in capsys.readouterr().err
-    assert main([*base, "--mechanism", "bandmf-minsep", "--sampling-prob", "0.1", "--min-sep", "2", "--bands", "2",
-                 "--direct_num_workers", "2"]) == 2
+    assert (
+        main(
+            [
+                *base,
+                "--mechanism",
+                "bandmf-minsep",
+                "--sampling-prob",
+                "0.1",
+                "--min-sep",
+                "2",
+                "--bands",
+                "2",
+                "--direct_num_workers",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "--runner local takes no Beam options" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_estimate_is_found_far_below_the_fallback():
     """With q = 0.01 amplification cuts sigma ~20x: the bracket must reach below fallback / 8."""
     process = MinSepProcess(30, 1, 0.01, 1, (1.0,))
@@ -140,12 +193,15 @@ def poisson_delta(sigma: float, target_epsilon: float) -> float:
     """delta(epsilon) of POISSON (b = 1: Poisson-sampled DP-SGD) by the PLD accountant, independent of the kernels."""
     from dp_accounting import dp_event
     from dp_accounting.pld import pld_privacy_accountant
+
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-    accountant.compose(dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(sigma)), 30))
+    accountant.compose(
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(sigma)), 30)
+    )
     return accountant.get_delta(target_epsilon)
 
 
+@pytest.mark.slow
 def test_sequential_verification_rarely_passes_a_candidate_that_is_not_private():
     """The verifier on the real kernels, with its early stops: at a sigma whose PLD delta is 1.47 delta*, 60
     verifications at level 0.1 pass at most about 10% of the time; at one below delta* / 4 they all
@@ -169,24 +225,27 @@ def test_estimate_steps_down_from_a_coarser_target_to_the_right_value():
 
     def estimate_passes(value, target, samples, early=True):
         calls.append(samples)
-        delta = math.exp(-12.0 * value ** 2)
+        delta = math.exp(-12.0 * value**2)
         return delta <= target, None if early and abs(math.log(delta / target)) > 1 else delta
 
     target = 1e-7
-    value, slope = evr._estimate(estimate_passes, 12.0, 1.5, target, 16 ** 3 * 4 * evr.CHUNK)
+    value, slope = evr._estimate(estimate_passes, 12.0, 1.5, target, 16**3 * 4 * evr.CHUNK)
     assert value == pytest.approx(math.sqrt(math.log(1 / target) / 12.0), rel=5e-3)  # half a rung
     assert slope == pytest.approx(-1 / (2 * math.log(1 / target)), rel=0.2)
-    assert sorted(set(calls)) == [4 * evr.CHUNK * 16 ** level for level in range(4)]
-    assert calls.count(16 ** 3 * 4 * evr.CHUNK) <= 2, "the full sample count is drawn once or twice"
+    assert sorted(set(calls)) == [4 * evr.CHUNK * 16**level for level in range(4)]
+    assert calls.count(16**3 * 4 * evr.CHUNK) <= 2, "the full sample count is drawn once or twice"
 
 
+@pytest.mark.slow
 def test_estimate_is_near_the_exact_poisson_sigma_at_a_small_delta():
     """The estimate on the real kernels, coarsening twice, against the PLD sigma where delta is the target."""
     process = MinSepProcess(30, 1, 0.1, 1, (1.0,))
     target = 4e-6
     with evr.task_map(1) as mapper:
+
         def estimate_passes(value, goal, samples, early=True):
             return evr._estimate_passes(process, value, 1.0, samples, (9, 0), mapper, goal, early)
+
         value, _ = evr._estimate(estimate_passes, 20.0, 2.5, target, 2_000_000)
     exact = calibrate(DpSgdUls(0.1, 30), 1.0, target).noise_multiplier
     assert value == pytest.approx(exact, rel=0.03)

@@ -1,5 +1,6 @@
 """Monte Carlo kernels for b-min-sep BandMF against enumeration, a log-space reference on the randomness
 they drew, and the PLD of Poisson DP-SGD."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,14 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from accounting.monte_carlo import (MinSepProcess, hockey_stick, log_likelihood_ratio, sample_log_ratios,
-                                    sampled_noise, sampled_participations)
+from accounting.monte_carlo import (
+    MinSepProcess,
+    hockey_stick,
+    log_likelihood_ratio,
+    sample_log_ratios,
+    sampled_noise,
+    sampled_participations,
+)
 
 
 def enumerated_log_ratio(process: MinSepProcess, sigma: float, y: np.ndarray) -> float:
@@ -22,21 +29,25 @@ def enumerated_log_ratio(process: MinSepProcess, sigma: float, y: np.ndarray) ->
         nonlocal total
         if step == steps:
             shift = strategy @ np.asarray(x, dtype=float)
-            total += probability * np.exp((shift @ y - shift @ shift / 2) / sigma ** 2)
+            total += probability * np.exp((shift @ y - shift @ shift / 2) / sigma**2)
         elif step < available_from:
             walk(step + 1, x + [0], probability, available_from)
         else:
             for count in range(process.max_contributions + 1):
-                walk(step + 1, x + [count],
-                     probability * binom.pmf(count, process.max_contributions, process.sampling_prob),
-                     step + process.min_sep if count else available_from)
+                walk(
+                    step + 1,
+                    x + [count],
+                    probability * binom.pmf(count, process.max_contributions, process.sampling_prob),
+                    step + process.min_sep if count else available_from,
+                )
 
     walk(0, [], 1.0, 0)
     return float(np.log(total))
 
 
-@pytest.mark.parametrize("steps, min_sep, bands, k", [(8, 2, 2, 1), (9, 3, 2, 2), (10, 1, 1, 1), (7, 3, 3, 2),
-                                                     (12, 4, 3, 1), (6, 2, 1, 3)])
+@pytest.mark.parametrize(
+    "steps, min_sep, bands, k", [(8, 2, 2, 1), (9, 3, 2, 2), (10, 1, 1, 1), (7, 3, 3, 2), (12, 4, 3, 1), (6, 2, 1, 3)]
+)
 def test_recursion_equals_enumeration(steps, min_sep, bands, k):
     rng = np.random.default_rng(steps * 10 + k)
     process = MinSepProcess(steps, min_sep, 0.3, k, tuple(rng.uniform(0.2, 1.0, bands)))
@@ -49,11 +60,12 @@ def log_space_reference(process: MinSepProcess, sigma: float, outputs: np.ndarra
     """log f_1 of the recursion in log space, step by step, from the definition of W_i."""
     steps, c = process.steps, np.asarray(process.coefficients)
     padded = np.vstack([outputs, np.zeros((len(c), outputs.shape[1]))])
-    norms = np.array([np.sum(c[:steps - i] ** 2) for i in range(steps)])[:, None]
+    norms = np.array([np.sum(c[: steps - i] ** 2) for i in range(steps)])[:, None]
     counts = np.arange(1, process.max_contributions + 1)[:, None, None]
-    dots = sum(c[lag] * padded[lag:lag + steps] for lag in range(len(c)))
-    log_weight = np.logaddexp.reduce(process.count_log_probs[1:, None, None]
-                                     + (counts * dots - counts ** 2 * norms / 2) / sigma ** 2, axis=0)
+    dots = sum(c[lag] * padded[lag : lag + steps] for lag in range(len(c)))
+    log_weight = np.logaddexp.reduce(
+        process.count_log_probs[1:, None, None] + (counts * dots - counts**2 * norms / 2) / sigma**2, axis=0
+    )
     log_f = np.zeros((steps + process.min_sep, outputs.shape[1]))
     for i in range(steps - 1, -1, -1):
         log_f[i] = np.logaddexp(process.count_log_probs[0] + log_f[i + 1], log_weight[i] + log_f[i + process.min_sep])
@@ -61,28 +73,33 @@ def log_space_reference(process: MinSepProcess, sigma: float, outputs: np.ndarra
 
 
 CASES = [
-    (400, 6, 4, 2, 0.05, 0.6),     # linear space
-    (300, 4, 4, 1, 0.01, 0.175),   # a quarter of the samples' dots above the linear path's limit: log space
-    (300, 4, 4, 1, 0.01, 0.08),    # log space (sampled: Q's dots straddle the limit)
-    (250, 3, 3, 1, 1.0, 0.3),      # s = 0: the log-space path
-    (201, 4, 2, 2, 0.7, 0.03),     # extreme weights, s = 0.09
-    (131, 1, 1, 1, 0.2, 1.0)]      # b = 1
+    (400, 6, 4, 2, 0.05, 0.6),  # linear space
+    (300, 4, 4, 1, 0.01, 0.175),  # a quarter of the samples' dots above the linear path's limit: log space
+    (300, 4, 4, 1, 0.01, 0.08),  # log space (sampled: Q's dots straddle the limit)
+    (250, 3, 3, 1, 1.0, 0.3),  # s = 0: the log-space path
+    (201, 4, 2, 2, 0.7, 0.03),  # extreme weights, s = 0.09
+    (131, 1, 1, 1, 0.2, 1.0),
+]  # b = 1
 
 
 @pytest.mark.parametrize("steps, min_sep, bands, k, p, sigma", CASES)
 def test_kernel_equals_the_log_space_recursion(steps, min_sep, bands, k, p, sigma):
     process = MinSepProcess(steps, min_sep, p, k, tuple(np.linspace(1.0, 0.3, bands)))
     outputs = np.random.default_rng(1).normal(0.0, sigma, (steps, 2500)) + 0.3
-    np.testing.assert_allclose(log_likelihood_ratio(process, sigma, outputs),
-                               log_space_reference(process, sigma, outputs), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        log_likelihood_ratio(process, sigma, outputs),
+        log_space_reference(process, sigma, outputs),
+        rtol=1e-9,
+        atol=1e-9,
+    )
 
 
 def strategy_times(process: MinSepProcess, participations: tuple[np.ndarray, ...], samples: int) -> np.ndarray:
     """C x (T x samples) of the participations (step, sample, records)."""
     shifted = np.zeros((process.steps + len(process.coefficients), samples))
     for step, sample, records in zip(*participations):
-        shifted[step:step + len(process.coefficients), sample] += records * np.asarray(process.coefficients)
-    return shifted[:process.steps]
+        shifted[step : step + len(process.coefficients), sample] += records * np.asarray(process.coefficients)
+    return shifted[: process.steps]
 
 
 @pytest.mark.parametrize("steps, min_sep, bands, k, p, sigma", CASES)
@@ -95,8 +112,12 @@ def test_sampled_ratios_are_the_log_space_recursion_at_the_drawn_outputs(steps, 
     assert len(participations[0]) > 0
     under_p, under_q = sample_log_ratios(process, sigma, samples, seed)
     np.testing.assert_allclose(under_q, log_space_reference(process, sigma, noise), rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(under_p, log_space_reference(process, sigma, noise + strategy_times(
-        process, participations, samples)), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        under_p,
+        log_space_reference(process, sigma, noise + strategy_times(process, participations, samples)),
+        rtol=1e-9,
+        atol=1e-9,
+    )
 
 
 def test_samples_are_reproducible_from_the_seed():
@@ -130,8 +151,9 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
     steps, q, sigma, samples = 20, 0.1, 1.0, 60_000
     process = MinSepProcess(steps, 1, q, 1, (1.0,))
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-    accountant.compose(dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps))
+    accountant.compose(
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
+    )
     expected = accountant.get_delta(epsilon)
     ratios = sample_log_ratios(process, sigma, samples, 1)
     estimates = [hockey_stick(row, epsilon, under) for row, under in zip(ratios, ("P", "Q"))]

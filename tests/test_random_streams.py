@@ -1,5 +1,6 @@
 """The compiled generators under the Monte Carlo kernels: their draws have the distributions they claim,
 and each (seed, sample, stream) is its own reproducible stream."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,8 +44,12 @@ def test_uniforms_are_uniform_and_streams_reproducible_and_uncorrelated():
     draws = uniforms(seed=3, sample=0, stream=1, count=DRAWS)
     assert stats.kstest(draws[:500_000], "uniform").pvalue > 1e-4
     assert np.array_equal(draws[:1000], uniforms(seed=3, sample=0, stream=1, count=1000))
-    neighbours = [uniforms(3, 1, 1, 100_000), uniforms(3, 0, 0, 100_000), uniforms(4, 0, 1, 100_000),
-                  uniforms(2 ** 64 - 1, 0, 1, 100_000)]
+    neighbours = [
+        uniforms(3, 1, 1, 100_000),
+        uniforms(3, 0, 0, 100_000),
+        uniforms(4, 0, 1, 100_000),
+        uniforms(2**64 - 1, 0, 1, 100_000),
+    ]
     for other in neighbours:  # the next sample, the other stream, the next seed, the largest seed
         assert abs(np.corrcoef(draws[:100_000], other)[0, 1]) < 5 / np.sqrt(100_000)
     lagged = np.corrcoef(draws[:-1], draws[1:])[0, 1]
@@ -53,6 +58,6 @@ def test_uniforms_are_uniform_and_streams_reproducible_and_uncorrelated():
 
 def test_a_seed_outside_64_bits_is_refused():
     with pytest.raises(ValueError, match="seed"):
-        uniforms(seed=2 ** 64, sample=0, stream=0, count=1)
+        uniforms(seed=2**64, sample=0, stream=0, count=1)
     with pytest.raises(ValueError, match="seed"):
         standard_normals(seed=-1, sample=0, stream=0, count=1)

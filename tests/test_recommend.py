@@ -1,13 +1,14 @@
 """`madp recommend-k`: monotone sweep, the ELS median heuristic, one read of the input, and the
 kept counts of the real bounding."""
+
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import pytest
-
 from conftest import write_records
+
 from madp import records
 from madp.cli import main
 from madp.local_engine import run_local
@@ -15,12 +16,15 @@ from madp.recommend import Sweep, recommend
 from madp.selection import BoundOptions
 from madp.synthetic import GraphSpec, generate, to_table
 
+pytestmark = [pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def skewed(tmp_path_factory):
     directory = tmp_path_factory.mktemp("recommend")
-    return write_records(str(directory / "records.jsonl"),
-                         to_table(generate(GraphSpec(records=3000, features=2, seed=7))).to_pylist())
+    return write_records(
+        str(directory / "records.jsonl"), to_table(generate(GraphSpec(records=3000, features=2, seed=7))).to_pylist()
+    )
 
 
 def test_larger_k_keeps_more_and_costs_more_noise(skewed):
@@ -68,19 +72,75 @@ def test_els_median_heuristic_and_recommendation(tmp_path):
 def test_the_input_is_read_once(skewed, monkeypatch):
     reads = []
     original = records.read_file
-    monkeypatch.setattr(records, "read_file", lambda *args, **kwargs: reads.append(args[0]) or original(*args, **kwargs))
+    monkeypatch.setattr(
+        records, "read_file", lambda *args, **kwargs: reads.append(args[0]) or original(*args, **kwargs)
+    )
     recommend(skewed, Sweep(epsilon=4, delta=1e-5, steps=50, batch_size=50, ks=(1, 2, 4)))
     assert reads == [skewed]
 
 
 def test_cli(skewed, capsys):
-    assert main(["-q", "recommend-k", skewed, "--epsilon", "4", "--delta", "1e-5", "--steps", "50",
-                 "--batch-size", "50", "--k", "1,4"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "recommend-k",
+                skewed,
+                "--epsilon",
+                "4",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "50",
+                "--batch-size",
+                "50",
+                "--k",
+                "1,4",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [row["k"] for row in out["sweep"]] == [1, 4] and out["recommended_k"] in (1, 4)
-    assert main(["-q", "recommend-k", skewed, "--epsilon", "4", "--delta", "1e-5", "--steps", "50",
-                 "--batch-size", "50", "--k", "1,x"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "recommend-k",
+                skewed,
+                "--epsilon",
+                "4",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "50",
+                "--batch-size",
+                "50",
+                "--k",
+                "1,x",
+            ]
+        )
+        == 2
+    )
     assert "--k must list integers" in capsys.readouterr().err
-    assert main(["-q", "recommend-k", skewed, "--epsilon", "4", "--delta", "1e-5", "--steps", "50",
-                 "--batch-size", "50", "--min-sep", "4"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "recommend-k",
+                skewed,
+                "--epsilon",
+                "4",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "50",
+                "--batch-size",
+                "50",
+                "--min-sep",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "--mechanism dpsgd is plain Poisson sampling" in capsys.readouterr().err

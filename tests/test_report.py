@@ -1,5 +1,6 @@
 """`madp report`: the HTML page of a run, its numbers from the run's reports, and (when Chromium is
 installed) that it renders."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import yaml
 
 from madp.cli import main
 
+pytestmark = [pytest.mark.slow]  # every test reads the job its fixture runs
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("tensorflow")
 
@@ -20,12 +23,15 @@ pytest.importorskip("tensorflow")
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("report")
-    config = {"run_dir": str(directory / "run"),
-              "generate": {"records": 3000, "features": 4, "seed": 2, "holdout": True},
-              "bound": {"max_contributions": 2, "runner": "local"},
-              "batch": {"steps": 40, "batch_size": 50, "min_sep": 3, "runner": "local"},
-              "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 3},
-              "train": {"model": "logreg", "eval_every": 10, "baseline": True}, "report": True}
+    config = {
+        "run_dir": str(directory / "run"),
+        "generate": {"records": 3000, "features": 4, "seed": 2, "holdout": True},
+        "bound": {"max_contributions": 2, "runner": "local"},
+        "batch": {"steps": 40, "batch_size": 50, "min_sep": 3, "runner": "local"},
+        "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 3},
+        "train": {"model": "logreg", "eval_every": 10, "baseline": True},
+        "report": True,
+    }
     (directory / "job.yaml").write_text(yaml.safe_dump(config))
     assert main(["-q", "run", str(directory / "job.yaml")]) == 0
     return str(directory / "run")
@@ -42,8 +48,9 @@ def test_report_numbers_come_from_the_runs_reports(run_dir, capsys):
     assert cells["private eval accuracy"] == f"{final['accuracy']:.4f}"
     assert page.count("<img ") == 6 and "data:image/png;base64," in page
     assert "Not in this run" not in page
-    assert len(plan["epsilon_curve"]) == 9 and sorted(e for _, e in plan["epsilon_curve"])[::-1] == \
-        [e for _, e in plan["epsilon_curve"]]  # epsilon falls as sigma grows
+    assert len(plan["epsilon_curve"]) == 9 and sorted(e for _, e in plan["epsilon_curve"])[::-1] == [
+        e for _, e in plan["epsilon_curve"]
+    ]  # epsilon falls as sigma grows
     histograms = bound["histograms"]
     assert sum(histograms["records_per_user_input"].values()) == bound["input_users"]
     assert sum(histograms["records_by_users_selected"].values()) == bound["distinct_selected"]
@@ -64,11 +71,23 @@ def test_a_partial_run_lists_what_is_missing(run_dir, tmp_path, capsys):
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium (Debian package chromium) is not installed")
 def test_the_page_renders_in_headless_chromium(run_dir, tmp_path):
     from matplotlib import image
+
     screenshot = tmp_path / "report.png"
-    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--window-size=1200,3400", f"--screenshot={screenshot}",
-                    "file://" + os.path.abspath(os.path.join(run_dir, "report.html"))],
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1200,3400",
+            f"--screenshot={screenshot}",
+            "file://" + os.path.abspath(os.path.join(run_dir, "report.html")),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     pixels = image.imread(str(screenshot))
     ink = (pixels[..., :3].mean(axis=2) < 0.9).mean()
     assert pixels.shape[:2] == (3400, 1200) and ink > 0.03  # drawn plots, not a blank or error page

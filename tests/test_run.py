@@ -1,4 +1,5 @@
 """`madp run`: config validation that names the key, resumable stages, overrides and --force."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,12 +15,14 @@ pytest.importorskip("tensorflow")
 
 
 def write_config(path, run_dir, **changes) -> str:
-    config = {"run_dir": str(run_dir),
-              "generate": {"records": 3000, "features": 6, "seed": 3, "holdout": True},
-              "bound": {"max_contributions": 2, "runner": "local"},
-              "batch": {"steps": 30, "batch_size": 50, "min_sep": 2, "runner": "local"},
-              "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 2},
-              "train": {"model": "logreg", "eval_every": 10}}
+    config = {
+        "run_dir": str(run_dir),
+        "generate": {"records": 3000, "features": 6, "seed": 3, "holdout": True},
+        "bound": {"max_contributions": 2, "runner": "local"},
+        "batch": {"steps": 30, "batch_size": 50, "min_sep": 2, "runner": "local"},
+        "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 2},
+        "train": {"model": "logreg", "eval_every": 10},
+    }
     for key, value in changes.items():
         section, _, leaf = key.partition("__")
         if leaf:
@@ -51,12 +54,20 @@ def digest(directory) -> str:
     return hashes.hexdigest()
 
 
+@pytest.mark.slow
 def test_stages_run_once_and_rerun_only_what_changed(tmp_path, capsys):
     config = write_config(tmp_path / "job.yaml", tmp_path / "run", batch__seed=11)
     first = run(capsys, config)
     assert set(statuses(first).values()) == {"ran"}
-    assert list(statuses(first)) == ["generate", "bound", "verify-bound", "batch", "verify-batches", "calibrate",
-                                     "train"]
+    assert list(statuses(first)) == [
+        "generate",
+        "bound",
+        "verify-bound",
+        "batch",
+        "verify-batches",
+        "calibrate",
+        "train",
+    ]
     results = first["results"]
     assert results["privacy"]["mechanism"] == "bandmf" and results["privacy"]["epsilon"] <= 4
     assert results["train"]["step"] == 30 and results["bound"]["selected_records"] > 0
@@ -68,8 +79,15 @@ def test_stages_run_once_and_rerun_only_what_changed(tmp_path, capsys):
     assert set(statuses(run(capsys, config)).values()) == {"skipped"}
 
     changed = run(capsys, config, "--set", "batch.steps=40")
-    assert statuses(changed) == {"generate": "skipped", "bound": "skipped", "verify-bound": "skipped",
-                                 "batch": "ran", "verify-batches": "ran", "calibrate": "ran", "train": "ran"}
+    assert statuses(changed) == {
+        "generate": "skipped",
+        "bound": "skipped",
+        "verify-bound": "skipped",
+        "batch": "ran",
+        "verify-batches": "ran",
+        "calibrate": "ran",
+        "train": "ran",
+    }
     assert changed["results"]["train"]["step"] == 40
 
     forced = run(capsys, config, "--force")
@@ -78,8 +96,9 @@ def test_stages_run_once_and_rerun_only_what_changed(tmp_path, capsys):
 
 
 def test_a_touched_input_reruns_its_stage(tmp_path, capsys):
-    config = write_config(tmp_path / "job.yaml", tmp_path / "run", calibrate=None, train=None,
-                          generate=None, input=None)
+    config = write_config(
+        tmp_path / "job.yaml", tmp_path / "run", calibrate=None, train=None, generate=None, input=None
+    )
     records = tmp_path / "records.jsonl"
     rows = [{"id": i, "users": [i % 40, (i * 7) % 40], "features": [0.1 * i], "label": i % 2} for i in range(400)]
     records.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -92,18 +111,21 @@ def test_a_touched_input_reruns_its_stage(tmp_path, capsys):
     assert set(statuses(run(capsys, config)).values()) == {"ran"}
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"bound__order_by": "arity"}, "config bound.order_by: not an option of `madp bound`"),
-    ({"bound__max_contributions": 0}, "config bound: --max-contributions must be at least 1"),
-    ({"batch__steps": "many"}, "config batch.steps: expected int, got 'many'"),
-    ({"batch__sampler": "fancy"}, "config batch.sampler: one of minsep, minsep-greedy, users"),
-    ({"calibrate__model": "mlp"}, "config calibrate: model belong to the train section"),
-    ({"train__epsilon": 2}, "config train: epsilon belong to the calibrate section"),
-    ({"calibrate": None}, "config train: needs a calibrate section"),
-    ({"generate__holdout": "yes"}, "config generate.holdout: true or false"),
-    ({"bound__beam_options": "--x"}, "config bound.beam_options: a list"),
-    ({"extra": {"a": 1}}, "config: unknown key(s) extra"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bound__order_by": "arity"}, "config bound.order_by: not an option of `madp bound`"),
+        ({"bound__max_contributions": 0}, "config bound: --max-contributions must be at least 1"),
+        ({"batch__steps": "many"}, "config batch.steps: expected int, got 'many'"),
+        ({"batch__sampler": "fancy"}, "config batch.sampler: one of minsep, minsep-greedy, users"),
+        ({"calibrate__model": "mlp"}, "config calibrate: model belong to the train section"),
+        ({"train__epsilon": 2}, "config train: epsilon belong to the calibrate section"),
+        ({"calibrate": None}, "config train: needs a calibrate section"),
+        ({"generate__holdout": "yes"}, "config generate.holdout: true or false"),
+        ({"bound__beam_options": "--x"}, "config bound.beam_options: a list"),
+        ({"extra": {"a": 1}}, "config: unknown key(s) extra"),
+    ],
+)
 def test_config_errors_name_the_key_before_anything_runs(tmp_path, capsys, change, message):
     config = write_config(tmp_path / "job.yaml", tmp_path / "run", **change)
     assert main(["-q", "run", config]) == 2

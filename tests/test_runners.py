@@ -1,6 +1,7 @@
 """The runner configs in runners/: each is a valid `madp run` config, every Beam stage's pipeline
 constructs and serializes with each runner's options (nothing is submitted), and the DirectRunner
 gives the same bytes with one worker process as with several."""
+
 from __future__ import annotations
 
 import glob
@@ -20,6 +21,8 @@ from madp.cli import _parser, main
 from madp.run import load_config, plan_stages
 from madp.selection import BoundOptions
 
+pytestmark = [pytest.mark.beam]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "runners", "*.yaml")))
 
@@ -38,23 +41,46 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
     """One pipeline per Beam stage of madp, built with `beam_args`, not run."""
     pipelines = {}
     bound = beam.Pipeline(options=pipeline_options(beam_args))
-    _ = bound | "Bound" >> BoundPipeline([os.path.join(work, "records.parquet")], os.path.join(work, "bound"),
-                                         BoundOptions(max_contributions=4), 8, 3, "run-0000", False, False)
+    _ = bound | "Bound" >> BoundPipeline(
+        [os.path.join(work, "records.parquet")],
+        os.path.join(work, "bound"),
+        BoundOptions(max_contributions=4),
+        8,
+        3,
+        "run-0000",
+        False,
+        False,
+    )
     pipelines["bound"] = bound
     store = PartitionStore(os.path.join(work, "store"))
     options = BatchOptions(seed=0, steps=100, batch_size=50, min_sep=4)
     prepare = beam.Pipeline(options=pipeline_options(beam_args))
-    _ = prepare | "Prepare" >> PreparePipeline([os.path.join(work, "records.parquet")],
-                                               [os.path.join(work, "selected.parquet")], work, ("features",),
-                                               options, 8, store)
+    _ = prepare | "Prepare" >> PreparePipeline(
+        [os.path.join(work, "records.parquet")],
+        [os.path.join(work, "selected.parquet")],
+        work,
+        ("features",),
+        options,
+        8,
+        store,
+    )
     pipelines["batch-prepare"] = prepare
     sample = beam.Pipeline(options=pipeline_options(beam_args))
-    plan = _Plan(probability=0.01, total_steps=103, warm_up=3, steps=100, min_sep=4, files=2, max_batch_size=None,
-                 output=os.path.join(work, "batches"), shapes={})
+    plan = _Plan(
+        probability=0.01,
+        total_steps=103,
+        warm_up=3,
+        steps=100,
+        min_sep=4,
+        files=2,
+        max_batch_size=None,
+        output=os.path.join(work, "batches"),
+        shapes={},
+    )
     _ = sample | "Sample" >> SamplePipeline(plan, {0: os.path.join(work, "part-0")}, 8, store)
     pipelines["batch-sample"] = sample
     accounting = beam.Pipeline(options=pipeline_options(beam_args))
-    _ = (accounting | "ChunkTasks" >> beam.Create([(0, 1.0)]) | "MonteCarlo" >> ChunkResults(float))
+    _ = accounting | "ChunkTasks" >> beam.Create([(0, 1.0)]) | "MonteCarlo" >> ChunkResults(float)
     pipelines["monte-carlo"] = accounting
     return pipelines
 
@@ -72,8 +98,10 @@ def test_every_stage_pipeline_constructs_and_serializes_with_the_runners_options
 
 
 def test_dataflow_dry_run_produces_the_job_graph(tmp_path):
-    pytest.importorskip("apache_beam.runners.dataflow.internal.apiclient",
-                        reason="the Beam GCP extra (pip install -e '.[gcp]') is not installed")
+    pytest.importorskip(
+        "apache_beam.runners.dataflow.internal.apiclient",
+        reason="the Beam GCP extra (pip install -e '.[gcp]') is not installed",
+    )
     section = yaml.safe_load(open(os.path.join(ROOT, "runners", "dataflow.yaml")))["bound"]
     beam_args = ["--runner", "DataflowRunner", *map(str, section["beam_options"]), "--dry_run", "True"]
     pipeline = _stage_pipelines(beam_args, str(tmp_path))["bound"]
@@ -93,20 +121,33 @@ def _bytes_of(directory) -> str:
 
 def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_path, capsys):
     from conftest import write_records
+
     from madp.synthetic import GraphSpec, generate, to_table
-    data = write_records(str(tmp_path / "records.jsonl"),
-                         to_table(generate(GraphSpec(records=3000, features=4, seed=5))).to_pylist())
+
+    data = write_records(
+        str(tmp_path / "records.jsonl"), to_table(generate(GraphSpec(records=3000, features=4, seed=5))).to_pylist()
+    )
     digests = []
     for workers in ("1", "3"):
-        config = {"run_dir": str(tmp_path / f"run-{workers}"), "input": data,
-                  "bound": {"max_contributions": 2, "partitions": 4,
-                            "beam_options": ["--direct_num_workers", workers]},
-                  "batch": {"steps": 40, "batch_size": 60, "min_sep": 3, "partitions": 4, "output_shards": 2, "seed": 9,
-                            "beam_options": ["--direct_num_workers", workers]}}
+        config = {
+            "run_dir": str(tmp_path / f"run-{workers}"),
+            "input": data,
+            "bound": {"max_contributions": 2, "partitions": 4, "beam_options": ["--direct_num_workers", workers]},
+            "batch": {
+                "steps": 40,
+                "batch_size": 60,
+                "min_sep": 3,
+                "partitions": 4,
+                "output_shards": 2,
+                "seed": 9,
+                "beam_options": ["--direct_num_workers", workers],
+            },
+        }
         path = tmp_path / f"job-{workers}.yaml"
         path.write_text(yaml.safe_dump(config))
         assert main(["-q", "run", str(path)]) == 0
         capsys.readouterr()
-        digests.append((_bytes_of(tmp_path / f"run-{workers}" / "bound"),
-                        _bytes_of(tmp_path / f"run-{workers}" / "batches")))
+        digests.append(
+            (_bytes_of(tmp_path / f"run-{workers}" / "bound"), _bytes_of(tmp_path / f"run-{workers}" / "batches"))
+        )
     assert digests[0] == digests[1]

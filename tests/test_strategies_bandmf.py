@@ -1,4 +1,5 @@
 """BandMF strategies and the unamplified BandMF accountant, against dense and brute-force computations."""
+
 from __future__ import annotations
 
 import itertools
@@ -34,7 +35,7 @@ def test_prefix_sum_mse_matches_the_dense_definition(steps, bands):
     c = np.concatenate([[1.0], rng.uniform(0.0, 0.6, bands - 1)])
     strategy = dense(c, steps)
     decoder = np.tril(np.ones((steps, steps))) @ np.linalg.inv(strategy)
-    expected = (decoder ** 2).sum() / steps * np.linalg.norm(strategy, axis=0).max() ** 2
+    expected = (decoder**2).sum() / steps * np.linalg.norm(strategy, axis=0).max() ** 2
     assert prefix_sum_mse(c, steps) == pytest.approx(expected, rel=1e-10)
 
 
@@ -79,13 +80,16 @@ def test_one_band_every_step_is_full_batch_dp_sgd():
     assert epsilon(mechanism, 7.0, 1e-6) == pytest.approx(accountant.get_epsilon(1e-6), rel=1e-3)
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: BandMf(100, 4, 2, tuple(sqrt_coefficients(8))), "must not exceed --min-sep"),
-    (lambda: BandMf(100, 10, 11, (1.0,)), r"--max-participations must be an integer in \[1, 10\]"),
-    (lambda: BandMf(100, 0, 1, (1.0,)), "--min-sep"),
-    (lambda: coefficients("sqrt", 10, 11), "--bands"),
-    (lambda: coefficients("magic", 10, 2), "--strategy"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: BandMf(100, 4, 2, tuple(sqrt_coefficients(8))), "must not exceed --min-sep"),
+        (lambda: BandMf(100, 10, 11, (1.0,)), r"--max-participations must be an integer in \[1, 10\]"),
+        (lambda: BandMf(100, 0, 1, (1.0,)), "--min-sep"),
+        (lambda: coefficients("sqrt", 10, 11), "--bands"),
+        (lambda: coefficients("magic", 10, 2), "--strategy"),
+    ],
+)
 def test_bandmf_errors(build, message):
     with pytest.raises(InputError, match=message):
         build()
@@ -95,28 +99,73 @@ def test_cli_strategy_and_bandmf(capsys):
     assert main(["-q", "strategy", "--steps", "200", "--bands", "4", "--strategy", "optimized"]) == 0
     strategy = json.loads(capsys.readouterr().out)
     assert len(strategy["coefficients"]) == 4 and strategy["prefix_sum_mse"] < strategy["sqrt_prefix_sum_mse"]
-    assert main(["-q", "calibrate", "--mechanism", "bandmf", "--epsilon", "1", "--delta", "1e-5", "--steps", "200",
-                 "--bands", "4", "--min-sep", "20", "--max-participations", "10", "--strategy", "optimized"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "calibrate",
+                "--mechanism",
+                "bandmf",
+                "--epsilon",
+                "1",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "200",
+                "--bands",
+                "4",
+                "--min-sep",
+                "20",
+                "--max-participations",
+                "10",
+                "--strategy",
+                "optimized",
+            ]
+        )
+        == 0
+    )
     calibrated = json.loads(capsys.readouterr().out)
     assert calibrated["coefficients"] == pytest.approx(strategy["coefficients"])
     assert calibrated["epsilon"] <= 1.0 and calibrated["strategy"] == "optimized"
-    assert main(["-q", "epsilon", "--mechanism", "bandmf", "--noise-multiplier", "1", "--delta", "1e-5",
-                 "--steps", "200", "--bands", "4"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "bandmf",
+                "--noise-multiplier",
+                "1",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "200",
+                "--bands",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "bandmf needs --bands, --min-sep and --max-participations" in capsys.readouterr().err
 
 
 def test_cyclic_poisson_bandmf():
     from accounting.mechanisms import BandMfCyclic
+
     # One subset and one band: DP-SGD with Poisson sampling.
     poisson = pld_privacy_accountant.PLDAccountant(value_discretization_interval=DISCRETIZATION)
-    poisson.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.3)),
-                                                 40))
+    poisson.compose(
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.05, dp_event.GaussianDpEvent(1.3)), 40)
+    )
     assert epsilon(BandMfCyclic(0.05, 40, 1, (1.0,)), 1.3, 1e-5) == pytest.approx(poisson.get_epsilon(1e-5), rel=1e-9)
     # b subsets: ceil(T / b) chances, each a Poisson-sampled Gaussian at sigma / (column norm).
     c = sqrt_coefficients(4)
     cyclic = pld_privacy_accountant.PLDAccountant(value_discretization_interval=DISCRETIZATION)
-    cyclic.compose(dp_event.SelfComposedDpEvent(
-        dp_event.PoissonSampledDpEvent(0.2, dp_event.GaussianDpEvent(1.3 / np.linalg.norm(c))), 11))
+    cyclic.compose(
+        dp_event.SelfComposedDpEvent(
+            dp_event.PoissonSampledDpEvent(0.2, dp_event.GaussianDpEvent(1.3 / np.linalg.norm(c))), 11
+        )
+    )
     assert epsilon(BandMfCyclic(0.2, 41, 4, tuple(c)), 1.3, 1e-5) == pytest.approx(cyclic.get_epsilon(1e-5), rel=1e-9)
     with pytest.raises(InputError, match="--min-sep"):
         BandMfCyclic(0.2, 41, 3, tuple(c))

@@ -1,4 +1,5 @@
 """Generators follow App. C.1 and are reproducible; id hashing is stable and seeded."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_mean_arity_and_skew():
         arity = np.diff(data.offsets)
         assert arity.min() >= 1 and abs(arity.mean() - 2.0) < 0.05
         for r in range(0, 50000, 997):  # no user twice in a record
-            users = data.users[data.offsets[r]:data.offsets[r + 1]]
+            users = data.users[data.offsets[r] : data.offsets[r + 1]]
             assert len(set(users.tolist())) == len(users)
     assert degrees(skewed).max() > 20 * degrees(regular).max()
     spec = GraphSpec(records=50000, graph="regular")

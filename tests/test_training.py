@@ -1,6 +1,7 @@
 """DP training: clipping against independent gradients, padding, noise scale and BandMF noise
 covariance, BandMF with one band equal to DP-SGD bit for bit, and the privacy report against an
 independent `madp epsilon` call."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from conftest import write_records  # noqa: E402
-from madp.batching import BatchOptions, run_local as batch_local  # noqa: E402
+
+from madp.batching import BatchOptions  # noqa: E402
+from madp.batching import run_local as batch_local
 from madp.cli import main  # noqa: E402
 from madp.local_engine import run_local as bound_local  # noqa: E402
 from madp.randomness import SecretKey  # noqa: E402
@@ -20,6 +23,8 @@ from madp.selection import BoundOptions  # noqa: E402
 from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from tf_training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
 from tf_training.trainer import PrivateStep, TrainOptions, build_model, tf, tf_keras, train  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
 
 
 def noise_key(seed: int) -> SecretKey:
@@ -56,8 +61,14 @@ def test_every_example_is_clipped_and_padding_changes_nothing():
     for fast in (True, False):
         got = privatized(query, model, loss, x, y, np.ones(40, np.float32), fast=fast)
         np.testing.assert_allclose(np.concatenate([got[0][:, 0], got[1]]), expected, rtol=1e-5)
-    padded = privatized(query, model, loss, np.concatenate([x, rng.normal(size=(9, 3)).astype(np.float32)]),
-                        np.concatenate([y, np.ones(9, np.float32)]), np.concatenate([np.ones(40), np.zeros(9)]).astype(np.float32))
+    padded = privatized(
+        query,
+        model,
+        loss,
+        np.concatenate([x, rng.normal(size=(9, 3)).astype(np.float32)]),
+        np.concatenate([y, np.ones(9, np.float32)]),
+        np.concatenate([np.ones(40), np.zeros(9)]).astype(np.float32),
+    )
     for a, b in zip(got, padded):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -100,7 +111,9 @@ def test_bandmf_noise_has_the_covariance_of_c_inverse():
     c_inverse = np.linalg.inv(c)
     np.testing.assert_allclose(np.cov(w), c_inverse @ c_inverse.T, atol=0.05)
     # Exactly C w = z for the z of the stateless generator.
-    z = np.stack([stateless_noise([tf.zeros(200000)], 1.0, key_tensor(noise_key(5)), t)[0].numpy() for t in range(steps)])
+    z = np.stack(
+        [stateless_noise([tf.zeros(200000)], 1.0, key_tensor(noise_key(5)), t)[0].numpy() for t in range(steps)]
+    )
     np.testing.assert_allclose(c @ w, z, atol=1e-4)
 
 
@@ -108,8 +121,10 @@ def test_bandmf_with_one_band_is_dpsgd_bit_for_bit():
     rng = np.random.default_rng(1)
     data = [(rng.normal(size=(30, 5)).astype(np.float32), (rng.random(30) < 0.5).astype(np.float32)) for _ in range(6)]
     weights = []
-    for make_query in (lambda template: DpSgdQuery(1.0, 0.7, noise_key(9)),
-                       lambda template: BandMfQuery(1.0, 0.7, noise_key(9), coefficients=(1.0,), template=template)):
+    for make_query in (
+        lambda template: DpSgdQuery(1.0, 0.7, noise_key(9)),
+        lambda template: BandMfQuery(1.0, 0.7, noise_key(9), coefficients=(1.0,), template=template),
+    ):
         model, loss = logreg(5)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.1), make_query(template), 30.0)
@@ -133,14 +148,35 @@ def pipeline_data(tmp_path_factory):
 def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, capsys):
     directory, data = pipeline_data
     batches = str(directory / "poisson")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=60, batch_size=64, max_batch_size=80))
+    batch_local(
+        str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=60, batch_size=64, max_batch_size=80)
+    )
     out = str(directory / "dpsgd")
     result = train(batches, out, TrainOptions(noise_multiplier=1.2, delta=1e-5, eval_data=data, eval_every=20))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
     assert privacy["mechanism"] == "dpsgd" and privacy["contribution_bound"] == 2
     assert set(privacy["batch_files_sha256"]) == {"batches-00000-of-00001.tfrecord"}
-    assert main(["-q", "epsilon", "--mechanism", "dpsgd", "--noise-multiplier", "1.2", "--delta", "1e-5",
-                 "--steps", "60", "--sampling-prob", str(privacy["parameters"]["sampling_prob"]), "-k", "2"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "dpsgd",
+                "--noise-multiplier",
+                "1.2",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "60",
+                "--sampling-prob",
+                str(privacy["parameters"]["sampling_prob"]),
+                "-k",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
     assert [m["step"] for m in result["eval"]] == [20, 40, 60] and result["final"]["accuracy"] > 0.6
     assert os.path.exists(os.path.join(out, "model.keras")) and os.listdir(os.path.join(out, "logs"))
@@ -149,15 +185,40 @@ def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, caps
 def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsys):
     directory, data = pipeline_data
     batches = str(directory / "greedy")
-    report = batch_local(str(directory / "bounded"), data, batches,
-                         BatchOptions(seed=0, steps=40, batch_size=50, sampler="minsep-greedy", min_sep=4))
+    report = batch_local(
+        str(directory / "bounded"),
+        data,
+        batches,
+        BatchOptions(seed=0, steps=40, batch_size=50, sampler="minsep-greedy", min_sep=4),
+    )
     out = str(directory / "bandmf")
     train(batches, out, TrainOptions(noise_multiplier=2.0, bands=4, eval_data=data))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
     assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report["k"]
     assert len(privacy["bands"]) == 4
-    assert main(["-q", "epsilon", "--mechanism", "bandmf", "--noise-multiplier", "2.0", "--delta", "1e-5",
-                 "--steps", "40", "--bands", "4", "--min-sep", "4", "--max-participations", str(report["k"])]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "bandmf",
+                "--noise-multiplier",
+                "2.0",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "40",
+                "--bands",
+                "4",
+                "--min-sep",
+                "4",
+                "--max-participations",
+                str(report["k"]),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
 
 
@@ -200,39 +261,69 @@ def test_user_level_clipping_clips_each_users_average_gradient():
         mine = users == user
         average = per_example[mine].sum(axis=0) / max(weight[mine].sum(), 1.0)
         expected += average * min(1.0, clip / max(np.linalg.norm(average), 1e-30))
-    step = PrivateStep(model, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, noise_key(0)), 1.0, user_level=True)
+    step = PrivateStep(
+        model, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, noise_key(0)), 1.0, user_level=True
+    )
     got = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight), tf.constant(users))
     np.testing.assert_allclose(np.concatenate([got[0].numpy()[:, 0], got[1].numpy()]), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_user_sampled_batches_train_with_uls(tmp_path, capsys):
     rng = np.random.default_rng(6)
-    rows = [{"id": i, "users": [int(i % 150)], "features": rng.normal(size=4).tolist(), "label": int(i % 2)}
-            for i in range(900)]
+    rows = [
+        {"id": i, "users": [int(i % 150)], "features": rng.normal(size=4).tolist(), "label": int(i % 2)}
+        for i in range(900)
+    ]
     data = write_records(str(tmp_path / "single.jsonl"), rows)
     bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=4))
-    report = batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"),
-                         BatchOptions(seed=0, steps=400, batch_size=15, sampler="users"))
+    report = batch_local(
+        str(tmp_path / "bounded"),
+        data,
+        str(tmp_path / "batches"),
+        BatchOptions(seed=0, steps=400, batch_size=15, sampler="users"),
+    )
     assert report["sampling_probability"] == pytest.approx(0.1)
     assert abs(report["users_per_step"]["mean"] / 15 - 1) < 0.05
     # A sampled user brings all its (4) records.
     assert report["batch_sizes"]["mean"] == pytest.approx(4 * report["users_per_step"]["mean"])
     privacy = train(str(tmp_path / "batches"), str(tmp_path / "uls"), TrainOptions(noise_multiplier=1.5))["privacy"]
     assert privacy["mechanism"] == "dpsgd-uls" and privacy["expected_batch_size"] == 15
-    assert main(["-q", "epsilon", "--mechanism", "dpsgd-uls", "--noise-multiplier", "1.5", "--delta", "1e-5",
-                 "--steps", "400", "--user-sampling-prob", str(privacy["parameters"]["user_sampling_prob"])]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "epsilon",
+                "--mechanism",
+                "dpsgd-uls",
+                "--noise-multiplier",
+                "1.5",
+                "--delta",
+                "1e-5",
+                "--steps",
+                "400",
+                "--user-sampling-prob",
+                str(privacy["parameters"]["user_sampling_prob"]),
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
 
 
 def test_user_sampler_refuses_multi_user_records(pipeline_data):
     directory, data = pipeline_data
     with pytest.raises(Exception, match="single-attribution"):
-        batch_local(str(directory / "bounded"), data, str(directory / "users"),
-                    BatchOptions(seed=0, steps=5, batch_size=5, sampler="users"))
+        batch_local(
+            str(directory / "bounded"),
+            data,
+            str(directory / "users"),
+            BatchOptions(seed=0, steps=5, batch_size=5, sampler="users"),
+        )
 
 
 def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight():
     from tf_training.trainer import shard_step
+
     rng = np.random.default_rng(8)
     x, y = rng.normal(size=(23, 3)).astype(np.float32), rng.random(23).astype(np.float32)
     weight, users = np.ones(23, np.float32), rng.integers(100, 110, 23)
@@ -257,6 +348,7 @@ def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight(
 def _train_cli(batches: str, out: str, *options: str) -> dict:
     import subprocess
     import sys
+
     command = [sys.executable, "-m", "madp.cli", "-q", "train", batches, out, *options]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
@@ -268,15 +360,22 @@ def test_mirrored_strategy_on_two_cpu_replicas_trains_the_same_model(pipeline_da
     the model equals the one-device model up to float summation order."""
     directory, data = pipeline_data
     batches = str(directory / "mirrored-batches")
-    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=25, batch_size=60, min_sep=2,
-                                                                       max_batch_size=75))
+    batch_local(
+        str(directory / "bounded"),
+        data,
+        batches,
+        BatchOptions(seed=0, steps=25, batch_size=60, min_sep=2, max_batch_size=75),
+    )
     options = ["--noise-multiplier", "1.5", "--bands", "2", "--model", "mlp", "--seed", "3", "--noise-seed", "3"]
     one = _train_cli(batches, str(directory / "one-device"), *options)
-    two = _train_cli(batches, str(directory / "two-replicas"), *options, "--distribution", "mirrored",
-                     "--cpu-replicas", "2")
+    two = _train_cli(
+        batches, str(directory / "two-replicas"), *options, "--distribution", "mirrored", "--cpu-replicas", "2"
+    )
     assert (one["replicas"], two["replicas"]) == (1, 2)
-    weights = [tf_keras.models.load_model(str(directory / name / "model.keras"), compile=False).get_weights()
-               for name in ("one-device", "two-replicas")]
+    weights = [
+        tf_keras.models.load_model(str(directory / name / "model.keras"), compile=False).get_weights()
+        for name in ("one-device", "two-replicas")
+    ]
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not np.allclose(weights[0][0], build_model("mlp", 8)[0].get_weights()[0])  # it trained
@@ -284,26 +383,77 @@ def test_mirrored_strategy_on_two_cpu_replicas_trains_the_same_model(pipeline_da
 
 def test_tpu_distribution_without_a_tpu_is_a_clear_error(pipeline_data, capsys):
     directory, _ = pipeline_data
-    assert main(["-q", "train", str(directory / "poisson"), str(directory / "tpu"), "--noise-multiplier", "1",
-                 "--distribution", "tpu"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                str(directory / "poisson"),
+                str(directory / "tpu"),
+                "--noise-multiplier",
+                "1",
+                "--distribution",
+                "tpu",
+            ]
+        )
+        == 2
+    )
     assert "--distribution tpu: no TPU" in capsys.readouterr().err
-    assert main(["-q", "train", str(directory / "poisson"), str(directory / "tpu"), "--noise-multiplier", "1",
-                 "--cpu-replicas", "2"]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                str(directory / "poisson"),
+                str(directory / "tpu"),
+                "--noise-multiplier",
+                "1",
+                "--cpu-replicas",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "--cpu-replicas" in capsys.readouterr().err
 
 
 def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_data, capsys):
     directory, data = pipeline_data
     batches = str(directory / "amplified")
-    report = batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=30, batch_size=40, min_sep=3))
-    privacy = train(batches, str(directory / "amplified-train"),
-                    TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True))["privacy"]
+    report = batch_local(
+        str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=30, batch_size=40, min_sep=3)
+    )
+    privacy = train(
+        batches, str(directory / "amplified-train"), TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True)
+    )["privacy"]
     assert privacy["mechanism"] == "bandmf-minsep" and privacy["monte_carlo"]["verified"]
     assert privacy["noise_multiplier"] < privacy["monte_carlo"]["fallback"]
     assert privacy["parameters"]["max_contributions"] == 2 and privacy["delta"] <= 1e-2
-    assert main(["-q", "calibrate", "--mechanism", "bandmf-minsep", "--epsilon", "3", "--delta", "1e-2",
-                 "--steps", "30", "--sampling-prob", str(report["sampling_probability"]), "--min-sep", "3",
-                 "--bands", "3", "-k", "2"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "calibrate",
+                "--mechanism",
+                "bandmf-minsep",
+                "--epsilon",
+                "3",
+                "--delta",
+                "1e-2",
+                "--steps",
+                "30",
+                "--sampling-prob",
+                str(report["sampling_probability"]),
+                "--min-sep",
+                "3",
+                "--bands",
+                "3",
+                "-k",
+                "2",
+            ]
+        )
+        == 0
+    )
     independent = json.loads(capsys.readouterr().out)
     assert independent["noise_multiplier"] == privacy["noise_multiplier"]
     assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback"]
@@ -312,8 +462,8 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
 def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):
     """`--zero-out` (the audit's zero-out neighbour): listing no record changes nothing bit for bit, listing
     every record leaves a non-private model at its initialization, and a bad file is a clear error."""
-    import pyarrow.parquet as pq
     import tf_keras
+
     directory, data = pipeline_data
     batches = str(directory / "zero-out-batches")
     batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=20, batch_size=64))
@@ -327,15 +477,32 @@ def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):
         return tf_keras.models.load_model(str(directory / out / "model.keras"), compile=False).get_weights()
 
     private = dict(noise_multiplier=1.0, noise_seed=3)
-    assert all(np.array_equal(a, b) for a, b in zip(weights("plain", **private),
-                                                     weights("zero-none", zero_out=str(none), **private)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(weights("plain", **private), weights("zero-none", zero_out=str(none), **private))
+    )
     from tf_training.trainer import build_model
+
     tf_keras.utils.set_random_seed(0)  # what train() does before building the model
     initial = build_model("logreg", 8)[0].get_weights()
-    assert all(np.array_equal(a, b) for a, b in zip(weights("zero-every", mechanism="none", zero_out=str(every)),
-                                                     initial))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(weights("zero-every", mechanism="none", zero_out=str(every)), initial)
+    )
     assert not all(np.array_equal(a, b) for a, b in zip(weights("baseline", mechanism="none"), initial))
     (directory / "bad.json").write_text('{"ids": 1}')
-    assert main(["-q", "train", batches, str(directory / "bad"), "--mechanism", "none",
-                 "--zero-out", str(directory / "bad.json")]) == 2
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                batches,
+                str(directory / "bad"),
+                "--mechanism",
+                "none",
+                "--zero-out",
+                str(directory / "bad.json"),
+            ]
+        )
+        == 2
+    )
     assert "JSON list of record ids" in capsys.readouterr().err

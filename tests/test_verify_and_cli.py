@@ -1,4 +1,5 @@
 """verify-bound checks outputs independently; the CLI runs the whole job and fails clearly."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
 from conftest import reseal_selection, write_records
+
 from madp.cli import main
 
 
@@ -18,8 +19,9 @@ def run_cli(capsys, *args) -> tuple[int, dict | None, str]:
 
 
 def bound(tmp_path, capsys, input_path, *extra):
-    code, report, _ = run_cli(capsys, "bound", input_path, str(tmp_path / "out"), "-k", "2", "--runner", "local",
-                              *extra)
+    code, report, _ = run_cli(
+        capsys, "bound", input_path, str(tmp_path / "out"), "-k", "2", "--runner", "local", *extra
+    )
     assert code == 0
     return report
 
@@ -65,8 +67,9 @@ def test_verify_with_capacities_file(tmp_path, capsys, small_graph):
     capacities = tmp_path / "caps.jsonl"
     capacities.write_text("".join(json.dumps({"user": u, "capacity": 0}) + "\n" for u in range(50)))
     bound(tmp_path, capsys, input_path, "--capacities", str(capacities))
-    code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2",
-                               "--capacities", str(capacities))
+    code, verdict, _ = run_cli(
+        capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2", "--capacities", str(capacities)
+    )
     assert code == 0 and verdict["ok"]
     code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2")
     assert code == 0, "capacities 0 only make the selection stricter"
@@ -79,18 +82,21 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     bad.write_text('{"id": 1, "users": []}\n')
     code, _, err = run_cli(capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local")
     assert code == 2 and "row 0: empty_users" in err
-    code, _, err = run_cli(capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local",
-                           "--project", "x")
+    code, _, err = run_cli(
+        capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--project", "x"
+    )
     assert code == 2 and "takes no Beam options" in err
 
 
 def test_generate_single_files_are_valid_input(tmp_path, capsys):
     for name in ("records.jsonl", "records.parquet"):
-        code, generated, _ = run_cli(capsys, "generate", str(tmp_path / name), "--records", "300", "--graph",
-                                     "regular", "--features", "3")
+        code, generated, _ = run_cli(
+            capsys, "generate", str(tmp_path / name), "--records", "300", "--graph", "regular", "--features", "3"
+        )
         assert code == 0 and generated["records"] == 300
-        code, report, _ = run_cli(capsys, "bound", str(tmp_path / name), str(tmp_path / f"out-{name}"), "-k", "1",
-                                  "--runner", "local")
+        code, report, _ = run_cli(
+            capsys, "bound", str(tmp_path / name), str(tmp_path / f"out-{name}"), "-k", "1", "--runner", "local"
+        )
         assert code == 0 and report["input_records"] == 300 and report["rejected_total"] == 0
     first = open(tmp_path / "records.jsonl").readline()
     assert set(json.loads(first)) == {"id", "users", "features", "label"} and len(json.loads(first)["features"]) == 3
@@ -104,16 +110,18 @@ def test_verify_applies_csv_capacities_to_string_user_ids(tmp_path, capsys):
     report = bound(tmp_path, capsys, input_path, "--capacities", str(capacities))
     assert report["selected_records"] == 1, "the producer applies capacity 1 to user '123'"
     corrupt(tmp_path, lambda rows: [{**rows[0], "copies": 2}])
-    code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2",
-                               "--capacities", str(capacities))
+    code, verdict, _ = run_cli(
+        capsys, "verify-bound", input_path, str(tmp_path / "out"), "-k", "2", "--capacities", str(capacities)
+    )
     assert code == 1 and "user '123' contributes 2 records, bound 1" in verdict["violations"]
 
 
 def test_verify_never_passes_on_missing_evidence(tmp_path, capsys, small_graph):
     input_path = write_records(str(tmp_path / "in.parquet"), small_graph)
     code, verdict, _ = run_cli(capsys, "verify-bound", input_path, str(tmp_path / "nowhere"), "-k", "2")
-    assert code == 1 and verdict["violations"] == [f"no {tmp_path / 'nowhere' / 'report.json'}: the run did not "
-                                                   f"finish, its output is incomplete"]
+    assert code == 1 and verdict["violations"] == [
+        f"no {tmp_path / 'nowhere' / 'report.json'}: the run did not finish, its output is incomplete"
+    ]
     bound(tmp_path, capsys, input_path)
     code, verdict, _ = run_cli(capsys, "verify-bound", str(tmp_path / "gone.parquet"), str(tmp_path / "out"), "-k", "2")
     assert code == 1 and "no input at" in verdict["violations"][0]

@@ -5,6 +5,7 @@ installed with --no-deps, see the Makefile); `load_tensorflow` imports it the wa
 tf-keras 2.21 and TF Privacy 0.9: legacy Keras, and TF Privacy's modules imported one by one
 (its package import pulls in modules whose pinned dependencies break TF 2.21).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,6 +21,9 @@ def load_tensorflow():
         import tensorflow as tf
     except ImportError as error:
         from madp.records import InputError
-        raise InputError("training needs TensorFlow: pip install -e '.[train]' && "
-                         "pip install --no-deps tensorflow-privacy==0.9.0 (or run `make test` once)") from error
+
+        raise InputError(
+            "training needs TensorFlow: pip install -e '.[train]' && "
+            "pip install --no-deps tensorflow-privacy==0.9.0 (or run `make test` once)"
+        ) from error
     return tf

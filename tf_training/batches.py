@@ -1,4 +1,5 @@
 """The outputs of `madp batch` as the trainer sees them: files, schema, report (no TensorFlow)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Reading `madp batch` outputs: the schema, the report, and one batch per materialized step."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,8 +34,12 @@ def step_batches(batches: Batches, names: list[str]):
     holds a block and one step, not the dataset. A step without rows yields empty arrays.
     """
     spec = feature_spec(batches.schema, sorted(set(names) | {"step", "weight"}))
-    dataset = tf.data.TFRecordDataset(list(batches.files)).batch(_PARSE_ROWS).map(
-        lambda serialized: tf.io.parse_example(serialized, spec), num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+    dataset = (
+        tf.data.TFRecordDataset(list(batches.files))
+        .batch(_PARSE_ROWS)
+        .map(lambda serialized: tf.io.parse_example(serialized, spec), num_parallel_calls=tf.data.AUTOTUNE)
+        .prefetch(2)
+    )
     empty = {name: np.zeros((0, *feature.shape), feature.dtype.as_numpy_dtype) for name, feature in spec.items()}
     carry, next_step = empty, 0
     for block in dataset.as_numpy_iterator():
@@ -46,6 +51,6 @@ def step_batches(batches: Batches, names: list[str]):
         starts = np.searchsorted(steps, np.arange(next_step, last + 1))
         for step, (lo, hi) in zip(range(next_step, last), zip(starts[:-1], starts[1:])):
             yield step, {name: values[lo:hi] for name, values in block.items()}
-        carry, next_step = {name: values[starts[-1]:] for name, values in block.items()}, last
+        carry, next_step = {name: values[starts[-1] :] for name, values in block.items()}, last
     for step in range(next_step, batches.steps):
         yield step, carry if step == next_step else empty

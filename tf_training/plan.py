@@ -3,6 +3,7 @@ privacy plan (mechanism, sigma, epsilon, delta) that the batches' reports and th
 imply. No TensorFlow here, so `madp run` can calibrate without it and the plan can be checked
 against the batches it describes (their SHA-256 hashes are part of it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,9 @@ from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import storage
-from madp.selection import REPORT_FILE
 from madp.randomness import FIXED_SEED
 from madp.records import InputError
+from madp.selection import REPORT_FILE
 from tf_training.batches import Batches
 
 log = logging.getLogger("madp.train")
@@ -43,9 +44,9 @@ class TrainOptions:
     optimizer: str = "sgd"
     learning_rate: float = 0.5
     clip_norm: float = 1.0
-    seed: int = 0                   # model initialization (public); not the noise
-    noise_seed: int | None = None   # None: fresh secret noise key; an int reproduces (not private)
-    mc_seed: int = 0                # Monte Carlo verification samples (public: they only check the accountant)
+    seed: int = 0  # model initialization (public); not the noise
+    noise_seed: int | None = None  # None: fresh secret noise key; an int reproduces (not private)
+    mc_seed: int = 0  # Monte Carlo verification samples (public: they only check the accountant)
     eval_data: str | None = None
     eval_every: int = 100
     max_contributions: int | None = None
@@ -56,29 +57,41 @@ class TrainOptions:
     tpu: str = ""
     cpu_replicas: int = 1
     calibration: str | None = None
-    zero_out: str | None = None             # file of record ids whose rows train with weight 0 (madp audit)
-    testing_noise_scale: float = 1.0        # TESTING ONLY: scales the noise, not the claim (not private)
+    zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
+    testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
 
     def __post_init__(self) -> None:
-        checks = [(self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
-                  (self.bands >= 1, "--bands must be at least 1"),
-                  (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
-                  (self.learning_rate > 0, "--learning-rate must be positive"),
-                  (self.clip_norm > 0, "--clip-norm must be positive"),
-                  (self.eval_every >= 1, "--eval-every must be at least 1"),
-                  (self.mechanism == "none" or self.calibration is not None or self.epsilon is not None
-                   or self.noise_multiplier is not None,
-                   "give --epsilon (sigma is calibrated), --noise-multiplier, or --calibration"),
-                  (self.calibration is None or (self.epsilon is None and self.noise_multiplier is None),
-                   "--calibration fixes sigma: drop --epsilon and --noise-multiplier"),
-                  (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
-                  (not self.amplified or self.mechanism in ("auto", "bandmf"),
-                   "--amplified accounts BandMF: use --mechanism auto or bandmf"),
-                  (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
-                  (self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
-                   "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored"),
-                  (self.mc_workers >= 1, "--mc-workers must be at least 1"),
-                  (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive")]
+        checks = [
+            (self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
+            (self.bands >= 1, "--bands must be at least 1"),
+            (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
+            (self.learning_rate > 0, "--learning-rate must be positive"),
+            (self.clip_norm > 0, "--clip-norm must be positive"),
+            (self.eval_every >= 1, "--eval-every must be at least 1"),
+            (
+                self.mechanism == "none"
+                or self.calibration is not None
+                or self.epsilon is not None
+                or self.noise_multiplier is not None,
+                "give --epsilon (sigma is calibrated), --noise-multiplier, or --calibration",
+            ),
+            (
+                self.calibration is None or (self.epsilon is None and self.noise_multiplier is None),
+                "--calibration fixes sigma: drop --epsilon and --noise-multiplier",
+            ),
+            (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
+            (
+                not self.amplified or self.mechanism in ("auto", "bandmf"),
+                "--amplified accounts BandMF: use --mechanism auto or bandmf",
+            ),
+            (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
+            (
+                self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
+                "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored",
+            ),
+            (self.mc_workers >= 1, "--mc-workers must be at least 1"),
+            (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+        ]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)
@@ -86,21 +99,27 @@ class TrainOptions:
 
 # --- privacy ------------------------------------------------------------------------------------
 
+
 def contribution_bound(batches: Batches, override: int | None) -> int:
     """K for the accountant: the most records (copies) any user can have in the selection the batches
     were made from, as `madp batch` recorded it (the bound's largest capacity or K, and at least the
     largest contribution the bound found). `--max-contributions` may raise it, never lower it."""
     bound = batches.report.get("bound") or {}
     _check_selection_unchanged(batches, bound)
-    recorded = max((int(v) for v in (bound.get("contribution_bound"), bound.get("max_user_contribution"))
-                    if v is not None), default=None)
+    recorded = max(
+        (int(v) for v in (bound.get("contribution_bound"), bound.get("max_user_contribution")) if v is not None),
+        default=None,
+    )
     if override is not None and recorded is not None and override < recorded:
-        raise InputError(f"--max-contributions {override} is below what the batches were made from: users may "
-                         f"have up to {recorded} records in {batches.report.get('selected')} (its bound report); "
-                         f"the guarantee would not hold")
+        raise InputError(
+            f"--max-contributions {override} is below what the batches were made from: users may "
+            f"have up to {recorded} records in {batches.report.get('selected')} (its bound report); "
+            f"the guarantee would not hold"
+        )
     if override is None and recorded is None:
-        raise InputError(f"the batches record no bounding report of {batches.report.get('selected')}: "
-                         f"give --max-contributions")
+        raise InputError(
+            f"the batches record no bounding report of {batches.report.get('selected')}: give --max-contributions"
+        )
     return override if override is not None else recorded
 
 
@@ -111,15 +130,16 @@ def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
     if storage.kind(path) != "file":
         return  # SELECTED moved or removed: the batches' own record stands
     if json.loads(storage.read_text(path)).get("selection_files") != bound.get("selection_files"):
-        raise InputError(f"{selected} changed since {batches.directory} was made from it (its selection files "
-                         f"differ): re-run madp batch on the new selection, or restore the old one")
+        raise InputError(
+            f"{selected} changed since {batches.directory} was made from it (its selection files "
+            f"differ): re-run madp batch on the new selection, or restore the old one"
+        )
 
 
 def warn_delta(delta: float, batches: Batches) -> None:
     users = (batches.report.get("bound") or {}).get("input_users")
     if users and delta > 1 / users:
-        log.warning("delta %g exceeds 1/%d users: a mechanism could release one user's data in the clear",
-                    delta, users)
+        log.warning("delta %g exceeds 1/%d users: a mechanism could release one user's data in the clear", delta, users)
 
 
 def truncation_delta(batches: Batches, epsilon_: float) -> float:
@@ -136,8 +156,9 @@ def truncation_delta(batches: Batches, epsilon_: float) -> float:
         return 0.0
     if report["sampler"] == "users":
         raise InputError("--max-batch-size truncation of user-sampled batches is not accounted: re-batch without it")
-    rho = min(1.0, batches.steps * float(binom.sf(max_batch, int(report["units"]),
-                                                  float(report["sampling_probability"]))))
+    rho = min(
+        1.0, batches.steps * float(binom.sf(max_batch, int(report["units"]), float(report["sampling_probability"])))
+    )
     return rho * (1 + math.exp(epsilon_))
 
 
@@ -170,8 +191,10 @@ def _mechanism_delta(options: TrainOptions, truncation) -> float:
     """The delta left for the mechanism once truncation's share of the target delta is set aside."""
     share = truncation(options.epsilon)
     if share >= options.delta / 2:
-        raise InputError(f"truncation at --max-batch-size costs delta {share:.3g} of the {options.delta:g} asked for "
-                         f"(steps over B_max are too likely): raise --max-batch-size in madp batch, or drop it")
+        raise InputError(
+            f"truncation at --max-batch-size costs delta {share:.3g} of the {options.delta:g} asked for "
+            f"(steps over B_max are too likely): raise --max-batch-size in madp batch, or drop it"
+        )
     return options.delta - share
 
 
@@ -186,39 +209,63 @@ def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation
 
 
 def _warn_override(options: TrainOptions, delivered: float) -> None:
-    log.warning("--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
-                options.noise_multiplier, delivered, options.delta)
+    log.warning(
+        "--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
+        options.noise_multiplier,
+        delivered,
+        options.delta,
+    )
 
 
-def amplified_noise_multiplier(batches: Batches, options: TrainOptions, unamplified_: BandMf,
-                               truncation) -> tuple[float, float, float, dict]:
+def amplified_noise_multiplier(
+    batches: Batches, options: TrainOptions, unamplified_: BandMf, truncation
+) -> tuple[float, float, float, dict]:
     """(sigma, epsilon, delta, Monte Carlo details) for b-min-sep Poisson batches with amplification
     (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
     if batches.report["sampler"] != "minsep":
         raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
-    process = MinSepProcess(unamplified_.steps, unamplified_.min_sep, float(batches.report["sampling_probability"]),
-                            unamplified_.records_per_step, unamplified_.coefficients)
+    process = MinSepProcess(
+        unamplified_.steps,
+        unamplified_.min_sep,
+        float(batches.report["sampling_probability"]),
+        unamplified_.records_per_step,
+        unamplified_.coefficients,
+    )
     log.info("Monte Carlo accounting (estimate-verify-release) for %s", process)
     if options.noise_multiplier is not None:
-        result = epsilon_minsep(process, options.noise_multiplier, options.delta, options.mc_samples,
-                                options.mc_seed, options.mc_workers)
+        result = epsilon_minsep(
+            process, options.noise_multiplier, options.delta, options.mc_samples, options.mc_seed, options.mc_workers
+        )
         sigma, delivered = options.noise_multiplier, result.value
         _warn_override(options, delivered)
     else:
-        result = calibrate_minsep(process, options.epsilon, _mechanism_delta(options, truncation), options.mc_samples,
-                                  options.mc_seed, options.mc_workers)
+        result = calibrate_minsep(
+            process,
+            options.epsilon,
+            _mechanism_delta(options, truncation),
+            options.mc_samples,
+            options.mc_seed,
+            options.mc_workers,
+        )
         sigma, delivered = result.value, options.epsilon
-    details = {"process": dataclasses.asdict(process), "fallback": result.fallback, "estimate": result.estimate,
-               "seed": options.mc_seed, **result.report(sigma_fixed=options.noise_multiplier is not None)}
+    details = {
+        "process": dataclasses.asdict(process),
+        "fallback": result.fallback,
+        "estimate": result.estimate,
+        "seed": options.mc_seed,
+        **result.report(sigma_fixed=options.noise_multiplier is not None),
+    }
     return sigma, delivered, details["delta"] + truncation(delivered), details
 
 
 # --- the plan -----------------------------------------------------------------------------------
 
 PRIVACY_UNIT = "a user, with every record attributed to them (user-level DP over multi-attribution records)"
-RELATION = ("fixed-graph zero-out: the neighbouring dataset replaces every record of one user by a record with "
-            "zero gradient; both have the same user-record graph, which the guarantee treats as public (keep it "
-            "confidential in practice)")
+RELATION = (
+    "fixed-graph zero-out: the neighbouring dataset replaces every record of one user by a record with "
+    "zero gradient; both have the same user-record graph, which the guarantee treats as public (keep it "
+    "confidential in practice)"
+)
 AMPLIFIED = ("dpsgd", "dpsgd-uls", "bandmf-minsep")  # accounted with amplification by secret sampling
 
 
@@ -243,21 +290,34 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
     else:
         sigma, delivered, delta = noise_multiplier_for(mechanism, options, truncation)
     sampling = report.get("sampling", FIXED_SEED)  # batches from before secret keys used a fixed seed
-    plan = {"mechanism": name, "parameters": dataclasses.asdict(mechanism),
-            "noise_multiplier": sigma, "epsilon": delivered, "target_epsilon": options.epsilon,
-            "delta": delta, "target_delta": options.delta, "truncation_delta": truncation(delivered),
-            "privacy_unit": PRIVACY_UNIT, "neighbouring_relation": RELATION,
-            "assumptions": assumptions(report, name, k),
-            "sampling": sampling, "relies_on_secret_sampling": amplified,
-            "steps": batches.steps, "clip_norm": options.clip_norm,
-            "expected_batch_size": batches.expected_batch_size, "bands": list(bands),
-            "strategy": options.strategy,
-            "noise_stddev_of_mean_gradient": sigma * options.clip_norm / batches.expected_batch_size,
-            "contribution_bound": k,
-            "min_sep": int(report["parameters"]["min_sep"]), "sampler": report["sampler"],
-            "batch_files_sha256": batches.file_hashes(),
-            "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)" if monte_carlo
-            else "PLD (dp_accounting)"}
+    plan = {
+        "mechanism": name,
+        "parameters": dataclasses.asdict(mechanism),
+        "noise_multiplier": sigma,
+        "epsilon": delivered,
+        "target_epsilon": options.epsilon,
+        "delta": delta,
+        "target_delta": options.delta,
+        "truncation_delta": truncation(delivered),
+        "privacy_unit": PRIVACY_UNIT,
+        "neighbouring_relation": RELATION,
+        "assumptions": assumptions(report, name, k),
+        "sampling": sampling,
+        "relies_on_secret_sampling": amplified,
+        "steps": batches.steps,
+        "clip_norm": options.clip_norm,
+        "expected_batch_size": batches.expected_batch_size,
+        "bands": list(bands),
+        "strategy": options.strategy,
+        "noise_stddev_of_mean_gradient": sigma * options.clip_norm / batches.expected_batch_size,
+        "contribution_bound": k,
+        "min_sep": int(report["parameters"]["min_sep"]),
+        "sampler": report["sampler"],
+        "batch_files_sha256": batches.file_hashes(),
+        "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)"
+        if monte_carlo
+        else "PLD (dp_accounting)",
+    }
     if monte_carlo:
         plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo)
     return plan
@@ -266,12 +326,16 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
 def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
     """What the guarantee of training on these batches rests on, step by step."""
     sampler = report["sampler"]
-    stated = [f"every user has at most {k} records (copies) in the data trained on: the bound's K or largest "
-              f"capacity, checked by madp verify-bound" if k is not None else
-              "every record has exactly one user (user-level sampling, one clipped gradient per user)"]
+    stated = [
+        f"every user has at most {k} records (copies) in the data trained on: the bound's K or largest "
+        f"capacity, checked by madp verify-bound"
+        if k is not None
+        else "every record has exactly one user (user-level sampling, one clipped gradient per user)"
+    ]
     if sampler == "minsep":
-        stated.append("the sampling probability p was calibrated from neighbourhood sizes, a function of the "
-                      "graph only")
+        stated.append(
+            "the sampling probability p was calibrated from neighbourhood sizes, a function of the graph only"
+        )
     if sampler == "minsep-greedy":
         stated.append("the greedy min-sep schedule is a function of the graph only")
     if mechanism in AMPLIFIED:
@@ -279,8 +343,14 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
     else:
         stated.append(f"{mechanism} is accounted without amplification: knowing the schedule costs nothing")
     if report["parameters"].get("max_batch_size") is not None:
-        stated.append("truncation to --max-batch-size: " + ("its delta (truncation_delta) is added" if
-                      mechanism in AMPLIFIED else "only removes contributions, within the unamplified bound"))
+        stated.append(
+            "truncation to --max-batch-size: "
+            + (
+                "its delta (truncation_delta) is added"
+                if mechanism in AMPLIFIED
+                else "only removes contributions, within the unamplified bound"
+            )
+        )
     return stated
 
 
@@ -290,11 +360,13 @@ def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
     if plan["mechanism"] == "none":
         return []
     parameters = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
-    mechanism = (unamplified(MinSepProcess(**parameters)) if plan["mechanism"] == "bandmf-minsep" else
-                 {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters))
+    mechanism = (
+        unamplified(MinSepProcess(**parameters))
+        if plan["mechanism"] == "bandmf-minsep"
+        else {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters)
+    )
     sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
-    return [[float(s), epsilon(mechanism, float(s), plan["target_delta"], discretization=1e-2)]
-            for s in sigmas]
+    return [[float(s), epsilon(mechanism, float(s), plan["target_delta"], discretization=1e-2)] for s in sigmas]
 
 
 def plan_for(batches: Batches, options: TrainOptions) -> dict:
@@ -305,6 +377,8 @@ def plan_for(batches: Batches, options: TrainOptions) -> dict:
     if plan.get("batch_files_sha256") != batches.file_hashes():
         raise InputError(f"--calibration {options.calibration} describes other batch files than {batches.directory}")
     if plan["clip_norm"] != options.clip_norm:
-        raise InputError(f"--calibration {options.calibration} is for clip norm {plan['clip_norm']}, "
-                         f"not --clip-norm {options.clip_norm}")
+        raise InputError(
+            f"--calibration {options.calibration} is for clip norm {plan['clip_norm']}, "
+            f"not --clip-norm {options.clip_norm}"
+        )
     return {**plan, "calibration": options.calibration}

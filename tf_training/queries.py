@@ -9,6 +9,7 @@ without talking, and no output holds it. Both queries draw the same z_t for the 
   c_0..c_{b-1} (b-min-sep paper, Sec. 2.3): w_t = (z_t - sum_{j>=1} c_j w_{t-j}) / c_0, so the
   global state keeps the last b-1 noise vectors. With one band (c_0 = 1) w_t = z_t: DP-SGD.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,9 +32,15 @@ def stateless_noise(template, stddev, key, step):
     """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (key, step, variable)."""
     leaves = tf.nest.flatten(template)
     step_key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
-    noise = [tf.random.stateless_normal(tf.shape(leaf), seed=tf.random.experimental.stateless_fold_in(step_key, index),
-                                        stddev=tf.cast(stddev, leaf.dtype), dtype=leaf.dtype)
-             for index, leaf in enumerate(leaves)]
+    noise = [
+        tf.random.stateless_normal(
+            tf.shape(leaf),
+            seed=tf.random.experimental.stateless_fold_in(step_key, index),
+            stddev=tf.cast(stddev, leaf.dtype),
+            dtype=leaf.dtype,
+        )
+        for index, leaf in enumerate(leaves)
+    ]
     return tf.nest.pack_sequence_as(template, noise)
 
 
@@ -42,8 +49,7 @@ def clip_and_sum(l2_norm_clip, per_example):
     `preprocess_record` then sum for every record, in one vectorized computation (the record-wise
     clip_by_global_norm has no vectorized form in TF and would loop over records)."""
     leaves = tf.nest.flatten(per_example)
-    squares = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(leaf), [tf.shape(leaf)[0], -1]), axis=1)
-                        for leaf in leaves])
+    squares = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(leaf), [tf.shape(leaf)[0], -1]), axis=1) for leaf in leaves])
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
     summed = [tf.tensordot(factor, leaf, axes=1) for leaf in leaves]
     return tf.nest.pack_sequence_as(per_example, summed)
@@ -59,8 +65,12 @@ class DpSgdQuery(gaussian_query.GaussianSumQuery):
         self._key = key
 
     def initial_global_state(self):
-        return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32), tf.constant(self._stddev, tf.float32),
-                                 key_tensor(self._key), tf.constant(0, tf.int64))
+        return self._GlobalState(
+            tf.constant(self._l2_norm_clip, tf.float32),
+            tf.constant(self._stddev, tf.float32),
+            key_tensor(self._key),
+            tf.constant(0, tf.int64),
+        )
 
     def derive_sample_params(self, global_state):
         return global_state.l2_norm_clip
@@ -86,8 +96,9 @@ class BandMfQuery(dp_query.SumAggregationDPQuery):
 
     def initial_global_state(self):
         clip_state = self._clipping.initial_global_state()
-        history = tuple(tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), self._template)
-                        for _ in self._coefficients[1:])
+        history = tuple(
+            tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), self._template) for _ in self._coefficients[1:]
+        )
         return self._GlobalState(*clip_state, history=history)
 
     def derive_sample_params(self, global_state):

@@ -6,6 +6,7 @@ gradient), clipped and summed by the DPQuery, noised (z_t or BandMF's C^-1 z), d
 the batches' report and the bounding report, and sigma from the accountant, so the delivered
 guarantee describes the data it was trained on.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,10 +35,12 @@ log = logging.getLogger("madp.train")
 
 # --- models -------------------------------------------------------------------------------------
 
+
 def binary_logistic_loss(labels, logits):
     """Per-example loss of a one-logit binary classifier."""
-    return tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.cast(tf.reshape(labels, [-1]), tf.float32),
-                                                   logits=tf.reshape(logits, [-1]))
+    return tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=tf.cast(tf.reshape(labels, [-1]), tf.float32), logits=tf.reshape(logits, [-1])
+    )
 
 
 def build_model(name: str, input_dim: int):
@@ -45,8 +48,9 @@ def build_model(name: str, input_dim: int):
     if name == "logreg":
         return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), binary_logistic_loss
     if name == "mlp":
-        return tf_keras.Sequential([tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)),
-                                    tf_keras.layers.Dense(1)]), binary_logistic_loss
+        return tf_keras.Sequential(
+            [tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)), tf_keras.layers.Dense(1)]
+        ), binary_logistic_loss
     if ":" not in name:
         raise InputError(f"--model must be logreg, mlp or module:function, got {name!r}")
     module, function = name.split(":", 1)
@@ -78,6 +82,7 @@ def load_trained(output: str, options: TrainOptions, input_dim: int):
 
 # --- evaluation data ----------------------------------------------------------------------------
 
+
 def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
     if path.endswith(".parquet") or storage.kind(path) == "directory":
         table = storage.read_parquet(path, [features, label])
@@ -96,20 +101,24 @@ def evaluate(model, loss_fn, x: np.ndarray, y: np.ndarray) -> dict:
 
 # --- the training step --------------------------------------------------------------------------
 
+
 def per_example_gradients(model, loss_fn, x, y, weight):
     """Gradient of weight_i * loss_i for every example i (vectorized; rows of weight 0 give zeros)."""
+
     def one(example):
         xi, yi, wi = example
         with tf.GradientTape() as tape:
             loss = loss_fn(yi[None], model(xi[None], training=True))[0] * wi
         return tape.gradient(loss, model.trainable_variables)
+
     return tf.vectorized_map(one, (x, y, weight))
 
 
 def dense_only(model) -> bool:
     """Whether `model` is a stack of Dense layers, for which per-example norms need no per-example gradients."""
-    return isinstance(model, tf_keras.Sequential) and all(isinstance(layer, tf_keras.layers.Dense)
-                                                          for layer in model.layers)
+    return isinstance(model, tf_keras.Sequential) and all(
+        isinstance(layer, tf_keras.layers.Dense) for layer in model.layers
+    )
 
 
 def dense_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
@@ -127,9 +136,13 @@ def dense_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
             a = layer.activation(z)
         loss = tf.reduce_sum(loss_fn(y, a) * weight)
     deltas = tape.gradient(loss, outputs)
-    squares = tf.add_n([(tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0))
-                        * tf.reduce_sum(tf.square(d), axis=1)
-                        for layer, a, d in zip(model.layers, inputs, deltas)])
+    squares = tf.add_n(
+        [
+            (tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0))
+            * tf.reduce_sum(tf.square(d), axis=1)
+            for layer, a, d in zip(model.layers, inputs, deltas)
+        ]
+    )
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
     gradients = {}
     for layer, a, d in zip(model.layers, inputs, deltas):
@@ -149,8 +162,17 @@ class PrivateStep:
     generator is keyed by (seed, step), so the replicas need not talk) and applies the same update.
     """
 
-    def __init__(self, model, loss_fn, optimizer, query, expected_batch_size: float, fast: bool = True,
-                 user_level: bool = False, strategy=None):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        query,
+        expected_batch_size: float,
+        fast: bool = True,
+        user_level: bool = False,
+        strategy=None,
+    ):
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
@@ -161,7 +183,8 @@ class PrivateStep:
         with self.strategy.scope():
             self._state = tf.nest.map_structure(
                 lambda t: tf.Variable(t, trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA),
-                query.initial_global_state())
+                query.initial_global_state(),
+            )
 
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
@@ -189,8 +212,7 @@ class PrivateStep:
 
     def _apply_replica(self, x, y, weight, groups) -> None:
         gradients = self._privatize(x, y, weight, groups)
-        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables),
-                                       skip_gradients_aggregation=True)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables), skip_gradients_aggregation=True)
 
     def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
@@ -202,9 +224,11 @@ class PrivateStep:
             if self.user_level:  # the ULS record of a user: the average gradient of its rows
                 count = tf.shape(weight)[0]  # static where shapes are (TPU): groups < rows
                 totals = tf.math.unsorted_segment_sum(weight, groups, count)
-                per_example = [tf.math.unsorted_segment_sum(g, groups, count)
-                               / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
-                               for g in per_example]
+                per_example = [
+                    tf.math.unsorted_segment_sum(g, groups, count)
+                    / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
+                    for g in per_example
+                ]
             summed = clip_and_sum(params, per_example)
         summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
         noised, state, _ = self.query.get_noised_result(summed, state)
@@ -231,14 +255,17 @@ class NonPrivateStep:
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight)
         context = tf.distribute.get_replica_context()
-        gradients, total = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                              (tape.gradient(loss, self.model.trainable_variables),
-                                               tf.reduce_sum(weight)))
-        self.optimizer.apply_gradients(zip([g / tf.maximum(total, 1.0) for g in gradients],
-                                           self.model.trainable_variables), skip_gradients_aggregation=True)
+        gradients, total = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, (tape.gradient(loss, self.model.trainable_variables), tf.reduce_sum(weight))
+        )
+        self.optimizer.apply_gradients(
+            zip([g / tf.maximum(total, 1.0) for g in gradients], self.model.trainable_variables),
+            skip_gradients_aggregation=True,
+        )
 
 
 # --- distribution -------------------------------------------------------------------------------
+
 
 def distribution_strategy(options: TrainOptions):
     """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
@@ -251,13 +278,16 @@ def distribution_strategy(options: TrainOptions):
             cpu = tf.config.list_physical_devices("CPU")[0]
             try:
                 tf.config.set_logical_device_configuration(
-                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas)
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas
+                )
             except RuntimeError:  # TensorFlow already started: only the same split can be used
                 pass
             devices = [device.name for device in tf.config.list_logical_devices("CPU")]
             if len(devices) != options.cpu_replicas:
-                raise InputError(f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
-                                 f"{len(devices)} CPU device(s) in this process; train in a fresh process")
+                raise InputError(
+                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
+                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
+                )
             return tf.distribute.MirroredStrategy(devices)
         return tf.distribute.MirroredStrategy()
     try:
@@ -276,13 +306,22 @@ def row_groups(users: np.ndarray | None, rows: int) -> np.ndarray:
     return np.unique(users, return_inverse=True)[1].astype(np.int32).reshape(-1)
 
 
-def shard_step(x: np.ndarray, y: np.ndarray, weight: np.ndarray, users: np.ndarray | None, replicas: int,
-               rows_per_replica: int | None) -> list[tuple[np.ndarray, ...]]:
+def shard_step(
+    x: np.ndarray,
+    y: np.ndarray,
+    weight: np.ndarray,
+    users: np.ndarray | None,
+    replicas: int,
+    rows_per_replica: int | None,
+) -> list[tuple[np.ndarray, ...]]:
     """Split one step's rows over replicas: (x, y, weight, groups) each, a user's rows on one replica
     (user-level), every replica padded with zero-weight rows to `rows_per_replica` when given
     (static shapes for TPUs) or to at least one row."""
-    owner = (np.arange(len(weight)) * replicas // max(len(weight), 1) if users is None
-             else row_groups(users, len(weight)) % replicas)
+    owner = (
+        np.arange(len(weight)) * replicas // max(len(weight), 1)
+        if users is None
+        else row_groups(users, len(weight)) % replicas
+    )
     shards = []
     for replica in range(replicas):
         mine = owner == replica
@@ -291,10 +330,14 @@ def shard_step(x: np.ndarray, y: np.ndarray, weight: np.ndarray, users: np.ndarr
             raise InputError(f"a step has {int(mine.sum())} rows for one replica, more than the {size} planned")
         pad = size - int(mine.sum())
         groups = row_groups(None if users is None else users[mine], int(mine.sum()))
-        shards.append((np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
-                       np.concatenate([y[mine], np.zeros(pad, y.dtype)]),
-                       np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
-                       np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)])))
+        shards.append(
+            (
+                np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
+                np.concatenate([y[mine], np.zeros(pad, y.dtype)]),
+                np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
+                np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)]),
+            )
+        )
     return shards
 
 
@@ -303,26 +346,33 @@ def distribute(strategy, shards: list[tuple[np.ndarray, ...]]) -> tuple:
     if strategy.num_replicas_in_sync == 1:
         return tuple(tf.constant(a) for a in shards[0])
     value = strategy.experimental_distribute_values_from_function(
-        lambda context: tuple(tf.constant(a) for a in shards[context.replica_id_in_sync_group]))
+        lambda context: tuple(tf.constant(a) for a in shards[context.replica_id_in_sync_group])
+    )
     return tuple(value)
 
 
 # --- the run ------------------------------------------------------------------------------------
+
 
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     started = time.perf_counter()
     batches = open_batches(batches_dir)
     feature = batches.schema["features"].get(options.features)
     if feature is None or len(feature["shape"]) != 1 or feature["shape"][0] is None:
-        raise InputError(f"--features {options.features!r} must name a fixed-length feature of the batches "
-                         f"(found {sorted(batches.schema['features'])})")
+        raise InputError(
+            f"--features {options.features!r} must name a fixed-length feature of the batches "
+            f"(found {sorted(batches.schema['features'])})"
+        )
     strategy = distribution_strategy(options)
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope():
         model, loss_fn = build_model(options.model, int(feature["shape"][0]))
-        optimizer = (tf_keras.optimizers.SGD(options.learning_rate) if options.optimizer == "sgd"
-                     else tf_keras.optimizers.Adam(options.learning_rate))
+        optimizer = (
+            tf_keras.optimizers.SGD(options.learning_rate)
+            if options.optimizer == "sgd"
+            else tf_keras.optimizers.Adam(options.learning_rate)
+        )
     user_level = batches.report["sampler"] == "users"
     privacy = plan_for(batches, options)
     if privacy["mechanism"] == "none":
@@ -333,20 +383,35 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
         noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
         broken = options.testing_noise_scale != 1.0
-        privacy = {**privacy, "noise": noise_key.status if not broken else
-                   f"scaled by {options.testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
-                   "private": noise_key.seed is None and not broken
-                   and (privacy.get("sampling", FIXED_SEED) != FIXED_SEED
-                        or not privacy.get("relies_on_secret_sampling", True))}
+        privacy = {
+            **privacy,
+            "noise": noise_key.status
+            if not broken
+            else f"scaled by {options.testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
+            "private": noise_key.seed is None
+            and not broken
+            and (
+                privacy.get("sampling", FIXED_SEED) != FIXED_SEED or not privacy.get("relies_on_secret_sampling", True)
+            ),
+        }
         if not privacy["private"]:
-            log.warning("this model is NOT private: %s", "the noise comes from --noise-seed"
-                        if noise_key.seed is not None else "its noise is scaled by --testing-only-noise-scale"
-                        if broken else "its batches were sampled with a fixed --seed")
+            log.warning(
+                "this model is NOT private: %s",
+                "the noise comes from --noise-seed"
+                if noise_key.seed is not None
+                else "its noise is scaled by --testing-only-noise-scale"
+                if broken
+                else "its batches were sampled with a fixed --seed",
+            )
         noise = sigma * options.testing_noise_scale  # the claim stays at sigma
-        query = (DpSgdQuery(options.clip_norm, noise, noise_key) if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
-                 else BandMfQuery(options.clip_norm, noise, noise_key, privacy["bands"], template))
-        step = PrivateStep(model, loss_fn, optimizer, query, batches.expected_batch_size,
-                           user_level=user_level, strategy=strategy)
+        query = (
+            DpSgdQuery(options.clip_norm, noise, noise_key)
+            if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
+            else BandMfQuery(options.clip_norm, noise, noise_key, privacy["bands"], template)
+        )
+        step = PrivateStep(
+            model, loss_fn, optimizer, query, batches.expected_batch_size, user_level=user_level, strategy=strategy
+        )
     evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
     metrics: list[dict] = []
     tf.io.gfile.makedirs(output)
@@ -358,16 +423,20 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if zeroed is not None:
         names.append("id")
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
-    rows_per_replica = (None if options.distribution == "default"
-                        else -(-max(batches.max_rows_per_step, 1) // replicas))
+    rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
     for index, rows in step_batches(batches, names):
         # Every step runs, an empty one too: its noise is part of the mechanism.
         weight = rows["weight"].astype(np.float32)
         if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
             weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
-        shards = shard_step(rows[options.features].astype(np.float32), rows[options.label].astype(np.float32),
-                            weight, rows[USER_FEATURE] if user_level else None,
-                            replicas, rows_per_replica)
+        shards = shard_step(
+            rows[options.features].astype(np.float32),
+            rows[options.label].astype(np.float32),
+            weight,
+            rows[USER_FEATURE] if user_level else None,
+            replicas,
+            rows_per_replica,
+        )
         step.apply(*distribute(strategy, shards))
         done = index + 1
         if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
@@ -377,13 +446,24 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
         progress.update(done, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
-    result = {"batches": batches_dir, "output": output, "steps": batches.steps, "model": options.model,
-              "distribution": options.distribution, "replicas": replicas,
-              "optimizer": options.optimizer, "learning_rate": options.learning_rate, "seed": options.seed,
-              "eval": metrics, "final": metrics[-1] if metrics else None,
-              "wall_time_s": round(time.perf_counter() - started, 3),
-              "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2), "privacy": privacy}
-    storage.write_text(storage.join(output, "metrics.json"),
-                       json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2))
+    result = {
+        "batches": batches_dir,
+        "output": output,
+        "steps": batches.steps,
+        "model": options.model,
+        "distribution": options.distribution,
+        "replicas": replicas,
+        "optimizer": options.optimizer,
+        "learning_rate": options.learning_rate,
+        "seed": options.seed,
+        "eval": metrics,
+        "final": metrics[-1] if metrics else None,
+        "wall_time_s": round(time.perf_counter() - started, 3),
+        "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2),
+        "privacy": privacy,
+    }
+    storage.write_text(
+        storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
+    )
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(privacy, indent=2, default=list))
     return result
