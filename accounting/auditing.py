@@ -122,8 +122,8 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     measurable = max(epsilon_lower_bound(m, r, r, delta, each) for r in {plus + minus for plus, minus in plans})
     return AuditResult(
         canaries=m,
-        guesses=best["included_guesses"] + best["excluded_guesses"],
-        correct=best["correct"],
+        guesses=int(best["included_guesses"] + best["excluded_guesses"]),
+        correct=int(best["correct"]),
         epsilon_lower_bound=best["epsilon_lower_bound"],
         confidence=confidence,
         delta=delta,

@@ -26,7 +26,14 @@ from numba import njit
 from scipy.stats import binom
 
 from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
-from accounting.random_streams import check_seed, failures_before_success, fill_standard_normals, seed_stream, uniform
+from accounting.random_streams import (
+    check_seed,
+    failures_before_success,
+    fill_standard_normals,
+    seed_stream,
+    standard_normals,
+    uniform,
+)
 from madp.records import InputError
 
 DIRECTIONS = ("P", "Q")
@@ -313,18 +320,6 @@ def _sampled_participations(kernel, seed, samples, steps):
     return np.array(found_steps, np.int64), np.array(found_samples, np.int64), np.array(found_counts, np.int64)
 
 
-@njit(cache=True)
-def _sampled_noise(seed, samples, steps):
-    noise = np.empty((steps, samples))
-    column = np.empty(steps)
-    state = np.empty(4, np.uint64)
-    for sample in range(samples):
-        seed_stream(state, seed, sample, _NOISE)
-        fill_standard_normals(column, state)
-        noise[:, sample] = column
-    return noise
-
-
 def log_likelihood_ratio(process: MinSepProcess, noise_multiplier: float, outputs: np.ndarray) -> np.ndarray:
     """log P(y)/Q(y) per sample; `outputs` is T x samples (one column per sample)."""
     outputs = np.asarray(outputs, dtype=np.float64)
@@ -366,7 +361,7 @@ def sampled_participations(process: MinSepProcess, samples: int, seed: int) -> t
 
 def sampled_noise(process: MinSepProcess, samples: int, seed: int) -> np.ndarray:
     """The standard normals z (T x samples) that `sample_log_ratios` draws: Q's outputs are sigma z."""
-    return _sampled_noise(check_seed(seed), samples, process.steps)
+    return np.column_stack([standard_normals(seed, sample, _NOISE, process.steps) for sample in range(samples)])
 
 
 def hockey_stick_terms(log_ratios: np.ndarray, epsilon: float, under: str) -> np.ndarray:

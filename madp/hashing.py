@@ -15,7 +15,7 @@ _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray | np.uint64) -> np.ndarray:
     """SplitMix64 finalizer (Steele et al. 2014): a bijection on uint64 with full avalanche."""
     with np.errstate(over="ignore"):  # wrap-around multiplication is the point
         z = np.asarray(x, dtype=np.uint64) + _GOLDEN

@@ -128,6 +128,7 @@ def import_mbox(path: str, output: str) -> dict:
             if record is not None and record["id"] in seen_ids:
                 record, reason = None, "duplicate_message_id"
             if record is None:
+                assert reason is not None  # message_record gives a reason for every record it refuses
                 counts[reason] += 1
                 rejected.write(
                     json.dumps({"message": index, "reason": reason, "head": raw[:300].decode("utf-8", "replace")})

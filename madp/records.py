@@ -348,7 +348,9 @@ def _parse_jsonl_rows(
     path: str, lines: list[bytes], columns: Columns
 ) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
     """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason kept."""
-    ids, users, weights = [], [], []
+    ids: list[object] = []
+    users: list[list | None] = []
+    weights: list[object] = []
     problems: dict[int, tuple[str, object]] = {}
     for row, line in enumerate(lines):
         try:
@@ -360,9 +362,12 @@ def _parse_jsonl_rows(
         elif (why := _row_problem(obj, columns)) is not None:
             problems[row] = (why, obj)
         if row in problems:
-            ids.append(None), users.append(None), weights.append(None)
+            ids.append(None)
+            users.append(None)
+            weights.append(None)
         else:
-            ids.append(obj.get(columns.id)), users.append(obj.get(columns.users))
+            ids.append(obj.get(columns.id))
+            users.append(obj.get(columns.users))
             weights.append(obj.get(columns.weight) if columns.weight else None)
     id_array = _unify_scalars(ids, path, "id")
     value_array = _unify_scalars([u for us in users if us for u in us], path, "user")
@@ -436,7 +441,7 @@ def _validate(
     valid = reason == ""
 
     rejects = Rejects()
-    for row in np.flatnonzero(~valid):
+    for row in np.flatnonzero(~valid).tolist():
         if non_conforming and row in non_conforming:
             record = non_conforming[row][1]
         else:
@@ -541,5 +546,5 @@ def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
     duplicated = duplicate_id_mask(chunk.ids)
     for i in np.flatnonzero(duplicated):
         users = chunk.users[int(chunk.offsets[i]) : int(chunk.offsets[i + 1])].to_pylist()
-        rejects.add(*chunk.source(i), DUPLICATE_ID, {"id": chunk.ids[int(i)].as_py(), "users": users})
+        rejects.add(*chunk.source(int(i)), DUPLICATE_ID, {"id": chunk.ids[int(i)].as_py(), "users": users})
     return take(chunk, ~duplicated) if duplicated.any() else chunk

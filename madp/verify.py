@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 
 import pyarrow.parquet as pq
 
@@ -36,6 +37,7 @@ def _scalar(value) -> bool:
 def _rows(path: str, id_column: str, users_column: str):
     """(id, users) of every row with a scalar id and a list of scalar users, as read from disk; other
     rows (undecodable, not JSON objects, list ids, nested users) are invalid and no engine keeps them."""
+    pairs: Iterable[tuple[object, object]]
     if path.endswith(".parquet"):
         table = pq.read_table(path, columns=[id_column, users_column], page_checksum_verification=True)
         pairs = zip(table.column(id_column).to_pylist(), table.column(users_column).to_pylist())
