@@ -35,6 +35,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py

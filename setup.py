@@ -34,7 +34,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "lint": ["ruff==0.17.*"],
+        "lint": ["ruff==0.17.*", "mypy==2.4.*"],
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*"],

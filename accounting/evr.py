@@ -211,7 +211,9 @@ def estimate_delta(
     process: MinSepProcess, sigma: float, epsilon: float, samples: int, tag: tuple[int, ...], mapper: ChunkMap
 ) -> float:
     """Monte Carlo delta(epsilon) on `samples` samples, the larger of both directions."""
-    return _estimate_passes(process, sigma, epsilon, samples, tag, mapper, 1.0, early=False)[1]
+    _, estimate = _estimate_passes(process, sigma, epsilon, samples, tag, mapper, 1.0, early=False)
+    assert estimate is not None  # without early stopping, the estimate runs over every sample
+    return estimate
 
 
 def _estimate_passes(
@@ -461,8 +463,8 @@ def epsilon_minsep(
 def _release(
     process: MinSepProcess,
     target: dict,
-    sigma_epsilon,
-    fallback_at,
+    sigma_epsilon: Callable[[float], tuple[float, float]],
+    fallback_at: Callable[[float], float],
     low: float,
     delta: float,
     samples: int | None,

@@ -566,7 +566,7 @@ def run_beam(
         counters.append(_run(pipeline))
         prepared = _by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
         rejects = prepared.get("rejects", [rec.Rejects()])[0]
-        handle_rejects(rejects, options, output)
+        handle_rejects(rejects, options.on_invalid, output)
         described = _merge_described(prepared.get("described", []))
         histogram = prepared.get("histogram", [{}])[0]
         sizes = np.array(sorted(histogram), dtype=np.int64)

@@ -324,10 +324,11 @@ def _split_capacities(path: str, default: int, partitions: int):
     CSV text id both the string and (if it writes one canonically) the integer; the partition matches
     it to its users exactly (`Capacities.typed_as`)."""
     capacities = read_capacities(path, default)
-    routes = [capacities.user_ids]
+    user_ids, values = capacities.listed
+    routes = [user_ids]
     if capacities.text_ids:
         routes.append(capacities.typed_as(pa.int64()))
-    mine = np.zeros((partitions, len(capacities.values)), dtype=bool)
+    mine = np.zeros((partitions, len(values)), dtype=np.bool_)
     for ids in routes:
         valid = ~ids.is_null().to_numpy(zero_copy_only=False)
         partition = partition_of(ids.filter(pa.array(valid)), partitions)
@@ -337,8 +338,8 @@ def _split_capacities(path: str, default: int, partitions: int):
             part,
             Capacities(
                 default,
-                capacities.user_ids.filter(pa.array(mine[part])),
-                capacities.values[mine[part]],
+                user_ids.filter(pa.array(mine[part])),
+                values[mine[part]],
                 capacities.text_ids,
             ),
         )
@@ -354,7 +355,7 @@ def _build_user_partition(element, default: int, store: PartitionStore):
         np.concatenate([c["record_keys"] for c in chunks]), return_index=True, return_inverse=True
     )
     per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
-    order = tuple(per_record([c["order"][i] for c in chunks]) for i in range(2))
+    order = (per_record([c["order"][0] for c in chunks]), per_record([c["order"][1] for c in chunks]))
     record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
     if chunks[0]["selection"] is None:
         copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
@@ -731,7 +732,7 @@ def unknown_beam_args(beam_args: list[str]) -> list[str]:
             classes.extend(cls.__subclasses__())
             if "_add_argparse_args" in vars(cls):
                 try:
-                    cls._add_argparse_args(parser)
+                    cls._add_argparse_args(parser)  # type: ignore[arg-type]  # Beam's wrapper of this parser
                 except argparse.ArgumentError:
                     pass  # an option two classes define: the first one suffices here
     _, unknown = parser.parse_known_args(beam_args)
@@ -836,7 +837,7 @@ def run_beam(
             if len(rejects) and options.on_invalid == "error":
                 prepare_output(output)  # this run's partial selection must not outlive its error
                 storage.clear_directory(work)
-            handle_rejects(rejects, options, output)
+            handle_rejects(rejects, options.on_invalid, output)
         eligible = summary.get(_round_stat(0, "eligible"), 0)
         if eligible == 0 and pass_rounds == 0:
             converged, passes = True, passes - 1

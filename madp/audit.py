@@ -219,7 +219,8 @@ def audit_options(config: dict, flags: dict) -> AuditOptions:
     merged = {**section, **{k: v for k, v in flags.items() if v is not None}}
     kinds = {f.name: f.type for f in dataclasses.fields(AuditOptions)}
     for key, value in merged.items():
-        expected = {"int": int, "float": (int, float), "bool": bool}.get(kinds[key].split(" |")[0])
+        types: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool}
+        expected = types.get(kinds[key].split(" |")[0])
         if (
             value is not None
             and expected

@@ -13,6 +13,7 @@ import logging
 import os
 import posixpath
 import time
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +52,9 @@ class BatchOptions:
     content_columns: tuple[str, ...] | None = None
     on_invalid: str = "error"
     output_shards: int = 1
+
+    if TYPE_CHECKING:  # set per instance by __post_init__; no field, so never in a report or a repr
+        key: ClassVar[SecretKey]
 
     def __post_init__(self) -> None:
         checks = [
@@ -572,7 +576,7 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     )
     chunk, rejects, _, _ = read_input(data, options.columns, names)
     if options.on_invalid == "error":
-        handle_rejects(rejects, options, output)
+        handle_rejects(rejects, options.on_invalid, output)
     selection = [read_selection_file(path) for path in selection_files(selected)]
     ids = pa.concat_arrays([s[0] for s in selection])
     copies = np.concatenate([s[1] for s in selection])
@@ -748,7 +752,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     record, keys, step = sampled.record[real], sampled.keys[real], sampled.step[real] - warm_up
 
     prepare_output(output)
-    handle_rejects(dataset.rejects, options, output)
+    handle_rejects(dataset.rejects, options.on_invalid, output)
     record_keys = record_hashes(dataset.ids, options.key)
     files = options.output_shards
     file_of_row = file_of_step(step, options.steps, files)

@@ -112,7 +112,7 @@ def build_user_side(
     inc_user_ids: pa.Array,
     inc_record: np.ndarray,
     record_keys: np.ndarray,
-    record_order: tuple[np.ndarray, ...],
+    record_order: tuple[np.ndarray, np.ndarray],
     capacity_of: Capacities,
     copies: np.ndarray,
     in_pass: np.ndarray,
@@ -160,25 +160,33 @@ class Capacities:
     values: np.ndarray | None = None
     text_ids: bool = False
 
+    @property
+    def listed(self) -> tuple[pa.Array, np.ndarray]:
+        """The listed user ids and their capacities (a table read from a file has both)."""
+        if self.user_ids is None or self.values is None:
+            raise ValueError("these capacities list no users")
+        return self.user_ids, self.values
+
     def typed_as(self, target: pa.DataType) -> pa.Array:
         """The listed users as ids of type `target` (int64 or string), null where a text id cannot be one."""
+        user_ids = self.listed[0]
         if self.text_ids:
             if pa.types.is_integer(target):
-                return pa.array([canonical_integer(text) for text in self.user_ids.to_pylist()], pa.int64())
-            return self.user_ids
-        if pa.types.is_integer(self.user_ids.type) != pa.types.is_integer(target):
+                return pa.array([canonical_integer(text) for text in user_ids.to_pylist()], pa.int64())
+            return user_ids
+        if pa.types.is_integer(user_ids.type) != pa.types.is_integer(target):
             raise InputError(
-                f"capacities file has {self.user_ids.type} user ids but the input's user ids are "
+                f"capacities file has {user_ids.type} user ids but the input's user ids are "
                 f"{target}: a capacity applies to a user of the same id type only"
             )
-        return self.user_ids
+        return user_ids
 
     def lookup(self, user_ids: pa.Array) -> np.ndarray:
         result = np.full(len(user_ids), self.default, dtype=np.int64)
         if self.user_ids is not None and len(user_ids):
             where = pc.index_in(user_ids, value_set=self.typed_as(user_ids.type)).to_numpy(zero_copy_only=False)
             found = ~np.isnan(where.astype(np.float64))
-            result[found] = self.values[where[found].astype(np.int64)]
+            result[found] = self.listed[1][where[found].astype(np.int64)]
         return result
 
 

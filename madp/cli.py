@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Mapping
 
 from madp import storage
 from madp.errors import CheckFailed
@@ -75,11 +76,18 @@ def _add_strategy(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="madp", description=__doc__)
+class Parser(argparse.ArgumentParser):
+    """madp's command line; `commands` maps a name to its subcommand's parser (`madp run` maps config keys
+    to their options)."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def _parser() -> Parser:
+    parser = Parser(prog="madp", description=__doc__)
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    parser.commands = commands.choices  # name -> subcommand parser (`madp run` maps config keys to their options)
+    parser.commands = commands.choices
 
     generate = commands.add_parser("generate", help="write a synthetic multi-user dataset (It's my data too, App. C.1)")
     generate.add_argument("output", help="a .jsonl or .parquet file, or a directory for Parquet shards")
@@ -596,7 +604,7 @@ def _strategy(args: argparse.Namespace) -> dict:
 
 
 def _mechanism(args: argparse.Namespace):
-    from accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls
+    from accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls, Mechanism
 
     if args.mechanism == "bandmf-cyclic":
         _require(args, "bandmf-cyclic", "--sampling-prob", "--bands", "--min-sep")
@@ -604,6 +612,7 @@ def _mechanism(args: argparse.Namespace):
     if args.mechanism == "bandmf":
         _require(args, "bandmf", "--bands", "--min-sep", "--max-participations")
         return BandMf(args.steps, args.min_sep, args.max_participations, _bands(args), args.records_per_step)
+    mechanism: Mechanism
     if args.mechanism == "dpsgd":
         population = args.dataset_size
         mechanism = DpSgd(
@@ -667,9 +676,9 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     k_u = args.max_contributions
     if args.runner == LOCAL and beam_args:
         raise InputError(f"--runner local takes no Beam options (got {beam_args})")
-    beam_args = None if args.runner == LOCAL else ["--runner", args.runner, *beam_args]
+    runner_args = None if args.runner == LOCAL else ["--runner", args.runner, *beam_args]
     if args.command == "calibrate":
-        result = calibrate_minsep(process, args.epsilon, args.delta, args.samples, args.seed, args.workers, beam_args)
+        result = calibrate_minsep(process, args.epsilon, args.delta, args.samples, args.seed, args.workers, runner_args)
         named = {
             "noise_multiplier": result.value,
             "fallback_noise_multiplier": result.fallback,
@@ -679,7 +688,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
         }
     else:
         result = epsilon_minsep(
-            process, args.noise_multiplier, args.delta, args.samples, args.seed, args.workers, beam_args
+            process, args.noise_multiplier, args.delta, args.samples, args.seed, args.workers, runner_args
         )
         named = {
             "noise_multiplier": args.noise_multiplier,

@@ -48,7 +48,7 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
     """Alg. 1 to convergence (or max_rounds); with duplicates, passes over residual capacities (Alg. 3)."""
     n, arity = len(chunk), chunk.arity
     if options.order == "alternate" and options.group_sizes is None:  # this chunk is the whole input
-        options = dataclasses.replace(options, group_sizes=group_sizes(arity, options.arity_threshold))
+        options = dataclasses.replace(options, group_sizes=group_sizes(arity, options.alternate[0]))
     keys = preference_keys(chunk.ids, arity, options.order, options.seed, chunk.weights, alternate_runs(options))
     inc_record = np.repeat(np.arange(n, dtype=np.int64), arity)
     users = build_user_side(
@@ -140,17 +140,17 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     started = time.perf_counter()
     chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
     if options.on_invalid == "error":
-        handle_rejects(rejects, options, output)
+        handle_rejects(rejects, options.on_invalid, output)
     capacities = (
         read_capacities(options.capacities, options.max_contributions)
         if options.capacities
         else Capacities(default=options.max_contributions)
     )
     if options.order == "alternate":
-        options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.arity_threshold))
+        options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.alternate[0]))
     result = bound_records(chunk, options, capacities)
     prepare_output(output)
-    handle_rejects(rejects, options, output)
+    handle_rejects(rejects, options.on_invalid, output)
     selected = result.copies > 0
     tables = selection_shards(chunk.ids.filter(selected), result.copies[selected], options.output_shards)
     for shard, table in tables.items():

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from accounting.calibrate import calibrate
-from accounting.mechanisms import BandMf, DpSgd, sampling_probability
+from accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import records as rec
 from madp.bounding import Capacities
@@ -127,6 +127,7 @@ def recommend(input_path: str, sweep: Sweep) -> dict:
 
 def _noise(sweep: Sweep, k: int, units: int) -> tuple[float, float]:
     """(sigma, epsilon) for batches of `sweep` over data bounded at k with `units` sampling units."""
+    mechanism: Mechanism
     if sweep.mechanism == "dpsgd":
         mechanism = DpSgd(sampling_probability(sweep.batch_size, units), sweep.steps, k)
     else:

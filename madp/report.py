@@ -13,6 +13,7 @@ import base64
 import html
 import io
 import json
+from collections.abc import Mapping
 
 from madp import storage
 from madp.randomness import DETERMINISTIC
@@ -49,13 +50,13 @@ def _counts(histogram: dict[str, int]) -> tuple[list[int], list[int]]:
     return [v for v, _ in pairs], [c for _, c in pairs]
 
 
-def shows_sampling(reports: dict[str, dict]) -> bool:
+def shows_sampling(reports: Mapping[str, dict | None]) -> bool:
     """Whether the realized sampling (batch sizes per step, participation gaps) may be on a published page:
     only when no guarantee relies on keeping it secret (deterministic batches, or unamplified accounting)."""
     plan = reports.get("privacy") or reports.get("calibration")
     if plan is not None and plan.get("mechanism") != "none":
         return not plan.get("relies_on_secret_sampling", True)
-    return reports.get("batches", {}).get("sampling") == DETERMINISTIC
+    return (reports.get("batches") or {}).get("sampling") == DETERMINISTIC
 
 
 def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
@@ -180,7 +181,7 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
             ("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ metrics.json).", _png(figure))
         )
         plt.close(figure)
-    audit = reports.get("audit")
+    audit = reports.get("audit") or {}
     if shows_audit(reports, internal) and audit.get("per_canary"):
         figure, axis = plt.subplots(figsize=(7, 4))
         for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
@@ -252,7 +253,7 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         final = reports.get(name, {}).get("final")
         if final:
             rows.append((f"{label} eval accuracy", f"{final['accuracy']:.4f}"))
-    audit = reports.get("audit")
+    audit = reports.get("audit") or {}
     if shows_audit(reports, internal):
         claimed = audit.get("claimed_epsilon")
         rows += [

@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -29,6 +30,9 @@ import madp
 from madp import storage
 from madp.errors import CheckFailed, InputError
 from madp.report import shows_sampling
+
+if TYPE_CHECKING:  # madp.cli imports this module
+    from madp.cli import Parser
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
@@ -81,9 +85,7 @@ def load_config(path: str, overrides: list[str]) -> dict:
     return config
 
 
-def plan_stages(
-    config: dict, parser: argparse.ArgumentParser, source: tuple[str, list[str]] | None = None
-) -> list[Stage]:
+def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | None = None) -> list[Stage]:
     """Validate the config and return the stages it asks for, in order. `source` (the config file and its
     `--set` overrides) is what an audit stage re-reads; without it the audit section is only validated."""
     unknown = sorted(set(config) - set(SECTIONS))
@@ -268,10 +270,12 @@ def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list
             flags += [flag] if value else []
         elif value is not None:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            convert = action.type if callable(action.type) else str
             try:
-                converted = action.type(text) if action.type else text
+                converted = convert(text)
             except ValueError:
-                raise InputError(f"config {section}.{key}: expected {action.type.__name__}, got {value!r}") from None
+                name = getattr(convert, "__name__", "a value")
+                raise InputError(f"config {section}.{key}: expected {name}, got {value!r}") from None
             if action.choices and converted not in action.choices:
                 raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, got {value!r}")
             flags += [flag, text]
@@ -349,7 +353,7 @@ def _run_stages(
 ) -> dict:
     from madp import cli
 
-    summary = {"config": config_path, "run_dir": run_dir, "stages": []}
+    summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
         if not force and up_to_date(run_dir, stage):

@@ -58,6 +58,13 @@ class BoundOptions:
         if self.output_shards < 1:
             raise InputError("--output-shards must be at least 1")
 
+    @property
+    def alternate(self) -> tuple[int, int, int]:
+        """(u, c1, c2) of --order alternate, which construction checked."""
+        if self.arity_threshold is None or self.small_run is None or self.large_run is None:
+            raise ValueError("not --order alternate")
+        return self.arity_threshold, self.small_run, self.large_run
+
 
 def alternate_runs(options: BoundOptions) -> AlternateRuns | None:
     """The run structure of --order alternate once the engine has counted the groups (else None)."""
@@ -65,7 +72,7 @@ def alternate_runs(options: BoundOptions) -> AlternateRuns | None:
         return None
     if options.group_sizes is None:
         raise ValueError("the engine must count the records of each group first (group_sizes)")
-    return AlternateRuns(options.arity_threshold, options.small_run, options.large_run, *options.group_sizes)
+    return AlternateRuns(*options.alternate, *options.group_sizes)
 
 
 def group_sizes(arity, threshold: int) -> tuple[int, int]:
@@ -167,11 +174,11 @@ def _capacities_table(path: str) -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
-def handle_rejects(rejects: Rejects, options: BoundOptions, output: str) -> None:
-    """Stop on invalid rows (the default), or write every skipped row to OUTPUT/rejected/."""
+def handle_rejects(rejects: Rejects, on_invalid: str, output: str) -> None:
+    """Stop on invalid rows (--on-invalid error, the default), or write every skipped row to OUTPUT/rejected/."""
     if not len(rejects):
         return
-    if options.on_invalid == "error":
+    if on_invalid == "error":
         rows = sorted(zip(rejects.file, rejects.row, rejects.reason))
         examples = "\n".join(f"  {file}: row {row}: {reason}" for file, row, reason in rows[:_ERROR_EXAMPLES])
         totals = ", ".join(f"{reason}: {count}" for reason, count in rejects.counts().items())
@@ -276,7 +283,7 @@ def contribution_bound(options: BoundOptions) -> int:
     This, not K alone, is what the accountant must assume for every user."""
     if not options.capacities:
         return options.max_contributions
-    listed = read_capacities(options.capacities, options.max_contributions).values
+    listed = read_capacities(options.capacities, options.max_contributions).listed[1]
     return max([options.max_contributions, *listed.tolist()])
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+from typing import Any
 
 import numpy as np
 from scipy.stats import binom
@@ -59,6 +60,13 @@ class TrainOptions:
     calibration: str | None = None
     zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
     testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
+
+    @property
+    def target_epsilon(self) -> float:
+        """The epsilon to calibrate sigma for."""
+        if self.epsilon is None:
+            raise InputError("give --epsilon (or --noise-multiplier)")
+        return self.epsilon
 
     def __post_init__(self) -> None:
         checks = [
@@ -116,11 +124,13 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
             f"have up to {recorded} records in {batches.report.get('selected')} (its bound report); "
             f"the guarantee would not hold"
         )
-    if override is None and recorded is None:
+    if override is not None:
+        return override
+    if recorded is None:
         raise InputError(
             f"the batches record no bounding report of {batches.report.get('selected')}: give --max-contributions"
         )
-    return override if override is not None else recorded
+    return recorded
 
 
 def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
@@ -175,6 +185,8 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
         if len(bands) > 1 or options.mechanism == "bandmf":
             raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
         return DpSgdUls(float(report["sampling_probability"]), steps)
+    if k is None:
+        raise ValueError("record-level batches are accounted with their contribution bound k")
     min_sep = int(report["parameters"]["min_sep"])
     if report["sampler"] == "minsep":
         if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
@@ -204,7 +216,7 @@ def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation
         delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
         _warn_override(options, delivered)
         return options.noise_multiplier, delivered, options.delta + truncation(delivered)
-    result = calibrate(mechanism, options.epsilon, _mechanism_delta(options, truncation))
+    result = calibrate(mechanism, options.target_epsilon, _mechanism_delta(options, truncation))
     return result.noise_multiplier, result.epsilon, options.delta
 
 
@@ -241,13 +253,13 @@ def amplified_noise_multiplier(
     else:
         result = calibrate_minsep(
             process,
-            options.epsilon,
+            options.target_epsilon,
             _mechanism_delta(options, truncation),
             options.mc_samples,
             options.mc_seed,
             options.mc_workers,
         )
-        sigma, delivered = result.value, options.epsilon
+        sigma, delivered = result.value, options.target_epsilon
     details = {
         "process": dataclasses.asdict(process),
         "fallback": result.fallback,
@@ -279,13 +291,14 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
     bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
     k = None if user_level else contribution_bound(batches, options.max_contributions)
     mechanism = mechanism_for(batches, options, bands, k)
-    if options.amplified and mechanism.name != "bandmf":
+    if options.amplified and not isinstance(mechanism, BandMf):
         raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as {mechanism.name}")
     name = "bandmf-minsep" if options.amplified else mechanism.name
     amplified = name in AMPLIFIED
     truncation = (lambda eps: truncation_delta(batches, eps)) if amplified else (lambda eps: 0.0)
     monte_carlo = None
     if options.amplified:
+        assert isinstance(mechanism, BandMf)  # refused above otherwise
         sigma, delivered, delta, monte_carlo = amplified_noise_multiplier(batches, options, mechanism, truncation)
     else:
         sigma, delivered, delta = noise_multiplier_for(mechanism, options, truncation)
@@ -359,7 +372,7 @@ def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
     still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""
     if plan["mechanism"] == "none":
         return []
-    parameters = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
+    parameters: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
     mechanism = (
         unamplified(MinSepProcess(**parameters))
         if plan["mechanism"] == "bandmf-minsep"

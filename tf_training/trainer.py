@@ -317,12 +317,12 @@ def shard_step(
     """Split one step's rows over replicas: (x, y, weight, groups) each, a user's rows on one replica
     (user-level), every replica padded with zero-weight rows to `rows_per_replica` when given
     (static shapes for TPUs) or to at least one row."""
+    shards: list[tuple[np.ndarray, ...]] = []
     owner = (
         np.arange(len(weight)) * replicas // max(len(weight), 1)
         if users is None
         else row_groups(users, len(weight)) % replicas
     )
-    shards = []
     for replica in range(replicas):
         mine = owner == replica
         size = rows_per_replica or max(int(mine.sum()), 1)
@@ -375,6 +375,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         )
     user_level = batches.report["sampler"] == "users"
     privacy = plan_for(batches, options)
+    step: NonPrivateStep | PrivateStep
     if privacy["mechanism"] == "none":
         step = NonPrivateStep(model, loss_fn, optimizer, strategy)
     else:
