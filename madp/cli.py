@@ -470,13 +470,18 @@ def _bound_options(args: argparse.Namespace):
     )
 
 
+def _local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str], *beam_only: str) -> None:
+    """--runner local runs in this process: a Beam option, or one of madp's Beam-only options (the
+    attributes `beam_only` of `args`), is a mistake to report, not to drop."""
+    given = [*beam_args, *(f"--{name.replace('_', '-')}" for name in beam_only if getattr(args, name))]
+    if args.runner == LOCAL and given:
+        raise InputError(f"--runner local takes no Beam options (got {' '.join(given)})")
+
+
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _bound_options(args)
+    _local_takes_no_beam_options(args, beam_args, "partitions", "rounds_per_pipeline")
     if args.runner == LOCAL:
-        if beam_args or args.partitions or args.rounds_per_pipeline:
-            raise InputError(
-                f"--runner local takes no Beam options (got {beam_args or '--partitions/--rounds-per-pipeline'})"
-            )
         from madp.local_engine import run_local
 
         return run_local(args.input, args.output, options)
@@ -514,9 +519,8 @@ def _batch_options(args: argparse.Namespace):
 
 def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _batch_options(args)
+    _local_takes_no_beam_options(args, beam_args, "partitions")
     if args.runner == LOCAL:
-        if beam_args or args.partitions:
-            raise InputError(f"--runner local takes no Beam options (got {beam_args or '--partitions'})")
         from madp.batching import run_local
 
         return run_local(args.selected, args.data, args.output, options)
@@ -674,8 +678,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     bands = _bands(args)
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
     k_u = args.max_contributions
-    if args.runner == LOCAL and beam_args:
-        raise InputError(f"--runner local takes no Beam options (got {beam_args})")
+    _local_takes_no_beam_options(args, beam_args)
     runner_args = None if args.runner == LOCAL else ["--runner", args.runner, *beam_args]
     if args.command == "calibrate":
         result = calibrate_minsep(process, args.epsilon, args.delta, args.samples, args.seed, args.workers, runner_args)

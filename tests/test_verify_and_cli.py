@@ -86,6 +86,10 @@ def test_cli_errors_are_clear(tmp_path, capsys):
         capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--project", "x"
     )
     assert code == 2 and "takes no Beam options" in err
+    code, _, err = run_cli(
+        capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--partitions", "3"
+    )
+    assert code == 2 and "takes no Beam options (got --partitions)" in err
 
 
 def test_generate_single_files_are_valid_input(tmp_path, capsys):
