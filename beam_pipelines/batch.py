@@ -131,9 +131,9 @@ class _BuildRecordPartition(beam.DoFn):
                 f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
             )
         chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
-        yield _stat("described", batching.check_content(chunk.content, chunk.ids))
-        yield _stat("records", len(copies))
-        yield _stat("id_type", chunk.ids.type)
+        yield _summary_value("described", batching.check_content(chunk.content, chunk.ids))
+        yield _summary_value("records", len(copies))
+        yield _summary_value("id_type", chunk.ids.type)
         users = batching.user_hashes(chunk.users)
         record_keys = batching.record_hashes(chunk.ids, self.key)
         partition = {
@@ -144,7 +144,7 @@ class _BuildRecordPartition(beam.DoFn):
             "content": chunk.content,
             "record_keys": record_keys,
         }
-        yield _stat("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
+        yield _summary_value("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
         record_of_incidence = np.repeat(np.arange(len(copies)), np.diff(chunk.offsets))
         destination = _part_of_hash(users, self.partitions)
         yield from _slices(
@@ -179,8 +179,9 @@ class _NeighbourPairs(beam.DoFn):
             )
 
 
-def _stat(name: str, value) -> beam.pvalue.TaggedOutput:
-    """A named value for the driver's summary of the run."""
+def _summary_value(name: str, value) -> beam.pvalue.TaggedOutput:
+    """A named value of any kind (a histogram, a file's counts, a partition's handle) for the driver's summary
+    of the run; unlike `bound._stat`, no Beam counter."""
     return beam.pvalue.TaggedOutput("stats", (name, value))
 
 
@@ -368,7 +369,7 @@ class _Survivors(beam.DoFn):
             survive[excluded] = False
         _count("excluded_by_min_sep", int((~survive).sum()))
         record, keys, step = samples["record"][survive], samples["keys"][survive], samples["step"][survive]
-        yield _stat("sampled_sizes", np.bincount(step, minlength=self.plan.total_steps))
+        yield _summary_value("sampled_sizes", np.bincount(step, minlength=self.plan.total_steps))
         real = step >= self.plan.warm_up
         record, keys, step = record[real], keys[real], step[real] - self.plan.warm_up
         partition = self.store.read_arrays(self.partition_paths[part])
@@ -421,7 +422,7 @@ class _WriteFile(beam.DoFn):
         _count("written_rows", int(result["written"].sum()))
         _count("truncated_rows", result["truncated"])
         _count("padding_rows", result["padding"])
-        yield _stat("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
+        yield _summary_value("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
         users, steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
         for user_part, handle in _slices(
             self.store,
