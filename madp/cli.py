@@ -92,6 +92,13 @@ def _parser() -> Parser:
     generate = commands.add_parser("generate", help="write a synthetic multi-user dataset (It's my data too, App. C.1)")
     generate.add_argument("output", help="a .jsonl or .parquet file, or a directory for Parquet shards")
     generate.add_argument("--records", type=int, required=True)
+    generate.add_argument(
+        "--task",
+        choices=("logistic", "text"),
+        default="logistic",
+        help="content: logistic-regression features and a 0/1 label, or topic-labelled texts with "
+        "per-user signatures (default logistic)",
+    )
     generate.add_argument("--graph", choices=("regular", "skewed"), default="skewed")
     generate.add_argument("--mean-arity", type=float, default=2.0, help="expected users per record (default 2)")
     generate.add_argument("--records-per-user", type=float, default=2.0, help="expected records per user (default 2)")
@@ -266,9 +273,34 @@ def _parser() -> Parser:
     )
     training.add_argument("--bands", type=int, default=1, help="BandMF bands of C (1: DP-SGD noise)")
     training.add_argument("--strategy", choices=("sqrt", "optimized"), default="sqrt", help="BandMF coefficients")
-    training.add_argument("--model", default="logreg", help="logreg, mlp, or module:function returning (model, loss)")
-    training.add_argument("--features", default="features", help="feature holding the model input")
-    training.add_argument("--label", default="label", help="feature holding the label")
+    training.add_argument(
+        "--model",
+        default="logreg",
+        help="logreg, mlp, text-classifier, text-lm, or module:function returning (model, loss)",
+    )
+    training.add_argument("--features", default="features", help="feature holding the input of a numeric model")
+    training.add_argument("--label", "--label-column", dest="label", default="label", help="feature holding the label")
+    text = training.add_argument_group("text models (text-classifier, text-lm)")
+    text.add_argument("--text-column", default="text", help="feature holding the text (default text)")
+    text.add_argument(
+        "--labels",
+        type=lambda value: tuple(value.split(",")),
+        help="text-classifier: the public label set, A,B,... (default: read from the data, which discloses it)",
+    )
+    text.add_argument(
+        "--max-length", type=int, default=128, help="word n-grams (classifier) or bytes (language model) per text"
+    )
+    text.add_argument("--buckets", type=int, default=16384, help="text-classifier: hash buckets of the n-grams")
+    text.add_argument("--width", type=int, help="embedding width (default 32 classifier, 64 language model)")
+    text.add_argument("--layers", type=int, default=2, help="text-lm: Transformer blocks")
+    text.add_argument("--heads", type=int, default=4, help="text-lm: attention heads")
+    text.add_argument(
+        "--on-invalid",
+        choices=("error", "skip"),
+        default="error",
+        help="rows a text model cannot use (not UTF-8, no words, label not in --labels): stop, or train "
+        "them with weight 0 and list them in OUTPUT/rejected/",
+    )
     training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     training.add_argument("--learning-rate", type=float, default=0.5)
     training.add_argument("--clip-norm", type=float, default=1.0)
@@ -441,6 +473,7 @@ def _graph_spec(args: argparse.Namespace):
         features=args.features,
         bias_scale=args.bias_scale,
         seed=args.seed,
+        task=args.task,
     )
 
 
@@ -567,6 +600,14 @@ def _train_options(args: argparse.Namespace):
         calibration=args.calibration,
         zero_out=args.zero_out,
         testing_noise_scale=args.testing_only_noise_scale,
+        text_column=args.text_column,
+        labels=args.labels,
+        max_length=args.max_length,
+        buckets=args.buckets,
+        width=args.width,
+        layers=args.layers,
+        heads=args.heads,
+        on_invalid=args.on_invalid,
     )
 
 

@@ -1,4 +1,5 @@
-"""Synthetic multi-user datasets of "It's my data too" (Ganesh et al.), App. C.1.
+"""Synthetic multi-user datasets of "It's my data too" (Ganesh et al.), App. C.1, with a
+logistic-regression or (`task="text"`, `synthetic_text`) a topic-labelled text content.
 
 Graphs: `regular` (each record's users uniform among m users) and `skewed` (users chosen with
 probability proportional to (1 + degree)^alpha, a sequential preferential process). Content:
@@ -19,6 +20,7 @@ import pyarrow as pa
 
 from madp import storage
 from madp.records import InputError
+from madp.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
 # far: this turns the sequential process into O(1/STALENESS * log N) vectorized chunks.
@@ -38,10 +40,13 @@ class GraphSpec:
     steepness: float = 20.0  # k1 of the sigmoid
     bias_scale: float = 1.0  # k: weight of the arity-dependent bias vector b
     seed: int = 0
+    task: str = "logistic"  # "logistic" (features, 0/1 label) or "text" (text, topic label)
 
     def __post_init__(self) -> None:
         if self.records < 1:
             raise InputError("--records must be at least 1")
+        if self.task not in ("logistic", "text"):
+            raise InputError("--task must be 'logistic' or 'text'")
         if self.graph not in ("regular", "skewed"):
             raise InputError("--graph must be 'regular' or 'skewed'")
         if self.mean_arity < 1:
@@ -58,8 +63,9 @@ class GraphSpec:
 class SyntheticData:
     offsets: np.ndarray  # int64, CSR offsets of each record's users
     users: np.ndarray  # int64 user ids
-    features: np.ndarray  # float32 [records, features]
-    labels: np.ndarray  # int64 0/1
+    features: np.ndarray | None  # float32 [records, features] (logistic task)
+    labels: np.ndarray  # int64 0/1 (logistic task) or topic names (text task)
+    texts: list[str] | None = None  # text task
 
 
 def arities(rng: np.random.Generator, size: int, mean_arity: float) -> np.ndarray:
@@ -159,21 +165,24 @@ def generate(spec: GraphSpec) -> SyntheticData:
     rng = np.random.default_rng(spec.seed)
     make_graph = regular_graph if spec.graph == "regular" else skewed_graph
     offsets, users = make_graph(spec, rng)
+    if spec.task == "text":
+        texts, topics = documents(offsets, users, spec.seed)
+        return SyntheticData(offsets=offsets, users=users, features=None, labels=topics, texts=texts)
     features, labels = logistic_content(spec, np.diff(offsets), rng)
     return SyntheticData(offsets=offsets, users=users, features=features, labels=labels)
 
 
 def to_table(data: SyntheticData) -> pa.Table:
-    """Records as rows: integer id, users, and the logistic-regression content."""
+    """Records as rows: integer id, users, and the content (features or text, and the label)."""
     n = len(data.labels)
-    return pa.table(
-        {
-            "id": pa.array(np.arange(n, dtype=np.int64)),
-            "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
-            "features": pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1]),
-            "label": pa.array(data.labels),
-        }
-    )
+    records = {
+        "id": pa.array(np.arange(n, dtype=np.int64)),
+        "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
+    }
+    if data.texts is not None:
+        return pa.table({**records, "text": pa.array(data.texts, pa.string()), "label": pa.array(data.labels.tolist())})
+    features = pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1])
+    return pa.table({**records, "features": features, "label": pa.array(data.labels)})
 
 
 def _write_table(table: pa.Table, output: str) -> None:
@@ -227,7 +236,11 @@ def write_dataset(
         "mean_users_per_record": round(len(data.users) / max(len(table), 1), 4),
         "max_records_per_user": int(degree.max(initial=0)),
         "median_records_per_user": float(np.median(degree)),
-        "positive_labels": round(float(data.labels.mean()), 4),
+        **(
+            {"labels": {str(k): int(v) for k, v in zip(*np.unique(data.labels, return_counts=True))}}
+            if data.texts is not None
+            else {"positive_labels": round(float(data.labels.mean()), 4)}
+        ),
         "graph": spec.graph,
         "seed": spec.seed,
     }

@@ -60,6 +60,14 @@ class TrainOptions:
     calibration: str | None = None
     zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
     testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
+    text_column: str = "text"  # text models: the feature holding the text
+    labels: tuple[str, ...] | None = None  # text-classifier: the public label set (None: read from the data)
+    max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text
+    buckets: int = 16384  # text-classifier: rows of the hashed n-gram embedding
+    width: int | None = None  # text models: embedding width (None: 32 classifier, 64 language model)
+    layers: int = 2  # text-lm: Transformer blocks
+    heads: int = 4  # text-lm: attention heads
+    on_invalid: str = "error"  # text models: rows they cannot use stop training, or train with weight 0
 
     @property
     def target_epsilon(self) -> float:
@@ -99,6 +107,17 @@ class TrainOptions:
             ),
             (self.mc_workers >= 1, "--mc-workers must be at least 1"),
             (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+            (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
+            (self.width is None or self.width >= 1, "--width must be at least 1"),
+            (
+                self.layers >= 1 and self.heads >= 1 and (self.width or 64) % self.heads == 0,
+                "--layers and --heads must be at least 1, and --width a multiple of --heads",
+            ),
+            (
+                self.labels is None or len(set(self.labels)) == len(self.labels) >= 2,
+                "--labels: at least two distinct labels",
+            ),
+            (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
         ]
         for ok, message in checks:
             if not ok:

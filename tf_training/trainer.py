@@ -9,7 +9,6 @@ guarantee describes the data it was trained on.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -23,9 +22,11 @@ from madp.randomness import FIXED_SEED, SecretKey
 from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
+from tf_training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
 from tf_training.data import step_batches
 from tf_training.plan import TrainOptions, plan_for
 from tf_training.queries import BandMfQuery, DpSgdQuery, clip_and_sum
+from tf_training.tasks import TextClassifierTask, build_model, prepare_task
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -33,31 +34,7 @@ import tf_keras  # noqa: E402
 log = logging.getLogger("madp.train")
 
 
-# --- models -------------------------------------------------------------------------------------
-
-
-def binary_logistic_loss(labels, logits):
-    """Per-example loss of a one-logit binary classifier."""
-    return tf.nn.sigmoid_cross_entropy_with_logits(
-        labels=tf.cast(tf.reshape(labels, [-1]), tf.float32), logits=tf.reshape(logits, [-1])
-    )
-
-
-def build_model(name: str, input_dim: int):
-    """(Keras model, per-example loss): `logreg`, `mlp`, or `module:function` returning both."""
-    if name == "logreg":
-        return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), binary_logistic_loss
-    if name == "mlp":
-        return tf_keras.Sequential(
-            [tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)), tf_keras.layers.Dense(1)]
-        ), binary_logistic_loss
-    if ":" not in name:
-        raise InputError(f"--model must be logreg, mlp or module:function, got {name!r}")
-    module, function = name.split(":", 1)
-    try:
-        return getattr(importlib.import_module(module), function)(input_dim)
-    except (ImportError, AttributeError) as error:
-        raise InputError(f"--model {name}: {error}") from error
+# --- inputs -------------------------------------------------------------------------------------
 
 
 def zero_out_ids(path: str) -> np.ndarray:
@@ -74,92 +51,23 @@ def zero_out_ids(path: str) -> np.ndarray:
 
 
 def load_trained(output: str, options: TrainOptions, input_dim: int):
-    """(model, per-example loss) of a finished `madp train` OUTPUT."""
+    """(model, per-example loss) of a finished `madp train` OUTPUT of a numeric model."""
     model, loss_fn = build_model(options.model, input_dim)
     model.set_weights(tf_keras.models.load_model(storage.join(output, "model.keras"), compile=False).get_weights())
     return model, loss_fn
 
 
-# --- evaluation data ----------------------------------------------------------------------------
-
-
-def read_eval(path: str, features: str, label: str) -> tuple[np.ndarray, np.ndarray]:
-    if path.endswith(".parquet") or storage.kind(path) == "directory":
-        table = storage.read_parquet(path, [features, label])
-        x = np.stack(table.column(features).to_numpy(zero_copy_only=False)).astype(np.float32)
-        return x, table.column(label).to_numpy().astype(np.float32)
-    rows = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
-    return (np.array([r[features] for r in rows], dtype=np.float32), np.array([r[label] for r in rows], np.float32))
-
-
-def evaluate(model, loss_fn, x: np.ndarray, y: np.ndarray) -> dict:
-    logits = model(x, training=False)
-    loss = float(tf.reduce_mean(loss_fn(y, logits)))
-    accuracy = float(np.mean((np.asarray(logits).reshape(-1) > 0) == (y > 0.5)))
-    return {"loss": round(loss, 6), "accuracy": round(accuracy, 6)}
-
-
 # --- the training step --------------------------------------------------------------------------
-
-
-def per_example_gradients(model, loss_fn, x, y, weight):
-    """Gradient of weight_i * loss_i for every example i (vectorized; rows of weight 0 give zeros)."""
-
-    def one(example):
-        xi, yi, wi = example
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yi[None], model(xi[None], training=True))[0] * wi
-        return tape.gradient(loss, model.trainable_variables)
-
-    return tf.vectorized_map(one, (x, y, weight))
-
-
-def dense_only(model) -> bool:
-    """Whether `model` is a stack of Dense layers, for which per-example norms need no per-example gradients."""
-    return isinstance(model, tf_keras.Sequential) and all(
-        isinstance(layer, tf_keras.layers.Dense) for layer in model.layers
-    )
-
-
-def dense_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
-    """sum_i g_i min(1, clip / ||g_i||) for a stack of Dense layers without per-example gradients
-    ("ghost clipping", Goodfellow 2015; Lee & Kifer 2021): a Dense layer's per-example kernel
-    gradient is the outer product a_i d_i^T of its input and the gradient at its output, so
-    ||g_i||^2 = sum over layers of (||a_i||^2 + 1) ||d_i||^2 (the 1 for the bias), and the
-    clipped sum is a^T diag(factor) d."""
-    with tf.GradientTape() as tape:
-        inputs, outputs, a = [], [], x
-        for layer in model.layers:
-            z = tf.matmul(a, layer.kernel) + (layer.bias if layer.use_bias else 0.0)
-            inputs.append(a)
-            outputs.append(z)
-            a = layer.activation(z)
-        loss = tf.reduce_sum(loss_fn(y, a) * weight)
-    deltas = tape.gradient(loss, outputs)
-    squares = tf.add_n(
-        [
-            (tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0))
-            * tf.reduce_sum(tf.square(d), axis=1)
-            for layer, a, d in zip(model.layers, inputs, deltas)
-        ]
-    )
-    factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
-    gradients = {}
-    for layer, a, d in zip(model.layers, inputs, deltas):
-        scaled = d * factor[:, None]
-        gradients[id(layer.kernel)] = tf.matmul(a, scaled, transpose_a=True)
-        if layer.use_bias:
-            gradients[id(layer.bias)] = tf.reduce_sum(scaled, axis=0)
-    return [gradients[id(v)] for v in model.trainable_variables]
 
 
 class PrivateStep:
     """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
 
-    Dense-only models take the ghost-clipping path; any other model gets vectorized per-example
-    gradients (`fast=False` forces that path). Under a tf.distribute strategy every replica clips
-    and sums its rows, the sums are all-reduced, and every replica adds the same noise (the
-    generator is keyed by (seed, step), so the replicas need not talk) and applies the same update.
+    Dense-only models (an embedding bag first allowed) take the ghost-clipping path (`clipping`); any
+    other model gets vectorized per-example gradients (`fast=False` forces that path). Under a
+    tf.distribute strategy every replica clips and sums its rows, the sums are all-reduced, and every
+    replica adds the same noise (the generator is keyed by (seed, step), so the replicas need not
+    talk) and applies the same update.
     """
 
     def __init__(
@@ -176,7 +84,7 @@ class PrivateStep:
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
-        self.fast = fast and dense_only(model) and not user_level
+        self.fast = fast and ghost_clippable(model) and not user_level
         self.strategy = strategy or tf.distribute.get_strategy()
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary; all replicas compute the same state.
@@ -218,7 +126,7 @@ class PrivateStep:
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
         if self.fast:
-            summed = dense_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
+            summed = ghost_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
         else:
             per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
             if self.user_level:  # the ULS record of a user: the average gradient of its rows
@@ -357,17 +265,12 @@ def distribute(strategy, shards: list[tuple[np.ndarray, ...]]) -> tuple:
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     started = time.perf_counter()
     batches = open_batches(batches_dir)
-    feature = batches.schema["features"].get(options.features)
-    if feature is None or len(feature["shape"]) != 1 or feature["shape"][0] is None:
-        raise InputError(
-            f"--features {options.features!r} must name a fixed-length feature of the batches "
-            f"(found {sorted(batches.schema['features'])})"
-        )
+    task, skipped = prepare_task(options, batches)
     strategy = distribution_strategy(options)
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope():
-        model, loss_fn = build_model(options.model, int(feature["shape"][0]))
+        model, loss_fn = task.build()
         optimizer = (
             tf_keras.optimizers.SGD(options.learning_rate)
             if options.optimizer == "sgd"
@@ -413,26 +316,25 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         step = PrivateStep(
             model, loss_fn, optimizer, query, batches.expected_batch_size, user_level=user_level, strategy=strategy
         )
-    evaluation = read_eval(options.eval_data, options.features, options.label) if options.eval_data else None
+    evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
     tf.io.gfile.makedirs(output)
     writer = tf.summary.create_file_writer(storage.join(output, "logs"))
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
-    names = [options.features, options.label] + ([USER_FEATURE] if user_level else [])
+    names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
-    if zeroed is not None:
-        names.append("id")
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
     rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
     for index, rows in step_batches(batches, names):
         # Every step runs, an empty one too: its noise is part of the mechanism.
-        weight = rows["weight"].astype(np.float32)
+        x, y, problems = task.encode(rows)
+        weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
         if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
             weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
         shards = shard_step(
-            rows[options.features].astype(np.float32),
-            rows[options.label].astype(np.float32),
+            x,
+            y,
             weight,
             rows[USER_FEATURE] if user_level else None,
             replicas,
@@ -441,11 +343,11 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         step.apply(*distribute(strategy, shards))
         done = index + 1
         if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
-            metrics.append({"step": done, **evaluate(model, loss_fn, *evaluation)})
+            metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
             with writer.as_default():
-                for name in ("loss", "accuracy"):
+                for name in ("loss", task.headline):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
-        progress.update(done, f", eval accuracy {metrics[-1]['accuracy']:.4f}" if metrics else "")
+        progress.update(done, f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else "")
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     result = {
         "batches": batches_dir,
@@ -457,6 +359,8 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "optimizer": options.optimizer,
         "learning_rate": options.learning_rate,
         "seed": options.seed,
+        **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
+        **({"skipped": skipped.counts()} if len(skipped) else {}),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
@@ -467,4 +371,6 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
     )
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(privacy, indent=2, default=list))
+    if len(skipped):  # record ids of the training data: for the operator, not for publication
+        storage.write_text(storage.join(output, "rejected", "rejected.jsonl"), skipped.to_jsonl())
     return result

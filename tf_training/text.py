@@ -1,0 +1,191 @@
+"""Text models that learn nothing about the data before training: no vocabulary, no statistics.
+
+A vocabulary or label set built from the private records would be released with the model, so
+- the classifier reads hashed word unigrams and bigrams: FarmHash Fingerprint64 of each n-gram
+  (TensorFlow's `to_hash_bucket_fast`, a public function, stable across processes and versions)
+  into `buckets` rows of an embedding bag (mean of its rows), then a softmax layer (fastText);
+- the language model reads UTF-8 bytes (a public 256-symbol vocabulary plus a start symbol):
+  a small causal Transformer predicting each next byte.
+Text is checked here (UTF-8, not empty) so the trainer can name or skip the bad rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tf_training import load_tensorflow
+
+tf = load_tensorflow()
+import tf_keras  # noqa: E402
+
+START_BYTE = 256  # the LM's start symbol, after the 256 byte values
+BYTE_VOCABULARY = 257
+NOT_UTF8 = "text_not_utf8"
+EMPTY_TEXT = "empty_text"
+UNKNOWN_LABEL = "label_not_in_labels"
+_WORD = r"[^\p{L}\p{N}]+"  # anything but letters and digits separates words
+
+
+# --- checking and encoding text -----------------------------------------------------------------
+
+
+def text_problems(texts: np.ndarray) -> np.ndarray:
+    """Per text (bytes): "" if usable, else why not (not UTF-8, or no letter or digit at all)."""
+    problems = np.full(len(texts), "", dtype=object)
+    for row, text in enumerate(texts):
+        try:
+            decoded = bytes(text).decode("utf-8")
+        except UnicodeDecodeError:
+            problems[row] = NOT_UTF8
+            continue
+        if not any(c.isalnum() for c in decoded):
+            problems[row] = EMPTY_TEXT
+    return problems
+
+
+def hashed_ngrams(texts, buckets: int, max_tokens: int) -> np.ndarray:
+    """int32 [n, max_tokens]: 1 + FarmHash64(n-gram) mod (buckets - 1) of each text's lower-cased
+    word unigrams then bigrams, cut at max_tokens, padded with 0 (the embedding bag skips 0)."""
+    text = tf.strings.lower(tf.constant(texts, tf.string), encoding="utf-8")
+    words = tf.strings.split(tf.strings.strip(tf.strings.regex_replace(text, _WORD, " ")))
+    grams = tf.concat([words, tf.strings.ngrams(words, 2, separator=" ")], axis=1)
+    ids = tf.strings.to_hash_bucket_fast(grams, buckets - 1) + 1
+    return ids.to_tensor(0, shape=[None, max_tokens]).numpy().astype(np.int32)
+
+
+def byte_sequences(texts, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets), int32 [n, max_length]: the first max_length bytes of each text as targets
+    (-1 past its end), each shifted right behind the start symbol as inputs (0 past the end)."""
+    n = len(texts)
+    targets = np.full((n, max_length), -1, dtype=np.int32)
+    for row, text in enumerate(texts):
+        data = np.frombuffer(bytes(text)[:max_length], dtype=np.uint8)
+        targets[row, : len(data)] = data
+    inputs = np.concatenate([np.full((n, 1), START_BYTE, np.int32), np.maximum(targets[:, :-1], 0)], axis=1)
+    return inputs, targets
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+@tf_keras.saving.register_keras_serializable(package="madp")
+class EmbeddingBag(tf_keras.layers.Layer):
+    """Mean of the embedding rows of a row's ids, id 0 (padding) left out: sum_t w_t E[id_t]."""
+
+    def __init__(self, buckets: int, dimension: int, **kwargs):
+        super().__init__(**kwargs)
+        self.buckets, self.dimension = buckets, dimension
+
+    def build(self, input_shape) -> None:
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.buckets, self.dimension),
+            initializer=tf_keras.initializers.RandomUniform(-0.05, 0.05),
+        )
+
+    def token_weights(self, ids):
+        """w_t: 1 / (number of non-padding ids) for each non-padding id, else 0."""
+        present = tf.cast(ids > 0, tf.float32)
+        return present / tf.maximum(tf.reduce_sum(present, axis=1, keepdims=True), 1.0)
+
+    def call(self, ids):
+        return tf.einsum("nt,ntd->nd", self.token_weights(ids), tf.gather(self.embeddings, ids))
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "buckets": self.buckets, "dimension": self.dimension}
+
+
+@tf_keras.saving.register_keras_serializable(package="madp")
+class PositionEmbedding(tf_keras.layers.Layer):
+    """Adds a learned vector per position to a [n, length, dimension] sequence."""
+
+    def build(self, input_shape) -> None:
+        self.positions = self.add_weight(
+            name="positions",
+            shape=tuple(input_shape[1:]),
+            initializer=tf_keras.initializers.RandomNormal(stddev=0.02),
+        )
+
+    def call(self, x):
+        return x + self.positions[: tf.shape(x)[1]]
+
+
+def softmax_loss(labels, logits):
+    """Per-example cross-entropy of integer class labels."""
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.cast(tf.reshape(labels, [-1]), tf.int32), logits=logits
+    )
+
+
+def next_byte_loss(targets, logits):
+    """Per-example mean next-byte cross-entropy (nats) over the example's bytes (targets >= 0)."""
+    targets = tf.cast(targets, tf.int32)
+    present = tf.cast(targets >= 0, tf.float32)
+    entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(targets, 0), logits=logits)
+    return tf.reduce_sum(entropy * present, axis=-1) / tf.maximum(tf.reduce_sum(present, axis=-1), 1.0)
+
+
+def text_classifier(buckets: int, dimension: int, max_tokens: int, classes: int):
+    """(model, loss): hashed n-gram ids [n, max_tokens] -> embedding bag -> softmax over classes."""
+    model = tf_keras.Sequential(
+        [
+            tf_keras.Input(shape=(max_tokens,), dtype=tf.int32),
+            EmbeddingBag(buckets, dimension),
+            tf_keras.layers.Dense(classes),
+        ]
+    )
+    return model, softmax_loss
+
+
+def byte_lm(max_length: int, dimension: int, layers: int, heads: int):
+    """(model, loss): a causal Transformer over bytes, [n, max_length] inputs -> next-byte logits."""
+    inputs = tf_keras.Input(shape=(max_length,), dtype=tf.int32)
+    x = PositionEmbedding()(tf_keras.layers.Embedding(BYTE_VOCABULARY, dimension)(inputs))
+    for _ in range(layers):
+        attended = tf_keras.layers.MultiHeadAttention(heads, dimension // heads)(
+            *[tf_keras.layers.LayerNormalization()(x)] * 2, use_causal_mask=True
+        )
+        x = x + attended
+        hidden = tf_keras.layers.Dense(4 * dimension, activation="gelu")(tf_keras.layers.LayerNormalization()(x))
+        x = x + tf_keras.layers.Dense(dimension)(hidden)
+    logits = tf_keras.layers.Dense(BYTE_VOCABULARY)(tf_keras.layers.LayerNormalization()(x))
+    return tf_keras.Model(inputs, logits), next_byte_loss
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def classification_metrics(labels: np.ndarray, predicted: np.ndarray, names: list[str]) -> dict:
+    """Accuracy, macro-F1 (mean over classes of 2 TP / (2 TP + FP + FN); 0 for a class never
+    present nor predicted is left out) and per-class precision, recall, F1, support."""
+    per_class, scores = {}, []
+    for index, name in enumerate(names):
+        tp = int(np.sum((predicted == index) & (labels == index)))
+        fp = int(np.sum((predicted == index) & (labels != index)))
+        fn = int(np.sum((predicted != index) & (labels == index)))
+        f1 = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else None
+        if f1 is not None:
+            scores.append(f1)
+        per_class[name] = {
+            "precision": round(tp / (tp + fp), 6) if tp + fp else None,
+            "recall": round(tp / (tp + fn), 6) if tp + fn else None,
+            "f1": None if f1 is None else round(f1, 6),
+            "support": tp + fn,
+        }
+    return {
+        "accuracy": round(float(np.mean(predicted == labels)), 6) if len(labels) else None,
+        "macro_f1": round(float(np.mean(scores)), 6) if scores else None,
+        "per_class": per_class,
+    }
+
+
+def byte_metrics(total_nats: float, total_bytes: int) -> dict:
+    """Mean next-byte loss in nats, in bits per byte (nats / ln 2), and perplexity exp(nats)."""
+    nats = total_nats / max(total_bytes, 1)
+    return {
+        "loss": round(nats, 6),
+        "bits_per_byte": round(nats / math.log(2), 6),
+        "perplexity": round(math.exp(nats), 4),
+    }
