@@ -109,8 +109,8 @@ class _ReadSelectionFile(beam.DoFn):
 class _BuildRecordPartition(beam.DoFn):
     """Join a record partition with its selected ids; store it; send incidences to user partitions."""
 
-    def __init__(self, data: str, key: SecretKey, partitions: int, store: PartitionStore):
-        self.data, self.key, self.partitions, self.store = data, key, partitions, store
+    def __init__(self, data: str, key: SecretKey, on_invalid: str, partitions: int, store: PartitionStore):
+        self.data, self.key, self.on_invalid, self.partitions, self.store = data, key, on_invalid, partitions, store
 
     def process(self, element):
         part, values = element
@@ -131,6 +131,11 @@ class _BuildRecordPartition(beam.DoFn):
                 f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
             )
         chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
+        if self.on_invalid == "skip":
+            content_rejects = rec.Rejects()
+            chunk, copies = batching.skip_invalid_content(chunk, copies, content_rejects)
+            if len(content_rejects):
+                yield beam.pvalue.TaggedOutput("rejects", content_rejects)
         yield _summary_value("described", batching.check_content(chunk.content, chunk.ids))
         yield _summary_value("records", len(copies))
         yield _summary_value("id_type", chunk.ids.type)
@@ -254,9 +259,9 @@ class PreparePipeline(beam.PTransform):
             | "RecordsAndSelection" >> beam.Flatten()
             | "GroupRecordPartitions" >> beam.GroupByKey()
             | "JoinSelection"
-            >> beam.ParDo(_BuildRecordPartition(self.data, self.options.key, partitions, store)).with_outputs(
-                "stats", "rejects", main="incidences"
-            )
+            >> beam.ParDo(
+                _BuildRecordPartition(self.data, self.options.key, self.options.on_invalid, partitions, store)
+            ).with_outputs("stats", "rejects", main="incidences")
         )
         histogram = (
             built.incidences

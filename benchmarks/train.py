@@ -1,12 +1,15 @@
 """Training step benchmark: non-private vs DP-SGD vs DP-BandMF steps of the same model.
 
-The step functions of `tf_training.trainer` run on the same in-memory batches (the
-synthetic logistic-regression content: 16 features), after a warm-up that traces them; the
-best of --repeats timed blocks is reported, with the ratios. Targets (issue 5): DP-SGD at most
-3x the non-private step; BandMF (8 bands) within 1.2x of DP-SGD. DP-SGD and BandMF use ghost
-clipping (Dense-only models); `dp-sgd-per-example-gradients` is the general path any model takes.
+The step functions of `tf_training.trainer` run on the same in-memory batches, after a warm-up
+that traces them; the best of --repeats timed blocks is reported, with the ratios. Inputs: the
+synthetic logistic-regression content (16 features) for `logreg`/`mlp`, synthetic emails
+(`madp generate --task text` documents) encoded as the trainer encodes them for `text-classifier`
+(hashed n-grams) and `text-lm` (bytes). Targets: DP-SGD at most 3x the non-private step and
+BandMF (8 bands) within 1.2x of DP-SGD (mlp); at batch 256, DP-SGD at most 1.5x non-private for
+the text classifier and 3x for the text LM. Dense models and the text classifier use ghost
+clipping; `dp-sgd-per-example-gradients` is the general path any model takes (the LM's only one).
 
-    python benchmarks/train.py [--model mlp] [--batch-size 1024] [--steps 100] [--bands 8]
+    python benchmarks/train.py [--model mlp|text-classifier|text-lm] [--batch-size 1024] [--steps 100]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--model", default="mlp", help="logreg, mlp, text-classifier or text-lm")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--features", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
@@ -35,17 +38,36 @@ def main() -> None:
 
     from accounting.strategies import sqrt_coefficients
     from madp.randomness import SecretKey
+    from tf_training.clipping import ghost_clippable
+    from tf_training.plan import TrainOptions
     from tf_training.queries import BandMfQuery, DpSgdQuery
+    from tf_training.tasks import ByteLmTask, TextClassifierTask
     from tf_training.trainer import NonPrivateStep, PrivateStep, build_model, tf, tf_keras
 
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(args.batch_size, args.features)).astype(np.float32))
-    y = tf.constant((rng.random(args.batch_size) < 0.5).astype(np.float32))
-    weight = tf.ones(args.batch_size)
+    if args.model in ("text-classifier", "text-lm"):
+        from madp.synthetic_text import TOPICS, documents
+
+        texts, topics = documents(np.arange(args.batch_size + 1), rng.integers(0, 10**6, args.batch_size), 0)
+        rows = {"text": np.array([t.encode() for t in texts], dtype=object), "label": topics}
+        schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "bytes", "shape": []}}}
+        options = TrainOptions(model=args.model, mechanism="none")
+        task = (
+            TextClassifierTask(options, schema, list(TOPICS))
+            if args.model == "text-classifier"
+            else ByteLmTask(options, schema)
+        )
+        inputs, labels, _ = task.encode(rows)
+        build = task.build
+    else:
+        inputs = rng.normal(size=(args.batch_size, args.features)).astype(np.float32)
+        labels = (rng.random(args.batch_size) < 0.5).astype(np.float32)
+        build = lambda: build_model(args.model, args.features)  # noqa: E731
+    x, y, weight = tf.constant(inputs), tf.constant(labels), tf.ones(args.batch_size)
 
     def make(kind: str):
         tf_keras.utils.set_random_seed(0)
-        model, loss = build_model(args.model, args.features)
+        model, loss = build()
         optimizer = tf_keras.optimizers.SGD(0.1)
         if kind == "non-private":
             return NonPrivateStep(model, loss, optimizer)
@@ -71,7 +93,10 @@ def main() -> None:
         "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU",
         "steps": args.steps,
     }
-    for kind in ("non-private", "dp-sgd", f"bandmf-{args.bands}", "dp-sgd-per-example-gradients"):
+    kinds = ["non-private", "dp-sgd", f"bandmf-{args.bands}", "dp-sgd-per-example-gradients"]
+    if not ghost_clippable(build()[0]):  # dp-sgd already takes the per-example path
+        kinds.remove("dp-sgd-per-example-gradients")
+    for kind in kinds:
         step = make(kind)
         run(step, 5)  # trace
         times = []

@@ -164,35 +164,70 @@ def join_selection(
     return selected, copies[order]
 
 
+def content_problems(content: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(reason, column) per row where a content value cannot be trained on ("" where all can): a
+    null (the value, or one inside its list), or a NaN or infinite float (a NaN model)."""
+    reason = np.full(len(content), "", dtype=object)
+    where = np.full(len(content), "", dtype=object)
+    for name in content.column_names:
+        column = content.column(name).combine_chunks()
+        values = pc.list_flatten(column) if _is_list(column.type) else column
+        null = column.is_null().to_numpy(zero_copy_only=False)
+        if values.null_count:
+            null |= _rows_of_values(column, values.is_null().to_numpy(zero_copy_only=False))
+        bad = [(null, rec.NULL_CONTENT)]
+        if pa.types.is_floating(values.type) and len(values):
+            finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
+            bad.append((_rows_of_values(column, ~finite), rec.NON_FINITE_CONTENT))
+        for flags, why in bad:
+            new = flags & (reason == "")
+            reason[new], where[new] = why, name
+    return reason, where
+
+
+def _rows_of_values(column: pa.Array, flags: np.ndarray) -> np.ndarray:
+    """Rows of `column` with a flagged value (its values flattened where it holds lists)."""
+    if not _is_list(column.type):
+        return flags
+    found = np.zeros(len(column), dtype=bool)
+    found[pc.list_parent_indices(column).to_numpy()[flags]] = True
+    return found
+
+
+def skip_invalid_content(
+    chunk: rec.RecordChunk, copies: np.ndarray, rejects: rec.Rejects
+) -> tuple[rec.RecordChunk, np.ndarray]:
+    """`--on-invalid skip`: move the selected records with `content_problems` to `rejects` (dropping
+    a selected record only lowers its users' contributions, so the bound still holds)."""
+    reason, where = content_problems(chunk.content)
+    bad = reason != ""
+    for row in np.flatnonzero(bad).tolist():
+        users = chunk.users[int(chunk.offsets[row]) : int(chunk.offsets[row + 1])].to_pylist()
+        record = {"id": chunk.ids[row].as_py(), "users": users, "column": where[row]}
+        rejects.add(*chunk.source(row), reason[row], record)
+    return (rec.take(chunk, ~bad), copies[~bad]) if bad.any() else (chunk, copies)
+
+
 def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
-    """Feature description of each content column; a null in a selected record is an error."""
-    described = {}
+    """Feature description of each content column; a null or non-finite value in a selected record is an error."""
     for name in content.column_names:
         if name in RESERVED_FEATURES:
             raise rec.InputError(
                 f"content column {name!r} has the name of a batch feature {RESERVED_FEATURES}; "
                 f"choose the columns with --content-columns"
             )
+    reason, where = content_problems(content)
+    if (reason != "").any():
+        row = int(np.flatnonzero(reason != "")[0])
+        problem = "is null" if reason[row] == rec.NULL_CONTENT else "holds a NaN or infinite value"
+        raise rec.InputError(
+            f"content column {where[row]!r} {problem} for selected record {ids[row].as_py()!r}; fix the "
+            f"record, leave the column out with --content-columns, or pass --on-invalid skip"
+        )
+    described = {}
+    for name in content.column_names:
         column = content.column(name).combine_chunks()
         values = pc.list_flatten(column) if _is_list(column.type) else column
-        for array, where in ((column, ""), (values, " (inside its list)")):
-            if array.null_count:
-                row = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
-                record = ids[row].as_py() if array is column else "?"
-                raise rec.InputError(
-                    f"content column {name!r} is null{where} for selected record {record!r}; "
-                    f"fill it or leave the column out with --content-columns"
-                )
-        if pa.types.is_floating(values.type) and len(values):
-            finite = pc.is_finite(values).to_numpy(zero_copy_only=False)
-            if not finite.all():
-                at = int(np.flatnonzero(~finite)[0])
-                row = pc.list_parent_indices(column).to_numpy()[at] if values is not column else at
-                raise rec.InputError(
-                    f"content column {name!r} holds a NaN or infinite value for selected record "
-                    f"{ids[int(row)].as_py()!r}: training on it would give a NaN model; fix the "
-                    f"record or leave the column out with --content-columns"
-                )
         try:
             kind = tfrecord.feature_kind(values.type)
         except ValueError as error:
@@ -581,6 +616,8 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     ids = pa.concat_arrays([s[0] for s in selection])
     copies = np.concatenate([s[1] for s in selection])
     chunk, copies = join_selection(chunk, ids, copies, data)
+    if options.on_invalid == "skip":
+        chunk, copies = skip_invalid_content(chunk, copies, rejects)
     if not len(copies):
         raise rec.InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
     return Dataset(

@@ -38,6 +38,8 @@ BAD_USER_TYPE = "bad_user_type"
 BAD_WEIGHT = "bad_weight"
 INVALID_JSON = "invalid_json"
 DUPLICATE_ID = "duplicate_id"
+NULL_CONTENT = "null_content"  # batching: a selected record's content value is null
+NON_FINITE_CONTENT = "non_finite_content"  # batching: ... or a NaN or infinite float
 REJECT_REASONS = (
     INVALID_JSON,
     MISSING_ID,
@@ -49,6 +51,8 @@ REJECT_REASONS = (
     BAD_USER_TYPE,
     BAD_WEIGHT,
     DUPLICATE_ID,
+    NULL_CONTENT,
+    NON_FINITE_CONTENT,
 )
 
 _ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass

@@ -30,6 +30,9 @@ SOURCES = {
 }
 
 
+QUALITY_METRICS = ("accuracy", "macro_f1", "bits_per_byte", "perplexity")  # what metrics.json's final holds
+
+
 def _load(run_dir: str) -> dict[str, dict]:
     found = {}
     for name, relative in SOURCES.items():
@@ -170,15 +173,20 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
     curves = {name: reports[name]["eval"] for name in ("train", "baseline") if reports.get(name, {}).get("eval")}
     if curves:
         figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+        quality = next(m for m in ("accuracy", "bits_per_byte") if m in next(iter(curves.values()))[0])
         for name, points in curves.items():
             steps = [p["step"] for p in points]
             axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
-            axes[1].plot(steps, [p["accuracy"] for p in points], label="private" if name == "train" else "non-private")
+            axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
         axes[0].set(xlabel="step", ylabel="eval loss")
-        axes[1].set(xlabel="step", ylabel="eval accuracy")
+        axes[1].set(xlabel="step", ylabel=f"eval {quality.replace('_', ' ')}")
         axes[1].legend()
         figures.append(
-            ("Training", "Loss and accuracy on the evaluation data (train/ and baseline/ metrics.json).", _png(figure))
+            (
+                "Training",
+                f"Loss and {quality.replace('_', ' ')} on the evaluation data (train/ and baseline/ metrics.json).",
+                _png(figure),
+            )
         )
         plt.close(figure)
     audit = reports.get("audit") or {}
@@ -249,10 +257,14 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         ]
         if "noise" in plan:
             rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
-    for name, label in (("train", "private"), ("baseline", "non-private")):
-        final = reports.get(name, {}).get("final")
-        if final:
-            rows.append((f"{label} eval accuracy", f"{final['accuracy']:.4f}"))
+    finals = {name: (reports.get(name) or {}).get("final") or {} for name in ("train", "baseline")}
+    for metric in QUALITY_METRICS:
+        for name, label in (("train", "private"), ("baseline", "non-private")):
+            if finals[name].get(metric) is not None:
+                rows.append((f"{label} eval {metric.replace('_', ' ')}", f"{finals[name][metric]:.4f}"))
+        if all(finals[name].get(metric) for name in finals):
+            gap = finals["train"][metric] / finals["baseline"][metric]
+            rows.append((f"privacy-utility gap ({metric.replace('_', ' ')}): private / non-private", f"{gap:.3f}"))
     audit = reports.get("audit") or {}
     if shows_audit(reports, internal):
         claimed = audit.get("claimed_epsilon")

@@ -29,7 +29,7 @@ import yaml
 import madp
 from madp import storage
 from madp.errors import CheckFailed, InputError
-from madp.report import shows_sampling
+from madp.report import QUALITY_METRICS, shows_sampling
 
 if TYPE_CHECKING:  # madp.cli imports this module
     from madp.cli import Parser
@@ -421,9 +421,17 @@ def _results(run_dir: str) -> dict:
             )
             if key in privacy
         }
-    for name, metrics in (("train", train), ("baseline", baseline)):
-        if metrics and metrics.get("final"):
-            results[name] = metrics["final"]
+    finals = {name: (m or {}).get("final") or {} for name, m in (("train", train), ("baseline", baseline))}
+    for name, final in finals.items():
+        if final:
+            results[name] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
+    gap = {
+        m: finals["train"][m] / finals["baseline"][m]
+        for m in QUALITY_METRICS
+        if finals["train"].get(m) and finals["baseline"].get(m)
+    }
+    if gap:
+        results["private_over_non_private"] = {m: round(v, 4) for m, v in gap.items()}
     audit = load("audit/audit.json")
     if audit and not audit.get("audit_model_private"):
         results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}

@@ -241,7 +241,7 @@ def shard_step(
         shards.append(
             (
                 np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
-                np.concatenate([y[mine], np.zeros(pad, y.dtype)]),
+                np.concatenate([y[mine], np.zeros((pad, *y.shape[1:]), y.dtype)]),
                 np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
                 np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)]),
             )

@@ -1,0 +1,302 @@
+"""Text workloads: text through bound and batch into the trainer, n-gram hashing stable across
+processes, the embedding-bag and language-model clipping against a per-example reference, both
+models training under DP-SGD and BandMF, the evaluation metrics, and bad text input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from madp.batching import BatchOptions  # noqa: E402
+from madp.batching import run_local as batch_local  # noqa: E402
+from madp.local_engine import run_local as bound_local  # noqa: E402
+from madp.records import InputError  # noqa: E402
+from madp.selection import BoundOptions  # noqa: E402
+from madp.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
+from madp.synthetic_text import personal_words  # noqa: E402
+from tf_training import text  # noqa: E402
+from tf_training.batches import open_batches  # noqa: E402
+from tf_training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
+from tf_training.data import step_batches  # noqa: E402
+from tf_training.queries import clip_and_sum  # noqa: E402
+from tf_training.trainer import TrainOptions, tf, tf_keras, train  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABELS = ("business", "science", "sports", "travel")
+
+
+def reference_clipped_sum(model, loss_fn, x, y, weight, clip: float) -> list[np.ndarray]:
+    """One tape per example, each gradient clipped by its global norm, then summed: no shared code
+    with the vectorized or ghost paths."""
+    total = None
+    for i in range(len(weight)):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[i : i + 1], model(x[i : i + 1]))[0] * weight[i]
+        gradient = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+        norm = math.sqrt(sum(float(tf.reduce_sum(g * g)) for g in gradient))
+        scaled = [g.numpy() * min(1.0, clip / max(norm, 1e-30)) for g in gradient]
+        total = scaled if total is None else [a + b for a, b in zip(total, scaled)]
+    return total
+
+
+def test_embedding_bag_ghost_clipping_equals_a_per_example_reference():
+    rng = np.random.default_rng(0)
+    # Few words and buckets: repeated n-grams in a row and hash collisions, both counted by the norm.
+    texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(12)]
+    x = text.hashed_ngrams(texts, 32, 24)
+    assert any(len(set(row[row > 0])) < (row > 0).sum() for row in x)
+    y = rng.integers(0, 3, 12).astype(np.int32)
+    weight = np.where(np.arange(12) == 5, 0.0, rng.random(12)).astype(np.float32)  # one padding row
+    for classes in (3, 40):  # fewer and more units than the bag's width: both scatter forms
+        tf_keras.utils.set_random_seed(1)
+        model, loss = text.text_classifier(32, 8, 24, classes)
+        for clip in (1e-3, 0.05, 100.0):
+            ghost = ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
+            reference = reference_clipped_sum(model, loss, x, y, weight, clip)
+            for a, b in zip(ghost, reference):
+                np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=1e-7)
+
+
+def test_language_model_clipping_equals_a_per_example_reference():
+    rng = np.random.default_rng(1)
+    texts = ["héllo wörld"[: rng.integers(1, 12)].encode() for _ in range(6)]
+    x, y = text.byte_sequences(texts, 10)
+    weight = np.array([1, 1, 0, 1, 1, 1], np.float32)
+    tf_keras.utils.set_random_seed(2)
+    model, loss = text.byte_lm(10, 8, 1, 2)
+    for clip in (1e-3, 100.0):
+        vectorized = clip_and_sum(
+            clip, per_example_gradients(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight))
+        )
+        reference = reference_clipped_sum(model, loss, x, y, weight, clip)
+        for a, b in zip(vectorized, reference):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-7)
+
+
+def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuation():
+    texts = [b"Hello, World!", "Grüße aus Köln".encode(), b"a b a b"]
+    here = text.hashed_ngrams(texts, 1 << 20, 8)
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from tf_training import text; "
+        "print(json.dumps(text.hashed_ngrams([b'Hello, World!', 'Grüße aus Köln'.encode(), b'a b a b'], "
+        "1 << 20, 8).tolist()))"
+    )
+    other = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    np.testing.assert_array_equal(here, json.loads(other.stdout.strip().splitlines()[-1]))
+    np.testing.assert_array_equal(here[0], text.hashed_ngrams([b"hello world"], 1 << 20, 8)[0])
+    assert (here[0] > 0).sum() == 3 and (here[1] > 0).sum() == 5  # 2 words + 1 bigram; 3 + 2
+    assert here[2][0] == here[2][2] and here[2][4] == here[2][6]  # "a", "a"; "a b", "a b"
+    # FarmHash Fingerprint64 is fixed: a changed tokenizer or hash would silently change every model
+    assert here[0][:3].tolist() == [int(v) for v in PINNED_HELLO_WORLD]
+
+
+PINNED_HELLO_WORLD = (469997, 66749, 243862)  # "hello", "world", "hello world" into 2^20 buckets
+
+
+def test_classification_and_byte_metrics():
+    labels = np.array([0, 0, 1, 1, 2, 2])
+    predicted = np.array([0, 1, 1, 1, 0, 2])
+    metrics = text.classification_metrics(labels, predicted, ["a", "b", "c", "d"])
+    # F1: a 2*1/(2+1+1) = 0.5, b 2*2/(4+1) = 0.8, c 2*1/(2+0+1) = 2/3; d never present nor predicted
+    assert metrics["accuracy"] == round(4 / 6, 6)
+    assert metrics["macro_f1"] == round((0.5 + 0.8 + 2 / 3) / 3, 6)
+    assert metrics["per_class"]["b"] == {"precision": round(2 / 3, 6), "recall": 1.0, "f1": 0.8, "support": 2}
+    assert metrics["per_class"]["d"]["f1"] is None
+    assert text.byte_metrics(math.log(2) * 10, 10) == {
+        "loss": round(math.log(2), 6),
+        "bits_per_byte": 1.0,
+        "perplexity": 2.0,
+    }
+
+
+def test_text_problems_name_non_utf8_and_empty_texts():
+    problems = text.text_problems(np.array([b"fine", b"\xff\xfe", b"  ...  ", "ok é".encode(), b""], dtype=object))
+    assert problems.tolist() == ["", text.NOT_UTF8, text.EMPTY_TEXT, "", text.EMPTY_TEXT]
+
+
+def test_generated_text_has_topics_and_words_only_its_users_write(tmp_path):
+    spec = GraphSpec(records=600, task="text", seed=3)
+    data = generate(spec)
+    again = generate(spec)
+    assert data.texts == again.texts and set(data.labels) == set(LABELS)
+    names, phrases = personal_words(np.unique(data.users), 3)
+    assert len(set(phrases)) > 0.99 * len(phrases)  # personal: (almost) no two users share a catchphrase
+    user = int(np.bincount(data.users).argmax())
+    phrase = personal_words(np.array([user]), 3)[1][0]
+    mine = {i for i in range(len(data.texts)) if user in data.users[data.offsets[i] : data.offsets[i + 1]]}
+    assert {i for i, t in enumerate(data.texts) if phrase in t} == mine
+    summary = write_dataset(data, spec, str(tmp_path / "records.parquet"), 1)
+    assert sum(summary["labels"].values()) == 600
+    assert pq.read_table(tmp_path / "records.parquet").column_names == ["id", "users", "text", "label"]
+
+
+# --- through the pipeline -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_batches(tmp_path_factory):
+    """Generated documents (some with non-ASCII text) bounded, batched; and held-out records."""
+    directory = tmp_path_factory.mktemp("text")
+    spec = GraphSpec(records=3000, task="text", seed=5)
+    table = to_table(generate(spec))
+    texts = table.column("text").to_pylist()
+    texts = [("Grüße from Köln: 漢字 and emoji 🚀 " if i % 7 == 1 else "") + t for i, t in enumerate(texts)]
+    table = table.set_column(2, "text", pa.array(texts))
+    held_out = np.arange(len(table)) % 10 == 0
+    data, evaluation = str(directory / "records.parquet"), str(directory / "test.parquet")
+    pq.write_table(table.filter(pa.array(~held_out)), data)
+    pq.write_table(table.filter(pa.array(held_out)), evaluation)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=4))
+    batches = str(directory / "batches")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=80, batch_size=256))
+    options = BatchOptions(seed=0, steps=120, batch_size=128, min_sep=2)  # BandMF with 2 bands
+    batch_local(str(directory / "bounded"), data, str(directory / "minsep"), options)
+    return directory, data, evaluation, batches
+
+
+def test_text_columns_round_trip_through_batch_files(text_batches):
+    _, data, _, batches = text_batches
+    written = open_batches(batches)
+    assert written.schema["features"]["text"] == {"dtype": "bytes", "shape": []}
+    source = pq.read_table(data).to_pydict()
+    by_id = {i: (t, label) for i, t, label in zip(source["id"], source["text"], source["label"])}
+    seen = set()
+    for _, rows in step_batches(written, ["text", "label", "id"]):
+        for record, body, label, weight in zip(rows["id"], rows["text"], rows["label"], rows["weight"]):
+            if weight > 0:
+                assert (body.decode("utf-8"), label.decode("utf-8")) == by_id[int(record)]
+                seen.add(int(record))
+    assert len(seen) > 1000 and sum("漢字" in by_id[i][0] for i in seen) > 100
+
+
+def _final(result: dict) -> dict:
+    return result["final"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bands", [1, 2])
+def test_text_classifier_learns_with_dpsgd_and_bandmf(text_batches, bands):
+    directory, _, evaluation, batches = text_batches
+    options = TrainOptions(
+        model="text-classifier",
+        labels=LABELS,
+        noise_multiplier=0.5,
+        bands=bands,
+        mechanism="dpsgd" if bands == 1 else "bandmf",
+        optimizer="adam",
+        learning_rate=0.05,
+        buckets=4096,
+        eval_data=evaluation,
+        eval_every=20,
+        noise_seed=1,
+    )
+    batches = batches if bands == 1 else str(directory / "minsep")
+    result = train(batches, str(directory / f"classifier-{bands}"), options)
+    first, last = result["eval"][0], result["eval"][-1]
+    assert result["privacy"]["mechanism"] == ("dpsgd" if bands == 1 else "bandmf")
+    assert last["loss"] < first["loss"] and last["accuracy"] > 0.5 and last["macro_f1"] > 0.5  # chance: 0.25
+    assert set(last["per_class"]) == set(LABELS) and result["labels"] == list(LABELS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bands", [1, 2])
+def test_byte_language_model_learns_with_dpsgd_and_bandmf(text_batches, bands):
+    directory, _, evaluation, batches = text_batches
+    options = TrainOptions(
+        model="text-lm",
+        noise_multiplier=0.5,
+        bands=bands,
+        mechanism="dpsgd" if bands == 1 else "bandmf",
+        optimizer="adam",
+        learning_rate=0.01,
+        max_length=32,
+        width=16,
+        layers=1,
+        heads=2,
+        eval_data=evaluation,
+        eval_every=40,
+        noise_seed=1,
+    )
+    batches = batches if bands == 1 else str(directory / "minsep")
+    result = train(batches, str(directory / f"lm-{bands}"), options)
+    untrained = math.log(text.BYTE_VOCABULARY) / math.log(2)  # uniform over the vocabulary: 8.01 bits
+    last = result["eval"][-1]
+    assert last["bits_per_byte"] < untrained - 2 and last["perplexity"] == pytest.approx(
+        2 ** last["bits_per_byte"], rel=1e-3
+    )
+
+
+def test_labels_read_from_the_data_are_a_warned_disclosure(text_batches, caplog):
+    directory, _, _, batches = text_batches
+    options = TrainOptions(model="text-classifier", mechanism="none", buckets=256, learning_rate=0.1)
+    result = train(batches, str(directory / "labels-from-data"), options)
+    assert result["labels"] == sorted(LABELS)
+    assert "label set was taken from the data" in caplog.text
+
+
+# --- bad text input -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_text(tmp_path_factory):
+    """Records whose text is bytes: one not UTF-8, one without words, one with an unknown label,
+    and one null text."""
+    directory = tmp_path_factory.mktemp("bad-text")
+    rows = [
+        {"id": i, "users": [i], "text": f"note number {i}".encode(), "label": "a" if i % 2 else "b"} for i in range(40)
+    ]
+    rows[3]["text"] = b"caf\xe9 latin-1"
+    rows[4]["text"] = b" -- "
+    rows[5]["label"] = "c"
+    rows[6]["text"] = None
+    data = str(directory / "records.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=1))
+    options = BatchOptions(seed=0, steps=4, batch_size=20, on_invalid="skip")
+    report = batch_local(str(directory / "bounded"), data, str(directory / "batches"), options)
+    return directory, data, report
+
+
+def test_null_text_is_a_batch_error_or_skipped_and_written_out(bad_text):
+    directory, data, report = bad_text
+    with pytest.raises(InputError, match="'text' is null for selected record 6.*--on-invalid skip"):
+        batch_local(
+            str(directory / "bounded"), data, str(directory / "refused"), BatchOptions(seed=0, steps=4, batch_size=20)
+        )
+    assert report["rejected"] == {"null_content": 1}
+    rejected = [json.loads(line) for line in open(directory / "batches" / "rejected" / "rejected.jsonl")]
+    assert [(r["record"]["id"], r["record"]["column"], r["reason"]) for r in rejected] == [(6, "text", "null_content")]
+
+
+def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplog):
+    directory, _, _ = bad_text
+    batches = str(directory / "batches")
+    options = dict(model="text-classifier", labels=("a", "b"), mechanism="none", buckets=64, max_length=8)
+    with pytest.raises(InputError) as refused:
+        train(batches, str(directory / "refused-train"), TrainOptions(**options))
+    message = str(refused.value)
+    for record, reason in ((3, text.NOT_UTF8), (4, text.EMPTY_TEXT), (5, text.UNKNOWN_LABEL)):
+        assert f"record {record} " in message and reason in message
+    assert "--on-invalid skip" in message
+    out = directory / "skipped-train"
+    result = train(batches, str(out), TrainOptions(on_invalid="skip", **options))
+    assert result["skipped"]["records"] == {text.EMPTY_TEXT: 1, text.UNKNOWN_LABEL: 1, text.NOT_UTF8: 1}
+    rejected = [json.loads(line) for line in open(out / "rejected" / "rejected.jsonl")]
+    assert sorted((r["id"], r["reason"]) for r in rejected) == [
+        (3, text.NOT_UTF8),
+        (4, text.EMPTY_TEXT),
+        (5, text.UNKNOWN_LABEL),
+    ]
+    assert all(r["rows"] >= 1 for r in rejected)
