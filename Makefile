@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py
 	$(BIN)/python benchmarks/batch.py
 	$(BIN)/python benchmarks/train.py
+	$(BIN)/python benchmarks/train.py --model text-classifier --batch-size 256
+	$(BIN)/python benchmarks/train.py --model text-lm --batch-size 256 --steps 10
 	$(BIN)/python benchmarks/accounting.py
 	$(BIN)/python benchmarks/audit.py
 

@@ -179,7 +179,7 @@ def to_table(data: SyntheticData) -> pa.Table:
         "id": pa.array(np.arange(n, dtype=np.int64)),
         "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
     }
-    if data.texts is not None:
+    if data.features is None:
         return pa.table({**records, "text": pa.array(data.texts, pa.string()), "label": pa.array(data.labels.tolist())})
     features = pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1])
     return pa.table({**records, "features": features, "label": pa.array(data.labels)})

@@ -270,3 +270,5 @@ def test_bad_audit_options_are_named(tmp_path, capsys, auditable_records):
     assert "inside or around run_dir" in capsys.readouterr().err
     assert cli.main(["-q", "run", config, "--set", "audit.canaries=many"]) == 2
     assert "config audit.canaries: expected int, got 'many'" in capsys.readouterr().err
+    assert cli.main(["-q", "audit", config, "--set", "train.model=text-classifier"]) == 2
+    assert "text models cannot be audited yet" in capsys.readouterr().err

@@ -300,3 +300,76 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
         (5, text.UNKNOWN_LABEL),
     ]
     assert all(r["rows"] >= 1 for r in rejected)
+
+
+# --- real inputs and jobs -----------------------------------------------------------------------
+
+
+def test_imported_mail_trains_a_language_model_on_its_bodies(tmp_path, capsys):
+    import mailbox
+
+    from test_mbox import message
+
+    from madp.cli import main
+
+    box = mailbox.mbox(str(tmp_path / "mail.mbox"))
+    people = ["ann@example.com", "ben@example.com", "cyd@example.com", "dee@example.com"]
+    for i in range(60):
+        body = f"Hallo {people[(i + 1) % 4].split('@')[0]}, Grüße zum Treffen Nummer {i}."
+        box.add(message(people[i % 4], people[(i + 1) % 4], body=body, message_id=f"<m{i}@example.com>"))
+    box.flush()
+    mail, bounded, batches, out = (str(tmp_path / name) for name in ("mail", "bounded", "batches", "lm"))
+    assert main(["-q", "import-mbox", str(tmp_path / "mail.mbox"), mail]) == 0
+    assert main(["-q", "bound", f"{mail}/records", bounded, "-k", "10", "--runner", "local"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "batch",
+                bounded,
+                f"{mail}/records",
+                batches,
+                "--steps",
+                "8",
+                "--batch-size",
+                "8",
+                "--runner",
+                "local",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    lm = ["--model", "text-lm", "--text-column", "body", "--max-length", "24", "--width", "8", "--heads", "2"]
+    assert main(["-q", "train", batches, out, "--noise-multiplier", "1.0", *lm, "--eval-data", f"{mail}/records"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["privacy"]["mechanism"] == "dpsgd" and 0 < result["final"]["bits_per_byte"] < 9
+
+
+@pytest.mark.parametrize("name", ["text-classifier", "text-lm"])
+def test_example_text_jobs_are_valid_configs(name, tmp_path):
+    import yaml
+
+    from madp.cli import _parser
+    from madp.run import plan_stages
+
+    config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
+    config["run_dir"] = str(tmp_path)
+    stages = {stage.name: stage.command for stage in plan_stages(config, _parser())}
+    assert {"generate", "bound", "batch", "calibrate", "train", "baseline", "report"} <= set(stages)
+    assert stages["generate"][stages["generate"].index("--task") + 1] == "text"
+    assert stages["train"][stages["train"].index("--model") + 1] == name
+
+
+def test_string_and_integer_labels_map_to_the_given_label_set():
+    from tf_training.tasks import TextClassifierTask
+
+    schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "int64", "shape": []}}}
+    task = TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none"), schema, ["0", "1", "7"])
+    assert task.label_indices(np.array([7, 0, 3, 1])).tolist() == [2, 0, -1, 1]
+    named = TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none"), schema, ["spam", "ham"])
+    assert named.label_indices(np.array([b"ham", b"spam", b"eggs"], dtype=object)).tolist() == [1, 0, -1]
+    rows = {"text": np.array([b"buy now", b"hello"], dtype=object), "label": np.array([b"spam", b"eggs"], dtype=object)}
+    assert named.problems(rows).tolist() == ["", text.UNKNOWN_LABEL]
+    with pytest.raises(InputError, match="--text-column 'body' must name a text feature"):
+        TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none", text_column="body"), schema, ["a"])

@@ -120,6 +120,8 @@ class NumericTask:
 class _TextTask:
     """Shared by the text tasks: the text feature must be a single string per row."""
 
+    names: list[str]  # the batch features a step's rows need
+
     def __init__(self, options: TrainOptions, schema: dict):
         feature = schema["features"].get(options.text_column)
         if feature is None or feature["dtype"] != "bytes" or feature["shape"] != []:
