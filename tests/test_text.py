@@ -166,8 +166,9 @@ def text_batches(tmp_path_factory):
     return directory, data, evaluation, batches
 
 
+@pytest.mark.beam
 def test_text_columns_round_trip_through_batch_files(text_batches):
-    _, data, _, batches = text_batches
+    directory, data, _, batches = text_batches
     written = open_batches(batches)
     assert written.schema["features"]["text"] == {"dtype": "bytes", "shape": []}
     source = pq.read_table(data).to_pydict()
@@ -179,6 +180,20 @@ def test_text_columns_round_trip_through_batch_files(text_batches):
                 assert (body.decode("utf-8"), label.decode("utf-8")) == by_id[int(record)]
                 seen.add(int(record))
     assert len(seen) > 1000 and sum("漢字" in by_id[i][0] for i in seen) > 100
+    from beam_pipelines.batch import run_beam
+
+    beam = str(directory / "beam-batches")
+    options = BatchOptions(seed=0, steps=80, batch_size=256)
+    run_beam(
+        str(directory / "bounded"),
+        data,
+        beam,
+        options,
+        ["--runner", "DirectRunner", "--direct_running_mode", "in_memory"],
+    )
+    for name in os.listdir(batches):
+        if name.endswith(".tfrecord"):
+            assert open(os.path.join(beam, name), "rb").read() == open(os.path.join(batches, name), "rb").read()
 
 
 def _final(result: dict) -> dict:
