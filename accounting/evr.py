@@ -29,7 +29,7 @@ from accounting.calibrate import calibrate
 from accounting.calibrate import epsilon as epsilon_of
 from accounting.mechanisms import BandMf, Mechanism
 from accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
-from madp.records import InputError
+from madp.errors import InputError
 
 log = logging.getLogger("madp.accounting")
 
@@ -153,16 +153,18 @@ class ChunkMap:
     wave: int
 
 
+# Opens a `map(fn, tasks)` on a cluster for a whole run, e.g. beam_pipelines.monte_carlo.BeamTaskMap
+RemoteMap = Callable[[], contextlib.AbstractContextManager[Callable]]
+
+
 @contextlib.contextmanager
-def task_map(workers: int, beam_args: list[str] | None = None):
-    """A `ChunkMap`: in this process, in one pool of `workers` processes kept for a whole run, or (with
-    `beam_args`) as one Beam pipeline per wave on the runner they name."""
+def task_map(workers: int, remote: RemoteMap | None = None):
+    """A `ChunkMap`: in this process, in one pool of `workers` processes kept for a whole run, or on
+    the cluster `remote` opens (64 tasks a wave)."""
     if workers < 1:
         raise InputError(f"--workers must be at least 1, got {workers}")
-    if beam_args is not None:
-        from beam_pipelines.monte_carlo import BeamTaskMap
-
-        with BeamTaskMap(beam_args) as mapper:
+    if remote is not None:
+        with remote() as mapper:
             yield ChunkMap(mapper, 64)
     elif workers == 1:
         yield ChunkMap(map, 1)
@@ -410,7 +412,7 @@ def calibrate_minsep(
     samples: int | None = None,
     seed: int = 0,
     workers: int = 1,
-    beam_args: list[str] | None = None,
+    remote: RemoteMap | None = None,
     fallback: Mechanism | None = None,
 ) -> MinSepRelease:
     """Algorithm 5: the smallest verified noise multiplier for (epsilon, delta). The fallback, released
@@ -427,7 +429,7 @@ def calibrate_minsep(
         samples,
         seed,
         workers,
-        beam_args,
+        remote,
     )
 
 
@@ -438,7 +440,7 @@ def epsilon_minsep(
     samples: int | None = None,
     seed: int = 0,
     workers: int = 1,
-    beam_args: list[str] | None = None,
+    remote: RemoteMap | None = None,
     fallback: Mechanism | None = None,
 ) -> MinSepRelease:
     """The smallest epsilon that verifies at `noise_multiplier` (fallback: the formal epsilon of `fallback`,
@@ -456,7 +458,7 @@ def epsilon_minsep(
         samples,
         seed,
         workers,
-        beam_args,
+        remote,
     )
 
 
@@ -470,7 +472,7 @@ def _release(
     samples: int | None,
     seed: int,
     workers: int,
-    beam_args: list[str] | None,
+    remote: RemoteMap | None,
 ) -> MinSepRelease:
     """Algorithm 5 over one parameter; `sigma_epsilon(value)` is the (sigma, epsilon) a candidate value
     claims, `fallback_at(delta*)` the formally valid value, and the search starts at `low` times it."""
@@ -484,7 +486,7 @@ def _release(
         )
     estimate_samples = max(math.ceil(ESTIMATE_SAMPLES / mechanism_delta), ESTIMATE_MIN_SAMPLES)
     fallback = fallback_at(mechanism_delta)
-    with task_map(workers, beam_args) as mapper:
+    with task_map(workers, remote) as mapper:
         released, estimate, ladder, outcomes, used = _estimate_verify_release(
             lambda value, target, count, early=True: _estimate_passes(
                 process, *sigma_epsilon(value), count, (seed, 0), mapper, target, early

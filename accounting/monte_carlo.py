@@ -34,7 +34,7 @@ from accounting.random_streams import (
     standard_normals,
     uniform,
 )
-from madp.records import InputError
+from madp.errors import InputError
 
 DIRECTIONS = ("P", "Q")
 

@@ -22,17 +22,17 @@ import io
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 import madp
 from madp import storage
+from madp.audit_config import audit_directory, audit_options
+from madp.commands.registry import Parser
+from madp.commands.training import calibrate_batches
 from madp.errors import CheckFailed, InputError
 from madp.report import QUALITY_METRICS, shows_sampling
-
-if TYPE_CHECKING:  # madp.cli imports this module
-    from madp.cli import Parser
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
@@ -209,8 +209,6 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
                 )
             )
     if config.get("audit") is not None:
-        from madp.audit import audit_directory, audit_options
-
         directory = audit_directory(config, audit_options(config, {}))
         if source is not None:
             config_path, overrides = source
@@ -291,9 +289,7 @@ def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
     return picked
 
 
-def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
-    from madp import cli
-
+def _check(parser: Parser, stage: Stage) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
@@ -304,7 +300,7 @@ def _check(parser: argparse.ArgumentParser, stage: Stage) -> None:
     if extra and stage.name not in ("bound", "batch"):
         raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
     try:
-        cli.stage_options(args)
+        parser.check_options(args)
     except InputError as error:
         raise InputError(f"config {stage.name}: {error}") from error
 
@@ -337,22 +333,16 @@ def up_to_date(run_dir: str, stage: Stage) -> bool:
     return isinstance(recorded, dict) and recorded.get("fingerprint") == fingerprint(stage)
 
 
-def run(config_path: str, overrides: list[str], force: bool = False) -> dict:
-    from madp import cli
-
+def run(config_path: str, overrides: list[str], parser: Parser, force: bool = False) -> dict:
+    """The job of a config; `parser` (every madp command) plans and runs its stages."""
     config = load_config(config_path, overrides)
-    parser = cli._parser()
     stages = plan_stages(config, parser, (config_path, overrides))
     run_dir = config["run_dir"]
     with storage.exclusive(run_dir, f"run {config_path}"):
         return _run_stages(run_dir, config_path, stages, parser, force)
 
 
-def _run_stages(
-    run_dir: str, config_path: str, stages: list[Stage], parser: argparse.ArgumentParser, force: bool
-) -> dict:
-    from madp import cli
-
+def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Parser, force: bool) -> dict:
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
@@ -372,7 +362,7 @@ def _run_stages(
         manifest = _manifest(run_dir, stage)
         storage.remove_file(manifest)
         args, extra = parser.parse_known_args(stage.command)
-        result = cli.calibrate_batches(args) if stage.name == "calibrate" else cli.run_stage(args, extra)
+        result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
         if result.get("ok") is False:
             raise CheckFailed(
                 f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result

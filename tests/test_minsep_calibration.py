@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -123,7 +124,9 @@ def test_beam_runner_gives_the_local_estimate_and_stops_where_local_does():
         expected = evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
         verified = evr.verify(process, 4.0, 1.5, 400_000, (5,), local, 1e-4, 1e-3)
     assert verified[0] and 8192 < verified[1] < 400_000, "the test needs several chunks, and stops before the budget"
-    with evr.task_map(1, ["--runner", "DirectRunner"]) as beam:
+    from beam_pipelines.monte_carlo import BeamTaskMap
+
+    with evr.task_map(1, functools.partial(BeamTaskMap, ["--runner", "DirectRunner"])) as beam:
         assert beam.wave > 1
         assert evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), beam) == expected
         assert evr.verify(process, 4.0, 1.5, 400_000, (5,), beam, 1e-4, 1e-3) == verified

@@ -17,7 +17,7 @@ from beam_pipelines.batch import PreparePipeline, SamplePipeline, _Plan
 from beam_pipelines.bound import BoundPipeline, PartitionStore, pipeline_options
 from beam_pipelines.monte_carlo import ChunkResults
 from madp.batching import BatchOptions
-from madp.cli import _parser, main
+from madp.cli import main, parser
 from madp.run import load_config, plan_stages
 from madp.selection import BoundOptions
 
@@ -33,7 +33,7 @@ def test_every_runner_has_a_config():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
 def test_runner_config_is_a_valid_job(config):
-    stages = [stage.name for stage in plan_stages(load_config(config, []), _parser())]
+    stages = [stage.name for stage in plan_stages(load_config(config, []), parser())]
     assert stages == ["bound", "verify-bound", "batch", "verify-batches", "calibrate", "train"]
 
 

@@ -1,0 +1,144 @@
+"""Batch materialization: `madp batch` and its independent check `madp verify-batches`."""
+
+from __future__ import annotations
+
+import argparse
+
+from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
+from madp.records import Columns
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser(
+        "batch",
+        help="materialize training batches as TFRecords (b-min-sep Poisson sampling or min-sep greedy)",
+        description="Unknown options are passed to Beam (e.g. --direct_num_workers 4, --project ...).",
+    )
+    batch.add_argument("selected", help="a `madp bound` output directory (selected/*.parquet: id, copies)")
+    batch.add_argument("data", help="the records: a .jsonl/.parquet file or a directory of them")
+    batch.add_argument("output", help="output directory: batches-*.tfrecord, schema.json, report.json")
+    batch.add_argument("--steps", type=int, required=True, help="T: training steps (batches)")
+    batch.add_argument(
+        "--batch-size",
+        type=float,
+        required=True,
+        help="B: expected batch size (minsep) or exact batch size (minsep-greedy)",
+    )
+    batch.add_argument(
+        "--sampler",
+        choices=("minsep", "minsep-greedy", "users"),
+        default="minsep",
+        help="minsep: multi-attribution b-min-sep Poisson sampling (default); "
+        "minsep-greedy: deterministic batches of exactly B; users: Poisson sampling of "
+        "users (single-attribution records), B = expected users per step",
+    )
+    batch.add_argument(
+        "--min-sep",
+        type=int,
+        default=1,
+        help="b: steps between a user's participations (default 1: plain Poisson sampling)",
+    )
+    batch.add_argument("--warm-up", type=int, help="minsep: simulated steps dropped first (default b-1: stationary)")
+    batch.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="B_max: truncate larger batches at random, pad smaller ones with weight-0 rows",
+    )
+    batch.add_argument(
+        "--find-max-min-sep",
+        action="store_true",
+        help="minsep-greedy: use the largest b for which the greedy finds a solution",
+    )
+    batch.add_argument(
+        "--seed",
+        type=int,
+        help="TESTING ONLY: reproduce the sampling from this seed; the batches are then not private "
+        "(default: a fresh secret key per run, never written)",
+    )
+    batch.add_argument("--content-columns", help="comma-separated columns to carry (default: all but id and users)")
+    batch.add_argument(
+        "--on-invalid",
+        choices=("error", "skip"),
+        default="error",
+        help="invalid DATA rows: stop (default) or skip them into OUTPUT/rejected/",
+    )
+    batch.add_argument("--output-shards", type=int, default=1, help="TFRecord files (contiguous step ranges)")
+    batch.add_argument("--runner", default="DirectRunner", help="'local' (in-process) or a Beam runner name")
+    batch.add_argument("--partitions", type=int, default=None, help="Beam: record and user partitions (default 4)")
+    add_columns(batch)
+
+    verify_batches = commands.add_parser("verify-batches", help="independently check batches against the records")
+    verify_batches.add_argument("output", help="a `madp batch` output directory")
+    verify_batches.add_argument("data", help="the records the batches were made from")
+    verify_batches.add_argument("--min-sep", type=int, required=True)
+    verify_batches.add_argument("--max-participations", type=int, help="k: steps per user at most")
+    verify_batches.add_argument("--max-batch-size", type=int, help="B_max: rows per step at most")
+    add_columns(verify_batches)
+
+
+def _batch_options(args: argparse.Namespace):
+    from madp.batching import BatchOptions
+
+    content = None if args.content_columns is None else tuple(c for c in args.content_columns.split(",") if c)
+    return BatchOptions(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        sampler=args.sampler,
+        min_sep=args.min_sep,
+        warm_up=args.warm_up,
+        max_batch_size=args.max_batch_size,
+        find_max_min_sep=args.find_max_min_sep,
+        seed=args.seed,
+        columns=Columns(args.id_column, args.users_column),
+        content_columns=content,
+        on_invalid=args.on_invalid,
+        output_shards=args.output_shards,
+    )
+
+
+def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
+    """The batch report as printed: batch sizes without the per-step list (it stays in report.json)."""
+    result = _run_batch(args, beam_args)
+    result["batch_sizes"] = {k: v for k, v in result["batch_sizes"].items() if k != "per_step"}
+    return result
+
+
+def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
+    options = _batch_options(args)
+    local_takes_no_beam_options(args, beam_args, "partitions")
+    if args.runner == LOCAL:
+        from madp.batching import run_local
+
+        return run_local(args.selected, args.data, args.output, options)
+    from beam_pipelines.batch import DEFAULT_PARTITIONS, run_beam
+
+    return run_beam(
+        args.selected,
+        args.data,
+        args.output,
+        options,
+        ["--runner", args.runner, *beam_args],
+        partitions=args.partitions or DEFAULT_PARTITIONS,
+    )
+
+
+def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
+    from madp.verify import verify_batches
+
+    return verify_batches(
+        args.output,
+        args.data,
+        args.min_sep,
+        args.max_participations,
+        args.max_batch_size,
+        args.id_column,
+        args.users_column,
+    )
+
+
+FAMILY = Family(
+    add_parsers,
+    {"batch": _batch, "verify-batches": _verify},
+    {"batch": _batch_options},
+    frozenset({"batch"}),
+)

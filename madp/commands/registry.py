@@ -1,0 +1,70 @@
+"""The command registry: families of subcommands, the parser built from them, and the arguments several
+families share."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from madp.errors import InputError
+
+LOCAL = "local"
+Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Subcommands: `add_parsers(subparsers)` adds them; `handlers` runs each; `options` builds (and so
+    validates) a command's options without running it; `beam_options` take unknown arguments for Beam."""
+
+    add_parsers: Callable[[argparse._SubParsersAction], None]
+    handlers: Mapping[str, Handler]
+    options: Mapping[str, Callable[[argparse.Namespace], object]] = dataclasses.field(default_factory=dict)
+    beam_options: frozenset[str] = frozenset()
+
+
+class Parser(argparse.ArgumentParser):
+    """madp's command line; `commands` maps a name to its subcommand's parser (`madp run` maps config keys
+    to their options), `family` a name to the family that runs it."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+    family: Mapping[str, Family]
+
+    def run(self, args: argparse.Namespace, unknown: list[str]) -> dict:
+        """Run one parsed command (`unknown`: the arguments left for Beam); its result as printed."""
+        return self.family[args.command].handlers[args.command](args, unknown)
+
+    def takes_beam_options(self, command: str) -> bool:
+        return command in self.family[command].beam_options
+
+    def check_options(self, args: argparse.Namespace) -> None:
+        """Build (and so validate) the options of a parsed command without running it."""
+        build = self.family[args.command].options.get(args.command)
+        if build is not None:
+            build(args)
+
+
+def build_parser(families: tuple[Family, ...], description: str) -> Parser:
+    parser = Parser(prog="madp", description=description)
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+    family = {}
+    for each in families:
+        each.add_parsers(commands)
+        family.update({name: each for name in each.handlers})
+    parser.commands, parser.family = commands.choices, family
+    return parser
+
+
+def add_columns(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
+    parser.add_argument("--users-column", default="users", help="column holding the list of user ids (default: users)")
+
+
+def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str], *beam_only: str) -> None:
+    """--runner local runs in this process: a Beam option, or one of madp's Beam-only options (the
+    attributes `beam_only` of `args`), is a mistake to report, not to drop."""
+    given = [*beam_args, *(f"--{name.replace('_', '-')}" for name in beam_only if getattr(args, name))]
+    if args.runner == LOCAL and given:
+        raise InputError(f"--runner local takes no Beam options (got {' '.join(given)})")

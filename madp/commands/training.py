@@ -1,0 +1,187 @@
+"""Training: `madp train`, and the calibrate stage of `madp run` (the privacy plan of its options)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from madp.commands.registry import Family
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    training = commands.add_parser("train", help="DP-SGD or DP-BandMF training on `madp batch` outputs")
+    training.add_argument("batches", help="a `madp batch` output directory")
+    training.add_argument("output", help="output directory: model.keras, metrics.json, privacy.json, logs/")
+    training.add_argument("--epsilon", type=float, help="target epsilon: sigma is calibrated to it")
+    training.add_argument("--delta", type=float, default=1e-5)
+    training.add_argument("--noise-multiplier", type=float, help="use this sigma instead (prints its epsilon)")
+    training.add_argument(
+        "--calibration",
+        help="a privacy plan (privacy.json of a run, or the calibrate stage of "
+        "`madp run`) for these batches: its sigma and guarantee are used",
+    )
+    training.add_argument(
+        "--mechanism",
+        choices=("auto", "dpsgd", "bandmf", "none"),
+        default="auto",
+        help="auto: DP-SGD for Poisson batches with --min-sep 1 and one band, else BandMF; "
+        "none: the non-private baseline",
+    )
+    training.add_argument("--bands", type=int, default=1, help="BandMF bands of C (1: DP-SGD noise)")
+    training.add_argument("--strategy", choices=("sqrt", "optimized"), default="sqrt", help="BandMF coefficients")
+    training.add_argument(
+        "--model",
+        default="logreg",
+        help="logreg, mlp, text-classifier, text-lm, or module:function returning (model, loss)",
+    )
+    training.add_argument("--features", default="features", help="feature holding the input of a numeric model")
+    training.add_argument("--label", "--label-column", dest="label", default="label", help="feature holding the label")
+    text = training.add_argument_group("text models (text-classifier, text-lm)")
+    text.add_argument("--text-column", default="text", help="feature holding the text (default text)")
+    text.add_argument(
+        "--labels",
+        type=lambda value: tuple(value.split(",")),
+        help="text-classifier: the public label set, A,B,... (default: read from the data, which discloses it)",
+    )
+    text.add_argument(
+        "--max-length", type=int, default=128, help="word n-grams (classifier) or bytes (language model) per text"
+    )
+    text.add_argument("--buckets", type=int, default=16384, help="text-classifier: hash buckets of the n-grams")
+    text.add_argument("--width", type=int, help="embedding width (default 32 classifier, 64 language model)")
+    text.add_argument("--layers", type=int, default=2, help="text-lm: Transformer blocks")
+    text.add_argument("--heads", type=int, default=4, help="text-lm: attention heads")
+    text.add_argument(
+        "--on-invalid",
+        choices=("error", "skip"),
+        default="error",
+        help="rows a text model cannot use (not UTF-8, no words, label not in --labels): stop, or train "
+        "them with weight 0 and list them in OUTPUT/rejected/",
+    )
+    training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    training.add_argument("--learning-rate", type=float, default=0.5)
+    training.add_argument("--clip-norm", type=float, default=1.0)
+    training.add_argument("--seed", type=int, default=0, help="seed of the model initialization (not of the noise)")
+    training.add_argument(
+        "--noise-seed",
+        type=int,
+        help="TESTING ONLY: reproduce the noise from this seed; the model is then not private "
+        "(default: a fresh secret key per run, never written)",
+    )
+    training.add_argument(
+        "--mc-seed", type=int, default=0, help="--amplified: seed of the Monte Carlo verification samples (public)"
+    )
+    training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
+    training.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    training.add_argument(
+        "--amplified",
+        action="store_true",
+        help="account b-min-sep Poisson batches with amplification (bandmf-minsep, Monte Carlo "
+        "estimate-verify-release; falls back to unamplified BandMF when verification fails)",
+    )
+    training.add_argument(
+        "--mc-samples",
+        type=int,
+        help="--amplified: most Monte Carlo samples one verification "
+        "may draw per direction (default: 4x what the sequential "
+        "test needs at delta 0)",
+    )
+    training.add_argument("--mc-workers", type=int, default=1, help="--amplified: worker processes")
+    training.add_argument(
+        "--distribution",
+        choices=("default", "mirrored", "tpu"),
+        default="default",
+        help="tf.distribute strategy: default (one device), mirrored (all local GPUs, or "
+        "the logical CPUs of --cpu-replicas), tpu",
+    )
+    training.add_argument(
+        "--tpu", default="", help="--distribution tpu: TPU name or grpc:// address ('' = local TPU VM)"
+    )
+    training.add_argument(
+        "--cpu-replicas",
+        type=int,
+        default=1,
+        help="--distribution mirrored without GPUs: split the CPU into this many logical devices",
+    )
+    training.add_argument(
+        "--max-contributions",
+        "-k",
+        type=int,
+        help="K (default: read from the bounding report of the batches' SELECTED)",
+    )
+    training.add_argument(
+        "--zero-out",
+        help="a JSON list of record ids whose rows train with weight 0 (zero "
+        "gradient): the zero-out neighbour of their users (madp audit)",
+    )
+    training.add_argument(
+        "--testing-only-noise-scale",
+        type=float,
+        default=1.0,
+        help="TESTING ONLY: multiply the noise by this while keeping the claimed guarantee "
+        "(shows that madp audit catches a broken mechanism); the model is not private",
+    )
+
+
+def train_options(args: argparse.Namespace):
+    from tf_training.plan import TrainOptions
+
+    return TrainOptions(
+        epsilon=args.epsilon,
+        delta=args.delta,
+        noise_multiplier=args.noise_multiplier,
+        mechanism=args.mechanism,
+        bands=args.bands,
+        strategy=args.strategy,
+        model=args.model,
+        features=args.features,
+        label=args.label,
+        optimizer=args.optimizer,
+        learning_rate=args.learning_rate,
+        clip_norm=args.clip_norm,
+        seed=args.seed,
+        noise_seed=args.noise_seed,
+        mc_seed=args.mc_seed,
+        eval_data=args.eval_data,
+        eval_every=args.eval_every,
+        max_contributions=args.max_contributions,
+        amplified=args.amplified,
+        mc_samples=args.mc_samples,
+        mc_workers=args.mc_workers,
+        distribution=args.distribution,
+        tpu=args.tpu,
+        cpu_replicas=args.cpu_replicas,
+        calibration=args.calibration,
+        zero_out=args.zero_out,
+        testing_noise_scale=args.testing_only_noise_scale,
+        text_column=args.text_column,
+        labels=args.labels,
+        max_length=args.max_length,
+        buckets=args.buckets,
+        width=args.width,
+        layers=args.layers,
+        heads=args.heads,
+        on_invalid=args.on_invalid,
+    )
+
+
+def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
+    from tf_training.trainer import train
+
+    result = train(args.batches, args.output, train_options(args))
+    result["privacy"] = {k: v for k, v in result["privacy"].items() if k != "batch_files_sha256"}
+    return result
+
+
+def calibrate_batches(args: argparse.Namespace) -> dict:
+    """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
+    from madp import storage
+    from tf_training.batches import open_batches
+    from tf_training.plan import epsilon_curve, privacy_plan
+
+    plan = privacy_plan(open_batches(args.batches), train_options(args))
+    plan["epsilon_curve"] = epsilon_curve(plan)
+    storage.write_text(args.output, json.dumps(plan, indent=2))
+    return plan
+
+
+FAMILY = Family(add_parsers, {"train": _train}, {"train": train_options})

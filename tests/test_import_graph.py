@@ -1,0 +1,128 @@
+"""The layers of the code: every import (at module level or inside a function) points to the same
+layer or one below, and no module imports itself back through others. Read from the sources, so a
+lazy import counts as much as one at the top."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("madp", "accounting", "beam_pipelines", "tf_training")
+
+# Bottom to top; a module belongs to the first layer naming it or a package holding it.
+LAYERS = (
+    (
+        "core: errors, records, storage, hashing, kernels, TFRecords, the verifiers",
+        (
+            "madp",
+            "madp.errors",
+            "madp.storage",
+            "madp.records",
+            "madp.hashing",
+            "madp.randomness",
+            "madp.progress",
+            "madp.bounding",
+            "madp.sampling",
+            "madp.selection",
+            "madp.tfrecord",
+            "madp.verify",
+        ),
+    ),
+    ("accounting", ("accounting",)),
+    ("engines and training", ("madp.local_engine", "madp.batching", "beam_pipelines", "tf_training")),
+    (
+        "tools: generators, import, report, recommend-k, audit options",
+        (
+            "madp.synthetic",
+            "madp.synthetic_text",
+            "madp.mbox",
+            "madp.report",
+            "madp.recommend",
+            "madp.audit_config",
+        ),
+    ),
+    ("commands", ("madp.commands",)),
+    ("jobs", ("madp.run", "madp.audit")),
+    ("command line", ("madp.cli",)),
+)
+
+
+def modules() -> dict[str, str]:
+    """Every module of the packages, by dotted name, to its file."""
+    found = {}
+    for package in PACKAGES:
+        for directory, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(directory, name)
+                    dotted = os.path.relpath(path, ROOT)[: -len(".py")].replace(os.sep, ".")
+                    found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: str, known: dict[str, str]) -> set[str]:
+    """The project modules a file imports (`from a import b` is a.b where that is a module, else a)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module)
+    return {name for name in found if name in known}
+
+
+def layer_of(module: str) -> int:
+    """A member names a module, or a package and all it holds ("madp" only the package itself)."""
+    for index, (_, members) in enumerate(LAYERS):
+        if any(module == m or (m != "madp" and module.startswith(m + ".")) for m in members):
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {module: imports(path, known) - {module} for module, path in known.items()}
+
+
+def test_every_import_points_down_or_sideways():
+    upward = [
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in sorted(graph().items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    edges = graph()
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(edges[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, path)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_verifiers_share_no_code_with_the_producers():
+    assert graph()["madp.verify"] <= {"madp"}
+
+
+def test_the_graph_is_read_from_real_imports():
+    edges = graph()
+    assert "madp.commands.registry" in edges["madp.cli"] and "accounting.calibrate" in edges["tf_training.plan"]
+    assert "beam_pipelines.monte_carlo" in edges["madp.commands.accounting"]  # a lazy import inside a function
