@@ -16,8 +16,13 @@ $(STAMP): setup.py
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
 
+# madp's progress and errors only: Beam's worker processes and TensorFlow's native libraries print
+# start-up warnings that say nothing about the job (`make demo VERBOSE=1` shows them).
+MADP_LINES := grep --line-buffered -E '^([0-9]{2}:[0-9]{2}:[0-9]{2} madp|madp )' || true
+
 demo: $(STAMP)
-	$(BIN)/madp -q run examples/demo.yaml --set run_dir=$(DEMO) > $(DEMO).json
+	bash -o pipefail -c "$(BIN)/madp run examples/demo.yaml --set run_dir=$(DEMO) 2>&1 >$(DEMO).json | \
+		{ $(if $(VERBOSE),cat,$(MADP_LINES)); }"
 	@$(BIN)/python -c "import json; r = json.load(open('$(DEMO).json'))['results']; p = r['privacy']; \
 		print(f'test accuracy: private {r[\"train\"][\"accuracy\"]:.4f} vs non-private', \
 		      f'{r[\"baseline\"][\"accuracy\"]:.4f}; private model: {p[\"mechanism\"]},', \
