@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -94,9 +95,42 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
     run_dir = config.get("run_dir")
     if not isinstance(run_dir, str) or not run_dir:
         raise InputError("config run_dir: required, the directory of the run's outputs")
-    path = lambda name: storage.join(run_dir, name)  # noqa: E731
-    commands = parser.commands
-    stages = []
+    plan = _Plan(run_dir, parser.commands)
+    data, eval_data = _data_stages(config, plan)
+    _bound_stages(config, plan, data)
+    _batch_stages(config, plan, data)
+    _training_stages(config, plan, eval_data)
+    if config.get("audit") is not None:
+        directory = audit_directory(config, audit_options(config, {}))
+        if source is not None:
+            config_path, overrides = source
+            command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]
+            plan.stages.append(Stage("audit", command, (config_path, data), directory))
+    report = config.get("report", False)
+    if not isinstance(report, bool):
+        raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
+    if report:
+        outputs = tuple(stage.output for stage in plan.stages)
+        plan.stages.append(Stage("report", ["report", run_dir], outputs, plan.path("report.html")))
+    for stage in plan.stages:  # every stage's options parse and build before anything runs
+        _check(parser, stage)
+    return plan.stages
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The stages planned so far, and where a run's outputs go."""
+
+    run_dir: str
+    commands: Mapping[str, argparse.ArgumentParser]
+    stages: list[Stage] = dataclasses.field(default_factory=list)
+
+    def path(self, name: str) -> str:
+        return storage.join(self.run_dir, name)
+
+
+def _data_stages(config: dict, plan: _Plan) -> tuple[str, str | None]:
+    """(the records, the held-out records or None): the config's input, or a generate stage."""
     generate = _section(config, "generate")
     data = config.get("input")
     eval_data = None
@@ -106,55 +140,70 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
         holdout = generate.pop("holdout", False)
         if not isinstance(holdout, bool):
             raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
-        data = path("records")
-        extra = ["--holdout", path("test.parquet")] if holdout else []
-        eval_data = path("test.parquet") if holdout else None
-        stages.append(
-            Stage("generate", ["generate", data, *_flags(commands["generate"], "generate", generate), *extra], (), data)
-        )
+        data = plan.path("records")
+        extra = ["--holdout", plan.path("test.parquet")] if holdout else []
+        eval_data = plan.path("test.parquet") if holdout else None
+        flags = _flags(plan.commands["generate"], "generate", generate)
+        plan.stages.append(Stage("generate", ["generate", data, *flags, *extra], (), data))
     if not isinstance(data, str) or not data:
         raise InputError("config input: required (the records), unless a generate section makes them")
+    return data, eval_data
+
+
+def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
     bound = _section(config, "bound")
-    if bound is not None:
-        beam = _beam(bound, "bound")
-        flags = _flags(commands["bound"], "bound", bound)
-        stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
-        if "max_contributions" not in bound:
-            raise InputError("config bound.max_contributions: required (the contribution bound K)")
-        k = ["--max-contributions", str(bound["max_contributions"])]
-        capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
-        columns = _pick(flags, ("--id-column", "--users-column"))
-        stages.append(
-            Stage(
-                "verify-bound",
-                ["verify-bound", data, path("bound"), *k, *capacities, *columns],
-                (data, path("bound")),
-                path("bound"),
-            )
+    if bound is None:
+        return
+    path = plan.path
+    beam = _beam(bound, "bound")
+    flags = _flags(plan.commands["bound"], "bound", bound)
+    plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
+    if "max_contributions" not in bound:
+        raise InputError("config bound.max_contributions: required (the contribution bound K)")
+    k = ["--max-contributions", str(bound["max_contributions"])]
+    capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
+    columns = _pick(flags, ("--id-column", "--users-column"))
+    plan.stages.append(
+        Stage(
+            "verify-bound",
+            ["verify-bound", data, path("bound"), *k, *capacities, *columns],
+            (data, path("bound")),
+            path("bound"),
         )
+    )
+
+
+def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
     batch = _section(config, "batch")
-    if batch is not None:
-        beam = _beam(batch, "batch")
-        flags = _flags(commands["batch"], "batch", batch)
-        stages.append(
-            Stage(
-                "batch",
-                ["batch", path("bound"), data, path("batches"), *flags, *beam],
-                (path("bound"), data),
-                path("batches"),
-            )
+    if batch is None:
+        return
+    path = plan.path
+    beam = _beam(batch, "batch")
+    flags = _flags(plan.commands["batch"], "batch", batch)
+    plan.stages.append(
+        Stage(
+            "batch",
+            ["batch", path("bound"), data, path("batches"), *flags, *beam],
+            (path("bound"), data),
+            path("batches"),
         )
-        checks = ["--min-sep", str(batch.get("min_sep", 1))]
-        if batch.get("max_batch_size"):
-            checks += ["--max-batch-size", str(batch["max_batch_size"])]
-        stages.append(
-            Stage(
-                "verify-batches",
-                ["verify-batches", path("batches"), data, *checks, *_pick(flags, ("--id-column", "--users-column"))],
-                (path("batches"), data),
-                path("batches"),
-            )
+    )
+    checks = ["--min-sep", str(batch.get("min_sep", 1))]
+    if batch.get("max_batch_size"):
+        checks += ["--max-batch-size", str(batch["max_batch_size"])]
+    plan.stages.append(
+        Stage(
+            "verify-batches",
+            ["verify-batches", path("batches"), data, *checks, *_pick(flags, ("--id-column", "--users-column"))],
+            (path("batches"), data),
+            path("batches"),
         )
+    )
+
+
+def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
+    """calibrate (the privacy plan), train with it, and the non-private baseline if asked."""
+    path = plan.path
     calibrate = _section(config, "calibrate")
     train = _section(config, "train")
     if calibrate is not None:
@@ -164,71 +213,41 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
                 f"config calibrate: {', '.join(outside)} belong to the train section "
                 f"(calibrate takes {', '.join(CALIBRATE_KEYS)})"
             )
-        stages.append(
+        flags = _flags(plan.commands["train"], "calibrate", calibrate)
+        command = ["train", path("batches"), path("calibration.json"), *flags]
+        plan.stages.append(Stage("calibrate", command, (path("batches"),), path("calibration.json")))
+    if train is None:
+        return
+    baseline = train.pop("baseline", False)
+    if not isinstance(baseline, bool):
+        raise InputError("config train.baseline: true or false (also trains a non-private model)")
+    inside = sorted(set(train) & set(CALIBRATE_KEYS))
+    if inside:
+        raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
+    if calibrate is None:
+        raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
+    if eval_data and "eval_data" not in train:
+        train["eval_data"] = eval_data
+    flags = _flags(plan.commands["train"], "train", train)
+    clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
+    evaluation = (train["eval_data"],) if train.get("eval_data") else ()
+    plan.stages.append(
+        Stage(
+            "train",
+            ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
+            (path("batches"), path("calibration.json"), *evaluation),
+            path("train"),
+        )
+    )
+    if baseline:
+        plan.stages.append(
             Stage(
-                "calibrate",
-                [
-                    "train",
-                    path("batches"),
-                    path("calibration.json"),
-                    *_flags(commands["train"], "calibrate", calibrate),
-                ],
-                (path("batches"),),
-                path("calibration.json"),
+                "baseline",
+                ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
+                (path("batches"), *evaluation),
+                path("baseline"),
             )
         )
-    if train is not None:
-        baseline = train.pop("baseline", False)
-        if not isinstance(baseline, bool):
-            raise InputError("config train.baseline: true or false (also trains a non-private model)")
-        inside = sorted(set(train) & set(CALIBRATE_KEYS))
-        if inside:
-            raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
-        if calibrate is None:
-            raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
-        if eval_data and "eval_data" not in train:
-            train["eval_data"] = eval_data
-        flags = _flags(commands["train"], "train", train)
-        clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
-        evaluation = (train["eval_data"],) if train.get("eval_data") else ()
-        stages.append(
-            Stage(
-                "train",
-                ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
-                (path("batches"), path("calibration.json"), *evaluation),
-                path("train"),
-            )
-        )
-        if baseline:
-            stages.append(
-                Stage(
-                    "baseline",
-                    ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
-                    (path("batches"), *evaluation),
-                    path("baseline"),
-                )
-            )
-    if config.get("audit") is not None:
-        directory = audit_directory(config, audit_options(config, {}))
-        if source is not None:
-            config_path, overrides = source
-            command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]
-            stages.append(Stage("audit", command, (config_path, data), directory))
-    report = config.get("report", False)
-    if not isinstance(report, bool):
-        raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
-    if report:
-        stages.append(
-            Stage(
-                "report",
-                ["report", run_dir],
-                tuple(stage.output for stage in stages if stage.name != "report"),
-                path("report.html"),
-            )
-        )
-    for stage in stages:  # every stage's options parse and build before anything runs
-        _check(parser, stage)
-    return stages
 
 
 def _section(config: dict, name: str) -> dict | None:
