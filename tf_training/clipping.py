@@ -43,15 +43,14 @@ def ghost_clippable(model) -> bool:
     )
 
 
-def bag_weight_squares(ids):
-    """sum_v c_iv^2 per row of an `EmbeddingBag` (a mean: each non-zero id weighs w_i = 1 / their
-    number): w_i^2 sum_v k_iv^2 with k_iv the copies of id v in row i, and sum_v k_v^2 is
-    sum_t (2 r_t + 1) over the row's ids, r_t the copies of id_t before it once the row is sorted."""
+def bag_weight_squares(bag: EmbeddingBag, ids):
+    """sum_v c_iv^2 per row, c_iv the summed weight of id v in row i. The bag weighs every id of a row
+    alike (w_i), so c_iv = w_i k_iv with k_iv the copies of v, and sum_v k_v^2 = sum_t (2 r_t + 1)
+    over the row's ids, r_t the copies of id_t before it once the row is sorted."""
     ordered = tf.sort(ids, axis=1)
     earlier = tf.range(tf.shape(ordered)[1]) - tf.searchsorted(ordered, ordered, side="left")
-    present = tf.cast(ordered > 0, tf.float32)
-    counts = tf.reduce_sum(present * (2.0 * tf.cast(earlier, tf.float32) + 1.0), axis=1)
-    return counts / tf.square(tf.maximum(tf.reduce_sum(present, axis=1), 1.0))
+    weights = bag.token_weights(ordered)
+    return tf.reduce_sum(tf.square(weights) * (2.0 * tf.cast(earlier, tf.float32) + 1.0), axis=1)
 
 
 def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
@@ -73,7 +72,7 @@ def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     for layer, a, d in zip(model.layers, inputs, deltas):
         output_norms = tf.reduce_sum(tf.square(d), axis=1)
         if isinstance(layer, EmbeddingBag):
-            squares.append(output_norms * bag_weight_squares(a))
+            squares.append(output_norms * bag_weight_squares(layer, a))
         else:
             squares.append((tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0)) * output_norms)
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(tf.add_n(squares)), 1e-30))

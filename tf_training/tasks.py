@@ -158,15 +158,18 @@ class TextClassifierTask(_TextTask):
         return np.array([self.index.get(label_text(v), -1) for v in values], dtype=np.int32)
 
     def problems(self, rows: dict) -> np.ndarray:
-        problems = super().problems(rows)
-        problems[(problems == "") & (self.label_indices(rows[self.options.label]) < 0)] = text.UNKNOWN_LABEL
-        return problems
+        return self._problems_and_labels(rows)[0]
+
+    def _problems_and_labels(self, rows: dict) -> tuple[np.ndarray, np.ndarray]:
+        problems, y = super().problems(rows), self.label_indices(rows[self.options.label])
+        problems[(problems == "") & (y < 0)] = text.UNKNOWN_LABEL
+        return problems, y
 
     def encode(self, rows: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        problems = self.problems(rows)
+        problems, y = self._problems_and_labels(rows)
         texts = np.where(problems == "", rows[self.options.text_column], b"")
         x = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length)
-        return x, np.maximum(self.label_indices(rows[self.options.label]), 0), problems
+        return x, np.maximum(y, 0), problems
 
     def read_eval(self, path: str):
         columns = read_columns(path, [self.options.text_column, self.options.label])
