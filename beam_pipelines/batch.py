@@ -25,14 +25,8 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 
-from beam_pipelines.bound import (
-    PartitionStore,
-    _by_kind,
-    _counters,
-    _merge_rejects,
-    _raise_input_error_in,
-    pipeline_options,
-)
+from beam_pipelines.pipeline import by_kind, merge_rejects, pipeline_options, run
+from beam_pipelines.store import PartitionStore
 from madp import batching, sampling, storage
 from madp import records as rec
 from madp.hashing import partition_of
@@ -114,7 +108,7 @@ class _BuildRecordPartition(beam.DoFn):
 
     def process(self, element):
         part, values = element
-        handles = _by_kind(values)
+        handles = by_kind(values)
         chunks = sorted(_gather(self.store, handles.get("records", [])), key=lambda c: int(c.keys[0]))
         rejects = rec.Rejects()
         chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects) if chunks else None
@@ -186,7 +180,7 @@ class _NeighbourPairs(beam.DoFn):
 
 def _summary_value(name: str, value) -> beam.pvalue.TaggedOutput:
     """A named value of any kind (a histogram, a file's counts, a partition's handle) for the driver's summary
-    of the run; unlike `bound._stat`, no Beam counter."""
+    of the run; unlike `bound_rounds.stat`, no Beam counter."""
     return beam.pvalue.TaggedOutput("stats", (name, value))
 
 
@@ -275,7 +269,7 @@ class PreparePipeline(beam.PTransform):
         rejects = (
             (read.rejects, built.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(_merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
             | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
         )
         return (
@@ -365,7 +359,7 @@ class _Survivors(beam.DoFn):
 
     def process(self, element):
         part, values = element
-        handles = _by_kind(values)
+        handles = by_kind(values)
         if "samples" not in handles:
             return
         samples = self.store.read_arrays(handles["samples"][0])
@@ -511,16 +505,6 @@ class SamplePipeline(beam.PTransform):
 # --- driver -------------------------------------------------------------------------------------
 
 
-def _run(pipeline: beam.Pipeline) -> dict:
-    try:
-        result = pipeline.run()
-        result.wait_until_finish()
-    except Exception as error:  # the runner wraps what workers raise; bad input must still read clearly
-        _raise_input_error_in(error)
-        raise
-    return _counters(result, NAMESPACE)
-
-
 def _merge_described(described: list[dict]) -> dict:
     merged: dict = {}
     for one in described:
@@ -569,8 +553,8 @@ def run_beam(
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "Prepare" >> PreparePipeline(data_files, selection, data, content, options, partitions, store)
     try:
-        counters.append(_run(pipeline))
-        prepared = _by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
+        counters.append(run(pipeline, NAMESPACE))
+        prepared = by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
         rejects = prepared.get("rejects", [rec.Rejects()])[0]
         handle_rejects(rejects, options.on_invalid, output)
         described = _merge_described(prepared.get("described", []))
@@ -593,8 +577,8 @@ def run_beam(
         partition_paths = dict(prepared.get("partition", []))
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
-        counters.append(_run(pipeline))
-        summary = _by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
+        counters.append(run(pipeline, NAMESPACE))
+        summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
     except rec.InputError:
         batching.prepare_output(output)  # no partial batches outlive an error
         storage.clear_directory(work)

@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-from beam_pipelines.bound import pipeline_options
+from beam_pipelines.pipeline import pipeline_options
 
 log = logging.getLogger("madp.accounting")
 

@@ -16,6 +16,8 @@ record is accepted in every round, so the rounds terminate.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +27,7 @@ from madp.hashing import hash_ids
 from madp.records import InputError
 
 ORDERS = ("arity", "hash", "weight", "alternate")
+log = logging.getLogger("madp.bound")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,3 +247,51 @@ def local_mask(record_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     mask = np.zeros(len(record_keys), dtype=bool)
     mask[np.searchsorted(record_keys, keys)] = True
     return mask
+
+
+@dataclasses.dataclass
+class Rounds:
+    """The control flow of Alg. 1 shared by the engines: rounds until no record is eligible, and with
+    duplicates (Alg. 3) passes over the residual capacities until a pass starts with none; `max_rounds`
+    stops early, leaving the undecided records unselected."""
+
+    duplicates: bool
+    max_rounds: int | None
+    per_round: list[dict] = dataclasses.field(default_factory=list)
+    passes: int = 0
+    converged: bool = False
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def start_pass(self, eligible: int) -> bool:
+        """A pass starts on the records still eligible once the residual capacities are applied."""
+        if eligible == 0:
+            self.converged = True
+            return False
+        self.passes += 1
+        return True
+
+    def room(self, wanted: int) -> int:
+        """How many of `wanted` further rounds `max_rounds` allows."""
+        return wanted if self.max_rounds is None else max(0, min(wanted, self.max_rounds - len(self.per_round)))
+
+    def record(self, selected: int, eligible: int) -> None:
+        self.per_round.append(
+            {"round": len(self.per_round) + 1, "pass": self.passes, "selected": selected, "eligible": eligible}
+        )
+        log.info(
+            "round %d (pass %d): selected %d, %d records still eligible, %.1f s",
+            len(self.per_round),
+            self.passes,
+            selected,
+            eligible,
+            time.perf_counter() - self.started,
+        )
+
+    def next_pass(self, eligible: int) -> bool:
+        """Whether another pass follows the rounds that just ended with `eligible` records undecided."""
+        if eligible:
+            return False  # stopped by max_rounds
+        if not self.duplicates:
+            self.converged = True
+            return False
+        return True

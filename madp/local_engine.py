@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from madp import records as rec
-from madp.bounding import Capacities, build_user_side, consume, preference_keys, propose, retire, unanimous
+from madp.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
 from madp.progress import Progress
 from madp.selection import (
     BoundOptions,
@@ -61,20 +61,16 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
         in_pass=np.zeros(n, dtype=bool),
     )
     copies = np.zeros(n, dtype=np.int64)
-    rounds: list[dict] = []
-    passes, converged = 0, False
-    started = time.perf_counter()
+    rounds = Rounds(options.duplicates, options.max_rounds)
     while True:
         users.eligible[:] = True
         eligible = np.ones(n, dtype=bool)
         dead = consume(users, np.zeros(n, dtype=bool))
         retire(users, dead)
         eligible &= ~dead
-        if not eligible.any():
-            converged = True
+        if not rounds.start_pass(int(eligible.sum())):
             break
-        passes += 1
-        while eligible.any() and (options.max_rounds is None or len(rounds) < options.max_rounds):
+        while eligible.any() and rounds.room(1):
             proposed = propose(users)
             accepted = unanimous(users.inc_record[proposed], arity)
             copies += accepted
@@ -82,33 +78,15 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
             dead = consume(users, accepted)
             retire(users, dead)
             eligible &= ~dead
-            rounds.append(
-                {
-                    "round": len(rounds) + 1,
-                    "pass": passes,
-                    "selected": int(accepted.sum()),
-                    "eligible": int(eligible.sum()),
-                }
-            )
-            log.info(
-                "round %d (pass %d): selected %d, %d records still eligible, %.1f s",
-                len(rounds),
-                passes,
-                rounds[-1]["selected"],
-                rounds[-1]["eligible"],
-                time.perf_counter() - started,
-            )
-        if eligible.any():
-            break  # stopped by max_rounds: undecided records stay unselected
-        if not options.duplicates:
-            converged = True
+            rounds.record(int(accepted.sum()), int(eligible.sum()))
+        if not rounds.next_pass(int(eligible.sum())):
             break
     contribution = users.contribution
     return BoundResult(
         copies=copies,
-        rounds=rounds,
-        passes=passes,
-        converged=converged,
+        rounds=rounds.per_round,
+        passes=rounds.passes,
+        converged=rounds.converged,
         max_user_contribution=int(contribution.max()) if len(contribution) else 0,
         input_users=len(users.residual),
         user_degree=np.bincount(users.inc_user, minlength=len(users.residual)),

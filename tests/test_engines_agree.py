@@ -124,23 +124,6 @@ def test_resharded_input_gives_same_selection(tmp_path, small_graph, sharded_inp
     assert report["selected_records"] > 0
 
 
-def test_partition_bitmasks_beyond_64_partitions():
-    import numpy as np
-
-    from beam_pipelines.bound import _bits_below, _partition_bits, _set_bits
-
-    rng = np.random.default_rng(0)
-    rows, partitions = rng.integers(0, 50, 400), rng.integers(0, 130, 400)
-    bits = _partition_bits(rows, partitions, 50, 130)
-    assert bits.shape == (50, 3)
-    found_rows, found_partitions = _set_bits(bits)
-    assert set(zip(found_rows.tolist(), found_partitions.tolist())) == set(zip(rows.tolist(), partitions.tolist()))
-    for partition in (0, 1, 63, 64, 65, 129):
-        owner = ~np.any(bits & _bits_below(partition, 3), axis=1)
-        expected = [not any(p < partition for r, p in zip(rows, partitions) if r == row) for row in range(50)]
-        assert owner.tolist() == expected
-
-
 def test_beam_error_removes_only_its_own_outputs(tmp_path):
     from madp.records import InputError
 

@@ -13,7 +13,7 @@ PACKAGES = ("madp", "accounting", "beam_pipelines", "tf_training")
 # Bottom to top; a module belongs to the first layer naming it or a package holding it.
 LAYERS = (
     (
-        "core: errors, records, storage, hashing, kernels, TFRecords, the verifiers",
+        "core: errors, records, storage, hashing, kernels (bounding, sampling, routing), TFRecords, the verifiers",
         (
             "madp",
             "madp.errors",
@@ -24,6 +24,7 @@ LAYERS = (
             "madp.progress",
             "madp.bounding",
             "madp.sampling",
+            "madp.routing",
             "madp.selection",
             "madp.tfrecord",
             "madp.verify",

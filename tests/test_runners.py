@@ -14,8 +14,10 @@ import pytest
 import yaml
 
 from beam_pipelines.batch import PreparePipeline, SamplePipeline, _Plan
-from beam_pipelines.bound import BoundPipeline, PartitionStore, pipeline_options
+from beam_pipelines.bound import BoundPipeline
 from beam_pipelines.monte_carlo import ChunkResults
+from beam_pipelines.pipeline import pipeline_options
+from beam_pipelines.store import PartitionStore
 from madp.batching import BatchOptions
 from madp.cli import main, parser
 from madp.run import load_config, plan_stages
