@@ -27,11 +27,11 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.pipeline import by_kind, merge_rejects, pipeline_options, run
 from beam_pipelines.store import PartitionStore
-from madp import batching, sampling, storage
+from madp import batch_files, batch_local, batch_report, batching, sampling, storage
 from madp import records as rec
 from madp.hashing import partition_of
 from madp.randomness import SecretKey
-from madp.selection import handle_rejects, write_report
+from madp.selection import handle_rejects, selection_files, write_report
 
 log = logging.getLogger("madp.batch")
 WORK_DIR = "_work"
@@ -319,7 +319,7 @@ class _SamplePartition(beam.DoFn):
                 ),
             ),
         )
-        owner, flat = batching.incidences_of(partition["offsets"], record)
+        owner, flat = batch_files.incidences_of(partition["offsets"], record)
         users = partition["users"][flat]
         for user_part, handle in _slices(
             self.store,
@@ -372,11 +372,11 @@ class _Survivors(beam.DoFn):
         real = step >= self.plan.warm_up
         record, keys, step = record[real], keys[real], step[real] - self.plan.warm_up
         partition = self.store.read_arrays(self.partition_paths[part])
-        file_of_row = batching.file_of_step(step, self.plan.steps, self.plan.files)
+        file_of_row = batch_files.file_of_step(step, self.plan.steps, self.plan.files)
         rows_by_file = {}
         for file in range(self.plan.files):  # every file hears from every partition, so empty files are written
             mine = np.flatnonzero(file_of_row == file)
-            rows_by_file[file] = batching.file_rows(
+            rows_by_file[file] = batch_files.file_rows(
                 partition["ids"],
                 partition["content"],
                 partition["offsets"],
@@ -389,9 +389,9 @@ class _Survivors(beam.DoFn):
         yield from self.store.write_slices(f"rows-{part:05d}.pkl", rows_by_file).items()
 
 
-def _concat_rows(pieces: list[batching.FileRows]) -> batching.FileRows:
+def _concat_rows(pieces: list[batch_files.FileRows]) -> batch_files.FileRows:
     base = np.cumsum([0] + [int(p.user_offsets[-1]) for p in pieces[:-1]])
-    return batching.FileRows(
+    return batch_files.FileRows(
         steps=np.concatenate([p.steps for p in pieces]),
         unit_keys=np.concatenate([p.unit_keys for p in pieces]),
         record_keys=np.concatenate([p.record_keys for p in pieces]),
@@ -411,10 +411,10 @@ class _WriteFile(beam.DoFn):
     def process(self, element):
         file, handles = element
         rows = _concat_rows(_gather(self.store, handles))
-        result = batching.write_batch_file(
-            batching.batch_file_path(self.plan.output, file, self.plan.files),
+        result = batch_files.write_batch_file(
+            batch_files.batch_file_path(self.plan.output, file, self.plan.files),
             rows,
-            batching.step_range(file, self.plan.steps, self.plan.files),
+            batch_files.step_range(file, self.plan.steps, self.plan.files),
             self.plan.max_batch_size,
             self.plan.shapes,
         )
@@ -442,7 +442,7 @@ class _WriteFile(beam.DoFn):
 def _participation(element, store: PartitionStore):
     _, handles = element
     pieces = _gather(store, handles)
-    yield "participation", batching.participation_stats(_stack(pieces, 0), _stack(pieces, 1))
+    yield "participation", batch_report.participation_stats(_stack(pieces, 0), _stack(pieces, 1))
 
 
 def _written_records(element, store: PartitionStore):
@@ -532,7 +532,7 @@ def run_beam(
         raise rec.InputError("--partitions must be at least 1")
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
-        return batching.run_local(
+        return batch_local.run_local(
             selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)"
         )
     started = time.perf_counter()
@@ -542,10 +542,10 @@ def run_beam(
         if options.content_columns is not None
         else rec.content_columns(data_files[0], options.columns)
     )
-    selection = batching.selection_files(selected)
+    selection = selection_files(selected)
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
-    batching.prepare_output(output)
+    batch_report.prepare_output(output)
     store = PartitionStore(storage.join(work, uuid.uuid4().hex[:12]))
     beam_options = pipeline_options(beam_args)
 
@@ -572,7 +572,7 @@ def run_beam(
             files=options.output_shards,
             max_batch_size=options.max_batch_size,
             output=output,
-            shapes=batching.content_shapes(described),
+            shapes=batch_files.content_shapes(described),
         )
         partition_paths = dict(prepared.get("partition", []))
         pipeline = beam.Pipeline(options=beam_options)
@@ -580,14 +580,14 @@ def run_beam(
         counters.append(run(pipeline, NAMESPACE))
         summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
     except rec.InputError:
-        batching.prepare_output(output)  # no partial batches outlive an error
+        batch_report.prepare_output(output)  # no partial batches outlive an error
         storage.clear_directory(work)
         raise
     id_type = prepared.get("id_type", [pa.int64()])[0]
-    batching.write_schema(output, batching.schema(id_type, described, options))
+    batch_files.write_schema(output, batching.schema(id_type, described, options))
     records = sum(prepared.get("records", []))
     files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
-    sampled = batching.Sampled(
+    sampled = batch_report.Sampled(
         np.zeros(0, np.int64),
         np.zeros(0, np.uint64),
         np.zeros(0, np.int64),
@@ -595,7 +595,7 @@ def run_beam(
         probability,
         sampling.expected_batch_size(probability, sizes, counts, options.min_sep),
     )
-    result = batching.report(
+    result = batch_report.report(
         options,
         beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner,
         selected,
@@ -607,7 +607,7 @@ def run_beam(
         sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(plan.total_steps, np.int64)]), axis=0),
         files=files,
         records_never_written=records - sum(summary.get("written_records", [])),
-        participation=batching.merge_participation_stats(summary.get("participation", [])),
+        participation=batch_report.merge_participation_stats(summary.get("participation", [])),
         rejects=rejects,
         content_columns=list(content),
         started=started,

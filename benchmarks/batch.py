@@ -2,9 +2,9 @@
 
 Setup (not timed): a skewed synthetic graph (App. C.1), bounded with K = 3 by the local engine.
 Measured, best of --repeats runs (timings on shared 2-core machines vary by +-20%):
-- local sampling: calibrate p, sample, exclude (madp.batching.minsep_rows) on the loaded data,
+- local sampling: calibrate p, sample, exclude (madp.batch_local.minsep_rows) on the loaded data,
   i.e. without reading the input or writing TFRecords; rate in sampled (record, step) pairs/s;
-- reading: read, validate and join the selection (madp.batching.load);
+- reading: read, validate and join the selection (madp.batch_local.load);
 - TFRecord writing: end to end minus reading and sampling (order, truncate, encode, frame, write);
 - local end to end: `madp batch --runner local` (read, join, sample, write);
 - DirectRunner end to end: `madp batch` on Beam's DirectRunner (2 worker processes);
@@ -61,7 +61,7 @@ def main() -> None:
     import logging
 
     from beam_pipelines.batch import run_beam
-    from madp import batching
+    from madp import batch_local, batching
 
     logging.disable(logging.INFO)
     options = batching.BatchOptions(steps=args.steps, batch_size=args.batch_size, min_sep=args.min_sep)
@@ -74,11 +74,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         selected, data = prepare(directory, args.records)
         fastest, _, dataset = best_of(
-            args.repeats, lambda: batching.load(selected, data, options, os.path.join(directory, "out"))
+            args.repeats, lambda: batch_local.load(selected, data, options, os.path.join(directory, "out"))
         )
         results["selected_records"] = len(dataset.copies)
         results["local_reading_s"] = round(fastest, 3)
-        fastest, slowest, sampled = best_of(args.repeats, lambda: batching.minsep_rows(dataset, options))
+        fastest, slowest, sampled = best_of(args.repeats, lambda: batch_local.minsep_rows(dataset, options))
         rows = len(sampled.record)
         results["local_sampling"] = {
             "s": round(fastest, 3),
@@ -88,7 +88,7 @@ def main() -> None:
         }
 
         def local_end_to_end():
-            return batching.run_local(selected, data, os.path.join(directory, "local"), options)
+            return batch_local.run_local(selected, data, os.path.join(directory, "local"), options)
 
         fastest, slowest, report = best_of(args.repeats, local_end_to_end)
         results["local_end_to_end"] = {
@@ -118,7 +118,7 @@ def main() -> None:
         for fraction in (0.25, 0.5, 1.0):
             steps = max(1, int(args.steps * fraction))
             scaled = batching.BatchOptions(steps=steps, batch_size=args.batch_size, min_sep=args.min_sep)
-            fastest, _, sampled = best_of(args.repeats, lambda scaled=scaled: batching.minsep_rows(dataset, scaled))
+            fastest, _, sampled = best_of(args.repeats, lambda scaled=scaled: batch_local.minsep_rows(dataset, scaled))
             scaling.append(
                 {
                     "steps": steps,

@@ -15,7 +15,8 @@ from conftest import reseal_selection, write_records
 
 from beam_pipelines.batch import run_beam
 from madp import sampling
-from madp.batching import BatchOptions, run_local
+from madp.batch_local import run_local
+from madp.batching import BatchOptions
 from madp.local_engine import run_local as bound_local
 from madp.records import InputError
 from madp.selection import BoundOptions
@@ -414,12 +415,12 @@ def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
 def test_wide_rows_are_encoded_in_chunks_with_the_same_bytes(graph_data, tmp_path, monkeypatch):
     """Rows are encoded in chunks of about _ENCODE_BYTES (the encoder's index arrays cost 16 bytes per byte):
     a chunk smaller than one row gives the same files byte for byte, and the rows parse."""
-    from madp import batching
+    from madp import batch_files as files_module
 
     selected, data = graph_data
     options = BatchOptions(seed=0, steps=30, batch_size=8, min_sep=2)
     run_local(selected, data, str(tmp_path / "whole"), options)
-    monkeypatch.setattr(batching, "_ENCODE_BYTES", 7)
+    monkeypatch.setattr(files_module, "_ENCODE_BYTES", 7)
     run_local(selected, data, str(tmp_path / "chunks"), options)
     assert batch_files(tmp_path / "chunks") == batch_files(tmp_path / "whole") != {}
     assert len(rows_of(tmp_path / "chunks")) == len(rows_of(tmp_path / "whole")) > 0

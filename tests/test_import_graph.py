@@ -27,11 +27,22 @@ LAYERS = (
             "madp.routing",
             "madp.selection",
             "madp.tfrecord",
+            "madp.batch_files",
             "madp.verify",
         ),
     ),
     ("accounting", ("accounting",)),
-    ("engines and training", ("madp.local_engine", "madp.batching", "beam_pipelines", "tf_training")),
+    (
+        "engines and training",
+        (
+            "madp.local_engine",
+            "madp.batching",
+            "madp.batch_report",
+            "madp.batch_local",
+            "beam_pipelines",
+            "tf_training",
+        ),
+    ),
     (
         "tools: generators, import, report, recommend-k, audit options",
         (

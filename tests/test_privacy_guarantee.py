@@ -16,8 +16,8 @@ from conftest import write_records
 from scipy.stats import binom
 
 from madp import randomness
+from madp.batch_local import run_local as batch_local
 from madp.batching import BatchOptions
-from madp.batching import run_local as batch_local
 from madp.cli import main
 from madp.hashing import siphash24
 from madp.local_engine import run_local as bound_local

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from madp.batch_local import run_local as batch_local  # noqa: E402
 from madp.batching import BatchOptions  # noqa: E402
-from madp.batching import run_local as batch_local  # noqa: E402
 from madp.local_engine import run_local as bound_local  # noqa: E402
 from madp.records import InputError  # noqa: E402
 from madp.selection import BoundOptions  # noqa: E402

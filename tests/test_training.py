@@ -14,8 +14,8 @@ pytest.importorskip("tensorflow")
 
 from conftest import write_records  # noqa: E402
 
+from madp.batch_local import run_local as batch_local
 from madp.batching import BatchOptions  # noqa: E402
-from madp.batching import run_local as batch_local
 from madp.cli import main  # noqa: E402
 from madp.local_engine import run_local as bound_local  # noqa: E402
 from madp.randomness import SecretKey  # noqa: E402

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 from madp import storage
-from madp.batching import batch_files
+from madp.batch_files import batch_files
 from madp.records import InputError
 
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from madp import storage
-from madp.batching import USER_FEATURE
+from madp.batch_files import USER_FEATURE
 from madp.progress import Progress
 from madp.randomness import FIXED_SEED, SecretKey
 from madp.records import InputError

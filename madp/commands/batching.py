@@ -107,7 +107,7 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _batch_options(args)
     local_takes_no_beam_options(args, beam_args, "partitions")
     if args.runner == LOCAL:
-        from madp.batching import run_local
+        from madp.batch_local import run_local
 
         return run_local(args.selected, args.data, args.output, options)
     from beam_pipelines.batch import DEFAULT_PARTITIONS, run_beam

@@ -1,0 +1,282 @@
+"""`madp batch --runner local`: the samplers on the whole selection as one partition, in memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from madp import records as rec
+from madp import sampling
+from madp.batch_files import (
+    USER_FEATURE,
+    batch_file_path,
+    content_shapes,
+    file_of_step,
+    file_rows,
+    incidences_of,
+    step_range,
+    write_batch_file,
+    write_schema,
+)
+from madp.batch_report import Sampled, participation_stats, prepare_output, report
+from madp.batching import (
+    USER_SAMPLING_STREAM,
+    BatchOptions,
+    check_content,
+    join_selection,
+    read_selection_file,
+    record_hashes,
+    schema,
+    skip_invalid_content,
+    user_hashes,
+)
+from madp.hashing import siphash24
+from madp.progress import Progress
+from madp.selection import handle_rejects, selection_files, write_report
+
+log = logging.getLogger("madp.batch")
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Selected records (one row each), their copies, users as CSR of hashes, and content."""
+
+    ids: pa.Array
+    copies: np.ndarray
+    offsets: np.ndarray
+    users: np.ndarray
+    content: pa.Table
+    rejects: rec.Rejects
+
+
+def load(selected: str, data: str, options: BatchOptions, output: str) -> Dataset:
+    from madp.local_engine import read_input
+
+    files = rec.list_input_files(data)
+    names = (
+        options.content_columns
+        if options.content_columns is not None
+        else rec.content_columns(files[0], options.columns)
+    )
+    chunk, rejects, _, _ = read_input(data, options.columns, names)
+    if options.on_invalid == "error":
+        handle_rejects(rejects, options.on_invalid, output)
+    selection = [read_selection_file(path) for path in selection_files(selected)]
+    ids = pa.concat_arrays([s[0] for s in selection])
+    copies = np.concatenate([s[1] for s in selection])
+    chunk, copies = join_selection(chunk, ids, copies, data)
+    if options.on_invalid == "skip":
+        chunk, copies = skip_invalid_content(chunk, copies, rejects)
+    if not len(copies):
+        raise rec.InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
+    return Dataset(
+        ids=chunk.ids,
+        copies=copies,
+        offsets=chunk.offsets,
+        users=user_hashes(chunk.users),
+        content=chunk.content,
+        rejects=rejects,
+    )
+
+
+def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """Alg. 3 on the whole dataset, p calibrated to the target expected batch size."""
+    n = len(dataset.copies)
+    arity = np.diff(dataset.offsets)
+    record_of_incidence = np.repeat(np.arange(n, dtype=np.int64), arity)
+    neighbourhoods = sampling.neighbourhood_sizes(record_of_incidence, dataset.users, dataset.copies)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
+    histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
+    probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
+    total = options.steps + options.warm_up_steps
+    check_fits(probability * len(keys) * total, options)
+    unit, step = sampling.sampled_steps(keys, probability, total)
+    record = record_of_unit[unit]
+    owner, flat = incidences_of(dataset.offsets, record)
+    blocked = sampling.blocked_user_steps(dataset.users[flat], step[owner], options.min_sep)
+    survive = ~sampling.excluded_samples(owner, blocked, len(unit))
+    return Sampled(
+        record[survive],
+        keys[unit[survive]],
+        step[survive],
+        options.min_sep,
+        probability,
+        sampling.expected_batch_size(probability, *histogram, options.min_sep),
+    )
+
+
+# Bytes per sampled row in the local engine at its peak (unit, step, record, keys, incidences, sort copies).
+BYTES_PER_SAMPLE = 200
+
+
+def check_fits(expected_rows: float, options: BatchOptions) -> None:
+    """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if expected_rows * BYTES_PER_SAMPLE > memory / 2:
+        raise rec.InputError(
+            f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about "
+            f"{expected_rows:.3g} rows, about {expected_rows * BYTES_PER_SAMPLE / 2**30:.0f} GiB "
+            f"in memory, more than half of this machine's {memory / 2**30:.0f} GiB: use fewer steps "
+            f"or a smaller batch size, or --runner with a Beam cluster"
+        )
+
+
+def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """Alg. 4; with --find-max-min-sep, the largest b before the first failure, trying b = 1, 2, ..."""
+    n, batch = len(dataset.copies), int(options.batch_size)
+    check_fits(float(options.steps) * batch, options)
+    if batch > n:
+        raise rec.InputError(
+            f"--batch-size {batch} is larger than the {n} selected records: a batch cannot hold a record twice"
+        )
+    arity = np.diff(dataset.offsets)
+    record_of_incidence = np.repeat(np.arange(n, dtype=np.int64), arity)
+    _, user_codes = np.unique(dataset.users, return_inverse=True)
+    tried: list[dict] = []
+
+    def attempt(min_sep: int):
+        chosen, filled = sampling.greedy_minsep(
+            record_of_incidence, user_codes.astype(np.int64), n, options.steps, batch, min_sep
+        )
+        tried.append({"min_sep": min_sep, "feasible": chosen is not None})
+        if chosen is None and (not options.find_max_min_sep or min_sep == 1):
+            raise rec.InputError(
+                f"no solution for --steps {options.steps} --batch-size {batch} --min-sep {min_sep}: "
+                f"batch {filled} cannot be filled, a full pass over the {n} selected records adds "
+                f"none to it; lower --min-sep or --batch-size"
+                + ("" if options.find_max_min_sep else ", or try --find-max-min-sep")
+            )
+        return chosen
+
+    if not options.find_max_min_sep:
+        chosen, min_sep = attempt(options.min_sep), options.min_sep
+    else:
+        chosen, min_sep = attempt(1), 1
+        while min_sep < options.steps:
+            candidate = attempt(min_sep + 1)
+            if candidate is None:
+                break
+            chosen, min_sep = candidate, min_sep + 1
+    steps = np.repeat(np.arange(options.steps, dtype=np.int64), batch)
+    # A record's copies are interchangeable here; the greedy may use a record any number of times.
+    keys = sampling.splitmix64(record_hashes(dataset.ids, options.key)[chosen] ^ steps.astype(np.uint64))
+    return Sampled(chosen, keys, steps, min_sep, min_sep_search=tried)
+
+
+def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
+    """User-level Poisson sampling (ELS paper's ULS) for single-attribution records: each step
+    samples every user with probability q = B / users (geometric gaps keyed by (seed, user)),
+    and a sampled user brings all its units."""
+    distinct, user_of_record = np.unique(single_users(dataset), return_inverse=True)
+    if not 0 < options.batch_size <= len(distinct):
+        raise rec.InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
+    probability = options.batch_size / len(distinct)
+    check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
+    user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
+    user, step = sampling.sampled_steps(user_keys, probability, options.steps)
+    record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
+    by_user = np.argsort(user_of_record[record_of_unit], kind="stable")
+    units_per_user = np.bincount(user_of_record[record_of_unit], minlength=len(distinct))
+    first_unit = np.concatenate([[0], np.cumsum(units_per_user)[:-1]])
+    owner, position = sampling.expand_ranges(first_unit[user], units_per_user[user])
+    unit = by_user[position]
+    return Sampled(
+        record_of_unit[unit],
+        keys[unit],
+        step[owner],
+        1,
+        probability,
+        float(options.batch_size),
+        sampled_users=np.bincount(step, minlength=options.steps),
+    )
+
+
+def single_users(dataset: Dataset) -> np.ndarray:
+    """The user of each record, which must have exactly one (user-level sampling)."""
+    arity = np.diff(dataset.offsets)
+    if (arity != 1).any():
+        first = int(np.flatnonzero(arity != 1)[0])
+        raise rec.InputError(
+            f"--sampler users needs single-attribution records (one user each); record "
+            f"{dataset.ids[first].as_py()!r} has {int(arity[first])}"
+        )
+    return dataset.users
+
+
+def run_local(selected: str, data: str, output: str, options: BatchOptions, engine: str = "local") -> dict:
+    """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
+    started = time.perf_counter()
+    dataset = load(selected, data, options, output)
+    if options.sampler == "users":
+        if USER_FEATURE in dataset.content.column_names:
+            raise rec.InputError(
+                f"--sampler users adds a feature {USER_FEATURE!r}: leave the content column "
+                f"{USER_FEATURE!r} out with --content-columns"
+            )
+        dataset.content = dataset.content.append_column(USER_FEATURE, pa.array(single_users(dataset).view(np.int64)))
+    described = check_content(dataset.content, dataset.ids)
+    samplers = {"minsep": minsep_rows, "minsep-greedy": greedy_rows, "users": user_rows}
+    sampled = samplers[options.sampler](dataset, options)
+    log.info("sampled %d rows in %.1f s", len(sampled.record), time.perf_counter() - started)
+    warm_up = options.warm_up_steps
+    sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
+    real = sampled.step >= warm_up
+    record, keys, step = sampled.record[real], sampled.keys[real], sampled.step[real] - warm_up
+
+    prepare_output(output)
+    handle_rejects(dataset.rejects, options.on_invalid, output)
+    record_keys = record_hashes(dataset.ids, options.key)
+    files = options.output_shards
+    file_of_row = file_of_step(step, options.steps, files)
+    results = []
+    progress = Progress(log, "writing batch files", files, "files")
+    for file in range(files):
+        mine = np.flatnonzero(file_of_row == file)
+        rows = file_rows(
+            dataset.ids,
+            dataset.content,
+            dataset.offsets,
+            dataset.users,
+            record_keys,
+            record[mine],
+            keys[mine],
+            step[mine],
+        )
+        results.append(
+            write_batch_file(
+                batch_file_path(output, file, files),
+                rows,
+                step_range(file, options.steps, files),
+                options.max_batch_size,
+                content_shapes(described),
+            )
+        )
+        progress.update(file + 1, f", {len(mine)} rows in {batch_file_path(output, file, files)}")
+    write_schema(output, schema(dataset.ids.type, described, options))
+    written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
+    result = report(
+        options,
+        engine,
+        selected,
+        data,
+        output,
+        sampled=sampled,
+        units=int(dataset.copies.sum()),
+        records=len(dataset.copies),
+        sampled_sizes=sampled_sizes,
+        files=results,
+        records_never_written=len(dataset.copies) - len(written_records),
+        participation=participation_stats(
+            np.concatenate([r["user_hashes"] for r in results]), np.concatenate([r["user_steps"] for r in results])
+        ),
+        rejects=dataset.rejects,
+        content_columns=dataset.content.column_names,
+        started=started,
+    )
+    write_report(output, result)
+    return result

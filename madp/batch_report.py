@@ -1,0 +1,182 @@
+"""What `madp batch` reports, the same from both engines: batch sizes, participation statistics
+per user, rejects and the files written; and the batch output directory's own files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import time
+
+import numpy as np
+
+from madp import records as rec
+from madp import storage
+from madp.batch_files import SCHEMA_FILE, batch_file_path
+from madp.batching import BatchOptions, bound_record
+from madp.selection import REJECTED_DIR, REPORT_FILE
+
+
+@dataclasses.dataclass
+class Sampled:
+    """Rows of a sampler: record index, unit key and step (warm-up included) of each."""
+
+    record: np.ndarray
+    keys: np.ndarray
+    step: np.ndarray
+    min_sep: int
+    probability: float | None = None
+    expected_batch_size: float | None = None
+    min_sep_search: list | None = None
+    sampled_users: np.ndarray | None = None  # users sampler: users per step, what --batch-size targets
+
+
+def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
+    """Per-user participations of written rows; exact when all of a user's rows are passed together."""
+    if len(steps) == 0:
+        return {
+            "users": 0,
+            "max_participations": 0,
+            "max_rows": 0,
+            "min_gap": None,
+            "user_rows_sharing_a_step": 0,
+            "gap_histogram": {},
+        }
+    order = np.lexsort((steps, user_hashes_))
+    user, step = user_hashes_[order], steps[order]
+    new_user = np.concatenate([[True], user[1:] != user[:-1]])
+    new_pair = new_user | np.concatenate([[True], step[1:] != step[:-1]])
+    user_index = np.cumsum(new_user) - 1
+    participations = np.bincount(user_index[new_pair])
+    distinct_user, distinct_step = user[new_pair], step[new_pair]
+    same = distinct_user[1:] == distinct_user[:-1]
+    gaps = (distinct_step[1:] - distinct_step[:-1])[same]
+    return {
+        "users": int(new_user.sum()),
+        "max_participations": int(participations.max()),
+        "max_rows": int(np.bincount(user_index).max()),
+        "min_gap": int(gaps.min()) if len(gaps) else None,
+        "user_rows_sharing_a_step": int((~new_pair).sum()),
+        "gap_histogram": value_counts(gaps),
+    }
+
+
+def value_counts(values: np.ndarray) -> dict[str, int]:
+    """{value: count} with string keys (JSON objects), for histograms that merge by summing."""
+    found, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(found, counts)}
+
+
+def merge_counts(histograms: list[dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for histogram in histograms:
+        for value, count in histogram.items():
+            merged[value] = merged.get(value, 0) + count
+    return dict(sorted(merged.items(), key=lambda item: int(item[0])))
+
+
+def merge_participation_stats(parts: list[dict]) -> dict:
+    gaps = [p["min_gap"] for p in parts if p["min_gap"] is not None]
+    return {
+        "users": sum(p["users"] for p in parts),
+        "max_participations": max((p["max_participations"] for p in parts), default=0),
+        "max_rows": max((p["max_rows"] for p in parts), default=0),
+        "min_gap": min(gaps) if gaps else None,
+        "user_rows_sharing_a_step": sum(p["user_rows_sharing_a_step"] for p in parts),
+        "gap_histogram": merge_counts([p["gap_histogram"] for p in parts]),
+    }
+
+
+def size_summary(sizes: np.ndarray) -> dict:
+    return {
+        "mean": round(float(sizes.mean()), 4) if len(sizes) else 0.0,
+        "std": round(float(sizes.std()), 4) if len(sizes) else 0.0,
+        "min": int(sizes.min()) if len(sizes) else 0,
+        "max": int(sizes.max()) if len(sizes) else 0,
+        "per_step": sizes.tolist(),
+    }
+
+
+def report(
+    options: BatchOptions,
+    engine: str,
+    selected: str,
+    data: str,
+    output: str,
+    *,
+    sampled: Sampled,
+    units: int,
+    records: int,
+    sampled_sizes: np.ndarray,
+    files: list[dict],
+    records_never_written: int,
+    participation: dict,
+    rejects: rec.Rejects,
+    content_columns: list[str],
+    started: float,
+) -> dict:
+    """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up."""
+    warm_up = options.warm_up_steps
+    realized = sampled_sizes[warm_up:]
+    written = np.concatenate([f["written"] for f in files])
+    result = {
+        "engine": engine,
+        "selected": _absolute(selected),
+        "data": _absolute(data),
+        "sampler": options.sampler,
+        "bound": bound_record(selected),
+        "parameters": {
+            "steps": options.steps,
+            "batch_size": options.batch_size,
+            "min_sep": sampled.min_sep,
+            "batch_size_counts": "users" if options.sampler == "users" else "records",
+            "warm_up": warm_up,
+            "max_batch_size": options.max_batch_size,
+            "seed": options.seed,
+            "output_shards": options.output_shards,
+            "on_invalid": options.on_invalid,
+            "content_columns": list(content_columns),
+        },
+        "sampling": options.sampling,
+        "sampling_probability": sampled.probability,
+        "expected_batch_size": sampled.expected_batch_size,
+        "steps": options.steps,
+        "records": records,
+        "units": units,
+        "batch_sizes": size_summary(realized),
+        "relative_error_to_target": round(float(realized.mean() / options.batch_size - 1.0), 6),
+        "written_batch_sizes": {k: v for k, v in size_summary(written).items() if k != "per_step"},
+        "warm_up_batch_sizes": sampled_sizes[:warm_up].tolist(),
+        "truncated_rows": sum(f["truncated"] for f in files),
+        "padding_rows": sum(f["padding"] for f in files),
+        "records_never_written": records_never_written,
+        "participation": participation,
+        "rejected": rejects.counts(),
+        "rejected_total": len(rejects),
+        "files": storage.manifest(
+            [batch_file_path(output, file, options.output_shards) for file in range(options.output_shards)]
+        ),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+    }
+    if sampled.sampled_users is not None:
+        result["users_per_step"] = size_summary(sampled.sampled_users)
+        result["relative_error_to_target"] = round(float(sampled.sampled_users.mean() / options.batch_size - 1.0), 6)
+    if sampled.min_sep_search is not None:
+        result["min_sep_search"] = sampled.min_sep_search
+        result["k"] = participation["max_participations"]
+    return result
+
+
+def _absolute(path: str) -> str:
+    """Local paths absolute, so that later stages (the trainer) find the inputs from anywhere."""
+    return path if "://" in path else os.path.abspath(path)
+
+
+def prepare_output(output: str) -> None:
+    """Remove an earlier run's batch files, schema, report and rejects (and only those)."""
+    for path in storage.list_files(output, recursive=False) if storage.kind(output) == "directory" else []:
+        if posixpath.basename(path).startswith("batches-") and path.endswith(".tfrecord"):
+            storage.remove_file(path)
+    for name in (SCHEMA_FILE, REPORT_FILE):
+        storage.remove_file(storage.join(output, name))
+    storage.clear_directory(storage.join(output, REJECTED_DIR))
