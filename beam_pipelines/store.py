@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import pickle
+from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from madp import storage
 
@@ -52,6 +55,18 @@ class PartitionStore:
         with storage.open_input(path) as handle:
             return pickle.loads(handle.read_at(length, offset))
 
+    def write_split(
+        self, name: str, destination: np.ndarray, payload: Callable[[np.ndarray], object]
+    ) -> list[tuple[int, tuple[str, int, int]]]:
+        """Aligned arrays split by destination partition (`payload(mask)` of each) into one file;
+        (destination, slice handle) pairs."""
+        parts = {int(d): payload(destination == d) for d in np.unique(destination)}
+        return list(self.write_slices(name, parts).items()) if parts else []
+
+    def gather(self, handles: Iterable[tuple[str, int, int]]) -> list:
+        """The slices sent to a partition, in a fixed order whatever order the runner delivers them in."""
+        return [self.read_slice(h) for h in sorted(handles)]
+
 
 @functools.lru_cache(maxsize=8)
 def read_static(path: str) -> dict:
@@ -60,3 +75,8 @@ def read_static(path: str) -> dict:
     for array in arrays.values():
         array.flags.writeable = False
     return arrays
+
+
+def stack(pieces: list[tuple], field: int) -> np.ndarray:
+    """One array from field `field` of every gathered slice."""
+    return np.concatenate([piece[field] for piece in pieces])

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import posixpath
 import time
+from typing import Any
 
 import numpy as np
 
@@ -67,8 +68,9 @@ def value_counts(values: np.ndarray) -> dict[str, int]:
     return {str(int(v)): int(c) for v, c in zip(found, counts)}
 
 
-def merge_counts(histograms: list[dict[str, int]]) -> dict[str, int]:
-    merged: dict[str, int] = {}
+def merge_counts(histograms: list[dict[Any, int]]) -> dict[Any, int]:
+    """Summed histograms, by increasing value; the values are integers or their strings (JSON keys)."""
+    merged: dict[Any, int] = {}
     for histogram in histograms:
         for value, count in histogram.items():
             merged[value] = merged.get(value, 0) + count

@@ -126,6 +126,24 @@ def neighbourhood_sizes(
     return sizes
 
 
+def neighbourhood_sizes_of_pairs(
+    owner: np.ndarray, neighbour: np.ndarray, neighbour_copies: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """|N(e)| in units from (record, neighbour) pairs that may repeat (two shared users, or pairs
+    formed in several user partitions): (size, units) per record present, the units being the
+    copies on its pair with itself. The partitioned form of `neighbourhood_sizes`."""
+    order = np.lexsort((neighbour, owner))
+    owner, neighbour, copies = owner[order], neighbour[order], neighbour_copies[order]
+    new = np.concatenate([[True], (owner[1:] != owner[:-1]) | (neighbour[1:] != neighbour[:-1])])
+    owner, neighbour, copies = owner[new], neighbour[new], copies[new]
+    group = np.cumsum(np.concatenate([[True], owner[1:] != owner[:-1]])) - 1
+    sizes = np.bincount(group, weights=copies).astype(np.int64)
+    units = np.zeros(len(sizes), np.int64)
+    itself = neighbour == owner
+    units[group[itself]] = copies[itself]
+    return sizes, units
+
+
 def size_histogram(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct value, count), sorted: what calibration needs of the units' neighbourhood sizes."""
     values = np.sort(values)

@@ -92,6 +92,16 @@ def test_neighbourhood_sizes_match_brute_force():
     for owner, neighbour in sampling.neighbour_pairs(record, user, max_pairs=50):
         chunked += np.bincount(owner, weights=copies[neighbour], minlength=300).astype(np.int64)
     assert chunked.tolist() == expected
+    # The partitioned form: pairs formed in several user partitions (so repeated), shuffled.
+    by_partition = [list(sampling.neighbour_pairs(record[user % 3 == k], user[user % 3 == k])) for k in range(3)]
+    owner, neighbour = (np.concatenate([p[i] for pairs in by_partition for p in pairs]) for i in range(2))
+    shuffle = rng.permutation(len(owner))
+    owner, neighbour = owner[shuffle], neighbour[shuffle]
+    sizes, units = sampling.neighbourhood_sizes_of_pairs(owner, neighbour, copies[neighbour])
+    present = np.unique(owner)
+    assert present.tolist() == list(range(300))
+    assert sizes.tolist() == expected
+    assert units.tolist() == copies.tolist()
 
 
 def test_calibrated_probability_hits_target_and_rejects_unreachable():

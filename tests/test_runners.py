@@ -13,7 +13,8 @@ import apache_beam as beam
 import pytest
 import yaml
 
-from beam_pipelines.batch import PreparePipeline, SamplePipeline, _Plan
+from beam_pipelines.batch_prepare import PreparePipeline
+from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
 from beam_pipelines.bound import BoundPipeline
 from beam_pipelines.monte_carlo import ChunkResults
 from beam_pipelines.pipeline import pipeline_options
@@ -68,7 +69,7 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
     )
     pipelines["batch-prepare"] = prepare
     sample = beam.Pipeline(options=pipeline_options(beam_args))
-    plan = _Plan(
+    plan = SamplePlan(
         probability=0.01,
         total_steps=103,
         warm_up=3,
