@@ -22,8 +22,9 @@ from beam_pipelines.batch_prepare import NAMESPACE, PreparePipeline
 from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
 from beam_pipelines.pipeline import by_kind, pipeline_options, run
 from beam_pipelines.store import PartitionStore
-from madp import batch_files, batch_local, batch_report, batching, sampling, storage
+from madp import batch_files, batch_local, batch_report, batching, record_reading, sampling, storage
 from madp import records as rec
+from madp.errors import InputError
 from madp.selection import handle_rejects, selection_files, write_report
 
 log = logging.getLogger("madp.batch")
@@ -37,7 +38,7 @@ def _merge_described(described: list[dict]) -> dict:
         for name, feature in one.items():
             seen = merged.setdefault(name, dict(feature))
             if seen["dtype"] != feature["dtype"]:
-                raise rec.InputError(
+                raise InputError(
                     f"content column {name!r} is {seen['dtype']} in some records and {feature['dtype']} in others"
                 )
             if seen["shape"] != feature["shape"]:
@@ -55,7 +56,7 @@ def run_beam(
 ) -> dict:
     """`madp batch --runner <Beam runner>`: a prepare run, calibration of p in the driver, a sample run."""
     if partitions < 1:
-        raise rec.InputError("--partitions must be at least 1")
+        raise InputError("--partitions must be at least 1")
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
         return batch_local.run_local(
@@ -66,7 +67,7 @@ def run_beam(
     content = (
         options.content_columns
         if options.content_columns is not None
-        else rec.content_columns(data_files[0], options.columns)
+        else record_reading.content_columns(data_files[0], options.columns)
     )
     selection = selection_files(selected)
     work = storage.join(output, WORK_DIR)
@@ -105,7 +106,7 @@ def run_beam(
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
         counters.append(run(pipeline, NAMESPACE))
         summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
-    except rec.InputError:
+    except InputError:
         batch_report.prepare_output(output)  # no partial batches outlive an error
         storage.clear_directory(work)
         raise

@@ -14,9 +14,10 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.pipeline import by_kind, merge_rejects
 from beam_pipelines.store import PartitionStore, stack
-from madp import batching, sampling
+from madp import batching, record_reading, sampling
 from madp import records as rec
 from madp.batch_report import merge_counts
+from madp.errors import InputError
 from madp.hashing import partition_of
 from madp.randomness import SecretKey
 
@@ -48,7 +49,7 @@ class _ReadDataFile(beam.DoFn):
 
     def process(self, element):
         index, path = element
-        result = rec.read_file(path, index, self.columns, self.content)
+        result = record_reading.read_file(path, index, self.columns, self.content)
         if len(result.rejects):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         chunk = result.chunk
@@ -95,7 +96,7 @@ class _BuildRecordPartition(beam.DoFn):
         ids = pa.concat_arrays([s[0] for s in selection])
         copies = np.concatenate([s[1] for s in selection])
         if chunk is None:
-            raise rec.InputError(
+            raise InputError(
                 f"{len(ids)} selected ids are not valid records of {self.data} "
                 f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
             )

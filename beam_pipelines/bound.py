@@ -29,6 +29,7 @@ from beam_pipelines.store import PartitionStore
 from madp import records as rec
 from madp import storage
 from madp.bounding import Rounds
+from madp.errors import InputError
 from madp.selection import (
     BoundOptions,
     base_report,
@@ -216,7 +217,7 @@ def run_beam(
 ) -> dict:
     """`madp bound --runner <Beam runner>`: chain pipeline runs until the algorithm converges."""
     if partitions < 1 or rounds_per_pipeline < 1:
-        raise rec.InputError("--partitions and --rounds-per-pipeline must be at least 1")
+        raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
     started = time.perf_counter()
     files = rec.list_input_files(input_path)
     if options.capacities:

@@ -15,8 +15,8 @@ import pyarrow as pa
 
 from beam_pipelines.bound_rounds import RecordState, SideStore, keep, stat
 from beam_pipelines.store import PartitionStore
+from madp import record_reading, storage
 from madp import records as rec
-from madp import storage
 from madp.bounding import Capacities, build_user_side, preference_keys
 from madp.hashing import partition_of
 from madp.routing import distinct_partitions, owned, partition_bits
@@ -32,7 +32,7 @@ class _ReadFile(beam.DoFn):
 
     def process(self, element):
         index, path = element
-        result = rec.read_file(path, index, self.columns)
+        result = record_reading.read_file(path, index, self.columns)
         yield stat("input_rows", result.rows_read)
         yield from (stat(f"rejected_{reason}", count) for reason, count in result.rejects.counts().items())
         yield stat("repeated_users_removed", result.repeated_users_removed)

@@ -17,6 +17,7 @@ from apache_beam.options.pipeline_options import (
 )
 
 from madp import records as rec
+from madp.errors import InputError
 
 
 def unknown_beam_args(beam_args: list[str]) -> list[str]:
@@ -42,7 +43,7 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     madp option nor a Beam option (a typo such as --min_sep) is an error, not silently dropped."""
     unknown = unknown_beam_args(beam_args)
     if unknown:
-        raise rec.InputError(
+        raise InputError(
             f"unrecognized option(s) {' '.join(unknown)}: neither an option of this command "
             f"nor a Beam pipeline option (check the spelling: madp options use dashes)"
         )
@@ -75,7 +76,7 @@ def run(pipeline: beam.Pipeline, namespace: str) -> dict[str, int]:
     except Exception as error:
         found = re.search(r"InputError: (.+?)(?: \[while running|\n|$)", str(error))
         if found:
-            raise rec.InputError(found.group(1)) from error
+            raise InputError(found.group(1)) from error
         raise
     counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}

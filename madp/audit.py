@@ -32,7 +32,8 @@ from madp.commands.registry import Parser
 from madp.commands.training import train_options
 from madp.errors import CheckFailed, InputError
 from madp.randomness import SecretKey
-from madp.records import INPUT_SUFFIXES, Columns, content_columns, list_input_files, read_file
+from madp.record_reading import content_columns, read_file
+from madp.records import INPUT_SUFFIXES, Columns, list_input_files
 
 log = logging.getLogger("madp.audit")
 AUDIT_FILE = "audit.json"

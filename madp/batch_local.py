@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from madp import record_reading, sampling
 from madp import records as rec
-from madp import sampling
 from madp.batch_files import (
     USER_FEATURE,
     batch_file_path,
@@ -35,6 +35,7 @@ from madp.batching import (
     skip_invalid_content,
     user_hashes,
 )
+from madp.errors import InputError
 from madp.hashing import siphash24
 from madp.progress import Progress
 from madp.selection import handle_rejects, selection_files, write_report
@@ -61,7 +62,7 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     names = (
         options.content_columns
         if options.content_columns is not None
-        else rec.content_columns(files[0], options.columns)
+        else record_reading.content_columns(files[0], options.columns)
     )
     chunk, rejects, _, _ = read_input(data, options.columns, names)
     if options.on_invalid == "error":
@@ -73,7 +74,7 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     if options.on_invalid == "skip":
         chunk, copies = skip_invalid_content(chunk, copies, rejects)
     if not len(copies):
-        raise rec.InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
+        raise InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
     return Dataset(
         ids=chunk.ids,
         copies=copies,
@@ -118,7 +119,7 @@ def check_fits(expected_rows: float, options: BatchOptions) -> None:
     """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if expected_rows * BYTES_PER_SAMPLE > memory / 2:
-        raise rec.InputError(
+        raise InputError(
             f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about "
             f"{expected_rows:.3g} rows, about {expected_rows * BYTES_PER_SAMPLE / 2**30:.0f} GiB "
             f"in memory, more than half of this machine's {memory / 2**30:.0f} GiB: use fewer steps "
@@ -131,7 +132,7 @@ def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     n, batch = len(dataset.copies), int(options.batch_size)
     check_fits(float(options.steps) * batch, options)
     if batch > n:
-        raise rec.InputError(
+        raise InputError(
             f"--batch-size {batch} is larger than the {n} selected records: a batch cannot hold a record twice"
         )
     arity = np.diff(dataset.offsets)
@@ -145,7 +146,7 @@ def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
         )
         tried.append({"min_sep": min_sep, "feasible": chosen is not None})
         if chosen is None and (not options.find_max_min_sep or min_sep == 1):
-            raise rec.InputError(
+            raise InputError(
                 f"no solution for --steps {options.steps} --batch-size {batch} --min-sep {min_sep}: "
                 f"batch {filled} cannot be filled, a full pass over the {n} selected records adds "
                 f"none to it; lower --min-sep or --batch-size"
@@ -174,7 +175,7 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     and a sampled user brings all its units."""
     distinct, user_of_record = np.unique(single_users(dataset), return_inverse=True)
     if not 0 < options.batch_size <= len(distinct):
-        raise rec.InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
+        raise InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
     probability = options.batch_size / len(distinct)
     check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
     user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
@@ -201,7 +202,7 @@ def single_users(dataset: Dataset) -> np.ndarray:
     arity = np.diff(dataset.offsets)
     if (arity != 1).any():
         first = int(np.flatnonzero(arity != 1)[0])
-        raise rec.InputError(
+        raise InputError(
             f"--sampler users needs single-attribution records (one user each); record "
             f"{dataset.ids[first].as_py()!r} has {int(arity[first])}"
         )
@@ -214,7 +215,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     dataset = load(selected, data, options, output)
     if options.sampler == "users":
         if USER_FEATURE in dataset.content.column_names:
-            raise rec.InputError(
+            raise InputError(
                 f"--sampler users adds a feature {USER_FEATURE!r}: leave the content column "
                 f"{USER_FEATURE!r} out with --content-columns"
             )

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from madp import records as rec
 from madp import storage, tfrecord
 from madp.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
+from madp.errors import InputError
 from madp.hashing import hash_ids, id_words, siphash24
 from madp.randomness import DETERMINISTIC, SecretKey
 from madp.selection import REPORT_FILE
@@ -70,7 +71,7 @@ class BatchOptions:
         ]
         for ok, message in checks:
             if not ok:
-                raise rec.InputError(message)
+                raise InputError(message)
         # Drawn once per run (by the driver: Beam workers get it with the pipeline), never reported.
         object.__setattr__(self, "key", SecretKey.for_run(self.seed, "batch sampling", "--seed"))
 
@@ -107,7 +108,7 @@ def bound_record(selected: str) -> dict:
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
     table = storage.read_parquet(path)
     if not {"id", "copies"} <= set(table.column_names):
-        raise rec.InputError(f"{path}: a selection needs columns id and copies (found {table.column_names})")
+        raise InputError(f"{path}: a selection needs columns id and copies (found {table.column_names})")
     ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
     if (
         ids.null_count
@@ -115,7 +116,7 @@ def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
         or not pa.types.is_integer(copies.type)
         or (len(copies) and pc.min(copies).as_py() < 1)
     ):
-        raise rec.InputError(f"{path}: ids must be present and copies integers >= 1")
+        raise InputError(f"{path}: ids must be present and copies integers >= 1")
     if pa.types.is_integer(ids.type):
         ids = ids.cast(pa.int64())
     return ids, copies.to_numpy(zero_copy_only=False).astype(np.int64)
@@ -126,22 +127,22 @@ def join_selection(
 ) -> tuple[rec.RecordChunk, np.ndarray]:
     """The selected records of `chunk` (in selection order) and their copies; every selected id must be there."""
     if len(ids) and len(chunk) and ids.type != chunk.ids.type:
-        raise rec.InputError(
+        raise InputError(
             f"selected ids are {ids.type} but the ids of {data} are {chunk.ids.type}: "
             f"was SELECTED bounded from this data with the same --id-column?"
         )
     if rec.duplicate_id_mask(ids).any():
-        raise rec.InputError("a selected id is listed twice in SELECTED/selected/")
+        raise InputError("a selected id is listed twice in SELECTED/selected/")
     reserved = pa.scalar(PADDING_ID if pa.types.is_integer(ids.type) else "", ids.type) if len(ids) else None
     if reserved is not None and pc.any(pc.equal(ids, reserved)).as_py():
-        raise rec.InputError(
+        raise InputError(
             f"selected record id {reserved.as_py()!r} is the id of padding rows in batches: give that record another id"
         )
     position = pc.index_in(ids, value_set=chunk.ids) if len(chunk) else pa.nulls(len(ids), pa.int32())
     missing = position.is_null().to_numpy(zero_copy_only=False)
     if missing.any():
         shown = ", ".join(repr(v) for v in ids.filter(pa.array(missing))[:10].to_pylist())
-        raise rec.InputError(
+        raise InputError(
             f"{int(missing.sum())} selected ids are not valid records of {data} (e.g. {shown}): "
             f"was SELECTED bounded from this data?"
         )
@@ -201,7 +202,7 @@ def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
     """Feature description of each content column; a null or non-finite value in a selected record is an error."""
     for name in content.column_names:
         if name in RESERVED_FEATURES:
-            raise rec.InputError(
+            raise InputError(
                 f"content column {name!r} has the name of a batch feature {RESERVED_FEATURES}; "
                 f"choose the columns with --content-columns"
             )
@@ -209,7 +210,7 @@ def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
     if (reason != "").any():
         row = int(np.flatnonzero(reason != "")[0])
         problem = "is null" if reason[row] == rec.NULL_CONTENT else "holds a NaN or infinite value"
-        raise rec.InputError(
+        raise InputError(
             f"content column {where[row]!r} {problem} for selected record {ids[row].as_py()!r}; fix the "
             f"record, leave the column out with --content-columns, or pass --on-invalid skip"
         )
@@ -220,7 +221,7 @@ def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
         try:
             kind = tfrecord.feature_kind(values.type)
         except ValueError as error:
-            raise rec.InputError(f"content column {name!r}: {error}; leave it out with --content-columns") from error
+            raise InputError(f"content column {name!r}: {error}; leave it out with --content-columns") from error
         if pa.types.is_fixed_size_list(column.type):
             shape = [column.type.list_size]
         elif is_list(column.type):

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from madp import record_reading
 from madp import records as rec
 from madp.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
 from madp.progress import Progress
@@ -103,7 +104,7 @@ def read_input(
     chunks, rejects, rows_read, removed = [], rec.Rejects(), 0, 0
     progress = Progress(log, "reading input", len(files), "files")
     for index, path in enumerate(files):
-        result = rec.read_file(path, index, columns, content)
+        result = record_reading.read_file(path, index, columns, content)
         chunks.append(result.chunk)
         rejects.extend(result.rejects)
         rows_read += result.rows_read

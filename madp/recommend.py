@@ -20,6 +20,7 @@ from accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import records as rec
 from madp.bounding import Capacities
+from madp.errors import InputError
 from madp.local_engine import bound_records, read_input
 from madp.selection import BoundOptions
 
@@ -45,13 +46,13 @@ class Sweep:
 
     def __post_init__(self) -> None:
         if self.mechanism not in ("dpsgd", "bandmf"):
-            raise rec.InputError("--mechanism must be dpsgd or bandmf")
+            raise InputError("--mechanism must be dpsgd or bandmf")
         if not self.ks or any(not isinstance(k, int) or k < 1 for k in self.ks):
-            raise rec.InputError(f"--k must list integers >= 1, got {self.ks}")
+            raise InputError(f"--k must list integers >= 1, got {self.ks}")
         if self.mechanism == "dpsgd" and (self.min_sep != 1 or self.bands != 1):
-            raise rec.InputError("--mechanism dpsgd is plain Poisson sampling: --min-sep 1 and --bands 1")
+            raise InputError("--mechanism dpsgd is plain Poisson sampling: --min-sep 1 and --bands 1")
         if self.clip_norm <= 0:
-            raise rec.InputError("--clip-norm must be positive")
+            raise InputError("--clip-norm must be positive")
 
 
 def records_per_user(user_index: np.ndarray, weights: np.ndarray, users: int) -> np.ndarray:
@@ -62,7 +63,7 @@ def records_per_user(user_index: np.ndarray, weights: np.ndarray, users: int) ->
 def recommend(input_path: str, sweep: Sweep) -> dict:
     chunk, rejects, _, _ = read_input(input_path, sweep.columns)
     if len(rejects):
-        raise rec.InputError(
+        raise InputError(
             f"{input_path}: {len(rejects)} invalid rows (first: {rejects.file[0]} row "
             f"{rejects.row[0]}, {rejects.reason[0]}); fix them, or sweep the selection of a "
             f"`madp bound --on-invalid skip` run's input without them"

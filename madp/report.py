@@ -16,8 +16,8 @@ import json
 from collections.abc import Mapping
 
 from madp import storage
+from madp.errors import InputError
 from madp.randomness import DETERMINISTIC
-from madp.records import InputError
 
 SOURCES = {
     "bound": "bound/report.json",

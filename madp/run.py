@@ -30,7 +30,7 @@ import yaml
 import madp
 from madp import storage
 from madp.audit_config import audit_directory, audit_options
-from madp.commands.registry import Parser
+from madp.commands.registry import CommandParser, Parser
 from madp.commands.training import calibrate_batches
 from madp.errors import CheckFailed, InputError
 from madp.report import QUALITY_METRICS, shows_sampling
@@ -122,7 +122,7 @@ class _Plan:
     """The stages planned so far, and where a run's outputs go."""
 
     run_dir: str
-    commands: Mapping[str, argparse.ArgumentParser]
+    commands: Mapping[str, CommandParser]
     stages: list[Stage] = dataclasses.field(default_factory=list)
 
     def path(self, name: str) -> str:
@@ -269,19 +269,19 @@ def _beam(section: dict, name: str) -> list[str]:
     return ["--runner", str(runner), *map(str, options)]
 
 
-def _flags(parser: argparse.ArgumentParser, section: str, options: dict) -> list[str]:
+def _flags(parser: CommandParser, section: str, options: dict) -> list[str]:
     """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated."""
-    known = {action.dest: action for action in parser._actions if action.option_strings}
+    known = {dest: action for dest, action in parser.options.items() if dest != "help"}
     flags = []
     for key, value in options.items():
         action = known.get(key)
-        if action is None or key == "help":
-            names = ", ".join(sorted(k for k in known if k != "help"))
+        if action is None:
             raise InputError(
-                f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` (known: {names})"
+                f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
+                f"(known: {', '.join(sorted(known))})"
             )
         flag = max(action.option_strings, key=len)
-        if isinstance(action, argparse._StoreTrueAction):
+        if action.nargs == 0:  # a switch (store_true)
             if not isinstance(value, bool):
                 raise InputError(f"config {section}.{key}: true or false")
             flags += [flag] if value else []

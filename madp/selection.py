@@ -14,8 +14,10 @@ import pyarrow.csv as pa_csv
 
 from madp import storage
 from madp.bounding import ORDERS, AlternateRuns, Capacities
+from madp.errors import InputError
 from madp.hashing import partition_of
-from madp.records import Columns, InputError, Rejects, ignored_input_files, jsonl_lines
+from madp.record_reading import jsonl_lines
+from madp.records import Columns, Rejects, ignored_input_files
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp import storage
-from madp.records import InputError
+from madp.errors import InputError
 from madp.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so

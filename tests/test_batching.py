@@ -17,8 +17,8 @@ from beam_pipelines.batch import run_beam
 from madp import sampling
 from madp.batch_local import run_local
 from madp.batching import BatchOptions
+from madp.errors import InputError
 from madp.local_engine import run_local as bound_local
-from madp.records import InputError
 from madp.selection import BoundOptions
 from madp.verify import _example_class, _feature_values, read_tfrecord, verify_batches
 

@@ -194,7 +194,7 @@ def test_alternate_order_runs_and_bias_mitigation():
 
 
 def test_alternate_order_options_are_checked():
-    from madp.records import InputError
+    from madp.errors import InputError
 
     with pytest.raises(InputError, match="--order alternate needs"):
         BoundOptions(max_contributions=2, order="alternate", arity_threshold=1)

@@ -394,7 +394,8 @@ def test_content_columns_come_from_every_row_and_huge_samplings_are_refused(tmp_
     records[0]["note"] = "only here"
     data = write_records(str(tmp_path / "d.jsonl"), records[5:] + records[:5])
     (tmp_path / "first.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    from madp.records import Columns, content_columns
+    from madp.record_reading import content_columns
+    from madp.records import Columns
 
     assert content_columns(str(tmp_path / "first.jsonl"), Columns()) == ("label", "note", "x")
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")

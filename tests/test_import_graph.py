@@ -19,6 +19,7 @@ LAYERS = (
             "madp.errors",
             "madp.storage",
             "madp.records",
+            "madp.record_reading",
             "madp.hashing",
             "madp.randomness",
             "madp.progress",

@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_records
 
+from madp.errors import InputError
 from madp.local_engine import run_local
-from madp.records import Columns, InputError, list_input_files, read_file
+from madp.record_reading import read_file
+from madp.records import Columns, list_input_files
 from madp.selection import BoundOptions
 
 BAD_JSONL = """{"id": 1, "users": [1, 2], "text": "kept"}

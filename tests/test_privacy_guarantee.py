@@ -19,10 +19,10 @@ from madp import randomness
 from madp.batch_local import run_local as batch_local
 from madp.batching import BatchOptions
 from madp.cli import main
+from madp.errors import InputError
 from madp.hashing import siphash24
 from madp.local_engine import run_local as bound_local
 from madp.randomness import FIXED_SEED, SECRET, SecretKey
-from madp.records import InputError
 from madp.selection import BoundOptions
 from madp.synthetic import GraphSpec, generate, to_table
 

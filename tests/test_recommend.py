@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import write_records
 
-from madp import records
+from madp import record_reading
 from madp.cli import main
 from madp.local_engine import run_local
 from madp.recommend import Sweep, recommend
@@ -71,9 +71,9 @@ def test_els_median_heuristic_and_recommendation(tmp_path):
 
 def test_the_input_is_read_once(skewed, monkeypatch):
     reads = []
-    original = records.read_file
+    original = record_reading.read_file
     monkeypatch.setattr(
-        records, "read_file", lambda *args, **kwargs: reads.append(args[0]) or original(*args, **kwargs)
+        record_reading, "read_file", lambda *args, **kwargs: reads.append(args[0]) or original(*args, **kwargs)
     )
     recommend(skewed, Sweep(epsilon=4, delta=1e-5, steps=50, batch_size=50, ks=(1, 2, 4)))
     assert reads == [skewed]

@@ -19,8 +19,8 @@ pytest.importorskip("tensorflow")
 
 from madp.batch_local import run_local as batch_local  # noqa: E402
 from madp.batching import BatchOptions  # noqa: E402
+from madp.errors import InputError  # noqa: E402
 from madp.local_engine import run_local as bound_local  # noqa: E402
-from madp.records import InputError  # noqa: E402
 from madp.selection import BoundOptions  # noqa: E402
 from madp.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
 from madp.synthetic_text import personal_words  # noqa: E402

@@ -20,7 +20,7 @@ def load_tensorflow():
     try:
         import tensorflow as tf
     except ImportError as error:
-        from madp.records import InputError
+        from madp.errors import InputError
 
         raise InputError(
             "training needs TensorFlow: pip install -e '.[train]' && "

@@ -7,7 +7,7 @@ import json
 
 from madp import storage
 from madp.batch_files import batch_files
-from madp.records import InputError
+from madp.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

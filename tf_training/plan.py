@@ -21,8 +21,8 @@ from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp import storage
+from madp.errors import InputError
 from madp.randomness import FIXED_SEED
-from madp.records import InputError
 from madp.selection import REPORT_FILE
 from tf_training.batches import Batches
 

@@ -17,9 +17,9 @@ import numpy as np
 
 from madp import storage
 from madp.batch_files import USER_FEATURE
+from madp.errors import InputError
 from madp.progress import Progress
 from madp.randomness import FIXED_SEED, SecretKey
-from madp.records import InputError
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
 from tf_training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from madp.errors import InputError
 
@@ -24,11 +25,26 @@ class Family:
     beam_options: frozenset[str] = frozenset()
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that keeps its options by destination, so that `madp run` can map a
+    config key to its option (flag, type, choices) through them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: dict[str, argparse.Action] = {}  # before argparse adds --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings:
+            self.options[action.dest] = action
+        return action
+
+
 class Parser(argparse.ArgumentParser):
     """madp's command line; `commands` maps a name to its subcommand's parser (`madp run` maps config keys
     to their options), `family` a name to the family that runs it."""
 
-    commands: Mapping[str, argparse.ArgumentParser]
+    commands: Mapping[str, CommandParser]
     family: Mapping[str, Family]
 
     def run(self, args: argparse.Namespace, unknown: list[str]) -> dict:
@@ -48,7 +64,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser(families: tuple[Family, ...], description: str) -> Parser:
     parser = Parser(prog="madp", description=description)
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     family = {}
     for each in families:
         each.add_parsers(commands)

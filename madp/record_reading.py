@@ -1,0 +1,340 @@
+"""Reading and validating one input file (JSON Lines, gzipped or not, or Parquet) into a
+`RecordChunk` of its valid rows and the `Rejects` of the others, each with its reason."""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+
+from madp import storage
+from madp.errors import InputError
+from madp.records import (
+    BAD_ID_TYPE,
+    BAD_USER_TYPE,
+    BAD_WEIGHT,
+    EMPTY_USERS,
+    INVALID_JSON,
+    MISSING_ID,
+    MISSING_USERS,
+    NON_SCALAR_USER,
+    NULL_USER,
+    ROW_KEY_BITS,
+    Columns,
+    FileResult,
+    RecordChunk,
+    Rejects,
+)
+
+
+def jsonl_lines(path: str) -> list[bytes]:
+    """The rows of a JSON Lines file: its non-blank lines, a leading UTF-8 byte order mark removed.
+    Row numbers in errors and rejects count these lines from 0."""
+    with storage.open_input(path) as handle:
+        data = handle.read()
+    if path.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise InputError(f"{path}: not a readable gzip file: {error}") from error
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    return [line for line in data.splitlines() if line.strip()]
+
+
+def _arrow_json(lines: list[bytes]) -> pa.Table | None:
+    """Arrow's fast JSON reader over `lines`, or None where it could disagree with one row per line.
+
+    Arrow reads a value split over two lines, or two values on one line, as records and crashes on
+    a top-level `null`; the row-by-row parse rejects such lines, so ids and content cannot shift."""
+    if not all(line.lstrip().startswith(b"{") and line.rstrip().endswith(b"}") for line in lines):
+        return None
+    try:
+        table = pa_json.read_json(io.BytesIO(b"\n".join(lines)))
+    except pa.ArrowInvalid:
+        return None
+    return table if len(table) == len(lines) else None
+
+
+def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
+    """Read one input file and split it into valid records and rejected rows; with `content`,
+    also carry those columns of the valid records."""
+    lines = None if path.endswith(".parquet") else jsonl_lines(path)  # one read for records and content
+    if lines is None:
+        table = _read_parquet(path, columns)
+        non_conforming = None
+    else:
+        table, non_conforming = _read_jsonl(path, lines, columns)
+    result = _validate(table, non_conforming, path, file_index, columns)
+    if content is not None:
+        rows = result.chunk.keys & ((1 << ROW_KEY_BITS) - 1)
+        result.chunk.content = _read_content(path, lines, content).take(pa.array(rows))
+    return result
+
+
+def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
+    """The columns of an input file other than the id, users and weight columns."""
+    if path.endswith(".parquet"):
+        names = storage.parquet_columns(path)
+    else:
+        lines = jsonl_lines(path)
+        table = _arrow_json(lines)
+        names = (
+            table.column_names
+            if table is not None
+            else list(dict.fromkeys(key for obj in map(_json_object, lines) for key in obj))
+        )
+    return tuple(n for n in names if n not in _wanted(columns))
+
+
+def _json_object(line: bytes) -> dict:
+    """A line's JSON object, or {} for a line that is not one."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _read_content(path: str, lines: list[bytes] | None, names: tuple[str, ...]) -> pa.Table:
+    """Columns `names` of every row of a file: Parquet (`lines` None), or the JSON Lines rows `lines`
+    (rows that are not JSON objects read as nulls)."""
+    if lines is None:
+        found = storage.parquet_columns(path)
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise InputError(f"{path}: no content column {missing} (found {found})")
+        return storage.read_parquet(path, list(names))
+    objects = [_json_object(line) for line in lines]
+    arrays = {}
+    for name in names:
+        if not any(name in obj for obj in objects):
+            raise InputError(f"{path}: no content column {name!r} in any row")
+        try:
+            arrays[name] = pa.array([obj.get(name) for obj in objects])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            raise InputError(f"{path}: content column {name!r} mixes types: {error}") from error
+    return pa.table(arrays) if arrays else pa.table({"_": pa.nulls(len(objects))}).drop(["_"])
+
+
+def _wanted(columns: Columns) -> list[str]:
+    return [c for c in (columns.id, columns.users, columns.weight) if c]
+
+
+def _require_columns(path: str, found: list[str], columns: Columns) -> None:
+    missing = [c for c in _wanted(columns) if c not in found]
+    if missing:
+        raise InputError(
+            f"{path}: no column {missing} in any row (found {found}); "
+            f"name the columns with --id-column, --users-column or --weight-column"
+        )
+
+
+def _read_parquet(path: str, columns: Columns) -> pa.Table:
+    _require_columns(path, storage.parquet_columns(path), columns)
+    return storage.read_parquet(path, _wanted(columns))
+
+
+def _read_jsonl(
+    path: str, lines: list[bytes], columns: Columns
+) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
+    """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
+    if not lines:
+        return _empty_table(columns), None
+    table = _arrow_json(lines)
+    if table is None:
+        return _parse_jsonl_rows(path, lines, columns)
+    _require_columns(path, table.column_names, columns)
+    if _conforming(table, columns):
+        return table.select(_wanted(columns)), None
+    return _parse_jsonl_rows(path, lines, columns)
+
+
+def _conforming(table: pa.Table, columns: Columns) -> bool:
+    id_type, users_type = table.schema.field(columns.id).type, table.schema.field(columns.users).type
+    scalar = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string)
+    return (
+        any(f(id_type) for f in scalar)
+        and pa.types.is_list(users_type)
+        and any(f(users_type.value_type) for f in scalar)
+        and (
+            not columns.weight
+            or pa.types.is_integer(table.schema.field(columns.weight).type)
+            or pa.types.is_floating(table.schema.field(columns.weight).type)
+        )
+    )
+
+
+def _empty_table(columns: Columns) -> pa.Table:
+    fields = [pa.field(columns.id, pa.int64()), pa.field(columns.users, pa.list_(pa.int64()))]
+    if columns.weight:
+        fields.append(pa.field(columns.weight, pa.float64()))
+    return pa.Table.from_pylist([], schema=pa.schema(fields))
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _is_id(value: object) -> bool:
+    """A string, or an integer that fits in 64 bits (JSON booleans are not integers here)."""
+    return isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
+    )
+
+
+def _row_problem(obj: dict, columns: Columns) -> str | None:
+    """Why a parsed JSON object cannot be typed as a record, or None (nulls are checked later)."""
+    record_id, record_users = obj.get(columns.id), obj.get(columns.users)
+    if record_id is not None and not _is_id(record_id):
+        return BAD_ID_TYPE
+    if record_users is not None and (
+        not isinstance(record_users, list) or any(isinstance(u, (list, dict)) for u in record_users)
+    ):
+        return NON_SCALAR_USER
+    if record_users is not None and not all(u is None or _is_id(u) for u in record_users):
+        return BAD_USER_TYPE
+    weight = obj.get(columns.weight) if columns.weight else None
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+        return BAD_WEIGHT
+    return None
+
+
+def _parse_jsonl_rows(
+    path: str, lines: list[bytes], columns: Columns
+) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
+    """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason kept."""
+    ids: list[object] = []
+    users: list[list | None] = []
+    weights: list[object] = []
+    problems: dict[int, tuple[str, object]] = {}
+    for row, line in enumerate(lines):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            problems[row] = (INVALID_JSON, line.decode("utf-8", "replace"))
+        elif (why := _row_problem(obj, columns)) is not None:
+            problems[row] = (why, obj)
+        if row in problems:
+            ids.append(None)
+            users.append(None)
+            weights.append(None)
+        else:
+            ids.append(obj.get(columns.id))
+            users.append(obj.get(columns.users))
+            weights.append(obj.get(columns.weight) if columns.weight else None)
+    id_array = _unify_scalars(ids, path, "id")
+    value_array = _unify_scalars([u for us in users if us for u in us], path, "user")
+    arrays = {columns.id: id_array, columns.users: pa.array(users, type=pa.list_(value_array.type))}
+    if columns.weight:
+        arrays[columns.weight] = pa.array(weights, type=pa.float64())
+    return pa.table(arrays), problems
+
+
+def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
+    kinds = {type(v) for v in values if v is not None}
+    if kinds == {int, str}:
+        raise InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
+    kind = kinds.pop() if kinds else int
+    return pa.array(values, type=pa.string() if kind is str else pa.int64())
+
+
+def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Array:
+    try:
+        return values.cast(target)
+    except pa.ArrowInvalid as error:
+        raise InputError(f"{path}: {what} do not fit {target} (64-bit signed integers): {error}") from error
+
+
+def _validate(
+    table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None, path: str, file_index: int, columns: Columns
+) -> FileResult:
+    n = len(table)
+    ids = table.column(columns.id).combine_chunks()
+    if pa.types.is_large_string(ids.type):
+        ids = _cast(ids, pa.string(), path, "ids")
+    elif pa.types.is_integer(ids.type):
+        ids = _cast(ids, pa.int64(), path, "ids")
+    elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
+        raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
+    users = table.column(columns.users).combine_chunks()
+    if pa.types.is_null(users.type):
+        users = pa.nulls(n, pa.list_(pa.int64()))
+    if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
+        raise InputError(f"{path}: users column {columns.users!r} has type {users.type}; expected a list")
+    if pa.types.is_large_string(users.type.value_type):
+        users = _cast(users, pa.list_(pa.string()), path, "user ids")
+    elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
+        users = _cast(users, pa.list_(pa.int64()), path, "user ids")
+    elif not pa.types.is_string(users.type.value_type):
+        raise InputError(
+            f"{path}: users column {columns.users!r} holds {users.type.value_type}; expected integer or string user ids"
+        )
+
+    reason = np.full(n, "", dtype=object)
+    for row, (why, _) in (non_conforming or {}).items():
+        reason[row] = why
+    lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
+    user_null_in_row = np.zeros(n, dtype=bool)
+    flat = pc.list_flatten(users)
+    if len(flat):
+        parents = pc.list_parent_indices(users).to_numpy()
+        np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
+    weights = None
+    checks = [
+        (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
+        (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
+        (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
+        (user_null_in_row, NULL_USER),
+    ]
+    if columns.weight:
+        weights = table.column(columns.weight).combine_chunks().cast(pa.float64()).to_numpy(zero_copy_only=False)
+        checks.append((~np.isfinite(weights), BAD_WEIGHT))
+    for failed, why in checks:
+        reason[(reason == "") & failed] = why
+    valid = reason == ""
+
+    rejects = Rejects()
+    for row in np.flatnonzero(~valid).tolist():
+        if non_conforming and row in non_conforming:
+            record = non_conforming[row][1]
+        else:
+            record = {name: table.column(name)[int(row)].as_py() for name in table.column_names}
+        rejects.add(path, row, reason[row], record)
+
+    rows = np.flatnonzero(valid).astype(np.int64)
+    valid_users = users.filter(pa.array(valid))
+    offsets, flat_users, removed = _drop_repeated_users(valid_users)
+    chunk = RecordChunk(
+        keys=(np.int64(file_index) << np.int64(ROW_KEY_BITS)) | rows,
+        ids=ids.filter(pa.array(valid)),
+        offsets=offsets,
+        users=flat_users,
+        weights=None if weights is None else weights[valid],
+        sources={file_index: path},
+    )
+    return FileResult(chunk, rejects, n, removed)
+
+
+def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int]:
+    """Keep the first occurrence of each user within each record."""
+    flat = pc.list_flatten(users)
+    if len(flat) == 0:
+        return np.zeros(len(users) + 1, dtype=np.int64), flat, 0
+    parents = pc.list_parent_indices(users).to_numpy().astype(np.int64)
+    codes = pc.dictionary_encode(flat).indices.to_numpy().astype(np.int64)
+    order = np.lexsort((np.arange(len(codes)), codes, parents))
+    repeat = np.zeros(len(codes), dtype=bool)
+    same = (parents[order][1:] == parents[order][:-1]) & (codes[order][1:] == codes[order][:-1])
+    repeat[order[1:][same]] = True
+    keep = ~repeat
+    counts = np.bincount(parents[keep], minlength=len(users))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return offsets, flat.filter(pa.array(keep)), int(repeat.sum())
