@@ -12,7 +12,6 @@ probability at most sum_k q_k < q, so the release is (epsilon, delta* + q (1 - d
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -20,15 +19,13 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 
-import numpy as np
-
-from accounting.betting import BETS, log_wealth, log_wealth_steps, samples_to_reject_on_zeros
+from accounting.betting import samples_to_reject_on_zeros
 from accounting.calibrate import calibrate
 from accounting.calibrate import epsilon as epsilon_of
+from accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
 from accounting.mechanisms import BandMf, Mechanism
-from accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
+from accounting.monte_carlo import MinSepProcess
 from madp.errors import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -36,7 +33,6 @@ log = logging.getLogger("madp.accounting")
 FAILURE_SHARE = 0.02  # q = 2% of the target delta; delta* = (delta - q) / (1 - q)
 # Candidates: the estimate times 1 + 1%, 2%, 4%, ..., 32%, tried from the lowest.
 RUNG_STEPS = tuple(0.01 * 2**j for j in range(6))
-CHUNK = 8192  # samples per task: the unit of parallelism, of seeding and of a test's stopping times
 # The estimate places the ladder: delta* / 2 on ESTIMATE_SAMPLES / delta* samples (at least
 # ESTIMATE_MIN_SAMPLES), whose error moves sigma by about 1%.
 ESTIMATE_TARGET = 0.5
@@ -45,9 +41,7 @@ ESTIMATE_MIN_SAMPLES = 65_536
 BISECTION_STEPS = 11
 COARSENING = 16  # the estimate first finds 16x the target on 1/16 of the samples
 DEFAULT_SLOPE = -0.05  # d log value / d log delta when no two estimates measured it (sigma: ~-0.03)
-# A verification gives up (fails, which is always safe) when the evidence that delta > delta* reaches
-# 1 / GIVE_UP_LEVEL, or after its sample budget: by default VERIFY_BUDGET times what all-zero terms need.
-GIVE_UP_LEVEL = 1e-3
+# A verification's sample budget: by default VERIFY_BUDGET times what all-zero terms need.
 VERIFY_BUDGET = 4
 
 
@@ -115,216 +109,6 @@ class MinSepRelease:
             "outcomes": list(self.outcomes),
             "attempts": self.attempts,
         }
-
-
-# --- chunks of samples, mapped over workers ----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkTask:
-    """One seeded chunk of samples at (sigma, epsilon), drawn in `directions`; with a `bound`, it also
-    returns the betting tests' log wealth steps against that bound."""
-
-    process: MinSepProcess
-    sigma: float
-    epsilon: float
-    size: int
-    seed: int
-    directions: tuple[str, ...] = DIRECTIONS
-    bound: float | None = None
-
-
-def chunk_statistics(task: ChunkTask) -> list[list[float]]:
-    """Per direction: [sum of hockey-stick terms, sum of their squares, *log wealth steps] (runs in workers)."""
-    ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions)
-    statistics = []
-    for under, row in zip(task.directions, ratios):
-        terms = hockey_stick_terms(row, task.epsilon, under)
-        steps = [] if task.bound is None else log_wealth_steps(terms, task.bound).tolist()
-        statistics.append([float(terms.sum()), float(np.square(terms).sum()), *steps])
-    return statistics
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkMap:
-    """`map` over chunk tasks, `wave` tasks at a time (a sequential test looks after every wave)."""
-
-    map: Callable
-    wave: int
-
-
-# Opens a `map(fn, tasks)` on a cluster for a whole run, e.g. beam_pipelines.monte_carlo.BeamTaskMap
-RemoteMap = Callable[[], contextlib.AbstractContextManager[Callable]]
-
-
-@contextlib.contextmanager
-def task_map(workers: int, remote: RemoteMap | None = None):
-    """A `ChunkMap`: in this process, in one pool of `workers` processes kept for a whole run, or on
-    the cluster `remote` opens (64 tasks a wave)."""
-    if workers < 1:
-        raise InputError(f"--workers must be at least 1, got {workers}")
-    if remote is not None:
-        with remote() as mapper:
-            yield ChunkMap(mapper, 64)
-    elif workers == 1:
-        yield ChunkMap(map, 1)
-    else:
-        with ProcessPoolExecutor(workers) as pool:
-            yield ChunkMap(pool.map, 2 * workers)
-
-
-def chunk_seed(tag: tuple[int, ...], chunk: int) -> int:
-    return int(np.random.SeedSequence([*tag, chunk]).generate_state(1)[0])
-
-
-def stream_chunks(
-    process: MinSepProcess,
-    sigma: float,
-    epsilon: float,
-    samples: int,
-    tag: tuple[int, ...],
-    mapper: ChunkMap,
-    bound: float | None = None,
-    directions: Callable[[], tuple[str, ...]] | None = None,
-):
-    """Yield (samples so far, statistics) chunk by chunk in seed order, mapping `mapper.wave` chunks at a time;
-    `directions()` says which directions the next wave still needs. Chunk c of `tag` is the same whatever
-    the mapper, so where a caller stops does not depend on it."""
-    done = 0
-    started = logged = time.perf_counter()
-    while done < samples:
-        wanted = directions() if directions else DIRECTIONS
-        tasks = []
-        for first in range(done, min(samples, done + mapper.wave * CHUNK), CHUNK):
-            tasks.append(
-                ChunkTask(
-                    process, sigma, epsilon, min(CHUNK, samples - first), chunk_seed(tag, first // CHUNK), wanted, bound
-                )
-            )
-        for task, statistics in zip(tasks, mapper.map(chunk_statistics, tasks)):
-            done += task.size
-            yield done, dict(zip(task.directions, statistics))
-        if time.perf_counter() - logged > 30:
-            logged = time.perf_counter()
-            log.info("  %d of at most %d samples (%.0f samples/s)", done, samples, done / (logged - started))
-
-
-def estimate_delta(
-    process: MinSepProcess, sigma: float, epsilon: float, samples: int, tag: tuple[int, ...], mapper: ChunkMap
-) -> float:
-    """Monte Carlo delta(epsilon) on `samples` samples, the larger of both directions."""
-    _, estimate = _estimate_passes(process, sigma, epsilon, samples, tag, mapper, 1.0, early=False)
-    assert estimate is not None  # without early stopping, the estimate runs over every sample
-    return estimate
-
-
-def _estimate_passes(
-    process: MinSepProcess,
-    sigma: float,
-    epsilon: float,
-    samples: int,
-    tag: tuple[int, ...],
-    mapper: ChunkMap,
-    target: float,
-    early: bool = True,
-) -> tuple[bool, float | None]:
-    """Whether delta(epsilon) <= target by the estimate, stopping as soon as three standard errors (plus
-    1 / samples, for when no term was seen yet) decide (if `early`); with the full-sample estimate when
-    it did not stop. Only the ladder's place rests on this, never the guarantee."""
-    sums = {under: np.zeros(2) for under in DIRECTIONS}
-    for done, statistics in stream_chunks(process, sigma, epsilon, samples, tag, mapper):
-        for under, values in statistics.items():
-            sums[under] += values[:2]
-        means = {under: total[0] / done for under, total in sums.items()}
-        errors = {
-            under: math.sqrt(max(total[1] / done - means[under] ** 2, 0.0) / done) for under, total in sums.items()
-        }
-        if not early or done == samples:
-            continue
-        above = any(means[u] - 3 * errors[u] > target for u in DIRECTIONS)
-        if above or all(means[u] + 3 * errors[u] + 1 / done < target for u in DIRECTIONS):
-            decided = not above
-            log.info(
-                "estimate at sigma %.6g, epsilon %.6g: delta %s %.3g after %d samples",
-                sigma,
-                epsilon,
-                "<" if decided else ">",
-                target,
-                done,
-            )
-            return decided, None
-    estimate = float(max(means.values()))
-    log.info("estimate at sigma %.6g, epsilon %.6g: delta %.4g from %d samples", sigma, epsilon, estimate, samples)
-    return estimate <= target, estimate
-
-
-def verify(
-    process: MinSepProcess,
-    sigma: float,
-    epsilon: float,
-    samples: int,
-    tag: tuple[int, ...],
-    mapper: ChunkMap,
-    mechanism_delta: float,
-    level: float,
-) -> tuple[bool, int]:
-    """(passed, samples drawn): whether betting tests in both directions reject delta(epsilon) >= delta*
-    at `level` within `samples` samples. Gives up early (fails) once the evidence for delta > delta*
-    reaches 1 / GIVE_UP_LEVEL, or when, past half the samples, the log wealth growing at its rate so far
-    would not reach the threshold in time; a direction that has rejected stops drawing."""
-    wealth = {under: np.zeros(2 * len(BETS)) for under in DIRECTIONS}
-    rejected: set[str] = set()
-    threshold = math.log(1 / level)
-    done = 0
-    for done, statistics in stream_chunks(
-        process,
-        sigma,
-        epsilon,
-        samples,
-        tag,
-        mapper,
-        mechanism_delta,
-        lambda: tuple(u for u in DIRECTIONS if u not in rejected),
-    ):
-        for under, values in statistics.items():
-            if under in rejected:
-                continue
-            wealth[under] += values[2:]
-            private, not_private = log_wealth(wealth[under])
-            if not_private >= math.log(1 / GIVE_UP_LEVEL):
-                log.info(
-                    "verification at sigma %.6g, epsilon %.6g: failed, delta > %.3g in direction %s after %d samples",
-                    sigma,
-                    epsilon,
-                    mechanism_delta,
-                    under,
-                    done,
-                )
-                return False, done
-            if private >= threshold:
-                rejected.add(under)
-            elif 2 * done >= samples and private + (samples - done) * max(private, 0.0) / done < threshold:
-                log.info(
-                    "verification at sigma %.6g, epsilon %.6g: failed, direction %s would not pass within %d "
-                    "samples at its rate so far (%d drawn)",
-                    sigma,
-                    epsilon,
-                    under,
-                    samples,
-                    done,
-                )
-                return False, done
-        if len(rejected) == len(DIRECTIONS):
-            log.info(
-                "verification at sigma %.6g, epsilon %.6g: passed at level %.3g after %d samples",
-                sigma,
-                epsilon,
-                level,
-                done,
-            )
-            return True, done
-    log.info("verification at sigma %.6g, epsilon %.6g: failed, no decision within %d samples", sigma, epsilon, done)
-    return False, done
 
 
 def _estimate(estimate_passes, fallback: float, low: float, target: float, samples: int) -> tuple[float, float]:
@@ -488,7 +272,7 @@ def _release(
     fallback = fallback_at(mechanism_delta)
     with task_map(workers, remote) as mapper:
         released, estimate, ladder, outcomes, used = _estimate_verify_release(
-            lambda value, target, count, early=True: _estimate_passes(
+            lambda value, target, count, early=True: estimate_passes(
                 process, *sigma_epsilon(value), count, (seed, 0), mapper, target, early
             ),
             lambda value, rung, level: verify(

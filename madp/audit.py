@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from accounting.auditing import one_run_audit
-from madp import run, storage
+from madp import run, run_plan, storage
 from madp.audit_config import AuditOptions, audit_directory, audit_options
 from madp.commands.registry import Parser
 from madp.commands.training import train_options
@@ -177,9 +177,9 @@ def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 
 def run_audit(config_path: str, overrides: list[str], flags: dict, parser: Parser, force: bool = False) -> dict:
     """The audit of a config's model; `parser` (every madp command) plans and runs the audit's job."""
-    config = run.load_config(config_path, overrides)
+    config = run_plan.load_config(config_path, overrides)
     options = audit_options(config, flags)
-    run.plan_stages(copy.deepcopy(config), parser)  # the job itself must be valid
+    run_plan.plan_stages(copy.deepcopy(config), parser)  # the job itself must be valid
     directory = audit_directory(config, options)
     with storage.exclusive(directory, f"audit {config_path}"):
         return _audit(config_path, config, options, directory, parser, force)
@@ -196,8 +196,8 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory
         generate = dict(config["generate"])
-        stages = run.plan_stages({"run_dir": directory, "generate": generate}, parser)
-        run._run_stages(directory, config_path, stages, parser, force)
+        stages = run_plan.plan_stages({"run_dir": directory, "generate": generate}, parser)
+        run.run_stages(directory, config_path, stages, parser, force)
         real = path("records")
         eval_data = path("test.parquet") if generate.get("holdout") else None
     real_files = list_input_files(real)
@@ -226,10 +226,10 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     }
     stages = [
         s
-        for s in run.plan_stages(job, parser)
+        for s in run_plan.plan_stages(job, parser)
         if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))
     ]
-    run._run_stages(directory, config_path, stages, parser, force)
+    run.run_stages(directory, config_path, stages, parser, force)
 
     model_dir = path("baseline" if options.non_private else "train")
     args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)

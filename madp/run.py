@@ -1,330 +1,26 @@
-"""`madp run CONFIG.yaml`: the production job, generate -> bound -> batch -> calibrate -> train,
-each stage optional (its section present or not) and resumable.
-
-A section's keys are the long options of the `madp` command the stage runs (`max_contributions:
-3` is `--max-contributions 3`), so the config and the CLI never drift apart; `runner` and
-`beam_options` go to Beam. The whole config is parsed and every stage's options are built before
-anything runs. A stage whose outputs exist and whose parameters and input files (names, sizes,
+"""`madp run CONFIG.yaml`, running: the planned stages (`madp.run_plan`) one after the other, each
+resumable. A stage whose outputs exist and whose parameters and input files (names, sizes,
 modification times) are those of its last successful run is skipped; `--force` re-runs all.
-
-Run directory layout: records/ and test.parquet (generate), bound/, batches/ (with the
-independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
-train/, baseline/ (non-private, if asked), and .madp/ with one manifest per finished stage.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import dataclasses
 import hashlib
-import io
 import json
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
-
-import yaml
 
 import madp
 from madp import storage
-from madp.audit_config import audit_directory, audit_options
-from madp.commands.registry import CommandParser, Parser
+from madp.commands.registry import Parser
 from madp.commands.training import calibrate_batches
-from madp.errors import CheckFailed, InputError
+from madp.errors import CheckFailed
 from madp.report import QUALITY_METRICS, shows_sampling
+from madp.run_plan import Stage, load_config, plan_stages
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
-# Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
-CALIBRATE_KEYS = (
-    "epsilon",
-    "delta",
-    "noise_multiplier",
-    "mechanism",
-    "bands",
-    "strategy",
-    "clip_norm",
-    "max_contributions",
-    "amplified",
-    "mc_samples",
-    "mc_workers",
-    "mc_seed",
-)
-SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    name: str
-    command: list[str]  # the `madp` command line it runs (its parameters)
-    inputs: tuple[str, ...]  # paths whose files it reads
-    output: str  # the path it writes (a directory, or calibration.json)
-
-
-def load_config(path: str, overrides: list[str]) -> dict:
-    """The YAML config with `--set key.sub=value` overrides (values parsed as YAML)."""
-    try:
-        with open(path) as handle:
-            config = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise InputError(f"config {path}: {error}") from error
-    if not isinstance(config, dict):
-        raise InputError(f"config {path}: the top level must be a mapping of sections")
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not key:
-            raise InputError(f"--set {override!r}: expected key=value or section.key=value")
-        *sections, leaf = key.split(".")
-        node = config
-        for section in sections:
-            node = node.setdefault(section, {})
-            if not isinstance(node, dict):
-                raise InputError(f"--set {override!r}: {section} is not a section")
-        node[leaf] = yaml.safe_load(value)
-    return config
-
-
-def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | None = None) -> list[Stage]:
-    """Validate the config and return the stages it asks for, in order. `source` (the config file and its
-    `--set` overrides) is what an audit stage re-reads; without it the audit section is only validated."""
-    unknown = sorted(set(config) - set(SECTIONS))
-    if unknown:
-        raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
-    run_dir = config.get("run_dir")
-    if not isinstance(run_dir, str) or not run_dir:
-        raise InputError("config run_dir: required, the directory of the run's outputs")
-    plan = _Plan(run_dir, parser.commands)
-    data, eval_data = _data_stages(config, plan)
-    _bound_stages(config, plan, data)
-    _batch_stages(config, plan, data)
-    _training_stages(config, plan, eval_data)
-    if config.get("audit") is not None:
-        directory = audit_directory(config, audit_options(config, {}))
-        if source is not None:
-            config_path, overrides = source
-            command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]
-            plan.stages.append(Stage("audit", command, (config_path, data), directory))
-    report = config.get("report", False)
-    if not isinstance(report, bool):
-        raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
-    if report:
-        outputs = tuple(stage.output for stage in plan.stages)
-        plan.stages.append(Stage("report", ["report", run_dir], outputs, plan.path("report.html")))
-    for stage in plan.stages:  # every stage's options parse and build before anything runs
-        _check(parser, stage)
-    return plan.stages
-
-
-@dataclasses.dataclass
-class _Plan:
-    """The stages planned so far, and where a run's outputs go."""
-
-    run_dir: str
-    commands: Mapping[str, CommandParser]
-    stages: list[Stage] = dataclasses.field(default_factory=list)
-
-    def path(self, name: str) -> str:
-        return storage.join(self.run_dir, name)
-
-
-def _data_stages(config: dict, plan: _Plan) -> tuple[str, str | None]:
-    """(the records, the held-out records or None): the config's input, or a generate stage."""
-    generate = _section(config, "generate")
-    data = config.get("input")
-    eval_data = None
-    if generate is not None:
-        if data is not None:
-            raise InputError("config input: give either input or a generate section, not both")
-        holdout = generate.pop("holdout", False)
-        if not isinstance(holdout, bool):
-            raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
-        data = plan.path("records")
-        extra = ["--holdout", plan.path("test.parquet")] if holdout else []
-        eval_data = plan.path("test.parquet") if holdout else None
-        flags = _flags(plan.commands["generate"], "generate", generate)
-        plan.stages.append(Stage("generate", ["generate", data, *flags, *extra], (), data))
-    if not isinstance(data, str) or not data:
-        raise InputError("config input: required (the records), unless a generate section makes them")
-    return data, eval_data
-
-
-def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
-    bound = _section(config, "bound")
-    if bound is None:
-        return
-    path = plan.path
-    beam = _beam(bound, "bound")
-    flags = _flags(plan.commands["bound"], "bound", bound)
-    plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
-    if "max_contributions" not in bound:
-        raise InputError("config bound.max_contributions: required (the contribution bound K)")
-    k = ["--max-contributions", str(bound["max_contributions"])]
-    capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
-    columns = _pick(flags, ("--id-column", "--users-column"))
-    plan.stages.append(
-        Stage(
-            "verify-bound",
-            ["verify-bound", data, path("bound"), *k, *capacities, *columns],
-            (data, path("bound")),
-            path("bound"),
-        )
-    )
-
-
-def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
-    batch = _section(config, "batch")
-    if batch is None:
-        return
-    path = plan.path
-    beam = _beam(batch, "batch")
-    flags = _flags(plan.commands["batch"], "batch", batch)
-    plan.stages.append(
-        Stage(
-            "batch",
-            ["batch", path("bound"), data, path("batches"), *flags, *beam],
-            (path("bound"), data),
-            path("batches"),
-        )
-    )
-    checks = ["--min-sep", str(batch.get("min_sep", 1))]
-    if batch.get("max_batch_size"):
-        checks += ["--max-batch-size", str(batch["max_batch_size"])]
-    plan.stages.append(
-        Stage(
-            "verify-batches",
-            ["verify-batches", path("batches"), data, *checks, *_pick(flags, ("--id-column", "--users-column"))],
-            (path("batches"), data),
-            path("batches"),
-        )
-    )
-
-
-def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
-    """calibrate (the privacy plan), train with it, and the non-private baseline if asked."""
-    path = plan.path
-    calibrate = _section(config, "calibrate")
-    train = _section(config, "train")
-    if calibrate is not None:
-        outside = sorted(set(calibrate) - set(CALIBRATE_KEYS))
-        if outside:
-            raise InputError(
-                f"config calibrate: {', '.join(outside)} belong to the train section "
-                f"(calibrate takes {', '.join(CALIBRATE_KEYS)})"
-            )
-        flags = _flags(plan.commands["train"], "calibrate", calibrate)
-        command = ["train", path("batches"), path("calibration.json"), *flags]
-        plan.stages.append(Stage("calibrate", command, (path("batches"),), path("calibration.json")))
-    if train is None:
-        return
-    baseline = train.pop("baseline", False)
-    if not isinstance(baseline, bool):
-        raise InputError("config train.baseline: true or false (also trains a non-private model)")
-    inside = sorted(set(train) & set(CALIBRATE_KEYS))
-    if inside:
-        raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
-    if calibrate is None:
-        raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
-    if eval_data and "eval_data" not in train:
-        train["eval_data"] = eval_data
-    flags = _flags(plan.commands["train"], "train", train)
-    clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
-    evaluation = (train["eval_data"],) if train.get("eval_data") else ()
-    plan.stages.append(
-        Stage(
-            "train",
-            ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
-            (path("batches"), path("calibration.json"), *evaluation),
-            path("train"),
-        )
-    )
-    if baseline:
-        plan.stages.append(
-            Stage(
-                "baseline",
-                ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
-                (path("batches"), *evaluation),
-                path("baseline"),
-            )
-        )
-
-
-def _section(config: dict, name: str) -> dict | None:
-    value = config.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise InputError(f"config {name}: a mapping of options")
-    return dict(value)
-
-
-def _beam(section: dict, name: str) -> list[str]:
-    runner = section.pop("runner", "DirectRunner")
-    options = section.pop("beam_options", [])
-    if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
-        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--direct_num_workers, 4]")
-    if runner == "local" and options:
-        raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
-    return ["--runner", str(runner), *map(str, options)]
-
-
-def _flags(parser: CommandParser, section: str, options: dict) -> list[str]:
-    """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated."""
-    known = {dest: action for dest, action in parser.options.items() if dest != "help"}
-    flags = []
-    for key, value in options.items():
-        action = known.get(key)
-        if action is None:
-            raise InputError(
-                f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        flag = max(action.option_strings, key=len)
-        if action.nargs == 0:  # a switch (store_true)
-            if not isinstance(value, bool):
-                raise InputError(f"config {section}.{key}: true or false")
-            flags += [flag] if value else []
-        elif value is not None:
-            text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            convert = action.type if callable(action.type) else str
-            try:
-                converted = convert(text)
-            except ValueError:
-                name = getattr(convert, "__name__", "a value")
-                raise InputError(f"config {section}.{key}: expected {name}, got {value!r}") from None
-            if action.choices and converted not in action.choices:
-                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, got {value!r}")
-            flags += [flag, text]
-    return flags
-
-
-def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
-    """The (flag, value) pairs of `flags` whose flag is one of `names`."""
-    picked = []
-    for index, flag in enumerate(flags[:-1]):
-        if flag in names:
-            picked += [flag, flags[index + 1]]
-    return picked
-
-
-def _check(parser: Parser, stage: Stage) -> None:
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
-            args, extra = parser.parse_known_args(stage.command)
-    except (argparse.ArgumentError, SystemExit) as error:
-        reason = said.getvalue().strip().splitlines()[-1:] or [str(error)]
-        raise InputError(f"config {stage.name}: {reason[0]}") from error
-    if extra and stage.name not in ("bound", "batch"):
-        raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
-    try:
-        parser.check_options(args)
-    except InputError as error:
-        raise InputError(f"config {stage.name}: {error}") from error
-
-
-# --- resumability -------------------------------------------------------------------------------
 
 
 def fingerprint(stage: Stage) -> str:
@@ -358,10 +54,10 @@ def run(config_path: str, overrides: list[str], parser: Parser, force: bool = Fa
     stages = plan_stages(config, parser, (config_path, overrides))
     run_dir = config["run_dir"]
     with storage.exclusive(run_dir, f"run {config_path}"):
-        return _run_stages(run_dir, config_path, stages, parser, force)
+        return run_stages(run_dir, config_path, stages, parser, force)
 
 
-def _run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Parser, force: bool) -> dict:
+def run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Parser, force: bool) -> dict:
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):

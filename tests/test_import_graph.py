@@ -56,7 +56,7 @@ LAYERS = (
         ),
     ),
     ("commands", ("madp.commands",)),
-    ("jobs", ("madp.run", "madp.audit")),
+    ("jobs", ("madp.run_plan", "madp.run", "madp.audit")),
     ("command line", ("madp.cli",)),
 )
 

@@ -10,6 +10,7 @@ import math
 import pytest
 
 import accounting.evr as evr
+import accounting.mc_delta as mc_delta
 from accounting.calibrate import calibrate, epsilon
 from accounting.evr import RUNG_STEPS
 from accounting.mechanisms import DpSgdUls
@@ -46,13 +47,13 @@ def test_same_result_for_any_number_of_workers():
 
 
 def test_fallback_is_released_when_no_candidate_verifies(monkeypatch):
-    monkeypatch.setattr(evr, "_estimate_passes", lambda *args: (True, None))  # a wrong estimate: every sigma passes
+    monkeypatch.setattr(evr, "estimate_passes", lambda *args: (True, None))  # a wrong estimate: every sigma passes
     # The bracket then sinks to fallback * 1e-6, and every candidate is far below the ~1.2 that Poisson
     # DP-SGD needs here: each must fail verification, and early (the evidence against it is overwhelming).
     result = evr.calibrate_minsep(POISSON, 1.0, 0.02, samples=100_000, seed=3, fallback=EVERY_STEP)
     assert result.ladder[-1] < 0.01
     assert not result.verified and result.value == result.fallback
-    assert result.outcomes == (False,) * len(RUNG_STEPS) and result.samples_used == (evr.CHUNK,) * len(RUNG_STEPS)
+    assert result.outcomes == (False,) * len(RUNG_STEPS) and result.samples_used == (mc_delta.CHUNK,) * len(RUNG_STEPS)
 
 
 def test_too_few_samples_is_an_error():
@@ -120,16 +121,16 @@ def test_beam_runner_gives_the_local_estimate_and_stops_where_local_does():
     """Chunks are seeded by (seed, chunk) and read in seed order: a Beam run, 64 chunks per pipeline, sums the
     same terms and a sequential verification stops at the same chunk as one read chunk by chunk."""
     process = MinSepProcess(60, 3, 0.1, 2, (1.0, 0.4))
-    with evr.task_map(1) as local:
-        expected = evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
-        verified = evr.verify(process, 4.0, 1.5, 400_000, (5,), local, 1e-4, 1e-3)
+    with mc_delta.task_map(1) as local:
+        expected = mc_delta.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
+        verified = mc_delta.verify(process, 4.0, 1.5, 400_000, (5,), local, 1e-4, 1e-3)
     assert verified[0] and 8192 < verified[1] < 400_000, "the test needs several chunks, and stops before the budget"
     from beam_pipelines.monte_carlo import BeamTaskMap
 
-    with evr.task_map(1, functools.partial(BeamTaskMap, ["--runner", "DirectRunner"])) as beam:
+    with mc_delta.task_map(1, functools.partial(BeamTaskMap, ["--runner", "DirectRunner"])) as beam:
         assert beam.wave > 1
-        assert evr.estimate_delta(process, 0.9, 1.5, 20_000, (4,), beam) == expected
-        assert evr.verify(process, 4.0, 1.5, 400_000, (5,), beam, 1e-4, 1e-3) == verified
+        assert mc_delta.estimate_delta(process, 0.9, 1.5, 20_000, (4,), beam) == expected
+        assert mc_delta.verify(process, 4.0, 1.5, 400_000, (5,), beam, 1e-4, 1e-3) == verified
 
 
 def test_runner_options_are_checked(capsys):
@@ -212,9 +213,13 @@ def test_sequential_verification_rarely_passes_a_candidate_that_is_not_private()
     bound = 0.002
     not_private, private = 1.52, 1.9
     assert poisson_delta(not_private, 1.0) > 1.45 * bound and poisson_delta(private, 1.0) < bound / 4
-    with evr.task_map(1) as mapper:
-        passed = [evr.verify(POISSON, not_private, 1.0, 100_000, (seed,), mapper, bound, 0.1)[0] for seed in range(60)]
-        private_runs = [evr.verify(POISSON, private, 1.0, 100_000, (seed,), mapper, bound, 1e-4) for seed in range(5)]
+    with mc_delta.task_map(1) as mapper:
+        passed = [
+            mc_delta.verify(POISSON, not_private, 1.0, 100_000, (seed,), mapper, bound, 0.1)[0] for seed in range(60)
+        ]
+        private_runs = [
+            mc_delta.verify(POISSON, private, 1.0, 100_000, (seed,), mapper, bound, 1e-4) for seed in range(5)
+        ]
     assert sum(passed) <= 6 + 3 * (60 * 0.1 * 0.9) ** 0.5, sum(passed)
     half = bound / 2
     chernoff = math.log(1 / 1e-4) / (half * math.log(half / bound) + (1 - half) * math.log((1 - half) / (1 - bound)))
@@ -232,11 +237,11 @@ def test_estimate_steps_down_from_a_coarser_target_to_the_right_value():
         return delta <= target, None if early and abs(math.log(delta / target)) > 1 else delta
 
     target = 1e-7
-    value, slope = evr._estimate(estimate_passes, 12.0, 1.5, target, 16**3 * 4 * evr.CHUNK)
+    value, slope = evr._estimate(estimate_passes, 12.0, 1.5, target, 16**3 * 4 * mc_delta.CHUNK)
     assert value == pytest.approx(math.sqrt(math.log(1 / target) / 12.0), rel=5e-3)  # half a rung
     assert slope == pytest.approx(-1 / (2 * math.log(1 / target)), rel=0.2)
-    assert sorted(set(calls)) == [4 * evr.CHUNK * 16**level for level in range(4)]
-    assert calls.count(16**3 * 4 * evr.CHUNK) <= 2, "the full sample count is drawn once or twice"
+    assert sorted(set(calls)) == [4 * mc_delta.CHUNK * 16**level for level in range(4)]
+    assert calls.count(16**3 * 4 * mc_delta.CHUNK) <= 2, "the full sample count is drawn once or twice"
 
 
 @pytest.mark.slow
@@ -244,10 +249,10 @@ def test_estimate_is_near_the_exact_poisson_sigma_at_a_small_delta():
     """The estimate on the real kernels, coarsening twice, against the PLD sigma where delta is the target."""
     process = MinSepProcess(30, 1, 0.1, 1, (1.0,))
     target = 4e-6
-    with evr.task_map(1) as mapper:
+    with mc_delta.task_map(1) as mapper:
 
         def estimate_passes(value, goal, samples, early=True):
-            return evr._estimate_passes(process, value, 1.0, samples, (9, 0), mapper, goal, early)
+            return mc_delta.estimate_passes(process, value, 1.0, samples, (9, 0), mapper, goal, early)
 
         value, _ = evr._estimate(estimate_passes, 20.0, 2.5, target, 2_000_000)
     exact = calibrate(DpSgdUls(0.1, 30), 1.0, target).noise_multiplier

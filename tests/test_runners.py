@@ -21,7 +21,7 @@ from beam_pipelines.pipeline import pipeline_options
 from beam_pipelines.store import PartitionStore
 from madp.batching import BatchOptions
 from madp.cli import main, parser
-from madp.run import load_config, plan_stages
+from madp.run_plan import load_config, plan_stages
 from madp.selection import BoundOptions
 
 pytestmark = [pytest.mark.beam]

@@ -366,7 +366,7 @@ def test_example_text_jobs_are_valid_configs(name, tmp_path):
     import yaml
 
     from madp.cli import parser
-    from madp.run import plan_stages
+    from madp.run_plan import plan_stages
 
     config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
     config["run_dir"] = str(tmp_path)
