@@ -13,6 +13,9 @@ with c_i the nonzero part of column i of C. The kernels are compiled (numba) and
 at a time, fusing its draws (`accounting/random_streams.py`), its dots, its weights and the
 recursion, in linear space with rescaling where that is exact, else in log space.
 Estimate-verify-release (`accounting/evr.py`) turns these estimates into a formal guarantee.
+
+One module over ~350 lines on purpose: the compiled kernels below share one state layout (`_Kernel`)
+and one sample's order of draws; the tests compare them against exact enumeration as a unit.
 """
 
 from __future__ import annotations

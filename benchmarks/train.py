@@ -39,10 +39,11 @@ def main() -> None:
     from accounting.strategies import sqrt_coefficients
     from madp.randomness import SecretKey
     from tf_training.clipping import ghost_clippable
-    from tf_training.plan import TrainOptions
+    from tf_training.options import TrainOptions
     from tf_training.queries import BandMfQuery, DpSgdQuery
+    from tf_training.steps import NonPrivateStep, PrivateStep
     from tf_training.tasks import ByteLmTask, TextClassifierTask
-    from tf_training.trainer import NonPrivateStep, PrivateStep, build_model, tf, tf_keras
+    from tf_training.trainer import build_model, tf, tf_keras
 
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):

@@ -1,7 +1,10 @@
-"""Independent check of a bounding output: no user over its bound, no unknown selected id.
+"""Independent checks of a bounding output (no user over its bound, no unknown selected id) and of
+batches (min-sep between a user's participations, participations, sizes).
 
 Deliberately shares no code with the reader, the kernels or the engines: it re-reads the input
-with plain pyarrow / json, and counts contributions with Python dictionaries.
+with plain pyarrow / json, and counts contributions with Python dictionaries. One file over
+~350 lines on purpose: it imports no other module of madp (`tests/test_import_graph.py` checks
+it), so it is the whole of what a reviewer reads to trust the two verifiers.
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ def test_greedy_batches_say_they_need_no_secret(bounded, tmp_path):
 def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_path, caplog):
     pytest.importorskip("tensorflow")
     from tf_training.batches import open_batches
-    from tf_training.plan import TrainOptions, privacy_plan
+    from tf_training.options import TrainOptions
+    from tf_training.plan import privacy_plan
 
     rows = [{"id": i, "users": [i % 200], "features": [0.1, 0.2], "label": i % 2} for i in range(1400)]
     data = write_records(str(tmp_path / "records.jsonl"), rows)
@@ -194,7 +195,8 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
 def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
     pytest.importorskip("tensorflow")
     from tf_training.batches import open_batches
-    from tf_training.plan import TrainOptions, privacy_plan
+    from tf_training.options import TrainOptions
+    from tf_training.plan import privacy_plan
 
     directory, data = bounded
     selected = str(tmp_path / "bounded")
@@ -213,7 +215,8 @@ def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
 def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     pytest.importorskip("tensorflow")
     from tf_training.batches import open_batches
-    from tf_training.plan import TrainOptions, privacy_plan
+    from tf_training.options import TrainOptions
+    from tf_training.plan import privacy_plan
 
     directory, data = bounded
     report = batch_local(
@@ -342,7 +345,8 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
 
 def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_path):
     pytest.importorskip("tensorflow")
-    from tf_training.trainer import TrainOptions, tf_keras, train
+    from tf_training.options import TrainOptions
+    from tf_training.trainer import tf_keras, train
 
     directory, data = bounded
     batch_local(

@@ -28,8 +28,9 @@ from tf_training import text  # noqa: E402
 from tf_training.batches import open_batches  # noqa: E402
 from tf_training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
 from tf_training.data import step_batches  # noqa: E402
+from tf_training.options import TrainOptions  # noqa: E402
 from tf_training.queries import clip_and_sum  # noqa: E402
-from tf_training.trainer import TrainOptions, tf, tf_keras, train  # noqa: E402
+from tf_training.trainer import tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

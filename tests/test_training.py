@@ -21,8 +21,10 @@ from madp.local_engine import run_local as bound_local  # noqa: E402
 from madp.randomness import SecretKey  # noqa: E402
 from madp.selection import BoundOptions  # noqa: E402
 from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from tf_training.options import TrainOptions  # noqa: E402
 from tf_training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
-from tf_training.trainer import PrivateStep, TrainOptions, build_model, tf, tf_keras, train  # noqa: E402
+from tf_training.steps import PrivateStep  # noqa: E402
+from tf_training.trainer import build_model, tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
@@ -322,7 +324,7 @@ def test_user_sampler_refuses_multi_user_records(pipeline_data):
 
 
 def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight():
-    from tf_training.trainer import shard_step
+    from tf_training.steps import shard_step
 
     rng = np.random.default_rng(8)
     x, y = rng.normal(size=(23, 3)).astype(np.float32), rng.random(23).astype(np.float32)

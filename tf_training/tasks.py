@@ -20,7 +20,7 @@ from madp.errors import InputError
 from tf_training import load_tensorflow, text
 from tf_training.batches import Batches
 from tf_training.data import step_batches
-from tf_training.plan import TrainOptions
+from tf_training.options import TrainOptions
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

@@ -123,7 +123,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def train_options(args: argparse.Namespace):
-    from tf_training.plan import TrainOptions
+    from tf_training.options import TrainOptions
 
     return TrainOptions(
         epsilon=args.epsilon,

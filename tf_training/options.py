@@ -1,0 +1,103 @@
+"""The options of `madp train`, checked when built: what to train, how privately, on what."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from madp.errors import InputError
+
+MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
+DISTRIBUTIONS = ("default", "mirrored", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    mechanism: str = "auto"
+    bands: int = 1
+    strategy: str = "sqrt"
+    model: str = "logreg"
+    features: str = "features"
+    label: str = "label"
+    optimizer: str = "sgd"
+    learning_rate: float = 0.5
+    clip_norm: float = 1.0
+    seed: int = 0  # model initialization (public); not the noise
+    noise_seed: int | None = None  # None: fresh secret noise key; an int reproduces (not private)
+    mc_seed: int = 0  # Monte Carlo verification samples (public: they only check the accountant)
+    eval_data: str | None = None
+    eval_every: int = 100
+    max_contributions: int | None = None
+    amplified: bool = False
+    mc_samples: int | None = None
+    mc_workers: int = 1
+    distribution: str = "default"
+    tpu: str = ""
+    cpu_replicas: int = 1
+    calibration: str | None = None
+    zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
+    testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
+    text_column: str = "text"  # text models: the feature holding the text
+    labels: tuple[str, ...] | None = None  # text-classifier: the public label set (None: read from the data)
+    max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text
+    buckets: int = 16384  # text-classifier: rows of the hashed n-gram embedding
+    width: int | None = None  # text models: embedding width (None: 32 classifier, 64 language model)
+    layers: int = 2  # text-lm: Transformer blocks
+    heads: int = 4  # text-lm: attention heads
+    on_invalid: str = "error"  # text models: rows they cannot use stop training, or train with weight 0
+
+    @property
+    def target_epsilon(self) -> float:
+        """The epsilon to calibrate sigma for."""
+        if self.epsilon is None:
+            raise InputError("give --epsilon (or --noise-multiplier)")
+        return self.epsilon
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
+            (self.bands >= 1, "--bands must be at least 1"),
+            (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
+            (self.learning_rate > 0, "--learning-rate must be positive"),
+            (self.clip_norm > 0, "--clip-norm must be positive"),
+            (self.eval_every >= 1, "--eval-every must be at least 1"),
+            (
+                self.mechanism == "none"
+                or self.calibration is not None
+                or self.epsilon is not None
+                or self.noise_multiplier is not None,
+                "give --epsilon (sigma is calibrated), --noise-multiplier, or --calibration",
+            ),
+            (
+                self.calibration is None or (self.epsilon is None and self.noise_multiplier is None),
+                "--calibration fixes sigma: drop --epsilon and --noise-multiplier",
+            ),
+            (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
+            (
+                not self.amplified or self.mechanism in ("auto", "bandmf"),
+                "--amplified accounts BandMF: use --mechanism auto or bandmf",
+            ),
+            (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
+            (
+                self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
+                "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored",
+            ),
+            (self.mc_workers >= 1, "--mc-workers must be at least 1"),
+            (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+            (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
+            (self.width is None or self.width >= 1, "--width must be at least 1"),
+            (
+                self.layers >= 1 and self.heads >= 1 and (self.width or 64) % self.heads == 0,
+                "--layers and --heads must be at least 1, and --width a multiple of --heads",
+            ),
+            (
+                self.labels is None or len(set(self.labels)) == len(self.labels) >= 2,
+                "--labels: at least two distinct labels",
+            ),
+            (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InputError(message)

@@ -1,0 +1,213 @@
+"""One training step, private (DP-SGD or DP-BandMF through a DPQuery) or not, and how a step's
+rows are spread over the replicas of a tf.distribute strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from madp.errors import InputError
+from tf_training import load_tensorflow
+from tf_training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
+from tf_training.options import TrainOptions
+from tf_training.queries import clip_and_sum
+
+tf = load_tensorflow()
+
+
+class PrivateStep:
+    """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
+
+    Dense-only models (an embedding bag first allowed) take the ghost-clipping path (`clipping`); any
+    other model gets vectorized per-example gradients (`fast=False` forces that path). Under a
+    tf.distribute strategy every replica clips and sums its rows, the sums are all-reduced, and every
+    replica adds the same noise (the generator is keyed by (seed, step), so the replicas need not
+    talk) and applies the same update.
+    """
+
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        query,
+        expected_batch_size: float,
+        fast: bool = True,
+        user_level: bool = False,
+        strategy=None,
+    ):
+        self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
+        self.expected = expected_batch_size
+        self.user_level = user_level
+        self.fast = fast and ghost_clippable(model) and not user_level
+        self.strategy = strategy or tf.distribute.get_strategy()
+        # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
+        # crosses the tf.function boundary; all replicas compute the same state.
+        with self.strategy.scope():
+            self._state = tf.nest.map_structure(
+                lambda t: tf.Variable(t, trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA),
+                query.initial_global_state(),
+            )
+
+    def privatized_gradient(self, x, y, weight, users=None):
+        """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
+        return self._privatize_once(*self._inputs(x, y, weight, users))
+
+    def __call__(self, x, y, weight, users=None) -> None:
+        self.apply(*self._inputs(x, y, weight, users))
+
+    def _inputs(self, x, y, weight, users):
+        """Groups matter only for user-level clipping; otherwise None (one row per group)."""
+        if not self.user_level:
+            return x, y, weight, None
+        if users is None:
+            raise ValueError("user-level steps need each row's user")
+        return x, y, weight, tf.constant(row_groups(np.asarray(users), len(weight)))
+
+    @tf.function(reduce_retracing=True)
+    def _privatize_once(self, x, y, weight, groups):
+        return self._privatize(x, y, weight, groups)
+
+    @tf.function(reduce_retracing=True)
+    def apply(self, x, y, weight, groups) -> None:
+        """One step on (per-replica) rows and their clipping groups (`row_groups`)."""
+        self.strategy.run(self._apply_replica, args=(x, y, weight, groups))
+
+    def _apply_replica(self, x, y, weight, groups) -> None:
+        gradients = self._privatize(x, y, weight, groups)
+        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables), skip_gradients_aggregation=True)
+
+    def _privatize(self, x, y, weight, groups):
+        state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
+        params = self.query.derive_sample_params(state)
+        if self.fast:
+            summed = ghost_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
+        else:
+            per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
+            if self.user_level:  # the ULS record of a user: the average gradient of its rows
+                count = tf.shape(weight)[0]  # static where shapes are (TPU): groups < rows
+                totals = tf.math.unsorted_segment_sum(weight, groups, count)
+                per_example = [
+                    tf.math.unsorted_segment_sum(g, groups, count)
+                    / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
+                    for g in per_example
+                ]
+            summed = clip_and_sum(params, per_example)
+        summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
+        noised, state, _ = self.query.get_noised_result(summed, state)
+        tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
+        return [g / self.expected for g in noised]
+
+
+class NonPrivateStep:
+    """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
+
+    def __init__(self, model, loss_fn, optimizer, strategy=None):
+        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.strategy = strategy or tf.distribute.get_strategy()
+
+    def __call__(self, x, y, weight, users=None) -> None:
+        self.apply(x, y, weight)
+
+    @tf.function(reduce_retracing=True)
+    def apply(self, x, y, weight, groups=None) -> None:
+        """One step on (per-replica) rows; `groups` (for the same call as PrivateStep's) is not needed."""
+        self.strategy.run(self._apply_replica, args=(x, y, weight))
+
+    def _apply_replica(self, x, y, weight) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(self.loss_fn(y, self.model(x, training=True)) * weight)
+        context = tf.distribute.get_replica_context()
+        gradients, total = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, (tape.gradient(loss, self.model.trainable_variables), tf.reduce_sum(weight))
+        )
+        self.optimizer.apply_gradients(
+            zip([g / tf.maximum(total, 1.0) for g in gradients], self.model.trainable_variables),
+            skip_gradients_aggregation=True,
+        )
+
+
+# --- distribution -------------------------------------------------------------------------------
+
+
+def distribution_strategy(options: TrainOptions):
+    """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
+    if options.distribution == "default":
+        return tf.distribute.get_strategy()
+    if options.distribution == "mirrored":
+        if options.cpu_replicas > 1:
+            if tf.config.list_physical_devices("GPU"):
+                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas
+                )
+            except RuntimeError:  # TensorFlow already started: only the same split can be used
+                pass
+            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
+            if len(devices) != options.cpu_replicas:
+                raise InputError(
+                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
+                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
+                )
+            return tf.distribute.MirroredStrategy(devices)
+        return tf.distribute.MirroredStrategy()
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=options.tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def row_groups(users: np.ndarray | None, rows: int) -> np.ndarray:
+    """The clipping group of each row: the row itself, or (user-level) its user's index in the step."""
+    if users is None:
+        return np.arange(rows, dtype=np.int32)
+    return np.unique(users, return_inverse=True)[1].astype(np.int32).reshape(-1)
+
+
+def shard_step(
+    x: np.ndarray,
+    y: np.ndarray,
+    weight: np.ndarray,
+    users: np.ndarray | None,
+    replicas: int,
+    rows_per_replica: int | None,
+) -> list[tuple[np.ndarray, ...]]:
+    """Split one step's rows over replicas: (x, y, weight, groups) each, a user's rows on one replica
+    (user-level), every replica padded with zero-weight rows to `rows_per_replica` when given
+    (static shapes for TPUs) or to at least one row."""
+    shards: list[tuple[np.ndarray, ...]] = []
+    owner = (
+        np.arange(len(weight)) * replicas // max(len(weight), 1)
+        if users is None
+        else row_groups(users, len(weight)) % replicas
+    )
+    for replica in range(replicas):
+        mine = owner == replica
+        size = rows_per_replica or max(int(mine.sum()), 1)
+        if mine.sum() > size:
+            raise InputError(f"a step has {int(mine.sum())} rows for one replica, more than the {size} planned")
+        pad = size - int(mine.sum())
+        groups = row_groups(None if users is None else users[mine], int(mine.sum()))
+        shards.append(
+            (
+                np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
+                np.concatenate([y[mine], np.zeros((pad, *y.shape[1:]), y.dtype)]),
+                np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
+                np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)]),
+            )
+        )
+    return shards
+
+
+def distribute(strategy, shards: list[tuple[np.ndarray, ...]]) -> tuple:
+    """(x, y, weight, groups) for `strategy.run`: plain tensors on one replica, per-replica values otherwise."""
+    if strategy.num_replicas_in_sync == 1:
+        return tuple(tf.constant(a) for a in shards[0])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda context: tuple(tf.constant(a) for a in shards[context.replica_id_in_sync_group])
+    )
+    return tuple(value)
