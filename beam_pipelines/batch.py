@@ -81,7 +81,7 @@ def run_beam(
     _ = pipeline | "Prepare" >> PreparePipeline(data_files, selection, data, content, options, partitions, store)
     try:
         counters.append(run(pipeline, NAMESPACE))
-        prepared = by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.pkl")))
+        prepared = by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.store")))
         rejects = prepared.get("rejects", [rec.Rejects()])[0]
         handle_rejects(rejects, options.on_invalid, output)
         described = _merge_described(prepared.get("described", []))
@@ -105,7 +105,7 @@ def run_beam(
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
         counters.append(run(pipeline, NAMESPACE))
-        summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.pkl")))
+        summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.store")))
     except InputError:
         batch_report.prepare_output(output)  # no partial batches outlive an error
         storage.clear_directory(work)

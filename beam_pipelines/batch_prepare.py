@@ -55,7 +55,7 @@ class _ReadDataFile(beam.DoFn):
         chunk = result.chunk
         destination = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
         for part, handle in self.store.write_split(
-            f"data-{index:06d}.pkl", destination, lambda mask: rec.take(chunk, mask)
+            f"data-{index:06d}.store", destination, lambda mask: rec.take(chunk, mask)
         ):
             yield part, ("records", handle)
 
@@ -69,7 +69,7 @@ class _ReadSelectionFile(beam.DoFn):
         ids, copies = batching.read_selection_file(path)
         destination = partition_of(ids, self.partitions) if len(ids) else np.zeros(0, np.int64)
         for part, handle in self.store.write_split(
-            f"selection-{index:06d}.pkl",
+            f"selection-{index:06d}.store",
             destination,
             lambda mask: (ids.filter(pa.array(mask)), copies[mask]),
         ):
@@ -119,11 +119,11 @@ class _BuildRecordPartition(beam.DoFn):
             "content": chunk.content,
             "record_keys": record_keys,
         }
-        yield summary_value("partition", (part, self.store.write_arrays(f"records-{part:05d}.pkl", partition)))
+        yield summary_value("partition", (part, self.store.write_arrays(f"records-{part:05d}.store", partition)))
         record_of_incidence = np.repeat(np.arange(len(copies)), np.diff(chunk.offsets))
         destination = user_partition_of(users, self.partitions)
         yield from self.store.write_split(
-            f"incidences-{part:05d}.pkl",
+            f"incidences-{part:05d}.store",
             destination,
             lambda mask: (users[mask], record_keys[record_of_incidence[mask]], copies[record_of_incidence[mask]]),
         )
@@ -146,7 +146,7 @@ class _NeighbourPairs(beam.DoFn):
             owner_keys, neighbour_keys, neighbour_copies = keys[owner], keys[neighbour], copies[first[neighbour]]
             destination = record_partition_of(owner_keys, self.partitions)
             yield from self.store.write_split(
-                f"pairs-{part:05d}-{chunk_index:05d}.pkl",
+                f"pairs-{part:05d}-{chunk_index:05d}.store",
                 destination,
                 lambda mask: (owner_keys[mask], neighbour_keys[mask], neighbour_copies[mask]),  # noqa: B023 (used now)
             )
@@ -222,5 +222,5 @@ class PreparePipeline(beam.PTransform):
             (histogram, rejects, built.stats)
             | "PrepareSummary" >> beam.Flatten()
             | "CollectPrepare" >> beam.combiners.ToList()
-            | "WritePrepare" >> beam.Map(lambda items: store.write_arrays("prepare-summary.pkl", items))
+            | "WritePrepare" >> beam.Map(lambda items: store.write_arrays("prepare-summary.store", items))
         )

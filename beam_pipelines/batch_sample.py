@@ -51,14 +51,14 @@ class _SamplePartition(beam.DoFn):
             (
                 "samples",
                 self.store.write_arrays(
-                    f"samples-{part:05d}.pkl", {"record": record, "keys": keys[unit], "step": step}
+                    f"samples-{part:05d}.store", {"record": record, "keys": keys[unit], "step": step}
                 ),
             ),
         )
         owner, flat = batch_files.incidences_of(partition["offsets"], record)
         users = partition["users"][flat]
         for user_part, handle in self.store.write_split(
-            f"sampled-users-{part:05d}.pkl",
+            f"sampled-users-{part:05d}.store",
             user_partition_of(users, self.partitions),
             lambda mask: (users[mask], step[owner[mask]], owner[mask], part),
         ):
@@ -81,7 +81,7 @@ class _BlockUsers(beam.DoFn):
         blocked = sampling.blocked_user_steps(users, steps, self.plan.min_sep)
         excluded_samples, excluded_source = samples[blocked], source[blocked]
         for part, handle in self.store.write_split(
-            f"excluded-{user_part:05d}.pkl", excluded_source, lambda mask: excluded_samples[mask]
+            f"excluded-{user_part:05d}.store", excluded_source, lambda mask: excluded_samples[mask]
         ):
             yield part, ("excluded", handle)
 
@@ -121,7 +121,7 @@ class _Survivors(beam.DoFn):
                 keys[mine],
                 step[mine],
             )
-        yield from self.store.write_slices(f"rows-{part:05d}.pkl", rows_by_file).items()
+        yield from self.store.write_slices(f"rows-{part:05d}.store", rows_by_file).items()
 
 
 def _concat_rows(pieces: list[batch_files.FileRows]) -> batch_files.FileRows:
@@ -159,13 +159,13 @@ class _WriteFile(beam.DoFn):
         yield summary_value("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
         users, steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
         for user_part, handle in self.store.write_split(
-            f"written-users-{file:05d}.pkl",
+            f"written-users-{file:05d}.store",
             user_partition_of(users, self.partitions),
             lambda mask: (users[mask], steps[mask]),
         ):
             yield beam.pvalue.TaggedOutput("users", (user_part, handle))
         for record_part, handle in self.store.write_split(
-            f"written-records-{file:05d}.pkl",
+            f"written-records-{file:05d}.store",
             record_partition_of(records, self.partitions),
             lambda mask: records[mask],
         ):
@@ -231,5 +231,5 @@ class SamplePipeline(beam.PTransform):
             (survivors.stats, written.stats, participation, records)
             | "SampleSummary" >> beam.Flatten()
             | "CollectSample" >> beam.combiners.ToList()
-            | "WriteSample" >> beam.Map(lambda items: store.write_arrays("sample-summary.pkl", items))
+            | "WriteSample" >> beam.Map(lambda items: store.write_arrays("sample-summary.store", items))
         )

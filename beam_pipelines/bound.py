@@ -65,14 +65,14 @@ class _FinishRecords(beam.DoFn):
         part, (_, handle) = element
         state = self.store.load("records", handle)
         PartitionStore(self.state_dir).write_arrays(
-            f"state-{part:05d}.pkl", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass}
+            f"state-{part:05d}.store", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass}
         )
         yield stat("selected_records", state.copies.sum())
         yield stat("distinct_selected", (state.copies > 0).sum())
         for name, count in record_distribution_stats(state.arity, state.copies).items():
             yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
         selected = state.copies > 0
-        ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.pkl"))["ids"]
+        ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.store"))["ids"]
         # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
         yield from selection_shards(ids.filter(pa.array(selected)), state.copies[selected], self.shards).items()
 

@@ -40,7 +40,7 @@ class _ReadFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         partition = partition_of(result.chunk.ids, self.partitions) if len(result.chunk) else np.zeros(0, np.int64)
         slices = {int(part): rec.take(result.chunk, partition == part) for part in np.unique(partition)}
-        yield from self.store.write_slices(f"chunks-from-file{index:06d}.pkl", slices).items()
+        yield from self.store.write_slices(f"chunks-from-file{index:06d}.store", slices).items()
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -63,7 +63,7 @@ class _BuildRecordPartition(beam.DoFn):
         n = len(chunk)
         copies, in_pass = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
         if self.state_dir:
-            saved = PartitionStore.read_arrays(storage.join(self.state_dir, f"state-{part:05d}.pkl"))
+            saved = PartitionStore.read_arrays(storage.join(self.state_dir, f"state-{part:05d}.store"))
             if not np.array_equal(saved["keys"], chunk.keys):
                 raise RuntimeError(f"partition {part}: input changed between pipeline runs")
             copies, in_pass = saved["copies"], saved["in_pass"] & (not self.new_pass)
@@ -74,7 +74,7 @@ class _BuildRecordPartition(beam.DoFn):
         user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else np.zeros(0, np.int64)
         record_of_incidence = np.repeat(np.arange(n), arity)
         offsets, user_partitions = distinct_partitions(arity, user_partition, self.partitions)
-        self.store.write_arrays(f"records-{part:05d}-ids.pkl", {"ids": chunk.ids})
+        self.store.write_arrays(f"records-{part:05d}-ids.store", {"ids": chunk.ids})
         state = RecordState(
             keys=chunk.keys,
             arity=arity,
@@ -97,7 +97,7 @@ class _BuildRecordPartition(beam.DoFn):
                 "coowners": coowners[records],
                 "selection": (copies[records], in_pass[records]) if self.state_dir else None,
             }
-        for user_part, where in self.store.write_slices(f"incidences-from-records{part:05d}.pkl", slices).items():
+        for user_part, where in self.store.write_slices(f"incidences-from-records{part:05d}.store", slices).items():
             yield beam.pvalue.TaggedOutput("incidences", (user_part, where))
 
 
@@ -155,7 +155,7 @@ def _build_user_partition(element, default: int, store: SideStore):
     coowners = per_record([c["coowners"] for c in chunks])
     owner = owned(coowners, part)
     routing = store.write_arrays(
-        f"users-{part:05d}-routing.pkl", {"record_partition": record_partition, "coowners": coowners, "owner": owner}
+        f"users-{part:05d}-routing.store", {"record_partition": record_partition, "coowners": coowners, "owner": owner}
     )
     yield keep(part, (*store.create("users", part, side), routing))
 

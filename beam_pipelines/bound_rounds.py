@@ -47,10 +47,10 @@ class SideStore(PartitionStore):
     def create(self, side: str, part: int, state) -> tuple[str, str]:
         arrays = dataclasses.asdict(state)
         static = {k: v for k, v in arrays.items() if k not in _CHANGING[side]}
-        return (self.write_arrays(f"{side}-{part:05d}-static.pkl", static), self.update(side, part, "built", state))
+        return (self.write_arrays(f"{side}-{part:05d}-static.store", static), self.update(side, part, "built", state))
 
     def update(self, side: str, part: int, step: str, state) -> str:
-        return self.write_arrays(f"{side}-{part:05d}-{step}.pkl", {k: getattr(state, k) for k in _CHANGING[side]})
+        return self.write_arrays(f"{side}-{part:05d}-{step}.store", {k: getattr(state, k) for k in _CHANGING[side]})
 
     def load(self, side: str, handle: tuple[str, ...]):
         arrays = {**read_static(handle[0]), **self.read_arrays(handle[1])}

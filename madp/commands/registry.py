@@ -27,14 +27,22 @@ class Family:
 
 class CommandParser(argparse.ArgumentParser):
     """A subcommand's parser that keeps its options by destination, so that `madp run` can map a
-    config key to its option (flag, type, choices) through them."""
+    config key to its option (flag, type, choices) through them; options of its groups included."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: dict[str, argparse.Action] = {}  # before argparse adds --help
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
+        return self._kept(super().add_argument(*args, **kwargs))
+
+    def add_argument_group(self, *args: Any, **kwargs: Any):
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+        group.add_argument = lambda *a, **k: self._kept(add(*a, **k))  # type: ignore[method-assign]
+        return group
+
+    def _kept(self, action: argparse.Action) -> argparse.Action:
         if action.option_strings:
             self.options[action.dest] = action
         return action

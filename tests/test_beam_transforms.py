@@ -1,0 +1,84 @@
+"""The Beam bounding transforms on their own, in a TestPipeline with assert_that: building both
+sides from files (counts and rejects as PCollections), and rounds of Alg. 1 against the in-memory
+engine's rounds on the same graph."""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+from conftest import write_records
+
+from beam_pipelines.bound_build import BuildSides
+from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
+from beam_pipelines.pipeline import pipeline_options
+from madp.bounding import Capacities
+from madp.local_engine import bound_records, read_input
+from madp.records import Columns
+from madp.selection import BoundOptions
+
+pytestmark = [pytest.mark.beam]
+
+
+def _test_pipeline() -> BeamTestPipeline:
+    return BeamTestPipeline(options=pipeline_options(["--direct_running_mode=in_memory", "--direct_num_workers=1"]))
+
+
+def _totals(stats):
+    """The per-name totals of (name, count) stats as one dict."""
+    return stats | "SumByName" >> beam.CombinePerKey(sum) | "AsDict" >> beam.combiners.ToDict()
+
+
+def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
+    first = write_records(
+        str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1, 2]}, {"id": 2, "users": []}, {"id": 3, "users": [2, 2]}]
+    )
+    second = write_records(str(tmp_path / "b.jsonl"), [{"id": 3, "users": [4]}, {"id": 4, "users": [5]}])
+    options = BoundOptions(max_contributions=1)
+    with _test_pipeline() as pipeline:
+        users, records, rejects, stats = pipeline | BuildSides(
+            [first, second], options, 3, SideStore(str(tmp_path / "store")), None, False
+        )
+        assert_that(
+            _totals(stats),
+            equal_to(
+                [
+                    {
+                        "input_rows": 5,
+                        "rejected_empty_users": 1,
+                        "rejected_duplicate_id": 2,  # id 3, in both files: both rows go
+                        "repeated_users_removed": 1,
+                        "input_records": 2,
+                    }
+                ]
+            ),
+            label="Counts",
+        )
+        reasons = rejects | beam.FlatMap(lambda batch: batch.reason)
+        assert_that(reasons, equal_to(["empty_users", "duplicate_id", "duplicate_id"]), label="Rejects")
+
+
+def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path):
+    rng = np.random.default_rng(4)
+    rows = [{"id": i, "users": sorted(set(rng.integers(0, 60, rng.integers(1, 4)).tolist()))} for i in range(300)]
+    path = write_records(str(tmp_path / "records.jsonl"), rows)
+    options = BoundOptions(max_contributions=2)
+    chunk, _, _, _ = read_input(path, Columns())
+    local = bound_records(chunk, options, Capacities(2)).rounds
+    assert len(local) >= 3
+    store = SideStore(str(tmp_path / "store"))
+    with _test_pipeline() as pipeline:
+        users, records, _, _ = pipeline | BuildSides([path], options, 4, store, None, False)
+        users, _ = (users, pipeline | "NoAcceptedYet" >> beam.Create([])) | "SaturateInitially" >> Saturate(store, 0)
+        round_stats = []
+        for index in (1, 2, 3):
+            users, records, stats = (users, records) | f"Round{index}" >> ProposalRound(store, index)
+            round_stats.extend(stats)
+        totals = _totals(tuple(round_stats) | beam.Flatten())
+        expected = {}
+        for index, one in enumerate(local[:3], 1):
+            expected[round_stat(index, "selected")] = one["selected"]
+            expected[round_stat(index, "eligible")] = one["eligible"]
+        assert_that(totals, equal_to([expected]))
