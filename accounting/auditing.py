@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 from scipy.stats import binom
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 _BISECTIONS = 60
 _EPSILON_CEILING = 100.0  # no audit of m < 1e40 canaries can refute more

@@ -26,7 +26,7 @@ from accounting.calibrate import epsilon as epsilon_of
 from accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
 from accounting.mechanisms import BandMf, Mechanism
 from accounting.monte_carlo import MinSepProcess
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from accounting.betting import BETS, log_wealth, log_wealth_steps
 from accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
 

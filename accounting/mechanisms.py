@@ -22,7 +22,7 @@ import numpy as np
 from dp_accounting import dp_event
 from scipy.stats import binom
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 
 def check_probability(name: str, value: float) -> None:

@@ -37,7 +37,7 @@ from accounting.random_streams import (
     standard_normals,
     uniform,
 )
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 DIRECTIONS = ("P", "Q")
 

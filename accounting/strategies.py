@@ -10,7 +10,7 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 STRATEGIES = ("sqrt", "optimized")
 

@@ -1,5 +1,5 @@
 """Batch materialization (b-min-sep Poisson sampling, Alg. 3) as Apache Beam pipelines: the
-`madp.sampling` kernels on record, user and file partitions. Two pipeline runs, because p must be
+`madp.core.sampling` kernels on record, user and file partitions. Two pipeline runs, because p must be
 calibrated before sampling: `batch_prepare` (join, |N(e)| histogram), then the driver calibrates
 p, then `batch_sample` (sample, exclude, write the files).
 
@@ -22,10 +22,11 @@ from beam_pipelines.batch_prepare import NAMESPACE, PreparePipeline
 from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
 from beam_pipelines.pipeline import by_kind, pipeline_options, run
 from beam_pipelines.store import PartitionStore
-from madp import batch_files, batch_local, batch_report, batching, record_reading, sampling, storage
-from madp import records as rec
-from madp.errors import InputError
-from madp.selection import handle_rejects, selection_files, write_report
+from madp.core import batch_files, record_reading, sampling, storage
+from madp.core import records as rec
+from madp.core.errors import InputError
+from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.engines import batch_local, batch_report, batching
 
 log = logging.getLogger("madp.batch")
 WORK_DIR = "_work"

@@ -14,12 +14,13 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.pipeline import by_kind, merge_rejects
 from beam_pipelines.store import PartitionStore, stack
-from madp import batching, record_reading, sampling
-from madp import records as rec
-from madp.batch_report import merge_counts
-from madp.errors import InputError
-from madp.hashing import partition_of
-from madp.randomness import SecretKey
+from madp.core import record_reading, sampling
+from madp.core import records as rec
+from madp.core.errors import InputError
+from madp.core.hashing import partition_of
+from madp.core.randomness import SecretKey
+from madp.engines import batching
+from madp.engines.batch_report import merge_counts
 
 NAMESPACE = "madp.batch"
 

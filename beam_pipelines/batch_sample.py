@@ -16,7 +16,8 @@ import pyarrow as pa
 from beam_pipelines.batch_prepare import count, record_partition_of, summary_value, user_partition_of
 from beam_pipelines.pipeline import by_kind
 from beam_pipelines.store import PartitionStore, stack
-from madp import batch_files, batch_report, sampling
+from madp.core import batch_files, sampling
+from madp.engines import batch_report
 
 
 @dataclasses.dataclass(frozen=True)

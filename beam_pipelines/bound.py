@@ -1,4 +1,4 @@
-"""Contribution bounding as an Apache Beam pipeline: the `madp.bounding` kernels on partitions.
+"""Contribution bounding as an Apache Beam pipeline: the `madp.core.bounding` kernels on partitions.
 
 Every element is a whole columnar partition, never a single record (`bound_build` builds them).
 Each round of Alg. 1 is unrolled in the graph as three shuffles of messages (`bound_rounds`).
@@ -26,11 +26,11 @@ from beam_pipelines.bound_build import BuildSides, ReadRecordPartitions
 from beam_pipelines.bound_rounds import NAMESPACE, ProposalRound, Saturate, SideStore, round_stat, stat
 from beam_pipelines.pipeline import merge_rejects, pipeline_options, run
 from beam_pipelines.store import PartitionStore
-from madp import records as rec
-from madp import storage
-from madp.bounding import Rounds
-from madp.errors import InputError
-from madp.selection import (
+from madp.core import records as rec
+from madp.core import storage
+from madp.core.bounding import Rounds
+from madp.core.errors import InputError
+from madp.core.selection import (
     BoundOptions,
     base_report,
     group_sizes,

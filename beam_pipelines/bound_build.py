@@ -15,12 +15,12 @@ import pyarrow as pa
 
 from beam_pipelines.bound_rounds import RecordState, SideStore, keep, stat
 from beam_pipelines.store import PartitionStore
-from madp import record_reading, storage
-from madp import records as rec
-from madp.bounding import Capacities, build_user_side, preference_keys
-from madp.hashing import partition_of
-from madp.routing import distinct_partitions, owned, partition_bits
-from madp.selection import BoundOptions, alternate_runs, read_capacities
+from madp.core import record_reading, storage
+from madp.core import records as rec
+from madp.core.bounding import Capacities, build_user_side, preference_keys
+from madp.core.hashing import partition_of
+from madp.core.routing import distinct_partitions, owned, partition_bits
+from madp.core.selection import BoundOptions, alternate_runs, read_capacities
 
 
 @beam.typehints.with_output_types(tuple[int, Any])

@@ -18,8 +18,8 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.pipeline import by_kind
 from beam_pipelines.store import PartitionStore, read_static
-from madp.bounding import UserSide, consume, local_mask, propose, retire, unanimous
-from madp.routing import csr_rows, set_bits, split_by_partition
+from madp.core.bounding import UserSide, consume, local_mask, propose, retire, unanimous
+from madp.core.routing import csr_rows, set_bits, split_by_partition
 
 NAMESPACE = "madp.bound"
 STATE = "state"

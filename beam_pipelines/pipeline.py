@@ -16,8 +16,8 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 
-from madp import records as rec
-from madp.errors import InputError
+from madp.core import records as rec
+from madp.core.errors import InputError
 
 
 def unknown_beam_args(beam_args: list[str]) -> list[str]:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import pyarrow as pa
 
-from madp import storage
-from madp.batch_files import FileRows
-from madp.records import RecordChunk, Rejects
+from madp.core import storage
+from madp.core.batch_files import FileRows
+from madp.core.records import RecordChunk, Rejects
 
 MAGIC = b"MADPSTR1"
 # The dataclasses a store file may hold, by name; decoding builds no other class.

@@ -2,9 +2,9 @@
 
 Setup (not timed): a skewed synthetic graph (App. C.1), bounded with K = 3 by the local engine.
 Measured, best of --repeats runs (timings on shared 2-core machines vary by +-20%):
-- local sampling: calibrate p, sample, exclude (madp.batch_local.minsep_rows) on the loaded data,
+- local sampling: calibrate p, sample, exclude (madp.engines.batch_local.minsep_rows) on the loaded data,
   i.e. without reading the input or writing TFRecords; rate in sampled (record, step) pairs/s;
-- reading: read, validate and join the selection (madp.batch_local.load);
+- reading: read, validate and join the selection (madp.engines.batch_local.load);
 - TFRecord writing: end to end minus reading and sampling (order, truncate, encode, frame, write);
 - local end to end: `madp batch --runner local` (read, join, sample, write);
 - DirectRunner end to end: `madp batch` on Beam's DirectRunner (2 worker processes);
@@ -37,9 +37,9 @@ def best_of(repeats: int, run) -> tuple[float, float, object]:
 
 
 def prepare(directory: str, records: int) -> tuple[str, str]:
-    from madp.local_engine import run_local as bound
-    from madp.selection import BoundOptions
-    from madp.synthetic import GraphSpec, generate, write_dataset
+    from madp.core.selection import BoundOptions
+    from madp.engines.local_engine import run_local as bound
+    from madp.tools.synthetic import GraphSpec, generate, write_dataset
 
     spec = GraphSpec(records=records, graph="skewed", seed=1)
     data = os.path.join(directory, f"records-{records}")
@@ -61,7 +61,7 @@ def main() -> None:
     import logging
 
     from beam_pipelines.batch import run_beam
-    from madp import batch_local, batching
+    from madp.engines import batch_local, batching
 
     logging.disable(logging.INFO)
     options = batching.BatchOptions(steps=args.steps, batch_size=args.batch_size, min_sep=args.min_sep)

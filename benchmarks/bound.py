@@ -5,7 +5,7 @@ each is repeated (--repeats, default 3) and the fastest run is reported, with th
 because timings on shared 2-core machines vary by +-20%.
 - greedy: the straightforward sequential greedy (tests/reference.py) on the in-memory graph,
   including the computation of the universal order;
-- local-kernels: the round-based kernels on the same in-memory graph (madp.local_engine.bound_records);
+- local-kernels: the round-based kernels on the same in-memory graph (madp.engines.local_engine.bound_records);
 - local: `madp bound --runner local` end to end (read Parquet, validate, bound, write);
 - direct: `madp bound --runner DirectRunner` end to end (2 worker processes).
 Targets (issue 2): local-kernels >= 3x faster than greedy; DirectRunner within 5x of local at 2M;
@@ -33,10 +33,10 @@ def measure(mode: str, data: str, k: int, output: str) -> dict:
     """Run one mode in this process and return its timing (called in a child)."""
     import numpy as np
 
-    from madp.bounding import Capacities, preference_keys
-    from madp.local_engine import bound_records, read_input, run_local
-    from madp.records import Columns
-    from madp.selection import BoundOptions
+    from madp.core.bounding import Capacities, preference_keys
+    from madp.core.records import Columns
+    from madp.core.selection import BoundOptions
+    from madp.engines.local_engine import bound_records, read_input, run_local
 
     options = BoundOptions(max_contributions=k)
     if mode in ("greedy", "local-kernels"):

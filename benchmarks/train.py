@@ -37,7 +37,7 @@ def main() -> None:
     import numpy as np
 
     from accounting.strategies import sqrt_coefficients
-    from madp.randomness import SecretKey
+    from madp.core.randomness import SecretKey
     from tf_training.clipping import ghost_clippable
     from tf_training.options import TrainOptions
     from tf_training.queries import BandMfQuery, DpSgdQuery
@@ -47,7 +47,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):
-        from madp.synthetic_text import TOPICS, documents
+        from madp.tools.synthetic_text import TOPICS, documents
 
         texts, topics = documents(np.arange(args.batch_size + 1), rng.integers(0, 10**6, args.batch_size), 0)
         rows = {"text": np.array([t.encode() for t in texts], dtype=object), "label": topics}

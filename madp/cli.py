@@ -9,10 +9,10 @@ import json
 import logging
 import sys
 
-from madp import storage
 from madp.commands import accounting, batching, bounding, data, report, training
 from madp.commands.registry import Family, Parser, build_parser
-from madp.errors import CheckFailed, InputError
+from madp.core import storage
+from madp.core.errors import CheckFailed, InputError
 
 log = logging.getLogger("madp")
 DESCRIPTION = (
@@ -70,13 +70,13 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.run import run
+    from madp.jobs.run import run
 
     return run(args.config, args.set, parser(), args.force)
 
 
 def _audit(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.audit import run_audit
+    from madp.jobs.audit import run_audit
 
     flags = {
         "canaries": args.canaries,

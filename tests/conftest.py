@@ -31,7 +31,7 @@ def graph_rows(offsets: np.ndarray, users: np.ndarray, ids=None) -> list[dict]:
 
 @pytest.fixture
 def small_graph():
-    from madp.synthetic import GraphSpec, generate
+    from madp.tools.synthetic import GraphSpec, generate
 
     data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
     return graph_rows(data.offsets, data.users)
@@ -48,7 +48,7 @@ def attempts_ledger(tmp_path_factory, monkeypatch):
 def reseal_selection(output) -> None:
     """After a test rewrites selection shards: list them in the report as if the bound had written them
     (a faulty engine with a consistent report), so that the verifier's recount is what is tested."""
-    from madp.selection import selection_manifest
+    from madp.core.selection import selection_manifest
 
     path = os.path.join(output, "report.json")
     report = json.load(open(path))

@@ -13,7 +13,7 @@ from scipy.stats import binom
 from accounting.calibrate import DISCRETIZATION, calibrate, epsilon
 from accounting.mechanisms import DpSgd, DpSgdUls
 from madp.cli import main
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 
 def pld(event, discretization=DISCRETIZATION):

@@ -12,7 +12,7 @@ import pytest
 
 from accounting.auditing import epsilon_lower_bound, guess_plans, guesses, one_run_audit, p_value
 from madp import cli
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 pytestmark = [pytest.mark.tf]
 

@@ -14,13 +14,13 @@ import pytest
 from conftest import reseal_selection, write_records
 
 from beam_pipelines.batch import run_beam
-from madp import sampling
-from madp.batch_local import run_local
-from madp.batching import BatchOptions
-from madp.errors import InputError
-from madp.local_engine import run_local as bound_local
-from madp.selection import BoundOptions
-from madp.verify import _example_class, _feature_values, read_tfrecord, verify_batches
+from madp.core import sampling
+from madp.core.errors import InputError
+from madp.core.selection import BoundOptions
+from madp.core.verify import _example_class, _feature_values, read_tfrecord, verify_batches
+from madp.engines.batch_local import run_local
+from madp.engines.batching import BatchOptions
+from madp.engines.local_engine import run_local as bound_local
 
 BEAM = ["--runner", "DirectRunner", "--direct_running_mode", "in_memory"]
 
@@ -425,7 +425,7 @@ def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
 def test_wide_rows_are_encoded_in_chunks_with_the_same_bytes(graph_data, tmp_path, monkeypatch):
     """Rows are encoded in chunks of about _ENCODE_BYTES (the encoder's index arrays cost 16 bytes per byte):
     a chunk smaller than one row gives the same files byte for byte, and the rows parse."""
-    from madp import batch_files as files_module
+    from madp.core import batch_files as files_module
 
     selected, data = graph_data
     options = BatchOptions(seed=0, steps=30, batch_size=8, min_sep=2)

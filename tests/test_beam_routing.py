@@ -10,7 +10,15 @@ import pyarrow as pa
 import pytest
 
 from beam_pipelines.store import MAGIC, PartitionStore, encode
-from madp.routing import bits_below, csr_rows, distinct_partitions, owned, partition_bits, set_bits, split_by_partition
+from madp.core.routing import (
+    bits_below,
+    csr_rows,
+    distinct_partitions,
+    owned,
+    partition_bits,
+    set_bits,
+    split_by_partition,
+)
 
 
 @pytest.mark.parametrize("num_partitions", [1, 63, 64, 65, 200])
@@ -92,8 +100,8 @@ def test_distinct_partitions_of_each_record_and_the_entries_of_chosen_records():
 
 
 def test_the_store_gives_back_every_kind_of_value_the_pipelines_write(tmp_path):
-    from madp.batch_files import FileRows
-    from madp.records import RecordChunk, Rejects
+    from madp.core.batch_files import FileRows
+    from madp.core.records import RecordChunk, Rejects
 
     rejects = Rejects()
     rejects.add("a.jsonl", 3, "null_user", {"id": 7, "users": [None]})

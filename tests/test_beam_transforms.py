@@ -14,10 +14,10 @@ from conftest import write_records
 from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
 from beam_pipelines.pipeline import pipeline_options
-from madp.bounding import Capacities
-from madp.local_engine import bound_records, read_input
-from madp.records import Columns
-from madp.selection import BoundOptions
+from madp.core.bounding import Capacities
+from madp.core.records import Columns
+from madp.core.selection import BoundOptions
+from madp.engines.local_engine import bound_records, read_input
 
 pytestmark = [pytest.mark.beam]
 

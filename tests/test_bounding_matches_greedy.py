@@ -7,12 +7,12 @@ import pyarrow as pa
 import pytest
 from reference import sequential_greedy
 
-from madp.bounding import Capacities
-from madp.hashing import hash_ids
-from madp.local_engine import bound_records
-from madp.records import Columns, RecordChunk
-from madp.selection import BoundOptions
-from madp.synthetic import GraphSpec, generate
+from madp.core.bounding import Capacities
+from madp.core.hashing import hash_ids
+from madp.core.records import Columns, RecordChunk
+from madp.core.selection import BoundOptions
+from madp.engines.local_engine import bound_records
+from madp.tools.synthetic import GraphSpec, generate
 
 
 def as_chunk(offsets, users, ids=None, weights=None) -> RecordChunk:
@@ -194,7 +194,7 @@ def test_alternate_order_runs_and_bias_mitigation():
 
 
 def test_alternate_order_options_are_checked():
-    from madp.errors import InputError
+    from madp.core.errors import InputError
 
     with pytest.raises(InputError, match="--order alternate needs"):
         BoundOptions(max_contributions=2, order="alternate", arity_threshold=1)

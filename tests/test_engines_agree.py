@@ -9,10 +9,10 @@ import pytest
 from conftest import write_records
 
 from beam_pipelines.bound import run_beam
-from madp.local_engine import run_local
-from madp.records import Columns
-from madp.selection import BoundOptions
-from madp.verify import verify_bound
+from madp.core.records import Columns
+from madp.core.selection import BoundOptions
+from madp.core.verify import verify_bound
+from madp.engines.local_engine import run_local
 
 pytestmark = [pytest.mark.beam]
 
@@ -125,7 +125,7 @@ def test_resharded_input_gives_same_selection(tmp_path, small_graph, sharded_inp
 
 
 def test_beam_error_removes_only_its_own_outputs(tmp_path):
-    from madp.errors import InputError
+    from madp.core.errors import InputError
 
     input_path = write_records(str(tmp_path / "bad.jsonl"), [{"id": 1, "users": [1]}, {"id": 2, "users": []}])
     output = tmp_path / "out"
@@ -162,7 +162,7 @@ def test_capacities_for_users_without_records(tmp_path):
 
 
 def test_input_error_inside_a_worker_reads_clearly(tmp_path):
-    from madp.errors import InputError
+    from madp.core.errors import InputError
 
     write_records(str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1]}])
     write_records(str(tmp_path / "b.jsonl"), [{"id": "x", "users": [2]}])

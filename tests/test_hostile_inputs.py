@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_records
 
-from madp import storage
 from madp.cli import main
+from madp.core import storage
 
 ENGINES = {
     "local": ["--runner", "local"],
@@ -142,7 +142,7 @@ def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
         )[0]
         == 0
     )
-    from madp.verify import _example_class, _feature_values, read_tfrecord
+    from madp.core.verify import _example_class, _feature_values, read_tfrecord
 
     example = _example_class()
     batched = [example.FromString(p) for p in read_tfrecord(str(tmp_path / "out" / "batches-00000-of-00001.tfrecord"))]
@@ -394,8 +394,8 @@ def test_content_columns_come_from_every_row_and_huge_samplings_are_refused(tmp_
     records[0]["note"] = "only here"
     data = write_records(str(tmp_path / "d.jsonl"), records[5:] + records[:5])
     (tmp_path / "first.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    from madp.record_reading import content_columns
-    from madp.records import Columns
+    from madp.core.record_reading import content_columns
+    from madp.core.records import Columns
 
     assert content_columns(str(tmp_path / "first.jsonl"), Columns()) == ("label", "note", "x")
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")

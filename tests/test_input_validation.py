@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_records
 
-from madp.errors import InputError
-from madp.local_engine import run_local
-from madp.record_reading import read_file
-from madp.records import Columns, list_input_files
-from madp.selection import BoundOptions
+from madp.core.errors import InputError
+from madp.core.record_reading import read_file
+from madp.core.records import Columns, list_input_files
+from madp.core.selection import BoundOptions
+from madp.engines.local_engine import run_local
 
 BAD_JSONL = """{"id": 1, "users": [1, 2], "text": "kept"}
 {"id": 2, "users": [2, 2, 3]}
@@ -151,7 +151,7 @@ def test_unsigned_ids_beyond_int64_are_a_clear_error(tmp_path):
 
 
 def test_capacities_file_problems(tmp_path):
-    from madp.selection import read_capacities
+    from madp.core.selection import read_capacities
 
     with pytest.raises(InputError, match="no such capacities file"):
         read_capacities(str(tmp_path / "none.csv"), 1)

@@ -16,7 +16,7 @@ from accounting.evr import RUNG_STEPS
 from accounting.mechanisms import DpSgdUls
 from accounting.monte_carlo import MinSepProcess
 from madp.cli import main
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 POISSON = MinSepProcess(30, 1, 0.1, 1, (1.0,))  # b = 1, one band, k_u = 1: DP-SGD with Poisson sampling
 

@@ -15,16 +15,16 @@ import yaml
 from conftest import write_records
 from scipy.stats import binom
 
-from madp import randomness
-from madp.batch_local import run_local as batch_local
-from madp.batching import BatchOptions
 from madp.cli import main
-from madp.errors import InputError
-from madp.hashing import siphash24
-from madp.local_engine import run_local as bound_local
-from madp.randomness import FIXED_SEED, SECRET, SecretKey
-from madp.selection import BoundOptions
-from madp.synthetic import GraphSpec, generate, to_table
+from madp.core import randomness
+from madp.core.errors import InputError
+from madp.core.hashing import siphash24
+from madp.core.randomness import FIXED_SEED, SECRET, SecretKey
+from madp.core.selection import BoundOptions
+from madp.engines.batch_local import run_local as batch_local
+from madp.engines.batching import BatchOptions
+from madp.engines.local_engine import run_local as bound_local
+from madp.tools.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.beam, pytest.mark.tf]
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from conftest import write_records
 
-from madp import record_reading
 from madp.cli import main
-from madp.local_engine import run_local
-from madp.recommend import Sweep, recommend
-from madp.selection import BoundOptions
-from madp.synthetic import GraphSpec, generate, to_table
+from madp.core import record_reading
+from madp.core.selection import BoundOptions
+from madp.engines.local_engine import run_local
+from madp.tools.recommend import Sweep, recommend
+from madp.tools.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.slow]
 

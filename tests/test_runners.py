@@ -19,10 +19,10 @@ from beam_pipelines.bound import BoundPipeline
 from beam_pipelines.monte_carlo import ChunkResults
 from beam_pipelines.pipeline import pipeline_options
 from beam_pipelines.store import PartitionStore
-from madp.batching import BatchOptions
 from madp.cli import main, parser
-from madp.run_plan import load_config, plan_stages
-from madp.selection import BoundOptions
+from madp.core.selection import BoundOptions
+from madp.engines.batching import BatchOptions
+from madp.jobs.run_plan import load_config, plan_stages
 
 pytestmark = [pytest.mark.beam]
 
@@ -125,7 +125,7 @@ def _bytes_of(directory) -> str:
 def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_path, capsys):
     from conftest import write_records
 
-    from madp.synthetic import GraphSpec, generate, to_table
+    from madp.tools.synthetic import GraphSpec, generate, to_table
 
     data = write_records(
         str(tmp_path / "records.jsonl"), to_table(generate(GraphSpec(records=3000, features=4, seed=5))).to_pylist()

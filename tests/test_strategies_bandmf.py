@@ -14,7 +14,7 @@ from accounting.calibrate import DISCRETIZATION, epsilon
 from accounting.mechanisms import BandMf
 from accounting.strategies import coefficients, optimized_coefficients, prefix_sum_mse, sqrt_coefficients
 from madp.cli import main
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 
 def dense(bands: np.ndarray, steps: int) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from madp.hashing import hash_ids, partition_of
-from madp.synthetic import GraphSpec, generate
+from madp.core.hashing import hash_ids, partition_of
+from madp.tools.synthetic import GraphSpec, generate
 
 
 def degrees(data) -> np.ndarray:

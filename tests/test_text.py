@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from madp.batch_local import run_local as batch_local  # noqa: E402
-from madp.batching import BatchOptions  # noqa: E402
-from madp.errors import InputError  # noqa: E402
-from madp.local_engine import run_local as bound_local  # noqa: E402
-from madp.selection import BoundOptions  # noqa: E402
-from madp.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
-from madp.synthetic_text import personal_words  # noqa: E402
+from madp.core.errors import InputError  # noqa: E402
+from madp.core.selection import BoundOptions  # noqa: E402
+from madp.engines.batch_local import run_local as batch_local  # noqa: E402
+from madp.engines.batching import BatchOptions  # noqa: E402
+from madp.engines.local_engine import run_local as bound_local  # noqa: E402
+from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
+from madp.tools.synthetic_text import personal_words  # noqa: E402
 from tf_training import text  # noqa: E402
 from tf_training.batches import open_batches  # noqa: E402
 from tf_training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
@@ -367,7 +367,7 @@ def test_example_text_jobs_are_valid_configs(name, tmp_path):
     import yaml
 
     from madp.cli import parser
-    from madp.run_plan import plan_stages
+    from madp.jobs.run_plan import plan_stages
 
     config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
     config["run_dir"] = str(tmp_path)

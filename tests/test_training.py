@@ -14,13 +14,13 @@ pytest.importorskip("tensorflow")
 
 from conftest import write_records  # noqa: E402
 
-from madp.batch_local import run_local as batch_local
-from madp.batching import BatchOptions  # noqa: E402
 from madp.cli import main  # noqa: E402
-from madp.local_engine import run_local as bound_local  # noqa: E402
-from madp.randomness import SecretKey  # noqa: E402
-from madp.selection import BoundOptions  # noqa: E402
-from madp.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.core.randomness import SecretKey  # noqa: E402
+from madp.core.selection import BoundOptions  # noqa: E402
+from madp.engines.batch_local import run_local as batch_local
+from madp.engines.batching import BatchOptions  # noqa: E402
+from madp.engines.local_engine import run_local as bound_local  # noqa: E402
+from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from tf_training.options import TrainOptions  # noqa: E402
 from tf_training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
 from tf_training.steps import PrivateStep  # noqa: E402

@@ -20,7 +20,7 @@ def load_tensorflow():
     try:
         import tensorflow as tf
     except ImportError as error:
-        from madp.errors import InputError
+        from madp.core.errors import InputError
 
         raise InputError(
             "training needs TensorFlow: pip install -e '.[train]' && "

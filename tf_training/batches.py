@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from madp import storage
-from madp.batch_files import batch_files
-from madp.errors import InputError
+from madp.core import storage
+from madp.core.batch_files import batch_files
+from madp.core.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

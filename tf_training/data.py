@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 from tf_training import load_tensorflow
 from tf_training.batches import Batches
 

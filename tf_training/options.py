@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")

@@ -20,10 +20,10 @@ from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
 from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
-from madp import storage
-from madp.errors import InputError
-from madp.randomness import FIXED_SEED
-from madp.selection import REPORT_FILE
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.core.randomness import FIXED_SEED
+from madp.core.selection import REPORT_FILE
 from tf_training.batches import Batches
 from tf_training.options import TrainOptions
 

@@ -2,7 +2,7 @@
 
 Both clip each record (a per-example gradient) to `l2_norm_clip` and sum; the noise is drawn from
 a stateless generator keyed by (noise key, step, variable). The 128-bit noise key is secret (fresh
-entropy per run, see `madp.randomness`): replicas share it in memory and so draw the same z_t
+entropy per run, see `madp.core.randomness`): replicas share it in memory and so draw the same z_t
 without talking, and no output holds it. Both queries draw the same z_t for the same key:
 - `DpSgdQuery`: sum + z_t, z_t ~ N(0, (sigma * clip)^2 I) (a GaussianSumQuery with seeded noise);
 - `BandMfQuery`: sum + w_t with w = C^-1 z for the lower-triangular banded Toeplitz C of bands
@@ -16,7 +16,7 @@ import collections
 
 import numpy as np
 
-from madp.randomness import SecretKey
+from madp.core.randomness import SecretKey
 from tf_training import load_tensorflow
 
 tf = load_tensorflow()

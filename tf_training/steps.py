@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 from tf_training import load_tensorflow
 from tf_training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
 from tf_training.options import TrainOptions

@@ -15,8 +15,8 @@ import logging
 
 import numpy as np
 
-from madp import storage
-from madp.errors import InputError
+from madp.core import storage
+from madp.core.errors import InputError
 from tf_training import load_tensorflow, text
 from tf_training.batches import Batches
 from tf_training.data import step_batches

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from madp import storage
-from madp.batch_files import USER_FEATURE
-from madp.errors import InputError
-from madp.progress import Progress
-from madp.randomness import FIXED_SEED, SecretKey
+from madp.core import storage
+from madp.core.batch_files import USER_FEATURE
+from madp.core.errors import InputError
+from madp.core.progress import Progress
+from madp.core.randomness import FIXED_SEED, SecretKey
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
 from tf_training.data import step_batches

@@ -7,8 +7,8 @@ import functools
 import logging
 
 from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
-from madp.errors import InputError
-from madp.records import Columns
+from madp.core.errors import InputError
+from madp.core.records import Columns
 
 log = logging.getLogger("madp")
 
@@ -291,7 +291,7 @@ def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.recommend import Sweep, recommend
+    from madp.tools.recommend import Sweep, recommend
 
     try:
         ks = tuple(int(k) for k in args.k.split(",") if k.strip())

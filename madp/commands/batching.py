@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
-from madp.records import Columns
+from madp.core.records import Columns
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -77,7 +77,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _batch_options(args: argparse.Namespace):
-    from madp.batching import BatchOptions
+    from madp.engines.batching import BatchOptions
 
     content = None if args.content_columns is None else tuple(c for c in args.content_columns.split(",") if c)
     return BatchOptions(
@@ -107,7 +107,7 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _batch_options(args)
     local_takes_no_beam_options(args, beam_args, "partitions")
     if args.runner == LOCAL:
-        from madp.batch_local import run_local
+        from madp.engines.batch_local import run_local
 
         return run_local(args.selected, args.data, args.output, options)
     from beam_pipelines.batch import DEFAULT_PARTITIONS, run_beam
@@ -123,7 +123,7 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.verify import verify_batches
+    from madp.core.verify import verify_batches
 
     return verify_batches(
         args.output,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
-from madp.records import Columns
+from madp.core.records import Columns
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -79,7 +79,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _bound_options(args: argparse.Namespace):
-    from madp.selection import BoundOptions
+    from madp.core.selection import BoundOptions
 
     return BoundOptions(
         max_contributions=args.max_contributions,
@@ -107,7 +107,7 @@ def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _bound_options(args)
     local_takes_no_beam_options(args, beam_args, "partitions", "rounds_per_pipeline")
     if args.runner == LOCAL:
-        from madp.local_engine import run_local
+        from madp.engines.local_engine import run_local
 
         return run_local(args.input, args.output, options)
     from beam_pipelines.bound import DEFAULT_PARTITIONS, DEFAULT_ROUNDS_PER_PIPELINE, run_beam
@@ -123,7 +123,7 @@ def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.verify import verify_bound
+    from madp.core.verify import verify_bound
 
     return verify_bound(
         args.input, args.output, args.max_contributions, args.capacities, args.id_column, args.users_column

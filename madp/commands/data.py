@@ -40,7 +40,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _graph_spec(args: argparse.Namespace):
-    from madp.synthetic import GraphSpec
+    from madp.tools.synthetic import GraphSpec
 
     return GraphSpec(
         records=args.records,
@@ -56,14 +56,14 @@ def _graph_spec(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.synthetic import generate, write_dataset
+    from madp.tools.synthetic import generate, write_dataset
 
     spec = _graph_spec(args)
     return write_dataset(generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction)
 
 
 def _import_mbox(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.mbox import import_mbox
+    from madp.tools.mbox import import_mbox
 
     return import_mbox(args.mbox, args.output)
 

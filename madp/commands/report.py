@@ -20,7 +20,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.report import write_report
+    from madp.tools.report import write_report
 
     return write_report(args.run_dir, args.output, args.internal)
 

@@ -174,7 +174,7 @@ def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
 
 def calibrate_batches(args: argparse.Namespace) -> dict:
     """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
-    from madp import storage
+    from madp.core import storage
     from tf_training.batches import open_batches
     from tf_training.plan import epsilon_curve, privacy_plan
 

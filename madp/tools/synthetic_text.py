@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from madp.hashing import hash_ids
+from madp.core.hashing import hash_ids
 
 TOPICS = {
     "business": "market shares profit revenue quarter investor merger budget invoice client contract sales "

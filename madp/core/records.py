@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from madp import storage
-from madp.errors import InputError
+from madp.core import storage
+from madp.core.errors import InputError
 
 log = logging.getLogger("madp")
 

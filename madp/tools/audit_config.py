@@ -1,13 +1,13 @@
 """The audit section of a `madp run` config: the audit's options and where it writes. `madp run` plans
-the audit stage from them; `madp.audit` runs it."""
+the audit stage from them; `madp.jobs.audit` runs it."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 
-from madp import storage
-from madp.errors import InputError
+from madp.core import storage
+from madp.core.errors import InputError
 
 DEFAULT_DIRECTORY = "audit"
 

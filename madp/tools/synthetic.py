@@ -18,9 +18,9 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from madp import storage
-from madp.errors import InputError
-from madp.synthetic_text import documents
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.tools.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
 # far: this turns the sequential process into O(1/STALENESS * log N) vectorized chunks.

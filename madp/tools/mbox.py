@@ -23,7 +23,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 log = logging.getLogger("madp.mbox")
 ROWS_PER_WRITE = 10_000

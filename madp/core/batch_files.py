@@ -10,8 +10,8 @@ import posixpath
 import numpy as np
 import pyarrow as pa
 
-from madp import sampling, storage, tfrecord
-from madp.selection import read_manifest
+from madp.core import sampling, storage, tfrecord
+from madp.core.selection import read_manifest
 
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"

@@ -26,14 +26,15 @@ import numpy as np
 import pyarrow as pa
 
 from accounting.auditing import one_run_audit
-from madp import run, run_plan, storage
-from madp.audit_config import AuditOptions, audit_directory, audit_options
 from madp.commands.registry import Parser
 from madp.commands.training import train_options
-from madp.errors import CheckFailed, InputError
-from madp.randomness import SecretKey
-from madp.record_reading import content_columns, read_file
-from madp.records import INPUT_SUFFIXES, Columns, list_input_files
+from madp.core import storage
+from madp.core.errors import CheckFailed, InputError
+from madp.core.randomness import SecretKey
+from madp.core.record_reading import content_columns, read_file
+from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files
+from madp.jobs import run, run_plan
+from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
 
 log = logging.getLogger("madp.audit")
 AUDIT_FILE = "audit.json"

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 
-from madp import record_reading
-from madp import records as rec
-from madp.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
-from madp.progress import Progress
-from madp.selection import (
+from madp.core import record_reading
+from madp.core import records as rec
+from madp.core.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
+from madp.core.progress import Progress
+from madp.core.selection import (
     BoundOptions,
     alternate_runs,
     base_report,

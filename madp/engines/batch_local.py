@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from madp import record_reading, sampling
-from madp import records as rec
-from madp.batch_files import (
+from madp.core import record_reading, sampling
+from madp.core import records as rec
+from madp.core.batch_files import (
     USER_FEATURE,
     batch_file_path,
     content_shapes,
@@ -23,8 +23,12 @@ from madp.batch_files import (
     write_batch_file,
     write_schema,
 )
-from madp.batch_report import Sampled, participation_stats, prepare_output, report
-from madp.batching import (
+from madp.core.errors import InputError
+from madp.core.hashing import siphash24
+from madp.core.progress import Progress
+from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.engines.batch_report import Sampled, participation_stats, prepare_output, report
+from madp.engines.batching import (
     USER_SAMPLING_STREAM,
     BatchOptions,
     check_content,
@@ -35,10 +39,6 @@ from madp.batching import (
     skip_invalid_content,
     user_hashes,
 )
-from madp.errors import InputError
-from madp.hashing import siphash24
-from madp.progress import Progress
-from madp.selection import handle_rejects, selection_files, write_report
 
 log = logging.getLogger("madp.batch")
 
@@ -56,7 +56,7 @@ class Dataset:
 
 
 def load(selected: str, data: str, options: BatchOptions, output: str) -> Dataset:
-    from madp.local_engine import read_input
+    from madp.engines.local_engine import read_input
 
     files = rec.list_input_files(data)
     names = (

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from madp.hashing import siphash24
+from madp.core.hashing import siphash24
 
 log = logging.getLogger("madp")
 SECRET = "secret key (fresh entropy, never written)"

@@ -15,9 +15,9 @@ import io
 import json
 from collections.abc import Mapping
 
-from madp import storage
-from madp.errors import InputError
-from madp.randomness import DETERMINISTIC
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.core.randomness import DETERMINISTIC
 
 SOURCES = {
     "bound": "bound/report.json",

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from madp.errors import InputError
-from madp.hashing import hash_ids
+from madp.core.errors import InputError
+from madp.core.hashing import hash_ids
 
 ORDERS = ("arity", "hash", "weight", "alternate")
 log = logging.getLogger("madp.bound")

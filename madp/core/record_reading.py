@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from madp import storage
-from madp.errors import InputError
-from madp.records import (
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.core.records import (
     BAD_ID_TYPE,
     BAD_USER_TYPE,
     BAD_WEIGHT,

@@ -16,13 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from madp import records as rec
-from madp import storage, tfrecord
-from madp.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
-from madp.errors import InputError
-from madp.hashing import hash_ids, id_words, siphash24
-from madp.randomness import DETERMINISTIC, SecretKey
-from madp.selection import REPORT_FILE
+from madp.core import records as rec
+from madp.core import storage, tfrecord
+from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
+from madp.core.errors import InputError
+from madp.core.hashing import hash_ids, id_words, siphash24
+from madp.core.randomness import DETERMINISTIC, SecretKey
+from madp.core.selection import REPORT_FILE
 
 SAMPLERS = ("minsep", "minsep-greedy", "users")
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)

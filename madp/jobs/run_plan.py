@@ -22,10 +22,10 @@ from collections.abc import Mapping
 
 import yaml
 
-from madp import storage
-from madp.audit_config import audit_directory, audit_options
 from madp.commands.registry import CommandParser, Parser
-from madp.errors import InputError
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.tools.audit_config import audit_directory, audit_options
 
 log = logging.getLogger("madp.run")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.

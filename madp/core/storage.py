@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from madp.errors import InputError
+from madp.core.errors import InputError
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:

@@ -18,11 +18,11 @@ import pyarrow.compute as pc
 from accounting.calibrate import calibrate
 from accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
 from accounting.strategies import coefficients as strategy_coefficients
-from madp import records as rec
-from madp.bounding import Capacities
-from madp.errors import InputError
-from madp.local_engine import bound_records, read_input
-from madp.selection import BoundOptions
+from madp.core import records as rec
+from madp.core.bounding import Capacities
+from madp.core.errors import InputError
+from madp.core.selection import BoundOptions
+from madp.engines.local_engine import bound_records, read_input
 
 log = logging.getLogger("madp.recommend")
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16)

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from madp import records as rec
-from madp import storage
-from madp.batch_files import SCHEMA_FILE, batch_file_path
-from madp.batching import BatchOptions, bound_record
-from madp.selection import REJECTED_DIR, REPORT_FILE
+from madp.core import records as rec
+from madp.core import storage
+from madp.core.batch_files import SCHEMA_FILE, batch_file_path
+from madp.core.selection import REJECTED_DIR, REPORT_FILE
+from madp.engines.batching import BatchOptions, bound_record
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from madp.errors import InputError
-from madp.hashing import splitmix64
+from madp.core.errors import InputError
+from madp.core.hashing import splitmix64
 
 _DRAW_STREAM = np.uint64(0xD1B54A32D192ED03)
 _TRUNCATION_STREAM = np.uint64(0x8CB92BA72F3D8DD7)

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
-from madp import storage
-from madp.bounding import ORDERS, AlternateRuns, Capacities
-from madp.errors import InputError
-from madp.hashing import partition_of
-from madp.record_reading import jsonl_lines
-from madp.records import Columns, Rejects, ignored_input_files
+from madp.core import storage
+from madp.core.bounding import ORDERS, AlternateRuns, Capacities
+from madp.core.errors import InputError
+from madp.core.hashing import partition_of
+from madp.core.record_reading import jsonl_lines
+from madp.core.records import Columns, Rejects, ignored_input_files
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"

@@ -1,4 +1,4 @@
-"""`madp run CONFIG.yaml`, running: the planned stages (`madp.run_plan`) one after the other, each
+"""`madp run CONFIG.yaml`, running: the planned stages (`madp.jobs.run_plan`) one after the other, each
 resumable. A stage whose outputs exist and whose parameters and input files (names, sizes,
 modification times) are those of its last successful run is skipped; `--force` re-runs all.
 """
@@ -12,12 +12,12 @@ import time
 from typing import Any
 
 import madp
-from madp import storage
 from madp.commands.registry import Parser
 from madp.commands.training import calibrate_batches
-from madp.errors import CheckFailed
-from madp.report import QUALITY_METRICS, shows_sampling
-from madp.run_plan import Stage, load_config, plan_stages
+from madp.core import storage
+from madp.core.errors import CheckFailed
+from madp.jobs.run_plan import Stage, load_config, plan_stages
+from madp.tools.report import QUALITY_METRICS, shows_sampling
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
