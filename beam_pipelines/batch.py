@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from beam_pipelines.batch_prepare import NAMESPACE, PreparePipeline
 from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
-from beam_pipelines.pipeline import by_kind, pipeline_options, run
+from beam_pipelines.pipeline import by_kind, madp_options, pipeline_options, run
 from beam_pipelines.store import PartitionStore
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
@@ -30,7 +30,6 @@ from madp.engines import batch_local, batch_report, batching
 
 log = logging.getLogger("madp.batch")
 WORK_DIR = "_work"
-DEFAULT_PARTITIONS = 4
 
 
 def _merge_described(described: list[dict]) -> dict:
@@ -53,11 +52,12 @@ def run_beam(
     output: str,
     options: batching.BatchOptions,
     beam_args: list[str],
-    partitions: int = DEFAULT_PARTITIONS,
 ) -> dict:
     """`madp batch --runner <Beam runner>`: a prepare run, calibration of p in the driver, a sample run."""
-    if partitions < 1:
-        raise InputError("--partitions must be at least 1")
+    beam_options = pipeline_options(beam_args)
+    if "rounds_per_pipeline" in beam_options.get_all_options(drop_default=True):
+        raise InputError("--rounds-per-pipeline is an option of madp bound, not of madp batch")
+    partitions = madp_options(beam_options).partitions
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on the Beam runner", options.sampler)
         return batch_local.run_local(
@@ -75,13 +75,12 @@ def run_beam(
     storage.clear_directory(work)
     batch_report.prepare_output(output)
     store = PartitionStore(storage.join(work, uuid.uuid4().hex[:12]))
-    beam_options = pipeline_options(beam_args)
 
     counters = []
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "Prepare" >> PreparePipeline(data_files, selection, data, content, options, partitions, store)
     try:
-        counters.append(run(pipeline, NAMESPACE))
+        counters.append(run(pipeline, NAMESPACE, store.directory))
         prepared = by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.store")))
         rejects = prepared.get("rejects", [rec.Rejects()])[0]
         handle_rejects(rejects, options.on_invalid, output)
@@ -105,7 +104,7 @@ def run_beam(
         partition_paths = dict(prepared.get("partition", []))
         pipeline = beam.Pipeline(options=beam_options)
         _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
-        counters.append(run(pipeline, NAMESPACE))
+        counters.append(run(pipeline, NAMESPACE, store.directory))
         summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.store")))
     except InputError:
         batch_report.prepare_output(output)  # no partial batches outlive an error

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 
-from beam_pipelines.pipeline import by_kind, merge_rejects
+from beam_pipelines.pipeline import by_kind, keeps_input_errors, merge_rejects
 from beam_pipelines.store import PartitionStore, stack
 from madp.core import record_reading, sampling
 from madp.core import records as rec
@@ -48,6 +48,7 @@ class _ReadDataFile(beam.DoFn):
     def __init__(self, columns: rec.Columns, content: tuple[str, ...], partitions: int, store: PartitionStore):
         self.columns, self.content, self.partitions, self.store = columns, content, partitions, store
 
+    @keeps_input_errors
     def process(self, element):
         index, path = element
         result = record_reading.read_file(path, index, self.columns, self.content)
@@ -65,6 +66,7 @@ class _ReadSelectionFile(beam.DoFn):
     def __init__(self, partitions: int, store: PartitionStore):
         self.partitions, self.store = partitions, store
 
+    @keeps_input_errors
     def process(self, element):
         index, path = element
         ids, copies = batching.read_selection_file(path)
@@ -83,6 +85,7 @@ class _BuildRecordPartition(beam.DoFn):
     def __init__(self, data: str, key: SecretKey, on_invalid: str, partitions: int, store: PartitionStore):
         self.data, self.key, self.on_invalid, self.partitions, self.store = data, key, on_invalid, partitions, store
 
+    @keeps_input_errors
     def process(self, element):
         part, values = element
         handles = by_kind(values)

@@ -24,12 +24,11 @@ from apache_beam.options.pipeline_options import StandardOptions
 
 from beam_pipelines.bound_build import BuildSides, ReadRecordPartitions
 from beam_pipelines.bound_rounds import NAMESPACE, ProposalRound, Saturate, SideStore, round_stat, stat
-from beam_pipelines.pipeline import merge_rejects, pipeline_options, run
+from beam_pipelines.pipeline import keeping_input_errors, madp_options, merge_rejects, pipeline_options, run
 from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.bounding import Rounds
-from madp.core.errors import InputError
 from madp.core.selection import (
     BoundOptions,
     base_report,
@@ -50,8 +49,6 @@ from madp.core.selection import (
 
 log = logging.getLogger("madp.bound")
 WORK_DIR = "_work"
-DEFAULT_PARTITIONS = 4
-DEFAULT_ROUNDS_PER_PIPELINE = 6
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -179,45 +176,36 @@ class GroupSizes(beam.PTransform):
         )
         return (
             grouped
-            | "CountGroups"
-            >> beam.MapTuple(
-                lambda part, paths: group_sizes(
-                    rec.reject_duplicates(
-                        rec.merge_chunks(sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))),
-                        rec.Rejects(),
-                    ).arity,
-                    threshold,
-                )
-            )
+            | "CountGroups" >> beam.MapTuple(lambda _, paths: _group_sizes(paths, store, threshold))
             | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
             | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes))))
         )
+
+
+def _group_sizes(paths, store: PartitionStore, threshold: int) -> tuple[int, int]:
+    """A record partition's records with at most `threshold` users and with more."""
+    with keeping_input_errors(store.directory):  # ids of two types in two files
+        chunks = sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))
+        return group_sizes(rec.reject_duplicates(rec.merge_chunks(chunks), rec.Rejects()).arity, threshold)
 
 
 def _count_groups(files: list[str], options: BoundOptions, partitions: int, beam_options, work: str) -> BoundOptions:
     """One pipeline run that counts the two groups of --order alternate (their sizes place the runs)."""
     path = storage.join(work, "group-sizes.json")
     pipeline = beam.Pipeline(options=beam_options)
-    _ = pipeline | "CountGroups" >> GroupSizes(
-        files, options, partitions, PartitionStore(storage.join(work, "group-sizes")), path
-    )
-    run(pipeline, NAMESPACE)
+    store = PartitionStore(storage.join(work, "group-sizes"))
+    _ = pipeline | "CountGroups" >> GroupSizes(files, options, partitions, store, path)
+    run(pipeline, NAMESPACE, store.directory)
     small, large = json.loads(storage.read_text(path))
     log.info("--order alternate: %d records with at most %d users, %d with more", small, options.arity_threshold, large)
     return dataclasses.replace(options, group_sizes=(small, large))
 
 
-def run_beam(
-    input_path: str,
-    output: str,
-    options: BoundOptions,
-    beam_args: list[str],
-    partitions: int = DEFAULT_PARTITIONS,
-    rounds_per_pipeline: int = DEFAULT_ROUNDS_PER_PIPELINE,
-) -> dict:
+def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> dict:
     """`madp bound --runner <Beam runner>`: chain pipeline runs until the algorithm converges."""
-    if partitions < 1 or rounds_per_pipeline < 1:
-        raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
+    beam_options = pipeline_options(beam_args)
+    ours = madp_options(beam_options)
+    partitions, rounds_per_pipeline = ours.partitions, ours.rounds_per_pipeline
     started = time.perf_counter()
     files = rec.list_input_files(input_path)
     if options.capacities:
@@ -225,7 +213,6 @@ def run_beam(
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
     prepare_output(output)
-    beam_options = pipeline_options(beam_args)
     if options.order == "alternate":
         options = _count_groups(files, options, partitions, beam_options, work)
     rounds = Rounds(options.duplicates, options.max_rounds, started=started)
@@ -248,7 +235,7 @@ def run_beam(
         _ = pipeline | "Bound" >> BoundPipeline(
             files, output, options, partitions, block, run_name, run_index > 0, new_pass
         )
-        counters.append(run(pipeline, NAMESPACE))
+        counters.append(run(pipeline, NAMESPACE, storage.join(work, run_name)))
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:
             rejects_file = storage.join(work, "rejected.jsonl")

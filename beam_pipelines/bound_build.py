@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from beam_pipelines.bound_rounds import RecordState, SideStore, keep, stat
+from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors
 from beam_pipelines.store import PartitionStore
 from madp.core import record_reading, storage
 from madp.core import records as rec
@@ -30,6 +31,7 @@ class _ReadFile(beam.DoFn):
     def __init__(self, columns: rec.Columns, partitions: int, store: PartitionStore):
         self.columns, self.partitions, self.store = columns, partitions, store
 
+    @keeps_input_errors
     def process(self, element):
         index, path = element
         result = record_reading.read_file(path, index, self.columns)
@@ -51,6 +53,7 @@ class _BuildRecordPartition(beam.DoFn):
         self.options, self.partitions, self.store = options, partitions, store
         self.state_dir, self.new_pass = state_dir, new_pass
 
+    @keeps_input_errors
     def process(self, element):
         part, paths = element
         chunks = sorted(map(self.store.read_slice, paths), key=lambda c: int(c.keys[0]))
@@ -128,39 +131,38 @@ def _split_capacities(path: str, default: int, partitions: int):
 
 
 def _build_user_partition(element, default: int, store: SideStore):
-    part, grouped = element
-    if not grouped["incidences"]:
-        return  # capacities listed for users of no record
-    chunks = [store.read_slice(where) for where in grouped["incidences"]]
-    capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
-    record_keys, first, inc_record = np.unique(
-        np.concatenate([c["record_keys"] for c in chunks]), return_index=True, return_inverse=True
-    )
-    per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
-    order = (per_record([c["order"][0] for c in chunks]), per_record([c["order"][1] for c in chunks]))
-    record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
-    if chunks[0]["selection"] is None:
-        copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
-    else:
-        copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
-    side = build_user_side(
-        pa.concat_arrays([c["users"] for c in chunks]),
-        inc_record.astype(np.int64),
-        record_keys,
-        order,
-        capacities,
-        copies,
-        in_pass,
-    )
-    coowners = per_record([c["coowners"] for c in chunks])
-    owner = owned(coowners, part)
-    routing = store.write_arrays(
-        f"users-{part:05d}-routing.store", {"record_partition": record_partition, "coowners": coowners, "owner": owner}
-    )
-    yield keep(part, (*store.create("users", part, side), routing))
-
-
-# --- the steps of a round: each joins a partition's handle with its messages ---------------------
+    with keeping_input_errors(store.directory):  # a capacity of the wrong id type
+        part, grouped = element
+        if not grouped["incidences"]:
+            return  # capacities listed for users of no record
+        chunks = [store.read_slice(where) for where in grouped["incidences"]]
+        capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
+        record_keys, first, inc_record = np.unique(
+            np.concatenate([c["record_keys"] for c in chunks]), return_index=True, return_inverse=True
+        )
+        per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
+        order = (per_record([c["order"][0] for c in chunks]), per_record([c["order"][1] for c in chunks]))
+        record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
+        if chunks[0]["selection"] is None:
+            copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
+        else:
+            copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
+        side = build_user_side(
+            pa.concat_arrays([c["users"] for c in chunks]),
+            inc_record.astype(np.int64),
+            record_keys,
+            order,
+            capacities,
+            copies,
+            in_pass,
+        )
+        coowners = per_record([c["coowners"] for c in chunks])
+        owner = owned(coowners, part)
+        routing = store.write_arrays(
+            f"users-{part:05d}-routing.store",
+            {"record_partition": record_partition, "coowners": coowners, "owner": owner},
+        )
+        yield keep(part, (*store.create("users", part, side), routing))
 
 
 class ReadRecordPartitions(beam.PTransform):

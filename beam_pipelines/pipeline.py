@@ -1,10 +1,18 @@
 """What our Beam pipelines share: their options, running one with clear input errors, its counters,
-and the small helpers of joining partitions with messages."""
+and the small helpers of joining partitions with messages.
+
+An `InputError` a worker raises (bad input: the user's to fix) travels as data: the step that meets it
+writes its message under the run's store directory (`keeping_input_errors`) before it stops the run,
+and the driver raises it again from there (`run`). The runner's own exception, whose text differs
+from runner to runner, is never parsed.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+import contextlib
+import functools
+import uuid
 
 import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
@@ -17,7 +25,40 @@ from apache_beam.options.pipeline_options import (
 )
 
 from madp.core import records as rec
+from madp.core import storage
 from madp.core.errors import InputError
+
+INPUT_ERRORS = "input-errors"  # under a run's store directory: the messages of InputErrors its steps met
+
+
+class MadpPipelineOptions(PipelineOptions):
+    """madp's options of its Beam pipelines, parsed by Beam with the runner's: on the command line
+    beside any Beam option, or in the options of a pipeline that embeds our transforms."""
+
+    @classmethod
+    def _add_argparse_args(cls, parser) -> None:
+        parser.add_argument(
+            "--partitions",
+            type=int,
+            default=4,
+            help="madp: record and user partitions, the columnar units of work (use ~2-4 per worker core)",
+        )
+        parser.add_argument(
+            "--rounds-per-pipeline",
+            "--rounds_per_pipeline",
+            dest="rounds_per_pipeline",
+            type=int,
+            default=6,
+            help="madp bound: rounds of the bounding unrolled in one pipeline run",
+        )
+
+
+def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
+    """Our options among `options`, checked."""
+    ours = options.view_as(MadpPipelineOptions)
+    if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
+        raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
+    return ours
 
 
 def unknown_beam_args(beam_args: list[str]) -> list[str]:
@@ -64,19 +105,42 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return options
 
 
-def run(pipeline: beam.Pipeline, namespace: str) -> dict[str, int]:
+@contextlib.contextmanager
+def keeping_input_errors(store_directory: str):
+    """Around a step's work: an InputError raised in it is written under `store_directory`, then raised."""
+    try:
+        yield
+    except InputError as error:
+        storage.write_text(storage.join(store_directory, INPUT_ERRORS, f"{uuid.uuid4().hex}.txt"), str(error))
+        raise
+
+
+def keeps_input_errors(process):
+    """For a DoFn's `process` whose DoFn has a `store`: InputErrors are kept under its directory."""
+
+    @functools.wraps(process)
+    def kept(self, *args, **kwargs):
+        with keeping_input_errors(self.store.directory):
+            yield from process(self, *args, **kwargs)
+
+    return kept
+
+
+def run(pipeline: beam.Pipeline, namespace: str, store_directory: str) -> dict[str, int]:
     """Run to the end; the counters of `namespace` (committed values where the runner has them).
 
-    The runner wraps what a worker raises in its own exception: an `InputError` (bad input, a
-    user's to fix) is raised again as itself, with its message and no runner traceback text.
+    When the run fails after a step kept an InputError under `store_directory`, that error is raised
+    (the first by its message, when several steps met one), with no runner traceback text.
     """
     try:
         result = pipeline.run()
         result.wait_until_finish()
     except Exception as error:
-        found = re.search(r"InputError: (.+?)(?: \[while running|\n|$)", str(error))
-        if found:
-            raise InputError(found.group(1)) from error
+        kept = storage.join(store_directory, INPUT_ERRORS)
+        if storage.kind(kept) == "directory":
+            messages = sorted(storage.read_text(path) for path in storage.list_files(kept))
+            if messages:
+                raise InputError(messages[0]) from error
         raise
     counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}

@@ -191,7 +191,7 @@ def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, 
     assert batch_files(str(tmp_path / "again")) == expected
     for partitions, args in ((1, BEAM), (3, BEAM), (4, ["--runner", "DirectRunner", "--direct_num_workers", "2"])):
         out = str(tmp_path / f"beam{partitions}")
-        beam = run_beam(selected, data, out, options, args, partitions=partitions)
+        beam = run_beam(selected, data, out, options, [*args, f"--partitions={partitions}"])
         assert batch_files(out) == expected, partitions
         assert open(os.path.join(out, "schema.json")).read() == open(tmp_path / "local" / "schema.json").read()
         for field in (
@@ -227,7 +227,7 @@ def test_resharded_input_gives_the_same_batches(tmp_path, small_graph):
         write_records(str(directory / f"part-{shard}.parquet"), small_graph[start : start + 700])
     options = BatchOptions(seed=0, steps=40, batch_size=30, min_sep=2)
     run_local(selected, data, str(tmp_path / "a"), options)
-    run_beam(selected, str(directory), str(tmp_path / "b"), options, BEAM, partitions=2)
+    run_beam(selected, str(directory), str(tmp_path / "b"), options, [*BEAM, "--partitions=2"])
     assert batch_files(str(tmp_path / "a")) == batch_files(str(tmp_path / "b"))
 
 

@@ -1,6 +1,6 @@
 """The Beam bounding transforms on their own, in a TestPipeline with assert_that: building both
 sides from files (counts and rejects as PCollections), and rounds of Alg. 1 against the in-memory
-engine's rounds on the same graph."""
+engine's rounds on the same graph; and bad input met by a step, carried to the driver as data."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from conftest import write_records
 
 from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
-from beam_pipelines.pipeline import pipeline_options
+from beam_pipelines.pipeline import keeping_input_errors, pipeline_options, run
 from madp.core.bounding import Capacities
+from madp.core.errors import InputError
 from madp.core.records import Columns
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import bound_records, read_input
@@ -82,3 +83,27 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
             expected[round_stat(index, "selected")] = one["selected"]
             expected[round_stat(index, "eligible")] = one["eligible"]
         assert_that(totals, equal_to([expected]))
+
+
+class _FailingRun:
+    """A pipeline whose run fails as a runner reports a worker's failure: in its own words."""
+
+    def __init__(self, before_failing=lambda: None):
+        self.before_failing = before_failing
+
+    def run(self):
+        self.before_failing()
+        raise RuntimeError("Pipeline failed: worker 3 exited (see the worker logs)")
+
+
+def test_an_input_error_a_step_met_is_raised_by_the_driver_whatever_the_runner_says(tmp_path):
+    store = str(tmp_path / "store")
+
+    def step_meets_bad_input():
+        with pytest.raises(InputError), keeping_input_errors(store):
+            raise InputError("data.jsonl row 7: empty_users")
+
+    with pytest.raises(InputError, match=r"^data.jsonl row 7: empty_users$"):
+        run(_FailingRun(step_meets_bad_input), "madp.test", store)
+    with pytest.raises(RuntimeError, match="worker 3 exited"):  # no input error kept: the runner's own
+        run(_FailingRun(), "madp.test", str(tmp_path / "other"))

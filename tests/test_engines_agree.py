@@ -39,9 +39,9 @@ def selection_files(output: str) -> dict[str, bytes]:
     return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
 
 
-def assert_same(tmp_path, input_path, options, beam_args, **beam_kwargs):
+def assert_same(tmp_path, input_path, options, beam_args):
     local = run_local(input_path, str(tmp_path / "local"), options)
-    beam = run_beam(input_path, str(tmp_path / "beam"), options, beam_args, **beam_kwargs)
+    beam = run_beam(input_path, str(tmp_path / "beam"), options, beam_args)
     for field in SAME_REPORT_FIELDS:
         assert local[field] == beam[field], field
     assert selection_files(str(tmp_path / "local")) == selection_files(str(tmp_path / "beam"))
@@ -71,7 +71,10 @@ def test_default_direct_runner_two_workers(tmp_path, sharded_input):
 def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
     options = BoundOptions(max_contributions=3, duplicates=True)
     local, _ = assert_same(
-        tmp_path, sharded_input, options, ["--direct_running_mode=in_memory"], partitions=3, rounds_per_pipeline=2
+        tmp_path,
+        sharded_input,
+        options,
+        ["--direct_running_mode=in_memory", "--partitions=3", "--rounds-per-pipeline=2"],
     )
     assert local["passes"] > 1 and local["selected_records"] > local["distinct_selected"]
 
@@ -87,7 +90,7 @@ def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, sm
     options = BoundOptions(
         max_contributions=2, capacities=str(capacities), output_shards=3, order="weight", columns=Columns(weight="w")
     )
-    assert_same(tmp_path, input_path, options, ["--direct_num_workers=1"], partitions=1)
+    assert_same(tmp_path, input_path, options, ["--direct_num_workers=1", "--partitions=1"])
     assert verify_bound(input_path, str(tmp_path / "beam"), 2, str(capacities))["ok"]
 
 
@@ -96,9 +99,7 @@ def test_max_rounds_across_pipeline_runs(tmp_path, sharded_input):
         tmp_path,
         sharded_input,
         BoundOptions(max_contributions=2, max_rounds=2),
-        [],
-        partitions=2,
-        rounds_per_pipeline=1,
+        ["--partitions=2", "--rounds-per-pipeline=1"],
     )
     assert local["rounds"] == 2 and not local["converged"]
 
@@ -107,7 +108,7 @@ def test_invalid_rows_skipped_alike(tmp_path, small_graph):
     rows = small_graph[:500] + [{"id": 1, "users": [5]}, {"id": 9999, "users": []}, {"id": None, "users": [1]}]
     input_path = write_records(str(tmp_path / "bad.jsonl"), rows)
     options = BoundOptions(max_contributions=2, on_invalid="skip")
-    local, _ = assert_same(tmp_path, input_path, options, [], partitions=2)
+    local, _ = assert_same(tmp_path, input_path, options, ["--partitions=2"])
     assert local["rejected"] == {"missing_id": 1, "empty_users": 1, "duplicate_id": 2}
     assert (
         open(tmp_path / "local" / "rejected" / "rejected.jsonl").read()
@@ -157,7 +158,7 @@ def test_capacities_for_users_without_records(tmp_path):
     capacities = tmp_path / "caps.csv"
     capacities.write_text("user,capacity\n" + "".join(f"{u},1\n" for u in range(1, 200)))
     options = BoundOptions(max_contributions=2, capacities=str(capacities))
-    local, _ = assert_same(tmp_path, input_path, options, ["--direct_running_mode=in_memory"], partitions=8)
+    local, _ = assert_same(tmp_path, input_path, options, ["--direct_running_mode=in_memory", "--partitions=8"])
     assert local["selected_records"] == 2
 
 
@@ -171,14 +172,13 @@ def test_input_error_inside_a_worker_reads_clearly(tmp_path):
             str(tmp_path),
             str(tmp_path / "out"),
             BoundOptions(max_contributions=1),
-            ["--direct_running_mode=in_memory"],
-            partitions=1,
+            ["--direct_running_mode=in_memory", "--partitions=1"],
         )
 
 
 def test_alternate_order_counts_groups_alike(tmp_path, sharded_input):
     """Beam counts the two groups in a first run; both engines then use the same universal order."""
     options = BoundOptions(max_contributions=2, order="alternate", arity_threshold=1, small_run=30, large_run=10)
-    local, beam = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory"], partitions=3)
+    local, beam = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory", "--partitions=3"])
     assert local["parameters"]["group_sizes"] == beam["parameters"]["group_sizes"]
     assert sum(local["parameters"]["group_sizes"]) == local["input_records"]

@@ -137,7 +137,7 @@ def test_one_secret_key_gives_the_same_batches_on_both_engines_and_any_worker_co
     options = BatchOptions(steps=30, batch_size=40, min_sep=3, max_batch_size=50, output_shards=2)
     assert options.seed is None
     batch_local(selected, data, str(tmp_path / "local"), options)
-    run_beam(selected, data, str(tmp_path / "beam"), options, BEAM, partitions=3)
+    run_beam(selected, data, str(tmp_path / "beam"), options, [*BEAM, "--partitions=3"])
     assert batch_bytes(tmp_path / "local") == batch_bytes(tmp_path / "beam")
 
 

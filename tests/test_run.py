@@ -123,6 +123,7 @@ def test_a_touched_input_reruns_its_stage(tmp_path, capsys):
         ({"calibrate": None}, "config train: needs a calibrate section"),
         ({"generate__holdout": "yes"}, "config generate.holdout: true or false"),
         ({"bound__beam_options": "--x"}, "config bound.beam_options: a list"),
+        ({"bound__partitions": 8}, "a Beam option, madp's --partitions among them, goes in beam_options"),
         ({"extra": {"a": 1}}, "config: unknown key(s) extra"),
     ],
 )

@@ -135,15 +135,14 @@ def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_pat
         config = {
             "run_dir": str(tmp_path / f"run-{workers}"),
             "input": data,
-            "bound": {"max_contributions": 2, "partitions": 4, "beam_options": ["--direct_num_workers", workers]},
+            "bound": {"max_contributions": 2, "beam_options": ["--partitions", "4", "--direct_num_workers", workers]},
             "batch": {
                 "steps": 40,
                 "batch_size": 60,
                 "min_sep": 3,
-                "partitions": 4,
                 "output_shards": 2,
                 "seed": 9,
-                "beam_options": ["--direct_num_workers", workers],
+                "beam_options": ["--partitions", "4", "--direct_num_workers", workers],
             },
         }
         path = tmp_path / f"job-{workers}.yaml"

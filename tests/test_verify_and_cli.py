@@ -89,7 +89,24 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     code, _, err = run_cli(
         capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--partitions", "3"
     )
-    assert code == 2 and "takes no Beam options (got --partitions)" in err
+    assert code == 2 and "takes no Beam options (got --partitions 3)" in err
+    # madp's own Beam options are checked by the driver before any pipeline runs
+    code, _, err = run_cli(capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--partitions", "0")
+    assert code == 2 and "--partitions and --rounds-per-pipeline must be at least 1" in err
+    code, _, err = run_cli(
+        capsys,
+        "batch",
+        str(tmp_path),
+        str(bad),
+        str(tmp_path / "b"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "1",
+        "--rounds-per-pipeline",
+        "2",
+    )
+    assert code == 2 and "--rounds-per-pipeline is an option of madp bound, not of madp batch" in err
 
 
 def test_generate_single_files_are_valid_input(tmp_path, capsys):

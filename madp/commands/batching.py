@@ -12,7 +12,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     batch = commands.add_parser(
         "batch",
         help="materialize training batches as TFRecords (b-min-sep Poisson sampling or min-sep greedy)",
-        description="Unknown options are passed to Beam (e.g. --direct_num_workers 4, --project ...).",
+        description="Unknown options are passed to Beam (e.g. --direct_num_workers 4, --project ...), among "
+        "them madp's own --partitions P (record and user partitions, default 4).",
     )
     batch.add_argument("selected", help="a `madp bound` output directory (selected/*.parquet: id, copies)")
     batch.add_argument("data", help="the records: a .jsonl/.parquet file or a directory of them")
@@ -64,7 +65,6 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     batch.add_argument("--output-shards", type=int, default=1, help="TFRecord files (contiguous step ranges)")
     batch.add_argument("--runner", default="DirectRunner", help="'local' (in-process) or a Beam runner name")
-    batch.add_argument("--partitions", type=int, default=None, help="Beam: record and user partitions (default 4)")
     add_columns(batch)
 
     verify_batches = commands.add_parser("verify-batches", help="independently check batches against the records")
@@ -105,21 +105,14 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _batch_options(args)
-    local_takes_no_beam_options(args, beam_args, "partitions")
+    local_takes_no_beam_options(args, beam_args)
     if args.runner == LOCAL:
         from madp.engines.batch_local import run_local
 
         return run_local(args.selected, args.data, args.output, options)
-    from beam_pipelines.batch import DEFAULT_PARTITIONS, run_beam
+    from beam_pipelines.batch import run_beam
 
-    return run_beam(
-        args.selected,
-        args.data,
-        args.output,
-        options,
-        ["--runner", args.runner, *beam_args],
-        partitions=args.partitions or DEFAULT_PARTITIONS,
-    )
+    return run_beam(args.selected, args.data, args.output, options, ["--runner", args.runner, *beam_args])
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -15,7 +15,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="select records so that no user exceeds its contribution bound",
         description="Round-based unanimous-proposal contribution bounding. Arguments this command does not "
         "know are passed to Apache Beam as pipeline options (e.g. --project, --region, "
-        "--temp_location, --flink_master, --setup_file).",
+        "--temp_location, --flink_master, --setup_file), among them madp's own: --partitions P "
+        "(record and user partitions, default 4; use ~2-4 per worker core) and --rounds-per-pipeline R "
+        "(rounds unrolled in one pipeline run, default 6).",
     )
     bound.add_argument("input", help="a .jsonl/.parquet file or a directory of them")
     bound.add_argument("output", help="output directory: selected/, report.json, rejected/")
@@ -56,18 +58,6 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="'local' (in-process) or a Beam runner: DirectRunner (default), DataflowRunner, "
         "FlinkRunner, SparkRunner, ...",
     )
-    bound.add_argument(
-        "--partitions",
-        type=int,
-        default=None,
-        help="Beam only: record and user partitions (default 4; use ~2-4 per worker core)",
-    )
-    bound.add_argument(
-        "--rounds-per-pipeline",
-        type=int,
-        default=None,
-        help="Beam only: rounds unrolled in one pipeline run (default 6)",
-    )
     add_columns(bound)
 
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
@@ -105,21 +95,14 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     options = _bound_options(args)
-    local_takes_no_beam_options(args, beam_args, "partitions", "rounds_per_pipeline")
+    local_takes_no_beam_options(args, beam_args)
     if args.runner == LOCAL:
         from madp.engines.local_engine import run_local
 
         return run_local(args.input, args.output, options)
-    from beam_pipelines.bound import DEFAULT_PARTITIONS, DEFAULT_ROUNDS_PER_PIPELINE, run_beam
+    from beam_pipelines.bound import run_beam
 
-    return run_beam(
-        args.input,
-        args.output,
-        options,
-        ["--runner", args.runner, *beam_args],
-        partitions=args.partitions or DEFAULT_PARTITIONS,
-        rounds_per_pipeline=args.rounds_per_pipeline or DEFAULT_ROUNDS_PER_PIPELINE,
-    )
+    return run_beam(args.input, args.output, options, ["--runner", args.runner, *beam_args])
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -86,9 +86,8 @@ def add_columns(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--users-column", default="users", help="column holding the list of user ids (default: users)")
 
 
-def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str], *beam_only: str) -> None:
-    """--runner local runs in this process: a Beam option, or one of madp's Beam-only options (the
-    attributes `beam_only` of `args`), is a mistake to report, not to drop."""
-    given = [*beam_args, *(f"--{name.replace('_', '-')}" for name in beam_only if getattr(args, name))]
-    if args.runner == LOCAL and given:
-        raise InputError(f"--runner local takes no Beam options (got {' '.join(given)})")
+def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:
+    """--runner local runs in this process: a Beam option (madp's --partitions among them) is a mistake
+    to report, not to drop."""
+    if args.runner == LOCAL and beam_args:
+        raise InputError(f"--runner local takes no Beam options (got {' '.join(beam_args)})")

@@ -147,7 +147,7 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
         return
     path = plan.path
     beam = _beam(bound, "bound")
-    flags = _flags(plan.commands["bound"], "bound", bound)
+    flags = _flags(plan.commands["bound"], "bound", bound, beam=True)
     plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
     if "max_contributions" not in bound:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
@@ -170,7 +170,7 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
         return
     path = plan.path
     beam = _beam(batch, "batch")
-    flags = _flags(plan.commands["batch"], "batch", batch)
+    flags = _flags(plan.commands["batch"], "batch", batch, beam=True)
     plan.stages.append(
         Stage(
             "batch",
@@ -260,16 +260,18 @@ def _beam(section: dict, name: str) -> list[str]:
     return ["--runner", str(runner), *map(str, options)]
 
 
-def _flags(parser: CommandParser, section: str, options: dict) -> list[str]:
-    """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated."""
+def _flags(parser: CommandParser, section: str, options: dict, beam: bool = False) -> list[str]:
+    """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated. `beam`:
+    the stage also takes Beam options (in beam_options), which an unknown key may have meant."""
     known = {dest: action for dest, action in parser.options.items() if dest != "help"}
     flags = []
     for key, value in options.items():
         action = known.get(key)
         if action is None:
+            hint = "; a Beam option, madp's --partitions among them, goes in beam_options" if beam else ""
             raise InputError(
                 f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
-                f"(known: {', '.join(sorted(known))})"
+                f"(known: {', '.join(sorted(known))}){hint}"
             )
         flag = max(action.option_strings, key=len)
         if action.nargs == 0:  # a switch (store_true)
