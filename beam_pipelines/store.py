@@ -164,8 +164,7 @@ def _build(shape, leaves: list[pa.Table], where: str):
     if not isinstance(shape, dict):
         return shape
     if "ndarray" in shape:
-        column = leaves[shape["ndarray"]].column(0)
-        values = column.to_numpy() if column.num_chunks != 1 else column.chunk(0).to_numpy(zero_copy_only=False)
+        values = leaves[shape["ndarray"]].column(0).to_numpy()
         return np.array(values, dtype=np.dtype(shape["dtype"])).reshape(shape["shape"])  # a writable copy
     if "scalar" in shape:
         return np.dtype(shape["dtype"]).type(shape["scalar"])
