@@ -14,16 +14,15 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import StandardOptions
 
-from beam_pipelines.bound_build import BuildSides, ReadRecordPartitions
-from beam_pipelines.bound_rounds import NAMESPACE, ProposalRound, Saturate, SideStore, round_stat, stat
+from beam_pipelines.bound_build import ReadRecords, RecordPartitions
+from beam_pipelines.bound_contributions import BoundContributions
+from beam_pipelines.bound_rounds import NAMESPACE, SideStore, round_stat
 from beam_pipelines.pipeline import keeping_input_errors, madp_options, merge_rejects, pipeline_options, run
 from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
@@ -37,53 +36,15 @@ from madp.core.selection import (
     histograms,
     prepare_output,
     read_capacities,
-    record_distribution_stats,
     selection_manifest,
-    selection_shards,
     shard_path,
     sorted_selection,
-    user_distribution_stats,
     write_report,
     write_selection_shard,
 )
 
 log = logging.getLogger("madp.bound")
 WORK_DIR = "_work"
-
-
-@beam.typehints.with_output_types(tuple[int, Any])
-class _FinishRecords(beam.DoFn):
-    """Save the partial selection for a following pipeline run; emit selection shards and counts."""
-
-    def __init__(self, store: SideStore, state_dir: str, shards: int):
-        self.store, self.state_dir, self.shards = store, state_dir, shards
-
-    def process(self, element):
-        part, (_, handle) = element
-        state = self.store.load("records", handle)
-        PartitionStore(self.state_dir).write_arrays(
-            f"state-{part:05d}.store", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass}
-        )
-        yield stat("selected_records", state.copies.sum())
-        yield stat("distinct_selected", (state.copies > 0).sum())
-        for name, count in record_distribution_stats(state.arity, state.copies).items():
-            yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
-        selected = state.copies > 0
-        ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.store"))["ids"]
-        # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
-        yield from selection_shards(ids.filter(pa.array(selected)), state.copies[selected], self.shards).items()
-
-
-def _user_stats(element, store: SideStore):
-    _, (_, handle) = element
-    side = store.load("users", handle)
-    Metrics.counter(NAMESPACE, "input_users").inc(len(side.residual))
-    Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
-    yield "input_users", len(side.residual)
-    yield "max_user_contribution", int(side.contribution.max(initial=0))
-    yield from user_distribution_stats(
-        np.bincount(side.inc_user, minlength=len(side.residual)), side.contribution
-    ).items()
 
 
 def _write_shard(element, output: str, shards: int):
@@ -120,34 +81,32 @@ class BoundPipeline(beam.PTransform):
     def expand(self, pbegin):
         work = storage.join(self.output, WORK_DIR)
         store = SideStore(storage.join(work, self.run_name))
-        state_dir = storage.join(work, "state")
-        users, records, rejects, build_stats = pbegin | "BuildSides" >> BuildSides(
-            self.files, self.options, self.partitions, store, state_dir if self.continues else None, self.new_pass
+        chunks, read_rejects, read_stats = pbegin | "ReadRecords" >> ReadRecords(
+            self.files, self.options.columns, store
         )
-        no_messages = pbegin | "NoAcceptedYet" >> beam.Create([])
-        users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
-        stats = [build_stats, setup_stats]
-        for round_index in range(1, self.rounds + 1):
-            users, records, round_stats = (users, records) | f"Round{round_index}" >> ProposalRound(store, round_index)
-            stats.extend(round_stats)
-        stats.append(users | "UserStats" >> beam.FlatMap(_user_stats, store))
-        finished = records | "FinishRecords" >> beam.ParDo(
-            _FinishRecords(store, state_dir, self.options.output_shards)
-        ).with_outputs("stats", main="shards")
-        stats.append(finished.stats)
+        shards, rejects, stats = chunks | "BoundContributions" >> BoundContributions(
+            self.options,
+            self.partitions,
+            self.rounds,
+            store,
+            storage.join(work, "state"),
+            self.continues,
+            self.new_pass,
+        )
         _ = (
-            finished.shards
+            shards
             | "GroupShards" >> beam.GroupByKey()
             | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards)
         )
         _ = (
-            rejects
+            (read_rejects, rejects)
+            | "AllRejects" >> beam.Flatten()
             | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
             | "WriteRejects"
             >> beam.Map(lambda r: storage.write_text(storage.join(work, "rejected.jsonl"), r.to_jsonl()))
         )
         return (
-            stats
+            (read_stats, stats)
             | "AllStats" >> beam.Flatten()
             | "GroupStats" >> beam.GroupByKey()
             | "AggregateStats" >> beam.Map(_aggregate_stats)
@@ -171,11 +130,10 @@ class GroupSizes(beam.PTransform):
 
     def expand(self, pbegin):
         threshold, store, path = self.options.arity_threshold, self.store, self.path
-        grouped, _, _ = pbegin | "Read" >> ReadRecordPartitions(
-            self.files, self.options.columns, self.partitions, store
-        )
+        chunks, _, _ = pbegin | "ReadRecords" >> ReadRecords(self.files, self.options.columns, store)
         return (
-            grouped
+            chunks
+            | "RecordPartitions" >> RecordPartitions(self.partitions, store)
             | "CountGroups" >> beam.MapTuple(lambda _, paths: _group_sizes(paths, store, threshold))
             | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
             | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes))))

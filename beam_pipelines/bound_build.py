@@ -26,10 +26,10 @@ from madp.core.selection import BoundOptions, alternate_runs, read_capacities
 
 @beam.typehints.with_output_types(tuple[int, Any])
 class _ReadFile(beam.DoFn):
-    """Read and validate one input file; hand its records to their record partitions."""
+    """Read and validate one input file: (file index, chunk of its valid records); rejects and counts."""
 
-    def __init__(self, columns: rec.Columns, partitions: int, store: PartitionStore):
-        self.columns, self.partitions, self.store = columns, partitions, store
+    def __init__(self, columns: rec.Columns, store: PartitionStore):
+        self.columns, self.store = columns, store
 
     @keeps_input_errors
     def process(self, element):
@@ -40,8 +40,20 @@ class _ReadFile(beam.DoFn):
         yield stat("repeated_users_removed", result.repeated_users_removed)
         if len(result.rejects):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
-        partition = partition_of(result.chunk.ids, self.partitions) if len(result.chunk) else np.zeros(0, np.int64)
-        slices = {int(part): rec.take(result.chunk, partition == part) for part in np.unique(partition)}
+        yield index, result.chunk
+
+
+@beam.typehints.with_output_types(tuple[int, Any])
+class _SplitByRecordPartition(beam.DoFn):
+    """Hand a chunk's records to their record partitions (by id hash), one store file per chunk."""
+
+    def __init__(self, partitions: int, store: PartitionStore):
+        self.partitions, self.store = partitions, store
+
+    def process(self, element):
+        index, chunk = element
+        partition = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
+        slices = {int(part): rec.take(chunk, partition == part) for part in np.unique(partition)}
         yield from self.store.write_slices(f"chunks-from-file{index:06d}.store", slices).items()
 
 
@@ -165,12 +177,14 @@ def _build_user_partition(element, default: int, store: SideStore):
         yield keep(part, (*store.create("users", part, side), routing))
 
 
-class ReadRecordPartitions(beam.PTransform):
-    """Input files -> (record partition, slice handles of its valid records); rejects and counts."""
+class ReadRecords(beam.PTransform):
+    """Input files -> (file index, RecordChunk of its valid rows); the rejected rows and the counts.
+    The I/O of `madp bound`: a pipeline of one's own may make the chunks another way, with
+    `record_reading.read_file` (a chunk's record keys hold its file index, so indices must differ)."""
 
-    def __init__(self, files: list[str], columns: rec.Columns, partitions: int, store: PartitionStore):
+    def __init__(self, files: list[str], columns: rec.Columns, store: PartitionStore):
         super().__init__()
-        self.files, self.columns, self.partitions, self.store = files, columns, partitions, store
+        self.files, self.columns, self.store = files, columns, store
 
     def expand(self, pbegin):
         read = (
@@ -178,40 +192,47 @@ class ReadRecordPartitions(beam.PTransform):
             | "ListFiles" >> beam.Create(list(enumerate(self.files)))
             | "SpreadFiles" >> beam.Reshuffle()
             | "ReadAndValidate"
-            >> beam.ParDo(_ReadFile(self.columns, self.partitions, self.store)).with_outputs(
-                "rejects", "stats", main="chunks"
-            )
+            >> beam.ParDo(_ReadFile(self.columns, self.store)).with_outputs("rejects", "stats", main="chunks")
         )
-        return read.chunks | "GroupRecordPartitions" >> beam.GroupByKey(), read.rejects, read.stats
+        return read.chunks, read.rejects, read.stats
+
+
+class RecordPartitions(beam.PTransform):
+    """(file index, RecordChunk) -> (record partition, store handles of its records' slices)."""
+
+    def __init__(self, partitions: int, store: PartitionStore):
+        super().__init__()
+        self.partitions, self.store = partitions, store
+
+    def expand(self, chunks):
+        return (
+            chunks
+            | "SplitByRecordPartition" >> beam.ParDo(_SplitByRecordPartition(self.partitions, self.store))
+            | "GroupRecordPartitions" >> beam.GroupByKey()
+        )
 
 
 class BuildSides(beam.PTransform):
-    """Input files -> both sides' partitions (handles), with the partial selection of `state_dir`
-    when a pipeline run continues the algorithm; rejects and counts."""
+    """(file index, RecordChunk) -> both sides' partitions (handles), with the partial selection of
+    `state_dir` when a pipeline run continues the algorithm; rejected duplicated ids, and counts."""
 
-    def __init__(
-        self,
-        files: list[str],
-        options: BoundOptions,
-        partitions: int,
-        store: SideStore,
-        state_dir: str | None,
-        new_pass: bool,
-    ):
+    def __init__(self, options: BoundOptions, partitions: int, store: SideStore, state_dir: str | None, new_pass: bool):
         super().__init__()
-        self.files, self.options, self.partitions, self.store = files, options, partitions, store
+        self.options, self.partitions, self.store = options, partitions, store
         self.state_dir, self.new_pass = state_dir, new_pass
 
-    def expand(self, pbegin):
+    def expand(self, chunks):
         options, partitions, store = self.options, self.partitions, self.store
-        grouped, read_rejects, read_stats = pbegin | "Read" >> ReadRecordPartitions(
-            self.files, options.columns, partitions, store
+        built = (
+            chunks
+            | "RecordPartitions" >> RecordPartitions(partitions, store)
+            | "BuildRecordPartitions"
+            >> beam.ParDo(
+                _BuildRecordPartition(options, partitions, store, self.state_dir, self.new_pass)
+            ).with_outputs("incidences", "rejects", "stats", main="records")
         )
-        built = grouped | "BuildRecordPartitions" >> beam.ParDo(
-            _BuildRecordPartition(options, partitions, store, self.state_dir, self.new_pass)
-        ).with_outputs("incidences", "rejects", "stats", main="records")
         capacities = (
-            pbegin
+            chunks.pipeline
             | "CapacitiesFile" >> beam.Create([options.capacities] if options.capacities else [])
             | "SplitCapacities" >> beam.FlatMap(_split_capacities, options.max_contributions, partitions)
         )
@@ -220,6 +241,4 @@ class BuildSides(beam.PTransform):
             | "GroupUserPartitions" >> beam.CoGroupByKey()
             | "BuildUserPartitions" >> beam.FlatMap(_build_user_partition, options.max_contributions, store)
         )
-        rejects = (read_rejects, built.rejects) | "AllRejects" >> beam.Flatten()
-        stats = (read_stats, built.stats) | "AllStats" >> beam.Flatten()
-        return users, built.records, rejects, stats
+        return users, built.records, built.rejects, built.stats

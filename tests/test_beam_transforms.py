@@ -1,6 +1,7 @@
 """The Beam bounding transforms on their own, in a TestPipeline with assert_that: building both
-sides from files (counts and rejects as PCollections), and rounds of Alg. 1 against the in-memory
-engine's rounds on the same graph; and bad input met by a step, carried to the driver as data."""
+sides from files (counts and rejects as PCollections), rounds of Alg. 1 against the in-memory
+engine's rounds on the same graph, the whole bounding embedded in a pipeline of one's own; and bad
+input met by a step, carried to the driver as data."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from conftest import write_records
 
-from beam_pipelines.bound_build import BuildSides
+from beam_pipelines.bound_build import BuildSides, ReadRecords
+from beam_pipelines.bound_contributions import BoundContributions
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
 from beam_pipelines.pipeline import keeping_input_errors, pipeline_options, run
+from madp.core import record_reading
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
 from madp.core.records import Columns
@@ -38,12 +41,12 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
     )
     second = write_records(str(tmp_path / "b.jsonl"), [{"id": 3, "users": [4]}, {"id": 4, "users": [5]}])
     options = BoundOptions(max_contributions=1)
+    store = SideStore(str(tmp_path / "store"))
     with _test_pipeline() as pipeline:
-        users, records, rejects, stats = pipeline | BuildSides(
-            [first, second], options, 3, SideStore(str(tmp_path / "store")), None, False
-        )
+        chunks, read_rejects, read_stats = pipeline | ReadRecords([first, second], options.columns, store)
+        users, records, rejects, stats = chunks | BuildSides(options, 3, store, None, False)
         assert_that(
-            _totals(stats),
+            _totals((read_stats, stats) | "AllStats" >> beam.Flatten()),
             equal_to(
                 [
                     {
@@ -57,7 +60,7 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
             ),
             label="Counts",
         )
-        reasons = rejects | beam.FlatMap(lambda batch: batch.reason)
+        reasons = (read_rejects, rejects) | "AllRejects" >> beam.Flatten() | beam.FlatMap(lambda batch: batch.reason)
         assert_that(reasons, equal_to(["empty_users", "duplicate_id", "duplicate_id"]), label="Rejects")
 
 
@@ -71,7 +74,8 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
     assert len(local) >= 3
     store = SideStore(str(tmp_path / "store"))
     with _test_pipeline() as pipeline:
-        users, records, _, _ = pipeline | BuildSides([path], options, 4, store, None, False)
+        chunks, _, _ = pipeline | ReadRecords([path], options.columns, store)
+        users, records, _, _ = chunks | BuildSides(options, 4, store, None, False)
         users, _ = (users, pipeline | "NoAcceptedYet" >> beam.Create([])) | "SaturateInitially" >> Saturate(store, 0)
         round_stats = []
         for index in (1, 2, 3):
@@ -83,6 +87,28 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
             expected[round_stat(index, "selected")] = one["selected"]
             expected[round_stat(index, "eligible")] = one["eligible"]
         assert_that(totals, equal_to([expected]))
+
+
+def test_bound_contributions_embed_in_a_pipeline_of_ones_own(tmp_path):
+    """Records made in the pipeline (not read by madp), selected by the composite transform: the
+    in-memory engine's selection, as (shard, table) elements a pipeline writes where it wants."""
+    rng = np.random.default_rng(8)
+    rows = [{"id": 10 * i, "users": sorted(set(rng.integers(0, 50, rng.integers(1, 4)).tolist()))} for i in range(250)]
+    path = write_records(str(tmp_path / "records.jsonl"), rows)
+    chunk = record_reading.read_file(path, 0, Columns()).chunk
+    options = BoundOptions(max_contributions=2, output_shards=2)
+    local = bound_records(chunk, options, Capacities(2))
+    expected = [(int(i), int(c)) for i, c in zip(chunk.ids.to_pylist(), local.copies) if c > 0]
+    with _test_pipeline() as pipeline:
+        shards, rejects, stats = (
+            pipeline
+            | beam.Create([(0, chunk)])
+            | BoundContributions(options, 3, len(local.rounds), SideStore(str(tmp_path / "store")))
+        )
+        pairs = shards | beam.FlatMapTuple(lambda _, table: zip(table["id"].to_pylist(), table["copies"].to_pylist()))
+        assert_that(pairs, equal_to(expected), label="Selection")
+        assert_that(shards | beam.Keys() | beam.Distinct(), equal_to([0, 1]), label="Shards")
+        assert_that(rejects, equal_to([]), label="NoRejects")
 
 
 class _FailingRun:
