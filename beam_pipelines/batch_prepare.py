@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.metrics import Metrics
 
-from beam_pipelines.pipeline import by_kind, keeps_input_errors, merge_rejects
+from beam_pipelines.pipeline import by_kind, keeps_input_errors, merge_rejects, merged_records
 from beam_pipelines.store import PartitionStore, stack
 from madp.core import record_reading, sampling
 from madp.core import records as rec
@@ -89,9 +89,8 @@ class _BuildRecordPartition(beam.DoFn):
     def process(self, element):
         part, values = element
         handles = by_kind(values)
-        chunks = sorted(self.store.gather(handles.get("records", [])), key=lambda c: int(c.keys[0]))
         rejects = rec.Rejects()
-        chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects) if chunks else None
+        chunk = merged_records(self.store, handles["records"], rejects) if "records" in handles else None
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
         selection = self.store.gather(handles.get("selection", []))

@@ -23,7 +23,14 @@ from apache_beam.options.pipeline_options import StandardOptions
 from beam_pipelines.bound_build import ReadRecords, RecordPartitions
 from beam_pipelines.bound_contributions import BoundContributions
 from beam_pipelines.bound_rounds import NAMESPACE, SideStore, round_stat
-from beam_pipelines.pipeline import keeping_input_errors, madp_options, merge_rejects, pipeline_options, run
+from beam_pipelines.pipeline import (
+    keeping_input_errors,
+    madp_options,
+    merge_rejects,
+    merged_records,
+    pipeline_options,
+    run,
+)
 from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
@@ -143,8 +150,7 @@ class GroupSizes(beam.PTransform):
 def _group_sizes(paths, store: PartitionStore, threshold: int) -> tuple[int, int]:
     """A record partition's records with at most `threshold` users and with more."""
     with keeping_input_errors(store.directory):  # ids of two types in two files
-        chunks = sorted(map(store.read_slice, paths), key=lambda c: int(c.keys[0]))
-        return group_sizes(rec.reject_duplicates(rec.merge_chunks(chunks), rec.Rejects()).arity, threshold)
+        return group_sizes(merged_records(store, paths, rec.Rejects()).arity, threshold)
 
 
 def _count_groups(files: list[str], options: BoundOptions, partitions: int, beam_options, work: str) -> BoundOptions:

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from beam_pipelines.bound_rounds import RecordState, SideStore, keep, stat
-from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors
+from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors, merged_records
 from beam_pipelines.store import PartitionStore
 from madp.core import record_reading, storage
 from madp.core import records as rec
@@ -68,9 +68,8 @@ class _BuildRecordPartition(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         part, paths = element
-        chunks = sorted(map(self.store.read_slice, paths), key=lambda c: int(c.keys[0]))
         rejects = rec.Rejects()
-        chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
+        chunk = merged_records(self.store, paths, rejects)
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
             yield stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))

@@ -24,6 +24,7 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 
+from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.errors import InputError
@@ -152,6 +153,12 @@ def by_kind(values) -> dict:
     for kind, value in values:
         grouped.setdefault(kind, []).append(value)
     return grouped
+
+
+def merged_records(store: PartitionStore, handles, rejects: rec.Rejects) -> rec.RecordChunk:
+    """A record partition's slices as one chunk in key order; its duplicated ids go to `rejects`."""
+    chunks = sorted(store.gather(handles), key=lambda c: int(c.keys[0]))
+    return rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
 
 
 def merge_rejects(batches) -> rec.Rejects:
