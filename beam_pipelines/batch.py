@@ -1,7 +1,7 @@
-"""Batch materialization (b-min-sep Poisson sampling, Alg. 3) as Apache Beam pipelines: the
-`madp.core.sampling` kernels on record, user and file partitions. Two pipeline runs, because p must be
-calibrated before sampling: `batch_prepare` (join, |N(e)| histogram), then the driver calibrates
-p, then `batch_sample` (sample, exclude, write the files).
+"""Batch materialization (b-min-sep Poisson sampling, Alg. 3) on Apache Beam, with its I/O:
+`BatchPipeline` reads DATA (with its content columns) and the selection's shards, samples them with
+the composite `min_sep_sample.MinSepSample` (p calibrated in the graph), and writes the batch files
+and the run's summary, all in one pipeline run; `run_beam` is the driver of `madp batch --runner`.
 
 Elements are whole columnar partitions; arrays go through a `PartitionStore` under OUTPUT/_work/
 and only handles travel through the graph. The greedy sampler (Alg. 4) is sequential by
@@ -18,10 +18,20 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines.batch_prepare import NAMESPACE, PreparePipeline
-from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
-from beam_pipelines.pipeline import by_kind, madp_options, pipeline_options, run
-from beam_pipelines.store import PartitionStore
+from beam_pipelines.batch_join import record_partition_of, summary_value, user_partition_of
+from beam_pipelines.min_sep_sample import MinSepSample
+from beam_pipelines.pipeline import (
+    NAMESPACE,
+    by_kind,
+    count,
+    keeping_input_errors,
+    madp_options,
+    merge_rejects,
+    pipeline_options,
+    run,
+)
+from beam_pipelines.record_chunks import ReadRecords
+from beam_pipelines.store import PartitionStore, stack
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.errors import InputError
@@ -30,20 +40,144 @@ from madp.engines import batch_local, batch_report, batching
 
 log = logging.getLogger("madp.batch")
 WORK_DIR = "_work"
+SUMMARY = "summary.store"
 
 
-def _merge_described(described: list[dict]) -> dict:
-    merged: dict = {}
-    for one in described:
-        for name, feature in one.items():
-            seen = merged.setdefault(name, dict(feature))
-            if seen["dtype"] != feature["dtype"]:
-                raise InputError(
-                    f"content column {name!r} is {seen['dtype']} in some records and {feature['dtype']} in others"
-                )
-            if seen["shape"] != feature["shape"]:
-                seen["shape"] = [None]
-    return merged
+def _selection_table(path: str, store: PartitionStore) -> tuple[str, pa.Table]:
+    with keeping_input_errors(store.directory):  # a shard that cannot be read
+        return path, storage.read_parquet(path)
+
+
+class _WriteFile(beam.DoFn):
+    """Order, truncate, pad and write one batch file; written rows go on to the statistics."""
+
+    def __init__(self, output: str, options: batching.BatchOptions, partitions: int, store: PartitionStore):
+        self.output, self.options, self.partitions, self.store = output, options, partitions, store
+
+    def process(self, element, content: dict):
+        file, rows = element
+        files, steps = self.options.output_shards, self.options.steps
+        result = batch_files.write_batch_file(
+            batch_files.batch_file_path(self.output, file, files),
+            rows,
+            batch_files.step_range(file, steps, files),
+            self.options.max_batch_size,
+            batch_files.content_shapes(content),
+        )
+        count("written_rows", int(result["written"].sum()))
+        count("truncated_rows", result["truncated"])
+        count("padding_rows", result["padding"])
+        yield summary_value("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
+        users, user_steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
+        for user_part, handle in self.store.write_split(
+            f"written-users-{file:05d}.store",
+            user_partition_of(users, self.partitions),
+            lambda mask: (users[mask], user_steps[mask]),
+        ):
+            yield beam.pvalue.TaggedOutput("users", (user_part, handle))
+        for record_part, handle in self.store.write_split(
+            f"written-records-{file:05d}.store",
+            record_partition_of(records, self.partitions),
+            lambda mask: records[mask],
+        ):
+            yield beam.pvalue.TaggedOutput("records", (record_part, handle))
+
+
+def _participation(element, store: PartitionStore):
+    _, handles = element
+    pieces = store.gather(handles)
+    yield "participation", batch_report.participation_stats(stack(pieces, 0), stack(pieces, 1))
+
+
+def _written_records(element, store: PartitionStore):
+    _, handles = element
+    yield "written_records", len(np.unique(np.concatenate(store.gather(handles))))
+
+
+class WriteBatchFiles(beam.PTransform):
+    """(batch file index, FileRows) -> the batch files under `output`; the statistics of what was
+    written (per file, participation over users, distinct records) as summary values."""
+
+    def __init__(
+        self,
+        output: str,
+        options: batching.BatchOptions,
+        partitions: int,
+        store: PartitionStore,
+        content: beam.PCollection,
+    ):
+        super().__init__()
+        self.output, self.options, self.partitions, self.store, self.content = (
+            output,
+            options,
+            partitions,
+            store,
+            content,
+        )
+
+    def expand(self, rows):
+        store = self.store
+        written = rows | "Write" >> beam.ParDo(
+            _WriteFile(self.output, self.options, self.partitions, store), beam.pvalue.AsSingleton(self.content)
+        ).with_outputs("users", "records", "stats", main="unused")
+        participation = (
+            written.users
+            | "GroupWrittenUsers" >> beam.GroupByKey()
+            | "Participation" >> beam.FlatMap(_participation, store)
+        )
+        records = (
+            written.records
+            | "GroupWrittenRecords" >> beam.GroupByKey()
+            | "WrittenRecords" >> beam.FlatMap(_written_records, store)
+        )
+        return (written.stats, participation, records) | "WrittenStats" >> beam.Flatten()
+
+
+class BatchPipeline(beam.PTransform):
+    """Read DATA and the selection, sample (MinSepSample), write the batch files, store the summary."""
+
+    def __init__(
+        self,
+        data_files: list[str],
+        selection: list[str],
+        data: str,
+        output: str,
+        content: tuple[str, ...],
+        options: batching.BatchOptions,
+        partitions: int,
+        store: PartitionStore,
+    ):
+        super().__init__()
+        self.data_files, self.selection, self.data, self.output = data_files, selection, data, output
+        self.content, self.options, self.partitions, self.store = content, options, partitions, store
+
+    def expand(self, pbegin):
+        store, partitions = self.store, self.partitions
+        chunks, read_rejects, _ = pbegin | "ReadRecords" >> ReadRecords(
+            self.data_files, self.options.columns, store, self.content
+        )
+        selection = (
+            pbegin
+            | "ListSelection" >> beam.Create(self.selection)
+            | "ReadSelection" >> beam.Map(_selection_table, store)
+        )
+        sampled = (chunks, selection) | "MinSepSample" >> MinSepSample(self.options, partitions, store, self.data)
+        written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
+            self.output, self.options, partitions, store, sampled.content
+        )
+        rejects = (
+            (read_rejects, sampled.rejects)
+            | "AllRejects" >> beam.Flatten()
+            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
+        )
+        content = sampled.content | "NamedContent" >> beam.Map(lambda c: ("content", c))
+        return (
+            (sampled.stats, written, rejects, content)
+            | "Summary" >> beam.Flatten()
+            | "CollectSummary" >> beam.combiners.ToList()
+            | "WriteSummary" >> beam.Map(lambda items: store.write_arrays(SUMMARY, items))
+        )
 
 
 def run_beam(
@@ -53,7 +187,7 @@ def run_beam(
     options: batching.BatchOptions,
     beam_args: list[str],
 ) -> dict:
-    """`madp batch --runner <Beam runner>`: a prepare run, calibration of p in the driver, a sample run."""
+    """`madp batch --runner <Beam runner>`: one pipeline run (`BatchPipeline`), then the report."""
     beam_options = pipeline_options(beam_args)
     if "rounds_per_pipeline" in beam_options.get_all_options(drop_default=True):
         raise InputError("--rounds-per-pipeline is an option of madp bound, not of madp batch")
@@ -75,45 +209,27 @@ def run_beam(
     storage.clear_directory(work)
     batch_report.prepare_output(output)
     store = PartitionStore(storage.join(work, uuid.uuid4().hex[:12]))
-
-    counters = []
     pipeline = beam.Pipeline(options=beam_options)
-    _ = pipeline | "Prepare" >> PreparePipeline(data_files, selection, data, content, options, partitions, store)
+    _ = pipeline | "Batch" >> BatchPipeline(data_files, selection, data, output, content, options, partitions, store)
     try:
-        counters.append(run(pipeline, NAMESPACE, store.directory))
-        prepared = by_kind(store.read_arrays(storage.join(store.directory, "prepare-summary.store")))
-        rejects = prepared.get("rejects", [rec.Rejects()])[0]
+        counters = run(pipeline, NAMESPACE, store.directory)
+        summary = by_kind(store.read_arrays(storage.join(store.directory, SUMMARY)))
+        rejects = summary["rejects"][0]
         handle_rejects(rejects, options.on_invalid, output)
-        described = _merge_described(prepared.get("described", []))
-        histogram = prepared.get("histogram", [{}])[0]
-        sizes = np.array(sorted(histogram), dtype=np.int64)
-        counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
-        probability = sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
-        log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
-        plan = SamplePlan(
-            probability=probability,
-            total_steps=options.steps + options.warm_up_steps,
-            warm_up=options.warm_up_steps,
-            steps=options.steps,
-            min_sep=options.min_sep,
-            files=options.output_shards,
-            max_batch_size=options.max_batch_size,
-            output=output,
-            shapes=batch_files.content_shapes(described),
-        )
-        partition_paths = dict(prepared.get("partition", []))
-        pipeline = beam.Pipeline(options=beam_options)
-        _ = pipeline | "Sample" >> SamplePipeline(plan, partition_paths, partitions, store)
-        counters.append(run(pipeline, NAMESPACE, store.directory))
-        summary = by_kind(store.read_arrays(storage.join(store.directory, "sample-summary.store")))
     except InputError:
-        batch_report.prepare_output(output)  # no partial batches outlive an error
+        batch_report.prepare_output(output)  # no batch file outlives an error
         storage.clear_directory(work)
         raise
-    id_type = prepared.get("id_type", [pa.int64()])[0]
-    batch_files.write_schema(output, batching.schema(id_type, described, options))
-    records = sum(prepared.get("records", []))
+    histogram = summary["histogram"][0]
+    probability = summary["probability"][0]
+    log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
+    sizes = np.array(sorted(histogram), dtype=np.int64)
+    counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
+    described = summary["content"][0]
+    batch_files.write_schema(output, batching.schema(summary["id_type"][0], described, options))
+    records = sum(summary["records"])
     files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
+    total_steps = options.steps + options.warm_up_steps
     sampled = batch_report.Sampled(
         np.zeros(0, np.int64),
         np.zeros(0, np.uint64),
@@ -131,7 +247,7 @@ def run_beam(
         sampled=sampled,
         units=int(counts.sum()),
         records=records,
-        sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(plan.total_steps, np.int64)]), axis=0),
+        sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(total_steps, np.int64)]), axis=0),
         files=files,
         records_never_written=records - sum(summary.get("written_records", [])),
         participation=batch_report.merge_participation_stats(summary.get("participation", [])),
@@ -139,7 +255,7 @@ def run_beam(
         content_columns=list(content),
         started=started,
     )
-    result.update(partitions=partitions, beam_counters_per_run=counters)
+    result.update(partitions=partitions, beam_counters_per_run=[counters])
     storage.clear_directory(work)
     write_report(output, result)
     return result

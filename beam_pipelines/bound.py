@@ -20,10 +20,10 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.options.pipeline_options import StandardOptions
 
-from beam_pipelines.bound_build import ReadRecords, RecordPartitions
 from beam_pipelines.bound_contributions import BoundContributions
-from beam_pipelines.bound_rounds import NAMESPACE, SideStore, round_stat
+from beam_pipelines.bound_rounds import SideStore, round_stat
 from beam_pipelines.pipeline import (
+    NAMESPACE,
     keeping_input_errors,
     madp_options,
     merge_rejects,
@@ -31,6 +31,7 @@ from beam_pipelines.pipeline import (
     pipeline_options,
     run,
 )
+from beam_pipelines.record_chunks import ReadRecords, RecordPartitions
 from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage

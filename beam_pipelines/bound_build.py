@@ -1,4 +1,4 @@
-"""Reading the records and building both sides of Alg. 1 on partitions, as Beam steps.
+"""Building both sides of Alg. 1 on partitions, as Beam steps.
 
 Records are split into record partitions (by id hash) and user partitions (by user hash). A record
 partition holds its records' keys and selection; a user partition holds its users' incidences, the
@@ -13,48 +13,16 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines.bound_rounds import RecordState, SideStore, keep, stat
-from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors, merged_records
+from beam_pipelines.bound_rounds import RecordState, SideStore, keep
+from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors, merged_records, stat
+from beam_pipelines.record_chunks import RecordPartitions
 from beam_pipelines.store import PartitionStore
-from madp.core import record_reading, storage
 from madp.core import records as rec
+from madp.core import storage
 from madp.core.bounding import Capacities, build_user_side, preference_keys
 from madp.core.hashing import partition_of
 from madp.core.routing import distinct_partitions, owned, partition_bits
 from madp.core.selection import BoundOptions, alternate_runs, read_capacities
-
-
-@beam.typehints.with_output_types(tuple[int, Any])
-class _ReadFile(beam.DoFn):
-    """Read and validate one input file: (file index, chunk of its valid records); rejects and counts."""
-
-    def __init__(self, columns: rec.Columns, store: PartitionStore):
-        self.columns, self.store = columns, store
-
-    @keeps_input_errors
-    def process(self, element):
-        index, path = element
-        result = record_reading.read_file(path, index, self.columns)
-        yield stat("input_rows", result.rows_read)
-        yield from (stat(f"rejected_{reason}", count) for reason, count in result.rejects.counts().items())
-        yield stat("repeated_users_removed", result.repeated_users_removed)
-        if len(result.rejects):
-            yield beam.pvalue.TaggedOutput("rejects", result.rejects)
-        yield index, result.chunk
-
-
-@beam.typehints.with_output_types(tuple[int, Any])
-class _SplitByRecordPartition(beam.DoFn):
-    """Hand a chunk's records to their record partitions (by id hash), one store file per chunk."""
-
-    def __init__(self, partitions: int, store: PartitionStore):
-        self.partitions, self.store = partitions, store
-
-    def process(self, element):
-        index, chunk = element
-        partition = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
-        slices = {int(part): rec.take(chunk, partition == part) for part in np.unique(partition)}
-        yield from self.store.write_slices(f"chunks-from-file{index:06d}.store", slices).items()
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -174,41 +142,6 @@ def _build_user_partition(element, default: int, store: SideStore):
             {"record_partition": record_partition, "coowners": coowners, "owner": owner},
         )
         yield keep(part, (*store.create("users", part, side), routing))
-
-
-class ReadRecords(beam.PTransform):
-    """Input files -> (file index, RecordChunk of its valid rows); the rejected rows and the counts.
-    The I/O of `madp bound`: a pipeline of one's own may make the chunks another way, with
-    `record_reading.read_file` (a chunk's record keys hold its file index, so indices must differ)."""
-
-    def __init__(self, files: list[str], columns: rec.Columns, store: PartitionStore):
-        super().__init__()
-        self.files, self.columns, self.store = files, columns, store
-
-    def expand(self, pbegin):
-        read = (
-            pbegin
-            | "ListFiles" >> beam.Create(list(enumerate(self.files)))
-            | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadAndValidate"
-            >> beam.ParDo(_ReadFile(self.columns, self.store)).with_outputs("rejects", "stats", main="chunks")
-        )
-        return read.chunks, read.rejects, read.stats
-
-
-class RecordPartitions(beam.PTransform):
-    """(file index, RecordChunk) -> (record partition, store handles of its records' slices)."""
-
-    def __init__(self, partitions: int, store: PartitionStore):
-        super().__init__()
-        self.partitions, self.store = partitions, store
-
-    def expand(self, chunks):
-        return (
-            chunks
-            | "SplitByRecordPartition" >> beam.ParDo(_SplitByRecordPartition(self.partitions, self.store))
-            | "GroupRecordPartitions" >> beam.GroupByKey()
-        )
 
 
 class BuildSides(beam.PTransform):

@@ -1,6 +1,6 @@
 """Contribution bounding on Beam as one composite transform: records in, their selection out.
 
-`BoundContributions` takes (file index, RecordChunk) elements, as `bound_build.ReadRecords` or
+`BoundContributions` takes (file index, RecordChunk) elements, as `record_chunks.ReadRecords` or
 `record_reading.read_file` make them, and gives (output shard, table of id and copies) elements, the
 rejected duplicated ids and the counts. It unrolls `rounds` rounds of Alg. 1 (one pass over the
 capacities); a record still undecided after them is not selected, so the bound holds whatever
@@ -22,7 +22,8 @@ import pyarrow as pa
 from apache_beam.metrics import Metrics
 
 from beam_pipelines.bound_build import BuildSides
-from beam_pipelines.bound_rounds import NAMESPACE, ProposalRound, Saturate, SideStore, stat
+from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore
+from beam_pipelines.pipeline import NAMESPACE, stat
 from beam_pipelines.store import PartitionStore
 from madp.core import storage
 from madp.core.errors import InputError

@@ -14,14 +14,12 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.metrics import Metrics
 
-from beam_pipelines.pipeline import by_kind
+from beam_pipelines.pipeline import by_kind, stat
 from beam_pipelines.store import PartitionStore, read_static
 from madp.core.bounding import UserSide, consume, local_mask, propose, retire, unanimous
 from madp.core.routing import csr_rows, set_bits, split_by_partition
 
-NAMESPACE = "madp.bound"
 STATE = "state"
 
 
@@ -55,13 +53,6 @@ class SideStore(PartitionStore):
     def load(self, side: str, handle: tuple[str, ...]):
         arrays = {**read_static(handle[0]), **self.read_arrays(handle[1])}
         return UserSide(**arrays) if side == "users" else RecordState(**arrays)
-
-
-def stat(name: str, value: int) -> beam.pvalue.TaggedOutput:
-    """A count for the run's summary, also reported as a Beam counter (which retries may inflate)."""
-    if not name.startswith("max_"):
-        Metrics.counter(NAMESPACE, name).inc(int(value))
-    return beam.pvalue.TaggedOutput("stats", (name, int(value)))
 
 
 def round_stat(round_index: int, what: str) -> str:

@@ -15,6 +15,7 @@ import functools
 import uuid
 
 import apache_beam as beam
+from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import (
     DirectOptions,
@@ -30,6 +31,7 @@ from madp.core import storage
 from madp.core.errors import InputError
 
 INPUT_ERRORS = "input-errors"  # under a run's store directory: the messages of InputErrors its steps met
+NAMESPACE = "madp"  # of every Beam counter of our pipelines
 
 
 class MadpPipelineOptions(PipelineOptions):
@@ -145,6 +147,18 @@ def run(pipeline: beam.Pipeline, namespace: str, store_directory: str) -> dict[s
         raise
     counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}
+
+
+def stat(name: str, value: int) -> beam.pvalue.TaggedOutput:
+    """A count for the run's summary (a "stats" output), also a Beam counter (which retries may inflate)."""
+    if not name.startswith("max_"):
+        count(name, value)
+    return beam.pvalue.TaggedOutput("stats", (name, int(value)))
+
+
+def count(name: str, value: int) -> None:
+    """A Beam counter only (the report's figures come from the outputs, not from counters)."""
+    Metrics.counter(NAMESPACE, name).inc(int(value))
 
 
 def by_kind(values) -> dict:

@@ -1,7 +1,7 @@
-"""The Beam bounding transforms on their own, in a TestPipeline with assert_that: building both
-sides from files (counts and rejects as PCollections), rounds of Alg. 1 against the in-memory
-engine's rounds on the same graph, the whole bounding embedded in a pipeline of one's own; and bad
-input met by a step, carried to the driver as data."""
+"""The Beam transforms on their own, in a TestPipeline with assert_that: building both sides of the
+bounding from files (counts and rejects as PCollections), rounds of Alg. 1 against the in-memory
+engine's rounds on the same graph, the whole bounding embedded in a pipeline of one's own, the
+bounding and the batching chained in one; and bad input met by a step, carried to the driver as data."""
 
 from __future__ import annotations
 
@@ -11,17 +11,24 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from conftest import write_records
+from test_batching import rows_of
 
-from beam_pipelines.bound_build import BuildSides, ReadRecords
+from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_contributions import BoundContributions
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
+from beam_pipelines.min_sep_sample import MinSepSample
 from beam_pipelines.pipeline import keeping_input_errors, pipeline_options, run
+from beam_pipelines.record_chunks import ReadRecords
+from beam_pipelines.store import PartitionStore
 from madp.core import record_reading
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
 from madp.core.records import Columns
 from madp.core.selection import BoundOptions
+from madp.engines import batch_local
+from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import bound_records, read_input
+from madp.engines.local_engine import run_local as bound_local
 
 pytestmark = [pytest.mark.beam]
 
@@ -109,6 +116,35 @@ def test_bound_contributions_embed_in_a_pipeline_of_ones_own(tmp_path):
         assert_that(pairs, equal_to(expected), label="Selection")
         assert_that(shards | beam.Keys() | beam.Distinct(), equal_to([0, 1]), label="Shards")
         assert_that(rejects, equal_to([]), label="NoRejects")
+
+
+def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
+    """Records made in the pipeline, bounded by BoundContributions and sampled by MinSepSample in the
+    same run (p calibrated in the graph): each batch file gets the rows, step by step, that the
+    in-memory engines write for the same records bounded, then batched."""
+    rng = np.random.default_rng(9)
+    rows = [
+        {"id": 10 * i, "users": sorted(set(rng.integers(0, 60, rng.integers(1, 4)).tolist())), "x": float(i)}
+        for i in range(300)
+    ]
+    path = write_records(str(tmp_path / "records.jsonl"), rows)
+    bound_options = BoundOptions(max_contributions=2)
+    rounds = bound_local(path, str(tmp_path / "bounded"), bound_options)["rounds"]
+    options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2, output_shards=2)
+    local = batch_local.run_local(str(tmp_path / "bounded"), path, str(tmp_path / "batches"), options)
+    expected = [(row["step"][0], row["id"][0]) for row in rows_of(str(tmp_path / "batches"))]
+    chunk = record_reading.read_file(path, 0, Columns(), ("x",)).chunk
+    with _test_pipeline() as pipeline:
+        chunks = pipeline | beam.Create([(0, chunk)])
+        selection, _, _ = chunks | BoundContributions(bound_options, 3, rounds, SideStore(str(tmp_path / "bound")))
+        sampled = (chunks, selection) | MinSepSample(options, 3, PartitionStore(str(tmp_path / "batch")))
+        pairs = sampled.rows | beam.FlatMapTuple(lambda _, rows: zip(rows.steps.tolist(), rows.ids.to_pylist()))
+        assert_that(pairs, equal_to(expected), label="Rows")
+        assert_that(sampled.rows | beam.Keys(), equal_to([0, 1]), label="EveryFile")
+        probability = sampled.stats | beam.Filter(lambda stat: stat[0] == "probability") | beam.Values()
+        assert_that(probability, equal_to([local["sampling_probability"]]), label="P")
+        assert_that(sampled.content, equal_to([{"x": {"dtype": "float", "shape": []}}]), label="Content")
+        assert_that(sampled.rejects, equal_to([]), label="NoRejects")
 
 
 class _FailingRun:

@@ -13,8 +13,7 @@ import apache_beam as beam
 import pytest
 import yaml
 
-from beam_pipelines.batch_prepare import PreparePipeline
-from beam_pipelines.batch_sample import SamplePipeline, SamplePlan
+from beam_pipelines.batch import BatchPipeline
 from beam_pipelines.bound import BoundPipeline
 from beam_pipelines.monte_carlo import ChunkResults
 from beam_pipelines.pipeline import pipeline_options
@@ -55,33 +54,18 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
         False,
     )
     pipelines["bound"] = bound
-    store = PartitionStore(os.path.join(work, "store"))
-    options = BatchOptions(seed=0, steps=100, batch_size=50, min_sep=4)
-    prepare = beam.Pipeline(options=pipeline_options(beam_args))
-    _ = prepare | "Prepare" >> PreparePipeline(
+    batch = beam.Pipeline(options=pipeline_options(beam_args))
+    _ = batch | "Batch" >> BatchPipeline(
         [os.path.join(work, "records.parquet")],
         [os.path.join(work, "selected.parquet")],
         work,
+        os.path.join(work, "batches"),
         ("features",),
-        options,
+        BatchOptions(seed=0, steps=100, batch_size=50, min_sep=4),
         8,
-        store,
+        PartitionStore(os.path.join(work, "store")),
     )
-    pipelines["batch-prepare"] = prepare
-    sample = beam.Pipeline(options=pipeline_options(beam_args))
-    plan = SamplePlan(
-        probability=0.01,
-        total_steps=103,
-        warm_up=3,
-        steps=100,
-        min_sep=4,
-        files=2,
-        max_batch_size=None,
-        output=os.path.join(work, "batches"),
-        shapes={},
-    )
-    _ = sample | "Sample" >> SamplePipeline(plan, {0: os.path.join(work, "part-0")}, 8, store)
-    pipelines["batch-sample"] = sample
+    pipelines["batch"] = batch
     accounting = beam.Pipeline(options=pipeline_options(beam_args))
     _ = accounting | "ChunkTasks" >> beam.Create([(0, 1.0)]) | "MonteCarlo" >> ChunkResults(float)
     pipelines["monte-carlo"] = accounting
@@ -95,7 +79,7 @@ def test_every_stage_pipeline_constructs_and_serializes_with_the_runners_options
     for name, pipeline in _stage_pipelines(beam_args, str(tmp_path)).items():
         proto = pipeline.to_runner_api()  # pickles every DoFn and closure, as submission would
         labels = {transform.unique_name for transform in proto.components.transforms.values()}
-        top = {"bound": "Bound", "batch-prepare": "Prepare", "batch-sample": "Sample", "monte-carlo": "MonteCarlo"}
+        top = {"bound": "Bound", "batch": "Batch", "monte-carlo": "MonteCarlo"}
         assert top[name] in labels and len(labels) > 5, (name, sorted(labels)[:10])
         assert type(pipeline.runner).__name__.endswith(section["runner"])  # DirectRunner: SwitchingDirectRunner
 

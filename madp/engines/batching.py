@@ -106,9 +106,13 @@ def bound_record(selected: str) -> dict:
 
 
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
-    table = storage.read_parquet(path)
+    return selection_arrays(storage.read_parquet(path), path)
+
+
+def selection_arrays(table: pa.Table, where: str) -> tuple[pa.Array, np.ndarray]:
+    """A selection table's ids (integers as int64) and copies, checked: `where` names it in errors."""
     if not {"id", "copies"} <= set(table.column_names):
-        raise InputError(f"{path}: a selection needs columns id and copies (found {table.column_names})")
+        raise InputError(f"{where}: a selection needs columns id and copies (found {table.column_names})")
     ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
     if (
         ids.null_count
@@ -116,7 +120,7 @@ def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
         or not pa.types.is_integer(copies.type)
         or (len(copies) and pc.min(copies).as_py() < 1)
     ):
-        raise InputError(f"{path}: ids must be present and copies integers >= 1")
+        raise InputError(f"{where}: ids must be present and copies integers >= 1")
     if pa.types.is_integer(ids.type):
         ids = ids.cast(pa.int64())
     return ids, copies.to_numpy(zero_copy_only=False).astype(np.int64)

@@ -1,0 +1,70 @@
+"""Batch materialization on Beam as one composite transform: records and their selection in, the
+rows of each batch file out (b-min-sep Poisson sampling, Alg. 3).
+
+`MinSepSample` takes (file index, RecordChunk with content) elements, as `record_chunks.ReadRecords`
+(with `content`) or `record_reading.read_file` make them, and (shard, table of id and copies)
+elements, as `BoundContributions` gives them. It joins them, counts units by |N(e)|, calibrates p on
+that histogram in the graph (a side input of the sampling, so one pipeline run does it all), samples,
+excludes, and gives (batch file index, FileRows) elements for the I/O to order, truncate, pad and
+write (`batch_files.write_batch_file`), with the content's description, the rejected rows (a
+dead-letter output: `--on-invalid` is the caller's to apply) and summary values: the histogram, p,
+the records joined, the realized sizes per step. Its partition state lives in a `PartitionStore`
+whose directory every worker reaches.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import apache_beam as beam
+import numpy as np
+
+from beam_pipelines.batch_join import JoinSelection, NeighbourhoodHistogram
+from beam_pipelines.batch_sample import SampleBatches
+from beam_pipelines.pipeline import keeping_input_errors
+from beam_pipelines.store import PartitionStore
+from madp.core import sampling
+from madp.engines.batching import BatchOptions
+
+
+class SampledBatches(typing.NamedTuple):
+    rows: beam.PCollection  # (batch file index, FileRows), every file of the options
+    content: beam.PCollection  # one {column: {"dtype", "shape"}}: the content's description
+    rejects: beam.PCollection  # Rejects of rows dropped here (duplicated ids, invalid content under skip)
+    stats: beam.PCollection  # (name, value) for the report
+
+
+def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -> float:
+    """p for the target expected batch size, on the |N(e)| histogram of all units."""
+    sizes = np.array(sorted(histogram), dtype=np.int64)
+    counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
+    with keeping_input_errors(store.directory):  # no record, or a batch size above the units
+        return sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
+
+
+class MinSepSample(beam.PTransform):
+    """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
+    the rejected rows and the summary values."""
+
+    def __init__(self, options: BatchOptions, partitions: int, store: PartitionStore, data: str = "the records"):
+        super().__init__()
+        if options.sampler != "minsep":
+            raise ValueError(f"MinSepSample runs --sampler minsep, not {options.sampler}")
+        self.options, self.partitions, self.store, self.data = options, partitions, store, data
+
+    def expand(self, inputs) -> SampledBatches:
+        options, partitions, store = self.options, self.partitions, self.store
+        partition_handles, incidences, content, rejects, join_stats = inputs | "JoinSelection" >> JoinSelection(
+            options, self.data, partitions, store
+        )
+        histogram = incidences | "NeighbourhoodHistogram" >> NeighbourhoodHistogram(partitions, store)
+        probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, store)
+        rows, sample_stats = partition_handles | "SampleBatches" >> SampleBatches(
+            options, partitions, store, probability
+        )
+        named = (
+            histogram | "NamedHistogram" >> beam.Map(lambda h: ("histogram", h)),
+            probability | "NamedProbability" >> beam.Map(lambda p: ("probability", p)),
+        )
+        stats = (join_stats, sample_stats, *named) | "SampleStats" >> beam.Flatten()
+        return SampledBatches(rows, content, rejects, stats)
