@@ -48,6 +48,7 @@ def _selection_table(path: str, store: PartitionStore) -> tuple[str, pa.Table]:
         return path, storage.read_parquet(path)
 
 
+@beam.typehints.with_input_types(tuple[int, batch_files.FileRows], dict)
 class _WriteFile(beam.DoFn):
     """Order, truncate, pad and write one batch file; written rows go on to the statistics."""
 
@@ -94,6 +95,7 @@ def _written_records(element, store: PartitionStore):
     yield "written_records", len(np.unique(np.concatenate(store.gather(handles))))
 
 
+@beam.typehints.with_input_types(tuple[int, batch_files.FileRows])
 class WriteBatchFiles(beam.PTransform):
     """(batch file index, FileRows) -> the batch files under `output`; the statistics of what was
     written (per file, participation over users, distinct records) as summary values."""

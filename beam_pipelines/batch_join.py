@@ -9,14 +9,22 @@ from which p is calibrated in the graph (`min_sep_sample.MinSepSample`).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors, merged_records
+from beam_pipelines.pipeline import (
+    Chunk,
+    SelectionTable,
+    Sent,
+    keeping_input_errors,
+    keeps_input_errors,
+    merged_records,
+)
 from beam_pipelines.record_chunks import SplitByRecordPartition
-from beam_pipelines.store import PartitionStore, stack
+from beam_pipelines.store import PartitionStore, Slice, stack
 from madp.core import records as rec
 from madp.core import sampling
 from madp.core.errors import InputError
@@ -39,6 +47,8 @@ def record_partition_of(record_keys: np.ndarray, partitions: int) -> np.ndarray:
     return partition_of(record_keys.view(np.int64), partitions)
 
 
+@beam.typehints.with_input_types(SelectionTable)
+@beam.typehints.with_output_types(Sent)
 class _SplitSelection(beam.DoFn):
     """Hand a selection table's ids (and copies) to their record partitions, one store file per table."""
 
@@ -57,6 +67,7 @@ class _SplitSelection(beam.DoFn):
         )
 
 
+@beam.typehints.with_output_types(Sent)
 class _JoinSelection(beam.DoFn):
     """Join a record partition with its selected ids; store it; send incidences to user partitions."""
 
@@ -111,6 +122,8 @@ class _JoinSelection(beam.DoFn):
         )
 
 
+@beam.typehints.with_input_types(tuple[int, Iterable[Slice]])
+@beam.typehints.with_output_types(Sent)
 class _NeighbourPairs(beam.DoFn):
     """Within a user partition: the (record, neighbour) pairs its users make, sent to the record's partition."""
 
@@ -160,6 +173,7 @@ def _merged_content(described: list[dict], store: PartitionStore) -> dict:
     return merged
 
 
+@beam.typehints.with_input_types(Chunk, SelectionTable)
 class JoinSelection(beam.PTransform):
     """(records, selection) -> stored joined record partitions (partition, handle); incidences
     (user partition, handle); the content's description; rejected rows; summary values."""
@@ -190,6 +204,7 @@ class JoinSelection(beam.PTransform):
         return joined.partitions, joined.incidences, content, joined.rejects, joined.stats
 
 
+@beam.typehints.with_input_types(Sent)
 class NeighbourhoodHistogram(beam.PTransform):
     """Incidences (user partition, handle) -> one {|N(e)|: units} histogram over all units (Alg. 3 line 1)."""
 

@@ -12,12 +12,13 @@ import numpy as np
 import pyarrow as pa
 
 from beam_pipelines.batch_join import summary_value, user_partition_of
-from beam_pipelines.pipeline import by_kind, count
+from beam_pipelines.pipeline import Sent, Stored, by_kind, count
 from beam_pipelines.store import PartitionStore, stack
 from madp.core import batch_files, sampling
 from madp.engines.batching import BatchOptions
 
 
+@beam.typehints.with_input_types(Stored, float)
 class _SamplePartition(beam.DoFn):
     """Alg. 3 line 3 for a record partition; each sample's users go to their user partitions."""
 
@@ -74,6 +75,7 @@ class _BlockUsers(beam.DoFn):
             yield part, ("excluded", handle)
 
 
+@beam.typehints.with_output_types(Sent)
 class _Survivors(beam.DoFn):
     """Alg. 3 line 5 for a record partition; survivors after warm-up go to their batch files."""
 
@@ -124,6 +126,8 @@ def _concat_rows(pieces: list[batch_files.FileRows]) -> batch_files.FileRows:
     )
 
 
+@beam.typehints.with_input_types(Stored)
+@beam.typehints.with_output_types(tuple[int, batch_files.FileRows])
 class SampleBatches(beam.PTransform):
     """Stored record partitions (partition, handle) -> (batch file index, FileRows), and the realized
     size of every step as summary values; p comes as a singleton PCollection (a side input)."""
@@ -151,6 +155,9 @@ class SampleBatches(beam.PTransform):
         rows = (
             survivors.rows
             | "GroupRowsByFile" >> beam.GroupByKey()
-            | "GatherFileRows" >> beam.MapTuple(lambda file, handles: (file, _concat_rows(store.gather(handles))))
+            | "GatherFileRows"
+            >> beam.MapTuple(lambda file, handles: (file, _concat_rows(store.gather(handles)))).with_output_types(
+                tuple[int, batch_files.FileRows]
+            )
         )
         return rows, survivors.stats

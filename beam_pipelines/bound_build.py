@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from beam_pipelines.bound_rounds import RecordState, SideStore, keep
-from beam_pipelines.pipeline import keeping_input_errors, keeps_input_errors, merged_records, stat
+from beam_pipelines.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
 from beam_pipelines.record_chunks import RecordPartitions
 from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
@@ -144,6 +144,7 @@ def _build_user_partition(element, default: int, store: SideStore):
         yield keep(part, (*store.create("users", part, side), routing))
 
 
+@beam.typehints.with_input_types(Chunk)
 class BuildSides(beam.PTransform):
     """(file index, RecordChunk) -> both sides' partitions (handles), with the partial selection of
     `state_dir` when a pipeline run continues the algorithm; rejected duplicated ids, and counts."""

@@ -14,8 +14,6 @@ with further passes for `--duplicates`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
@@ -23,13 +21,14 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore
-from beam_pipelines.pipeline import NAMESPACE, stat
+from beam_pipelines.pipeline import NAMESPACE, Chunk, stat
 from beam_pipelines.store import PartitionStore
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards, user_distribution_stats
 
 
+@beam.typehints.with_input_types(Chunk)
 class BoundContributions(beam.PTransform):
     """(file index, RecordChunk) -> (output shard, selection table); rejected duplicated ids; (name, count)."""
 
@@ -69,7 +68,7 @@ class BoundContributions(beam.PTransform):
         return finished.shards, rejects, tuple(stats) | "AllStats" >> beam.Flatten()
 
 
-@beam.typehints.with_output_types(tuple[int, Any])
+@beam.typehints.with_output_types(tuple[int, pa.Table])
 class _FinishRecords(beam.DoFn):
     """Emit selection shards and counts; save the partial selection for a following pipeline run."""
 

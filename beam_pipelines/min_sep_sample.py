@@ -21,7 +21,7 @@ import numpy as np
 
 from beam_pipelines.batch_join import JoinSelection, NeighbourhoodHistogram
 from beam_pipelines.batch_sample import SampleBatches
-from beam_pipelines.pipeline import keeping_input_errors
+from beam_pipelines.pipeline import Chunk, SelectionTable, keeping_input_errors
 from beam_pipelines.store import PartitionStore
 from madp.core import sampling
 from madp.engines.batching import BatchOptions
@@ -42,6 +42,7 @@ def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -
         return sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
 
 
+@beam.typehints.with_input_types(Chunk, SelectionTable)
 class MinSepSample(beam.PTransform):
     """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
     the rejected rows and the summary values."""

@@ -13,25 +13,35 @@ import argparse
 import contextlib
 import functools
 import uuid
+from typing import Any
 
 import apache_beam as beam
+import pyarrow as pa
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import (
     DirectOptions,
     PipelineOptions,
     StandardOptions,
-    TypeOptions,
     WorkerOptions,
 )
 
-from beam_pipelines.store import PartitionStore
+from beam_pipelines.store import PartitionStore, Slice
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.records import RecordChunk
 
 INPUT_ERRORS = "input-errors"  # under a run's store directory: the messages of InputErrors its steps met
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
+
+# The element types where our transforms meet (a user's pipeline included), checked by Beam when the
+# graph is built (pipeline type checking, on unless --no_pipeline_type_check) and giving the
+# shuffles deterministic coders for their keys and handles.
+Sent = tuple[int, Slice]  # a slice sent to a partition
+Chunk = tuple[int, RecordChunk]  # a file's valid records: (file index, chunk)
+SelectionTable = tuple[Any, pa.Table]  # a selection shard: (shard index or path, table of id and copies)
+Stored = tuple[int, str]  # a partition's arrays, stored whole: (partition, path)
 
 
 class MadpPipelineOptions(PipelineOptions):
@@ -93,9 +103,6 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
         )
     options = PipelineOptions(beam_args)
     explicit = options.get_all_options(drop_default=True)
-    if "pipeline_type_check" not in explicit:
-        # Hundreds of transforms: introspecting each one's type hints costs seconds per run.
-        options.view_as(TypeOptions).pipeline_type_check = False
     if options.view_as(StandardOptions).runner in (None, "DirectRunner"):
         options.view_as(StandardOptions).runner = "DirectRunner"
         direct = options.view_as(DirectOptions)

@@ -4,19 +4,18 @@ alike: read and validated from input files, then handed to their record partitio
 
 from __future__ import annotations
 
-from typing import Any
-
 import apache_beam as beam
 import numpy as np
 
-from beam_pipelines.pipeline import keeps_input_errors, stat
+from beam_pipelines.pipeline import Chunk, Sent, keeps_input_errors, stat
 from beam_pipelines.store import PartitionStore
 from madp.core import record_reading
 from madp.core import records as rec
 from madp.core.hashing import partition_of
 
 
-@beam.typehints.with_output_types(tuple[int, Any])
+@beam.typehints.with_input_types(tuple[int, str])
+@beam.typehints.with_output_types(Chunk)
 class _ReadFile(beam.DoFn):
     """Read and validate one input file: (file index, chunk of its valid records); rejects and counts."""
 
@@ -35,7 +34,8 @@ class _ReadFile(beam.DoFn):
         yield index, result.chunk
 
 
-@beam.typehints.with_output_types(tuple[int, Any])
+@beam.typehints.with_input_types(Chunk)
+@beam.typehints.with_output_types(Sent)
 class SplitByRecordPartition(beam.DoFn):
     """Hand a chunk's records to their record partitions (by id hash), one store file per chunk."""
 
@@ -74,6 +74,7 @@ class ReadRecords(beam.PTransform):
         return read.chunks, read.rejects, read.stats
 
 
+@beam.typehints.with_input_types(Chunk)
 class RecordPartitions(beam.PTransform):
     """(file index, RecordChunk) -> (record partition, store handles of its records' slices)."""
 

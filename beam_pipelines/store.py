@@ -27,6 +27,7 @@ from madp.core.batch_files import FileRows
 from madp.core.records import RecordChunk, Rejects
 
 MAGIC = b"MADPSTR1"
+Slice = tuple[str, int, int]  # a slice of a store file, the handle a bulk exchange sends: (path, offset, length)
 # The dataclasses a store file may hold, by name; decoding builds no other class.
 DATACLASSES = {cls.__name__: cls for cls in (RecordChunk, Rejects, FileRows)}
 
@@ -49,7 +50,7 @@ class PartitionStore:
         with storage.open_input(path) as handle:
             return decode(handle.read(), path)
 
-    def write_slices(self, name: str, slices: dict[int, object]) -> dict[int, tuple[str, int, int]]:
+    def write_slices(self, name: str, slices: dict[int, object]) -> dict[int, Slice]:
         """One file per sender for a bulk exchange; each receiver gets (path, offset, length) of its slice."""
         blobs = {destination: encode(payload) for destination, payload in slices.items()}
         path, offset, where = storage.join(self.directory, name), 0, {}
@@ -61,20 +62,20 @@ class PartitionStore:
         return where
 
     @staticmethod
-    def read_slice(where: tuple[str, int, int]):
+    def read_slice(where: Slice):
         path, offset, length = where
         with storage.open_input(path) as handle:
             return decode(handle.read_at(length, offset), f"{path} at {offset}")
 
     def write_split(
         self, name: str, destination: np.ndarray, payload: Callable[[np.ndarray], object]
-    ) -> list[tuple[int, tuple[str, int, int]]]:
+    ) -> list[tuple[int, Slice]]:
         """Aligned arrays split by destination partition (`payload(mask)` of each) into one file;
         (destination, slice handle) pairs."""
         parts = {int(d): payload(destination == d) for d in np.unique(destination)}
         return list(self.write_slices(name, parts).items()) if parts else []
 
-    def gather(self, handles: Iterable[tuple[str, int, int]]) -> list:
+    def gather(self, handles: Iterable[Slice]) -> list:
         """The slices sent to a partition, in a fixed order whatever order the runner delivers them in."""
         return [self.read_slice(h) for h in sorted(handles)]
 

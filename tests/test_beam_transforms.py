@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
 import pytest
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
+from apache_beam.typehints.decorators import TypeCheckError
 from conftest import write_records
 from test_batching import rows_of
 
@@ -145,6 +147,26 @@ def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
         assert_that(probability, equal_to([local["sampling_probability"]]), label="P")
         assert_that(sampled.content, equal_to([{"x": {"dtype": "float", "shape": []}}]), label="Content")
         assert_that(sampled.rejects, equal_to([]), label="NoRejects")
+
+
+def test_elements_of_the_wrong_type_are_refused_when_the_graph_is_built(tmp_path):
+    """The composite transforms declare their element types, and Beam checks them as the graph is
+    built: file paths where record chunks belong, or rows where selection tables belong, fail
+    before anything runs, naming the transform."""
+    chunk = record_reading.read_file(write_records(str(tmp_path / "r.jsonl"), [{"id": 1, "users": [1]}]), 0, Columns())
+    pipeline = beam.Pipeline(options=pipeline_options([]))
+    paths = pipeline | "Paths" >> beam.Create([(0, str(tmp_path / "r.jsonl"))])
+    with pytest.raises(TypeCheckError, match=r"(?s)BoundContributions.*RecordChunk"):
+        _ = paths | BoundContributions(BoundOptions(max_contributions=2), 2, 3, SideStore(str(tmp_path / "bound")))
+    chunks = pipeline | "Chunks" >> beam.Create([(0, chunk.chunk)])
+    rows = pipeline | "Rows" >> beam.Create([(0, {"id": 1, "copies": 1})])
+    with pytest.raises(TypeCheckError, match=r"(?s)MinSepSample.*Table"):
+        _ = (chunks, rows) | MinSepSample(BatchOptions(steps=5, batch_size=2), 2, PartitionStore(str(tmp_path / "b")))
+    tables = chunks | "Tables" >> beam.Map(lambda _: (0, pa.table({"id": [1], "copies": [1]})))
+    _ = (chunks, tables) | "Accepted" >> MinSepSample(
+        BatchOptions(steps=5, batch_size=2), 2, PartitionStore(str(tmp_path / "b"))
+    )  # the right types are accepted
+    assert not (tmp_path / "bound").exists() and not (tmp_path / "b").exists()
 
 
 class _FailingRun:
