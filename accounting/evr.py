@@ -84,7 +84,8 @@ class MinSepRelease:
     attempts: int  # runs of this same calibration in the attempts ledger, this one included
 
     def report(self, sigma_fixed: bool) -> dict:
-        """The release as outputs state it. Calibrating sigma is Algorithm 5: a formal (epsilon, delta*
+        """The release as every output states it (`madp calibrate`/`epsilon`, a training's privacy plan),
+        with the fallback and the estimate named by what was released. Calibrating sigma is Algorithm 5: a formal (epsilon, delta*
         + q (1 - delta*)) guarantee. At a fixed sigma (`sigma_fixed`) a verified epsilon is a claim about
         a fixed mechanism, (epsilon, delta*), wrong with probability <= q; the fallback is formal."""
         if not sigma_fixed:
@@ -96,7 +97,10 @@ class MinSepRelease:
             )
         else:
             delta, guarantee = self.mechanism_delta, "formal (the unamplified fallback's PLD accounting)"
+        released = "epsilon" if sigma_fixed else "noise_multiplier"
         return {
+            f"fallback_{released}": self.fallback,
+            f"estimated_{released}": self.estimate,
             "verified": self.verified,
             "guarantee": guarantee,
             "delta": delta,

@@ -429,7 +429,7 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
         batches, str(directory / "amplified-train"), TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True)
     )["privacy"]
     assert privacy["mechanism"] == "bandmf-minsep" and privacy["monte_carlo"]["verified"]
-    assert privacy["noise_multiplier"] < privacy["monte_carlo"]["fallback"]
+    assert privacy["noise_multiplier"] < privacy["monte_carlo"]["fallback_noise_multiplier"]
     assert privacy["parameters"]["max_contributions"] == 2 and privacy["delta"] <= 1e-2
     assert (
         main(
@@ -458,7 +458,7 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
     )
     independent = json.loads(capsys.readouterr().out)
     assert independent["noise_multiplier"] == privacy["noise_multiplier"]
-    assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback"]
+    assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback_noise_multiplier"]
 
 
 def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):

@@ -184,8 +184,6 @@ def amplified_noise_multiplier(
         sigma, delivered = result.value, options.target_epsilon
     details = {
         "process": dataclasses.asdict(process),
-        "fallback": result.fallback,
-        "estimate": result.estimate,
         "seed": options.mc_seed,
         **result.report(sigma_fixed=options.noise_multiplier is not None),
     }

@@ -216,23 +216,12 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
         remote = functools.partial(BeamTaskMap, ["--runner", args.runner, *beam_args])
     if args.command == "calibrate":
         result = calibrate_minsep(process, args.epsilon, args.delta, args.samples, args.seed, args.workers, remote)
-        named = {
-            "noise_multiplier": result.value,
-            "fallback_noise_multiplier": result.fallback,
-            "estimated_noise_multiplier": result.estimate,
-            "epsilon": args.epsilon,
-            "target_epsilon": args.epsilon,
-        }
+        named = {"noise_multiplier": result.value, "epsilon": args.epsilon, "target_epsilon": args.epsilon}
     else:
         result = epsilon_minsep(
             process, args.noise_multiplier, args.delta, args.samples, args.seed, args.workers, remote
         )
-        named = {
-            "noise_multiplier": args.noise_multiplier,
-            "epsilon": result.value,
-            "fallback_epsilon": result.fallback,
-            "estimated_epsilon": result.estimate,
-        }
+        named = {"noise_multiplier": args.noise_multiplier, "epsilon": result.value}
     return {
         "mechanism": "bandmf-minsep",
         "steps": args.steps,
