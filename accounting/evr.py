@@ -85,9 +85,10 @@ class MinSepRelease:
 
     def report(self, sigma_fixed: bool) -> dict:
         """The release as every output states it (`madp calibrate`/`epsilon`, a training's privacy plan),
-        with the fallback and the estimate named by what was released. Calibrating sigma is Algorithm 5: a formal (epsilon, delta*
-        + q (1 - delta*)) guarantee. At a fixed sigma (`sigma_fixed`) a verified epsilon is a claim about
-        a fixed mechanism, (epsilon, delta*), wrong with probability <= q; the fallback is formal."""
+        with the fallback and the estimate named by what was released. Calibrating sigma is Algorithm 5:
+        a formal (epsilon, delta* + q (1 - delta*)) guarantee. At a fixed sigma (`sigma_fixed`) a
+        verified epsilon is a claim about a fixed mechanism, (epsilon, delta*), wrong with probability
+        <= q; the fallback is formal."""
         if not sigma_fixed:
             delta, guarantee = self.overall_delta, "formal (Algorithm 5, estimate-verify-release)"
         elif self.verified:
