@@ -163,7 +163,9 @@ class BatchPipeline(beam.PTransform):
             | "ListSelection" >> beam.Create(self.selection)
             | "ReadSelection" >> beam.Map(_selection_table, store)
         )
-        sampled = (chunks, selection) | "MinSepSample" >> MinSepSample(self.options, partitions, store, self.data)
+        sampled = (chunks, selection, read_rejects) | "MinSepSample" >> MinSepSample(
+            self.options, partitions, store, self.data, self.output
+        )
         written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
             self.output, self.options, partitions, store, sampled.content
         )

@@ -5,6 +5,8 @@ bounding and the batching chained in one; and bad input met by a step, carried t
 
 from __future__ import annotations
 
+import glob
+
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
@@ -25,7 +27,7 @@ from beam_pipelines.store import PartitionStore
 from madp.core import record_reading
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
-from madp.core.records import Columns
+from madp.core.records import Columns, Rejects
 from madp.core.selection import BoundOptions
 from madp.engines import batch_local
 from madp.engines.batching import BatchOptions
@@ -167,6 +169,33 @@ def test_elements_of_the_wrong_type_are_refused_when_the_graph_is_built(tmp_path
         BatchOptions(steps=5, batch_size=2), 2, PartitionStore(str(tmp_path / "b"))
     )  # the right types are accepted
     assert not (tmp_path / "bound").exists() and not (tmp_path / "b").exists()
+
+
+def test_under_on_invalid_error_a_row_rejected_before_stops_batching_before_it_samples(tmp_path):
+    """A row rejected upstream (here: handed in as the third input) stops the run with the list of
+    rows, kept as data for the driver, before any partition is sampled; under skip it only goes
+    out as data and the sampling runs."""
+    rows = [{"id": i, "users": [i % 7], "x": float(i)} for i in range(40)]
+    chunk = record_reading.read_file(write_records(str(tmp_path / "r.jsonl"), rows), 0, Columns(), ("x",)).chunk
+    selection = pa.table({"id": pa.array(range(40), pa.int64()), "copies": pa.array([1] * 40, pa.int64())})
+    rejected = Rejects()
+    rejected.add("r.jsonl", 40, "empty_users", {"id": 40, "users": []})
+    for on_invalid in ("error", "skip"):
+        store = PartitionStore(str(tmp_path / on_invalid))
+        pipeline = beam.Pipeline(options=pipeline_options(["--direct_running_mode=in_memory"]))
+        _ = (
+            pipeline | "Records" >> beam.Create([(0, chunk)]),
+            pipeline | "Selection" >> beam.Create([(0, selection)]),
+            pipeline | "Rejected" >> beam.Create([rejected]),
+        ) | MinSepSample(BatchOptions(steps=5, batch_size=3, on_invalid=on_invalid), 2, store, output="OUT")
+        samples = str(tmp_path / on_invalid / "samples-*.store")  # written by the sampling of a partition
+        if on_invalid == "error":
+            with pytest.raises(InputError, match=r"(?s)1 invalid input rows.*r.jsonl: row 40: empty_users.*OUT/rej"):
+                run(pipeline, "madp", store.directory)
+            assert not glob.glob(samples)
+        else:
+            run(pipeline, "madp", store.directory)
+            assert glob.glob(samples)
 
 
 class _FailingRun:
