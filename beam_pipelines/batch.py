@@ -163,8 +163,8 @@ class BatchPipeline(beam.PTransform):
             | "ListSelection" >> beam.Create(self.selection)
             | "ReadSelection" >> beam.Map(_selection_table, store)
         )
-        sampled = (chunks, selection, read_rejects) | "MinSepSample" >> MinSepSample(
-            self.options, partitions, store, self.data, self.output
+        sampled = (chunks, selection) | "MinSepSample" >> MinSepSample(
+            self.options, partitions, store, read_rejects, self.data, self.output
         )
         written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
             self.output, self.options, partitions, store, sampled.content

@@ -36,6 +36,7 @@ from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.bounding import Rounds
+from madp.core.errors import InputError
 from madp.core.selection import (
     BoundOptions,
     base_report,
@@ -100,6 +101,8 @@ class BoundPipeline(beam.PTransform):
             storage.join(work, "state"),
             self.continues,
             self.new_pass,
+            read_rejects,
+            self.output,
         )
         _ = (
             shards
@@ -200,17 +203,19 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         _ = pipeline | "Bound" >> BoundPipeline(
             files, output, options, partitions, block, run_name, run_index > 0, new_pass
         )
-        counters.append(run(pipeline, NAMESPACE, storage.join(work, run_name)))
+        try:
+            counters.append(run(pipeline, NAMESPACE, storage.join(work, run_name)))
+        except InputError:
+            prepare_output(output)  # no partial selection outlives an error
+            storage.clear_directory(work)
+            raise
         summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
         if rejects is None:
             rejects_file = storage.join(work, "rejected.jsonl")
             rejects = rec.Rejects.from_jsonl(
                 storage.read_text(rejects_file) if storage.kind(rejects_file) == "file" else ""
             )
-            if len(rejects) and options.on_invalid == "error":
-                prepare_output(output)  # this run's partial selection must not outlive its error
-                storage.clear_directory(work)
-            handle_rejects(rejects, options.on_invalid, output)
+            handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
         eligible = summary.get(round_stat(0, "eligible"), 0)
         if not in_pass and not rounds.start_pass(eligible):
             break

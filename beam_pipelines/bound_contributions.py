@@ -4,8 +4,10 @@
 `record_reading.read_file` make them, and gives (output shard, table of id and copies) elements, the
 rejected duplicated ids and the counts. It unrolls `rounds` rounds of Alg. 1 (one pass over the
 capacities); a record still undecided after them is not selected, so the bound holds whatever
-`rounds` is, and the counts say how many were left (`round_{rounds}_eligible`). Its partition state
-lives in a `SideStore` whose directory every worker reaches.
+`rounds` is, and the counts say how many were left (`round_{rounds}_eligible`). Under `--on-invalid
+error` a duplicated id, or a row of `rejected_before` (rows dropped upstream, as in reading), stops
+the run before the first round. Its partition state lives in a `SideStore` whose directory every
+worker reaches.
 
 A pipeline of one's own embeds it as it is. `madp bound` (`beam_pipelines.bound`) adds the I/O and
 chains runs of it, each continuing from the last one's saved selection, until the algorithm converges,
@@ -21,7 +23,7 @@ from apache_beam.metrics import Metrics
 
 from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore
-from beam_pipelines.pipeline import NAMESPACE, Chunk, stat
+from beam_pipelines.pipeline import NAMESPACE, Chunk, StopOnInvalidRows, stat
 from beam_pipelines.store import PartitionStore
 from madp.core import storage
 from madp.core.errors import InputError
@@ -41,12 +43,15 @@ class BoundContributions(beam.PTransform):
         state_dir: str | None = None,
         continues: bool = False,
         new_pass: bool = False,
+        rejected_before: beam.PCollection | None = None,
+        output: str = "OUTPUT",
     ):
         super().__init__()
         if options.order == "alternate" and options.group_sizes is None:
             raise InputError("--order alternate needs the sizes of its two groups first (BoundOptions.group_sizes)")
         self.options, self.partitions, self.rounds, self.store = options, partitions, rounds, store
         self.state_dir, self.continues, self.new_pass = state_dir, continues, new_pass
+        self.rejected_before, self.output = rejected_before, output
 
     def expand(self, chunks):
         store = self.store
@@ -54,6 +59,9 @@ class BoundContributions(beam.PTransform):
         users, records, rejects, build_stats = chunks | "BuildSides" >> BuildSides(
             self.options, self.partitions, store, restore, self.new_pass
         )
+        if self.options.on_invalid == "error":  # before any round; the users' handles are small
+            earlier = () if self.rejected_before is None else (self.rejected_before,)
+            users = users | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, store.directory)
         no_messages = chunks.pipeline | "NoAcceptedYet" >> beam.Create([])
         users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
         stats = [build_stats, setup_stats]

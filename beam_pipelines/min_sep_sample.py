@@ -2,15 +2,15 @@
 rows of each batch file out (b-min-sep Poisson sampling, Alg. 3).
 
 `MinSepSample` takes (file index, RecordChunk with content) elements, as `record_chunks.ReadRecords`
-(with `content`) or `record_reading.read_file` make them, (shard, table of id and copies) elements,
-as `BoundContributions` gives them, and optionally the Rejects of rows dropped before it (reading).
-It joins them, counts units by |N(e)|, calibrates p on
+(with `content`) or `record_reading.read_file` make them, and (shard, table of id and copies)
+elements, as `BoundContributions` gives them. It joins them, counts units by |N(e)|, calibrates p on
 that histogram in the graph (a side input of the sampling, so one pipeline run does it all), samples,
 excludes, and gives (batch file index, FileRows) elements for the I/O to order, truncate, pad and
 write (`batch_files.write_batch_file`), with the content's description, the rows it rejected (a
 dead-letter output, for the caller to write under `--on-invalid skip`) and summary values: the
-histogram, p, the records joined, the realized sizes per step. Under `--on-invalid error` a rejected
-row, its own or one given, stops the run before any sampling. Its partition state lives in a `PartitionStore`
+histogram, p, the records joined, the realized sizes per step. Under `--on-invalid error` a row it
+rejected, or one of `rejected_before` (rows dropped upstream, as in reading), stops the run before
+any sampling. Its partition state lives in a `PartitionStore`
 whose directory every worker reaches.
 """
 
@@ -23,11 +23,9 @@ import numpy as np
 
 from beam_pipelines.batch_join import JoinSelection, NeighbourhoodHistogram
 from beam_pipelines.batch_sample import SampleBatches
-from beam_pipelines.pipeline import Chunk, SelectionTable, keeping_input_errors, merge_rejects
+from beam_pipelines.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
 from beam_pipelines.store import PartitionStore
 from madp.core import sampling
-from madp.core.records import Rejects
-from madp.core.selection import handle_rejects
 from madp.engines.batching import BatchOptions
 
 
@@ -46,46 +44,37 @@ def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -
         return sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
 
 
-def _unless_rejected(probability: float, rejects: Rejects, output: str, store: PartitionStore) -> float:
-    with keeping_input_errors(store.directory):
-        handle_rejects(rejects, "error", output)  # raises, listing the rows, when there are any
-    return probability
-
-
-@beam.typehints.with_input_types(Chunk, SelectionTable, Rejects)
+@beam.typehints.with_input_types(Chunk, SelectionTable)
 class MinSepSample(beam.PTransform):
-    """(records, selection[, rejected before]) -> SampledBatches: each batch file's rows, the
-    content's description, the rows rejected here and the summary values. `data` and `output` only
-    name the records and the output (where `--on-invalid skip` puts rejected rows) in errors."""
+    """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
+    the rows rejected here and the summary values. `data` and `output` only name the records and the
+    output (where `--on-invalid skip` puts rejected rows) in errors."""
 
     def __init__(
         self,
         options: BatchOptions,
         partitions: int,
         store: PartitionStore,
+        rejected_before: beam.PCollection | None = None,
         data: str = "the records",
         output: str = "OUTPUT",
     ):
         super().__init__()
         if options.sampler != "minsep":
             raise ValueError(f"MinSepSample runs --sampler minsep, not {options.sampler}")
-        self.options, self.partitions, self.store, self.data, self.output = options, partitions, store, data, output
+        self.options, self.partitions, self.store, self.rejected_before = options, partitions, store, rejected_before
+        self.data, self.output = data, output
 
     def expand(self, inputs) -> SampledBatches:
         options, partitions, store = self.options, self.partitions, self.store
-        records, selection, *rejected_before = inputs
-        joined = (records, selection) | "JoinSelection" >> JoinSelection(options, self.data, partitions, store)
+        joined = inputs | "JoinSelection" >> JoinSelection(options, self.data, partitions, store)
         partition_handles, incidences, content, rejects, join_stats = joined
         histogram = incidences | "NeighbourhoodHistogram" >> NeighbourhoodHistogram(partitions, store)
         probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, store)
         if options.on_invalid == "error":  # the gate is on p, a single value: no data waits on it
-            every_reject = (
-                (rejects, *rejected_before)
-                | "EveryReject" >> beam.Flatten()
-                | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
-            )
-            probability = probability | "StopOnInvalidRows" >> beam.Map(
-                _unless_rejected, beam.pvalue.AsSingleton(every_reject), self.output, store
+            earlier = () if self.rejected_before is None else (self.rejected_before,)
+            probability = probability | "StopOnInvalidRows" >> StopOnInvalidRows(
+                (rejects, *earlier), self.output, store.directory
             )
         rows, sample_stats = partition_handles | "SampleBatches" >> SampleBatches(
             options, partitions, store, probability

@@ -31,6 +31,7 @@ from madp.core import records as rec
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.records import RecordChunk
+from madp.core.selection import handle_rejects
 
 INPUT_ERRORS = "input-errors"  # under a run's store directory: the messages of InputErrors its steps met
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
@@ -166,6 +167,31 @@ def stat(name: str, value: int) -> beam.pvalue.TaggedOutput:
 def count(name: str, value: int) -> None:
     """A Beam counter only (the report's figures come from the outputs, not from counters)."""
     Metrics.counter(NAMESPACE, name).inc(int(value))
+
+
+def _unless_rejected(element, rejects: rec.Rejects, output: str, store_directory: str):
+    with keeping_input_errors(store_directory):
+        handle_rejects(rejects, "error", output)  # raises, listing the rows, when there are any
+    return element
+
+
+class StopOnInvalidRows(beam.PTransform):
+    """`--on-invalid error` inside a pipeline: the elements go on once every rejected row is known
+    (the `rejects` PCollections, merged, are a side input), or the run stops with their list, kept
+    as data for the driver. Gate small elements (handles, one value), so that no data waits.
+    `output` names where `--on-invalid skip` would put the rows, in the message."""
+
+    def __init__(self, rejects: tuple[beam.PCollection, ...], output: str, store_directory: str):
+        super().__init__()
+        self.rejects, self.output, self.store_directory = rejects, output, store_directory
+
+    def expand(self, elements):
+        every_reject = (
+            self.rejects | "EveryReject" >> beam.Flatten() | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+        )
+        return elements | "UnlessRejected" >> beam.Map(
+            _unless_rejected, beam.pvalue.AsSingleton(every_reject), self.output, self.store_directory
+        )
 
 
 def by_kind(values) -> dict:

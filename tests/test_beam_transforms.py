@@ -171,31 +171,42 @@ def test_elements_of_the_wrong_type_are_refused_when_the_graph_is_built(tmp_path
     assert not (tmp_path / "bound").exists() and not (tmp_path / "b").exists()
 
 
-def test_under_on_invalid_error_a_row_rejected_before_stops_batching_before_it_samples(tmp_path):
-    """A row rejected upstream (here: handed in as the third input) stops the run with the list of
-    rows, kept as data for the driver, before any partition is sampled; under skip it only goes
-    out as data and the sampling runs."""
+def _rows_and_one_rejected(tmp_path, pipeline):
+    """40 records with content, and a PCollection of one row rejected upstream (as reading does)."""
     rows = [{"id": i, "users": [i % 7], "x": float(i)} for i in range(40)]
     chunk = record_reading.read_file(write_records(str(tmp_path / "r.jsonl"), rows), 0, Columns(), ("x",)).chunk
-    selection = pa.table({"id": pa.array(range(40), pa.int64()), "copies": pa.array([1] * 40, pa.int64())})
     rejected = Rejects()
     rejected.add("r.jsonl", 40, "empty_users", {"id": 40, "users": []})
+    return pipeline | "Records" >> beam.Create([(0, chunk)]), pipeline | "Rejected" >> beam.Create([rejected])
+
+
+@pytest.mark.parametrize("job", ["bound", "batch"])
+def test_under_on_invalid_error_a_row_rejected_before_stops_the_run_before_its_work(tmp_path, job):
+    """A row rejected upstream stops the run with the list of rows, kept as data for the driver,
+    before the bounding's first round or before any partition is sampled; under skip they run."""
+    selection = pa.table({"id": pa.array(range(40), pa.int64()), "copies": pa.array([1] * 40, pa.int64())})
     for on_invalid in ("error", "skip"):
-        store = PartitionStore(str(tmp_path / on_invalid))
+        directory = tmp_path / job / on_invalid
         pipeline = beam.Pipeline(options=pipeline_options(["--direct_running_mode=in_memory"]))
-        _ = (
-            pipeline | "Records" >> beam.Create([(0, chunk)]),
-            pipeline | "Selection" >> beam.Create([(0, selection)]),
-            pipeline | "Rejected" >> beam.Create([rejected]),
-        ) | MinSepSample(BatchOptions(steps=5, batch_size=3, on_invalid=on_invalid), 2, store, output="OUT")
-        samples = str(tmp_path / on_invalid / "samples-*.store")  # written by the sampling of a partition
+        records, rejected = _rows_and_one_rejected(tmp_path, pipeline)
+        if job == "bound":
+            options = BoundOptions(max_contributions=1, on_invalid=on_invalid)
+            _ = records | BoundContributions(
+                options, 2, 2, SideStore(str(directory)), rejected_before=rejected, output="OUT"
+            )
+            work = str(directory / "*-r00001-*.store")  # written by the first round
+        else:
+            options = BatchOptions(steps=5, batch_size=3, on_invalid=on_invalid)
+            selected = pipeline | "Selection" >> beam.Create([(0, selection)])
+            _ = (records, selected) | MinSepSample(options, 2, PartitionStore(str(directory)), rejected, output="OUT")
+            work = str(directory / "samples-*.store")  # written by the sampling of a partition
         if on_invalid == "error":
             with pytest.raises(InputError, match=r"(?s)1 invalid input rows.*r.jsonl: row 40: empty_users.*OUT/rej"):
-                run(pipeline, "madp", store.directory)
-            assert not glob.glob(samples)
+                run(pipeline, "madp", str(directory))
+            assert not glob.glob(work)
         else:
-            run(pipeline, "madp", store.directory)
-            assert glob.glob(samples)
+            run(pipeline, "madp", str(directory))
+            assert glob.glob(work)
 
 
 class _FailingRun:
