@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from beam_pipelines.batch_join import record_partition_of, summary_value, user_partition_of
-from beam_pipelines.min_sep_sample import MinSepSample
+from beam_pipelines.min_sep_sample import MinSepSample, histogram_arrays
 from beam_pipelines.pipeline import (
     NAMESPACE,
     by_kind,
@@ -109,13 +109,8 @@ class WriteBatchFiles(beam.PTransform):
         content: beam.PCollection,
     ):
         super().__init__()
-        self.output, self.options, self.partitions, self.store, self.content = (
-            output,
-            options,
-            partitions,
-            store,
-            content,
-        )
+        self.output, self.options, self.partitions = output, options, partitions
+        self.store, self.content = store, content
 
     def expand(self, rows):
         store = self.store
@@ -224,16 +219,13 @@ def run_beam(
         batch_report.prepare_output(output)  # no batch file outlives an error
         storage.clear_directory(work)
         raise
-    histogram = summary["histogram"][0]
     probability = summary["probability"][0]
     log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
-    sizes = np.array(sorted(histogram), dtype=np.int64)
-    counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
+    sizes, counts = histogram_arrays(summary["histogram"][0])
     described = summary["content"][0]
     batch_files.write_schema(output, batching.schema(summary["id_type"][0], described, options))
     records = sum(summary["records"])
     files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
-    total_steps = options.steps + options.warm_up_steps
     sampled = batch_report.Sampled(
         np.zeros(0, np.int64),
         np.zeros(0, np.uint64),
@@ -251,7 +243,7 @@ def run_beam(
         sampled=sampled,
         units=int(counts.sum()),
         records=records,
-        sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(total_steps, np.int64)]), axis=0),
+        sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(options.sampled_steps, np.int64)]), axis=0),
         files=files,
         records_never_written=records - sum(summary.get("written_records", [])),
         participation=batch_report.merge_participation_stats(summary.get("participation", [])),

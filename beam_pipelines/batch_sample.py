@@ -30,8 +30,7 @@ class _SamplePartition(beam.DoFn):
         yield part, ("partition", path)
         partition = self.store.read_arrays(path)
         record_of_unit, keys = sampling.unit_keys(partition["record_keys"], partition["copies"])
-        total_steps = self.options.steps + self.options.warm_up_steps
-        unit, step = sampling.sampled_steps(keys, probability, total_steps)
+        unit, step = sampling.sampled_steps(keys, probability, self.options.sampled_steps)
         record = record_of_unit[unit]
         count("units", len(keys))
         count("sampled_unit_steps", len(unit))
@@ -92,7 +91,7 @@ class _Survivors(beam.DoFn):
         count("excluded_by_min_sep", int((~survive).sum()))
         record, keys, step = samples["record"][survive], samples["keys"][survive], samples["step"][survive]
         warm_up, steps, files = self.options.warm_up_steps, self.options.steps, self.options.output_shards
-        yield summary_value("sampled_sizes", np.bincount(step, minlength=warm_up + steps))
+        yield summary_value("sampled_sizes", np.bincount(step, minlength=self.options.sampled_steps))
         real = step >= warm_up
         record, keys, step = record[real], keys[real], step[real] - warm_up
         partition = self.store.read_arrays(handles["partition"][0])

@@ -36,12 +36,16 @@ class SampledBatches(typing.NamedTuple):
     stats: beam.PCollection  # (name, value) for the report
 
 
+def histogram_arrays(histogram: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The {|N(e)|: units} histogram as (sizes, counts), sizes increasing, as the kernels take it."""
+    sizes = np.array(sorted(histogram), dtype=np.int64)
+    return sizes, np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
+
+
 def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -> float:
     """p for the target expected batch size, on the |N(e)| histogram of all units."""
-    sizes = np.array(sorted(histogram), dtype=np.int64)
-    counts = np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
     with keeping_input_errors(store.directory):  # no record, or a batch size above the units
-        return sampling.calibrate_probability(options.batch_size, sizes, counts, options.min_sep)
+        return sampling.calibrate_probability(options.batch_size, *histogram_arrays(histogram), options.min_sep)
 
 
 @beam.typehints.with_input_types(Chunk, SelectionTable)

@@ -94,7 +94,7 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
     histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
     probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
-    total = options.steps + options.warm_up_steps
+    total = options.sampled_steps
     check_fits(probability * len(keys) * total, options)
     unit, step = sampling.sampled_steps(keys, probability, total)
     record = record_of_unit[unit]

@@ -87,6 +87,11 @@ class BatchOptions:
             return 0
         return self.min_sep - 1 if self.warm_up is None else self.warm_up
 
+    @property
+    def sampled_steps(self) -> int:
+        """Steps sampled: the warm-up's, then the training's."""
+        return self.warm_up_steps + self.steps
+
 
 # --- inputs -------------------------------------------------------------------------------------
 
