@@ -24,11 +24,12 @@ demo: $(STAMP)
 	bash -o pipefail -c "$(BIN)/madp run examples/demo.yaml --set run_dir=$(DEMO) 2>&1 >$(DEMO).json | \
 		{ $(if $(VERBOSE),cat,$(MADP_LINES)); }"
 	@$(BIN)/python -c "import json; r = json.load(open('$(DEMO).json'))['results']; p = r['privacy']; \
-		print(f'test accuracy: private {r[\"train\"][\"accuracy\"]:.4f} vs non-private', \
-		      f'{r[\"baseline\"][\"accuracy\"]:.4f}; private model: {p[\"mechanism\"]},', \
+		b = json.load(open('$(DEMO)/internal-results.json'))['baseline']; \
+		print(f'test accuracy: private {r[\"train\"][\"accuracy\"]:.4f} vs non-private (internal)', \
+		      f'{b[\"accuracy\"]:.4f}; private model: {p[\"mechanism\"]},', \
 		      f'sigma {p[\"noise_multiplier\"]:.3g}, (epsilon, delta) = ({p[\"epsilon\"]:.4g}, {p[\"delta\"]:g})', \
 		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
-		      'report: $(DEMO)/report.html')"
+		      'report: $(DEMO)/report.html (internal: $(DEMO)/internal-report.html)')"
 
 test: lint
 	$(BIN)/python -m pytest -q tests

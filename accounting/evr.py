@@ -290,8 +290,8 @@ def _release(
             failure,
         )
     attempts = record_attempt(
-        {"process": dataclasses.asdict(process), **target, "delta": delta, "samples": samples},
-        {"seed": seed, "released": released, "verified": released < fallback},
+        process,
+        {"request": {**target, "delta": delta, "samples": samples}, "seed": seed, "released": released},
     )
     return MinSepRelease(
         released,
@@ -320,13 +320,29 @@ def attempts_ledger() -> str:
     )
 
 
-def record_attempt(calibration: dict, outcome: dict) -> int:
-    """Append one run of `calibration` to the ledger; return how many runs of it the ledger holds.
+def mechanism_key(process: MinSepProcess) -> str:
+    """The ledger's key: the mechanism (steps, min-sep, p, records per step, bands), its numbers to 4
+    significant digits. Not the request (target epsilon or sigma, delta, sample budget, seed): a user
+    who changes those to try again verifies the same mechanism again, and that try must count."""
 
-    A verification errs with probability q; re-running with new seeds until one passes multiplies
-    that by the number of tries. The ledger makes such tries visible (the count is in every result)."""
+    def rounded(value: object) -> object:
+        if isinstance(value, float):
+            return float(f"{value:.4g}")
+        if isinstance(value, (list, tuple)):
+            return [rounded(v) for v in value]
+        return value
+
+    return json.dumps({k: rounded(v) for k, v in dataclasses.asdict(process).items()}, sort_keys=True)
+
+
+def record_attempt(process: MinSepProcess, outcome: dict) -> int:
+    """Append one Monte Carlo calibration of `process` to the ledger; return how many the ledger holds.
+
+    A verification errs with probability q; re-running (with new seeds, another sample budget or a
+    slightly different target) until one passes multiplies that by the number of tries. The ledger
+    makes such tries visible (the count is in every result)."""
     path = attempts_ledger()
-    key = json.dumps(calibration, sort_keys=True, default=list)
+    key = mechanism_key(process)
     earlier = 0
     if os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
@@ -340,8 +356,8 @@ def record_attempt(calibration: dict, outcome: dict) -> int:
         handle.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "calibration": key, **outcome}) + "\n")
     if earlier:
         log.warning(
-            "this Monte Carlo calibration ran %d times before (%s): choosing among runs multiplies the "
-            "failure probability by their number",
+            "this mechanism was Monte Carlo calibrated %d times before (%s), whatever the target, delta or "
+            "samples: choosing among runs multiplies the failure probability by their number",
             earlier,
             path,
         )

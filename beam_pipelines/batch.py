@@ -131,7 +131,8 @@ class WriteBatchFiles(beam.PTransform):
 
 
 class BatchPipeline(beam.PTransform):
-    """Read DATA and the selection, sample (MinSepSample), write the batch files, store the summary."""
+    """Read DATA and the selection, sample (MinSepSample), write the batch files, store the summary.
+    With `bound` (the selection's `batching.bound_graph`), DATA must be the graph it was bounded from."""
 
     def __init__(
         self,
@@ -143,23 +144,24 @@ class BatchPipeline(beam.PTransform):
         options: batching.BatchOptions,
         partitions: int,
         store: PartitionStore,
+        bound: batching.BoundGraph | None = None,
     ):
         super().__init__()
         self.data_files, self.selection, self.data, self.output = data_files, selection, data, output
         self.content, self.options, self.partitions, self.store = content, options, partitions, store
+        self.bound = bound
 
     def expand(self, pbegin):
         store, partitions = self.store, self.partitions
-        chunks, read_rejects, _ = pbegin | "ReadRecords" >> ReadRecords(
-            self.data_files, self.options.columns, store, self.content
-        )
+        columns = self.options.columns if self.bound is None else self.bound.columns(self.options.columns)
+        chunks, read_rejects, _ = pbegin | "ReadRecords" >> ReadRecords(self.data_files, columns, store, self.content)
         selection = (
             pbegin
             | "ListSelection" >> beam.Create(self.selection)
             | "ReadSelection" >> beam.Map(_selection_table, store)
         )
         sampled = (chunks, selection) | "MinSepSample" >> MinSepSample(
-            self.options, partitions, store, read_rejects, self.data, self.output
+            self.options, partitions, store, read_rejects, self.data, self.output, self.bound
         )
         written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
             self.output, self.options, partitions, store, sampled.content
@@ -204,12 +206,15 @@ def run_beam(
         else record_reading.content_columns(data_files[0], options.columns)
     )
     selection = selection_files(selected)
+    bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
     batch_report.prepare_output(output)
     store = PartitionStore(storage.join(work, uuid.uuid4().hex[:12]))
     pipeline = beam.Pipeline(options=beam_options)
-    _ = pipeline | "Batch" >> BatchPipeline(data_files, selection, data, output, content, options, partitions, store)
+    _ = pipeline | "Batch" >> BatchPipeline(
+        data_files, selection, data, output, content, options, partitions, store, bound
+    )
     try:
         counters = run(pipeline, NAMESPACE, store.directory)
         summary = by_kind(store.read_arrays(storage.join(store.directory, SUMMARY)))

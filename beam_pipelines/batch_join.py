@@ -28,6 +28,8 @@ from beam_pipelines.store import PartitionStore, Slice, stack
 from madp.core import records as rec
 from madp.core import sampling
 from madp.core.errors import InputError
+from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
+from madp.core.graph_digest import GraphDigest, graph_digest
 from madp.core.hashing import partition_of
 from madp.engines import batching
 from madp.engines.batch_report import merge_counts
@@ -81,6 +83,8 @@ class _JoinSelection(beam.DoFn):
         chunk = merged_records(self.store, handles["records"], rejects) if handles["records"] else None
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
+        if chunk is not None:  # the partition's part of DATA's graph, before the join and any content check
+            yield beam.pvalue.TaggedOutput("digest", graph_digest(chunk.ids, chunk.offsets, chunk.users))
         selection = self.store.gather(handles["selection"])
         if not selection:
             return
@@ -92,15 +96,18 @@ class _JoinSelection(beam.DoFn):
                 f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
             )
         chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
+        valid = np.ones(len(copies), dtype=bool)  # under --on-invalid error, check_content refuses invalid content
         if self.options.on_invalid == "skip":
             content_rejects = rec.Rejects()
-            chunk, copies = batching.skip_invalid_content(chunk, copies, content_rejects)
+            valid = batching.skip_invalid_content(chunk, content_rejects)
             if len(content_rejects):
                 yield beam.pvalue.TaggedOutput("rejects", content_rejects)
-        yield beam.pvalue.TaggedOutput("content", batching.check_content(chunk.content, chunk.ids))
+        # (records whose rows are written, their content's description)
+        described = batching.check_content(chunk.content, chunk.ids, valid)
+        yield beam.pvalue.TaggedOutput("content", (int(valid.sum()), described))
         yield summary_value("records", len(copies))
         yield summary_value("id_type", chunk.ids.type)
-        users = batching.user_hashes(chunk.users)
+        users = batching.user_hashes(chunk.users, self.options.key)
         record_keys = batching.record_hashes(chunk.ids, self.options.key)
         partition = {
             "ids": chunk.ids,
@@ -109,6 +116,7 @@ class _JoinSelection(beam.DoFn):
             "users": users,
             "content": chunk.content,
             "record_keys": record_keys,
+            "valid": valid,  # False: invalid content, sampled like any record but its rows left out
         }
         yield beam.pvalue.TaggedOutput(
             "partitions", (part, self.store.write_arrays(f"records-{part:05d}.store", partition))
@@ -156,12 +164,15 @@ def _neighbourhood_histogram(element, store: PartitionStore):
     yield dict(zip(values.tolist(), counts.tolist()))
 
 
-def _merged_content(described: list[dict], store: PartitionStore) -> dict:
-    """The content columns' description over all record partitions: a column whose shape differs
-    between partitions is variable-length; one whose type differs is an error."""
+def _merged_content(described: list[tuple[int, dict]], store: PartitionStore) -> dict:
+    """The content columns' description over all record partitions that write rows (of all where none
+    does, as the local engine describes zero rows): a column whose shape differs between partitions
+    is variable-length; one whose type differs is an error. A partition whose records are all left
+    out (invalid content) would describe a list column from no rows as variable-length."""
     merged: dict = {}
+    writing = [one for rows, one in described if rows] or [one for _, one in described]
     with keeping_input_errors(store.directory):
-        for one in described:
+        for one in writing:
             for name, feature in one.items():
                 seen = merged.setdefault(name, dict(feature))
                 if seen["dtype"] != feature["dtype"]:
@@ -176,7 +187,8 @@ def _merged_content(described: list[dict], store: PartitionStore) -> dict:
 @beam.typehints.with_input_types(Chunk, SelectionTable)
 class JoinSelection(beam.PTransform):
     """(records, selection) -> stored joined record partitions (partition, handle); incidences
-    (user partition, handle); the content's description; rejected rows; summary values."""
+    (user partition, handle); the content's description; rejected rows; summary values; and one
+    GraphDigest of the records' graph (all valid records, selected or not)."""
 
     def __init__(self, options: batching.BatchOptions, data: str, partitions: int, store: PartitionStore):
         super().__init__()
@@ -193,7 +205,7 @@ class JoinSelection(beam.PTransform):
             | "GroupRecordPartitions" >> beam.CoGroupByKey()
             | "Join"
             >> beam.ParDo(_JoinSelection(self.options, self.data, partitions, store)).with_outputs(
-                "partitions", "content", "rejects", "stats", main="incidences"
+                "partitions", "content", "rejects", "stats", "digest", main="incidences"
             )
         )
         content = (
@@ -201,7 +213,16 @@ class JoinSelection(beam.PTransform):
             | "ContentOfPartitions" >> beam.combiners.ToList()
             | "MergeContent" >> beam.Map(_merged_content, store)
         )
-        return joined.partitions, joined.incidences, content, joined.rejects, joined.stats
+        digest = joined.digest | "GraphDigest" >> beam.CombineGlobally(_sum_digests)
+        return joined.partitions, joined.incidences, content, joined.rejects, joined.stats, digest
+
+
+def _sum_digests(parts: Iterable[GraphDigest]) -> GraphDigest:
+    """Partial graph digests added up (the digest of no record for none)."""
+    total = EMPTY_GRAPH
+    for part in parts:
+        total = total + part
+    return total
 
 
 @beam.typehints.with_input_types(Sent)

@@ -15,7 +15,7 @@ from beam_pipelines.batch_join import summary_value, user_partition_of
 from beam_pipelines.pipeline import Sent, Stored, by_kind, count
 from beam_pipelines.store import PartitionStore, stack
 from madp.core import batch_files, sampling
-from madp.engines.batching import BatchOptions
+from madp.engines.batching import BatchOptions, writable_rows
 
 
 @beam.typehints.with_input_types(Stored, float)
@@ -76,7 +76,8 @@ class _BlockUsers(beam.DoFn):
 
 @beam.typehints.with_output_types(Sent)
 class _Survivors(beam.DoFn):
-    """Alg. 3 line 5 for a record partition; survivors after warm-up go to their batch files."""
+    """Alg. 3 line 5 for a record partition; survivors after warm-up go to their batch files, but for
+    the rows of records with invalid content (`--on-invalid skip`), which were sampled like any."""
 
     def __init__(self, options: BatchOptions, store: PartitionStore):
         self.options, self.store = options, store
@@ -95,6 +96,8 @@ class _Survivors(beam.DoFn):
         real = step >= warm_up
         record, keys, step = record[real], keys[real], step[real] - warm_up
         partition = self.store.read_arrays(handles["partition"][0])
+        written = writable_rows(partition["valid"], record)  # sampled and excluded like any; only their rows left out
+        record, keys, step = record[written], keys[written], step[written]
         file_of_row = batch_files.file_of_step(step, steps, files)
         rows_by_file = {}
         for file in range(files):  # every file hears from every partition, so empty files are written

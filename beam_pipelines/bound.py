@@ -37,6 +37,7 @@ from madp.core import records as rec
 from madp.core import storage
 from madp.core.bounding import Rounds
 from madp.core.errors import InputError
+from madp.core.graph_digest import GraphDigest
 from madp.core.selection import (
     BoundOptions,
     base_report,
@@ -248,6 +249,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         summary.get("input_users", 0),
         rejects,
         summary.get("repeated_users_removed", 0),
+        GraphDigest.from_counts(summary),
     )
     report.update(
         selected_records=summary.get("selected_records", 0),

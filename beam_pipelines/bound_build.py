@@ -20,6 +20,7 @@ from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.bounding import Capacities, build_user_side, preference_keys
+from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
 from madp.core.routing import distinct_partitions, owned, partition_bits
 from madp.core.selection import BoundOptions, alternate_runs, read_capacities
@@ -42,6 +43,9 @@ class _BuildRecordPartition(beam.DoFn):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
             yield stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))
         yield stat("input_records", len(chunk))
+        # The bounded graph's digest, summed over partitions like the counts (no Beam counter: not a count).
+        for name, value in graph_digest(chunk.ids, chunk.offsets, chunk.users).to_counts().items():
+            yield beam.pvalue.TaggedOutput("stats", (name, value))
         n = len(chunk)
         copies, in_pass = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
         if self.state_dir:

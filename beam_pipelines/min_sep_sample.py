@@ -26,7 +26,8 @@ from beam_pipelines.batch_sample import SampleBatches
 from beam_pipelines.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
 from beam_pipelines.store import PartitionStore
 from madp.core import sampling
-from madp.engines.batching import BatchOptions
+from madp.core.graph_digest import GraphDigest
+from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
 
 
 class SampledBatches(typing.NamedTuple):
@@ -48,11 +49,20 @@ def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -
         return sampling.calibrate_probability(options.batch_size, *histogram_arrays(histogram), options.min_sep)
 
 
+def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: str, store: PartitionStore) -> dict:
+    """The histogram, once the records' graph digest is the bound's (else the run stops, the error kept)."""
+    with keeping_input_errors(store.directory):
+        check_same_graph(digest, bound, data)
+    return histogram
+
+
 @beam.typehints.with_input_types(Chunk, SelectionTable)
 class MinSepSample(beam.PTransform):
     """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
     the rows rejected here and the summary values. `data` and `output` only name the records and the
-    output (where `--on-invalid skip` puts rejected rows) in errors."""
+    output (where `--on-invalid skip` puts rejected rows) in errors. With `bound` (a `madp bound`
+    output's graph, `batching.bound_graph`), records whose graph is not the bounded one stop the run
+    before p is calibrated; a selection made in the same pipeline needs no such check."""
 
     def __init__(
         self,
@@ -62,18 +72,25 @@ class MinSepSample(beam.PTransform):
         rejected_before: beam.PCollection | None = None,
         data: str = "the records",
         output: str = "OUTPUT",
+        bound: BoundGraph | None = None,
     ):
         super().__init__()
         if options.sampler != "minsep":
             raise ValueError(f"MinSepSample runs --sampler minsep, not {options.sampler}")
         self.options, self.partitions, self.store, self.rejected_before = options, partitions, store, rejected_before
-        self.data, self.output = data, output
+        self.data, self.output, self.bound = data, output, bound
 
     def expand(self, inputs) -> SampledBatches:
         options, partitions, store = self.options, self.partitions, self.store
         joined = inputs | "JoinSelection" >> JoinSelection(options, self.data, partitions, store)
-        partition_handles, incidences, content, rejects, join_stats = joined
+        partition_handles, incidences, content, rejects, join_stats, digest = joined
+        # One {|N(e)|: units} dict.
         histogram = incidences | "NeighbourhoodHistogram" >> NeighbourhoodHistogram(partitions, store)
+        if self.bound is not None:  # the records must be the graph bounded: stop before calibrating and sampling
+            histogram = histogram | "SameGraphAsBound" >> beam.Map(
+                _same_graph, beam.pvalue.AsSingleton(digest), self.bound, self.data, store
+            )
+        # One float: p.
         probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, store)
         if options.on_invalid == "error":  # the gate is on p, a single value: no data waits on it
             earlier = () if self.rejected_before is None else (self.rejected_before,)

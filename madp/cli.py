@@ -108,6 +108,17 @@ def _written_directory(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _read_paths(args: argparse.Namespace) -> list[str]:
+    """The inputs of a command that writes a directory: none may be, contain or lie inside its output."""
+    named = {
+        "bound": ("input", "capacities"),
+        "batch": ("selected", "data"),
+        "train": ("batches", "eval_data", "calibration", "zero_out"),
+        "import-mbox": ("mbox",),
+    }.get(args.command, ())
+    return [value for name in named if isinstance(value := getattr(args, name, None), str)]
+
+
 def main(argv: list[str] | None = None) -> int:
     madp = parser()
     args, unknown = madp.parse_known_args(argv)
@@ -126,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
     output = _written_directory(args)
     try:
+        if output:
+            storage.refuse_overlap(output, _read_paths(args))
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
     except CheckFailed as error:

@@ -200,7 +200,7 @@ def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_u
     assert cli.main(["-q", "run", config, "--set", "audit.canaries=100", "--set", "audit.seed=1"]) == 0
     summary = json.loads(capsys.readouterr().out)
     ran = [stage["stage"] for stage in summary["stages"] if stage["status"] == "ran"]
-    assert ran == ["audit", "report"]  # the job's own stages are up to date
+    assert ran == ["audit", "report", "internal-report"]  # the job's own stages are up to date
     result = json.loads((tmp_path / "run" / "audit" / "audit.json").read_text())
     assert result["ok"] and result["mechanism"] == "dpsgd" and summary["results"]["audit"]["canaries"] == 100
     assert result["epsilon_lower_bound"] < result["claimed_epsilon"] <= 1.0
@@ -208,7 +208,8 @@ def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_u
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Privacy audit" in page and "composition of both trainings" in page
     changed = {k for k, v in _digests(tmp_path / "run").items() if before.get(k) != v}
-    assert changed == {"report.html", os.path.join(".madp", "report.json")} | {
+    pages = {"report.html", "internal-report.html", os.path.join(".madp", "report.json")}
+    assert changed == pages | {os.path.join(".madp", "internal-report.json")} | {
         k for k in changed if k.startswith("audit" + os.sep) or k == os.path.join(".madp", "audit.json")
     }
 

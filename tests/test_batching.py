@@ -31,6 +31,14 @@ def bounded(tmp_path, rows, k=3, name="data.jsonl"):
     return str(tmp_path / "bounded"), data
 
 
+def bound_of(selected) -> dict:
+    """What verify-batches checks the batches against: the selection and its contribution bound."""
+    return {
+        "selected": selected,
+        "max_contributions": json.load(open(os.path.join(selected, "report.json")))["contribution_bound"],
+    }
+
+
 def batch_files(output) -> dict[str, bytes]:
     return {
         n: open(os.path.join(output, n), "rb").read() for n in sorted(os.listdir(output)) if n.endswith(".tfrecord")
@@ -125,16 +133,16 @@ def test_minsep_batches_pass_the_verifier_and_hit_the_target(tmp_path, graph_dat
     assert abs(report["batch_sizes"]["mean"] / 40 - 1) < 0.02
     assert abs(report["relative_error_to_target"]) < 0.02
     assert len(report["warm_up_batch_sizes"]) == 4 and len(report["batch_sizes"]["per_step"]) == 1500
-    check = verify_batches(str(tmp_path / "out"), data, min_sep=5)
+    check = verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=5)
     assert check["ok"], check["violations"]
     assert check["min_gap"] >= 5 and check["min_gap"] == report["participation"]["min_gap"]
     assert check["max_participations"] == report["participation"]["max_participations"]
     assert check["real_rows"] == sum(report["batch_sizes"]["per_step"])
     # The same batches checked against a larger min-sep, a participation bound or a batch bound fail.
-    assert not verify_batches(str(tmp_path / "out"), data, min_sep=50)["ok"]
-    too_few = verify_batches(str(tmp_path / "out"), data, min_sep=5, max_participations=1)
+    assert not verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=50)["ok"]
+    too_few = verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=5, max_participations=1)
     assert not too_few["ok"] and "participates in" in too_few["violations"][0]
-    assert not verify_batches(str(tmp_path / "out"), data, min_sep=5, max_batch_size=20)["ok"]
+    assert not verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=5, max_batch_size=20)["ok"]
 
 
 def test_features_and_schema(tmp_path, graph_data):
@@ -164,7 +172,7 @@ def test_isolated_record_is_included_with_its_stationary_probability(tmp_path):
         p = report["sampling_probability"]
         inclusion = report["batch_sizes"]["mean"] / 400
         assert inclusion == pytest.approx(p * (1 - p) ** (min_sep - 1), rel=0.02)
-        assert verify_batches(out, data, min_sep=min_sep)["ok"]
+        assert verify_batches(out, data, **bound_of(selected), min_sep=min_sep)["ok"]
 
 
 def test_copies_are_distinct_units(tmp_path):
@@ -252,7 +260,7 @@ def test_truncation_and_padding_give_exactly_max_batch_size_rows(tmp_path, graph
         assert all(r["x"] == [0.0, 0.0, 0.0] and r["label"] == [0] and r["tag"] == [b""] for r in padding)
     assert report["truncated_rows"] == sum(max(0, s - 40) for s in sampled) > 0
     assert report["padding_rows"] == sum(max(0, 40 - s) for s in sampled) > 0
-    assert verify_batches(out, data, min_sep=2, max_batch_size=40)["ok"]
+    assert verify_batches(out, data, **bound_of(selected), min_sep=2, max_batch_size=40)["ok"]
 
 
 def test_truncated_record_still_excludes_its_neighbours(tmp_path):
@@ -265,7 +273,7 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
         selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1)
     )
     assert report["truncated_rows"] > 0
-    check = verify_batches(out, data, min_sep=3, max_batch_size=1)
+    check = verify_batches(out, data, **bound_of(selected), min_sep=3, max_batch_size=1)
     assert check["ok"], check["violations"]
 
 
@@ -279,7 +287,7 @@ def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tm
         selected, data, out, BatchOptions(seed=0, steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6)
     )
     assert report["batch_sizes"]["min"] == report["batch_sizes"]["max"] == 50
-    check = verify_batches(out, data, min_sep=6, max_participations=report["k"])
+    check = verify_batches(out, data, **bound_of(selected), min_sep=6, max_participations=report["k"])
     assert check["ok"], check["violations"]
     assert check["max_participations"] == report["k"] <= -(-100 // 6)
     assert check["user_rows_sharing_a_step"] == 0
@@ -291,7 +299,7 @@ def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
     report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, find_max_min_sep=True, **options))
     best = report["parameters"]["min_sep"]
     assert 1 < best < 60 and report["min_sep_search"][-1] == {"min_sep": best + 1, "feasible": False}
-    assert verify_batches(str(tmp_path / "out"), data, min_sep=best)["ok"]
+    assert verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=best)["ok"]
     with pytest.raises(InputError, match="no solution .* cannot be filled"):
         run_local(selected, data, str(tmp_path / "x"), BatchOptions(seed=0, min_sep=best + 1, **options))
 
@@ -395,9 +403,9 @@ def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
     )
     report = json.loads(capsys.readouterr().out)
     assert report["engine"] == "local" and "per_step" not in report["batch_sizes"]
-    assert main(["-q", "verify-batches", out, data, "--min-sep", "4"]) == 0
+    assert main(["-q", "verify-batches", out, data, "--min-sep", "4", "--selected", selected, "-k", "3"]) == 0
     capsys.readouterr()
-    assert main(["-q", "verify-batches", out, data, "--min-sep", "40"]) == 1
+    assert main(["-q", "verify-batches", out, data, "--min-sep", "40", "--selected", selected, "-k", "3"]) == 1
     assert "apart (< min-sep 40)" in json.loads(capsys.readouterr().out)["violations"][0]
     assert (
         main(

@@ -27,6 +27,7 @@ from beam_pipelines.store import PartitionStore
 from madp.core import record_reading
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
+from madp.core.graph_digest import GraphDigest, graph_digest
 from madp.core.records import Columns, Rejects
 from madp.core.selection import BoundOptions
 from madp.engines import batch_local
@@ -53,11 +54,16 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
     second = write_records(str(tmp_path / "b.jsonl"), [{"id": 3, "users": [4]}, {"id": 4, "users": [5]}])
     options = BoundOptions(max_contributions=1)
     store = SideStore(str(tmp_path / "store"))
+
+    def digest_of_counts(totals: dict) -> dict:  # the graph digest's summed counts as the digest they make
+        kept = {name: value for name, value in totals.items() if not name.startswith("graph_digest_")}
+        return {**kept, "graph_digest": GraphDigest.from_counts(totals).hex}
+
     with _test_pipeline() as pipeline:
         chunks, read_rejects, read_stats = pipeline | ReadRecords([first, second], options.columns, store)
         users, records, rejects, stats = chunks | BuildSides(options, 3, store, None, False)
         assert_that(
-            _totals((read_stats, stats) | "AllStats" >> beam.Flatten()),
+            _totals((read_stats, stats) | "AllStats" >> beam.Flatten()) | "Digest" >> beam.Map(digest_of_counts),
             equal_to(
                 [
                     {
@@ -66,6 +72,8 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
                         "rejected_duplicate_id": 2,  # id 3, in both files: both rows go
                         "repeated_users_removed": 1,
                         "input_records": 2,
+                        # Summed over partitions, the graph of the records kept: 1 (users 1, 2) and 4 (user 5).
+                        "graph_digest": graph_digest(pa.array([4, 1]), np.array([0, 1, 3]), pa.array([5, 2, 1])).hex,
                     }
                 ]
             ),

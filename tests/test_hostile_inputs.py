@@ -104,7 +104,9 @@ def test_a_changed_batch_file_is_refused_by_training_and_the_verifier(tmp_path, 
     shutil.copy(
         tmp_path / "out" / "batches-00000-of-00002.tfrecord", tmp_path / "out" / "batches-00009-of-00010.tfrecord"
     )
-    code, verdict, _ = cli(capsys, "verify-batches", tmp_path / "out", data, "--min-sep", "1")
+    code, verdict, _ = cli(
+        capsys, "verify-batches", tmp_path / "out", data, "--min-sep", "1", "-k", "2", "--selected", tmp_path / "b"
+    )
     assert code == 1 and "batches-00009-of-00010.tfrecord is not a file the run wrote" in verdict["violations"][0]
     pytest.importorskip("tensorflow")
     code, _, err = cli(capsys, "train", tmp_path / "out", tmp_path / "model", "--epsilon", "2")

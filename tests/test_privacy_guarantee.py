@@ -5,6 +5,7 @@ uses, truncation's delta, and an attacker who reads every published output of a 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import write_records
+from reference import reference_siphash24
 from scipy.stats import binom
 
 from madp.cli import main
@@ -56,42 +58,8 @@ def test_siphash_matches_the_reference_vector_and_a_scalar_implementation():
     assert int(siphash24(key, np.array([message], np.uint64))[0]) == 0x93F5F5799A932462
     words = np.random.default_rng(0).integers(0, 2**63, 50, dtype=np.int64).view(np.uint64)
     assert [int(v) for v in siphash24((12345, 67890), words)] == [
-        _scalar_siphash((12345, 67890), int(w)) for w in words
+        reference_siphash24((12345, 67890), int(w).to_bytes(8, "little")) for w in words
     ]
-
-
-def _scalar_siphash(key: tuple[int, int], word: int) -> int:
-    """SipHash-2-4 of one 8-byte message, written from the paper with Python integers."""
-    mask = (1 << 64) - 1
-    rotl = lambda x, b: ((x << b) | (x >> (64 - b))) & mask  # noqa: E731
-    v = [
-        key[0] ^ 0x736F6D6570736575,
-        key[1] ^ 0x646F72616E646F6D,
-        key[0] ^ 0x6C7967656E657261,
-        key[1] ^ 0x7465646279746573,
-    ]
-
-    def sipround():
-        v[0] = (v[0] + v[1]) & mask
-        v[1] = rotl(v[1], 13) ^ v[0]
-        v[0] = rotl(v[0], 32)  # noqa: E702
-        v[2] = (v[2] + v[3]) & mask
-        v[3] = rotl(v[3], 16) ^ v[2]  # noqa: E702
-        v[0] = (v[0] + v[3]) & mask
-        v[3] = rotl(v[3], 21) ^ v[0]  # noqa: E702
-        v[2] = (v[2] + v[1]) & mask
-        v[1] = rotl(v[1], 17) ^ v[2]
-        v[2] = rotl(v[2], 32)  # noqa: E702
-
-    for block in (word, 8 << 56):
-        v[3] ^= block
-        sipround()
-        sipround()
-        v[0] ^= block
-    v[2] ^= 0xFF
-    for _ in range(4):
-        sipround()
-    return v[0] ^ v[1] ^ v[2] ^ v[3]
 
 
 def test_keys_are_fresh_unless_seeded_and_never_shown():
@@ -254,16 +222,20 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
 # --- the attacker who reads every published output ---------------------------------------------------
 
 
-def _published_text(run_dir, internal: tuple[str, ...] = ("audit",)) -> str:
-    """Every output a user would publish or share: the model, metrics, reports, privacy.json, report.html;
-    not the directories in `internal` (the audit's second model and its data)."""
+INTERNAL = ("audit", "baseline", "batches", "internal-report.html", "internal-results.json")  # README: threat model
+
+
+def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
+    """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html;
+    not what the README's threat model calls internal (`internal`: the audit's second model and its
+    data, the non-private baseline, the batches and their report, the internal page and results) nor
+    rejected/ folders."""
     chunks = []
+    hidden = {os.path.join(str(run_dir), i) for i in internal}
     for root, directories, files in os.walk(run_dir):
-        directories[:] = [
-            d for d in directories if os.path.join(root, d) not in {os.path.join(str(run_dir), i) for i in internal}
-        ]
+        directories[:] = [d for d in directories if os.path.join(root, d) not in hidden and d != "rejected"]
         for name in files:
-            if name.endswith((".tfrecord", ".parquet")) or "/." in root:
+            if name.endswith((".tfrecord", ".parquet")) or "/." in root or os.path.join(root, name) in hidden:
                 continue  # the data and the batches themselves are never published
             content = open(os.path.join(root, name), "rb").read()
             chunks.append(content.decode("latin-1"))
@@ -299,7 +271,7 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         "bound": {"max_contributions": 2, "runner": "local"},
         "batch": {"steps": 20, "batch_size": 40, "min_sep": 1, "runner": "local"},
         "calibrate": {"noise_multiplier": 1.5, "delta": 1e-5},  # one PLD evaluation, not a search
-        "train": {"model": "logreg", "eval_every": 10},
+        "train": {"model": "logreg", "eval_every": 10, "baseline": True},
         "audit": {"canaries": 20},
         "report": True,
     }
@@ -307,6 +279,11 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
     assert main(["-q", "run", str(tmp_path / "job.yaml")]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert "mean_batch_size" not in summary["results"]["batch"] and summary["results"]["privacy"]["private"] is True
+    assert not {"baseline", "private_over_non_private"} & set(summary["results"]), (
+        "the non-private baseline is not covered by the guarantee: internal only"
+    )
+    internal = json.load(open(tmp_path / "run" / "internal-results.json"))
+    assert "accuracy" in internal["baseline"] and "internal-results.json" in summary["internal"]
     assert len(drawn) >= 2, "sampling and noise keys drawn fresh (validating the config draws one more)"
     privacy = json.load(open(tmp_path / "run" / "train" / "privacy.json"))
     assert privacy["sampling"] == SECRET and privacy["noise"] == SECRET and privacy["private"] is True
@@ -321,7 +298,21 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         "the audit is a second release of the records, and the page says so"
     )
     assert json.load(open(tmp_path / "run" / "audit" / "audit.json"))["inclusion"] == SECRET
+    assert "non-private baseline is left out" in page and "non-private (internal)" not in page
+    assert "baseline/ metrics.json" not in page and "privacy-utility gap" not in page
+    assert "non-private (internal) eval accuracy" in open(tmp_path / "run" / "internal-report.html").read()
     published = _published_text(tmp_path / "run")
+    assert '"baseline"' not in published and "private_over_non_private" not in published
+    # No content digest: no SHA-256 of a batch file or of a file of records or held-out content.
+    content_files = [
+        os.path.join(root, name)
+        for root, _, files in os.walk(tmp_path / "run")
+        for name in files
+        if name.endswith(".tfrecord") or (name.endswith(".parquet") and os.sep + "selected" not in root)
+    ]
+    assert any(f.endswith(".tfrecord") for f in content_files) and any("records" in f for f in content_files)
+    for path in content_files:
+        assert hashlib.sha256(open(path, "rb").read()).hexdigest() not in published, f"digest of {path} published"
     everything = published + _published_text(tmp_path / "run", internal=())
     for key in drawn:
         for text in _encodings(key.words):

@@ -95,7 +95,7 @@ def test_stages_run_once_and_rerun_only_what_changed(tmp_path, capsys):
     assert digest(tmp_path / "run" / "batches") == batches  # same inputs and explicit seed: the same bytes
 
 
-def test_a_touched_input_reruns_its_stage(tmp_path, capsys):
+def test_an_input_reruns_its_stage_when_its_content_changes(tmp_path, capsys):
     config = write_config(
         tmp_path / "job.yaml", tmp_path / "run", calibrate=None, train=None, generate=None, input=None
     )
@@ -107,7 +107,9 @@ def test_a_touched_input_reruns_its_stage(tmp_path, capsys):
     config_data["batch"].update(steps=5, batch_size=3)
     yaml.safe_dump(config_data, open(config, "w"))
     assert set(statuses(run(capsys, config)).values()) == {"ran"}
-    os.utime(records, ns=(1, 1))  # same bytes, other modification time: treated as a new input
+    os.utime(records, ns=(1, 1))  # same bytes, other modification time: the same input
+    assert set(statuses(run(capsys, config)).values()) == {"skipped"}
+    records.write_text(records.read_text().replace('"label": 0}', '"label": 1}', 1))  # content only
     assert set(statuses(run(capsys, config)).values()) == {"ran"}
 
 

@@ -4,6 +4,7 @@ models training under DP-SGD and BandMF, the evaluation metrics, and bad text in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -260,6 +261,14 @@ def test_labels_read_from_the_data_are_a_warned_disclosure(text_batches, caplog)
     result = train(batches, str(directory / "labels-from-data"), options)
     assert result["labels"] == sorted(LABELS)
     assert "label set was taken from the data" in caplog.text
+    amplified = dataclasses.replace(options, mechanism="auto", noise_multiplier=1.0)  # DP-SGD on Poisson batches
+    with pytest.raises(InputError, match="would reveal which records were sampled: give the public label set"):
+        train(batches, str(directory / "labels-from-sampled-rows"), amplified)
+    unamplified = dataclasses.replace(amplified, bands=2)  # BandMF without amplification: the schedule is public
+    privacy = train(str(directory / "minsep"), str(directory / "labels-from-data-private"), unamplified)["privacy"]
+    assert any(str(sorted(LABELS)) in a and "treated as public" in a for a in privacy["assumptions"]), (
+        "a label set read from the data is part of what the guarantee assumes"
+    )
 
 
 # --- bad text input -----------------------------------------------------------------------------
@@ -307,8 +316,10 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
         assert f"record {record} " in message and reason in message
     assert "--on-invalid skip" in message
     out = directory / "skipped-train"
-    result = train(batches, str(out), TrainOptions(on_invalid="skip", **options))
-    assert result["skipped"]["records"] == {text.EMPTY_TEXT: 1, text.UNKNOWN_LABEL: 1, text.NOT_UTF8: 1}
+    train(batches, str(out), TrainOptions(on_invalid="skip", **options))
+    counts = json.load(open(out / "rejected" / "counts.json"))
+    assert counts["records"] == {text.EMPTY_TEXT: 1, text.UNKNOWN_LABEL: 1, text.NOT_UTF8: 1}
+    assert "skipped" not in json.load(open(out / "metrics.json")), "which records were skipped is internal"
     rejected = [json.loads(line) for line in open(out / "rejected" / "rejected.jsonl")]
     assert sorted((r["id"], r["reason"]) for r in rejected) == [
         (3, text.NOT_UTF8),

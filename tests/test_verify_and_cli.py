@@ -96,7 +96,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     code, _, err = run_cli(
         capsys,
         "batch",
-        str(tmp_path),
+        str(tmp_path / "bound"),
         str(bad),
         str(tmp_path / "b"),
         "--steps",

@@ -8,6 +8,7 @@ import json
 from madp.core import storage
 from madp.core.batch_files import batch_files
 from madp.core.errors import InputError
+from madp.core.selection import read_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +32,6 @@ class Batches:
         """Rows of the largest step in the files: B_max where steps are padded to it, else the largest batch."""
         return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
 
-    def file_hashes(self) -> dict[str, str]:
-        """SHA-256 of each batch file, as `open_batches` checked them against the report."""
-        return {entry["name"]: entry["sha256"] for entry in self.report["files"]}
-
 
 def open_batches(directory: str) -> Batches:
     """The batches of a local or remote (gs://, s3://, hdfs://) finished `madp batch` output: exactly
@@ -43,5 +40,4 @@ def open_batches(directory: str) -> Batches:
         raise InputError(f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)")
     files = tuple(batch_files(directory))
     schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
-    report = json.loads(storage.read_text(storage.join(directory, "report.json")))
-    return Batches(directory, files, schema, report)
+    return Batches(directory, files, schema, read_report(directory, "batch"))

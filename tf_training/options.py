@@ -39,6 +39,7 @@ class TrainOptions:
     calibration: str | None = None
     zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
     testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
+    retrain: bool = False  # train again on batches an earlier private training used (composition stated)
     text_column: str = "text"  # text models: the feature holding the text
     labels: tuple[str, ...] | None = None  # text-classifier: the public label set (None: read from the data)
     max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text

@@ -1,7 +1,7 @@
 """What a training run's guarantee is, before any training: the privacy plan (mechanism, sigma,
 epsilon, delta) that the batches' reports and the accountant imply. No TensorFlow here, so
 `madp run` can calibrate without it and the plan can be checked against the batches it describes
-(their SHA-256 hashes are part of it).
+(what the accounting read from their report is part of it; no digest of their content).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from accounting.monte_carlo import MinSepProcess
 from accounting.strategies import coefficients as strategy_coefficients
 from madp.core import storage
+from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED
 from madp.core.selection import REPORT_FILE
@@ -132,22 +133,37 @@ def _mechanism_delta(options: TrainOptions, truncation) -> float:
     return options.delta - share
 
 
+def _with_truncation(options: TrainOptions, delivered: float, delta: float, truncation) -> float:
+    """The delta of a guarantee at a given sigma once truncation's share is added; refused where that
+    share would take half of the delta asked for or more, as calibration refuses it (a "delta" of 16
+    is no guarantee, whatever epsilon says)."""
+    share = truncation(delivered)
+    if share >= options.delta / 2:
+        raise InputError(
+            f"--noise-multiplier {options.noise_multiplier:g} delivers epsilon {delivered:.4g}, but truncation "
+            f"at --max-batch-size adds delta {share:.3g} to the {options.delta:g} asked for (steps over B_max "
+            f"are too likely): raise --max-batch-size in madp batch, or drop it"
+        )
+    return delta + share
+
+
 def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation) -> tuple[float, float, float]:
     """(sigma, epsilon, delta of the released guarantee); `truncation(epsilon)` is the delta truncation adds."""
     if options.noise_multiplier is not None:
         delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
-        _warn_override(options, delivered)
-        return options.noise_multiplier, delivered, options.delta + truncation(delivered)
+        total = _with_truncation(options, delivered, options.delta, truncation)
+        _warn_override(options, delivered, total)
+        return options.noise_multiplier, delivered, total
     result = calibrate(mechanism, options.target_epsilon, _mechanism_delta(options, truncation))
     return result.noise_multiplier, result.epsilon, options.delta
 
 
-def _warn_override(options: TrainOptions, delivered: float) -> None:
+def _warn_override(options: TrainOptions, delivered: float, delta: float) -> None:
     log.warning(
-        "--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %g",
+        "--noise-multiplier %g overrides calibration: this run delivers epsilon %.4g at delta %.3g",
         options.noise_multiplier,
         delivered,
-        options.delta,
+        delta,
     )
 
 
@@ -171,7 +187,6 @@ def amplified_noise_multiplier(
             process, options.noise_multiplier, options.delta, options.mc_samples, options.mc_seed, options.mc_workers
         )
         sigma, delivered = options.noise_multiplier, result.value
-        _warn_override(options, delivered)
     else:
         result = calibrate_minsep(
             process,
@@ -187,7 +202,10 @@ def amplified_noise_multiplier(
         "seed": options.mc_seed,
         **result.report(sigma_fixed=options.noise_multiplier is not None),
     }
-    return sigma, delivered, details["delta"] + truncation(delivered), details
+    total = _with_truncation(options, delivered, details["delta"], truncation)
+    if options.noise_multiplier is not None:
+        _warn_override(options, delivered, total)
+    return sigma, delivered, total, details
 
 
 # --- the plan -----------------------------------------------------------------------------------
@@ -246,7 +264,7 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
         "contribution_bound": k,
         "min_sep": int(report["parameters"]["min_sep"]),
         "sampler": report["sampler"],
-        "batch_files_sha256": batches.file_hashes(),
+        "accounted_batches": accounted_batches(report),
         "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)"
         if monte_carlo
         else "PLD (dp_accounting)",
@@ -254,6 +272,25 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
     if monte_carlo:
         plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo)
     return plan
+
+
+def accounted_batches(report: dict) -> dict:
+    """Everything the accounting reads from a batch report; a plan applies to batches whose record equals
+    its own. It holds no digest of the batch files: the plan is published (privacy.json, calibration.json)
+    and a hash of the training content would hide that content only computationally. Batches that agree
+    here (a re-batching with a fresh key) are accounted identically, so the plan holds for them too."""
+    bound = report.get("bound") or {}
+    return {
+        "sampler": report["sampler"],
+        "steps": report["steps"],
+        "units": report.get("units"),
+        "sampling_probability": report.get("sampling_probability"),
+        "sampling": report.get("sampling"),
+        "k": report.get("k"),
+        "parameters": report["parameters"],
+        "contribution_bound": bound.get("contribution_bound"),
+        "max_user_contribution": bound.get("max_user_contribution"),
+    }
 
 
 def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
@@ -265,6 +302,20 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
         if k is not None
         else "every record has exactly one user (user-level sampling, one clipped gradient per user)"
     ]
+    rejected = {reason: n for reason, n in ((report.get("bound") or {}).get("rejected") or {}).items() if n}
+    if rejected:
+        stated.append(
+            f"the bound dropped invalid rows ({', '.join(f'{r}: {n}' for r, n in sorted(rejected.items()))}; "
+            f"--on-invalid skip): which rows are valid, which can depend on a row's content (invalid_json "
+            f"covers a whole row), is treated as public like the graph of the valid rows"
+        )
+    bound_parameters = (report.get("bound") or {}).get("parameters") or {}
+    if bound_parameters.get("order") == "weight":
+        stated.append(
+            f"the bounding ordered records by the content column {bound_parameters.get('weight_column')!r} "
+            f"(--order weight): that column is treated as public, like the graph (which records were kept, "
+            f"and the bound report, depend on it)"
+        )
     if sampler == "minsep":
         stated.append(
             "the sampling probability p was calibrated from neighbourhood sizes, a function of the graph only"
@@ -287,17 +338,29 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
     return stated
 
 
+def labels_read_from_data(labels: list[str]) -> str:
+    """The assumption a text classifier adds when its label set came from the batches (no --labels)."""
+    return (
+        f"the label set {labels} was read from the rows of the batches (no --labels; the schedule is public "
+        f"for this mechanism): the model and its metrics disclose it, so it is treated as public; give "
+        f"--labels to fix it in advance"
+    )
+
+
+def _formal_mechanism(plan: dict) -> Mechanism:
+    """The plan's mechanism for PLD accounting; a Monte Carlo plan's unamplified fallback, its formal bound."""
+    parameters: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
+    if plan["mechanism"] == "bandmf-minsep":
+        return unamplified(MinSepProcess(**parameters))
+    return {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters)
+
+
 def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
     """[sigma, epsilon at the plan's delta] from sigma/2 to 2 sigma, for the report (PLD on a 10x coarser grid,
     still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""
     if plan["mechanism"] == "none":
         return []
-    parameters: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
-    mechanism = (
-        unamplified(MinSepProcess(**parameters))
-        if plan["mechanism"] == "bandmf-minsep"
-        else {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters)
-    )
+    mechanism = _formal_mechanism(plan)
     sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
     return [[float(s), epsilon(mechanism, float(s), plan["target_delta"], discretization=1e-2)] for s in sigmas]
 
@@ -307,11 +370,66 @@ def plan_for(batches: Batches, options: TrainOptions) -> dict:
     if options.calibration is None:
         return privacy_plan(batches, options)
     plan = json.loads(storage.read_text(options.calibration))
-    if plan.get("batch_files_sha256") != batches.file_hashes():
-        raise InputError(f"--calibration {options.calibration} describes other batch files than {batches.directory}")
+    if plan.get("accounted_batches") != accounted_batches(batches.report):
+        raise InputError(
+            f"--calibration {options.calibration} accounts for other batches than {batches.directory} "
+            f"(their sampler, steps, sampling probability, units, parameters or bound differ): calibrate again"
+        )
     if plan["clip_norm"] != options.clip_norm:
         raise InputError(
             f"--calibration {options.calibration} is for clip norm {plan['clip_norm']}, "
             f"not --clip-norm {options.clip_norm}"
         )
     return {**plan, "calibration": options.calibration}
+
+
+# --- trainings on one batch output ---------------------------------------------------------------
+
+
+def earlier_trainings(batches_dir: str) -> list[dict]:
+    """The private trainings recorded on this batch output (`record_training`), oldest first."""
+    path = storage.join(batches_dir, TRAININGS_FILE)
+    if storage.kind(path) != "file":
+        return []
+    try:
+        trainings = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+    except ValueError as error:
+        raise InputError(f"{path}: not a ledger madp wrote ({error}); the batches' trainings are unknown") from None
+    if not all(isinstance(t, dict) and {"mechanism", "parameters", "noise_multiplier"} <= set(t) for t in trainings):
+        raise InputError(f"{path}: not a ledger madp wrote (an entry lacks mechanism, parameters or sigma)")
+    return trainings
+
+
+def record_training(batches_dir: str, output: str, plan: dict) -> None:
+    """Append a finished private training to the batch output's ledger of trainings."""
+    entry = {key: plan.get(key) for key in ("mechanism", "parameters", "noise_multiplier", "epsilon", "delta")}
+    lines = [json.dumps(t) for t in earlier_trainings(batches_dir)] + [json.dumps({"output": output, **entry})]
+    storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "\n".join(lines) + "\n")
+
+
+def composition(plan: dict, earlier: list[dict]) -> dict:
+    """The guarantee of this training and the `earlier` ones on the same batches, released together.
+
+    They share the batches, hence the sampling: n Gaussian releases of one sampled batch with noise
+    multipliers sigma_i are n stacked queries of sensitivity 1 each, i.e. one query of sensitivity
+    sqrt(n)-equivalent, dominated by the same mechanism at sigma = (sum sigma_i^-2)^(-1/2). With
+    amplification this is far worse than twice epsilon (the same secret sampling is used again), which
+    is why independent batches are the better way to train twice. Trainings of another mechanism or
+    parameters have no such closed form: no figure is given for them."""
+    runs = [*earlier, plan]
+    same = all(t["mechanism"] == plan["mechanism"] and t["parameters"] == plan["parameters"] for t in earlier)
+    result: dict[str, Any] = {"trainings": len(runs), "outputs": [t.get("output") for t in earlier]}
+    if not same:
+        return {**result, "epsilon": None, "note": "other mechanisms or parameters: no composed figure"}
+    sigma = sum(t["noise_multiplier"] ** -2 for t in runs) ** -0.5
+    mechanism_delta = plan["delta"] - plan["truncation_delta"]
+    composed = epsilon(_formal_mechanism(plan), sigma, mechanism_delta)
+    rho = plan["truncation_delta"] / (1 + math.exp(plan["epsilon"]))  # one truncation event, shared by all runs
+    accountant = "unamplified fallback (PLD)" if plan["mechanism"] == "bandmf-minsep" else "PLD"
+    return {
+        **result,
+        "equivalent_noise_multiplier": sigma,
+        "epsilon": composed,
+        "delta": mechanism_delta + rho * (1 + math.exp(composed)),
+        "accountant": accountant,
+    }

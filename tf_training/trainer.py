@@ -20,11 +20,12 @@ from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.randomness import FIXED_SEED, SecretKey
+from madp.core.selection import REJECTED_DIR
 from tf_training import load_tensorflow
 from tf_training.batches import open_batches
 from tf_training.data import step_batches
 from tf_training.options import TrainOptions
-from tf_training.plan import plan_for
+from tf_training.plan import composition, earlier_trainings, labels_read_from_data, plan_for, record_training
 from tf_training.queries import BandMfQuery, DpSgdQuery
 from tf_training.steps import NonPrivateStep, PrivateStep, distribute, distribution_strategy, shard_step
 from tf_training.tasks import TextClassifierTask, build_model, prepare_task
@@ -61,7 +62,51 @@ def load_trained(output: str, options: TrainOptions, input_dim: int):
 # --- the run ------------------------------------------------------------------------------------
 
 
+def _composed(batches_dir: str, privacy: dict, options: TrainOptions) -> dict:
+    """The plan of a private training on batches that earlier private trainings used: refused where the
+    guarantee relies on the secret sampling (re-using it leaks far more than twice epsilon) unless
+    --retrain, and in any case released with the composition of all of them as its (epsilon, delta)
+    (the single training's figures kept under `single_training`): whoever publishes this model next to
+    the earlier ones gets no more than that. Without a composed figure (other mechanisms) it is refused."""
+    earlier = earlier_trainings(batches_dir) if privacy["private"] else []
+    if not earlier:
+        return privacy
+    composed = composition(privacy, earlier)
+    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({', '.join(composed['outputs'])})"
+    if composed["epsilon"] is None:
+        raise InputError(
+            f"{said} with another mechanism or parameters, and madp has no composed figure for them: batch "
+            f"again (a fresh key) for this training"
+        )
+    figure = f"together they are ({composed['epsilon']:.4g}, {composed['delta']:.3g})-DP"
+    if privacy["relies_on_secret_sampling"] and not options.retrain:
+        raise InputError(
+            f"{said}: {figure}. Each relies on the secret sampling, and training again on the same batches "
+            f"re-uses it: batch again (a fresh key) for a new training, or pass --retrain to accept the "
+            f"composed guarantee"
+        )
+    log.warning("%s: %s; privacy.json states that composed guarantee", said, figure)
+    return {
+        **privacy,
+        "epsilon": composed["epsilon"],
+        "delta": composed["delta"],
+        "single_training": {"epsilon": privacy["epsilon"], "delta": privacy["delta"]},
+        "composition": composed,
+    }
+
+
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
+    """Train on a `madp batch` output and write model.keras, metrics.json and privacy.json to `output`.
+    A private training holds the batch output's lock from its plan to its entry in the trainings ledger,
+    so two trainings on one batch output (a parallel sweep) run one after the other and the second
+    composes with the first instead of both claiming a single training's guarantee."""
+    if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
+        return _train(batches_dir, output, options)
+    with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
+        return _train(batches_dir, output, options)
+
+
+def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     started = time.perf_counter()
     batches = open_batches(batches_dir)
     task, skipped = prepare_task(options, batches)
@@ -77,6 +122,13 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         )
     user_level = batches.report["sampler"] == "users"
     privacy = plan_for(batches, options)
+    if isinstance(task, TextClassifierTask) and not options.labels and privacy["mechanism"] != "none":
+        if privacy["relies_on_secret_sampling"]:  # a label only unsampled records hold would be missing
+            raise InputError(
+                f"{privacy['mechanism']} relies on the secret sampling, and a label set read from the sampled "
+                f"rows would reveal which records were sampled: give the public label set with --labels"
+            )
+        privacy = {**privacy, "assumptions": [*privacy["assumptions"], labels_read_from_data(task.labels)]}
     step: NonPrivateStep | PrivateStep
     if privacy["mechanism"] == "none":
         step = NonPrivateStep(model, loss_fn, optimizer, strategy)
@@ -106,6 +158,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 if broken
                 else "its batches were sampled with a fixed --seed",
             )
+        privacy = _composed(batches_dir, privacy, options)
         noise = sigma * options.testing_noise_scale  # the claim stays at sigma
         query = (
             DpSgdQuery(options.clip_norm, noise, noise_key)
@@ -159,7 +212,6 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "learning_rate": options.learning_rate,
         "seed": options.seed,
         **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
-        **({"skipped": skipped.counts()} if len(skipped) else {}),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
@@ -170,6 +222,10 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
     )
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(privacy, indent=2, default=list))
-    if len(skipped):  # record ids of the training data: for the operator, not for publication
-        storage.write_text(storage.join(output, "rejected", "rejected.jsonl"), skipped.to_jsonl())
+    if privacy.get("private"):
+        record_training(batches_dir, output, privacy)
+    if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
+        storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
+        storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))
+        result["rejected"] = f"{storage.join(output, REJECTED_DIR)}: rows trained with weight 0 (internal)"
     return result

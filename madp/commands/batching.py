@@ -71,6 +71,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     verify_batches.add_argument("output", help="a `madp batch` output directory")
     verify_batches.add_argument("data", help="the records the batches were made from")
     verify_batches.add_argument("--min-sep", type=int, required=True)
+    verify_batches.add_argument(
+        "--selected",
+        required=True,
+        help="the `madp bound` output the batches were made from: every real row must be one of its selected "
+        "records, in no step more often than its copies",
+    )
+    verify_batches.add_argument(
+        "--max-contributions",
+        "-k",
+        type=int,
+        required=True,
+        help="K: the contribution bound the training accounts with (the bound's contribution_bound): no user's "
+        "selected records in the batches may have more copies in all",
+    )
     verify_batches.add_argument("--max-participations", type=int, help="k: steps per user at most")
     verify_batches.add_argument("--max-batch-size", type=int, help="B_max: rows per step at most")
     add_columns(verify_batches)
@@ -126,6 +140,8 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
         args.max_batch_size,
         args.id_column,
         args.users_column,
+        selected=args.selected,
+        max_contributions=args.max_contributions,
     )
 
 

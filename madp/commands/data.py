@@ -34,7 +34,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--holdout-fraction", type=float, default=0.1, help="fraction of the generated records held out (default 0.1)"
     )
 
-    mbox = commands.add_parser("import-mbox", help="email (an mbox file) as multi-user records: sender, To and Cc")
+    mbox = commands.add_parser(
+        "import-mbox",
+        help="email (an mbox file) as multi-user records: every From, To, Cc and Bcc address (and Resent-*)",
+    )
     mbox.add_argument("mbox", help="an mbox file")
     mbox.add_argument("output", help="directory: records/ (Parquet), rejected.jsonl, report.json")
 

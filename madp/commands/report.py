@@ -14,8 +14,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     page.add_argument(
         "--internal",
         action="store_true",
-        help="also plot the realized sampling (batch sizes, gaps) where the guarantee relies on its "
-        "secrecy; the page is then internal, not for publication",
+        help="also show what the guarantee does not cover: the realized sampling (batch sizes, gaps) where "
+        "the guarantee relies on its secrecy, the non-private baseline and a non-private audit; the page "
+        "is then internal, not for publication",
     )
 
 

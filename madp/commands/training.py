@@ -57,6 +57,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="rows a text model cannot use (not UTF-8, no words, label not in --labels): stop, or train "
         "them with weight 0 and list them in OUTPUT/rejected/",
     )
+    training.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train although an earlier private training used these batches: both models' guarantee is "
+        "then the composition privacy.json states (with secret sampling, far more than twice epsilon)",
+    )
     training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     training.add_argument("--learning-rate", type=float, default=0.5)
     training.add_argument("--clip-norm", type=float, default=1.0)
@@ -161,15 +167,14 @@ def train_options(args: argparse.Namespace):
         layers=args.layers,
         heads=args.heads,
         on_invalid=args.on_invalid,
+        retrain=args.retrain,
     )
 
 
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
     from tf_training.trainer import train
 
-    result = train(args.batches, args.output, train_options(args))
-    result["privacy"] = {k: v for k, v in result["privacy"].items() if k != "batch_files_sha256"}
-    return result
+    return train(args.batches, args.output, train_options(args))
 
 
 def calibrate_batches(args: argparse.Namespace) -> dict:

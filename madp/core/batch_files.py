@@ -15,6 +15,7 @@ from madp.core.selection import read_manifest
 
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"
+TRAININGS_FILE = "trainings.jsonl"  # the private trainings on a batch output (madp train), internal
 RESERVED_FEATURES = ("step", "id", "weight")
 PADDING_ID = -1  # the id of padding rows ("" for string ids); no selected record may have it
 # The encoder indexes every byte it places (16 bytes of indices per byte), so rows are encoded in
@@ -157,10 +158,13 @@ def write_batch_file(
     rows_written = len(columns["step"])
     row_bytes = sum(column.nbytes for column in columns.values()) / max(rows_written, 1)
     chunk_rows = max(1, int(_ENCODE_BYTES // max(row_bytes, 1)))
-    with storage.open_output(path) as handle:
+
+    def write(handle) -> None:
         for start in range(0, rows_written, chunk_rows):
             chunk = {name: column.slice(start, chunk_rows) for name, column in columns.items()}
             handle.write(tfrecord.tfrecord_bytes(tfrecord.serialize_examples(chunk)))
+
+    storage.write_whole(path, write)  # a full disk is a named error, and never leaves a truncated file
     owner, flat = incidences_of(rows.user_offsets, keep)
     return {
         "written": written,

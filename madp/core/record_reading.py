@@ -7,6 +7,9 @@ import codecs
 import gzip
 import io
 import json
+import re
+import zlib
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,20 +35,103 @@ from madp.core.records import (
     Rejects,
 )
 
+# The row rules of the README's Input section. The verifier implements them on its own (verify.py).
+# Arrays and objects nested deeper make a row invalid_json: Arrow's reader crashes (a segfault) on a
+# row nested ~30k deep and json recurses until Python's limit, so neither may see such a row.
+MAX_DEPTH = 100
+_OPENERS = b"[{"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # may write a lone surrogate; pairs are checked after parsing
+# A JSON string, or an unterminated one up to the end: every match attempt succeeds, so it is linear.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+_ALL_BUT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_ALL_BUT_OPENERS_AND_NEWLINES = bytes(b for b in range(256) if b not in b"[{\n")
+
 
 def jsonl_lines(path: str) -> list[bytes]:
-    """The rows of a JSON Lines file: its non-blank lines, a leading UTF-8 byte order mark removed.
-    Row numbers in errors and rejects count these lines from 0."""
-    with storage.open_input(path) as handle:
-        data = handle.read()
-    if path.endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as error:
-            raise InputError(f"{path}: not a readable gzip file: {error}") from error
+    """The rows of a JSON Lines file by the README's row rules: a UTF-8 byte order mark at byte 0 of the
+    (decompressed) file removed; rows end at LF, one CR before it removed (LF and CRLF files read the
+    same; a lone CR ends nothing); lines of only spaces, tabs and CRs skipped. Row numbers in errors
+    and rejects count these rows from 0."""
+    data = _file_bytes(path)
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
-    return [line for line in data.splitlines() if line.strip()]
+    if b"\r" not in data:
+        return [line for line in data.split(b"\n") if line.strip(b" \t")]
+    return [line.removesuffix(b"\r") for line in data.split(b"\n") if line.strip(b" \t\r")]
+
+
+def _file_bytes(path: str) -> bytes:
+    """A JSON Lines file's bytes, gunzipped for .gz; an unreadable, empty .gz or corrupt file is an error naming it."""
+    try:
+        with storage.open_input(path) as handle:
+            data = handle.read()
+    except OSError as error:
+        raise InputError(f"{path}: cannot be read ({error.strerror or error})") from error
+    if not path.endswith(".gz"):
+        return data
+    if not data:  # gzip.decompress(b"") is b"": an empty .gz is a failed write, not an empty file
+        raise InputError(f"{path}: not a readable gzip file (0 bytes)")
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as error:
+        raise InputError(f"{path}: not a readable gzip file: {error}") from error
+
+
+def nesting_depth(line: bytes) -> int:
+    """How deep arrays and objects nest in a JSON row: brackets counted outside strings only."""
+    brackets = _STRING.sub(b"", line).translate(None, _ALL_BUT_BRACKETS)
+    if not brackets:
+        return 0
+    steps = np.where(np.isin(np.frombuffer(brackets, np.uint8), np.frombuffer(_OPENERS, np.uint8)), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def _too_deep(line: bytes) -> bool:
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH and nesting_depth(line) > MAX_DEPTH
+
+
+def parse_row(line: bytes) -> Any:  # a JSON value, as json.loads gives it
+    """A row's JSON value, or None where the row rules make it invalid_json: not strict UTF-8 (a UTF-16
+    line, a byte order mark past byte 0), nested deeper than MAX_DEPTH, not one JSON value, or holding
+    a lone surrogate (`"\\ud800"`: no UTF-8 text can carry it, so no later stage could write it)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if _too_deep(line):
+        return None
+    try:
+        value = json.loads(text)  # text, not bytes: json would guess UTF-16 or skip a BOM from bytes
+    except ValueError:
+        return None
+    if _SURROGATE_ESCAPE.search(line) and not _is_unicode(value):
+        return None
+    return value
+
+
+def _is_unicode(value: object) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _arrow_may_read(lines: list[bytes], joined: bytes) -> bool:
+    """Whether Arrow's reader sees `lines` as the row rules do: Arrow reads invalid UTF-8 into its
+    strings, takes a lone CR for a line end, refuses lone surrogates and crashes on deep nesting, so
+    files with any of these are parsed row by row."""
+    if b"\r" in joined or _SURROGATE_ESCAPE.search(joined):
+        return False
+    if not joined.isascii():
+        try:
+            joined.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    openers = joined.translate(None, _ALL_BUT_OPENERS_AND_NEWLINES)  # per line, only its [ and {
+    if not re.search(rb"[\[{]{%d}" % (MAX_DEPTH + 1), openers):
+        return True
+    return not any(_too_deep(line) for line in lines)
 
 
 def _arrow_json(lines: list[bytes]) -> pa.Table | None:
@@ -55,8 +141,11 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
     a top-level `null`; the row-by-row parse rejects such lines, so ids and content cannot shift."""
     if not all(line.lstrip().startswith(b"{") and line.rstrip().endswith(b"}") for line in lines):
         return None
+    joined = b"\n".join(lines)
+    if not _arrow_may_read(lines, joined):
+        return None
     try:
-        table = pa_json.read_json(io.BytesIO(b"\n".join(lines)))
+        table = pa_json.read_json(io.BytesIO(joined))
     except pa.ArrowInvalid:
         return None
     return table if len(table) == len(lines) else None
@@ -95,10 +184,7 @@ def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
 
 def _json_object(line: bytes) -> dict:
     """A line's JSON object, or {} for a line that is not one."""
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return {}
+    obj = parse_row(line)
     return obj if isinstance(obj, dict) else {}
 
 
@@ -214,10 +300,7 @@ def _parse_jsonl_rows(
     weights: list[object] = []
     problems: dict[int, tuple[str, object]] = {}
     for row, line in enumerate(lines):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
+        obj = parse_row(line)
         if not isinstance(obj, dict):
             problems[row] = (INVALID_JSON, line.decode("utf-8", "replace"))
         elif (why := _row_problem(obj, columns)) is not None:
@@ -283,16 +366,20 @@ def _validate(
         reason[row] = why
     lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
     user_null_in_row = np.zeros(n, dtype=bool)
+    user_not_text_in_row = np.zeros(n, dtype=bool)
     flat = pc.list_flatten(users)
     if len(flat):
         parents = pc.list_parent_indices(users).to_numpy()
         np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
+        np.logical_or.at(user_not_text_in_row, parents[_not_utf8(flat)], True)
     weights = None
     checks = [
+        (_not_utf8(ids), BAD_ID_TYPE),
         (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
         (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
         (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
         (user_null_in_row, NULL_USER),
+        (user_not_text_in_row, BAD_USER_TYPE),
     ]
     if columns.weight:
         weights = table.column(columns.weight).combine_chunks().cast(pa.float64()).to_numpy(zero_copy_only=False)
@@ -306,7 +393,7 @@ def _validate(
         if non_conforming and row in non_conforming:
             record = non_conforming[row][1]
         else:
-            record = {name: table.column(name)[int(row)].as_py() for name in table.column_names}
+            record = _row_as_read(table, int(row))
         rejects.add(path, row, reason[row], record)
 
     rows = np.flatnonzero(valid).astype(np.int64)
@@ -321,6 +408,43 @@ def _validate(
         sources={file_index: path},
     )
     return FileResult(chunk, rejects, n, removed)
+
+
+def _not_utf8(values: pa.Array) -> np.ndarray:
+    """True where a string value is not valid UTF-8: a Parquet string column can hold any bytes and
+    Arrow does not check them when reading. Such a value is not a string, and no later stage could
+    write it. Integers are never flagged."""
+    if not pa.types.is_string(values.type):
+        return np.zeros(len(values), dtype=bool)
+    try:
+        values.validate(full=True)  # checks the UTF-8 of the whole column at once
+        return np.zeros(len(values), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    return np.array([not _decodes(v) for v in values.cast(pa.binary()).to_pylist()], dtype=bool)
+
+
+def _decodes(value: bytes | None) -> bool:
+    if value is None:
+        return True
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _row_as_read(table: pa.Table, row: int) -> dict:
+    """A table row as written to the rejects file; text that is not UTF-8 is kept as its bytes."""
+    values = {}
+    for name in table.column_names:
+        value = table.column(name)[row]
+        try:
+            values[name] = value.as_py()
+        except UnicodeDecodeError:
+            as_bytes = pa.list_(pa.binary()) if pa.types.is_list(value.type) else pa.binary()
+            values[name] = value.cast(as_bytes).as_py()
+    return values
 
 
 def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import posixpath
 
 import numpy as np
 import pyarrow as pa
@@ -138,7 +137,8 @@ class FileResult:
 
 def list_input_files(path: str) -> list[str]:
     """The input files of a path: the file itself, or every .jsonl, .jsonl.gz or .parquet file below a
-    directory (names starting with '.' or '_' skipped); other files there are named in a warning."""
+    directory (files and directories whose names start with '.' or '_' skipped; a link loop is an
+    error); other files there are named in a warning."""
     found = storage.kind(path)
     if found == "directory":
         visible = _visible_files(path)
@@ -163,7 +163,9 @@ def list_input_files(path: str) -> list[str]:
 
 
 def _visible_files(directory: str) -> list[str]:
-    return [f for f in storage.list_files(directory) if not posixpath.basename(f).startswith((".", "_"))]
+    """The files below an input directory, none under a name starting with '.' or '_' at any level:
+    notebooks' `.ipynb_checkpoints/` and Spark's `_temporary/` hold copies, not records."""
+    return storage.list_files(directory, skip_hidden=True)
 
 
 def ignored_input_files(path: str) -> list[str]:

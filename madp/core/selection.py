@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import io
 import json
 import posixpath
 from collections.abc import Callable
@@ -15,8 +17,9 @@ import pyarrow.csv as pa_csv
 from madp.core import storage
 from madp.core.bounding import ORDERS, AlternateRuns, Capacities
 from madp.core.errors import InputError
+from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
-from madp.core.record_reading import jsonl_lines
+from madp.core.record_reading import jsonl_lines, parse_row
 from madp.core.records import Columns, Rejects, ignored_input_files
 
 SELECTED_DIR = "selected"
@@ -130,7 +133,7 @@ def read_capacities(path: str, default: int) -> Capacities:
         raise InputError(f"{path}: no such capacities file")
     try:
         table = _capacities_table(path)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as error:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError, OSError) as error:
         raise InputError(f"{path}: not a readable capacities file: {error}") from error
     if not {"user", "capacity"} <= set(table.column_names):
         raise InputError(f"{path}: capacities need columns 'user' and 'capacity' (found {table.column_names})")
@@ -164,12 +167,18 @@ def read_capacities(path: str, default: int) -> Capacities:
 def _capacities_table(path: str) -> pa.Table:
     if path.endswith(".parquet"):
         return storage.read_parquet(path)
-    with storage.open_input(path) as handle:
-        if path.endswith(".csv"):  # a CSV cannot say whether user 007 is a number: keep its text
-            return pa_csv.read_csv(handle, convert_options=pa_csv.ConvertOptions(column_types={"user": pa.string()}))
+    if path.endswith(".csv"):  # a CSV cannot say whether user 007 is a number: keep its text
+        with storage.open_input(path) as handle:
+            data = handle.read()
+        # A byte order mark (Excel writes one) is not part of the first column's name; the verifier
+        # strips it too, so both read the same header.
+        data = data.removeprefix(codecs.BOM_UTF8)
+        return pa_csv.read_csv(
+            io.BytesIO(data), convert_options=pa_csv.ConvertOptions(column_types={"user": pa.string()})
+        )
     rows = []
     for number, line in enumerate(jsonl_lines(path)):
-        row = json.loads(line)
+        row = parse_row(line)
         if not isinstance(row, dict):
             raise ValueError(f"row {number} is not a JSON object")
         rows.append(row)
@@ -213,14 +222,14 @@ def read_manifest(
     recorded size and SHA-256, and `directory` must hold no other file for which `counts(name)` is
     true (by default any file, hidden ones included)."""
     report_path = storage.join(output, REPORT_FILE)
-    if storage.kind(report_path) != "file":
-        raise InputError(
-            f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
-            f"last; re-run madp {what})"
-        )
-    listed = json.loads(storage.read_text(report_path)).get(listed_key)
+    listed = read_report(output, what).get(listed_key)
     if not listed:
         raise InputError(f"{report_path} lists no {listed_key}: re-run madp {what}")
+    if not isinstance(listed, list) or not all(_is_entry(entry) for entry in listed):
+        raise InputError(
+            f"{report_path}: {listed_key} is not a list of files (name, bytes, sha256), as madp {what} writes "
+            f"it; re-run madp {what}"
+        )
     root = storage.join(output, directory) if directory else output
     present = (
         {posixpath.relpath(path, root): path for path in storage.list_files(root)}
@@ -248,6 +257,42 @@ def read_manifest(
         if storage.size(path) != entry["bytes"] or storage.sha256(path) != entry["sha256"]:
             raise InputError(f"{path} is not the file madp {what} wrote (size or SHA-256 differ); re-run madp {what}")
     return [present[name] for name in sorted(expected)]
+
+
+def read_report(output: str, what: str) -> dict:
+    """OUTPUT/report.json of a finished `madp WHAT`: a JSON object, or an InputError naming it (a
+    missing one means an unfinished run; an empty, truncated or other JSON one was not written by madp)."""
+    report_path = storage.join(output, REPORT_FILE)
+    if storage.kind(report_path) != "file":
+        raise InputError(
+            f"{output}: no {REPORT_FILE}: not a finished `madp {what}` output (its report is written "
+            f"last; re-run madp {what})"
+        )
+    try:
+        report = json.loads(storage.read_text(report_path))
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise InputError(
+            f"{report_path} is not a madp {what} report (not JSON: {error}); re-run madp {what}"
+        ) from error
+    if not isinstance(report, dict):
+        raise InputError(
+            f"{report_path} is not a madp {what} report (a JSON {type(report).__name__}, not an object); "
+            f"re-run madp {what}"
+        )
+    return report
+
+
+def _is_entry(entry: object) -> bool:
+    """A report's file entry as `storage.manifest` writes it: a plain name (no folder, so nothing outside
+    the output is ever read), its size and its SHA-256."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and entry["name"] not in ("", ".", "..")
+        and "/" not in entry["name"].replace("\\", "/")
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
@@ -298,7 +343,10 @@ def base_report(
     input_users: int,
     rejects: Rejects,
     repeated_users_removed: int,
+    graph: GraphDigest,
 ) -> dict:
+    """The report's figures both engines know once the input is read; `graph` is the digest of the
+    valid records' graph (ids and users, not content), which `madp batch` checks DATA against."""
     return {
         "engine": engine,
         "input": input_path,
@@ -326,4 +374,5 @@ def base_report(
         "rejected": rejects.counts(),
         "rejected_total": len(rejects),
         "repeated_users_removed": repeated_users_removed,
+        "graph_digest": graph.to_report(),
     }

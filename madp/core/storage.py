@@ -9,6 +9,9 @@ import os
 import posixpath
 import socket
 import time
+import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -73,9 +76,9 @@ def parquet_columns(path: str) -> list[str]:
 
 
 def write_parquet(table: pa.Table, path: str) -> None:
-    """Write with page checksums, so that bit rot in an intermediate file is caught when it is read."""
-    with open_output(path) as handle:
-        pq.write_table(table, handle, write_page_checksum=True)
+    """Write with page checksums, so that bit rot in an intermediate file is caught when it is read;
+    whole or not at all (`write_whole`)."""
+    write_whole(path, lambda handle: pq.write_table(table, handle, write_page_checksum=True))
 
 
 def manifest(paths: list[str]) -> list[dict]:
@@ -90,8 +93,25 @@ def size(path: str) -> int:
 
 
 def write_text(path: str, text: str) -> None:
-    with open_output(path) as handle:
-        handle.write(text.encode("utf-8"))
+    """Write a text file (a report, rejects, a schema) whole or not at all (`write_whole`)."""
+    write_whole(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def write_whole(path: str, write: Callable[[Any], object]) -> None:
+    """Write `path` under a hidden temporary name beside it, then rename it into place, so that a full
+    disk or a killed process never leaves a truncated file (a 0-byte report.json) for a consumer to
+    take for a finished output. An OSError is an InputError naming the output; the temporary is removed."""
+    directory, name = (posixpath if "://" in path else os.path).split(path)
+    temporary = join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    filesystem, resolved = _resolve(path)
+    try:
+        with open_output(temporary) as handle:
+            write(handle)
+        filesystem.move(_resolve(temporary)[1], resolved)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            filesystem.delete_file(_resolve(temporary)[1])
+        raise InputError(f"cannot write {path}: {error.strerror or error}") from error
 
 
 def kind(path: str) -> str:
@@ -101,24 +121,79 @@ def kind(path: str) -> str:
     return {pafs.FileType.File: "file", pafs.FileType.Directory: "directory"}.get(info.type, "missing")
 
 
-def list_files(directory: str, recursive: bool = True) -> list[str]:
-    """Every file below (or, not recursive, directly in) a directory, sorted, as paths or URIs like the directory's."""
+HIDDEN = (".", "_")  # names an input directory's listing skips: `.ipynb_checkpoints/`, Spark's `_temporary/`
+
+
+def list_files(directory: str, recursive: bool = True, skip_hidden: bool = False) -> list[str]:
+    """Every file below (or, not recursive, directly in) a directory, sorted, as paths or URIs like the
+    directory's. With `skip_hidden`, none whose name, or the name of a directory between it and
+    `directory`, starts with '.' or '_'. Local links are followed; one back to a directory above it
+    (a loop) is an InputError naming it, never an endless walk."""
+    if "://" not in directory:
+        return _local_files(os.path.abspath(directory), recursive, skip_hidden)
     filesystem, resolved = _resolve(directory)
     infos = filesystem.get_file_info(pafs.FileSelector(resolved, recursive=recursive))
-    prefix = directory.split("://")[0] + "://" if "://" in directory else ""
-    return sorted(prefix + info.path for info in infos if info.type == pafs.FileType.File)
-
-
-def stamps(path: str) -> list[tuple[str, int, int]]:
-    """(path, size, modification time in ns) of a file, or of every file below a directory."""
-    filesystem, resolved = _resolve(path)
-    info = filesystem.get_file_info(resolved)
-    infos = (
-        filesystem.get_file_info(pafs.FileSelector(resolved, recursive=True))
-        if info.type == pafs.FileType.Directory
-        else [info]
+    prefix = directory.split("://")[0] + "://"
+    return sorted(
+        prefix + info.path
+        for info in infos
+        if info.type == pafs.FileType.File and not (skip_hidden and _hidden(posixpath.relpath(info.path, resolved)))
     )
-    return sorted((i.path, i.size, i.mtime_ns or 0) for i in infos if i.type == pafs.FileType.File)
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith(HIDDEN) for part in relative.split("/"))
+
+
+def _local_files(root: str, recursive: bool, skip_hidden: bool) -> list[str]:
+    files = []
+    try:
+        pending = [(root, frozenset({_identity(root)}))]
+        while pending:
+            directory, above = pending.pop()
+            for entry in list(os.scandir(directory)):
+                if skip_hidden and entry.name.startswith(HIDDEN):
+                    continue
+                if entry.is_dir():
+                    if not recursive:
+                        continue
+                    identity = _identity(entry.path)
+                    if identity in above:
+                        raise InputError(
+                            f"{entry.path}: a link to {os.path.realpath(entry.path)}, a directory holding it "
+                            f"(a loop): remove the link"
+                        )
+                    pending.append((entry.path, above | {identity}))
+                elif entry.is_file():
+                    files.append(entry.path)
+    except OSError as error:
+        raise InputError(f"{error.filename or root}: cannot be listed ({error.strerror or error})") from error
+    return sorted(files)
+
+
+def _identity(directory: str) -> tuple[int, int]:
+    status = os.stat(directory)
+    return status.st_dev, status.st_ino
+
+
+def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
+    """SHA-256 over the names (relative to `path`) and contents of a file or of every file below a
+    directory, lock files and files named in `ignore` left out: what a reader of `path` would read,
+    whatever the files' times say."""
+    is_directory = kind(path) == "directory"
+    files = list_files(path) if is_directory else [path] if kind(path) == "file" else []
+    root = path.rstrip("/") if "://" in path else os.path.abspath(path)
+    digest = hashlib.sha256()
+    for name in files:
+        if posixpath.basename(name) in (LOCK_FILE, *ignore):
+            continue
+        contents = hashlib.sha256()
+        with open_input(name) as stream:
+            while block := stream.read(1 << 24):
+                contents.update(block)
+        relative = posixpath.relpath(name, root) if is_directory else ""
+        digest.update(f"{relative}\0{contents.hexdigest()}\n".encode())
+    return digest.hexdigest()
 
 
 def clear_directory(directory: str) -> None:
@@ -154,7 +229,8 @@ class OutputLocked(InputError):
 @contextlib.contextmanager
 def exclusive(output: str, command: str):
     """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
-    instead of mixing its files with ours. Local directories lock atomically (O_EXCL); a lock left by
+    instead of mixing its files with ours; an OUTPUT inside a directory another process holds (a stage
+    folder of a running `madp run`) is refused too. Local directories lock atomically (O_EXCL); a lock left by
     a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) the check
     and the write are two steps, so two writers started at the same instant can still both pass."""
     if kind(output) == "file":
@@ -169,6 +245,7 @@ def exclusive(output: str, command: str):
         }
     )
     try:
+        _refuse_enclosing_writer(output)
         _take(output, lock, holder)
     except PermissionError as error:
         raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
@@ -176,6 +253,56 @@ def exclusive(output: str, command: str):
         yield
     finally:
         remove_file(lock)
+
+
+def _absolute(path: str) -> str:
+    """A path for comparing places: local paths resolved (links followed), URIs as written, no trailing /."""
+    return path.rstrip("/") if "://" in path else os.path.realpath(path)
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer + "/")
+
+
+def refuse_overlap(output: str, inputs: list[str]) -> None:
+    """A command replaces what it writes in OUTPUT: an OUTPUT that is, contains or lies inside one of its
+    inputs could delete the user's files or read its own outputs back as input."""
+    out = _absolute(output)
+    for path in inputs:
+        source = _absolute(path)
+        if _within(source, out) or _within(out, source):
+            raise InputError(
+                f"output {output} overlaps input {path} (one is, or lies inside, the other): "
+                f"write the output to a directory of its own"
+            )
+
+
+def _enclosing_locks(output: str) -> list[str]:
+    """The lock files of the directories above OUTPUT (a `madp run` holds its run_dir's)."""
+    if "://" in output:
+        scheme, rest = output.split("://", 1)
+        parts = rest.rstrip("/").split("/")
+        return [f"{scheme}://{'/'.join(parts[:i])}/{LOCK_FILE}" for i in range(len(parts) - 1, 0, -1)]
+    directory, locks = os.path.abspath(output), []
+    while (parent := os.path.dirname(directory)) != directory:
+        directory = parent
+        locks.append(os.path.join(directory, LOCK_FILE))
+    return locks
+
+
+def _refuse_enclosing_writer(output: str) -> None:
+    """OUTPUT inside a directory that another live madp process holds (a stage folder of a running
+    `madp run`) is that process's to write: a second writer would change what it trains on."""
+    for lock in _enclosing_locks(output):
+        if kind(lock) != "file" or _stale(lock):
+            continue
+        try:
+            holder = json.loads(read_text(lock))
+            ours = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise OutputLocked(_held(lock))
 
 
 def _take(output: str, lock: str, holder: str) -> None:

@@ -1,5 +1,7 @@
 """Independent checks of a bounding output (no user over its bound, no unknown selected id) and of
-batches (min-sep between a user's participations, participations, sizes).
+batches (the bound re-derived from the records, the selection and the batches: only selected
+records, within their copies, no user over K; min-sep between a user's participations,
+participations, sizes).
 
 Deliberately shares no code with the reader, the kernels or the engines: it re-reads the input
 with plain pyarrow / json, and counts contributions with Python dictionaries. One file over
@@ -10,97 +12,247 @@ it), so it is the whole of what a reviewer reads to trust the two verifiers.
 from __future__ import annotations
 
 import csv
-import glob
 import gzip
 import hashlib
 import json
 import os
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 _SHOWN = 20
 
 
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+_HIDDEN = (".", "_")  # names skipped below an input directory, of files and of directories
+_MAX_DEPTH = 100  # the README's row rules: a row nesting arrays and objects deeper is invalid
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 def _input_files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return sorted(
-            f
-            for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
-            if f.endswith((".jsonl", ".jsonl.gz", ".parquet")) and not os.path.basename(f).startswith((".", "_"))
-        )
-    return [path]
+    """The input files of a path: the path itself, or every .jsonl, .jsonl.gz and .parquet file below a
+    directory, no name below it starting with '.' or '_' (`.ipynb_checkpoints/`, Spark's `_temporary/`).
+    Links are followed; a link back to a directory above it (a loop), or a directory that cannot be
+    listed, is listed itself, and reading it (`_rows`) is a violation."""
+    if not os.path.isdir(path):
+        return [path]
+    found = []
+    pending = [(path, frozenset({_identity(path)}))]
+    while pending:
+        directory, above = pending.pop()
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            found.append(directory)
+            continue
+        for name in names:
+            child = os.path.join(directory, name)
+            if name.startswith(_HIDDEN):
+                continue
+            if os.path.isdir(child):
+                identity = _identity(child)
+                if identity in above:
+                    found.append(child)
+                else:
+                    pending.append((child, above | {identity}))
+            elif name.endswith(_SUFFIXES) and os.path.isfile(child):
+                found.append(child)
+    return sorted(found)
+
+
+def _identity(directory: str) -> tuple[int, int]:
+    status = os.stat(directory)
+    return status.st_dev, status.st_ino
 
 
 def _scalar(value) -> bool:
-    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+    """A string or a 64-bit integer (a boolean is neither)."""
+    return isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
+    )
 
 
 def _rows(path: str, id_column: str, users_column: str):
-    """(id, users) of every row with a scalar id and a list of scalar users, as read from disk; other
-    rows (undecodable, not JSON objects, list ids, nested users) are invalid and no engine keeps them."""
+    """(id, users) of every row with a string or 64-bit integer id and a non-empty list of such users, as
+    read from disk; other rows (undecodable, not JSON objects, nested too deep, a lone surrogate, text
+    that is not UTF-8, list ids, nested users) are invalid and no engine keeps them."""
+    if os.path.isdir(path):
+        raise ValueError("a directory that cannot be listed, or a link to a directory above it (a loop)")
     pairs: Iterable[tuple[object, object]]
     if path.endswith(".parquet"):
         table = pq.read_table(path, columns=[id_column, users_column], page_checksum_verification=True)
-        pairs = zip(table.column(id_column).to_pylist(), table.column(users_column).to_pylist())
+        pairs = zip(_column_values(table.column(id_column)), _column_values(table.column(users_column)))
     else:
         pairs = (_json_pair(line, id_column, users_column) for line in _json_lines(path))
     for record_id, users in pairs:
-        if _scalar(record_id) and isinstance(users, list) and all(_scalar(u) for u in users):
+        if _scalar(record_id) and isinstance(users, list) and users and all(_scalar(u) for u in users):
             yield record_id, users
+
+
+def _column_values(column) -> list:
+    """A Parquet column's values as Python; a string that is not UTF-8 (Parquet stores any bytes) stays
+    bytes, which is no id and no user."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return [_text(value) for value in column.cast(_bytes_type(column.type)).to_pylist()]
+
+
+def _bytes_type(kind):
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return pa.list_(_bytes_type(kind.value_type))
+    return pa.binary() if pa.types.is_string(kind) or pa.types.is_large_string(kind) else kind
+
+
+def _text(value):
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value
+    return value
 
 
 def _readable_rows(path: str, id_column: str, users_column: str, violations: list[str]) -> list:
     """`_rows` of a file, or none and a violation when the file cannot be read at all."""
     try:
         return list(_rows(path, id_column, users_column))
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, EOFError, zlib.error) as error:
         violations.append(f"{path}: cannot be read ({error})")
         return []
 
 
-def _json_lines(path: str):
-    """The non-blank lines of a JSON Lines file as bytes, without a leading UTF-8 byte order mark."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as handle:
-        data = handle.read()
+def _json_lines(path: str) -> list[bytes]:
+    """The rows of a JSON Lines file by the README's row rules: a UTF-8 byte order mark only at byte 0
+    of the (gunzipped) file; a row ends at LF, a CR just before it dropped (a lone CR ends nothing);
+    rows of only spaces, tabs and CRs skipped. An empty .gz is unreadable, not an empty file."""
+    if path.endswith(".gz"):
+        if os.path.getsize(path) == 0:
+            raise ValueError("an empty gzip file (0 bytes)")
+        with gzip.open(path, "rb") as handle:
+            data = handle.read()
+    else:
+        with open(path, "rb") as handle:
+            data = handle.read()
     data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
-    return [line for line in data.split(b"\n") if line.strip()]
+    rows = []
+    for line in data.split(b"\n"):
+        line = line[:-1] if line.endswith(b"\r") else line
+        if line.strip(b" \t\r"):
+            rows.append(line)
+    return rows
 
 
 def _json_pair(line: bytes, id_column: str, users_column: str):
+    """(id, users) of a row, or (None, None) where the row rules make it invalid: not strict UTF-8, nested
+    deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its strings."""
     try:
-        row = json.loads(line.decode("utf-8"))
-    except ValueError:  # invalid UTF-8 or JSON
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
         return None, None
-    return (row.get(id_column), row.get(users_column)) if isinstance(row, dict) else (None, None)
+    if text.count("[") + text.count("{") > _MAX_DEPTH and _depth(text) > _MAX_DEPTH:
+        return None, None
+    try:
+        row = json.loads(text)
+    except ValueError:
+        return None, None
+    if not isinstance(row, dict) or ("\\u" in text and _holds_lone_surrogate(row)):
+        return None, None
+    return row.get(id_column), row.get(users_column)
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON text, read character by character outside strings."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _holds_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        return any("\ud800" <= char <= "\udfff" for char in value)
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    return isinstance(value, list) and any(_holds_lone_surrogate(v) for v in value)
 
 
 def _capacities(path: str | None) -> tuple[dict, bool]:
     """({user: capacity}, whether the users are text): a CSV's user ids are text, matched to the exact
-    text of an input user id; JSON Lines and Parquet ids are typed, matched by type and value."""
+    text of an input user id; JSON Lines and Parquet ids are typed, matched by type and value. A UTF-8
+    byte order mark at the start of a CSV or JSON Lines file is not part of its first row."""
     if path is None:
         return {}, False
     if path.endswith(".parquet"):
         table = pq.read_table(path, page_checksum_verification=True)
         return dict(zip(table.column("user").to_pylist(), table.column("capacity").to_pylist())), False
     if path.endswith(".csv"):
-        with open(path, newline="", encoding="utf-8") as handle:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
             return {r["user"]: int(r["capacity"]) for r in csv.DictReader(handle)}, True
-    with open(path, encoding="utf-8") as handle:
-        rows = [json.loads(line) for line in handle if line.strip()]
+    rows = [json.loads(line.decode("utf-8")) for line in _json_lines(path)]
     return {r["user"]: r["capacity"] for r in rows}, False
+
+
+def _inside(name: str) -> bool:
+    """Whether a listed name stays inside its folder: relative, no '..' part. A tampered report must not
+    make the verifier read (and vouch for) a file elsewhere."""
+    return bool(name) and not os.path.isabs(name) and ".." not in name.replace("\\", "/").split("/")
+
+
+def _entry_problem(entry, report_path: str, root: str) -> str | None:
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    ):
+        return f"{report_path} lists {entry!r}, not a file entry (name, bytes, sha256)"
+    if not _inside(entry["name"]):
+        return f"{report_path} lists {entry['name']!r}, not a file inside {root}: not read"
+    return None
 
 
 def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str], list[str]]:
     """(paths, problems): the files OUTPUT/report.json lists under `key`, each checked for its size and
-    SHA-256, and every file under OUTPUT/`folder` (hidden ones too) that `counts` but is not listed."""
+    SHA-256, and every file under OUTPUT/`folder` (hidden ones too) that `counts` but is not listed.
+    A report that is not a JSON object, or lists malformed entries or names outside the folder, is a
+    problem, never a crash."""
     report_path = os.path.join(output, "report.json")
     if not os.path.isfile(report_path):
         return [], [f"no {report_path}: the run did not finish, its output is incomplete"]
-    with open(report_path, encoding="utf-8") as handle:
-        listed = json.load(handle).get(key) or []
+    try:
+        with open(report_path, "rb") as handle:
+            report = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError) as error:
+        return [], [f"{report_path} is not a readable report ({error})"]
+    if not isinstance(report, dict):
+        return [], [f"{report_path} is not a report (a JSON {type(report).__name__}, not an object)"]
+    listed = report.get(key) or []
     root = os.path.join(output, folder)
+    if not isinstance(listed, list):
+        return [], [f"{report_path}: {key} is not a list"]
+    problems = [p for p in (_entry_problem(entry, report_path, root) for entry in listed) if p]
+    if problems:
+        return [], problems
     found = set()
     for directory, _, names in os.walk(root):
         for name in names:
@@ -143,8 +295,15 @@ def verify_bound(
     selected: dict = {}
     violations: list[str] = []
     for shard in shards:
-        table = pq.read_table(shard, page_checksum_verification=True)
-        for record_id, copies in zip(table.column("id").to_pylist(), table.column("copies").to_pylist()):
+        try:
+            table = pq.read_table(shard, columns=["id", "copies"], page_checksum_verification=True)
+        except (OSError, ValueError) as error:
+            violations.append(f"{shard}: not a readable selection ({error})")
+            continue
+        for record_id, copies in zip(_column_values(table.column("id")), table.column("copies").to_pylist()):
+            if not _scalar(record_id):  # a list, a null, or text that is not UTF-8
+                violations.append(f"selected id {record_id!r} is not a string or a 64-bit integer")
+                continue
             if record_id in selected:
                 violations.append(f"id {record_id!r} is selected twice in {output}/selected")
             if not isinstance(copies, int) or copies < 1:
@@ -168,7 +327,11 @@ def verify_bound(
     for record_id, copies in selected.items():
         for user in users_of.get(record_id, ()):
             contribution[user] += copies if isinstance(copies, int) else 0
-    capacity, text = _capacities(capacities_path)
+    try:
+        capacity, text = _capacities(capacities_path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        capacity, text = {}, False
+        violations.append(f"{capacities_path}: not a readable capacities file ({type(error).__name__}: {error})")
 
     def bound_of(user) -> int:
         return capacity.get(str(user) if text else user, max_contributions)
@@ -281,6 +444,78 @@ def _feature_values(example, name: str) -> list:
     return list(getattr(feature, kind).value) if kind else []
 
 
+# Each row's own features: (name, the kinds it may have), each holding exactly one value.
+_ROW_FEATURES = (("step", ("int64_list",)), ("weight", ("float_list",)), ("id", ("int64_list", "bytes_list")))
+
+
+def _row_fields(example, where: str) -> tuple[tuple | None, str | None]:
+    """((step, weight, id), None) of a batch row, the id an int or text; or (None, the problem)."""
+    values = {}
+    for name, kinds in _ROW_FEATURES:
+        if name not in example.features.feature:
+            return None, f"{where}: no {name!r} feature"
+        feature = example.features.feature[name]
+        kind = feature.WhichOneof("kind")
+        found = list(getattr(feature, kind).value) if kind else []
+        if kind not in kinds or len(found) != 1:
+            return None, f"{where}: feature {name!r} must hold one {' or '.join(kinds)} value, not {kind} {found[:3]}"
+        values[name] = found[0]
+    record_id = values["id"]
+    if isinstance(record_id, bytes):
+        try:
+            record_id = record_id.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, f"{where}: id {record_id[:40]!r} is not UTF-8 text"
+    return (values["step"], values["weight"], record_id), None
+
+
+def _batch_rows(files: list[str], violations: list[str]):
+    """(where, step, weight, id) of every row of the batch files in order; a record that cannot be
+    read or parsed, or lacks a row feature, is a violation naming its file and number."""
+    from google.protobuf.message import DecodeError
+
+    example_class = _example_class()
+    for path in files:
+        name, number = os.path.basename(path), -1
+        try:
+            for number, payload in enumerate(read_tfrecord(path)):
+                where = f"{name} record {number}"
+                try:
+                    example = example_class.FromString(payload)
+                except DecodeError as error:
+                    violations.append(f"{where}: not a tf.train.Example ({error})")
+                    continue
+                fields, problem = _row_fields(example, where)
+                if fields is None:
+                    violations.append(str(problem))
+                    continue
+                yield (where, *fields)
+        except ValueError as error:
+            violations.append(f"{name}: unreadable after record {number}: {error}")
+
+
+def _selection(selected: str, violations: list[str]) -> dict:
+    """{id: copies} of the selection files SELECTED/report.json lists (checked by `_listed_files`)."""
+    shards, problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
+    violations += problems
+    copies_of: dict = {}
+    for shard in shards:
+        try:
+            table = pq.read_table(shard, columns=["id", "copies"], page_checksum_verification=True)
+            ids, all_copies = table.column("id").to_pylist(), table.column("copies").to_pylist()
+        except (OSError, ValueError, KeyError) as error:  # UnicodeDecodeError (an id not UTF-8) among them
+            violations.append(f"{shard}: cannot be read as a selection ({error})")
+            continue
+        for record_id, copies in zip(ids, all_copies):
+            if record_id in copies_of:
+                violations.append(f"id {record_id!r} is selected twice in {selected}/selected")
+            if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
+                violations.append(f"id {record_id!r} has invalid copies {copies!r} in {selected}/selected")
+                copies = 0
+            copies_of[record_id] = copies
+    return copies_of
+
+
 def verify_batches(
     output: str,
     data_path: str,
@@ -289,50 +524,89 @@ def verify_batches(
     max_batch_size: int | None = None,
     id_column: str = "id",
     users_column: str = "users",
+    *,
+    selected: str,
+    max_contributions: int,
 ) -> dict:
-    """Re-read the batches and the records' users; list every min-sep, participation and size violation."""
+    """Re-read the batches, the records' users and the selection they were made from; list every
+    violation: of the bound (a real row that is not a selected record of DATA, a record in more rows
+    of a step than its copies, a user whose selected records in the batches have more than
+    `max_contributions` copies in all), of min-sep, participations and sizes. Of OUTPUT/report.json
+    only the list of batch files is read: the bound is re-derived, never taken from the batch report."""
     files, problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
+    copies_of = _selection(selected, problems)
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
     users_of: dict = {}
+    occurrences: Counter = Counter()
     violations: list[str] = []
     for path in _input_files(data_path):
         for record_id, users in _readable_rows(path, id_column, users_column, violations):
-            users_of[str(record_id)] = set(users) if isinstance(users, list) else set()
+            occurrences[record_id] += 1
+            users_of[record_id] = set(users) if isinstance(users, list) else set()
 
-    example_class = _example_class()
     rows_per_step: Counter = Counter()
+    rows_of_record_in_step: Counter = Counter()
     steps_of_user: defaultdict = defaultdict(list)
-    last_step, real_rows, padding_rows, unknown = -1, 0, 0, 0
-    for path in files:
-        for payload in read_tfrecord(path):
-            example = example_class.FromString(payload)
-            step = _feature_values(example, "step")[0]
-            weight = _feature_values(example, "weight")[0]
-            raw_id = _feature_values(example, "id")[0]
-            record_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-            if step < last_step:
-                violations.append(f"{os.path.basename(path)}: step {step} after step {last_step}: not in step order")
-            last_step = step
-            rows_per_step[step] += 1
-            if weight == 0.0:
-                padding_rows += 1
-                continue
-            if weight != 1.0:
-                violations.append(f"step {step}: id {record_id} has weight {weight}, expected 1 or 0")
-            real_rows += 1
-            if record_id not in users_of:
-                unknown += 1
-                violations.append(f"step {step}: id {record_id} is not a record of {data_path}")
-                continue
-            for user in users_of[record_id]:
-                steps_of_user[user].append(step)
+    batched: set = set()
+    last_step, real_rows, padding_rows, unknown, unselected = -1, 0, 0, 0, 0
+    for where, step, weight, record_id in _batch_rows(files, violations):
+        if step < last_step:
+            violations.append(f"{where}: step {step} after step {last_step}: not in step order")
+        last_step = step
+        rows_per_step[step] += 1
+        if weight == 0.0:
+            padding_rows += 1
+            if record_id not in (-1, ""):  # a row of a record that trains with weight 0 is never written
+                violations.append(f"{where}: step {step}: weight-0 row with id {record_id!r}, not padding's")
+            continue
+        if weight != 1.0:
+            violations.append(f"{where}: step {step}: id {record_id!r} has weight {weight}, expected 1 or 0")
+        real_rows += 1
+        if record_id not in users_of:
+            unknown += 1
+            violations.append(f"{where}: step {step}: id {record_id!r} is not a record of {data_path}")
+            continue
+        if occurrences[record_id] > 1:
+            violations.append(
+                f"{where}: step {step}: id {record_id!r} appears {occurrences[record_id]} times in {data_path} "
+                f"(no engine keeps a duplicated id)"
+            )
+        if record_id not in copies_of:
+            unselected += 1
+            violations.append(f"{where}: step {step}: id {record_id!r} is not a record {selected} selected")
+        else:
+            batched.add(record_id)
+            rows_of_record_in_step[step, record_id] += 1
+        for user in users_of[record_id]:
+            steps_of_user[user].append(step)
+
+    violations += [
+        f"step {step}: record {record_id!r} is in {rows} rows, more than its {copies_of[record_id]} copies"
+        for (step, record_id), rows in sorted(rows_of_record_in_step.items(), key=lambda v: (v[0][0], str(v[0][1])))
+        if rows > copies_of[record_id]
+    ]
+    contribution: defaultdict = defaultdict(int)
+    records_of_user: defaultdict = defaultdict(list)
+    for record_id in batched:
+        for user in users_of[record_id]:
+            contribution[user] += copies_of[record_id]
+            records_of_user[user].append(record_id)
+    over = sorted(
+        ((count, user) for user, count in contribution.items() if count > max_contributions),
+        key=lambda v: (-v[0], str(v[1])),
+    )
+    violations += [
+        f"user {user!r} has {count} records (copies counted) in the batches, over the contribution bound "
+        f"{max_contributions}: records {sorted(records_of_user[user], key=str)[:10]}"
+        for count, user in over
+    ]
 
     closest: list[tuple[int, object, int, int]] = []
-    over: list[tuple[int, object]] = []
+    too_many: list[tuple[int, object]] = []
     repeated_in_step = 0
     for user, steps in steps_of_user.items():
         distinct = sorted(set(steps))
@@ -342,7 +616,7 @@ def verify_batches(
             gap, first, second = min(gaps)
             closest.append((gap, user, first, second))
         if max_participations is not None and len(distinct) > max_participations:
-            over.append((len(distinct), user))
+            too_many.append((len(distinct), user))
     closest.sort(key=lambda v: (v[0], str(v[1])))
     violations += [
         f"user {user!r} participates at steps {first} and {second}, {gap} apart (< min-sep {min_sep})"
@@ -351,7 +625,7 @@ def verify_batches(
     ]
     violations += [
         f"user {user!r} participates in {count} steps (> {max_participations})"
-        for count, user in sorted(over, key=lambda v: (-v[0], str(v[1])))
+        for count, user in sorted(too_many, key=lambda v: (-v[0], str(v[1])))
     ]
     if max_batch_size is not None:
         violations += [
@@ -371,6 +645,10 @@ def verify_batches(
         "min_gap": closest[0][0] if closest else None,
         "user_rows_sharing_a_step": repeated_in_step,
         "unknown_ids": unknown,
+        "unselected_rows": unselected,
+        "contribution_bound": max_contributions,
+        "max_user_contribution": max(contribution.values(), default=0),
+        "users_over_bound": len(over),
         "violation_count": len(violations),
         "violations": violations[:_SHOWN],
     }

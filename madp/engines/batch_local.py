@@ -24,6 +24,7 @@ from madp.core.batch_files import (
     write_schema,
 )
 from madp.core.errors import InputError
+from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
 from madp.core.selection import handle_rejects, selection_files, write_report
@@ -31,13 +32,16 @@ from madp.engines.batch_report import Sampled, participation_stats, prepare_outp
 from madp.engines.batching import (
     USER_SAMPLING_STREAM,
     BatchOptions,
+    bound_graph,
     check_content,
+    check_same_graph,
     join_selection,
     read_selection_file,
     record_hashes,
     schema,
     skip_invalid_content,
     user_hashes,
+    writable_rows,
 )
 
 log = logging.getLogger("madp.batch")
@@ -45,7 +49,9 @@ log = logging.getLogger("madp.batch")
 
 @dataclasses.dataclass
 class Dataset:
-    """Selected records (one row each), their copies, users as CSR of hashes, and content."""
+    """Selected records (one row each), their copies, users as CSR of hashes, content, and whether
+    their rows are written (`valid`: False for invalid content under --on-invalid skip; such records
+    are sampled like any other)."""
 
     ids: pa.Array
     copies: np.ndarray
@@ -53,6 +59,7 @@ class Dataset:
     users: np.ndarray
     content: pa.Table
     rejects: rec.Rejects
+    valid: np.ndarray
 
 
 def load(selected: str, data: str, options: BatchOptions, output: str) -> Dataset:
@@ -64,24 +71,30 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
         if options.content_columns is not None
         else record_reading.content_columns(files[0], options.columns)
     )
-    chunk, rejects, _, _ = read_input(data, options.columns, names)
+    selection_paths = selection_files(selected)
+    bound = bound_graph(selected)
+    chunk, rejects, _, _ = read_input(data, bound.columns(options.columns), names)
     if options.on_invalid == "error":
         handle_rejects(rejects, options.on_invalid, output)
-    selection = [read_selection_file(path) for path in selection_files(selected)]
+    found = graph_digest(chunk.ids, chunk.offsets, chunk.users)  # of DATA's valid records, selected or not
+    selection = [read_selection_file(path) for path in selection_paths]
     ids = pa.concat_arrays([s[0] for s in selection])
     copies = np.concatenate([s[1] for s in selection])
-    chunk, copies = join_selection(chunk, ids, copies, data)
+    chunk, copies = join_selection(chunk, ids, copies, data)  # selected ids missing from DATA: named first
+    check_same_graph(found, bound, data)  # before any content check: DATA must be the graph bounded
+    valid = np.ones(len(copies), dtype=bool)  # under --on-invalid error, check_content refuses invalid content
     if options.on_invalid == "skip":
-        chunk, copies = skip_invalid_content(chunk, copies, rejects)
+        valid = skip_invalid_content(chunk, rejects)
     if not len(copies):
         raise InputError(f"{selected} selects no record (its bound kept none): there is nothing to batch")
     return Dataset(
         ids=chunk.ids,
         copies=copies,
         offsets=chunk.offsets,
-        users=user_hashes(chunk.users),
+        users=user_hashes(chunk.users, options.key),
         content=chunk.content,
         rejects=rejects,
+        valid=valid,
     )
 
 
@@ -178,6 +191,7 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
         raise InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
     probability = options.batch_size / len(distinct)
     check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
+    # Keyed over the whole user id: `distinct` are `user_hashes`, keyed for string users, injective for integers.
     user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
     user, step = sampling.sampled_steps(user_keys, probability, options.steps)
     record_of_unit, keys = sampling.unit_keys(record_hashes(dataset.ids, options.key), dataset.copies)
@@ -220,14 +234,18 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
                 f"{USER_FEATURE!r} out with --content-columns"
             )
         dataset.content = dataset.content.append_column(USER_FEATURE, pa.array(single_users(dataset).view(np.int64)))
-    described = check_content(dataset.content, dataset.ids)
+    described = check_content(dataset.content, dataset.ids, dataset.valid)
     samplers = {"minsep": minsep_rows, "minsep-greedy": greedy_rows, "users": user_rows}
     sampled = samplers[options.sampler](dataset, options)
-    log.info("sampled %d rows in %.1f s", len(sampled.record), time.perf_counter() - started)
+    # How many rows were sampled depends on the secret sampling, and logs get shared: counts at debug level only.
+    log.info("sampled in %.1f s", time.perf_counter() - started)
+    log.debug("sampled %d rows (internal: realized sampling)", len(sampled.record))
     warm_up = options.warm_up_steps
     sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
     real = sampled.step >= warm_up
     record, keys, step = sampled.record[real], sampled.keys[real], sampled.step[real] - warm_up
+    written = writable_rows(dataset.valid, record)  # sampled and excluded like any; only their rows left out
+    record, keys, step = record[written], keys[written], step[written]
 
     prepare_output(output)
     handle_rejects(dataset.rejects, options.on_invalid, output)
@@ -257,7 +275,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
                 content_shapes(described),
             )
         )
-        progress.update(file + 1, f", {len(mine)} rows in {batch_file_path(output, file, files)}")
+        progress.update(file + 1, f", {batch_file_path(output, file, files)}")
     write_schema(output, schema(dataset.ids.type, described, options))
     written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
     result = report(

@@ -13,7 +13,7 @@ import numpy as np
 
 from madp.core import records as rec
 from madp.core import storage
-from madp.core.batch_files import SCHEMA_FILE, batch_file_path
+from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, batch_file_path
 from madp.core.selection import REJECTED_DIR, REPORT_FILE
 from madp.engines.batching import BatchOptions, bound_record
 
@@ -179,6 +179,6 @@ def prepare_output(output: str) -> None:
     for path in storage.list_files(output, recursive=False) if storage.kind(output) == "directory" else []:
         if posixpath.basename(path).startswith("batches-") and path.endswith(".tfrecord"):
             storage.remove_file(path)
-    for name in (SCHEMA_FILE, REPORT_FILE):
+    for name in (SCHEMA_FILE, REPORT_FILE, TRAININGS_FILE):  # new batches: no training has used them yet
         storage.remove_file(storage.join(output, name))
     storage.clear_directory(storage.join(output, REJECTED_DIR))

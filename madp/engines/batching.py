@@ -20,12 +20,14 @@ from madp.core import records as rec
 from madp.core import storage, tfrecord
 from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
 from madp.core.errors import InputError
-from madp.core.hashing import hash_ids, id_words, siphash24
+from madp.core.graph_digest import GraphDigest
+from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.randomness import DETERMINISTIC, SecretKey
-from madp.core.selection import REPORT_FILE
+from madp.core.selection import REPORT_FILE, read_report
 
 SAMPLERS = ("minsep", "minsep-greedy", "users")
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
+STRING_STREAMS = 100  # string ids hash under subkey(stream + STRING_STREAMS), integers under subkey(stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,18 +98,83 @@ class BatchOptions:
 # --- inputs -------------------------------------------------------------------------------------
 
 
+BOUND_RECORD_KEYS = ("contribution_bound", "max_user_contribution", "input_users", "parameters", "selection_files")
+
+
 def bound_record(selected: str) -> dict:
     """What the batches are made from, for the accountant: the bound's contribution bound, its largest
-    user contribution, users and parameters, and its selection files (names, sizes, SHA-256).
-    Training accounts with this record, so a later re-run of `madp bound` cannot change it."""
-    bound = json.loads(storage.read_text(storage.join(selected, REPORT_FILE)))
+    user contribution, users and parameters, its selection files (names, sizes, SHA-256) and the
+    digest of the graph it bounded. Training accounts with this record, so a later re-run of `madp
+    bound` cannot change it."""
+    bound = read_report(selected, "bound")
+    missing = [key for key in BOUND_RECORD_KEYS if key not in bound]
+    if missing:
+        raise InputError(
+            f"{storage.join(selected, REPORT_FILE)} lacks {missing}: not a report of this madp bound; re-run madp bound"
+        )
     return {
         "contribution_bound": bound["contribution_bound"],
         "max_user_contribution": bound["max_user_contribution"],
         "input_users": bound["input_users"],
         "parameters": bound["parameters"],
         "selection_files": bound["selection_files"],
+        "graph_digest": bound.get("graph_digest"),
+        "rejected": bound.get("rejected", {}),  # rows the bound dropped: which are valid is treated as public
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundGraph:
+    """The graph a `madp bound` output was bounded from, as its report records it: DATA must have the
+    same (`check_same_graph`), read with the same columns (the weight column too: its invalid values
+    reject rows)."""
+
+    selected: str  # the bound output, named in errors
+    digest: GraphDigest
+    id_column: str
+    users_column: str
+    weight_column: str | None
+
+    def columns(self, columns: rec.Columns) -> rec.Columns:
+        """`columns` (the batch's id and users columns) with the bound's weight column, which reading
+        validates as the bound did; the weight column is no more than that for batching."""
+        return dataclasses.replace(columns, weight=self.weight_column)
+
+
+def bound_graph(selected: str) -> BoundGraph:
+    """What `madp batch` checks DATA against, from SELECTED/report.json (read after `selection_files`
+    found it); a report without a graph digest (madp before it had one) is refused."""
+    report_path = storage.join(selected, REPORT_FILE)
+    bound = json.loads(storage.read_text(report_path))
+    try:
+        digest = GraphDigest.from_report(bound.get("graph_digest"))
+    except ValueError as error:
+        raise InputError(
+            f"{report_path} has no graph_digest of this madp ({error}): it was written by an older madp "
+            f"bound; re-run madp bound on the records, then batch"
+        ) from error
+    parameters = bound.get("parameters", {})
+    return BoundGraph(
+        selected,
+        digest,
+        parameters.get("id_column", "id"),
+        parameters.get("users_column", "users"),
+        parameters.get("weight_column"),
+    )
+
+
+def check_same_graph(found: GraphDigest, bound: BoundGraph, data: str) -> None:
+    """Refuse DATA whose valid records' graph (ids and users, not content) is not the bounded one: the
+    contribution bound, which training accounts with, holds for the bounded graph only."""
+    if found != bound.digest:
+        expected = bound.digest
+        raise InputError(
+            f"DATA {data} is not the graph SELECTED {bound.selected} was bounded from (graph digest "
+            f"{found.hex} != {expected.hex}; {found.records} records with {found.incidences} user "
+            f"incidences, against {expected.records} with {expected.incidences}): pass the records and "
+            f"the --id-column/--users-column the bound used (--id-column {bound.id_column} "
+            f"--users-column {bound.users_column})"
+        )
 
 
 def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
@@ -193,22 +260,38 @@ def _rows_of_values(column: pa.Array, flags: np.ndarray) -> np.ndarray:
     return found
 
 
-def skip_invalid_content(
-    chunk: rec.RecordChunk, copies: np.ndarray, rejects: rec.Rejects
-) -> tuple[rec.RecordChunk, np.ndarray]:
-    """`--on-invalid skip`: move the selected records with `content_problems` to `rejects` (dropping
-    a selected record only lowers its users' contributions, so the bound still holds)."""
+def skip_invalid_content(chunk: rec.RecordChunk, rejects: rec.Rejects) -> np.ndarray:
+    """`--on-invalid skip`: which selected records of `chunk` can be written (True); those with
+    `content_problems` are added to `rejects`. They stay in the sampling population (|N(e)|, p, and
+    min-sep exclusion of their users) and only their rows are left out of the batches
+    (`writable_rows`), so p and the schedule are functions of the graph only, never of content. A
+    left-out row is the zero-gradient record of the neighbouring relation: the accounting holds."""
+    # Nothing to check; a table without columns may not hold its row count.
+    if chunk.content is None or not chunk.content.num_columns:
+        return np.ones(len(chunk), dtype=bool)
     reason, where = content_problems(chunk.content)
     bad = reason != ""
     for row in np.flatnonzero(bad).tolist():
         users = chunk.users[int(chunk.offsets[row]) : int(chunk.offsets[row + 1])].to_pylist()
         record = {"id": chunk.ids[row].as_py(), "users": users, "column": where[row]}
         rejects.add(*chunk.source(row), reason[row], record)
-    return (rec.take(chunk, ~bad), copies[~bad]) if bad.any() else (chunk, copies)
+    return ~bad
 
 
-def check_content(content: pa.Table, ids: pa.Array) -> dict[str, dict]:
-    """Feature description of each content column; a null or non-finite value in a selected record is an error."""
+def writable_rows(valid: np.ndarray, record: np.ndarray) -> np.ndarray:
+    """Which sampled rows (by record index) go into the batches: those of records with valid content,
+    taken after sampling and exclusion and before truncation. A step then writes a subset of the
+    units it sampled, so it is truncated no more often than if all were written, and the README's
+    rho <= T Pr[Binomial(U, p) > B_max] still holds."""
+    return valid[record]
+
+
+def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = None) -> dict[str, dict]:
+    """Feature description of each content column over the records whose rows are written (`valid`,
+    default all: rows left out by `skip_invalid_content` must not shape the schema); a null or
+    non-finite value in one of them is an error."""
+    if valid is not None and not valid.all():  # (a table without columns may not hold its row count)
+        content, ids = content.filter(pa.array(valid)), ids.filter(pa.array(valid))
     for name in content.column_names:
         if name in RESERVED_FEATURES:
             raise InputError(
@@ -260,11 +343,32 @@ def schema(id_type: pa.DataType, content: dict[str, dict], options: BatchOptions
 # --- units and users ----------------------------------------------------------------------------
 
 
+def keyed_id_hashes(ids: pa.Array, key: SecretKey, stream: int) -> np.ndarray:
+    """A keyed PRF of each whole id under `key`'s `stream` subkey: SipHash-2-4 of an integer id's 8-byte
+    word, of a string id's UTF-8 bytes (all of them: no unkeyed pre-hash that two chosen ids could
+    share). The two kinds use independent subkeys, so an integer and an 8-byte string never meet in
+    one PRF even where a run mixed them (the local engine refuses that; Beam partitions might not)."""
+    if not len(ids):
+        return np.zeros(0, np.uint64)
+    if pa.types.is_integer(ids.type):
+        return siphash24(key.subkey(stream), id_words(ids))
+    return siphash24_bytes(key.subkey(stream + STRING_STREAMS), ids)
+
+
 def record_hashes(ids: pa.Array, key: SecretKey) -> np.ndarray:
-    """Each record's 64-bit sampling key: a keyed PRF of its id, unpredictable without `key`."""
-    return siphash24(key.subkey(RECORD_STREAM), id_words(ids)) if len(ids) else np.zeros(0, np.uint64)
+    """Each record's 64-bit sampling key: a keyed PRF of its whole id, unpredictable without `key`."""
+    return keyed_id_hashes(ids, key, RECORD_STREAM)
 
 
-def user_hashes(users: pa.Array) -> np.ndarray:
-    """64-bit user identity; a collision would only merge two users' exclusions (never fewer)."""
-    return hash_ids(users, 0, purpose=USER_STREAM) if len(users) else np.zeros(0, np.uint64)
+def user_hashes(users: pa.Array, key: SecretKey) -> np.ndarray:
+    """64-bit user identity: of min-sep exclusion, of user-level sampling (its keys are a keyed PRF of
+    this) and of the users sampler's `user` feature (per-user clipping). An integer user's is a
+    public bijection of its id, so two users never share one; a string user's is a keyed PRF of its
+    whole id, so two share one only by chance (about n^2 / 2^65 for n users), never by choice of ids.
+    A shared identity would merge two users: harmless for exclusion (more of it, never less) but not
+    for sampling or clipping, whose independence per user the accounting assumes."""
+    if not len(users):
+        return np.zeros(0, np.uint64)
+    if pa.types.is_integer(users.type):
+        return hash_ids(users, 0, purpose=USER_STREAM)
+    return keyed_id_hashes(users, key, USER_STREAM)

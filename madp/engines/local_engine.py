@@ -11,6 +11,7 @@ import numpy as np
 from madp.core import record_reading
 from madp.core import records as rec
 from madp.core.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
+from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
 from madp.core.selection import (
     BoundOptions,
@@ -117,6 +118,7 @@ def read_input(
 def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     """`madp bound --runner local`: read, validate, bound, write selection and report."""
     started = time.perf_counter()
+    prepare_output(output)  # an earlier selection never outlives a run that fails (as on Beam)
     chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
     if options.on_invalid == "error":
         handle_rejects(rejects, options.on_invalid, output)
@@ -128,13 +130,15 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     if options.order == "alternate":
         options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.alternate[0]))
     result = bound_records(chunk, options, capacities)
-    prepare_output(output)
     handle_rejects(rejects, options.on_invalid, output)
     selected = result.copies > 0
     tables = selection_shards(chunk.ids.filter(selected), result.copies[selected], options.output_shards)
     for shard, table in tables.items():
         write_selection_shard(shard_path(output, shard, options.output_shards), table)
-    report = base_report(options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed)
+    graph = graph_digest(chunk.ids, chunk.offsets, chunk.users)  # the graph bounded: what `madp batch` checks
+    report = base_report(
+        options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed, graph
+    )
     report.update(
         selected_records=int(result.copies.sum()),
         distinct_selected=int(selected.sum()),

@@ -1,10 +1,12 @@
 """`madp run CONFIG.yaml`, running: the planned stages (`madp.jobs.run_plan`) one after the other, each
-resumable. A stage whose outputs exist and whose parameters and input files (names, sizes,
-modification times) are those of its last successful run is skipped; `--force` re-runs all.
+resumable. A stage whose outputs exist and whose parameters and input files (their contents, digested
+before the stage and checked after it) are those of its last successful run is skipped; `--force`
+re-runs all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,28 +17,42 @@ import madp
 from madp.commands.registry import Parser
 from madp.commands.training import calibrate_batches
 from madp.core import storage
-from madp.core.errors import CheckFailed
+from madp.core.batch_files import TRAININGS_FILE
+from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, shows_sampling
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
+INTERNAL_RESULTS = "internal-results.json"  # beside baseline/ and batches/: never published
 
 
 def fingerprint(stage: Stage) -> str:
-    """Digest of the stage's command and of the names, sizes and modification times of its input files."""
+    """Digest of the stage's command and of the content of every file it reads. Content, not names, sizes
+    and modification times: an edit that keeps those (`cp -p`, `rsync -t`, a coarse-mtime file system)
+    must re-run the stage, since the claim is made for the data it read."""
     digest = hashlib.sha256(json.dumps([madp.__version__, stage.command]).encode())  # an upgrade re-runs
     for path in stage.inputs:
-        for name, size, modified in storage.stamps(path):
-            digest.update(f"{name}\0{size}\0{modified}\n".encode())
+        # A training's record on its batches is not what later stages read as data.
+        digest.update(f"{path}\0{storage.content_digest(path, ignore=(TRAININGS_FILE,))}\n".encode())
     return digest.hexdigest()
+
+
+def _writing(stage: Stage):
+    """Hold the stage's output directory (OUTPUT/.madp.lock) while the stage writes it, as a standalone
+    command would: a `madp bound` already writing run_dir/bound makes the run stop instead of mixing in.
+    The audit takes its own lock; files (calibration.json, the pages) are written whole at the end."""
+    if stage.name == "audit" or stage.output.endswith((".json", ".html")):
+        return contextlib.nullcontext()
+    return storage.exclusive(stage.output, f"run stage {stage.name}")
 
 
 def _manifest(run_dir: str, stage: Stage) -> str:
     return storage.join(run_dir, MANIFESTS, f"{stage.name}.json")
 
 
-def up_to_date(run_dir: str, stage: Stage) -> bool:
+def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
+    """Whether the stage's outputs exist and its last successful run had the `current` fingerprint."""
     manifest = _manifest(run_dir, stage)
     if storage.kind(manifest) != "file" or storage.kind(stage.output) == "missing":
         return False
@@ -45,7 +61,7 @@ def up_to_date(run_dir: str, stage: Stage) -> bool:
     except ValueError:
         log.warning("%s is damaged (truncated?): stage %s runs again", manifest, stage.name)
         return False
-    return isinstance(recorded, dict) and recorded.get("fingerprint") == fingerprint(stage)
+    return isinstance(recorded, dict) and recorded.get("fingerprint") == current
 
 
 def run(config_path: str, overrides: list[str], parser: Parser, force: bool = False) -> dict:
@@ -61,7 +77,8 @@ def run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Pars
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
-        if not force and up_to_date(run_dir, stage):
+        current = fingerprint(stage)  # taken before the stage reads anything, checked again after it
+        if not force and up_to_date(run_dir, stage, current):
             log.info(
                 "stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
                 number,
@@ -77,33 +94,60 @@ def run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Pars
         manifest = _manifest(run_dir, stage)
         storage.remove_file(manifest)
         args, extra = parser.parse_known_args(stage.command)
-        result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
+        with _writing(stage):
+            result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
         if result.get("ok") is False:
             raise CheckFailed(
                 f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result
             )
+        if fingerprint(stage) != current:
+            raise InputError(
+                f"stage {stage.name}: its inputs ({', '.join(stage.inputs)}) changed while it ran, so its outputs "
+                f"describe neither version; nothing is recorded as done: run again once they stay put"
+            )
         storage.write_text(
-            manifest,
-            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": fingerprint(stage)}, indent=2),
+            manifest, json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2)
         )
         summary["stages"].append(
             {"stage": stage.name, "status": "ran", "wall_time_s": round(time.perf_counter() - stage_started, 3)}
         )
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["results"] = _results(run_dir)
+    internal = _internal_results(run_dir)
+    if internal:
+        path = storage.join(run_dir, INTERNAL_RESULTS)
+        storage.write_text(path, json.dumps(internal, indent=2))
+        summary["internal"] = f"{path}: figures the guarantee does not cover (do not publish)"
     return summary
 
 
+def _load(run_dir: str, name: str) -> dict | None:
+    path = storage.join(run_dir, name)
+    return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
+
+
+def _internal_results(run_dir: str) -> dict:
+    """What the operator compares but nobody may publish: the non-private baseline saw the records
+    without noise, so its metrics (and their ratio to the private model's) are not covered by the
+    guarantee."""
+    train, baseline = (
+        (_load(run_dir, f"{name}/metrics.json") or {}).get("final") or {} for name in ("train", "baseline")
+    )
+    if not baseline:
+        return {}
+    internal: dict[str, Any] = {"baseline": {k: v for k, v in baseline.items() if k != "per_class"}}
+    gap = {m: train[m] / baseline[m] for m in QUALITY_METRICS if train.get(m) and baseline.get(m)}
+    if gap:
+        internal["private_over_non_private"] = {m: round(v, 4) for m, v in gap.items()}
+    return internal
+
+
 def _results(run_dir: str) -> dict:
-    """The figures a user looks at first, from the run's reports."""
+    """The figures a user looks at first, from the run's reports: only what the guarantee covers."""
 
-    def load(name: str) -> dict | None:
-        path = storage.join(run_dir, name)
-        return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
-
-    bound, batches = load("bound/report.json"), load("batches/report.json")
-    privacy = load("train/privacy.json") or load("calibration.json")
-    train, baseline = load("train/metrics.json"), load("baseline/metrics.json")
+    bound, batches = _load(run_dir, "bound/report.json"), _load(run_dir, "batches/report.json")
+    privacy = _load(run_dir, "train/privacy.json") or _load(run_dir, "calibration.json")
+    train = _load(run_dir, "train/metrics.json")
     results = {}
     if bound:
         results["bound"] = {"input_records": bound["input_records"], "selected_records": bound["selected_records"]}
@@ -126,18 +170,10 @@ def _results(run_dir: str) -> dict:
             )
             if key in privacy
         }
-    finals = {name: (m or {}).get("final") or {} for name, m in (("train", train), ("baseline", baseline))}
-    for name, final in finals.items():
-        if final:
-            results[name] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
-    gap = {
-        m: finals["train"][m] / finals["baseline"][m]
-        for m in QUALITY_METRICS
-        if finals["train"].get(m) and finals["baseline"].get(m)
-    }
-    if gap:
-        results["private_over_non_private"] = {m: round(v, 4) for m, v in gap.items()}
-    audit = load("audit/audit.json")
+    final = (train or {}).get("final")
+    if final:
+        results["train"] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
+    audit = _load(run_dir, "audit/audit.json")
     if audit and not audit.get("audit_model_private"):
         results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
     elif audit:

@@ -8,7 +8,8 @@ anything runs.
 
 Run directory layout: records/ and test.parquet (generate), bound/, batches/ (with the
 independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
-train/, baseline/ (non-private, if asked), and .madp/ with one manifest per finished stage.
+train/, baseline/ (non-private, if asked), report.html (publishable) and internal-report.html (with
+the baseline; never published), and .madp/ with one manifest per finished stage.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 from madp.commands.registry import CommandParser, Parser
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.selection import read_capacities
 from madp.tools.audit_config import audit_directory, audit_options
 
 log = logging.getLogger("madp.run")
@@ -43,6 +45,7 @@ CALIBRATE_KEYS = (
     "mc_workers",
     "mc_seed",
 )
+INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the realized sampling: never published
 SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
 
 
@@ -91,6 +94,12 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
     _bound_stages(config, plan, data)
     _batch_stages(config, plan, data)
     _training_stages(config, plan, eval_data)
+    if isinstance(config.get("input"), str):  # a stage would replace, or read back, the user's records
+        for stage in plan.stages:
+            try:
+                storage.refuse_overlap(stage.output, [config["input"]])
+            except InputError as error:
+                raise InputError(f"config input: stage {stage.name}: {error}") from None
     if config.get("audit") is not None:
         directory = audit_directory(config, audit_options(config, {}))
         if source is not None:
@@ -103,6 +112,10 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
     if report:
         outputs = tuple(stage.output for stage in plan.stages)
         plan.stages.append(Stage("report", ["report", run_dir], outputs, plan.path("report.html")))
+        if any(stage.name in ("baseline", "audit") for stage in plan.stages):  # what the published page leaves out
+            internal = plan.path(INTERNAL_REPORT)
+            command = ["report", run_dir, "--internal", "--output", internal]
+            plan.stages.append(Stage("internal-report", command, outputs, internal))
     for stage in plan.stages:  # every stage's options parse and build before anything runs
         _check(parser, stage)
     return plan.stages
@@ -148,7 +161,8 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
     path = plan.path
     beam = _beam(bound, "bound")
     flags = _flags(plan.commands["bound"], "bound", bound, beam=True)
-    plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], (data,), path("bound")))
+    read = (data, bound["capacities"]) if bound.get("capacities") else (data,)  # an edited capacities file re-runs
+    plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], read, path("bound")))
     if "max_contributions" not in bound:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
     k = ["--max-contributions", str(bound["max_contributions"])]
@@ -165,16 +179,33 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
 
 
 def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
+    """batch, then verify-batches against the bound's selection and contribution bound; both read the
+    records with the bound's id and users columns (a batch section may only repeat them)."""
     batch = _section(config, "batch")
     if batch is None:
         return
+    bound = _section(config, "bound")
+    if bound is None:
+        raise InputError(
+            "config batch: needs a bound section (the batches are made from its selection, and verify-batches "
+            "checks them against its contribution bound)"
+        )
+    columns = []
+    for key, default in (("id_column", "id"), ("users_column", "users")):
+        used = str(bound.get(key) if bound.get(key) is not None else default)
+        if key in batch and str(batch.pop(key)) != used:
+            raise InputError(
+                f"config batch.{key}: differs from the bound's ({used!r}): batch and verify-batches read the "
+                f"records with the columns the bound read; leave batch.{key} out"
+            )
+        columns += [f"--{key.replace('_', '-')}", used]
     path = plan.path
     beam = _beam(batch, "batch")
     flags = _flags(plan.commands["batch"], "batch", batch, beam=True)
     plan.stages.append(
         Stage(
             "batch",
-            ["batch", path("bound"), data, path("batches"), *flags, *beam],
+            ["batch", path("bound"), data, path("batches"), *flags, *columns, *beam],
             (path("bound"), data),
             path("batches"),
         )
@@ -182,14 +213,31 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
     checks = ["--min-sep", str(batch.get("min_sep", 1))]
     if batch.get("max_batch_size"):
         checks += ["--max-batch-size", str(batch["max_batch_size"])]
+    checks += ["--selected", path("bound"), "--max-contributions", str(_contribution_bound(bound))]
     plan.stages.append(
         Stage(
             "verify-batches",
-            ["verify-batches", path("batches"), data, *checks, *_pick(flags, ("--id-column", "--users-column"))],
-            (path("batches"), data),
+            ["verify-batches", path("batches"), data, *checks, *columns],
+            (path("batches"), data, path("bound")),
             path("batches"),
         )
     )
+
+
+def _contribution_bound(bound: dict) -> int:
+    """What training accounts with: the bound section's K, or its largest capacity if larger (as
+    `madp bound` reports it in `contribution_bound`)."""
+    try:
+        k = int(bound["max_contributions"])
+    except (KeyError, TypeError, ValueError):
+        raise InputError("config bound.max_contributions: required, an integer (the contribution bound K)") from None
+    if not bound.get("capacities"):
+        return k
+    try:
+        listed = read_capacities(str(bound["capacities"]), k).listed[1]
+    except InputError as error:
+        raise InputError(f"config bound.capacities: {error}") from error
+    return max([k, *listed.tolist()])
 
 
 def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
@@ -301,7 +349,28 @@ def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
     return picked
 
 
+def _madp_option_in(beam_options: list[str], command: CommandParser) -> str | None:
+    """The first of `beam_options` that argparse would take as an option of the madp command itself
+    (exactly, abbreviated, or a short option with its value attached), if any."""
+    own = [flag for action in command.options.values() for flag in action.option_strings]
+    for option in beam_options:
+        name = option.split("=", 1)[0]
+        if name in own or any(
+            flag.startswith(name) if name.startswith("--") else name.startswith(flag) for flag in own if len(name) > 1
+        ):
+            return name
+    return None
+
+
 def _check(parser: Parser, stage: Stage) -> None:
+    if stage.name in ("bound", "batch"):  # `_beam` put --runner RUNNER first, then the section's beam_options
+        beam_options = stage.command[stage.command.index("--runner") + 2 :]
+        option = _madp_option_in([o for o in beam_options if o.startswith("-")], parser.commands[stage.name])
+        if option is not None:
+            raise InputError(
+                f"config {stage.name}.beam_options: {option} is an option of madp {stage.name}, not of Beam: "
+                f"set it as a key of the {stage.name} section, where the config check sees it"
+            )
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits

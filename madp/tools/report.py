@@ -5,6 +5,8 @@ records per user and of users per record, before and after bounding), batches/re
 (batch sizes per step, gaps between a user's participations), calibration.json (sigma and the
 sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves) and audit/audit.json
 (the measured lower bound beside the claim). Sections whose report is missing are listed as such.
+A published page holds only what the guarantee covers: the realized sampling of an amplified
+mechanism, the non-private baseline and a non-private audit appear on an `--internal` page only.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ def _load(run_dir: str) -> dict[str, dict]:
     for name, relative in SOURCES.items():
         path = storage.join(run_dir, relative)
         if storage.kind(path) == "file":
-            found[name] = json.loads(storage.read_text(path))
+            try:
+                found[name] = json.loads(storage.read_text(path))
+            except ValueError as error:
+                raise InputError(f"{path}: not a report madp wrote (not JSON: {error})") from error
+            if not isinstance(found[name], dict):
+                raise InputError(f"{path}: not a report madp wrote (a JSON {type(found[name]).__name__})")
     return found
 
 
@@ -60,6 +67,13 @@ def shows_sampling(reports: Mapping[str, dict | None]) -> bool:
     if plan is not None and plan.get("mechanism") != "none":
         return not plan.get("relies_on_secret_sampling", True)
     return (reports.get("batches") or {}).get("sampling") == DETERMINISTIC
+
+
+def shows_baseline(reports: Mapping[str, dict | None], internal: bool) -> bool:
+    """Whether the non-private baseline may be on the page: only an internal one. The baseline saw the
+    records without noise, so its metrics can tell a dataset from its neighbour (one user's records
+    made extreme move its held-out accuracy); like a non-private audit, it is never published."""
+    return internal and bool(reports.get("baseline"))
 
 
 def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
@@ -170,7 +184,8 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
             )
         )
         plt.close(figure)
-    curves = {name: reports[name]["eval"] for name in ("train", "baseline") if reports.get(name, {}).get("eval")}
+    models = ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
+    curves = {name: reports[name]["eval"] for name in models if reports.get(name, {}).get("eval")}
     if curves:
         figure, axes = plt.subplots(1, 2, figsize=(11, 4))
         quality = next(m for m in ("accuracy", "bits_per_byte") if m in next(iter(curves.values()))[0])
@@ -184,7 +199,8 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         figures.append(
             (
                 "Training",
-                f"Loss and {quality.replace('_', ' ')} on the evaluation data (train/ and baseline/ metrics.json).",
+                f"Loss and {quality.replace('_', ' ')} on the evaluation data "
+                f"({' and '.join(f'{name}/' for name in curves)} metrics.json).",
                 _png(figure),
             )
         )
@@ -257,12 +273,13 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         ]
         if "noise" in plan:
             rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
-    finals = {name: (reports.get(name) or {}).get("final") or {} for name in ("train", "baseline")}
+    models = ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
+    finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
     for metric in QUALITY_METRICS:
-        for name, label in (("train", "private"), ("baseline", "non-private")):
-            if finals[name].get(metric) is not None:
+        for name, label in (("train", "private"), ("baseline", "non-private (internal)")):
+            if finals.get(name, {}).get(metric) is not None:
                 rows.append((f"{label} eval {metric.replace('_', ' ')}", f"{finals[name][metric]:.4f}"))
-        if all(finals[name].get(metric) for name in finals):
+        if len(finals) == 2 and all(finals[name].get(metric) for name in finals):
             gap = finals["train"][metric] / finals["baseline"][metric]
             rows.append((f"privacy-utility gap ({metric.replace('_', ' ')}): private / non-private", f"{gap:.3f}"))
     audit = reports.get("audit") or {}
@@ -290,7 +307,10 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     reports = _load(run_dir)
     if not reports:
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
-    figures = _figures(reports, plt, internal)
+    try:
+        figures, rows = _figures(reports, plt, internal), _summary(reports, internal)
+    except (KeyError, TypeError, IndexError, ValueError) as error:  # a report of another version, or edited
+        raise InputError(f"{run_dir}: a report lacks what madp writes ({type(error).__name__}: {error})") from error
     output = output or storage.join(run_dir, "report.html")
     missing = [relative for name, relative in SOURCES.items() if name not in reports and name != "audit"]
     parts = [
@@ -302,7 +322,14 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     ]
     if internal:
         parts.append(
-            "<p><strong>INTERNAL: this page shows the realized batch sampling; do not publish it.</strong></p>"
+            "<p><strong>INTERNAL: this page shows the realized batch sampling and the non-private baseline; "
+            "do not publish it.</strong></p>"
+        )
+    elif reports.get("baseline"):
+        parts.append(
+            "<p>The non-private baseline is left out: it saw the records without noise, so its metrics are "
+            "not covered by the guarantee (baseline/ is internal; <code>madp report --internal</code> shows "
+            "it).</p>"
         )
     elif reports.get("batches") and not shows_sampling(reports):
         parts.append(
@@ -322,7 +349,7 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
             "testing option); <code>madp report --internal</code> shows it.</p>"
         )
     parts.append("<table>")
-    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary(reports, internal)]
+    parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows]
     parts.append("</table>")
     for title, caption, png in figures:
         parts.append(

@@ -1,0 +1,203 @@
+"""Ordinary actions that must not break a printed guarantee (issue: every guarantee holds under what users
+plausibly do): an input edited behind `madp run`'s back, a Beam option that overrides a checked key, a
+second writer inside a running job, an output that overlaps its input, a failed re-run, a fixed sigma
+whose truncation eats delta, a Monte Carlo calibration retried under another request, realized sampling
+in logs, and a second training on the same secret batches. All through the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import yaml
+from conftest import write_records
+
+from madp.cli import main
+from madp.core.storage import LOCK_FILE
+
+
+def rows(count: int) -> list[dict]:
+    """Records of a user of their own and one shared by two records: the bound with K = 2 keeps them all."""
+    return [
+        {"id": i, "users": [i, 1000 + i // 2], "features": [float(i % 3), 1.0], "label": i % 2} for i in range(count)
+    ]
+
+
+def run_job(tmp_path, capsys, extra: dict | None = None, records: int = 400) -> tuple[int, dict | None, str]:
+    data = tmp_path / "records.jsonl"
+    if not data.exists():
+        write_records(str(data), rows(records))
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "input": str(data),
+        "bound": {"max_contributions": 2, "runner": "local"},
+        **(extra or {}),
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    code = main(["-q", "run", str(tmp_path / "job.yaml")])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if out.strip().startswith("{") else None), err
+
+
+def statuses(summary: dict) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in summary["stages"]}
+
+
+def test_an_edit_that_keeps_size_and_time_reruns_the_bound(tmp_path, capsys):
+    code, summary, _ = run_job(tmp_path, capsys)
+    assert code == 0 and statuses(summary)["bound"] == "ran"
+    data = tmp_path / "records.jsonl"
+    before = os.stat(data)
+    text = data.read_text()
+    edited = text.replace('"users": [1, 1000]', '"users": [3, 1000]', 1)  # same size: one digit for another
+    assert edited != text and len(edited) == len(text)
+    data.write_text(edited)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))  # as `cp -p` or `rsync -t` leave it
+    code, summary, _ = run_job(tmp_path, capsys)
+    assert code == 0 and statuses(summary)["bound"] == "ran", "the claim must be made for the graph now on disk"
+
+
+def test_records_appended_during_a_stage_are_not_recorded_as_done(tmp_path, capsys, monkeypatch):
+    from madp.commands.registry import Parser
+
+    real_run = Parser.run
+
+    def run_then_append(self, args, unknown):
+        result = real_run(self, args, unknown)
+        if args.command == "bound":
+            with open(tmp_path / "records.jsonl", "a") as handle:
+                handle.write(json.dumps({"id": 10_000, "users": [1], "features": [0.0, 1.0], "label": 0}) + "\n")
+        return result
+
+    monkeypatch.setattr(Parser, "run", run_then_append)
+    code, _, err = run_job(tmp_path, capsys)
+    assert code == 2 and "changed while it ran" in err
+    assert not (tmp_path / "run" / ".madp" / "bound.json").exists(), "the stage must run again"
+
+
+def test_a_beam_option_cannot_override_a_checked_key(tmp_path, capsys):
+    bound = {"max_contributions": 2, "runner": "DirectRunner", "beam_options": ["--max-contributions", "50"]}
+    code, _, err = run_job(tmp_path, capsys, {"bound": bound})
+    assert code == 2 and "bound.beam_options: --max-contributions is an option of madp bound" in err
+    bound["beam_options"] = ["--max-contrib=50"]  # argparse would take the abbreviation too
+    code, _, err = run_job(tmp_path, capsys, {"bound": bound})
+    assert code == 2 and "--max-contrib is an option of madp bound" in err
+    assert not (tmp_path / "run" / "bound").exists()
+
+
+def test_a_standalone_command_inside_a_running_job_is_refused(tmp_path, capsys):
+    data = write_records(str(tmp_path / "records.jsonl"), rows(100))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "command": "run job.yaml", "since": "now"}
+    (run_dir / LOCK_FILE).write_text(json.dumps(holder))  # a live `madp run` (another process) holds run_dir
+    code = main(["-q", "bound", data, str(run_dir / "bound"), "-k", "2", "--runner", "local"])
+    assert code == 2 and "being written by another madp process" in capsys.readouterr().err
+    assert not (run_dir / "bound" / "report.json").exists()
+
+
+@pytest.mark.parametrize("layout", ["same", "output contains input", "output inside input"])
+def test_an_output_overlapping_its_input_is_refused(tmp_path, capsys, layout):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    data = write_records(str(folder / "records.jsonl"), rows(100))
+    source, output = {
+        "same": (str(folder), str(folder)),
+        "output contains input": (data, str(folder)),
+        "output inside input": (str(folder), str(folder / "bound")),
+    }[layout]
+    code = main(["-q", "bound", source, output, "-k", "2", "--runner", "local"])
+    assert code == 2 and "overlaps input" in capsys.readouterr().err
+    assert os.listdir(folder) == ["records.jsonl"] and len(open(data).readlines()) == 100
+
+
+def test_a_failed_rerun_leaves_no_selection(tmp_path, capsys):
+    data = write_records(str(tmp_path / "records.jsonl"), rows(100))
+    output = tmp_path / "bound"
+    assert main(["-q", "bound", data, str(output), "-k", "2", "--runner", "local"]) == 0
+    with open(data, "a") as handle:
+        handle.write('{"id": 5000, "users": []}\n')  # invalid: the re-run stops
+    assert main(["-q", "bound", data, str(output), "-k", "2", "--runner", "local"]) == 2
+    capsys.readouterr()
+    assert not (output / "report.json").exists() and not os.listdir(output / "selected"), (
+        "batch must not find the selection of the earlier input"
+    )
+
+
+def test_a_fixed_sigma_whose_truncation_eats_delta_is_refused(tmp_path, capsys):
+    extra = {
+        "batch": {"steps": 50, "batch_size": 40, "max_batch_size": 41, "runner": "local"},
+        "calibrate": {"noise_multiplier": 1.0, "delta": 1e-5},
+    }
+    code, _, err = run_job(tmp_path, capsys, extra)
+    assert code == 2 and "truncation at --max-batch-size adds delta" in err
+    assert not (tmp_path / "run" / "calibration.json").exists()
+
+
+def test_the_weight_order_is_an_assumption_of_the_plan(tmp_path, capsys):
+    data = tmp_path / "records.jsonl"
+    write_records(str(data), [{**row, "w": float(row["id"] % 5)} for row in rows(400)])
+    extra = {
+        "bound": {"max_contributions": 2, "runner": "local", "order": "weight", "weight_column": "w"},
+        "batch": {"steps": 20, "batch_size": 40, "runner": "local"},
+        "calibrate": {"noise_multiplier": 1.0, "delta": 1e-5},
+    }
+    code, _, _ = run_job(tmp_path, capsys, extra)
+    assert code == 0
+    plan = json.load(open(tmp_path / "run" / "calibration.json"))
+    assert any("'w'" in a and "treated as public" in a for a in plan["assumptions"])
+
+
+def test_batch_logs_hold_no_realized_sampling(tmp_path, capsys, caplog):
+    data = write_records(str(tmp_path / "records.jsonl"), rows(400))
+    assert main(["-q", "bound", data, str(tmp_path / "bound"), "-k", "2", "--runner", "local"]) == 0
+    with caplog.at_level("INFO", logger="madp"):
+        command = ["batch", str(tmp_path / "bound"), data, str(tmp_path / "batches"), "--steps", "20"]
+        assert main([*command, "--batch-size", "40", "--runner", "local"]) == 0
+    capsys.readouterr()
+    sampling_lines = [r.getMessage() for r in caplog.records if r.name == "madp.batch" and r.levelname == "INFO"]
+    assert any("sampled in" in line for line in sampling_lines)
+    assert not any("rows" in line for line in sampling_lines), "how many rows were sampled stays internal"
+
+
+@pytest.mark.slow
+def test_a_monte_carlo_retry_under_another_request_counts_as_an_attempt(capsys):
+    base = ["-q", "epsilon", "--mechanism", "bandmf-minsep", "--steps", "12", "--min-sep", "2", "--bands", "2"]
+    attempts = []
+    for request in (["--delta", "0.05", "--samples", "20000"], ["--delta", "0.0500001", "--samples", "30000"]):
+        assert main([*base, "--sampling-prob", "0.2", "--noise-multiplier", "1.0", *request]) == 0
+        attempts.append(json.loads(capsys.readouterr().out)["attempts"])
+    assert attempts == [1, 2], "the same mechanism verified again is a second attempt, whatever was asked"
+
+
+@pytest.mark.tf
+def test_a_second_training_on_the_same_secret_batches_is_refused_or_composed(tmp_path, capsys):
+    pytest.importorskip("tensorflow")
+    data = write_records(str(tmp_path / "records.jsonl"), rows(400))
+    assert main(["-q", "bound", data, str(tmp_path / "bound"), "-k", "2", "--runner", "local"]) == 0
+    batch = ["-q", "batch", str(tmp_path / "bound"), data, str(tmp_path / "batches"), "--steps", "30"]
+    assert main([*batch, "--batch-size", "20", "--runner", "local"]) == 0  # a fresh secret key: amplified DP-SGD
+    training = ["-q", "train", str(tmp_path / "batches"), "--noise-multiplier", "0.8", "--delta", "1e-5"]
+    assert main([*training[:3], str(tmp_path / "first"), *training[3:]]) == 0
+    first = json.load(open(tmp_path / "first" / "privacy.json"))
+    assert first["private"] and first["relies_on_secret_sampling"] and "composition" not in first
+    capsys.readouterr()
+    lock = tmp_path / "batches" / LOCK_FILE  # a training of another process, still running (a parallel sweep)
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "command": "train", "since": "now"}))
+    assert main([*training[:3], str(tmp_path / "parallel"), *training[3:]]) == 2
+    assert "being written by another madp process" in capsys.readouterr().err
+    lock.unlink()
+    assert main([*training[:3], str(tmp_path / "second"), *training[3:]]) == 2
+    assert "re-uses it" in capsys.readouterr().err and not (tmp_path / "second" / "privacy.json").exists()
+    assert main([*training[:3], str(tmp_path / "second"), *training[3:], "--retrain"]) == 0
+    second = json.load(open(tmp_path / "second" / "privacy.json"))
+    composed = second["composition"]
+    assert composed["trainings"] == 2 and composed["equivalent_noise_multiplier"] == pytest.approx(0.8 / 2**0.5)
+    assert composed["epsilon"] > 2 * first["epsilon"], "re-used secret sampling: worse than twice epsilon"
+    assert (second["epsilon"], second["delta"]) == (composed["epsilon"], composed["delta"]), (
+        "the headline guarantee of a retrained model is the composed one"
+    )
+    assert second["single_training"]["epsilon"] == pytest.approx(first["epsilon"])
+    assert not (tmp_path / "batches" / LOCK_FILE).exists()
