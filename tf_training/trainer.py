@@ -199,7 +199,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             with writer.as_default():
                 for name in ("loss", task.headline):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
-        progress.update(done, f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else "")
+        quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
+        if quality and privacy["mechanism"] == "none":  # no guarantee covers these figures: the line says so
+            quality += " (non-private: internal)"
+        progress.update(done, quality)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     result = {
         "batches": batches_dir,
