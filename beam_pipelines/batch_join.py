@@ -219,10 +219,7 @@ class JoinSelection(beam.PTransform):
 
 def _sum_digests(parts: Iterable[GraphDigest]) -> GraphDigest:
     """Partial graph digests added up (the digest of no record for none)."""
-    total = EMPTY_GRAPH
-    for part in parts:
-        total = total + part
-    return total
+    return sum(parts, EMPTY_GRAPH)
 
 
 @beam.typehints.with_input_types(Sent)

@@ -93,11 +93,10 @@ class _Survivors(beam.DoFn):
         record, keys, step = samples["record"][survive], samples["keys"][survive], samples["step"][survive]
         warm_up, steps, files = self.options.warm_up_steps, self.options.steps, self.options.output_shards
         yield summary_value("sampled_sizes", np.bincount(step, minlength=self.options.sampled_steps))
-        real = step >= warm_up
-        record, keys, step = record[real], keys[real], step[real] - warm_up
         partition = self.store.read_arrays(handles["partition"][0])
-        written = writable_rows(partition["valid"], record)  # sampled and excluded like any; only their rows left out
-        record, keys, step = record[written], keys[written], step[written]
+        # After warm-up, the rows of records with valid content (the others were sampled and excluded like any).
+        kept = (step >= warm_up) & writable_rows(partition["valid"], record)
+        record, keys, step = record[kept], keys[kept], step[kept] - warm_up
         file_of_row = batch_files.file_of_step(step, steps, files)
         rows_by_file = {}
         for file in range(files):  # every file hears from every partition, so empty files are written

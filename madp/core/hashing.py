@@ -80,44 +80,20 @@ def hash_ids(ids: pa.Array | np.ndarray, seed: int, purpose: int = 0) -> np.ndar
     return splitmix64(id_words(ids) ^ key)
 
 
-def _rotl(x: np.ndarray, bits: int) -> np.ndarray:
-    return (x << np.uint64(bits)) | (x >> np.uint64(64 - bits))
-
-
 def siphash24(key: tuple[int, int], words: np.ndarray) -> np.ndarray:
     """SipHash-2-4 (Aumasson & Bernstein 2012) of each uint64 as an 8-byte little-endian message,
     under the 128-bit key (k0, k1): a keyed pseudorandom function, so that without the key its
-    outputs cannot be predicted from the inputs, however well the rest of the code is known."""
-    k0, k1 = (np.uint64(k & 0xFFFFFFFFFFFFFFFF) for k in key)
-    m = np.asarray(words, dtype=np.uint64)
-    v0 = np.full(m.shape, k0 ^ np.uint64(0x736F6D6570736575))
-    v1 = np.full(m.shape, k1 ^ np.uint64(0x646F72616E646F6D))
-    v2 = np.full(m.shape, k0 ^ np.uint64(0x6C7967656E657261))
-    v3 = np.full(m.shape, k1 ^ np.uint64(0x7465646279746573))
+    outputs cannot be predicted from the inputs, however well the rest of the code is known. The same
+    kernel as `siphash24_bytes`, over each word's 8 bytes."""
+    m = np.ascontiguousarray(words, dtype="<u8")
+    flat = m.reshape(-1)
+    out = np.empty(len(flat), dtype=np.uint64)
+    _siphash24_kernel(*_key_words(key), np.arange(0, 8 * len(flat) + 1, 8, dtype=np.int64), flat.view(np.uint8), out)
+    return out.reshape(m.shape)
 
-    def rounds(count: int) -> None:
-        nonlocal v0, v1, v2, v3
-        for _ in range(count):
-            v0 = v0 + v1
-            v1 = _rotl(v1, 13) ^ v0
-            v0 = _rotl(v0, 32)
-            v2 = v2 + v3
-            v3 = _rotl(v3, 16) ^ v2
-            v0 = v0 + v3
-            v3 = _rotl(v3, 21) ^ v0
-            v2 = v2 + v1
-            v1 = _rotl(v1, 17) ^ v2
-            v2 = _rotl(v2, 32)
 
-    with np.errstate(over="ignore"):  # additions wrap modulo 2^64 by definition
-        final = np.uint64(8 << 56)  # the last block: the message length (8 bytes) in its top byte
-        for block in (m, final):
-            v3 = v3 ^ block
-            rounds(2)
-            v0 = v0 ^ block
-        v2 = v2 ^ np.uint64(0xFF)
-        rounds(4)
-    return v0 ^ v1 ^ v2 ^ v3
+def _key_words(key: tuple[int, int]) -> tuple[np.uint64, np.uint64]:
+    return np.uint64(key[0] & 0xFFFFFFFFFFFFFFFF), np.uint64(key[1] & 0xFFFFFFFFFFFFFFFF)
 
 
 @njit(inline="always", cache=True)
@@ -176,9 +152,8 @@ def siphash24_bytes(key: tuple[int, int], values: pa.Array | np.ndarray) -> np.n
     unkeyed pre-hash, so that no choice of values gives two of them equal outputs more often than
     chance (an unkeyed 64-bit pre-hash would let whoever picks the values make them collide)."""
     offsets, data = _binary_buffers(_as_array(values))
-    k0, k1 = (np.uint64(k & 0xFFFFFFFFFFFFFFFF) for k in key)
     out = np.empty(len(offsets) - 1, dtype=np.uint64)
-    _siphash24_kernel(k0, k1, offsets, data, out)
+    _siphash24_kernel(*_key_words(key), offsets, data, out)
     return out
 
 

@@ -328,10 +328,15 @@ def prepare_output(output: str) -> None:
 def contribution_bound(options: BoundOptions) -> int:
     """The most records (copies) any user may have in the selection: K, or a larger listed capacity.
     This, not K alone, is what the accountant must assume for every user."""
-    if not options.capacities:
-        return options.max_contributions
-    listed = read_capacities(options.capacities, options.max_contributions).listed[1]
-    return max([options.max_contributions, *listed.tolist()])
+    return largest_capacity(options.max_contributions, options.capacities)
+
+
+def largest_capacity(max_contributions: int, capacities: str | None) -> int:
+    """K, or the largest capacity the `capacities` file lists if that is larger."""
+    if not capacities:
+        return max_contributions
+    listed = read_capacities(capacities, max_contributions).listed[1]
+    return max([max_contributions, *listed.tolist()])
 
 
 def base_report(

@@ -180,19 +180,14 @@ def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
     """SHA-256 over the names (relative to `path`) and contents of a file or of every file below a
     directory, lock files and files named in `ignore` left out: what a reader of `path` would read,
     whatever the files' times say."""
-    is_directory = kind(path) == "directory"
-    files = list_files(path) if is_directory else [path] if kind(path) == "file" else []
+    found = kind(path)
+    files = list_files(path) if found == "directory" else [path] if found == "file" else []
     root = path.rstrip("/") if "://" in path else os.path.abspath(path)
     digest = hashlib.sha256()
     for name in files:
-        if posixpath.basename(name) in (LOCK_FILE, *ignore):
-            continue
-        contents = hashlib.sha256()
-        with open_input(name) as stream:
-            while block := stream.read(1 << 24):
-                contents.update(block)
-        relative = posixpath.relpath(name, root) if is_directory else ""
-        digest.update(f"{relative}\0{contents.hexdigest()}\n".encode())
+        if posixpath.basename(name) not in (LOCK_FILE, *ignore):
+            relative = posixpath.relpath(name, root) if found == "directory" else ""
+            digest.update(f"{relative}\0{sha256(name)}\n".encode())
     return digest.hexdigest()
 
 

@@ -292,23 +292,8 @@ def verify_bound(
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
     if missing:
         return {"ok": False, "violation_count": len(missing), "violations": missing}
-    selected: dict = {}
     violations: list[str] = []
-    for shard in shards:
-        try:
-            table = pq.read_table(shard, columns=["id", "copies"], page_checksum_verification=True)
-        except (OSError, ValueError) as error:
-            violations.append(f"{shard}: not a readable selection ({error})")
-            continue
-        for record_id, copies in zip(_column_values(table.column("id")), table.column("copies").to_pylist()):
-            if not _scalar(record_id):  # a list, a null, or text that is not UTF-8
-                violations.append(f"selected id {record_id!r} is not a string or a 64-bit integer")
-                continue
-            if record_id in selected:
-                violations.append(f"id {record_id!r} is selected twice in {output}/selected")
-            if not isinstance(copies, int) or copies < 1:
-                violations.append(f"id {record_id!r} has invalid copies {copies!r}")
-            selected[record_id] = copies
+    selected = _selection(output, shards, violations)
 
     users_of: dict = {}
     occurrences: Counter = Counter()
@@ -326,7 +311,7 @@ def verify_bound(
     contribution: defaultdict = defaultdict(int)
     for record_id, copies in selected.items():
         for user in users_of.get(record_id, ()):
-            contribution[user] += copies if isinstance(copies, int) else 0
+            contribution[user] += copies
     try:
         capacity, text = _capacities(capacities_path)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -343,7 +328,7 @@ def verify_bound(
     violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
     return {
         "ok": not violations,
-        "selected_records": sum(c for c in selected.values() if isinstance(c, int)),
+        "selected_records": sum(selected.values()),
         "distinct_selected": len(selected),
         "users_with_selected_records": len(contribution),
         "max_user_contribution": max(contribution.values(), default=0),
@@ -494,19 +479,22 @@ def _batch_rows(files: list[str], violations: list[str]):
             violations.append(f"{name}: unreadable after record {number}: {error}")
 
 
-def _selection(selected: str, violations: list[str]) -> dict:
-    """{id: copies} of the selection files SELECTED/report.json lists (checked by `_listed_files`)."""
-    shards, problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
-    violations += problems
+def _selection(selected: str, shards: list[str], violations: list[str]) -> dict:
+    """{id: copies} of a bound output's selection `shards` (those its report lists: `_listed_files`);
+    an unreadable shard, an id that is no string or 64-bit integer, a repeated id or copies that are not
+    a positive integer (then counted as 0) is a violation."""
     copies_of: dict = {}
     for shard in shards:
         try:
             table = pq.read_table(shard, columns=["id", "copies"], page_checksum_verification=True)
-            ids, all_copies = table.column("id").to_pylist(), table.column("copies").to_pylist()
-        except (OSError, ValueError, KeyError) as error:  # UnicodeDecodeError (an id not UTF-8) among them
-            violations.append(f"{shard}: cannot be read as a selection ({error})")
+            ids, all_copies = _column_values(table.column("id")), table.column("copies").to_pylist()
+        except (OSError, ValueError, KeyError) as error:
+            violations.append(f"{shard}: not a readable selection ({error})")
             continue
         for record_id, copies in zip(ids, all_copies):
+            if not _scalar(record_id):  # a list, a null, or text that is not UTF-8
+                violations.append(f"selected id {record_id!r} is not a string or a 64-bit integer")
+                continue
             if record_id in copies_of:
                 violations.append(f"id {record_id!r} is selected twice in {selected}/selected")
             if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
@@ -537,7 +525,9 @@ def verify_batches(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
-    copies_of = _selection(selected, problems)
+    shards, selection_problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
+    problems += selection_problems
+    copies_of = _selection(selected, shards, problems)
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
     users_of: dict = {}

@@ -242,10 +242,9 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     log.debug("sampled %d rows (internal: realized sampling)", len(sampled.record))
     warm_up = options.warm_up_steps
     sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
-    real = sampled.step >= warm_up
-    record, keys, step = sampled.record[real], sampled.keys[real], sampled.step[real] - warm_up
-    written = writable_rows(dataset.valid, record)  # sampled and excluded like any; only their rows left out
-    record, keys, step = record[written], keys[written], step[written]
+    # After warm-up, the rows of records with valid content (the others were sampled and excluded like any).
+    kept = (sampled.step >= warm_up) & writable_rows(dataset.valid, sampled.record)
+    record, keys, step = sampled.record[kept], sampled.keys[kept], sampled.step[kept] - warm_up
 
     prepare_output(output)
     handle_rejects(dataset.rejects, options.on_invalid, output)

@@ -9,7 +9,6 @@ units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -144,14 +143,13 @@ class BoundGraph:
 def bound_graph(selected: str) -> BoundGraph:
     """What `madp batch` checks DATA against, from SELECTED/report.json (read after `selection_files`
     found it); a report without a graph digest (madp before it had one) is refused."""
-    report_path = storage.join(selected, REPORT_FILE)
-    bound = json.loads(storage.read_text(report_path))
+    bound = read_report(selected, "bound")
     try:
         digest = GraphDigest.from_report(bound.get("graph_digest"))
     except ValueError as error:
         raise InputError(
-            f"{report_path} has no graph_digest of this madp ({error}): it was written by an older madp "
-            f"bound; re-run madp bound on the records, then batch"
+            f"{storage.join(selected, REPORT_FILE)} has no graph_digest of this madp ({error}): it was written "
+            f"by an older madp bound; re-run madp bound on the records, then batch"
         ) from error
     parameters = bound.get("parameters", {})
     return BoundGraph(

@@ -26,7 +26,7 @@ import yaml
 from madp.commands.registry import CommandParser, Parser
 from madp.core import storage
 from madp.core.errors import InputError
-from madp.core.selection import read_capacities
+from madp.core.selection import largest_capacity
 from madp.tools.audit_config import audit_directory, audit_options
 
 log = logging.getLogger("madp.run")
@@ -231,13 +231,10 @@ def _contribution_bound(bound: dict) -> int:
         k = int(bound["max_contributions"])
     except (KeyError, TypeError, ValueError):
         raise InputError("config bound.max_contributions: required, an integer (the contribution bound K)") from None
-    if not bound.get("capacities"):
-        return k
     try:
-        listed = read_capacities(str(bound["capacities"]), k).listed[1]
+        return largest_capacity(k, str(bound["capacities"]) if bound.get("capacities") else None)
     except InputError as error:
         raise InputError(f"config bound.capacities: {error}") from error
-    return max([k, *listed.tolist()])
 
 
 def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:

@@ -76,6 +76,11 @@ def shows_baseline(reports: Mapping[str, dict | None], internal: bool) -> bool:
     return internal and bool(reports.get("baseline"))
 
 
+def _models(reports: Mapping[str, dict | None], internal: bool) -> tuple[str, ...]:
+    """The trainings whose metrics the page shows: the private one, and the baseline on an internal page."""
+    return ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
+
+
 def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
     """Whether the audit may be on a published page: only if its model was private (its numbers are then a
     second private release of the records, see the page's note), or on an internal page."""
@@ -184,7 +189,7 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
             )
         )
         plt.close(figure)
-    models = ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
+    models = _models(reports, internal)
     curves = {name: reports[name]["eval"] for name in models if reports.get(name, {}).get("eval")}
     if curves:
         figure, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -273,7 +278,7 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         ]
         if "noise" in plan:
             rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
-    models = ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
+    models = _models(reports, internal)
     finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
     for metric in QUALITY_METRICS:
         for name, label in (("train", "private"), ("baseline", "non-private (internal)")):
