@@ -39,6 +39,9 @@ setup(
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*"],
         "report": ["matplotlib>=3.8"],
+        # Beam's DaskRunner: dask and distributed in the versions Beam supports (>=2024.4.2 for 2.77),
+        # for the runner tier of the tests (tests/test_runner_tier.py)
+        "runners": ["apache-beam[dask]==2.77.*"],
     },
     entry_points={"console_scripts": ["madp=madp.cli:main"]},
 )

@@ -3,26 +3,32 @@
 the composite `min_sep_sample.MinSepSample` (p calibrated in the graph), and writes the batch files
 and the run's summary, all in one pipeline run; `run_beam` is the driver of `madp batch --runner`.
 
-Elements are whole columnar partitions; arrays go through a `PartitionStore` under OUTPUT/_work/
-and only handles travel through the graph. The greedy sampler (Alg. 4) is sequential by
-definition and runs in the driver whatever the runner.
+Elements are whole columnar partitions (or the slices of them sent to another partition), keyed by
+partition: the runner carries the data. Workers touch files through Beam's `FileSystems` only: the
+selection's shards, the batch files, and the run's summary (`BatchSummary`, JSON) that the driver
+reads back. The greedy sampler (Alg. 4) is sequential by definition and runs in the driver whatever
+the runner.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from beam_pipelines.batch_join import record_partition_of, summary_value, user_partition_of
+from beam_pipelines import files
+from beam_pipelines.batch_join import record_partition_of, split_rows, summary_value, user_partition_of
 from beam_pipelines.min_sep_sample import MinSepSample, histogram_arrays
 from beam_pipelines.pipeline import (
     NAMESPACE,
-    by_kind,
     count,
     keeping_input_errors,
     madp_options,
@@ -31,7 +37,6 @@ from beam_pipelines.pipeline import (
     run,
 )
 from beam_pipelines.record_chunks import ReadRecords
-from beam_pipelines.store import PartitionStore, stack
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.errors import InputError
@@ -40,99 +45,182 @@ from madp.engines import batch_local, batch_report, batching
 
 log = logging.getLogger("madp.batch")
 WORK_DIR = "_work"
-SUMMARY = "summary.store"
+SUMMARY = "summary.json"
+INPUT_ERRORS = "input-errors"
 
 
-def _selection_table(path: str, store: PartitionStore) -> tuple[str, pa.Table]:
-    with keeping_input_errors(store.directory):  # a shard that cannot be read
-        return path, storage.read_parquet(path)
+@dataclasses.dataclass(frozen=True)
+class BatchSummary:
+    """What a `BatchPipeline` run tells its driver for the report. It travels as JSON, never pickle:
+    the file lies under OUTPUT, and a pickle planted there would run code in the driver."""
+
+    histogram: dict[int, int]  # units by |N(e)|
+    probability: float  # p, calibrated
+    content: dict[str, dict]  # the content columns' description
+    id_type: str  # the records' ids, as Arrow names their type ("int64", "string")
+    records: int  # selected records joined
+    files: list[dict]  # per batch file, in order: "written" (real rows per step), "truncated", "padding"
+    sampled_sizes: np.ndarray  # realized size of every sampled step (warm-up included), before truncation
+    participation: dict  # of the written rows' users (`batch_report.participation_stats`)
+    written_records: int  # distinct records in some batch file
+    rejects: rec.Rejects  # every row rejected: in reading, as a duplicated id, or for its content (skip)
+
+    @classmethod
+    def of(cls, values: Iterable[tuple[str, object]], sampled_steps: int) -> BatchSummary:
+        """The summary of the pipeline's (name, value) summary values."""
+        named: dict[str, list] = {}
+        for name, value in values:
+            named.setdefault(name, []).append(value)
+        return cls(
+            histogram=named["histogram"][0],
+            probability=named["probability"][0],
+            content=named["content"][0],
+            id_type=str(named["id_type"][0]),
+            records=sum(named.get("records", [])),
+            files=[counts for _, counts in sorted(named.get("file", []), key=lambda item: item[0])],
+            sampled_sizes=np.sum(named.get("sampled_sizes", [np.zeros(sampled_steps, np.int64)]), axis=0),
+            participation=batch_report.merge_participation_stats(named.get("participation", [])),
+            written_records=sum(named.get("written_records", [])),
+            rejects=named["rejects"][0],
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "histogram": [[int(size), int(units)] for size, units in self.histogram.items()],
+                "probability": self.probability,
+                "content": self.content,
+                "id_type": self.id_type,
+                "records": self.records,
+                "files": [
+                    {"written": f["written"].tolist(), "truncated": int(f["truncated"]), "padding": int(f["padding"])}
+                    for f in self.files
+                ],
+                "sampled_sizes": self.sampled_sizes.tolist(),
+                "participation": self.participation,
+                "written_records": self.written_records,
+                "rejects": self.rejects.to_jsonl(),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> BatchSummary:
+        fields = json.loads(text)
+        return cls(
+            histogram={int(size): int(units) for size, units in fields["histogram"]},
+            probability=float(fields["probability"]),
+            content=fields["content"],
+            id_type=fields["id_type"],
+            records=int(fields["records"]),
+            files=[{**f, "written": np.array(f["written"], dtype=np.int64)} for f in fields["files"]],
+            sampled_sizes=np.array(fields["sampled_sizes"], dtype=np.int64),
+            participation=fields["participation"],
+            written_records=int(fields["written_records"]),
+            rejects=rec.Rejects.from_jsonl(fields["rejects"]),
+        )
+
+
+def _write_summary(values: list[tuple[str, object]], path: str, sampled_steps: int) -> str:
+    files.write_bytes(path, BatchSummary.of(values, sampled_steps).to_json().encode())
+    return path
+
+
+def _selection_table(path: str, errors_dir: str | None) -> tuple[str, pa.Table]:
+    """A selection shard, read through Beam's FileSystems with its page checksums verified: a shard
+    that cannot be read (truncated, corrupted, missing) is an InputError naming it."""
+    with keeping_input_errors(errors_dir):
+        try:
+            return path, pq.read_table(pa.BufferReader(files.read_bytes(path)), page_checksum_verification=True)
+        except (pa.ArrowInvalid, OSError) as error:
+            raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenUsers:
+    """The (user, step) pairs of written rows, sent to the user's partition."""
+
+    users: np.ndarray
+    steps: np.ndarray
 
 
 @beam.typehints.with_input_types(tuple[int, batch_files.FileRows], dict)
 class _WriteFile(beam.DoFn):
     """Order, truncate, pad and write one batch file; written rows go on to the statistics."""
 
-    def __init__(self, output: str, options: batching.BatchOptions, partitions: int, store: PartitionStore):
-        self.output, self.options, self.partitions, self.store = output, options, partitions, store
+    def __init__(self, output: str, options: batching.BatchOptions, partitions: int):
+        self.output, self.options, self.partitions = output, options, partitions
 
     def process(self, element, content: dict):
         file, rows = element
-        files, steps = self.options.output_shards, self.options.steps
+        shards, steps = self.options.output_shards, self.options.steps
         result = batch_files.write_batch_file(
-            batch_files.batch_file_path(self.output, file, files),
+            batch_files.batch_file_path(self.output, file, shards),
             rows,
-            batch_files.step_range(file, steps, files),
+            batch_files.step_range(file, steps, shards),
             self.options.max_batch_size,
             batch_files.content_shapes(content),
+            write_whole=files.write_whole,
         )
         count("written_rows", int(result["written"].sum()))
         count("truncated_rows", result["truncated"])
         count("padding_rows", result["padding"])
         yield summary_value("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
         users, user_steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
-        for user_part, handle in self.store.write_split(
-            f"written-users-{file:05d}.store",
-            user_partition_of(users, self.partitions),
-            lambda mask: (users[mask], user_steps[mask]),
-        ):
-            yield beam.pvalue.TaggedOutput("users", (user_part, handle))
-        for record_part, handle in self.store.write_split(
-            f"written-records-{file:05d}.store",
-            record_partition_of(records, self.partitions),
-            lambda mask: records[mask],
-        ):
-            yield beam.pvalue.TaggedOutput("records", (record_part, handle))
+        for user_part, at in split_rows(user_partition_of(users, self.partitions)):
+            yield beam.pvalue.TaggedOutput("users", (user_part, WrittenUsers(users[at], user_steps[at])))
+        for record_part, at in split_rows(record_partition_of(records, self.partitions)):
+            yield beam.pvalue.TaggedOutput("records", (record_part, records[at]))
 
 
-def _participation(element, store: PartitionStore):
-    _, handles = element
-    pieces = store.gather(handles)
-    yield "participation", batch_report.participation_stats(stack(pieces, 0), stack(pieces, 1))
+def _participation(element: tuple[int, Iterable[WrittenUsers]]):
+    _, pieces = element
+    pieces = list(pieces)
+    users, steps = np.concatenate([p.users for p in pieces]), np.concatenate([p.steps for p in pieces])
+    yield "participation", batch_report.participation_stats(users, steps)
 
 
-def _written_records(element, store: PartitionStore):
-    _, handles = element
-    yield "written_records", len(np.unique(np.concatenate(store.gather(handles))))
+def _written_records(element: tuple[int, Iterable[np.ndarray]]):
+    _, keys = element
+    yield "written_records", len(np.unique(np.concatenate(list(keys))))
 
 
 @beam.typehints.with_input_types(tuple[int, batch_files.FileRows])
 class WriteBatchFiles(beam.PTransform):
-    """(batch file index, FileRows) -> the batch files under `output`; the statistics of what was
-    written (per file, participation over users, distinct records) as summary values."""
+    """(batch file index, FileRows) -> the batch files under `output`, written through Beam's
+    FileSystems; the statistics of what was written (per file, participation over users, distinct
+    records) as (name, value) summary values. `content` is the content's description (a singleton)."""
 
     def __init__(
         self,
         output: str,
         options: batching.BatchOptions,
         partitions: int,
-        store: PartitionStore,
         content: beam.PCollection,
     ):
         super().__init__()
-        self.output, self.options, self.partitions = output, options, partitions
-        self.store, self.content = store, content
+        self.output, self.options, self.partitions, self.content = output, options, partitions, content
 
     def expand(self, rows):
-        store = self.store
+        # users: (user partition, WrittenUsers); records: (record partition, record keys written)
         written = rows | "Write" >> beam.ParDo(
-            _WriteFile(self.output, self.options, self.partitions, store), beam.pvalue.AsSingleton(self.content)
+            _WriteFile(self.output, self.options, self.partitions), beam.pvalue.AsSingleton(self.content)
         ).with_outputs("users", "records", "stats", main="unused")
         participation = (
-            written.users
-            | "GroupWrittenUsers" >> beam.GroupByKey()
-            | "Participation" >> beam.FlatMap(_participation, store)
+            written.users | "GroupWrittenUsers" >> beam.GroupByKey() | "Participation" >> beam.FlatMap(_participation)
         )
         records = (
             written.records
             | "GroupWrittenRecords" >> beam.GroupByKey()
-            | "WrittenRecords" >> beam.FlatMap(_written_records, store)
+            | "WrittenRecords" >> beam.FlatMap(_written_records)
         )
         return (written.stats, participation, records) | "WrittenStats" >> beam.Flatten()
 
 
 class BatchPipeline(beam.PTransform):
-    """Read DATA and the selection, sample (MinSepSample), write the batch files, store the summary.
-    With `bound` (the selection's `batching.bound_graph`), DATA must be the graph it was bounded from."""
+    """Read DATA and the selection, sample (MinSepSample), write the batch files, and write the run's
+    summary (`BatchSummary`, JSON) to `summary` through FileSystems. With `bound` (the selection's
+    `batching.bound_graph`), DATA must be the graph it was bounded from. With `errors_dir`, an
+    InputError a step meets is kept there for the driver (`pipeline.run`)."""
 
     def __init__(
         self,
@@ -143,28 +231,33 @@ class BatchPipeline(beam.PTransform):
         content: tuple[str, ...],
         options: batching.BatchOptions,
         partitions: int,
-        store: PartitionStore,
+        summary: str,
         bound: batching.BoundGraph | None = None,
+        errors_dir: str | None = None,
     ):
         super().__init__()
         self.data_files, self.selection, self.data, self.output = data_files, selection, data, output
-        self.content, self.options, self.partitions, self.store = content, options, partitions, store
-        self.bound = bound
+        self.content, self.options, self.partitions, self.summary = content, options, partitions, summary
+        self.bound, self.errors_dir = bound, errors_dir
 
     def expand(self, pbegin):
-        store, partitions = self.store, self.partitions
+        partitions, errors_dir = self.partitions, self.errors_dir
         columns = self.options.columns if self.bound is None else self.bound.columns(self.options.columns)
-        chunks, read_rejects, _ = pbegin | "ReadRecords" >> ReadRecords(self.data_files, columns, store, self.content)
+        # (file index, RecordChunk with content)
+        chunks, read_rejects, _ = pbegin | "ReadRecords" >> ReadRecords(
+            self.data_files, columns, errors_dir, self.content
+        )
+        # (shard path, table of id and copies)
         selection = (
             pbegin
             | "ListSelection" >> beam.Create(self.selection)
-            | "ReadSelection" >> beam.Map(_selection_table, store)
+            | "ReadSelection" >> beam.Map(_selection_table, errors_dir)
         )
         sampled = (chunks, selection) | "MinSepSample" >> MinSepSample(
-            self.options, partitions, store, read_rejects, self.data, self.output, self.bound
+            self.options, partitions, read_rejects, self.data, self.output, self.bound, errors_dir
         )
         written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
-            self.output, self.options, partitions, store, sampled.content
+            self.output, self.options, partitions, sampled.content
         )
         rejects = (
             (read_rejects, sampled.rejects)
@@ -177,7 +270,7 @@ class BatchPipeline(beam.PTransform):
             (sampled.stats, written, rejects, content)
             | "Summary" >> beam.Flatten()
             | "CollectSummary" >> beam.combiners.ToList()
-            | "WriteSummary" >> beam.Map(lambda items: store.write_arrays(SUMMARY, items))
+            | "WriteSummary" >> beam.Map(_write_summary, self.summary, self.options.sampled_steps)
         )
 
 
@@ -210,27 +303,24 @@ def run_beam(
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
     batch_report.prepare_output(output)
-    store = PartitionStore(storage.join(work, uuid.uuid4().hex[:12]))
+    run_dir = storage.join(work, uuid.uuid4().hex[:12])
+    errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "Batch" >> BatchPipeline(
-        data_files, selection, data, output, content, options, partitions, store, bound
+        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir
     )
     try:
-        counters = run(pipeline, NAMESPACE, store.directory)
-        summary = by_kind(store.read_arrays(storage.join(store.directory, SUMMARY)))
-        rejects = summary["rejects"][0]
-        handle_rejects(rejects, options.on_invalid, output)
+        counters = run(pipeline, NAMESPACE, errors_dir)
+        summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
+        handle_rejects(summary.rejects, options.on_invalid, output)
     except InputError:
         batch_report.prepare_output(output)  # no batch file outlives an error
         storage.clear_directory(work)
         raise
-    probability = summary["probability"][0]
+    probability = summary.probability
     log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
-    sizes, counts = histogram_arrays(summary["histogram"][0])
-    described = summary["content"][0]
-    batch_files.write_schema(output, batching.schema(summary["id_type"][0], described, options))
-    records = sum(summary["records"])
-    files = [f for _, f in sorted(summary.get("file", []), key=lambda item: item[0])]
+    sizes, counts = histogram_arrays(summary.histogram)
+    batch_files.write_schema(output, batching.schema(pa.type_for_alias(summary.id_type), summary.content, options))
     sampled = batch_report.Sampled(
         np.zeros(0, np.int64),
         np.zeros(0, np.uint64),
@@ -247,12 +337,12 @@ def run_beam(
         output,
         sampled=sampled,
         units=int(counts.sum()),
-        records=records,
-        sampled_sizes=np.sum(summary.get("sampled_sizes", [np.zeros(options.sampled_steps, np.int64)]), axis=0),
-        files=files,
-        records_never_written=records - sum(summary.get("written_records", [])),
-        participation=batch_report.merge_participation_stats(summary.get("participation", [])),
-        rejects=rejects,
+        records=summary.records,
+        sampled_sizes=summary.sampled_sizes,
+        files=summary.files,
+        records_never_written=summary.records - summary.written_records,
+        participation=summary.participation,
+        rejects=summary.rejects,
         content_columns=list(content),
         started=started,
     )

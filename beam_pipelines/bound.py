@@ -1,10 +1,8 @@
-"""Contribution bounding as an Apache Beam pipeline: the `madp.core.bounding` kernels on partitions.
-
-Every element is a whole columnar partition, never a single record (`bound_build` builds them).
-Each round of Alg. 1 is unrolled in the graph as three shuffles of messages (`bound_rounds`).
-A pipeline run unrolls a block of rounds; the driver (`run_beam`) chains runs until the algorithm
-converges, carrying the partial selection, and starts a new pass over residual capacities for the
-with-duplicates variant.
+"""Contribution bounding as an Apache Beam pipeline, with its I/O: `BoundPipeline` reads the records,
+bounds them with the composite `bound_contributions.BoundContributions` and writes the selection
+shards, the rejected rows and the run's summary through Beam's FileSystems; `run_beam` is the driver
+of `madp bound --runner`. A typical graph finishes in one pipeline run (the rounds in the graph, then
+the local finish once little is left); otherwise the driver runs it again from where it stopped.
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.options.pipeline_options import StandardOptions
 
+from beam_pipelines import files
 from beam_pipelines.bound_contributions import BoundContributions
-from beam_pipelines.bound_rounds import SideStore, round_stat
+from beam_pipelines.bound_rounds import round_stat
 from beam_pipelines.pipeline import (
     NAMESPACE,
     keeping_input_errors,
@@ -32,10 +31,9 @@ from beam_pipelines.pipeline import (
     run,
 )
 from beam_pipelines.record_chunks import ReadRecords, RecordPartitions
-from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
 from madp.core import storage
-from madp.core.bounding import Rounds
+from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.core.selection import (
@@ -55,14 +53,23 @@ from madp.core.selection import (
 
 log = logging.getLogger("madp.bound")
 WORK_DIR = "_work"
+SUMMARY, REJECTED, CONTROL = "summary.json", "rejected.jsonl", "control"
 
 
 def _write_shard(element, output: str, shards: int):
     shard, tables = element
     table = pa.concat_tables(tables)
-    write_selection_shard(
-        shard_path(output, shard, shards), sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
-    )
+    selection = sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+    files.write_whole(shard_path(output, shard, shards), lambda handle: storage.parquet_to(handle, selection))
+
+
+def _summary_json(stats: list, control: Control) -> bytes:
+    return json.dumps({**dict(stats), CONTROL: dataclasses.asdict(control)}, sort_keys=True).encode()
+
+
+def _control_of(summary: dict) -> Control:
+    saved = summary[CONTROL]
+    return Control(**{**saved, "per_round": tuple(saved["per_round"])})
 
 
 def _aggregate_stats(element):
@@ -71,63 +78,69 @@ def _aggregate_stats(element):
 
 
 class BoundPipeline(beam.PTransform):
-    """Read records, build both sides, run `rounds` unrolled rounds, write selection and state."""
+    """Read records, bound them (from `control`, continuing from `resume_from` when set), write the
+    selection shards, the rejected rows and the summary (counts and the final Control) under `run_dir`."""
 
     def __init__(
         self,
-        files: list[str],
+        input_files: list[str],
         output: str,
         options: BoundOptions,
         partitions: int,
         rounds: int,
-        run_name: str,
-        continues: bool,
-        new_pass: bool,
+        local_finish_incidences: int,
+        capacities: Capacities | None,
+        control: Control,
+        run_dir: str,
+        resume_from: str | None,
     ):
         super().__init__()
-        self.files, self.output, self.options, self.partitions = files, output, options, partitions
-        self.rounds, self.run_name, self.continues, self.new_pass = rounds, run_name, continues, new_pass
+        self.input_files, self.output, self.options, self.partitions = input_files, output, options, partitions
+        self.rounds, self.threshold, self.capacities = rounds, local_finish_incidences, capacities
+        self.control, self.run_dir, self.resume_from = control, run_dir, resume_from
 
     def expand(self, pbegin):
-        work = storage.join(self.output, WORK_DIR)
-        store = SideStore(storage.join(work, self.run_name))
+        run_dir, errors = self.run_dir, files.FileSystems.join(self.run_dir, "input-errors")
         chunks, read_rejects, read_stats = pbegin | "ReadRecords" >> ReadRecords(
-            self.files, self.options.columns, store
+            self.input_files, self.options.columns, errors
         )
-        shards, rejects, stats = chunks | "BoundContributions" >> BoundContributions(
+        bound = chunks | "BoundContributions" >> BoundContributions(
             self.options,
             self.partitions,
             self.rounds,
-            store,
-            storage.join(work, "state"),
-            self.continues,
-            self.new_pass,
+            self.threshold,
+            self.capacities,
+            self.control,
+            self.resume_from,
+            files.FileSystems.join(run_dir, "state"),
             read_rejects,
             self.output,
+            errors,
         )
         _ = (
-            shards
+            bound.shards
             | "GroupShards" >> beam.GroupByKey()
             | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards)
         )
         _ = (
-            (read_rejects, rejects)
+            (read_rejects, bound.rejects)
             | "AllRejects" >> beam.Flatten()
             | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
             | "WriteRejects"
-            >> beam.Map(lambda r: storage.write_text(storage.join(work, "rejected.jsonl"), r.to_jsonl()))
+            >> beam.Map(lambda r: files.write_bytes(files.FileSystems.join(run_dir, REJECTED), r.to_jsonl().encode()))
         )
         return (
-            (read_stats, stats)
+            (read_stats, bound.stats)
             | "AllStats" >> beam.Flatten()
             | "GroupStats" >> beam.GroupByKey()
             | "AggregateStats" >> beam.Map(_aggregate_stats)
             | "CollectStats" >> beam.combiners.ToList()
             | "WriteSummary"
             >> beam.Map(
-                lambda stats: storage.write_text(
-                    storage.join(work, "summary.json"), json.dumps(dict(stats), sort_keys=True)
-                )
+                lambda stats, control: files.write_bytes(
+                    files.FileSystems.join(run_dir, SUMMARY), _summary_json(stats, control)
+                ),
+                beam.pvalue.AsSingleton(bound.control),
             )
         )
 
@@ -136,106 +149,113 @@ class GroupSizes(beam.PTransform):
     """--order alternate: records with at most u users and with more, counted as the bounding sees
     them (valid rows, duplicated ids rejected within their id partition), written to `path`."""
 
-    def __init__(self, files: list[str], options: BoundOptions, partitions: int, store: PartitionStore, path: str):
+    def __init__(self, input_files: list[str], options: BoundOptions, partitions: int, errors_dir: str, path: str):
         super().__init__()
-        self.files, self.options, self.partitions, self.store, self.path = files, options, partitions, store, path
+        self.input_files, self.options, self.partitions = input_files, options, partitions
+        self.errors_dir, self.path = errors_dir, path
 
     def expand(self, pbegin):
-        threshold, store, path = self.options.arity_threshold, self.store, self.path
-        chunks, _, _ = pbegin | "ReadRecords" >> ReadRecords(self.files, self.options.columns, store)
+        threshold, errors_dir, path = self.options.arity_threshold, self.errors_dir, self.path
+        chunks, _, _ = pbegin | "ReadRecords" >> ReadRecords(self.input_files, self.options.columns, errors_dir)
         return (
             chunks
-            | "RecordPartitions" >> RecordPartitions(self.partitions, store)
-            | "CountGroups" >> beam.MapTuple(lambda _, paths: _group_sizes(paths, store, threshold))
+            | "RecordPartitions" >> RecordPartitions(self.partitions)
+            | "CountGroups" >> beam.MapTuple(lambda _, chunks: _group_sizes(chunks, errors_dir, threshold))
             | "Total" >> beam.CombineGlobally(lambda sizes: tuple(map(sum, zip(*sizes))) if sizes else (0, 0))
-            | "WriteSizes" >> beam.Map(lambda sizes: storage.write_text(path, json.dumps(list(sizes))))
+            | "WriteSizes" >> beam.Map(lambda sizes: files.write_bytes(path, json.dumps(list(sizes)).encode()))
         )
 
 
-def _group_sizes(paths, store: PartitionStore, threshold: int) -> tuple[int, int]:
+def _group_sizes(chunks, errors_dir: str, threshold: int) -> tuple[int, int]:
     """A record partition's records with at most `threshold` users and with more."""
-    with keeping_input_errors(store.directory):  # ids of two types in two files
-        return group_sizes(merged_records(store, paths, rec.Rejects()).arity, threshold)
+    with keeping_input_errors(errors_dir):  # ids of two types in two files
+        return group_sizes(merged_records(chunks, rec.Rejects()).arity, threshold)
 
 
-def _count_groups(files: list[str], options: BoundOptions, partitions: int, beam_options, work: str) -> BoundOptions:
+def _count_groups(
+    input_files: list[str], options: BoundOptions, partitions: int, beam_options, run_dir: str
+) -> BoundOptions:
     """One pipeline run that counts the two groups of --order alternate (their sizes place the runs)."""
-    path = storage.join(work, "group-sizes.json")
+    path, errors_dir = storage.join(run_dir, "group-sizes.json"), storage.join(run_dir, "input-errors")
     pipeline = beam.Pipeline(options=beam_options)
-    store = PartitionStore(storage.join(work, "group-sizes"))
-    _ = pipeline | "CountGroups" >> GroupSizes(files, options, partitions, store, path)
-    run(pipeline, NAMESPACE, store.directory)
-    small, large = json.loads(storage.read_text(path))
+    _ = pipeline | "CountGroups" >> GroupSizes(input_files, options, partitions, errors_dir, path)
+    run(pipeline, NAMESPACE, errors_dir)
+    small, large = json.loads(files.read_bytes(path))
     log.info("--order alternate: %d records with at most %d users, %d with more", small, options.arity_threshold, large)
     return dataclasses.replace(options, group_sizes=(small, large))
 
 
+def _iterations(summary: dict, rounds: int) -> list[dict]:
+    """What each iteration of a pipeline run carried: the undecided incidences left after it, and the
+    bytes of arrays its steps sent through shuffles (state and messages)."""
+    return [
+        {
+            "iteration": index,
+            "active_incidences": summary[round_stat(index, "active_incidences")],
+            "shuffled_bytes": summary.get(round_stat(index, "shuffled_bytes"), 0),
+        }
+        for index in range(rounds + 1)
+        if round_stat(index, "active_incidences") in summary
+    ]
+
+
 def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> dict:
-    """`madp bound --runner <Beam runner>`: chain pipeline runs until the algorithm converges."""
+    """`madp bound --runner <Beam runner>`: pipeline runs until the algorithm is done (typically one)."""
     beam_options = pipeline_options(beam_args)
     ours = madp_options(beam_options)
-    partitions, rounds_per_pipeline = ours.partitions, ours.rounds_per_pipeline
     started = time.perf_counter()
-    files = rec.list_input_files(input_path)
-    if options.capacities:
-        read_capacities(options.capacities, options.max_contributions)  # fail fast on a bad file
+    input_files = rec.list_input_files(input_path)
+    capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
     prepare_output(output)
+    invocation = uuid.uuid4().hex[:12]  # a run's files never meet an earlier invocation's
     if options.order == "alternate":
-        options = _count_groups(files, options, partitions, beam_options, work)
-    rounds = Rounds(options.duplicates, options.max_rounds, started=started)
-    run_index, in_pass, new_pass, rejects = 0, False, False, None
-    counters: list[dict] = []
-    invocation = uuid.uuid4().hex[:12]
-    while True:
-        block = rounds.room(rounds_per_pipeline)
-        first = len(rounds.per_round) + 1
-        log.info(
-            "pipeline run %d: pass %d, rounds %d-%d",
-            run_index + 1,
-            rounds.passes + (not in_pass),
-            first,
-            first + block - 1,
+        options = _count_groups(
+            input_files, options, ours.partitions, beam_options, storage.join(work, f"{invocation}-groups")
         )
+    control, resume_from = Control(options.duplicates, options.max_rounds), None
+    runs: list[dict] = []
+    while True:
+        run_dir = storage.join(work, f"{invocation}-run-{len(runs):04d}")
+        log.info("pipeline run %d, from round %d", len(runs) + 1, len(control.per_round) + 1)
         pipeline = beam.Pipeline(options=beam_options)
-        # Unique per invocation: workers cache static arrays by path.
-        run_name = f"{invocation}-run-{run_index:04d}"
         _ = pipeline | "Bound" >> BoundPipeline(
-            files, output, options, partitions, block, run_name, run_index > 0, new_pass
+            input_files,
+            output,
+            options,
+            ours.partitions,
+            ours.rounds_per_pipeline,
+            ours.local_finish_incidences,
+            capacities,
+            control,
+            run_dir,
+            resume_from,
         )
         try:
-            counters.append(run(pipeline, NAMESPACE, storage.join(work, run_name)))
+            counters = run(pipeline, NAMESPACE, storage.join(run_dir, "input-errors"))
+            summary = json.loads(files.read_bytes(storage.join(run_dir, SUMMARY)))
+            if not runs:  # every run reads the same input: the first one's rejects are all of them
+                rejects = rec.Rejects.from_jsonl(files.read_bytes(storage.join(run_dir, REJECTED)).decode())
+                handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
         except InputError:
             prepare_output(output)  # no partial selection outlives an error
             storage.clear_directory(work)
             raise
-        summary = json.loads(storage.read_text(storage.join(work, "summary.json")))
-        if rejects is None:
-            rejects_file = storage.join(work, "rejected.jsonl")
-            rejects = rec.Rejects.from_jsonl(
-                storage.read_text(rejects_file) if storage.kind(rejects_file) == "file" else ""
-            )
-            handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
-        eligible = summary.get(round_stat(0, "eligible"), 0)
-        if not in_pass and not rounds.start_pass(eligible):
+        rounds_before, control = len(control.per_round), _control_of(summary)
+        control.log_rounds(rounds_before)
+        runs.append(
+            {
+                "iterations": _iterations(summary, ours.rounds_per_pipeline),
+                "finished_locally_incidences": summary.get("finished_locally_incidences"),
+                "beam_counters": counters,
+            }
+        )
+        if control.next == DONE:
             break
-        in_pass = True
-        for round_index in range(1, block + 1):
-            if eligible == 0:
-                break
-            eligible = summary[round_stat(round_index, "eligible")]
-            rounds.record(summary[round_stat(round_index, "selected")], eligible)
-        run_index, new_pass = run_index + 1, False
-        if eligible > 0:
-            if rounds.room(1):
-                continue
-            break
-        if not rounds.next_pass(eligible):
-            break
-        in_pass, new_pass = False, True
+        resume_from = storage.join(run_dir, "state")
     for shard in range(options.output_shards):
-        if storage.kind(shard_path(output, shard, options.output_shards)) == "missing":
+        if storage.kind(shard_path(output, shard, options.output_shards)) == "missing":  # no record at all
             write_selection_shard(
                 shard_path(output, shard, options.output_shards),
                 sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
@@ -255,13 +275,13 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         selected_records=summary.get("selected_records", 0),
         distinct_selected=summary.get("distinct_selected", 0),
         max_user_contribution=summary.get("max_user_contribution", 0),
-        rounds=len(rounds.per_round),
-        passes=rounds.passes,
-        converged=rounds.converged,
-        per_round=rounds.per_round,
-        partitions=partitions,
+        rounds=len(control.per_round),
+        passes=control.passes,
+        converged=control.converged,
+        per_round=list(control.per_round),
+        partitions=ours.partitions,
         histograms=histograms(summary),
-        beam_counters_per_run=counters,
+        pipeline_runs=runs,
         selection_files=selection_manifest(output, options.output_shards),
         wall_time_s=round(time.perf_counter() - started, 3),
     )

@@ -1,44 +1,93 @@
-"""Building both sides of Alg. 1 on partitions, as Beam steps.
+"""Building both sides of Alg. 1 on partitions, as Beam steps; the data travels as elements.
 
-Records are split into record partitions (by id hash) and user partitions (by user hash). A record
-partition holds its records' keys and selection; a user partition holds its users' incidences, the
-records' preference keys, and for routing which user partitions each record's other users are in.
+Records are grouped into record partitions by id hash, so that duplicated ids meet and are rejected.
+A record partition keeps its records' ids for the end (`RecordPartition`, the selection is joined to
+it after the rounds) and sends each incidence to the user partition of its user (by user hash), as
+one `Incidences` batch per user partition. A user partition (`bound_rounds.UserPartition`) sorts its
+users' incidences by preference, matches their capacities, and keeps per record what routing needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from beam_pipelines.bound_rounds import RecordState, SideStore, keep
+from beam_pipelines import files
+from beam_pipelines.bound_rounds import NO_USERS, UserPartition, round_stat
 from beam_pipelines.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
 from beam_pipelines.record_chunks import RecordPartitions
-from beam_pipelines.store import PartitionStore
 from madp.core import records as rec
-from madp.core import storage
 from madp.core.bounding import Capacities, build_user_side, preference_keys
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
-from madp.core.routing import distinct_partitions, owned, partition_bits
-from madp.core.selection import BoundOptions, alternate_runs, read_capacities
+from madp.core.routing import distinct_partitions, take_csr
+from madp.core.selection import BoundOptions, alternate_runs, user_distribution_stats
+
+
+@dataclasses.dataclass
+class RecordPartition:
+    """A record partition's records (keys sorted) and the selection of earlier pipeline runs."""
+
+    part: int
+    keys: np.ndarray
+    ids: pa.Array
+    arity: np.ndarray
+    copies: np.ndarray  # selected so far
+    in_pass: np.ndarray  # selected in the pass in progress
+
+
+@dataclasses.dataclass
+class Incidences:
+    """A record partition's incidences bound for one user partition: per incidence its user and
+    record (an index into the per-record arrays), per record what the user partition keeps."""
+
+    users: pa.Array
+    record: np.ndarray
+    record_keys: np.ndarray
+    arity: np.ndarray
+    primary: np.ndarray
+    tie: np.ndarray
+    record_partition: int
+    peer_offsets: np.ndarray  # CSR per record: the distinct user partitions of its users, ascending
+    peers: np.ndarray
+    copies: np.ndarray
+    in_pass: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(value.nbytes for value in vars(self).values() if isinstance(value, (np.ndarray, pa.Array)))
+
+
+def state_path(state_dir: str, part: int) -> str:
+    """Where a pipeline run leaves a record partition's selection for the next run to continue from."""
+    return files.FileSystems.join(state_dir, f"state-{part:05d}.parquet")
+
+
+def _saved_selection(state_dir: str, part: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    table = pq.read_table(pa.BufferReader(files.read_bytes(state_path(state_dir, part))))
+    if not np.array_equal(table["key"].to_numpy(), keys):
+        raise RuntimeError(f"record partition {part}: the input changed between pipeline runs")
+    return table["copies"].to_numpy().astype(np.int64), table["in_pass"].to_numpy(zero_copy_only=False)
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
 class _BuildRecordPartition(beam.DoFn):
-    """Merge a record partition's chunks, reject duplicated ids, attach the partial selection."""
+    """Merge a record partition's chunks, reject duplicated ids, attach the saved selection; send
+    each incidence to its user partition."""
 
-    def __init__(self, options: BoundOptions, partitions: int, store: SideStore, state_dir: str | None, new_pass: bool):
-        self.options, self.partitions, self.store = options, partitions, store
-        self.state_dir, self.new_pass = state_dir, new_pass
+    def __init__(self, options: BoundOptions, partitions: int, resume_from: str | None, errors_dir: str | None):
+        self.options, self.partitions, self.resume_from, self.errors_dir = options, partitions, resume_from, errors_dir
 
     @keeps_input_errors
     def process(self, element):
-        part, paths = element
+        part, chunks = element
         rejects = rec.Rejects()
-        chunk = merged_records(self.store, paths, rejects)
+        chunk = merged_records(chunks, rejects)
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
             yield stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))
@@ -46,52 +95,42 @@ class _BuildRecordPartition(beam.DoFn):
         # The bounded graph's digest, summed over partitions like the counts (no Beam counter: not a count).
         for name, value in graph_digest(chunk.ids, chunk.offsets, chunk.users).to_counts().items():
             yield beam.pvalue.TaggedOutput("stats", (name, value))
-        n = len(chunk)
+        n, arity = len(chunk), chunk.arity
         copies, in_pass = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
-        if self.state_dir:
-            saved = PartitionStore.read_arrays(storage.join(self.state_dir, f"state-{part:05d}.store"))
-            if not np.array_equal(saved["keys"], chunk.keys):
-                raise RuntimeError(f"partition {part}: input changed between pipeline runs")
-            copies, in_pass = saved["copies"], saved["in_pass"] & (not self.new_pass)
-        arity = chunk.arity
-        keys = preference_keys(
+        if self.resume_from is not None:
+            copies, in_pass = _saved_selection(self.resume_from, part, chunk.keys)
+        yield part, RecordPartition(part, chunk.keys, chunk.ids, arity, copies, in_pass)
+        primary, tie = preference_keys(
             chunk.ids, arity, self.options.order, self.options.seed, chunk.weights, alternate_runs(self.options)
         )
-        user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else np.zeros(0, np.int64)
+        user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else NO_USERS
+        peer_offsets, peers = distinct_partitions(arity, user_partition, self.partitions)
         record_of_incidence = np.repeat(np.arange(n), arity)
-        offsets, user_partitions = distinct_partitions(arity, user_partition, self.partitions)
-        self.store.write_arrays(f"records-{part:05d}-ids.store", {"ids": chunk.ids})
-        state = RecordState(
-            keys=chunk.keys,
-            arity=arity,
-            user_partition_offsets=offsets,
-            user_partitions=user_partitions,
-            copies=copies,
-            in_pass=in_pass,
-        )
-        yield keep(part, self.store.create("records", part, state))
-        coowners = partition_bits(np.repeat(np.arange(n), np.diff(offsets)), user_partitions, n, self.partitions)
-        slices = {}
         for user_part in np.unique(user_partition):
             mine = user_partition == user_part
-            records = record_of_incidence[mine]
-            slices[int(user_part)] = {
-                "users": chunk.users.filter(pa.array(mine)),
-                "record_keys": chunk.keys[records],
-                "order": tuple(k[records] for k in keys),
-                "record_partition": part,
-                "coowners": coowners[records],
-                "selection": (copies[records], in_pass[records]) if self.state_dir else None,
-            }
-        for user_part, where in self.store.write_slices(f"incidences-from-records{part:05d}.store", slices).items():
-            yield beam.pvalue.TaggedOutput("incidences", (user_part, where))
+            records, record = np.unique(record_of_incidence[mine], return_inverse=True)
+            offsets, their_peers = take_csr(peer_offsets, peers.astype(np.int32), records)
+            incidences = Incidences(
+                users=chunk.users.filter(pa.array(mine)),
+                record=record.astype(np.int64),
+                record_keys=chunk.keys[records],
+                arity=arity[records].astype(np.int32),
+                primary=primary[records],
+                tie=tie[records],
+                record_partition=part,
+                peer_offsets=offsets,
+                peers=their_peers,
+                copies=copies[records],
+                in_pass=in_pass[records],
+            )
+            yield stat(round_stat(0, "shuffled_bytes"), incidences.nbytes)
+            yield beam.pvalue.TaggedOutput("incidences", (int(user_part), incidences))
 
 
-def _split_capacities(path: str, default: int, partitions: int):
+def _split_capacities(capacities: Capacities, partitions: int):
     """Each capacity to the user partition of every user id it can match: its own typed id, or for a
     CSV text id both the string and (if it writes one canonically) the integer; the partition matches
     it to its users exactly (`Capacities.typed_as`)."""
-    capacities = read_capacities(path, default)
     user_ids, values = capacities.listed
     routes = [user_ids]
     if capacities.text_ids:
@@ -105,7 +144,7 @@ def _split_capacities(path: str, default: int, partitions: int):
         yield (
             part,
             Capacities(
-                default,
+                capacities.default,
                 user_ids.filter(pa.array(mine[part])),
                 values[mine[part]],
                 capacities.text_ids,
@@ -113,69 +152,89 @@ def _split_capacities(path: str, default: int, partitions: int):
         )
 
 
-def _build_user_partition(element, default: int, store: SideStore):
-    with keeping_input_errors(store.directory):  # a capacity of the wrong id type
+def _concat_csr(batches: list[Incidences]) -> tuple[np.ndarray, np.ndarray]:
+    base = np.cumsum([0] + [len(b.peers) for b in batches[:-1]])
+    offsets = np.concatenate([[0]] + [b.peer_offsets[1:] + start for b, start in zip(batches, base)])
+    return offsets.astype(np.int64), np.concatenate([b.peers for b in batches])
+
+
+def build_user_partition(part: int, batches: list[Incidences], capacities: Capacities) -> UserPartition:
+    """A user partition from the incidences its record partitions sent (each record comes from one)."""
+    batches = sorted(batches, key=lambda b: b.record_partition)  # whatever order the runner delivered them in
+    record_keys = np.concatenate([b.record_keys for b in batches])
+    order = np.argsort(record_keys)
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    base = np.cumsum([0] + [len(b.record_keys) for b in batches[:-1]])
+    per_record = lambda field: np.concatenate([getattr(b, field) for b in batches])[order]  # noqa: E731
+    side = build_user_side(
+        pa.concat_arrays([b.users for b in batches]),
+        rank[np.concatenate([b.record + start for b, start in zip(batches, base)])],
+        record_keys[order],
+        (per_record("primary"), per_record("tie")),
+        capacities,
+        per_record("copies"),
+        per_record("in_pass"),
+    )
+    record_partition = np.concatenate([np.full(len(b.record_keys), b.record_partition, np.int32) for b in batches])
+    peer_offsets, peers = take_csr(*_concat_csr(batches), order)
+    return UserPartition(part, side, per_record("arity"), record_partition[order], peer_offsets, peers)
+
+
+def _build_user_partition(element, default: int, errors_dir: str | None):
+    with keeping_input_errors(errors_dir):  # a capacity of the wrong id type
         part, grouped = element
-        if not grouped["incidences"]:
-            return  # capacities listed for users of no record
-        chunks = [store.read_slice(where) for where in grouped["incidences"]]
-        capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
-        record_keys, first, inc_record = np.unique(
-            np.concatenate([c["record_keys"] for c in chunks]), return_index=True, return_inverse=True
-        )
-        per_record = lambda values: np.concatenate(values)[first]  # noqa: E731
-        order = (per_record([c["order"][0] for c in chunks]), per_record([c["order"][1] for c in chunks]))
-        record_partition = per_record([np.full(len(c["record_keys"]), c["record_partition"]) for c in chunks])
-        if chunks[0]["selection"] is None:
-            copies, in_pass = np.zeros(len(record_keys), np.int64), np.zeros(len(record_keys), bool)
-        else:
-            copies, in_pass = (per_record([c["selection"][i] for c in chunks]) for i in range(2))
-        side = build_user_side(
-            pa.concat_arrays([c["users"] for c in chunks]),
-            inc_record.astype(np.int64),
-            record_keys,
-            order,
-            capacities,
-            copies,
-            in_pass,
-        )
-        coowners = per_record([c["coowners"] for c in chunks])
-        owner = owned(coowners, part)
-        routing = store.write_arrays(
-            f"users-{part:05d}-routing.store",
-            {"record_partition": record_partition, "coowners": coowners, "owner": owner},
-        )
-        yield keep(part, (*store.create("users", part, side), routing))
+        if grouped["incidences"]:  # else capacities listed for users of no record
+            capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
+            state = build_user_partition(part, list(grouped["incidences"]), capacities)
+            degree = np.bincount(state.side.inc_user, minlength=len(state.side.residual))
+            yield beam.pvalue.TaggedOutput("counts", ("eligible", int(state.owned().sum())))
+            yield beam.pvalue.TaggedOutput("counts", ("active", len(state.side.inc_record)))
+            yield stat("input_users", len(degree))
+            yield stat(round_stat(0, "active_incidences"), len(state.side.inc_record))
+            for name, value in user_distribution_stats(degree, NO_USERS).items():
+                yield beam.pvalue.TaggedOutput("stats", (name, value))
+            yield part, state.packed()
 
 
 @beam.typehints.with_input_types(Chunk)
 class BuildSides(beam.PTransform):
-    """(file index, RecordChunk) -> both sides' partitions (handles), with the partial selection of
-    `state_dir` when a pipeline run continues the algorithm; rejected duplicated ids, and counts."""
+    """(file index, RecordChunk) -> user partitions (user partition, packed UserPartition), record partitions
+    (record partition, RecordPartition), rejected duplicated ids, the state's counts ("eligible"
+    records, "active" incidences) and stats; with the selection that an earlier pipeline run left in
+    `resume_from` when this run continues the algorithm."""
 
-    def __init__(self, options: BoundOptions, partitions: int, store: SideStore, state_dir: str | None, new_pass: bool):
+    def __init__(
+        self,
+        options: BoundOptions,
+        partitions: int,
+        capacities: Capacities | None,
+        resume_from: str | None,
+        errors_dir: str | None,
+    ):
         super().__init__()
-        self.options, self.partitions, self.store = options, partitions, store
-        self.state_dir, self.new_pass = state_dir, new_pass
+        self.options, self.partitions, self.capacities = options, partitions, capacities
+        self.resume_from, self.errors_dir = resume_from, errors_dir
 
     def expand(self, chunks):
-        options, partitions, store = self.options, self.partitions, self.store
+        options, partitions = self.options, self.partitions
         built = (
             chunks
-            | "RecordPartitions" >> RecordPartitions(partitions, store)
+            | "RecordPartitions" >> RecordPartitions(partitions)
             | "BuildRecordPartitions"
-            >> beam.ParDo(
-                _BuildRecordPartition(options, partitions, store, self.state_dir, self.new_pass)
-            ).with_outputs("incidences", "rejects", "stats", main="records")
+            >> beam.ParDo(_BuildRecordPartition(options, partitions, self.resume_from, self.errors_dir)).with_outputs(
+                "incidences", "rejects", "stats", main="records"
+            )
         )
-        capacities = (
-            chunks.pipeline
-            | "CapacitiesFile" >> beam.Create([options.capacities] if options.capacities else [])
-            | "SplitCapacities" >> beam.FlatMap(_split_capacities, options.max_contributions, partitions)
-        )
+        listed = [] if self.capacities is None else list(_split_capacities(self.capacities, partitions))
+        capacities = chunks.pipeline | "Capacities" >> beam.Create(listed)
         users = (
             {"incidences": built.incidences, "capacities": capacities}
             | "GroupUserPartitions" >> beam.CoGroupByKey()
-            | "BuildUserPartitions" >> beam.FlatMap(_build_user_partition, options.max_contributions, store)
+            | "BuildUserPartitions"
+            >> beam.FlatMap(_build_user_partition, options.max_contributions, self.errors_dir).with_outputs(
+                "counts", "stats", main="users"
+            )
         )
-        return users, built.records, built.rejects, built.stats
+        stats = (built.stats, users.stats) | "BuildStats" >> beam.Flatten()
+        return users.users, built.records, built.rejects, users.counts, stats

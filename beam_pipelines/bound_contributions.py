@@ -1,112 +1,166 @@
 """Contribution bounding on Beam as one composite transform: records in, their selection out.
 
 `BoundContributions` takes (file index, RecordChunk) elements, as `record_chunks.ReadRecords` or
-`record_reading.read_file` make them, and gives (output shard, table of id and copies) elements, the
-rejected duplicated ids and the counts. It unrolls `rounds` rounds of Alg. 1 (one pass over the
-capacities); a record still undecided after them is not selected, so the bound holds whatever
-`rounds` is, and the counts say how many were left (`round_{rounds}_eligible`). Under `--on-invalid
-error` a duplicated id, or a row of `rejected_before` (rows dropped upstream, as in reading), stops
-the run before the first round. Its partition state lives in a `SideStore` whose directory every
-worker reaches.
+`record_reading.read_file` make them (file indices must differ between chunks), and gives a
+`BoundSelection`: (output shard, table of id and copies) elements, the rejected duplicated ids, the
+counts, and the final `bounding.Control` (one element: rounds, passes, whether it converged). All
+state travels through the graph as elements (`bound_build`, `bound_rounds`); a step writes no file
+but the continuation below.
 
-A pipeline of one's own embeds it as it is. `madp bound` (`beam_pipelines.bound`) adds the I/O and
-chains runs of it, each continuing from the last one's saved selection, until the algorithm converges,
-with further passes for `--duplicates`.
+It unrolls `rounds` iterations of Alg. 1 (a round, or a pass start with `--duplicates`); once the
+undecided incidences left number at most `local_finish_incidences`, one worker finishes them with the
+local kernels. Should neither happen within the iterations, the selection made so far is written
+under `state_dir` through Beam's FileSystems and the Control says what is left (`next` is not
+"done"): `madp bound` (`beam_pipelines.bound`) then runs the pipeline again from there, with that
+Control and `resume_from` the last run's `state_dir`. The bound holds whatever happens: a record
+still undecided is not selected. Under `--on-invalid error`, a duplicated id or a row of
+`rejected_before` (rows dropped upstream, as in reading) stops the run before the first round.
 """
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-from apache_beam.metrics import Metrics
 
-from beam_pipelines.bound_build import BuildSides
-from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore
-from beam_pipelines.pipeline import NAMESPACE, Chunk, StopOnInvalidRows, stat
-from beam_pipelines.store import PartitionStore
+from beam_pipelines import files
+from beam_pipelines.bound_build import BuildSides, state_path
+from beam_pipelines.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
+from beam_pipelines.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
 from madp.core import storage
+from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
-from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards, user_distribution_stats
+from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards
+
+RECORDS, SELECTED = "records", "selected"
 
 
-@beam.typehints.with_input_types(Chunk)
-class BoundContributions(beam.PTransform):
-    """(file index, RecordChunk) -> (output shard, selection table); rejected duplicated ids; (name, count)."""
-
-    def __init__(
-        self,
-        options: BoundOptions,
-        partitions: int,
-        rounds: int,
-        store: SideStore,
-        state_dir: str | None = None,
-        continues: bool = False,
-        new_pass: bool = False,
-        rejected_before: beam.PCollection | None = None,
-        output: str = "OUTPUT",
-    ):
-        super().__init__()
-        if options.order == "alternate" and options.group_sizes is None:
-            raise InputError("--order alternate needs the sizes of its two groups first (BoundOptions.group_sizes)")
-        self.options, self.partitions, self.rounds, self.store = options, partitions, rounds, store
-        self.state_dir, self.continues, self.new_pass = state_dir, continues, new_pass
-        self.rejected_before, self.output = rejected_before, output
-
-    def expand(self, chunks):
-        store = self.store
-        restore = self.state_dir if self.continues else None
-        users, records, rejects, build_stats = chunks | "BuildSides" >> BuildSides(
-            self.options, self.partitions, store, restore, self.new_pass
-        )
-        if self.options.on_invalid == "error":  # before any round; the users' handles are small
-            earlier = () if self.rejected_before is None else (self.rejected_before,)
-            users = users | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, store.directory)
-        no_messages = chunks.pipeline | "NoAcceptedYet" >> beam.Create([])
-        users, setup_stats = (users, no_messages) | "SaturateInitially" >> Saturate(store, 0)
-        stats = [build_stats, setup_stats]
-        for round_index in range(1, self.rounds + 1):
-            users, records, round_stats = (users, records) | f"Round{round_index}" >> ProposalRound(store, round_index)
-            stats.extend(round_stats)
-        stats.append(users | "UserStats" >> beam.FlatMap(_user_stats, store))
-        finished = records | "FinishRecords" >> beam.ParDo(
-            _FinishRecords(store, self.state_dir, self.options.output_shards)
-        ).with_outputs("stats", main="shards")
-        stats.append(finished.stats)
-        return finished.shards, rejects, tuple(stats) | "AllStats" >> beam.Flatten()
+class BoundSelection(typing.NamedTuple):
+    shards: beam.PCollection  # (output shard, table of id and copies), every shard at least once; none until done
+    rejects: beam.PCollection  # Rejects of duplicated ids
+    stats: beam.PCollection  # (name, count): summed over elements, "max_" ones maxed
+    control: beam.PCollection  # one bounding.Control: the algorithm's rounds and what is left
 
 
 @beam.typehints.with_output_types(tuple[int, pa.Table])
 class _FinishRecords(beam.DoFn):
-    """Emit selection shards and counts; save the partial selection for a following pipeline run."""
+    """A record partition's selection: its records' copies from the selections of every round; its
+    shards of the output, its counts, and (when the algorithm is not done) the selection so far for
+    the next pipeline run."""
 
-    def __init__(self, store: SideStore, state_dir: str | None, shards: int):
-        self.store, self.state_dir, self.shards = store, state_dir, shards
+    def __init__(self, shards: int, state_dir: str | None, passes_at_start: int):
+        self.shards, self.state_dir, self.passes_at_start = shards, state_dir, passes_at_start
 
-    def process(self, element):
-        part, (_, handle) = element
-        state = self.store.load("records", handle)
-        if self.state_dir is not None:
-            PartitionStore(self.state_dir).write_arrays(
-                f"state-{part:05d}.store", {"keys": state.keys, "copies": state.copies, "in_pass": state.in_pass}
-            )
-        yield stat("selected_records", state.copies.sum())
-        yield stat("distinct_selected", (state.copies > 0).sum())
-        for name, count in record_distribution_stats(state.arity, state.copies).items():
+    def process(self, element, control: Control):
+        part, values = element
+        grouped = by_kind(values)
+        (records,) = grouped[RECORDS]
+        copies, in_pass = records.copies.copy(), records.in_pass & (control.passes == self.passes_at_start)
+        for keys, passes in grouped.get(SELECTED, []):
+            where = np.searchsorted(records.keys, keys)
+            copies[where] += 1
+            if passes == control.passes:
+                in_pass[where] = True
+        if control.next != DONE and self.state_dir is not None:
+            table = pa.table({"key": records.keys, "copies": copies, "in_pass": in_pass})
+            files.write_whole(state_path(self.state_dir, part), lambda handle: storage.parquet_to(handle, table))
+        yield stat("selected_records", copies.sum())
+        yield stat("distinct_selected", (copies > 0).sum())
+        for name, count in record_distribution_stats(records.arity, copies).items():
             yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
-        selected = state.copies > 0
-        ids = self.store.read_arrays(storage.join(self.store.directory, f"records-{part:05d}-ids.store"))["ids"]
-        # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
-        yield from selection_shards(ids.filter(pa.array(selected)), state.copies[selected], self.shards).items()
+        if control.next == DONE:  # else the next pipeline run writes the selection
+            selected = copies > 0
+            # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
+            yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], self.shards).items()
 
 
-def _user_stats(element, store: SideStore):
-    _, (_, handle) = element
-    side = store.load("users", handle)
-    Metrics.counter(NAMESPACE, "input_users").inc(len(side.residual))
-    Metrics.distribution(NAMESPACE, "user_contribution").update(int(side.contribution.max(initial=0)))
-    yield "input_users", len(side.residual)
-    yield "max_user_contribution", int(side.contribution.max(initial=0))
-    yield from user_distribution_stats(
-        np.bincount(side.inc_user, minlength=len(side.residual)), side.contribution
-    ).items()
+def _one(controls) -> Control:
+    (control,) = list(controls)
+    return control
+
+
+@beam.typehints.with_input_types(Chunk)
+class BoundContributions(beam.PTransform):
+    """(file index, RecordChunk) -> BoundSelection; see the module's description for the contract.
+
+    Example, in a pipeline of one's own::
+
+        chunks, read_rejects, _ = pipeline | ReadRecords(paths, Columns())
+        bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
+        _ = bound.shards | beam.MapTuple(my_writer)
+    """
+
+    def __init__(
+        self,
+        options: BoundOptions,
+        partitions: int = 64,
+        rounds: int = 10,
+        local_finish_incidences: int = 2_000_000,
+        capacities: Capacities | None = None,
+        control: Control | None = None,
+        resume_from: str | None = None,
+        state_dir: str | None = None,
+        rejected_before: beam.PCollection | None = None,
+        output: str = "OUTPUT",
+        errors_dir: str | None = None,
+    ):
+        super().__init__()
+        if options.order == "alternate" and options.group_sizes is None:
+            raise InputError("--order alternate needs the sizes of its two groups first (BoundOptions.group_sizes)")
+        self.options, self.partitions, self.rounds = options, partitions, rounds
+        self.threshold, self.capacities = local_finish_incidences, capacities
+        self.control = control or Control(options.duplicates, options.max_rounds)
+        self.resume_from, self.state_dir = resume_from, state_dir
+        self.rejected_before, self.output, self.errors_dir = rejected_before, output, errors_dir
+
+    def expand(self, chunks) -> BoundSelection:
+        users, records, rejects, counts, build_stats = chunks | "BuildSides" >> BuildSides(
+            self.options,
+            self.partitions,
+            self.capacities,
+            self.resume_from,
+            self.errors_dir,
+        )
+        # One Progress: where the algorithm starts; every later step reads it, so a gate on it stops the run.
+        start = chunks.pipeline | "Start" >> beam.Create([Progress(self.control, -1)])
+        if self.options.on_invalid == "error":  # before any round
+            earlier = () if self.rejected_before is None else (self.rejected_before,)
+            start = start | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, self.errors_dir)
+        saturate = self.capacities is not None or self.resume_from is not None
+        users, progress, first_stats = (users, counts, start) | "FirstSaturation" >> FirstSaturation(
+            self.control, self.threshold, saturate
+        )
+        selections, handed, stats = [], [], [build_stats, first_stats]
+        for iteration in range(1, self.rounds + 1):
+            users, progress, selected, finish, iteration_stats = (users, progress) | f"Round{iteration}" >> Iteration(
+                iteration, self.options.duplicates, self.threshold
+            )
+            selections.append(selected)
+            handed.append(finish)
+            stats.append(iteration_stats)
+        finish, last_stats = (users, progress) | "AfterLastRound" >> AfterLastRound()
+        stats.append(last_stats)
+        finished, controls, finish_stats = progress | "FinishLocally" >> FinishLocally((*handed, finish))
+        stats.append(finish_stats)
+        control = controls | "FinalControl" >> beam.CombineGlobally(_one).without_defaults()
+        # (record partition, (RECORDS, RecordPartition) or (SELECTED, (keys, pass)))
+        tagged: list[Any] = [records | "TagRecords" >> beam.MapTuple(lambda part, r: (part, (RECORDS, r)))]
+        tagged.extend(
+            selected | f"TagSelected{index}" >> beam.MapTuple(lambda part, s: (part, (SELECTED, s)))
+            for index, selected in enumerate([*selections, finished])
+        )
+        joined = (
+            tagged
+            | "MeetSelections" >> beam.Flatten()
+            | "JoinSelections" >> beam.GroupByKey()
+            | "FinishRecords"
+            >> beam.ParDo(
+                _FinishRecords(self.options.output_shards, self.state_dir, self.control.passes),
+                beam.pvalue.AsSingleton(control),
+            ).with_outputs("stats", main="shards")
+        )
+        stats.append(joined.stats)
+        return BoundSelection(joined.shards, rejects, tuple(stats) | "AllStats" >> beam.Flatten(), control)

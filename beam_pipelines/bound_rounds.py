@@ -1,71 +1,232 @@
-"""One round of Alg. 1 on partitions, as Beam steps: the state of both sides and the messages
-between them.
+"""The steps of Alg. 1 on user partitions, as Beam transforms: each user partition's state travels
+through the graph as one element, and only what can still change travels on.
 
-  users --proposals--> records --accepted--> users --dead--> co-owners' user partitions
+  iteration i:  users --proposals--> records --accepted--> users --dead--> co-owners' user partitions
 
-A partition's state stays in a `SideStore`; its handle travels through the graph, joined at each
-step with the messages (record keys) sent to the partition.
+A user partition (`UserPartition`) holds its users' incidences in preference order and, per record,
+what routing needs. The record side keeps no state during the rounds: a proposal carries the record's
+arity, so a record partition only counts proposals. After each iteration, every partition drops the
+incidences of decided records (selected, or dead because a user saturated) and the users left with
+none (`UserPartition.compacted`), so the state of later rounds holds only undecided incidences.
+
+One `Progress` value per iteration (a singleton PCollection, side input of the next iteration) carries
+the shared control flow (`bounding.Control`) and decides when what is left is small enough for one
+worker: from there the local kernels finish it in one keyed step (`FinishLocally`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import typing
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 
 from beam_pipelines.pipeline import by_kind, stat
-from beam_pipelines.store import PartitionStore, read_static
-from madp.core.bounding import UserSide, consume, local_mask, propose, retire, unanimous
-from madp.core.routing import csr_rows, set_bits, split_by_partition
+from madp.core.bounding import (
+    DONE,
+    ROUND,
+    START_PASS,
+    Control,
+    UserSide,
+    compact,
+    consume,
+    local_mask,
+    merge_sides,
+    propose,
+    retire,
+    run_steps,
+)
+from madp.core.routing import csr_rows, split_by_partition, take_csr
+from madp.core.selection import user_distribution_stats
 
-STATE = "state"
+STATE, ACCEPTED, DEAD, PROGRESS = "state", "accepted", "dead", "progress"
+NO_USERS = np.zeros(0, np.int64)
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordState:
-    """A record partition's side of the algorithm (keys sorted)."""
+def round_stat(iteration: int, what: str) -> str:
+    return f"round_{iteration:05d}_{what}"
 
-    keys: np.ndarray
+
+@dataclasses.dataclass
+class UserPartition:
+    """A user partition's part of the algorithm: its users' incidences (`side`) and, per record of
+    `side.record_keys`, its number of users, its record partition, and (CSR, ascending) the user
+    partitions its users are in (to tell them of its death; the lowest one counts it)."""
+
+    part: int
+    side: UserSide
     arity: np.ndarray
-    user_partition_offsets: np.ndarray  # CSR: distinct user partitions of each record
-    user_partitions: np.ndarray
-    copies: np.ndarray
-    in_pass: np.ndarray
+    record_partition: np.ndarray
+    peer_offsets: np.ndarray
+    peers: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of arrays the runner carries for it (its compact form)."""
+        return sum(value.nbytes for value in self.__getstate__().values() if isinstance(value, np.ndarray))
+
+    def __getstate__(self) -> dict:
+        """The compact form the runner carries (Beam pickles elements it has no coder for): what the
+        kernels derive again is left out (each incidence's user, from the users' incidence counts),
+        positions and counts take 32 bits (a partition holds fewer than 2^31 incidences), flags 1 bit."""
+        side = self.side
+        return {
+            "part": self.part,
+            "user_incidences": np.diff(np.append(side.first_incidence, len(side.inc_user))).astype(np.int32),
+            "inc_record": side.inc_record.astype(np.int32),
+            "record_keys": side.record_keys,
+            "residual": side.residual,
+            "capacity": side.capacity,
+            "eligible": np.packbits(side.eligible),
+            "arity": self.arity.astype(np.int32),
+            "record_partition": self.record_partition.astype(np.int32),
+            "peer_counts": np.diff(self.peer_offsets).astype(np.int32),
+            "peers": self.peers.astype(np.int32),
+        }
+
+    def packed(self) -> bytes:
+        """The compact form as one bytes value, as partitions travel between steps: a runner groups
+        bytes without decoding them, where it would unpickle and pickle an object at every grouping."""
+        return pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def unpacked(data: bytes) -> UserPartition:
+        partition = UserPartition.__new__(UserPartition)
+        partition.__setstate__(pickle.loads(data))
+        return partition
+
+    def __setstate__(self, state: dict) -> None:
+        counts = state["user_incidences"].astype(np.int64)
+        first_incidence = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        incidences = int(counts.sum())
+        self.part = state["part"]
+        self.side = UserSide(
+            inc_user=np.repeat(np.arange(len(counts), dtype=np.int64), counts),
+            inc_record=state["inc_record"].astype(np.int64),
+            record_keys=state["record_keys"],
+            first_incidence=first_incidence,
+            residual=state["residual"],
+            capacity=state["capacity"],
+            eligible=np.unpackbits(state["eligible"], count=incidences).astype(bool),
+        )
+        self.arity = state["arity"]
+        self.record_partition = state["record_partition"]
+        self.peer_offsets = np.concatenate([[0], np.cumsum(state["peer_counts"])]).astype(np.int64)
+        self.peers = state["peers"]
+
+    def owned(self) -> np.ndarray:
+        """Per record, whether this is the lowest user partition among its users'."""
+        return self.peers[self.peer_offsets[:-1]] == self.part
+
+    def undecided(self) -> np.ndarray:
+        """Per record, whether it is still eligible (after a retire step, all of a record's incidences agree)."""
+        return np.bincount(self.side.inc_record[self.side.eligible], minlength=len(self.arity)) > 0
+
+    def compacted(self, keep: np.ndarray) -> tuple[UserPartition, np.ndarray]:
+        """Only the incidences `keep` marks; (the partition, the final contributions of the users dropped)."""
+        side, records, users = compact(self.side, keep)
+        offsets, peers = take_csr(self.peer_offsets, self.peers, np.flatnonzero(records))
+        partition = UserPartition(self.part, side, self.arity[records], self.record_partition[records], offsets, peers)
+        return partition, self.side.contribution[~users]
 
 
-_CHANGING = {"users": ("eligible", "residual"), "records": ("copies", "in_pass")}
+class Progress(typing.NamedTuple):
+    """The algorithm after an iteration: its control, the incidences still in the state, and whether
+    the state goes to one worker (`finish_locally`), or went there already (`handed_over`)."""
+
+    control: Control
+    active_incidences: int
+    finish_locally: bool = False
+    handed_over: bool = False
+
+    def advanced(self, selected: int, eligible: int, active: int, threshold: int, step_done: bool) -> Progress:
+        if self.handed_over or self.finish_locally:
+            return self._replace(handed_over=True, finish_locally=False)
+        step_done = step_done and self.control.next != DONE  # an iteration after the end does nothing
+        control = self.control.after(selected, eligible) if step_done else self.control
+        return Progress(control, active, finish_locally=control.next != DONE and active <= threshold)
 
 
-class SideStore(PartitionStore):
-    """Each side's partitions: static arrays written once, the changing ones by each step that
-    changes them. A handle is (static path, changing path; for users also a routing path)."""
-
-    def create(self, side: str, part: int, state) -> tuple[str, str]:
-        arrays = dataclasses.asdict(state)
-        static = {k: v for k, v in arrays.items() if k not in _CHANGING[side]}
-        return (self.write_arrays(f"{side}-{part:05d}-static.store", static), self.update(side, part, "built", state))
-
-    def update(self, side: str, part: int, step: str, state) -> str:
-        return self.write_arrays(f"{side}-{part:05d}-{step}.store", {k: getattr(state, k) for k in _CHANGING[side]})
-
-    def load(self, side: str, handle: tuple[str, ...]):
-        arrays = {**read_static(handle[0]), **self.read_arrays(handle[1])}
-        return UserSide(**arrays) if side == "users" else RecordState(**arrays)
+def _contribution_stats(contribution: np.ndarray):
+    """The final contributions of users leaving the state, for the report's histogram and maximum."""
+    if len(contribution):
+        yield stat("max_user_contribution", int(contribution.max()))
+        for name, value in user_distribution_stats(NO_USERS, contribution).items():
+            yield beam.pvalue.TaggedOutput("stats", (name, value))
 
 
-def round_stat(round_index: int, what: str) -> str:
-    return f"round_{round_index:05d}_{what}"
+def _departure(state: UserPartition, progress: Progress) -> list | None:
+    """What a user partition emits when the last progress takes it out of the rounds (when done: its
+    users' final contributions; when little is left: itself, to the local finish); None if it stays."""
+    if progress.control.next == DONE:
+        return list(_contribution_stats(state.side.contribution))
+    if progress.finish_locally:
+        return [beam.pvalue.TaggedOutput("finish", (0, (STATE, state.packed())))]
+    return None
 
 
-def send(tag: str, destination: int, keys: np.ndarray) -> beam.pvalue.TaggedOutput:
+def _send(tag: str, destination: int, payload) -> beam.pvalue.TaggedOutput:
     """A message to a partition, tagged with its kind for the join at the destination."""
-    return beam.pvalue.TaggedOutput(tag, (destination, (tag, keys)))
+    return beam.pvalue.TaggedOutput(tag, (destination, (tag, payload)))
 
 
-def keep(part: int, state) -> tuple:
-    return part, (STATE, state)
+@beam.typehints.with_output_types(tuple[int, Any])
+class _Propose(beam.DoFn):
+    """A user partition's users propose their top eligible records, each to its record partition
+    with its arity. No side input, so that the runner fuses this step with the one before: a pass
+    start or the end has nothing eligible, and the selection ignores proposals it does not need."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def process(self, element):
+        part, state = element[0], UserPartition.unpacked(element[1])
+        counts = np.bincount(state.side.inc_record[propose(state.side)], minlength=len(state.arity))
+        records = np.flatnonzero(counts)
+        shuffled = state.nbytes
+        for record_part, index in split_by_partition(records, state.record_partition[records]):
+            message = (part, state.side.record_keys[index], counts[index].astype(np.int32), state.arity[index])
+            shuffled += sum(a.nbytes for a in message[1:])
+            yield beam.pvalue.TaggedOutput("proposals", (record_part, message))
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled)
+        yield part, (STATE, element[1])
+
+
+@beam.typehints.with_output_types(tuple[int, Any])
+class _Select(beam.DoFn):
+    """A record partition: in a round, the records every user proposed (their arity's worth) are
+    selected; tell the user partitions that proposed them."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def process(self, element, progress: Progress):
+        record_part, messages = element
+        if progress.control.next == ROUND and not (progress.finish_locally or progress.handed_over):
+            yield from self._select(record_part, messages, progress)
+
+    def _select(self, record_part: int, messages, progress: Progress):
+        messages = sorted(messages, key=lambda m: m[0])  # whatever order the runner delivered them in
+        sources = np.concatenate([np.full(len(m[1]), m[0], np.int64) for m in messages])
+        keys, counts, arity = (np.concatenate([m[i] for m in messages]) for i in (1, 2, 3))
+        distinct, inverse = np.unique(keys, return_inverse=True)
+        proposed_by = np.bincount(inverse, weights=counts, minlength=len(distinct)).astype(np.int64)
+        users_of = np.zeros(len(distinct), np.int64)
+        users_of[inverse] = arity
+        unanimous_records = proposed_by == users_of
+        selected, accepted = distinct[unanimous_records], unanimous_records[inverse]
+        yield stat(round_stat(self.iteration, "selected"), len(selected))
+        yield beam.pvalue.TaggedOutput("counts", ("selected", len(selected)))
+        if len(selected):
+            yield beam.pvalue.TaggedOutput("selected", (record_part, (selected, progress.control.passes)))
+        shuffled = 0
+        for user_part, keys_there in split_by_partition(keys[accepted], sources[accepted]):
+            shuffled += keys_there.nbytes
+            yield _send(ACCEPTED, user_part, keys_there)
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled)
 
 
 def _messages(grouped: dict, tag: str) -> np.ndarray:
@@ -73,141 +234,255 @@ def _messages(grouped: dict, tag: str) -> np.ndarray:
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
-class _Propose(beam.DoFn):
-    def __init__(self, store: SideStore):
-        self.store = store
+class _Consume(beam.DoFn):
+    """A user partition, by the last progress: when done, it leaves (its users' contributions are
+    final); when what is left is small, it goes to the local finish; else it takes its accepted
+    records (at a pass start, after making every record of the pass eligible again), and the records
+    its saturated users kill are retired here and, by message, in the co-owners' user partitions."""
 
-    def process(self, element):
-        part, (_, handle) = element
-        side, routing = self.store.load("users", handle), read_static(handle[2])
-        index = side.inc_record[propose(side)]
-        for record_part, keys in split_by_partition(side.record_keys[index], routing["record_partition"][index]):
-            yield send("proposals", record_part, keys)
-        yield element
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    def process(self, element, progress: Progress):
+        part, values = element
+        grouped = by_kind(values)
+        if STATE in grouped:  # messages go to partitions that exist (a proposer or a co-owner stays till told)
+            state = UserPartition.unpacked(grouped[STATE][0])
+            departure = _departure(state, progress)
+            yield from self._consume(part, state, grouped, progress) if departure is None else departure
+
+    def _consume(self, part: int, state: UserPartition, grouped: dict, progress: Progress):
+        side = state.side
+        if progress.control.next == START_PASS:
+            side.eligible[:] = True
+        dead = consume(side, local_mask(side.record_keys, _messages(grouped, ACCEPTED)))
+        retire(side, dead)
+        rows, positions = csr_rows(state.peer_offsets, np.flatnonzero(dead))
+        peers = state.peers[positions]
+        elsewhere = peers != part
+        shuffled = 0
+        for user_part, keys in split_by_partition(side.record_keys[rows[elsewhere]], peers[elsewhere]):
+            shuffled += keys.nbytes
+            yield _send(DEAD, user_part, keys)
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled + state.nbytes)
+        yield part, (STATE, (state.packed(), dead))
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
-class _JoinedStep(beam.DoFn):
-    """A step of round `round_index`: one partition's state, joined with the messages sent to it."""
+class _Retire(beam.DoFn):
+    """A user partition retires the records saturation killed elsewhere, counts the eligible records
+    it owns, and keeps only what can still change: with duplicates, every record not dead (a later
+    pass may select it again); without, the eligible incidences."""
 
-    def __init__(self, store: SideStore, round_index: int):
-        self.store, self.round_index = store, round_index
+    def __init__(self, iteration: int, duplicates: bool):
+        self.iteration, self.duplicates = iteration, duplicates
 
     def process(self, element):
-        part, grouped = element[0], by_kind(element[1])
-        (state,) = grouped.pop(STATE)
-        yield from self.step(part, state, grouped)
-
-    def saved(self, side: str, part: int, static: str, state, step: str) -> tuple[str, str]:
-        return static, self.store.update(side, part, f"r{self.round_index:05d}-{step}", state)
-
-    def step(self, part: int, state, messages: dict):
-        raise NotImplementedError
-
-
-class _Select(_JoinedStep):
-    """Record side: select the records proposed by all their users; tell those users."""
-
-    def step(self, part, handle, messages):
-        state = self.store.load("records", handle)
-        accepted = unanimous(np.searchsorted(state.keys, _messages(messages, "proposals")), state.arity)
-        yield stat(round_stat(self.round_index, "selected"), accepted.sum())
-        if accepted.any():
-            state = dataclasses.replace(state, copies=state.copies + accepted, in_pass=state.in_pass | accepted)
-            handle = self.saved("records", part, handle[0], state, "selected")
-            yield from _notify_users(state, accepted, "accepted")
-        yield keep(part, handle)
+        part, values = element
+        grouped = by_kind(values)
+        ((packed, dead),) = grouped[STATE]
+        state = UserPartition.unpacked(packed)
+        remote = local_mask(state.side.record_keys, _messages(grouped, DEAD))
+        retire(state.side, remote)
+        dead = dead | remote
+        eligible = int((state.undecided() & state.owned()).sum())
+        yield stat(round_stat(self.iteration, "eligible"), eligible)
+        yield beam.pvalue.TaggedOutput("counts", ("eligible", eligible))
+        keep = ~dead[state.side.inc_record] if self.duplicates else state.side.eligible.copy()
+        state, gone = state.compacted(keep)
+        yield from _contribution_stats(gone)
+        active = len(state.side.inc_record)
+        yield stat(round_stat(self.iteration, "active_incidences"), active)
+        yield beam.pvalue.TaggedOutput("counts", ("active", active))
+        if len(state.side.residual):
+            yield part, state.packed()
 
 
-def _notify_users(state: RecordState, records: np.ndarray, tag: str):
-    rows, positions = csr_rows(state.user_partition_offsets, np.flatnonzero(records))
-    for user_part, keys in split_by_partition(state.keys[rows], state.user_partitions[positions]):
-        yield send(tag, user_part, keys)
+def _advance(counts: dict, previous: Progress, threshold: int, step_done: bool) -> Progress:
+    return previous.advanced(
+        counts.get("selected", 0), counts.get("eligible", 0), counts.get("active", 0), threshold, step_done
+    )
 
 
-class _Consume(_JoinedStep):
-    """User side: take the accepted records; retire the records its saturated users kill, here and
-    (by message) in the co-owners' user partitions."""
+class _Totals(beam.PTransform):
+    """(name, count) pairs -> one {name: total} dict ({} for none)."""
 
-    def step(self, part, handle, messages):
-        side, routing = self.store.load("users", handle), read_static(handle[2])
-        before = side.eligible.sum()
-        dead = consume(side, local_mask(side.record_keys, _messages(messages, "accepted")))
-        retire(side, dead)
-        rows, partitions = set_bits(routing["coowners"][dead])
-        elsewhere = partitions != part
-        for user_part, keys in split_by_partition(side.record_keys[dead][rows[elsewhere]], partitions[elsewhere]):
-            yield send("dead", user_part, keys)
-        if side.eligible.sum() != before:
-            handle = (*self.saved("users", part, handle[0], side, "consumed"), handle[2])
-        yield keep(part, handle)
+    def expand(self, pairs):
+        return pairs | "SumByName" >> beam.CombinePerKey(sum) | "AsDict" >> beam.combiners.ToDict()
 
 
-class _Retire(_JoinedStep):
-    """User side: retire the records that saturation killed elsewhere; count the eligible records
-    this partition owns (lowest user partition among a record's users)."""
+class Iteration(beam.PTransform):
+    """One step of the algorithm on the user partitions: a round (proposals, unanimous selection,
+    saturation), or a pass start (saturation only); (user partition, packed UserPartition) and the last
+    Progress in; the partitions, the new Progress, the selected records (record partition, (keys,
+    pass)) and the partitions handed to the local finish out."""
 
-    def step(self, part, handle, messages):
-        side, routing = self.store.load("users", handle), read_static(handle[2])
-        if "dead" in messages:
-            retire(side, local_mask(side.record_keys, _messages(messages, "dead")))
-            handle = (*self.saved("users", part, handle[0], side, "retired"), handle[2])
-        eligible_records = np.bincount(side.inc_record[side.eligible], minlength=len(side.record_keys)) > 0
-        yield stat(round_stat(self.round_index, "eligible"), (eligible_records & routing["owner"]).sum())
-        yield keep(part, handle)
-
-
-class _Step(beam.PTransform):
-    """Join a partition's handle with the messages sent to it and apply one step.
-
-    States and messages arrive tagged by their producers, so the join is a Flatten and a
-    GroupByKey (a CoGroupByKey would add five transforms per step to a graph of hundreds).
-    """
-
-    def __init__(self, step: beam.DoFn, outputs: tuple[str, ...]):
+    def __init__(self, iteration: int, duplicates: bool, threshold: int):
         super().__init__()
-        self.step, self.outputs = step, outputs
+        self.iteration, self.duplicates, self.threshold = iteration, duplicates, threshold
 
     def expand(self, inputs):
-        return (
-            inputs
-            | "Meet" >> beam.Flatten()
-            | "Join" >> beam.GroupByKey()
-            | "Apply" >> beam.ParDo(self.step).with_outputs(*self.outputs, main=STATE)
+        users, progress = inputs
+        last = beam.pvalue.AsSingleton(progress)
+        # (user partition, (STATE, packed UserPartition));
+        # proposals: (record partition, (user partition, keys, counts, arity))
+        routed = users | "Propose" >> beam.ParDo(_Propose(self.iteration)).with_outputs(
+            "proposals", "stats", main="state"
         )
+        # accepted: (user partition, (ACCEPTED, keys)); selected: (record partition, (keys, pass))
+        selected = (
+            routed.proposals
+            | "GroupProposals" >> beam.GroupByKey()
+            | "SelectUnanimous"
+            >> beam.ParDo(_Select(self.iteration), last).with_outputs(ACCEPTED, "selected", "counts", "stats")
+        )
+        consumed = (
+            (routed.state, selected[ACCEPTED])
+            | "MeetAccepted" >> beam.Flatten()
+            | "JoinAccepted" >> beam.GroupByKey()
+            | "Consume"
+            >> beam.ParDo(_Consume(self.iteration), last).with_outputs(DEAD, "finish", "stats", main="state")
+        )
+        retired = (
+            (consumed.state, consumed[DEAD])
+            | "MeetDead" >> beam.Flatten()
+            | "JoinDead" >> beam.GroupByKey()
+            | "Retire"
+            >> beam.ParDo(_Retire(self.iteration, self.duplicates)).with_outputs("counts", "stats", main="state")
+        )
+        advanced = (
+            (selected.counts, retired.counts)
+            | "IterationCounts" >> beam.Flatten()
+            | "SumCounts" >> _Totals()
+            | "Advance" >> beam.Map(_advance, last, self.threshold, True)
+        )
+        stats = (routed.stats, selected.stats, consumed.stats, retired.stats) | "IterationStats" >> beam.Flatten()
+        return retired.state, advanced, selected.selected, consumed.finish, stats
 
 
-class Saturate(beam.PTransform):
-    """Alg. 1 lines 9-13: users take accepted records; records of saturated users leave E everywhere."""
+class FirstSaturation(beam.PTransform):
+    """The state as built, (user partition, packed UserPartition), with the build's counts ("eligible",
+    "active") and one Progress holding `control` -> the state once the records of users with no
+    capacity left are retired everywhere, the Progress after it, and stats. When `control` starts a
+    pass, that is the pass start; else the run continues the algorithm where the last one stopped.
+    Without capacities that can start saturated (`saturate` False: no capacities file, no earlier
+    selection), there is nothing to retire and the state goes on as built."""
 
-    def __init__(self, store: SideStore, round_index: int):
+    def __init__(self, control: Control, threshold: int, saturate: bool):
         super().__init__()
-        self.store, self.round_index = store, round_index
+        self.control, self.threshold, self.saturate = control, threshold, saturate
 
     def expand(self, inputs):
-        users, accepted = inputs
-        consumed = (users, accepted) | "UsersTakeAccepted" >> _Step(_Consume(self.store, self.round_index), ("dead",))
-        retired = (consumed.state, consumed.dead) | "CoOwnersRetireDead" >> _Step(
-            _Retire(self.store, self.round_index), ("stats",)
+        users, counts, start = inputs
+        last = beam.pvalue.AsSingleton(start)
+        stats = []
+        if self.saturate:
+            consumed = (
+                users
+                | "AsState" >> beam.MapTuple(lambda part, state: (part, [(STATE, state)]))
+                | "Consume" >> beam.ParDo(_Consume(0), last).with_outputs(DEAD, "stats", main="state")
+            )
+            retired = (
+                (consumed.state, consumed[DEAD])
+                | "MeetDead" >> beam.Flatten()
+                | "JoinDead" >> beam.GroupByKey()
+                | "Retire"
+                >> beam.ParDo(_Retire(0, self.control.duplicates)).with_outputs("counts", "stats", main="state")
+            )
+            users, counts = retired.state, retired.counts
+            stats = [consumed.stats, retired.stats]
+        progress = (
+            counts
+            | "SumCounts" >> _Totals()
+            | "Advance" >> beam.Map(_advance, last, self.threshold, self.control.next == START_PASS)
         )
-        return retired.state, retired.stats
+        return users, progress, tuple(stats) | "Stats" >> beam.Flatten(pipeline=users.pipeline)
 
 
-class ProposalRound(beam.PTransform):
-    """One round of Alg. 1: proposals, unanimous selection, saturation."""
+class _Route(beam.DoFn):
+    """After the last iteration: a user partition leaves as the last progress says, or stays for the
+    next pipeline run (neither done nor small enough for one worker)."""
 
-    def __init__(self, store: SideStore, round_index: int):
-        super().__init__()
-        self.store, self.round_index = store, round_index
+    def process(self, element, progress: Progress):
+        yield from _departure(UserPartition.unpacked(element[1]), progress) or ()
+
+
+@beam.typehints.with_output_types(tuple[int, Any])
+class _FinishLocally(beam.DoFn):
+    """The user partitions left, merged into one and bounded to the end by the local kernels, from
+    the control they were handed over with; the selected records go to their record partitions."""
+
+    def process(self, element):
+        _, values = element
+        grouped = by_kind(values)
+        (progress,) = grouped[PROGRESS]
+        if progress.handed_over:
+            yield from self._finish(progress, grouped)
+        else:
+            yield beam.pvalue.TaggedOutput("control", progress.control)
+
+    def _finish(self, progress: Progress, grouped: dict):
+        states = sorted(map(UserPartition.unpacked, grouped.get(STATE, [])), key=lambda state: state.part)
+        side, positions = merge_sides([state.side for state in states] or [_empty_side()])
+        arity = np.zeros(len(side.record_keys), np.int64)
+        record_partition = np.zeros(len(side.record_keys), np.int64)
+        for state, where in zip(states, positions):
+            arity[where], record_partition[where] = state.arity, state.record_partition
+        undecided = np.bincount(side.inc_record[side.eligible], minlength=len(arity)) > 0
+        control = progress.control
+        selections: list[tuple[np.ndarray, int]] = []
+        control = run_steps(
+            side,
+            arity,
+            undecided,
+            control,
+            lambda selected: selections.append((np.flatnonzero(selected), len(selections))),
+        )
+        rounds_before = len(progress.control.per_round)
+        for records, index in selections:
+            passes = control.per_round[rounds_before + index]["pass"]
+            for record_part, keys in split_by_partition(side.record_keys[records], record_partition[records]):
+                yield beam.pvalue.TaggedOutput("selected", (record_part, (keys, passes)))
+        yield stat("finished_locally_incidences", len(side.inc_record))
+        yield from _contribution_stats(side.contribution)
+        yield beam.pvalue.TaggedOutput("control", control)
+
+
+def _empty_side() -> UserSide:
+    empty = np.zeros(0, np.int64)
+    return UserSide(empty, empty, empty, empty, empty, empty, np.zeros(0, bool))
+
+
+class AfterLastRound(beam.PTransform):
+    """(user partitions, last Progress) -> the partitions handed to the local finish (0, (STATE, packed
+    UserPartition)) and stats."""
 
     def expand(self, inputs):
-        users, records = inputs
-        proposed = users | "UsersPropose" >> beam.ParDo(_Propose(self.store)).with_outputs("proposals", main="state")
-        selected = (records, proposed.proposals) | "RecordsSelectUnanimous" >> _Step(
-            _Select(self.store, self.round_index), ("accepted", "stats")
+        users, progress = inputs
+        last = users | "Route" >> beam.ParDo(_Route(), beam.pvalue.AsSingleton(progress)).with_outputs(
+            "finish", "stats", main="left"
         )
-        users, death_stats = (proposed.state, selected.accepted) | "Saturate" >> Saturate(self.store, self.round_index)
-        return users, selected.state, (selected.stats, death_stats)
+        return last.finish, last.stats
 
 
-# --- outputs ------------------------------------------------------------------------------------
+def _after_last_route(progress: Progress) -> Progress:
+    return progress._replace(handed_over=True, finish_locally=False) if progress.finish_locally else progress
+
+
+class FinishLocally(beam.PTransform):
+    """The partitions handed over (0, (STATE, packed UserPartition)) and the last iteration's Progress ->
+    the records selected from there (record partition, (keys, pass)), the final Control (one) and stats."""
+
+    def __init__(self, handed: tuple[beam.PCollection, ...]):
+        super().__init__()
+        self.handed = handed
+
+    def expand(self, progress):
+        final = progress | "AfterLastRoute" >> beam.Map(_after_last_route)
+        finished = (
+            (final | "KeyProgress" >> beam.Map(lambda p: (0, (PROGRESS, p))), *self.handed)
+            | "Gather" >> beam.Flatten()
+            | "OneWorker" >> beam.GroupByKey()
+            | "Finish" >> beam.ParDo(_FinishLocally()).with_outputs("selected", "control", "stats")
+        )
+        return finished.selected, finished.control, finished.stats

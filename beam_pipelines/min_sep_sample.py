@@ -10,8 +10,9 @@ write (`batch_files.write_batch_file`), with the content's description, the rows
 dead-letter output, for the caller to write under `--on-invalid skip`) and summary values: the
 histogram, p, the records joined, the realized sizes per step. Under `--on-invalid error` a row it
 rejected, or one of `rejected_before` (rows dropped upstream, as in reading), stops the run before
-any sampling. Its partition state lives in a `PartitionStore`
-whose directory every worker reaches.
+any sampling; with `errors_dir`, an InputError a step meets (this one included) is also kept there
+for the driver (`pipeline.run`). Elements carry the partitions' arrays themselves, keyed by record
+or user partition; no partition state is written to files.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 from beam_pipelines.batch_join import JoinSelection, NeighbourhoodHistogram
 from beam_pipelines.batch_sample import SampleBatches
 from beam_pipelines.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
-from beam_pipelines.store import PartitionStore
 from madp.core import sampling
 from madp.core.graph_digest import GraphDigest
 from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
@@ -43,15 +43,15 @@ def histogram_arrays(histogram: dict[int, int]) -> tuple[np.ndarray, np.ndarray]
     return sizes, np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
 
 
-def _calibrated(histogram: dict, options: BatchOptions, store: PartitionStore) -> float:
+def _calibrated(histogram: dict, options: BatchOptions, errors_dir: str | None) -> float:
     """p for the target expected batch size, on the |N(e)| histogram of all units."""
-    with keeping_input_errors(store.directory):  # no record, or a batch size above the units
+    with keeping_input_errors(errors_dir):  # no record, or a batch size above the units
         return sampling.calibrate_probability(options.batch_size, *histogram_arrays(histogram), options.min_sep)
 
 
-def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: str, store: PartitionStore) -> dict:
+def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: str, errors_dir: str | None) -> dict:
     """The histogram, once the records' graph digest is the bound's (else the run stops, the error kept)."""
-    with keeping_input_errors(store.directory):
+    with keeping_input_errors(errors_dir):
         check_same_graph(digest, bound, data)
     return histogram
 
@@ -62,44 +62,45 @@ class MinSepSample(beam.PTransform):
     the rows rejected here and the summary values. `data` and `output` only name the records and the
     output (where `--on-invalid skip` puts rejected rows) in errors. With `bound` (a `madp bound`
     output's graph, `batching.bound_graph`), records whose graph is not the bounded one stop the run
-    before p is calibrated; a selection made in the same pipeline needs no such check."""
+    before p is calibrated; a selection made in the same pipeline needs no such check. With
+    `errors_dir`, an InputError one of its steps meets is kept there for the driver (`pipeline.run`)."""
 
     def __init__(
         self,
         options: BatchOptions,
         partitions: int,
-        store: PartitionStore,
         rejected_before: beam.PCollection | None = None,
         data: str = "the records",
         output: str = "OUTPUT",
         bound: BoundGraph | None = None,
+        errors_dir: str | None = None,
     ):
         super().__init__()
         if options.sampler != "minsep":
             raise ValueError(f"MinSepSample runs --sampler minsep, not {options.sampler}")
-        self.options, self.partitions, self.store, self.rejected_before = options, partitions, store, rejected_before
-        self.data, self.output, self.bound = data, output, bound
+        self.options, self.partitions, self.rejected_before = options, partitions, rejected_before
+        self.data, self.output, self.bound, self.errors_dir = data, output, bound, errors_dir
 
     def expand(self, inputs) -> SampledBatches:
-        options, partitions, store = self.options, self.partitions, self.store
-        joined = inputs | "JoinSelection" >> JoinSelection(options, self.data, partitions, store)
-        partition_handles, incidences, content, rejects, join_stats, digest = joined
+        options, partitions, errors_dir = self.options, self.partitions, self.errors_dir
+        joined = inputs | "JoinSelection" >> JoinSelection(options, self.data, partitions, errors_dir)
+        # (record partition, JoinedPartition), (user partition, Incidences), and the join's by-products
+        partitions_joined, incidences, content, rejects, join_stats, digest = joined
         # One {|N(e)|: units} dict.
-        histogram = incidences | "NeighbourhoodHistogram" >> NeighbourhoodHistogram(partitions, store)
+        histogram = incidences | "NeighbourhoodHistogram" >> NeighbourhoodHistogram(partitions)
         if self.bound is not None:  # the records must be the graph bounded: stop before calibrating and sampling
             histogram = histogram | "SameGraphAsBound" >> beam.Map(
-                _same_graph, beam.pvalue.AsSingleton(digest), self.bound, self.data, store
+                _same_graph, beam.pvalue.AsSingleton(digest), self.bound, self.data, errors_dir
             )
         # One float: p.
-        probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, store)
+        probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, errors_dir)
         if options.on_invalid == "error":  # the gate is on p, a single value: no data waits on it
             earlier = () if self.rejected_before is None else (self.rejected_before,)
             probability = probability | "StopOnInvalidRows" >> StopOnInvalidRows(
-                (rejects, *earlier), self.output, store.directory
+                (rejects, *earlier), self.output, errors_dir
             )
-        rows, sample_stats = partition_handles | "SampleBatches" >> SampleBatches(
-            options, partitions, store, probability
-        )
+        # (batch file index, FileRows), and (name, value) summary values
+        rows, sample_stats = partitions_joined | "SampleBatches" >> SampleBatches(options, partitions, probability)
         named = (
             histogram | "NamedHistogram" >> beam.Map(lambda h: ("histogram", h)),
             probability | "NamedProbability" >> beam.Map(lambda p: ("probability", p)),

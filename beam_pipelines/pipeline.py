@@ -1,10 +1,10 @@
 """What our Beam pipelines share: their options, running one with clear input errors, its counters,
 and the small helpers of joining partitions with messages.
 
-An `InputError` a worker raises (bad input: the user's to fix) travels as data: the step that meets it
-writes its message under the run's store directory (`keeping_input_errors`) before it stops the run,
-and the driver raises it again from there (`run`). The runner's own exception, whose text differs
-from runner to runner, is never parsed.
+An `InputError` a worker raises (bad input: the user's to fix) reaches the driver as data: the step
+that meets it writes its message under the run's errors directory through Beam's `FileSystems`
+(`keeping_input_errors`) before it stops the run, and the driver raises it again from there (`run`).
+The runner's own exception, whose text differs from runner to runner, is never parsed.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import logging
 import uuid
 from typing import Any
 
@@ -26,23 +27,26 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 
-from beam_pipelines.store import PartitionStore, Slice
+from beam_pipelines import files
 from madp.core import records as rec
-from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.records import RecordChunk
 from madp.core.selection import handle_rejects
 
-INPUT_ERRORS = "input-errors"  # under a run's store directory: the messages of InputErrors its steps met
+log = logging.getLogger("madp.beam")
+
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
+
+# Beam's DaskRunner, by the name a user gives it (Beam knows it by its class only), and madp's own,
+# which runs in its place (see beam_pipelines/dask_runner.py for what Beam's gets wrong).
+BEAM_DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
+MADP_DASK_RUNNER = "beam_pipelines.dask_runner.DaskRunner"
 
 # The element types where our transforms meet (a user's pipeline included), checked by Beam when the
 # graph is built (pipeline type checking, on unless --no_pipeline_type_check) and giving the
 # shuffles deterministic coders for their keys and handles.
-Sent = tuple[int, Slice]  # a slice sent to a partition
-Chunk = tuple[int, RecordChunk]  # a file's valid records: (file index, chunk)
+Chunk = tuple[int, RecordChunk]  # valid records: (file index, or record partition, chunk)
 SelectionTable = tuple[Any, pa.Table]  # a selection shard: (shard index or path, table of id and copies)
-Stored = tuple[int, str]  # a partition's arrays, stored whole: (partition, path)
 
 
 class MadpPipelineOptions(PipelineOptions):
@@ -54,16 +58,26 @@ class MadpPipelineOptions(PipelineOptions):
         parser.add_argument(
             "--partitions",
             type=int,
-            default=4,
-            help="madp: record and user partitions, the columnar units of work (use ~2-4 per worker core)",
+            default=16,
+            help="madp: record and user partitions, the columnar units of work the runner spreads over "
+            "workers (use several per worker core, and enough that one fits a worker's memory)",
         )
         parser.add_argument(
             "--rounds-per-pipeline",
             "--rounds_per_pipeline",
             dest="rounds_per_pipeline",
             type=int,
-            default=6,
-            help="madp bound: rounds of the bounding unrolled in one pipeline run",
+            default=10,
+            help="madp bound: iterations of the bounding (rounds, pass starts) unrolled in one pipeline run",
+        )
+        parser.add_argument(
+            "--local-finish-incidences",
+            "--local_finish_incidences",
+            dest="local_finish_incidences",
+            type=int,
+            default=2_000_000,
+            help="madp bound: once at most this many undecided incidences are left, one worker finishes "
+            "the bounding with the local kernels (about 60 bytes each)",
         )
 
 
@@ -72,11 +86,24 @@ def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
     ours = options.view_as(MadpPipelineOptions)
     if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
         raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
+    if ours.local_finish_incidences < 0:
+        raise InputError("--local-finish-incidences must be at least 0")
     return ours
+
+
+def _import_dask_runner() -> None:
+    """Imports madp's Dask runner, and so Beam's Dask options (they exist once their module is
+    imported); dask is an optional extra."""
+    try:
+        import beam_pipelines.dask_runner  # noqa: F401
+    except ImportError as error:
+        raise InputError(f"the Dask runner needs dask.distributed ({error}): pip install -e '.[runners]'") from error
 
 
 def unknown_beam_args(beam_args: list[str]) -> list[str]:
     """The flags among `beam_args` that no Beam pipeline option defines (Beam would drop them silently)."""
+    if any(arg.startswith("--dask_") for arg in beam_args):
+        _import_dask_runner()
     parser = argparse.ArgumentParser(allow_abbrev=False)
     seen, classes = set(), [PipelineOptions]
     while classes:
@@ -107,53 +134,73 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     if options.view_as(StandardOptions).runner in (None, "DirectRunner"):
         options.view_as(StandardOptions).runner = "DirectRunner"
         direct = options.view_as(DirectOptions)
-        if "direct_running_mode" not in explicit:
-            direct.direct_running_mode = "multi_processing"
-        if "direct_num_workers" not in explicit:
-            direct.direct_num_workers = 2
+        if direct.direct_running_mode == "multi_threading" or direct.direct_num_workers != 1:
+            raise InputError(
+                "the DirectRunner runs madp's pipelines with one worker (--direct_num_workers 1, the default, "
+                "and --direct_running_mode in_memory or multi_processing): Beam 2.77's DirectRunner loses "
+                "elements when several workers run bundles at once (reproduced without madp; see "
+                "runners/README.md). For parallel work use a cluster runner (DaskRunner, Flink, Spark, Dataflow)"
+            )
         if "default_sdk_harness_log_level" not in explicit:
             options.view_as(WorkerOptions).default_sdk_harness_log_level = "WARNING"
+    elif options.view_as(StandardOptions).runner in BEAM_DASK_RUNNERS:
+        _import_dask_runner()
+        log.info(
+            "runner: madp's DaskRunner (%s) in place of Beam's, which mixes up the outputs of multi-output "
+            "steps and skips all sinks but one",
+            MADP_DASK_RUNNER,
+        )
+        options.view_as(StandardOptions).runner = MADP_DASK_RUNNER
+        if "npartitions" not in explicit and "partition_size" not in explicit:
+            from apache_beam.runners.dask.dask_runner import DaskOptions
+
+            # the tasks of each Create, and so of the steps after it: madp's units of work (Beam's
+            # default makes one task of a Create of fewer than 128 elements)
+            options.view_as(DaskOptions).npartitions = madp_options(options).partitions
     return options
 
 
 @contextlib.contextmanager
-def keeping_input_errors(store_directory: str):
-    """Around a step's work: an InputError raised in it is written under `store_directory`, then raised."""
+def keeping_input_errors(errors_dir: str | None):
+    """Around a step's work: an InputError raised in it is written under `errors_dir` (when there is
+    one: a pipeline of one's own may leave it out and see the runner's exception), then raised."""
     try:
         yield
     except InputError as error:
-        storage.write_text(storage.join(store_directory, INPUT_ERRORS, f"{uuid.uuid4().hex}.txt"), str(error))
+        if errors_dir is not None:
+            files.write_bytes(files.FileSystems.join(errors_dir, f"{uuid.uuid4().hex}.txt"), str(error).encode())
         raise
 
 
 def keeps_input_errors(process):
-    """For a DoFn's `process` whose DoFn has a `store`: InputErrors are kept under its directory."""
+    """For a DoFn's `process` whose DoFn has an `errors_dir`: InputErrors are kept there."""
 
     @functools.wraps(process)
     def kept(self, *args, **kwargs):
-        with keeping_input_errors(self.store.directory):
+        with keeping_input_errors(self.errors_dir):
             yield from process(self, *args, **kwargs)
 
     return kept
 
 
-def run(pipeline: beam.Pipeline, namespace: str, store_directory: str) -> dict[str, int]:
+def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str) -> dict[str, int]:
     """Run to the end; the counters of `namespace` (committed values where the runner has them).
 
-    When the run fails after a step kept an InputError under `store_directory`, that error is raised
-    (the first by its message, when several steps met one), with no runner traceback text.
+    When the run fails after a step kept an InputError under `errors_dir`, that error is raised (the
+    first by its message, when several steps met one), with no runner traceback text.
     """
     try:
         result = pipeline.run()
         result.wait_until_finish()
     except Exception as error:
-        kept = storage.join(store_directory, INPUT_ERRORS)
-        if storage.kind(kept) == "directory":
-            messages = sorted(storage.read_text(path) for path in storage.list_files(kept))
-            if messages:
-                raise InputError(messages[0]) from error
+        messages = sorted(files.read_bytes(path).decode() for path in files.files_under(errors_dir))
+        if messages:
+            raise InputError(messages[0]) from error
         raise
-    counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
+    try:
+        counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
+    except NotImplementedError:  # a runner that keeps no metrics (Beam's DaskRunner)
+        return {}
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}
 
 
@@ -169,8 +216,8 @@ def count(name: str, value: int) -> None:
     Metrics.counter(NAMESPACE, name).inc(int(value))
 
 
-def _unless_rejected(element, rejects: rec.Rejects, output: str, store_directory: str):
-    with keeping_input_errors(store_directory):
+def _unless_rejected(element, rejects: rec.Rejects, output: str, errors_dir: str | None):
+    with keeping_input_errors(errors_dir):
         handle_rejects(rejects, "error", output)  # raises, listing the rows, when there are any
     return element
 
@@ -181,16 +228,16 @@ class StopOnInvalidRows(beam.PTransform):
     as data for the driver. Gate small elements (handles, one value), so that no data waits.
     `output` names where `--on-invalid skip` would put the rows, in the message."""
 
-    def __init__(self, rejects: tuple[beam.PCollection, ...], output: str, store_directory: str):
+    def __init__(self, rejects: tuple[beam.PCollection, ...], output: str, errors_dir: str | None):
         super().__init__()
-        self.rejects, self.output, self.store_directory = rejects, output, store_directory
+        self.rejects, self.output, self.errors_dir = rejects, output, errors_dir
 
     def expand(self, elements):
         every_reject = (
             self.rejects | "EveryReject" >> beam.Flatten() | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
         )
         return elements | "UnlessRejected" >> beam.Map(
-            _unless_rejected, beam.pvalue.AsSingleton(every_reject), self.output, self.store_directory
+            _unless_rejected, beam.pvalue.AsSingleton(every_reject), self.output, self.errors_dir
         )
 
 
@@ -202,9 +249,10 @@ def by_kind(values) -> dict:
     return grouped
 
 
-def merged_records(store: PartitionStore, handles, rejects: rec.Rejects) -> rec.RecordChunk:
-    """A record partition's slices as one chunk in key order; its duplicated ids go to `rejects`."""
-    chunks = sorted(store.gather(handles), key=lambda c: int(c.keys[0]))
+def merged_records(chunks, rejects: rec.Rejects) -> rec.RecordChunk:
+    """A record partition's chunks as one chunk in key order (whatever order the runner delivered
+    them in); its duplicated ids go to `rejects`."""
+    chunks = sorted(chunks, key=lambda c: int(c.keys[0]))
     return rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
 
 

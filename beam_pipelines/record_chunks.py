@@ -1,5 +1,6 @@
 """Records as (file index, RecordChunk) elements, the first steps of the bounding and the batching
-alike: read and validated from input files, then handed to their record partitions (by id hash).
+alike: read and validated from input files, then handed to their record partitions (by id hash) as
+(record partition, RecordChunk) elements.
 """
 
 from __future__ import annotations
@@ -7,8 +8,7 @@ from __future__ import annotations
 import apache_beam as beam
 import numpy as np
 
-from beam_pipelines.pipeline import Chunk, Sent, keeps_input_errors, stat
-from beam_pipelines.store import PartitionStore
+from beam_pipelines.pipeline import Chunk, keeps_input_errors, stat
 from madp.core import record_reading
 from madp.core import records as rec
 from madp.core.hashing import partition_of
@@ -19,8 +19,8 @@ from madp.core.hashing import partition_of
 class _ReadFile(beam.DoFn):
     """Read and validate one input file: (file index, chunk of its valid records); rejects and counts."""
 
-    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, store: PartitionStore):
-        self.columns, self.content, self.store = columns, content, store
+    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
+        self.columns, self.content, self.errors_dir = columns, content, errors_dir
 
     @keeps_input_errors
     def process(self, element):
@@ -35,18 +35,18 @@ class _ReadFile(beam.DoFn):
 
 
 @beam.typehints.with_input_types(Chunk)
-@beam.typehints.with_output_types(Sent)
+@beam.typehints.with_output_types(Chunk)
 class SplitByRecordPartition(beam.DoFn):
-    """Hand a chunk's records to their record partitions (by id hash), one store file per chunk."""
+    """(file index, chunk) -> (record partition, the chunk's records in it), by id hash."""
 
-    def __init__(self, partitions: int, store: PartitionStore):
-        self.partitions, self.store = partitions, store
+    def __init__(self, partitions: int):
+        self.partitions = partitions
 
     def process(self, element):
-        index, chunk = element
+        _, chunk = element
         partition = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
-        slices = {int(part): rec.take(chunk, partition == part) for part in np.unique(partition)}
-        yield from self.store.write_slices(f"chunks-from-file{index:06d}.store", slices).items()
+        for part in np.unique(partition):
+            yield int(part), rec.take(chunk, partition == part)
 
 
 class ReadRecords(beam.PTransform):
@@ -56,10 +56,14 @@ class ReadRecords(beam.PTransform):
     (a chunk's record keys hold its file index, so indices must differ)."""
 
     def __init__(
-        self, files: list[str], columns: rec.Columns, store: PartitionStore, content: tuple[str, ...] | None = None
+        self,
+        files: list[str],
+        columns: rec.Columns,
+        errors_dir: str | None = None,
+        content: tuple[str, ...] | None = None,
     ):
         super().__init__()
-        self.files, self.columns, self.store, self.content = files, columns, store, content
+        self.files, self.columns, self.errors_dir, self.content = files, columns, errors_dir, content
 
     def expand(self, pbegin):
         read = (
@@ -67,7 +71,7 @@ class ReadRecords(beam.PTransform):
             | "ListFiles" >> beam.Create(list(enumerate(self.files)))
             | "SpreadFiles" >> beam.Reshuffle()
             | "ReadAndValidate"
-            >> beam.ParDo(_ReadFile(self.columns, self.content, self.store)).with_outputs(
+            >> beam.ParDo(_ReadFile(self.columns, self.content, self.errors_dir)).with_outputs(
                 "rejects", "stats", main="chunks"
             )
         )
@@ -76,15 +80,15 @@ class ReadRecords(beam.PTransform):
 
 @beam.typehints.with_input_types(Chunk)
 class RecordPartitions(beam.PTransform):
-    """(file index, RecordChunk) -> (record partition, store handles of its records' slices)."""
+    """(file index, RecordChunk) -> (record partition, [RecordChunk, ...]: its records, by input chunk)."""
 
-    def __init__(self, partitions: int, store: PartitionStore):
+    def __init__(self, partitions: int):
         super().__init__()
-        self.partitions, self.store = partitions, store
+        self.partitions = partitions
 
     def expand(self, chunks):
         return (
             chunks
-            | "SplitByRecordPartition" >> beam.ParDo(SplitByRecordPartition(self.partitions, self.store))
+            | "SplitByRecordPartition" >> beam.ParDo(SplitByRecordPartition(self.partitions))
             | "GroupRecordPartitions" >> beam.GroupByKey()
         )

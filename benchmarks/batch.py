@@ -11,7 +11,7 @@ Measured, best of --repeats runs (timings on shared 2-core machines vary by +-20
 and the sampling time at three sizes, to show it is linear in the number of samples.
 Targets (issue 3): local sampling >= 1M pairs/s; DirectRunner within 5x of local.
 
-    python benchmarks/batch.py [--records 1000000] [--steps 1000] [--batch-size 1000] [--min-sep 8]
+    python benchmarks/batch.py [--records 1000000] [--steps 1000] [--batch-size 1000] [--min-sep 8] [--partitions P]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=float, default=1000)
     parser.add_argument("--min-sep", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--partitions", type=int, help="madp's --partitions on the DirectRunner (default: madp's)")
     args = parser.parse_args()
 
     import logging
@@ -70,7 +71,9 @@ def main() -> None:
         "steps": args.steps,
         "batch_size": args.batch_size,
         "min_sep": args.min_sep,
+        "partitions": args.partitions,
     }
+    beam_args = ["--runner", "DirectRunner"] + ([f"--partitions={args.partitions}"] if args.partitions else [])
     with tempfile.TemporaryDirectory() as directory:
         selected, data = prepare(directory, args.records)
         fastest, _, dataset = best_of(
@@ -105,7 +108,7 @@ def main() -> None:
 
         fastest, slowest, _ = best_of(
             args.repeats,
-            lambda: run_beam(selected, data, os.path.join(directory, "beam"), options, ["--runner", "DirectRunner"]),
+            lambda: run_beam(selected, data, os.path.join(directory, "beam"), options, beam_args),
         )
         results["direct_runner_end_to_end"] = {
             "s": round(fastest, 3),

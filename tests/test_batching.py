@@ -197,7 +197,11 @@ def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, 
     assert len(expected) == 3
     run_local(selected, data, str(tmp_path / "again"), options)
     assert batch_files(str(tmp_path / "again")) == expected
-    for partitions, args in ((1, BEAM), (3, BEAM), (4, ["--runner", "DirectRunner", "--direct_num_workers", "2"])):
+    for partitions, args in (
+        (1, BEAM),
+        (3, BEAM),
+        (4, ["--runner", "DirectRunner", "--direct_running_mode", "multi_processing"]),
+    ):
         out = str(tmp_path / f"beam{partitions}")
         beam = run_beam(selected, data, out, options, [*args, f"--partitions={partitions}"])
         assert batch_files(out) == expected, partitions

@@ -1,56 +1,14 @@
-"""The partitioned engines' routing kernels in memory, against sets and dictionaries: partition
-bitmasks, the partitions below one, the owning partition, grouping keys by partition, each record's
-distinct partitions and their entries, and the partition store: its bulk-exchange slices, every kind
-of value it holds, and files it did not write."""
+"""The partitioned engines' kernels in memory, against sets, dictionaries and the whole-graph engine:
+grouping keys by partition, each record's distinct partitions and their entries, CSR rows taken,
+compacting a user side to what can still change, merging user sides, and the shared control flow."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pytest
 
-from beam_pipelines.store import MAGIC, PartitionStore, encode
-from madp.core.routing import (
-    bits_below,
-    csr_rows,
-    distinct_partitions,
-    owned,
-    partition_bits,
-    set_bits,
-    split_by_partition,
-)
-
-
-@pytest.mark.parametrize("num_partitions", [1, 63, 64, 65, 200])
-def test_partition_bitmasks_hold_exactly_the_pairs_set(num_partitions):
-    """Every (row, partition) pair goes in, repeated pairs once, and comes out again, across word edges."""
-    rng = np.random.default_rng(num_partitions)
-    rows = rng.integers(0, 40, 600)
-    partitions = rng.integers(0, num_partitions, 600)
-    edges = np.array([0, 63, 64, 127, 128, num_partitions - 1])
-    rows = np.concatenate([rows, np.arange(len(edges))])
-    partitions = np.concatenate([partitions, np.minimum(edges, num_partitions - 1)])
-    bits = partition_bits(rows, partitions, 40, num_partitions)
-    assert bits.shape == (40, (num_partitions + 63) // 64)
-    found_rows, found_partitions = set_bits(bits)
-    assert sorted(zip(found_rows.tolist(), found_partitions.tolist())) == sorted(
-        set(zip(rows.tolist(), partitions.tolist()))
-    )
-
-
-def test_no_bits_give_no_pairs():
-    rows, partitions = set_bits(np.zeros((5, 2), np.uint64))
-    assert len(rows) == len(partitions) == 0
-
-
-@pytest.mark.parametrize("num_partitions", [1, 64, 130])
-def test_bits_below_a_partition_are_the_partitions_numbered_below_it(num_partitions):
-    words = (num_partitions + 63) // 64
-    for partition in range(num_partitions):
-        below = bits_below(partition, words)
-        everyone = partition_bits(np.zeros(num_partitions, np.int64), np.arange(num_partitions), 1, num_partitions)
-        _, found = set_bits(everyone & below)
-        assert sorted(found.tolist()) == list(range(partition))
+from madp.core.bounding import DONE, ROUND, START_PASS, Capacities, Control, build_user_side, compact, merge_sides
+from madp.core.routing import csr_rows, distinct_partitions, split_by_partition, take_csr
 
 
 def test_split_groups_keys_by_partition_in_their_order():
@@ -61,25 +19,6 @@ def test_split_groups_keys_by_partition_in_their_order():
     assert sorted(groups) == sorted(set(partition.tolist()))
     for part, chunk in groups.items():
         assert chunk.tolist() == keys[partition == part].tolist()
-
-
-def test_bulk_exchange_slices_read_back_what_each_receiver_was_sent(tmp_path):
-    store = PartitionStore(str(tmp_path))
-    payloads = {3: {"keys": np.arange(5)}, 0: {"keys": np.array([], np.int64)}, 9: {"keys": np.arange(100, 90, -1)}}
-    where = store.write_slices("pairs-00001.store", payloads)
-    assert set(where) == set(payloads)
-    assert len({path for path, _, _ in where.values()}) == 1  # one file per sender
-    for destination, payload in payloads.items():
-        assert np.array_equal(store.read_slice(where[destination])["keys"], payload["keys"])
-
-
-def test_the_owner_of_a_record_is_the_lowest_partition_of_its_users_beyond_64_partitions():
-    rng = np.random.default_rng(0)
-    rows, partitions = rng.integers(0, 50, 400), rng.integers(0, 130, 400)
-    bits = partition_bits(rows, partitions, 50, 130)
-    for partition in (0, 1, 63, 64, 65, 129):
-        expected = [all(p >= partition for r, p in zip(rows, partitions) if r == row) for row in range(50)]
-        assert owned(bits, partition).tolist() == expected
 
 
 def test_distinct_partitions_of_each_record_and_the_entries_of_chosen_records():
@@ -99,79 +38,92 @@ def test_distinct_partitions_of_each_record_and_the_entries_of_chosen_records():
     assert positions.tolist() == expected_positions
 
 
-def test_the_store_gives_back_every_kind_of_value_the_pipelines_write(tmp_path):
-    from madp.core.batch_files import FileRows
-    from madp.core.records import RecordChunk, Rejects
+def test_taken_csr_rows_are_those_rows_in_that_order():
+    offsets, values = np.array([0, 2, 2, 5, 6]), np.array([10, 11, 20, 21, 22, 30])
+    taken_offsets, taken = take_csr(offsets, values, np.array([3, 0, 1, 2]))
+    assert taken_offsets.tolist() == [0, 1, 3, 3, 6] and taken.tolist() == [30, 10, 11, 20, 21, 22]
 
-    rejects = Rejects()
-    rejects.add("a.jsonl", 3, "null_user", {"id": 7, "users": [None]})
-    chunk = RecordChunk(
-        keys=np.array([5, 9], np.int64),
-        ids=pa.array(["x", "é"]),
-        offsets=np.array([0, 2, 3], np.int64),
-        users=pa.array([1, 2, 3]),
-        weights=None,
-        sources={0: "a.jsonl"},
-        content=pa.table({"text": ["hi", "🙂"], "v": pa.array([[1.5, float("nan")], [0.0, 2.0]])}),
-    )
-    rows = FileRows(
-        steps=np.array([0, 1]),
-        unit_keys=np.array([1, 2], np.uint64),
-        record_keys=np.array([3, 4], np.uint64),
-        ids=pa.array([1, 2]),
-        content=pa.table({"a": [1, 2]}).select([]),  # no content columns, two rows
-        user_offsets=np.array([0, 1, 2]),
-        users=np.array([8, 9], np.uint64),
-    )
-    value = {
-        "chunk": chunk,
-        "rejects": rejects,
-        "rows": rows,
-        "bits": np.arange(12, dtype=np.uint64).reshape(4, 3),
-        "eligible": np.array([True, False, True]),
-        "empty": np.zeros(0, np.int64),
-        "histogram": {3: 10, 1: 2},
-        "id_type": pa.large_string(),
-        "pair": (np.int64(4), None, 2.5, "text", [1, 2]),
+
+def _side(rng, users: int, records: int, incidences: int):
+    pairs = np.unique(np.stack([rng.integers(0, users, incidences), rng.integers(0, records, incidences)]), axis=1)
+    inc_user_ids, inc_record = pa.array(pairs[0]), pairs[1].astype(np.int64)
+    order = (rng.random(records), rng.integers(0, 2**63, records).astype(np.uint64))
+    empty = np.zeros(records, np.int64)
+    keys = np.arange(records, dtype=np.int64) * 3
+    return build_user_side(inc_user_ids, inc_record, keys, order, Capacities(2), empty, empty.astype(bool))
+
+
+def test_compacting_keeps_the_marked_incidences_with_their_users_and_records():
+    rng = np.random.default_rng(11)
+    side = _side(rng, 30, 50, 120)
+    side.residual[:5] = 0  # a capacity used up stays with the user
+    keep = rng.random(len(side.inc_record)) < 0.4
+    compacted, records, users = compact(side, keep)
+    before = {(int(u), int(side.record_keys[r])) for u, r in zip(side.inc_user[keep], side.inc_record[keep])}
+    user_ids = np.flatnonzero(users)
+    after = {
+        (int(user_ids[u]), int(compacted.record_keys[r])) for u, r in zip(compacted.inc_user, compacted.inc_record)
     }
-    store = PartitionStore(str(tmp_path))
-    back = store.read_arrays(store.write_arrays("all.store", value))
-    assert back["chunk"].ids.equals(chunk.ids) and back["chunk"].users.equals(chunk.users)
-    content = back["chunk"].content
-    assert content.schema == chunk.content.schema and repr(content.to_pydict()) == repr(chunk.content.to_pydict())
-    assert back["chunk"].sources == {0: "a.jsonl"}
-    assert back["chunk"].keys.tolist() == [5, 9] and back["chunk"].weights is None
-    assert back["rejects"].to_jsonl() == rejects.to_jsonl()
-    assert back["rows"].content.num_rows == 2 and back["rows"].unit_keys.dtype == np.uint64
-    assert back["bits"].tolist() == value["bits"].tolist() and back["bits"].dtype == np.uint64
-    assert back["eligible"].tolist() == [True, False, True]
-    back["eligible"][0] = False  # the steps change state in place: arrays come back writable
-    assert back["empty"].dtype == np.int64 and len(back["empty"]) == 0
-    assert back["histogram"] == {3: 10, 1: 2} and back["id_type"] == pa.large_string()
-    assert back["pair"] == (4, None, 2.5, "text", [1, 2]) and isinstance(back["pair"][0], np.int64)
+    assert before == after
+    assert compacted.record_keys.tolist() == sorted({k for _, k in before})
+    assert compacted.residual.tolist() == side.residual[users].tolist()
+    assert compacted.eligible.tolist() == side.eligible[keep].tolist()
+    for user, first in enumerate(compacted.first_incidence):  # each user's incidences start where it says
+        assert first == np.flatnonzero(compacted.inc_user == user)[0]
 
 
-def test_a_store_file_written_by_someone_else_runs_no_code(tmp_path):
-    """Anyone who can write OUTPUT/_work/ could plant a file a worker reads: a pickle there would run
-    its code when loaded. The store reads only its own format, and builds only the types it lists."""
-    import json
-    import pickle
-    import struct
+def test_merged_sides_match_records_by_key_and_keep_each_users_order():
+    rng = np.random.default_rng(12)
+    sides = [_side(rng, 10, 40, 60), _side(rng, 12, 40, 70)]
+    merged, positions = merge_sides(sides)
+    assert merged.record_keys.tolist() == sorted(set(np.concatenate([s.record_keys for s in sides]).tolist()))
+    base = 0
+    for side, where in zip(sides, positions):
+        assert np.array_equal(merged.record_keys[where], side.record_keys)
+        mine = (merged.inc_user >= base) & (merged.inc_user < base + len(side.residual))
+        assert np.array_equal(merged.record_keys[merged.inc_record[mine]], side.record_keys[side.inc_record])
+        base += len(side.residual)
 
-    marker = tmp_path / "ran"
 
-    class Plant:
-        def __reduce__(self):
-            return (open, (str(marker), "w"))
+def test_control_passes_and_rounds_as_the_algorithm_goes():
+    control = Control(duplicates=True, max_rounds=3)
+    assert control.next == START_PASS
+    control = control.after(0, 10)  # a pass starts with 10 records eligible
+    assert (control.next, control.passes) == (ROUND, 1)
+    control = control.after(6, 4).after(4, 0)  # two rounds end the pass
+    assert control.next == START_PASS and [r["selected"] for r in control.per_round] == [6, 4]
+    control = control.after(0, 3).after(1, 2)  # a second pass: max_rounds stops it undecided
+    assert (control.next, control.passes, control.converged) == (DONE, 2, False)
+    assert Control(duplicates=False, max_rounds=None).after(0, 5).after(5, 0).converged
+    assert Control(duplicates=True, max_rounds=None).after(0, 0).converged  # nothing eligible: done
 
-    planted = tmp_path / "records-00000-ids.store"
-    planted.write_bytes(pickle.dumps(Plant()))
-    with pytest.raises(ValueError, match="not a madp partition store file"):
-        PartitionStore.read_arrays(str(planted))
-    header = json.dumps({"value": {"dataclass": "Popen", "fields": {}}, "leaves": []}).encode()
-    planted.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header)
-    with pytest.raises(ValueError, match="unknown entry"):
-        PartitionStore.read_arrays(str(planted))
-    assert not marker.exists()
-    with pytest.raises(TypeError, match="cannot hold a Plant"):
-        encode({"x": Plant()})
+
+def test_a_user_partition_travels_packed_and_comes_back_the_same():
+    """The compact form a partition travels in (32-bit positions, flags as bits, users by their
+    incidence counts) gives back every array, with its dtype."""
+    import dataclasses
+
+    from beam_pipelines.bound_rounds import UserPartition
+
+    rng = np.random.default_rng(13)
+    side = _side(rng, 30, 80, 200)
+    side.eligible[::3] = False
+    side.residual[:4] = 0
+    records = len(side.record_keys)
+    peer_counts = rng.integers(1, 4, records)
+    partition = UserPartition(
+        part=5,
+        side=side,
+        arity=rng.integers(1, 5, records).astype(np.int32),
+        record_partition=rng.integers(0, 9, records).astype(np.int32),
+        peer_offsets=np.concatenate([[0], np.cumsum(peer_counts)]).astype(np.int64),
+        peers=rng.integers(0, 70, peer_counts.sum()).astype(np.int32),
+    )
+    back = UserPartition.unpacked(partition.packed())
+    assert back.part == 5
+    for field in dataclasses.fields(side):
+        before, after = getattr(side, field.name), getattr(back.side, field.name)
+        assert np.array_equal(before, after) and before.dtype == after.dtype, field.name
+    for name in ("arity", "record_partition", "peer_offsets", "peers"):
+        assert np.array_equal(getattr(partition, name), getattr(back, name)), name
+    assert len(partition.packed()) < sum(a.nbytes for a in dataclasses.asdict(side).values())

@@ -17,15 +17,15 @@ from apache_beam.typehints.decorators import TypeCheckError
 from conftest import write_records
 from test_batching import rows_of
 
+from beam_pipelines import files
 from beam_pipelines.bound_build import BuildSides
 from beam_pipelines.bound_contributions import BoundContributions
-from beam_pipelines.bound_rounds import ProposalRound, Saturate, SideStore, round_stat
+from beam_pipelines.bound_rounds import FirstSaturation, Iteration, Progress, round_stat
 from beam_pipelines.min_sep_sample import MinSepSample
 from beam_pipelines.pipeline import keeping_input_errors, pipeline_options, run
 from beam_pipelines.record_chunks import ReadRecords
-from beam_pipelines.store import PartitionStore
 from madp.core import record_reading
-from madp.core.bounding import Capacities
+from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest, graph_digest
 from madp.core.records import Columns, Rejects
@@ -53,15 +53,14 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
     )
     second = write_records(str(tmp_path / "b.jsonl"), [{"id": 3, "users": [4]}, {"id": 4, "users": [5]}])
     options = BoundOptions(max_contributions=1)
-    store = SideStore(str(tmp_path / "store"))
 
     def digest_of_counts(totals: dict) -> dict:  # the graph digest's summed counts as the digest they make
-        kept = {name: value for name, value in totals.items() if not name.startswith("graph_digest_")}
+        kept = {n: v for n, v in totals.items() if not n.startswith(("graph_digest_", "round_00000_shuffled"))}
         return {**kept, "graph_digest": GraphDigest.from_counts(totals).hex}
 
     with _test_pipeline() as pipeline:
-        chunks, read_rejects, read_stats = pipeline | ReadRecords([first, second], options.columns, store)
-        users, records, rejects, stats = chunks | BuildSides(options, 3, store, None, False)
+        chunks, read_rejects, read_stats = pipeline | ReadRecords([first, second], options.columns)
+        users, records, rejects, _, stats = chunks | BuildSides(options, 3, None, None, None)
         assert_that(
             _totals((read_stats, stats) | "AllStats" >> beam.Flatten()) | "Digest" >> beam.Map(digest_of_counts),
             equal_to(
@@ -72,6 +71,9 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
                         "rejected_duplicate_id": 2,  # id 3, in both files: both rows go
                         "repeated_users_removed": 1,
                         "input_records": 2,
+                        "input_users": 3,
+                        "users_with_input_records_000000001": 3,
+                        "round_00000_active_incidences": 3,
                         # Summed over partitions, the graph of the records kept: 1 (users 1, 2) and 4 (user 5).
                         "graph_digest": graph_digest(pa.array([4, 1]), np.array([0, 1, 3]), pa.array([5, 2, 1])).hex,
                     }
@@ -91,21 +93,27 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
     chunk, _, _, _ = read_input(path, Columns())
     local = bound_records(chunk, options, Capacities(2)).rounds
     assert len(local) >= 3
-    store = SideStore(str(tmp_path / "store"))
+    control = Control(duplicates=False, max_rounds=None)
     with _test_pipeline() as pipeline:
-        chunks, _, _ = pipeline | ReadRecords([path], options.columns, store)
-        users, records, _, _ = chunks | BuildSides(options, 4, store, None, False)
-        users, _ = (users, pipeline | "NoAcceptedYet" >> beam.Create([])) | "SaturateInitially" >> Saturate(store, 0)
+        chunks, _, _ = pipeline | ReadRecords([path], options.columns)
+        users, _, _, counts, _ = chunks | BuildSides(options, 4, None, None, None)
+        start = pipeline | "Start" >> beam.Create([Progress(control, -1)])
+        # threshold 0: never finished locally; saturate: as with capacities, one step retires
+        users, progress, _ = (users, counts, start) | FirstSaturation(control, threshold=0, saturate=True)
         round_stats = []
         for index in (1, 2, 3):
-            users, records, stats = (users, records) | f"Round{index}" >> ProposalRound(store, index)
-            round_stats.extend(stats)
-        totals = _totals(tuple(round_stats) | beam.Flatten())
+            users, progress, _, _, stats = (users, progress) | f"Round{index}" >> Iteration(index, False, 0)
+            round_stats.append(stats)
+        counts = (
+            tuple(round_stats) | beam.Flatten() | beam.Filter(lambda stat: stat[0].endswith(("_selected", "_eligible")))
+        )
         expected = {}
         for index, one in enumerate(local[:3], 1):
             expected[round_stat(index, "selected")] = one["selected"]
             expected[round_stat(index, "eligible")] = one["eligible"]
-        assert_that(totals, equal_to([expected]))
+        assert_that(_totals(counts), equal_to([expected]), label="Counts")
+        rounds = progress | beam.Map(lambda last: list(last.control.per_round))
+        assert_that(rounds, equal_to([local[:3]]), label="Control")
 
 
 def test_bound_contributions_embed_in_a_pipeline_of_ones_own(tmp_path):
@@ -119,15 +127,15 @@ def test_bound_contributions_embed_in_a_pipeline_of_ones_own(tmp_path):
     local = bound_records(chunk, options, Capacities(2))
     expected = [(int(i), int(c)) for i, c in zip(chunk.ids.to_pylist(), local.copies) if c > 0]
     with _test_pipeline() as pipeline:
-        shards, rejects, stats = (
-            pipeline
-            | beam.Create([(0, chunk)])
-            | BoundContributions(options, 3, len(local.rounds), SideStore(str(tmp_path / "store")))
+        bound = pipeline | beam.Create([(0, chunk)]) | BoundContributions(options, partitions=3)
+        pairs = bound.shards | beam.FlatMapTuple(
+            lambda _, table: zip(table["id"].to_pylist(), table["copies"].to_pylist())
         )
-        pairs = shards | beam.FlatMapTuple(lambda _, table: zip(table["id"].to_pylist(), table["copies"].to_pylist()))
         assert_that(pairs, equal_to(expected), label="Selection")
-        assert_that(shards | beam.Keys() | beam.Distinct(), equal_to([0, 1]), label="Shards")
-        assert_that(rejects, equal_to([]), label="NoRejects")
+        assert_that(bound.shards | beam.Keys() | beam.Distinct(), equal_to([0, 1]), label="Shards")
+        assert_that(bound.rejects, equal_to([]), label="NoRejects")
+        rounds = bound.control | beam.Map(lambda control: (list(control.per_round), control.converged))
+        assert_that(rounds, equal_to([(local.rounds, True)]), label="Rounds")
 
 
 def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
@@ -141,15 +149,15 @@ def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
     ]
     path = write_records(str(tmp_path / "records.jsonl"), rows)
     bound_options = BoundOptions(max_contributions=2)
-    rounds = bound_local(path, str(tmp_path / "bounded"), bound_options)["rounds"]
+    bound_local(path, str(tmp_path / "bounded"), bound_options)
     options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2, output_shards=2)
     local = batch_local.run_local(str(tmp_path / "bounded"), path, str(tmp_path / "batches"), options)
     expected = [(row["step"][0], row["id"][0]) for row in rows_of(str(tmp_path / "batches"))]
     chunk = record_reading.read_file(path, 0, Columns(), ("x",)).chunk
     with _test_pipeline() as pipeline:
         chunks = pipeline | beam.Create([(0, chunk)])
-        selection, _, _ = chunks | BoundContributions(bound_options, 3, rounds, SideStore(str(tmp_path / "bound")))
-        sampled = (chunks, selection) | MinSepSample(options, 3, PartitionStore(str(tmp_path / "batch")))
+        selection = (chunks | BoundContributions(bound_options, partitions=3)).shards
+        sampled = (chunks, selection) | MinSepSample(options, 3)
         pairs = sampled.rows | beam.FlatMapTuple(lambda _, rows: zip(rows.steps.tolist(), rows.ids.to_pylist()))
         assert_that(pairs, equal_to(expected), label="Rows")
         assert_that(sampled.rows | beam.Keys(), equal_to([0, 1]), label="EveryFile")
@@ -167,16 +175,14 @@ def test_elements_of_the_wrong_type_are_refused_when_the_graph_is_built(tmp_path
     pipeline = beam.Pipeline(options=pipeline_options([]))
     paths = pipeline | "Paths" >> beam.Create([(0, str(tmp_path / "r.jsonl"))])
     with pytest.raises(TypeCheckError, match=r"(?s)BoundContributions.*RecordChunk"):
-        _ = paths | BoundContributions(BoundOptions(max_contributions=2), 2, 3, SideStore(str(tmp_path / "bound")))
+        _ = paths | BoundContributions(BoundOptions(max_contributions=2), partitions=2)
     chunks = pipeline | "Chunks" >> beam.Create([(0, chunk.chunk)])
     rows = pipeline | "Rows" >> beam.Create([(0, {"id": 1, "copies": 1})])
     with pytest.raises(TypeCheckError, match=r"(?s)MinSepSample.*Table"):
-        _ = (chunks, rows) | MinSepSample(BatchOptions(steps=5, batch_size=2), 2, PartitionStore(str(tmp_path / "b")))
+        _ = (chunks, rows) | MinSepSample(BatchOptions(steps=5, batch_size=2), 2)
     tables = chunks | "Tables" >> beam.Map(lambda _: (0, pa.table({"id": [1], "copies": [1]})))
-    _ = (chunks, tables) | "Accepted" >> MinSepSample(
-        BatchOptions(steps=5, batch_size=2), 2, PartitionStore(str(tmp_path / "b"))
-    )  # the right types are accepted
-    assert not (tmp_path / "bound").exists() and not (tmp_path / "b").exists()
+    _ = (chunks, tables) | "Accepted" >> MinSepSample(BatchOptions(steps=5, batch_size=2), 2)  # right types accepted
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["r.jsonl"]  # building the graph wrote nothing
 
 
 def _rows_and_one_rejected(tmp_path, pipeline):
@@ -199,15 +205,19 @@ def test_under_on_invalid_error_a_row_rejected_before_stops_the_run_before_its_w
         records, rejected = _rows_and_one_rejected(tmp_path, pipeline)
         if job == "bound":
             options = BoundOptions(max_contributions=1, on_invalid=on_invalid)
-            _ = records | BoundContributions(
-                options, 2, 2, SideStore(str(directory)), rejected_before=rejected, output="OUT"
+            bound = records | BoundContributions(
+                options, 2, rejected_before=rejected, output="OUT", errors_dir=str(directory)
             )
-            work = str(directory / "*-r00001-*.store")  # written by the first round
+            _ = bound.control | beam.Map(lambda _, marks=str(directory): files.write_bytes(f"{marks}/bounded", b""))
+            work = str(directory / "bounded")  # written once the bounding is done
         else:
             options = BatchOptions(steps=5, batch_size=3, on_invalid=on_invalid)
             selected = pipeline | "Selection" >> beam.Create([(0, selection)])
-            _ = (records, selected) | MinSepSample(options, 2, PartitionStore(str(directory)), rejected, output="OUT")
-            work = str(directory / "samples-*.store")  # written by the sampling of a partition
+            sampled = (records, selected) | MinSepSample(options, 2, rejected, output="OUT", errors_dir=str(directory))
+            _ = sampled.rows | beam.Map(
+                lambda rows, marks=str(directory): files.write_bytes(f"{marks}/rows-{rows[0]}", b"")
+            )
+            work = str(directory / "rows-*")  # written once the partitions' samples reach their batch file
         if on_invalid == "error":
             with pytest.raises(InputError, match=r"(?s)1 invalid input rows.*r.jsonl: row 40: empty_users.*OUT/rej"):
                 run(pipeline, "madp", str(directory))

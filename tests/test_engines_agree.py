@@ -59,24 +59,42 @@ def sharded_input(tmp_path, small_graph):
 
 
 def test_default_direct_runner_two_workers(tmp_path, sharded_input):
+    """By default a graph this small is finished by one worker right after it is built: one run."""
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), [])
     assert beam["converged"] and beam["rounds"] >= 2 and beam["engine"] == "DirectRunner"
-    (counters,) = beam["beam_counters_per_run"]
+    (run,) = beam["pipeline_runs"]
+    assert run["finished_locally_incidences"] == run["iterations"][0]["active_incidences"] > 0
     for name in ("input_rows", "input_records", "input_users", "selected_records", "distinct_selected"):
-        assert counters[name] == beam[name], name
-    assert counters["round_00001_selected"] == beam["per_round"][0]["selected"]
+        assert run["beam_counters"][name] == beam[name], name
     assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]
+
+
+def test_rounds_in_the_graph_carry_only_undecided_incidences(tmp_path, sharded_input):
+    """With no local finish, every round runs in the graph, in one pipeline run: the state shrinks
+    to the undecided incidences, and the counters match the report's rounds."""
+    args = ["--local-finish-incidences=0", "--partitions=6"]
+    local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), args)
+    (run,) = beam["pipeline_runs"]
+    assert run["finished_locally_incidences"] is None
+    active = [one["active_incidences"] for one in run["iterations"]]
+    assert active[0] > active[1] > active[2] and active[len(beam["per_round"])] == 0, active
+    shuffled = [one["shuffled_bytes"] for one in run["iterations"]]
+    assert shuffled[2] < 0.2 * shuffled[1], shuffled
+    counters = run["beam_counters"]
+    for index, one in enumerate(beam["per_round"], 1):
+        assert counters[f"round_{index:05d}_selected"] == one["selected"]
 
 
 def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
     options = BoundOptions(max_contributions=3, duplicates=True)
-    local, _ = assert_same(
+    local, beam = assert_same(
         tmp_path,
         sharded_input,
         options,
-        ["--direct_running_mode=in_memory", "--partitions=3", "--rounds-per-pipeline=2"],
+        ["--direct_running_mode=in_memory", "--partitions=3", "--rounds-per-pipeline=2", "--local-finish-incidences=0"],
     )
     assert local["passes"] > 1 and local["selected_records"] > local["distinct_selected"]
+    assert len(beam["pipeline_runs"]) > 1
 
 
 def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, small_graph):
@@ -99,7 +117,7 @@ def test_max_rounds_across_pipeline_runs(tmp_path, sharded_input):
         tmp_path,
         sharded_input,
         BoundOptions(max_contributions=2, max_rounds=2),
-        ["--partitions=2", "--rounds-per-pipeline=1"],
+        ["--partitions=2", "--rounds-per-pipeline=1", "--local-finish-incidences=0"],
     )
     assert local["rounds"] == 2 and not local["converged"]
 
@@ -182,3 +200,17 @@ def test_alternate_order_counts_groups_alike(tmp_path, sharded_input):
     local, beam = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory", "--partitions=3"])
     assert local["parameters"]["group_sizes"] == beam["parameters"]["group_sizes"]
     assert sum(local["parameters"]["group_sizes"]) == local["input_records"]
+
+
+def test_runs_continued_then_finished_locally_with_duplicates_and_capacities(tmp_path, small_graph):
+    """Passes, capacities of 0, pipeline runs continued from a partial selection and the local
+    finish taking over part way: the same selection and rounds as in memory."""
+    input_path = write_records(str(tmp_path / "records.jsonl"), small_graph[:2000])
+    capacities = tmp_path / "capacities.csv"
+    capacities.write_text("user,capacity\n" + "".join(f"{u},{u % 3}\n" for u in range(0, 400, 2)))
+    options = BoundOptions(max_contributions=3, duplicates=True, capacities=str(capacities))
+    args = ["--partitions=4", "--rounds-per-pipeline=2", "--local-finish-incidences=1000"]
+    _, beam = assert_same(tmp_path, input_path, options, args)
+    runs = beam["pipeline_runs"]
+    assert len(runs) > 1 and runs[-1]["finished_locally_incidences"] is not None
+    assert all(run["finished_locally_incidences"] is None for run in runs[:-1])

@@ -30,7 +30,7 @@ from madp.tools.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.beam, pytest.mark.tf]
 
-BEAM = ["--runner", "DirectRunner", "--direct_num_workers", "2"]
+BEAM = ["--runner", "DirectRunner", "--direct_running_mode", "multi_processing"]
 
 
 def batch_bytes(output) -> dict[str, bytes]:

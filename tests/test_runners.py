@@ -17,8 +17,8 @@ from beam_pipelines.batch import BatchPipeline
 from beam_pipelines.bound import BoundPipeline
 from beam_pipelines.monte_carlo import ChunkResults
 from beam_pipelines.pipeline import pipeline_options
-from beam_pipelines.store import PartitionStore
 from madp.cli import main, parser
+from madp.core.bounding import Control
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.run_plan import load_config, plan_stages
@@ -47,11 +47,13 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
         [os.path.join(work, "records.parquet")],
         os.path.join(work, "bound"),
         BoundOptions(max_contributions=4),
-        8,
-        3,
-        "run-0000",
-        False,
-        False,
+        partitions=8,
+        rounds=3,
+        local_finish_incidences=1000,
+        capacities=None,
+        control=Control(duplicates=False, max_rounds=None),
+        run_dir=os.path.join(work, "bound", "_work", "run-0000"),
+        resume_from=None,
     )
     pipelines["bound"] = bound
     batch = beam.Pipeline(options=pipeline_options(beam_args))
@@ -63,7 +65,8 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
         ("features",),
         BatchOptions(seed=0, steps=100, batch_size=50, min_sep=4),
         8,
-        PartitionStore(os.path.join(work, "store")),
+        os.path.join(work, "summary.json"),
+        errors_dir=os.path.join(work, "input-errors"),
     )
     pipelines["batch"] = batch
     accounting = beam.Pipeline(options=pipeline_options(beam_args))
@@ -106,7 +109,8 @@ def _bytes_of(directory) -> str:
     return digest.hexdigest()
 
 
-def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_path, capsys):
+def test_direct_runner_in_process_and_in_a_worker_process_writes_the_same_bytes(tmp_path, capsys):
+    """The DirectRunner's two one-worker modes, with different partitions, give the same files."""
     from conftest import write_records
 
     from madp.tools.synthetic import GraphSpec, generate, to_table
@@ -115,25 +119,35 @@ def test_direct_runner_with_several_workers_writes_the_same_bytes_as_one(tmp_pat
         str(tmp_path / "records.jsonl"), to_table(generate(GraphSpec(records=3000, features=4, seed=5))).to_pylist()
     )
     digests = []
-    for workers in ("1", "3"):
+    for mode, partitions in (("in_memory", "4"), ("multi_processing", "7")):
+        beam_options = ["--partitions", partitions, "--direct_running_mode", mode]
         config = {
-            "run_dir": str(tmp_path / f"run-{workers}"),
+            "run_dir": str(tmp_path / f"run-{mode}"),
             "input": data,
-            "bound": {"max_contributions": 2, "beam_options": ["--partitions", "4", "--direct_num_workers", workers]},
+            "bound": {"max_contributions": 2, "beam_options": beam_options},
             "batch": {
                 "steps": 40,
                 "batch_size": 60,
                 "min_sep": 3,
                 "output_shards": 2,
                 "seed": 9,
-                "beam_options": ["--partitions", "4", "--direct_num_workers", workers],
+                "beam_options": beam_options,
             },
         }
-        path = tmp_path / f"job-{workers}.yaml"
+        path = tmp_path / f"job-{mode}.yaml"
         path.write_text(yaml.safe_dump(config))
         assert main(["-q", "run", str(path)]) == 0
         capsys.readouterr()
-        digests.append(
-            (_bytes_of(tmp_path / f"run-{workers}" / "bound"), _bytes_of(tmp_path / f"run-{workers}" / "batches"))
-        )
+        digests.append((_bytes_of(tmp_path / f"run-{mode}" / "bound"), _bytes_of(tmp_path / f"run-{mode}" / "batches")))
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("options", [["--direct_num_workers", "2"], ["--direct_running_mode", "multi_threading"]])
+def test_direct_runner_with_workers_in_parallel_is_refused_with_the_reason(tmp_path, capsys, options):
+    """Beam 2.77's DirectRunner loses elements when several workers run bundles at once."""
+    from conftest import write_records
+
+    data = write_records(str(tmp_path / "r.jsonl"), [{"id": 1, "users": [1]}])
+    assert main(["bound", data, str(tmp_path / "out"), "-k", "1", *options]) == 2
+    assert "loses elements when several workers run bundles at once" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "selected").exists()

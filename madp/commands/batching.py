@@ -12,8 +12,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     batch = commands.add_parser(
         "batch",
         help="materialize training batches as TFRecords (b-min-sep Poisson sampling or min-sep greedy)",
-        description="Unknown options are passed to Beam (e.g. --direct_num_workers 4, --project ...), among "
-        "them madp's own --partitions P (record and user partitions, default 4).",
+        description="Unknown options are passed to Beam (e.g. --project ..., --temp_location ...), among "
+        "them madp's own --partitions P (record and user partitions, default 16).",
     )
     batch.add_argument("selected", help="a `madp bound` output directory (selected/*.parquet: id, copies)")
     batch.add_argument("data", help="the records: a .jsonl/.parquet file or a directory of them")

@@ -16,8 +16,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         description="Round-based unanimous-proposal contribution bounding. Arguments this command does not "
         "know are passed to Apache Beam as pipeline options (e.g. --project, --region, "
         "--temp_location, --flink_master, --setup_file), among them madp's own: --partitions P "
-        "(record and user partitions, default 4; use ~2-4 per worker core) and --rounds-per-pipeline R "
-        "(rounds unrolled in one pipeline run, default 6).",
+        "(record and user partitions, default 16; several per worker core), --rounds-per-pipeline R "
+        "(iterations unrolled in one pipeline run, default 10) and --local-finish-incidences N (one "
+        "worker finishes once at most N undecided incidences are left, default 2000000).",
     )
     bound.add_argument("input", help="a .jsonl/.parquet file or a directory of them")
     bound.add_argument("output", help="output directory: selected/, report.json, rejected/")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -117,10 +119,17 @@ def file_rows(
 
 
 def write_batch_file(
-    path: str, rows: FileRows, steps: range, max_batch_size: int | None, shapes: dict[str, list]
+    path: str,
+    rows: FileRows,
+    steps: range,
+    max_batch_size: int | None,
+    shapes: dict[str, list],
+    write_whole: Callable[[str, Callable[[Any], object]], None] = storage.write_whole,
 ) -> dict:
     """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
 
+    The file's bytes go through `write_whole(path, write)`, whole or not at all: `storage.write_whole`
+    in the local engine, Beam's `FileSystems` (`beam_pipelines.files.write_whole`) in a Beam worker.
     Returns per-step real row counts and the written rows' (user, step) and record keys for stats.
     """
     keep = sampling.order_and_truncate(
@@ -164,7 +173,7 @@ def write_batch_file(
             chunk = {name: column.slice(start, chunk_rows) for name, column in columns.items()}
             handle.write(tfrecord.tfrecord_bytes(tfrecord.serialize_examples(chunk)))
 
-    storage.write_whole(path, write)  # a full disk is a named error, and never leaves a truncated file
+    write_whole(path, write)  # never leaves a truncated file (locally, a full disk is a named error)
     owner, flat = incidences_of(rows.user_offsets, keep)
     return {
         "written": written,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -242,6 +241,47 @@ def retire(users: UserSide, dead: np.ndarray) -> None:
     users.eligible &= ~dead[users.inc_record]
 
 
+def compact(users: UserSide, keep: np.ndarray) -> tuple[UserSide, np.ndarray, np.ndarray]:
+    """The incidences `keep` marks, with only the records and users they reference, so that the state
+    of later rounds holds only what can still change: (side, kept records mask over `record_keys`,
+    kept users mask over the users)."""
+    records = np.zeros(len(users.record_keys), dtype=bool)
+    records[users.inc_record[keep]] = True
+    kept_users = np.zeros(len(users.residual), dtype=bool)
+    kept_users[users.inc_user[keep]] = True
+    inc_user = (np.cumsum(kept_users) - 1)[users.inc_user[keep]]
+    side = UserSide(
+        inc_user=inc_user,
+        inc_record=(np.cumsum(records) - 1)[users.inc_record[keep]],
+        record_keys=users.record_keys[records],
+        first_incidence=np.searchsorted(inc_user, np.arange(int(kept_users.sum()))),
+        residual=users.residual[kept_users],
+        capacity=users.capacity[kept_users],
+        eligible=users.eligible[keep],
+    )
+    return side, records, kept_users
+
+
+def merge_sides(sides: list[UserSide]) -> tuple[UserSide, list[np.ndarray]]:
+    """User sides of distinct users as one, records matched by key across them: (merged side, each
+    side's records' positions in the merged `record_keys`). Each side's incidences stay in their
+    (user, preference) order, users numbered side after side."""
+    record_keys = np.unique(np.concatenate([s.record_keys for s in sides] + [np.zeros(0, np.int64)]))
+    positions = [np.searchsorted(record_keys, s.record_keys) for s in sides]
+    user_base = np.cumsum([0] + [len(s.residual) for s in sides])
+    inc_user = np.concatenate([s.inc_user + base for s, base in zip(sides, user_base)] + [np.zeros(0, np.int64)])
+    merged = UserSide(
+        inc_user=inc_user,
+        inc_record=np.concatenate([p[s.inc_record] for s, p in zip(sides, positions)] + [np.zeros(0, np.int64)]),
+        record_keys=record_keys,
+        first_incidence=np.searchsorted(inc_user, np.arange(user_base[-1])),
+        residual=np.concatenate([s.residual for s in sides] + [np.zeros(0, np.int64)]),
+        capacity=np.concatenate([s.capacity for s in sides] + [np.zeros(0, np.int64)]),
+        eligible=np.concatenate([s.eligible for s in sides] + [np.zeros(0, bool)]),
+    )
+    return merged, positions
+
+
 def local_mask(record_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Bool mask over sorted `record_keys` of the given keys (all present)."""
     mask = np.zeros(len(record_keys), dtype=bool)
@@ -249,49 +289,75 @@ def local_mask(record_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return mask
 
 
-@dataclasses.dataclass
-class Rounds:
-    """The control flow of Alg. 1 shared by the engines: rounds until no record is eligible, and with
-    duplicates (Alg. 3) passes over the residual capacities until a pass starts with none; `max_rounds`
-    stops early, leaving the undecided records unselected."""
+START_PASS, ROUND, DONE = "pass", "round", "done"  # what the next step of the algorithm is
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """The control flow of Alg. 1 that every engine shares, as an immutable value advanced after each
+    step: rounds until no record is eligible, and with duplicates (Alg. 3) passes over the residual
+    capacities until a pass starts with none; `max_rounds` stops early, leaving the undecided records
+    unselected. A step is a pass start (every record of the pass made eligible again, then the
+    saturated users' records retired) or a round; `after` takes what the step selected and how many
+    records are still eligible (undecided) after it."""
 
     duplicates: bool
     max_rounds: int | None
-    per_round: list[dict] = dataclasses.field(default_factory=list)
+    next: str = START_PASS
+    per_round: tuple[dict, ...] = ()
     passes: int = 0
     converged: bool = False
-    started: float = dataclasses.field(default_factory=time.perf_counter)
 
-    def start_pass(self, eligible: int) -> bool:
-        """A pass starts on the records still eligible once the residual capacities are applied."""
-        if eligible == 0:
-            self.converged = True
-            return False
-        self.passes += 1
-        return True
-
-    def room(self, wanted: int) -> int:
-        """How many of `wanted` further rounds `max_rounds` allows."""
-        return wanted if self.max_rounds is None else max(0, min(wanted, self.max_rounds - len(self.per_round)))
-
-    def record(self, selected: int, eligible: int) -> None:
-        self.per_round.append(
-            {"round": len(self.per_round) + 1, "pass": self.passes, "selected": selected, "eligible": eligible}
-        )
-        log.info(
-            "round %d (pass %d): selected %d, %d records still eligible, %.1f s",
-            len(self.per_round),
-            self.passes,
-            selected,
-            eligible,
-            time.perf_counter() - self.started,
-        )
-
-    def next_pass(self, eligible: int) -> bool:
-        """Whether another pass follows the rounds that just ended with `eligible` records undecided."""
+    def after(self, selected: int, eligible: int) -> Control:
+        if self.next == START_PASS:
+            if eligible == 0:
+                return dataclasses.replace(self, next=DONE, converged=True)
+            return dataclasses.replace(self, next=self._round_or_stop(), passes=self.passes + 1)
+        if self.next != ROUND:
+            raise ValueError(f"no step follows {self.next!r}")
+        record = {"round": len(self.per_round) + 1, "pass": self.passes, "selected": selected, "eligible": eligible}
+        advanced = dataclasses.replace(self, per_round=(*self.per_round, record))
         if eligible:
-            return False  # stopped by max_rounds
+            return dataclasses.replace(advanced, next=advanced._round_or_stop())
         if not self.duplicates:
-            self.converged = True
-            return False
-        return True
+            return dataclasses.replace(advanced, next=DONE, converged=True)
+        return dataclasses.replace(advanced, next=START_PASS)
+
+    def _round_or_stop(self) -> str:
+        return DONE if self.max_rounds is not None and len(self.per_round) >= self.max_rounds else ROUND
+
+    def log_rounds(self, since: int = 0) -> None:
+        for one in self.per_round[since:]:
+            log.info(
+                "round %d (pass %d): selected %d, %d records still eligible",
+                one["round"],
+                one["pass"],
+                one["selected"],
+                one["eligible"],
+            )
+
+
+def run_steps(users: UserSide, arity: np.ndarray, undecided: np.ndarray, control: Control, on_selected=None) -> Control:
+    """Alg. 1 (and Alg. 3's passes) on one partition holding whole records, from `control` to the end.
+
+    `arity` counts each record's incidences (all in `users`), `undecided` marks the records eligible
+    in the pass in progress; `on_selected(mask)` hears of each round's selected records. Returns the
+    final control.
+    """
+    while control.next != DONE:
+        accepted = np.zeros(len(arity), dtype=bool)
+        if control.next == START_PASS:
+            users.eligible[:] = True
+            undecided = np.ones(len(arity), dtype=bool)
+        else:
+            accepted = unanimous(users.inc_record[propose(users)], arity)
+            undecided &= ~accepted
+            if on_selected is not None:
+                on_selected(accepted)
+        dead = consume(users, accepted)
+        retire(users, dead)
+        undecided &= ~dead
+        rounds_before = len(control.per_round)
+        control = control.after(int(accepted.sum()), int(undecided.sum()))
+        control.log_rounds(rounds_before)
+    return control

@@ -1,7 +1,7 @@
 """Routing kernels of the partitioned engines: which partition each message goes to, on numpy arrays.
 
-A record's users may live in several user partitions; a set of partitions is kept per record as a
-bitmask of uint64 words (partition p is bit p % 64 of word p // 64), so any number of partitions fits.
+A record's users may live in several user partitions; the set of them is kept per record as a CSR
+list (offsets, partitions ascending), so any number of partitions fits in arity-many entries.
 """
 
 from __future__ import annotations
@@ -17,45 +17,6 @@ def split_by_partition(keys: np.ndarray, partition: np.ndarray) -> Iterator[tupl
     parts, starts = np.unique(partition[order], return_index=True)
     for part, chunk in zip(parts, np.split(keys[order], starts[1:])):
         yield int(part), chunk
-
-
-def partition_bits(rows: np.ndarray, partitions: np.ndarray, n: int, num_partitions: int) -> np.ndarray:
-    """Per row, the set of partitions as a bitmask: n x ceil(P/64) uint64 words."""
-    bits = np.zeros((n, (num_partitions + 63) // 64), dtype=np.uint64)
-    np.bitwise_or.at(bits, (rows, partitions // 64), np.left_shift(np.uint64(1), (partitions % 64).astype(np.uint64)))
-    return bits
-
-
-def bits_below(partition: int, words: int) -> np.ndarray:
-    """Bitmask (one row of words) of the partitions numbered below `partition`."""
-    mask = np.zeros(words, dtype=np.uint64)
-    mask[: partition // 64] = np.uint64(0xFFFFFFFFFFFFFFFF)
-    if partition % 64:
-        mask[partition // 64] = np.uint64((1 << (partition % 64)) - 1)
-    return mask
-
-
-def set_bits(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row, partition) for every set bit of a bitmask matrix."""
-    rows, partitions = [], []
-    for word in range(bits.shape[1]):
-        values = bits[:, word].copy()
-        index = np.flatnonzero(values)
-        while len(index):
-            lowest = values[index] & (~values[index] + np.uint64(1))
-            rows.append(index)
-            partitions.append(64 * word + np.log2(lowest.astype(np.float64)).astype(np.int64))
-            values[index] ^= lowest
-            index = index[values[index] != 0]
-    if not rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(rows), np.concatenate(partitions)
-
-
-def owned(bits: np.ndarray, partition: int) -> np.ndarray:
-    """Per row, whether no partition below `partition` is in its set: of the partitions holding a
-    row, only the lowest one counts it."""
-    return ~np.any(bits & bits_below(partition, bits.shape[1]), axis=1)
 
 
 def distinct_partitions(arity: np.ndarray, partition: np.ndarray, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,3 +37,10 @@ def csr_rows(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
         np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     )
     return np.repeat(rows, counts), positions
+
+
+def take_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR rows `rows` (in that order) of (offsets, values), as a CSR of their own."""
+    _, positions = csr_rows(offsets, rows)
+    counts = np.diff(offsets)[rows]
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), values[positions]

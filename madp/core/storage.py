@@ -78,7 +78,12 @@ def parquet_columns(path: str) -> list[str]:
 def write_parquet(table: pa.Table, path: str) -> None:
     """Write with page checksums, so that bit rot in an intermediate file is caught when it is read;
     whole or not at all (`write_whole`)."""
-    write_whole(path, lambda handle: pq.write_table(table, handle, write_page_checksum=True))
+    write_whole(path, lambda handle: parquet_to(handle, table))
+
+
+def parquet_to(handle, table: pa.Table) -> None:
+    """`table` as Parquet with page checksums into an open binary handle."""
+    pq.write_table(table, handle, write_page_checksum=True)
 
 
 def manifest(paths: list[str]) -> list[dict]:

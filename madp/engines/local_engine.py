@@ -10,7 +10,7 @@ import numpy as np
 
 from madp.core import record_reading
 from madp.core import records as rec
-from madp.core.bounding import Capacities, Rounds, build_user_side, consume, preference_keys, propose, retire, unanimous
+from madp.core.bounding import Capacities, Control, build_user_side, preference_keys, run_steps
 from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
 from madp.core.selection import (
@@ -63,32 +63,19 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
         in_pass=np.zeros(n, dtype=bool),
     )
     copies = np.zeros(n, dtype=np.int64)
-    rounds = Rounds(options.duplicates, options.max_rounds)
-    while True:
-        users.eligible[:] = True
-        eligible = np.ones(n, dtype=bool)
-        dead = consume(users, np.zeros(n, dtype=bool))
-        retire(users, dead)
-        eligible &= ~dead
-        if not rounds.start_pass(int(eligible.sum())):
-            break
-        while eligible.any() and rounds.room(1):
-            proposed = propose(users)
-            accepted = unanimous(users.inc_record[proposed], arity)
-            copies += accepted
-            eligible &= ~accepted
-            dead = consume(users, accepted)
-            retire(users, dead)
-            eligible &= ~dead
-            rounds.record(int(accepted.sum()), int(eligible.sum()))
-        if not rounds.next_pass(int(eligible.sum())):
-            break
+
+    def add_copies(selected: np.ndarray) -> None:
+        copies[selected] += 1
+
+    control = run_steps(
+        users, arity, np.ones(n, dtype=bool), Control(options.duplicates, options.max_rounds), add_copies
+    )
     contribution = users.contribution
     return BoundResult(
         copies=copies,
-        rounds=rounds.per_round,
-        passes=rounds.passes,
-        converged=rounds.converged,
+        rounds=list(control.per_round),
+        passes=control.passes,
+        converged=control.converged,
         max_user_contribution=int(contribution.max()) if len(contribution) else 0,
         input_users=len(users.residual),
         user_degree=np.bincount(users.inc_user, minlength=len(users.residual)),

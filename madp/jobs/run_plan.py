@@ -299,7 +299,7 @@ def _beam(section: dict, name: str) -> list[str]:
     runner = section.pop("runner", "DirectRunner")
     options = section.pop("beam_options", [])
     if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
-        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--direct_num_workers, 4]")
+        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--partitions, 32]")
     if runner == "local" and options:
         raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
     return ["--runner", str(runner), *map(str, options)]

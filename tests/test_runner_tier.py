@@ -1,0 +1,124 @@
+"""Three runners, one pipeline: `madp bound` and `madp batch` write the same selection and batch files,
+byte for byte, as `--runner local` on Beam's PortableRunner (the Python job service, SDK workers in
+processes an external worker pool starts) and on `--runner DaskRunner` (madp's own, in place of
+Beam's: beam_pipelines/dask_runner.py) on a dask.distributed cluster of two worker processes. The
+DirectRunner's agreement is tested in test_engines_agree.py and test_runners.py.
+
+Each run has a deadline: a runner that hangs or whose graph explodes fails its test with a
+TimeoutError instead of holding the tier, which must stay within a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+import runner_services
+
+from madp.cli import main
+from madp.tools.synthetic import GraphSpec, generate, to_table
+
+pytestmark = [pytest.mark.beam, pytest.mark.runners]
+
+RECORDS = 20_000
+PARTITIONS = "2"  # one per worker process of either runner
+BOUND = ["-k", "3", "--output-shards", "2"]
+BATCH = ["--steps", "30", "--batch-size", "400", "--min-sep", "3", "--output-shards", "2", "--seed", "11"]
+RUN_SECONDS = 180  # a hung run fails instead of blocking CI; ~10-30 times a run on a 2-core machine
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """TimeoutError in this (the main) thread once `seconds` have passed; SIGALRM interrupts the
+    driver wherever it waits, building a graph or waiting on the runner."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} took more than {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_FAILED = pytest.StashKey[bool]()  # on a test: its madp run raised or failed
+
+
+def madp(args: list[str], request, capsys) -> None:
+    """`madp ARGS` through the CLI, within the deadline; a failure is noted on the test."""
+    try:
+        with deadline(RUN_SECONDS, f"madp {args[0]} on {request.node.callspec.id}"):
+            code = main(["-q", *args])
+        assert code == 0, capsys.readouterr().err[-3000:]
+    except BaseException:
+        request.node.stash[_FAILED] = True
+        raise
+    capsys.readouterr()
+
+
+def files_of(directory: str, suffix: str) -> dict[str, bytes]:
+    return {
+        name: open(os.path.join(directory, name), "rb").read()
+        for name in sorted(os.listdir(directory))
+        if name.endswith(suffix)
+    }
+
+
+def assert_same_files(output: str, expected: str, suffix: str) -> None:
+    written, wanted = files_of(output, suffix), files_of(expected, suffix)
+    assert wanted, f"the local run wrote no {suffix} file"
+    assert sorted(written) == sorted(wanted)
+    differing = [name for name in wanted if written[name] != wanted[name]]
+    assert not differing, f"{differing} differ from --runner local's"
+
+
+@pytest.fixture(scope="module")
+def local_outputs(tmp_path_factory):
+    """The records, and `--runner local`'s selection and batches: what every runner must write."""
+    directory = tmp_path_factory.mktemp("local")
+    data = str(directory / "records.parquet")
+    pq.write_table(to_table(generate(GraphSpec(records=RECORDS, features=4, seed=13))), data)
+    bound, batches = str(directory / "bound"), str(directory / "batches")
+    assert main(["-q", "bound", data, bound, *BOUND, "--runner", "local"]) == 0
+    assert main(["-q", "batch", bound, data, batches, *BATCH, "--runner", "local"]) == 0
+    return data, bound, batches
+
+
+@pytest.fixture(scope="session")
+def portable_options():
+    with runner_services.portable_services() as options:
+        yield options
+
+
+@pytest.fixture(params=["portable", "dask"])
+def runner_options(request):
+    """The Beam options of each runner; a failed Dask run leaves a fresh cluster to the next test,
+    not one still busy with the abandoned run."""
+    if request.param == "portable":
+        yield [*request.getfixturevalue("portable_options"), f"--partitions={PARTITIONS}"]
+        return
+    cluster = request.getfixturevalue("dask_cluster")
+    # madp runs its own DaskRunner in place of Beam's, with --partitions tasks per Create
+    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={PARTITIONS}"]
+    if request.node.stash.get(_FAILED, False):
+        cluster.replace()
+
+
+def test_bound_writes_the_local_selection(runner_options, local_outputs, tmp_path, capsys, request):
+    data, bound, _ = local_outputs
+    output = str(tmp_path / "bound")
+    madp(["bound", data, output, *BOUND, *runner_options], request, capsys)
+    assert_same_files(os.path.join(output, "selected"), os.path.join(bound, "selected"), ".parquet")
+
+
+def test_batch_writes_the_local_batches(runner_options, local_outputs, tmp_path, capsys, request):
+    data, bound, batches = local_outputs
+    output = str(tmp_path / "batches")
+    madp(["batch", bound, data, output, *BATCH, *runner_options], request, capsys)
+    assert_same_files(output, batches, ".tfrecord")
