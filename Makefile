@@ -46,7 +46,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bound.py
 	$(BIN)/python benchmarks/batch.py
-	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/train.py
 	$(BIN)/python benchmarks/train.py --model text-classifier --batch-size 256
 	$(BIN)/python benchmarks/train.py --model text-lm --batch-size 256 --steps 10

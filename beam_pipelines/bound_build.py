@@ -69,10 +69,19 @@ def state_path(state_dir: str, part: int) -> str:
 
 
 def _saved_selection(state_dir: str, part: int, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    table = pq.read_table(pa.BufferReader(files.read_bytes(state_path(state_dir, part))))
+    """The selection the last run left for this record partition; anything but what it wrote (its
+    records, copies of at least 0) stops the run, since copies decide the users' capacity left."""
+    path = state_path(state_dir, part)
+    table = pq.read_table(pa.BufferReader(files.read_bytes(path)))
     if not np.array_equal(table["key"].to_numpy(), keys):
-        raise RuntimeError(f"record partition {part}: the input changed between pipeline runs")
-    return table["copies"].to_numpy().astype(np.int64), table["in_pass"].to_numpy(zero_copy_only=False)
+        raise RuntimeError(f"record partition {part}: the input changed between pipeline runs ({path})")
+    copies = table["copies"].to_numpy()
+    if (
+        not (pa.types.is_integer(table["copies"].type) and pa.types.is_boolean(table["in_pass"].type))
+        or (copies < 0).any()
+    ):
+        raise RuntimeError(f"{path}: not the selection the last pipeline run wrote")
+    return copies.astype(np.int64), table["in_pass"].to_numpy(zero_copy_only=False)
 
 
 @beam.typehints.with_output_types(tuple[int, Any])

@@ -249,3 +249,70 @@ def test_an_input_error_a_step_met_is_raised_by_the_driver_whatever_the_runner_s
         run(_FailingRun(step_meets_bad_input), "madp.test", store)
     with pytest.raises(RuntimeError, match="worker 3 exited"):  # no input error kept: the runner's own
         run(_FailingRun(), "madp.test", str(tmp_path / "other"))
+
+
+def test_a_tampered_partial_selection_stops_the_next_run(tmp_path):
+    """A pipeline run continues from the selection the last one wrote; other records, or negative
+    copies (which would give users capacity back), stop it."""
+    import pyarrow.parquet as pq
+
+    from beam_pipelines.bound_build import _saved_selection, state_path
+
+    keys = np.array([3, 8, 9], np.int64)
+    for copies, records, error in (
+        ([1, 0, 2], keys, None),
+        ([1, -1, 2], keys, "not the selection the last pipeline run wrote"),
+        ([1, 0, 2], keys + 1, "the input changed between pipeline runs"),
+    ):
+        table = pa.table({"key": records, "copies": pa.array(copies, pa.int64()), "in_pass": [True, False, False]})
+        pq.write_table(table, state_path(str(tmp_path), 0))
+        if error is None:
+            saved, in_pass = _saved_selection(str(tmp_path), 0, keys)
+            assert saved.tolist() == copies and in_pass.tolist() == [True, False, False]
+        else:
+            with pytest.raises(RuntimeError, match=error):
+                _saved_selection(str(tmp_path), 0, keys)
+
+
+def test_rows_of_ones_own_are_bounded_and_batched_as_the_same_records_in_a_file(tmp_path):
+    """Rows that are not madp's (other field names, in any order) through RecordsFromRows: the same
+    selection, rejects and batch rows as the in-memory engines give for those records in a file."""
+    import pyarrow.parquet as pq
+
+    from beam_pipelines.record_chunks import RecordsFromRows
+
+    rng = np.random.default_rng(21)
+    rows = [
+        {"message": 10 * i, "from": int(rng.integers(0, 400)), "to": rng.integers(0, 400, 2).tolist(), "x": float(i)}
+        for i in range(300)
+    ]
+    rows += [{"message": 5, "from": 1, "to": [], "x": 0.0}, {"message": 10, "from": 3, "to": [4], "x": 1.0}]
+    rows[7]["to"] = [rows[7]["from"]]  # a repeated user, removed as in a file
+
+    def to_record(row):
+        users = [row["from"], *row["to"]] if row["to"] else []
+        return {"id": row["message"], "users": users, "x": row["x"]}
+
+    path = write_records(str(tmp_path / "records.jsonl"), [to_record(row) for row in rows])
+    bound_options = BoundOptions(max_contributions=2, on_invalid="skip")
+    bound_local(path, str(tmp_path / "bounded"), bound_options)
+    selected = pa.concat_tables(
+        pq.read_table(p) for p in glob.glob(str(tmp_path / "bounded" / "selected" / "*.parquet"))
+    )
+    expected_selection = sorted(zip(selected["id"].to_pylist(), selected["copies"].to_pylist()))
+    options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2, output_shards=2, on_invalid="skip")
+    batch_local.run_local(str(tmp_path / "bounded"), path, str(tmp_path / "batches"), options)
+    expected_rows = sorted((row["step"][0], row["id"][0]) for row in rows_of(str(tmp_path / "batches")))
+    with _test_pipeline() as pipeline:
+        shuffled = [rows[i] for i in rng.permutation(len(rows))]
+        chunks, read_rejects, _ = (
+            pipeline | beam.Create(shuffled) | RecordsFromRows(to_record, content=("x",), chunks=3)
+        )
+        bound = chunks | BoundContributions(bound_options, partitions=3)
+        pairs = bound.shards | beam.FlatMapTuple(lambda _, t: zip(t["id"].to_pylist(), t["copies"].to_pylist()))
+        assert_that(pairs, equal_to(expected_selection), label="Selection")
+        reasons = (read_rejects, bound.rejects) | "AllRejects" >> beam.Flatten() | beam.FlatMap(lambda r: r.reason)
+        assert_that(reasons, equal_to(["empty_users", "duplicate_id", "duplicate_id"]), label="Rejects")
+        sampled = (chunks, bound.shards) | MinSepSample(options, 3)
+        batch_rows = sampled.rows | beam.FlatMapTuple(lambda _, r: zip(r.steps.tolist(), r.ids.to_pylist()))
+        assert_that(batch_rows, equal_to(expected_rows), label="BatchRows")

@@ -154,13 +154,24 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
 def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
     """Read one input file and split it into valid records and rejected rows; with `content`,
     also carry those columns of the valid records."""
-    lines = None if path.endswith(".parquet") else jsonl_lines(path)  # one read for records and content
-    if lines is None:
-        table = _read_parquet(path, columns)
-        non_conforming = None
-    else:
-        table, non_conforming = _read_jsonl(path, lines, columns)
-    result = _validate(table, non_conforming, path, file_index, columns)
+    if not path.endswith(".parquet"):
+        return read_lines(jsonl_lines(path), path, file_index, columns, content)  # one read for records and content
+    result = _validate(_read_parquet(path, columns), None, path, file_index, columns)
+    return _with_content(result, path, None, content)
+
+
+def read_lines(
+    lines: list[bytes], source: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None
+) -> FileResult:
+    """JSON Lines rows (as `jsonl_lines` gives them) read and validated exactly as a file of them;
+    `source` names them in errors and rejects."""
+    table, non_conforming = _read_jsonl(source, lines, columns)
+    return _with_content(_validate(table, non_conforming, source, file_index, columns), source, lines, content)
+
+
+def _with_content(
+    result: FileResult, path: str, lines: list[bytes] | None, content: tuple[str, ...] | None
+) -> FileResult:
     if content is not None:
         rows = result.chunk.keys & ((1 << ROW_KEY_BITS) - 1)
         result.chunk.content = _read_content(path, lines, content).take(pa.array(rows))
