@@ -2,21 +2,25 @@
 growing size, each against `--runner local` in the same run.
 
 For each size: generate the skewed graph (`madp generate --graph skewed`), bound it (K = 3) and batch
-the selection (b-min-sep sampling), once with `--runner local` and once on the DirectRunner (2 worker
-processes, `--partitions` scaled with the size). Each run is a child process; a thread samples the
-resident memory of the child and of every process below it (the Beam workers) every 0.2 s, so the
-peak of the driver and of the largest worker are reported apart. The bounding's report gives, per
-iteration of the pipeline run, the undecided incidences left and the bytes of arrays its steps sent
-through shuffles.
+the selection (b-min-sep sampling), once with `--runner local` and once on the DirectRunner (one
+worker, `--partitions` scaled with the size). Each run is a child process; a thread samples the
+resident memory of the child and of every process below it every 0.2 s, so the peak of the driver
+and of the largest worker are reported apart. The bounding's report gives, per iteration of the
+pipeline run, the undecided incidences left and the bytes of arrays its steps sent through shuffles.
+With `--dask-workers N`, the bounding also runs on madp's DaskRunner, on a cluster of N worker
+processes (one thread each) started for the size, whose largest peak is reported.
 
     python benchmarks/scale.py [--sizes 1000000,10000000] [--records-per-partition 250000] [--only bound]
+        [--dask-workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def child(job: str, runner: str, args: list[str]) -> dict:
+def child(job: str, runner: str, args: list[str], workers_of: int | None = None) -> dict:
     """`madp JOB ... --runner RUNNER` in a child process: wall time, peak memory of the driver and of
-    the largest process below it."""
+    the largest process below it, or below `workers_of` (a cluster's worker processes) when given."""
     command = [sys.executable, "-m", "madp.cli", "-q", job, *args, "--runner", runner]
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -38,7 +42,8 @@ def child(job: str, runner: str, args: list[str]) -> dict:
 
     def sample() -> None:
         while not done.is_set():
-            for pid in [process.pid, *_descendants(process.pid)]:
+            workers = _descendants(process.pid if workers_of is None else workers_of)
+            for pid in [process.pid, *workers]:
                 peaks[pid] = max(peaks.get(pid, 0), _rss_kb(pid))
             done.wait(0.2)
 
@@ -55,6 +60,32 @@ def child(job: str, runner: str, args: list[str]) -> dict:
         "driver_peak_mb": round(peaks.get(process.pid, 0) / 1024),
         "largest_worker_peak_mb": round(max(workers, default=0) / 1024),
     }
+
+
+@contextlib.contextmanager
+def dask_cluster(workers: int):
+    """A dask scheduler and `workers` worker processes (one thread each), as subprocesses: (address,
+    the pid whose descendants are the workers)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    dask = os.path.join(os.path.dirname(sys.executable), "dask")
+    scheduler = subprocess.Popen(
+        [dask, "scheduler", "--port", str(port), "--no-dashboard"], env=env, stderr=subprocess.DEVNULL
+    )
+    worker = subprocess.Popen(
+        [dask, "worker", f"localhost:{port}", "--nworkers", str(workers), "--nthreads", "1", "--no-dashboard"],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(8)  # the scheduler and the workers up
+        yield f"localhost:{port}", worker.pid
+    finally:
+        for process in (worker, scheduler):
+            process.terminate()
+            process.wait()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -88,6 +119,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000000,10000000")
     parser.add_argument("--records-per-partition", type=int, default=250_000)
     parser.add_argument("--only", choices=("bound", "batch"))
+    parser.add_argument("--dask-workers", type=int, default=0, help="also bound on madp's DaskRunner")
     args = parser.parse_args()
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
@@ -112,6 +144,16 @@ def main() -> None:
                 report = json.load(open(os.path.join(work, "bound-direct", "report.json")))
                 row["bound_iterations"] = [run["iterations"] for run in report["pipeline_runs"]]
                 row["bound_finished_locally"] = [run["finished_locally_incidences"] for run in report["pipeline_runs"]]
+                if args.dask_workers:
+                    with dask_cluster(args.dask_workers) as (address, workers):
+                        dask = [data, os.path.join(work, "bound-dask"), "-k", "3", *beam]
+                        row["bound_dask"] = child(
+                            "bound", "DaskRunner", [*dask, "--dask_client_address", address], workers
+                        )
+                    selected = json.load(open(os.path.join(work, "bound-dask", "report.json")))["selected_records"]
+                    assert selected == report["selected_records"], (
+                        "the DaskRunner must select what the DirectRunner does"
+                    )
             if args.only in (None, "batch"):
                 selected = os.path.join(work, "bound-local")
                 if not os.path.exists(selected):
@@ -133,6 +175,14 @@ def main() -> None:
                     f"{direct['wall_s'] / local['wall_s']:>7.1f}{direct['driver_peak_mb']:>11}"
                     f"{direct['largest_worker_peak_mb']:>11}"
                 )
+        if "bound_dask" in row:
+            dask, local = row["bound_dask"], row["bound_local"]
+            print(
+                f"{row['records']:>12,}{'bound':>7}{local['wall_s']:>9.1f}{dask['wall_s']:>10.1f}"
+                f"{dask['wall_s'] / local['wall_s']:>7.1f}{dask['driver_peak_mb']:>11}"
+                f"{dask['largest_worker_peak_mb']:>11}"
+                f"  (DaskRunner, {args.dask_workers} workers)"
+            )
         for run in row.get("bound_iterations", []):
             first = next((one["shuffled_bytes"] for one in run if one["iteration"] == 1), None)
             for one in run:
