@@ -437,6 +437,7 @@ class _FinishLocally(beam.DoFn):
             undecided,
             control,
             lambda selected: selections.append((np.flatnonzero(selected), len(selections))),
+            log_rounds=False,
         )
         rounds_before = len(progress.control.per_round)
         for records, index in selections:

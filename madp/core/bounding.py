@@ -337,12 +337,20 @@ class Control:
             )
 
 
-def run_steps(users: UserSide, arity: np.ndarray, undecided: np.ndarray, control: Control, on_selected=None) -> Control:
+def run_steps(
+    users: UserSide,
+    arity: np.ndarray,
+    undecided: np.ndarray,
+    control: Control,
+    on_selected=None,
+    log_rounds: bool = True,
+) -> Control:
     """Alg. 1 (and Alg. 3's passes) on one partition holding whole records, from `control` to the end.
 
     `arity` counts each record's incidences (all in `users`), `undecided` marks the records eligible
-    in the pass in progress; `on_selected(mask)` hears of each round's selected records. Returns the
-    final control.
+    in the pass in progress; `on_selected(mask)` hears of each round's selected records; each round
+    is logged as it ends unless `log_rounds` is False (a Beam worker: the driver logs them). Returns
+    the final control.
     """
     while control.next != DONE:
         accepted = np.zeros(len(arity), dtype=bool)
@@ -359,5 +367,6 @@ def run_steps(users: UserSide, arity: np.ndarray, undecided: np.ndarray, control
         undecided &= ~dead
         rounds_before = len(control.per_round)
         control = control.after(int(accepted.sum()), int(undecided.sum()))
-        control.log_rounds(rounds_before)
+        if log_rounds:
+            control.log_rounds(rounds_before)
     return control
