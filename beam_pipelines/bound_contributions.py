@@ -77,11 +77,6 @@ class _FinishRecords(beam.DoFn):
             yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], self.shards).items()
 
 
-def _one(controls) -> Control:
-    (control,) = list(controls)
-    return control
-
-
 @beam.typehints.with_input_types(Chunk)
 class BoundContributions(beam.PTransform):
     """(file index, RecordChunk) -> BoundSelection; see the module's description for the contract.
@@ -125,7 +120,7 @@ class BoundContributions(beam.PTransform):
             self.errors_dir,
         )
         # One Progress: where the algorithm starts; every later step reads it, so a gate on it stops the run.
-        start = chunks.pipeline | "Start" >> beam.Create([Progress(self.control, -1)])
+        start = chunks.pipeline | "Start" >> beam.Create([Progress(self.control)])
         if self.options.on_invalid == "error":  # before any round
             earlier = () if self.rejected_before is None else (self.rejected_before,)
             start = start | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, self.errors_dir)
@@ -143,9 +138,9 @@ class BoundContributions(beam.PTransform):
             stats.append(iteration_stats)
         finish, last_stats = (users, progress) | "AfterLastRound" >> AfterLastRound()
         stats.append(last_stats)
-        finished, controls, finish_stats = progress | "FinishLocally" >> FinishLocally((*handed, finish))
+        # one Control: the local finish hears the last progress whether or not it finishes
+        finished, control, finish_stats = progress | "FinishLocally" >> FinishLocally((*handed, finish))
         stats.append(finish_stats)
-        control = controls | "FinalControl" >> beam.CombineGlobally(_one).without_defaults()
         # (record partition, (RECORDS, RecordPartition) or (SELECTED, (keys, pass)))
         tagged: list[Any] = [records | "TagRecords" >> beam.MapTuple(lambda part, r: (part, (RECORDS, r)))]
         tagged.extend(

@@ -63,11 +63,6 @@ class UserPartition:
     peer_offsets: np.ndarray
     peers: np.ndarray
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of arrays the runner carries for it (its compact form)."""
-        return sum(value.nbytes for value in self.__getstate__().values() if isinstance(value, np.ndarray))
-
     def __getstate__(self) -> dict:
         """The compact form the runner carries (Beam pickles elements it has no coder for): what the
         kernels derive again is left out (each incidence's user, from the users' incidence counts),
@@ -134,11 +129,10 @@ class UserPartition:
 
 
 class Progress(typing.NamedTuple):
-    """The algorithm after an iteration: its control, the incidences still in the state, and whether
-    the state goes to one worker (`finish_locally`), or went there already (`handed_over`)."""
+    """The algorithm after an iteration: its control, and whether the state goes to one worker
+    (`finish_locally`: few incidences are left), or went there already (`handed_over`)."""
 
     control: Control
-    active_incidences: int
     finish_locally: bool = False
     handed_over: bool = False
 
@@ -147,7 +141,7 @@ class Progress(typing.NamedTuple):
             return self._replace(handed_over=True, finish_locally=False)
         step_done = step_done and self.control.next != DONE  # an iteration after the end does nothing
         control = self.control.after(selected, eligible) if step_done else self.control
-        return Progress(control, active, finish_locally=control.next != DONE and active <= threshold)
+        return Progress(control, finish_locally=control.next != DONE and active <= threshold)
 
 
 def _contribution_stats(contribution: np.ndarray):
@@ -186,7 +180,7 @@ class _Propose(beam.DoFn):
         part, state = element[0], UserPartition.unpacked(element[1])
         counts = np.bincount(state.side.inc_record[propose(state.side)], minlength=len(state.arity))
         records = np.flatnonzero(counts)
-        shuffled = state.nbytes
+        shuffled = len(element[1])  # the packed partition, on to the join with its acceptances
         for record_part, index in split_by_partition(records, state.record_partition[records]):
             message = (part, state.side.record_keys[index], counts[index].astype(np.int32), state.arity[index])
             shuffled += sum(a.nbytes for a in message[1:])
@@ -264,8 +258,9 @@ class _Consume(beam.DoFn):
         for user_part, keys in split_by_partition(side.record_keys[rows[elsewhere]], peers[elsewhere]):
             shuffled += keys.nbytes
             yield _send(DEAD, user_part, keys)
-        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled + state.nbytes)
-        yield part, (STATE, (state.packed(), dead))
+        packed = state.packed()
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled + len(packed))
+        yield part, (STATE, (packed, dead))
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -311,6 +306,24 @@ class _Totals(beam.PTransform):
         return pairs | "SumByName" >> beam.CombinePerKey(sum) | "AsDict" >> beam.combiners.ToDict()
 
 
+class _RetireDead(beam.PTransform):
+    """(consumed partitions, the deaths they sent) -> each partition joined with the deaths sent to it
+    and retired: state, counts and stats outputs."""
+
+    def __init__(self, iteration: int, duplicates: bool):
+        super().__init__()
+        self.iteration, self.duplicates = iteration, duplicates
+
+    def expand(self, consumed_and_dead):
+        return (
+            consumed_and_dead
+            | "MeetDead" >> beam.Flatten()
+            | "JoinDead" >> beam.GroupByKey()
+            | "Retire"
+            >> beam.ParDo(_Retire(self.iteration, self.duplicates)).with_outputs("counts", "stats", main="state")
+        )
+
+
 class Iteration(beam.PTransform):
     """One step of the algorithm on the user partitions: a round (proposals, unanimous selection,
     saturation), or a pass start (saturation only); (user partition, packed UserPartition) and the last
@@ -343,13 +356,7 @@ class Iteration(beam.PTransform):
             | "Consume"
             >> beam.ParDo(_Consume(self.iteration), last).with_outputs(DEAD, "finish", "stats", main="state")
         )
-        retired = (
-            (consumed.state, consumed[DEAD])
-            | "MeetDead" >> beam.Flatten()
-            | "JoinDead" >> beam.GroupByKey()
-            | "Retire"
-            >> beam.ParDo(_Retire(self.iteration, self.duplicates)).with_outputs("counts", "stats", main="state")
-        )
+        retired = (consumed.state, consumed[DEAD]) | "RetireDead" >> _RetireDead(self.iteration, self.duplicates)
         advanced = (
             (selected.counts, retired.counts)
             | "IterationCounts" >> beam.Flatten()
@@ -382,13 +389,7 @@ class FirstSaturation(beam.PTransform):
                 | "AsState" >> beam.MapTuple(lambda part, state: (part, [(STATE, state)]))
                 | "Consume" >> beam.ParDo(_Consume(0), last).with_outputs(DEAD, "stats", main="state")
             )
-            retired = (
-                (consumed.state, consumed[DEAD])
-                | "MeetDead" >> beam.Flatten()
-                | "JoinDead" >> beam.GroupByKey()
-                | "Retire"
-                >> beam.ParDo(_Retire(0, self.control.duplicates)).with_outputs("counts", "stats", main="state")
-            )
+            retired = (consumed.state, consumed[DEAD]) | "RetireDead" >> _RetireDead(0, self.control.duplicates)
             users, counts = retired.state, retired.counts
             stats = [consumed.stats, retired.stats]
         progress = (

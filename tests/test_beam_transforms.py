@@ -97,7 +97,7 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
     with _test_pipeline() as pipeline:
         chunks, _, _ = pipeline | ReadRecords([path], options.columns)
         users, _, _, counts, _ = chunks | BuildSides(options, 4, None, None, None)
-        start = pipeline | "Start" >> beam.Create([Progress(control, -1)])
+        start = pipeline | "Start" >> beam.Create([Progress(control)])
         # threshold 0: never finished locally; saturate: as with capacities, one step retires
         users, progress, _ = (users, counts, start) | FirstSaturation(control, threshold=0, saturate=True)
         round_stats = []
