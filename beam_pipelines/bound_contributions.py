@@ -1,7 +1,7 @@
 """Contribution bounding on Beam as one composite transform: records in, their selection out.
 
 `BoundContributions` takes (file index, RecordChunk) elements, as `record_chunks.ReadRecords` or
-`record_reading.read_file` make them (file indices must differ between chunks), and gives a
+`RecordsFromRows` make them (after the rules over the whole input: one id type, ...), and gives a
 `BoundSelection`: (output shard, table of id and copies) elements, the rejected duplicated ids, the
 counts, and the final `bounding.Control` (one element: rounds, passes, whether it converged). All
 state travels through the graph as elements (`bound_build`, `bound_rounds`); a step writes no file

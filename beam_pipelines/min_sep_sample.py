@@ -2,7 +2,7 @@
 rows of each batch file out (b-min-sep Poisson sampling, Alg. 3).
 
 `MinSepSample` takes (file index, RecordChunk with content) elements, as `record_chunks.ReadRecords`
-(with `content`) or `record_reading.read_file` make them, and (shard, table of id and copies)
+or `RecordsFromRows` (with `content`) make them, and (shard, table of id and copies)
 elements, as `BoundContributions` gives them. It joins them, counts units by |N(e)|, calibrates p on
 that histogram in the graph (a side input of the sampling, so one pipeline run does it all), samples,
 excludes, and gives (batch file index, FileRows) elements for the I/O to order, truncate, pad and

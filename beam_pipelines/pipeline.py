@@ -71,6 +71,15 @@ class MadpPipelineOptions(PipelineOptions):
             help="madp bound: iterations of the bounding (rounds, pass starts) unrolled in one pipeline run",
         )
         parser.add_argument(
+            "--input-split-bytes",
+            "--input_split_bytes",
+            dest="input_split_bytes",
+            type=int,
+            default=64 << 20,
+            help="madp: an uncompressed JSON Lines or a Parquet input file larger than this is read in "
+            "splits of about this size, by as many workers (a gzipped file is read whole)",
+        )
+        parser.add_argument(
             "--local-finish-incidences",
             "--local_finish_incidences",
             dest="local_finish_incidences",
@@ -84,8 +93,8 @@ class MadpPipelineOptions(PipelineOptions):
 def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
     """Our options among `options`, checked."""
     ours = options.view_as(MadpPipelineOptions)
-    if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
-        raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
+    if ours.partitions < 1 or ours.rounds_per_pipeline < 1 or ours.input_split_bytes < 1:
+        raise InputError("--partitions, --rounds-per-pipeline and --input-split-bytes must be at least 1")
     if ours.local_finish_incidences < 0:
         raise InputError("--local-finish-incidences must be at least 0")
     return ours

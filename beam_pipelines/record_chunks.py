@@ -5,43 +5,161 @@ alike: read and validated from input files, then handed to their record partitio
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import BeamIOError, CompressionTypes
+from apache_beam.io.filesystems import FileSystems
 
-from beam_pipelines.pipeline import Chunk, keeps_input_errors, stat
-from madp.core import record_reading
+from beam_pipelines.pipeline import Chunk, keeping_input_errors, keeps_input_errors, madp_options, stat
+from madp.core import input_splits, record_reading
 from madp.core import records as rec
 from madp.core.errors import InputError
 from madp.core.hashing import partition_of
+from madp.core.input_splits import InputSplit, count_rows, jsonl_splits, parquet_splits, range_bytes
 
 
 @beam.typehints.with_input_types(tuple[int, str])
+@beam.typehints.with_output_types(InputSplit)
+class _PlanSplits(beam.DoFn):
+    """(file index, path) -> the file's splits (`input_splits`), from its size or Parquet row groups."""
+
+    def __init__(self, split_bytes: int, errors_dir: str | None):
+        self.split_bytes, self.errors_dir = split_bytes, errors_dir
+
+    @keeps_input_errors
+    def process(self, element):
+        index, path = element
+        if path.endswith(".parquet"):
+            with _parquet(path) as parquet:
+                metadata = parquet.metadata
+                groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+                yield from parquet_splits(
+                    index, path, [(g.num_rows, g.total_byte_size) for g in groups], self.split_bytes
+                )
+            return
+        try:
+            with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+                size = handle.seek(0, os.SEEK_END)  # not FileSystems.match, which globs a path's [ ] * ?
+        except (BeamIOError, OSError) as error:
+            raise InputError(f"{path}: cannot be read ({error})") from error
+        yield from jsonl_splits(index, path, size, self.split_bytes)
+
+
+@contextlib.contextmanager
+def _parquet(path: str):
+    """A Parquet file opened through Beam's FileSystems, its pages checked against their checksums;
+    an unreadable file is an error naming it."""
+    try:
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+            yield pq.ParquetFile(handle, page_checksum_verification=True)
+    except (pa.ArrowInvalid, OSError, BeamIOError) as error:
+        raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+def _range(split: InputSplit) -> bytes:
+    """A JSON Lines split's bytes, read through Beam's FileSystems (a whole .gz file decompressed)."""
+    try:
+        with FileSystems.open(split.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
+            if split.first_row is None:
+                return range_bytes(handle, split.start, split.stop)
+            data = handle.read()
+    except (OSError, BeamIOError) as error:
+        raise InputError(f"{split.path}: cannot be read ({error})") from error
+    return record_reading.decompressed(split.path, data)
+
+
+@beam.typehints.with_input_types(InputSplit)
+@beam.typehints.with_output_types(tuple[tuple[int, int], int])
+class _CountRows(beam.DoFn):
+    """A range of a JSON Lines file read in ranges -> ((file index, start), its rows): the first pass,
+    which numbers the rows of each range as in the whole file."""
+
+    def __init__(self, errors_dir: str | None):
+        self.errors_dir = errors_dir
+
+    @keeps_input_errors
+    def process(self, split):
+        if split.first_row is None:
+            yield (split.file_index, split.start), count_rows(_range(split), split.start == 0)
+
+
+@beam.typehints.with_input_types(InputSplit, dict[tuple[int, int], int])
 @beam.typehints.with_output_types(Chunk)
-class _ReadFile(beam.DoFn):
-    """Read and validate one input file: (file index, chunk of its valid records); rejects and counts."""
+class _ReadSplit(beam.DoFn):
+    """Read and validate one split: (file index, chunk of its valid records); its rejects, counts and
+    facts (for the rules over whole files)."""
 
     def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
         self.columns, self.content, self.errors_dir = columns, content, errors_dir
 
     @keeps_input_errors
-    def process(self, element):
-        index, path = element
-        yield from _read_outputs(index, record_reading.read_file(path, index, self.columns, self.content))
+    def process(self, split, counts):
+        first_row = input_splits.first_row(split, counts)
+        if split.path.endswith(".parquet"):
+            with _parquet(split.path) as parquet:
+                names = record_reading.parquet_read_columns(
+                    split.path, parquet.schema_arrow.names, self.columns, self.content
+                )
+                try:
+                    table = parquet.read_row_groups(range(split.start, split.stop), columns=names)
+                except (pa.ArrowInvalid, OSError) as error:
+                    raise InputError(f"{split.path}: not a readable Parquet file ({error})") from error
+            read = record_reading.read_parquet_rows(
+                table, split.path, split.file_index, self.columns, self.content, first_row
+            )
+        else:
+            lines = record_reading.jsonl_rows(_range(split), split.start == 0)
+            read = record_reading.read_lines(lines, split.path, split.file_index, self.columns, self.content, first_row)
+        yield from _read_outputs(split.file_index, read)
 
 
 def _read_outputs(index: int, result: rec.FileResult):
-    """A read chunk's outputs: (index, chunk), its rejected rows (a "rejects" output) and counts ("stats")."""
+    """A read chunk's outputs: (index, chunk), its rejected rows (a "rejects" output), counts ("stats")
+    and facts ("facts")."""
     yield stat("input_rows", result.rows_read)
     yield from (stat(f"rejected_{reason}", count) for reason, count in result.rejects.counts().items())
     yield stat("repeated_users_removed", result.repeated_users_removed)
+    yield beam.pvalue.TaggedOutput("facts", result.facts)
     if len(result.rejects):
         yield beam.pvalue.TaggedOutput("rejects", result.rejects)
     yield index, result.chunk
+
+
+class _Checked(beam.PTransform):
+    """(chunks, rejects, facts) of every read -> (chunks, rejects), once the rules over whole files and
+    the whole input hold (`record_reading.check_facts`), each chunk's content cast to the input's
+    types. Until then nothing goes on, so a broken rule stops the run before any other step."""
+
+    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
+        super().__init__()
+        self.columns, self.content, self.errors_dir = columns, content, errors_dir
+
+    def expand(self, reads):
+        chunks, rejects, facts = reads
+        columns, content, errors_dir = self.columns, self.content, self.errors_dir
+
+        def check(every_fact: list[rec.ReadFacts]):
+            with keeping_input_errors(errors_dir):
+                return record_reading.check_facts(every_fact, columns, content)
+
+        schema = facts | "EveryFact" >> beam.combiners.ToList() | "CheckFacts" >> beam.Map(check)
+        conformed = chunks | "AfterChecks" >> beam.MapTuple(
+            lambda index, chunk, schema=None: (index, record_reading.conform_content(chunk, schema)),
+            beam.pvalue.AsSingleton(schema),
+        )
+        checked_rejects = rejects | "RejectsAfterChecks" >> beam.Map(
+            lambda batch, _: batch, beam.pvalue.AsSingleton(schema)
+        )
+        return conformed, checked_rejects
 
 
 @beam.typehints.with_input_types(Chunk)
@@ -62,8 +180,10 @@ class SplitByRecordPartition(beam.DoFn):
 class ReadRecords(beam.PTransform):
     """Input files -> (file index, RecordChunk of its valid rows); the rejected rows and the counts.
     With `content`, the chunks carry those columns too (batching). The I/O of `madp bound` and `madp
-    batch`: a pipeline of one's own may make the chunks another way, with `record_reading.read_file`
-    (a chunk's record keys hold its file index, so indices must differ)."""
+    batch`, through Beam's FileSystems: a file larger than `--input-split-bytes` (an option of the
+    pipeline) is read in splits by as many workers, with the same rows, row numbers and results as
+    whole (`madp.core.input_splits`). The records go on once the rules over whole files and the whole
+    input hold (mixed id types, a record column in no row, content types)."""
 
     def __init__(
         self,
@@ -76,16 +196,24 @@ class ReadRecords(beam.PTransform):
         self.files, self.columns, self.errors_dir, self.content = files, columns, errors_dir, content
 
     def expand(self, pbegin):
-        read = (
+        split_bytes = madp_options(pbegin.pipeline.options).input_split_bytes
+        # InputSplit: a JSON Lines byte range, Parquet row groups or a whole file
+        splits = (
             pbegin
             | "ListFiles" >> beam.Create(list(enumerate(self.files)))
             | "SpreadFiles" >> beam.Reshuffle()
-            | "ReadAndValidate"
-            >> beam.ParDo(_ReadFile(self.columns, self.content, self.errors_dir)).with_outputs(
-                "rejects", "stats", main="chunks"
-            )
+            | "PlanSplits" >> beam.ParDo(_PlanSplits(split_bytes, self.errors_dir))
+            | "SpreadSplits" >> beam.Reshuffle()
         )
-        return read.chunks, read.rejects, read.stats
+        # ((file index, start), rows) of each range of a file read in ranges
+        counts = splits | "CountRows" >> beam.ParDo(_CountRows(self.errors_dir))
+        read = splits | "ReadAndValidate" >> beam.ParDo(
+            _ReadSplit(self.columns, self.content, self.errors_dir), beam.pvalue.AsDict(counts)
+        ).with_outputs("rejects", "stats", "facts", main="chunks")
+        chunks, rejects = (read.chunks, read.rejects, read.facts) | "Checked" >> _Checked(
+            self.columns, self.content, self.errors_dir
+        )
+        return chunks, rejects, read.stats
 
 
 def _as_line(row, to_record: Callable[[Any], dict], chunks: int) -> tuple[int, bytes]:
@@ -159,10 +287,13 @@ class RecordsFromRows(beam.PTransform):
             | "GroupChunks" >> beam.GroupByKey()
             | "ReadAndValidate"
             >> beam.ParDo(_ReadLines(self.columns, self.content, self.errors_dir)).with_outputs(
-                "rejects", "stats", main="chunks"
+                "rejects", "stats", "facts", main="chunks"
             )
         )
-        return read.chunks, read.rejects, read.stats
+        chunks, rejects = (read.chunks, read.rejects, read.facts) | "Checked" >> _Checked(
+            self.columns, self.content, self.errors_dir
+        )
+        return chunks, rejects, read.stats
 
 
 @beam.typehints.with_input_types(Chunk)

@@ -8,10 +8,12 @@ resident memory of the child and of every process below it every 0.2 s, so the p
 and of the largest worker are reported apart. The bounding's report gives, per iteration of the
 pipeline run, the undecided incidences left and the bytes of arrays its steps sent through shuffles.
 With `--dask-workers N`, the bounding also runs on madp's DaskRunner, on a cluster of N worker
-processes (one thread each) started for the size, whose largest peak is reported.
+processes (one thread each) started for the size, whose largest peak is reported; with
+`--records-per-dask-worker R` instead, the cluster has one worker per R records (at least 2), so the
+workers scale with the data as the partitions do. `--skip-direct` leaves the DirectRunner out.
 
     python benchmarks/scale.py [--sizes 1000000,10000000] [--records-per-partition 250000] [--only bound]
-        [--dask-workers 2]
+        [--dask-workers 2 | --records-per-dask-worker 500000] [--skip-direct]
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000000,10000000")
     parser.add_argument("--records-per-partition", type=int, default=250_000)
     parser.add_argument("--only", choices=("bound", "batch"))
-    parser.add_argument("--dask-workers", type=int, default=0, help="also bound on madp's DaskRunner")
+    dask_workers = parser.add_mutually_exclusive_group()
+    dask_workers.add_argument("--dask-workers", type=int, default=0, help="also bound on madp's DaskRunner")
+    dask_workers.add_argument("--records-per-dask-worker", type=int, default=0, help="as many Dask workers as scale")
+    parser.add_argument("--skip-direct", action="store_true", help="no DirectRunner runs (the local and Dask ones)")
     args = parser.parse_args()
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
@@ -138,37 +143,42 @@ def main() -> None:
             if args.only in (None, "bound"):
                 bound = ["bound", data]
                 row["bound_local"] = child(bound[0], "local", [data, os.path.join(work, "bound-local"), "-k", "3"])
-                row["bound_direct"] = child(
-                    bound[0], "DirectRunner", [data, os.path.join(work, "bound-direct"), "-k", "3", *beam]
-                )
-                report = json.load(open(os.path.join(work, "bound-direct", "report.json")))
-                row["bound_iterations"] = [run["iterations"] for run in report["pipeline_runs"]]
-                row["bound_finished_locally"] = [run["finished_locally_incidences"] for run in report["pipeline_runs"]]
-                if args.dask_workers:
-                    with dask_cluster(args.dask_workers) as (address, workers):
-                        dask = [data, os.path.join(work, "bound-dask"), "-k", "3", *beam]
-                        row["bound_dask"] = child(
-                            "bound", "DaskRunner", [*dask, "--dask_client_address", address], workers
-                        )
-                    selected = json.load(open(os.path.join(work, "bound-dask", "report.json")))["selected_records"]
-                    assert selected == report["selected_records"], (
-                        "the DaskRunner must select what the DirectRunner does"
+                report = json.load(open(os.path.join(work, "bound-local", "report.json")))
+                if not args.skip_direct:
+                    row["bound_direct"] = child(
+                        bound[0], "DirectRunner", [data, os.path.join(work, "bound-direct"), "-k", "3", *beam]
                     )
+                    direct = json.load(open(os.path.join(work, "bound-direct", "report.json")))
+                    row["bound_iterations"] = [run["iterations"] for run in direct["pipeline_runs"]]
+                    row["bound_finished_locally"] = [
+                        run["finished_locally_incidences"] for run in direct["pipeline_runs"]
+                    ]
+                workers = args.dask_workers or (
+                    args.records_per_dask_worker and max(2, size // args.records_per_dask_worker)
+                )
+                if workers:
+                    row["dask_workers"] = workers
+                    with dask_cluster(workers) as (address, pid):
+                        dask = [data, os.path.join(work, "bound-dask"), "-k", "3", *beam]
+                        row["bound_dask"] = child("bound", "DaskRunner", [*dask, "--dask_client_address", address], pid)
+                    selected = json.load(open(os.path.join(work, "bound-dask", "report.json")))["selected_records"]
+                    assert selected == report["selected_records"], "the DaskRunner must select what local does"
             if args.only in (None, "batch"):
                 selected = os.path.join(work, "bound-local")
                 if not os.path.exists(selected):
                     child("bound", "local", [data, selected, "-k", "3"])
                 batch = [selected, data, "--steps", "1000", "--batch-size", "1000", "--min-sep", "4"]
                 row["batch_local"] = child("batch", "local", [*batch[:2], os.path.join(work, "b-local"), *batch[2:]])
-                row["batch_direct"] = child(
-                    "batch", "DirectRunner", [*batch[:2], os.path.join(work, "b-direct"), *batch[2:], *beam]
-                )
+                if not args.skip_direct:
+                    row["batch_direct"] = child(
+                        "batch", "DirectRunner", [*batch[:2], os.path.join(work, "b-direct"), *batch[2:], *beam]
+                    )
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'records':>12}{'job':>7}{'local s':>9}{'direct s':>10}{'ratio':>7}{'driver MB':>11}{'worker MB':>11}")
     for row in rows:
         for job in ("bound", "batch"):
-            if f"{job}_local" in row:
+            if f"{job}_direct" in row:
                 local, direct = row[f"{job}_local"], row[f"{job}_direct"]
                 print(
                     f"{row['records']:>12,}{job:>7}{local['wall_s']:>9.1f}{direct['wall_s']:>10.1f}"
@@ -181,7 +191,7 @@ def main() -> None:
                 f"{row['records']:>12,}{'bound':>7}{local['wall_s']:>9.1f}{dask['wall_s']:>10.1f}"
                 f"{dask['wall_s'] / local['wall_s']:>7.1f}{dask['driver_peak_mb']:>11}"
                 f"{dask['largest_worker_peak_mb']:>11}"
-                f"  (DaskRunner, {args.dask_workers} workers)"
+                f"  (DaskRunner, {row['dask_workers']} workers)"
             )
         for run in row.get("bound_iterations", []):
             first = next((one["shuffled_bytes"] for one in run if one["iteration"] == 1), None)

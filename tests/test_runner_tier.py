@@ -1,8 +1,9 @@
 """Three runners, one pipeline: `madp bound` and `madp batch` write the same selection and batch files,
 byte for byte, as `--runner local` on Beam's PortableRunner (the Python job service, SDK workers in
 processes an external worker pool starts) and on `--runner DaskRunner` (madp's own, in place of
-Beam's: beam_pipelines/dask_runner.py) on a dask.distributed cluster of two worker processes. The
-DirectRunner's agreement is tested in test_engines_agree.py and test_runners.py.
+Beam's: beam_pipelines/dask_runner.py) on a dask.distributed cluster of two worker processes, each
+input file (Parquet and JSON Lines) read in several splits. The DirectRunner's agreement is tested
+in test_engines_agree.py, test_runners.py and test_input_splits.py.
 
 Each run has a deadline: a runner that hangs or whose graph explodes fails its test with a
 TimeoutError instead of holding the tier, which must stay within a few minutes on two cores.
@@ -11,6 +12,7 @@ TimeoutError instead of holding the tier, which must stay within a few minutes o
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.beam, pytest.mark.runners]
 
 RECORDS = 20_000
 PARTITIONS = "2"  # one per worker process of either runner
+SPLIT = "--input-split-bytes=200000"  # each input file read in several splits
 BOUND = ["-k", "3", "--output-shards", "2"]
 BATCH = ["--steps", "30", "--batch-size", "400", "--min-sep", "3", "--output-shards", "2", "--seed", "11"]
 RUN_SECONDS = 180  # a hung run fails instead of blocking CI; ~10-30 times a run on a 2-core machine
@@ -82,8 +85,13 @@ def assert_same_files(output: str, expected: str, suffix: str) -> None:
 def local_outputs(tmp_path_factory):
     """The records, and `--runner local`'s selection and batches: what every runner must write."""
     directory = tmp_path_factory.mktemp("local")
-    data = str(directory / "records.parquet")
-    pq.write_table(to_table(generate(GraphSpec(records=RECORDS, features=4, seed=13))), data)
+    data = str(directory / "records")
+    os.mkdir(data)
+    table = to_table(generate(GraphSpec(records=RECORDS, features=4, seed=13)))
+    half = RECORDS // 2  # a Parquet file of 5 row groups and a JSON Lines file: both read in splits
+    pq.write_table(table.slice(0, half), os.path.join(data, "a.parquet"), row_group_size=half // 5)
+    with open(os.path.join(data, "b.jsonl"), "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in table.slice(half).to_pylist())
     bound, batches = str(directory / "bound"), str(directory / "batches")
     assert main(["-q", "bound", data, bound, *BOUND, "--runner", "local"]) == 0
     assert main(["-q", "batch", bound, data, batches, *BATCH, "--runner", "local"]) == 0
@@ -101,11 +109,11 @@ def runner_options(request):
     """The Beam options of each runner; a failed Dask run leaves a fresh cluster to the next test,
     not one still busy with the abandoned run."""
     if request.param == "portable":
-        yield [*request.getfixturevalue("portable_options"), f"--partitions={PARTITIONS}"]
+        yield [*request.getfixturevalue("portable_options"), f"--partitions={PARTITIONS}", SPLIT]
         return
     cluster = request.getfixturevalue("dask_cluster")
     # madp runs its own DaskRunner in place of Beam's, with --partitions tasks per Create
-    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={PARTITIONS}"]
+    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={PARTITIONS}", SPLIT]
     if request.node.stash.get(_FAILED, False):
         cluster.replace()
 

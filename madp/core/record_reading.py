@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import gzip
 import io
 import json
 import re
 import zlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +33,10 @@ from madp.core.records import (
     ROW_KEY_BITS,
     Columns,
     FileResult,
+    ReadFacts,
     RecordChunk,
     Rejects,
+    check_same_type,
 )
 
 # The row rules of the README's Input section. The verifier implements them on its own (verify.py).
@@ -48,12 +52,16 @@ _ALL_BUT_OPENERS_AND_NEWLINES = bytes(b for b in range(256) if b not in b"[{\n")
 
 
 def jsonl_lines(path: str) -> list[bytes]:
-    """The rows of a JSON Lines file by the README's row rules: a UTF-8 byte order mark at byte 0 of the
-    (decompressed) file removed; rows end at LF, one CR before it removed (LF and CRLF files read the
-    same; a lone CR ends nothing); lines of only spaces, tabs and CRs skipped. Row numbers in errors
-    and rejects count these rows from 0."""
-    data = _file_bytes(path)
-    if data.startswith(codecs.BOM_UTF8):
+    """The rows of a JSON Lines file by the README's row rules (`jsonl_rows`)."""
+    return jsonl_rows(_file_bytes(path))
+
+
+def jsonl_rows(data: bytes, at_file_start: bool = True) -> list[bytes]:
+    """The rows of JSON Lines bytes by the README's row rules: a UTF-8 byte order mark at byte 0 of the
+    (decompressed) file removed (`at_file_start`: `data` begins there); rows end at LF, one CR before it
+    removed (LF and CRLF files read the same; a lone CR ends nothing); lines of only spaces, tabs and
+    CRs skipped. Row numbers in errors and rejects count these rows from 0."""
+    if at_file_start and data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     if b"\r" not in data:
         return [line for line in data.split(b"\n") if line.strip(b" \t")]
@@ -67,6 +75,11 @@ def _file_bytes(path: str) -> bytes:
             data = handle.read()
     except OSError as error:
         raise InputError(f"{path}: cannot be read ({error.strerror or error})") from error
+    return decompressed(path, data)
+
+
+def decompressed(path: str, data: bytes) -> bytes:
+    """A JSON Lines file's bytes as read, gunzipped for .gz; an empty or corrupt .gz is an error naming it."""
     if not path.endswith(".gz"):
         return data
     if not data:  # gzip.decompress(b"") is b"": an empty .gz is a failed write, not an empty file
@@ -152,30 +165,68 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
 
 
 def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
-    """Read one input file and split it into valid records and rejected rows; with `content`,
-    also carry those columns of the valid records."""
+    """Read one whole input file and split it into valid records and rejected rows; with `content`,
+    also carry those columns of the valid records. The rules over a whole file and over the whole
+    input are the caller's to check, once every file is read: `check_facts`."""
     if not path.endswith(".parquet"):
         return read_lines(jsonl_lines(path), path, file_index, columns, content)  # one read for records and content
-    result = _validate(_read_parquet(path, columns), None, path, file_index, columns)
-    return _with_content(result, path, None, content)
+    names = parquet_read_columns(path, storage.parquet_columns(path), columns, content)
+    return read_parquet_rows(storage.read_parquet(path, names), path, file_index, columns, content)
 
 
 def read_lines(
-    lines: list[bytes], source: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None
+    lines: list[bytes],
+    source: str,
+    file_index: int,
+    columns: Columns,
+    content: tuple[str, ...] | None = None,
+    first_row: int = 0,
 ) -> FileResult:
-    """JSON Lines rows (as `jsonl_lines` gives them) read and validated exactly as a file of them;
-    `source` names them in errors and rejects."""
-    table, non_conforming = _read_jsonl(source, lines, columns)
-    return _with_content(_validate(table, non_conforming, source, file_index, columns), source, lines, content)
+    """JSON Lines rows (as `jsonl_rows` gives them) read and validated exactly as a file of them;
+    `source` names them in errors and rejects. Rows of a split of a file are numbered from
+    `first_row`, the rows of the file before them."""
+    table, non_conforming, seen = _read_jsonl(source, lines, columns)
+    result = _validate(table, non_conforming, source, file_index, columns, first_row, seen)
+    return _with_content(result, _read_content(source, lines, content) if content is not None else None, first_row)
 
 
-def _with_content(
-    result: FileResult, path: str, lines: list[bytes] | None, content: tuple[str, ...] | None
+def parquet_read_columns(
+    path: str, found: list[str], columns: Columns, content: tuple[str, ...] | None = None
+) -> list[str]:
+    """The columns to read of a Parquet file whose schema has `found`: the record's, then `content`'s;
+    an error naming the file when one of them is not there."""
+    _require_columns(path, found, columns)
+    missing = [n for n in content or () if n not in found]
+    if missing:
+        raise InputError(f"{path}: no content column {missing} (found {found})")
+    return list(dict.fromkeys(_wanted(columns) + list(content or ())))
+
+
+def read_parquet_rows(
+    table: pa.Table,
+    source: str,
+    file_index: int,
+    columns: Columns,
+    content: tuple[str, ...] | None = None,
+    first_row: int = 0,
 ) -> FileResult:
-    if content is not None:
-        rows = result.chunk.keys & ((1 << ROW_KEY_BITS) - 1)
-        result.chunk.content = _read_content(path, lines, content).take(pa.array(rows))
-    return result
+    """Parquet rows (a whole file, or the row groups of a split from its row `first_row` on) with the
+    columns `parquet_read_columns` names, validated."""
+    seen = frozenset(table.column_names)  # a Parquet file's columns are its schema's, rows or not
+    result = _validate(table.select(_wanted(columns)), None, source, file_index, columns, first_row, seen)
+    return _with_content(result, table.select(list(content)) if content is not None else None, first_row)
+
+
+def _with_content(result: FileResult, content: pa.Table | None, first_row: int) -> FileResult:
+    """`result` with the content of its valid records (`content`: of every row read), and the
+    content's columns and types among its facts."""
+    if content is None:
+        return result
+    rows = (result.chunk.keys & ((1 << ROW_KEY_BITS) - 1)) - first_row
+    result.chunk.content = content.take(pa.array(rows))
+    seen = result.facts.columns or frozenset()
+    present = pa.schema([f for f in content.schema if f.name in seen])
+    return dataclasses.replace(result, facts=result.facts._replace(content=present))
 
 
 def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
@@ -199,20 +250,12 @@ def _json_object(line: bytes) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
-def _read_content(path: str, lines: list[bytes] | None, names: tuple[str, ...]) -> pa.Table:
-    """Columns `names` of every row of a file: Parquet (`lines` None), or the JSON Lines rows `lines`
-    (rows that are not JSON objects read as nulls)."""
-    if lines is None:
-        found = storage.parquet_columns(path)
-        missing = [n for n in names if n not in found]
-        if missing:
-            raise InputError(f"{path}: no content column {missing} (found {found})")
-        return storage.read_parquet(path, list(names))
+def _read_content(path: str, lines: list[bytes], names: tuple[str, ...]) -> pa.Table:
+    """Columns `names` of the JSON Lines rows `lines` (rows that are not JSON objects, or lack a
+    column, read as nulls; a column no row has is all nulls, for `check_facts` to judge)."""
     objects = [_json_object(line) for line in lines]
     arrays = {}
     for name in names:
-        if not any(name in obj for obj in objects):
-            raise InputError(f"{path}: no content column {name!r} in any row")
         try:
             arrays[name] = pa.array([obj.get(name) for obj in objects])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
@@ -224,32 +267,32 @@ def _wanted(columns: Columns) -> list[str]:
     return [c for c in (columns.id, columns.users, columns.weight) if c]
 
 
-def _require_columns(path: str, found: list[str], columns: Columns) -> None:
+def _require_columns(path: str, found: Iterable[str], columns: Columns) -> None:
     missing = [c for c in _wanted(columns) if c not in found]
     if missing:
         raise InputError(
-            f"{path}: no column {missing} in any row (found {found}); "
+            f"{path}: no column {missing} in any row (found {sorted(found)}); "
             f"name the columns with --id-column, --users-column or --weight-column"
         )
 
 
-def _read_parquet(path: str, columns: Columns) -> pa.Table:
-    _require_columns(path, storage.parquet_columns(path), columns)
-    return storage.read_parquet(path, _wanted(columns))
-
-
 def _read_jsonl(
     path: str, lines: list[bytes], columns: Columns
-) -> tuple[pa.Table, dict[int, tuple[str, object]] | None]:
-    """Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
+) -> tuple[pa.Table, dict[int, tuple[str, object]] | None, frozenset[str] | None]:
+    """The record columns of JSON Lines rows (a column no row has is all nulls), the rows that cannot
+    be typed with their reason, and the columns some row has (None when no row is a JSON object).
+    Fast path through Arrow; rows Arrow cannot type are parsed one by one to name the bad row."""
     if not lines:
-        return _empty_table(columns), None
+        return _empty_table(columns), None, None
     table = _arrow_json(lines)
     if table is None:
         return _parse_jsonl_rows(path, lines, columns)
-    _require_columns(path, table.column_names, columns)
+    seen = frozenset(table.column_names)
+    for name in _wanted(columns):
+        if name not in seen:
+            table = table.append_column(name, pa.nulls(len(table)))
     if _conforming(table, columns):
-        return table.select(_wanted(columns)), None
+        return table.select(_wanted(columns)), None, seen
     return _parse_jsonl_rows(path, lines, columns)
 
 
@@ -304,18 +347,22 @@ def _row_problem(obj: dict, columns: Columns) -> str | None:
 
 def _parse_jsonl_rows(
     path: str, lines: list[bytes], columns: Columns
-) -> tuple[pa.Table, dict[int, tuple[str, object]]]:
-    """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason kept."""
+) -> tuple[pa.Table, dict[int, tuple[str, object]], frozenset[str] | None]:
+    """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason
+    kept; also the columns some row has (None when no row is a JSON object)."""
     ids: list[object] = []
     users: list[list | None] = []
     weights: list[object] = []
     problems: dict[int, tuple[str, object]] = {}
+    seen: set[str] = set()
     for row, line in enumerate(lines):
         obj = parse_row(line)
         if not isinstance(obj, dict):
             problems[row] = (INVALID_JSON, line.decode("utf-8", "replace"))
-        elif (why := _row_problem(obj, columns)) is not None:
-            problems[row] = (why, obj)
+        else:
+            seen.update(obj)
+            if (why := _row_problem(obj, columns)) is not None:
+                problems[row] = (why, obj)
         if row in problems:
             ids.append(None)
             users.append(None)
@@ -329,15 +376,87 @@ def _parse_jsonl_rows(
     arrays = {columns.id: id_array, columns.users: pa.array(users, type=pa.list_(value_array.type))}
     if columns.weight:
         arrays[columns.weight] = pa.array(weights, type=pa.float64())
-    return pa.table(arrays), problems
+    any_object = len(lines) > sum(why == INVALID_JSON for why, _ in problems.values())
+    return pa.table(arrays), problems, frozenset(seen) if any_object else None
 
 
 def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
     kinds = {type(v) for v in values if v is not None}
     if kinds == {int, str}:
-        raise InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
+        raise _mixed_ids(path, what)
     kind = kinds.pop() if kinds else int
     return pa.array(values, type=pa.string() if kind is str else pa.int64())
+
+
+def _mixed_ids(path: str, what: str) -> InputError:
+    return InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
+
+
+def check_facts(
+    facts: Sequence[ReadFacts], columns: Columns, content: tuple[str, ...] | None = None
+) -> pa.Schema | None:
+    """The rules over whole files and over the whole input, judged from the facts of every read (each
+    file, or each split of one, in any order), so that a file reads the same whole or in splits:
+    - a file some of whose rows are JSON objects, none of which has a record column, is an error;
+    - ids (or user ids) that are integers in some rows and strings in others are an error, within a
+      file and across files (rows that are not valid records count too);
+    - a content column that no row of a file has is an error; its types, in the splits of a file and
+      across files, unify as Arrow reads one file (integers and floats read as floats), or are an error.
+    Returns the content schema, in `content`'s order, that every chunk's content takes
+    (`conform_content`); None without `content`."""
+    by_file: dict[int, list[ReadFacts]] = {}
+    for fact in facts:
+        by_file.setdefault(fact.file_index, []).append(fact)
+    id_types: list[pa.DataType] = []
+    user_types: list[pa.DataType] = []
+    file_schemas: list[pa.Schema] = []
+    for index in sorted(by_file):
+        reads = by_file[index]
+        source = reads[0].source
+        seen = [read.columns for read in reads if read.columns is not None]
+        if seen:
+            _require_columns(source, frozenset().union(*seen), columns)
+        for what, types in (("id", {r.id_type for r in reads}), ("user", {r.user_type for r in reads})):
+            if len(types - {None}) > 1:
+                raise _mixed_ids(source, what)
+        id_types.extend(t for t in {r.id_type for r in reads} if t is not None)
+        user_types.extend(t for t in {r.user_type for r in reads} if t is not None)
+        if content is not None:
+            file_schemas.append(_file_content(source, [r.content for r in reads if r.content is not None], content))
+    check_same_type(id_types, "record")
+    check_same_type(user_types, "user")
+    if content is None:
+        return None
+    try:
+        unified = pa.unify_schemas(file_schemas, promote_options="permissive") if file_schemas else pa.schema([])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise InputError(f"content columns have different types in different input files: {error}") from error
+    return pa.schema([unified.field(name) if name in unified.names else pa.field(name, pa.null()) for name in content])
+
+
+def _file_content(source: str, schemas: list[pa.Schema], content: tuple[str, ...]) -> pa.Schema:
+    """One file's content schema from its splits': every column in some row, types unified."""
+    fields = []
+    for name in content:
+        found = [pa.schema([schema.field(name)]) for schema in schemas if name in schema.names]
+        if not found:
+            raise InputError(f"{source}: no content column {name!r} in any row")
+        try:
+            fields.append(pa.unify_schemas(found, promote_options="permissive").field(name))
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+            raise InputError(f"{source}: content column {name!r} mixes types: {error}") from error
+    return pa.schema(fields)
+
+
+def conform_content(chunk: RecordChunk, schema: pa.Schema | None) -> RecordChunk:
+    """`chunk` with its content cast to `schema`, as `check_facts` unified it over the whole input."""
+    if schema is None or chunk.content is None or chunk.content.schema == schema:
+        return chunk
+    try:
+        return dataclasses.replace(chunk, content=chunk.content.cast(schema))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
+        sources = ", ".join(sorted(chunk.sources.values()))
+        raise InputError(f"{sources}: content does not convert to the input's types {schema}: {error}") from error
 
 
 def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Array:
@@ -348,8 +467,16 @@ def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Arr
 
 
 def _validate(
-    table: pa.Table, non_conforming: dict[int, tuple[str, object]] | None, path: str, file_index: int, columns: Columns
+    table: pa.Table,
+    non_conforming: dict[int, tuple[str, object]] | None,
+    path: str,
+    file_index: int,
+    columns: Columns,
+    first_row: int,
+    seen: frozenset[str] | None,
 ) -> FileResult:
+    """Valid records and rejected rows of `table` (rows numbered from `first_row`), and their facts
+    (`seen`: the columns some row has, None when no row is an object; a Parquet table's own columns)."""
     n = len(table)
     ids = table.column(columns.id).combine_chunks()
     if pa.types.is_large_string(ids.type):
@@ -405,9 +532,9 @@ def _validate(
             record = non_conforming[row][1]
         else:
             record = _row_as_read(table, int(row))
-        rejects.add(path, row, reason[row], record)
+        rejects.add(path, first_row + row, reason[row], record)
 
-    rows = np.flatnonzero(valid).astype(np.int64)
+    rows = first_row + np.flatnonzero(valid).astype(np.int64)
     valid_users = users.filter(pa.array(valid))
     offsets, flat_users, removed = _drop_repeated_users(valid_users)
     chunk = RecordChunk(
@@ -418,7 +545,14 @@ def _validate(
         weights=None if weights is None else weights[valid],
         sources={file_index: path},
     )
-    return FileResult(chunk, rejects, n, removed)
+    facts = ReadFacts(
+        file_index,
+        path,
+        seen,
+        ids.type if ids.null_count < n else None,
+        flat.type if flat.null_count < len(flat) else None,
+    )
+    return FileResult(chunk, rejects, n, removed, facts)
 
 
 def _not_utf8(values: pa.Array) -> np.ndarray:

@@ -2,8 +2,10 @@
 make, the input files of a path, and merging chunks (a duplicated id rejects every row holding it).
 
 A record is a row with an id (integer or string, unique) and a non-empty list of user
-ids (integers or strings). Both engines call `record_reading.read_file` and `merge_chunks`, so
-they accept and reject exactly the same rows.
+ids (integers or strings). Both engines read rows with `record_reading` (Beam a large file in
+splits, `input_splits`), judge the rules over whole files and the whole input with
+`record_reading.check_facts`, and merge chunks with `merge_chunks`, so they accept and reject
+exactly the same rows.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -127,12 +130,25 @@ class RecordChunk:
         return np.diff(self.offsets)
 
 
+class ReadFacts(NamedTuple):
+    """What the rules over a whole file and over the whole input need of one read (a file, or a split
+    of one, which may be read on another worker): `record_reading.check_facts` judges them all."""
+
+    file_index: int
+    source: str
+    columns: frozenset[str] | None  # the columns some row has; None when no row is a JSON object
+    id_type: pa.DataType | None  # of the non-null ids of the rows read (valid or not); None: none
+    user_type: pa.DataType | None  # likewise of their user ids
+    content: pa.Schema | None = None  # the content columns some row has, with their types as read
+
+
 @dataclasses.dataclass
 class FileResult:
     chunk: RecordChunk
     rejects: Rejects
     rows_read: int
     repeated_users_removed: int
+    facts: ReadFacts
 
 
 def list_input_files(path: str) -> list[str]:
@@ -178,8 +194,8 @@ def ignored_input_files(path: str) -> list[str]:
 def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
     """Concatenate chunks (in the given order) into one."""
     non_empty = [c for c in chunks if len(c)] or chunks[:1]
-    _check_same_type([c.ids.type for c in non_empty], "record")
-    _check_same_type([c.users.type for c in non_empty if len(c.users)], "user")
+    check_same_type([c.ids.type for c in non_empty], "record")
+    check_same_type([c.users.type for c in non_empty if len(c.users)], "user")
     sources = {index: path for c in non_empty for index, path in c.sources.items()}
     offsets = [non_empty[0].offsets[:1]]
     base = 0
@@ -204,7 +220,7 @@ def merge_chunks(chunks: list[RecordChunk]) -> RecordChunk:
     )
 
 
-def _check_same_type(types: list[pa.DataType], what: str) -> None:
+def check_same_type(types: list[pa.DataType], what: str) -> None:
     if len(set(types)) > 1:
         raise InputError(
             f"{what} ids mix integers and strings across input files ({sorted(map(str, set(types)))}); "

@@ -89,15 +89,18 @@ def read_input(
     """All valid records of the input (with `content` columns), the rejected rows, rows read and
     repeated users removed."""
     files = rec.list_input_files(input_path)
-    chunks, rejects, rows_read, removed = [], rec.Rejects(), 0, 0
+    chunks, facts, rejects, rows_read, removed = [], [], rec.Rejects(), 0, 0
     progress = Progress(log, "reading input", len(files), "files")
     for index, path in enumerate(files):
         result = record_reading.read_file(path, index, columns, content)
         chunks.append(result.chunk)
+        facts.append(result.facts)
         rejects.extend(result.rejects)
         rows_read += result.rows_read
         removed += result.repeated_users_removed
         progress.update(index + 1, f", {rows_read} rows")
+    schema = record_reading.check_facts(facts, columns, content)
+    chunks = [record_reading.conform_content(chunk, schema) for chunk in chunks]
     chunk = rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
     return chunk, rejects, rows_read, removed
 

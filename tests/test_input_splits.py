@@ -1,0 +1,197 @@
+"""One large input file read in splits by many workers gives the rows, row numbers, rejects and
+records of the file read whole, and the rules over a whole file hold across its splits."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_records
+
+from beam_pipelines.batch import run_beam as batch_beam
+from beam_pipelines.bound import run_beam as bound_beam
+from madp.core import input_splits, record_reading
+from madp.core.errors import InputError
+from madp.core.input_splits import count_rows, first_row, jsonl_splits, parquet_splits, range_bytes
+from madp.core.records import Columns
+from madp.core.selection import BoundOptions
+from madp.engines.batch_local import run_local as batch_local
+from madp.engines.batching import BatchOptions
+from madp.engines.local_engine import run_local as bound_local
+
+BOM = b"\xef\xbb\xbf"
+# Rows by the README's rules at their edges: blank lines, CRLF and lone CR, a BOM past byte 0,
+# invalid rows, a row without users, string ids mixed in only through an invalid row.
+PIECES = [
+    b'{"id":%d,"users":[1,2],"x":1}',
+    b'{"id":%d,"users":[3],"x":2.5}',
+    b"",
+    b" \t ",
+    b"\r",
+    b"not json %d",
+    b'{"id":%d}',
+    BOM + b'{"id":%d,"users":[4]}',
+    b'{"id":%d,"users":[5]}\r{"id":0}',
+    b'{"id":%d,"users":[6],"x":3}\r',
+]
+RARE = [b'{"id":"s%d","users":[7]}', b'{"id":%d,"users":[8],"x":"s"}', b'{"id":%d,"users":["u"]}']
+
+
+def hostile_bytes(rng: random.Random, rows: int) -> bytes:
+    lines = [rng.choice(RARE if rng.random() < 0.03 else PIECES).replace(b"%d", str(i).encode()) for i in range(rows)]
+    data = b"\n".join(lines) + rng.choice([b"", b"\n", b"\r\n"])
+    return BOM + data if rng.random() < 0.3 else data
+
+
+def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None):
+    """What the Beam reading does with one file, in process: count, read each range, check facts."""
+    columns = columns or Columns()
+    splits = jsonl_splits(0, "f.jsonl", len(data), split_bytes)
+    counts = {
+        (0, s.start): count_rows(range_bytes(io.BytesIO(data), s.start, s.stop), s.start == 0)
+        for s in splits
+        if s.first_row is None
+    }
+    results = []
+    for split in splits:
+        data_of = range_bytes(io.BytesIO(data), split.start, split.stop) if split.first_row is None else data
+        lines = record_reading.jsonl_rows(data_of, split.start == 0)
+        results.append(record_reading.read_lines(lines, "f.jsonl", 0, columns, content, first_row(split, counts)))
+    schema = record_reading.check_facts([r.facts for r in results], columns, content)
+    return results, schema
+
+
+def whole(data: bytes, columns=None, content=None):
+    columns = columns or Columns()
+    result = record_reading.read_lines(record_reading.jsonl_rows(data), "f.jsonl", 0, columns, content)
+    return result, record_reading.check_facts([result.facts], columns, content)
+
+
+def test_ranges_hold_every_row_once_numbered_as_in_the_whole_file(monkeypatch):
+    monkeypatch.setattr(input_splits, "_BLOCK", 3)  # rows longer than a block read past a range's end
+    rng = random.Random(0)
+    for _ in range(400):
+        data = hostile_bytes(rng, rng.randint(0, 15))
+        split_bytes = rng.randint(1, max(1, len(data)))
+        expected = record_reading.jsonl_rows(data)
+        got: list[bytes] = []
+        splits = jsonl_splits(0, "f.jsonl", len(data), split_bytes)
+        counts = {
+            (0, s.start): count_rows(range_bytes(io.BytesIO(data), s.start, s.stop), s.start == 0) for s in splits
+        }
+        for split in splits:
+            assert first_row(split, counts) == len(got) or split.first_row == 0
+            got += record_reading.jsonl_rows(range_bytes(io.BytesIO(data), split.start, split.stop), split.start == 0)
+        assert got == expected, (data, split_bytes)
+
+
+def test_split_reads_give_the_whole_files_records_rejects_and_rules():
+    rng = random.Random(1)
+    errors = 0
+    for _ in range(150):
+        data = hostile_bytes(rng, rng.randint(1, 30))
+        split_bytes = rng.randint(1, max(1, len(data)))
+        try:
+            expected, expected_schema = whole(data, content=("x",))
+        except InputError as error:
+            errors += 1
+            with pytest.raises(InputError, match=r"^f\.jsonl: ") as raised:
+                read_in_splits(data, split_bytes, content=("x",))
+            mixes = ("ids mix", "mixes types")  # two mixes in one file: either may be met first
+            if not (any(m in str(error) for m in mixes) and any(m in str(raised.value) for m in mixes)):
+                assert str(raised.value) == str(error)
+            continue
+        results, schema = read_in_splits(data, split_bytes, content=("x",))
+        assert schema == expected_schema, data
+        keys = np.concatenate([r.chunk.keys for r in results])
+        assert keys.tolist() == expected.chunk.keys.tolist(), (data, split_bytes)
+        assert pa.concat_arrays([r.chunk.ids for r in results if len(r.chunk)] or [expected.chunk.ids]).to_pylist() == (
+            expected.chunk.ids.to_pylist()
+        )
+        content = [record_reading.conform_content(r.chunk, schema).content for r in results if len(r.chunk)]
+        if content:
+            assert pa.concat_tables(content).equals(expected.chunk.content), data
+        rejects = [(f, row, why, rec) for r in results for f, row, why, rec in zip(*vars(r.rejects).values())]
+        assert rejects == list(zip(*vars(expected.rejects).values())), data
+        assert sum(r.rows_read for r in results) == expected.rows_read
+    assert 10 < errors < 100, errors  # both branches, many times
+
+
+def test_rules_over_a_whole_file_hold_across_its_splits():
+    ints, strings = b'{"id":1,"users":[1],"x":1}\n', b'{"id":"a","users":[2],"x":"text"}\n'
+    with pytest.raises(InputError, match="^f.jsonl: id ids mix integers and strings"):
+        read_in_splits(ints * 50 + strings * 50, 200)
+    no_users = b'{"id":1}\n' * 50
+    _, schema = read_in_splits(no_users + b'{"id":2,"users":[1]}\n', 100)  # users in one split: rows rejected
+    with pytest.raises(InputError, match=r"^f.jsonl: no column \['users'\] in any row"):
+        read_in_splits(no_users, 100)
+    with pytest.raises(InputError, match="^f.jsonl: content column"):
+        read_in_splits(b'{"id":1,"users":[1],"x":1}\n' * 50 + b'{"id":2,"users":[1],"x":"a"}\n', 100, content=("x",))
+    with pytest.raises(InputError, match="^f.jsonl: no content column 'y' in any row"):
+        read_in_splits(ints * 50, 100, content=("y",))
+    floats = b"".join(b'{"id":%d,"users":[1],"x":0.5}\n' % i for i in range(50))
+    integers = b"".join(b'{"id":%d,"users":[1],"x":7}\n' % i for i in range(50, 100))
+    results, schema = read_in_splits(integers + floats, 100, content=("x",))
+    assert schema == pa.schema([("x", pa.float64())]) == whole(integers + floats, content=("x",))[1]
+
+
+def test_parquet_splits_are_runs_of_row_groups_with_their_first_rows():
+    groups = [(10, 100), (5, 50), (7, 300), (1, 10)]
+    assert parquet_splits(3, "p.parquet", groups, 140) == [
+        input_splits.InputSplit(3, "p.parquet", 0, 2, 0),
+        input_splits.InputSplit(3, "p.parquet", 2, 3, 15),
+        input_splits.InputSplit(3, "p.parquet", 3, 4, 22),
+    ]
+    assert parquet_splits(0, "p.parquet", [], 140) == [input_splits.InputSplit(0, "p.parquet", 0, 0, 0)]
+    assert jsonl_splits(0, "a.jsonl.gz", 10**9, 10) == [input_splits.InputSplit(0, "a.jsonl.gz", 0, 10**9, 0)]
+
+
+@pytest.fixture
+def one_large_file_each(tmp_path, small_graph):
+    """A JSON Lines file with hostile rows and a Parquet file of many row groups, in one input."""
+    directory = tmp_path / "input"
+    directory.mkdir()
+    rng = random.Random(2)
+    lines = []
+    for i, row in enumerate(small_graph[:1500]):
+        if i % 97 == 0:
+            lines.append("  \r")
+        if i % 301 == 0:
+            lines.append("not json")
+        lines.append(json.dumps(dict(row, x=i if i % 2 else i + 0.5, tag=f"t{i}")) + ("\r" if i % 7 == 0 else ""))
+    (directory / "a.jsonl").write_bytes(BOM + "\n".join(lines).encode() + b"\n")
+    rest = [dict(row, x=float(rng.random()), tag="p") for row in small_graph[1500:]]
+    pq.write_table(pa.Table.from_pylist(rest), directory / "b.parquet", row_group_size=150)
+    return str(directory)
+
+
+@pytest.mark.beam
+def test_beam_reads_large_files_in_splits_with_the_local_results(tmp_path, one_large_file_each):
+    split = ["--direct_running_mode=in_memory", "--partitions=3", "--input-split-bytes=3000"]
+    options = BoundOptions(max_contributions=2, on_invalid="skip")
+    local = bound_local(one_large_file_each, str(tmp_path / "local"), options)
+    beam = bound_beam(one_large_file_each, str(tmp_path / "beam"), options, split)
+    for name in ("input_rows", "selected_records", "rejected", "per_round"):
+        assert local[name] == beam[name], name
+    for name in ("selected/part-00000-of-00001.parquet", "rejected/rejected.jsonl"):
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "beam" / name).read_bytes(), name
+    assert beam["pipeline_runs"][0]["beam_counters"]["input_rows"] == local["input_rows"]
+    batch = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, on_invalid="skip")
+    batch_local(str(tmp_path / "local"), one_large_file_each, str(tmp_path / "b-local"), batch)
+    batch_beam(str(tmp_path / "local"), one_large_file_each, str(tmp_path / "b-beam"), batch, split)
+    for name in ("batches-00000-of-00001.tfrecord", "schema.json"):
+        assert (tmp_path / "b-local" / name).read_bytes() == (tmp_path / "b-beam" / name).read_bytes(), name
+
+
+@pytest.mark.beam
+def test_beam_mixed_id_types_across_files_are_one_clear_error(tmp_path):
+    """Found whatever partitions the records fall in (once a traceback, with many partitions)."""
+    write_records(str(tmp_path / "a.jsonl"), [{"id": 1, "users": [1]}])
+    write_records(str(tmp_path / "b.jsonl"), [{"id": "x", "users": [2]}])
+    with pytest.raises(InputError, match=r"^record ids mix integers and strings across input files"):
+        bound_beam(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1), ["--partitions=64"])
