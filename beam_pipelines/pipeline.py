@@ -36,6 +36,7 @@ from madp.core.selection import handle_rejects
 log = logging.getLogger("madp.beam")
 
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
+MIN_SPLIT_BYTES = 1024
 
 # Beam's DaskRunner, by the name a user gives it (Beam knows it by its class only), and madp's own,
 # which runs in its place (see beam_pipelines/dask_runner.py for what Beam's gets wrong).
@@ -93,8 +94,12 @@ class MadpPipelineOptions(PipelineOptions):
 def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
     """Our options among `options`, checked."""
     ours = options.view_as(MadpPipelineOptions)
-    if ours.partitions < 1 or ours.rounds_per_pipeline < 1 or ours.input_split_bytes < 1:
-        raise InputError("--partitions, --rounds-per-pipeline and --input-split-bytes must be at least 1")
+    if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
+        raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
+    if ours.input_split_bytes < MIN_SPLIT_BYTES:
+        raise InputError(
+            f"--input-split-bytes must be at least {MIN_SPLIT_BYTES}: tiny splits read a file many times over"
+        )
     if ours.local_finish_incidences < 0:
         raise InputError("--local-finish-incidences must be at least 0")
     return ours

@@ -38,42 +38,50 @@ class _PlanSplits(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         index, path = element
-        if path.endswith(".parquet"):
-            with _parquet(path) as parquet:
-                metadata = parquet.metadata
-                groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
-                yield from parquet_splits(
-                    index, path, [(g.num_rows, g.total_byte_size) for g in groups], self.split_bytes
-                )
+        if not path.endswith(".parquet"):
+            with _opened(path) as (_, size):
+                yield from jsonl_splits(index, path, size, self.split_bytes)
             return
-        try:
-            with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-                size = handle.seek(0, os.SEEK_END)  # not FileSystems.match, which globs a path's [ ] * ?
-        except (BeamIOError, OSError) as error:
-            raise InputError(f"{path}: cannot be read ({error})") from error
-        yield from jsonl_splits(index, path, size, self.split_bytes)
+        with _parquet(path) as (parquet, size):
+            metadata = parquet.metadata
+            groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+            yield from parquet_splits(
+                index, path, size, [(g.num_rows, g.total_byte_size) for g in groups], self.split_bytes
+            )
 
 
 @contextlib.contextmanager
-def _parquet(path: str):
-    """A Parquet file opened through Beam's FileSystems, its pages checked against their checksums;
-    an unreadable file is an error naming it."""
+def _opened(path: str, planned_size: int | None = None):
+    """(binary handle, size) of a file opened through Beam's FileSystems; an unreadable file, or one
+    whose size is no longer `planned_size`, is an error naming it."""
     try:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-            yield pq.ParquetFile(handle, page_checksum_verification=True)
-    except (pa.ArrowInvalid, OSError, BeamIOError) as error:
-        raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+            size = handle.seek(0, os.SEEK_END)  # not FileSystems.match, which globs a path's [ ] * ?
+            if planned_size is not None and size != planned_size:
+                raise InputError(f"{path}: changed while it was read ({size} bytes, {planned_size} when planned)")
+            handle.seek(0)
+            yield handle, size
+    except (OSError, BeamIOError) as error:
+        raise InputError(f"{path}: cannot be read ({error})") from error
+
+
+@contextlib.contextmanager
+def _parquet(path: str, planned_size: int | None = None):
+    """(ParquetFile, size) of a Parquet file opened through Beam's FileSystems, its pages checked
+    against their checksums; an unreadable file is an error naming it."""
+    with _opened(path, planned_size) as (handle, size):
+        try:
+            yield pq.ParquetFile(handle, page_checksum_verification=True), size
+        except (pa.ArrowInvalid, OSError) as error:
+            raise InputError(f"{path}: not a readable Parquet file ({error})") from error
 
 
 def _range(split: InputSplit) -> bytes:
     """A JSON Lines split's bytes, read through Beam's FileSystems (a whole .gz file decompressed)."""
-    try:
-        with FileSystems.open(split.path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-            if split.first_row is None:
-                return range_bytes(handle, split.start, split.stop)
-            data = handle.read()
-    except (OSError, BeamIOError) as error:
-        raise InputError(f"{split.path}: cannot be read ({error})") from error
+    with _opened(split.path, split.file_size) as (handle, _):
+        if split.first_row is None:
+            return range_bytes(handle, split.start, split.stop)
+        data = handle.read()
     return record_reading.decompressed(split.path, data)
 
 
@@ -100,19 +108,20 @@ class _ReadSplit(beam.DoFn):
 
     def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
         self.columns, self.content, self.errors_dir = columns, content, errors_dir
+        self._counts: dict | None = None  # the side input `before` was summed from (held, so its id stays its own)
+        self._before: dict[tuple[int, int], int] = {}
 
     @keeps_input_errors
     def process(self, split, counts):
-        first_row = input_splits.first_row(split, counts)
+        if counts is not self._counts:
+            self._counts, self._before = counts, input_splits.first_rows(counts)
+        first_row = input_splits.first_row(split, self._before)
         if split.path.endswith(".parquet"):
-            with _parquet(split.path) as parquet:
+            with _parquet(split.path, split.file_size) as (parquet, _):
                 names = record_reading.parquet_read_columns(
                     split.path, parquet.schema_arrow.names, self.columns, self.content
                 )
-                try:
-                    table = parquet.read_row_groups(range(split.start, split.stop), columns=names)
-                except (pa.ArrowInvalid, OSError) as error:
-                    raise InputError(f"{split.path}: not a readable Parquet file ({error})") from error
+                table = parquet.read_row_groups(range(split.start, split.stop), columns=names)
             read = record_reading.read_parquet_rows(
                 table, split.path, split.file_index, self.columns, self.content, first_row
             )
@@ -152,10 +161,12 @@ class _Checked(beam.PTransform):
                 return record_reading.check_facts(every_fact, columns, content)
 
         schema = facts | "EveryFact" >> beam.combiners.ToList() | "CheckFacts" >> beam.Map(check)
-        conformed = chunks | "AfterChecks" >> beam.MapTuple(
-            lambda index, chunk, schema=None: (index, record_reading.conform_content(chunk, schema)),
-            beam.pvalue.AsSingleton(schema),
-        )
+
+        def conform(index: int, chunk: rec.RecordChunk, schema=None) -> Chunk:
+            with keeping_input_errors(errors_dir):
+                return index, record_reading.conform_content(chunk, schema)
+
+        conformed = chunks | "AfterChecks" >> beam.MapTuple(conform, beam.pvalue.AsSingleton(schema))
         checked_rejects = rejects | "RejectsAfterChecks" >> beam.Map(
             lambda batch, _: batch, beam.pvalue.AsSingleton(schema)
         )

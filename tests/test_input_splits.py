@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 
 import numpy as np
@@ -17,7 +18,7 @@ from beam_pipelines.batch import run_beam as batch_beam
 from beam_pipelines.bound import run_beam as bound_beam
 from madp.core import input_splits, record_reading
 from madp.core.errors import InputError
-from madp.core.input_splits import count_rows, first_row, jsonl_splits, parquet_splits, range_bytes
+from madp.core.input_splits import count_rows, first_row, first_rows, jsonl_splits, parquet_splits, range_bytes
 from madp.core.records import Columns
 from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
@@ -49,7 +50,8 @@ def hostile_bytes(rng: random.Random, rows: int) -> bytes:
 
 
 def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None):
-    """What the Beam reading does with one file, in process: count, read each range, check facts."""
+    """What the Beam reading does with one file, in process: count, read each range, check the facts
+    (given in reverse: their order must not matter)."""
     columns = columns or Columns()
     splits = jsonl_splits(0, "f.jsonl", len(data), split_bytes)
     counts = {
@@ -57,12 +59,13 @@ def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None):
         for s in splits
         if s.first_row is None
     }
+    before = first_rows(counts)
     results = []
     for split in splits:
         data_of = range_bytes(io.BytesIO(data), split.start, split.stop) if split.first_row is None else data
         lines = record_reading.jsonl_rows(data_of, split.start == 0)
-        results.append(record_reading.read_lines(lines, "f.jsonl", 0, columns, content, first_row(split, counts)))
-    schema = record_reading.check_facts([r.facts for r in results], columns, content)
+        results.append(record_reading.read_lines(lines, "f.jsonl", 0, columns, content, first_row(split, before)))
+    schema = record_reading.check_facts([r.facts for r in results][::-1], columns, content)
     return results, schema
 
 
@@ -84,8 +87,9 @@ def test_ranges_hold_every_row_once_numbered_as_in_the_whole_file(monkeypatch):
         counts = {
             (0, s.start): count_rows(range_bytes(io.BytesIO(data), s.start, s.stop), s.start == 0) for s in splits
         }
+        before = first_rows(counts)
         for split in splits:
-            assert first_row(split, counts) == len(got) or split.first_row == 0
+            assert first_row(split, before) == len(got)
             got += record_reading.jsonl_rows(range_bytes(io.BytesIO(data), split.start, split.stop), split.start == 0)
         assert got == expected, (data, split_bytes)
 
@@ -140,15 +144,66 @@ def test_rules_over_a_whole_file_hold_across_its_splits():
     assert schema == pa.schema([("x", pa.float64())]) == whole(integers + floats, content=("x",))[1]
 
 
+def test_review_findings_read_the_same_whole_and_split():
+    # integer weights beyond 2^53 in one split, floats in the next: rounded as Arrow types the whole file
+    weights = Columns(weight="w")
+    data = b'{"id":0,"users":[1],"w":9007199254740993}\n' + b"".join(
+        b'{"id":%d,"users":[2],"w":0.5}\n' % i for i in range(1, 20)
+    )
+    expected, _ = whole(data, weights)
+    results, _ = read_in_splits(data, 42, weights)
+    assert np.concatenate([r.chunk.weights for r in results]).tolist() == expected.chunk.weights.tolist()
+    assert expected.chunk.weights[0] == 9007199254740992.0
+    assert whole(b'{"id":0,"users":[1],"w":9007199254740993}\n', weights)[0].chunk.weights.tolist() == [2.0**53]
+    huge = whole(b'{"id":0,"users":[1],"w":%d}\n' % 10**400, weights)[0]
+    assert huge.rejects.reason == ["bad_weight"]
+    # struct content whose keys differ between splits: the file's order of keys, whatever the facts' order
+    structs = b'{"id":0,"users":[1],"x":{"b":1}}\n{"id":1,"users":[1],"x":{"a":2}}\n'
+    assert read_in_splits(structs, 33, content=("x",))[1] == whole(structs, content=("x",))[1]
+    # an integer beyond 64 bits in content: an error naming the column, not a traceback
+    with pytest.raises(InputError, match="^f.jsonl: content column 'x'"):
+        whole(b'{"id":0,"users":[1],"x":%d}\n' % 2**64, content=("x",))
+
+
+class CountingBytes(io.BytesIO):
+    read_total = 0
+
+    def read(self, size=-1):
+        data = super().read(size)
+        CountingBytes.read_total += len(data)
+        return data
+
+
+def test_a_row_spanning_many_ranges_is_read_about_twice_not_once_per_range():
+    data = b'{"id":1,"users":[1],"x":"' + b"y" * 200_000 + b'"}\r' * 3 + b"\n"  # CR-only line ends: one row
+    splits = jsonl_splits(0, "f.jsonl", len(data), 2048)
+    CountingBytes.read_total = 0
+    rows = [record_reading.jsonl_rows(range_bytes(CountingBytes(data), s.start, s.stop), s.start == 0) for s in splits]
+    assert sum(rows, []) == record_reading.jsonl_rows(data) and len(splits) > 90
+    assert CountingBytes.read_total <= 2 * len(data) + 2048
+
+
+@pytest.mark.beam
+def test_a_file_that_changes_while_read_is_an_error(tmp_path):
+    from beam_pipelines import record_chunks
+
+    path = write_records(str(tmp_path / "r.jsonl"), [{"id": i, "users": [i]} for i in range(100)])
+    (split, *_) = jsonl_splits(0, path, os.path.getsize(path), 1024)
+    with open(path, "a") as handle:
+        handle.write('{"id": 100, "users": [1]}\n')
+    with pytest.raises(InputError, match="r.jsonl: changed while it was read"):
+        record_chunks._range(split)
+
+
 def test_parquet_splits_are_runs_of_row_groups_with_their_first_rows():
     groups = [(10, 100), (5, 50), (7, 300), (1, 10)]
-    assert parquet_splits(3, "p.parquet", groups, 140) == [
-        input_splits.InputSplit(3, "p.parquet", 0, 2, 0),
-        input_splits.InputSplit(3, "p.parquet", 2, 3, 15),
-        input_splits.InputSplit(3, "p.parquet", 3, 4, 22),
+    assert parquet_splits(3, "p.parquet", 999, groups, 140) == [
+        input_splits.InputSplit(3, "p.parquet", 0, 2, 0, 999),
+        input_splits.InputSplit(3, "p.parquet", 2, 3, 15, 999),
+        input_splits.InputSplit(3, "p.parquet", 3, 4, 22, 999),
     ]
-    assert parquet_splits(0, "p.parquet", [], 140) == [input_splits.InputSplit(0, "p.parquet", 0, 0, 0)]
-    assert jsonl_splits(0, "a.jsonl.gz", 10**9, 10) == [input_splits.InputSplit(0, "a.jsonl.gz", 0, 10**9, 0)]
+    assert parquet_splits(0, "p.parquet", 9, [], 140) == [input_splits.InputSplit(0, "p.parquet", 0, 0, 0, 9)]
+    assert jsonl_splits(0, "a.jsonl.gz", 10**9, 10) == [input_splits.InputSplit(0, "a.jsonl.gz", 0, 10**9, 0, 10**9)]
 
 
 @pytest.fixture

@@ -29,61 +29,73 @@ class InputSplit(NamedTuple):
     start: int
     stop: int
     first_row: int | None
+    file_size: int  # bytes when planned: a file that changes while it is read is an error
 
 
 def jsonl_splits(file_index: int, path: str, size: int, split_bytes: int) -> list[InputSplit]:
     """The byte ranges of a JSON Lines file of `size` bytes (one, whole, for a .gz file or a small one)."""
     if path.endswith(".gz") or size <= split_bytes:
-        return [InputSplit(file_index, path, 0, size, 0)]
+        return [InputSplit(file_index, path, 0, size, 0, size)]
     return [
-        InputSplit(file_index, path, start, min(start + split_bytes, size), None)
+        InputSplit(file_index, path, start, min(start + split_bytes, size), None, size)
         for start in range(0, size, split_bytes)
     ]
 
 
-def parquet_splits(file_index: int, path: str, row_groups: list[tuple[int, int]], split_bytes: int) -> list[InputSplit]:
-    """Runs of row groups (each `(rows, bytes)`) of about `split_bytes`, with their first rows; one
-    empty split for a file without row groups."""
-    splits, start, first_row, rows, size = [], 0, 0, 0, 0
+def parquet_splits(
+    file_index: int, path: str, size: int, row_groups: list[tuple[int, int]], split_bytes: int
+) -> list[InputSplit]:
+    """Runs of row groups (each `(rows, bytes)`) of about `split_bytes` of a Parquet file of `size`
+    bytes, with their first rows; one empty split for a file without row groups."""
+    splits: list[InputSplit] = []
+    start, first_row, rows, run_bytes = 0, 0, 0, 0
     for group, (group_rows, group_bytes) in enumerate(row_groups):
-        rows, size = rows + group_rows, size + group_bytes
-        if size >= split_bytes or group == len(row_groups) - 1:
-            splits.append(InputSplit(file_index, path, start, group + 1, first_row))
-            start, first_row, rows, size = group + 1, first_row + rows, 0, 0
-    return splits or [InputSplit(file_index, path, 0, 0, 0)]
+        rows, run_bytes = rows + group_rows, run_bytes + group_bytes
+        if run_bytes >= split_bytes or group == len(row_groups) - 1:
+            splits.append(InputSplit(file_index, path, start, group + 1, first_row, size))
+            start, first_row, rows, run_bytes = group + 1, first_row + rows, 0, 0
+    return splits or [InputSplit(file_index, path, 0, 0, 0, size)]
 
 
 def range_bytes(handle: BinaryIO, start: int, stop: int) -> bytes:
     """The bytes of the rows (LF-terminated lines) whose first byte lies in [start, stop) of the
     seekable file `handle`: the row running across `start` belongs to the range before, the row
-    running across `stop` to this one."""
+    running across `stop` to this one. Each byte is read by at most two ranges, however long the rows
+    (a range inside one long row reads only itself and finds no row)."""
     position = 0
     if start > 0:
         handle.seek(start - 1)  # from the byte before: a row starts at `start` when that byte is a LF
-        position = start - 1 + _through_line_feed(handle)
+        skipped, found = _through_line_feed(handle, stop - start)
+        if not found:
+            return b""
+        position = start - 1 + skipped
     if position >= stop:
         return b""
     handle.seek(position)
     data = handle.read(stop - position)
     if len(data) == stop - position and not data.endswith(b"\n"):
         rest = bytearray()
-        _through_line_feed(handle, rest)
+        _through_line_feed(handle, None, rest)
         data += bytes(rest)
     return data
 
 
-def _through_line_feed(handle: BinaryIO, into: bytearray | None = None) -> int:
-    """Read up to and including the next LF (or to the end); the bytes read, kept in `into`."""
+def _through_line_feed(handle: BinaryIO, limit: int | None, into: bytearray | None = None) -> tuple[int, bool]:
+    """Read up to and including the next LF, within `limit` bytes (None: to the end of the file): the
+    bytes read (kept in `into`) and whether a LF ended them."""
     consumed = 0
-    while block := handle.read(_BLOCK):
+    while limit is None or consumed < limit:
+        block = handle.read(_BLOCK if limit is None else min(_BLOCK, limit - consumed))
+        if not block:
+            break
         end = block.find(b"\n")
         taken = block if end < 0 else block[: end + 1]
         consumed += len(taken)
         if into is not None:
             into += taken
         if end >= 0:
-            return consumed
-    return consumed
+            return consumed, True
+    return consumed, False
 
 
 def count_rows(data: bytes, at_file_start: bool) -> int:
@@ -91,9 +103,17 @@ def count_rows(data: bytes, at_file_start: bool) -> int:
     return len(jsonl_rows(data, at_file_start))
 
 
-def first_row(split: InputSplit, counts: dict[tuple[int, int], int]) -> int:
-    """The rows of the split's file before it: its own `first_row`, or the sum of the counted rows
-    (`counts[(file index, start)]`) of the ranges before it."""
-    if split.first_row is not None:
-        return split.first_row
-    return sum(rows for (index, start), rows in counts.items() if index == split.file_index and start < split.start)
+def first_rows(counts: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """Per range (file index, start), the rows of its file before it: cumulative sums of the counted
+    rows (`counts[(file index, start)]`) in start order."""
+    before: dict[tuple[int, int], int] = {}
+    total: dict[int, int] = {}
+    for index, start in sorted(counts):
+        before[(index, start)] = total.get(index, 0)
+        total[index] = before[(index, start)] + counts[(index, start)]
+    return before
+
+
+def first_row(split: InputSplit, before: dict[tuple[int, int], int]) -> int:
+    """The rows of the split's file before it: its own `first_row`, or from `first_rows`."""
+    return split.first_row if split.first_row is not None else before[(split.file_index, split.start)]

@@ -8,6 +8,7 @@ import dataclasses
 import gzip
 import io
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterable, Sequence
@@ -258,7 +259,7 @@ def _read_content(path: str, lines: list[bytes], names: tuple[str, ...]) -> pa.T
     for name in names:
         try:
             arrays[name] = pa.array([obj.get(name) for obj in objects])
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as error:  # OverflowError: an int beyond 64 bits
             raise InputError(f"{path}: content column {name!r} mixes types: {error}") from error
     return pa.table(arrays) if arrays else pa.table({"_": pa.nulls(len(objects))}).drop(["_"])
 
@@ -370,7 +371,7 @@ def _parse_jsonl_rows(
         else:
             ids.append(obj.get(columns.id))
             users.append(obj.get(columns.users))
-            weights.append(obj.get(columns.weight) if columns.weight else None)
+            weights.append(_as_float(obj.get(columns.weight)) if columns.weight else None)
     id_array = _unify_scalars(ids, path, "id")
     value_array = _unify_scalars([u for us in users if us for u in us], path, "user")
     arrays = {columns.id: id_array, columns.users: pa.array(users, type=pa.list_(value_array.type))}
@@ -378,6 +379,14 @@ def _parse_jsonl_rows(
         arrays[columns.weight] = pa.array(weights, type=pa.float64())
     any_object = len(lines) > sum(why == INVALID_JSON for why, _ in problems.values())
     return pa.table(arrays), problems, frozenset(seen) if any_object else None
+
+
+def _as_float(weight: int | float | None) -> float | None:
+    """A weight as a double: integers beyond 2^53 rounded, beyond the doubles infinite (a bad_weight)."""
+    try:
+        return None if weight is None else float(weight)
+    except OverflowError:
+        return math.inf
 
 
 def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
@@ -396,7 +405,8 @@ def check_facts(
     facts: Sequence[ReadFacts], columns: Columns, content: tuple[str, ...] | None = None
 ) -> pa.Schema | None:
     """The rules over whole files and over the whole input, judged from the facts of every read (each
-    file, or each split of one, in any order), so that a file reads the same whole or in splits:
+    file, or each split of one, in any order: they are put in file and row order), so that a file
+    reads the same whole or in splits:
     - a file some of whose rows are JSON objects, none of which has a record column, is an error;
     - ids (or user ids) that are integers in some rows and strings in others are an error, within a
       file and across files (rows that are not valid records count too);
@@ -411,14 +421,14 @@ def check_facts(
     user_types: list[pa.DataType] = []
     file_schemas: list[pa.Schema] = []
     for index in sorted(by_file):
-        reads = by_file[index]
+        reads = sorted(by_file[index], key=lambda read: read.first_row)  # unified in file order, as read whole
         source = reads[0].source
-        seen = [read.columns for read in reads if read.columns is not None]
-        if seen:
-            _require_columns(source, frozenset().union(*seen), columns)
         for what, types in (("id", {r.id_type for r in reads}), ("user", {r.user_type for r in reads})):
             if len(types - {None}) > 1:
                 raise _mixed_ids(source, what)
+        seen = [read.columns for read in reads if read.columns is not None]
+        if seen:
+            _require_columns(source, frozenset().union(*seen), columns)
         id_types.extend(t for t in {r.id_type for r in reads} if t is not None)
         user_types.extend(t for t in {r.user_type for r in reads} if t is not None)
         if content is not None:
@@ -520,7 +530,10 @@ def _validate(
         (user_not_text_in_row, BAD_USER_TYPE),
     ]
     if columns.weight:
-        weights = table.column(columns.weight).combine_chunks().cast(pa.float64()).to_numpy(zero_copy_only=False)
+        # integers beyond 2^53 round to the nearest double, as Arrow types a column of integers and floats
+        weights = (
+            table.column(columns.weight).combine_chunks().cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        )
         checks.append((~np.isfinite(weights), BAD_WEIGHT))
     for failed, why in checks:
         reason[(reason == "") & failed] = why
@@ -548,6 +561,7 @@ def _validate(
     facts = ReadFacts(
         file_index,
         path,
+        first_row,
         seen,
         ids.type if ids.null_count < n else None,
         flat.type if flat.null_count < len(flat) else None,

@@ -136,6 +136,7 @@ class ReadFacts(NamedTuple):
 
     file_index: int
     source: str
+    first_row: int  # of the rows read, in the file
     columns: frozenset[str] | None  # the columns some row has; None when no row is a JSON object
     id_type: pa.DataType | None  # of the non-null ids of the rows read (valid or not); None: none
     user_type: pa.DataType | None  # likewise of their user ids
