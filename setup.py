@@ -9,18 +9,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(
-        include=[
-            "madp",
-            "madp.*",
-            "beam_pipelines",
-            "beam_pipelines.*",
-            "accounting",
-            "accounting.*",
-            "tf_training",
-            "tf_training.*",
-        ]
-    ),
+    # Import names live under madp. while the repo keeps its top-level folders: madp/accounting,
+    # madp/beam and madp/training are links to them (so a checkout imports the same names without
+    # installing), and the package mapping installs each from its folder.
+    packages=find_packages(include=["madp", "madp.*"]),
+    package_dir={"madp.accounting": "accounting", "madp.beam": "beam_pipelines", "madp.training": "tf_training"},
     install_requires=[
         "apache-beam==2.77.*",
         "attrs<24",  # dp-accounting 0.6 needs it

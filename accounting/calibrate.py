@@ -12,7 +12,7 @@ import math
 
 from dp_accounting.pld import pld_privacy_accountant
 
-from accounting.mechanisms import Mechanism, check_delta, check_target
+from madp.accounting.mechanisms import Mechanism, check_delta, check_target
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")

@@ -20,12 +20,12 @@ import os
 import time
 from collections.abc import Callable
 
-from accounting.betting import samples_to_reject_on_zeros
-from accounting.calibrate import calibrate
-from accounting.calibrate import epsilon as epsilon_of
-from accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
-from accounting.mechanisms import BandMf, Mechanism
-from accounting.monte_carlo import MinSepProcess
+from madp.accounting.betting import samples_to_reject_on_zeros
+from madp.accounting.calibrate import calibrate
+from madp.accounting.calibrate import epsilon as epsilon_of
+from madp.accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
+from madp.accounting.mechanisms import BandMf, Mechanism
+from madp.accounting.monte_carlo import MinSepProcess
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")

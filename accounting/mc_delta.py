@@ -16,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from accounting.betting import BETS, log_wealth, log_wealth_steps
-from accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
+from madp.accounting.betting import BETS, log_wealth, log_wealth_steps
+from madp.accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -61,7 +61,7 @@ class ChunkMap:
     wave: int
 
 
-# Opens a `map(fn, tasks)` on a cluster for a whole run, e.g. beam_pipelines.monte_carlo.BeamTaskMap
+# Opens a `map(fn, tasks)` on a cluster for a whole run, e.g. madp.beam.monte_carlo.BeamTaskMap
 RemoteMap = Callable[[], contextlib.AbstractContextManager[Callable]]
 
 

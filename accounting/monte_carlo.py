@@ -28,8 +28,8 @@ import numpy as np
 from numba import njit
 from scipy.stats import binom
 
-from accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
-from accounting.random_streams import (
+from madp.accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
+from madp.accounting.random_streams import (
     check_seed,
     failures_before_success,
     fill_standard_normals,

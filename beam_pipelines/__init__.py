@@ -9,8 +9,8 @@ Each class's docstring gives its contract. `madp bound` and `madp batch` (`bound
 are these transforms with madp's I/O around them.
 """
 
-from beam_pipelines.bound_contributions import BoundContributions, BoundSelection
-from beam_pipelines.min_sep_sample import MinSepSample, SampledBatches
-from beam_pipelines.record_chunks import ReadRecords, RecordsFromRows
+from madp.beam.bound_contributions import BoundContributions, BoundSelection
+from madp.beam.min_sep_sample import MinSepSample, SampledBatches
+from madp.beam.record_chunks import ReadRecords, RecordsFromRows
 
 __all__ = ["BoundContributions", "BoundSelection", "MinSepSample", "ReadRecords", "RecordsFromRows", "SampledBatches"]

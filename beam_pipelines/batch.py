@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from beam_pipelines import files
-from beam_pipelines.batch_join import record_partition_of, split_rows, summary_value, user_partition_of
-from beam_pipelines.min_sep_sample import MinSepSample, histogram_arrays
-from beam_pipelines.pipeline import (
+from madp.beam import files
+from madp.beam.batch_join import record_partition_of, split_rows, summary_value, user_partition_of
+from madp.beam.min_sep_sample import MinSepSample, histogram_arrays
+from madp.beam.pipeline import (
     NAMESPACE,
     count,
     keeping_input_errors,
@@ -36,7 +36,7 @@ from beam_pipelines.pipeline import (
     pipeline_options,
     run,
 )
-from beam_pipelines.record_chunks import ReadRecords
+from madp.beam.record_chunks import ReadRecords
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.errors import InputError

@@ -18,14 +18,14 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines.pipeline import (
+from madp.beam.pipeline import (
     Chunk,
     SelectionTable,
     keeping_input_errors,
     keeps_input_errors,
     merged_records,
 )
-from beam_pipelines.record_chunks import SplitByRecordPartition
+from madp.beam.record_chunks import SplitByRecordPartition
 from madp.core import records as rec
 from madp.core import sampling
 from madp.core.errors import InputError

@@ -17,8 +17,8 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines.batch_join import JoinedPartition, split_rows, summary_value, user_partition_of
-from beam_pipelines.pipeline import count
+from madp.beam.batch_join import JoinedPartition, split_rows, summary_value, user_partition_of
+from madp.beam.pipeline import count
 from madp.core import batch_files, sampling
 from madp.engines.batching import BatchOptions, writable_rows
 

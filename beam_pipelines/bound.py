@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.options.pipeline_options import StandardOptions
 
-from beam_pipelines import files
-from beam_pipelines.bound_contributions import BoundContributions
-from beam_pipelines.bound_rounds import round_stat
-from beam_pipelines.pipeline import (
+from madp.beam import files
+from madp.beam.bound_contributions import BoundContributions
+from madp.beam.bound_rounds import round_stat
+from madp.beam.pipeline import (
     NAMESPACE,
     keeping_input_errors,
     madp_options,
@@ -30,7 +30,7 @@ from beam_pipelines.pipeline import (
     pipeline_options,
     run,
 )
-from beam_pipelines.record_chunks import ReadRecords, RecordPartitions
+from madp.beam.record_chunks import ReadRecords, RecordPartitions
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.bounding import DONE, Capacities, Control

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from beam_pipelines import files
-from beam_pipelines.bound_rounds import NO_USERS, UserPartition, round_stat
-from beam_pipelines.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
-from beam_pipelines.record_chunks import RecordPartitions
+from madp.beam import files
+from madp.beam.bound_rounds import NO_USERS, UserPartition, round_stat
+from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
+from madp.beam.record_chunks import RecordPartitions
 from madp.core import records as rec
 from madp.core.bounding import Capacities, build_user_side, preference_keys
 from madp.core.graph_digest import graph_digest

@@ -11,7 +11,7 @@ It unrolls `rounds` iterations of Alg. 1 (a round, or a pass start with `--dupli
 undecided incidences left number at most `local_finish_incidences`, one worker finishes them with the
 local kernels. Should neither happen within the iterations, the selection made so far is written
 under `state_dir` through Beam's FileSystems and the Control says what is left (`next` is not
-"done"): `madp bound` (`beam_pipelines.bound`) then runs the pipeline again from there, with that
+"done"): `madp bound` (`madp.beam.bound`) then runs the pipeline again from there, with that
 Control and `resume_from` the last run's `state_dir`. The bound holds whatever happens: a record
 still undecided is not selected. Under `--on-invalid error`, a duplicated id or a row of
 `rejected_before` (rows dropped upstream, as in reading) stops the run before the first round.
@@ -26,10 +26,10 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from beam_pipelines import files
-from beam_pipelines.bound_build import BuildSides, state_path
-from beam_pipelines.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
-from beam_pipelines.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
+from madp.beam import files
+from madp.beam.bound_build import BuildSides, state_path
+from madp.beam.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
+from madp.beam.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
 from madp.core import storage
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError

@@ -24,7 +24,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from beam_pipelines.pipeline import by_kind, stat
+from madp.beam.pipeline import by_kind, stat
 from madp.core.bounding import (
     DONE,
     ROUND,

@@ -22,9 +22,9 @@ import typing
 import apache_beam as beam
 import numpy as np
 
-from beam_pipelines.batch_join import JoinSelection, NeighbourhoodHistogram
-from beam_pipelines.batch_sample import SampleBatches
-from beam_pipelines.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
+from madp.beam.batch_join import JoinSelection, NeighbourhoodHistogram
+from madp.beam.batch_sample import SampleBatches
+from madp.beam.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
 from madp.core import sampling
 from madp.core.graph_digest import GraphDigest
 from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph

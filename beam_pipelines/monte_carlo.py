@@ -1,6 +1,6 @@
 """Monte Carlo accounting on a Beam runner, for sample counts beyond one machine.
 
-Each wave of chunks of estimate-verify-release (`accounting.mc_delta.stream_chunks`) becomes one pipeline
+Each wave of chunks of estimate-verify-release (`madp.accounting.mc_delta.stream_chunks`) becomes one pipeline
 run: its seeded chunk tasks are the elements, spread over workers, each turned into its statistics
 (hockey-stick sums and betting steps); they come back to the driver through one small JSON file.
 Chunks are seeded by (seed, chunk) and the driver reads them in seed order, so every estimate and
@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-from beam_pipelines.pipeline import pipeline_options
+from madp.beam.pipeline import pipeline_options
 
 log = logging.getLogger("madp.accounting")
 
@@ -41,7 +41,7 @@ class ChunkResults(beam.PTransform):
 
 
 class BeamTaskMap:
-    """A `map` over chunk tasks that runs each call as one Beam pipeline (see `accounting.mc_delta.task_map`);
+    """A `map` over chunk tasks that runs each call as one Beam pipeline (see `madp.accounting.mc_delta.task_map`);
     results pass through --temp_location, or a local directory removed on exit."""
 
     def __init__(self, beam_args: list[str]):

@@ -27,7 +27,7 @@ from apache_beam.options.pipeline_options import (
     WorkerOptions,
 )
 
-from beam_pipelines import files
+from madp.beam import files
 from madp.core import records as rec
 from madp.core.errors import InputError
 from madp.core.records import RecordChunk
@@ -41,7 +41,7 @@ MIN_SPLIT_BYTES = 1024
 # Beam's DaskRunner, by the name a user gives it (Beam knows it by its class only), and madp's own,
 # which runs in its place (see beam_pipelines/dask_runner.py for what Beam's gets wrong).
 BEAM_DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
-MADP_DASK_RUNNER = "beam_pipelines.dask_runner.DaskRunner"
+MADP_DASK_RUNNER = "madp.beam.dask_runner.DaskRunner"
 
 # The element types where our transforms meet (a user's pipeline included), checked by Beam when the
 # graph is built (pipeline type checking, on unless --no_pipeline_type_check) and giving the
@@ -109,7 +109,7 @@ def _import_dask_runner() -> None:
     """Imports madp's Dask runner, and so Beam's Dask options (they exist once their module is
     imported); dask is an optional extra."""
     try:
-        import beam_pipelines.dask_runner  # noqa: F401
+        import madp.beam.dask_runner  # noqa: F401
     except ImportError as error:
         raise InputError(f"the Dask runner needs dask.distributed ({error}): pip install -e '.[runners]'") from error
 

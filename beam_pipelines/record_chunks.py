@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystem import BeamIOError, CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from beam_pipelines.pipeline import Chunk, keeping_input_errors, keeps_input_errors, madp_options, stat
+from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, madp_options, stat
 from madp.core import input_splits, record_reading
 from madp.core import records as rec
 from madp.core.errors import InputError

@@ -25,12 +25,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from accounting.calibrate import calibrate  # noqa: E402
-from accounting.evr import calibrate_minsep  # noqa: E402
-from accounting.mc_delta import estimate_delta, task_map  # noqa: E402
-from accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
-from accounting.monte_carlo import MinSepProcess, hockey_stick, log_likelihood_ratio, sample_log_ratios  # noqa: E402
-from accounting.strategies import sqrt_coefficients  # noqa: E402
+from madp.accounting.calibrate import calibrate  # noqa: E402
+from madp.accounting.evr import calibrate_minsep  # noqa: E402
+from madp.accounting.mc_delta import estimate_delta, task_map  # noqa: E402
+from madp.accounting.mechanisms import DpSgd, DpSgdUls  # noqa: E402
+from madp.accounting.monte_carlo import MinSepProcess, hockey_stick, log_likelihood_ratio, sample_log_ratios  # noqa: E402
+from madp.accounting.strategies import sqrt_coefficients  # noqa: E402
 
 SAMPLES = 8192
 PAIRS = 64 * 8192  # of the worker scaling run

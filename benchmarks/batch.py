@@ -61,7 +61,7 @@ def main() -> None:
 
     import logging
 
-    from beam_pipelines.batch import run_beam
+    from madp.beam.batch import run_beam
     from madp.engines import batch_local, batching
 
     logging.disable(logging.INFO)

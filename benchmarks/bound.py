@@ -63,7 +63,7 @@ def measure(mode: str, data: str, k: int, output: str) -> dict:
     if mode == "local":
         report = run_local(data, output, options)
     else:
-        from beam_pipelines.bound import run_beam
+        from madp.beam.bound import run_beam
 
         report = run_beam(data, output, options, ["--runner", "DirectRunner"])
     return {

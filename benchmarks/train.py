@@ -1,6 +1,6 @@
 """Training step benchmark: non-private vs DP-SGD vs DP-BandMF steps of the same model.
 
-The step functions of `tf_training.trainer` run on the same in-memory batches, after a warm-up
+The step functions of `madp.training.trainer` run on the same in-memory batches, after a warm-up
 that traces them; the best of --repeats timed blocks is reported, with the ratios. Inputs: the
 synthetic logistic-regression content (16 features) for `logreg`/`mlp`, synthetic emails
 (`madp generate --task text` documents) encoded as the trainer encodes them for `text-classifier`
@@ -36,14 +36,14 @@ def main() -> None:
 
     import numpy as np
 
-    from accounting.strategies import sqrt_coefficients
+    from madp.accounting.strategies import sqrt_coefficients
     from madp.core.randomness import SecretKey
-    from tf_training.clipping import ghost_clippable
-    from tf_training.options import TrainOptions
-    from tf_training.queries import BandMfQuery, DpSgdQuery
-    from tf_training.steps import NonPrivateStep, PrivateStep
-    from tf_training.tasks import ByteLmTask, TextClassifierTask
-    from tf_training.trainer import build_model, tf, tf_keras
+    from madp.training.clipping import ghost_clippable
+    from madp.training.options import TrainOptions
+    from madp.training.queries import BandMfQuery, DpSgdQuery
+    from madp.training.steps import NonPrivateStep, PrivateStep
+    from madp.training.tasks import ByteLmTask, TextClassifierTask
+    from madp.training.trainer import build_model, tf, tf_keras
 
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):

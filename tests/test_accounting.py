@@ -10,8 +10,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from accounting.calibrate import DISCRETIZATION, calibrate, epsilon
-from accounting.mechanisms import DpSgd, DpSgdUls
+from madp.accounting.calibrate import DISCRETIZATION, calibrate, epsilon
+from madp.accounting.mechanisms import DpSgd, DpSgdUls
 from madp.cli import main
 from madp.core.errors import InputError
 

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from accounting.auditing import epsilon_lower_bound, guess_plans, guesses, one_run_audit, p_value
 from madp import cli
+from madp.accounting.auditing import epsilon_lower_bound, guess_plans, guesses, one_run_audit, p_value
 from madp.core.errors import InputError
 
 pytestmark = [pytest.mark.tf]

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import reseal_selection, write_records
 
-from beam_pipelines.batch import run_beam
+from madp.beam.batch import run_beam
 from madp.core import sampling
 from madp.core.errors import InputError
 from madp.core.selection import BoundOptions

@@ -103,7 +103,7 @@ def test_a_user_partition_travels_packed_and_comes_back_the_same():
     incidence counts) gives back every array, with its dtype."""
     import dataclasses
 
-    from beam_pipelines.bound_rounds import UserPartition
+    from madp.beam.bound_rounds import UserPartition
 
     rng = np.random.default_rng(13)
     side = _side(rng, 30, 80, 200)

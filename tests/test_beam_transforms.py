@@ -17,13 +17,13 @@ from apache_beam.typehints.decorators import TypeCheckError
 from conftest import write_records
 from test_batching import rows_of
 
-from beam_pipelines import files
-from beam_pipelines.bound_build import BuildSides
-from beam_pipelines.bound_contributions import BoundContributions
-from beam_pipelines.bound_rounds import FirstSaturation, Iteration, Progress, round_stat
-from beam_pipelines.min_sep_sample import MinSepSample
-from beam_pipelines.pipeline import keeping_input_errors, pipeline_options, run
-from beam_pipelines.record_chunks import ReadRecords
+from madp.beam import files
+from madp.beam.bound_build import BuildSides
+from madp.beam.bound_contributions import BoundContributions
+from madp.beam.bound_rounds import FirstSaturation, Iteration, Progress, round_stat
+from madp.beam.min_sep_sample import MinSepSample
+from madp.beam.pipeline import keeping_input_errors, pipeline_options, run
+from madp.beam.record_chunks import ReadRecords
 from madp.core import record_reading
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
@@ -256,7 +256,7 @@ def test_a_tampered_partial_selection_stops_the_next_run(tmp_path):
     copies (which would give users capacity back), stop it."""
     import pyarrow.parquet as pq
 
-    from beam_pipelines.bound_build import _saved_selection, state_path
+    from madp.beam.bound_build import _saved_selection, state_path
 
     keys = np.array([3, 8, 9], np.int64)
     for copies, records, error in (
@@ -279,7 +279,7 @@ def test_rows_of_ones_own_are_bounded_and_batched_as_the_same_records_in_a_file(
     selection, rejects and batch rows as the in-memory engines give for those records in a file."""
     import pyarrow.parquet as pq
 
-    from beam_pipelines.record_chunks import RecordsFromRows
+    from madp.beam.record_chunks import RecordsFromRows
 
     rng = np.random.default_rng(21)
     rows = [

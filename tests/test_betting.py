@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.special import logsumexp
 
-from accounting.betting import BETS, log_wealth, log_wealth_steps, samples_to_reject_on_zeros
+from madp.accounting.betting import BETS, log_wealth, log_wealth_steps, samples_to_reject_on_zeros
 
 
 def first_rejection(terms: np.ndarray, bound: float, level: float, chunk: int) -> int | None:

@@ -18,7 +18,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
-from beam_pipelines.pipeline import MADP_DASK_RUNNER, pipeline_options, run
+from madp.beam.pipeline import MADP_DASK_RUNNER, pipeline_options, run
 
 pytestmark = [pytest.mark.beam, pytest.mark.runners]
 

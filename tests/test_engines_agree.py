@@ -8,7 +8,7 @@ import os
 import pytest
 from conftest import write_records
 
-from beam_pipelines.bound import run_beam
+from madp.beam.bound import run_beam
 from madp.core.records import Columns
 from madp.core.selection import BoundOptions
 from madp.core.verify import verify_bound

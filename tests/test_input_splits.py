@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_records
 
-from beam_pipelines.batch import run_beam as batch_beam
-from beam_pipelines.bound import run_beam as bound_beam
+from madp.beam.batch import run_beam as batch_beam
+from madp.beam.bound import run_beam as bound_beam
 from madp.core import input_splits, record_reading
 from madp.core.errors import InputError
 from madp.core.input_splits import count_rows, first_row, first_rows, jsonl_splits, parquet_splits, range_bytes
@@ -185,7 +185,7 @@ def test_a_row_spanning_many_ranges_is_read_about_twice_not_once_per_range():
 
 @pytest.mark.beam
 def test_a_file_that_changes_while_read_is_an_error(tmp_path):
-    from beam_pipelines import record_chunks
+    from madp.beam import record_chunks
 
     path = write_records(str(tmp_path / "r.jsonl"), [{"id": i, "users": [i]} for i in range(100)])
     (split, *_) = jsonl_splits(0, path, os.path.getsize(path), 1024)

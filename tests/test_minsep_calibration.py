@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-import accounting.evr as evr
-import accounting.mc_delta as mc_delta
-from accounting.calibrate import calibrate, epsilon
-from accounting.evr import RUNG_STEPS
-from accounting.mechanisms import DpSgdUls
-from accounting.monte_carlo import MinSepProcess
+import madp.accounting.evr as evr
+import madp.accounting.mc_delta as mc_delta
+from madp.accounting.calibrate import calibrate, epsilon
+from madp.accounting.evr import RUNG_STEPS
+from madp.accounting.mechanisms import DpSgdUls
+from madp.accounting.monte_carlo import MinSepProcess
 from madp.cli import main
 from madp.core.errors import InputError
 
@@ -125,7 +125,7 @@ def test_beam_runner_gives_the_local_estimate_and_stops_where_local_does():
         expected = mc_delta.estimate_delta(process, 0.9, 1.5, 20_000, (4,), local)
         verified = mc_delta.verify(process, 4.0, 1.5, 400_000, (5,), local, 1e-4, 1e-3)
     assert verified[0] and 8192 < verified[1] < 400_000, "the test needs several chunks, and stops before the budget"
-    from beam_pipelines.monte_carlo import BeamTaskMap
+    from madp.beam.monte_carlo import BeamTaskMap
 
     with mc_delta.task_map(1, functools.partial(BeamTaskMap, ["--runner", "DirectRunner"])) as beam:
         assert beam.wave > 1

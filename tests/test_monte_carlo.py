@@ -9,7 +9,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from accounting.monte_carlo import (
+from madp.accounting.monte_carlo import (
     MinSepProcess,
     hockey_stick,
     log_likelihood_ratio,

@@ -98,7 +98,7 @@ def test_default_batches_differ_per_run_and_a_seed_reproduces_them(bounded, tmp_
 
 def test_one_secret_key_gives_the_same_batches_on_both_engines_and_any_worker_count(bounded, tmp_path):
     """The driver draws the key once and hands it to the Beam workers with the pipeline."""
-    from beam_pipelines.batch import run_beam
+    from madp.beam.batch import run_beam
 
     directory, data = bounded
     selected = str(directory / "bounded")
@@ -136,9 +136,9 @@ def test_greedy_batches_say_they_need_no_secret(bounded, tmp_path):
 
 def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_path, caplog):
     pytest.importorskip("tensorflow")
-    from tf_training.batches import open_batches
-    from tf_training.options import TrainOptions
-    from tf_training.plan import privacy_plan
+    from madp.training.batches import open_batches
+    from madp.training.options import TrainOptions
+    from madp.training.plan import privacy_plan
 
     rows = [{"id": i, "users": [i % 200], "features": [0.1, 0.2], "label": i % 2} for i in range(1400)]
     data = write_records(str(tmp_path / "records.jsonl"), rows)
@@ -162,9 +162,9 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
 
 def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
     pytest.importorskip("tensorflow")
-    from tf_training.batches import open_batches
-    from tf_training.options import TrainOptions
-    from tf_training.plan import privacy_plan
+    from madp.training.batches import open_batches
+    from madp.training.options import TrainOptions
+    from madp.training.plan import privacy_plan
 
     directory, data = bounded
     selected = str(tmp_path / "bounded")
@@ -182,9 +182,9 @@ def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
 
 def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     pytest.importorskip("tensorflow")
-    from tf_training.batches import open_batches
-    from tf_training.options import TrainOptions
-    from tf_training.plan import privacy_plan
+    from madp.training.batches import open_batches
+    from madp.training.options import TrainOptions
+    from madp.training.plan import privacy_plan
 
     directory, data = bounded
     report = batch_local(
@@ -200,8 +200,8 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
         rho * (1 + np.exp(plan["epsilon"]))
     )
     assert 0 < plan["truncation_delta"] < 1e-5 and plan["delta"] == 1e-5
-    from accounting.calibrate import epsilon
-    from accounting.mechanisms import DpSgd
+    from madp.accounting.calibrate import epsilon
+    from madp.accounting.mechanisms import DpSgd
 
     mechanism = DpSgd(report["sampling_probability"], 40, 2)
     assert epsilon(mechanism, plan["noise_multiplier"], 1e-5 - plan["truncation_delta"]) <= 3.0
@@ -336,8 +336,8 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
 
 def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_path):
     pytest.importorskip("tensorflow")
-    from tf_training.options import TrainOptions
-    from tf_training.trainer import tf_keras, train
+    from madp.training.options import TrainOptions
+    from madp.training.trainer import tf_keras, train
 
     directory, data = bounded
     batch_local(

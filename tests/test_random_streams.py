@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accounting.random_streams import EDGES, standard_normals, uniforms
+from madp.accounting.random_streams import EDGES, standard_normals, uniforms
 
 DRAWS = 4_000_000
 

@@ -13,10 +13,10 @@ import apache_beam as beam
 import pytest
 import yaml
 
-from beam_pipelines.batch import BatchPipeline
-from beam_pipelines.bound import BoundPipeline
-from beam_pipelines.monte_carlo import ChunkResults
-from beam_pipelines.pipeline import pipeline_options
+from madp.beam.batch import BatchPipeline
+from madp.beam.bound import BoundPipeline
+from madp.beam.monte_carlo import ChunkResults
+from madp.beam.pipeline import pipeline_options
 from madp.cli import main, parser
 from madp.core.bounding import Control
 from madp.core.selection import BoundOptions

@@ -10,9 +10,9 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
-from accounting.calibrate import DISCRETIZATION, epsilon
-from accounting.mechanisms import BandMf
-from accounting.strategies import coefficients, optimized_coefficients, prefix_sum_mse, sqrt_coefficients
+from madp.accounting.calibrate import DISCRETIZATION, epsilon
+from madp.accounting.mechanisms import BandMf
+from madp.accounting.strategies import coefficients, optimized_coefficients, prefix_sum_mse, sqrt_coefficients
 from madp.cli import main
 from madp.core.errors import InputError
 
@@ -150,7 +150,7 @@ def test_cli_strategy_and_bandmf(capsys):
 
 
 def test_cyclic_poisson_bandmf():
-    from accounting.mechanisms import BandMfCyclic
+    from madp.accounting.mechanisms import BandMfCyclic
 
     # One subset and one band: DP-SGD with Poisson sampling.
     poisson = pld_privacy_accountant.PLDAccountant(value_discretization_interval=DISCRETIZATION)

@@ -25,13 +25,13 @@ from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
 from madp.tools.synthetic_text import personal_words  # noqa: E402
-from tf_training import text  # noqa: E402
-from tf_training.batches import open_batches  # noqa: E402
-from tf_training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
-from tf_training.data import step_batches  # noqa: E402
-from tf_training.options import TrainOptions  # noqa: E402
-from tf_training.queries import clip_and_sum  # noqa: E402
-from tf_training.trainer import tf, tf_keras, train  # noqa: E402
+from madp.training import text  # noqa: E402
+from madp.training.batches import open_batches  # noqa: E402
+from madp.training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
+from madp.training.data import step_batches  # noqa: E402
+from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.queries import clip_and_sum  # noqa: E402
+from madp.training.trainer import tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuati
     texts = [b"Hello, World!", "Grüße aus Köln".encode(), b"a b a b"]
     here = text.hashed_ngrams(texts, 1 << 20, 8)
     script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from tf_training import text; "
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from madp.training import text; "
         "print(json.dumps(text.hashed_ngrams([b'Hello, World!', 'Grüße aus Köln'.encode(), b'a b a b'], "
         "1 << 20, 8).tolist()))"
     )
@@ -182,7 +182,7 @@ def test_text_columns_round_trip_through_batch_files(text_batches):
                 assert (body.decode("utf-8"), label.decode("utf-8")) == by_id[int(record)]
                 seen.add(int(record))
     assert len(seen) > 1000 and sum("漢字" in by_id[i][0] for i in seen) > 100
-    from beam_pipelines.batch import run_beam
+    from madp.beam.batch import run_beam
 
     beam = str(directory / "beam-batches")
     options = BatchOptions(seed=0, steps=80, batch_size=256)
@@ -389,7 +389,7 @@ def test_example_text_jobs_are_valid_configs(name, tmp_path):
 
 
 def test_string_and_integer_labels_map_to_the_given_label_set():
-    from tf_training.tasks import TextClassifierTask
+    from madp.training.tasks import TextClassifierTask
 
     schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "int64", "shape": []}}}
     task = TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none"), schema, ["0", "1", "7"])

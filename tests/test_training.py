@@ -21,10 +21,10 @@ from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
-from tf_training.options import TrainOptions  # noqa: E402
-from tf_training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
-from tf_training.steps import PrivateStep  # noqa: E402
-from tf_training.trainer import build_model, tf, tf_keras, train  # noqa: E402
+from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
+from madp.training.steps import PrivateStep  # noqa: E402
+from madp.training.trainer import build_model, tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
@@ -324,7 +324,7 @@ def test_user_sampler_refuses_multi_user_records(pipeline_data):
 
 
 def test_shard_step_keeps_a_users_rows_on_one_replica_and_pads_with_zero_weight():
-    from tf_training.steps import shard_step
+    from madp.training.steps import shard_step
 
     rng = np.random.default_rng(8)
     x, y = rng.normal(size=(23, 3)).astype(np.float32), rng.random(23).astype(np.float32)
@@ -483,7 +483,7 @@ def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):
         np.array_equal(a, b)
         for a, b in zip(weights("plain", **private), weights("zero-none", zero_out=str(none), **private))
     )
-    from tf_training.trainer import build_model
+    from madp.training.trainer import build_model
 
     tf_keras.utils.set_random_seed(0)  # what train() does before building the model
     initial = build_model("logreg", 8)[0].get_weights()

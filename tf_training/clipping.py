@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
-from tf_training import load_tensorflow
-from tf_training.text import EmbeddingBag
+from madp.training import load_tensorflow
+from madp.training.text import EmbeddingBag
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

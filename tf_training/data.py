@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from madp.core.errors import InputError
-from tf_training import load_tensorflow
-from tf_training.batches import Batches
+from madp.training import load_tensorflow
+from madp.training.batches import Batches
 
 tf = load_tensorflow()
 

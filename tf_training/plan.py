@@ -15,18 +15,18 @@ from typing import Any
 import numpy as np
 from scipy.stats import binom
 
-from accounting.calibrate import calibrate, epsilon
-from accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
-from accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
-from accounting.monte_carlo import MinSepProcess
-from accounting.strategies import coefficients as strategy_coefficients
+from madp.accounting.calibrate import calibrate, epsilon
+from madp.accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
+from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
+from madp.accounting.monte_carlo import MinSepProcess
+from madp.accounting.strategies import coefficients as strategy_coefficients
 from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED
 from madp.core.selection import REPORT_FILE
-from tf_training.batches import Batches
-from tf_training.options import TrainOptions
+from madp.training.batches import Batches
+from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.train")
 

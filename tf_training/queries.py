@@ -17,7 +17,7 @@ import collections
 import numpy as np
 
 from madp.core.randomness import SecretKey
-from tf_training import load_tensorflow
+from madp.training import load_tensorflow
 
 tf = load_tensorflow()
 from tensorflow_privacy.privacy.dp_query import dp_query, gaussian_query  # noqa: E402

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from madp.core.errors import InputError
-from tf_training import load_tensorflow
-from tf_training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
-from tf_training.options import TrainOptions
-from tf_training.queries import clip_and_sum
+from madp.training import load_tensorflow
+from madp.training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
+from madp.training.options import TrainOptions
+from madp.training.queries import clip_and_sum
 
 tf = load_tensorflow()
 

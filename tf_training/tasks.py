@@ -17,10 +17,10 @@ import numpy as np
 
 from madp.core import storage
 from madp.core.errors import InputError
-from tf_training import load_tensorflow, text
-from tf_training.batches import Batches
-from tf_training.data import step_batches
-from tf_training.options import TrainOptions
+from madp.training import load_tensorflow, text
+from madp.training.batches import Batches
+from madp.training.data import step_batches
+from madp.training.options import TrainOptions
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

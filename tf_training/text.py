@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from tf_training import load_tensorflow
+from madp.training import load_tensorflow
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

@@ -21,14 +21,14 @@ from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.core.selection import REJECTED_DIR
-from tf_training import load_tensorflow
-from tf_training.batches import open_batches
-from tf_training.data import step_batches
-from tf_training.options import TrainOptions
-from tf_training.plan import composition, earlier_trainings, labels_read_from_data, plan_for, record_training
-from tf_training.queries import BandMfQuery, DpSgdQuery
-from tf_training.steps import NonPrivateStep, PrivateStep, distribute, distribution_strategy, shard_step
-from tf_training.tasks import TextClassifierTask, build_model, prepare_task
+from madp.training import load_tensorflow
+from madp.training.batches import open_batches
+from madp.training.data import step_batches
+from madp.training.options import TrainOptions
+from madp.training.plan import composition, earlier_trainings, labels_read_from_data, plan_for, record_training
+from madp.training.queries import BandMfQuery, DpSgdQuery
+from madp.training.steps import NonPrivateStep, PrivateStep, distribute, distribution_strategy, shard_step
+from madp.training.tasks import TextClassifierTask, build_model, prepare_task
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

@@ -114,7 +114,7 @@ def _require(args: argparse.Namespace, mechanism: str, *options: str) -> None:
 
 
 def _bands(args: argparse.Namespace) -> tuple[float, ...]:
-    from accounting.strategies import coefficients
+    from madp.accounting.strategies import coefficients
 
     if args.bands is None:
         raise InputError("--bands is required")
@@ -124,7 +124,7 @@ def _bands(args: argparse.Namespace) -> tuple[float, ...]:
 def _strategy(args: argparse.Namespace, unknown: list[str]) -> dict:
     import numpy as np
 
-    from accounting.strategies import prefix_sum_mse, sqrt_coefficients
+    from madp.accounting.strategies import prefix_sum_mse, sqrt_coefficients
 
     bands = np.array(_bands(args))
     return {
@@ -138,7 +138,7 @@ def _strategy(args: argparse.Namespace, unknown: list[str]) -> dict:
 
 
 def _mechanism(args: argparse.Namespace):
-    from accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls, Mechanism
+    from madp.accounting.mechanisms import BandMf, BandMfCyclic, DpSgd, DpSgdUls, Mechanism
 
     if args.mechanism == "bandmf-cyclic":
         _require(args, "bandmf-cyclic", "--sampling-prob", "--bands", "--min-sep")
@@ -187,7 +187,7 @@ def _probability(
     names: tuple[str, str, str],
 ) -> float:
     """A sampling probability given directly, or as an expected count out of a population."""
-    from accounting.mechanisms import sampling_probability
+    from madp.accounting.mechanisms import sampling_probability
 
     if probability is not None:
         return probability
@@ -200,8 +200,8 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
     import time
 
-    from accounting.evr import calibrate_minsep, epsilon_minsep
-    from accounting.monte_carlo import MinSepProcess
+    from madp.accounting.evr import calibrate_minsep, epsilon_minsep
+    from madp.accounting.monte_carlo import MinSepProcess
 
     _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
     started = time.perf_counter()
@@ -211,7 +211,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     local_takes_no_beam_options(args, beam_args)
     remote = None
     if args.runner != LOCAL:
-        from beam_pipelines.monte_carlo import BeamTaskMap
+        from madp.beam.monte_carlo import BeamTaskMap
 
         remote = functools.partial(BeamTaskMap, ["--runner", args.runner, *beam_args])
     if args.command == "calibrate":
@@ -245,7 +245,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
     import dataclasses
 
-    from accounting.calibrate import calibrate, epsilon
+    from madp.accounting.calibrate import calibrate, epsilon
 
     if args.mechanism == "bandmf-minsep":
         return _minsep(args, beam_args)

@@ -124,7 +124,7 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
         from madp.engines.batch_local import run_local
 
         return run_local(args.selected, args.data, args.output, options)
-    from beam_pipelines.batch import run_beam
+    from madp.beam.batch import run_beam
 
     return run_beam(args.selected, args.data, args.output, options, ["--runner", args.runner, *beam_args])
 

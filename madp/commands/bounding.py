@@ -101,7 +101,7 @@ def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
         from madp.engines.local_engine import run_local
 
         return run_local(args.input, args.output, options)
-    from beam_pipelines.bound import run_beam
+    from madp.beam.bound import run_beam
 
     return run_beam(args.input, args.output, options, ["--runner", args.runner, *beam_args])
 

@@ -129,7 +129,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def train_options(args: argparse.Namespace):
-    from tf_training.options import TrainOptions
+    from madp.training.options import TrainOptions
 
     return TrainOptions(
         epsilon=args.epsilon,
@@ -172,7 +172,7 @@ def train_options(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from tf_training.trainer import train
+    from madp.training.trainer import train
 
     return train(args.batches, args.output, train_options(args))
 
@@ -180,8 +180,8 @@ def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
 def calibrate_batches(args: argparse.Namespace) -> dict:
     """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
     from madp.core import storage
-    from tf_training.batches import open_batches
-    from tf_training.plan import epsilon_curve, privacy_plan
+    from madp.training.batches import open_batches
+    from madp.training.plan import epsilon_curve, privacy_plan
 
     plan = privacy_plan(open_batches(args.batches), train_options(args))
     plan["epsilon_curve"] = epsilon_curve(plan)

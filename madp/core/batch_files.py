@@ -129,7 +129,7 @@ def write_batch_file(
     """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
 
     The file's bytes go through `write_whole(path, write)`, whole or not at all: `storage.write_whole`
-    in the local engine, Beam's `FileSystems` (`beam_pipelines.files.write_whole`) in a Beam worker.
+    in the local engine, Beam's `FileSystems` (`madp.beam.files.write_whole`) in a Beam worker.
     Returns per-step real row counts and the written rows' (user, step) and record keys for stats.
     """
     keep = sampling.order_and_truncate(

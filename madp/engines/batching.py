@@ -1,6 +1,6 @@
 """Batch materialization shared by both engines: options, and the inputs (the selection joined with
 the records, content checks, the keys of units and users). The files are `batch_files`, the report
-`batch_report`, the in-memory engine `batch_local`, the Beam one `beam_pipelines.batch`.
+`batch_report`, the in-memory engine `batch_local`, the Beam one `madp.beam.batch`.
 
 Flow: selected ids + copies (a `madp bound` output) joined with the records (users, content) ->
 units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, pad -> TFRecords.

@@ -9,7 +9,7 @@ all canary records go through bounding and batching exactly as real records do, 
 gives the excluded canaries' rows weight 0 (`madp train --zero-out`). The audit then scores each
 canary by the trained model's loss on its records, guesses the lowest losses "included" and the
 highest "excluded", and turns the correct guesses into a lower bound on epsilon
-(`accounting.auditing`). A bound above the claimed epsilon refutes the claim: the audit fails.
+(`madp.accounting.auditing`). A bound above the claimed epsilon refutes the claim: the audit fails.
 
 Everything is written under `run_dir/audit/` (or `--output`): its own records, selection, batches
 and model. The job's own outputs are never touched.
@@ -25,7 +25,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from accounting.auditing import one_run_audit
+from madp.accounting.auditing import one_run_audit
 from madp.commands.registry import Parser
 from madp.commands.training import train_options
 from madp.core import storage
@@ -243,7 +243,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
 
 
 def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
-    from tf_training.trainer import load_trained
+    from madp.training.trainer import load_trained
 
     column = canaries.table.column(train_options.features)
     x = np.stack(column.to_numpy(zero_copy_only=False)).astype(np.float32)

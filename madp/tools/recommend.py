@@ -15,9 +15,9 @@ import logging
 import numpy as np
 import pyarrow.compute as pc
 
-from accounting.calibrate import calibrate
-from accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
-from accounting.strategies import coefficients as strategy_coefficients
+from madp.accounting.calibrate import calibrate
+from madp.accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
+from madp.accounting.strategies import coefficients as strategy_coefficients
 from madp.core import records as rec
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
