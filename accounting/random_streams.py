@@ -5,6 +5,10 @@ Tsang, "The ziggurat method for generating random variables", 2000).
 Keying every sample's streams by its number makes a sample's draws independent of which other samples
 or directions a call draws, and of how samples are split over workers. None of this randomness is
 secret: it only estimates a privacy loss distribution, and its seed is printed with the estimate.
+
+numba caches the compiled kernels beside this file (`cache=True`), keyed by its path and time stamp
+and holding the module's import name (`madp.accounting.random_streams`); a cache written under an
+earlier name is stale, so this note changed with the name, which made numba compile afresh.
 """
 
 from __future__ import annotations

@@ -151,10 +151,10 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     )
     batches = open_batches(str(tmp_path / "batches"))
     plan = privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5))
-    assert plan["contribution_bound"] == 7 and plan["parameters"]["max_contributions"] == 7
+    assert plan.contribution_bound == 7 and plan.parameters.max_contributions == 7
     with pytest.raises(InputError, match="--max-contributions 1 is below"):
         privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=1))
-    assert privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=9))["contribution_bound"] == 9
+    assert privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=9)).contribution_bound == 9
     with caplog.at_level("WARNING"):
         privacy_plan(batches, TrainOptions(epsilon=2.0, delta=0.01))
     assert "delta 0.01 exceeds 1/200 users" in caplog.text
@@ -171,7 +171,7 @@ def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
     bound_local(data, selected, BoundOptions(max_contributions=3))
     batch_local(selected, data, str(tmp_path / "batches"), BatchOptions(steps=20, batch_size=30, seed=1))
     batches = open_batches(str(tmp_path / "batches"))
-    assert privacy_plan(batches, TrainOptions(epsilon=4.0, bands=1))["contribution_bound"] == 3
+    assert privacy_plan(batches, TrainOptions(epsilon=4.0, bands=1)).contribution_bound == 3
     bound_local(data, selected, BoundOptions(max_contributions=1))  # the same SELECTED, now K = 1
     with pytest.raises(InputError, match="changed since"):
         privacy_plan(batches, TrainOptions(epsilon=4.0, bands=1))
@@ -196,15 +196,13 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     batches = open_batches(str(tmp_path / "batches"))
     plan = privacy_plan(batches, TrainOptions(epsilon=3.0, delta=1e-5))
     rho = 40 * binom.sf(100, report["units"], report["sampling_probability"])  # independent of the plan's code
-    assert plan["mechanism"] == "dpsgd" and plan["truncation_delta"] == pytest.approx(
-        rho * (1 + np.exp(plan["epsilon"]))
-    )
-    assert 0 < plan["truncation_delta"] < 1e-5 and plan["delta"] == 1e-5
+    assert plan.mechanism == "dpsgd" and plan.truncation_delta == pytest.approx(rho * (1 + np.exp(plan.epsilon)))
+    assert 0 < plan.truncation_delta < 1e-5 and plan.delta == 1e-5
     from madp.accounting.calibrate import epsilon
     from madp.accounting.mechanisms import DpSgd
 
     mechanism = DpSgd(report["sampling_probability"], 40, 2)
-    assert epsilon(mechanism, plan["noise_multiplier"], 1e-5 - plan["truncation_delta"]) <= 3.0
+    assert epsilon(mechanism, plan.noise_multiplier, 1e-5 - plan.truncation_delta) <= 3.0
     batch_local(
         str(directory / "bounded"),
         data,
@@ -216,7 +214,7 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     unamplified = privacy_plan(
         open_batches(str(tmp_path / "tight")), TrainOptions(epsilon=3.0, delta=1e-5, bands=1, mechanism="bandmf")
     )
-    assert unamplified["truncation_delta"] == 0 and unamplified["relies_on_secret_sampling"] is False
+    assert unamplified.truncation_delta == 0 and unamplified.relies_on_secret_sampling is False
 
 
 # --- the attacker who reads every published output ---------------------------------------------------

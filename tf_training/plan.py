@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -169,9 +170,9 @@ def _warn_override(options: TrainOptions, delivered: float, delta: float) -> Non
 
 def amplified_noise_multiplier(
     batches: Batches, options: TrainOptions, unamplified_: BandMf, truncation
-) -> tuple[float, float, float, dict]:
-    """(sigma, epsilon, delta, Monte Carlo details) for b-min-sep Poisson batches with amplification
-    (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
+) -> tuple[float, float, float, MinSepProcess, dict]:
+    """(sigma, epsilon, delta, the process accounted, Monte Carlo details) for b-min-sep Poisson batches with
+    amplification (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
     if batches.report["sampler"] != "minsep":
         raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
     process = MinSepProcess(
@@ -198,14 +199,13 @@ def amplified_noise_multiplier(
         )
         sigma, delivered = result.value, options.target_epsilon
     details = {
-        "process": dataclasses.asdict(process),
         "seed": options.mc_seed,
         **result.report(sigma_fixed=options.noise_multiplier is not None),
     }
     total = _with_truncation(options, delivered, details["delta"], truncation)
     if options.noise_multiplier is not None:
         _warn_override(options, delivered, total)
-    return sigma, delivered, total, details
+    return sigma, delivered, total, process, details
 
 
 # --- the plan -----------------------------------------------------------------------------------
@@ -217,12 +217,157 @@ RELATION = (
     "confidential in practice)"
 )
 AMPLIFIED = ("dpsgd", "dpsgd-uls", "bandmf-minsep")  # accounted with amplification by secret sampling
+NOT_PRIVATE = {"mechanism": "none", "private": False}  # privacy.json of a non-private training: it has no plan
+
+# The parameters' class of each mechanism a plan names; bandmf-minsep's are the Monte Carlo process.
+PARAMETERS: dict[str, Callable[..., Mechanism | MinSepProcess]] = {
+    "dpsgd": DpSgd,
+    "dpsgd-uls": DpSgdUls,
+    "bandmf": BandMf,
+    "bandmf-minsep": MinSepProcess,
+}
 
 
-def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
-    """Mechanism, sigma and the guarantee for training on `batches` with `options` (privacy.json)."""
+def to_json(value: Any) -> Any:
+    """A plan, or a part of it, as its JSON files hold it: dataclasses as objects in field order (a field
+    whose default is None left out while None), tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            field.name: to_json(getattr(value, field.name))
+            for field in dataclasses.fields(value)
+            if not (field.default is None and getattr(value, field.name) is None)
+        }
+    if isinstance(value, (list, tuple)):
+        return [to_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: to_json(item) for key, item in value.items()}
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountedBatches:
+    """Everything the accounting reads from a batch report; a plan applies to batches whose record equals
+    its own. It holds no digest of the batch files: the plan is published (privacy.json, calibration.json)
+    and a hash of the training content would hide that content only computationally. Batches that agree
+    here (a re-batching with a fresh key) are accounted identically, so the plan holds for them too."""
+
+    sampler: str  # how steps were drawn: minsep (Poisson), minsep-greedy or users
+    steps: int  # T, the training steps
+    units: int | None  # how many units (records, or users for --sampler users) a step samples from
+    sampling_probability: float | None  # p, the probability a step samples a unit (Poisson samplers)
+    sampling: str | None  # what the sampling rests on: a secret key, a fixed seed, or nothing (greedy)
+    k: int | None  # greedy: the participations of a record
+    parameters: dict[str, Any]  # `madp batch`'s parameters (min_sep, max_batch_size, ...) as its report has them
+    contribution_bound: int | None  # the bound's K or largest capacity, as `madp bound` reported it
+    max_user_contribution: int | None  # the most records one user has in the selection
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarantee:
+    """An (epsilon, delta) guarantee: the one of a single training, where privacy.json states a composition."""
+
+    epsilon: float
+    delta: float  # everything, the mechanism's delta and truncation's
+
+
+@dataclasses.dataclass(frozen=True)
+class Composition:
+    """The guarantee of a training and the earlier ones on the same batches, released together (`composition`)."""
+
+    trainings: int  # this one and the earlier ones
+    outputs: tuple[str | None, ...]  # the earlier trainings' output directories, oldest first
+    equivalent_noise_multiplier: float  # (sum of sigma_i^-2)^(-1/2): one training at it dominates them all
+    epsilon: float  # the composed epsilon, PLD accounting at that sigma
+    delta: float  # the mechanism's delta plus that of truncation (one event, shared by all), at that epsilon
+    accountant: str  # "PLD", or "unamplified fallback (PLD)" for a Monte Carlo plan
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyPlan:
+    """The mechanism, sigma and guarantee of a private training: calibration.json, privacy.json (where the
+    trainer adds the noise, whether the model is private, and any composition) and the trainings ledger.
+    Its JSON (`to_json`) is what users and independent verifiers read: field names and order are that
+    file's keys, the fields defaulting to None appear only where set. A non-private training has no plan
+    (privacy.json is NOT_PRIVATE)."""
+
+    mechanism: str  # dpsgd, dpsgd-uls, bandmf, or bandmf-minsep (BandMF amplified, Monte Carlo accounted)
+    parameters: Mechanism | MinSepProcess  # what the accountant accounts: the mechanism, or the Monte Carlo process
+    noise_multiplier: float  # sigma: the noise's standard deviation in units of the clip norm
+    epsilon: float  # the guarantee's epsilon (after a composition, the composed one)
+    target_epsilon: float | None  # --epsilon (None where --noise-multiplier fixed sigma)
+    delta: float  # the guarantee's whole delta: the mechanism's plus truncation_delta (or the composed one)
+    target_delta: float  # --delta, what was asked for
+    truncation_delta: float  # the delta truncation to --max-batch-size adds at `epsilon` (0 without it)
+    privacy_unit: str  # what one neighbour differs in: a user (PRIVACY_UNIT)
+    neighbouring_relation: str  # how the neighbouring dataset is made (RELATION)
+    assumptions: tuple[str, ...]  # what the guarantee rests on, as sentences
+    sampling: str  # what the batches' sampling rests on: a secret key, a fixed seed, or nothing (greedy)
+    relies_on_secret_sampling: bool  # accounted with amplification: the sampling must stay secret
+    steps: int  # T, the training steps
+    clip_norm: float  # C, the clip norm of a gradient (per record, or per user with --sampler users)
+    expected_batch_size: float  # what the noisy sum of a step is divided by
+    bands: tuple[float, ...]  # BandMF's bands of C ((1.0,) for DP-SGD's noise)
+    strategy: str  # how the bands were chosen: sqrt or optimized
+    noise_stddev_of_mean_gradient: float  # sigma * clip norm / expected batch size
+    contribution_bound: int | None  # k: records (copies) per user the accountant assumes (None: user-level)
+    min_sep: int  # b: steps between a user's participations
+    sampler: str  # minsep, minsep-greedy or users
+    accounted_batches: AccountedBatches  # the batches this plan applies to
+    accountant: str  # "PLD (dp_accounting)", or Monte Carlo with estimate-verify-release
+    monte_carlo: dict[str, Any] | None = None  # bandmf-minsep: the estimate-verify-release record (evr's report)
+    epsilon_curve: tuple[tuple[float, float], ...] | None = None  # calibration.json: (sigma, epsilon at target delta)
+    calibration: str | None = None  # the calibration.json trained with (--calibration)
+    noise: str | None = None  # privacy.json: where the noise came from (a fresh key, --noise-seed, or scaled)
+    private: bool | None = None  # privacy.json: whether the model holds the guarantee (fresh noise and sampling)
+    single_training: Guarantee | None = None  # privacy.json, after a composition: this training's own guarantee
+    composition: Composition | None = None  # privacy.json: the composition of this and earlier trainings
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as its files hold it, ready for json.dumps."""
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PrivacyPlan:
+        """The plan `to_json` gave (a privacy.json or calibration.json read back); ValueError if it is none."""
+        try:
+            curve, single, composed = data.get("epsilon_curve"), data.get("single_training"), data.get("composition")
+            return cls(
+                **{
+                    **data,
+                    "parameters": PARAMETERS[data["mechanism"]](
+                        **{k: tuple(v) if isinstance(v, list) else v for k, v in data["parameters"].items()}
+                    ),
+                    "assumptions": tuple(data["assumptions"]),
+                    "bands": tuple(data["bands"]),
+                    "accounted_batches": AccountedBatches(**data["accounted_batches"]),
+                    "epsilon_curve": None if curve is None else tuple((s, e) for s, e in curve),
+                    "single_training": None if single is None else Guarantee(**single),
+                    "composition": None
+                    if composed is None
+                    else Composition(**{**composed, "outputs": tuple(composed["outputs"])}),
+                }
+            )
+        except (KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"not a privacy plan madp wrote ({type(error).__name__}: {error})") from None
+
+    @property
+    def formal_mechanism(self) -> Mechanism:
+        """The mechanism for PLD accounting; a Monte Carlo plan's unamplified fallback, its formal bound."""
+        if isinstance(self.parameters, MinSepProcess):
+            return unamplified(self.parameters)
+        return self.parameters
+
+
+def stated_plan(data: dict[str, Any]) -> PrivacyPlan | None:
+    """The plan a privacy.json or calibration.json states; None for a non-private training's (no plan)."""
+    return None if data.get("mechanism") == NOT_PRIVATE["mechanism"] else PrivacyPlan.from_json(data)
+
+
+def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
+    """Mechanism, sigma and the guarantee for training on `batches` with `options` (privacy.json); None
+    for a non-private training."""
     if options.mechanism == "none":
-        return {"mechanism": "none", "private": False}
+        return None
     warn_delta(options.delta, batches)
     report = batches.report
     user_level = report["sampler"] == "users"
@@ -234,63 +379,60 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> dict:
     name = "bandmf-minsep" if options.amplified else mechanism.name
     amplified = name in AMPLIFIED
     truncation = (lambda eps: truncation_delta(batches, eps)) if amplified else (lambda eps: 0.0)
+    parameters: Mechanism | MinSepProcess = mechanism
     monte_carlo = None
     if options.amplified:
         assert isinstance(mechanism, BandMf)  # refused above otherwise
-        sigma, delivered, delta, monte_carlo = amplified_noise_multiplier(batches, options, mechanism, truncation)
+        sigma, delivered, delta, parameters, monte_carlo = amplified_noise_multiplier(
+            batches, options, mechanism, truncation
+        )
     else:
         sigma, delivered, delta = noise_multiplier_for(mechanism, options, truncation)
-    sampling = report.get("sampling", FIXED_SEED)  # batches from before secret keys used a fixed seed
-    plan = {
-        "mechanism": name,
-        "parameters": dataclasses.asdict(mechanism),
-        "noise_multiplier": sigma,
-        "epsilon": delivered,
-        "target_epsilon": options.epsilon,
-        "delta": delta,
-        "target_delta": options.delta,
-        "truncation_delta": truncation(delivered),
-        "privacy_unit": PRIVACY_UNIT,
-        "neighbouring_relation": RELATION,
-        "assumptions": assumptions(report, name, k),
-        "sampling": sampling,
-        "relies_on_secret_sampling": amplified,
-        "steps": batches.steps,
-        "clip_norm": options.clip_norm,
-        "expected_batch_size": batches.expected_batch_size,
-        "bands": list(bands),
-        "strategy": options.strategy,
-        "noise_stddev_of_mean_gradient": sigma * options.clip_norm / batches.expected_batch_size,
-        "contribution_bound": k,
-        "min_sep": int(report["parameters"]["min_sep"]),
-        "sampler": report["sampler"],
-        "accounted_batches": accounted_batches(report),
-        "accountant": "Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)"
+    return PrivacyPlan(
+        mechanism=name,
+        parameters=parameters,
+        noise_multiplier=sigma,
+        epsilon=delivered,
+        target_epsilon=options.epsilon,
+        delta=delta,
+        target_delta=options.delta,
+        truncation_delta=truncation(delivered),
+        privacy_unit=PRIVACY_UNIT,
+        neighbouring_relation=RELATION,
+        assumptions=tuple(assumptions(report, name, k)),
+        sampling=report.get("sampling", FIXED_SEED),  # batches from before secret keys used a fixed seed
+        relies_on_secret_sampling=amplified,
+        steps=batches.steps,
+        clip_norm=options.clip_norm,
+        expected_batch_size=batches.expected_batch_size,
+        bands=bands,
+        strategy=options.strategy,
+        noise_stddev_of_mean_gradient=sigma * options.clip_norm / batches.expected_batch_size,
+        contribution_bound=k,
+        min_sep=int(report["parameters"]["min_sep"]),
+        sampler=report["sampler"],
+        accounted_batches=accounted_batches(report),
+        accountant="Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)"
         if monte_carlo
         else "PLD (dp_accounting)",
-    }
-    if monte_carlo:
-        plan.update(parameters=monte_carlo.pop("process"), monte_carlo=monte_carlo)
-    return plan
+        monte_carlo=monte_carlo,
+    )
 
 
-def accounted_batches(report: dict) -> dict:
-    """Everything the accounting reads from a batch report; a plan applies to batches whose record equals
-    its own. It holds no digest of the batch files: the plan is published (privacy.json, calibration.json)
-    and a hash of the training content would hide that content only computationally. Batches that agree
-    here (a re-batching with a fresh key) are accounted identically, so the plan holds for them too."""
+def accounted_batches(report: dict) -> AccountedBatches:
+    """What the accounting reads from a batch `report` (`AccountedBatches`)."""
     bound = report.get("bound") or {}
-    return {
-        "sampler": report["sampler"],
-        "steps": report["steps"],
-        "units": report.get("units"),
-        "sampling_probability": report.get("sampling_probability"),
-        "sampling": report.get("sampling"),
-        "k": report.get("k"),
-        "parameters": report["parameters"],
-        "contribution_bound": bound.get("contribution_bound"),
-        "max_user_contribution": bound.get("max_user_contribution"),
-    }
+    return AccountedBatches(
+        sampler=report["sampler"],
+        steps=report["steps"],
+        units=report.get("units"),
+        sampling_probability=report.get("sampling_probability"),
+        sampling=report.get("sampling"),
+        k=report.get("k"),
+        parameters=report["parameters"],
+        contribution_bound=bound.get("contribution_bound"),
+        max_user_contribution=bound.get("max_user_contribution"),
+    )
 
 
 def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
@@ -347,40 +489,35 @@ def labels_read_from_data(labels: list[str]) -> str:
     )
 
 
-def _formal_mechanism(plan: dict) -> Mechanism:
-    """The plan's mechanism for PLD accounting; a Monte Carlo plan's unamplified fallback, its formal bound."""
-    parameters: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in plan["parameters"].items()}
-    if plan["mechanism"] == "bandmf-minsep":
-        return unamplified(MinSepProcess(**parameters))
-    return {"dpsgd": DpSgd, "dpsgd-uls": DpSgdUls, "bandmf": BandMf}[plan["mechanism"]](**parameters)
-
-
-def epsilon_curve(plan: dict, points: int = 9) -> list[list[float]]:
-    """[sigma, epsilon at the plan's delta] from sigma/2 to 2 sigma, for the report (PLD on a 10x coarser grid,
+def epsilon_curve(plan: PrivacyPlan, points: int = 9) -> tuple[tuple[float, float], ...]:
+    """(sigma, epsilon at the plan's delta) from sigma/2 to 2 sigma, for the report (PLD on a 10x coarser grid,
     still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""
-    if plan["mechanism"] == "none":
-        return []
-    mechanism = _formal_mechanism(plan)
-    sigmas = plan["noise_multiplier"] * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
-    return [[float(s), epsilon(mechanism, float(s), plan["target_delta"], discretization=1e-2)] for s in sigmas]
+    mechanism = plan.formal_mechanism
+    sigmas = plan.noise_multiplier * 2.0 ** ((np.arange(points) - points // 2) / (points // 2))
+    return tuple((float(s), epsilon(mechanism, float(s), plan.target_delta, discretization=1e-2)) for s in sigmas)
 
 
-def plan_for(batches: Batches, options: TrainOptions) -> dict:
+def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     """The plan of `options.calibration` (checked against the batches and the clip norm), else a new one."""
     if options.calibration is None:
         return privacy_plan(batches, options)
-    plan = json.loads(storage.read_text(options.calibration))
-    if plan.get("accounted_batches") != accounted_batches(batches.report):
+    stated = json.loads(storage.read_text(options.calibration))
+    # Compared as JSON before it is read as a plan: a file of another shape is for other batches too.
+    if stated.get("accounted_batches") != to_json(accounted_batches(batches.report)):
         raise InputError(
             f"--calibration {options.calibration} accounts for other batches than {batches.directory} "
             f"(their sampler, steps, sampling probability, units, parameters or bound differ): calibrate again"
         )
-    if plan["clip_norm"] != options.clip_norm:
+    try:
+        plan = PrivacyPlan.from_json(stated)
+    except ValueError as error:
+        raise InputError(f"--calibration {options.calibration}: {error}") from None
+    if plan.clip_norm != options.clip_norm:
         raise InputError(
-            f"--calibration {options.calibration} is for clip norm {plan['clip_norm']}, "
+            f"--calibration {options.calibration} is for clip norm {plan.clip_norm}, "
             f"not --clip-norm {options.clip_norm}"
         )
-    return {**plan, "calibration": options.calibration}
+    return dataclasses.replace(plan, calibration=options.calibration)
 
 
 # --- trainings on one batch output ---------------------------------------------------------------
@@ -400,36 +537,42 @@ def earlier_trainings(batches_dir: str) -> list[dict]:
     return trainings
 
 
-def record_training(batches_dir: str, output: str, plan: dict) -> None:
+def record_training(batches_dir: str, output: str, plan: PrivacyPlan) -> None:
     """Append a finished private training to the batch output's ledger of trainings."""
-    entry = {key: plan.get(key) for key in ("mechanism", "parameters", "noise_multiplier", "epsilon", "delta")}
-    lines = [json.dumps(t) for t in earlier_trainings(batches_dir)] + [json.dumps({"output": output, **entry})]
+    entry = {
+        "output": output,
+        "mechanism": plan.mechanism,
+        "parameters": to_json(plan.parameters),
+        "noise_multiplier": plan.noise_multiplier,
+        "epsilon": plan.epsilon,
+        "delta": plan.delta,
+    }
+    lines = [json.dumps(t) for t in earlier_trainings(batches_dir)] + [json.dumps(entry)]
     storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "\n".join(lines) + "\n")
 
 
-def composition(plan: dict, earlier: list[dict]) -> dict:
-    """The guarantee of this training and the `earlier` ones on the same batches, released together.
+def composition(plan: PrivacyPlan, earlier: list[dict]) -> Composition | None:
+    """The guarantee of this training and the `earlier` ones (ledger entries) on the same batches, released
+    together.
 
     They share the batches, hence the sampling: n Gaussian releases of one sampled batch with noise
     multipliers sigma_i are n stacked queries of sensitivity 1 each, i.e. one query of sensitivity
     sqrt(n)-equivalent, dominated by the same mechanism at sigma = (sum sigma_i^-2)^(-1/2). With
     amplification this is far worse than twice epsilon (the same secret sampling is used again), which
     is why independent batches are the better way to train twice. Trainings of another mechanism or
-    parameters have no such closed form: no figure is given for them."""
-    runs = [*earlier, plan]
-    same = all(t["mechanism"] == plan["mechanism"] and t["parameters"] == plan["parameters"] for t in earlier)
-    result: dict[str, Any] = {"trainings": len(runs), "outputs": [t.get("output") for t in earlier]}
-    if not same:
-        return {**result, "epsilon": None, "note": "other mechanisms or parameters: no composed figure"}
-    sigma = sum(t["noise_multiplier"] ** -2 for t in runs) ** -0.5
-    mechanism_delta = plan["delta"] - plan["truncation_delta"]
-    composed = epsilon(_formal_mechanism(plan), sigma, mechanism_delta)
-    rho = plan["truncation_delta"] / (1 + math.exp(plan["epsilon"]))  # one truncation event, shared by all runs
-    accountant = "unamplified fallback (PLD)" if plan["mechanism"] == "bandmf-minsep" else "PLD"
-    return {
-        **result,
-        "equivalent_noise_multiplier": sigma,
-        "epsilon": composed,
-        "delta": mechanism_delta + rho * (1 + math.exp(composed)),
-        "accountant": accountant,
-    }
+    parameters have no such closed form: None for them."""
+    parameters = to_json(plan.parameters)  # as the ledger holds them
+    if not all(t["mechanism"] == plan.mechanism and t["parameters"] == parameters for t in earlier):
+        return None
+    sigma = sum([*(t["noise_multiplier"] ** -2 for t in earlier), plan.noise_multiplier**-2]) ** -0.5
+    mechanism_delta = plan.delta - plan.truncation_delta
+    composed = epsilon(plan.formal_mechanism, sigma, mechanism_delta)
+    rho = plan.truncation_delta / (1 + math.exp(plan.epsilon))  # one truncation event, shared by all runs
+    return Composition(
+        trainings=len(earlier) + 1,
+        outputs=tuple(t.get("output") for t in earlier),
+        equivalent_noise_multiplier=sigma,
+        epsilon=composed,
+        delta=mechanism_delta + rho * (1 + math.exp(composed)),
+        accountant="unamplified fallback (PLD)" if plan.mechanism == "bandmf-minsep" else "PLD",
+    )

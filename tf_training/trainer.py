@@ -9,6 +9,7 @@ guarantee describes the data it was trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,7 +26,16 @@ from madp.training import load_tensorflow
 from madp.training.batches import open_batches
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions
-from madp.training.plan import composition, earlier_trainings, labels_read_from_data, plan_for, record_training
+from madp.training.plan import (
+    NOT_PRIVATE,
+    Guarantee,
+    PrivacyPlan,
+    composition,
+    earlier_trainings,
+    labels_read_from_data,
+    plan_for,
+    record_training,
+)
 from madp.training.queries import BandMfQuery, DpSgdQuery
 from madp.training.steps import NonPrivateStep, PrivateStep, distribute, distribution_strategy, shard_step
 from madp.training.tasks import TextClassifierTask, build_model, prepare_task
@@ -62,37 +72,38 @@ def load_trained(output: str, options: TrainOptions, input_dim: int):
 # --- the run ------------------------------------------------------------------------------------
 
 
-def _composed(batches_dir: str, privacy: dict, options: TrainOptions) -> dict:
+def _composed(batches_dir: str, privacy: PrivacyPlan, options: TrainOptions) -> PrivacyPlan:
     """The plan of a private training on batches that earlier private trainings used: refused where the
     guarantee relies on the secret sampling (re-using it leaks far more than twice epsilon) unless
     --retrain, and in any case released with the composition of all of them as its (epsilon, delta)
     (the single training's figures kept under `single_training`): whoever publishes this model next to
     the earlier ones gets no more than that. Without a composed figure (other mechanisms) it is refused."""
-    earlier = earlier_trainings(batches_dir) if privacy["private"] else []
+    earlier = earlier_trainings(batches_dir) if privacy.private else []
     if not earlier:
         return privacy
     composed = composition(privacy, earlier)
-    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({', '.join(composed['outputs'])})"
-    if composed["epsilon"] is None:
+    outputs = ", ".join(t["output"] for t in earlier)
+    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({outputs})"
+    if composed is None:
         raise InputError(
             f"{said} with another mechanism or parameters, and madp has no composed figure for them: batch "
             f"again (a fresh key) for this training"
         )
-    figure = f"together they are ({composed['epsilon']:.4g}, {composed['delta']:.3g})-DP"
-    if privacy["relies_on_secret_sampling"] and not options.retrain:
+    figure = f"together they are ({composed.epsilon:.4g}, {composed.delta:.3g})-DP"
+    if privacy.relies_on_secret_sampling and not options.retrain:
         raise InputError(
             f"{said}: {figure}. Each relies on the secret sampling, and training again on the same batches "
             f"re-uses it: batch again (a fresh key) for a new training, or pass --retrain to accept the "
             f"composed guarantee"
         )
     log.warning("%s: %s; privacy.json states that composed guarantee", said, figure)
-    return {
-        **privacy,
-        "epsilon": composed["epsilon"],
-        "delta": composed["delta"],
-        "single_training": {"epsilon": privacy["epsilon"], "delta": privacy["delta"]},
-        "composition": composed,
-    }
+    return dataclasses.replace(
+        privacy,
+        epsilon=composed.epsilon,
+        delta=composed.delta,
+        single_training=Guarantee(privacy.epsilon, privacy.delta),
+        composition=composed,
+    )
 
 
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
@@ -121,35 +132,33 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             else tf_keras.optimizers.Adam(options.learning_rate)
         )
     user_level = batches.report["sampler"] == "users"
-    privacy = plan_for(batches, options)
-    if isinstance(task, TextClassifierTask) and not options.labels and privacy["mechanism"] != "none":
-        if privacy["relies_on_secret_sampling"]:  # a label only unsampled records hold would be missing
+    privacy = plan_for(batches, options)  # None: a non-private training
+    if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
+        if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
             raise InputError(
-                f"{privacy['mechanism']} relies on the secret sampling, and a label set read from the sampled "
+                f"{privacy.mechanism} relies on the secret sampling, and a label set read from the sampled "
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
-        privacy = {**privacy, "assumptions": [*privacy["assumptions"], labels_read_from_data(task.labels)]}
+        privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
     step: NonPrivateStep | PrivateStep
-    if privacy["mechanism"] == "none":
+    if privacy is None:
         step = NonPrivateStep(model, loss_fn, optimizer, strategy)
     else:
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        sigma = privacy["noise_multiplier"]
+        sigma = privacy.noise_multiplier
         # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
         noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
         broken = options.testing_noise_scale != 1.0
-        privacy = {
-            **privacy,
-            "noise": noise_key.status
+        privacy = dataclasses.replace(
+            privacy,
+            noise=noise_key.status
             if not broken
             else f"scaled by {options.testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
-            "private": noise_key.seed is None
+            private=noise_key.seed is None
             and not broken
-            and (
-                privacy.get("sampling", FIXED_SEED) != FIXED_SEED or not privacy.get("relies_on_secret_sampling", True)
-            ),
-        }
-        if not privacy["private"]:
+            and (privacy.sampling != FIXED_SEED or not privacy.relies_on_secret_sampling),
+        )
+        if not privacy.private:
             log.warning(
                 "this model is NOT private: %s",
                 "the noise comes from --noise-seed"
@@ -162,8 +171,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         noise = sigma * options.testing_noise_scale  # the claim stays at sigma
         query = (
             DpSgdQuery(options.clip_norm, noise, noise_key)
-            if privacy["mechanism"] in ("dpsgd", "dpsgd-uls")
-            else BandMfQuery(options.clip_norm, noise, noise_key, privacy["bands"], template)
+            if privacy.mechanism in ("dpsgd", "dpsgd-uls")
+            else BandMfQuery(options.clip_norm, noise, noise_key, privacy.bands, template)
         )
         step = PrivateStep(
             model, loss_fn, optimizer, query, batches.expected_batch_size, user_level=user_level, strategy=strategy
@@ -200,7 +209,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 for name in ("loss", task.headline):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
-        if quality and privacy["mechanism"] == "none":  # no guarantee covers these figures: the line says so
+        if quality and privacy is None:  # no guarantee covers these figures: the line says so
             quality += " (non-private: internal)"
         progress.update(done, quality)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
@@ -219,13 +228,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
         "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2),
-        "privacy": privacy,
+        "privacy": dict(NOT_PRIVATE) if privacy is None else privacy.to_json(),
     }
     storage.write_text(
         storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
     )
-    storage.write_text(storage.join(output, "privacy.json"), json.dumps(privacy, indent=2, default=list))
-    if privacy.get("private"):
+    storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
+    if privacy is not None and privacy.private:
         record_training(batches_dir, output, privacy)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())

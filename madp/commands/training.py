@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from madp.commands.registry import Family
@@ -181,12 +182,16 @@ def calibrate_batches(args: argparse.Namespace) -> dict:
     """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
     from madp.core import storage
     from madp.training.batches import open_batches
-    from madp.training.plan import epsilon_curve, privacy_plan
+    from madp.training.plan import NOT_PRIVATE, epsilon_curve, privacy_plan
 
     plan = privacy_plan(open_batches(args.batches), train_options(args))
-    plan["epsilon_curve"] = epsilon_curve(plan)
-    storage.write_text(args.output, json.dumps(plan, indent=2))
-    return plan
+    stated = (
+        {**NOT_PRIVATE, "epsilon_curve": []}  # no plan: no curve either
+        if plan is None
+        else dataclasses.replace(plan, epsilon_curve=epsilon_curve(plan)).to_json()
+    )
+    storage.write_text(args.output, json.dumps(stated, indent=2))
+    return stated
 
 
 FAMILY = Family(add_parsers, {"train": _train}, {"train": train_options})

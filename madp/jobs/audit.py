@@ -35,6 +35,7 @@ from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files
 from madp.jobs import run, run_plan
 from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
+from madp.training.plan import PrivacyPlan, stated_plan
 
 log = logging.getLogger("madp.audit")
 AUDIT_FILE = "audit.json"
@@ -235,11 +236,11 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     model_dir = path("baseline" if options.non_private else "train")
     args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
     scores = canary_scores(_losses(model_dir, train_options(args), canaries), canaries)
-    privacy = json.loads(storage.read_text(storage.join(model_dir, "privacy.json")))
+    plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
-    delta = float(privacy.get("delta") or config["calibrate"].get("delta", 1e-5))
+    delta = float(plan.delta if plan else config["calibrate"].get("delta", 1e-5))
     result = one_run_audit(scores, canaries.included, delta, options.confidence)
-    return _write(directory, config_path, options, key, canaries, scores, result, privacy)
+    return _write(directory, config_path, options, key, canaries, scores, result, plan)
 
 
 def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
@@ -260,9 +261,9 @@ def _write(
     canaries: Canaries,
     scores: np.ndarray,
     result,
-    privacy: dict,
+    plan: PrivacyPlan | None,
 ) -> dict:
-    claimed = None if privacy.get("mechanism") == "none" else privacy.get("epsilon")
+    claimed = plan.epsilon if plan else None
     refuted = claimed is not None and result.epsilon_lower_bound > claimed
     if claimed is not None and claimed >= result.measurable:
         log.warning(
@@ -286,13 +287,13 @@ def _write(
         "largest_measurable_epsilon": round(result.measurable, 4),
         "delta": result.delta,
         "claimed_epsilon": claimed,
-        "mechanism": privacy.get("mechanism"),
-        "noise_multiplier": privacy.get("noise_multiplier"),
-        "noise": privacy.get("noise"),
+        "mechanism": plan.mechanism if plan else "none",
+        "noise_multiplier": plan.noise_multiplier if plan else None,
+        "noise": plan.noise if plan else None,
         "non_private": options.non_private,
         "testing_noise_scale": options.testing_noise_scale,
         "can_refute_claim": claimed is not None and claimed < result.measurable,
-        "audit_model_private": bool(privacy.get("private")),
+        "audit_model_private": bool(plan and plan.private),
         "inclusion": key.status,
         "candidates": list(result.candidates),
         "ok": not refuted,

@@ -21,6 +21,7 @@ from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, shows_sampling
+from madp.training.plan import stated_plan
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
@@ -155,20 +156,16 @@ def _results(run_dir: str) -> dict:
         results["batch"] = {"sampling_probability": batches.get("sampling_probability")}
         if shows_sampling({"batches": batches, "privacy": privacy}):  # else the realized sizes stay internal
             results["batch"]["mean_batch_size"] = batches["batch_sizes"]["mean"]
-    if privacy and privacy.get("mechanism") != "none":
+    plan = stated_plan(privacy) if privacy else None
+    if plan is not None:
         results["privacy"] = {
-            key: privacy.get(key)
-            for key in (
-                "mechanism",
-                "noise_multiplier",
-                "epsilon",
-                "delta",
-                "contribution_bound",
-                "sampling",
-                "noise",
-                "private",
-            )
-            if key in privacy
+            "mechanism": plan.mechanism,
+            "noise_multiplier": plan.noise_multiplier,
+            "epsilon": plan.epsilon,
+            "delta": plan.delta,
+            "contribution_bound": plan.contribution_bound,
+            "sampling": plan.sampling,
+            **({} if plan.noise is None else {"noise": plan.noise, "private": plan.private}),  # a trained model's
         }
     final = (train or {}).get("final")
     if final:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
+from madp.training.plan import PrivacyPlan, stated_plan
 
 SOURCES = {
     "bound": "bound/report.json",
@@ -60,12 +61,29 @@ def _counts(histogram: dict[str, int]) -> tuple[list[int], list[int]]:
     return [v for v, _ in pairs], [c for _, c in pairs]
 
 
+def _plan(reports: Mapping[str, dict | None], name: str) -> PrivacyPlan | None:
+    """The plan of reports[name] (privacy or calibration); None without that report, or for a non-private
+    training."""
+    stated = reports.get(name)
+    if not stated:
+        return None
+    try:
+        return stated_plan(stated)
+    except ValueError as error:
+        raise InputError(f"{SOURCES[name]}: {error}") from None
+
+
+def _released_plan(reports: Mapping[str, dict | None]) -> PrivacyPlan | None:
+    """The plan the trained model states (train/privacy.json), else the one it is to train with."""
+    return _plan(reports, "privacy" if reports.get("privacy") else "calibration")
+
+
 def shows_sampling(reports: Mapping[str, dict | None]) -> bool:
     """Whether the realized sampling (batch sizes per step, participation gaps) may be on a published page:
     only when no guarantee relies on keeping it secret (deterministic batches, or unamplified accounting)."""
-    plan = reports.get("privacy") or reports.get("calibration")
-    if plan is not None and plan.get("mechanism") != "none":
-        return not plan.get("relies_on_secret_sampling", True)
+    plan = _released_plan(reports)
+    if plan is not None:
+        return not plan.relies_on_secret_sampling
     return (reports.get("batches") or {}).get("sampling") == DETERMINISTIC
 
 
@@ -166,25 +184,25 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
                 )
             )
             plt.close(figure)
-    calibration = reports.get("calibration")
-    if calibration and calibration.get("epsilon_curve"):
-        sigmas, epsilons = zip(*calibration["epsilon_curve"])
+    calibration = _plan(reports, "calibration")
+    if calibration and calibration.epsilon_curve:
+        sigmas, epsilons = zip(*calibration.epsilon_curve)
         figure, axis = plt.subplots(figsize=(7, 4))
         axis.plot(sigmas, epsilons, marker="o", markersize=3)
         axis.plot(
-            [calibration["noise_multiplier"]],
-            [calibration["epsilon"]],
+            [calibration.noise_multiplier],
+            [calibration.epsilon],
             marker="*",
             markersize=12,
             color="red",
-            label=f"this run: sigma {calibration['noise_multiplier']:.3g}",
+            label=f"this run: sigma {calibration.noise_multiplier:.3g}",
         )
-        axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration['delta']:g}")
+        axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration.delta:g}")
         axis.legend()
         figures.append(
             (
                 "Sigma and epsilon",
-                f"Epsilon of {calibration['mechanism']} as a function of sigma (calibration.json).",
+                f"Epsilon of {calibration.mechanism} as a function of sigma (calibration.json).",
                 _png(figure),
             )
         )
@@ -261,23 +279,22 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         ]
         if internal or shows_sampling(reports):
             rows.append(("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}"))
-    plan = reports.get("privacy") or reports.get("calibration")
-    if plan and plan.get("mechanism") != "none":
+    plan = _released_plan(reports)
+    if plan is not None:
         rows += [
-            ("mechanism", plan["mechanism"]),
-            ("noise multiplier sigma", f"{plan['noise_multiplier']:.4g}"),
-            ("(epsilon, delta)", f"({plan['epsilon']:.4g}, {plan['delta']:g})"),
-            ("records per user the accountant assumes (k)", str(plan.get("contribution_bound"))),
-            ("privacy unit", plan.get("privacy_unit", "")),
-            ("neighbouring relation", plan.get("neighbouring_relation", "")),
+            ("mechanism", plan.mechanism),
+            ("noise multiplier sigma", f"{plan.noise_multiplier:.4g}"),
+            ("(epsilon, delta)", f"({plan.epsilon:.4g}, {plan.delta:g})"),
+            ("records per user the accountant assumes (k)", str(plan.contribution_bound)),
+            ("privacy unit", plan.privacy_unit),
+            ("neighbouring relation", plan.neighbouring_relation),
             (
                 "batch sampling",
-                plan.get("sampling", "")
-                + ("" if plan.get("relies_on_secret_sampling") else " (the accounting does not rely on it)"),
+                plan.sampling + ("" if plan.relies_on_secret_sampling else " (the accounting does not rely on it)"),
             ),
         ]
-        if "noise" in plan:
-            rows += [("noise", plan["noise"]), ("private", "yes" if plan.get("private") else "NO")]
+        if plan.noise is not None:
+            rows += [("noise", plan.noise), ("private", "yes" if plan.private else "NO")]
     models = _models(reports, internal)
     finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
     for metric in QUALITY_METRICS:

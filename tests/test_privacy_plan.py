@@ -1,0 +1,60 @@
+"""The privacy plan's JSON: what calibration.json, privacy.json and the trainings ledger hold is read by users
+and independent verifiers, so `PrivacyPlan` must read and write it byte for byte as the files are. The
+files under data/ were written by madp before the plan was a dataclass (a second training composed with
+the first; a Monte Carlo calibration with its epsilon curve)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import write_records
+
+from madp.core.selection import BoundOptions
+from madp.engines.batch_local import run_local as batch_local
+from madp.engines.batching import BatchOptions
+from madp.engines.local_engine import run_local as bound_local
+from madp.training.batches import open_batches
+from madp.training.options import TrainOptions
+from madp.training.plan import NOT_PRIVATE, PrivacyPlan, composition, privacy_plan, stated_plan, to_json
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@pytest.mark.parametrize("name", ["privacy_composed.json", "calibration_monte_carlo.json"])
+def test_a_plan_reads_and_writes_the_files_madp_wrote_byte_for_byte(name):
+    text = open(os.path.join(DATA, name)).read()
+    plan = PrivacyPlan.from_json(json.loads(text))
+    assert json.dumps(plan.to_json(), indent=2) == text
+    assert PrivacyPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_non_private_training_has_no_plan_and_other_json_is_no_plan():
+    assert stated_plan(NOT_PRIVATE) is None
+    text = open(os.path.join(DATA, "privacy_composed.json")).read()
+    for broken in ({**json.loads(text), "unknown": 1}, {"mechanism": "dpsgd"}, {**json.loads(text), "mechanism": "x"}):
+        with pytest.raises(ValueError, match="not a privacy plan madp wrote"):
+            PrivacyPlan.from_json(broken)
+
+
+@pytest.mark.parametrize(
+    ("batching", "training"),
+    [
+        (BatchOptions(steps=20, batch_size=10, seed=1), TrainOptions(epsilon=2.0)),
+        (BatchOptions(steps=20, batch_size=10, min_sep=2, seed=1), TrainOptions(epsilon=2.0, bands=2)),
+        (BatchOptions(steps=20, batch_size=10, sampler="minsep-greedy", min_sep=3), TrainOptions(epsilon=2.0, bands=2)),
+    ],
+)
+def test_a_new_plan_survives_its_json_and_composes_with_its_ledger_entry(tmp_path, batching, training):
+    rows = [{"id": i, "users": [i % 100, 1000 + i // 2], "features": [0.1], "label": i % 2} for i in range(300)]
+    data = write_records(str(tmp_path / "records.jsonl"), rows)
+    bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=2))
+    batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"), batching)
+    plan = privacy_plan(open_batches(str(tmp_path / "batches")), training)
+    assert plan is not None
+    stated = json.loads(json.dumps(plan.to_json()))
+    assert stated == plan.to_json() and PrivacyPlan.from_json(stated) == plan
+    entry = {"output": "first", "mechanism": plan.mechanism, "parameters": to_json(plan.parameters)}
+    composed = composition(plan, [{**entry, "noise_multiplier": plan.noise_multiplier}])
+    assert composed is not None and composed.trainings == 2, "the same mechanism and parameters compose"
