@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+MAPPED = {"madp.accounting": "accounting", "madp.beam": "beam_pipelines", "madp.training": "tf_training"}
+
 setup(
     name="madp",
     version="0.1.0",
@@ -11,9 +13,14 @@ setup(
     python_requires=">=3.11",
     # Import names live under madp. while the repo keeps its top-level folders: madp/accounting,
     # madp/beam and madp/training are links to them (so a checkout imports the same names without
-    # installing), and the package mapping installs each from its folder.
-    packages=find_packages(include=["madp", "madp.*"]),
-    package_dir={"madp.accounting": "accounting", "madp.beam": "beam_pipelines", "madp.training": "tf_training"},
+    # installing), and the package mapping installs each from its folder. The mapped packages are
+    # named here, since an sdist (what Dataflow stages with --setup_file) carries no links.
+    packages=sorted(
+        set(find_packages(include=["madp", "madp.*"]))
+        | set(MAPPED)
+        | {f"{name}.{sub}" for name, folder in MAPPED.items() for sub in find_packages(folder)}
+    ),
+    package_dir=MAPPED,
     install_requires=[
         "apache-beam==2.77.*",
         "attrs<24",  # dp-accounting 0.6 needs it

@@ -13,7 +13,8 @@ processes (one thread each) started for the size, whose largest peak is reported
 workers scale with the data as the partitions do. `--skip-direct` leaves the DirectRunner out.
 
     python benchmarks/scale.py [--sizes 1000000,10000000] [--records-per-partition 250000] [--only bound]
-        [--dask-workers 2 | --records-per-dask-worker 500000] [--skip-direct]
+        [--dask-workers 2 | --records-per-dask-worker 500000] [--skip-direct] [--local-finish-incidences N]
+        [--records-per-file R]
 """
 
 from __future__ import annotations
@@ -125,16 +126,21 @@ def main() -> None:
     dask_workers.add_argument("--dask-workers", type=int, default=0, help="also bound on madp's DaskRunner")
     dask_workers.add_argument("--records-per-dask-worker", type=int, default=0, help="as many Dask workers as scale")
     parser.add_argument("--skip-direct", action="store_true", help="no DirectRunner runs (the local and Dask ones)")
+    parser.add_argument("--local-finish-incidences", type=int, help="passed to the Beam runs (default: madp's)")
+    parser.add_argument("--records-per-file", type=int, help="Parquet input files scaled (default: 4 files)")
     args = parser.parse_args()
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         partitions = max(16, size // args.records_per_partition)
         beam = ["--partitions", str(partitions)]
+        if args.local_finish_incidences is not None:
+            beam += ["--local-finish-incidences", str(args.local_finish_incidences)]
         with tempfile.TemporaryDirectory(prefix="madp-scale-") as work:
             data = os.path.join(work, "records")
             subprocess.run(
                 [sys.executable, "-m", "madp.cli", "-q", "generate", data, "--records", str(size)]
-                + ["--graph", "skewed", "--seed", "1", "--features", "4"],
+                + ["--graph", "skewed", "--seed", "1", "--features", "4"]
+                + ["--shards", str(max(4, size // args.records_per_file) if args.records_per_file else 4)],
                 check=True,
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
@@ -161,8 +167,14 @@ def main() -> None:
                     with dask_cluster(workers) as (address, pid):
                         dask = [data, os.path.join(work, "bound-dask"), "-k", "3", *beam]
                         row["bound_dask"] = child("bound", "DaskRunner", [*dask, "--dask_client_address", address], pid)
-                    selected = json.load(open(os.path.join(work, "bound-dask", "report.json")))["selected_records"]
-                    assert selected == report["selected_records"], "the DaskRunner must select what local does"
+                    dask_report = json.load(open(os.path.join(work, "bound-dask", "report.json")))
+                    assert dask_report["selected_records"] == report["selected_records"], (
+                        "the DaskRunner must select what local does"
+                    )
+                    row["dask_runs"] = [
+                        {"finished_locally_incidences": run["finished_locally_incidences"]}
+                        for run in dask_report["pipeline_runs"]
+                    ]
             if args.only in (None, "batch"):
                 selected = os.path.join(work, "bound-local")
                 if not os.path.exists(selected):
