@@ -4,12 +4,14 @@ The step functions of `madp.training.trainer` run on the same in-memory batches,
 that traces them; the best of --repeats timed blocks is reported, with the ratios. Inputs: the
 synthetic logistic-regression content (16 features) for `logreg`/`mlp`, synthetic emails
 (`madp generate --task text` documents) encoded as the trainer encodes them for `text-classifier`
-(hashed n-grams) and `text-lm` (bytes). Targets: DP-SGD at most 3x the non-private step and
-BandMF (8 bands) within 1.2x of DP-SGD (mlp); at batch 256, DP-SGD at most 1.5x non-private for
-the text classifier and 3x for the text LM. Dense models and the text classifier use ghost
-clipping; `dp-sgd-per-example-gradients` is the general path any model takes (the LM's only one).
+(hashed n-grams) and `text-lm` (bytes), random ids and labels for `transformer` (a Transformer
+encoder classifier: vocabulary 5000, 64 tokens, width 64, 2 heads, 1 block, 4 classes). Targets:
+DP-SGD at most 3x the non-private step and BandMF (8 bands) within 1.2x of DP-SGD (mlp); at batch
+256, DP-SGD at most 1.5x non-private for the text classifier, 2x for the transformer and 3x for
+the text LM. All these models take ghost clipping (`madp.training.clipping`);
+`dp-sgd-per-example-gradients` is the general path a model with other layers takes.
 
-    python benchmarks/train.py [--model mlp|text-classifier|text-lm] [--batch-size 1024] [--steps 100]
+    python benchmarks/train.py [--model mlp|text-classifier|text-lm|transformer] [--batch-size 1024] [--steps 100]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="mlp", help="logreg, mlp, text-classifier or text-lm")
+    parser.add_argument("--model", default="mlp", help="logreg, mlp, text-classifier, text-lm or transformer")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--features", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
@@ -43,6 +45,7 @@ def main() -> None:
     from madp.training.queries import BandMfQuery, DpSgdQuery
     from madp.training.steps import NonPrivateStep, PrivateStep
     from madp.training.tasks import ByteLmTask, TextClassifierTask
+    from madp.training.text import softmax_loss
     from madp.training.trainer import build_model, tf, tf_keras
 
     rng = np.random.default_rng(0)
@@ -60,6 +63,10 @@ def main() -> None:
         )
         inputs, labels, _ = task.encode(rows)
         build = task.build
+    elif args.model == "transformer":
+        inputs = rng.integers(1, 5000, (args.batch_size, 64)).astype(np.int32)
+        labels = rng.integers(0, 4, args.batch_size).astype(np.int32)
+        build = lambda: (transformer_classifier(5000, 64, 64, 2, 4), softmax_loss)  # noqa: E731
     else:
         inputs = rng.normal(size=(args.batch_size, args.features)).astype(np.float32)
         labels = (rng.random(args.batch_size) < 0.5).astype(np.float32)
@@ -116,6 +123,23 @@ def main() -> None:
         results["dp-sgd"]["steps_per_s"] / results[f"bandmf-{args.bands}"]["steps_per_s"], 2
     )
     print(json.dumps(results, indent=2))
+
+
+def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int):
+    """Token and position embeddings, one pre-norm encoder block (attention, a 4x-wide GELU layer),
+    mean pooling, a softmax layer."""
+    from madp.training.text import PositionEmbedding
+    from madp.training.trainer import tf, tf_keras
+
+    layers = tf_keras.layers
+    inputs = tf_keras.Input((length,), dtype=tf.int32)
+    x = PositionEmbedding()(layers.Embedding(vocabulary, width)(inputs))
+    normalized = layers.LayerNormalization()(x)
+    x = x + layers.MultiHeadAttention(heads, width // heads)(normalized, normalized)
+    hidden = layers.Dense(4 * width, activation="gelu")(layers.LayerNormalization()(x))
+    x = x + layers.Dense(width)(hidden)
+    pooled = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
+    return tf_keras.Model(inputs, layers.Dense(classes)(pooled))
 
 
 if __name__ == "__main__":

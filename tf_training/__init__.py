@@ -1,15 +1,54 @@
 """DP-SGD and DP-BandMF training on materialized batches (TensorFlow + TensorFlow Privacy).
 
+The Python API, on the batches `madp bound` and `madp batch` (or the `madp.beam` transforms) wrote:
+`open_batches` reads them, `read_steps` gives their steps in order, `calibrate` computes the privacy
+plan (mechanism, sigma, epsilon, delta) of training on them, and `make_private` turns a Keras model,
+a per-row loss and an optimizer into the private step of that plan (`make_non_private`: a baseline).
+`madp train` is this loop with evaluation, outputs and the trainings ledger around it::
+
+    from madp.training import calibrate, load_tensorflow, make_private, open_batches, read_steps
+
+    tf = load_tensorflow()  # TensorFlow with legacy Keras (tf_keras), as madp trains
+    import tf_keras
+
+    batches = open_batches("demo-output/batches")  # after `make demo`
+    plan = calibrate(batches, epsilon=8, delta=1e-5, bands=8)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(16,))])
+
+    def loss(labels, logits):  # one loss per row
+        labels = tf.cast(labels[:, None], tf.float32)
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
+
+    step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
+    for rows in read_steps(batches, ["features", "label"]):
+        step(rows["features"], rows["label"], rows["weight"])
+    print(step.plan.epsilon, step.plan.delta, step.plan.private)
+
 TensorFlow is an optional dependency (`pip install -e '.[train]'` plus `tensorflow-privacy`
 installed with --no-deps, see the Makefile); `load_tensorflow` imports it the way that works with
 tf-keras 2.21 and TF Privacy 0.9: legacy Keras, and TF Privacy's modules imported one by one
-(its package import pulls in modules whose pinned dependencies break TF 2.21).
+(its package import pulls in modules whose pinned dependencies break TF 2.21). Importing this
+package does not import TensorFlow (`madp run` reads privacy plans without it): the API's names
+load it on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from typing import Any
+
+__all__ = [
+    "PrivacyPlan",
+    "PrivateTrainingStep",
+    "calibrate",
+    "load_tensorflow",
+    "make_non_private",
+    "make_private",
+    "open_batches",
+    "read_steps",
+]
 
 
 def load_tensorflow():
@@ -27,3 +66,12 @@ def load_tensorflow():
             "pip install --no-deps tensorflow-privacy==0.9.0 (or run `make test` once)"
         ) from error
     return tf
+
+
+def __getattr__(name: str) -> Any:
+    """The API's names, from `madp.training.api` on first use (it imports TensorFlow). By name, not by
+    an import statement: the API's modules import this package for `load_tensorflow`, and the package
+    forwards to them only once it is fully imported, so there is no import cycle to guard against."""
+    if name in __all__:
+        return getattr(importlib.import_module("madp.training.api"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,20 +2,43 @@
 
 - `per_example_gradients` then `queries.clip_and_sum`: any model, one gradient per example
   (vectorized), memory rows x parameters.
-- `ghost_clipped_sum`: a Sequential of an optional `EmbeddingBag` then Dense layers, without
-  per-example gradients ("ghost clipping", Goodfellow 2015; Lee & Kifer 2021). A layer's
-  per-example gradient is a product of its input a_i and the loss gradient d_i at its output,
-  so its norm comes from a_i and d_i alone:
-  - Dense: kernel a_i d_i^T, bias d_i: ||g_i||^2 = (||a_i||^2 + 1) ||d_i||^2;
+- `ghost_clipped_sum`: any model (Sequential or functional) whose trainable layers are Dense,
+  EinsumDense, Embedding, LayerNormalization (also the projections inside MultiHeadAttention),
+  EmbeddingBag or PositionEmbedding, without per-example gradients of the model ("ghost
+  clipping" and book-keeping: Goodfellow 2015; Lee & Kifer 2021; Li et al. 2022; Bu et al. 2023).
+  One forward pass runs with those layers' calls tapped (`_tapped`: the same output, computed from
+  the layer's weights, recording its input and its output before any activation), one backward
+  pass gives the loss gradients d_i at those outputs (not at the weights), and each variable's
+  per-example gradient g_i is a product of a row's inputs and output gradients, so its norm comes
+  from them alone (A_i: a row's inputs at its T positions, [T, p]; D_i: the output gradients there):
+  - Dense and EinsumDense kernels: g_i = A_i^T D_i, ||g_i||^2 = ||a_i||^2 ||d_i||^2 for one
+    position, else <A_i A_i^T, D_i D_i^T>_F or ||A_i^T D_i||^2, whichever costs less;
+    biases: g_i = sum_t d_it;
+  - Embedding: g_i = sum_t onehot(id_it) d_it^T, ||g_i||^2 = sum_{t,s} [id_it = id_is] d_it.d_is;
   - EmbeddingBag (output sum_t w_it E[id_it]): sum_v c_iv e_v d_i^T with c_iv the summed weight
-    of id v in row i: ||g_i||^2 = ||d_i||^2 sum_v c_iv^2.
-  The clipped sum is then formed from the rows' a_i and d_i scaled by their clip factors.
+    of id v in row i: ||g_i||^2 = ||d_i||^2 sum_v c_iv^2;
+  - LayerNormalization: gamma sum_t x_hat_it * d_it, beta sum_t d_it (x_hat the normalized input);
+    PositionEmbedding: d_i.
+  A layer called several times adds its calls' gradients (positions concatenated). The clipped
+  sum is then formed from the same inputs and output gradients scaled by the rows' clip factors,
+  without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
+  then backpropagates a reweighted loss again, and knows no madp layers). A Sequential of an
+  optional EmbeddingBag then Dense layers runs its layers one by one instead
+  (`_dense_stack_clipped_sum`, the same norms). Any other trainable layer (`unsupported_layers`)
+  sends the model to per-example gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from madp.training import load_tensorflow
-from madp.training.text import EmbeddingBag
+from madp.training.text import EmbeddingBag, PositionEmbedding
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -33,16 +56,6 @@ def per_example_gradients(model, loss_fn, x, y, weight):
     return tf.vectorized_map(one, (x, y, weight))
 
 
-def ghost_clippable(model) -> bool:
-    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense layers."""
-    if not isinstance(model, tf_keras.Sequential) or not model.layers:
-        return False
-    first, *rest = model.layers
-    return isinstance(first, (EmbeddingBag, tf_keras.layers.Dense)) and all(
-        isinstance(layer, tf_keras.layers.Dense) for layer in rest
-    )
-
-
 def bag_weight_squares(bag: EmbeddingBag, ids):
     """sum_v c_iv^2 per row, c_iv the summed weight of id v in row i. The bag weighs every id of a row
     alike (w_i), so c_iv = w_i k_iv with k_iv the copies of v, and sum_v k_v^2 = sum_t (2 r_t + 1)
@@ -53,9 +66,20 @@ def bag_weight_squares(bag: EmbeddingBag, ids):
     return tf.reduce_sum(tf.square(weights) * (2.0 * tf.cast(earlier, tf.float32) + 1.0), axis=1)
 
 
-def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
-    """sum_i g_i min(1, clip / ||g_i||) for a `ghost_clippable` model, from each layer's inputs and
-    output gradients (the module docstring's norms)."""
+def _is_dense_stack(model) -> bool:
+    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense layers."""
+    if not isinstance(model, tf_keras.Sequential) or not model.layers:
+        return False
+    first, *rest = model.layers
+    return isinstance(first, (EmbeddingBag, tf_keras.layers.Dense)) and all(
+        isinstance(layer, tf_keras.layers.Dense) for layer in rest
+    )
+
+
+def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
+    """sum_i g_i min(1, clip / ||g_i||) for a `_is_dense_stack` model: the layers run one by one on
+    their weights (no tapped calls), and a bag followed by a narrower Dense layer scatters that
+    layer's output gradients (`_bag_gradient`)."""
     with tf.GradientTape() as tape:
         inputs, outputs, a = [], [], x
         for layer in model.layers:
@@ -101,3 +125,400 @@ def _bag_gradient(bag: EmbeddingBag, ids, scaled, later_layers, later_deltas, fa
     token_rows = tf.reshape(bag.token_weights(ids)[:, :, None] * narrow[:, None, :], [-1, narrow.shape[-1]])
     summed = tf.math.unsorted_segment_sum(token_rows, tf.reshape(ids, [-1]), bag.buckets)
     return summed if kernel is None else tf.matmul(summed, kernel, transpose_b=True)
+
+
+# --- any model of supported layers: tapped layer calls ------------------------------------------
+
+SUPPORTED = (
+    tf_keras.layers.Dense,
+    tf_keras.layers.EinsumDense,
+    tf_keras.layers.Embedding,
+    tf_keras.layers.LayerNormalization,
+    EmbeddingBag,
+    PositionEmbedding,
+)
+
+
+def _trainable_layers(model) -> list:
+    """The layers of `model` (itself and nested ones, such as a MultiHeadAttention's EinsumDense
+    projections) that own some of its trainable variables."""
+    trainable = {id(v) for v in model.trainable_variables}
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        if any(id(v) in trainable for v in getattr(layer, "_trainable_weights", []))
+    ]
+
+
+def _einsum_axes(equation: str, rank: int) -> tuple[str, str, str]:
+    """(input, kernel, output) axis letters of an EinsumDense equation, "..." spelled out as the
+    input's leading axes (rank: the input's)."""
+    inputs, rest = equation.split(",")
+    kernel, output = rest.split("->")
+    if "..." in inputs:
+        spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
+        filler = "".join(spare[: rank - len(inputs) + 3])
+        inputs, output = inputs.replace("...", filler), output.replace("...", filler)
+    return inputs, kernel, output
+
+
+def _einsum_problem(inputs: str, kernel: str, output: str) -> str | None:
+    """Why an EinsumDense equation is not a per-example matrix product a_i K (None if it is): the
+    input's first axis must be the output's and not the kernel's, every kernel axis either summed
+    (input only) or kept (output only), every other axis in both input and output."""
+    if any(len(set(s)) != len(s) for s in (inputs, kernel, output)):
+        return f"equation {inputs},{kernel}->{output} repeats an axis"
+    if not inputs or not output or inputs[0] != output[0] or inputs[0] in kernel:
+        return f"equation {inputs},{kernel}->{output} has no batch axis first"
+    if set(kernel) != set(inputs) ^ set(output):
+        return f"equation {inputs},{kernel}->{output} is not a product of input and kernel"
+    return None
+
+
+def _unsupported(layer) -> str | None:
+    """Why `layer`'s per-example gradient norms are not computed from its inputs and output
+    gradients here (None if they are). Exact types only: a subclass may change `call`."""
+    if type(layer) not in SUPPORTED:
+        return "no norm formula for this layer"
+    if isinstance(layer, tf_keras.layers.EinsumDense):
+        inputs = layer.equation.split(",")[0]
+        return _einsum_problem(*_einsum_axes(layer.equation, len(inputs.replace("...", "")) + 1))
+    if isinstance(layer, tf_keras.layers.LayerNormalization):
+        axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+        if 0 in axes or axes != sorted(axes):
+            return f"axis {layer.axis}: the batch axis or unsorted axes"
+    return None
+
+
+def unsupported_layers(model) -> list[str]:
+    """The trainable layers of `model` that keep it off the fast clipping path, as "name (Class): why"."""
+    if _is_dense_stack(model):
+        return []
+    found = []
+    for layer in _trainable_layers(model):
+        reason = _unsupported(layer)
+        if reason:
+            found.append(f"{layer.name} ({type(layer).__name__}: {reason})")
+    return found
+
+
+def ghost_clippable(model) -> bool:
+    """Whether every trainable layer of `model` has a norm formula here (`unsupported_layers`)."""
+    return not unsupported_layers(model)
+
+
+def _forward(layer, inputs):
+    """(recorded input, output z whose gradient is recorded, layer output): the layer's call, with
+    Dense and EinsumDense split before their activation and LayerNormalization's normalized input
+    x_hat = (x - mean) / sqrt(var + eps) kept."""
+    if isinstance(layer, tf_keras.layers.Dense):
+        a = tf.cast(inputs, layer.compute_dtype)
+        if a.shape.rank == 2:
+            z = tf.matmul(a, layer.kernel)
+        else:
+            z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
+        z = z + layer.bias if layer.use_bias else z
+        return a, z, layer.activation(z) if layer.activation is not None else z
+    if isinstance(layer, tf_keras.layers.EinsumDense):
+        a = tf.cast(inputs, layer.compute_dtype)
+        z = tf.einsum(layer.equation, a, layer.kernel)
+        z = z + layer.bias if layer.bias is not None else z
+        return a, z, layer.activation(z) if layer.activation is not None else z
+    if isinstance(layer, tf_keras.layers.LayerNormalization):
+        x = tf.cast(inputs, layer.compute_dtype)
+        mean, variance = tf.nn.moments(x, layer.axis, keepdims=True)
+        x_hat = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+        shape = _layer_norm_shape(layer, x.shape.rank)
+        z = x_hat * tf.reshape(layer.gamma, shape) if layer.scale else x_hat
+        z = z + tf.reshape(layer.beta, shape) if layer.center else z
+        return x_hat, z, z
+    if isinstance(layer, tf_keras.layers.Embedding) and inputs.dtype not in (tf.int32, tf.int64):
+        inputs = tf.cast(inputs, tf.int32)
+    z = type(layer).call(layer, inputs)  # Embedding, EmbeddingBag, PositionEmbedding: linear in the weights
+    return (None if isinstance(layer, PositionEmbedding) else inputs), z, z
+
+
+def _layer_norm_shape(layer, rank: int) -> list[int]:
+    """The shape gamma and beta broadcast to, from the first normalized axis on (1 elsewhere)."""
+    axes = [a % rank for a in layer.axis]
+    sizes = iter((layer.gamma if layer.scale else layer.beta).shape)
+    return [next(sizes) if k in axes else 1 for k in range(min(axes), rank)]
+
+
+@contextlib.contextmanager
+def _tapped(layers: list, calls: dict[int, list]) -> Iterator[None]:
+    """While inside, each of `layers` runs `_forward` and appends (input, z) to calls[id(layer)]."""
+
+    def tap(layer, recorded: list):
+        @tf.autograph.experimental.do_not_convert
+        def call(inputs, *args, **kwargs):
+            a, z, out = _forward(layer, inputs)
+            recorded.append((a, z))
+            return out
+
+        return call
+
+    for layer in layers:
+        object.__setattr__(layer, "call", tap(layer, calls[id(layer)]))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")
+
+
+PER_ROW_LIMIT = 1 << 18  # entries of one row's kernel gradient formed per row (1 MiB of float32)
+
+# Per-variable pieces: each holds what one variable's per-example gradients g_i are made of, gives
+# ||g_i||^2 (`squares`, shape [n]) and sum_i f_i g_i (`clipped_sum`) for clip factors f.
+
+
+@dataclasses.dataclass
+class _Outer:
+    """g_i = A_i^T D_i, reshaped to the variable: A_i [T, p] the layer's inputs at T positions, D_i
+    [T, q] its output gradients there (Dense, EinsumDense kernels; T = 1 for one vector per row)."""
+
+    variable: Any
+    a: Any  # [n, T, p]
+    d: Any  # [n, T, q]
+    to_variable: Callable[[Any], Any]  # [p, q] -> the variable's shape
+
+    def per_row(self) -> bool:
+        """Whether to form g_i = A_i^T D_i per row (n T p q products, n p q numbers) rather than the
+        ghost norm (n T^2 (p + q) products, n T^2 numbers): when that costs fewer products and a row's
+        g_i has at most `PER_ROW_LIMIT` entries."""
+        steps, p, q = self.a.shape[1], self.a.shape[2], self.d.shape[2]
+        return steps is not None and steps > 1 and p * q < steps * (p + q) and p * q <= PER_ROW_LIMIT
+
+    @functools.cached_property
+    def rows(self):
+        """g_i = A_i^T D_i of every row, [n, p, q] (formed once for `squares` and `clipped_sum`)."""
+        return tf.matmul(self.a, self.d, transpose_a=True)
+
+    def squares(self):
+        """T = 1: ||a_i||^2 ||d_i||^2; else ||A_i^T D_i||_F^2 (`per_row`) or the ghost norm
+        <A_i A_i^T, D_i D_i^T>_F: both exact."""
+        if self.a.shape[1] == 1:
+            return tf.reduce_sum(tf.square(self.a), axis=[1, 2]) * tf.reduce_sum(tf.square(self.d), axis=[1, 2])
+        if self.per_row():
+            return tf.reduce_sum(tf.square(self.rows), axis=[1, 2])
+        grams = tf.matmul(self.a, self.a, transpose_b=True) * tf.matmul(self.d, self.d, transpose_b=True)
+        return tf.reduce_sum(grams, axis=[1, 2])
+
+    def clipped_sum(self, factor):
+        """sum_i f_i A_i^T D_i: one [nT, p]^T [nT, q] product, or sum_i f_i g_i of the rows' g_i
+        (`per_row`)."""
+        if self.per_row():
+            return self.to_variable(tf.tensordot(factor, self.rows, 1))
+        p, q = self.a.shape[2], self.d.shape[2]
+        a, d = tf.reshape(self.a, [-1, p]), tf.reshape(self.d * factor[:, None, None], [-1, q])
+        return self.to_variable(tf.matmul(a, d, transpose_a=True))
+
+
+@dataclasses.dataclass
+class _Lookup:
+    """g_i = sum_t onehot(id_it) d_it^T: an embedding table looked up at T ids per row."""
+
+    variable: Any
+    ids: Any  # [n, T]
+    d: Any  # [n, T, width]
+
+    def squares(self):
+        """||g_i||^2 = sum_{t,s} [id_it = id_is] d_it . d_is (rows of one id add up before squaring)."""
+        if self.ids.shape[1] == 1:
+            return tf.reduce_sum(tf.square(self.d), axis=[1, 2])
+        same = tf.cast(self.ids[:, :, None] == self.ids[:, None, :], self.d.dtype)
+        return tf.reduce_sum(same * tf.matmul(self.d, self.d, transpose_b=True), axis=[1, 2])
+
+    def clipped_sum(self, factor):
+        """sum_i f_i g_i: the rows f_i d_it added up by id."""
+        width = self.d.shape[2]
+        rows = tf.reshape(self.d * factor[:, None, None], [-1, width])
+        return tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.variable.shape[0])
+
+
+@dataclasses.dataclass
+class _Bag:
+    """g_i = sum_t w_it e_(id_it) d_i^T: an EmbeddingBag called once, d_i its output gradient."""
+
+    variable: Any
+    bag: Any
+    ids: Any  # [n, T]
+    d: Any  # [n, width]
+
+    def squares(self):
+        """||g_i||^2 = ||d_i||^2 sum_v c_iv^2, c_iv the summed weight of id v in row i."""
+        return tf.reduce_sum(tf.square(self.d), axis=1) * bag_weight_squares(self.bag, self.ids)
+
+    def clipped_sum(self, factor):
+        """sum_i f_i g_i, scattered row by token (`_bag_gradient`)."""
+        return _bag_gradient(self.bag, self.ids, self.d * factor[:, None], [], [], factor)
+
+    def as_lookup(self) -> _Lookup:
+        """The same gradient as a lookup with output gradient w_it d_i at each token (for a bag called
+        more than once, whose calls' gradients add up)."""
+        weights = self.bag.token_weights(self.ids)
+        return _Lookup(self.variable, self.ids, weights[:, :, None] * self.d[:, None, :])
+
+
+@dataclasses.dataclass
+class _Rows:
+    """g_i itself, [n, *variable shape]: biases, LayerNormalization's gamma and beta, position
+    embeddings (each no larger than a row's activations)."""
+
+    variable: Any
+    g: Any
+
+    def squares(self):
+        """||g_i||^2 summed over the variable's entries."""
+        return tf.reduce_sum(tf.reshape(tf.square(self.g), [tf.shape(self.g)[0], -1]), axis=1)
+
+    def clipped_sum(self, factor):
+        """sum_i f_i g_i."""
+        return tf.tensordot(factor, self.g, 1)
+
+
+Piece = _Outer | _Lookup | _Bag | _Rows
+
+
+def _row_sums(t, shape: list[int]):
+    """Per-row gradient [n, *shape] of a variable broadcast-added (as `shape`, aligned with t's last
+    axes) to t [n, ...] whose gradient is given: t summed over the axes the variable is broadcast along."""
+    lead = t.shape.rank - len(shape)
+    axes = list(range(1, lead)) + [lead + k for k, size in enumerate(shape) if size == 1 and t.shape[lead + k] != 1]
+    summed = tf.reduce_sum(t, axis=axes, keepdims=True) if axes else t
+    return tf.reshape(summed, [-1, *shape])
+
+
+def _rows_of(t, steps: int | None, width: int):
+    """t as [n, T, width] (T static when known)."""
+    return tf.reshape(t, [tf.shape(t)[0], -1 if steps is None else steps, width])
+
+
+def _static_product(sizes) -> int | None:
+    """The product of static sizes, None if one is unknown."""
+    total = 1
+    for size in sizes:
+        if size is None:
+            return None
+        total *= size
+    return total
+
+
+def _einsum_pieces(layer, a, d) -> list[Piece]:
+    """EinsumDense: the kernel as A_i^T D_i with the input's summed axes P as columns of A_i, the
+    output's kernel axes Q as columns of D_i, and the axes both share (after the batch) as T; the
+    bias as its row sums."""
+    inputs, kernel, output = _einsum_axes(layer.equation, a.shape.rank)
+    shared = [c for c in inputs[1:] if c in output]
+    summed, kept = [c for c in inputs if c in kernel], [c for c in output if c in kernel]
+    sizes = dict(zip(kernel, layer.kernel.shape))
+    p, q = math.prod(sizes[c] for c in summed), math.prod(sizes[c] for c in kept)
+    steps = _static_product(a.shape[inputs.index(c)] for c in shared)
+
+    def arranged(t, letters: str, order: list[str]):
+        perm = [letters.index(c) for c in [letters[0], *order]]
+        return t if perm == sorted(perm) else tf.transpose(t, perm)
+
+    a_rows = _rows_of(arranged(a, inputs, shared + summed), steps, p)
+    d_rows = _rows_of(arranged(d, output, shared + kept), steps, q)
+    order = summed + kept
+    perm = [order.index(c) for c in kernel]
+
+    def to_variable(matrix):
+        blocks = tf.reshape(matrix, [sizes[c] for c in order])
+        return blocks if perm == sorted(perm) else tf.transpose(blocks, perm)
+
+    pieces: list[Piece] = [_Outer(layer.kernel, a_rows, d_rows, to_variable)]
+    if layer.bias is not None:
+        pieces.append(_Rows(layer.bias, _row_sums(d, list(layer.bias.shape))))
+    return pieces
+
+
+def _layer_pieces(layer, a, d) -> list[Piece]:
+    """The pieces of one call of `layer`, from its recorded input a and output gradient d."""
+    if isinstance(layer, tf_keras.layers.Dense):
+        p, q = layer.kernel.shape
+        steps = _static_product(a.shape[1:-1])
+        pieces: list[Piece] = [_Outer(layer.kernel, _rows_of(a, steps, p), _rows_of(d, steps, q), lambda m: m)]
+        return pieces + ([_Rows(layer.bias, _row_sums(d, [q]))] if layer.use_bias else [])
+    if isinstance(layer, tf_keras.layers.EinsumDense):
+        return _einsum_pieces(layer, a, d)
+    if isinstance(layer, tf_keras.layers.LayerNormalization):
+        shape = _layer_norm_shape(layer, a.shape.rank)
+        pieces = []
+        if layer.scale:
+            pieces.append(_Rows(layer.gamma, tf.reshape(_row_sums(a * d, shape), [-1, *layer.gamma.shape])))
+        if layer.center:
+            pieces.append(_Rows(layer.beta, tf.reshape(_row_sums(d, shape), [-1, *layer.beta.shape])))
+        return pieces
+    if isinstance(layer, EmbeddingBag):
+        return [_Bag(layer.embeddings, layer, a, d)]
+    if isinstance(layer, PositionEmbedding):  # output x + P[:T]: g_i = d_i, zero past T
+        padding = [[0, 0], [0, layer.positions.shape[0] - tf.shape(d)[1]]] + [[0, 0]] * (d.shape.rank - 2)
+        return [_Rows(layer.positions, tf.pad(d, padding))]
+    width = layer.embeddings.shape[1]
+    steps = _static_product(a.shape[1:])
+    ids = tf.reshape(a, [tf.shape(a)[0], -1 if steps is None else steps])
+    return [_Lookup(layer.embeddings, ids, _rows_of(d, steps, width))]
+
+
+def _merged(pieces: list[Piece]) -> Piece:
+    """One piece for a variable used by several calls of its layer (g_i the sum of the calls'):
+    positions concatenated (outer products, lookups), rows added."""
+    if len(pieces) == 1:
+        return pieces[0]
+    pieces = [piece.as_lookup() if isinstance(piece, _Bag) else piece for piece in pieces]
+    first = pieces[0]
+    if isinstance(first, _Outer):
+        outers = [p for p in pieces if isinstance(p, _Outer)]
+        return _Outer(
+            first.variable,
+            tf.concat([p.a for p in outers], axis=1),
+            tf.concat([p.d for p in outers], axis=1),
+            first.to_variable,
+        )
+    if isinstance(first, _Lookup):
+        lookups = [p for p in pieces if isinstance(p, _Lookup)]
+        return _Lookup(
+            first.variable, tf.concat([p.ids for p in lookups], axis=1), tf.concat([p.d for p in lookups], axis=1)
+        )
+    return _Rows(first.variable, tf.add_n([p.g for p in pieces if isinstance(p, _Rows)]))
+
+
+def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
+    """One forward pass of `model` with its trainable layers tapped (`_tapped`), one backward pass to
+    their outputs z (not to the weights), and each trainable variable's piece. The loss is
+    sum_i weight_i loss_i, so a row of weight 0 has d_i = 0: no norm, no gradient."""
+    layers = _trainable_layers(model)
+    calls: dict[int, list] = {id(layer): [] for layer in layers}
+    with _tapped(layers, calls), tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loss_fn(y, model(x, training=True)) * weight)
+    outputs = [z for layer in layers for _, z in calls[id(layer)]]
+    deltas = iter(tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    trainable = {id(v) for v in model.trainable_variables}
+    by_variable: dict[int, list[Piece]] = {}
+    for layer in layers:
+        for a, _ in calls[id(layer)]:
+            for piece in _layer_pieces(layer, a, next(deltas)):
+                if id(piece.variable) in trainable:
+                    by_variable.setdefault(id(piece.variable), []).append(piece)
+    return [_merged(pieces) for pieces in by_variable.values()]
+
+
+def ghost_norms(model, loss_fn, x, y, weight):
+    """||g_i|| for every row: the square root of the pieces' squares summed over the variables."""
+    pieces = gradient_pieces(model, loss_fn, x, y, weight)
+    return tf.sqrt(tf.add_n([piece.squares() for piece in pieces]))
+
+
+def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
+    """sum_i g_i min(1, clip / ||g_i||) for a `ghost_clippable` model, from each layer's inputs and
+    output gradients (the module docstring's norms); a variable no call reached gets zeros."""
+    if _is_dense_stack(model):
+        return _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip)
+    pieces = gradient_pieces(model, loss_fn, x, y, weight)
+    norms = tf.sqrt(tf.add_n([piece.squares() for piece in pieces]))
+    factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, 1e-30))
+    sums = {id(piece.variable): piece.clipped_sum(factor) for piece in pieces}
+    return [sums[id(v)] if id(v) in sums else tf.zeros_like(v) for v in model.trainable_variables]

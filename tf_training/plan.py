@@ -288,7 +288,13 @@ class PrivacyPlan:
     trainer adds the noise, whether the model is private, and any composition) and the trainings ledger.
     Its JSON (`to_json`) is what users and independent verifiers read: field names and order are that
     file's keys, the fields defaulting to None appear only where set. A non-private training has no plan
-    (privacy.json is NOT_PRIVATE)."""
+    (privacy.json is NOT_PRIVATE). Frozen: change one with `dataclasses.replace`.
+
+    >>> plan = madp.training.calibrate(batches, epsilon=8, delta=1e-5)
+    >>> plan.mechanism, plan.noise_multiplier, plan.epsilon, plan.delta, plan.assumptions
+    >>> PrivacyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    True
+    """
 
     mechanism: str  # dpsgd, dpsgd-uls, bandmf, or bandmf-minsep (BandMF amplified, Monte Carlo accounted)
     parameters: Mechanism | MinSepProcess  # what the accountant accounts: the mechanism, or the Monte Carlo process

@@ -3,22 +3,27 @@ rows are spread over the replicas of a tf.distribute strategy."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
-from madp.training.clipping import ghost_clippable, ghost_clipped_sum, per_example_gradients
+from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers
 from madp.training.options import TrainOptions
 from madp.training.queries import clip_and_sum
 
 tf = load_tensorflow()
+log = logging.getLogger("madp.train")
 
 
 class PrivateStep:
     """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
 
-    Dense-only models (an embedding bag first allowed) take the ghost-clipping path (`clipping`); any
-    other model gets vectorized per-example gradients (`fast=False` forces that path). Under a
+    Models whose trainable layers are all Dense, EinsumDense, Embedding, LayerNormalization (also
+    inside MultiHeadAttention), EmbeddingBag or PositionEmbedding take the ghost-clipping path
+    (`clipping`); any other model gets vectorized per-example gradients, with one log line naming the
+    layers that forced it (`fast=False` forces that path, as does user-level clipping). Under a
     tf.distribute strategy every replica clips and sums its rows, the sums are all-reduced, and every
     replica adds the same noise (the generator is keyed by (seed, step), so the replicas need not
     talk) and applies the same update.
@@ -38,7 +43,14 @@ class PrivateStep:
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
-        self.fast = fast and ghost_clippable(model) and not user_level
+        blocking = unsupported_layers(model) if fast and not user_level else []
+        if blocking:
+            log.warning(
+                "model %s: per-example gradients (vectorized, slower) for DP clipping; no fast clipping for %s",
+                model.name,
+                ", ".join(blocking),
+            )
+        self.fast = fast and not user_level and not blocking
         self.strategy = strategy or tf.distribute.get_strategy()
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary; all replicas compute the same state.

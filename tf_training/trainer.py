@@ -20,10 +20,9 @@ from madp.core import storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
-from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.core.selection import REJECTED_DIR
 from madp.training import load_tensorflow
-from madp.training.batches import open_batches
+from madp.training.api import PrivateTrainingStep, calibrate, make_non_private, make_private, open_batches
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import (
@@ -33,11 +32,9 @@ from madp.training.plan import (
     composition,
     earlier_trainings,
     labels_read_from_data,
-    plan_for,
     record_training,
 )
-from madp.training.queries import BandMfQuery, DpSgdQuery
-from madp.training.steps import NonPrivateStep, PrivateStep, distribute, distribution_strategy, shard_step
+from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, shard_step
 from madp.training.tasks import TextClassifierTask, build_model, prepare_task
 
 tf = load_tensorflow()
@@ -132,7 +129,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             else tf_keras.optimizers.Adam(options.learning_rate)
         )
     user_level = batches.report["sampler"] == "users"
-    privacy = plan_for(batches, options)  # None: a non-private training
+    # None: a non-private training (a --calibration plan is trained with, whatever --mechanism says).
+    private = options.mechanism != "none" or options.calibration is not None
+    privacy = calibrate(batches, options) if private else None
     if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
         if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
             raise InputError(
@@ -140,43 +139,20 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
-    step: NonPrivateStep | PrivateStep
+    step: NonPrivateStep | PrivateTrainingStep
     if privacy is None:
-        step = NonPrivateStep(model, loss_fn, optimizer, strategy)
+        step = make_non_private(model, loss_fn, optimizer, strategy=strategy)
     else:
-        template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        sigma = privacy.noise_multiplier
-        # Drawn here, once per training run (a resumed job draws anew), and held in memory only.
-        noise_key = SecretKey.for_run(options.noise_seed, "training noise", "--noise-seed")
-        broken = options.testing_noise_scale != 1.0
-        privacy = dataclasses.replace(
+        step = make_private(
+            model,
+            loss_fn,
+            optimizer,
             privacy,
-            noise=noise_key.status
-            if not broken
-            else f"scaled by {options.testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
-            private=noise_key.seed is None
-            and not broken
-            and (privacy.sampling != FIXED_SEED or not privacy.relies_on_secret_sampling),
+            noise_seed=options.noise_seed,
+            strategy=strategy,
+            testing_noise_scale=options.testing_noise_scale,
         )
-        if not privacy.private:
-            log.warning(
-                "this model is NOT private: %s",
-                "the noise comes from --noise-seed"
-                if noise_key.seed is not None
-                else "its noise is scaled by --testing-only-noise-scale"
-                if broken
-                else "its batches were sampled with a fixed --seed",
-            )
-        privacy = _composed(batches_dir, privacy, options)
-        noise = sigma * options.testing_noise_scale  # the claim stays at sigma
-        query = (
-            DpSgdQuery(options.clip_norm, noise, noise_key)
-            if privacy.mechanism in ("dpsgd", "dpsgd-uls")
-            else BandMfQuery(options.clip_norm, noise, noise_key, privacy.bands, template)
-        )
-        step = PrivateStep(
-            model, loss_fn, optimizer, query, batches.expected_batch_size, user_level=user_level, strategy=strategy
-        )
+        privacy = _composed(batches_dir, step.plan, options)
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
     tf.io.gfile.makedirs(output)

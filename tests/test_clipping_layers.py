@@ -1,0 +1,202 @@
+"""Fast clipping for any model of Dense, EinsumDense, Embedding, LayerNormalization,
+MultiHeadAttention, EmbeddingBag and PositionEmbedding layers: per-example norms and the clipped sum
+against vectorized per-example gradients clipped one by one, rows of weight 0 included; models with
+other trainable layers fall back to per-example gradients, naming the layers."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from madp.core.randomness import SecretKey  # noqa: E402
+from madp.training import clipping, text  # noqa: E402
+from madp.training.clipping import (  # noqa: E402
+    ghost_clippable,
+    ghost_clipped_sum,
+    ghost_norms,
+    per_example_gradients,
+    unsupported_layers,
+)
+from madp.training.queries import DpSgdQuery  # noqa: E402
+from madp.training.steps import PrivateStep  # noqa: E402
+from madp.training.trainer import tf, tf_keras  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
+ROWS = 10
+WEIGHT = np.array([1.0, 0.0, 0.5, 1.0, 2.0, 0.0, 1.0, 0.3, 1.0, 1.0], np.float32)  # rows 1 and 5: padding
+layers = tf_keras.layers
+KEY = SecretKey.from_seed(1, "training noise")
+
+
+def reference(model, loss, x, y, weight) -> tuple[list[np.ndarray], np.ndarray]:
+    """Vectorized per-example gradients of weight_i * loss_i and their global norms."""
+    per_example = [np.asarray(g) for g in per_example_gradients(model, loss, x, y, tf.constant(weight))]
+    norms = np.sqrt(sum(np.sum(g.reshape(len(weight), -1) ** 2, axis=1) for g in per_example))
+    return per_example, norms
+
+
+def check(model, x, y, weight=WEIGHT, loss=text.softmax_loss) -> None:
+    """Norms and the clipped sum at a clip norm that clips some rows and not others."""
+    assert ghost_clippable(model), unsupported_layers(model)
+    x, y = tf.constant(x), tf.constant(y)
+    per_example, norms = reference(model, loss, x, y, weight)
+    assert np.all(norms[weight == 0] == 0)
+    clip = float(np.median(norms[weight > 0]))
+    assert (norms > clip * 1.01).any() and ((norms < clip * 0.99) & (weight > 0)).any()
+    np.testing.assert_allclose(ghost_norms(model, loss, x, y, tf.constant(weight)), norms, rtol=1e-4, atol=1e-6)
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    summed = ghost_clipped_sum(model, loss, x, y, tf.constant(weight), clip)
+    assert len(summed) == len(model.trainable_variables)
+    for got, g, v in zip(summed, per_example, model.trainable_variables):
+        assert got.shape == v.shape
+        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
+
+
+def data(shape, classes: int = 3, seed: int = 0, vocabulary: int | None = None):
+    rng = np.random.default_rng(seed)
+    if vocabulary:
+        x = rng.integers(0, vocabulary, (ROWS, *shape)).astype(np.int32)
+    else:
+        x = rng.normal(size=(ROWS, *shape)).astype(np.float32) * rng.uniform(0.2, 3.0, (ROWS,) + (1,) * len(shape))
+    return x, rng.integers(0, classes, ROWS).astype(np.int32)
+
+
+def functional(inputs, outputs):
+    tf_keras.utils.set_random_seed(3)
+    return tf_keras.Model(inputs, outputs)
+
+
+@pytest.fixture(params=["per-row", "ghost"])
+def kernel_norms(request, monkeypatch):
+    """Both ways to a kernel's norms over positions: g_i formed per row, and the ghost norm."""
+    if request.param == "ghost":
+        monkeypatch.setattr(clipping, "PER_ROW_LIMIT", 0)
+
+
+def test_dense_on_vectors_and_on_sequences(kernel_norms):
+    tf_keras.utils.set_random_seed(3)
+    inputs = tf_keras.Input((5, 4))
+    hidden = layers.Dense(6, activation="tanh")(inputs)  # per position: T = 5
+    flat = layers.Dense(7, activation="relu")(layers.Flatten()(hidden))
+    check(tf_keras.Model(inputs, layers.Dense(3, use_bias=False)(flat)), *data((5, 4)))
+
+
+def test_dense_called_twice_shares_its_gradient():
+    inputs = tf_keras.Input((4,))
+    shared = layers.Dense(4, activation="tanh")
+    model = functional(inputs, layers.Dense(3)(shared(shared(inputs)) + inputs))
+    check(model, *data((4,)))
+
+
+@pytest.mark.parametrize(
+    "equation,bias_axes,output_shape",
+    [
+        ("abc,cde->abde", "de", (5, 2, 3)),  # a MultiHeadAttention projection
+        ("abcd,cde->abe", "e", (5, 4)),  # its output projection
+        ("abc,cd->adb", "d", (6, 5)),  # output axes in another order
+        ("abc,dc->abd", None, (5, 6)),  # kernel axes in another order
+        ("...b,bc->...c", "c", (6,)),  # ellipsis
+        ("abc,cd->ad", "d", (6,)),  # a summed sequence axis
+    ],
+)
+def test_einsum_dense(equation, bias_axes, output_shape, kernel_norms):
+    shape = (5, 2, 4) if equation.startswith("abcd") else (5, 4)
+    inputs = tf_keras.Input(shape)
+    projected = layers.EinsumDense(equation, output_shape, bias_axes=bias_axes, activation="tanh")(inputs)
+    if equation == "abc,cd->ad":  # the summed axis makes this equation unsupported
+        model = functional(inputs, layers.Dense(3)(projected))
+        assert not ghost_clippable(model)
+        assert "einsum_dense" in unsupported_layers(model)[0]
+        return
+    model = functional(inputs, layers.Dense(3)(layers.Flatten()(projected)))
+    check(model, *data(shape))
+
+
+def test_embedding_with_repeated_ids():
+    inputs = tf_keras.Input((6,), dtype=tf.int32)
+    pooled = layers.GlobalAveragePooling1D()(layers.Embedding(7, 4)(inputs))  # 6 ids from 7: repeats
+    check(functional(inputs, layers.Dense(3)(pooled)), *data((6,), vocabulary=7))
+
+
+@pytest.mark.parametrize("axis", [-1, [1, 2], 1])
+def test_layer_normalization(axis):
+    inputs = tf_keras.Input((5, 4))
+    normalized = layers.LayerNormalization(axis=axis)(layers.Dense(4)(inputs))
+    check(functional(inputs, layers.Dense(3)(layers.Flatten()(normalized))), *data((5, 4)))
+
+
+def test_multi_head_attention(kernel_norms):
+    inputs = tf_keras.Input((5, 4))
+    attended = layers.MultiHeadAttention(2, 3)(inputs, inputs)
+    check(functional(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(attended))), *data((5, 4)))
+
+
+def test_embedding_bag_in_a_functional_model_and_called_twice():
+    inputs = tf_keras.Input((6,), dtype=tf.int32)
+    bag = text.EmbeddingBag(9, 4)
+    x, y = data((6,), vocabulary=9)
+    check(functional(inputs, layers.Dense(3)(bag(inputs))), x, y)
+    check(functional(inputs, layers.Dense(3)(tf.concat([bag(inputs), bag(inputs[:, :3])], axis=1))), x, y)
+
+
+def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int):
+    """Embedding + positions, one pre-norm encoder block, mean pooling, a softmax layer."""
+    inputs = tf_keras.Input((length,), dtype=tf.int32)
+    x = text.PositionEmbedding()(layers.Embedding(vocabulary, width)(inputs))
+    normalized = layers.LayerNormalization()(x)
+    x = x + layers.MultiHeadAttention(heads, width // heads)(normalized, normalized)
+    hidden = layers.EinsumDense("abc,cd->abd", (None, 2 * width), bias_axes="d", activation="gelu")(
+        layers.LayerNormalization()(x)
+    )
+    x = x + layers.Dense(width)(hidden)
+    pooled = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
+    return tf_keras.Model(inputs, layers.Dense(classes)(pooled))
+
+
+def test_transformer_encoder_classifier(kernel_norms):
+    tf_keras.utils.set_random_seed(5)
+    check(transformer_classifier(11, 6, 8, 2, 3), *data((6,), vocabulary=11))
+
+
+def test_byte_language_model():
+    rng = np.random.default_rng(1)
+    x, y = text.byte_sequences(["héllo wörld"[: rng.integers(2, 12)].encode() for _ in range(ROWS)], 8)
+    tf_keras.utils.set_random_seed(2)
+    model, loss = text.byte_lm(8, 8, 1, 2)
+    check(model, x, y, loss=loss)
+
+
+def test_private_step_takes_the_fast_path_and_matches_per_example_clipping():
+    tf_keras.utils.set_random_seed(5)
+    x, y = data((6,), vocabulary=11, seed=4)
+    results = []
+    for fast in (True, False):
+        tf_keras.utils.set_random_seed(5)
+        model = transformer_classifier(11, 6, 8, 2, 3)
+        step = PrivateStep(
+            model, text.softmax_loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(0.05, 0.0, KEY), 8.0, fast=fast
+        )
+        assert step.fast == fast
+        results.append(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT)))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_other_trainable_layers_fall_back_and_are_named(caplog):
+    inputs = tf_keras.Input((6, 4))
+    convolved = layers.Conv1D(3, 2, name="conv")(inputs)
+    normalized = layers.BatchNormalization(name="batch_norm")(layers.Dense(3)(inputs))
+    pooled = layers.Concatenate()([layers.Flatten()(convolved), layers.Flatten()(normalized)])
+    model = functional(inputs, layers.Dense(3)(pooled))
+    assert [name.split(" ")[0] for name in unsupported_layers(model)] == ["conv", "batch_norm"]
+    with caplog.at_level(logging.INFO, logger="madp.train"):
+        step = PrivateStep(model, text.softmax_loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(1.0, 0.0, KEY), 8)
+    assert not step.fast
+    lines = [r.getMessage() for r in caplog.records if r.name == "madp.train"]
+    assert len(lines) == 1 and "conv (Conv1D" in lines[0] and "batch_norm (BatchNormalization" in lines[0]
+    x, y = data((6, 4))
+    assert len(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))) == 8

@@ -1,0 +1,131 @@
+"""The Python API of madp.training: the README's example runs as written, and a step made by
+`make_private` (or `make_non_private`) trains the same model, under the same plan, as `madp train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from conftest import write_records  # noqa: E402
+
+import madp.training  # noqa: E402
+from madp.cli import main  # noqa: E402
+from madp.core.errors import InputError  # noqa: E402
+from madp.core.selection import BoundOptions  # noqa: E402
+from madp.engines.batch_local import run_local as batch_local  # noqa: E402
+from madp.engines.batching import BatchOptions  # noqa: E402
+from madp.engines.local_engine import run_local as bound_local  # noqa: E402
+from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.training import PrivacyPlan, calibrate, make_non_private, make_private, open_batches, read_steps  # noqa: E402
+from madp.training.tasks import build_model  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A small demo-output/batches like `make demo`'s: 16 features, K = 3, 8-min-sep Poisson batches."""
+    directory = tmp_path_factory.mktemp("python-api")
+    rows = to_table(generate(GraphSpec(records=3000, graph="skewed", features=16, seed=1))).to_pylist()
+    data = write_records(str(directory / "records.jsonl"), rows)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=3))
+    batch_local(
+        str(directory / "bounded"),
+        data,
+        str(directory / "demo-output" / "batches"),
+        BatchOptions(seed=0, steps=24, batch_size=32, min_sep=8, max_batch_size=64),
+    )
+    return directory
+
+
+def readme_example() -> str:
+    section = open(README, encoding="utf-8").read().split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) == 1, "the section holds one Python example"
+    return blocks[0]
+
+
+def docstring_example() -> str:
+    """The indented block after the `::` of madp.training's docstring."""
+    after = madp.training.__doc__.split("::\n\n", 1)[1]
+    return textwrap.dedent(re.match(r"(?:(?: {4}.*)?\n)+", after).group(0))
+
+
+@pytest.mark.parametrize("example", [readme_example, docstring_example], ids=["README", "docstring"])
+def test_the_examples_run_as_written(demo, example, monkeypatch, capsys):
+    monkeypatch.chdir(demo)
+    exec(compile(example(), example.__name__, "exec"), {"__name__": "example"})
+    assert "True" in capsys.readouterr().out  # private: a fresh noise key, batches without amplification
+
+
+def test_the_package_exports_the_api_and_imports_tensorflow_only_for_it():
+    assert set(madp.training.__all__) <= set(dir(madp.training.api)) | {"load_tensorflow"}
+    # `madp run` reads privacy plans without TensorFlow.
+    check = "import sys, madp.training.plan; assert 'tensorflow' not in sys.modules"
+    subprocess.run([sys.executable, "-c", check], check=True)
+    with pytest.raises(AttributeError):
+        madp.training.no_such_name  # noqa: B018
+
+
+def test_calibrate_takes_train_options_by_name_and_refuses_a_non_private_mechanism(demo):
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    plan = calibrate(batches, noise_multiplier=1.5, bands=8, clip_norm=0.5)
+    assert (plan.mechanism, plan.noise_multiplier, plan.clip_norm, len(plan.bands)) == ("bandmf", 1.5, 0.5, 8)
+    assert PrivacyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    with pytest.raises(InputError, match="make_non_private"):
+        calibrate(batches, mechanism="none")
+
+
+def _weights(path) -> list[np.ndarray]:
+    import tf_keras
+
+    return tf_keras.models.load_model(str(path), compile=False).get_weights()
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "baseline"])
+def test_the_api_trains_the_model_madp_train_trains(demo, private, capsys):
+    """Same batches, model seed, noise seed and optimizer: the same weights bit for bit, and the step's
+    plan is the privacy.json `madp train` wrote."""
+    import tf_keras
+
+    batches_dir = str(demo / "demo-output" / "batches")
+    out = demo / ("cli-private" if private else "cli-baseline")
+    flags = ["--epsilon", "8", "--bands", "8", "--noise-seed", "3"] if private else ["--mechanism", "none"]
+    assert main(["-q", "train", batches_dir, str(out), "--seed", "0", "--learning-rate", "0.5", *flags]) == 0
+    capsys.readouterr()
+
+    batches = open_batches(batches_dir)
+    tf_keras.utils.set_random_seed(0)  # what madp train does before building --model logreg
+    model, loss = build_model("logreg", 16)
+    optimizer = tf_keras.optimizers.SGD(0.5)
+    if private:
+        step = make_private(model, loss, optimizer, calibrate(batches, epsilon=8, bands=8), noise_seed=3)
+    else:
+        step = make_non_private(model, loss, optimizer)
+    for rows in read_steps(batches, ["features", "label"]):
+        step(rows["features"], rows["label"], rows["weight"])
+
+    initial = build_model("logreg", 16)[0].get_weights()
+    trained = model.get_weights()
+    assert not np.array_equal(trained[0], initial[0])  # it trained
+    for a, b in zip(trained, _weights(out / "model.keras")):
+        np.testing.assert_array_equal(a, b)
+    stated = json.load(open(out / "privacy.json"))
+    if private:
+        with pytest.raises(InputError, match="accounts for 24 steps of these batches; step 25 would release"):
+            step(rows["features"], rows["label"], rows["weight"])  # a step the guarantee does not cover
+        assert json.loads(json.dumps(step.plan.to_json())) == stated
+        assert stated["private"] is False and stated["noise"] == "fixed seed - not private"
+    else:
+        assert stated == {"mechanism": "none", "private": False}

@@ -1,0 +1,188 @@
+"""The public Python API of `madp.training` (the package re-exports these names; its docstring has the
+whole example): read a `madp batch` output step by step, calibrate the privacy plan of training on it,
+and make a Keras model's training step private under that plan. `madp train` (`trainer.py`) is built
+on `calibrate`, `make_private` and `make_non_private`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from madp.core.errors import InputError
+from madp.core.randomness import FIXED_SEED, SecretKey
+from madp.training import load_tensorflow
+from madp.training.batches import Batches, open_batches
+from madp.training.data import step_batches
+from madp.training.options import TrainOptions
+from madp.training.plan import PrivacyPlan, plan_for
+from madp.training.queries import BandMfQuery, DpSgdQuery
+from madp.training.steps import NonPrivateStep, PrivateStep
+
+tf = load_tensorflow()
+log = logging.getLogger("madp.train")
+
+__all__ = [
+    "PrivacyPlan",
+    "PrivateTrainingStep",
+    "calibrate",
+    "make_non_private",
+    "make_private",
+    "open_batches",
+    "read_steps",
+]
+
+
+def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
+    """The rows of every step, steps 0..T-1 in order, a step's rows together: per step a dict of arrays
+    (one entry per row) holding `features`, `weight` (1 for a sampled record, 0 for a padding row, whose
+    gradient is then zero) and `step`. Train on every step, an empty one (arrays of no rows) too: its
+    noise is part of the mechanism. Rows are parsed in blocks, so memory holds a block and one step.
+
+    >>> for rows in read_steps(batches, ["features", "label"]):
+    ...     step(rows["features"], rows["label"], rows["weight"])
+    """
+    for _, rows in step_batches(batches, list(features)):
+        yield rows
+
+
+def calibrate(batches: Batches, options: TrainOptions | None = None, **settings: Any) -> PrivacyPlan:
+    """The privacy plan of training on `batches`: the mechanism their reports imply (DP-SGD, BandMF, or
+    DP-SGD over users), sigma from the accountant, and the (epsilon, delta) guarantee. `settings` are
+    `TrainOptions` fields (over `options` where both are given), the options of `madp train`: `epsilon`
+    (calibrate sigma to it) or `noise_multiplier` (sigma fixed, epsilon computed) or `calibration` (a
+    calibration.json or privacy.json computed before), `delta`, `clip_norm`, `bands`, `strategy`,
+    `mechanism`, `amplified`, `max_contributions`.
+
+    >>> plan = calibrate(open_batches("demo-output/batches"), epsilon=8, delta=1e-5, bands=8)
+    >>> plan.mechanism, plan.noise_multiplier, plan.epsilon, plan.delta  # e.g. bandmf at sigma 1.9, (8, 1e-5)
+    >>> json.dumps(plan.to_json())  # what privacy.json states
+    """
+    options = TrainOptions(**settings) if options is None else dataclasses.replace(options, **settings)
+    plan = plan_for(batches, options)
+    if plan is None:
+        raise InputError("mechanism 'none' trains without a privacy plan: use make_non_private")
+    return plan
+
+
+class PrivateTrainingStep(PrivateStep):
+    """A private training step (`make_private`): `step(x, y, weight)` trains on one step's rows (`users=`
+    each row's user too, for user-sampled batches); `plan` is the plan it trains under, with `noise`
+    (where the noise comes from) and `private` (whether the model will hold the plan's guarantee) set.
+    Each call is the next step: its noise is keyed by the step's index, BandMF's depends on the steps
+    before.
+
+    >>> step(x, y, weight)
+    >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
+    """
+
+    def __init__(self, model, loss, optimizer, query, plan: PrivacyPlan, strategy=None):
+        super().__init__(
+            model,
+            loss,
+            optimizer,
+            query,
+            plan.expected_batch_size,
+            user_level=plan.sampler == "users",
+            strategy=strategy,
+        )
+        self.plan = plan
+        self.steps_taken = 0
+
+    def apply(self, x, y, weight, groups) -> None:
+        """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""
+        self._count_step()
+        super().apply(x, y, weight, groups)
+
+    def privatized_gradient(self, x, y, weight, users=None):
+        self._count_step()
+        return super().privatized_gradient(x, y, weight, users)
+
+    def _count_step(self) -> None:
+        if self.steps_taken >= self.plan.steps:
+            raise InputError(
+                f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
+                f"would release more than its guarantee covers: calibrate for more steps (other batches)"
+            )
+        self.steps_taken += 1
+
+
+def make_private(
+    model,
+    loss,
+    optimizer,
+    plan: PrivacyPlan,
+    *,
+    noise_seed: int | None = None,
+    strategy=None,
+    testing_noise_scale: float = 1.0,
+) -> PrivateTrainingStep:
+    """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
+    loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
+    `plan.clip_norm`, the sum is noised (DP-SGD's z_t, or BandMF's C^-1 z with `plan.bands`, sigma
+    `plan.noise_multiplier`), divided by the expected batch size (never the step's real size) and
+    applied by `optimizer`.
+
+    `loss(y, outputs)` returns one loss per row (no reduction), e.g. `tf.nn.sigmoid_cross_entropy_with_logits`
+    or a Keras loss built with `reduction="none"`. `model` and `optimizer` are built under
+    `strategy.scope()` where a tf.distribute `strategy` is given.
+
+    The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
+    it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is
+    logged and the step's plan says `private: False`, as it does for batches sampled with a fixed seed
+    that the plan's amplification relies on. `testing_noise_scale` scales the noise but not the claim
+    (testing only; not private either). Those warnings name the `madp train` options of these settings.
+
+    >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
+    >>> for rows in read_steps(batches, ["features", "label"]):
+    ...     step(rows["features"], rows["label"], rows["weight"])
+    """
+    # Drawn once per step object (a resumed training draws anew), never written anywhere.
+    noise_key = SecretKey.for_run(noise_seed, "training noise", "--noise-seed")
+    broken = testing_noise_scale != 1.0
+    plan = dataclasses.replace(
+        plan,
+        noise=noise_key.status
+        if not broken
+        else f"scaled by {testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
+        private=noise_key.seed is None
+        and not broken
+        and (plan.sampling != FIXED_SEED or not plan.relies_on_secret_sampling),
+    )
+    if not plan.private:
+        log.warning(
+            "this model is NOT private: %s",
+            "the noise comes from --noise-seed"
+            if noise_key.seed is not None
+            else "its noise is scaled by --testing-only-noise-scale"
+            if broken
+            else "its batches were sampled with a fixed --seed",
+        )
+    noise = plan.noise_multiplier * testing_noise_scale  # the claim stays at sigma
+    query = (
+        DpSgdQuery(plan.clip_norm, noise, noise_key)
+        if plan.mechanism in ("dpsgd", "dpsgd-uls")
+        else BandMfQuery(
+            plan.clip_norm,
+            noise,
+            noise_key,
+            plan.bands,
+            [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
+        )
+    )
+    return PrivateTrainingStep(model, loss, optimizer, query, plan, strategy)
+
+
+def make_non_private(model, loss, optimizer, *, strategy=None) -> NonPrivateStep:
+    """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows
+    (`loss` per row, as for `make_private`), no clipping, no noise. Its metrics are internal: no
+    guarantee covers them.
+
+    >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
+    >>> baseline(rows["features"], rows["label"], rows["weight"])
+    """
+    return NonPrivateStep(model, loss, optimizer, strategy)
