@@ -127,9 +127,11 @@ def make_private(
     `plan.noise_multiplier`), divided by the expected batch size (never the step's real size) and
     applied by `optimizer`.
 
-    `loss(y, outputs)` returns one loss per row (no reduction), e.g. `tf.nn.sigmoid_cross_entropy_with_logits`
-    or a Keras loss built with `reduction="none"`. `model` and `optimizer` are built under
-    `strategy.scope()` where a tf.distribute `strategy` is given.
+    `model` is a tf_keras or a Keras 3 model and `optimizer` one of the same Keras (a mismatch is an
+    InputError); a Keras 3 model takes the per-example clipping path. `x` is an array, or a dict of
+    arrays for a model of several inputs. `loss(y, outputs)` returns one loss per row (no reduction),
+    e.g. `tf.nn.sigmoid_cross_entropy_with_logits` or a Keras loss built with `reduction="none"`.
+    `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given.
 
     The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
     it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is

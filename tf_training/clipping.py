@@ -49,8 +49,8 @@ def per_example_gradients(model, loss_fn, x, y, weight):
 
     def one(example):
         xi, yi, wi = example
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yi[None], model(xi[None], training=True))[0] * wi
+        with tf.GradientTape() as tape:  # xi: one row of an array, or of each array of a dict of inputs
+            loss = loss_fn(yi[None], model(tf.nest.map_structure(lambda t: t[None], xi), training=True))[0] * wi
         return tape.gradient(loss, model.trainable_variables)
 
     return tf.vectorized_map(one, (x, y, weight))
@@ -192,6 +192,8 @@ def _unsupported(layer) -> str | None:
 
 def unsupported_layers(model) -> list[str]:
     """The trainable layers of `model` that keep it off the fast clipping path, as "name (Class): why"."""
+    if not isinstance(model, tf_keras.Model):  # the norm formulas tap tf_keras layers' calls only
+        return [f"{layer.name} ({type(layer).__name__}: a Keras 3 layer)" for layer in _keras3_trainable(model)]
     if _is_dense_stack(model):
         return []
     found = []
@@ -200,6 +202,16 @@ def unsupported_layers(model) -> list[str]:
         if reason:
             found.append(f"{layer.name} ({type(layer).__name__}: {reason})")
     return found
+
+
+def _keras3_trainable(model) -> list:
+    """The layers of a Keras 3 model that own trainable variables (the model itself if none is found)."""
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if not getattr(layer, "layers", None) and layer.trainable_variables
+    ]
+    return layers or [model]
 
 
 def ghost_clippable(model) -> bool:

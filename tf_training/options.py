@@ -8,6 +8,7 @@ from madp.core.errors import InputError
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
+TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,10 @@ class TrainOptions:
     model: str = "logreg"
     features: str = "features"
     label: str = "label"
+    inputs: tuple[str, ...] | None = None  # the model's input features (None: --features alone)
+    task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression
+    classes: int | None = None  # multiclass: labels are the integers 0..classes-1
+    model_path: tuple[str, ...] = ()  # directories searched first for a module:function model
     optimizer: str = "sgd"
     learning_rate: float = 0.5
     clip_norm: float = 1.0
@@ -48,6 +53,11 @@ class TrainOptions:
     layers: int = 2  # text-lm: Transformer blocks
     heads: int = 4  # text-lm: attention heads
     on_invalid: str = "error"  # text models: rows they cannot use stop training, or train with weight 0
+
+    @property
+    def input_features(self) -> tuple[str, ...]:
+        """The features a numeric model reads: --inputs, else --features."""
+        return self.inputs or (self.features,)
 
     @property
     def target_epsilon(self) -> float:
@@ -98,6 +108,12 @@ class TrainOptions:
                 "--labels: at least two distinct labels",
             ),
             (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
+            (self.task in TASKS, f"--task must be one of {TASKS}"),
+            (
+                (self.task == "multiclass") == (self.classes is not None) and (self.classes or 2) >= 2,
+                "--task multiclass needs --classes N (N >= 2), and --classes needs --task multiclass",
+            ),
+            (self.inputs is None or len(self.inputs) >= 1, "--inputs: at least one feature"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,6 +3,7 @@ rows are spread over the replicas of a tf.distribute strategy."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -14,7 +15,34 @@ from madp.training.options import TrainOptions
 from madp.training.queries import clip_and_sum
 
 tf = load_tensorflow()
+import tf_keras  # noqa: E402
+
 log = logging.getLogger("madp.train")
+
+
+def _matching_optimizer(model, optimizer) -> bool:
+    """Check that `optimizer` is of `model`'s Keras (tf_keras or Keras 3: neither can update the other's
+    variables, which fails deep in apply_gradients); build a Keras 3 optimizer's slots now, outside the
+    step's tf.function. Returns whether it is a tf_keras optimizer (whose apply_gradients takes
+    skip_gradients_aggregation: the step all-reduces the gradients itself)."""
+    legacy_model = isinstance(model, tf_keras.Model)
+    legacy = isinstance(optimizer, (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer))
+    if legacy != legacy_model:
+        raise InputError(
+            f"model {model.name} is a {'tf_keras' if legacy_model else 'Keras 3'} model but the optimizer is "
+            f"{'a tf_keras' if legacy else 'not a tf_keras'} one: use "
+            f"{'tf_keras.optimizers' if legacy_model else 'keras.optimizers (import keras)'} for it"
+        )
+    if not legacy and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    return legacy
+
+
+def _apply_gradients(optimizer, legacy: bool, gradients, variables) -> None:
+    if legacy:
+        optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
+    else:  # Keras 3: one device (the trainer refuses a distribution for it), nothing to aggregate
+        optimizer.apply_gradients(zip(gradients, variables))
 
 
 class PrivateStep:
@@ -43,6 +71,7 @@ class PrivateStep:
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
+        self.legacy_optimizer = _matching_optimizer(model, optimizer)
         blocking = unsupported_layers(model) if fast and not user_level else []
         if blocking:
             log.warning(
@@ -86,7 +115,7 @@ class PrivateStep:
 
     def _apply_replica(self, x, y, weight, groups) -> None:
         gradients = self._privatize(x, y, weight, groups)
-        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables), skip_gradients_aggregation=True)
+        _apply_gradients(self.optimizer, self.legacy_optimizer, gradients, self.model.trainable_variables)
 
     def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
@@ -115,6 +144,7 @@ class NonPrivateStep:
 
     def __init__(self, model, loss_fn, optimizer, strategy=None):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.legacy_optimizer = _matching_optimizer(model, optimizer)
         self.strategy = strategy or tf.distribute.get_strategy()
 
     def __call__(self, x, y, weight, users=None) -> None:
@@ -132,9 +162,11 @@ class NonPrivateStep:
         gradients, total = context.all_reduce(
             tf.distribute.ReduceOp.SUM, (tape.gradient(loss, self.model.trainable_variables), tf.reduce_sum(weight))
         )
-        self.optimizer.apply_gradients(
-            zip([g / tf.maximum(total, 1.0) for g in gradients], self.model.trainable_variables),
-            skip_gradients_aggregation=True,
+        _apply_gradients(
+            self.optimizer,
+            self.legacy_optimizer,
+            [g / tf.maximum(total, 1.0) for g in gradients],
+            self.model.trainable_variables,
         )
 
 
@@ -181,17 +213,17 @@ def row_groups(users: np.ndarray | None, rows: int) -> np.ndarray:
 
 
 def shard_step(
-    x: np.ndarray,
+    x: np.ndarray | dict[str, np.ndarray],
     y: np.ndarray,
     weight: np.ndarray,
     users: np.ndarray | None,
     replicas: int,
     rows_per_replica: int | None,
-) -> list[tuple[np.ndarray, ...]]:
+) -> list[tuple]:
     """Split one step's rows over replicas: (x, y, weight, groups) each, a user's rows on one replica
     (user-level), every replica padded with zero-weight rows to `rows_per_replica` when given
-    (static shapes for TPUs) or to at least one row."""
-    shards: list[tuple[np.ndarray, ...]] = []
+    (static shapes for TPUs) or to at least one row. `x` may be a dict of arrays (several inputs)."""
+    shards: list[tuple] = []
     owner = (
         np.arange(len(weight)) * replicas // max(len(weight), 1)
         if users is None
@@ -206,7 +238,7 @@ def shard_step(
         groups = row_groups(None if users is None else users[mine], int(mine.sum()))
         shards.append(
             (
-                np.concatenate([x[mine], np.zeros((pad, *x.shape[1:]), x.dtype)]),
+                tf.nest.map_structure(functools.partial(_padded, mine, pad), x),
                 np.concatenate([y[mine], np.zeros((pad, *y.shape[1:]), y.dtype)]),
                 np.concatenate([weight[mine], np.zeros(pad, weight.dtype)]),
                 np.concatenate([groups, np.arange(len(groups), len(groups) + pad, dtype=np.int32)]),
@@ -215,11 +247,15 @@ def shard_step(
     return shards
 
 
-def distribute(strategy, shards: list[tuple[np.ndarray, ...]]) -> tuple:
+def _padded(mine: np.ndarray, pad: int, a: np.ndarray) -> np.ndarray:
+    return np.concatenate([a[mine], np.zeros((pad, *a.shape[1:]), a.dtype)])
+
+
+def distribute(strategy, shards: list[tuple]) -> tuple:
     """(x, y, weight, groups) for `strategy.run`: plain tensors on one replica, per-replica values otherwise."""
     if strategy.num_replicas_in_sync == 1:
-        return tuple(tf.constant(a) for a in shards[0])
+        return tf.nest.map_structure(tf.constant, shards[0])
     value = strategy.experimental_distribute_values_from_function(
-        lambda context: tuple(tf.constant(a) for a in shards[context.replica_id_in_sync_group])
+        lambda context: tf.nest.map_structure(tf.constant, shards[context.replica_id_in_sync_group])
     )
     return tuple(value)

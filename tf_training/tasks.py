@@ -1,7 +1,8 @@
 """What a model learns from a step's rows: a task turns batch features into model inputs and labels,
 names the rows it cannot use, builds the model, and evaluates it on held-out records.
 
-- `NumericTask`: a fixed-length float feature and a 0/1 label (`logreg`, `mlp`, `module:function`);
+- `NumericTask`: fixed-shape features (one, or several by name) and a binary, multi-class or regression
+  label (`logreg`, `mlp`, `module:function`, whose function gets a `ModelSchema`);
 - `TextClassifierTask` (`text-classifier`): a text feature and a label among `--labels`;
 - `ByteLmTask` (`text-lm`): a text feature, next-byte prediction.
 """
@@ -9,9 +10,13 @@ names the rows it cannot use, builds the model, and evaluates it on held-out rec
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import json
 import logging
+import os
+import sys
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +35,35 @@ TEXT_MODELS = ("text-classifier", "text-lm")
 _EVAL_ROWS = 512
 
 
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One feature of the batches, as their schema.json describes it."""
+
+    name: str
+    dtype: str  # "float" (float32), "int64" or "bytes" (strings)
+    shape: tuple[int, ...]  # per row: () a scalar, (16,) a vector
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSchema:
+    """What `function(schema)` of `--model module:function` is given to build its model from.
+
+    The model is called on `inputs[0]`'s array when there is one input, else on a dict {feature name:
+    array} (name the Keras `Input`s after the features); its outputs are one logit per row (binary),
+    `classes` logits or probabilities per row (multiclass: labels are 0..classes-1, int32), or the
+    label's shape (regression, float32)."""
+
+    inputs: tuple[Feature, ...]
+    label: Feature
+    task: str  # "binary" | "multiclass" | "regression"
+    classes: int | None = None
+
+    @property
+    def input_dim(self) -> int:
+        """The width of the first input (the one-vector models' only dimension)."""
+        return int(np.prod(self.inputs[0].shape, dtype=np.int64))
+
+
 def binary_logistic_loss(labels, logits):
     """Per-example loss of a one-logit binary classifier."""
     return tf.nn.sigmoid_cross_entropy_with_logits(
@@ -37,21 +71,64 @@ def binary_logistic_loss(labels, logits):
     )
 
 
-def build_model(name: str, input_dim: int):
-    """(Keras model, per-example loss): `logreg`, `mlp`, or `module:function` returning both."""
+def build_model(name: str, input_dim: int, model_path: tuple[str, ...] = ()):
+    """(Keras model, per-example loss) of `logreg`, `mlp`, or (a one-vector binary schema) module:function."""
     if name == "logreg":
         return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), binary_logistic_loss
     if name == "mlp":
         return tf_keras.Sequential(
             [tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)), tf_keras.layers.Dense(1)]
         ), binary_logistic_loss
+    schema = ModelSchema((Feature("features", "float", (input_dim,)),), Feature("label", "float", ()), "binary")
+    return user_model(name, schema, model_path)[:2]
+
+
+def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ()) -> tuple:
+    """(model, loss, optimizer or None) from `--model module:function`: `function(schema)` returns
+    (model, loss) or (model, loss, optimizer). The module is looked up in `model_path`, then the
+    current directory, then sys.path (PYTHONPATH); an import failure is an InputError naming it."""
     if ":" not in name:
         raise InputError(f"--model must be logreg, mlp, {', '.join(TEXT_MODELS)} or module:function, got {name!r}")
-    module, function = name.split(":", 1)
+    module_name, function_name = name.split(":", 1)
+    searched = [os.path.abspath(d) for d in model_path] + [os.getcwd()]
+    saved = list(sys.path)
+    sys.path[:0] = [d for d in searched if d not in sys.path]  # only for this import: the user's code, first
     try:
-        return getattr(importlib.import_module(module), function)(input_dim)
-    except (ImportError, AttributeError) as error:
-        raise InputError(f"--model {name}: {error}") from error
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        where = ", ".join(searched) + ", PYTHONPATH"
+        raise InputError(f"--model {name}: cannot import module {module_name!r} ({error}; searched {where})") from None
+    except Exception as error:  # noqa: BLE001 - the user's module failed while importing: say which
+        raise InputError(
+            f"--model {name}: importing module {module_name!r} failed: {type(error).__name__}: {error}"
+        ) from None
+    finally:
+        sys.path[:] = saved
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise InputError(f"--model {name}: module {module_name!r} ({module.__file__}) has no {function_name!r}")
+    built = function(schema)
+    if not isinstance(built, tuple) or len(built) not in (2, 3) or not callable(built[1]):
+        raise InputError(f"--model {name}: {function_name}(schema) must return (model, loss[, optimizer])")
+    return (*built, None) if len(built) == 2 else built
+
+
+def is_keras3(model) -> bool:
+    """A Keras 3 (`import keras`) model rather than a tf_keras one: it needs a Keras 3 optimizer."""
+    return not isinstance(model, tf_keras.Model)
+
+
+def default_optimizer(model, options: TrainOptions):
+    """--optimizer at --learning-rate, from the Keras of `model` (a tf_keras optimizer cannot update
+    Keras 3 variables, nor the reverse)."""
+    if is_keras3(model):
+        import keras  # Keras 3: imported only for such models
+
+        optimizers: Any = keras.optimizers
+    else:
+        optimizers = tf_keras.optimizers
+    make = optimizers.SGD if options.optimizer == "sgd" else optimizers.Adam
+    return make(options.learning_rate)
 
 
 def read_columns(path: str, names: list[str]) -> dict[str, list]:
@@ -77,44 +154,97 @@ def _texts(values: list) -> np.ndarray:
     return out
 
 
-class NumericTask:
-    """A fixed-length float feature in, a 0/1 label out; evaluation loss and accuracy."""
+_NUMPY_DTYPES = {"float": np.float32, "int64": np.int64, "bytes": object}
 
-    headline = "accuracy"
+
+class NumericTask:
+    """Features in (one array, or a dict of them by name: --inputs), a label out (--task: binary 0/1,
+    multiclass 0..N-1, regression); evaluation loss with accuracy, or mean squared and absolute error."""
 
     def __init__(self, options: TrainOptions, schema: dict):
-        feature = schema["features"].get(options.features)
-        if feature is None or len(feature["shape"]) != 1 or feature["shape"][0] is None:
-            raise InputError(
-                f"--features {options.features!r} must name a fixed-length feature of the batches "
-                f"(found {sorted(schema['features'])})"
-            )
-        self.options, self.input_dim = options, int(feature["shape"][0])
-        self.names = [options.features, options.label]
+        features = schema["features"]
+
+        def feature(name: str, flag: str) -> Feature:
+            found = features.get(name)
+            if found is None or None in found["shape"]:
+                raise InputError(
+                    f"{flag} {name!r} must name a fixed-shape feature of the batches (found {sorted(features)})"
+                )
+            return Feature(name, found["dtype"], tuple(int(n) for n in found["shape"]))
+
+        flag = "--inputs" if options.inputs else "--features"
+        inputs = tuple(feature(name, flag) for name in options.input_features)
+        self.schema = ModelSchema(inputs, feature(options.label, "--label"), options.task, options.classes)
+        if options.model in ("logreg", "mlp") and (
+            len(inputs) != 1 or len(inputs[0].shape) != 1 or options.task != "binary"
+        ):
+            raise InputError(f"--model {options.model} takes one vector feature and --task binary")
+        self.options, self.input_dim = options, self.schema.input_dim
+        self.names = [*options.input_features, options.label]
+        self.headline = "mse" if options.task == "regression" else "accuracy"
+        self.optimizer = None  # what a module:function model returned, if it did
 
     def build(self):
-        return build_model(self.options.model, self.input_dim)
+        if self.options.model in ("logreg", "mlp"):
+            return build_model(self.options.model, self.input_dim)
+        model, loss, self.optimizer = user_model(self.options.model, self.schema, self.options.model_path)
+        return model, loss
 
     def problems(self, rows: dict) -> np.ndarray:
-        return np.full(len(rows["weight"]), "", dtype=object)
+        problems = np.full(len(rows["weight"]), "", dtype=object)
+        if self.options.task == "multiclass":  # a label the outputs have no class for
+            y = np.asarray(rows[self.options.label]).reshape(len(problems), -1)[:, 0]
+            problems[(y < 0) | (y >= (self.options.classes or 0)) | (y != np.round(y))] = (
+                f"label not in 0..{(self.options.classes or 0) - 1}"
+            )
+        return problems
 
-    def encode(self, rows: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        x, y = rows[self.options.features].astype(np.float32), rows[self.options.label].astype(np.float32)
-        return x, y, self.problems(rows)
+    def _inputs(self, columns: dict):
+        """The model's input: one array, or a dict of arrays by feature name (several --inputs)."""
+        arrays = {f.name: np.asarray(columns[f.name], dtype=_NUMPY_DTYPES[f.dtype]) for f in self.schema.inputs}
+        return arrays[self.schema.inputs[0].name] if len(arrays) == 1 else arrays
 
-    def read_eval(self, path: str) -> tuple[np.ndarray, np.ndarray]:
-        columns = read_columns(path, [self.options.features, self.options.label])
-        return (
-            np.array(columns[self.options.features], dtype=np.float32),
-            np.array(columns[self.options.label], dtype=np.float32),
-        )
+    def _labels(self, values) -> np.ndarray:
+        if self.options.task == "multiclass":
+            return np.asarray(values).astype(np.int32)
+        return np.asarray(values, dtype=np.float32)
+
+    def encode(self, rows: dict) -> tuple:
+        problems = self.problems(rows)
+        labels = rows[self.options.label]
+        y = self._labels(np.where(problems == "", labels, 0) if problems.any() else labels)  # skipped: weight 0
+        return self._inputs(rows), y, problems
+
+    def read_eval(self, path: str) -> tuple:
+        columns = read_columns(path, self.names)
+        x, y = self._inputs(columns), self._labels(columns[self.options.label])
+        if self.options.task == "multiclass":
+            problems = self.problems({**columns, "weight": y})
+            bad = problems != ""
+            if bad.any():
+                raise InputError(f"--eval-data {path}: {int(bad.sum())} rows: {problems[bad][0]}")
+        return x, y
 
     def evaluate(self, model, loss_fn, data) -> dict:
         x, y = data
-        logits = model(x, training=False)
-        loss = float(tf.reduce_mean(loss_fn(y, logits)))
-        accuracy = float(np.mean((np.asarray(logits).reshape(-1) > 0) == (y > 0.5)))
-        return {"loss": round(loss, 6), "accuracy": round(accuracy, 6)}
+        rows = len(y)
+        outputs = np.concatenate(
+            [np.asarray(model(_rows(x, i, i + _EVAL_ROWS), training=False)) for i in range(0, rows, _EVAL_ROWS)]
+        )
+        loss = round(float(np.mean(loss_fn(y, outputs))), 6)
+        if self.options.task == "binary":
+            right = (outputs.reshape(-1) > 0) == (y.reshape(-1) > 0.5)  # one logit per row
+            return {"loss": loss, "accuracy": round(float(np.mean(right)), 6)}
+        if self.options.task == "multiclass":
+            predicted = outputs.reshape(rows, -1).argmax(axis=1)
+            return {"loss": loss, "accuracy": round(float(np.mean(predicted == y.reshape(-1))), 6)}
+        error = outputs.reshape(rows, -1) - y.reshape(rows, -1)
+        return {"loss": loss, "mse": round(float(np.mean(error**2)), 6), "mae": round(float(np.mean(np.abs(error))), 6)}
+
+
+def _rows(x, start: int, stop: int):
+    """Rows start..stop of an input array, or of each array of a dict of inputs."""
+    return tf.nest.map_structure(lambda a: a[start:stop], x)
 
 
 class _TextTask:
@@ -275,10 +405,13 @@ class Skipped:
 def prepare_task(options: TrainOptions, batches: Batches):
     """(task, skipped rows): the task of --model, its label set (given, or read from the batches with a
     warning), and every real row it cannot use, checked before any training step."""
+    task: _TextTask | NumericTask
     if options.model not in TEXT_MODELS:
-        return NumericTask(options, batches.schema), Skipped()
-    if options.model == "text-lm":
-        task: _TextTask = ByteLmTask(options, batches.schema)
+        task = NumericTask(options, batches.schema)
+        if options.task != "multiclass":  # nothing to check: every row is usable
+            return task, Skipped()
+    elif options.model == "text-lm":
+        task = ByteLmTask(options, batches.schema)
     else:
         labels = list(options.labels or ()) or _labels_in(options, batches)
         task = TextClassifierTask(options, batches.schema, labels)

@@ -35,7 +35,7 @@ from madp.training.plan import (
     record_training,
 )
 from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, shard_step
-from madp.training.tasks import TextClassifierTask, build_model, prepare_task
+from madp.training.tasks import TextClassifierTask, build_model, default_optimizer, is_keras3, prepare_task
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -123,11 +123,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope():
         model, loss_fn = task.build()
-        optimizer = (
-            tf_keras.optimizers.SGD(options.learning_rate)
-            if options.optimizer == "sgd"
-            else tf_keras.optimizers.Adam(options.learning_rate)
-        )
+        if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
+            raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
+        # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
+        optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
     user_level = batches.report["sampler"] == "users"
     # None: a non-private training (a --calibration plan is trained with, whatever --mechanism says).
     private = options.mechanism != "none" or options.calibration is not None

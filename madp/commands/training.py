@@ -33,10 +33,31 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     training.add_argument(
         "--model",
         default="logreg",
-        help="logreg, mlp, text-classifier, text-lm, or module:function returning (model, loss)",
+        help="logreg, mlp, text-classifier, text-lm, or module:function: function(schema) returns "
+        "(model, per-row loss) or (model, loss, optimizer), tf_keras or Keras 3",
     )
     training.add_argument("--features", default="features", help="feature holding the input of a numeric model")
     training.add_argument("--label", "--label-column", dest="label", default="label", help="feature holding the label")
+    numeric = training.add_argument_group("numeric and module:function models")
+    numeric.add_argument(
+        "--inputs",
+        type=lambda value: tuple(value.split(",")),
+        help="the model's input features F1,F2,... (default --features); several are given as a dict by name",
+    )
+    numeric.add_argument(
+        "--task",
+        choices=("binary", "multiclass", "regression"),
+        default="binary",
+        help="binary (one logit; accuracy), multiclass (--classes outputs; accuracy), regression (mse, mae)",
+    )
+    numeric.add_argument("--classes", type=int, help="--task multiclass: labels are 0..N-1")
+    numeric.add_argument(
+        "--model-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory searched (before the current directory and PYTHONPATH) for a module:function model; repeatable",
+    )
     text = training.add_argument_group("text models (text-classifier, text-lm)")
     text.add_argument("--text-column", default="text", help="feature holding the text (default text)")
     text.add_argument(
@@ -142,6 +163,10 @@ def train_options(args: argparse.Namespace):
         model=args.model,
         features=args.features,
         label=args.label,
+        inputs=args.inputs,
+        task=args.task,
+        classes=args.classes,
+        model_path=tuple(args.model_path),
         optimizer=args.optimizer,
         learning_rate=args.learning_rate,
         clip_norm=args.clip_norm,
