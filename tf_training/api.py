@@ -120,6 +120,7 @@ def make_private(
     noise_seed: int | None = None,
     strategy=None,
     testing_noise_scale: float = 1.0,
+    resumed_at: int = 0,
 ) -> PrivateTrainingStep:
     """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
     loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
@@ -138,13 +139,18 @@ def make_private(
     logged and the step's plan says `private: False`, as it does for batches sampled with a fixed seed
     that the plan's amplification relies on. `testing_noise_scale` scales the noise but not the claim
     (testing only; not private either). Those warnings name the `madp train` options of these settings.
+    `resumed_at=k` continues a training whose first k steps ran in an earlier step object (restore its
+    checkpoint into the model, optimizer and the step's noise state): the step counts from k, and its
+    noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a key
+    derived from the seed and k, reproducible for tests).
 
     >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
     >>> for rows in read_steps(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"])
     """
     # Drawn once per step object (a resumed training draws anew), never written anywhere.
-    noise_key = SecretKey.for_run(noise_seed, "training noise", "--noise-seed")
+    purpose = "training noise" if not resumed_at else f"training noise, resumed at step {resumed_at}"
+    noise_key = SecretKey.for_run(noise_seed, purpose, "--noise-seed")
     broken = testing_noise_scale != 1.0
     plan = dataclasses.replace(
         plan,
@@ -176,7 +182,9 @@ def make_private(
             [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         )
     )
-    return PrivateTrainingStep(model, loss, optimizer, query, plan, strategy)
+    step = PrivateTrainingStep(model, loss, optimizer, query, plan, strategy)
+    step.steps_taken = resumed_at
+    return step
 
 
 def make_non_private(model, loss, optimizer, *, strategy=None) -> NonPrivateStep:

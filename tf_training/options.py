@@ -9,6 +9,7 @@ from madp.core.errors import InputError
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
 TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
+SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,11 @@ class TrainOptions:
     layers: int = 2  # text-lm: Transformer blocks
     heads: int = 4  # text-lm: attention heads
     on_invalid: str = "error"  # text models: rows they cannot use stop training, or train with weight 0
+    lr_schedule: str = "constant"  # constant, cosine or warmup-cosine, by step index (public)
+    warmup_steps: int = 0  # warmup-cosine: steps of linear warmup
+    checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
+    resume: bool = False  # continue from the last checkpoint of OUTPUT
+    internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
     @property
     def input_features(self) -> tuple[str, ...]:
@@ -114,6 +120,12 @@ class TrainOptions:
                 "--task multiclass needs --classes N (N >= 2), and --classes needs --task multiclass",
             ),
             (self.inputs is None or len(self.inputs) >= 1, "--inputs: at least one feature"),
+            (self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {SCHEDULES}"),
+            (
+                self.warmup_steps >= 0 and (self.warmup_steps == 0 or self.lr_schedule == "warmup-cosine"),
+                "--warmup-steps must be at least 0, and above 0 only with --lr-schedule warmup-cosine",
+            ),
+            (self.checkpoint_every is None or self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:

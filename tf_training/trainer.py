@@ -24,6 +24,15 @@ from madp.core.selection import REJECTED_DIR
 from madp.training import load_tensorflow
 from madp.training.api import PrivateTrainingStep, calibrate, make_non_private, make_private, open_batches
 from madp.training.data import step_batches
+from madp.training.long_training import (
+    INTERNAL_DIR,
+    Checkpoints,
+    epsilon_spent,
+    internal_path,
+    learning_rate_at,
+    set_learning_rate,
+    step_statistics,
+)
 from madp.training.options import TrainOptions
 from madp.training.plan import (
     NOT_PRIVATE,
@@ -34,7 +43,7 @@ from madp.training.plan import (
     labels_read_from_data,
     record_training,
 )
-from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, shard_step
+from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, row_groups, shard_step
 from madp.training.tasks import TextClassifierTask, build_model, default_optimizer, is_keras3, prepare_task
 
 tf = load_tensorflow()
@@ -67,6 +76,31 @@ def load_trained(output: str, options: TrainOptions, input_dim: int):
 
 
 # --- the run ------------------------------------------------------------------------------------
+
+
+def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
+    """Whether step `done` (1-based) is an evaluation and logging point."""
+    return done % options.eval_every == 0 or done == steps
+
+
+def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> int:
+    """The steps a --resume continues after (0 for a fresh run); a fresh run into an output holding a
+    checkpoint is refused, as is resuming a training the batches' ledger records as finished."""
+    state = storage.join(output, INTERNAL_DIR, "checkpoints", "state.json")
+    found = storage.kind(state) == "file"
+    if not options.resume:
+        if found:
+            raise InputError(
+                f"{output} holds a checkpoint of an interrupted training: pass --resume, or remove "
+                f"{storage.join(output, INTERNAL_DIR, 'checkpoints')} to train afresh (a new training on "
+                f"these batches composes with what the interrupted one released)"
+            )
+        return 0
+    if not found:
+        raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
+    if any(t.get("output") == output for t in earlier_trainings(batches_dir)):
+        raise InputError(f"--resume: the training of {output} finished (the batches' ledger records it)")
+    return int(json.loads(storage.read_text(state))["step"])
 
 
 def _composed(batches_dir: str, privacy: PrivacyPlan, options: TrainOptions) -> PrivacyPlan:
@@ -127,6 +161,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
         optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
+    if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
+        raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
+    resumed = _resume_point(batches_dir, output, options)
     user_level = batches.report["sampler"] == "users"
     # None: a non-private training (a --calibration plan is trained with, whatever --mechanism says).
     private = options.mechanism != "none" or options.calibration is not None
@@ -150,12 +187,24 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             noise_seed=options.noise_seed,
             strategy=strategy,
             testing_noise_scale=options.testing_noise_scale,
+            resumed_at=resumed,
         )
         privacy = _composed(batches_dir, step.plan, options)
+    planned = step.plan if isinstance(step, PrivateTrainingStep) else None  # what a checkpoint must match
+    checkpoints = Checkpoints(output, model, optimizer, step) if options.checkpoint_every or resumed else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
+    if checkpoints is not None and resumed:
+        metrics = checkpoints.restore(planned)["eval"]
+        log.info("resumed at step %d of %d from %s (a fresh noise key)", resumed, batches.steps, checkpoints.directory)
+        missed = not metrics or metrics[-1]["step"] != resumed
+        if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
+            # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
+            metrics.append({"step": resumed, **task.evaluate(model, loss_fn, evaluation)})
     tf.io.gfile.makedirs(output)
-    writer = tf.summary.create_file_writer(storage.join(output, "logs"))
+    writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: eval and epsilon spent
+    # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training).
+    internal = tf.summary.create_file_writer(internal_path(output, "logs")) if options.internal_scalars else None
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
     names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
@@ -163,7 +212,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
     rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
     for index, rows in step_batches(batches, names):
+        if index < resumed:  # run before the checkpoint resumed from
+            continue
         # Every step runs, an empty one too: its noise is part of the mechanism.
+        done = index + 1
         x, y, problems = task.encode(rows)
         weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
         if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
@@ -176,13 +228,33 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             replicas,
             rows_per_replica,
         )
+        if options.lr_schedule != "constant":  # by step index: public
+            rate = learning_rate_at(index, batches.steps, options)
+            set_learning_rate(optimizer, rate)
+        logs = _evaluates(done, batches.steps, options)
+        if options.lr_schedule != "constant" and logs:
+            with writer.as_default():  # public: the schedule's value
+                tf.summary.scalar("train/learning_rate", rate, step=done)
+        if internal is not None and logs:  # INTERNAL: the step's rows before its update, no noise
+            groups = row_groups(rows[USER_FEATURE], len(weight)) if user_level else None
+            with internal.as_default():
+                for name, value in step_statistics(model, loss_fn, x, y, weight, groups, options.clip_norm).items():
+                    tf.summary.scalar(f"train/{name}", value, step=done)
         step.apply(*distribute(strategy, shards))
-        done = index + 1
-        if evaluation is not None and (done % options.eval_every == 0 or done == batches.steps):
+        evaluates = logs and evaluation is not None
+        every = options.checkpoint_every
+        if checkpoints is not None and ((every and done % every == 0) or evaluates):
+            # Before anything of this step is published (its evaluation): a resumed run never re-does a
+            # step whose model was released, so no step is released twice with different noise.
+            checkpoints.save(done, metrics, planned)
+        if evaluates:
             metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
             with writer.as_default():
                 for name in ("loss", task.headline):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
+        if privacy is not None and logs:  # public: a function of the plan and the step count only
+            with writer.as_default():
+                tf.summary.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), step=done)
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
         if quality and privacy is None:  # no guarantee covers these figures: the line says so
             quality += " (non-private: internal)"
@@ -197,12 +269,15 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "replicas": replicas,
         "optimizer": options.optimizer,
         "learning_rate": options.learning_rate,
+        "lr_schedule": options.lr_schedule,
+        **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
+        **({"resumed_at": resumed} if resumed else {}),
         "seed": options.seed,
         **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
-        "steps_per_s": round(batches.steps / (time.perf_counter() - loop_started), 2),
+        "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
         "privacy": dict(NOT_PRIVATE) if privacy is None else privacy.to_json(),
     }
     storage.write_text(
@@ -211,6 +286,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
     if privacy is not None and privacy.private:
         record_training(batches_dir, output, privacy)
+    if checkpoints is not None:  # done: the secret noise history has no further use
+        tf.io.gfile.rmtree(checkpoints.directory)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))

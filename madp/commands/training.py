@@ -148,6 +148,30 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="TESTING ONLY: multiply the noise by this while keeping the claimed guarantee "
         "(shows that madp audit catches a broken mechanism); the model is not private",
     )
+    long = training.add_argument_group("long jobs")
+    long.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine", "warmup-cosine"),
+        default="constant",
+        help="learning rate by step index: constant, cosine decay to 0, or linear warmup then cosine",
+    )
+    long.add_argument(
+        "--internal-scalars",
+        action="store_true",
+        help="also log the training loss, clipped fraction and gradient norm at each --eval-every step to "
+        "OUTPUT/internal/logs/ (INTERNAL: computed without noise, not covered by the guarantee)",
+    )
+    long.add_argument("--warmup-steps", type=int, default=0, help="--lr-schedule warmup-cosine: warmup steps")
+    long.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="write a checkpoint every N steps (and at each evaluation) to OUTPUT/internal/checkpoints/ (internal)",
+    )
+    long.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUTPUT's last checkpoint to the same T steps under the same plan (fresh noise key)",
+    )
 
 
 def train_options(args: argparse.Namespace):
@@ -194,6 +218,11 @@ def train_options(args: argparse.Namespace):
         heads=args.heads,
         on_invalid=args.on_invalid,
         retrain=args.retrain,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        internal_scalars=args.internal_scalars,
     )
 
 

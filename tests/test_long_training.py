@@ -1,0 +1,238 @@
+"""What a long `madp train` job needs: published and internal TensorBoard scalars, learning-rate
+schedules, and checkpoints a job resumes from without reusing noise or writing the noise key."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from conftest import write_records  # noqa: E402
+
+import madp.training.api as api  # noqa: E402
+import madp.training.trainer as trainer  # noqa: E402
+from madp.core.errors import InputError  # noqa: E402
+from madp.core.randomness import SecretKey  # noqa: E402
+from madp.core.selection import BoundOptions  # noqa: E402
+from madp.engines.batch_local import run_local as batch_local  # noqa: E402
+from madp.engines.batching import BatchOptions  # noqa: E402
+from madp.engines.local_engine import run_local as bound_local  # noqa: E402
+from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.training.long_training import epsilon_spent, learning_rate_at  # noqa: E402
+from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.plan import stated_plan  # noqa: E402
+from madp.training.queries import key_tensor  # noqa: E402
+
+tf = pytest.importorskip("tensorflow")
+pytestmark = [pytest.mark.tf]
+
+INTERNAL_TAGS = {"train/loss", "train/clipped_fraction", "train/gradient_norm_mean"}
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory):
+    """Small 2-min-sep Poisson batches: BandMF with 2 bands (noise history) trains on them."""
+    directory = tmp_path_factory.mktemp("long")
+    rows = to_table(generate(GraphSpec(records=1500, graph="skewed", features=8, seed=3))).to_pylist()
+    data = write_records(str(directory / "records.jsonl"), rows)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=2))
+    out = str(directory / "batches")
+    batch_local(
+        str(directory / "bounded"),
+        data,
+        out,
+        BatchOptions(seed=0, steps=STEPS, batch_size=32, min_sep=2, max_batch_size=64),
+    )
+    return directory, out, data
+
+
+def tags(directory: str) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files directly in `directory`: tag -> [(step, value)]."""
+    found: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "events.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, float(tf.make_ndarray(value.tensor))))
+    return found
+
+
+def weights(output: str) -> list[np.ndarray]:
+    import tf_keras
+
+    return tf_keras.models.load_model(os.path.join(output, "model.keras"), compile=False).get_weights()
+
+
+def test_learning_rate_schedules():
+    def rates(schedule, warmup=0):
+        options = TrainOptions(mechanism="none", lr_schedule=schedule, warmup_steps=warmup, learning_rate=0.4)
+        return [learning_rate_at(t, 10, options) for t in range(10)]
+
+    assert rates("constant") == [0.4] * 10
+    assert rates("cosine")[0] == 0.4 and rates("cosine")[5] == pytest.approx(0.2)
+    assert all(a > b for a, b in zip(rates("cosine"), rates("cosine")[1:]))
+    warm = rates("warmup-cosine", warmup=4)
+    assert warm[:5] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
+    assert warm[7] == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
+    with pytest.raises(InputError, match="--warmup-steps"):
+        TrainOptions(mechanism="none", warmup_steps=3)
+    with pytest.raises(InputError, match="--lr-schedule"):
+        TrainOptions(mechanism="none", lr_schedule="step")
+
+
+def test_optimizer_learning_rate_follows_the_schedule(batches, monkeypatch):
+    directory, out, _ = batches
+    seen: list[float] = []
+    original = trainer.set_learning_rate
+
+    def recording(optimizer, value):
+        original(optimizer, value)
+        seen.append(float(optimizer.learning_rate.numpy()))  # what apply_gradients reads
+
+    monkeypatch.setattr(trainer, "set_learning_rate", recording)
+    options = TrainOptions(
+        noise_multiplier=1.0, bands=2, noise_seed=1, lr_schedule="warmup-cosine", warmup_steps=3, eval_every=4
+    )
+    result = trainer.train(out, str(directory / "scheduled"), options)
+    assert seen == pytest.approx([learning_rate_at(t, STEPS, options) for t in range(STEPS)], rel=1e-6)
+    assert result["lr_schedule"] == "warmup-cosine" and result["warmup_steps"] == 3
+    logged = tags(str(directory / "scheduled" / "logs"))["train/learning_rate"]
+    assert [step for step, _ in logged] == [4, 8, 12]
+
+
+def test_published_outputs_carry_no_internal_scalars(batches):
+    directory, out, data = batches
+    output = str(directory / "scalars")
+    options = TrainOptions(noise_multiplier=1.0, bands=2, eval_data=data, eval_every=4, internal_scalars=True)
+    trainer.train(out, output, options)
+    internal = tags(os.path.join(output, "internal", "logs"))
+    assert set(internal) == INTERNAL_TAGS and [s for s, _ in internal["train/loss"]] == [4, 8, 12]
+    assert all(0 <= v <= 1 for _, v in internal["train/clipped_fraction"])
+    assert "INTERNAL" in open(os.path.join(output, "internal", "NOTICE.txt")).read()
+    # Nothing outside internal/ holds an internal scalar: neither the TensorBoard logs nor the JSON files.
+    published = tags(os.path.join(output, "logs"))
+    assert set(published) == {"eval/loss", "eval/accuracy", "privacy/epsilon_spent"}
+    for path in glob.glob(os.path.join(output, "**", "*"), recursive=True):
+        if os.path.isfile(path) and not os.path.relpath(path, output).startswith("internal"):
+            if path.endswith(".json"):
+                assert not any(tag.split("/")[1] in open(path).read() for tag in INTERNAL_TAGS - {"train/loss"})
+            elif "events" in os.path.basename(path):
+                assert not set(tags(os.path.dirname(path))) & INTERNAL_TAGS
+    # Epsilon spent grows with the steps and, after T, is the plan's (up to the coarser PLD grid).
+    spent = [v for _, v in published["privacy/epsilon_spent"]]
+    plan = stated_plan(json.load(open(os.path.join(output, "privacy.json"))))
+    assert plan is not None and spent == sorted(spent) and spent[-1] == pytest.approx(plan.epsilon, rel=0.05)
+    assert spent[-1] == pytest.approx(epsilon_spent(plan, STEPS), rel=1e-6)
+
+
+def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batches, monkeypatch):
+    directory, out, data = batches
+    options = TrainOptions(
+        noise_multiplier=1.0, bands=2, noise_seed=5, checkpoint_every=4, eval_data=data, eval_every=4
+    )
+    whole = str(directory / "whole")
+    trainer.train(out, whole, options)
+    assert not os.path.exists(os.path.join(whole, "internal", "checkpoints"))  # removed when done
+
+    # Interrupted after step 6: the checkpoint of step 4 remains, steps 5 and 6 are lost (never published).
+    cut = str(directory / "cut")
+    progress_update = trainer.Progress.update
+
+    def crash(self, done, *args):
+        if done == 6:
+            raise KeyboardInterrupt
+        progress_update(self, done, *args)
+
+    monkeypatch.setattr(trainer.Progress, "update", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(out, cut, options)
+    monkeypatch.setattr(trainer.Progress, "update", progress_update)
+    checkpoints = os.path.join(cut, "internal", "checkpoints")
+    assert json.load(open(os.path.join(checkpoints, "state.json")))["step"] == 4
+    key = key_tensor(SecretKey.from_seed(5, "training noise")).numpy()
+    checkpoint = tf.train.latest_checkpoint(checkpoints)
+    for name, _ in tf.train.list_variables(checkpoint):
+        assert "key" not in name.lower()
+        value = tf.train.load_variable(checkpoint, name)
+        assert not (np.shape(value) == key.shape and np.array_equal(value, key))
+    with pytest.raises(InputError, match="--resume"):  # a fresh run would lose track of the interrupted one
+        trainer.train(out, cut, options)
+
+    # Resumed with the interrupted run's own key, the result is the uninterrupted model: the checkpoint
+    # holds all the state (model, optimizer, BandMF history, noise step).
+    same_key = str(directory / "same-key")
+    shutil.copytree(cut, same_key)
+    for_run = SecretKey.for_run
+    monkeypatch.setattr(api.SecretKey, "for_run", lambda seed, purpose, option: for_run(seed, "training noise", option))
+    trainer.train(out, same_key, TrainOptions(**{**vars(options), "resume": True}))
+    monkeypatch.setattr(api.SecretKey, "for_run", for_run)
+    for a, b in zip(weights(whole), weights(same_key)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    # As madp resumes: a new key for the remaining steps, so their noise (and the model) differ.
+    result = trainer.train(out, cut, TrainOptions(**{**vars(options), "resume": True}))
+    assert result["steps"] == STEPS and result["resumed_at"] == 4
+    assert [m["step"] for m in result["eval"]] == [4, 8, 12]
+    assert not all(np.allclose(a, b) for a, b in zip(weights(whole), weights(cut)))
+    assert not os.path.exists(checkpoints)
+    with pytest.raises(InputError, match="no checkpoint"):
+        trainer.train(out, cut, TrainOptions(**{**vars(options), "resume": True}))
+
+
+def test_resumed_step_counts_from_the_checkpoint_and_draws_other_noise(batches):
+    _, out, _ = batches
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    plan = api.calibrate(api.open_batches(out), noise_multiplier=1.0, bands=2)
+    model, loss = build_model("logreg", 8)
+    first = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, noise_seed=5)
+    resumed = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, noise_seed=5, resumed_at=10)
+    assert resumed.steps_taken == 10 and first.query._clipping._key != resumed.query._clipping._key
+    x, y, w = np.zeros((2, 8), np.float32), np.zeros(2, np.float32), np.ones(2, np.float32)
+    resumed(x, y, w)
+    resumed(x, y, w)
+    with pytest.raises(InputError, match="12 steps"):
+        resumed(x, y, w)
+
+
+def test_step_statistics_measure_the_records_with_weight():
+    import tf_keras
+
+    from madp.training.clipping import per_example_gradients
+    from madp.training.long_training import step_statistics
+    from madp.training.tasks import build_model
+
+    tf_keras.utils.set_random_seed(0)
+    model, loss = build_model("logreg", 4)
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32) * 3
+    y = np.array([0, 1, 0, 1, 1, 0], np.float32)
+    weight = np.array([1, 1, 1, 1, 0, 0], np.float32)  # two padding rows: not records
+    norms = np.sqrt(
+        sum(np.sum(np.reshape(g, (6, -1)) ** 2, axis=1) for g in per_example_gradients(model, loss, x, y, weight))
+    )
+    stats = step_statistics(model, loss, x, y, weight, None, clip_norm=float(np.median(norms[:4])))
+    assert stats["gradient_norm_mean"] == pytest.approx(norms[:4].mean(), rel=1e-5)
+    assert stats["clipped_fraction"] == 0.5
+    assert stats["loss"] == pytest.approx(float(np.sum(loss(y, model(x)).numpy() * weight)) / 4, rel=1e-5)
+    assert step_statistics(model, loss, x[:0], y[:0], weight[:0], None, 1.0)["loss"] == 0.0
+
+
+def test_cli_takes_the_long_job_options(batches):
+    from madp.cli import main
+
+    directory, out, _ = batches
+    output = str(directory / "cli")
+    command = ["-q", "train", out, output, "--noise-multiplier", "1", "--bands", "2", "--noise-seed", "1"]
+    long = ["--lr-schedule", "cosine", "--checkpoint-every", "5", "--internal-scalars", "--eval-every", "6"]
+    assert main([*command, *long]) == 0
+    assert json.load(open(os.path.join(output, "metrics.json")))["lr_schedule"] == "cosine"
+    assert set(tags(os.path.join(output, "internal", "logs"))) == INTERNAL_TAGS

@@ -1,0 +1,178 @@
+"""What a long `madp train` job needs: TensorBoard scalars (published and internal), learning-rate
+schedules, and checkpoints a job resumes from.
+
+Published vs internal, as everywhere in madp: only what the guarantee covers, or what is a function of
+public parameters, may be published. `epsilon_spent` is a function of the plan alone (public), so it
+goes to OUTPUT/logs/ beside the evaluation scalars. The training loss, the clipped fraction and the
+gradient norms are computed from the training rows without noise, so one user's records can move
+them: they go to OUTPUT/internal/ only. So do the checkpoints, which hold BandMF's last noise vectors
+(with them and two consecutive models one could strip the noise off a step's gradient sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from madp.accounting.calibrate import epsilon
+from madp.accounting.mechanisms import BandMf
+from madp.core import storage
+from madp.core.errors import InputError
+from madp.training import load_tensorflow
+from madp.training.options import TrainOptions
+from madp.training.plan import PrivacyPlan
+
+tf = load_tensorflow()
+
+INTERNAL_DIR = "internal"  # OUTPUT/internal/: never published (see NOTICE)
+NOTICE = """INTERNAL - do not publish this folder.
+
+logs/: TensorBoard scalars computed from the training rows without noise (training loss, fraction of
+clipped gradients, per-example gradient norms). No privacy guarantee covers them: one user's records
+can move them.
+checkpoints/: the model, the optimizer and, for BandMF, the last noise vectors of the mechanism. Those
+noise vectors are as secret as the noise key: with them one can remove the noise from released steps.
+(The noise key itself is never written; a resumed run draws a fresh one.)
+
+What may be published: model.keras, metrics.json, privacy.json and logs/ (evaluation scalars and
+privacy/epsilon_spent, a function of the public plan only).
+"""
+
+
+def internal_path(output: str, *parts: str) -> str:
+    """A path under OUTPUT/internal/, whose NOTICE says it is never published (written on first use)."""
+    notice = storage.join(output, INTERNAL_DIR, "NOTICE.txt")
+    if storage.kind(notice) == "missing":
+        storage.write_text(notice, NOTICE)
+    return storage.join(output, INTERNAL_DIR, *parts)
+
+
+# --- learning rate ------------------------------------------------------------------------------
+
+
+def learning_rate_at(step: int, steps: int, options: TrainOptions) -> float:
+    """The learning rate of step `step` (0-based) of `steps` (--lr-schedule): constant; cosine decay
+    from --learning-rate to 0; or a linear warmup over --warmup-steps to it, then cosine decay over the
+    rest. A function of public settings and the step index only."""
+    base, schedule = options.learning_rate, options.lr_schedule
+    if schedule == "constant":
+        return base
+    warmup = options.warmup_steps if schedule == "warmup-cosine" else 0
+    if step < warmup:
+        return base * (step + 1) / warmup
+    span = max(steps - warmup, 1)
+    return base * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / span))
+
+
+def set_learning_rate(optimizer, value: float) -> None:
+    """Assign the optimizer's learning-rate variable (tf_keras and Keras 3 both hold one; the step's
+    tf.function reads it, so no retrace)."""
+    optimizer.learning_rate.assign(value)
+
+
+# --- scalars ------------------------------------------------------------------------------------
+
+
+def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:
+    """The epsilon, at the plan's target delta and sigma, of the first `steps` steps alone: the plan's
+    mechanism accounted for `steps` steps (PLD on a 10x coarser grid, still an upper bound). Public: a
+    function of the plan only. A Monte Carlo plan (bandmf-minsep) is accounted by its formal,
+    unamplified fallback (`formal_mechanism`); a composition with earlier trainings is not included."""
+    mechanism = plan.formal_mechanism
+    if isinstance(mechanism, BandMf):  # fewer steps: fewer participations fit at this min-sep
+        most = 1 + (steps - 1) // mechanism.min_sep
+        mechanism = dataclasses.replace(
+            mechanism, steps=steps, max_participations=min(mechanism.max_participations, most)
+        )
+    else:
+        mechanism = dataclasses.replace(mechanism, steps=steps)
+    return epsilon(mechanism, plan.noise_multiplier, plan.target_delta, discretization=1e-2)
+
+
+def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray | None, clip_norm: float) -> dict:
+    """INTERNAL diagnostics of one step's rows, before its update: the mean weighted loss, and over the
+    step's records (users, for user-level clipping) with weight the mean per-example gradient norm and
+    the fraction above `clip_norm`. No noise: never publish them. The model runs in inference mode, so
+    computing them draws no randomness (dropout) and leaves the training itself unchanged."""
+    if not len(weight):  # an empty step: nothing to measure
+        return {"loss": 0.0, "gradient_norm_mean": 0.0, "clipped_fraction": 0.0}
+    w = tf.constant(weight, tf.float32)
+
+    def one(example):
+        xi, yi, wi = example
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(tf.nest.map_structure(lambda t: t[None], xi), training=False))[0] * wi
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    losses, gradients = tf.vectorized_map(one, (x, tf.constant(y), w))
+    if groups is not None:  # the record of a user: the average gradient of its rows, as the step clips it
+        count = len(weight)
+        totals = tf.math.unsorted_segment_sum(w, groups, count)
+        gradients = [
+            tf.math.unsorted_segment_sum(g, groups, count)
+            / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
+            for g in gradients
+        ]
+        present = totals.numpy() > 0
+    else:
+        present = weight > 0
+    squares = sum(tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in gradients)
+    norms = np.sqrt(np.asarray(squares))[present]
+    total = float(weight.sum())
+    return {
+        "loss": float(tf.reduce_sum(losses)) / total if total else 0.0,
+        "gradient_norm_mean": float(norms.mean()) if len(norms) else 0.0,
+        "clipped_fraction": float((norms > clip_norm).mean()) if len(norms) else 0.0,
+    }
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+class Checkpoints:
+    """OUTPUT/internal/checkpoints/: model, optimizer, the step reached and, for a private step, the
+    query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
+    state.json beside them holds the step, the evaluations so far and the (public) plan a resume must
+    match.
+
+    Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
+    draw z_t from a fresh key K2 (keyed by (K2, t)), so every z_t is still an independent N(0, sigma^2)
+    draw and none is reused; BandMF's w_t = (z_t - sum c_j w_{t-j}) / c_0 continues from the restored
+    history, so the noise is C^-1 z as accounted. Steps the interrupted run computed after its last
+    checkpoint are re-done with other noise, which is safe only because nothing from them was released:
+    every evaluation (the published scalars) is preceded by a checkpoint at the same step."""
+
+    def __init__(self, output: str, model, optimizer, step) -> None:
+        self.directory = internal_path(output, "checkpoints")
+        self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
+        objects = {"model": model, "optimizer": optimizer, "steps_done": self.step_var}
+        state = getattr(step, "_state", None)
+        if state is not None:  # the noise key is deliberately not among these
+            objects["noise_step"] = state.step
+            objects["noise_history"] = list(tf.nest.flatten(getattr(state, "history", ())))
+        self.checkpoint = tf.train.Checkpoint(**objects)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=2)
+        self.state_file = storage.join(self.directory, "state.json")
+
+    def exists(self) -> bool:
+        return storage.kind(self.state_file) == "file"
+
+    def save(self, done: int, metrics: list[dict], plan: PrivacyPlan | None) -> None:
+        self.step_var.assign(done)
+        path = self.manager.save(checkpoint_number=done)
+        state = {"step": done, "checkpoint": path, "eval": metrics, "plan": None if plan is None else plan.to_json()}
+        storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))  # after the files it names
+
+    def restore(self, plan: PrivacyPlan | None) -> dict:
+        """Restore the last checkpoint; its state.json. Refused unless it was written under the same plan."""
+        if not self.exists():
+            raise InputError(f"--resume: no checkpoint in {self.directory} (train with --checkpoint-every N)")
+        state = json.loads(storage.read_text(self.state_file))
+        stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
+        if state["plan"] != stated:
+            raise InputError(f"--resume: {self.directory} was written under another privacy plan; train afresh")
+        self.checkpoint.restore(state["checkpoint"]).assert_existing_objects_matched()
+        return state
