@@ -129,7 +129,23 @@ def test_published_outputs_carry_no_internal_scalars(batches):
     spent = [v for _, v in published["privacy/epsilon_spent"]]
     plan = stated_plan(json.load(open(os.path.join(output, "privacy.json"))))
     assert plan is not None and spent == sorted(spent) and spent[-1] == pytest.approx(plan.epsilon, rel=0.05)
+    assert spent[-1] >= plan.epsilon  # the coarser grid only adds
     assert spent[-1] == pytest.approx(epsilon_spent(plan, STEPS), rel=1e-6)
+
+
+def test_epsilon_spent_pairs_with_the_plans_delta_truncation_share_included(batches):
+    """Amplified DP-SGD on truncated batches: the mechanism gets delta less truncation's share, so
+    epsilon spent after T steps is the plan's, never below it."""
+    directory, _, data = batches
+    poisson = str(directory / "poisson")  # min-sep 1, truncated to B_max 68: amplified DP-SGD
+    batch_local(
+        str(directory / "bounded"), data, poisson, BatchOptions(seed=0, steps=50, batch_size=32, max_batch_size=68)
+    )
+    plan = api.calibrate(api.open_batches(poisson), epsilon=2.0, delta=1e-5)
+    assert plan.truncation_delta > 0
+    assert plan.mechanism == "dpsgd"
+    assert epsilon_spent(plan, 50) == pytest.approx(plan.epsilon, rel=0.01)
+    assert epsilon_spent(plan, 50) >= plan.epsilon  # at the whole delta it was 1.959 against 1.998
 
 
 def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batches, monkeypatch):
@@ -236,3 +252,11 @@ def test_cli_takes_the_long_job_options(batches):
     assert main([*command, *long]) == 0
     assert json.load(open(os.path.join(output, "metrics.json")))["lr_schedule"] == "cosine"
     assert set(tags(os.path.join(output, "internal", "logs"))) == INTERNAL_TAGS
+
+
+def test_a_new_training_into_an_output_holding_another_trainings_logs_is_refused(batches):
+    directory, out, _ = batches
+    output = str(directory / "twice")
+    trainer.train(out, output, TrainOptions(mechanism="none"))
+    with pytest.raises(InputError, match="holds the logs of an earlier training"):
+        trainer.train(out, output, TrainOptions(noise_multiplier=1.0, bands=2, retrain=True))

@@ -15,11 +15,14 @@ pytest.importorskip("tensorflow")
 from conftest import write_records  # noqa: E402
 
 from madp.cli import main  # noqa: E402
+from madp.core.errors import InputError  # noqa: E402
+from madp.core.randomness import SecretKey  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.training import calibrate, make_private, open_batches, read_steps  # noqa: E402
+from madp.training.queries import DpSgdQuery  # noqa: E402
 from madp.training.tasks import Feature, ModelSchema, user_model  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
@@ -151,8 +154,6 @@ def test_make_private_trains_a_keras3_model_on_two_inputs(data):
     # The wrong Keras's optimizer is refused by name, not with an AttributeError deep in TensorFlow.
     import tf_keras
 
-    from madp.core.errors import InputError
-
     with pytest.raises(InputError, match="Keras 3 model.*keras.optimizers"):
         make_private(model, loss, tf_keras.optimizers.SGD(0.5), calibrate(batches, epsilon=8))
 
@@ -195,3 +196,20 @@ def test_evaluation_follows_the_task_not_binary_labels():
         "",
         *["label not in 0..3"] * 2,
     ]
+
+
+def test_a_trainable_batch_normalization_is_refused_in_private_steps(data):
+    """It normalizes each row by the whole step's statistics and keeps them without noise."""
+    import tf_keras
+
+    from madp.training.steps import PrivateStep
+
+    def model(trainable: bool):
+        normalize = tf_keras.layers.BatchNormalization(center=False, scale=False)
+        normalize.trainable = trainable
+        return tf_keras.Sequential([tf_keras.layers.Input((4,)), normalize, tf_keras.layers.Dense(1)])
+
+    query = DpSgdQuery(1.0, 1.0, SecretKey.for_run(0, "test noise", "--noise-seed"))
+    with pytest.raises(InputError, match="BatchNormalization .* no DP guarantee covers"):
+        PrivateStep(model(True), None, tf_keras.optimizers.SGD(0.1), query, 10.0)
+    PrivateStep(model(False), None, tf_keras.optimizers.SGD(0.1), query, 10.0)  # frozen: inference only

@@ -77,9 +77,11 @@ def set_learning_rate(optimizer, value: float) -> None:
 
 
 def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:
-    """The epsilon, at the plan's target delta and sigma, of the first `steps` steps alone: the plan's
-    mechanism accounted for `steps` steps (PLD on a 10x coarser grid, still an upper bound). Public: a
-    function of the plan only. A Monte Carlo plan (bandmf-minsep) is accounted by its formal,
+    """The epsilon of the first `steps` steps alone, at the plan's sigma and at the delta the plan gives
+    its mechanism (`plan.delta` less the truncation share), so that it pairs with `plan.delta`: the
+    truncation share of fewer steps at a smaller epsilon is no larger. The plan's mechanism accounted
+    for `steps` steps (PLD on a 10x coarser grid, still an upper bound). Public: a function of the
+    plan only. A Monte Carlo plan (bandmf-minsep) is accounted by its formal,
     unamplified fallback (`formal_mechanism`); a composition with earlier trainings is not included."""
     mechanism = plan.formal_mechanism
     if isinstance(mechanism, BandMf):  # fewer steps: fewer participations fit at this min-sep
@@ -89,7 +91,7 @@ def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:
         )
     else:
         mechanism = dataclasses.replace(mechanism, steps=steps)
-    return epsilon(mechanism, plan.noise_multiplier, plan.target_delta, discretization=1e-2)
+    return epsilon(mechanism, plan.noise_multiplier, plan.delta - plan.truncation_delta, discretization=1e-2)
 
 
 def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray | None, clip_norm: float) -> dict:

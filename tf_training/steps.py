@@ -72,6 +72,7 @@ class PrivateStep:
         self.expected = expected_batch_size
         self.user_level = user_level
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
+        _refuse_batch_statistics(model)
         blocking = unsupported_layers(model) if fast and not user_level else []
         if blocking:
             log.warning(
@@ -137,6 +138,24 @@ class PrivateStep:
         noised, state, _ = self.query.get_noised_result(summed, state)
         tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
         return [g / self.expected for g in noised]
+
+
+def _refuse_batch_statistics(model) -> None:
+    """A trainable BatchNormalization (tf_keras or Keras 3) normalizes each row by the statistics of the
+    whole step and updates its moving statistics from them: both escape clipping and noise (one record
+    moves every row's gradient, and the moving statistics are a noiseless function of the data written
+    to the model), so no guarantee covers such a model. Frozen ones (trainable False) run in inference."""
+    found = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False, recursive=True)  # tf_keras and Keras 3 alike
+        if any(cls.__name__ == "BatchNormalization" for cls in type(layer).__mro__) and layer.trainable
+    ]
+    if found:
+        raise InputError(
+            f"model {model.name}: BatchNormalization {found} mixes the rows of a step and keeps statistics of "
+            f"them without noise, which no DP guarantee covers: use LayerNormalization (per row), or freeze it "
+            f"(trainable = False)"
+        )
 
 
 class NonPrivateStep:

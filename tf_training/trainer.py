@@ -91,9 +91,14 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> int:
     if not options.resume:
         if found:
             raise InputError(
-                f"{output} holds a checkpoint of an interrupted training: pass --resume, or remove "
-                f"{storage.join(output, INTERNAL_DIR, 'checkpoints')} to train afresh (a new training on "
-                f"these batches composes with what the interrupted one released)"
+                f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it. Its "
+                f"evaluations in logs/ were released as it ran, and the batches' ledger records a training "
+                f"only once it finishes, so a new training would not compose with them"
+            )
+        if storage.kind(storage.join(output, "logs")) != "missing":
+            raise InputError(
+                f"{output} holds the logs of an earlier training (published with its model): train into a "
+                f"new OUTPUT, so that no folder mixes two trainings' figures"
             )
         return 0
     if not found:
