@@ -56,6 +56,19 @@ def per_example_gradients(model, loss_fn, x, y, weight):
     return tf.vectorized_map(one, (x, y, weight))
 
 
+def user_averages(gradients, weight, groups):
+    """User-level clipping's records: per group (user), the average of its rows' per-example
+    `gradients` by their `weight`, and the group's total weight (0 for a group no row has)."""
+    count = tf.shape(weight)[0]  # static where shapes are (TPU): groups < rows
+    totals = tf.math.unsorted_segment_sum(weight, groups, count)
+    averages = [
+        tf.math.unsorted_segment_sum(g, groups, count)
+        / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
+        for g in gradients
+    ]
+    return averages, totals
+
+
 def bag_weight_squares(bag: EmbeddingBag, ids):
     """sum_v c_iv^2 per row, c_iv the summed weight of id v in row i. The bag weighs every id of a row
     alike (w_i), so c_iv = w_i k_iv with k_iv the copies of v, and sum_v k_v^2 = sum_t (2 r_t + 1)

@@ -22,6 +22,7 @@ from madp.accounting.mechanisms import BandMf
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
+from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan
 
@@ -111,13 +112,7 @@ def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray
 
     losses, gradients = tf.vectorized_map(one, (x, tf.constant(y), w))
     if groups is not None:  # the record of a user: the average gradient of its rows, as the step clips it
-        count = len(weight)
-        totals = tf.math.unsorted_segment_sum(w, groups, count)
-        gradients = [
-            tf.math.unsorted_segment_sum(g, groups, count)
-            / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
-            for g in gradients
-        ]
+        gradients, totals = user_averages(gradients, w, groups)
         present = totals.numpy() > 0
     else:
         present = weight > 0

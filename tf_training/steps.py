@@ -10,7 +10,7 @@ import numpy as np
 
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
-from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers
+from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers, user_averages
 from madp.training.options import TrainOptions
 from madp.training.queries import clip_and_sum
 
@@ -126,13 +126,7 @@ class PrivateStep:
         else:
             per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
             if self.user_level:  # the ULS record of a user: the average gradient of its rows
-                count = tf.shape(weight)[0]  # static where shapes are (TPU): groups < rows
-                totals = tf.math.unsorted_segment_sum(weight, groups, count)
-                per_example = [
-                    tf.math.unsorted_segment_sum(g, groups, count)
-                    / tf.reshape(tf.maximum(totals, 1.0), [-1] + [1] * (len(g.shape) - 1))
-                    for g in per_example
-                ]
+                per_example, _ = user_averages(per_example, weight, groups)
             summed = clip_and_sum(params, per_example)
         summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
         noised, state, _ = self.query.get_noised_result(summed, state)
