@@ -260,3 +260,129 @@ def test_a_new_training_into_an_output_holding_another_trainings_logs_is_refused
     trainer.train(out, output, TrainOptions(mechanism="none"))
     with pytest.raises(InputError, match="holds the logs of an earlier training"):
         trainer.train(out, output, TrainOptions(noise_multiplier=1.0, bands=2, retrain=True))
+
+
+# --- the trainings ledger: a training counts from its first step ---------------------------------
+
+
+def fresh_copy(out: str, directory) -> str:
+    """A copy of the batches whose ledger holds no training yet (this module's trainings stay apart)."""
+    copy = str(directory / "batches")
+    shutil.copytree(out, copy)
+    if os.path.exists(os.path.join(copy, "trainings.jsonl")):
+        os.remove(os.path.join(copy, "trainings.jsonl"))
+    return copy
+
+
+def ledger(batches_dir: str) -> list[dict]:
+    path = os.path.join(batches_dir, "trainings.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def crash_at(monkeypatch, step: int) -> None:
+    update = trainer.Progress.update
+
+    def crash(self, done, *args):
+        if done == step:
+            raise KeyboardInterrupt
+        update(self, done, *args)
+
+    monkeypatch.setattr(trainer.Progress, "update", crash)
+
+
+def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_path, monkeypatch):
+    """Interrupted at step 6 without a checkpoint: the evaluation of step 4 was published, so the
+    training is in the ledger since its first step and the next training states their composition."""
+    _, out, data = batches
+    copy = fresh_copy(out, tmp_path)
+    options = TrainOptions(noise_multiplier=1.0, bands=2, eval_data=data, eval_every=4)
+    cut = str(tmp_path / "cut")
+    crash_at(monkeypatch, 6)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, options)
+    monkeypatch.undo()
+    assert tags(os.path.join(cut, "logs"))["eval/loss"][0][0] == 4, "step 4's evaluation is published"
+    [entry] = ledger(copy)
+    assert (entry["output"], entry["state"], entry["noise_multiplier"]) == (cut, "started", 1.0)
+
+    after = trainer.train(copy, str(tmp_path / "after"), options)["privacy"]
+    assert after["composition"]["trainings"] == 2 and after["composition"]["outputs"] == [cut]
+    assert after["epsilon"] > after["single_training"]["epsilon"]
+    assert [t["state"] for t in ledger(copy)] == ["started", "finished"]
+
+
+def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypatch):
+    _, out, data = batches
+    copy = fresh_copy(out, tmp_path)
+    options = TrainOptions(noise_multiplier=1.0, bands=2, checkpoint_every=4, eval_data=data, eval_every=4)
+    cut = str(tmp_path / "cut")
+    crash_at(monkeypatch, 6)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, options)
+    monkeypatch.undo()
+    [started] = ledger(copy)
+    resumed = trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
+    assert "composition" not in resumed["privacy"], "a resumed training is not composed with itself"
+    [finished] = ledger(copy)
+    assert finished["training"] == started["training"] and finished["state"] == "finished"
+
+
+def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(batches, tmp_path):
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    output = str(tmp_path / "model")
+    trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))
+    shutil.rmtree(output)  # the first model may have been published already: it still counts
+    again = trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))["privacy"]
+    assert again["composition"]["trainings"] == 2
+    assert len({t["training"] for t in ledger(copy)}) == 2
+
+
+def test_api_trainings_enter_the_ledger_at_their_first_step_and_compose(batches, tmp_path):
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
+    assert plan.trained_on == copy
+
+    def train(**settings):
+        model, loss = build_model("logreg", 8)
+        step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, **settings)
+        for rows in api.read_steps(batches_, ["features", "label"]):
+            step(rows["features"], rows["label"], rows["weight"])
+        return step
+
+    model, loss = build_model("logreg", 8)
+    api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)  # made, never stepped: not a training
+    seeded = train(noise_seed=1)  # not private: neither entered nor composed
+    assert ledger(copy) == [] and seeded.plan.composition is None
+    first = train()
+    [entry] = ledger(copy)
+    assert (entry["training"], entry["output"], entry["state"]) == (first.training, "Python API", "finished")
+    second = train(output="sweep/2")
+    assert second.plan.composition is not None and second.plan.composition.trainings == 2
+    assert second.own_plan.epsilon == first.plan.epsilon < second.plan.epsilon
+    assert [t["output"] for t in ledger(copy)] == ["Python API", "sweep/2"]
+
+
+def test_a_second_api_training_on_secret_batches_is_refused_unless_retrain(batches, tmp_path):
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    directory, _, data = batches
+    secret = str(tmp_path / "secret")  # Poisson batches from a fresh key: amplified DP-SGD relies on it
+    batch_local(str(directory / "bounded"), data, secret, BatchOptions(steps=STEPS, batch_size=32))
+    plan = api.calibrate(api.open_batches(secret), noise_multiplier=1.0)
+    assert plan.relies_on_secret_sampling
+    model, loss = build_model("logreg", 8)
+    first = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    first(np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))  # one step: it counts
+    with pytest.raises(InputError, match="re-uses it"):
+        api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    again = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, retrain=True)
+    assert again.plan.composition is not None and again.plan.epsilon > 2 * plan.epsilon

@@ -4,7 +4,8 @@ The Python API, on the batches `madp bound` and `madp batch` (or the `madp.beam`
 `open_batches` reads them, `read_steps` gives their steps in order, `calibrate` computes the privacy
 plan (mechanism, sigma, epsilon, delta) of training on them, and `make_private` turns a Keras model,
 a per-row loss and an optimizer into the private step of that plan (`make_non_private`: a baseline).
-`madp train` is this loop with evaluation, outputs and the trainings ledger around it::
+`madp train` is this loop with evaluation and outputs around it; the private step enters its training
+in the batches' trainings ledger and composes with the earlier ones there::
 
     from madp.training import calibrate, load_tensorflow, make_private, open_batches, read_steps
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions
-from madp.training.plan import PrivacyPlan, plan_for
+from madp.training.plan import FINISHED, STARTED, PrivacyPlan, composed_plan, plan_for, record_training
 from madp.training.queries import BandMfQuery, DpSgdQuery
 from madp.training.steps import NonPrivateStep, PrivateStep
 
@@ -72,15 +73,27 @@ def calibrate(batches: Batches, options: TrainOptions | None = None, **settings:
 class PrivateTrainingStep(PrivateStep):
     """A private training step (`make_private`): `step(x, y, weight)` trains on one step's rows (`users=`
     each row's user too, for user-sampled batches); `plan` is the plan it trains under, with `noise`
-    (where the noise comes from) and `private` (whether the model will hold the plan's guarantee) set.
+    (where the noise comes from), `private` (whether the model will hold the plan's guarantee) and any
+    composition with earlier trainings on the same batches set; `own_plan` is this training's alone.
     Each call is the next step: its noise is keyed by the step's index, BandMF's depends on the steps
-    before.
+    before. `training` is its id in the batches' trainings ledger, which it enters at its first step.
 
     >>> step(x, y, weight)
     >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
     """
 
-    def __init__(self, model, loss, optimizer, query, plan: PrivacyPlan, strategy=None):
+    def __init__(
+        self,
+        model,
+        loss,
+        optimizer,
+        query,
+        plan: PrivacyPlan,
+        own_plan: PrivacyPlan,
+        training: str,
+        output: str,
+        strategy=None,
+    ):
         super().__init__(
             model,
             loss,
@@ -91,7 +104,11 @@ class PrivateTrainingStep(PrivateStep):
             strategy=strategy,
         )
         self.plan = plan
+        self.own_plan = own_plan
+        self.training = training
+        self.output = output  # what the ledger says the training writes
         self.steps_taken = 0
+        self._entered = False
 
     def apply(self, x, y, weight, groups) -> None:
         """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""
@@ -108,7 +125,17 @@ class PrivateTrainingStep(PrivateStep):
                 f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
                 f"would release more than its guarantee covers: calibrate for more steps (other batches)"
             )
+        if not self._entered:  # before anything of this training can be released
+            self._enter(STARTED)
         self.steps_taken += 1
+        if self.steps_taken == self.plan.steps:
+            self._enter(FINISHED)
+
+    def _enter(self, state: str) -> None:
+        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee)."""
+        self._entered = True
+        if self.plan.private and self.plan.trained_on:
+            record_training(self.plan.trained_on, self.training, self.output, self.own_plan, state)
 
 
 def make_private(
@@ -121,6 +148,9 @@ def make_private(
     strategy=None,
     testing_noise_scale: float = 1.0,
     resumed_at: int = 0,
+    training: str | None = None,
+    output: str = "Python API",
+    retrain: bool = False,
 ) -> PrivateTrainingStep:
     """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
     loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
@@ -142,7 +172,15 @@ def make_private(
     `resumed_at=k` continues a training whose first k steps ran in an earlier step object (restore its
     checkpoint into the model, optimizer and the step's noise state): the step counts from k, and its
     noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a key
-    derived from the seed and k, reproducible for tests).
+    derived from the seed and k, reproducible for tests); pass `training=` the interrupted step's
+    `training` id, so that its ledger entry is continued rather than composed with.
+
+    The trainings ledger (`BATCHES/trainings.jsonl`): a private step enters its training there before
+    its first step (as `output`, e.g. where the model will be written) and marks it finished at step T.
+    A step made on batches that earlier private trainings used, finished or interrupted, states the
+    composition of all of them as `step.plan`'s (epsilon, delta) (`step.own_plan`: this training
+    alone); where the plan relies on the secret sampling, which a second training re-uses, it is
+    refused unless `retrain=True`. Seeded or scaled noise (not private) is neither entered nor composed.
 
     >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
     >>> for rows in read_steps(batches, ["features", "label"]):
@@ -182,7 +220,9 @@ def make_private(
             [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         )
     )
-    step = PrivateTrainingStep(model, loss, optimizer, query, plan, strategy)
+    training = training or uuid.uuid4().hex
+    released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
+    step = PrivateTrainingStep(model, loss, optimizer, query, released, plan, training, output, strategy)
     step.steps_taken = resumed_at
     return step
 

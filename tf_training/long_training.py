@@ -132,8 +132,8 @@ def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray
 class Checkpoints:
     """OUTPUT/internal/checkpoints/: model, optimizer, the step reached and, for a private step, the
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
-    state.json beside them holds the step, the evaluations so far and the (public) plan a resume must
-    match.
+    state.json beside them holds the step, the evaluations so far, the (public) plan a resume must
+    match and the training's id in the batches' ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
     draw z_t from a fresh key K2 (keyed by (K2, t)), so every z_t is still an independent N(0, sigma^2)
@@ -153,6 +153,7 @@ class Checkpoints:
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=2)
         self.state_file = storage.join(self.directory, "state.json")
+        self.training = getattr(step, "training", None)
 
     def exists(self) -> bool:
         return storage.kind(self.state_file) == "file"
@@ -160,7 +161,13 @@ class Checkpoints:
     def save(self, done: int, metrics: list[dict], plan: PrivacyPlan | None) -> None:
         self.step_var.assign(done)
         path = self.manager.save(checkpoint_number=done)
-        state = {"step": done, "checkpoint": path, "eval": metrics, "plan": None if plan is None else plan.to_json()}
+        state = {
+            "step": done,
+            "checkpoint": path,
+            "eval": metrics,
+            "plan": None if plan is None else plan.to_json(),
+            "training": self.training,
+        }
         storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))  # after the files it names
 
     def restore(self, plan: PrivacyPlan | None) -> dict:

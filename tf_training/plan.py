@@ -327,6 +327,7 @@ class PrivacyPlan:
     private: bool | None = None  # privacy.json: whether the model holds the guarantee (fresh noise and sampling)
     single_training: Guarantee | None = None  # privacy.json, after a composition: this training's own guarantee
     composition: Composition | None = None  # privacy.json: the composition of this and earlier trainings
+    trained_on: str | None = None  # the batch output the plan is for, whose trainings ledger it is entered in
 
     def to_json(self) -> dict[str, Any]:
         """The plan as its files hold it, ready for json.dumps."""
@@ -504,9 +505,11 @@ def epsilon_curve(plan: PrivacyPlan, points: int = 9) -> tuple[tuple[float, floa
 
 
 def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
-    """The plan of `options.calibration` (checked against the batches and the clip norm), else a new one."""
+    """The plan of `options.calibration` (checked against the batches and the clip norm), else a new one;
+    either is for `batches.directory` (`trained_on`: the trainings ledger a private training enters)."""
     if options.calibration is None:
-        return privacy_plan(batches, options)
+        plan = privacy_plan(batches, options)
+        return None if plan is None else dataclasses.replace(plan, trained_on=batches.directory)
     stated = json.loads(storage.read_text(options.calibration))
     # Compared as JSON before it is read as a plan: a file of another shape is for other batches too.
     if stated.get("accounted_batches") != to_json(accounted_batches(batches.report)):
@@ -523,14 +526,15 @@ def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
             f"--calibration {options.calibration} is for clip norm {plan.clip_norm}, "
             f"not --clip-norm {options.clip_norm}"
         )
-    return dataclasses.replace(plan, calibration=options.calibration)
+    return dataclasses.replace(plan, calibration=options.calibration, trained_on=batches.directory)
 
 
 # --- trainings on one batch output ---------------------------------------------------------------
 
 
 def earlier_trainings(batches_dir: str) -> list[dict]:
-    """The private trainings recorded on this batch output (`record_training`), oldest first."""
+    """The private trainings recorded on this batch output (`record_training`), oldest first; an entry
+    without a state (madp before 2026-11-25 entered trainings when they finished) is a finished one."""
     path = storage.join(batches_dir, TRAININGS_FILE)
     if storage.kind(path) != "file":
         return []
@@ -543,18 +547,62 @@ def earlier_trainings(batches_dir: str) -> list[dict]:
     return trainings
 
 
-def record_training(batches_dir: str, output: str, plan: PrivacyPlan) -> None:
-    """Append a finished private training to the batch output's ledger of trainings."""
+STARTED, FINISHED = "started", "finished"  # a ledger entry's state: steps may have run / all T steps ran
+
+
+def record_training(batches_dir: str, training: str, output: str, plan: PrivacyPlan, state: str = STARTED) -> None:
+    """Enter the private training `training` (a unique id; `output`: where it writes, or what it is) in the
+    batch output's ledger of trainings, or set the state of its entry. A training is entered before its
+    first step: whatever it released before an interruption (evaluations, checkpointed models) is then
+    covered by its entry, which every later training on these batches composes with, finished or not."""
     entry = {
+        "training": training,
         "output": output,
+        "state": state,
         "mechanism": plan.mechanism,
         "parameters": to_json(plan.parameters),
         "noise_multiplier": plan.noise_multiplier,
         "epsilon": plan.epsilon,
         "delta": plan.delta,
     }
-    lines = [json.dumps(t) for t in earlier_trainings(batches_dir)] + [json.dumps(entry)]
-    storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "\n".join(lines) + "\n")
+    trainings = [t for t in earlier_trainings(batches_dir) if t.get("training") != training] + [entry]
+    storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "".join(json.dumps(t) + "\n" for t in trainings))
+
+
+def composed_plan(plan: PrivacyPlan, *, training: str, retrain: bool) -> PrivacyPlan:
+    """The plan of a private training on batches that earlier private trainings used (the ledger of
+    `plan.trained_on`: its entries other than `training`'s own, finished or interrupted): refused where the
+    guarantee relies on the secret sampling (re-using it leaks far more than twice epsilon) unless
+    `retrain`, and in any case released with the composition of all of them as its (epsilon, delta)
+    (the single training's figures kept under `single_training`): whoever publishes this model next to
+    the earlier ones gets no more than that. Without a composed figure (other mechanisms) it is refused."""
+    batches_dir = plan.trained_on
+    earlier = [t for t in earlier_trainings(batches_dir) if t.get("training") != training] if batches_dir else []
+    if not earlier:
+        return plan
+    composed = composition(plan, earlier)
+    outputs = ", ".join(str(t["output"]) for t in earlier)
+    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({outputs})"
+    if composed is None:
+        raise InputError(
+            f"{said} with another mechanism or parameters, and madp has no composed figure for them: batch "
+            f"again (a fresh key) for this training"
+        )
+    figure = f"together they are ({composed.epsilon:.4g}, {composed.delta:.3g})-DP"
+    if plan.relies_on_secret_sampling and not retrain:
+        raise InputError(
+            f"{said}: {figure}. Each relies on the secret sampling, and training again on the same batches "
+            f"re-uses it: batch again (a fresh key) for a new training, or retrain (--retrain, retrain=True) "
+            f"to accept the composed guarantee"
+        )
+    log.warning("%s: %s; the plan states that composed guarantee", said, figure)
+    return dataclasses.replace(
+        plan,
+        epsilon=composed.epsilon,
+        delta=composed.delta,
+        single_training=Guarantee(plan.epsilon, plan.delta),
+        composition=composed,
+    )
 
 
 def composition(plan: PrivacyPlan, earlier: list[dict]) -> Composition | None:

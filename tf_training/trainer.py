@@ -36,12 +36,7 @@ from madp.training.long_training import (
 from madp.training.options import TrainOptions
 from madp.training.plan import (
     NOT_PRIVATE,
-    Guarantee,
-    PrivacyPlan,
-    composition,
-    earlier_trainings,
     labels_read_from_data,
-    record_training,
 )
 from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, row_groups, shard_step
 from madp.training.tasks import TextClassifierTask, build_model, default_optimizer, is_keras3, prepare_task
@@ -83,70 +78,36 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
     return done % options.eval_every == 0 or done == steps
 
 
-def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> int:
-    """The steps a --resume continues after (0 for a fresh run); a fresh run into an output holding a
-    checkpoint is refused, as is resuming a training the batches' ledger records as finished."""
+def _resume_point(output: str, options: TrainOptions) -> tuple[int, str | None]:
+    """(the steps a --resume continues after, the interrupted training's id in the batches' ledger); (0,
+    None) for a fresh run. A fresh run into an output holding a checkpoint or another training's logs is
+    refused."""
     state = storage.join(output, INTERNAL_DIR, "checkpoints", "state.json")
     found = storage.kind(state) == "file"
     if not options.resume:
         if found:
             raise InputError(
-                f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it. Its "
-                f"evaluations in logs/ were released as it ran, and the batches' ledger records a training "
-                f"only once it finishes, so a new training would not compose with them"
+                f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it (a new "
+                f"training would compose with it: the batches' ledger holds it since its first step)"
             )
         if storage.kind(storage.join(output, "logs")) != "missing":
             raise InputError(
                 f"{output} holds the logs of an earlier training (published with its model): train into a "
                 f"new OUTPUT, so that no folder mixes two trainings' figures"
             )
-        return 0
+        return 0, None
     if not found:
         raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
-    if any(t.get("output") == output for t in earlier_trainings(batches_dir)):
-        raise InputError(f"--resume: the training of {output} finished (the batches' ledger records it)")
-    return int(json.loads(storage.read_text(state))["step"])
-
-
-def _composed(batches_dir: str, privacy: PrivacyPlan, options: TrainOptions) -> PrivacyPlan:
-    """The plan of a private training on batches that earlier private trainings used: refused where the
-    guarantee relies on the secret sampling (re-using it leaks far more than twice epsilon) unless
-    --retrain, and in any case released with the composition of all of them as its (epsilon, delta)
-    (the single training's figures kept under `single_training`): whoever publishes this model next to
-    the earlier ones gets no more than that. Without a composed figure (other mechanisms) it is refused."""
-    earlier = earlier_trainings(batches_dir) if privacy.private else []
-    if not earlier:
-        return privacy
-    composed = composition(privacy, earlier)
-    outputs = ", ".join(t["output"] for t in earlier)
-    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({outputs})"
-    if composed is None:
-        raise InputError(
-            f"{said} with another mechanism or parameters, and madp has no composed figure for them: batch "
-            f"again (a fresh key) for this training"
-        )
-    figure = f"together they are ({composed.epsilon:.4g}, {composed.delta:.3g})-DP"
-    if privacy.relies_on_secret_sampling and not options.retrain:
-        raise InputError(
-            f"{said}: {figure}. Each relies on the secret sampling, and training again on the same batches "
-            f"re-uses it: batch again (a fresh key) for a new training, or pass --retrain to accept the "
-            f"composed guarantee"
-        )
-    log.warning("%s: %s; privacy.json states that composed guarantee", said, figure)
-    return dataclasses.replace(
-        privacy,
-        epsilon=composed.epsilon,
-        delta=composed.delta,
-        single_training=Guarantee(privacy.epsilon, privacy.delta),
-        composition=composed,
-    )
+    saved = json.loads(storage.read_text(state))
+    return int(saved["step"]), saved.get("training")
 
 
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     """Train on a `madp batch` output and write model.keras, metrics.json and privacy.json to `output`.
-    A private training holds the batch output's lock from its plan to its entry in the trainings ledger,
-    so two trainings on one batch output (a parallel sweep) run one after the other and the second
-    composes with the first instead of both claiming a single training's guarantee."""
+    A private training holds the batch output's lock from its plan to its last step (its entry in the
+    trainings ledger, made before its first step, is then marked finished), so two trainings on one
+    batch output (a parallel sweep) run one after the other and the second composes with the first
+    instead of both claiming a single training's guarantee."""
     if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
         return _train(batches_dir, output, options)
     with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
@@ -168,7 +129,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
     if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
         raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
-    resumed = _resume_point(batches_dir, output, options)
+    resumed, training = _resume_point(output, options)
     user_level = batches.report["sampler"] == "users"
     # None: a non-private training (a --calibration plan is trained with, whatever --mechanism says).
     private = options.mechanism != "none" or options.calibration is not None
@@ -193,9 +154,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             strategy=strategy,
             testing_noise_scale=options.testing_noise_scale,
             resumed_at=resumed,
+            training=training,
+            output=output,
+            retrain=options.retrain,
         )
-        privacy = _composed(batches_dir, step.plan, options)
-    planned = step.plan if isinstance(step, PrivateTrainingStep) else None  # what a checkpoint must match
+        privacy = step.plan  # with the composition of earlier trainings on these batches, if any
+    # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
+    planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
     checkpoints = Checkpoints(output, model, optimizer, step) if options.checkpoint_every or resumed else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
@@ -289,8 +254,6 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
     )
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
-    if privacy is not None and privacy.private:
-        record_training(batches_dir, output, privacy)
     if checkpoints is not None:  # done: the secret noise history has no further use
         tf.io.gfile.rmtree(checkpoints.directory)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
