@@ -63,8 +63,11 @@ def test_els_median_heuristic_and_recommendation(tmp_path):
     data = write_records(str(tmp_path / "single.jsonl"), rows)
     result = recommend(data, Sweep(epsilon=4, delta=1e-3, steps=20, batch_size=5, ks=(1, 2, 4, 8)))
     assert result["input"]["median_records_per_user"] == float(np.median(counts)) == 3.0
-    assert result["recommended_k"] == 2  # the swept k nearest the median (2 and 4 tie: the smaller)
+    assert result["median_heuristic_k"] == 2  # the swept k nearest the median (2 and 4 tie: the smaller)
+    assert [row["median_heuristic"] for row in result["sweep"]] == [False, True, False, False]
     assert "median user has 3 records" in result["reason"]
+    scored = [row for row in result["sweep"] if row["feasible"]]
+    assert result["recommended_k"] == min(scored, key=lambda row: row["excess_risk"])["k"]
     kept = {row["k"]: row["kept_records"] for row in result["sweep"]}
     assert kept == {k: sum(min(c, k) for c in counts) for k in (1, 2, 4, 8)}
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.stats import binom
 
+from madp.accounting import truncation as truncation_bound
 from madp.accounting.calibrate import calibrate, epsilon
 from madp.accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
 from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
@@ -90,10 +90,9 @@ def truncation_delta(batches: Batches, epsilon_: float) -> float:
         return 0.0
     if report["sampler"] == "users":
         raise InputError("--max-batch-size truncation of user-sampled batches is not accounted: re-batch without it")
-    rho = min(
-        1.0, batches.steps * float(binom.sf(max_batch, int(report["units"]), float(report["sampling_probability"])))
+    return truncation_bound.truncation_delta(
+        batches.steps, int(report["units"]), float(report["sampling_probability"]), int(max_batch), epsilon_
     )
-    return rho * (1 + math.exp(epsilon_))
 
 
 def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
@@ -126,7 +125,7 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
 def _mechanism_delta(options: TrainOptions, truncation) -> float:
     """The delta left for the mechanism once truncation's share of the target delta is set aside."""
     share = truncation(options.epsilon)
-    if share >= options.delta / 2:
+    if share >= truncation_bound.REFUSED_SHARE * options.delta:
         raise InputError(
             f"truncation at --max-batch-size costs delta {share:.3g} of the {options.delta:g} asked for "
             f"(steps over B_max are too likely): raise --max-batch-size in madp batch, or drop it"
@@ -139,7 +138,7 @@ def _with_truncation(options: TrainOptions, delivered: float, delta: float, trun
     share would take half of the delta asked for or more, as calibration refuses it (a "delta" of 16
     is no guarantee, whatever epsilon says)."""
     share = truncation(delivered)
-    if share >= options.delta / 2:
+    if share >= truncation_bound.REFUSED_SHARE * options.delta:
         raise InputError(
             f"--noise-multiplier {options.noise_multiplier:g} delivers epsilon {delivered:.4g}, but truncation "
             f"at --max-batch-size adds delta {share:.3g} to the {options.delta:g} asked for (steps over B_max "

@@ -6,9 +6,8 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
 from madp.core.errors import InputError
-from madp.core.records import Columns
 
 log = logging.getLogger("madp")
 
@@ -51,6 +50,29 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     sweep.add_argument("--order", choices=("arity", "hash"), default="arity")
     sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument(
+        "--truncation-share",
+        type=float,
+        default=0.1,
+        help="dpsgd: the share of delta truncation to --max-batch-size may take; each k's B_max is the "
+        "smallest within it (default 0.1; calibration refuses 0.5 or more)",
+    )
+    sweep.add_argument(
+        "--write-config",
+        metavar="JOB.yaml",
+        help="write a `madp run` config for the recommended k (input, bound, batch, calibrate, train)",
+    )
+    sweep.add_argument("--run-dir", help="the written config's run_dir (default: JOB-output beside JOB.yaml)")
+    sweep.add_argument(
+        "--model",
+        help="the written config's train.model (default: logreg on features/label; on a text or body "
+        "column text-classifier with --labels, else text-lm)",
+    )
+    sweep.add_argument(
+        "--labels",
+        type=lambda value: tuple(label for label in value.split(",") if label),
+        help="the public label set A,B,... of a text-classifier config (train.labels)",
+    )
     add_columns(sweep)
 
 
@@ -280,30 +302,51 @@ def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.tools.recommend import Sweep, recommend
+    """The sweep as JSON on stdout, its table on stderr; with --write-config, the job of the recommended k."""
+    import os
+    import sys
+
+    from madp.tools.recommend import Sweep, job_config, recommend, table, train_section, write_config
 
     try:
         ks = tuple(int(k) for k in args.k.split(",") if k.strip())
     except ValueError:
         raise InputError(f"--k must list integers, got {args.k!r}") from None
-    return recommend(
-        args.input,
-        Sweep(
-            args.epsilon,
-            args.delta,
-            args.steps,
-            args.batch_size,
-            args.mechanism,
-            args.min_sep,
-            args.bands,
-            args.strategy,
-            args.clip_norm,
-            ks,
-            args.order,
-            args.seed,
-            Columns(args.id_column, args.users_column),
-        ),
+    sweep = Sweep(
+        args.epsilon,
+        args.delta,
+        args.steps,
+        args.batch_size,
+        args.mechanism,
+        args.min_sep,
+        args.bands,
+        args.strategy,
+        args.clip_norm,
+        ks,
+        args.order,
+        args.seed,
+        columns_of(args),
+        args.truncation_share,
     )
+    if args.write_config is None and (args.run_dir, args.model, args.labels) != (None, None, None):
+        raise InputError("--run-dir, --model and --labels describe the config --write-config writes: give it")
+    train = train_section(args.input, sweep.columns, args.model, args.labels) if args.write_config else None
+    result = recommend(args.input, sweep)
+    print(table(result), file=sys.stderr)
+    if args.write_config is None:
+        return result
+    if result["recommended_k"] is None:
+        result.update(ok=False, config=None)
+        log.error("--write-config %s: not written, no swept k is feasible (see the problems above)", args.write_config)
+        return result
+    path = os.path.abspath(args.write_config)
+    run_dir = args.run_dir or os.path.splitext(path)[0] + "-output"
+    data = args.input if "://" in args.input else os.path.abspath(args.input)
+    assert train is not None
+    write_config(path, job_config(result, sweep, data, run_dir, train), result)
+    result["config"] = path
+    log.info("wrote %s: `madp run %s` runs the job of k = %d", path, args.write_config, result["recommended_k"])
+    return result
 
 
 FAMILY = Family(

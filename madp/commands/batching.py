@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
-from madp.core.records import Columns
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -103,7 +102,7 @@ def _batch_options(args: argparse.Namespace):
         max_batch_size=args.max_batch_size,
         find_max_min_sep=args.find_max_min_sep,
         seed=args.seed,
-        columns=Columns(args.id_column, args.users_column),
+        columns=columns_of(args),
         content_columns=content,
         on_invalid=args.on_invalid,
         output_shards=args.output_shards,
@@ -132,16 +131,18 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.core.verify import verify_batches
 
+    columns = columns_of(args)
     return verify_batches(
         args.output,
         args.data,
         args.min_sep,
         args.max_participations,
         args.max_batch_size,
-        args.id_column,
-        args.users_column,
+        columns.id,
+        columns.users,
         selected=args.selected,
         max_contributions=args.max_contributions,
+        users_columns=columns.users_columns,
     )
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, local_takes_no_beam_options
-from madp.core.records import Columns
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -78,7 +77,7 @@ def _bound_options(args: argparse.Namespace):
         seed=args.seed,
         max_rounds=args.max_rounds,
         duplicates=args.duplicates,
-        columns=Columns(args.id_column, args.users_column, args.weight_column),
+        columns=columns_of(args, args.weight_column),
         on_invalid=args.on_invalid,
         capacities=args.capacities,
         output_shards=args.output_shards,
@@ -109,8 +108,15 @@ def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.core.verify import verify_bound
 
+    columns = columns_of(args)
     return verify_bound(
-        args.input, args.output, args.max_contributions, args.capacities, args.id_column, args.users_column
+        args.input,
+        args.output,
+        args.max_contributions,
+        args.capacities,
+        columns.id,
+        columns.users,
+        columns.users_columns,
     )
 
 

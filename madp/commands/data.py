@@ -27,6 +27,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--shards", type=int, default=4, help="Parquet shards when OUTPUT is a directory")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument(
+        "--users-as",
+        choices=("users", "from-to-cc", "both"),
+        default="users",
+        help="write the users as a `users` list (default), as an email export holds them (`from` the first "
+        "user, `to` and `cc` lists; read with --users-columns from,to,cc), or both",
+    )
+    generate.add_argument(
         "--holdout",
         help="also write a held-out test set (same task, records not in OUTPUT) to this .parquet or .jsonl file",
     )
@@ -62,7 +69,9 @@ def _generate(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.tools.synthetic import generate, write_dataset
 
     spec = _graph_spec(args)
-    return write_dataset(generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction)
+    return write_dataset(
+        generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction, args.users_as
+    )
 
 
 def _import_mbox(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from madp.core.errors import InputError
+from madp.core.records import Columns, users_columns_of
 
 LOCAL = "local"
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
@@ -83,7 +84,25 @@ def build_parser(families: tuple[Family, ...], description: str) -> Parser:
 
 def add_columns(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
-    parser.add_argument("--users-column", default="users", help="column holding the list of user ids (default: users)")
+    parser.add_argument("--users-column", help="column holding the list of user ids (default: users)")
+    parser.add_argument(
+        "--users-columns",
+        metavar="A,B,...",
+        help="columns whose values' union are a record's users, each a user id or a list of them; null, '' "
+        "and [] add none (e.g. from,to,cc of an email export); instead of --users-column",
+    )
+
+
+def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
+    """The record columns the options of `add_columns` name; --users-column and --users-columns are two
+    ways to say where the users are, so giving both is an error."""
+    if args.users_columns is not None and args.users_column is not None:
+        raise InputError(
+            f"--users-column {args.users_column} and --users-columns {args.users_columns}: give one of them "
+            f"(--users-columns reads the users from several columns, --users-column from one list column)"
+        )
+    users_columns = users_columns_of(args.users_columns)
+    return Columns(args.id_column, args.users_column or "users", weight, users_columns)
 
 
 def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:

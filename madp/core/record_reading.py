@@ -265,7 +265,8 @@ def _read_content(path: str, lines: list[bytes], names: tuple[str, ...]) -> pa.T
 
 
 def _wanted(columns: Columns) -> list[str]:
-    return [c for c in (columns.id, columns.users, columns.weight) if c]
+    """The input columns a record is read from: its id, users (one list column, or `--users-columns`) and weight."""
+    return [c for c in (columns.id, *columns.user_sources, columns.weight) if c]
 
 
 def _require_columns(path: str, found: Iterable[str], columns: Columns) -> None:
@@ -273,7 +274,7 @@ def _require_columns(path: str, found: Iterable[str], columns: Columns) -> None:
     if missing:
         raise InputError(
             f"{path}: no column {missing} in any row (found {sorted(found)}); "
-            f"name the columns with --id-column, --users-column or --weight-column"
+            f"name the columns with --id-column, --users-column (or --users-columns) or --weight-column"
         )
 
 
@@ -297,13 +298,17 @@ def _read_jsonl(
     return _parse_jsonl_rows(path, lines, columns)
 
 
+def _is_scalar_type(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
 def _conforming(table: pa.Table, columns: Columns) -> bool:
-    id_type, users_type = table.schema.field(columns.id).type, table.schema.field(columns.users).type
-    scalar = (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string)
+    """Whether Arrow typed every record column as the records need (else the rows are parsed one by one)."""
+    id_type = table.schema.field(columns.id).type
+    users_types = [table.schema.field(name).type for name in columns.user_sources]
     return (
-        any(f(id_type) for f in scalar)
-        and pa.types.is_list(users_type)
-        and any(f(users_type.value_type) for f in scalar)
+        _is_scalar_type(id_type)
+        and all(_users_type_conforms(kind, columns) for kind in users_types)
         and (
             not columns.weight
             or pa.types.is_integer(table.schema.field(columns.weight).type)
@@ -312,8 +317,19 @@ def _conforming(table: pa.Table, columns: Columns) -> bool:
     )
 
 
+def _users_type_conforms(kind: pa.DataType, columns: Columns) -> bool:
+    """A list of user ids; with --users-columns also a scalar one, or all nulls (a column of nulls or
+    empty lists adds no user, which `_users_union` reads as it reads any other)."""
+    if not columns.users_columns:
+        return pa.types.is_list(kind) and _is_scalar_type(kind.value_type)
+    if pa.types.is_list(kind):
+        kind = kind.value_type
+    return _is_scalar_type(kind) or pa.types.is_null(kind)
+
+
 def _empty_table(columns: Columns) -> pa.Table:
-    fields = [pa.field(columns.id, pa.int64()), pa.field(columns.users, pa.list_(pa.int64()))]
+    fields = [pa.field(columns.id, pa.int64())]
+    fields += [pa.field(name, pa.list_(pa.int64())) for name in columns.user_sources]
     if columns.weight:
         fields.append(pa.field(columns.weight, pa.float64()))
     return pa.Table.from_pylist([], schema=pa.schema(fields))
@@ -331,19 +347,38 @@ def _is_id(value: object) -> bool:
 
 def _row_problem(obj: dict, columns: Columns) -> str | None:
     """Why a parsed JSON object cannot be typed as a record, or None (nulls are checked later)."""
-    record_id, record_users = obj.get(columns.id), obj.get(columns.users)
+    record_id = obj.get(columns.id)
     if record_id is not None and not _is_id(record_id):
         return BAD_ID_TYPE
-    if record_users is not None and (
-        not isinstance(record_users, list) or any(isinstance(u, (list, dict)) for u in record_users)
-    ):
-        return NON_SCALAR_USER
-    if record_users is not None and not all(u is None or _is_id(u) for u in record_users):
-        return BAD_USER_TYPE
+    for name in columns.user_sources:
+        if (why := _users_value_problem(obj.get(name), scalar_allowed=bool(columns.users_columns))) is not None:
+            return why
     weight = obj.get(columns.weight) if columns.weight else None
     if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
         return BAD_WEIGHT
     return None
+
+
+def _users_value_problem(value: object, scalar_allowed: bool) -> str | None:
+    """Why a users column's value is no list of user ids (nor, with `scalar_allowed`, one user id), or
+    None; nulls are judged later (a null list is missing users, a null in a list a null user)."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if any(isinstance(u, (list, dict)) for u in value):
+            return NON_SCALAR_USER
+        return None if all(u is None or _is_id(u) for u in value) else BAD_USER_TYPE
+    if not scalar_allowed or isinstance(value, dict):
+        return NON_SCALAR_USER
+    return None if _is_id(value) else BAD_USER_TYPE
+
+
+def _as_user_list(value: object) -> list | None:
+    """A --users-columns value as a list of user ids: a scalar as one, an empty string as none (a null
+    stays null, which adds no user either)."""
+    if value is None or isinstance(value, list):
+        return value
+    return [] if value == "" else [value]
 
 
 def _parse_jsonl_rows(
@@ -352,7 +387,7 @@ def _parse_jsonl_rows(
     """Row-by-row parse, one row per line: rows with wrongly typed fields are blanked and their reason
     kept; also the columns some row has (None when no row is a JSON object)."""
     ids: list[object] = []
-    users: list[list | None] = []
+    users: dict[str, list[Any]] = {name: [] for name in columns.user_sources}  # per column, each row's list or None
     weights: list[object] = []
     problems: dict[int, tuple[str, object]] = {}
     seen: set[str] = set()
@@ -366,15 +401,20 @@ def _parse_jsonl_rows(
                 problems[row] = (why, obj)
         if row in problems:
             ids.append(None)
-            users.append(None)
+            for values in users.values():
+                values.append(None)
             weights.append(None)
         else:
             ids.append(obj.get(columns.id))
-            users.append(obj.get(columns.users))
+            for name, values in users.items():
+                value = obj.get(name)
+                values.append(_as_user_list(value) if columns.users_columns else value)
             weights.append(_as_float(obj.get(columns.weight)) if columns.weight else None)
     id_array = _unify_scalars(ids, path, "id")
-    value_array = _unify_scalars([u for us in users if us for u in us], path, "user")
-    arrays = {columns.id: id_array, columns.users: pa.array(users, type=pa.list_(value_array.type))}
+    every_user = [u for values in users.values() for us in values if us for u in us]
+    value_type = _unify_scalars(every_user, path, "user").type
+    arrays = {columns.id: id_array}
+    arrays.update({name: pa.array(values, type=pa.list_(value_type)) for name, values in users.items()})
     if columns.weight:
         arrays[columns.weight] = pa.array(weights, type=pa.float64())
     any_object = len(lines) > sum(why == INVALID_JSON for why, _ in problems.values())
@@ -495,19 +535,7 @@ def _validate(
         ids = _cast(ids, pa.int64(), path, "ids")
     elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
         raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
-    users = table.column(columns.users).combine_chunks()
-    if pa.types.is_null(users.type):
-        users = pa.nulls(n, pa.list_(pa.int64()))
-    if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
-        raise InputError(f"{path}: users column {columns.users!r} has type {users.type}; expected a list")
-    if pa.types.is_large_string(users.type.value_type):
-        users = _cast(users, pa.list_(pa.string()), path, "user ids")
-    elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
-        users = _cast(users, pa.list_(pa.int64()), path, "user ids")
-    elif not pa.types.is_string(users.type.value_type):
-        raise InputError(
-            f"{path}: users column {columns.users!r} holds {users.type.value_type}; expected integer or string user ids"
-        )
+    users = _users_union(table, columns, path) if columns.users_columns else _users_list(table, columns.users, path)
 
     reason = np.full(n, "", dtype=object)
     for row, (why, _) in (non_conforming or {}).items():
@@ -567,6 +595,68 @@ def _validate(
         flat.type if flat.null_count < len(flat) else None,
     )
     return FileResult(chunk, rejects, n, removed, facts)
+
+
+def _users_list(table: pa.Table, name: str, path: str) -> pa.Array:
+    """The users column `name`: lists of int64 or string user ids, or an error naming the file and column."""
+    users = table.column(name).combine_chunks()
+    if pa.types.is_null(users.type):
+        users = pa.nulls(len(table), pa.list_(pa.int64()))
+    if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
+        raise InputError(f"{path}: users column {name!r} has type {users.type}; expected a list")
+    if pa.types.is_large_string(users.type.value_type):
+        users = _cast(users, pa.list_(pa.string()), path, "user ids")
+    elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
+        users = _cast(users, pa.list_(pa.int64()), path, "user ids")
+    elif not pa.types.is_string(users.type.value_type):
+        raise InputError(
+            f"{path}: users column {name!r} holds {users.type.value_type}; expected integer or string user ids"
+        )
+    return users
+
+
+def _users_union(table: pa.Table, columns: Columns, path: str) -> pa.Array:
+    """The users of each row under --users-columns: the values of those columns in their order, each
+    column a user id or a list of them (null, "" and [] adding none; a null in a list is kept, a
+    null_user as in `users`), as lists of int64 or string user ids. Never null: a row without any
+    user has an empty list, rejected as empty_users. Repeats (a sender also in cc) are dropped later,
+    as repeats within `users` are."""
+    parents, values = zip(
+        *(_column_users(table.column(name).combine_chunks(), name, path) for name in columns.users_columns)
+    )
+    kinds = {pa.types.is_integer(v.type) for v in values if not pa.types.is_null(v.type)}
+    if len(kinds) > 1:
+        raise _mixed_ids(path, "user")
+    target = pa.int64() if kinds != {False} else pa.string()
+    flat = pa.concat_arrays([_cast(v, target, path, "user ids") for v in values])
+    parent = np.concatenate(parents)
+    order = np.argsort(parent, kind="stable")  # by row, then by column and position within it
+    counts = np.bincount(parent, minlength=len(table))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), flat.take(pa.array(order)))
+
+
+def _column_users(column: pa.Array, name: str, path: str) -> tuple[np.ndarray, pa.Array]:
+    """(row of each, user ids) that one --users-columns column adds: its non-empty scalars, or the
+    elements of its lists; an error naming the file and column when it holds neither."""
+    kind = column.type
+    if pa.types.is_null(kind):
+        return np.zeros(0, np.int64), column.slice(0, 0)
+    if _is_scalar_type(kind):
+        if pa.types.is_integer(kind):
+            present = column.is_valid()
+        else:  # a null or an empty string: no user
+            present = pc.not_equal(pc.fill_null(pc.binary_length(column), 0), 0)
+        mask = present.to_numpy(zero_copy_only=False)
+        return np.flatnonzero(mask).astype(np.int64), column.filter(present)
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and (
+        _is_scalar_type(kind.value_type) or pa.types.is_null(kind.value_type)
+    ):
+        return pc.list_parent_indices(column).to_numpy().astype(np.int64), pc.list_flatten(column)
+    raise InputError(
+        f"{path}: users column {name!r} (--users-columns) has type {kind}; expected integer or string "
+        f"user ids, or lists of them"
+    )
 
 
 def _not_utf8(values: pa.Array) -> np.ndarray:

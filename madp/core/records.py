@@ -59,9 +59,43 @@ ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any glo
 
 @dataclasses.dataclass(frozen=True)
 class Columns:
+    """The input columns of a record. Its users are the list column `users`, or with `users_columns`
+    (`--users-columns from,to,cc`) the union of those columns' values, each a user id or a list of
+    them (null, "" and [] adding none); `users` then only names the union once read."""
+
     id: str = "id"
     users: str = "users"
     weight: str | None = None
+    users_columns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = self.users_columns
+        if not names:
+            return
+        if any(not name for name in names) or len(set(names)) < len(names):
+            raise InputError(f"--users-columns {','.join(names)}: name each column once, none empty")
+        clash = [name for name in names if name in (self.id, self.weight)]
+        if clash:
+            raise InputError(f"--users-columns: {clash[0]!r} is also the id or weight column")
+
+    @property
+    def user_sources(self) -> tuple[str, ...]:
+        """The input columns a record's users are read from."""
+        return self.users_columns or (self.users,)
+
+    def users_flags(self) -> str:
+        """The users option these columns come from, as a user would type it (for messages)."""
+        if self.users_columns:
+            return f"--users-columns {','.join(self.users_columns)}"
+        return f"--users-column {self.users}"
+
+
+def users_columns_of(names: str | list | tuple | None) -> tuple[str, ...]:
+    """`--users-columns from,to,cc` (or a config's list of them) as a tuple of names; () for none."""
+    if names is None:
+        return ()
+    listed = names.split(",") if isinstance(names, str) else [str(name) for name in names]
+    return tuple(name.strip() for name in listed)
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ of the user id. Both engines call these functions, so they form identical batche
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from madp.core.errors import InputError
@@ -159,6 +161,34 @@ def expected_batch_size(probability: float, sizes: np.ndarray, counts: np.ndarra
     return float(probability * (counts * np.exp((min_sep - 1) * sizes * np.log1p(-probability))).sum())
 
 
+class Reach(NamedTuple):
+    """The largest stationary expected batch size b-min-sep sampling reaches on a selection, and the p
+    that reaches it (E|B| rises with p to a peak and then falls when b > 1: exclusion takes over)."""
+
+    largest: float
+    probability: float
+
+
+def _probability_grid(sizes: np.ndarray, counts: np.ndarray, min_sep: int) -> tuple[np.ndarray, np.ndarray]:
+    """(p, E|B| at p) on the grid calibration searches: up to where the sum certainly peaked. Every
+    term p(1-p)^(c m) peaks at 1 / (1 + c m), so the sum peaks below 1 / (1 + c min m)."""
+    grid = np.geomspace(1e-12, 1.0 / (1.0 + (min_sep - 1) * float(sizes[0])), 2000)
+    return grid, np.array([expected_batch_size(p, sizes, counts, min_sep) for p in grid])
+
+
+def largest_expected_batch_size(sizes: np.ndarray, counts: np.ndarray, min_sep: int) -> Reach:
+    """The largest target `calibrate_probability` accepts on this selection (every target up to it
+    is reached, on the same grid), with its p; all units at p = 1 without exclusion (b = 1)."""
+    units = float(counts.sum())
+    if units == 0:
+        return Reach(0.0, 0.0)
+    if min_sep == 1:
+        return Reach(units, 1.0)
+    grid, values = _probability_grid(sizes, counts, min_sep)
+    peak = int(np.argmax(values))
+    return Reach(float(values[peak]), float(grid[peak]))
+
+
 def calibrate_probability(
     target: float, sizes: np.ndarray, counts: np.ndarray, min_sep: int, relative_tolerance: float = 1e-10
 ) -> float:
@@ -171,16 +201,15 @@ def calibrate_probability(
         raise InputError(f"--batch-size {target:g} must be in (0, {units}]: there are {units} selected record copies")
     if min_sep == 1:
         return target / units
-    # Every term p(1-p)^(c m) peaks at 1 / (1 + c m), so the sum peaks below 1 / (1 + c min m).
-    grid = np.geomspace(1e-12, 1.0 / (1.0 + (min_sep - 1) * float(sizes[0])), 2000)
-    values = np.array([expected_batch_size(p, sizes, counts, min_sep) for p in grid])
+    grid, values = _probability_grid(sizes, counts, min_sep)
     reaching = np.flatnonzero(values >= target)
     if not len(reaching):
         peak = int(np.argmax(values))
         raise InputError(
             f"--batch-size {target:g} is unreachable with --min-sep {min_sep} on this data: the "
             f"largest expected batch size is {values[peak]:.1f} (at p = {grid[peak]:.3g}); lower "
-            f"the batch size or the min-sep, or bound contributions more tightly"
+            f"the batch size or the min-sep, or bound contributions more tightly (`madp recommend-k` "
+            f"shows what each choice reaches)"
         )
     low, high = (grid[reaching[0] - 1] if reaching[0] else 0.0), grid[reaching[0]]
     while high - low > relative_tolerance * high:

@@ -367,7 +367,8 @@ def base_report(
             "duplicates": options.duplicates,
             "capacities": options.capacities,
             "id_column": options.columns.id,
-            "users_column": options.columns.users,
+            "users_column": None if options.columns.users_columns else options.columns.users,
+            "users_columns": list(options.columns.users_columns) or None,  # --users-columns: users are their union
             "weight_column": options.columns.weight,
             "on_invalid": options.on_invalid,
         },

@@ -75,7 +75,34 @@ def _scalar(value) -> bool:
     )
 
 
-def _rows(path: str, id_column: str, users_column: str):
+class _UsersFrom:
+    """Where a record's users are: the list column `users`, or (`--users-columns`) several columns,
+    each a user id or a list of them, whose values' union the users are."""
+
+    def __init__(self, users_column: str, users_columns: Iterable[str] = ()):
+        listed = list(users_columns)
+        self.columns = listed or [users_column]
+        self.union = bool(listed)
+
+    def users(self, values: list):
+        """A row's users from its users columns' values, re-derived here from the data alone: the list
+        column's value as it is; or in column order a user id as one user, a list's elements, and a
+        null, an empty string or an empty list as none. The caller judges what it holds."""
+        if not self.union:
+            return values[0]
+        users: list = []
+        for value in values:
+            if isinstance(value, list):
+                users.extend(value)
+            elif value is not None and value != "":
+                users.append(value)
+        return users
+
+    def flags(self) -> str:
+        return f"--users-columns {','.join(self.columns)}" if self.union else f"--users-column {self.columns[0]}"
+
+
+def _rows(path: str, id_column: str, users_from: _UsersFrom):
     """(id, users) of every row with a string or 64-bit integer id and a non-empty list of such users, as
     read from disk; other rows (undecodable, not JSON objects, nested too deep, a lone surrogate, text
     that is not UTF-8, list ids, nested users) are invalid and no engine keeps them."""
@@ -83,10 +110,11 @@ def _rows(path: str, id_column: str, users_column: str):
         raise ValueError("a directory that cannot be listed, or a link to a directory above it (a loop)")
     pairs: Iterable[tuple[object, object]]
     if path.endswith(".parquet"):
-        table = pq.read_table(path, columns=[id_column, users_column], page_checksum_verification=True)
-        pairs = zip(_column_values(table.column(id_column)), _column_values(table.column(users_column)))
+        table = pq.read_table(path, columns=[id_column, *users_from.columns], page_checksum_verification=True)
+        columns = [_column_values(table.column(name)) for name in users_from.columns]
+        pairs = zip(_column_values(table.column(id_column)), map(users_from.users, map(list, zip(*columns))))
     else:
-        pairs = (_json_pair(line, id_column, users_column) for line in _json_lines(path))
+        pairs = (_json_pair(line, id_column, users_from) for line in _json_lines(path))
     for record_id, users in pairs:
         if _scalar(record_id) and isinstance(users, list) and users and all(_scalar(u) for u in users):
             yield record_id, users
@@ -118,10 +146,10 @@ def _text(value):
     return value
 
 
-def _readable_rows(path: str, id_column: str, users_column: str, violations: list[str]) -> list:
+def _readable_rows(path: str, id_column: str, users_from: _UsersFrom, violations: list[str]) -> list:
     """`_rows` of a file, or none and a violation when the file cannot be read at all."""
     try:
-        return list(_rows(path, id_column, users_column))
+        return list(_rows(path, id_column, users_from))
     except (OSError, ValueError, KeyError, EOFError, zlib.error) as error:
         violations.append(f"{path}: cannot be read ({error})")
         return []
@@ -148,7 +176,7 @@ def _json_lines(path: str) -> list[bytes]:
     return rows
 
 
-def _json_pair(line: bytes, id_column: str, users_column: str):
+def _json_pair(line: bytes, id_column: str, users_from: _UsersFrom):
     """(id, users) of a row, or (None, None) where the row rules make it invalid: not strict UTF-8, nested
     deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its strings."""
     try:
@@ -163,7 +191,7 @@ def _json_pair(line: bytes, id_column: str, users_column: str):
         return None, None
     if not isinstance(row, dict) or ("\\u" in text and _holds_lone_surrogate(row)):
         return None, None
-    return row.get(id_column), row.get(users_column)
+    return row.get(id_column), users_from.users([row.get(name) for name in users_from.columns])
 
 
 def _depth(text: str) -> int:
@@ -210,6 +238,27 @@ def _capacities(path: str | None) -> tuple[dict, bool]:
             return {r["user"]: int(r["capacity"]) for r in csv.DictReader(handle)}, True
     rows = [json.loads(line.decode("utf-8")) for line in _json_lines(path)]
     return {r["user"]: r["capacity"] for r in rows}, False
+
+
+def _other_users_columns(bound_output: str, users_from: _UsersFrom, command: str) -> list[str]:
+    """A violation when the bound's report.json records other users columns than the verifier was given:
+    the verifier would then re-derive the bound of another graph than the one bounded. A report that
+    records none (or cannot be read: `_listed_files` says so) is not judged here."""
+    try:
+        with open(os.path.join(bound_output, "report.json"), "rb") as handle:
+            parameters = json.loads(handle.read().decode("utf-8")).get("parameters")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(parameters, dict) or ("users_columns" not in parameters and "users_column" not in parameters):
+        return []
+    listed = parameters.get("users_columns")
+    bound_from = _UsersFrom(str(parameters.get("users_column") or "users"), listed if isinstance(listed, list) else ())
+    if (bound_from.union, bound_from.columns) == (users_from.union, users_from.columns):
+        return []
+    return [
+        f"{bound_output} was bounded with {bound_from.flags()}, but {command} was given {users_from.flags()}: "
+        f"pass the users columns the bound read"
+    ]
 
 
 def _inside(name: str) -> bool:
@@ -286,19 +335,22 @@ def verify_bound(
     capacities_path: str | None = None,
     id_column: str = "id",
     users_column: str = "users",
+    users_columns: Iterable[str] = (),
 ) -> dict:
-    """Recompute every user's contribution from the input and OUTPUT/selected; list violations."""
+    """Recompute every user's contribution from the input and OUTPUT/selected (users from `users_column`,
+    or the union of `users_columns`); list violations."""
+    users_from = _UsersFrom(users_column, users_columns)
     shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
     if missing:
         return {"ok": False, "violation_count": len(missing), "violations": missing}
-    violations: list[str] = []
+    violations: list[str] = _other_users_columns(output, users_from, "verify-bound")
     selected = _selection(output, shards, violations)
 
     users_of: dict = {}
     occurrences: Counter = Counter()
     for path in _input_files(input_path):
-        for record_id, users in _readable_rows(path, id_column, users_column, violations):
+        for record_id, users in _readable_rows(path, id_column, users_from, violations):
             if record_id in selected:
                 occurrences[record_id] += 1
                 users_of[record_id] = set(users) if isinstance(users, list) else set()
@@ -515,12 +567,15 @@ def verify_batches(
     *,
     selected: str,
     max_contributions: int,
+    users_columns: Iterable[str] = (),
 ) -> dict:
     """Re-read the batches, the records' users and the selection they were made from; list every
     violation: of the bound (a real row that is not a selected record of DATA, a record in more rows
     of a step than its copies, a user whose selected records in the batches have more than
     `max_contributions` copies in all), of min-sep, participations and sizes. Of OUTPUT/report.json
-    only the list of batch files is read: the bound is re-derived, never taken from the batch report."""
+    only the list of batch files is read: the bound is re-derived, never taken from the batch report.
+    A record's users are `users_column`'s list, or the union of `users_columns`."""
+    users_from = _UsersFrom(users_column, users_columns)
     files, problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
@@ -528,13 +583,14 @@ def verify_batches(
     shards, selection_problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
     problems += selection_problems
     copies_of = _selection(selected, shards, problems)
+    problems += _other_users_columns(selected, users_from, "verify-batches") if not selection_problems else []
     if problems:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
     users_of: dict = {}
     occurrences: Counter = Counter()
     violations: list[str] = []
     for path in _input_files(data_path):
-        for record_id, users in _readable_rows(path, id_column, users_column, violations):
+        for record_id, users in _readable_rows(path, id_column, users_from, violations):
             occurrences[record_id] += 1
             users_of[record_id] = set(users) if isinstance(users, list) else set()
 

@@ -133,6 +133,12 @@ class BoundGraph:
     id_column: str
     users_column: str
     weight_column: str | None
+    users_columns: tuple[str, ...] = ()  # --users-columns: the users were the union of these columns
+
+    def column_flags(self) -> str:
+        """The id and users options the bound read the records with, as a user would pass them."""
+        users = f"--users-columns {','.join(self.users_columns)}" if self.users_columns else None
+        return f"--id-column {self.id_column} {users or f'--users-column {self.users_column}'}"
 
     def columns(self, columns: rec.Columns) -> rec.Columns:
         """`columns` (the batch's id and users columns) with the bound's weight column, which reading
@@ -156,8 +162,9 @@ def bound_graph(selected: str) -> BoundGraph:
         selected,
         digest,
         parameters.get("id_column", "id"),
-        parameters.get("users_column", "users"),
+        parameters.get("users_column") or "users",
         parameters.get("weight_column"),
+        rec.users_columns_of(parameters.get("users_columns")),
     )
 
 
@@ -170,8 +177,7 @@ def check_same_graph(found: GraphDigest, bound: BoundGraph, data: str) -> None:
             f"DATA {data} is not the graph SELECTED {bound.selected} was bounded from (graph digest "
             f"{found.hex} != {expected.hex}; {found.records} records with {found.incidences} user "
             f"incidences, against {expected.records} with {expected.incidences}): pass the records and "
-            f"the --id-column/--users-column the bound used (--id-column {bound.id_column} "
-            f"--users-column {bound.users_column})"
+            f"the --id-column/--users-column (or --users-columns) the bound used ({bound.column_flags()})"
         )
 
 

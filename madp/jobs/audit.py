@@ -32,7 +32,7 @@ from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
-from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files
+from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
 from madp.jobs import run, run_plan
 from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
 from madp.training.plan import PrivacyPlan, stated_plan
@@ -80,9 +80,9 @@ def plant(
     chosen = rng.choice(np.unique(labels), size=len(owners))
     table = _content_table(sample, names, features, label, pattern, chosen, len(owners))
     table = table.append_column(columns.id, pa.array(record_ids, type=ids.type))
-    table = table.append_column(
-        columns.users, pa.array([[canary_users[i] for i in o] for o in owners], type=pa.list_(users.type))
-    )
+    user_lists = pa.array([[canary_users[i] for i in o] for o in owners], type=pa.list_(users.type))
+    for index, name in enumerate(columns.user_sources):  # --users-columns: all in the first, the others null
+        table = table.append_column(name, user_lists if index == 0 else pa.nulls(len(owners), user_lists.type))
     included = rng.random(m) < 0.5
     return Canaries(users=canary_users, included=included, record_ids=record_ids, owners=owners, table=table)
 
@@ -193,7 +193,12 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     rng = np.random.default_rng(list(key.words))
     train = dict(config["train"])
     bound = config["bound"]
-    columns = Columns(bound.get("id_column", "id"), bound.get("users_column", "users"))
+    columns = Columns(
+        bound.get("id_column") or "id",
+        bound.get("users_column") or "users",
+        None,
+        users_columns_of(bound.get("users_columns")),
+    )
     real = config.get("input")
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import madp
@@ -19,6 +20,7 @@ from madp.commands.training import calibrate_batches
 from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import CheckFailed, InputError
+from madp.jobs.run_check import check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, shows_sampling
 from madp.training.plan import stated_plan
@@ -71,10 +73,19 @@ def run(config_path: str, overrides: list[str], parser: Parser, force: bool = Fa
     stages = plan_stages(config, parser, (config_path, overrides))
     run_dir = config["run_dir"]
     with storage.exclusive(run_dir, f"run {config_path}"):
-        return run_stages(run_dir, config_path, stages, parser, force)
+        return run_stages(run_dir, config_path, stages, parser, force, lambda: check_feasible(stages, parser))
 
 
-def run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Parser, force: bool) -> dict:
+def run_stages(
+    run_dir: str,
+    config_path: str,
+    stages: list[Stage],
+    parser: Parser,
+    force: bool,
+    before_bounding: Callable[[], None] | None = None,
+) -> dict:
+    """Run the stages that are not up to date; `before_bounding` (the plan's feasibility check) runs once,
+    before the first bound or batch stage that runs (after generate, which may make the input)."""
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     started = time.perf_counter()
     for number, stage in enumerate(stages, 1):
@@ -88,6 +99,9 @@ def run_stages(run_dir: str, config_path: str, stages: list[Stage], parser: Pars
             )
             summary["stages"].append({"stage": stage.name, "status": "skipped"})
             continue
+        if stage.name in ("bound", "batch") and before_bounding is not None:
+            before_bounding()
+            before_bounding = None
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
         if stage.name in ("generate", "train", "baseline"):
             storage.clear_directory(stage.output)  # these write fresh outputs; bound and batch clear their own

@@ -26,6 +26,7 @@ import yaml
 from madp.commands.registry import CommandParser, Parser
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.records import users_columns_of
 from madp.core.selection import largest_capacity
 from madp.tools.audit_config import audit_directory, audit_options
 
@@ -167,7 +168,7 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
     k = ["--max-contributions", str(bound["max_contributions"])]
     capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
-    columns = _pick(flags, ("--id-column", "--users-column"))
+    columns = _pick(flags, ("--id-column", "--users-column", "--users-columns"))
     plan.stages.append(
         Stage(
             "verify-bound",
@@ -191,14 +192,20 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
             "checks them against its contribution bound)"
         )
     columns = []
-    for key, default in (("id_column", "id"), ("users_column", "users")):
-        used = str(bound.get(key) if bound.get(key) is not None else default)
-        if key in batch and str(batch.pop(key)) != used:
+    for key, used in _bound_columns(bound).items():
+        if key in batch and _column_value(key, batch.pop(key)) != used:
             raise InputError(
                 f"config batch.{key}: differs from the bound's ({used!r}): batch and verify-batches read the "
                 f"records with the columns the bound read; leave batch.{key} out"
             )
         columns += [f"--{key.replace('_', '-')}", used]
+    other = sorted({"users_column", "users_columns"} & set(batch))  # left: the users option the bound did not use
+    if other:
+        bound_key = next(key for key in _bound_columns(bound) if key != "id_column")
+        raise InputError(
+            f"config batch.{other[0]}: the bound reads the users with {bound_key}: batch and verify-batches read "
+            f"the records with the columns the bound read; leave batch.{other[0]} out"
+        )
     path = plan.path
     beam = _beam(batch, "batch")
     flags = _flags(plan.commands["batch"], "batch", batch, beam=True)
@@ -222,6 +229,22 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
             path("batches"),
         )
     )
+
+
+def _bound_columns(bound: dict) -> dict[str, str]:
+    """The bound section's id column and its users option (users_column, or users_columns as
+    `a,b,c`), with their defaults: the columns batch and verify-batches must read the records with."""
+    users = "users_columns" if bound.get("users_columns") is not None else "users_column"
+    default = {"id_column": "id", "users_column": "users"}
+    given = {key: bound[key] if bound.get(key) is not None else default.get(key) for key in ("id_column", users)}
+    return {key: _column_value(key, value) for key, value in given.items()}
+
+
+def _column_value(key: str, value: object) -> str:
+    """A column option's value as its flag takes it (users_columns: a list or `a,b,c`, as `a,b,c`)."""
+    if key == "users_columns":
+        return ",".join(users_columns_of(value if isinstance(value, (str, list, tuple)) else str(value)))
+    return str(value)
 
 
 def _contribution_bound(bound: dict) -> int:

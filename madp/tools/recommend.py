@@ -1,31 +1,221 @@
-"""`madp recommend-k`: sweep the contribution bound k on one in-memory read of the input.
+"""`madp recommend-k`: sweep the contribution bound k on one in-memory read of the input, and check
+what the job will need at each k; `madp run` checks its own k the same way before it bounds.
 
-A larger k keeps more records (less bias towards records with few users: bias-variance paper;
-It's my data too, Sec. 5.2) but each user then owns up to k records of a batch, so sigma grows
-(group privacy inside DP-SGD's mixture of Gaussians, or k records per step in BandMF). Per k the
-sweep reports both sides, from the bounding kernels and the accountant; the recommendation is the
-ELS paper's heuristic (Sec. 6): k = the median number of records per user, among the swept k.
+Under the fixed-graph model the user-record graph is public, so everything here is computed from the
+graph alone and costs no privacy: per k, the records and users the bound keeps, the largest expected
+batch size b-min-sep sampling reaches on that selection (and the p it needs), the truncation delta at
+the target epsilon with the smallest `--max-batch-size` that keeps it within a stated share of delta,
+sigma from the accountant, and the noise of the mean gradient.
+
+Choosing k (bias-variance paper; It's my data too, Sec. 5.2): a larger k keeps more records, so the
+model is trained on more of the data distribution (less bias), but each user then owns up to k records
+of a batch, so sigma grows (group privacy inside DP-SGD's mixture of Gaussians, or k records per step
+in BandMF) and the noise of every step with it (more variance). The recommendation minimizes an
+explicit proxy of the expected excess risk, `ExcessRisk`, over the feasible k:
+
+    bias     = 1 - kept fraction of records   the share of the training distribution the model never
+                                               sees: its excess risk on it is up to the loss range, so
+                                               bias bounds it in units of that range (a total-variation
+                                               bound between the kept and all records)
+    variance = T (sigma / B)^2                 the variance of the noise summed over the T steps of
+                                               the mean gradient (sigma C / B per step), in units of
+                                               the clip norm C: what the noisy updates add to the
+                                               parameters, relative to the largest a mean gradient is
+    risk     = bias + variance
+
+The two terms move in opposite directions with k, so their sum has an interior minimum wherever both
+matter; the weights are a convention (one unit of loss range per unit of clipped-gradient variance),
+which is why every term is reported. The ELS paper's heuristic (Sec. 6: k = the median number of
+records per user) stays a reported column.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow.compute as pc
+import yaml
 
 from madp.accounting.calibrate import calibrate
-from madp.accounting.mechanisms import BandMf, DpSgd, Mechanism, sampling_probability
+from madp.accounting.mechanisms import BandMf, DpSgd, Mechanism
 from madp.accounting.strategies import coefficients as strategy_coefficients
+from madp.accounting.truncation import REFUSED_SHARE, smallest_max_batch_size, truncation_delta
+from madp.core import record_reading, sampling
 from madp.core import records as rec
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
-from madp.core.selection import BoundOptions
+from madp.core.selection import BoundOptions, read_capacities
 from madp.engines.local_engine import bound_records, read_input
 
 log = logging.getLogger("madp.recommend")
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16)
+DEFAULT_TRUNCATION_SHARE = 0.1  # of delta: the mechanism keeps 90%, so sigma barely moves
+
+
+# --- what a job asks, and what the graph allows ---------------------------------------------------
+
+
+class OptionNames(NamedTuple):
+    """How a message names the options it asks to change: flags of `madp recommend-k`, or keys of a
+    `madp run` config."""
+
+    batch_size: str
+    min_sep: str
+    max_batch_size: str
+    max_contributions: str
+    bands: str
+
+
+FLAGS = OptionNames("--batch-size", "--min-sep", "--max-batch-size", "--k", "--bands")
+CONFIG_KEYS = OptionNames(
+    "batch.batch_size", "batch.min_sep", "batch.max_batch_size", "bound.max_contributions", "calibrate.bands"
+)
+
+
+class BatchTarget(NamedTuple):
+    """What the job asks of batch formation and of the accounting of truncation."""
+
+    steps: int
+    batch_size: float
+    min_sep: int
+    delta: float
+    epsilon: float | None  # the target; None where the job gives sigma (its epsilon is not known here)
+    accounts_truncation: bool  # amplified accounting (DP-SGD on Poisson batches): truncation costs delta
+    max_batch_size: int | None = None  # the job's own B_max, checked; None: the smallest within the share
+    truncation_share: float = DEFAULT_TRUNCATION_SHARE
+    bands: int = 1
+    names: OptionNames = FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFeasibility:
+    """Whether the batches a job asks for can be formed on one selection, and what they need."""
+
+    units: int  # record copies the selection holds: what the sampler draws from
+    reach: sampling.Reach  # the largest expected batch size, and its p
+    sampling_probability: float | None  # p of the asked batch size; None where unreachable
+    max_batch_size: int | None  # the job's B_max, or the smallest within the share (amplified only)
+    truncation_delta: float  # at max_batch_size and the target epsilon (0 where not accounted)
+    problems: tuple[str, ...]  # why the job cannot run, each with what to change
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+
+class Graph(NamedTuple):
+    """The user-record graph of the valid input records (users as dense indices, records in order)."""
+
+    arity: np.ndarray
+    user_of_incidence: np.ndarray
+    users: int
+
+    @property
+    def record_of_incidence(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.arity), dtype=np.int64), self.arity)
+
+
+def graph_of(chunk: rec.RecordChunk) -> Graph:
+    users = pc.dictionary_encode(chunk.users).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    return Graph(chunk.arity, users, int(users.max()) + 1 if len(users) else 0)
+
+
+def neighbourhood_histogram(graph: Graph, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(|N(e)|, units) of the selection `copies`, as `madp batch` calibrates p with: only selected
+    records enter the pairs, so a hub user's cost is k^2 rather than its degree squared."""
+    selected = copies > 0
+    keep = selected[graph.record_of_incidence]
+    renumbered = np.cumsum(selected) - 1  # selected records as 0..n-1
+    sizes = sampling.neighbourhood_sizes(
+        renumbered[graph.record_of_incidence[keep]], graph.user_of_incidence[keep], copies[selected]
+    )
+    return sampling.size_histogram(np.repeat(sizes, copies[selected]))
+
+
+def largest_min_sep_reaching(target: float, sizes: np.ndarray, counts: np.ndarray, below: int) -> int | None:
+    """The largest b < `below` at which b-min-sep sampling reaches an expected batch size `target`."""
+    for min_sep in range(below - 1, 0, -1):
+        if sampling.largest_expected_batch_size(sizes, counts, min_sep).largest >= target:
+            return min_sep
+    return None
+
+
+def batch_feasibility(graph: Graph, copies: np.ndarray, k: int, target: BatchTarget) -> BatchFeasibility:
+    """Whether `target`'s batches can be formed on the selection `copies` (bounded at k), from the
+    graph only, with the sampler's own calibration; each problem names the option to change and a
+    value that works."""
+    names, units = target.names, int(copies.sum())
+    if units == 0:
+        problem = f"k = {k} keeps no record: raise {names.max_contributions}"
+        return BatchFeasibility(0, sampling.Reach(0.0, 0.0), None, target.max_batch_size, 0.0, (problem,))
+    sizes, counts = neighbourhood_histogram(graph, copies)
+    reach = sampling.largest_expected_batch_size(sizes, counts, target.min_sep)
+    if target.batch_size > reach.largest:
+        return BatchFeasibility(
+            units, reach, None, target.max_batch_size, 0.0, (_unreachable(target, reach, k, sizes, counts),)
+        )
+    probability = sampling.calibrate_probability(target.batch_size, sizes, counts, target.min_sep)
+    if not target.accounts_truncation or target.epsilon is None:
+        return BatchFeasibility(units, reach, probability, target.max_batch_size, 0.0, ())
+    budget = target.truncation_share * target.delta
+    smallest = smallest_max_batch_size(target.steps, units, probability, target.epsilon, budget)
+    if target.max_batch_size is None:
+        cost = truncation_delta(target.steps, units, probability, smallest, target.epsilon)
+        return BatchFeasibility(units, reach, probability, smallest, cost, ())
+    cost = truncation_delta(target.steps, units, probability, target.max_batch_size, target.epsilon)
+    problems: tuple[str, ...] = ()
+    if cost >= REFUSED_SHARE * target.delta:
+        problems = (
+            f"{names.max_batch_size} {target.max_batch_size}: truncation costs delta {cost:.3g} of the "
+            f"{target.delta:g} asked for at epsilon {target.epsilon:g} (calibration refuses "
+            f"{REFUSED_SHARE:.0%} or more); use {names.max_batch_size} >= {smallest} (truncation delta "
+            f"<= {target.truncation_share:.0%} of delta) or leave it out",
+        )
+    return BatchFeasibility(units, reach, probability, target.max_batch_size, cost, problems)
+
+
+def _unreachable(target: BatchTarget, reach: sampling.Reach, k: int, sizes: np.ndarray, counts: np.ndarray) -> str:
+    names = target.names
+    if target.min_sep == 1:
+        kept = int(reach.largest)  # every unit, at p = 1
+        return (
+            f"{names.batch_size} {target.batch_size:g} exceeds the {kept} records (copies) kept at k = {k}: "
+            f"use {names.batch_size} <= {kept}, or a larger {names.max_contributions}"
+        )
+    fixes = [f"{names.batch_size} <= {math.floor(reach.largest)}"]
+    min_sep = largest_min_sep_reaching(target.batch_size, sizes, counts, target.min_sep)
+    if min_sep is not None:
+        bands = f" (and {names.bands} <= {min_sep})" if target.bands > min_sep else ""
+        fixes.append(f"{names.min_sep} <= {min_sep}{bands}")
+    return (
+        f"{names.batch_size} {target.batch_size:g} unreachable at {names.min_sep} {target.min_sep} with k = {k}: "
+        f"largest {math.floor(10 * reach.largest) / 10:.1f} (at p = {reach.probability:.3g}); use {' or '.join(fixes)}"
+    )
+
+
+# --- the criterion ----------------------------------------------------------------------------------
+
+
+class ExcessRisk(NamedTuple):
+    """The proxy of expected excess risk the recommendation minimizes (module docstring)."""
+
+    bias: float  # 1 - kept fraction of records
+    variance: float  # T (sigma / B)^2: the mean gradient's noise over training, in units of C
+    total: float
+
+
+def excess_risk(kept_fraction: float, noise_multiplier: float, batch_size: float, steps: int) -> ExcessRisk:
+    bias = 1.0 - kept_fraction
+    variance = steps * (noise_multiplier / batch_size) ** 2
+    return ExcessRisk(bias, variance, bias + variance)
+
+
+# --- the sweep ----------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +233,7 @@ class Sweep:
     order: str = "arity"
     seed: int = 0
     columns: rec.Columns = rec.Columns()
+    truncation_share: float = DEFAULT_TRUNCATION_SHARE
 
     def __post_init__(self) -> None:
         if self.mechanism not in ("dpsgd", "bandmf"):
@@ -51,8 +242,32 @@ class Sweep:
             raise InputError(f"--k must list integers >= 1, got {self.ks}")
         if self.mechanism == "dpsgd" and (self.min_sep != 1 or self.bands != 1):
             raise InputError("--mechanism dpsgd is plain Poisson sampling: --min-sep 1 and --bands 1")
+        if self.mechanism == "bandmf" and not 1 <= self.bands <= self.min_sep:
+            raise InputError(f"--mechanism bandmf needs 1 <= --bands <= --min-sep, got {self.bands} and {self.min_sep}")
         if self.clip_norm <= 0:
             raise InputError("--clip-norm must be positive")
+        if self.steps < 1 or self.batch_size <= 0:
+            raise InputError("--steps must be at least 1 and --batch-size positive")
+        if not 0 < self.epsilon or not 0 < self.delta < 1:
+            raise InputError("--epsilon must be positive and --delta in (0, 1)")
+        if not 0 < self.truncation_share < REFUSED_SHARE:
+            raise InputError(
+                f"--truncation-share must be in (0, {REFUSED_SHARE:g}): calibration refuses a truncation that "
+                f"takes {REFUSED_SHARE:.0%} of delta or more"
+            )
+
+    @property
+    def target(self) -> BatchTarget:
+        return BatchTarget(
+            self.steps,
+            self.batch_size,
+            self.min_sep,
+            self.delta,
+            self.epsilon,
+            accounts_truncation=self.mechanism == "dpsgd",  # madp train's auto: DP-SGD, amplified
+            truncation_share=self.truncation_share,
+            bands=self.bands,
+        )
 
 
 def records_per_user(user_index: np.ndarray, weights: np.ndarray, users: int) -> np.ndarray:
@@ -60,77 +275,114 @@ def records_per_user(user_index: np.ndarray, weights: np.ndarray, users: int) ->
     return np.bincount(user_index, weights=weights, minlength=users).astype(np.int64)
 
 
-def recommend(input_path: str, sweep: Sweep) -> dict:
-    chunk, rejects, _, _ = read_input(input_path, sweep.columns)
+def read_graph_input(input_path: str, columns: rec.Columns) -> rec.RecordChunk:
+    chunk, rejects, _, _ = read_input(input_path, columns)
     if len(rejects):
         raise InputError(
             f"{input_path}: {len(rejects)} invalid rows (first: {rejects.file[0]} row "
             f"{rejects.row[0]}, {rejects.reason[0]}); fix them, or sweep the selection of a "
             f"`madp bound --on-invalid skip` run's input without them"
         )
-    arity = chunk.arity
-    user_index = pc.dictionary_encode(chunk.users).indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    users = int(user_index.max()) + 1 if len(user_index) else 0
-    incidence_record = np.repeat(np.arange(len(chunk)), arity)
-    before = records_per_user(user_index, np.ones(len(user_index)), users)
-    median = float(np.median(before)) if users else 0.0
-    log.info("%d records, %d users, median %g records per user", len(chunk), users, median)
-    rows = []
-    for k in sorted(set(sweep.ks)):
-        kept = {}
-        for duplicates in (False, True):
-            options = BoundOptions(
-                max_contributions=k, order=sweep.order, seed=sweep.seed, duplicates=duplicates, columns=sweep.columns
-            )
-            kept[duplicates] = bound_records(chunk, options, Capacities(default=k)).copies
-        distinct = kept[False] > 0
-        after = records_per_user(user_index, kept[False][incidence_record], users)
-        sigma, epsilon = _noise(sweep, k, int(kept[False].sum()))
-        rows.append(
-            {
-                "k": k,
-                "kept_records": int(distinct.sum()),
-                "kept_fraction": round(float(distinct.mean()), 6) if len(chunk) else 0.0,
-                "kept_records_with_duplicates": int(kept[True].sum()),
-                "users_capped_fraction": round(float((before > k).mean()), 6) if users else 0.0,
-                "users_at_bound_fraction": round(float((after == k).mean()), 6) if users else 0.0,
-                "mean_users_per_kept_record": round(float(arity[distinct].mean()), 6) if distinct.any() else 0.0,
-                "noise_multiplier": sigma,
-                "epsilon": epsilon,
-                "noise_std_over_batch": sigma * sweep.clip_norm / sweep.batch_size,
-            }
-        )
-        log.info(
-            "k = %d: keeps %d records (%.1f%%), sigma %.4g",
-            k,
-            rows[-1]["kept_records"],
-            100 * rows[-1]["kept_fraction"],
-            sigma,
-        )
-    chosen = min(rows, key=lambda row: (abs(row["k"] - median), row["k"]))
+    return chunk
+
+
+def recommend(input_path: str, sweep: Sweep) -> dict:
+    """The sweep's rows (one per k, feasible or with the reasons it is not), the k the excess-risk
+    proxy recommends among the feasible ones, and the median heuristic's k; it never stops at a k."""
+    chunk = read_graph_input(input_path, sweep.columns)
+    graph = graph_of(chunk)
+    before = records_per_user(graph.user_of_incidence, np.ones(len(graph.user_of_incidence)), graph.users)
+    median = float(np.median(before)) if graph.users else 0.0
+    log.info("%d records, %d users, median %g records per user", len(chunk), graph.users, median)
+    rows = [_row(chunk, graph, before, sweep, k) for k in sorted(set(sweep.ks))]
+    median_k = min(rows, key=lambda row: (abs(row["k"] - median), row["k"]))["k"]
+    for row in rows:
+        row["median_heuristic"] = row["k"] == median_k
+    candidates = [row for row in rows if row["feasible"]]
+    chosen = min(candidates, key=lambda row: (row["excess_risk"], row["k"])) if candidates else None
     return {
         "input": {
             "path": input_path,
             "records": len(chunk),
-            "users": users,
-            "mean_users_per_record": round(float(arity.mean()), 6) if len(chunk) else 0.0,
+            "users": graph.users,
+            "mean_users_per_record": round(float(graph.arity.mean()), 6) if len(chunk) else 0.0,
             "median_records_per_user": median,
             "records_per_user_quantiles": {str(q): float(np.quantile(before, q)) for q in (0.5, 0.9, 0.99, 1.0)}
-            if users
+            if graph.users
             else {},
         },
         "parameters": {**dataclasses.asdict(sweep), "columns": None},
+        "criterion": "minimum over the feasible k of bias + variance = (1 - kept fraction of records) + "
+        "T (sigma / B)^2 (a proxy of expected excess risk; see madp/tools/recommend.py)",
         "sweep": rows,
-        "recommended_k": chosen["k"],
-        "reason": _reason(chosen, rows, median),
+        "recommended_k": chosen["k"] if chosen else None,
+        "median_heuristic_k": median_k,
+        "reason": _reason(chosen, rows, median, median_k, sweep),
     }
 
 
-def _noise(sweep: Sweep, k: int, units: int) -> tuple[float, float]:
-    """(sigma, epsilon) for batches of `sweep` over data bounded at k with `units` sampling units."""
+def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep, k: int) -> dict[str, Any]:
+    kept = {}
+    for duplicates in (False, True):
+        options = BoundOptions(
+            max_contributions=k, order=sweep.order, seed=sweep.seed, duplicates=duplicates, columns=sweep.columns
+        )
+        kept[duplicates] = bound_records(chunk, options, Capacities(default=k)).copies
+    distinct = kept[False] > 0
+    after = records_per_user(graph.user_of_incidence, kept[False][graph.record_of_incidence], graph.users)
+    batches = batch_feasibility(graph, kept[False], k, sweep.target)
+    problems = list(batches.problems)
+    sigma: float | None = None
+    epsilon: float | None = None
+    if batches.sampling_probability is not None or sweep.mechanism == "bandmf":  # BandMF's sigma needs no p
+        try:
+            sigma, epsilon = _noise(sweep, k, batches)
+        except InputError as error:
+            problems.append(f"calibration: {error}")
+    kept_fraction = float(distinct.mean()) if len(chunk) else 0.0
+    risk = excess_risk(kept_fraction, sigma, sweep.batch_size, sweep.steps) if sigma is not None else None
+    row = {
+        "k": k,
+        "kept_records": int(distinct.sum()),
+        "kept_fraction": round(kept_fraction, 6),
+        "kept_records_with_duplicates": int(kept[True].sum()),
+        "kept_users": int((after > 0).sum()),
+        "kept_users_fraction": round(float((after > 0).mean()), 6) if graph.users else 0.0,
+        "users_capped_fraction": round(float((before > k).mean()), 6) if graph.users else 0.0,
+        "users_at_bound_fraction": round(float((after == k).mean()), 6) if graph.users else 0.0,
+        "mean_users_per_kept_record": round(float(graph.arity[distinct].mean()), 6) if distinct.any() else 0.0,
+        "largest_batch_size": round(batches.reach.largest, 3),
+        "largest_batch_sampling_probability": batches.reach.probability,
+        "sampling_probability": batches.sampling_probability,
+        "max_batch_size": batches.max_batch_size,
+        "truncation_delta": batches.truncation_delta,
+        "noise_multiplier": sigma,
+        "epsilon": epsilon,
+        "noise_std_over_batch": None if sigma is None else sigma * sweep.clip_norm / sweep.batch_size,
+        "bias": None if risk is None else round(risk.bias, 6),
+        "variance": None if risk is None else round(risk.variance, 6),
+        "excess_risk": None if risk is None else round(risk.total, 6),
+        "feasible": not problems,
+        "problems": problems,
+    }
+    log.info(
+        "k = %d: keeps %d records (%.1f%%), sigma %s%s",
+        k,
+        row["kept_records"],
+        100 * kept_fraction,
+        "-" if sigma is None else f"{sigma:.4g}",
+        "" if not problems else f"; infeasible: {'; '.join(problems)}",
+    )
+    return row
+
+
+def _noise(sweep: Sweep, k: int, batches: BatchFeasibility) -> tuple[float, float]:
+    """(sigma, epsilon) of the training `madp train` would run on these batches, its truncation's share
+    of delta set aside as calibration sets it aside."""
     mechanism: Mechanism
     if sweep.mechanism == "dpsgd":
-        mechanism = DpSgd(sampling_probability(sweep.batch_size, units), sweep.steps, k)
+        assert batches.sampling_probability is not None  # the caller asks only for reachable batches
+        mechanism = DpSgd(batches.sampling_probability, sweep.steps, k)
     else:
         bands = tuple(strategy_coefficients(sweep.strategy, sweep.steps, sweep.bands).tolist())
         mechanism = BandMf(
@@ -138,21 +390,183 @@ def _noise(sweep: Sweep, k: int, units: int) -> tuple[float, float]:
         )
     # A sweep needs sigma to ~1%: a 10x coarser PLD grid than `madp calibrate` (still an upper bound on
     # epsilon) makes it ~7x faster; the final run calibrates on the fine grid.
-    result = calibrate(mechanism, sweep.epsilon, sweep.delta, relative_tolerance=1e-2, discretization=1e-2)
+    result = calibrate(
+        mechanism,
+        sweep.epsilon,
+        sweep.delta - batches.truncation_delta,
+        relative_tolerance=1e-2,
+        discretization=1e-2,
+    )
     return result.noise_multiplier, result.epsilon
 
 
-def _reason(chosen: dict, rows: list[dict], median: float) -> str:
+def _reason(chosen: dict | None, rows: list[dict], median: float, median_k: int, sweep: Sweep) -> str:
+    if chosen is None:
+        first = rows[0]
+        return f"no swept k is feasible (each row says why), e.g. k = {first['k']}: {first['problems'][0]}"
     text = (
-        f"the median user has {median:g} records (ELS heuristic, Sec. 6); at k = {chosen['k']} the bound keeps "
-        f"{100 * chosen['kept_fraction']:.1f}% of the records with noise std {chosen['noise_std_over_batch']:.3g} "
-        f"of the averaged gradient (sigma {chosen['noise_multiplier']:.3g})"
+        f"k = {chosen['k']} has the smallest excess-risk proxy among the feasible k: bias (1 - kept fraction) "
+        f"{chosen['bias']:.3g} + variance (T (sigma/B)^2, sigma {chosen['noise_multiplier']:.3g}) "
+        f"{chosen['variance']:.3g} = {chosen['excess_risk']:.3g}; it keeps {100 * chosen['kept_fraction']:.1f}% "
+        f"of the records with noise std {chosen['noise_std_over_batch']:.3g} of the averaged gradient"
     )
-    larger = [row for row in rows if row["k"] > chosen["k"]]
-    if larger:
-        nxt = larger[0]
+    scored = [row for row in rows if row["excess_risk"] is not None]
+    at = scored.index(chosen)
+    for row in scored[max(at - 1, 0) : at] + scored[at + 1 : at + 2]:  # the scored k on either side
         text += (
-            f"; k = {nxt['k']} would keep {100 * (nxt['kept_fraction'] - chosen['kept_fraction']):.1f} points "
-            f"more for {nxt['noise_multiplier'] / chosen['noise_multiplier']:.2f}x the noise"
+            f"; k = {row['k']}: {100 * (row['kept_fraction'] - chosen['kept_fraction']):+.1f} points kept, "
+            f"{row['noise_multiplier'] / chosen['noise_multiplier']:.2f}x the noise, risk {row['excess_risk']:.3g}"
         )
+    text += f"; the median user has {median:g} records (ELS heuristic, Sec. 6: k = {median_k})"
+    infeasible = [row["k"] for row in rows if not row["feasible"]]
+    if infeasible:
+        text += f"; infeasible: k = {', '.join(map(str, infeasible))} (see their problems)"
     return text
+
+
+# --- the table and the config ---------------------------------------------------------------------
+
+
+def table(result: dict) -> str:
+    """The sweep as a fixed-width table, then the problems of the infeasible rows and the reason."""
+    header = ["k", "kept", "kept%", "users", "max E|B|", "p", "B_max", "trunc.delta", "sigma", "sigma C/B"]
+    header += ["bias", "variance", "risk", ""]
+    lines: list[list[str]] = [header]
+    for row in result["sweep"]:
+        marks = []
+        if row["k"] == result["recommended_k"]:
+            marks.append("<- recommended")
+        if row["median_heuristic"]:
+            marks.append("median heuristic")
+        if not row["feasible"]:
+            marks.append("INFEASIBLE")
+        lines.append(
+            [
+                str(row["k"]),
+                str(row["kept_records"]),
+                f"{100 * row['kept_fraction']:.1f}",
+                str(row["kept_users"]),
+                f"{math.floor(10 * row['largest_batch_size']) / 10:.1f}",  # as the problems say it: reachable
+                _figure(row["sampling_probability"]),
+                "-" if row["max_batch_size"] is None else str(row["max_batch_size"]),
+                _figure(row["truncation_delta"]),
+                _figure(row["noise_multiplier"]),
+                _figure(row["noise_std_over_batch"]),
+                _figure(row["bias"]),
+                _figure(row["variance"]),
+                _figure(row["excess_risk"]),
+                ", ".join(marks),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
+    for row in result["sweep"]:
+        text += [f"k = {row['k']}: {problem}" for problem in row["problems"]]
+    text.append(f"criterion: {result['criterion']}")
+    text.append(f"recommended k = {result['recommended_k']}: {result['reason']}")
+    return "\n".join(text)
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+TEXT_COLUMNS = ("text", "body")  # `madp generate --task text`, `madp import-mbox`
+
+
+def train_section(
+    input_path: str, columns: rec.Columns, model: str | None, labels: tuple[str, ...] | None
+) -> dict[str, Any]:
+    """A train section for the input's content columns: logreg on `features`/`label`; on a text column
+    (`text`, an mbox's `body`) a text classifier where the public label set is given (`labels`: the
+    trainer never reads it from the private records) and a `label` column holds the labels, else a
+    byte-level language model, which needs none; `model` overrides the choice."""
+    content = record_reading.content_columns(rec.list_input_files(input_path)[0], columns)
+    text = next((name for name in TEXT_COLUMNS if name in content), None)
+    if model is None:
+        if "features" in content and "label" in content:
+            model = "logreg"
+        elif text is not None:
+            model = "text-classifier" if labels and "label" in content else "text-lm"
+        else:
+            raise InputError(
+                f"--write-config: no model is known to train on the columns {', '.join(content) or '(none)'}: "
+                f"give --model (logreg, mlp, text-classifier, text-lm or module:function)"
+            )
+    section: dict[str, Any] = {"model": model}
+    if model.startswith("text-") and text is not None:
+        section["text_column"] = text
+    if model == "text-classifier":
+        if not labels:
+            raise InputError(
+                "--model text-classifier: give --labels, the public label set (DP training never reads it from "
+                "the records: which labels occur would disclose them)"
+            )
+        section.update(label="label", labels=list(labels))
+    return section
+
+
+def job_config(result: dict, sweep: Sweep, input_path: str, run_dir: str, train: dict[str, Any]) -> dict[str, Any]:
+    """The `madp run` config of the recommended k: bound, batch, calibrate and train as the sweep
+    checked them (B_max where truncation is accounted: the smallest within the stated share)."""
+    row = next(row for row in result["sweep"] if row["k"] == result["recommended_k"])
+    columns = sweep.columns
+    bound: dict[str, Any] = {"max_contributions": row["k"]}
+    if columns.id != "id":
+        bound["id_column"] = columns.id
+    if columns.users_columns:
+        bound["users_columns"] = list(columns.users_columns)
+    elif columns.users != "users":
+        bound["users_column"] = columns.users
+    if sweep.order != "arity":
+        bound["order"] = sweep.order
+    if sweep.seed:
+        bound["seed"] = sweep.seed
+    bound["runner"] = "local"
+    batch_size = int(sweep.batch_size) if float(sweep.batch_size).is_integer() else sweep.batch_size
+    batch: dict[str, Any] = {"steps": sweep.steps, "batch_size": batch_size, "min_sep": sweep.min_sep}
+    if row["max_batch_size"] is not None:
+        batch["max_batch_size"] = row["max_batch_size"]
+    batch["runner"] = "local"
+    calibrate_: dict[str, Any] = {"epsilon": sweep.epsilon, "delta": sweep.delta, "mechanism": sweep.mechanism}
+    if sweep.mechanism == "bandmf":
+        calibrate_.update(bands=sweep.bands, strategy=sweep.strategy)
+    calibrate_["clip_norm"] = sweep.clip_norm
+    return {
+        "run_dir": run_dir,
+        "input": input_path,
+        "bound": bound,
+        "batch": batch,
+        "calibrate": calibrate_,
+        "train": train,
+    }
+
+
+def write_config(path: str, config: dict[str, Any], result: dict) -> None:
+    header = (
+        f"# Written by `madp recommend-k`: k = {result['recommended_k']} by the excess-risk proxy "
+        f"(bias + variance, madp/tools/recommend.py).\n"
+        f"# `madp run {os.path.basename(path)}` runs it; runner local bounds and batches in this process "
+        f"(DirectRunner, DataflowRunner, ... for Beam: see runners/).\n"
+    )
+    try:
+        with open(path, "w") as handle:
+            handle.write(header + yaml.safe_dump(config, sort_keys=False))
+    except OSError as error:
+        raise InputError(f"--write-config {path}: cannot write it ({error.strerror})") from error
+
+
+# --- `madp run`: the same check for one k -----------------------------------------------------------
+
+
+def job_feasibility(input_path: str, options: BoundOptions, target: BatchTarget) -> BatchFeasibility | None:
+    """What `batch_feasibility` says of the selection `madp bound` will make with `options` (the local
+    engine's kernels: the engines select alike); None where the input has invalid rows the bound
+    would stop at (its own error names them)."""
+    chunk, rejects, _, _ = read_input(input_path, options.columns)
+    if len(rejects) and options.on_invalid == "error":
+        return None
+    k = options.max_contributions
+    capacities = read_capacities(options.capacities, k) if options.capacities else Capacities(default=k)
+    copies = bound_records(chunk, options, capacities).copies
+    return batch_feasibility(graph_of(chunk), copies, k, target)

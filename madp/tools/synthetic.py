@@ -172,17 +172,56 @@ def generate(spec: GraphSpec) -> SyntheticData:
     return SyntheticData(offsets=offsets, users=users, features=features, labels=labels)
 
 
-def to_table(data: SyntheticData) -> pa.Table:
-    """Records as rows: integer id, users, and the content (features or text, and the label)."""
+USERS_AS = ("users", "from-to-cc", "both")  # `madp generate --users-as`: how the users are written
+SENDER_IN_CC_EVERY = 8  # records with id % 8 == 3 also list their sender in cc, as senders copying themselves do
+
+
+def to_table(data: SyntheticData, users_as: str = "users") -> pa.Table:
+    """Records as rows: integer id, users, and the content (features or text, and the label). The
+    users are a `users` list, or (`users_as`) as an email export holds them: `from` (the first user),
+    `to` and `cc` (lists; cc null where empty), whose union is the same users (`--users-columns
+    from,to,cc`), or both."""
+    if users_as not in USERS_AS:
+        raise InputError(f"--users-as must be one of {', '.join(USERS_AS)}")
     n = len(data.labels)
-    records = {
-        "id": pa.array(np.arange(n, dtype=np.int64)),
-        "users": pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users)),
-    }
+    records = {"id": pa.array(np.arange(n, dtype=np.int64))}
+    if users_as != "from-to-cc":
+        records["users"] = pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users))
+    if users_as != "users":
+        records.update(email_columns(data.offsets, data.users))
     if data.features is None:
         return pa.table({**records, "text": pa.array(data.texts, pa.string()), "label": pa.array(data.labels.tolist())})
     features = pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1])
     return pa.table({**records, "features": features, "label": pa.array(data.labels)})
+
+
+def email_columns(offsets: np.ndarray, users: np.ndarray) -> dict[str, pa.Array]:
+    """`from`, `to` and `cc` of records whose users are users[offsets[i]:offsets[i + 1]]: the first user
+    sends, the first half of the others (rounded up) are in to, the rest in cc; a record with id % 8 == 3
+    also has its sender in cc (a repeat the union counts once)."""
+    records = len(offsets) - 1
+    arity = np.diff(offsets)
+    record_of = np.repeat(np.arange(records), arity)
+    position = np.arange(len(users)) - offsets[:-1][record_of]
+    to_length = arity // 2  # of the arity - 1 others, the first half rounded up
+    in_to = (position >= 1) & (position <= to_length[record_of])
+    in_cc = position > to_length[record_of]
+    echo = np.flatnonzero(np.arange(records) % SENDER_IN_CC_EVERY == 3)
+    cc_record = np.concatenate([record_of[in_cc], echo])
+    cc_users = np.concatenate([users[in_cc], users[offsets[:-1][echo]]])
+    order = np.argsort(cc_record, kind="stable")  # each record's cc in order, the echoed sender last
+    cc_length = np.bincount(cc_record, minlength=records)
+    return {
+        "from": pa.array(users[offsets[:-1]]),
+        "to": _lists(to_length, users[in_to]),
+        "cc": _lists(cc_length, cc_users[order], null_where_empty=True),
+    }
+
+
+def _lists(lengths: np.ndarray, values: np.ndarray, null_where_empty: bool = False) -> pa.Array:
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    mask = pa.array(lengths == 0) if null_where_empty else None
+    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.int64()), mask=mask)
 
 
 def _write_table(table: pa.Table, output: str) -> None:
@@ -202,10 +241,12 @@ def write_dataset(
     shards: int,
     holdout: str | None = None,
     holdout_fraction: float = 0.1,
+    users_as: str = "users",
 ) -> dict:
     """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory; with
-    `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead."""
-    table = to_table(data)
+    `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead. `users_as`:
+    see `to_table`."""
+    table = to_table(data, users_as)
     held_out = 0
     if holdout is not None:
         if not 0 < holdout_fraction < 1 or not holdout.endswith((".jsonl", ".parquet")):

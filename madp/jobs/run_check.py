@@ -1,0 +1,80 @@
+"""`madp run CONFIG.yaml`, checking: before the bound stage runs, whether the batches the config asks
+for can be formed on the input's graph, and whether calibration will accept their truncation; an
+infeasible plan stops there with the option to change and a value that works, rather than in
+`madp batch` (or calibration) after the bounding.
+
+The check is `madp recommend-k`'s for one k (`madp.tools.recommend.job_feasibility`): the local
+engine's bounding kernels on the graph read into memory, then the sampler's own calibration of p and
+the trainer's own truncation delta. The graph is public under the fixed-graph model, so it costs no
+privacy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from madp.commands.registry import LOCAL, Parser
+from madp.core.errors import InputError
+from madp.core.selection import BoundOptions
+from madp.jobs.run_plan import Stage
+from madp.tools.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
+
+log = logging.getLogger("madp.run")
+# Runners that bound on this machine, where the graph fits in memory; a cluster job's input may not.
+IN_PROCESS_RUNNERS = (LOCAL, "DirectRunner")
+
+
+def check_feasible(stages: list[Stage], parser: Parser) -> None:
+    """Refuse, before bounding, a config whose batches cannot be formed or whose truncation calibration
+    would refuse; a plan without a bound and a b-min-sep Poisson batch stage has nothing to check."""
+    commands = {stage.name: stage.command for stage in stages}
+    if "bound" not in commands or "batch" not in commands:
+        return
+    bound, _ = parser.parse_known_args(commands["bound"])
+    batch, _ = parser.parse_known_args(commands["batch"])
+    if batch.sampler != "minsep":  # the greedy and user sampling check their own sizes as they start
+        return
+    if bound.runner not in IN_PROCESS_RUNNERS:
+        log.info(
+            "runner %s: the batch-size check before bounding is skipped (it reads the graph into this "
+            "process); `madp recommend-k` on a machine that holds the graph checks the same",
+            bound.runner,
+        )
+        return
+    options = parser.family["bound"].options["bound"](bound)
+    assert isinstance(options, BoundOptions)
+    target = _target(batch, parser.parse_known_args(commands["calibrate"])[0] if "calibrate" in commands else None)
+    log.info(
+        "checking the plan on the input's graph: k = %d, batches of %g at min-sep %d",
+        options.max_contributions,
+        target.batch_size,
+        target.min_sep,
+    )
+    found = job_feasibility(bound.input, options, target)
+    if found is not None and not found.feasible:
+        raise InputError(
+            f"config: this plan cannot run on {bound.input} (checked on its graph, before bounding): "
+            + "; ".join(found.problems)
+        )
+
+
+def _target(batch: argparse.Namespace, calibrate: argparse.Namespace | None) -> BatchTarget:
+    """What the batch and calibrate stages ask: truncation is accounted where `madp train` accounts it,
+    amplified DP-SGD on Poisson batches (min-sep 1, one band) or BandMF with --amplified, at the
+    target epsilon (a given sigma's epsilon is not known before calibration, which checks it itself)."""
+    accounted = calibrate is not None and calibrate.mechanism != "none"
+    if calibrate is not None and not calibrate.amplified:
+        poisson = batch.min_sep == 1 and calibrate.bands == 1
+        accounted = accounted and calibrate.mechanism in ("auto", "dpsgd") and poisson
+    return BatchTarget(
+        steps=batch.steps,
+        batch_size=batch.batch_size,
+        min_sep=batch.min_sep,
+        delta=calibrate.delta if calibrate is not None else 1.0,
+        epsilon=calibrate.epsilon if calibrate is not None else None,
+        accounts_truncation=accounted,
+        max_batch_size=batch.max_batch_size,
+        bands=calibrate.bands if calibrate is not None else 1,
+        names=CONFIG_KEYS,
+    )
