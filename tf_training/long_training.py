@@ -23,7 +23,7 @@ from madp.core import storage
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
-from madp.training.options import TrainOptions
+from madp.training.options import TrainOptions, training_defaults
 from madp.training.plan import PrivacyPlan
 
 tf = load_tensorflow()
@@ -58,7 +58,7 @@ def learning_rate_at(step: int, steps: int, options: TrainOptions) -> float:
     """The learning rate of step `step` (0-based) of `steps` (--lr-schedule): constant; cosine decay
     from --learning-rate to 0; or a linear warmup over --warmup-steps to it, then cosine decay over the
     rest. A function of public settings and the step index only."""
-    base, schedule = options.learning_rate, options.lr_schedule
+    base, schedule = training_defaults(options)[1], options.lr_schedule
     if schedule == "constant":
         return base
     warmup = options.warmup_steps if schedule == "warmup-cosine" else 0

@@ -10,6 +10,20 @@ MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
 TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
 SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
+# What --optimizer and --learning-rate default to, per model (`training_defaults`). The text
+# classifier's were chosen on CPython's changelog (benchmarks/text_defaults.py, README "Text
+# defaults"): SGD at 0.5 only learned the majority class there, Adam at 0.01 came within a point of
+# a linear model on the same n-grams. The language model's are those its README figures were
+# measured with (examples/text-lm.yaml).
+# The pretrained causal LM's rate is a common one for fine-tuning with Adam (not tuned here): the
+# from-scratch rates would move it far from its pretrained weights in a few steps.
+OPTIMIZER_DEFAULTS = {"text-classifier": "adam", "text-lm": "adam", "causal-lm": "adam"}
+LEARNING_RATE_DEFAULTS = {
+    ("text-lm", "adam"): 0.003,
+    ("causal-lm", "adam"): 1e-4,
+    ("*", "adam"): 0.01,
+    ("*", "sgd"): 0.5,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +41,8 @@ class TrainOptions:
     task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression
     classes: int | None = None  # multiclass: labels are the integers 0..classes-1
     model_path: tuple[str, ...] = ()  # directories searched first for a module:function model
-    optimizer: str = "sgd"
-    learning_rate: float = 0.5
+    optimizer: str | None = None  # sgd or adam; None: the model's default (`training_defaults`)
+    learning_rate: float | None = None  # None: the default of the model and optimizer
     clip_norm: float = 1.0
     seed: int = 0  # model initialization (public); not the noise
     noise_seed: int | None = None  # None: fresh secret noise key; an int reproduces (not private)
@@ -48,7 +62,7 @@ class TrainOptions:
     retrain: bool = False  # train again on batches an earlier private training used (composition stated)
     text_column: str = "text"  # text models: the feature holding the text
     labels: tuple[str, ...] | None = None  # text-classifier: the public label set (None: read from the data)
-    max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text
+    max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text; causal-lm: tokens
     buckets: int = 16384  # text-classifier: rows of the hashed n-gram embedding
     width: int | None = None  # text models: embedding width (None: 32 classifier, 64 language model)
     layers: int = 2  # text-lm: Transformer blocks
@@ -58,6 +72,7 @@ class TrainOptions:
     warmup_steps: int = 0  # warmup-cosine: steps of linear warmup
     checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
     resume: bool = False  # continue from the last checkpoint of OUTPUT
+    pretrained: str | None = None  # causal-lm: the GGUF file of the pretrained model (weights and tokenizer)
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
     @property
@@ -76,8 +91,8 @@ class TrainOptions:
         checks = [
             (self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
             (self.bands >= 1, "--bands must be at least 1"),
-            (self.optimizer in ("sgd", "adam"), "--optimizer must be sgd or adam"),
-            (self.learning_rate > 0, "--learning-rate must be positive"),
+            (self.optimizer in (None, "sgd", "adam"), "--optimizer must be sgd or adam"),
+            (self.learning_rate is None or self.learning_rate > 0, "--learning-rate must be positive"),
             (self.clip_norm > 0, "--clip-norm must be positive"),
             (self.eval_every >= 1, "--eval-every must be at least 1"),
             (
@@ -126,7 +141,21 @@ class TrainOptions:
                 "--warmup-steps must be at least 0, and above 0 only with --lr-schedule warmup-cosine",
             ),
             (self.checkpoint_every is None or self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
+            (
+                (self.model == "causal-lm") == (self.pretrained is not None),
+                "--model causal-lm needs --pretrained PATH.gguf, and --pretrained needs --model causal-lm",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise InputError(message)
+
+
+def training_defaults(options: TrainOptions) -> tuple[str, float]:
+    """(optimizer, learning rate) of a training: --optimizer and --learning-rate where given, else the
+    model's defaults (Adam for the text models, SGD otherwise; the rate of that model and optimizer)."""
+    optimizer = options.optimizer or OPTIMIZER_DEFAULTS.get(options.model, "sgd")
+    rate = options.learning_rate
+    if rate is None:
+        rate = LEARNING_RATE_DEFAULTS.get((options.model, optimizer), LEARNING_RATE_DEFAULTS[("*", optimizer)])
+    return optimizer, rate

@@ -67,6 +67,7 @@ class PrivateStep:
         fast: bool = True,
         user_level: bool = False,
         strategy=None,
+        rows_per_replica: int | None = None,
     ):
         self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
         self.expected = expected_batch_size
@@ -82,6 +83,7 @@ class PrivateStep:
             )
         self.fast = fast and not user_level and not blocking
         self.strategy = strategy or tf.distribute.get_strategy()
+        self.rows_per_replica = rows_per_replica
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary; all replicas compute the same state.
         with self.strategy.scope():
@@ -95,15 +97,19 @@ class PrivateStep:
         return self._privatize_once(*self._inputs(x, y, weight, users))
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self.apply(*self._inputs(x, y, weight, users))
+        self.apply(*split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica))
+
+    def _users(self, users):
+        if not self.user_level:
+            return None
+        if users is None:
+            raise ValueError("user-level steps need each row's user")
+        return np.asarray(users)
 
     def _inputs(self, x, y, weight, users):
         """Groups matter only for user-level clipping; otherwise None (one row per group)."""
-        if not self.user_level:
-            return x, y, weight, None
-        if users is None:
-            raise ValueError("user-level steps need each row's user")
-        return x, y, weight, tf.constant(row_groups(np.asarray(users), len(weight)))
+        users = self._users(users)
+        return x, y, weight, None if users is None else tf.constant(row_groups(users, len(weight)))
 
     @tf.function(reduce_retracing=True)
     def _privatize_once(self, x, y, weight, groups):
@@ -155,13 +161,14 @@ def _refuse_batch_statistics(model) -> None:
 class NonPrivateStep:
     """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
 
-    def __init__(self, model, loss_fn, optimizer, strategy=None):
+    def __init__(self, model, loss_fn, optimizer, strategy=None, rows_per_replica: int | None = None):
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         self.strategy = strategy or tf.distribute.get_strategy()
+        self.rows_per_replica = rows_per_replica
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self.apply(x, y, weight)
+        self.apply(*split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica))
 
     @tf.function(reduce_retracing=True)
     def apply(self, x, y, weight, groups=None) -> None:
@@ -272,3 +279,11 @@ def distribute(strategy, shards: list[tuple]) -> tuple:
         lambda context: tf.nest.map_structure(tf.constant, shards[context.replica_id_in_sync_group])
     )
     return tuple(value)
+
+
+def split_over_replicas(strategy, x, y, weight, users: np.ndarray | None, rows_per_replica: int | None) -> tuple:
+    """A step's rows as `apply` takes them under `strategy`: split over its replicas (`shard_step`),
+    each shard's arrays on its replica (`distribute`)."""
+    x = tf.nest.map_structure(np.asarray, x)
+    shards = shard_step(x, np.asarray(y), np.asarray(weight), users, strategy.num_replicas_in_sync, rows_per_replica)
+    return distribute(strategy, shards)

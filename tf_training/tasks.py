@@ -4,7 +4,8 @@ names the rows it cannot use, builds the model, and evaluates it on held-out rec
 - `NumericTask`: fixed-shape features (one, or several by name) and a binary, multi-class or regression
   label (`logreg`, `mlp`, `module:function`, whose function gets a `ModelSchema`);
 - `TextClassifierTask` (`text-classifier`): a text feature and a label among `--labels`;
-- `ByteLmTask` (`text-lm`): a text feature, next-byte prediction.
+- `ByteLmTask` (`text-lm`): a text feature, next-byte prediction;
+- `CausalLmTask` (`causal-lm`): a text feature, next-token prediction by a pretrained model (--pretrained).
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import numpy as np
 
 from madp.core import storage
 from madp.core.errors import InputError
-from madp.training import load_tensorflow, text
+from madp.training import load_tensorflow, pretrained, text
 from madp.training.batches import Batches
 from madp.training.data import step_batches
-from madp.training.options import TrainOptions
+from madp.training.options import TrainOptions, training_defaults
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
 
 log = logging.getLogger("madp.train")
-TEXT_MODELS = ("text-classifier", "text-lm")
+TEXT_MODELS = ("text-classifier", "text-lm", "causal-lm")
 _EVAL_ROWS = 512
 
 
@@ -119,16 +120,16 @@ def is_keras3(model) -> bool:
 
 
 def default_optimizer(model, options: TrainOptions):
-    """--optimizer at --learning-rate, from the Keras of `model` (a tf_keras optimizer cannot update
-    Keras 3 variables, nor the reverse)."""
+    """--optimizer at --learning-rate (or the model's defaults), from the Keras of `model` (a tf_keras
+    optimizer cannot update Keras 3 variables, nor the reverse)."""
     if is_keras3(model):
         import keras  # Keras 3: imported only for such models
 
         optimizers: Any = keras.optimizers
     else:
         optimizers = tf_keras.optimizers
-    make = optimizers.SGD if options.optimizer == "sgd" else optimizers.Adam
-    return make(options.learning_rate)
+    name, rate = training_defaults(options)
+    return (optimizers.SGD if name == "sgd" else optimizers.Adam)(rate)
 
 
 def read_columns(path: str, names: list[str]) -> dict[str, list]:
@@ -349,6 +350,49 @@ class ByteLmTask(_TextTask):
         return text.byte_metrics(nats, count)
 
 
+class CausalLmTask(_TextTask):
+    """A pretrained causal LM (--pretrained: a GGUF file) fine-tuned on a text's first --max-length
+    tokens, with the file's own tokenizer: nothing of it is learned from the data. Loss and perplexity
+    per token; `pretrained_eval` is the untrained model's, on the evaluation data."""
+
+    headline = "perplexity"
+
+    def __init__(self, options: TrainOptions, schema: dict):
+        super().__init__(options, schema)
+        self.names = [options.text_column]
+        self.pretrained = pretrained.read_pretrained(options.pretrained or "")
+        if options.max_length > self.pretrained.config.context_length:  # RoPE positions it never saw
+            raise InputError(
+                f"--max-length {options.max_length} exceeds the context length of --pretrained "
+                f"({self.pretrained.config.context_length} tokens)"
+            )
+        self.model = None
+        self.pretrained_eval: dict | None = None
+
+    def build(self):
+        self.model = pretrained.pretrained_model(self.pretrained, self.options.max_length)
+        return self.model, pretrained.next_token_loss
+
+    def encode(self, rows: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        texts = rows[self.options.text_column]
+        problems = self.problems(rows)
+        usable = np.where(problems == "", texts, b"")
+        x, y = pretrained.token_sequences(self.pretrained.tokenizer, usable, self.options.max_length)
+        return x, y, problems
+
+    def read_eval(self, path: str):
+        texts = _texts(read_columns(path, [self.options.text_column])[self.options.text_column])
+        data = _usable_eval(path, *self.encode({self.options.text_column: texts}))
+        if self.model is not None and self.pretrained_eval is None:  # the trainer reads it after build(),
+            # before the first step (and before a --resume restores a checkpoint): the pretrained weights
+            self.pretrained_eval = self.evaluate(self.model, pretrained.next_token_loss, data)
+        return data
+
+    def evaluate(self, model, loss_fn, data) -> dict:
+        x, y = data
+        return pretrained.mean_token_loss(model, x, y)
+
+
 def label_text(value) -> str:
     """A label as the text --labels gives it: strings as they are, integers in decimal."""
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
@@ -412,6 +456,8 @@ def prepare_task(options: TrainOptions, batches: Batches):
             return task, Skipped()
     elif options.model == "text-lm":
         task = ByteLmTask(options, batches.schema)
+    elif options.model == "causal-lm":
+        task = CausalLmTask(options, batches.schema)
     else:
         labels = list(options.labels or ()) or _labels_in(options, batches)
         task = TextClassifierTask(options, batches.schema, labels)

@@ -22,8 +22,14 @@ from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR
 from madp.training import load_tensorflow
-from madp.training.api import PrivateTrainingStep, calibrate, make_non_private, make_private, open_batches
-from madp.training.data import step_batches
+from madp.training.api import (
+    PrivateTrainingStep,
+    calibrate,
+    make_non_private,
+    make_private,
+    open_batches,
+    read_steps,
+)
 from madp.training.long_training import (
     INTERNAL_DIR,
     Checkpoints,
@@ -33,12 +39,12 @@ from madp.training.long_training import (
     set_learning_rate,
     step_statistics,
 )
-from madp.training.options import TrainOptions
+from madp.training.options import TrainOptions, training_defaults
 from madp.training.plan import (
     NOT_PRIVATE,
     labels_read_from_data,
 )
-from madp.training.steps import NonPrivateStep, distribute, distribution_strategy, row_groups, shard_step
+from madp.training.steps import NonPrivateStep, distribution_strategy, row_groups
 from madp.training.tasks import TextClassifierTask, build_model, default_optimizer, is_keras3, prepare_task
 
 tf = load_tensorflow()
@@ -141,9 +147,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
+    # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
+    rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
     step: NonPrivateStep | PrivateTrainingStep
     if privacy is None:
-        step = make_non_private(model, loss_fn, optimizer, strategy=strategy)
+        step = make_non_private(model, loss_fn, optimizer, strategy=strategy, rows_per_replica=rows_per_replica)
     else:
         step = make_private(
             model,
@@ -152,6 +160,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             privacy,
             noise_seed=options.noise_seed,
             strategy=strategy,
+            rows_per_replica=rows_per_replica,
             testing_noise_scale=options.testing_noise_scale,
             resumed_at=resumed,
             training=training,
@@ -179,9 +188,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     progress = Progress(log, "training", batches.steps, "steps")
     names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
-    # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
-    rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
-    for index, rows in step_batches(batches, names):
+    for index, rows in enumerate(read_steps(batches, names)):
         if index < resumed:  # run before the checkpoint resumed from
             continue
         # Every step runs, an empty one too: its noise is part of the mechanism.
@@ -190,14 +197,6 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
         if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
             weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
-        shards = shard_step(
-            x,
-            y,
-            weight,
-            rows[USER_FEATURE] if user_level else None,
-            replicas,
-            rows_per_replica,
-        )
         if options.lr_schedule != "constant":  # by step index: public
             rate = learning_rate_at(index, batches.steps, options)
             set_learning_rate(optimizer, rate)
@@ -210,7 +209,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             with internal.as_default():
                 for name, value in step_statistics(model, loss_fn, x, y, weight, groups, options.clip_norm).items():
                     tf.summary.scalar(f"train/{name}", value, step=done)
-        step.apply(*distribute(strategy, shards))
+        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None)
         evaluates = logs and evaluation is not None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):
@@ -237,8 +236,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "model": options.model,
         "distribution": options.distribution,
         "replicas": replicas,
-        "optimizer": options.optimizer,
-        "learning_rate": options.learning_rate,
+        "optimizer": training_defaults(options)[0],
+        "learning_rate": training_defaults(options)[1],
         "lr_schedule": options.lr_schedule,
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),

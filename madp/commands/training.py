@@ -33,7 +33,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     training.add_argument(
         "--model",
         default="logreg",
-        help="logreg, mlp, text-classifier, text-lm, or module:function: function(schema) returns "
+        help="logreg, mlp, text-classifier, text-lm, causal-lm (--pretrained), or module:function: "
+        "function(schema) returns "
         "(model, per-row loss) or (model, loss, optimizer), tf_keras or Keras 3",
     )
     training.add_argument("--features", default="features", help="feature holding the input of a numeric model")
@@ -58,7 +59,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="directory searched (before the current directory and PYTHONPATH) for a module:function model; repeatable",
     )
-    text = training.add_argument_group("text models (text-classifier, text-lm)")
+    text = training.add_argument_group("text models (text-classifier, text-lm, causal-lm)")
     text.add_argument("--text-column", default="text", help="feature holding the text (default text)")
     text.add_argument(
         "--labels",
@@ -66,7 +67,16 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="text-classifier: the public label set, A,B,... (default: read from the data, which discloses it)",
     )
     text.add_argument(
-        "--max-length", type=int, default=128, help="word n-grams (classifier) or bytes (language model) per text"
+        "--max-length",
+        type=int,
+        default=128,
+        help="word n-grams (classifier), bytes (text-lm) or tokens (causal-lm) per text",
+    )
+    text.add_argument(
+        "--pretrained",
+        metavar="PATH.gguf",
+        help="causal-lm: the pretrained model, a local GGUF file of a Llama-architecture model (weights and "
+        "tokenizer; `make pretrained` fetches SmolLM2-135M-Instruct)",
     )
     text.add_argument("--buckets", type=int, default=16384, help="text-classifier: hash buckets of the n-grams")
     text.add_argument("--width", type=int, help="embedding width (default 32 classifier, 64 language model)")
@@ -85,8 +95,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="train although an earlier private training used these batches: both models' guarantee is "
         "then the composition privacy.json states (with secret sampling, far more than twice epsilon)",
     )
-    training.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    training.add_argument("--learning-rate", type=float, default=0.5)
+    training.add_argument(
+        "--optimizer", choices=("sgd", "adam"), help="default: adam for the text models, sgd for the others"
+    )
+    training.add_argument(
+        "--learning-rate",
+        type=float,
+        help="default: 0.01 with adam (0.003 for text-lm, 1e-4 for causal-lm), 0.5 with sgd",
+    )
     training.add_argument("--clip-norm", type=float, default=1.0)
     training.add_argument("--seed", type=int, default=0, help="seed of the model initialization (not of the noise)")
     training.add_argument(
@@ -223,6 +239,7 @@ def train_options(args: argparse.Namespace):
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         internal_scalars=args.internal_scalars,
+        pretrained=args.pretrained,
     )
 
 

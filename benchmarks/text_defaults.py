@@ -1,0 +1,153 @@
+"""Do the text classifier's defaults learn on real text? madp's `text-classifier` with its default
+options, non-private and at epsilon 8, against a linear model on the same hashed n-grams.
+
+The corpus is a madp JSON Lines file with `text`, `label` and `users` (`benchmarks/text_corpus.py`
+writes CPython's changelog, 11 classes). A seeded 20% of the records is held out for evaluation;
+the rest goes through `madp bound -k K`, `madp batch` (Poisson, T steps of expected size B, a fresh
+sampling key per private training) and `madp train --model text-classifier` with nothing but the
+labels, the evaluation file and the privacy target (plus --extra flags, to compare candidates).
+
+The linear model: softmax regression on the L2-normalized presence vector of the same hashed
+n-grams (`madp.training.text.hashed_ngrams`, same buckets and length), full-batch Adam, its L2
+penalty chosen on a validation tenth of the training records, trained on all of them (more data
+than the bounded selection madp trains on: the comparison favours it).
+
+    python benchmarks/text_defaults.py CORPUS.jsonl [--steps 1000] [--batch-size 256] [-k 4] \
+        [--epsilon 8] [--extra "--optimizer adam --learning-rate 0.01"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def split(corpus: str, directory: str, seed: int = 0) -> tuple[str, str, list[str]]:
+    """(training records, held-out records, sorted labels): a seeded 20% held out."""
+    rows = [json.loads(line) for line in open(corpus, encoding="utf-8")]
+    held_out = np.random.default_rng(seed).random(len(rows)) < 0.2
+    paths = os.path.join(directory, "records.jsonl"), os.path.join(directory, "test.jsonl")
+    for path, keep in zip(paths, (~held_out, held_out)):
+        with open(path, "w", encoding="utf-8") as file:
+            for row, kept in zip(rows, keep):
+                if kept:
+                    file.write(json.dumps(row) + "\n")
+    return *paths, sorted({row["label"] for row in rows})
+
+
+def madp(*arguments: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "madp.cli", "-q", *arguments], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
+    )
+
+
+def final_accuracy(output: str) -> dict:
+    metrics = json.load(open(os.path.join(output, "metrics.json")))
+    privacy = json.load(open(os.path.join(output, "privacy.json")))
+    final = metrics["final"]
+    return {
+        "accuracy": final["accuracy"],
+        "macro_f1": final["macro_f1"],
+        "optimizer": metrics["optimizer"],
+        "learning_rate": metrics["learning_rate"],
+        "epsilon": privacy.get("epsilon"),
+        "noise_multiplier": privacy.get("noise_multiplier"),
+    }
+
+
+def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, max_length: int) -> dict:
+    from madp.training import load_tensorflow
+    from madp.training.text import hashed_ngrams, softmax_loss
+
+    tf = load_tensorflow()
+    index = {label: i for i, label in enumerate(labels)}
+
+    def read(path: str):
+        rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+        ids = hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length)
+        presence = np.zeros((len(rows), buckets), np.float32)
+        presence[np.repeat(np.arange(len(rows)), max_length), ids.ravel()] = 1.0
+        presence[:, 0] = 0.0  # padding
+        presence /= np.maximum(np.linalg.norm(presence, axis=1, keepdims=True), 1e-12)
+        return presence, np.array([index[r["label"]] for r in rows])
+
+    def fit(x, y, l2: float, epochs: int = 300):
+        weights = tf.Variable(tf.zeros((buckets, len(labels))))
+        bias = tf.Variable(tf.zeros(len(labels)))
+        optimizer = tf.keras.optimizers.Adam(0.05)
+        x, y = tf.constant(x), tf.constant(y)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(softmax_loss(y, x @ weights + bias)) + l2 * tf.reduce_sum(weights * weights)
+            optimizer.apply_gradients(zip(tape.gradient(loss, [weights, bias]), [weights, bias]))
+
+        for _ in range(epochs):
+            step()
+        return lambda z: (z @ weights.numpy() + bias.numpy()).argmax(axis=1)
+
+    x, y = read(records)
+    validation = np.random.default_rng(1).random(len(y)) < 0.1
+    scores = {}
+    for l2 in (0.0, 1e-6, 1e-5, 1e-4, 1e-3):
+        predict = fit(x[~validation], y[~validation], l2)
+        scores[l2] = float(np.mean(predict(x[validation]) == y[validation]))
+    best = max(scores, key=lambda l2: scores[l2])
+    x_test, y_test = read(test)
+    return {"accuracy": round(float(np.mean(fit(x, y, best)(x_test) == y_test)), 4), "l2": best, "validation": scores}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("corpus")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("-k", type=int, default=4, help="records per user kept by madp bound")
+    parser.add_argument("--epsilon", type=float, default=8.0)
+    parser.add_argument("--delta", type=float, default=1e-6)
+    parser.add_argument("--extra", default="", help="madp train flags for both trainings (a candidate default)")
+    parser.add_argument("--skip-linear", action="store_true")
+    parser.add_argument("--only", choices=("non_private", "private", "linear"), help="one of the three models")
+    parser.add_argument("--work", help="working directory (default: a temporary one)")
+    args = parser.parse_args()
+
+    directory = args.work or tempfile.mkdtemp(prefix="madp-text-defaults-")
+    os.makedirs(directory, exist_ok=True)
+    records, test, labels = split(args.corpus, directory)
+    bound = os.path.join(directory, "bound")
+    if args.only != "linear":
+        madp("bound", records, bound, "-k", str(args.k), "--runner", "local")
+    common = ["--model", "text-classifier", "--labels", ",".join(labels), "--eval-data", test]
+    common += ["--eval-every", str(args.steps), *shlex.split(args.extra)]
+    results: dict = {"corpus": args.corpus, "steps": args.steps, "batch_size": args.batch_size, "k": args.k}
+    results["extra"] = args.extra
+    for name, privacy in (("non_private", ["--mechanism", "none"]), ("private", ["--epsilon", str(args.epsilon)])):
+        if args.only not in (None, name):  # "linear" trains neither
+            continue
+        batches = os.path.join(directory, f"batches-{name}")  # a fresh sampling key for each training
+        madp("batch", bound, records, batches, "--steps", str(args.steps), "--batch-size", str(args.batch_size))
+        output = os.path.join(directory, f"train-{name}")
+        madp("train", batches, output, *common, *privacy, "--delta", str(args.delta))
+        results[name] = final_accuracy(output)
+    if not args.skip_linear and args.only in (None, "linear"):
+        results["linear"] = linear_accuracy(records, test, labels, 16384, 128)
+    if "linear" in results and "private" in results:
+        linear = results["linear"]["accuracy"]
+        results["non_private_minus_linear_points"] = round(100 * (results["non_private"]["accuracy"] - linear), 2)
+        results["private_over_linear"] = round(results["private"]["accuracy"] / linear, 4)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""The pretrained causal LM (`--model causal-lm --pretrained PATH.gguf`): the GGUF reader, the byte-level
+BPE tokenizer, the tf_keras Llama model against an independent numpy forward pass of a tiny random
+model written as a GGUF file the way llama.cpp's converter writes one, training it without and with
+DP-SGD, and bad inputs. With SmolLM2-135M in the cache (`make pretrained`), also the real model's loss
+on English text and a greedy continuation."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("tensorflow")
+gguf = pytest.importorskip("gguf")
+
+from madp.core.errors import InputError  # noqa: E402
+from madp.core.selection import BoundOptions  # noqa: E402
+from madp.engines.batch_local import run_local as batch_local  # noqa: E402
+from madp.engines.batching import BatchOptions  # noqa: E402
+from madp.engines.local_engine import run_local as bound_local  # noqa: E402
+from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.training import pretrained  # noqa: E402
+from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.tasks import CausalLmTask  # noqa: E402
+from madp.training.trainer import tf_keras, train  # noqa: E402
+
+pytestmark = [pytest.mark.tf]
+SMOLLM2 = os.environ.get(
+    "MADP_SMOLLM2", os.path.expanduser("~/.cache/madp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+)  # where `make pretrained` puts it
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # SmolLM2's ids 0, 1 (BOS), 2 (EOS)
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs there and then. "
+    "They're here, it's there, we'll see what they've done. Numbers: 1234 and 56.\n"
+)
+VARIED = [
+    "Hello, world!",
+    "  leading spaces, trailing spaces   ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "They're sure it's fine; I'm not, we'll see, you've been, he'd go",
+    "Grüße aus Köln, ça va? Ελληνικά, русский, 漢字かな交じり, emoji 🚀🎉 and ZWJ 👩‍👩‍👧",
+    "digits 2024-11-25, 3.14159, ½ and ²",
+    "<|endoftext|> is text here, not a special token",
+    "x" * 50 + " " + "the " * 20,
+]
+
+
+# --- a tiny model as a GGUF file ----------------------------------------------------------------
+
+
+def learn_merges(text: str, count: int) -> list[str]:
+    """The `count` most frequent adjacent-symbol merges of a text's pre-tokenized pieces, in order."""
+    splitter = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=True)
+    symbols = pretrained.byte_symbols()
+    words = collections.Counter(tuple(symbols[b] for b in piece.encode()) for piece in splitter.pieces(text))
+    merges: list[str] = []
+    for _ in range(count):
+        pairs: collections.Counter = collections.Counter()
+        for word, n in words.items():
+            for pair in zip(word[:-1], word[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        (a, b), _ = max(pairs.items(), key=lambda item: (item[1], item[0]))
+        merges.append(f"{a} {b}")
+        merged: collections.Counter = collections.Counter()
+        for word, n in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == (a, b):
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    return merges
+
+
+def converter_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute) does to q_proj and k_proj rows."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def write_tiny_gguf(
+    path: str,
+    seed: int = 0,
+    layers: int = 2,
+    width: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocabulary: int = 300,
+    tied: bool = True,
+    architecture: str = "llama",
+) -> str:
+    """A random Llama of SmolLM2's layout (F32 tensors, the real file's names and metadata keys), whose
+    BPE vocabulary is SmolLM2's special tokens, the 256 byte symbols and merges learned on CORPUS."""
+    rng = np.random.default_rng(seed)
+    merges = learn_merges(CORPUS, vocabulary - len(SPECIAL) - 256)
+    tokens = [*SPECIAL, *pretrained.byte_symbols(), *(m.replace(" ", "") for m in merges)]
+    assert len(tokens) == vocabulary and len(set(tokens)) == vocabulary
+    head_dim, hidden = width // heads, 3 * width
+
+    def matrix(rows: int, columns: int) -> np.ndarray:  # [n_out, n_in]: PyTorch's Linear layout
+        return rng.normal(0, 1 / math.sqrt(columns), (rows, columns)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1 + 0.1 * rng.normal(size=width)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(path, architecture)
+    arch = architecture
+    writer.add_uint32(f"{arch}.block_count", layers)
+    writer.add_uint32(f"{arch}.context_length", 64)
+    writer.add_uint32(f"{arch}.embedding_length", width)
+    writer.add_uint32(f"{arch}.feed_forward_length", hidden)
+    writer.add_uint32(f"{arch}.attention.head_count", heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32(f"{arch}.vocab_size", vocabulary)
+    writer.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([pretrained.CONTROL_TOKEN] * len(SPECIAL) + [1] * (vocabulary - len(SPECIAL)))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocabulary, width)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", norm())
+    if not tied:
+        writer.add_tensor("output.weight", matrix(vocabulary, width))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.attn_q.weight", converter_permute(matrix(heads * head_dim, width), heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", converter_permute(matrix(kv_heads * head_dim, width), kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, width))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(width, heads * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(hidden, width))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(hidden, width))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(width, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("gguf") / "tiny.gguf"))
+
+
+def reference_logits(path: str, ids: np.ndarray) -> np.ndarray:
+    """Next-token logits [T, V] of one sequence, in float64 numpy straight from the GGUF tensors, as
+    llama.cpp computes them: RoPE rotates adjacent pairs (2i, 2i+1) of the permuted Q and K rows."""
+    reader = gguf.GGUFReader(path)
+
+    def field(key: str):
+        return reader.fields[key].contents()
+
+    tensors = {
+        t.name: np.asarray(t.data, np.float64).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors
+    }
+    heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    width, eps = field("llama.embedding_length"), field("llama.attention.layer_norm_rms_epsilon")
+    base = field("llama.rope.freq_base")
+    head_dim, length = width // heads, len(ids)
+
+    def rms(x, weight):
+        return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * weight
+
+    def rope(x):  # [T, heads, head_dim]
+        angles = np.arange(length)[:, None] * base ** (-np.arange(0, head_dim, 2) / head_dim)[None, :]
+        cos, sin = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = even * cos - odd * sin, even * sin + odd * cos
+        return out
+
+    x = tensors["token_embd.weight"][ids]
+    for i in range(field("llama.block_count")):
+        t = {name.split(".", 2)[2]: value for name, value in tensors.items() if name.startswith(f"blk.{i}.")}
+        h = rms(x, t["attn_norm.weight"])
+        q = rope((h @ t["attn_q.weight"].T).reshape(length, heads, head_dim))
+        k = rope((h @ t["attn_k.weight"].T).reshape(length, kv_heads, head_dim))
+        v = (h @ t["attn_v.weight"].T).reshape(length, kv_heads, head_dim)
+        attended = np.zeros((length, heads, head_dim))
+        for head in range(heads):
+            shared = head // (heads // kv_heads)
+            scores = q[:, head] @ k[:, shared].T / math.sqrt(head_dim)
+            scores[np.triu_indices(length, 1)] = -np.inf
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            attended[:, head] = (weights / weights.sum(axis=1, keepdims=True)) @ v[:, shared]
+        x = x + attended.reshape(length, width) @ t["attn_output.weight"].T
+        h = rms(x, t["ffn_norm.weight"])
+        gate = h @ t["ffn_gate.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ t["ffn_up.weight"].T)) @ t["ffn_down.weight"].T
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    return rms(x, tensors["output_norm.weight"]) @ head.T
+
+
+# --- the tokenizer ------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trips_varied_text_and_merges_learned_words(tiny):
+    tokenizer = pretrained.read_pretrained(tiny).tokenizer
+    for text in VARIED:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text, text
+        assert all(0 <= i < len(tokenizer) for i in ids)
+        assert tokenizer.encode(text, limit=5) == ids[:5]
+    the = tokenizer.encode(" the")
+    assert len(the) == 1 and tokenizer.tokens[the[0]] == "Ġthe"  # the corpus's most frequent word
+    words = ("The", "Ġfox", "Ġsleeps", "Ġand", "Ġthe", "Ġdog", "Ġruns")  # each learned as one token
+    assert tokenizer.encode("The fox sleeps and the dog runs") == [tokenizer.ids[t] for t in words]
+    assert (tokenizer.bos, tokenizer.eos, tokenizer.pad) == (1, 2, 2)
+    assert tokenizer.decode([1, *tokenizer.encode("hi"), 2]) == "hi"  # control tokens are left out
+
+
+def test_pretokenization_is_gpt2s_with_digits_apart():
+    tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=True)
+    pieces = list(tokenizer.pieces("I'm 2024's best!!  ok\n\nYes  x 漢字 ½"))
+    assert pieces == ["I", "'m", " ", "2", "0", "2", "4", "'s", " best", "!!", " ", " ok", "\n", "\n", "Yes"] + [
+        " ",
+        " x",
+        " 漢字",
+        " ",
+        "½",
+    ]
+    gpt2 = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=False)
+    assert list(gpt2.pieces("in 2024!")) == ["in", " 2024", "!"]
+
+
+def test_token_sequences_start_with_bos_and_mark_the_end():
+    tokenizer = pretrained.BpeTokenizer(
+        [*SPECIAL, *pretrained.byte_symbols()], [], bos=1, eos=2, pad=2, digits_apart=True
+    )
+    x, y = pretrained.token_sequences(tokenizer, [b"ab", b"abcdef"], 4)
+    a, b, c = (tokenizer.ids[s] for s in "abc")
+    assert y.tolist() == [[a, b, -1, -1], [a, b, c, tokenizer.ids["d"]]]
+    assert x.tolist() == [[1, a, b, 2], [1, a, b, c]]
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_keras_llama_matches_an_independent_numpy_forward_pass(tmp_path, tied):
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), seed=3, tied=tied)
+    loaded = pretrained.read_pretrained(path)
+    assert loaded.config.tied_output is tied and loaded.config.kv_heads == 2 and loaded.config.head_dim == 8
+    model = pretrained.pretrained_model(loaded)
+    ids = np.random.default_rng(0).integers(0, 300, (3, 11)).astype(np.int32)
+    logits = np.asarray(model(ids))
+    assert logits.shape == (3, 11, 300) and np.abs(logits).max() > 1  # not a near-zero output
+    for row in range(3):
+        np.testing.assert_allclose(logits[row], reference_logits(path, ids[row]), atol=1e-5, rtol=1e-5)
+
+
+def test_the_match_depends_on_undoing_the_converters_permutation(tiny, monkeypatch):
+    """Without `_unpermute`, the half-rotating model is a different model: the check above can fail."""
+    ids = np.arange(20, 36, dtype=np.int32)[None]
+    monkeypatch.setattr(pretrained, "_unpermute", lambda weight, heads: weight)
+    wrong = np.asarray(pretrained.pretrained_model(pretrained.read_pretrained(tiny))(ids))[0]
+    assert np.abs(wrong - reference_logits(tiny, ids[0])).max() > 1e-2
+
+
+def test_causal_attention_ignores_later_tokens(tiny):
+    model = pretrained.pretrained_model(pretrained.read_pretrained(tiny))
+    ids = np.random.default_rng(1).integers(0, 300, (1, 12)).astype(np.int32)
+    changed = ids.copy()
+    changed[0, 8:] = 7
+    np.testing.assert_allclose(np.asarray(model(ids))[0, :8], np.asarray(model(changed))[0, :8], atol=1e-5)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_batches(tmp_path_factory):
+    """Generated documents bounded (k = 2) and batched (4 steps of 8 expected rows; also with min-sep 2
+    for BandMF); held-out records."""
+    directory = tmp_path_factory.mktemp("causal-lm")
+    table = to_table(generate(GraphSpec(records=400, task="text", seed=5)))
+    held_out = np.arange(len(table)) % 20 == 0
+    data, evaluation = str(directory / "records.parquet"), str(directory / "test.parquet")
+    pq.write_table(table.filter(pa.array(~held_out)), data)
+    pq.write_table(table.filter(pa.array(held_out)), evaluation)
+    bound_local(data, str(directory / "bounded"), BoundOptions(max_contributions=2))
+    batch_local(
+        str(directory / "bounded"), data, str(directory / "batches"), BatchOptions(seed=0, steps=4, batch_size=8)
+    )
+    options = BatchOptions(seed=0, steps=4, batch_size=8, min_sep=2)  # BandMF with 2 bands
+    batch_local(str(directory / "bounded"), data, str(directory / "minsep"), options)
+    return directory, str(directory / "batches"), evaluation
+
+
+@pytest.mark.parametrize("mechanism", ["none", "dpsgd", "bandmf"])
+def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, mechanism):
+    directory, batches, evaluation = text_batches
+    private = {} if mechanism == "none" else {"noise_multiplier": 0.5, "noise_seed": 1}
+    if mechanism == "bandmf":
+        batches, private = str(directory / "minsep"), {**private, "bands": 2}
+    options = TrainOptions(
+        model="causal-lm",
+        pretrained=tiny,
+        mechanism=mechanism,
+        max_length=16,
+        learning_rate=1e-3,
+        eval_data=evaluation,
+        eval_every=2,
+        **private,
+    )
+    out = directory / f"trained-{mechanism}"
+    result = train(batches, str(out), options)
+    assert result["privacy"]["mechanism"] == mechanism
+    final = result["final"]
+    assert final["tokens"] > 100 and math.isfinite(final["loss"])
+    assert final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-4)
+    assert [e["step"] for e in result["eval"]] == [2, 4]
+    saved = tf_keras.models.load_model(str(out / "model.keras"), compile=False)
+    ids = np.arange(3, 19, dtype=np.int32)[None]
+    trained = pretrained.llama_model(pretrained.read_pretrained(tiny).config, 16)
+    trained.set_weights(saved.get_weights())
+    np.testing.assert_allclose(np.asarray(saved(ids)), np.asarray(trained(ids)), atol=1e-5)
+    assert json.load(open(out / "metrics.json"))["model"] == "causal-lm"
+
+
+def test_the_task_evaluates_the_pretrained_model_before_training(text_batches, tiny):
+    _, _, evaluation = text_batches
+    schema = {"features": {"text": {"dtype": "bytes", "shape": []}}}
+    task = CausalLmTask(TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=16), schema)
+    model, loss = task.build()
+    data = task.read_eval(evaluation)
+    assert task.pretrained_eval == task.evaluate(model, loss, data)
+    # a random model over 300 tokens: about ln(300) = 5.7 nats, give or take its random logits' scale
+    assert 3 < task.pretrained_eval["loss"] < 30 and task.pretrained_eval["tokens"] == (data[1] >= 0).sum()
+
+
+def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
+    with pytest.raises(InputError, match="no such file"):
+        pretrained.read_pretrained(str(tmp_path / "missing.gguf"))
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(InputError, match="not a GGUF file"):
+        pretrained.read_pretrained(str(tmp_path / "text.gguf"))
+    (tmp_path / "short.gguf").write_bytes(open(tiny, "rb").read()[:100])
+    with pytest.raises(InputError, match="unreadable GGUF file"):
+        pretrained.read_pretrained(str(tmp_path / "short.gguf"))
+    other = write_tiny_gguf(str(tmp_path / "gpt2.gguf"), architecture="gpt2")
+    with pytest.raises(InputError, match="a 'gpt2' model; madp implements the 'llama' architecture only"):
+        pretrained.read_pretrained(other)
+    schema = {"features": {"text": {"dtype": "bytes", "shape": []}}}
+    too_long = TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=65)
+    with pytest.raises(InputError, match="--max-length 65 exceeds the context length of --pretrained \\(64 tokens"):
+        CausalLmTask(too_long, schema)
+    with pytest.raises(InputError, match="--model causal-lm needs --pretrained"):
+        TrainOptions(model="causal-lm", mechanism="none")
+    with pytest.raises(InputError, match="--pretrained needs --model causal-lm"):
+        TrainOptions(model="text-lm", mechanism="none", pretrained=tiny)
+
+
+def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
+    from madp.cli import main
+
+    _, batches, _ = text_batches
+    out = str(tmp_path / "out")
+    assert main(["-q", "train", batches, out, "--model", "causal-lm", "--mechanism", "none",
+                 "--pretrained", str(tmp_path / "nothing.gguf")]) != 0  # fmt: skip
+    assert "nothing.gguf: no such file" in capsys.readouterr().err
+
+
+# --- the real model (when `make pretrained` fetched it) -----------------------------------------
+
+ENGLISH = [
+    "The history of the city goes back more than two thousand years. It was founded on the banks of a river, "
+    "where traders met to exchange goods from the north and the south. Over the centuries it grew into an "
+    "important centre of commerce and learning, with a university, a cathedral and a busy port.",
+    "Today the city is known for its museums, its parks and its food. Visitors come from all over the world to "
+    "walk through the old town, to see the paintings in the national gallery and to taste the local dishes.",
+    "Regular exercise improves both physical and mental health. Even a short walk every day can lower blood "
+    "pressure, help people sleep better and reduce stress. Doctors recommend at least thirty minutes of "
+    "moderate activity on most days of the week.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not os.path.isfile(SMOLLM2):
+        pytest.skip(f"SmolLM2-135M is not in the cache ({SMOLLM2}): run `make pretrained`")
+    loaded = pretrained.read_pretrained(SMOLLM2)
+    return loaded, pretrained.pretrained_model(loaded)
+
+
+def test_smollm2_tokenizes_english_and_predicts_it(smollm2):
+    loaded, model = smollm2
+    tokenizer = loaded.tokenizer
+    assert loaded.config.layers == 30 and loaded.config.tied_output and loaded.config.vocabulary == 49152
+    assert tokenizer.encode("Hello world") == [19556, 905] and len(tokenizer.encode(" the")) == 1
+    for text in VARIED:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    x, y = pretrained.token_sequences(tokenizer, [t.encode() for t in ENGLISH], 64)
+    metrics = pretrained.mean_token_loss(model, x, y)
+    # measured 2.5 nats/token; Q/K rows left in llama.cpp's order gave 4.4, a random model ln(49152) = 10.8
+    assert metrics["loss"] < 3.5, metrics
+    assert pretrained.greedy_continuation(model, tokenizer, "The capital of France is", 3).strip().startswith("Paris")

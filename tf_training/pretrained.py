@@ -1,0 +1,532 @@
+"""A pretrained Llama-architecture causal language model read from a GGUF file (llama.cpp's format).
+
+- `read_pretrained(path)`: the file's configuration (`LlamaConfig`), its byte-level BPE tokenizer
+  (`BpeTokenizer`, from the vocabulary and merges in its metadata) and its tensors, dequantized to
+  float32 with the `gguf` package. Only the metadata is read up front; tensors are read when loaded.
+- `llama_model(config)`: the architecture in tf_keras: token embedding, N blocks of RMSNorm ->
+  grouped-query causal self-attention with rotary position embeddings -> residual, RMSNorm ->
+  SwiGLU MLP -> residual, then a final RMSNorm and the LM head (the embedding, transposed, when the
+  file has no `output.weight`). Projections are plain Dense layers; the custom layers (RMSNorm, the
+  weightless rotary attention, the tied embedding) are registered for model.keras.
+- `load_weights(model, pretrained)`: the file's tensors into that model.
+
+GGUF facts this relies on: a 2-D tensor of GGUF shape [n_in, n_out] is stored row-major as a numpy
+array [n_out, n_in] (PyTorch's Linear layout; a Keras kernel is its transpose), and llama.cpp's
+converter permutes the rows of the query and key projections of each head so that its RoPE rotates
+adjacent pairs (2i, 2i+1); Hugging Face's Llama rotates the two halves (i, i + d/2). `_unpermute`
+undoes the converter's permutation, so the Keras model rotates halves like the original checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import sys
+import unicodedata
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from madp.core.errors import InputError
+from madp.training import load_tensorflow
+
+tf = load_tensorflow()
+import tf_keras  # noqa: E402
+
+ARCHITECTURE = "llama"
+GGUF_MAGIC = b"GGUF"
+CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens (<|endoftext|>, <|im_start|>, ...)
+# Pre-tokenizers (tokenizer.ggml.pre) implemented here, and whether each splits every digit off on its
+# own first (Hugging Face's Digits(individual_digits=True) before the byte-level regex: SmolLM's).
+PRE_TOKENIZERS = {"gpt2": False, "smollm": True}
+
+
+# --- reading the file ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture's sizes, from the GGUF metadata (`llama.*` keys)."""
+
+    vocabulary: int
+    layers: int  # llama.block_count
+    width: int  # llama.embedding_length
+    hidden: int  # llama.feed_forward_length: the SwiGLU MLP's inner width
+    heads: int  # llama.attention.head_count
+    kv_heads: int  # llama.attention.head_count_kv: query heads share K/V heads in groups
+    head_dim: int  # llama.rope.dimension_count, else width / heads
+    rope_base: float  # llama.rope.freq_base: the rotary frequencies are base^(-2i/head_dim)
+    norm_epsilon: float  # llama.attention.layer_norm_rms_epsilon
+    context_length: int  # llama.context_length: the longest sequence it was trained on
+    tied_output: bool  # no output.weight: the LM head is the token embedding, transposed
+
+
+class Pretrained:
+    """An open GGUF file: its configuration, tokenizer and (read on demand) float32 tensors."""
+
+    def __init__(self, path: str, reader: Any, config: LlamaConfig, tokenizer: BpeTokenizer):
+        self.path, self.reader, self.config, self.tokenizer = path, reader, config, tokenizer
+        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32, in numpy's order of GGUF's shape reversed ([n_out, n_in])."""
+        import gguf
+
+        found = self._tensors.get(name)
+        if found is None:
+            raise InputError(f"--pretrained {self.path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
+        values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
+        shape = tuple(int(n) for n in reversed(found.shape.tolist()))
+        return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def read_pretrained(path: str) -> Pretrained:
+    """The configuration and tokenizer of a GGUF file of a Llama-architecture model (InputError if it
+    is missing, is not a GGUF file, or holds another architecture or tokenizer)."""
+    reader = _open_gguf(path)
+    fields = _Fields(path, reader)
+    architecture = fields.get("general.architecture")
+    if architecture != ARCHITECTURE:
+        raise InputError(
+            f"--pretrained {path}: a {architecture!r} model; madp implements the {ARCHITECTURE!r} architecture only"
+        )
+    tokens = fields.get("tokenizer.ggml.tokens")
+    width, heads = int(fields.get("llama.embedding_length")), int(fields.get("llama.attention.head_count"))
+    names = {tensor.name for tensor in reader.tensors}
+    config = LlamaConfig(
+        vocabulary=int(fields.get("llama.vocab_size", len(tokens))),
+        layers=int(fields.get("llama.block_count")),
+        width=width,
+        hidden=int(fields.get("llama.feed_forward_length")),
+        heads=heads,
+        kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(fields.get("llama.rope.dimension_count", width // heads)),
+        rope_base=float(fields.get("llama.rope.freq_base", 10000.0)),
+        norm_epsilon=float(fields.get("llama.attention.layer_norm_rms_epsilon")),
+        context_length=int(fields.get("llama.context_length")),
+        tied_output="output.weight" not in names,
+    )
+    if config.heads % config.kv_heads or config.head_dim * config.heads != config.width or config.head_dim % 2:
+        raise InputError(f"--pretrained {path}: inconsistent attention sizes {config}")
+    return Pretrained(path, reader, config, _tokenizer(path, fields, tokens))
+
+
+def _open_gguf(path: str):
+    if not os.path.isfile(path):
+        raise InputError(f"--pretrained {path}: no such file (a local .gguf file; `make pretrained` fetches one)")
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise InputError(f"--pretrained {path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    try:
+        import gguf
+    except ImportError as error:
+        raise InputError("reading a GGUF file needs the gguf package: pip install -e '.[train]'") from error
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, EOFError) as error:  # truncated or corrupt
+        raise InputError(f"--pretrained {path}: unreadable GGUF file ({type(error).__name__}: {error})") from None
+
+
+class _Fields:
+    """The metadata of a GGUF file by key, as Python values."""
+
+    _REQUIRED = object()
+
+    def __init__(self, path: str, reader: Any):
+        self.path, self.fields = path, reader.fields
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            if default is self._REQUIRED:
+                raise InputError(f"--pretrained {self.path}: the GGUF metadata has no {key!r}")
+            return default
+        return field.contents()
+
+
+def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
+    model, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "gpt2")
+    if model != "gpt2" or pre not in PRE_TOKENIZERS:
+        raise InputError(
+            f"--pretrained {path}: tokenizer {model!r} with pre-tokenizer {pre!r}; madp implements byte-level "
+            f"BPE ('gpt2') with the pre-tokenizers {sorted(PRE_TOKENIZERS)}"
+        )
+    types = fields.get("tokenizer.ggml.token_type", [])
+    eos = int(fields.get("tokenizer.ggml.eos_token_id"))
+    return BpeTokenizer(
+        tokens=tokens,
+        merges=fields.get("tokenizer.ggml.merges"),
+        bos=int(fields.get("tokenizer.ggml.bos_token_id", eos)),
+        eos=eos,
+        pad=int(fields.get("tokenizer.ggml.padding_token_id", eos)),
+        digits_apart=PRE_TOKENIZERS[pre],
+        control=frozenset(i for i, kind in enumerate(types) if kind == CONTROL_TOKEN),
+    )
+
+
+# --- the tokenizer ------------------------------------------------------------------------------
+
+
+@functools.cache
+def byte_symbols() -> tuple[str, ...]:
+    """GPT-2's printable stand-in for each byte value: the printable Latin-1 bytes are themselves, the
+    others (controls, space, ...) are the code points 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[byte] = chr(byte)
+        else:
+            symbols[byte], extra = chr(256 + extra), extra + 1
+    return tuple(symbols[byte] for byte in range(256))
+
+
+@functools.cache
+def _character_class(prefix: str) -> str:
+    """A regex character class body of every code point whose Unicode category starts with `prefix`
+    (L: letters, N: numbers): what \\p{L} and \\p{N} of the tokenizer's regex match; Python's re has
+    no \\p{...}."""
+    ranges: list[list[int]] = []
+    for code in range(sys.maxunicode + 1):
+        if unicodedata.category(chr(code)).startswith(prefix):
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1][1] = code
+            else:
+                ranges.append([code, code])
+    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
+
+
+@functools.cache
+def _pieces_pattern() -> tuple[re.Pattern, re.Pattern]:
+    """(GPT-2's byte-level pre-tokenization regex, one number character): English contractions, a
+    word of letters or a run of numbers or of other symbols, each with its leading space, and runs of
+    whitespace (all but the last space before a word)."""
+    letters, numbers = _character_class("L"), _character_class("N")
+    words = re.compile(
+        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+| ?[^\s{letters}{numbers}]+|\s+(?!\S)|\s+"
+    )
+    return words, re.compile(f"([{numbers}])")
+
+
+class BpeTokenizer:
+    """Byte-level BPE as GPT-2's: text -> pre-tokenized pieces -> UTF-8 bytes as printable symbols ->
+    the merges applied by rank within each piece -> token ids. Special (control) tokens are not
+    parsed out of text: "<|endoftext|>" in a text is tokenized as ordinary characters."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        bos: int,
+        eos: int,
+        pad: int,
+        digits_apart: bool,
+        control: frozenset[int] = frozenset(),
+    ):
+        self.tokens = list(tokens)
+        self.ids = {token: i for i, token in enumerate(self.tokens)}
+        self.ranks = {tuple(merge.split(" ", 1)): rank for rank, merge in enumerate(merges)}
+        self.bos, self.eos, self.pad, self.digits_apart, self.control = bos, eos, pad, digits_apart, control
+        self.byte_of = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def pieces(self, text: str) -> Iterator[str]:
+        """The pre-tokenized pieces of a text, in order; they concatenate to the text."""
+        words, number = _pieces_pattern()
+        parts = number.split(text) if self.digits_apart else [text]
+        for index, part in enumerate(parts):
+            if self.digits_apart and index % 2:  # the split's captured separators: one number character each
+                yield part
+            else:
+                yield from words.findall(part)
+
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of a text (no BOS); with `limit`, the first `limit` of them, tokenizing no further
+        (pieces are tokenized apart, so a prefix of the pieces gives a prefix of the ids)."""
+        ids: list[int] = []
+        for piece in self.pieces(text):
+            if limit is not None and len(ids) >= limit:
+                break
+            ids.extend(self._piece_ids(piece))
+        return ids if limit is None else ids[:limit]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_control: bool = True) -> str:
+        """The text of token ids (bytes that are not whole UTF-8 characters become U+FFFD)."""
+        data = bytearray()
+        for i in np.asarray(ids, dtype=np.int64).tolist():
+            if skip_control and i in self.control:
+                continue
+            token = self.tokens[i]
+            for symbol in token:
+                byte = self.byte_of.get(symbol)
+                data.extend(symbol.encode("utf-8") if byte is None else bytes((byte,)))
+        return data.decode("utf-8", errors="replace")
+
+    def _piece_ids(self, piece: str) -> tuple[int, ...]:
+        found = self._cache.get(piece)
+        if found is None:
+            symbols = byte_symbols()
+            found = tuple(self.ids[part] for part in self._merged([symbols[b] for b in piece.encode("utf-8")]))
+            if len(self._cache) < 1 << 20:  # bounded: a corpus of distinct pieces must not exhaust memory
+                self._cache[piece] = found
+        return found
+
+    def _merged(self, parts: list[str]) -> list[str]:
+        """The merges applied to a piece's symbols: repeatedly, the lowest-ranked adjacent pair, at
+        every place it occurs, left to right."""
+        while len(parts) > 1:
+            rank, first, second = min(
+                (self.ranks.get((a, b), math.inf), a, b) for a, b in zip(parts[:-1], parts[1:], strict=True)
+            )
+            if rank == math.inf:
+                break
+            merged, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == first and parts[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        return parts
+
+
+def token_sequences(tokenizer: BpeTokenizer, texts, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets), int32 [n, max_length]: each text's first max_length tokens as targets (-1
+    past its end), behind BOS as inputs (padding past the end: attention is causal, so it changes
+    no earlier position)."""
+    n = len(texts)
+    targets = np.full((n, max_length), -1, dtype=np.int32)
+    for row, text in enumerate(texts):
+        decoded = bytes(text).decode("utf-8", errors="replace") if not isinstance(text, str) else text
+        ids = tokenizer.encode(decoded, limit=max_length)
+        targets[row, : len(ids)] = ids
+    inputs = np.concatenate(
+        [np.full((n, 1), tokenizer.bos, np.int32), np.where(targets[:, :-1] >= 0, targets[:, :-1], tokenizer.pad)],
+        axis=1,
+    )
+    return inputs, targets.astype(np.int32)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+@tf_keras.saving.register_keras_serializable(package="madp")
+class RmsNorm(tf_keras.layers.Layer):
+    """Llama's normalization: x / sqrt(mean(x^2) + epsilon) * scale, no centering and no bias."""
+
+    def __init__(self, epsilon: float = 1e-5, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, input_shape) -> None:
+        self.scale = self.add_weight(name="scale", shape=(int(input_shape[-1]),), initializer="ones")
+
+    def call(self, x):
+        return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.epsilon) * self.scale
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "epsilon": self.epsilon}
+
+
+def rotary_angles(length, head_dim: int, base: float):
+    """(cos, sin) [length, head_dim] of position p and frequency base^(-2i/head_dim), i < head_dim/2,
+    repeated for the two halves of a head that are rotated together."""
+    frequencies = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = tf.cast(tf.range(length), tf.float32)[:, None] * tf.constant(frequencies, tf.float32)[None, :]
+    angles = tf.concat([angles, angles], axis=-1)
+    return tf.cos(angles), tf.sin(angles)
+
+
+def rotate_halves(x, cos, sin):
+    """RoPE in Hugging Face's layout: x * cos + (-x2, x1) * sin, with x1, x2 the halves of a head."""
+    first, second = tf.split(x, 2, axis=-1)
+    return x * cos + tf.concat([-second, first], axis=-1) * sin
+
+
+@tf_keras.saving.register_keras_serializable(package="madp")
+class RotaryCausalAttention(tf_keras.layers.Layer):
+    """Causal softmax attention of projected queries, keys and values ([n, T, heads * head_dim] and
+    [n, T, kv_heads * head_dim]): rotary position embeddings on queries and keys, query head h reads
+    K/V head h // (heads / kv_heads) (grouped-query attention). No weights: the projections around
+    it are Dense layers."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, rope_base: float, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.kv_heads, self.head_dim, self.rope_base = heads, kv_heads, head_dim, rope_base
+
+    def call(self, inputs):
+        queries, keys, values = inputs
+        length = tf.shape(queries)[1]
+        group = self.heads // self.kv_heads
+        cos, sin = rotary_angles(length, self.head_dim, self.rope_base)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        q = rotate_halves(tf.reshape(queries, [-1, length, self.heads, self.head_dim]), cos, sin)
+        k = rotate_halves(tf.reshape(keys, [-1, length, self.kv_heads, self.head_dim]), cos, sin)
+        v = tf.reshape(values, [-1, length, self.kv_heads, self.head_dim])
+        q = tf.reshape(q, [-1, length, self.kv_heads, group, self.head_dim])  # head h = (h // group, h % group)
+        scores = tf.einsum("nqkgd,nskd->nkgqs", q, k) / math.sqrt(self.head_dim)
+        causal = tf.linalg.band_part(tf.ones([length, length], tf.bool), -1, 0)  # query q sees keys s <= q
+        scores = tf.where(causal, scores, tf.constant(-1e9, scores.dtype))
+        # softmax over [n, heads, T, T], not [n, kv_heads, group, T, T]: TensorFlow's softmax takes at
+        # most 5 dimensions, and per-example gradients (vectorized_map) add one
+        weights = tf.reshape(tf.nn.softmax(tf.reshape(scores, [-1, self.heads, length, length])), tf.shape(scores))
+        attended = tf.einsum("nkgqs,nskd->nqkgd", weights, v)
+        return tf.reshape(attended, [-1, length, self.heads * self.head_dim])
+
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "rope_base": self.rope_base,
+        }
+
+
+@tf_keras.saving.register_keras_serializable(package="madp")
+class TiedEmbedding(tf_keras.layers.Layer):
+    """A token embedding that is also the LM head: ids -> rows of E, or (reverse) vectors -> x E^T.
+    Not a subclass of Embedding, so that clipping does not take its two uses for a lookup alone."""
+
+    def __init__(self, vocabulary: int, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.vocabulary, self.width = vocabulary, width
+
+    def build(self, input_shape) -> None:
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.vocabulary, self.width),
+            initializer=tf_keras.initializers.RandomNormal(stddev=0.02),
+        )
+
+    def call(self, inputs, reverse: bool = False):
+        if reverse:
+            return tf.einsum("ntd,vd->ntv", inputs, self.embeddings)
+        return tf.gather(self.embeddings, tf.cast(inputs, tf.int32))
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "vocabulary": self.vocabulary, "width": self.width}
+
+
+def _dense(units: int, name: str, activation: str | None = None):
+    return tf_keras.layers.Dense(units, use_bias=False, activation=activation, name=name)  # Llama has no biases
+
+
+def llama_model(config: LlamaConfig, length: int | None = None):
+    """A randomly initialized tf_keras model of the architecture: token ids [n, length] (int32) ->
+    next-token logits [n, length, vocabulary]. Layers are named after the GGUF tensors they hold."""
+    c = config
+    ids = tf_keras.Input(shape=(length,), dtype=tf.int32, name="token_ids")
+    if c.tied_output:
+        embedding: Any = TiedEmbedding(c.vocabulary, c.width, name="token_embd")
+    else:
+        embedding = tf_keras.layers.Embedding(c.vocabulary, c.width, name="token_embd")
+    x = embedding(ids)
+    for i in range(c.layers):
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_attn_norm")(x)
+        q, k, v = (
+            _dense(c.heads * c.head_dim, f"blk_{i}_attn_q")(h),
+            _dense(c.kv_heads * c.head_dim, f"blk_{i}_attn_k")(h),
+            _dense(c.kv_heads * c.head_dim, f"blk_{i}_attn_v")(h),
+        )
+        attended = RotaryCausalAttention(c.heads, c.kv_heads, c.head_dim, c.rope_base, name=f"blk_{i}_attention")(
+            [q, k, v]
+        )
+        x = tf_keras.layers.Add(name=f"blk_{i}_attn_residual")([x, _dense(c.width, f"blk_{i}_attn_output")(attended)])
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_ffn_norm")(x)
+        gated = tf_keras.layers.Multiply(name=f"blk_{i}_ffn_swiglu")(
+            [_dense(c.hidden, f"blk_{i}_ffn_gate", activation="silu")(h), _dense(c.hidden, f"blk_{i}_ffn_up")(h)]
+        )
+        x = tf_keras.layers.Add(name=f"blk_{i}_ffn_residual")([x, _dense(c.width, f"blk_{i}_ffn_down")(gated)])
+    x = RmsNorm(c.norm_epsilon, name="output_norm")(x)
+    logits = embedding(x, reverse=True) if c.tied_output else _dense(c.vocabulary, "output")(x)
+    return tf_keras.Model(ids, logits, name="llama")
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter on a query or key projection [heads * head_dim, n_in]: it wrote the
+    rows of each head as reshape(heads, 2, head_dim / 2).swapaxes(1, 2), interleaving the two halves
+    that Hugging Face's RoPE rotates together into adjacent pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_weights(pretrained: Pretrained) -> dict[str, list[np.ndarray]]:
+    """The weights of each layer of `llama_model`, by layer name, from the GGUF tensors."""
+    c, tensor = pretrained.config, pretrained.tensor
+    weights = {"token_embd": [tensor("token_embd.weight")], "output_norm": [tensor("output_norm.weight")]}
+    if not c.tied_output:
+        weights["output"] = [tensor("output.weight").T]
+    for i in range(c.layers):
+        block = f"blk.{i}."
+        weights[f"blk_{i}_attn_norm"] = [tensor(block + "attn_norm.weight")]
+        weights[f"blk_{i}_ffn_norm"] = [tensor(block + "ffn_norm.weight")]
+        weights[f"blk_{i}_attn_q"] = [_unpermute(tensor(block + "attn_q.weight"), c.heads).T]
+        weights[f"blk_{i}_attn_k"] = [_unpermute(tensor(block + "attn_k.weight"), c.kv_heads).T]
+        for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            weights[f"blk_{i}_{name}"] = [tensor(f"{block}{name}.weight").T]
+    return weights
+
+
+def load_weights(model, pretrained: Pretrained) -> None:
+    """Set `llama_model(pretrained.config)`'s weights to the file's (InputError on a shape mismatch)."""
+    for name, values in gguf_weights(pretrained).items():
+        layer = model.get_layer(name)
+        expected = [tuple(w.shape) for w in layer.get_weights()]
+        if expected != [v.shape for v in values]:
+            raise InputError(
+                f"--pretrained {pretrained.path}: layer {name} expects shapes {expected}, "
+                f"the file holds {[v.shape for v in values]}"
+            )
+        layer.set_weights(values)
+
+
+def pretrained_model(pretrained: Pretrained, length: int | None = None):
+    """`llama_model` of the file's configuration with its weights."""
+    model = llama_model(pretrained.config, length)
+    load_weights(model, pretrained)
+    return model
+
+
+def next_token_loss(targets, logits):
+    """Per-example mean next-token cross-entropy (nats) over the example's tokens (targets >= 0)."""
+    targets = tf.cast(targets, tf.int32)
+    present = tf.cast(targets >= 0, tf.float32)
+    entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(targets, 0), logits=logits)
+    return tf.reduce_sum(entropy * present, axis=-1) / tf.maximum(tf.reduce_sum(present, axis=-1), 1.0)
+
+
+def token_metrics(total_nats: float, total_tokens: int) -> dict:
+    """Mean next-token loss in nats and perplexity exp(loss), over `total_tokens` tokens."""
+    nats = total_nats / max(total_tokens, 1)
+    return {"loss": round(nats, 6), "perplexity": round(math.exp(nats), 4), "tokens": total_tokens}
+
+
+def mean_token_loss(model, inputs: np.ndarray, targets: np.ndarray, rows_at_once: int = 8) -> dict:
+    """`token_metrics` of a model on (inputs, targets), a few rows at a time (logits are [rows, T, V])."""
+    nats, count = 0.0, 0
+    for start in range(0, len(inputs), rows_at_once):
+        y = targets[start : start + rows_at_once]
+        per_row = np.asarray(next_token_loss(y, model(inputs[start : start + rows_at_once], training=False)))
+        lengths = (y >= 0).sum(axis=1)
+        nats, count = nats + float(np.dot(per_row, lengths)), count + int(lengths.sum())
+    return token_metrics(nats, count)
+
+
+def greedy_continuation(model, tokenizer: BpeTokenizer, prompt: str, new_tokens: int) -> str:
+    """The prompt's most likely next `new_tokens` tokens, one at a time (no cache: for checks, not serving)."""
+    ids = [tokenizer.bos, *tokenizer.encode(prompt)]
+    for _ in range(new_tokens):
+        logits = model(np.array([ids], np.int32), training=False)
+        ids.append(int(np.argmax(np.asarray(logits)[0, -1])))
+    return tokenizer.decode(ids[len(tokenizer.encode(prompt)) + 1 :])
