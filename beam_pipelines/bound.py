@@ -186,16 +186,21 @@ def _count_groups(
 
 
 def _iterations(summary: dict, rounds: int) -> list[dict]:
-    """What each iteration of a pipeline run carried: the undecided incidences left after it, and the
-    bytes of arrays its steps sent through shuffles (state and messages)."""
+    """What each iteration of a pipeline run carried: the undecided incidences left after it (after
+    the first saturation, or as built where none runs), and the bytes of arrays its steps sent
+    through shuffles (state and messages)."""
+    active = {0: summary.get("built_incidences", 0)} | {
+        index: summary[round_stat(index, "active_incidences")]
+        for index in range(rounds + 1)
+        if round_stat(index, "active_incidences") in summary
+    }
     return [
         {
             "iteration": index,
-            "active_incidences": summary[round_stat(index, "active_incidences")],
+            "active_incidences": left,
             "shuffled_bytes": summary.get(round_stat(index, "shuffled_bytes"), 0),
         }
-        for index in range(rounds + 1)
-        if round_stat(index, "active_incidences") in summary
+        for index, left in sorted(active.items())
     ]
 
 
@@ -246,6 +251,8 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         control.log_rounds(rounds_before)
         runs.append(
             {
+                "certified_dropped_records": summary.get("certified_dropped_records", 0),
+                "built_incidences": summary.get("built_incidences", 0),
                 "iterations": _iterations(summary, ours.rounds_per_pipeline),
                 "finished_locally_incidences": summary.get("finished_locally_incidences"),
                 "beam_counters": counters,

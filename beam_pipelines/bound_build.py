@@ -5,6 +5,15 @@ A record partition keeps its records' ids for the end (`RecordPartition`, the se
 it after the rounds) and sends each incidence to the user partition of its user (by user hash), as
 one `Incidences` batch per user partition. A user partition (`bound_rounds.UserPartition`) sorts its
 users' incidences by preference, matches their capacities, and keeps per record what routing needs.
+
+Without duplicates, a record partition first drops the records that the saturation certificate
+(`bounding.certified_records`) rejects on its own records: an owner has, in this partition alone,
+as many records it owns alone earlier in its order as its capacity. So a user with many records (the
+skewed graph's heaviest holds 3.5% of all incidences at 10M records) sends its user partition a few
+incidences per record partition instead of all of them; of the dropped incidences only each user's
+count travels, for the input's statistics. The user partitions reject the rest of the certificate's
+records at the pass start (`bound_rounds.FirstSaturation`), as the local engine does, so both run
+the same rounds.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from madp.beam import files
@@ -22,7 +32,13 @@ from madp.beam.bound_rounds import NO_USERS, UserPartition, round_stat
 from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
 from madp.beam.record_chunks import RecordPartitions
 from madp.core import records as rec
-from madp.core.bounding import Capacities, build_user_side, preference_keys
+from madp.core.bounding import (
+    Capacities,
+    build_user_side,
+    certified_records,
+    preference_keys,
+    preference_rank_order,
+)
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
 from madp.core.routing import distinct_partitions, take_csr
@@ -57,6 +73,8 @@ class Incidences:
     peers: np.ndarray
     copies: np.ndarray
     in_pass: np.ndarray
+    dropped_users: pa.Array  # the distinct users of the incidences the certificate dropped here,
+    dropped_counts: np.ndarray  # and how many each: they count in the input's statistics only
 
     @property
     def nbytes(self) -> int:
@@ -86,11 +104,20 @@ def _saved_selection(state_dir: str, part: int, keys: np.ndarray) -> tuple[np.nd
 
 @beam.typehints.with_output_types(tuple[int, Any])
 class _BuildRecordPartition(beam.DoFn):
-    """Merge a record partition's chunks, reject duplicated ids, attach the saved selection; send
-    each incidence to its user partition."""
+    """Merge a record partition's chunks, reject duplicated ids, attach the saved selection; drop the
+    records the saturation certificate rejects (`certify`: no duplicates); send each incidence of the
+    others to its user partition."""
 
-    def __init__(self, options: BoundOptions, partitions: int, resume_from: str | None, errors_dir: str | None):
-        self.options, self.partitions, self.resume_from, self.errors_dir = options, partitions, resume_from, errors_dir
+    def __init__(
+        self,
+        options: BoundOptions,
+        partitions: int,
+        capacities: Capacities,
+        resume_from: str | None,
+        errors_dir: str | None,
+    ):
+        self.options, self.partitions, self.capacities = options, partitions, capacities
+        self.resume_from, self.errors_dir = resume_from, errors_dir
 
     @keeps_input_errors
     def process(self, element):
@@ -112,13 +139,19 @@ class _BuildRecordPartition(beam.DoFn):
         primary, tie = preference_keys(
             chunk.ids, arity, self.options.order, self.options.seed, chunk.weights, alternate_runs(self.options)
         )
+        record_of_incidence = np.repeat(np.arange(n), arity)
+        dropped = np.zeros(n, dtype=bool)
+        if not self.options.duplicates:
+            dropped = self._certified(chunk, record_of_incidence, (primary, tie))
+            yield stat("certified_dropped_records", int(dropped.sum()))
         user_partition = partition_of(chunk.users, self.partitions) if len(chunk.users) else NO_USERS
         peer_offsets, peers = distinct_partitions(arity, user_partition, self.partitions)
-        record_of_incidence = np.repeat(np.arange(n), arity)
         for user_part in np.unique(user_partition):
-            mine = user_partition == user_part
+            here = user_partition == user_part
+            mine = here & ~dropped[record_of_incidence]
             records, record = np.unique(record_of_incidence[mine], return_inverse=True)
             offsets, their_peers = take_csr(peer_offsets, peers.astype(np.int32), records)
+            counted = pc.value_counts(chunk.users.filter(pa.array(here & ~mine))).flatten()
             incidences = Incidences(
                 users=chunk.users.filter(pa.array(mine)),
                 record=record.astype(np.int64),
@@ -131,9 +164,26 @@ class _BuildRecordPartition(beam.DoFn):
                 peers=their_peers,
                 copies=copies[records],
                 in_pass=in_pass[records],
+                dropped_users=counted[0],
+                dropped_counts=counted[1].to_numpy().astype(np.int64),
             )
             yield stat(round_stat(0, "shuffled_bytes"), incidences.nbytes)
             yield beam.pvalue.TaggedOutput("incidences", (int(user_part), incidences))
+
+    def _certified(self, chunk: rec.RecordChunk, record_of_incidence: np.ndarray, order) -> np.ndarray:
+        """The records of this partition that the saturation certificate rejects."""
+        if not len(chunk.users):
+            return np.zeros(len(chunk), dtype=bool)
+        encoded = pc.dictionary_encode(chunk.users)
+        rank = np.empty(len(chunk), np.int64)
+        rank[preference_rank_order(*order, chunk.keys)] = np.arange(len(chunk))
+        return certified_records(
+            encoded.indices.to_numpy().astype(np.int64),
+            record_of_incidence,
+            rank,
+            chunk.arity,
+            self.capacities.lookup(encoded.dictionary),
+        )
 
 
 def _split_capacities(capacities: Capacities, partitions: int):
@@ -190,19 +240,36 @@ def build_user_partition(part: int, batches: list[Incidences], capacities: Capac
     return UserPartition(part, side, per_record("arity"), record_partition[order], peer_offsets, peers)
 
 
+def _input_degrees(batches: list[Incidences]) -> tuple[np.ndarray, int]:
+    """(records per user in the input, users with no incidence left after the certificate) of the
+    users of these batches: the incidences sent and the counts of those dropped."""
+    users = pa.concat_arrays([b.users for b in batches] + [b.dropped_users for b in batches])
+    counts = np.concatenate([np.ones(len(b.users), np.int64) for b in batches] + [b.dropped_counts for b in batches])
+    encoded = pc.dictionary_encode(users)
+    codes = encoded.indices.to_numpy().astype(np.int64)
+    sent = sum(len(b.users) for b in batches)
+    kept = len(np.unique(codes[:sent]))
+    return np.bincount(codes, weights=counts, minlength=len(encoded.dictionary)).astype(np.int64), len(
+        encoded.dictionary
+    ) - kept
+
+
 def _build_user_partition(element, default: int, errors_dir: str | None):
     with keeping_input_errors(errors_dir):  # a capacity of the wrong id type
         part, grouped = element
-        if grouped["incidences"]:  # else capacities listed for users of no record
+        batches = list(grouped["incidences"])
+        if not batches:  # capacities listed for users of no record
+            return
+        degree, gone = _input_degrees(batches)
+        yield stat("input_users", len(degree))
+        for name, value in user_distribution_stats(degree, np.zeros(gone, np.int64)).items():
+            yield beam.pvalue.TaggedOutput("stats", (name, value))  # gone: users all of whose records were dropped
+        if sum(len(b.users) for b in batches):
             capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
-            state = build_user_partition(part, list(grouped["incidences"]), capacities)
-            degree = np.bincount(state.side.inc_user, minlength=len(state.side.residual))
+            state = build_user_partition(part, batches, capacities)
             yield beam.pvalue.TaggedOutput("counts", ("eligible", int(state.owned().sum())))
             yield beam.pvalue.TaggedOutput("counts", ("active", len(state.side.inc_record)))
-            yield stat("input_users", len(degree))
-            yield stat(round_stat(0, "active_incidences"), len(state.side.inc_record))
-            for name, value in user_distribution_stats(degree, NO_USERS).items():
-                yield beam.pvalue.TaggedOutput("stats", (name, value))
+            yield stat("built_incidences", len(state.side.inc_record))
             yield part, state.packed()
 
 
@@ -231,9 +298,15 @@ class BuildSides(beam.PTransform):
             chunks
             | "RecordPartitions" >> RecordPartitions(partitions)
             | "BuildRecordPartitions"
-            >> beam.ParDo(_BuildRecordPartition(options, partitions, self.resume_from, self.errors_dir)).with_outputs(
-                "incidences", "rejects", "stats", main="records"
-            )
+            >> beam.ParDo(
+                _BuildRecordPartition(
+                    options,
+                    partitions,
+                    self.capacities or Capacities(options.max_contributions),
+                    self.resume_from,
+                    self.errors_dir,
+                )
+            ).with_outputs("incidences", "rejects", "stats", main="records")
         )
         listed = [] if self.capacities is None else list(_split_capacities(self.capacities, partitions))
         capacities = chunks.pipeline | "Capacities" >> beam.Create(listed)

@@ -124,7 +124,7 @@ class BoundContributions(beam.PTransform):
         if self.options.on_invalid == "error":  # before any round
             earlier = () if self.rejected_before is None else (self.rejected_before,)
             start = start | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, self.errors_dir)
-        saturate = self.capacities is not None or self.resume_from is not None
+        saturate = self.capacities is not None or self.resume_from is not None or not self.options.duplicates
         users, progress, first_stats = (users, counts, start) | "FirstSaturation" >> FirstSaturation(
             self.control, self.threshold, saturate
         )

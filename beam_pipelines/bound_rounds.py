@@ -31,6 +31,7 @@ from madp.core.bounding import (
     START_PASS,
     Control,
     UserSide,
+    certified_rejections,
     compact,
     consume,
     local_mask,
@@ -234,8 +235,8 @@ class _Consume(beam.DoFn):
     records (at a pass start, after making every record of the pass eligible again), and the records
     its saturated users kill are retired here and, by message, in the co-owners' user partitions."""
 
-    def __init__(self, iteration: int):
-        self.iteration = iteration
+    def __init__(self, iteration: int, certify: bool = False):
+        self.iteration, self.certify = iteration, certify
 
     def process(self, element, progress: Progress):
         part, values = element
@@ -250,6 +251,8 @@ class _Consume(beam.DoFn):
         if progress.control.next == START_PASS:
             side.eligible[:] = True
         dead = consume(side, local_mask(side.record_keys, _messages(grouped, ACCEPTED)))
+        if self.certify:
+            dead |= certified_rejections(side, state.arity)
         retire(side, dead)
         rows, positions = csr_rows(state.peer_offsets, np.flatnonzero(dead))
         peers = state.peers[positions]
@@ -370,9 +373,11 @@ class Iteration(beam.PTransform):
 class FirstSaturation(beam.PTransform):
     """The state as built, (user partition, packed UserPartition), with the build's counts ("eligible",
     "active") and one Progress holding `control` -> the state once the records of users with no
-    capacity left are retired everywhere, the Progress after it, and stats. When `control` starts a
-    pass, that is the pass start; else the run continues the algorithm where the last one stopped.
-    Without capacities that can start saturated (`saturate` False: no capacities file, no earlier
+    capacity left, and without duplicates the records the saturation certificate rejects
+    (`bounding.certified_rejections`, the same at a pass start and in a later pipeline run), are
+    retired everywhere, the Progress after it, and stats. When `control` starts a pass, that is the
+    pass start; else the run continues the algorithm where the last one stopped. With duplicates and
+    no capacities that can start saturated (`saturate` False: no capacities file, no earlier
     selection), there is nothing to retire and the state goes on as built."""
 
     def __init__(self, control: Control, threshold: int, saturate: bool):
@@ -387,7 +392,10 @@ class FirstSaturation(beam.PTransform):
             consumed = (
                 users
                 | "AsState" >> beam.MapTuple(lambda part, state: (part, [(STATE, state)]))
-                | "Consume" >> beam.ParDo(_Consume(0), last).with_outputs(DEAD, "stats", main="state")
+                | "Consume"
+                >> beam.ParDo(_Consume(0, certify=not self.control.duplicates), last).with_outputs(
+                    DEAD, "stats", main="state"
+                )
             )
             retired = (consumed.state, consumed[DEAD]) | "RetireDead" >> _RetireDead(0, self.control.duplicates)
             users, counts = retired.state, retired.counts

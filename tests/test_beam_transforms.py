@@ -73,7 +73,8 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
                         "input_records": 2,
                         "input_users": 3,
                         "users_with_input_records_000000001": 3,
-                        "round_00000_active_incidences": 3,
+                        "built_incidences": 3,
+                        "certified_dropped_records": 0,
                         # Summed over partitions, the graph of the records kept: 1 (users 1, 2) and 4 (user 5).
                         "graph_digest": graph_digest(pa.array([4, 1]), np.array([0, 1, 3]), pa.array([5, 2, 1])).hex,
                     }
@@ -86,8 +87,8 @@ def test_build_sides_counts_and_rejects_rows_as_data(tmp_path):
 
 
 def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path):
-    rng = np.random.default_rng(4)
-    rows = [{"id": i, "users": sorted(set(rng.integers(0, 60, rng.integers(1, 4)).tolist()))} for i in range(300)]
+    rng = np.random.default_rng(6)  # a graph that takes 3 rounds
+    rows = [{"id": i, "users": sorted(set(rng.integers(0, 60, rng.integers(1, 5)).tolist()))} for i in range(300)]
     path = write_records(str(tmp_path / "records.jsonl"), rows)
     options = BoundOptions(max_contributions=2)
     chunk, _, _, _ = read_input(path, Columns())
@@ -98,7 +99,7 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
         chunks, _, _ = pipeline | ReadRecords([path], options.columns)
         users, _, _, counts, _ = chunks | BuildSides(options, 4, None, None, None)
         start = pipeline | "Start" >> beam.Create([Progress(control)])
-        # threshold 0: never finished locally; saturate: as with capacities, one step retires
+        # threshold 0: never finished locally; the first saturation retires the certified records
         users, progress, _ = (users, counts, start) | FirstSaturation(control, threshold=0, saturate=True)
         round_stats = []
         for index in (1, 2, 3):

@@ -7,7 +7,14 @@ import pyarrow as pa
 import pytest
 from reference import sequential_greedy
 
-from madp.core.bounding import Capacities
+from madp.core.bounding import (
+    Capacities,
+    Control,
+    beyond_saturation,
+    certified_records,
+    preference_keys,
+    preference_rank_order,
+)
 from madp.core.hashing import hash_ids
 from madp.core.records import Columns, RecordChunk
 from madp.core.selection import BoundOptions
@@ -200,3 +207,55 @@ def test_alternate_order_options_are_checked():
         BoundOptions(max_contributions=2, order="alternate", arity_threshold=1)
     with pytest.raises(InputError, match="apply to --order alternate"):
         BoundOptions(max_contributions=2, small_run=3)
+
+
+@pytest.mark.parametrize("order", ["arity", "hash"])
+def test_the_saturation_certificate_names_only_records_the_greedy_rejects(order):
+    """`certified_records` on the whole graph, and on any part of it that keeps whole records (a
+    record partition), names records the sequential greedy rejects; on a part it names no more than
+    on the whole, and the users' first capacity records owned alone survive on every part."""
+    data = generate(GraphSpec(records=3000, graph="skewed", mean_arity=2.0, records_per_user=3.0, seed=5))
+    chunk = as_chunk(data.offsets, data.users)
+    k, capacity = 2, {0: 0, 1: 5, 3: 1}
+    keys = preference_keys(chunk.ids, chunk.arity, order, 3)
+    rank = np.empty(len(chunk), np.int64)
+    rank[preference_rank_order(*keys, chunk.keys)] = np.arange(len(chunk))
+    users = chunk.users.to_numpy()
+    record_users = [list(users[chunk.offsets[i] : chunk.offsets[i + 1]]) for i in range(len(chunk))]
+    greedy = np.array(sequential_greedy(list(np.argsort(rank)), record_users, capacity, k, False))
+    inc_record = np.repeat(np.arange(len(chunk)), chunk.arity)
+    capacities = np.array([capacity.get(u, k) for u in range(users.max() + 1)])
+
+    def certified(records: np.ndarray) -> np.ndarray:
+        part = np.isin(inc_record, records)
+        found = certified_records(users[part], inc_record[part], rank, chunk.arity, capacities)
+        return np.flatnonzero(found)
+
+    whole = certified(np.arange(len(chunk)))
+    assert len(whole) > 0.05 * len(chunk) and not greedy[whole].any()
+    parts, found_in_parts = np.arange(len(chunk)) % 7, 0
+    for part in range(7):
+        found = certified(np.flatnonzero(parts == part))
+        assert set(found) <= set(whole) and (parts[found] == part).all()
+        found_in_parts += len(found)
+    assert found_in_parts > 0
+
+
+def test_rejecting_the_certified_records_up_front_changes_rounds_not_the_selection(monkeypatch):
+    data = generate(GraphSpec(records=4000, graph="skewed", mean_arity=2.0, seed=9))
+    chunk = as_chunk(data.offsets, data.users)
+    options = BoundOptions(max_contributions=2)
+    certified = bound_records(chunk, options, Capacities(2))
+    monkeypatch.setattr(Control, "certifies", property(lambda control: False))
+    plain = bound_records(chunk, options, Capacities(2))
+    np.testing.assert_array_equal(certified.copies, plain.copies)
+    assert certified.rounds[0]["eligible"] < plain.rounds[0]["eligible"]
+
+
+def test_beyond_saturation_counts_records_alone_per_user():
+    # user 0: alone, shared, alone, shared (capacity 2): the second shared comes after two alone
+    # user 1: shared, shared (capacity 0): both beyond; user 2: alone (capacity 1): not beyond
+    inc_user = np.array([0, 0, 0, 0, 1, 1, 2])
+    alone = np.array([True, False, True, False, False, False, True])
+    beyond = beyond_saturation(inc_user, alone, np.array([2, 0, 1]))
+    assert beyond.tolist() == [False, False, False, True, True, True, False]

@@ -214,3 +214,27 @@ def test_runs_continued_then_finished_locally_with_duplicates_and_capacities(tmp
     runs = beam["pipeline_runs"]
     assert len(runs) > 1 and runs[-1]["finished_locally_incidences"] is not None
     assert all(run["finished_locally_incidences"] is None for run in runs[:-1])
+
+
+@pytest.mark.parametrize("order", ["arity", "hash"])
+def test_a_hot_user_sends_its_partition_a_few_incidences_per_record_partition(tmp_path, small_graph, order):
+    """User -1 owns 1,200 records, half alone: each record partition drops the records the saturation
+    certificate rejects on its own records before they travel, so the hot user's partition gets a few
+    of its incidences per record partition, and both engines still agree (selection, rounds, users,
+    histograms of the input and the selection)."""
+    rows = [dict(row) for row in small_graph]
+    for index, row in enumerate(rows[:1200]):
+        row["users"] = [-1] if index % 2 else [-1, *row["users"]]
+    input_path = write_records(str(tmp_path / "records.parquet"), rows)
+    partitions, k = 4, 2
+    options = BoundOptions(max_contributions=k, order=order)
+    local, beam = assert_same(tmp_path, input_path, options, [f"--partitions={partitions}"])
+    (run,) = beam["pipeline_runs"]
+    incidences = sum(len(row["users"]) for row in rows)
+    # the hot user's records up to its k-th alone one, per record partition: k with --order arity
+    # (records alone come first), about 2 k with --order hash (every other record is alone)
+    hot_kept_at_most = partitions * 4 * k
+    assert run["certified_dropped_records"] >= 1200 - hot_kept_at_most
+    assert run["built_incidences"] <= incidences - (1200 - hot_kept_at_most)
+    assert local["histograms"]["records_per_user_input"]["1200"] == 1
+    assert verify_bound(input_path, str(tmp_path / "beam"), k)["ok"]

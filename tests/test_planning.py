@@ -163,3 +163,11 @@ def test_run_refuses_an_infeasible_plan_before_bounding(emails, tmp_path, capsys
     fix = int(err.split("use batch.max_batch_size >= ")[1].split()[0])
     sets = ["batch.min_sep=1", "calibrate.bands=1", f"batch.max_batch_size={fix}"]
     check_feasible(plan_stages(load_config(str(config), sets), parser()), parser())  # the proposed B_max passes
+
+
+def test_a_recommendation_at_the_largest_k_swept_says_to_sweep_further(emails, capsys):
+    # few steps at a small batch: variance is small, so the proxy still falls at the largest k swept
+    code, result, _ = sweep(capsys, emails, "--steps", "4", "--batch-size", "30", "--k", "1,2")
+    assert code == 0 and result["recommended_k"] == 2
+    assert "largest k swept and the proxy was still falling there" in result["reason"]
+    assert "(--k 1,2,4,8)" in result["reason"]

@@ -236,6 +236,46 @@ def consume(users: UserSide, accepted: np.ndarray) -> np.ndarray:
     return dead
 
 
+def beyond_saturation(inc_user: np.ndarray, alone: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """Per incidence, whether its user certainly saturates before reaching it: at least capacity[u]
+    records that u owns alone come earlier in u's preference order. Incidences are sorted by (user,
+    preference); `alone` marks those whose record has this one user; `capacity` is per user.
+
+    The certificate (sequential greedy in the universal order, It's my data too Alg. 2): a record owned
+    by u alone is accepted exactly when u is not saturated as it comes, so u is saturated at the latest
+    once its capacity[u]-th such record has come, and every later record of u is rejected. A rejected
+    record changes no other decision (it takes no capacity), so dropping it from the graph before
+    the rounds leaves the selection as it is. It holds on any subset of the graph that keeps whole
+    records (a record partition): fewer records alone can only place the certificate later.
+    """
+    if not len(inc_user):
+        return np.zeros(0, dtype=bool)
+    alone_seen = np.cumsum(alone, dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero(inc_user[1:] != inc_user[:-1]) + 1])
+    before_user = np.repeat(alone_seen[starts] - alone[starts], np.diff(np.append(starts, len(inc_user))))
+    alone_before = alone_seen - alone - before_user  # records alone strictly earlier, same user
+    return alone_before >= capacity[inc_user]
+
+
+def certified_rejections(users: UserSide, arity: np.ndarray) -> np.ndarray:
+    """Records (mask over `users.record_keys`) that `beyond_saturation` certifies rejected, from every
+    incidence of these users (eligible or not: the certificate is a property of the graph and the
+    capacities, the same at a pass start and when a later pipeline run rebuilds the state)."""
+    beyond = beyond_saturation(users.inc_user, arity[users.inc_record] == 1, users.capacity)
+    return np.bincount(users.inc_record[beyond], minlength=len(users.record_keys)) > 0
+
+
+def certified_records(
+    user_codes: np.ndarray, inc_record: np.ndarray, rank: np.ndarray, arity: np.ndarray, capacity: np.ndarray
+) -> np.ndarray:
+    """`certified_rejections` on whole records in any order (a record partition, before its incidences
+    go to the users' partitions): per incidence its user code and record, per record its preference
+    rank and arity, per user code its capacity -> mask over records."""
+    order = np.lexsort((rank[inc_record], user_codes))
+    beyond = beyond_saturation(user_codes[order], arity[inc_record[order]] == 1, capacity)
+    return np.bincount(inc_record[order][beyond], minlength=len(arity)) > 0
+
+
 def retire(users: UserSide, dead: np.ndarray) -> None:
     """Alg. 1 line 13 for co-owners: records (mask over record_keys) of saturated users leave E."""
     users.eligible &= ~dead[users.inc_record]
@@ -323,6 +363,12 @@ class Control:
             return dataclasses.replace(advanced, next=DONE, converged=True)
         return dataclasses.replace(advanced, next=START_PASS)
 
+    @property
+    def certifies(self) -> bool:
+        """Whether this step also rejects the records `certified_rejections` names: the start of the
+        only pass (with duplicates, each pass makes every record eligible again)."""
+        return not self.duplicates and self.next == START_PASS and self.passes == 0
+
     def _round_or_stop(self) -> str:
         return DONE if self.max_rounds is not None and len(self.per_round) >= self.max_rounds else ROUND
 
@@ -349,8 +395,9 @@ def run_steps(
 
     `arity` counts each record's incidences (all in `users`), `undecided` marks the records eligible
     in the pass in progress; `on_selected(mask)` hears of each round's selected records; each round
-    is logged as it ends unless `log_rounds` is False (a Beam worker: the driver logs them). Returns
-    the final control.
+    is logged as it ends unless `log_rounds` is False (a Beam worker: the driver logs them). The
+    start of a bounding without duplicates also rejects the records the saturation certificate names
+    (`certified_rejections`). Returns the final control.
     """
     while control.next != DONE:
         accepted = np.zeros(len(arity), dtype=bool)
@@ -363,6 +410,8 @@ def run_steps(
             if on_selected is not None:
                 on_selected(accepted)
         dead = consume(users, accepted)
+        if control.certifies:
+            dead |= certified_rejections(users, arity)
         retire(users, dead)
         undecided &= ~dead
         rounds_before = len(control.per_round)

@@ -418,6 +418,11 @@ def _reason(chosen: dict | None, rows: list[dict], median: float, median_k: int,
             f"{row['noise_multiplier'] / chosen['noise_multiplier']:.2f}x the noise, risk {row['excess_risk']:.3g}"
         )
     text += f"; the median user has {median:g} records (ELS heuristic, Sec. 6: k = {median_k})"
+    if chosen is scored[-1] and len(scored) > 1 and scored[-2]["excess_risk"] > chosen["excess_risk"]:
+        text += (
+            f"; k = {chosen['k']} is the largest k swept and the proxy was still falling there: sweep larger "
+            f"k too (--k {','.join(str(row['k']) for row in rows)},{2 * chosen['k']},{4 * chosen['k']})"
+        )
     infeasible = [row["k"] for row in rows if not row["feasible"]]
     if infeasible:
         text += f"; infeasible: k = {', '.join(map(str, infeasible))} (see their problems)"
