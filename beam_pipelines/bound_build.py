@@ -170,7 +170,9 @@ class _BuildRecordPartition(beam.DoFn):
             yield stat(round_stat(0, "shuffled_bytes"), incidences.nbytes)
             yield beam.pvalue.TaggedOutput("incidences", (int(user_part), incidences))
 
-    def _certified(self, chunk: rec.RecordChunk, record_of_incidence: np.ndarray, order) -> np.ndarray:
+    def _certified(
+        self, chunk: rec.RecordChunk, record_of_incidence: np.ndarray, order: tuple[np.ndarray, np.ndarray]
+    ) -> np.ndarray:
         """The records of this partition that the saturation certificate rejects."""
         if not len(chunk.users):
             return np.zeros(len(chunk), dtype=bool)
