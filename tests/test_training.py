@@ -246,6 +246,11 @@ def test_cli_train_refuses_bad_options(pipeline_data, capsys):
     assert "not a `madp batch` output" in capsys.readouterr().err
     assert main(["-q", "train", str(directory / "poisson"), str(directory / "x")]) == 2
     assert "--epsilon" in capsys.readouterr().err
+    # a plan and "no privacy" at once: which was meant is not for madp to guess
+    plan = str(directory / "plan.json")
+    args = ["-q", "train", str(directory / "poisson"), str(directory / "x"), "--calibration", plan]
+    assert main([*args, "--mechanism", "none"]) == 2
+    assert "--mechanism none trains without privacy, --calibration with the plan's" in capsys.readouterr().err
 
 
 def test_user_level_clipping_clips_each_users_average_gradient():

@@ -62,6 +62,56 @@ def build(schema):
     return model, loss, tf_keras.optimizers.SGD(0.5)
 """
 
+# A task of one's own: the class of input a, its rows centred first (a preprocessing hook), evaluated
+# by top-1 and top-2 accuracy; a negative class is a row it cannot use.
+TOP_K_TASK = """
+import numpy as np
+
+
+class TopK:
+    features = ["a", "cls"]
+
+    def encode(self, rows):
+        a = np.asarray(rows["a"], np.float32)
+        return a - a.mean(axis=1, keepdims=True), np.asarray(rows["cls"]).astype(np.int32)
+
+    def metrics(self, labels, outputs):
+        ranked = np.argsort(-outputs, axis=1)
+        return {
+            "top1": float(np.mean(ranked[:, 0] == labels)),
+            "top2": float(np.mean((ranked[:, :2] == labels[:, None]).any(axis=1))),
+        }
+
+    def problems(self, rows):
+        return np.where(np.asarray(rows["cls"]) < 0, "negative class", "")
+
+
+def task(features):
+    assert features["a"].shape == (4,) and features["cls"].dtype == "int64"
+    return TopK()
+
+
+def no_metrics(features):
+    return type("Half", (), {"features": ["a", "cls"], "encode": lambda self, rows: (rows["a"], rows["cls"])})()
+"""
+
+# Its model: the ModelSchema of the task's features (a as the input, cls as the label).
+FOUR_CLASSES_MODULE = """
+import tensorflow as tf
+import tf_keras
+
+
+def build(schema):
+    (a,) = schema.inputs
+    assert schema.label.name == "cls" and schema.task == "top_k:task"
+    model = tf_keras.Sequential([tf_keras.Input(shape=a.shape), tf_keras.layers.Dense(4)])
+
+    def loss(labels, logits):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int32), logits=logits)
+
+    return model, loss
+"""
+
 
 def _rows(count: int, seed: int) -> list[dict]:
     """Records of 2000 users: inputs a (4 floats) and b (3 floats), a class (the largest of a) and a
@@ -93,6 +143,8 @@ def data(tmp_path_factory):
     modules.mkdir()
     (modules / "k3_classifier.py").write_text(textwrap.dedent(KERAS3_MODULE))
     (modules / "two_inputs.py").write_text(textwrap.dedent(TWO_INPUTS_MODULE))
+    (modules / "top_k.py").write_text(textwrap.dedent(TOP_K_TASK))
+    (modules / "four_classes.py").write_text(textwrap.dedent(FOUR_CLASSES_MODULE))
     return directory
 
 
@@ -213,3 +265,25 @@ def test_a_trainable_batch_normalization_is_refused_in_private_steps(data):
     with pytest.raises(InputError, match="BatchNormalization .* no DP guarantee covers"):
         PrivateStep(model(True), None, tf_keras.optimizers.SGD(0.1), query, 10.0)
     PrivateStep(model(False), None, tf_keras.optimizers.SGD(0.1), query, 10.0)  # frozen: inference only
+
+
+def test_a_task_of_ones_own_encodes_rows_and_names_the_metrics(data, capsys):
+    out = data / "own-task"
+    argv = ["-q", "train", str(data / "batches"), str(out), "--model-path", str(data / "models"), "--label", "cls"]
+    argv += ["--epsilon", "8", "--eval-data", str(data / "test.jsonl"), "--eval-every", "20"]
+    assert main([*argv, "--model", "four_classes:build", "--task", "top_k:task"]) == 0, capsys.readouterr().err
+    metrics = json.load(open(out / "metrics.json"))
+    final = metrics["final"]
+    assert set(final) == {"step", "loss", "top1", "top2"} and final["top2"] >= final["top1"] > 0.45
+    assert json.load(open(out / "privacy.json"))["mechanism"] == "dpsgd"
+
+    for task, model, expected in [
+        ("top_k:no_metrics", "four_classes:build", "the task it returned has no metrics()"),
+        ("top_k:task", "logreg", "--task module:function trains a --model module:function"),
+        ("top_k:missing", "four_classes:build", "module 'top_k'"),
+    ]:
+        assert main([*argv[:-4], "--model", model, "--task", task]) == 2
+        assert expected in capsys.readouterr().err
+    assert main([*argv[:-4], "--model", "four_classes:build", "--task", "top_k:task", "--label", "label"]) == 2
+    err = capsys.readouterr().err
+    assert "must be features of the batches" in err and "--label 'label'" in err

@@ -38,7 +38,8 @@ class TrainOptions:
     features: str = "features"
     label: str = "label"
     inputs: tuple[str, ...] | None = None  # the model's input features (None: --features alone)
-    task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression
+    task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression,
+    # or module:function: the user's own task (`madp.training.tasks.UserTask`)
     classes: int | None = None  # multiclass: labels are the integers 0..classes-1
     model_path: tuple[str, ...] = ()  # directories searched first for a module:function model
     optimizer: str | None = None  # sgd or adam; None: the model's default (`training_defaults`)
@@ -76,6 +77,11 @@ class TrainOptions:
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
     @property
+    def user_task(self) -> bool:
+        """--task module:function: a task of the user's own."""
+        return ":" in self.task
+
+    @property
     def input_features(self) -> tuple[str, ...]:
         """The features a numeric model reads: --inputs, else --features."""
         return self.inputs or (self.features,)
@@ -106,6 +112,10 @@ class TrainOptions:
                 self.calibration is None or (self.epsilon is None and self.noise_multiplier is None),
                 "--calibration fixes sigma: drop --epsilon and --noise-multiplier",
             ),
+            (
+                self.calibration is None or self.mechanism != "none",
+                "--mechanism none trains without privacy, --calibration with the plan's mechanism: give one of them",
+            ),
             (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
             (
                 not self.amplified or self.mechanism in ("auto", "bandmf"),
@@ -129,7 +139,11 @@ class TrainOptions:
                 "--labels: at least two distinct labels",
             ),
             (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
-            (self.task in TASKS, f"--task must be one of {TASKS}"),
+            (self.task in TASKS or self.user_task, f"--task must be one of {TASKS}, or module:function"),
+            (
+                not self.user_task or ":" in self.model,
+                "--task module:function trains a --model module:function (the built-in models have their own tasks)",
+            ),
             (
                 (self.task == "multiclass") == (self.classes is not None) and (self.classes or 2) >= 2,
                 "--task multiclass needs --classes N (N >= 2), and --classes needs --task multiclass",

@@ -84,13 +84,10 @@ def build_model(name: str, input_dim: int, model_path: tuple[str, ...] = ()):
     return user_model(name, schema, model_path)[:2]
 
 
-def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ()) -> tuple:
-    """(model, loss, optimizer or None) from `--model module:function`: `function(schema)` returns
-    (model, loss) or (model, loss, optimizer). The module is looked up in `model_path`, then the
-    current directory, then sys.path (PYTHONPATH); an import failure is an InputError naming it."""
-    if ":" not in name:
-        raise InputError(f"--model must be logreg, mlp, {', '.join(TEXT_MODELS)} or module:function, got {name!r}")
-    module_name, function_name = name.split(":", 1)
+def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
+    """The function of `module:function` (`--model`, `--task`). The module is looked up in `model_path`,
+    then the current directory, then sys.path (PYTHONPATH); an import failure is an InputError naming it."""
+    module_name, function_name = spec.split(":", 1)
     searched = [os.path.abspath(d) for d in model_path] + [os.getcwd()]
     saved = list(sys.path)
     sys.path[:0] = [d for d in searched if d not in sys.path]  # only for this import: the user's code, first
@@ -98,19 +95,27 @@ def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ())
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         where = ", ".join(searched) + ", PYTHONPATH"
-        raise InputError(f"--model {name}: cannot import module {module_name!r} ({error}; searched {where})") from None
+        raise InputError(f"{flag} {spec}: cannot import module {module_name!r} ({error}; searched {where})") from None
     except Exception as error:  # noqa: BLE001 - the user's module failed while importing: say which
         raise InputError(
-            f"--model {name}: importing module {module_name!r} failed: {type(error).__name__}: {error}"
+            f"{flag} {spec}: importing module {module_name!r} failed: {type(error).__name__}: {error}"
         ) from None
     finally:
         sys.path[:] = saved
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise InputError(f"--model {name}: module {module_name!r} ({module.__file__}) has no {function_name!r}")
-    built = function(schema)
+        raise InputError(f"{flag} {spec}: module {module_name!r} ({module.__file__}) has no {function_name!r}")
+    return function
+
+
+def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ()) -> tuple:
+    """(model, loss, optimizer or None) from `--model module:function`: `function(schema)` returns
+    (model, loss) or (model, loss, optimizer)."""
+    if ":" not in name:
+        raise InputError(f"--model must be logreg, mlp, {', '.join(TEXT_MODELS)} or module:function, got {name!r}")
+    built = user_function(name, "--model", model_path)(schema)
     if not isinstance(built, tuple) or len(built) not in (2, 3) or not callable(built[1]):
-        raise InputError(f"--model {name}: {function_name}(schema) must return (model, loss[, optimizer])")
+        raise InputError(f"--model {name}: {name.split(':', 1)[1]}(schema) must return (model, loss[, optimizer])")
     return (*built, None) if len(built) == 2 else built
 
 
@@ -246,6 +251,92 @@ class NumericTask:
 def _rows(x, start: int, stop: int):
     """Rows start..stop of an input array, or of each array of a dict of inputs."""
     return tf.nest.map_structure(lambda a: a[start:stop], x)
+
+
+class UserTask:
+    """`--task module:function`: `function(features)` ({name: Feature} of every batch feature) returns
+    the user's task, an object with
+
+    - `features`: the batch features a step's rows need (the label's among them);
+    - `encode(rows)` -> (x, y): a step's (or the evaluation data's) rows, {feature: numpy array}, as
+      the model's input (an array, or a dict of arrays by input name) and the labels the loss takes;
+    - `metrics(labels, outputs)` -> {name: number}: the evaluation, on the labels and the model's
+      outputs over all of --eval-data (madp adds the mean loss); the first is the headline;
+    - optionally `problems(rows)` -> why each row cannot be used ("" where it can; the others train with
+      weight 0 under --on-invalid skip, as the built-in tasks' unusable rows do).
+
+    Its model is `--model module:function`, given the ModelSchema of the task's features (the --label
+    one as the label, the others as inputs, `task` the task's name). Only the model and the training
+    rows decide the published model; a task reads nothing but the rows it is given."""
+
+    def __init__(self, options: TrainOptions, schema: dict):
+        self.options = options
+        features = {
+            name: Feature(name, found["dtype"], tuple(found["shape"])) for name, found in schema["features"].items()
+        }
+        self.task = user_function(options.task, "--task", options.model_path)(features)
+        where = f"--task {options.task}"
+        for name in ("encode", "metrics"):
+            if not callable(getattr(self.task, name, None)):
+                raise InputError(f"{where}: the task it returned has no {name}() (see the README's own tasks)")
+        names = getattr(self.task, "features", None)
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+            raise InputError(f"{where}: the task's features must be a list of batch feature names")
+        unknown = [name for name in names if name not in features]
+        if unknown or options.label not in names:
+            raise InputError(
+                f"{where}: its features {list(names)} must be features of the batches ({sorted(features)}) and "
+                f"hold the label --label {options.label!r}"
+            )
+        self.names = list(names)
+        self.features = features
+        self.schema = ModelSchema(
+            tuple(features[n] for n in names if n != options.label), features[options.label], options.task
+        )
+        self.headline = "loss"  # until the first evaluation names the task's first metric
+        self.optimizer = None  # what the module:function model returned, if it did
+
+    def build(self):
+        model, loss, self.optimizer = user_model(self.options.model, self.schema, self.options.model_path)
+        return model, loss
+
+    def problems(self, rows: dict) -> np.ndarray:
+        count = len(rows[self.names[0]])
+        found = self.task.problems(rows) if callable(getattr(self.task, "problems", None)) else None
+        problems = np.full(count, "", dtype=object) if found is None else np.asarray(found, dtype=object)
+        if problems.shape != (count,):
+            raise InputError(f"--task {self.options.task}: problems(rows) must give one reason per row")
+        return problems
+
+    def encode(self, rows: dict) -> tuple:
+        x, y = self.task.encode(rows)
+        return x, y, self.problems(rows)
+
+    def read_eval(self, path: str) -> tuple:
+        rows = {name: self._array(name, values) for name, values in read_columns(path, self.names).items()}
+        x, y, problems = self.encode(rows)
+        if (problems != "").any():
+            raise InputError(f"--eval-data {path}: {int((problems != '').sum())} rows: {problems[problems != ''][0]}")
+        return x, y
+
+    def _array(self, name: str, values: list) -> np.ndarray:
+        """An evaluation column as the batches' rows hold the feature (texts as UTF-8 bytes)."""
+        dtype = self.features[name].dtype
+        return _texts(values) if dtype == "bytes" else np.asarray(values, _NUMPY_DTYPES[dtype])
+
+    def evaluate(self, model, loss_fn, data) -> dict:
+        x, y = data
+        rows = len(tf.nest.flatten(x)[0])
+        outputs = np.concatenate(
+            [np.asarray(model(_rows(x, i, i + _EVAL_ROWS), training=False)) for i in range(0, rows, _EVAL_ROWS)]
+        )
+        found = self.task.metrics(y, outputs)
+        if not isinstance(found, dict) or not found:
+            raise InputError(f"--task {self.options.task}: metrics(labels, outputs) must return a dict of numbers")
+        self.headline = next(iter(found))
+        return {"loss": round(float(np.mean(loss_fn(y, outputs))), 6)} | {
+            str(name): round(float(value), 6) for name, value in found.items()
+        }
 
 
 class _TextTask:
@@ -449,8 +540,10 @@ class Skipped:
 def prepare_task(options: TrainOptions, batches: Batches):
     """(task, skipped rows): the task of --model, its label set (given, or read from the batches with a
     warning), and every real row it cannot use, checked before any training step."""
-    task: _TextTask | NumericTask
-    if options.model not in TEXT_MODELS:
+    task: _TextTask | NumericTask | UserTask
+    if options.user_task:
+        task = UserTask(options, batches.schema)
+    elif options.model not in TEXT_MODELS:
         task = NumericTask(options, batches.schema)
         if options.task != "multiclass":  # nothing to check: every row is usable
             return task, Skipped()

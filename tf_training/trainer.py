@@ -137,9 +137,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
     resumed, training = _resume_point(output, options)
     user_level = batches.report["sampler"] == "users"
-    # None: a non-private training (a --calibration plan is trained with, whatever --mechanism says).
-    private = options.mechanism != "none" or options.calibration is not None
-    privacy = calibrate(batches, options) if private else None
+    privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
     if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
         if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
             raise InputError(

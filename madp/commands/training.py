@@ -47,9 +47,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     numeric.add_argument(
         "--task",
-        choices=("binary", "multiclass", "regression"),
         default="binary",
-        help="binary (one logit; accuracy), multiclass (--classes outputs; accuracy), regression (mse, mae)",
+        help="binary (one logit; accuracy), multiclass (--classes outputs; accuracy), regression (mse, mae), or "
+        "module:function: function(features) returns a task of your own (its features, encode, metrics)",
     )
     numeric.add_argument("--classes", type=int, help="--task multiclass: labels are 0..N-1")
     numeric.add_argument(
