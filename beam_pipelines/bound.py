@@ -120,7 +120,7 @@ class BoundPipeline(beam.PTransform):
         _ = (
             bound.shards
             | "GroupShards" >> beam.GroupByKey()
-            | "WriteShards" >> beam.Map(_write_shard, self.output, self.options.output_shards)
+            | "WriteShards" >> beam.Map(_write_shard, self.output, beam.pvalue.AsSingleton(bound.shard_count))
         )
         _ = (
             (read_rejects, bound.rejects)
@@ -253,6 +253,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
             {
                 "certified_dropped_records": summary.get("certified_dropped_records", 0),
                 "built_incidences": summary.get("built_incidences", 0),
+                "max_user_partition_bytes": summary.get("max_user_partition_bytes", 0),
                 "iterations": _iterations(summary, ours.rounds_per_pipeline),
                 "finished_locally_incidences": summary.get("finished_locally_incidences"),
                 "beam_counters": counters,
@@ -261,10 +262,11 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         if control.next == DONE:
             break
         resume_from = storage.join(run_dir, "state")
-    for shard in range(options.output_shards):
-        if storage.kind(shard_path(output, shard, options.output_shards)) == "missing":  # no record at all
+    shards = options.shards(summary.get("input_records", 0))  # as the pipeline counted them
+    for shard in range(shards):
+        if storage.kind(shard_path(output, shard, shards)) == "missing":  # no record at all
             write_selection_shard(
-                shard_path(output, shard, options.output_shards),
+                shard_path(output, shard, shards),
                 sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
             )
     report = base_report(
@@ -289,7 +291,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         partitions=ours.partitions,
         histograms=histograms(summary),
         pipeline_runs=runs,
-        selection_files=selection_manifest(output, options.output_shards),
+        selection_files=selection_manifest(output, shards),
         wall_time_s=round(time.perf_counter() - started, 3),
     )
     storage.clear_directory(work)

@@ -272,7 +272,9 @@ def _build_user_partition(element, default: int, errors_dir: str | None):
             yield beam.pvalue.TaggedOutput("counts", ("eligible", int(state.owned().sum())))
             yield beam.pvalue.TaggedOutput("counts", ("active", len(state.side.inc_record)))
             yield stat("built_incidences", len(state.side.inc_record))
-            yield part, state.packed()
+            packed = state.packed()
+            yield stat("max_user_partition_bytes", len(packed))  # the largest element of the rounds' state
+            yield part, packed
 
 
 @beam.typehints.with_input_types(Chunk)

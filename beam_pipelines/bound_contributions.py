@@ -2,7 +2,8 @@
 
 `BoundContributions` takes (file index, RecordChunk) elements, as `record_chunks.ReadRecords` or
 `RecordsFromRows` make them (after the rules over the whole input: one id type, ...), and gives a
-`BoundSelection`: (output shard, table of id and copies) elements, the rejected duplicated ids, the
+`BoundSelection`: (output shard, table of id and copies) elements and the number of shards (one
+element), the rejected duplicated ids, the
 counts, and the final `bounding.Control` (one element: rounds, passes, whether it converged). All
 state travels through the graph as elements (`bound_build`, `bound_rounds`); a step writes no file
 but the continuation below.
@@ -40,6 +41,7 @@ RECORDS, SELECTED = "records", "selected"
 
 class BoundSelection(typing.NamedTuple):
     shards: beam.PCollection  # (output shard, table of id and copies), every shard at least once; none until done
+    shard_count: beam.PCollection  # one int: the output shards (`BoundOptions.shards` of the valid input records)
     rejects: beam.PCollection  # Rejects of duplicated ids
     stats: beam.PCollection  # (name, count): summed over elements, "max_" ones maxed
     control: beam.PCollection  # one bounding.Control: the algorithm's rounds and what is left
@@ -51,10 +53,10 @@ class _FinishRecords(beam.DoFn):
     shards of the output, its counts, and (when the algorithm is not done) the selection so far for
     the next pipeline run."""
 
-    def __init__(self, shards: int, state_dir: str | None, passes_at_start: int):
-        self.shards, self.state_dir, self.passes_at_start = shards, state_dir, passes_at_start
+    def __init__(self, state_dir: str | None, passes_at_start: int):
+        self.state_dir, self.passes_at_start = state_dir, passes_at_start
 
-    def process(self, element, control: Control):
+    def process(self, element, control: Control, shards: int):
         part, values = element
         grouped = by_kind(values)
         (records,) = grouped[RECORDS]
@@ -74,7 +76,7 @@ class _FinishRecords(beam.DoFn):
         if control.next == DONE:  # else the next pipeline run writes the selection
             selected = copies > 0
             # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
-            yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], self.shards).items()
+            yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], shards).items()
 
 
 @beam.typehints.with_input_types(Chunk)
@@ -147,15 +149,23 @@ class BoundContributions(beam.PTransform):
             selected | f"TagSelected{index}" >> beam.MapTuple(lambda part, s: (part, (SELECTED, s)))
             for index, selected in enumerate([*selections, finished])
         )
+        options = self.options
+        shard_count = (
+            build_stats
+            | "InputRecords" >> beam.FlatMapTuple(lambda name, count: [count] if name == "input_records" else [])
+            | "CountInputRecords" >> beam.CombineGlobally(sum)
+            | "ShardCount" >> beam.Map(options.shards)
+        )
         joined = (
             tagged
             | "MeetSelections" >> beam.Flatten()
             | "JoinSelections" >> beam.GroupByKey()
             | "FinishRecords"
             >> beam.ParDo(
-                _FinishRecords(self.options.output_shards, self.state_dir, self.control.passes),
+                _FinishRecords(self.state_dir, self.control.passes),
                 beam.pvalue.AsSingleton(control),
+                beam.pvalue.AsSingleton(shard_count),
             ).with_outputs("stats", main="shards")
         )
         stats.append(joined.stats)
-        return BoundSelection(joined.shards, rejects, tuple(stats) | "AllStats" >> beam.Flatten(), control)
+        return BoundSelection(joined.shards, shard_count, rejects, tuple(stats) | "AllStats" >> beam.Flatten(), control)

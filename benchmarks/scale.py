@@ -62,6 +62,7 @@ def child(job: str, runner: str, args: list[str], workers_of: int | None = None)
         "wall_s": round(time.perf_counter() - started, 2),
         "driver_peak_mb": round(peaks.get(process.pid, 0) / 1024),
         "largest_worker_peak_mb": round(max(workers, default=0) / 1024),
+        "median_worker_peak_mb": round(sorted(workers)[len(workers) // 2] / 1024) if workers else 0,
     }
 
 
@@ -172,7 +173,11 @@ def main() -> None:
                         "the DaskRunner must select what local does"
                     )
                     row["dask_runs"] = [
-                        {"finished_locally_incidences": run["finished_locally_incidences"]}
+                        {
+                            "finished_locally_incidences": run["finished_locally_incidences"],
+                            "max_user_partition_bytes": run.get("max_user_partition_bytes"),
+                            "certified_dropped_records": run.get("certified_dropped_records"),
+                        }
                         for run in dask_report["pipeline_runs"]
                     ]
             if args.only in (None, "batch"):

@@ -238,3 +238,17 @@ def test_a_hot_user_sends_its_partition_a_few_incidences_per_record_partition(tm
     assert run["built_incidences"] <= incidences - (1200 - hot_kept_at_most)
     assert local["histograms"]["records_per_user_input"]["1200"] == 1
     assert verify_bound(input_path, str(tmp_path / "beam"), k)["ok"]
+
+
+def test_the_selection_is_written_in_more_files_as_the_input_grows(tmp_path, sharded_input, monkeypatch):
+    """Without --output-shards, one selection file per RECORDS_PER_SHARD valid input records, the same
+    files on both engines (Beam counts the records in the pipeline): no one worker writes it all."""
+    from madp.core import selection
+
+    monkeypatch.setattr(selection, "RECORDS_PER_SHARD", 1000)
+    local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), ["--partitions=4"])
+    assert local["input_records"] == 3000 and len(selection_files(str(tmp_path / "local"))) == 3
+    assert [f["name"] for f in beam["selection_files"]] == [
+        f"part-0000{i}-of-00003.parquet" for i in range(3)
+    ]
+    assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]

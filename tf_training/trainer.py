@@ -21,10 +21,10 @@ from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR
-from madp.training import load_tensorflow
-from madp.training.api import (
+from madp.training import (  # the public API: the trainer's own parts are its tasks, evaluation and outputs
     PrivateTrainingStep,
     calibrate,
+    load_tensorflow,
     make_non_private,
     make_private,
     open_batches,

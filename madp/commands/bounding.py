@@ -51,7 +51,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         default="error",
         help="invalid rows stop the run (default) or are skipped into OUTPUT/rejected/",
     )
-    bound.add_argument("--output-shards", type=int, default=1, help="Parquet files in OUTPUT/selected/")
+    bound.add_argument(
+        "--output-shards",
+        type=int,
+        help="Parquet files in OUTPUT/selected/ (default: one per 1,000,000 valid input records)",
+    )
     bound.add_argument(
         "--runner",
         default="DirectRunner",

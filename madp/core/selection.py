@@ -28,6 +28,10 @@ REPORT_FILE = "report.json"
 _ERROR_EXAMPLES = 10
 
 
+# Valid input records per selection file when --output-shards is not given (a file of at most ~16 MB).
+RECORDS_PER_SHARD = 1_000_000
+
+
 @dataclasses.dataclass(frozen=True)
 class BoundOptions:
     max_contributions: int
@@ -38,7 +42,7 @@ class BoundOptions:
     columns: Columns = Columns()
     on_invalid: str = "error"
     capacities: str | None = None
-    output_shards: int = 1
+    output_shards: int | None = None  # None: one per RECORDS_PER_SHARD valid input records (`shards`)
     arity_threshold: int | None = None  # --order alternate: u, and the run lengths c1 and c2
     small_run: int | None = None
     large_run: int | None = None
@@ -60,8 +64,15 @@ class BoundOptions:
             raise InputError("--max-rounds must be at least 1")
         if self.on_invalid not in ("error", "skip"):
             raise InputError("--on-invalid must be 'error' or 'skip'")
-        if self.output_shards < 1:
+        if self.output_shards is not None and self.output_shards < 1:
             raise InputError("--output-shards must be at least 1")
+
+    def shards(self, input_records: int) -> int:
+        """The selection's Parquet files: --output-shards, else one per RECORDS_PER_SHARD valid input
+        records, so that no one worker writes (or holds) a large input's whole selection."""
+        if self.output_shards is not None:
+            return self.output_shards
+        return max(1, -(-input_records // RECORDS_PER_SHARD))
 
     @property
     def alternate(self) -> tuple[int, int, int]:

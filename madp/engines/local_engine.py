@@ -122,9 +122,10 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     result = bound_records(chunk, options, capacities)
     handle_rejects(rejects, options.on_invalid, output)
     selected = result.copies > 0
-    tables = selection_shards(chunk.ids.filter(selected), result.copies[selected], options.output_shards)
+    shards = options.shards(len(chunk))
+    tables = selection_shards(chunk.ids.filter(selected), result.copies[selected], shards)
     for shard, table in tables.items():
-        write_selection_shard(shard_path(output, shard, options.output_shards), table)
+        write_selection_shard(shard_path(output, shard, shards), table)
     graph = graph_digest(chunk.ids, chunk.offsets, chunk.users)  # the graph bounded: what `madp batch` checks
     report = base_report(
         options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed, graph
@@ -143,7 +144,7 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
                 **record_distribution_stats(chunk.arity, result.copies),
             }
         ),
-        selection_files=selection_manifest(output, options.output_shards),
+        selection_files=selection_manifest(output, shards),
         wall_time_s=round(time.perf_counter() - started, 3),
     )
     write_report(output, report)
