@@ -104,9 +104,9 @@ def _saved_selection(state_dir: str, part: int, keys: np.ndarray) -> tuple[np.nd
 
 @beam.typehints.with_output_types(tuple[int, Any])
 class _BuildRecordPartition(beam.DoFn):
-    """Merge a record partition's chunks, reject duplicated ids, attach the saved selection; drop the
-    records the saturation certificate rejects (`certify`: no duplicates); send each incidence of the
-    others to its user partition."""
+    """Merge a record partition's chunks, reject duplicated ids, attach the saved selection; without
+    duplicates, drop the records the saturation certificate rejects on this partition's records; send
+    each incidence of the others to its user partition."""
 
     def __init__(
         self,
@@ -249,11 +249,9 @@ def _input_degrees(batches: list[Incidences]) -> tuple[np.ndarray, int]:
     counts = np.concatenate([np.ones(len(b.users), np.int64) for b in batches] + [b.dropped_counts for b in batches])
     encoded = pc.dictionary_encode(users)
     codes = encoded.indices.to_numpy().astype(np.int64)
-    sent = sum(len(b.users) for b in batches)
-    kept = len(np.unique(codes[:sent]))
-    return np.bincount(codes, weights=counts, minlength=len(encoded.dictionary)).astype(np.int64), len(
-        encoded.dictionary
-    ) - kept
+    users_sent = len(np.unique(codes[: sum(len(b.users) for b in batches)]))
+    degree = np.bincount(codes, weights=counts, minlength=len(encoded.dictionary)).astype(np.int64)
+    return degree, len(degree) - users_sent
 
 
 def _build_user_partition(element, default: int, errors_dir: str | None):
