@@ -248,7 +248,5 @@ def test_the_selection_is_written_in_more_files_as_the_input_grows(tmp_path, sha
     monkeypatch.setattr(selection, "RECORDS_PER_SHARD", 1000)
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), ["--partitions=4"])
     assert local["input_records"] == 3000 and len(selection_files(str(tmp_path / "local"))) == 3
-    assert [f["name"] for f in beam["selection_files"]] == [
-        f"part-0000{i}-of-00003.parquet" for i in range(3)
-    ]
+    assert [f["name"] for f in beam["selection_files"]] == [f"part-0000{i}-of-00003.parquet" for i in range(3)]
     assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]
