@@ -91,3 +91,18 @@ def test_the_page_renders_in_headless_chromium(run_dir, tmp_path):
     pixels = image.imread(str(screenshot))
     ink = (pixels[..., :3].mean(axis=2) < 0.9).mean()
     assert pixels.shape[:2] == (3400, 1200) and ink > 0.03  # drawn plots, not a blank or error page
+
+
+def test_a_run_planned_by_recommend_k_shows_the_curve_that_chose_k(run_dir, tmp_path, capsys):
+    planned = tmp_path / "planned"
+    shutil.copytree(os.path.join(run_dir, "bound"), planned / "bound")
+    data = os.path.join(run_dir, "records")
+    config = str(tmp_path / "job.yaml")
+    argv = ["-q", "recommend-k", data, "--epsilon", "4", "--delta", "1e-5", "--steps", "20", "--batch-size", "40"]
+    assert main([*argv, "--k", "1,2,4", "--write-config", config, "--run-dir", str(planned)]) == 0
+    chosen = json.loads(capsys.readouterr().out)["recommended_k"]
+    assert json.load(open(planned / "recommend-k.json"))["recommended_k"] == chosen
+    assert main(["-q", "report", str(planned)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["figures"][0] == "Choosing k" and "recommend-k.json" not in result["missing"]
+    assert f"k = {chosen} has the smallest excess-risk proxy" in open(planned / "report.html").read()

@@ -306,7 +306,15 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     import os
     import sys
 
-    from madp.tools.recommend import Sweep, job_config, recommend, table, train_section, write_config
+    from madp.tools.recommend import (
+        Sweep,
+        job_config,
+        recommend,
+        table,
+        train_section,
+        write_config,
+        write_sweep,
+    )
 
     try:
         ks = tuple(int(k) for k in args.k.split(",") if k.strip())
@@ -345,6 +353,7 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     assert train is not None
     write_config(path, job_config(result, sweep, data, run_dir, train), result)
     result["config"] = path
+    write_sweep(run_dir, result)  # `madp report` of the run plots it
     log.info("wrote %s: `madp run %s` runs the job of k = %d", path, args.write_config, result["recommended_k"])
     return result
 

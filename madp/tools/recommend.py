@@ -32,6 +32,7 @@ records per user) stays a reported column.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -45,7 +46,7 @@ from madp.accounting.calibrate import calibrate
 from madp.accounting.mechanisms import BandMf, DpSgd, Mechanism
 from madp.accounting.strategies import coefficients as strategy_coefficients
 from madp.accounting.truncation import REFUSED_SHARE, smallest_max_batch_size, truncation_delta
-from madp.core import record_reading, sampling
+from madp.core import record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError
@@ -559,6 +560,16 @@ def write_config(path: str, config: dict[str, Any], result: dict) -> None:
             handle.write(header + yaml.safe_dump(config, sort_keys=False))
     except OSError as error:
         raise InputError(f"--write-config {path}: cannot write it ({error.strerror})") from error
+
+
+SWEEP_FILE = "recommend-k.json"  # in the run directory of the config written: `madp report` plots it
+
+
+def write_sweep(run_dir: str, result: dict) -> None:
+    """The sweep beside the run it planned (`RUN_DIR/recommend-k.json`). A function of the graph and the
+    public parameters only (no content, no sampling), as the bound's report is: `madp report` shows
+    its curve on the published page."""
+    storage.write_text(storage.join(run_dir, SWEEP_FILE), json.dumps(result, indent=2, default=str) + "\n")
 
 
 # --- `madp run`: the same check for one k -----------------------------------------------------------

@@ -3,8 +3,9 @@
 Every number and plot comes from the run's JSON reports: bound/report.json (histograms of
 records per user and of users per record, before and after bounding), batches/report.json
 (batch sizes per step, gaps between a user's participations), calibration.json (sigma and the
-sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves) and audit/audit.json
-(the measured lower bound beside the claim). Sections whose report is missing are listed as such.
+sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves), audit/audit.json
+(the measured lower bound beside the claim) and recommend-k.json (the sweep that chose k, when
+`madp recommend-k --write-config` planned the run). Sections whose report is missing are listed as such.
 A published page holds only what the guarantee covers: the realized sampling of an amplified
 mechanism, the non-private baseline and a non-private audit appear on an `--internal` page only.
 """
@@ -30,6 +31,7 @@ SOURCES = {
     "privacy": "train/privacy.json",
     "baseline": "baseline/metrics.json",
     "audit": "audit/audit.json",
+    "recommend": "recommend-k.json",  # `madp recommend-k --write-config`: the sweep that chose k
 }
 
 
@@ -109,6 +111,9 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
     """(title, caption, base64 PNG) of every plot the reports allow (the realized sampling only if
     `shows_sampling` or `internal`)."""
     figures = []
+    sweep = (reports.get("recommend") or {}).get("sweep")
+    if sweep:
+        figures.append(_choosing_k(reports["recommend"], plt))
     bound = reports.get("bound")
     if bound and bound.get("histograms"):
         hist = bound["histograms"]
@@ -256,6 +261,42 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
     return figures
 
 
+def _choosing_k(result: dict, plt) -> tuple[str, str, str]:
+    """The recommend-k sweep: bias, variance and their sum (the excess-risk proxy) against k, the
+    infeasible k marked, the recommended k and the median heuristic's."""
+    rows = result["sweep"]
+    scored = [row for row in rows if row.get("excess_risk") is not None]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key, label in (("bias", "bias (1 - kept fraction)"), ("variance", "variance T (sigma/B)^2")):
+        axis.plot([r["k"] for r in scored], [r[key] for r in scored], marker="o", markersize=3, label=label)
+    axis.plot([r["k"] for r in scored], [r["excess_risk"] for r in scored], marker="o", color="black", label="sum")
+    infeasible = [r for r in scored if not r["feasible"]]
+    if infeasible:
+        axis.plot(
+            [r["k"] for r in infeasible],
+            [r["excess_risk"] for r in infeasible],
+            "x",
+            color="red",
+            markersize=10,
+            label="infeasible",
+        )
+    if result.get("recommended_k") is not None:
+        axis.axvline(result["recommended_k"], color="green", linestyle="--", label=f"k = {result['recommended_k']}")
+    axis.axvline(result["median_heuristic_k"], color="grey", linestyle=":", label="median heuristic")
+    axis.set(xscale="log", yscale="log", xlabel="contribution bound k", ylabel="excess-risk proxy")
+    axis.legend(fontsize=8)
+    unscored = [str(r["k"]) for r in rows if r.get("excess_risk") is None]
+    caption = (
+        f"The sweep of `madp recommend-k` that chose k ({SOURCES['recommend']}): {result['criterion']}. "
+        f"{result['reason']}."
+    )
+    if unscored:
+        caption += f" No proxy for k = {', '.join(unscored)} (infeasible before the accountant)."
+    png = _png(figure)
+    plt.close(figure)
+    return "Choosing k", caption, png
+
+
 def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
     rows = []
     if "bound" in reports:
@@ -334,7 +375,8 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     except (KeyError, TypeError, IndexError, ValueError) as error:  # a report of another version, or edited
         raise InputError(f"{run_dir}: a report lacks what madp writes ({type(error).__name__}: {error})") from error
     output = output or storage.join(run_dir, "report.html")
-    missing = [relative for name, relative in SOURCES.items() if name not in reports and name != "audit"]
+    optional = ("audit", "recommend")  # a run without an audit, or planned by hand, misses nothing
+    missing = [relative for name, relative in SOURCES.items() if name not in reports and name not in optional]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
         "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
