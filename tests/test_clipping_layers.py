@@ -135,9 +135,10 @@ def test_multi_head_attention(kernel_norms):
     check(functional(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(attended))), *data((5, 4)))
 
 
-def test_embedding_bag_in_a_functional_model_and_called_twice():
+@pytest.mark.parametrize("normalization", ["sqrt", "mean"])
+def test_embedding_bag_in_a_functional_model_and_called_twice(normalization):
     inputs = tf_keras.Input((6,), dtype=tf.int32)
-    bag = text.EmbeddingBag(9, 4)
+    bag = text.EmbeddingBag(9, 4, normalization)
     x, y = data((6,), vocabulary=9)
     check(functional(inputs, layers.Dense(3)(bag(inputs))), x, y)
     check(functional(inputs, layers.Dense(3)(tf.concat([bag(inputs), bag(inputs[:, :3])], axis=1))), x, y)
