@@ -79,9 +79,9 @@ class EmbeddingBag(tf_keras.layers.Layer):
     so the bag is E's rows against the row's L2-normalized presence vector, as a linear model on the
     same n-grams sees them; "mean" weighs them 1 / n (the layer of models saved before 2026-11-26).
 
-    Why sqrt: each embedding row's gradient is w_t times the layer's output gradient, so 1 / n makes
-    it about 100 times smaller than the output layer's for a text of 100 n-grams, and DP-SGD's noise,
-    the same on every coordinate, drowns it: on CPython's changelog (benchmarks/text_defaults.py,
+    Why sqrt: each embedding row's gradient is w_t times the layer's output gradient, so for a text of
+    n = 100 n-grams 1 / n makes it 10 times smaller than 1 / sqrt(n) does, and DP-SGD's noise, the
+    same on every coordinate, drowns it: on CPython's changelog (benchmarks/text_defaults.py,
     k = 4, 1000 steps of 256, epsilon 8) the private classifier predicted the majority class only
     (49.7%, against 75.3% for a linear model); with 1 / sqrt(n), 56.9%, and 75.4% non-privately."""
 
