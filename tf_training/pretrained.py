@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from madp.core.errors import InputError
-from madp.training import load_tensorflow
+from madp.training import load_tensorflow, text
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -306,8 +306,8 @@ def token_sequences(tokenizer: BpeTokenizer, texts, max_length: int) -> tuple[np
     no earlier position)."""
     n = len(texts)
     targets = np.full((n, max_length), -1, dtype=np.int32)
-    for row, text in enumerate(texts):
-        decoded = bytes(text).decode("utf-8", errors="replace") if not isinstance(text, str) else text
+    for row, value in enumerate(texts):
+        decoded = bytes(value).decode("utf-8", errors="replace") if not isinstance(value, str) else value
         ids = tokenizer.encode(decoded, limit=max_length)
         targets[row, : len(ids)] = ids
     inputs = np.concatenate(
@@ -514,13 +514,7 @@ def token_metrics(total_nats: float, total_tokens: int) -> dict:
 
 def mean_token_loss(model, inputs: np.ndarray, targets: np.ndarray, rows_at_once: int = 8) -> dict:
     """`token_metrics` of a model on (inputs, targets), a few rows at a time (logits are [rows, T, V])."""
-    nats, count = 0.0, 0
-    for start in range(0, len(inputs), rows_at_once):
-        y = targets[start : start + rows_at_once]
-        per_row = np.asarray(next_token_loss(y, model(inputs[start : start + rows_at_once], training=False)))
-        lengths = (y >= 0).sum(axis=1)
-        nats, count = nats + float(np.dot(per_row, lengths)), count + int(lengths.sum())
-    return token_metrics(nats, count)
+    return token_metrics(*text.summed_sequence_loss(model, next_token_loss, inputs, targets, rows_at_once))
 
 
 def greedy_continuation(model, tokenizer: BpeTokenizer, prompt: str, new_tokens: int) -> str:

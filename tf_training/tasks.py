@@ -432,13 +432,7 @@ class ByteLmTask(_TextTask):
 
     def evaluate(self, model, loss_fn, data) -> dict:
         x, y = data
-        nats, count = 0.0, 0
-        for i in range(0, len(x), _EVAL_ROWS):
-            targets = y[i : i + _EVAL_ROWS]
-            per_text = np.asarray(loss_fn(targets, model(x[i : i + _EVAL_ROWS], training=False)))
-            lengths = (targets >= 0).sum(axis=1)
-            nats, count = nats + float(np.dot(per_text, lengths)), count + int(lengths.sum())
-        return text.byte_metrics(nats, count)
+        return text.byte_metrics(*text.summed_sequence_loss(model, loss_fn, x, y, _EVAL_ROWS))
 
 
 class CausalLmTask(_TextTask):

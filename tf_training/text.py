@@ -202,6 +202,19 @@ def classification_metrics(labels: np.ndarray, predicted: np.ndarray, names: lis
     }
 
 
+def summed_sequence_loss(model, loss_fn, inputs: np.ndarray, targets: np.ndarray, rows_at_once: int) -> tuple:
+    """(total loss in nats, tokens) of a sequence model over held-out texts, a few rows at a time
+    (its outputs are [rows, length, vocabulary]): `loss_fn` gives each text's mean over its tokens
+    (targets -1 past its end), which weighs by its length."""
+    nats, count = 0.0, 0
+    for start in range(0, len(inputs), rows_at_once):
+        rows = targets[start : start + rows_at_once]
+        per_text = np.asarray(loss_fn(rows, model(inputs[start : start + rows_at_once], training=False)))
+        lengths = (rows >= 0).sum(axis=1)
+        nats, count = nats + float(np.dot(per_text, lengths)), count + int(lengths.sum())
+    return nats, count
+
+
 def byte_metrics(total_nats: float, total_bytes: int) -> dict:
     """Mean next-byte loss in nats, in bits per byte (nats / ln 2), and perplexity exp(nats)."""
     nats = total_nats / max(total_bytes, 1)
