@@ -1,8 +1,9 @@
 """The pretrained causal LM (`--model causal-lm --pretrained PATH.gguf`): the GGUF reader, the byte-level
 BPE tokenizer, the tf_keras Llama model against an independent numpy forward pass of a tiny random
 model written as a GGUF file the way llama.cpp's converter writes one, training it without and with
-DP-SGD, and bad inputs. With SmolLM2-135M in the cache (`make pretrained`), also the real model's loss
-on English text and a greedy continuation."""
+DP-SGD and BandMF, LoRA adapters, and bad inputs. With SmolLM2-135M in the cache (`make pretrained`),
+also the real model's logits against the numpy forward pass, its loss on English text and a greedy
+continuation."""
 
 from __future__ import annotations
 
@@ -170,8 +171,9 @@ def reference_logits(path: str, ids: np.ndarray) -> np.ndarray:
     def field(key: str):
         return reader.fields[key].contents()
 
-    tensors = {
-        t.name: np.asarray(t.data, np.float64).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors
+    tensors = {  # a quantized tensor's data are its blocks' bytes: dequantized by gguf's own code
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(t.shape.tolist()[::-1])
+        for t in reader.tensors
     }
     heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
     width, eps = field("llama.embedding_length"), field("llama.attention.layer_norm_rms_epsilon")
@@ -335,7 +337,56 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
     trained = pretrained.llama_model(pretrained.read_pretrained(tiny).config, 16)
     trained.set_weights(saved.get_weights())
     np.testing.assert_allclose(np.asarray(saved(ids)), np.asarray(trained(ids)), atol=1e-5)
-    assert json.load(open(out / "metrics.json"))["model"] == "causal-lm"
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics["model"] == "causal-lm" and metrics["lora_rank"] == 0
+    assert metrics["pretrained_eval"]["tokens"] == final["tokens"] and metrics["pretrained_eval"] != final
+
+
+# --- LoRA adapters ------------------------------------------------------------------------------
+
+
+def test_lora_starts_as_the_pretrained_model_and_its_adapters_are_ghost_clipped(tiny):
+    from madp.training.clipping import ghost_norms, per_example_gradients, unsupported_layers
+
+    loaded = pretrained.read_pretrained(tiny)
+    full, lora = pretrained.pretrained_model(loaded, 12), pretrained.pretrained_model(loaded, 12, lora_rank=2)
+    ids = np.random.default_rng(0).integers(0, 300, (4, 12)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(full(ids)), np.asarray(lora(ids)))  # B = 0: x W + x A 0
+    names = sorted(v.name.split("/", 1)[1] for v in lora.trainable_variables)
+    # two blocks, adapters on the query and value projections only
+    assert names == ["lora_a/kernel:0"] * 4 + ["lora_b/kernel:0"] * 4
+    assert {v.name.split("/")[0] for v in lora.trainable_variables} == {"blk_0_attn_q", "blk_0_attn_v",
+                                                                         "blk_1_attn_q", "blk_1_attn_v"}  # fmt: skip
+    assert unsupported_layers(lora) == [] and unsupported_layers(full) != []  # full: RMSNorm, tied embedding
+    rng = np.random.default_rng(1)
+    for variable in lora.trainable_variables:  # B != 0, so A's gradients are not zero
+        variable.assign(rng.normal(0, 0.1, variable.shape).astype(np.float32))
+    targets = np.concatenate([ids[:, 1:], np.full((4, 1), -1, np.int32)], axis=1)
+    weight = np.array([1, 1, 0.5, 0], np.float32)
+    ghost = np.asarray(ghost_norms(lora, pretrained.next_token_loss, ids, targets, weight))
+    each = per_example_gradients(lora, pretrained.next_token_loss, ids, targets, weight)
+    reference = np.sqrt(sum((np.asarray(g).reshape(4, -1) ** 2).sum(axis=1) for g in each))
+    assert reference[0] > 0.1 and reference[3] == 0
+    np.testing.assert_allclose(ghost, reference, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_trains_the_adapters_only_and_saves_them(text_batches, tiny):
+    directory, batches, evaluation = text_batches
+    options = TrainOptions(model="causal-lm", pretrained=tiny, lora_rank=2, max_length=16, eval_data=evaluation,
+                           eval_every=4, noise_multiplier=0.5, noise_seed=1)  # fmt: skip
+    out = directory / "trained-lora"
+    result = train(batches, str(out), options)
+    assert result["lora_rank"] == 2 and result["learning_rate"] == 1e-3  # LoRA's default rate
+    saved = tf_keras.models.load_model(str(out / "model.keras"), compile=False)
+    start = pretrained.pretrained_model(pretrained.read_pretrained(tiny), 16, lora_rank=2)
+    for before, after in zip(start.weights, saved.weights, strict=True):
+        changed = not np.array_equal(np.asarray(before), np.asarray(after))
+        assert changed == ("lora" in before.name), before.name  # the pretrained weights stay as they were
+    ids = np.arange(3, 19, dtype=np.int32)[None]
+    start.set_weights(saved.get_weights())
+    np.testing.assert_allclose(np.asarray(saved(ids)), np.asarray(start(ids)), atol=1e-6)
+    with pytest.raises(InputError, match="--lora-rank must be at least 0, and above 0 only with --model causal-lm"):
+        TrainOptions(model="text-lm", mechanism="none", lora_rank=4)
 
 
 def test_the_task_evaluates_the_pretrained_model_before_training(text_batches, tiny):
@@ -415,3 +466,14 @@ def test_smollm2_tokenizes_english_and_predicts_it(smollm2):
     # measured 2.5 nats/token; Q/K rows left in llama.cpp's order gave 4.4, a random model ln(49152) = 10.8
     assert metrics["loss"] < 3.5, metrics
     assert pretrained.greedy_continuation(model, tokenizer, "The capital of France is", 3).strip().startswith("Paris")
+
+
+def test_smollm2_logits_match_an_independent_numpy_forward_pass(smollm2):
+    loaded, model = smollm2
+    ids = np.array([loaded.tokenizer.bos, *loaded.tokenizer.encode("The capital of France is Paris, and")], np.int32)
+    logits = np.asarray(model(ids[None]))[0]
+    reference = reference_logits(SMOLLM2, ids)
+    assert np.abs(reference).max() > 10  # 30 blocks of real weights, not a near-zero output
+    # float32 against float64 through 30 blocks: measured max difference 7e-5 (logits up to 31)
+    np.testing.assert_allclose(logits, reference, atol=5e-4, rtol=0)
+    assert (logits.argmax(axis=1) == reference.argmax(axis=1)).all()

@@ -16,11 +16,13 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
 # (SGD at 0.5: 2.4 points below it). The language model's are those its README figures were
 # measured with (examples/text-lm.yaml).
 # The pretrained causal LM's rate is a common one for fine-tuning with Adam (not tuned here): the
-# from-scratch rates would move it far from its pretrained weights in a few steps.
+# from-scratch rates would move it far from its pretrained weights in a few steps. Its LoRA adapters
+# (--lora-rank) start at zero and take a higher one, as LoRA fine-tuning usually does.
 OPTIMIZER_DEFAULTS = {"text-classifier": "adam", "text-lm": "adam", "causal-lm": "adam"}
 LEARNING_RATE_DEFAULTS = {
     ("text-lm", "adam"): 0.003,
     ("causal-lm", "adam"): 1e-4,
+    ("causal-lm-lora", "adam"): 1e-3,
     ("*", "adam"): 0.01,
     ("*", "sgd"): 0.5,
 }
@@ -74,6 +76,7 @@ class TrainOptions:
     checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
     resume: bool = False  # continue from the last checkpoint of OUTPUT
     pretrained: str | None = None  # causal-lm: the GGUF file of the pretrained model (weights and tokenizer)
+    lora_rank: int = 0  # causal-lm: train LoRA adapters of this rank only (0: every weight)
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
     @property
@@ -159,6 +162,10 @@ class TrainOptions:
                 (self.model == "causal-lm") == (self.pretrained is not None),
                 "--model causal-lm needs --pretrained PATH.gguf, and --pretrained needs --model causal-lm",
             ),
+            (
+                self.lora_rank >= 0 and (self.lora_rank == 0 or self.model == "causal-lm"),
+                "--lora-rank must be at least 0, and above 0 only with --model causal-lm",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -171,5 +178,6 @@ def training_defaults(options: TrainOptions) -> tuple[str, float]:
     optimizer = options.optimizer or OPTIMIZER_DEFAULTS.get(options.model, "sgd")
     rate = options.learning_rate
     if rate is None:
-        rate = LEARNING_RATE_DEFAULTS.get((options.model, optimizer), LEARNING_RATE_DEFAULTS[("*", optimizer)])
+        model = f"{options.model}-lora" if options.lora_rank else options.model
+        rate = LEARNING_RATE_DEFAULTS.get((model, optimizer), LEARNING_RATE_DEFAULTS[("*", optimizer)])
     return optimizer, rate

@@ -418,38 +418,74 @@ class TiedEmbedding(tf_keras.layers.Layer):
         return {**super().get_config(), "vocabulary": self.vocabulary, "width": self.width}
 
 
-def _dense(units: int, name: str, activation: str | None = None):
-    return tf_keras.layers.Dense(units, use_bias=False, activation=activation, name=name)  # Llama has no biases
+@tf_keras.saving.register_keras_serializable(package="madp")
+class LoraDense(tf_keras.layers.Layer):
+    """A pretrained projection x W, frozen, plus a trainable low-rank update (LoRA, Hu et al. 2021):
+    x W + (x A) B with A [n_in, rank] random and B [rank, n_out] zero, so the model starts as the
+    pretrained one and only A and B are trained, clipped and noised. A and B are Dense layers, so
+    ghost clipping's Dense formula gives their per-example gradient norms."""
+
+    def __init__(self, units: int, rank: int, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.rank = units, rank
+        self.base = tf_keras.layers.Dense(units, use_bias=False, trainable=False, name="base")
+        # A uniform in +-1/sqrt(n_in) (the usual LoRA initialization), B zero
+        spread = tf_keras.initializers.VarianceScaling(1 / 3, mode="fan_in", distribution="uniform")
+        self.adapter_in = tf_keras.layers.Dense(rank, use_bias=False, kernel_initializer=spread, name="lora_a")
+        self.adapter_out = tf_keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros", name="lora_b")
+
+    def call(self, x):
+        return self.base(x) + self.adapter_out(self.adapter_in(x))
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "units": self.units, "rank": self.rank}
 
 
-def llama_model(config: LlamaConfig, length: int | None = None):
+LORA_PROJECTIONS = ("attn_q", "attn_v")  # where --lora-rank puts adapters: the query and value projections
+
+
+def _dense(units: int, name: str, activation: str | None = None, trainable: bool = True):
+    # Llama has no biases
+    return tf_keras.layers.Dense(units, use_bias=False, activation=activation, name=name, trainable=trainable)
+
+
+def llama_model(config: LlamaConfig, length: int | None = None, lora_rank: int = 0):
     """A randomly initialized tf_keras model of the architecture: token ids [n, length] (int32) ->
-    next-token logits [n, length, vocabulary]. Layers are named after the GGUF tensors they hold."""
-    c = config
+    next-token logits [n, length, vocabulary]. Layers are named after the GGUF tensors they hold.
+    With `lora_rank`, the query and value projections are `LoraDense` and nothing else is trainable."""
+    c, frozen = config, {"trainable": not lora_rank}
+
+    def projection(units: int, block: int, kind: str, activation: str | None = None):
+        name = f"blk_{block}_{kind}"
+        if lora_rank and kind in LORA_PROJECTIONS:
+            return LoraDense(units, lora_rank, name=name)
+        return _dense(units, name, activation, **frozen)
+
     ids = tf_keras.Input(shape=(length,), dtype=tf.int32, name="token_ids")
     if c.tied_output:
-        embedding: Any = TiedEmbedding(c.vocabulary, c.width, name="token_embd")
+        embedding: Any = TiedEmbedding(c.vocabulary, c.width, name="token_embd", **frozen)
     else:
-        embedding = tf_keras.layers.Embedding(c.vocabulary, c.width, name="token_embd")
+        embedding = tf_keras.layers.Embedding(c.vocabulary, c.width, name="token_embd", **frozen)
     x = embedding(ids)
     for i in range(c.layers):
-        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_attn_norm")(x)
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_attn_norm", **frozen)(x)
         q, k, v = (
-            _dense(c.heads * c.head_dim, f"blk_{i}_attn_q")(h),
-            _dense(c.kv_heads * c.head_dim, f"blk_{i}_attn_k")(h),
-            _dense(c.kv_heads * c.head_dim, f"blk_{i}_attn_v")(h),
+            projection(c.heads * c.head_dim, i, "attn_q")(h),
+            projection(c.kv_heads * c.head_dim, i, "attn_k")(h),
+            projection(c.kv_heads * c.head_dim, i, "attn_v")(h),
         )
         attended = RotaryCausalAttention(c.heads, c.kv_heads, c.head_dim, c.rope_base, name=f"blk_{i}_attention")(
             [q, k, v]
         )
-        x = tf_keras.layers.Add(name=f"blk_{i}_attn_residual")([x, _dense(c.width, f"blk_{i}_attn_output")(attended)])
-        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_ffn_norm")(x)
+        out = projection(c.width, i, "attn_output")(attended)
+        x = tf_keras.layers.Add(name=f"blk_{i}_attn_residual")([x, out])
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_ffn_norm", **frozen)(x)
         gated = tf_keras.layers.Multiply(name=f"blk_{i}_ffn_swiglu")(
-            [_dense(c.hidden, f"blk_{i}_ffn_gate", activation="silu")(h), _dense(c.hidden, f"blk_{i}_ffn_up")(h)]
+            [projection(c.hidden, i, "ffn_gate", activation="silu")(h), projection(c.hidden, i, "ffn_up")(h)]
         )
-        x = tf_keras.layers.Add(name=f"blk_{i}_ffn_residual")([x, _dense(c.width, f"blk_{i}_ffn_down")(gated)])
-    x = RmsNorm(c.norm_epsilon, name="output_norm")(x)
-    logits = embedding(x, reverse=True) if c.tied_output else _dense(c.vocabulary, "output")(x)
+        x = tf_keras.layers.Add(name=f"blk_{i}_ffn_residual")([x, projection(c.width, i, "ffn_down")(gated)])
+    x = RmsNorm(c.norm_epsilon, name="output_norm", **frozen)(x)
+    logits = embedding(x, reverse=True) if c.tied_output else _dense(c.vocabulary, "output", **frozen)(x)
     return tf_keras.Model(ids, logits, name="llama")
 
 
@@ -482,6 +518,7 @@ def load_weights(model, pretrained: Pretrained) -> None:
     """Set `llama_model(pretrained.config)`'s weights to the file's (InputError on a shape mismatch)."""
     for name, values in gguf_weights(pretrained).items():
         layer = model.get_layer(name)
+        layer = layer.base if isinstance(layer, LoraDense) else layer  # the adapters keep their initialization
         expected = [tuple(w.shape) for w in layer.get_weights()]
         if expected != [v.shape for v in values]:
             raise InputError(
@@ -491,9 +528,9 @@ def load_weights(model, pretrained: Pretrained) -> None:
         layer.set_weights(values)
 
 
-def pretrained_model(pretrained: Pretrained, length: int | None = None):
-    """`llama_model` of the file's configuration with its weights."""
-    model = llama_model(pretrained.config, length)
+def pretrained_model(pretrained: Pretrained, length: int | None = None, lora_rank: int = 0):
+    """`llama_model` of the file's configuration with its weights (and LoRA adapters of `lora_rank`)."""
+    model = llama_model(pretrained.config, length, lora_rank)
     load_weights(model, pretrained)
     return model
 

@@ -455,7 +455,7 @@ class CausalLmTask(_TextTask):
         self.pretrained_eval: dict | None = None
 
     def build(self):
-        self.model = pretrained.pretrained_model(self.pretrained, self.options.max_length)
+        self.model = pretrained.pretrained_model(self.pretrained, self.options.max_length, self.options.lora_rank)
         return self.model, pretrained.next_token_loss
 
     def encode(self, rows: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

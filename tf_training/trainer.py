@@ -45,7 +45,14 @@ from madp.training.plan import (
     labels_read_from_data,
 )
 from madp.training.steps import NonPrivateStep, distribution_strategy, row_groups
-from madp.training.tasks import TextClassifierTask, build_model, default_optimizer, is_keras3, prepare_task
+from madp.training.tasks import (
+    CausalLmTask,
+    TextClassifierTask,
+    build_model,
+    default_optimizer,
+    is_keras3,
+    prepare_task,
+)
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -106,6 +113,15 @@ def _resume_point(output: str, options: TrainOptions) -> tuple[int, str | None]:
         raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
     saved = json.loads(storage.read_text(state))
     return int(saved["step"]), saved.get("training")
+
+
+def _pretrained_fields(task, options: TrainOptions) -> dict:
+    """A pretrained model's metrics fields: the adapters' rank and the pretrained model's evaluation
+    on --eval-data before the first step (published as the evaluations are: it is the public
+    model's, on the same held-out data)."""
+    if not isinstance(task, CausalLmTask):
+        return {}
+    return {"lora_rank": options.lora_rank, "pretrained_eval": task.pretrained_eval}
 
 
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
@@ -241,6 +257,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         **({"resumed_at": resumed} if resumed else {}),
         "seed": options.seed,
         **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
+        **_pretrained_fields(task, options),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),

@@ -78,6 +78,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="causal-lm: the pretrained model, a local GGUF file of a Llama-architecture model (weights and "
         "tokenizer; `make pretrained` fetches SmolLM2-135M-Instruct)",
     )
+    text.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="causal-lm: train only LoRA adapters of this rank on the query and value projections "
+        "(default 0: fine-tune every weight)",
+    )
     text.add_argument("--buckets", type=int, default=16384, help="text-classifier: hash buckets of the n-grams")
     text.add_argument("--width", type=int, help="embedding width (default 32 classifier, 64 language model)")
     text.add_argument("--layers", type=int, default=2, help="text-lm: Transformer blocks")
@@ -240,6 +247,7 @@ def train_options(args: argparse.Namespace):
         resume=args.resume,
         internal_scalars=args.internal_scalars,
         pretrained=args.pretrained,
+        lora_rank=args.lora_rank,
     )
 
 
