@@ -106,3 +106,17 @@ def test_a_run_planned_by_recommend_k_shows_the_curve_that_chose_k(run_dir, tmp_
     result = json.loads(capsys.readouterr().out)
     assert result["figures"][0] == "Choosing k" and "recommend-k.json" not in result["missing"]
     assert f"k = {chosen} has the smallest excess-risk proxy" in open(planned / "report.html").read()
+
+
+def test_a_pretrained_language_model_run_shows_its_starting_loss(tmp_path, capsys):
+    train = tmp_path / "lm" / "train"
+    train.mkdir(parents=True)
+    points = [{"step": s, "loss": 3.0 - s / 100, "perplexity": 2.7 ** (3.0 - s / 100), "tokens": 900} for s in (10, 20)]
+    metrics = {"model": "causal-lm", "eval": points, "final": points[-1], "lora_rank": 8,
+               "pretrained_eval": {"loss": 3.25, "perplexity": 25.8, "tokens": 900}}  # fmt: skip
+    (train / "metrics.json").write_text(json.dumps(metrics))
+    assert main(["-q", "report", str(tmp_path / "lm")]) == 0
+    assert json.loads(capsys.readouterr().out)["figures"] == ["Training"]
+    cells = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", open(tmp_path / "lm" / "report.html").read()))
+    assert cells["pretrained model eval loss, before training"] == "3.2500"
+    assert cells["private eval perplexity"] == f"{points[-1]['perplexity']:.4f}"

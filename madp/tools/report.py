@@ -216,11 +216,17 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
     curves = {name: reports[name]["eval"] for name in models if reports.get(name, {}).get("eval")}
     if curves:
         figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-        quality = next(m for m in ("accuracy", "bits_per_byte") if m in next(iter(curves.values()))[0])
+        quality = next(m for m in QUALITY_METRICS if m in next(iter(curves.values()))[0])
         for name, points in curves.items():
             steps = [p["step"] for p in points]
             axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
             axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
+        start = next(
+            (reports[name].get("pretrained_eval") for name in curves if reports[name].get("pretrained_eval")), None
+        )
+        if start:  # a pretrained model: what fine-tuning has to beat
+            for axis, metric in zip(axes, ("loss", quality)):
+                axis.axhline(start[metric], color="grey", linestyle="--", label="pretrained, before training")
         axes[0].set(xlabel="step", ylabel="eval loss")
         axes[1].set(xlabel="step", ylabel=f"eval {quality.replace('_', ' ')}")
         axes[1].legend()
@@ -338,6 +344,9 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
             rows += [("noise", plan.noise), ("private", "yes" if plan.private else "NO")]
     models = _models(reports, internal)
     finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
+    start = (reports.get("train") or {}).get("pretrained_eval")
+    if start:
+        rows.append(("pretrained model eval loss, before training", f"{start['loss']:.4f}"))
     for metric in QUALITY_METRICS:
         for name, label in (("train", "private"), ("baseline", "non-private (internal)")):
             if finals.get(name, {}).get(metric) is not None:
