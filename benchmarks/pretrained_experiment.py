@@ -17,7 +17,7 @@ trainings on one batch output would compose) and `madp train --model causal-lm -
 and once without privacy (`none`) on Poisson batches. Each training evaluates on the held-out texts
 after its last step; `pretrained_eval` (the model before any step) is the row every fine-tuning has
 to beat. The table (loss in nats per token; lower is better) is printed and written to
-OUT/experiment.json.
+OUT/experiment.json, and plotted in OUT/experiment.png (`--table-only` redoes both from the JSON).
 
     python benchmarks/pretrained_experiment.py CORPUS.jsonl OUT --pretrained PATH.gguf \
         [--epsilons 1,2,4,8] [--mechanisms dpsgd,bandmf,bandmf-amplified] [-k 4] [--steps 40] \
@@ -78,7 +78,13 @@ def main() -> None:
     parser.add_argument("--eval-records", type=int, default=128)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--extra", default="", help="more madp train flags, for every training")
+    parser.add_argument("--table-only", action="store_true", help="print and plot OUT/experiment.json, run nothing")
     args = parser.parse_args()
+    if args.table_only:
+        summary = json.load(open(os.path.join(args.output, "experiment.json")))
+        print(table(summary))
+        plot(summary, os.path.join(args.output, "experiment.png"))
+        return
 
     os.makedirs(args.output, exist_ok=True)
     records, test, _ = split(args.corpus, args.output)
@@ -126,6 +132,30 @@ def main() -> None:
     }
     json.dump(summary, open(os.path.join(args.output, "experiment.json"), "w"), indent=2)
     print(table(summary))
+    plot(summary, os.path.join(args.output, "experiment.png"))
+
+
+def plot(summary: dict, path: str) -> None:
+    """Held-out loss against epsilon, a line per mechanism, the pretrained and non-private losses as
+    horizontal lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for mechanism in dict.fromkeys(run["mechanism"] for run in summary["runs"] if run["epsilon"] is not None):
+        runs = sorted((r["epsilon"], r["loss"]) for r in summary["runs"] if r["mechanism"] == mechanism)
+        axis.plot(*zip(*runs), marker="o", label=mechanism)
+    axis.axhline(summary["pretrained_loss"], color="grey", linestyle="--", label="pretrained")
+    for run in summary["runs"]:
+        if run["mechanism"] == "none":
+            axis.axhline(run["loss"], color="black", linestyle=":", label="non-private")
+    axis.set(xscale="log", xlabel="epsilon", ylabel="held-out loss (nats per token)")
+    axis.set_title(f"{summary['pretrained']}, k = {summary['k']}, T = {summary['steps']}, B = {summary['batch_size']}")
+    axis.legend(fontsize=8)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
 
 
 def table(summary: dict) -> str:
