@@ -306,19 +306,22 @@ def text_batches(tmp_path_factory):
     )
     options = BatchOptions(seed=0, steps=4, batch_size=8, min_sep=2)  # BandMF with 2 bands
     batch_local(str(directory / "bounded"), data, str(directory / "minsep"), options)
+    batch_local(str(directory / "bounded"), data, str(directory / "minsep-amplified"), options)
     return directory, str(directory / "batches"), evaluation
 
 
-@pytest.mark.parametrize("mechanism", ["none", "dpsgd", "bandmf"])
+@pytest.mark.parametrize("mechanism", ["none", "dpsgd", "bandmf", "bandmf-minsep"])
 def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, mechanism):
     directory, batches, evaluation = text_batches
     private = {} if mechanism == "none" else {"noise_multiplier": 0.5, "noise_seed": 1}
     if mechanism == "bandmf":
         batches, private = str(directory / "minsep"), {**private, "bands": 2}
+    if mechanism == "bandmf-minsep":  # BandMF amplified by b-min-sep sampling, accounted by Monte Carlo
+        batches, private = str(directory / "minsep-amplified"), {"epsilon": 8.0, "bands": 2, "amplified": True}
     options = TrainOptions(
         model="causal-lm",
         pretrained=tiny,
-        mechanism=mechanism,
+        mechanism="bandmf" if mechanism == "bandmf-minsep" else mechanism,
         max_length=16,
         learning_rate=1e-3,
         eval_data=evaluation,
