@@ -453,22 +453,22 @@ def llama_model(config: LlamaConfig, length: int | None = None, lora_rank: int =
     """A randomly initialized tf_keras model of the architecture: token ids [n, length] (int32) ->
     next-token logits [n, length, vocabulary]. Layers are named after the GGUF tensors they hold.
     With `lora_rank`, the query and value projections are `LoraDense` and nothing else is trainable."""
-    c, frozen = config, {"trainable": not lora_rank}
+    c, trainable = config, not lora_rank  # with LoRA, only the adapters train
 
     def projection(units: int, block: int, kind: str, activation: str | None = None):
         name = f"blk_{block}_{kind}"
         if lora_rank and kind in LORA_PROJECTIONS:
             return LoraDense(units, lora_rank, name=name)
-        return _dense(units, name, activation, **frozen)
+        return _dense(units, name, activation, trainable=trainable)
 
     ids = tf_keras.Input(shape=(length,), dtype=tf.int32, name="token_ids")
     if c.tied_output:
-        embedding: Any = TiedEmbedding(c.vocabulary, c.width, name="token_embd", **frozen)
+        embedding: Any = TiedEmbedding(c.vocabulary, c.width, name="token_embd", trainable=trainable)
     else:
-        embedding = tf_keras.layers.Embedding(c.vocabulary, c.width, name="token_embd", **frozen)
+        embedding = tf_keras.layers.Embedding(c.vocabulary, c.width, name="token_embd", trainable=trainable)
     x = embedding(ids)
     for i in range(c.layers):
-        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_attn_norm", **frozen)(x)
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_attn_norm", trainable=trainable)(x)
         q, k, v = (
             projection(c.heads * c.head_dim, i, "attn_q")(h),
             projection(c.kv_heads * c.head_dim, i, "attn_k")(h),
@@ -479,13 +479,13 @@ def llama_model(config: LlamaConfig, length: int | None = None, lora_rank: int =
         )
         out = projection(c.width, i, "attn_output")(attended)
         x = tf_keras.layers.Add(name=f"blk_{i}_attn_residual")([x, out])
-        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_ffn_norm", **frozen)(x)
+        h = RmsNorm(c.norm_epsilon, name=f"blk_{i}_ffn_norm", trainable=trainable)(x)
         gated = tf_keras.layers.Multiply(name=f"blk_{i}_ffn_swiglu")(
             [projection(c.hidden, i, "ffn_gate", activation="silu")(h), projection(c.hidden, i, "ffn_up")(h)]
         )
         x = tf_keras.layers.Add(name=f"blk_{i}_ffn_residual")([x, projection(c.width, i, "ffn_down")(gated)])
-    x = RmsNorm(c.norm_epsilon, name="output_norm", **frozen)(x)
-    logits = embedding(x, reverse=True) if c.tied_output else _dense(c.vocabulary, "output", **frozen)(x)
+    x = RmsNorm(c.norm_epsilon, name="output_norm", trainable=trainable)(x)
+    logits = embedding(x, reverse=True) if c.tied_output else _dense(c.vocabulary, "output", trainable=trainable)(x)
     return tf_keras.Model(ids, logits, name="llama")
 
 
