@@ -19,9 +19,10 @@ PCollection is a list of partitions, one task each (dask.bag materializes the wh
 at each step given another collection, such as a side input: madp's bounding pipeline did not
 finish translating in two minutes). A ParDo's task (a bundle) returns (tag, value) pairs,
 finish_bundle's included, and a task per output keeps its tag's values; GroupByKey is a hash
-shuffle that keeps its input's partitions; a Flatten has its largest input's partitions; a side
-input is gathered once, as a dependency of the tasks that read it; every PCollection that nothing
-reads is computed, on the workers; and each bundle's Beam metrics come back with the run's result.
+shuffle that keeps its input's partitions (in two stages above 32 partitions); a Flatten has its
+largest input's partitions; a side input is gathered once, as a dependency of the tasks that read
+it; every PCollection that nothing reads is computed, on the workers; and each bundle's Beam
+metrics come back with the run's result.
 Values travel without their windows and timestamps: pipelines in the global window only (madp's
 are batch pipelines).
 """
@@ -64,6 +65,7 @@ from dask.tokenize import tokenize
 # The tag of a bundle's metric updates among its outputs: not a str, so no output tag of a ParDo.
 _METRICS = ("metrics",)
 _CREATE_PARTITION_SIZE = 128  # elements per partition of a Create when no Dask option says (Beam's default)
+_ONE_STAGE_SHUFFLE = 32  # partitions up to which a GroupByKey sends every piece directly (n^2 pieces)
 
 
 class _Outputs(dict):
@@ -161,19 +163,25 @@ def _concatenated(*parts: list) -> list:
     return [value for part in parts for value in part]
 
 
-def _by_key_hash(elements: list[tuple[Any, Any]], partitions: int) -> list[list[tuple[Any, Any]]]:
-    """A partition's (key, value) pairs split by their key's partition, the same in every process
-    (unlike `hash` of a str)."""
-    split: list[list[tuple[Any, Any]]] = [[] for _ in range(partitions)]
-    for element in elements:
-        split[int(tokenize(element[0]), 16) % partitions].append(element)
+def _destined(elements: list[tuple[Any, Any]], partitions: int) -> list[tuple[int, tuple[Any, Any]]]:
+    """A partition's (key, value) pairs, each with the output partition of its key: the same in every
+    process (unlike `hash` of a str)."""
+    return [(int(tokenize(element[0]), 16) % partitions, element) for element in elements]
+
+
+def _by_digit(pairs: list[tuple[int, Any]], base: int, unit: int) -> list[list[tuple[int, Any]]]:
+    """(destination, element) pairs split by one digit of their destination in base `base` (the
+    digit of `unit`, a power of the base)."""
+    split: list[list[tuple[int, Any]]] = [[] for _ in range(base)]
+    for pair in pairs:
+        split[pair[0] // unit % base].append(pair)
     return split
 
 
-def _grouped(*parts: list[tuple[Any, WindowedValue]]) -> list[tuple[Any, list]]:
-    """(key, value in its window) pairs, as Beam's GroupByKey gives them: (key, [value])."""
+def _grouped(*parts: list[tuple[int, tuple[Any, WindowedValue]]]) -> list[tuple[Any, list]]:
+    """(destination, (key, value in its window)) pairs, as Beam's GroupByKey gives them: (key, [value])."""
     groups: dict[Any, list] = {}
-    for key, windowed in _concatenated(*parts):
+    for _, (key, windowed) in _concatenated(*parts):
         groups.setdefault(key, []).append(windowed.value)
     return list(groups.items())
 
@@ -232,17 +240,36 @@ class _Graph(PipelineVisitor):
             self.partitions[pcoll] = outputs[tag]
 
     def _group_by_key(self, label: str, partitions: list[str]) -> list[str]:
-        """A shuffle by the hash of the key, to as many partitions as the input has."""
+        """A shuffle by the hash of the key, to as many partitions as the input has. Up to
+        `_ONE_STAGE_SHUFFLE` partitions, every input partition sends each output partition its piece
+        (n^2 pieces); above, in two stages, as dask's task shuffle does: with partitions numbered in
+        base k = ceil(sqrt(n)), the first stage gathers at each position the elements whose
+        destination has that position's last digit, from the k positions of its row, and the second
+        sends each its first digit, so each task holds about one partition and there are about 2 n k
+        pieces (4,160 instead of 25,600 at n = 160)."""
         count = len(partitions)
-        splits = [TaskRef(self._task(f"{label}.split", _by_key_hash, TaskRef(key), count)) for key in partitions]
-        return [
-            self._task(
-                label,
-                _grouped,
-                *(TaskRef(self._task(f"{label}.part", operator.getitem, split, index)) for split in splits),
-            )
-            for index in range(count)
-        ]
+        stages = 1 if count <= _ONE_STAGE_SHUFFLE else 2
+        base = count if stages == 1 else math.isqrt(count - 1) + 1
+        # position -> task of its (destination, (key, value)) pairs; after the last stage, position =
+        # destination for every pair it holds
+        current = {
+            position: self._task(f"{label}.destine", _destined, TaskRef(key), count)
+            for position, key in enumerate(partitions)
+        }
+        for stage in range(stages):
+            unit, last = base**stage, stage == stages - 1
+            pieces: dict[int, list[TaskRef]] = {}
+            for position, key in current.items():
+                split = TaskRef(self._task(f"{label}.split", _by_digit, TaskRef(key), base, unit))
+                for digit in range(base):
+                    target = position + (digit - position // unit % base) * unit  # the stage's digit set
+                    if last and target >= count:  # no destination there: an empty piece
+                        continue
+                    piece = self._task(f"{label}.piece", operator.getitem, split, digit)
+                    pieces.setdefault(target, []).append(TaskRef(piece))
+            gather = _grouped if last else _concatenated
+            current = {target: self._task(label, gather, *refs) for target, refs in pieces.items()}
+        return [current[position] for position in range(count)]
 
     def _flatten(self, label: str, inputs: list[list[str]]) -> list[str]:
         """Partition i of the output: partitions i, i + n, i + 2n... of the inputs' (n: the largest

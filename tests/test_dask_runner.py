@@ -146,3 +146,26 @@ class _RunnerWithoutMetrics(PipelineRunner):
 
 def test_a_runner_without_metrics_gives_no_counters(tmp_path):
     assert run(beam.Pipeline(runner=_RunnerWithoutMetrics()), "madp", str(tmp_path)) == {}
+
+
+def test_a_shuffle_of_many_partitions_groups_every_key_in_two_stages(dask_cluster):
+    options = [f"--runner={MADP_DASK_RUNNER}", f"--dask_client_address={dask_cluster.address}", "--dask_npartitions=50"]
+    pipeline = beam.Pipeline(options=PipelineOptions(options))
+    pairs = [(f"key {i % 37}", i) for i in range(600)]
+    grouped = (
+        pipeline | beam.Create(pairs) | beam.GroupByKey() | beam.MapTuple(lambda key, values: (key, sorted(values)))
+    )
+    expected = {key: sorted(v for k, v in pairs if k == key) for key, _ in pairs}
+    assert_that(grouped, equal_to(list(expected.items())))
+    finished(pipeline)
+
+
+@pytest.mark.parametrize(("partitions", "pieces"), [(20, 400), (160, 4160)])
+def test_the_shuffle_sends_n_squared_pieces_up_to_32_partitions_and_2_n_sqrt_n_above(partitions, pieces):
+    from madp.beam.dask_runner import _Graph
+
+    graph = _Graph(None, None)
+    inputs = [graph._data("input", []) for _ in range(partitions)]
+    outputs = graph._group_by_key("shuffle", inputs)
+    assert len(outputs) == partitions
+    assert sum(key.startswith("shuffle.piece") for key in graph.tasks) == pieces

@@ -104,16 +104,18 @@ def portable_options():
         yield options
 
 
-@pytest.fixture(params=["portable", "dask"])
+@pytest.fixture(params=["portable", "dask", "dask-40-partitions"])
 def runner_options(request):
     """The Beam options of each runner; a failed Dask run leaves a fresh cluster to the next test,
-    not one still busy with the abandoned run."""
+    not one still busy with the abandoned run. With 40 partitions, madp's DaskRunner shuffles in
+    two stages (above 32)."""
     if request.param == "portable":
         yield [*request.getfixturevalue("portable_options"), f"--partitions={PARTITIONS}", SPLIT]
         return
     cluster = request.getfixturevalue("dask_cluster")
+    partitions = "40" if request.param == "dask-40-partitions" else PARTITIONS
     # madp runs its own DaskRunner in place of Beam's, with --partitions tasks per Create
-    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={PARTITIONS}", SPLIT]
+    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={partitions}", SPLIT]
     if request.node.stash.get(_FAILED, False):
         cluster.replace()
 
