@@ -109,8 +109,11 @@ class EmbeddingBag(tf_keras.layers.Layer):
 
     def get_config(self) -> dict:
         # a model saved without the key (before 2026-11-26) loads with the mean it was trained with
-        return {**super().get_config(), "buckets": self.buckets, "dimension": self.dimension} | {
-            "normalization": self.normalization
+        return {
+            **super().get_config(),
+            "buckets": self.buckets,
+            "dimension": self.dimension,
+            "normalization": self.normalization,
         }
 
     @classmethod

@@ -221,9 +221,7 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
             steps = [p["step"] for p in points]
             axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
             axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
-        start = next(
-            (reports[name].get("pretrained_eval") for name in curves if reports[name].get("pretrained_eval")), None
-        )
+        start = _pretrained_eval(reports, models)
         if start:  # a pretrained model: what fine-tuning has to beat
             for axis, metric in zip(axes, ("loss", quality)):
                 axis.axhline(start[metric], color="grey", linestyle="--", label="pretrained, before training")
@@ -265,6 +263,12 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
         )
         plt.close(figure)
     return figures
+
+
+def _pretrained_eval(reports: Mapping[str, dict | None], models: tuple[str, ...]) -> dict | None:
+    """A pretrained model's evaluation before training (the same in every training of the run)."""
+    found = ((reports.get(name) or {}).get("pretrained_eval") for name in models)
+    return next((start for start in found if start), None)
 
 
 def _choosing_k(result: dict, plt) -> tuple[str, str, str]:
@@ -344,7 +348,7 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
             rows += [("noise", plan.noise), ("private", "yes" if plan.private else "NO")]
     models = _models(reports, internal)
     finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
-    start = (reports.get("train") or {}).get("pretrained_eval")
+    start = _pretrained_eval(reports, models)
     if start:
         rows.append(("pretrained model eval loss, before training", f"{start['loss']:.4f}"))
     for metric in QUALITY_METRICS:
