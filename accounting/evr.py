@@ -25,7 +25,7 @@ from madp.accounting.calibrate import calibrate
 from madp.accounting.calibrate import epsilon as epsilon_of
 from madp.accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
 from madp.accounting.mechanisms import BandMf, Mechanism
-from madp.accounting.monte_carlo import MinSepProcess
+from madp.accounting.monte_carlo import MinSepProcess, delta_reduction
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -33,7 +33,7 @@ log = logging.getLogger("madp.accounting")
 FAILURE_SHARE = 0.02  # q = 2% of the target delta; delta* = (delta - q) / (1 - q)
 # Candidates: the estimate times 1 + 1%, 2%, 4%, ..., 32%, tried from the lowest.
 RUNG_STEPS = tuple(0.01 * 2**j for j in range(6))
-# The estimate places the ladder: delta* / 2 on ESTIMATE_SAMPLES / delta* samples (at least
+# The estimate places the ladder: delta* / 2 on ESTIMATE_SAMPLES w / delta* samples (at least
 # ESTIMATE_MIN_SAMPLES), whose error moves sigma by about 1%.
 ESTIMATE_TARGET = 0.5
 ESTIMATE_SAMPLES = 8
@@ -219,6 +219,7 @@ def calibrate_minsep(
         seed,
         workers,
         remote,
+        delta_reduction(process, epsilon, "P").weight,
     )
 
 
@@ -262,9 +263,11 @@ def _release(
     seed: int,
     workers: int,
     remote: RemoteMap | None,
+    estimate_weight: float = 1.0,
 ) -> MinSepRelease:
     """Algorithm 5 over one parameter; `sigma_epsilon(value)` is the (sigma, epsilon) a candidate value
-    claims, `fallback_at(delta*)` the formally valid value, and the search starts at `low` times it."""
+    claims, `fallback_at(delta*)` the formally valid value, and the search starts at `low` times it.
+    `estimate_weight` is P's DeltaReduction weight where every candidate has the same epsilon, else 1."""
     mechanism_delta, failure = release_deltas(delta)
     fewest = samples_to_reject_on_zeros(mechanism_delta, rung_level(failure, 0))
     samples = samples or default_samples(delta)
@@ -273,7 +276,8 @@ def _release(
             f"{samples} samples cannot verify delta {delta:g}: even a mechanism with delta 0 needs "
             f"{fewest} (the default budget is {default_samples(delta)})"
         )
-    estimate_samples = max(math.ceil(ESTIMATE_SAMPLES / mechanism_delta), ESTIMATE_MIN_SAMPLES)
+    # Terms weighted by w (monte_carlo.DeltaReduction) need w times the samples for the same relative error.
+    estimate_samples = max(math.ceil(ESTIMATE_SAMPLES * estimate_weight / mechanism_delta), ESTIMATE_MIN_SAMPLES)
     fallback = fallback_at(mechanism_delta)
     with task_map(workers, remote) as mapper:
         released, estimate, ladder, outcomes, used = _estimate_verify_release(

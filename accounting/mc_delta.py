@@ -17,7 +17,14 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 
 from madp.accounting.betting import BETS, log_wealth, log_wealth_steps
-from madp.accounting.monte_carlo import DIRECTIONS, MinSepProcess, hockey_stick_terms, sample_log_ratios
+from madp.accounting.monte_carlo import (
+    DIRECTIONS,
+    DeltaReduction,
+    MinSepProcess,
+    delta_reduction,
+    reduced_terms,
+    sample_log_ratios,
+)
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -40,17 +47,49 @@ class ChunkTask:
     seed: int
     directions: tuple[str, ...] = DIRECTIONS
     bound: float | None = None
+    tail: int = 0  # how many of the most extreme log ratios to return per direction
+    reduce: bool = True  # False: plain terms on P's and Q's own samples (benchmarks compare the two)
 
 
-def chunk_statistics(task: ChunkTask) -> list[list[float]]:
-    """Per direction: [sum of hockey-stick terms, sum of their squares, *log wealth steps] (runs in workers)."""
-    ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions)
-    statistics = []
+def chunk_statistics(task: ChunkTask) -> tuple[list[list[float]], list[list[float]]]:
+    """Per direction: [sum of the reduced terms X, sum of their squares, *log wealth steps], and its `tail`
+    most extreme log ratios (runs in workers). X is the hockey-stick term over the direction's span, on P's
+    samples given >= 1 participation where that pays (`madp.accounting.monte_carlo.DeltaReduction`); the
+    tests bet against E[X] >= bound / weight."""
+    given_one = task.reduce and delta_reduction(task.process, task.epsilon, "P").at_least_one
+    ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, given_one)
+    statistics, tails = [], []
     for under, row in zip(task.directions, ratios):
-        terms = hockey_stick_terms(row, task.epsilon, under)
-        steps = [] if task.bound is None else log_wealth_steps(terms, task.bound).tolist()
+        reduction = delta_reduction(task.process, task.epsilon, under) if task.reduce else DeltaReduction(1.0, 1.0)
+        terms = reduced_terms(row, task.epsilon, under, reduction)
+        steps = [] if task.bound is None else log_wealth_steps(terms, task.bound / reduction.weight).tolist()
         statistics.append([float(terms.sum()), float(np.square(terms).sum()), *steps])
-    return statistics
+        # P's terms grow with L, Q's fall with it: the largest L under P, the smallest under Q
+        extreme = np.sort(row if under == "Q" else -row)[: task.tail]
+        tails.append((extreme if under == "Q" else -extreme).tolist())
+    return statistics, tails
+
+
+# A chunk drawn for an estimate keeps its TAIL most extreme log ratios per direction. They do not depend on
+# epsilon, so an estimate at another epsilon and the same sigma (`madp epsilon`'s search) computes that
+# chunk's sums from them without drawing it again, whenever every sample outside the tail has term 0 there.
+TAIL = 64
+
+
+def _tail_sums(tail: np.ndarray, size: int, epsilon: float, under: str, process: MinSepProcess) -> list[float] | None:
+    """A chunk's [sum of X, sum of X^2] at `epsilon` from its tail, or None when the tail does not hold every
+    sample whose term is nonzero there."""
+    if len(tail) < size and not (tail.min() <= epsilon if under == "P" else tail.max() >= -epsilon):
+        return None
+    terms = reduced_terms(tail, epsilon, under, delta_reduction(process, epsilon, under))
+    return [float(terms.sum()), float(np.square(terms).sum())]
+
+
+def drawn_directions(process: MinSepProcess, epsilon: float, bound: float, reduce: bool = True) -> tuple[str, ...]:
+    """The directions whose delta(epsilon) <= `bound` is not certified without samples (`DeltaReduction`)."""
+    if not reduce:
+        return DIRECTIONS
+    return tuple(u for u in DIRECTIONS if not delta_reduction(process, epsilon, u).certified(bound))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +98,8 @@ class ChunkMap:
 
     map: Callable
     wave: int
+    # (sigma, chunk seed, size, P given >= 1, direction) -> the chunk's TAIL most extreme log ratios
+    tails: dict = dataclasses.field(default_factory=dict)
 
 
 # Opens a `map(fn, tasks)` on a cluster for a whole run, e.g. madp.beam.monte_carlo.BeamTaskMap
@@ -94,22 +135,47 @@ def stream_chunks(
     mapper: ChunkMap,
     bound: float | None = None,
     directions: Callable[[], tuple[str, ...]] | None = None,
+    reduce: bool = True,
 ):
     """Yield (samples so far, statistics) chunk by chunk in seed order, mapping `mapper.wave` chunks at a time;
     `directions()` says which directions the next wave still needs. Chunk c of `tag` is the same whatever
-    the mapper, so where a caller stops does not depend on it."""
+    the mapper, so where a caller stops does not depend on it. Without a `bound` (estimates), chunks come
+    from the mapper's tails where they can (`TAIL`), else are drawn and their tails kept."""
     done = 0
     started = logged = time.perf_counter()
+    given_one = reduce and delta_reduction(process, epsilon, "P").at_least_one
     while done < samples:
         wanted = directions() if directions else DIRECTIONS
-        tasks = []
+        tasks, known = [], {}
         for first in range(done, min(samples, done + mapper.wave * CHUNK), CHUNK):
-            tasks.append(
-                ChunkTask(
-                    process, sigma, epsilon, min(CHUNK, samples - first), chunk_seed(tag, first // CHUNK), wanted, bound
-                )
+            task = ChunkTask(
+                process,
+                sigma,
+                epsilon,
+                min(CHUNK, samples - first),
+                chunk_seed(tag, first // CHUNK),
+                wanted,
+                bound,
+                0 if bound is not None else TAIL,
+                reduce,
             )
-        for task, statistics in zip(tasks, mapper.map(chunk_statistics, tasks)):
+            if bound is None:
+                tails = [mapper.tails.get((sigma, task.seed, task.size, given_one, under)) for under in wanted]
+                sums = [
+                    None if t is None else _tail_sums(t, task.size, epsilon, u, process) for t, u in zip(tails, wanted)
+                ]
+                if all(s is not None for s in sums):
+                    known[len(tasks)] = sums
+            tasks.append(task)
+        drawn = iter(mapper.map(chunk_statistics, [t for n, t in enumerate(tasks) if n not in known]))
+        for n, task in enumerate(tasks):
+            if n in known:
+                statistics = known[n]
+            else:
+                statistics, tails = next(drawn)
+                for under, tail in zip(task.directions, tails):
+                    if tail:
+                        mapper.tails[(sigma, task.seed, task.size, given_one, under)] = np.asarray(tail)
             done += task.size
             yield done, dict(zip(task.directions, statistics))
         if time.perf_counter() - logged > 30:
@@ -139,18 +205,22 @@ def estimate_passes(
     """Whether delta(epsilon) <= target by the estimate, stopping as soon as three standard errors (plus
     1 / samples, for when no term was seen yet) decide (if `early`); with the full-sample estimate when
     it did not stop. Only the ladder's place rests on this, never the guarantee."""
-    sums = {under: np.zeros(2) for under in DIRECTIONS}
-    for done, statistics in stream_chunks(process, sigma, epsilon, samples, tag, mapper):
+    drawn = drawn_directions(process, epsilon, 0.0)  # a direction with delta = 0 exactly needs no estimate
+    weights = {under: delta_reduction(process, epsilon, under).weight for under in drawn}
+    sums = {under: np.zeros(2) for under in drawn}
+    means = {under: 0.0 for under in DIRECTIONS}
+    for done, statistics in stream_chunks(process, sigma, epsilon, samples, tag, mapper, directions=lambda: drawn):
         for under, values in statistics.items():
             sums[under] += values[:2]
-        means = {under: total[0] / done for under, total in sums.items()}
+        means = {under: weights[under] * total[0] / done for under, total in sums.items()}
         errors = {
-            under: math.sqrt(max(total[1] / done - means[under] ** 2, 0.0) / done) for under, total in sums.items()
+            under: weights[under] * math.sqrt(max(total[1] / done - (total[0] / done) ** 2, 0.0) / done)
+            for under, total in sums.items()
         }
         if not early or done == samples:
             continue
-        above = any(means[u] - 3 * errors[u] > target for u in DIRECTIONS)
-        if above or all(means[u] + 3 * errors[u] + 1 / done < target for u in DIRECTIONS):
+        above = any(means[u] - 3 * errors[u] > target for u in drawn)
+        if above or all(means[u] + 3 * errors[u] + weights[u] / done < target for u in drawn):
             decided = not above
             log.info(
                 "estimate at sigma %.6g, epsilon %.6g: delta %s %.3g after %d samples",
@@ -175,13 +245,26 @@ def verify(
     mapper: ChunkMap,
     mechanism_delta: float,
     level: float,
+    reduce: bool = True,
 ) -> tuple[bool, int]:
     """(passed, samples drawn): whether betting tests in both directions reject delta(epsilon) >= delta*
     at `level` within `samples` samples. Gives up early (fails) once the evidence for delta > delta*
     reaches 1 / GIVE_UP_LEVEL, or when, past half the samples, the log wealth growing at its rate so far
-    would not reach the threshold in time; a direction that has rejected stops drawing."""
+    would not reach the threshold in time; a direction that has rejected stops drawing. With `reduce`, the
+    tests run on DeltaReduction's terms, and a direction it certifies (delta <= weight <= delta*) counts
+    as rejected before any sample."""
     wealth = {under: np.zeros(2 * len(BETS)) for under in DIRECTIONS}
-    rejected: set[str] = set()
+    rejected = set(DIRECTIONS) - set(drawn_directions(process, epsilon, mechanism_delta, reduce))
+    if rejected:
+        log.info(
+            "verification at sigma %.6g, epsilon %.6g: direction %s certified without samples (delta <= %.3g)",
+            sigma,
+            epsilon,
+            "".join(sorted(rejected)),
+            mechanism_delta,
+        )
+    if len(rejected) == len(DIRECTIONS):
+        return True, 0
     threshold = math.log(1 / level)
     done = 0
     for done, statistics in stream_chunks(
@@ -193,6 +276,7 @@ def verify(
         mapper,
         mechanism_delta,
         lambda: tuple(u for u in DIRECTIONS if u not in rejected),
+        reduce,
     ):
         for under, values in statistics.items():
             if under in rejected:

@@ -99,6 +99,14 @@ def failures_before_success(state, log_failure, cap):
     return int(min(math.log(1.0 - uniform(state)) / log_failure, float(cap)))
 
 
+@njit(inline="always", cache=True)
+def failures_before_success_below(state, log_failure, cap):
+    """The same geometric conditioned on being below `cap` (a success within `cap` trials), by inversion of
+    its truncated law: floor(log(1 - U (1 - (1 - p)^cap)) / log(1 - p)), U in [0, 1)."""
+    below = -math.expm1(cap * log_failure)  # Pr[success within cap trials]
+    return int(min(math.log1p(-uniform(state) * below) / log_failure, float(cap - 1)))
+
+
 @njit(cache=True)
 def _outside_rectangle(state, layer, value):
     """The rare ziggurat case: a tail draw (base layer) or the accept test of a wedge; NaN to start over."""

@@ -11,6 +11,7 @@ import pytest
 
 import madp.accounting.evr as evr
 import madp.accounting.mc_delta as mc_delta
+from madp.accounting.betting import samples_to_reject_on_zeros
 from madp.accounting.calibrate import calibrate, epsilon
 from madp.accounting.evr import RUNG_STEPS
 from madp.accounting.mechanisms import DpSgdUls
@@ -193,16 +194,38 @@ def test_non_negative_strategy_is_required_for_amplification():
         MinSepProcess(30, 2, 0.1, 1, (1.0, -0.2))
 
 
-def poisson_delta(sigma: float, target_epsilon: float) -> float:
+def poisson_delta(sigma: float, target_epsilon: float, sampling_prob: float = 0.1) -> float:
     """delta(epsilon) of POISSON (b = 1: Poisson-sampled DP-SGD) by the PLD accountant, independent of the kernels."""
     from dp_accounting import dp_event
     from dp_accounting.pld import pld_privacy_accountant
 
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     accountant.compose(
-        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(sigma)), 30)
+        dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(sampling_prob, dp_event.GaussianDpEvent(sigma)), 30)
     )
     return accountant.get_delta(target_epsilon)
+
+
+@pytest.mark.slow
+def test_verification_given_one_participation_is_valid_and_beats_any_plain_test():
+    """At p = 0.01 the user takes no part at all with probability pi_0 = 0.74: at epsilon 3 delta(Q || P) is 0
+    by construction and P's tests run on samples given >= 1 participation, weighted by 0.27. A sigma whose
+    PLD delta is 1.5 delta* still rarely passes (level 0.1); a private one passes with fewer samples than
+    any test on plain [0, 1] terms needs, even if they were all 0."""
+    process, bound, at = MinSepProcess(30, 1, 0.01, 1, (1.0,)), 5e-5, 3.0
+    assert mc_delta.drawn_directions(process, at, bound) == ("P",)
+    not_private, private = 0.54, 0.6
+    assert poisson_delta(not_private, at, 0.01) > 1.5 * bound and poisson_delta(private, at, 0.01) < bound / 4
+    with mc_delta.task_map(1) as mapper:
+        passed = [
+            mc_delta.verify(process, not_private, at, 400_000, (seed,), mapper, bound, 0.1)[0] for seed in range(40)
+        ]
+        private_runs = [
+            mc_delta.verify(process, private, at, 400_000, (seed,), mapper, bound, 1e-4) for seed in range(3)
+        ]
+    assert sum(passed) <= 4 + 3 * (40 * 0.1 * 0.9) ** 0.5, sum(passed)
+    plain_minimum = samples_to_reject_on_zeros(bound, 1e-4)
+    assert all(run[0] and run[1] < plain_minimum for run in private_runs), (private_runs, plain_minimum)
 
 
 @pytest.mark.slow
@@ -257,3 +280,26 @@ def test_estimate_is_near_the_exact_poisson_sigma_at_a_small_delta():
         value, _ = evr._estimate(estimate_passes, 20.0, 2.5, target, 2_000_000)
     exact = calibrate(DpSgdUls(0.1, 30), 1.0, target).noise_multiplier
     assert value == pytest.approx(exact, rel=0.03)
+
+
+def test_an_estimate_at_another_epsilon_and_the_same_sigma_draws_nothing_again():
+    """The log ratios do not depend on epsilon: chunks drawn for one estimate keep their most extreme ratios,
+    and an estimate at a larger epsilon (same sigma, same seeds) is computed from them, equal to drawing
+    again; a smaller epsilon that the tails do not cover draws again."""
+    process, sigma = MinSepProcess(60, 3, 0.05, 2, (0.9, 0.5)), 1.5
+    drawn = []
+
+    def counting_map(fn, tasks):
+        tasks = list(tasks)
+        drawn.extend(tasks)
+        return map(fn, tasks)
+
+    cached = mc_delta.ChunkMap(counting_map, 4)
+    first = mc_delta.estimate_passes(process, sigma, 1.0, 40_000, (7,), cached, 1.0, early=False)
+    assert len(drawn) == 5 and all(task.tail == mc_delta.TAIL for task in drawn)
+    again = mc_delta.estimate_passes(process, sigma, 2.5, 40_000, (7,), cached, 1.0, early=False)
+    assert len(drawn) == 5, "nothing drawn again"
+    fresh = mc_delta.estimate_passes(process, sigma, 2.5, 40_000, (7,), mc_delta.ChunkMap(map, 4), 1.0, early=False)
+    assert again == pytest.approx(fresh, rel=1e-12) and again[1] < first[1]
+    mc_delta.estimate_passes(process, sigma, 0.05, 40_000, (7,), cached, 1.0, early=False)
+    assert len(drawn) == 10, "a small epsilon needs more than the tails"

@@ -10,9 +10,16 @@ from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
 from madp.accounting.monte_carlo import (
+    FFT_FROM_BANDS,
+    DeltaReduction,
     MinSepProcess,
+    _draw_log_ratios,
+    _kernel,
+    delta_reduction,
     hockey_stick,
+    hockey_stick_terms,
     log_likelihood_ratio,
+    reduced_terms,
     sample_log_ratios,
     sampled_noise,
     sampled_participations,
@@ -182,3 +189,117 @@ def test_waiting_time_sampler_matches_a_step_by_step_simulation():
     difference_error = np.sqrt(per_sample.var() / samples + total.var() / samples)
     assert abs(per_sample.mean() - total.mean()) < 4 * difference_error
     assert counts.mean() == pytest.approx(records / total.sum(), abs=0.003)
+
+
+@pytest.mark.parametrize("steps, bands, k, sigma", [(300, 40, 1, 0.6), (257, 64, 2, 0.9), (90, 50, 1, 0.15)])
+def test_fft_dots_give_the_direct_kernels_ratios_on_the_same_draws(steps, bands, k, sigma):
+    """From FFT_FROM_BANDS bands the dots are computed by FFT: the same samples as the direct loop, to rounding
+    (the last case takes the log-space recursion on some samples)."""
+    process = MinSepProcess(steps, bands, 0.05, k, tuple(np.linspace(1.0, 0.2, bands)))
+    kernel, seed = _kernel(process, sigma), np.uint64(21)
+    by_fft = _draw_log_ratios(kernel, seed, 700, steps, True, True, True, fft=True)
+    direct = _draw_log_ratios(kernel, seed, 700, steps, True, True, True, fft=False)
+    np.testing.assert_allclose(by_fft, direct, rtol=1e-9, atol=1e-9)
+    default = by_fft if bands >= FFT_FROM_BANDS else direct
+    np.testing.assert_array_equal(sample_log_ratios(process, sigma, 700, 21, at_least_one=True), default)
+
+
+def test_participations_given_at_least_one():
+    """No participation happens with probability pi_0 = s^T exactly; drawn given >= 1, the first participation
+    step follows the geometric law truncated to the horizon, and what follows it is the unconditioned rule."""
+    process, samples = MinSepProcess(40, 3, 0.02, 2, (1.0,)), 200_000
+    s_to_the_t = binom.pmf(0, 2, 0.02) ** 40
+    _, plain_ids, _ = sampled_participations(process, samples, seed=5)
+    none = 1 - len(np.unique(plain_ids)) / samples
+    assert abs(none - s_to_the_t) < 4 * np.sqrt(s_to_the_t * (1 - s_to_the_t) / samples)
+
+    steps, ids, _ = sampled_participations(process, samples, seed=6, at_least_one=True)
+    assert np.array_equal(np.unique(ids), np.arange(samples))  # every sample participates
+    order = np.lexsort((steps, ids))
+    first = steps[order][np.r_[True, ids[order][1:] != ids[order][:-1]]]
+    s = binom.pmf(0, 2, 0.02)
+    law = s ** np.arange(40) * (1 - s) / (1 - s**40)
+    observed = np.bincount(first, minlength=40)
+    chi_square = ((observed - samples * law) ** 2 / (samples * law)).sum()
+    assert chi_square < 80  # 39 degrees of freedom: 80 is p ~ 1e-4
+    later = np.bincount(ids, minlength=samples) - 1  # participations after the first, per sample
+    _, reference_ids, _ = sampled_participations(MinSepProcess(40, 3, 0.02, 2, (1.0,)), samples, seed=7)
+    assert later.mean() < np.bincount(reference_ids, minlength=samples).mean()  # fewer steps left after it
+
+
+def quadrature_deltas(process: MinSepProcess, sigma: float, epsilon: float, points: int = 120) -> dict:
+    """delta(P || Q), delta(Q || P) and E_P1[(1 - e^(eps - L))_+] (P given >= 1 participation) by the midpoint
+    rule over a grid of outputs, with the participation vectors and their probabilities enumerated."""
+    steps, c = process.steps, np.asarray(process.coefficients)
+    strategy = sum(np.diag(np.full(steps - j, c[j]), -j) for j in range(len(c)))
+    vectors = []
+
+    def walk(step, x, probability, available_from):
+        if step == steps:
+            vectors.append((strategy @ np.asarray(x, float), probability))
+        elif step < available_from:
+            walk(step + 1, x + [0], probability, available_from)
+        else:
+            for count in range(process.max_contributions + 1):
+                chance = binom.pmf(count, process.max_contributions, process.sampling_prob)
+                walk(step + 1, x + [count], probability * chance, step + process.min_sep if count else available_from)
+
+    walk(0, [], 1.0, 0)
+    axis = np.linspace(-7 * sigma, 7 * sigma + c.sum() * process.max_contributions, points + 1)
+    centers, width = (axis[1:] + axis[:-1]) / 2, axis[1] - axis[0]
+    outputs = np.stack(np.meshgrid(*[centers] * steps, indexing="ij")).reshape(steps, -1)
+
+    def density(shift):
+        return np.exp(-np.sum((outputs - shift[:, None]) ** 2, axis=0) / (2 * sigma**2)) / (2 * np.pi * sigma**2) ** (
+            steps / 2
+        )
+
+    q = density(np.zeros(steps))
+    p = sum(probability * density(shift) for shift, probability in vectors)
+    none = vectors[0][1]  # the all-zero vector comes first
+    loss = log_likelihood_ratio(process, sigma, outputs)
+    g_p, g_q = np.clip(-np.expm1(epsilon - loss), 0, None), np.clip(-np.expm1(epsilon + loss), 0, None)
+    volume = width**steps
+    return {
+        "P": float((p * g_p).sum() * volume),
+        "Q": float((q * g_q).sum() * volume),
+        "P1": float(((p - none * q) * g_p).sum() * volume / (1 - none)),
+        "mass": float(p.sum() * volume),
+        "min_loss": float(loss.min()),
+        "none": none,
+    }
+
+
+@pytest.mark.parametrize("epsilon, sigma", [(0.15, 0.7), (0.6, 0.7), (2.5, 0.4)])
+def test_delta_reduction_against_quadrature_and_plain_monte_carlo(epsilon, sigma):
+    """DeltaReduction's bounds hold on the exact deltas (quadrature over every output, every participation
+    vector enumerated), and Monte Carlo on P given >= 1 participation, weighted, estimates them as plain
+    Monte Carlo on P does, with a smaller standard error for the same samples."""
+    process = MinSepProcess(3, 2, 0.1, 1, (1.0, 0.5))
+    exact = quadrature_deltas(process, sigma, epsilon)
+    assert exact["mass"] == pytest.approx(1.0, abs=1e-6)
+    assert exact["none"] == pytest.approx(0.9**3)
+    assert exact["min_loss"] >= np.log(exact["none"]) - 1e-12  # P >= pi_0 Q
+    p_bound, q_bound = delta_reduction(process, epsilon, "P"), delta_reduction(process, epsilon, "Q")
+    given_up = 1 - exact["none"] * np.exp(-epsilon)
+    weight = (1 - exact["none"]) / given_up  # the bound on P, which delta_reduction uses where given_up >= 0.9
+    assert exact["P"] <= weight * exact["P1"] <= exact["P"] / given_up
+    expected = (weight, 1.0, True) if given_up >= 0.9 else (1.0, 1.0, False)
+    assert p_bound.at_least_one == expected[2] and p_bound[:2] == pytest.approx(expected[:2], rel=1e-12)
+    assert exact["Q"] <= q_bound.weight
+    if epsilon >= -np.log(exact["none"]):  # 0.316: delta(Q || P) = 0 exactly, certified without samples
+        assert q_bound.weight == 0 and exact["Q"] == 0 and q_bound.certified(0.0)
+    else:
+        assert 0 < exact["Q"] < q_bound.weight < 1
+
+    samples = 400_000
+    plain = hockey_stick_terms(sample_log_ratios(process, sigma, samples, 3, ("P",))[0], epsilon, "P")
+    assert abs(plain.mean() - exact["P"]) < 4 * plain.std() / np.sqrt(samples) + 2e-4 * exact["P"]
+    given_one = sample_log_ratios(process, sigma, samples, 4, ("P", "Q"), at_least_one=True)
+    reduced = weight * reduced_terms(given_one[0], epsilon, "P", DeltaReduction(weight, 1.0, True))
+    assert abs(reduced.mean() - weight * exact["P1"]) < 4 * reduced.std() / np.sqrt(samples)
+    if p_bound.at_least_one:  # the weighted terms vary less than plain ones: about weight times the variance
+        assert reduced.var() < 0.5 * plain.var()
+    if q_bound.weight > 0:
+        q_terms = q_bound.weight * reduced_terms(given_one[1], epsilon, "Q", q_bound)
+        assert abs(q_terms.mean() - exact["Q"]) < 4 * q_terms.std() / np.sqrt(samples) + 2e-4 * exact["Q"]

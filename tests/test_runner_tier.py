@@ -132,3 +132,32 @@ def test_batch_writes_the_local_batches(runner_options, local_outputs, tmp_path,
     output = str(tmp_path / "batches")
     madp(["batch", bound, data, output, *BATCH, *runner_options], request, capsys)
     assert_same_files(output, batches, ".tfrecord")
+
+
+MONTE_CARLO = [
+    "--mechanism", "bandmf-minsep", "--steps", "40", "--sampling-prob", "0.05", "--min-sep", "3", "--bands", "2",
+    "-k", "2", "--epsilon", "2", "--delta", "1e-3", "--seed", "5",
+]  # fmt: skip
+
+
+@pytest.fixture(params=["portable", "dask"])
+def accounting_runner(request):
+    """`madp calibrate`'s Beam options for each runner (its Monte Carlo chunks are a pipeline per wave)."""
+    if request.param == "portable":
+        return ["--runner", "PortableRunner", *request.getfixturevalue("portable_options")]
+    return ["--runner", "DaskRunner", f"--dask_client_address={request.getfixturevalue('dask_cluster').address}"]
+
+
+def test_monte_carlo_calibration_releases_the_local_sigma(accounting_runner, request, capsys, tmp_path, monkeypatch):
+    """Every chunk is seeded by its place and read in seed order, so a calibration on a runner estimates,
+    verifies and releases what the local one does, sample for sample."""
+    monkeypatch.setenv("MADP_ATTEMPTS_LEDGER", str(tmp_path / "attempts.jsonl"))
+    assert main(["-q", "calibrate", *MONTE_CARLO]) == 0
+    local = json.loads(capsys.readouterr().out)
+    with deadline(RUN_SECONDS, f"madp calibrate on {request.node.callspec.id}"):
+        code = main(["-q", "calibrate", *MONTE_CARLO, *accounting_runner])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    remote = json.loads(capsys.readouterr().out)
+    assert local["verified"] and len(local["samples_used"]) >= 1
+    for key in ("noise_multiplier", "estimated_noise_multiplier", "ladder", "outcomes", "samples_used"):
+        assert remote[key] == local[key], key

@@ -1,0 +1,266 @@
+"""Monte Carlo accounting at the b-min-sep paper's production configuration (issue 30).
+
+T = 7200 steps, 256 bands and min-sep 256 (sqrt strategy), p = 1.216e-4 (expected batch 1793 of 14.7M
+records), k_u = 1, epsilon 10. Each part prints one JSON line (what was measured and how) after a
+readable line:
+
+    python benchmarks/production_monte_carlo.py kernel [--reference]   # us per sample, one core
+    python benchmarks/production_monte_carlo.py samples --sigma S --delta D [--workers N] [--plain]
+    python benchmarks/production_monte_carlo.py scaling --workers 1,2 [--chunks C] [--runner dask]
+    python benchmarks/production_monte_carlo.py calibrate --delta 1e-6 [--workers N]
+    python benchmarks/production_monte_carlo.py project --delta 1.3e-8 --ratio R --us-per-sample U
+
+`kernel` times ours (both directions sharing the noise, and P alone given >= 1 participation, the only
+direction the verification draws here) against jax_privacy 2.0.0 (`--reference`: its own environment,
+benchmarks/.jax-privacy-env, as benchmarks/accounting.py makes it) in the same run. `samples` runs one
+verification, at the first candidate's level, and reports the samples it drew with madp's variance
+reduction (monte_carlo.DeltaReduction) or, with `--plain`, on P's and Q's own samples. `scaling` times
+the same chunks over 1..N worker processes (`--runner dask`: as Beam pipelines on madp's DaskRunner over
+a local dask.distributed cluster of N workers, each call one pipeline, as `madp calibrate --runner` runs).
+`calibrate` runs `madp calibrate`'s estimate-verify-release. `project` states the CPU time of one
+verification at the paper's delta from a measured ratio of samples drawn to the all-zero minimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from madp.accounting.betting import samples_to_reject_on_zeros  # noqa: E402
+from madp.accounting.evr import release_deltas, rung_level  # noqa: E402
+from madp.accounting.mc_delta import CHUNK, ChunkTask, chunk_seed, chunk_statistics, task_map, verify  # noqa: E402
+from madp.accounting.monte_carlo import MinSepProcess, delta_reduction, sample_log_ratios  # noqa: E402
+from madp.accounting.strategies import sqrt_coefficients  # noqa: E402
+
+STEPS, BANDS, SAMPLING_PROB, EPSILON = 7200, 256, 1.216e-4, 10.0
+PRODUCTION = MinSepProcess(STEPS, BANDS, SAMPLING_PROB, 1, tuple(sqrt_coefficients(BANDS)))
+
+
+def report(line: str, **measured) -> None:
+    print(line)
+    print(json.dumps(measured), flush=True)
+
+
+def kernel(reference: bool, samples: int, sigma: float) -> None:
+    sample_log_ratios(PRODUCTION, sigma, 64, 0)  # compiled before timing
+    timings = {}
+    for name, directions, given_one in (("pair", ("P", "Q"), False), ("P given >= 1", ("P",), True)):
+        runs = []
+        for seed in range(3):
+            started = time.perf_counter()
+            sample_log_ratios(PRODUCTION, sigma, samples, seed + 1, directions, given_one)
+            runs.append((time.perf_counter() - started) / samples * 1e6)
+        timings[name] = min(runs)
+    line = (
+        f"T = {STEPS}, b = {BANDS}, p = {SAMPLING_PROB}, sigma {sigma}, one core, best of 3 runs of {samples}: "
+        f"ours {timings['pair']:.1f} us per P + Q pair, {timings['P given >= 1']:.1f} us per P sample"
+    )
+    measured = {"us_per_pair": timings["pair"], "us_per_p_sample": timings["P given >= 1"], "samples": samples}
+    if reference:
+        spec = importlib.util.spec_from_file_location(
+            "accounting_benchmark", os.path.join(ROOT, "benchmarks", "accounting.py")
+        )
+        accounting_benchmark = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(accounting_benchmark)  # its reference environment, made on first use
+        out = subprocess.run(
+            [
+                accounting_benchmark.reference_python(),
+                os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
+                str(STEPS),
+                str(BANDS),
+                str(SAMPLING_PROB),
+                str(max(samples // 8, 64)),
+                json.dumps(list(PRODUCTION.coefficients)),
+                str(sigma),
+                str(EPSILON),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        theirs = json.loads(out.stdout.strip().splitlines()[-1])["us_per_sample"]
+        per_direction = (theirs["P"] + theirs["Q"]) / timings["pair"]
+        line += (
+            f"; jax_privacy 2.0.0 {theirs['P']:.0f} (P) / {theirs['Q']:.0f} (Q) us per sample: "
+            f"{per_direction:.1f}x per direction when both are drawn, {theirs['P'] / timings['P given >= 1']:.1f}x "
+            f"per P sample (target 30x)"
+        )
+        measured.update(jax_privacy_us_p=theirs["P"], jax_privacy_us_q=theirs["Q"])
+    report(line, part="kernel", sigma=sigma, **measured)
+
+
+def samples_needed(sigma: float, delta: float, workers: int, plain: bool) -> None:
+    """One verification at (sigma, EPSILON) against delta* at the first candidate's level."""
+    mechanism_delta, failure = release_deltas(delta)
+    level = rung_level(failure, 0)
+    started = time.perf_counter()
+    with task_map(workers) as mapper:
+        passed, drawn = verify(
+            PRODUCTION,
+            sigma,
+            EPSILON,
+            40 * samples_to_reject_on_zeros(mechanism_delta, level),
+            (0, 1, 0),
+            mapper,
+            mechanism_delta,
+            level,
+            reduce=not plain,
+        )
+    wall = time.perf_counter() - started
+    zeros = samples_to_reject_on_zeros(mechanism_delta, level)
+    reductions = {under: delta_reduction(PRODUCTION, EPSILON, under) for under in ("P", "Q")}
+    # Q's plain terms are all 0 here (L >= log pi_0 > -epsilon): its plain test stops after the all-zero count
+    q_plain = -(-zeros // CHUNK) * CHUNK if plain else 0
+    report(
+        f"verification at sigma {sigma}, epsilon {EPSILON}, delta {delta:g} (delta* {mechanism_delta:.4g}, level "
+        f"{level:.3g}), {'plain' if plain else 'reduced'}: {'passed' if passed else 'FAILED'}, {drawn:,} samples "
+        f"drawn per drawn direction (all-zero terms would need {zeros:,}), {wall:.0f} s on {workers} workers",
+        part="samples",
+        plain=plain,
+        sigma=sigma,
+        delta=delta,
+        passed=passed,
+        samples_p=drawn,
+        samples_q=q_plain,
+        all_zero_minimum=zeros,
+        weights={under: r.weight for under, r in reductions.items()},
+        wall_s=wall,
+        workers=workers,
+    )
+
+
+@contextlib.contextmanager
+def dask_map(workers: int):
+    """A map over chunk tasks that runs each call as a Beam pipeline on madp's DaskRunner, over a local
+    dask.distributed cluster of `workers` single-threaded worker processes."""
+    from dask.distributed import LocalCluster
+
+    from madp.beam.monte_carlo import BeamTaskMap
+
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        with BeamTaskMap(["--runner", "DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]) as mapper:
+            yield mapper
+
+
+def scaling(worker_counts: list[int], chunks: int, sigma: float, runner: str) -> None:
+    tasks = [ChunkTask(PRODUCTION, sigma, EPSILON, CHUNK, chunk_seed((0, 9), n), ("P",), None) for n in range(chunks)]
+    chunk_statistics(ChunkTask(PRODUCTION, sigma, EPSILON, 8, 1, ("P",)))  # compiled (and cached) before timing
+    timings = {}
+    for workers in worker_counts:
+        if runner == "dask":
+            with dask_map(workers) as mapper:
+                mapper(chunk_statistics, tasks[:workers])  # workers up, kernels loaded: not timed
+                started = time.perf_counter()
+                mapper(chunk_statistics, tasks)
+                timings[workers] = time.perf_counter() - started
+        else:
+            started = time.perf_counter()
+            with task_map(workers) as mapper:
+                list(mapper.map(chunk_statistics, tasks))
+            timings[workers] = time.perf_counter() - started
+    for workers, wall in timings.items():
+        report(
+            f"{runner}: {workers} workers, {chunks} chunks of {CHUNK} P samples in {wall:.1f} s, speed-up "
+            f"{timings[worker_counts[0]] / wall:.2f}x over {worker_counts[0]}",
+            part="scaling",
+            runner=runner,
+            workers=workers,
+            chunks=chunks,
+            wall_s=wall,
+            cpus=os.cpu_count(),
+        )
+
+
+def calibration(delta: float, workers: int) -> None:
+    from madp.accounting.evr import calibrate_minsep
+
+    with tempfile.TemporaryDirectory() as ledger:
+        os.environ["MADP_ATTEMPTS_LEDGER"] = os.path.join(ledger, "attempts.jsonl")  # not the user's ledger
+        started = time.perf_counter()
+        result = calibrate_minsep(PRODUCTION, EPSILON, delta, workers=workers)
+        wall = time.perf_counter() - started
+    report(
+        f"calibration at epsilon {EPSILON}, delta {delta:g}: sigma {result.value:.4f} "
+        f"({'verified' if result.verified else 'FALLBACK'}; fallback {result.fallback:.3f}), samples drawn "
+        f"{list(result.samples_used)}, {wall:.0f} s on {workers} workers (target <= 1800 s)",
+        part="calibrate",
+        delta=delta,
+        sigma=result.value,
+        verified=result.verified,
+        fallback=result.fallback,
+        estimate_samples=result.estimate_samples,
+        samples_used=list(result.samples_used),
+        wall_s=wall,
+        workers=workers,
+    )
+
+
+def projection(delta: float, ratio: float, us_per_sample: float) -> None:
+    """CPU time of one verification at `delta`, from the ratio of samples drawn to the all-zero minimum
+    measured at a larger delta (assumed to hold: the terms' law relative to delta* stays the same) and the
+    measured cost per P sample; Q needs none (DeltaReduction certifies it at epsilon 10)."""
+    mechanism_delta, failure = release_deltas(delta)
+    level = rung_level(failure, 0)
+    weight = delta_reduction(PRODUCTION, EPSILON, "P").weight
+    reduced = samples_to_reject_on_zeros(mechanism_delta / weight, level)
+    plain = samples_to_reject_on_zeros(mechanism_delta, level)
+    samples = ratio * reduced
+    days = samples * us_per_sample * 1e-6 / 86_400
+    report(
+        f"verification at delta {delta:g} (delta* {mechanism_delta:.4g}, level {level:.3g}): all-zero minimum "
+        f"{reduced:,.0f} P samples reduced (plain: {plain:,.0f} per direction, P and Q), times the measured "
+        f"{ratio:.2f}: {samples:.3g} samples at {us_per_sample:.0f} us = {days:.2f} CPU-days",
+        part="projection",
+        delta=delta,
+        all_zero_reduced=reduced,
+        all_zero_plain=plain,
+        samples=samples,
+        cpu_days=days,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("kernel", "samples", "scaling", "calibrate", "project"))
+    parser.add_argument("--reference", action="store_true", help="kernel: time jax_privacy 2.0.0 in the same run")
+    parser.add_argument("--kernel-samples", type=int, default=512)
+    parser.add_argument("--sigma", type=float, default=0.5)
+    parser.add_argument("--delta", type=float, default=1e-6)
+    parser.add_argument("--workers", default="2", help="worker processes (scaling: a comma-separated list)")
+    parser.add_argument("--plain", action="store_true", help="samples: without variance reduction")
+    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--ratio", type=float, help="project: samples drawn over the all-zero minimum, measured")
+    parser.add_argument("--us-per-sample", type=float, help="project: measured us per P sample, one core")
+    parser.add_argument(
+        "--runner",
+        choices=("local", "dask"),
+        default="local",
+        help="scaling: local worker processes (pool start included) or Beam pipelines on a dask.distributed cluster",
+    )
+    args = parser.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
+    if args.part == "kernel":
+        kernel(args.reference, args.kernel_samples, args.sigma)
+    elif args.part == "samples":
+        samples_needed(args.sigma, args.delta, counts[0], args.plain)
+    elif args.part == "scaling":
+        scaling(counts, args.chunks, args.sigma, args.runner)
+    elif args.part == "project":
+        projection(args.delta, args.ratio, args.us_per_sample)
+    else:
+        calibration(args.delta, counts[0])
+
+
+if __name__ == "__main__":
+    main()
