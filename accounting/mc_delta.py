@@ -146,7 +146,8 @@ def stream_chunks(
     given_one = reduce and delta_reduction(process, epsilon, "P").at_least_one
     while done < samples:
         wanted = directions() if directions else DIRECTIONS
-        tasks, known = [], {}
+        tasks: list[ChunkTask] = []
+        known: dict[int, list] = {}
         for first in range(done, min(samples, done + mapper.wave * CHUNK), CHUNK):
             task = ChunkTask(
                 process,

@@ -64,7 +64,10 @@ def reference_python() -> str:
     return python
 
 
-def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon: float, *keep: str) -> dict:
+def reference_run(
+    steps: int, min_sep: int, samples: int, sigma: float, epsilon: float, *keep: str, sampling_prob: float = 0.01
+) -> dict:
+    """jax_privacy's timings and estimates (benchmarks/jax_privacy_monte_carlo.py) with b = min-sep sqrt bands."""
     coefficients = json.dumps(list(sqrt_coefficients(min_sep)))
     out = subprocess.run(
         [
@@ -72,7 +75,7 @@ def reference_run(steps: int, min_sep: int, samples: int, sigma: float, epsilon:
             os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
             str(steps),
             str(min_sep),
-            "0.01",
+            str(sampling_prob),
             str(samples),
             coefficients,
             str(sigma),

@@ -28,7 +28,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,24 +71,9 @@ def kernel(reference: bool, samples: int, sigma: float) -> None:
         )
         accounting_benchmark = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(accounting_benchmark)  # its reference environment, made on first use
-        out = subprocess.run(
-            [
-                accounting_benchmark.reference_python(),
-                os.path.join(ROOT, "benchmarks", "jax_privacy_monte_carlo.py"),
-                str(STEPS),
-                str(BANDS),
-                str(SAMPLING_PROB),
-                str(max(samples // 8, 64)),
-                json.dumps(list(PRODUCTION.coefficients)),
-                str(sigma),
-                str(EPSILON),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        )
-        theirs = json.loads(out.stdout.strip().splitlines()[-1])["us_per_sample"]
+        theirs = accounting_benchmark.reference_run(
+            STEPS, BANDS, max(samples // 8, 64), sigma, EPSILON, sampling_prob=SAMPLING_PROB
+        )["us_per_sample"]
         per_direction = (theirs["P"] + theirs["Q"]) / timings["pair"]
         line += (
             f"; jax_privacy 2.0.0 {theirs['P']:.0f} (P) / {theirs['Q']:.0f} (Q) us per sample: "
