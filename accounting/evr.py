@@ -25,7 +25,7 @@ from madp.accounting.calibrate import calibrate
 from madp.accounting.calibrate import epsilon as epsilon_of
 from madp.accounting.mc_delta import CHUNK, RemoteMap, estimate_passes, task_map, verify
 from madp.accounting.mechanisms import BandMf, Mechanism
-from madp.accounting.monte_carlo import MinSepProcess, delta_reduction
+from madp.accounting.monte_carlo import DIRECTIONS, DeltaReduction, MinSepProcess, delta_reduction
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp.accounting")
@@ -82,6 +82,7 @@ class MinSepRelease:
     failure_probability: float  # q: chance that some candidate which is not passes verification
     overall_delta: float  # delta* + q (1 - delta*): the delta of Algorithm 5's guarantee
     attempts: int  # runs of this same calibration in the attempts ledger, this one included
+    reductions: tuple[DeltaReduction, ...]  # P's and Q's at the released value's epsilon (monte_carlo.DeltaReduction)
 
     def report(self, sigma_fixed: bool) -> dict:
         """The release as every output states it (`madp calibrate`/`epsilon`, a training's privacy plan),
@@ -113,6 +114,15 @@ class MinSepRelease:
             "ladder": list(self.ladder),
             "outcomes": list(self.outcomes),
             "attempts": self.attempts,
+            "variance_reduction": {
+                under: {
+                    "weight": reduction.weight,
+                    "span": reduction.span,
+                    "given_at_least_one_participation": reduction.at_least_one,
+                    "certified_without_samples": reduction.certified(self.mechanism_delta),
+                }
+                for under, reduction in zip(DIRECTIONS, self.reductions)
+            },
         }
 
 
@@ -311,6 +321,7 @@ def _release(
         failure,
         mechanism_delta + failure * (1 - mechanism_delta),
         attempts,
+        tuple(delta_reduction(process, sigma_epsilon(released)[1], under) for under in DIRECTIONS),
     )
 
 

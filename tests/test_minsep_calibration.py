@@ -85,6 +85,12 @@ def test_cli(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["verified"] and result["noise_multiplier"] < result["fallback_noise_multiplier"]
     assert result["delta"] <= 0.02 and result["samples"] == evr.default_samples(0.02)
+    none = 0.95 ** (2 * 60)  # pi_0: no record in any of the 60 steps, 2 records a step at p = 0.05
+    reduction = result["variance_reduction"]
+    assert reduction["P"]["given_at_least_one_participation"]
+    assert reduction["P"]["weight"] == pytest.approx((1 - none) / (1 - none * math.exp(-2)))
+    assert reduction["Q"]["span"] == pytest.approx(1 - none * math.exp(2))
+    assert not reduction["Q"]["certified_without_samples"]
     assert (
         main(
             [
