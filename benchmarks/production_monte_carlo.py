@@ -9,6 +9,7 @@ readable line:
     python benchmarks/production_monte_carlo.py scaling --workers 1,2 [--chunks C] [--runner dask]
     python benchmarks/production_monte_carlo.py calibrate --delta 1e-6 [--workers N]
     python benchmarks/production_monte_carlo.py project --delta 1.3e-8 --ratio R --us-per-sample U
+    python benchmarks/production_monte_carlo.py epsilon-reuse --sigma 0.5 --delta 1e-4
 
 `kernel` times ours (both directions sharing the noise, and P alone given >= 1 participation, the only
 direction the verification draws here) against jax_privacy 2.0.0 (`--reference`: its own environment,
@@ -19,6 +20,7 @@ the same chunks over 1..N worker processes (`--runner dask`: as Beam pipelines o
 a local dask.distributed cluster of N workers, each call one pipeline, as `madp calibrate --runner` runs).
 `calibrate` runs `madp calibrate`'s estimate-verify-release. `project` states the CPU time of one
 verification at the paper's delta from a measured ratio of samples drawn to the all-zero minimum.
+`epsilon-reuse` runs `madp epsilon` with and without the estimates' reuse of chunk tails across epsilon.
 """
 
 from __future__ import annotations
@@ -190,6 +192,38 @@ def calibration(delta: float, workers: int) -> None:
     )
 
 
+def epsilon_reuse(sigma: float, delta: float) -> None:
+    """`madp epsilon` at a fixed sigma, one worker, with the estimates' chunk tails kept (mc_delta.TAIL) and
+    without: samples drawn by the estimate and by the verification, and the wall time."""
+    from madp.accounting import mc_delta
+    from madp.accounting.evr import epsilon_minsep
+
+    drawn_statistics = mc_delta.chunk_statistics
+    for tail in (mc_delta.TAIL, 0):
+        drawn = {"estimate": 0, "verification": 0}
+
+        def counted(task: ChunkTask, drawn: dict = drawn) -> tuple:
+            drawn["estimate" if task.bound is None else "verification"] += task.size
+            return drawn_statistics(task)
+
+        mc_delta.TAIL, mc_delta.chunk_statistics = tail, counted
+        with tempfile.TemporaryDirectory() as ledger:
+            os.environ["MADP_ATTEMPTS_LEDGER"] = os.path.join(ledger, "attempts.jsonl")
+            started = time.perf_counter()
+            result = epsilon_minsep(PRODUCTION, sigma, delta)
+            wall = time.perf_counter() - started
+        report(
+            f"madp epsilon at sigma {sigma}, delta {delta:g}, tails of {tail}: epsilon {result.value:.4f}, the "
+            f"estimate drew {drawn['estimate']:,} samples, the verification {drawn['verification']:,}; {wall:.0f} s",
+            part="epsilon-reuse",
+            tail=tail,
+            epsilon=result.value,
+            samples=drawn,
+            wall_s=wall,
+        )
+    mc_delta.chunk_statistics = drawn_statistics
+
+
 def projection(delta: float, ratio: float, us_per_sample: float) -> None:
     """CPU time of one verification at `delta`, from the ratio of samples drawn to the all-zero minimum
     measured at a larger delta (assumed to hold: the terms' law relative to delta* stays the same) and the
@@ -216,7 +250,7 @@ def projection(delta: float, ratio: float, us_per_sample: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("kernel", "samples", "scaling", "calibrate", "project"))
+    parser.add_argument("part", choices=("kernel", "samples", "scaling", "calibrate", "project", "epsilon-reuse"))
     parser.add_argument("--reference", action="store_true", help="kernel: time jax_privacy 2.0.0 in the same run")
     parser.add_argument("--kernel-samples", type=int, default=512)
     parser.add_argument("--sigma", type=float, default=0.5)
@@ -240,6 +274,8 @@ def main() -> None:
         samples_needed(args.sigma, args.delta, counts[0], args.plain)
     elif args.part == "scaling":
         scaling(counts, args.chunks, args.sigma, args.runner)
+    elif args.part == "epsilon-reuse":
+        epsilon_reuse(args.sigma, args.delta)
     elif args.part == "project":
         projection(args.delta, args.ratio, args.us_per_sample)
     else:
