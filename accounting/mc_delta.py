@@ -98,7 +98,7 @@ class ChunkMap:
 
     map: Callable
     wave: int
-    # (sigma, chunk seed, size, P given >= 1, direction) -> the chunk's TAIL most extreme log ratios
+    # (process, sigma, chunk seed, size, P given >= 1, direction) -> the chunk's TAIL most extreme log ratios
     tails: dict = dataclasses.field(default_factory=dict)
 
 
@@ -123,7 +123,9 @@ def task_map(workers: int, remote: RemoteMap | None = None):
 
 
 def chunk_seed(tag: tuple[int, ...], chunk: int) -> int:
-    return int(np.random.SeedSequence([*tag, chunk]).generate_state(1)[0])
+    """64 bits: a verification of ~1e4 chunks would repeat a 32-bit seed with probability ~1%, and a
+    repeated chunk is no longer an independent sample."""
+    return int(np.random.SeedSequence([*tag, chunk]).generate_state(1, np.uint64)[0])
 
 
 def stream_chunks(
@@ -139,8 +141,8 @@ def stream_chunks(
 ):
     """Yield (samples so far, statistics) chunk by chunk in seed order, mapping `mapper.wave` chunks at a time;
     `directions()` says which directions the next wave still needs. Chunk c of `tag` is the same whatever
-    the mapper, so where a caller stops does not depend on it. Without a `bound` (estimates), chunks come
-    from the mapper's tails where they can (`TAIL`), else are drawn and their tails kept."""
+    the mapper, so where a caller stops does not depend on it. Without a `bound` (estimates, with `reduce`),
+    chunks come from the mapper's tails where they can (`TAIL`), else are drawn and their tails kept."""
     done = 0
     started = logged = time.perf_counter()
     given_one = reduce and delta_reduction(process, epsilon, "P").at_least_one
@@ -157,11 +159,11 @@ def stream_chunks(
                 chunk_seed(tag, first // CHUNK),
                 wanted,
                 bound,
-                0 if bound is not None else TAIL,
+                TAIL if bound is None and reduce else 0,
                 reduce,
             )
-            if bound is None:
-                tails = [mapper.tails.get((sigma, task.seed, task.size, given_one, under)) for under in wanted]
+            if task.tail:
+                tails = [mapper.tails.get((process, sigma, task.seed, task.size, given_one, under)) for under in wanted]
                 sums = [
                     None if t is None else _tail_sums(t, task.size, epsilon, u, process) for t, u in zip(tails, wanted)
                 ]
@@ -176,7 +178,7 @@ def stream_chunks(
                 statistics, tails = next(drawn)
                 for under, tail in zip(task.directions, tails):
                     if tail:
-                        mapper.tails[(sigma, task.seed, task.size, given_one, under)] = np.asarray(tail)
+                        mapper.tails[(process, sigma, task.seed, task.size, given_one, under)] = np.asarray(tail)
             done += task.size
             yield done, dict(zip(task.directions, statistics))
         if time.perf_counter() - logged > 30:

@@ -309,3 +309,12 @@ def test_an_estimate_at_another_epsilon_and_the_same_sigma_draws_nothing_again()
     assert again == pytest.approx(fresh, rel=1e-12) and again[1] < first[1]
     mc_delta.estimate_passes(process, sigma, 0.05, 40_000, (7,), cached, 1.0, early=False)
     assert len(drawn) == 10, "a small epsilon needs more than the tails"
+
+
+def test_chunk_tails_serve_only_their_own_process():
+    """One map's tails are keyed by the process too: an estimate of another process draws its own chunks."""
+    shared = mc_delta.ChunkMap(map, 4)
+    first, second = MinSepProcess(60, 3, 0.05, 2, (0.9, 0.5)), MinSepProcess(60, 3, 0.2, 2, (0.9, 0.5))
+    mc_delta.estimate_passes(first, 1.5, 1.0, 20_000, (7,), shared, 1.0, early=False)
+    alone = mc_delta.estimate_passes(second, 1.5, 2.5, 20_000, (7,), mc_delta.ChunkMap(map, 4), 1.0, early=False)
+    assert mc_delta.estimate_passes(second, 1.5, 2.5, 20_000, (7,), shared, 1.0, early=False) == alone
