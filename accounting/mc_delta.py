@@ -65,7 +65,7 @@ def chunk_statistics(task: ChunkTask) -> tuple[list[list[float]], list[list[floa
         steps = [] if task.bound is None else log_wealth_steps(terms, task.bound / reduction.weight).tolist()
         statistics.append([float(terms.sum()), float(np.square(terms).sum()), *steps])
         # P's terms grow with L, Q's fall with it: the largest L under P, the smallest under Q
-        extreme = np.sort(row if under == "Q" else -row)[: task.tail]
+        extreme = np.sort(row if under == "Q" else -row)[: task.tail] if task.tail else row[:0]
         tails.append((extreme if under == "Q" else -extreme).tolist())
     return statistics, tails
 
