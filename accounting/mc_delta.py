@@ -56,11 +56,12 @@ def chunk_statistics(task: ChunkTask) -> tuple[list[list[float]], list[list[floa
     most extreme log ratios (runs in workers). X is the hockey-stick term over the direction's span, on P's
     samples given >= 1 participation where that pays (`madp.accounting.monte_carlo.DeltaReduction`); the
     tests bet against E[X] >= bound / weight."""
-    given_one = task.reduce and delta_reduction(task.process, task.epsilon, "P").at_least_one
+    reductions = _reductions(task.process, task.epsilon, task.reduce)
+    given_one = reductions["P"].at_least_one
     ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, given_one)
     statistics, tails = [], []
     for under, row in zip(task.directions, ratios):
-        reduction = delta_reduction(task.process, task.epsilon, under) if task.reduce else DeltaReduction(1.0, 1.0)
+        reduction = reductions[under]
         terms = reduced_terms(row, task.epsilon, under, reduction)
         steps = [] if task.bound is None else log_wealth_steps(terms, task.bound / reduction.weight).tolist()
         statistics.append([float(terms.sum()), float(np.square(terms).sum()), *steps])
@@ -76,12 +77,19 @@ def chunk_statistics(task: ChunkTask) -> tuple[list[list[float]], list[list[floa
 TAIL = 64
 
 
-def _tail_sums(tail: np.ndarray, size: int, epsilon: float, under: str, process: MinSepProcess) -> list[float] | None:
+def _reductions(process: MinSepProcess, epsilon: float, reduce: bool) -> dict[str, DeltaReduction]:
+    """Each direction's DeltaReduction at `epsilon`, or none (weight and span 1, P as it is) without `reduce`."""
+    return {u: delta_reduction(process, epsilon, u) if reduce else DeltaReduction(1.0, 1.0) for u in DIRECTIONS}
+
+
+def _tail_sums(
+    tail: np.ndarray, size: int, epsilon: float, under: str, reduction: DeltaReduction
+) -> list[float] | None:
     """A chunk's [sum of X, sum of X^2] at `epsilon` from its tail, or None when the tail does not hold every
     sample whose term is nonzero there."""
     if len(tail) < size and not (tail.min() <= epsilon if under == "P" else tail.max() >= -epsilon):
         return None
-    terms = reduced_terms(tail, epsilon, under, delta_reduction(process, epsilon, under))
+    terms = reduced_terms(tail, epsilon, under, reduction)
     return [float(terms.sum()), float(np.square(terms).sum())]
 
 
@@ -145,7 +153,8 @@ def stream_chunks(
     chunks come from the mapper's tails where they can (`TAIL`), else are drawn and their tails kept."""
     done = 0
     started = logged = time.perf_counter()
-    given_one = reduce and delta_reduction(process, epsilon, "P").at_least_one
+    reductions = _reductions(process, epsilon, reduce)
+    given_one = reductions["P"].at_least_one
     while done < samples:
         wanted = directions() if directions else DIRECTIONS
         tasks: list[ChunkTask] = []
@@ -165,7 +174,8 @@ def stream_chunks(
             if task.tail:
                 tails = [mapper.tails.get((process, sigma, task.seed, task.size, given_one, under)) for under in wanted]
                 sums = [
-                    None if t is None else _tail_sums(t, task.size, epsilon, u, process) for t, u in zip(tails, wanted)
+                    None if t is None else _tail_sums(t, task.size, epsilon, u, reductions[u])
+                    for t, u in zip(tails, wanted)
                 ]
                 if all(s is not None for s in sums):
                     known[len(tasks)] = sums
