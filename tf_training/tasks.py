@@ -196,6 +196,13 @@ class NumericTask:
         model, loss, self.optimizer = user_model(self.options.model, self.schema, self.options.model_path)
         return model, loss
 
+    def trained(self, output: str):
+        """(model, per-example loss) with the weights a finished `madp train` OUTPUT saved, in the
+        model's own Keras (tf_keras or Keras 3)."""
+        model, loss = self.build()
+        model.load_weights(storage.join(output, "model.keras"))
+        return model, loss
+
     def problems(self, rows: dict) -> np.ndarray:
         problems = np.full(len(rows["weight"]), "", dtype=object)
         if self.options.task == "multiclass":  # a label the outputs have no class for

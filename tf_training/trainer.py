@@ -48,7 +48,6 @@ from madp.training.steps import NonPrivateStep, distribution_strategy, row_group
 from madp.training.tasks import (
     CausalLmTask,
     TextClassifierTask,
-    build_model,
     default_optimizer,
     is_keras3,
     prepare_task,
@@ -74,13 +73,6 @@ def zero_out_ids(path: str) -> np.ndarray:
     if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
         return np.array([str(i).encode() for i in ids], dtype=object)
     return np.array(ids, dtype=np.int64)
-
-
-def load_trained(output: str, options: TrainOptions, input_dim: int):
-    """(model, per-example loss) of a finished `madp train` OUTPUT of a numeric model."""
-    model, loss_fn = build_model(options.model, input_dim)
-    model.set_weights(tf_keras.models.load_model(storage.join(output, "model.keras"), compile=False).get_weights())
-    return model, loss_fn
 
 
 # --- the run ------------------------------------------------------------------------------------

@@ -192,6 +192,12 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
     train = dict(config["train"])
+    inputs = train.get("inputs") or ()
+    if len(inputs if isinstance(inputs, list) else str(inputs).split(",")) > 1:
+        raise InputError(
+            f"the audit plants its canaries in one features vector; a model of several inputs "
+            f"(train: inputs: {train['inputs']}) cannot be audited"
+        )
     bound = config["bound"]
     columns = Columns(
         bound.get("id_column") or "id",
@@ -240,7 +246,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
 
     model_dir = path("baseline" if options.non_private else "train")
     args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
-    scores = canary_scores(_losses(model_dir, train_options(args), canaries), canaries)
+    scores = canary_scores(_losses(model_dir, args.batches, train_options(args), canaries), canaries)
     plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
     delta = float(plan.delta if plan else config["calibrate"].get("delta", 1e-5))
@@ -248,13 +254,15 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     return _write(directory, config_path, options, key, canaries, scores, result, plan)
 
 
-def _losses(model_dir: str, train_options, canaries: Canaries) -> np.ndarray:
-    from madp.training.trainer import load_trained
+def _losses(model_dir: str, batches_dir: str, train_options, canaries: Canaries) -> np.ndarray:
+    """Each canary record's loss under the trained model, built for the batches as it trained."""
+    from madp.training.batches import open_batches
+    from madp.training.tasks import NumericTask
 
-    column = canaries.table.column(train_options.features)
-    x = np.stack(column.to_numpy(zero_copy_only=False)).astype(np.float32)
-    y = np.asarray(canaries.table.column(train_options.label).to_numpy(zero_copy_only=False), np.float32)
-    model, loss_fn = load_trained(model_dir, train_options, x.shape[1])
+    task = NumericTask(train_options, open_batches(batches_dir).schema)
+    model, loss_fn = task.trained(model_dir)
+    columns = {name: canaries.table.column(name).to_pylist() for name in task.names}
+    x, y, _ = task.encode({**columns, "weight": np.ones(canaries.table.num_rows)})
     return np.asarray(loss_fn(y, model(x, training=False)), dtype=np.float64)
 
 
