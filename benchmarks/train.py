@@ -57,9 +57,9 @@ def main() -> None:
     from madp.training.options import TrainOptions
     from madp.training.queries import BandMfQuery, DpSgdQuery
     from madp.training.steps import NonPrivateStep, PrivateStep
-    from madp.training.tasks import ByteLmTask, TextClassifierTask
+    from madp.training.tasks import ByteLmTask, TextClassifierTask, build_model
     from madp.training.text import softmax_loss
-    from madp.training.trainer import build_model, tf, tf_keras
+    from madp.training.trainer import tf, tf_keras
 
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):

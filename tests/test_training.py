@@ -24,7 +24,8 @@ from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
 from madp.training.steps import PrivateStep  # noqa: E402
-from madp.training.trainer import build_model, tf, tf_keras, train  # noqa: E402
+from madp.training.tasks import build_model  # noqa: E402
+from madp.training.trainer import tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
@@ -488,7 +489,7 @@ def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):
         np.array_equal(a, b)
         for a, b in zip(weights("plain", **private), weights("zero-none", zero_out=str(none), **private))
     )
-    from madp.training.trainer import build_model
+    from madp.training.tasks import build_model
 
     tf_keras.utils.set_random_seed(0)  # what train() does before building the model
     initial = build_model("logreg", 8)[0].get_weights()
