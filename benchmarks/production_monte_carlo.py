@@ -198,7 +198,7 @@ def epsilon_reuse(sigma: float, delta: float) -> None:
     from madp.accounting import mc_delta
     from madp.accounting.evr import epsilon_minsep
 
-    drawn_statistics = mc_delta.chunk_statistics
+    drawn_statistics, kept = mc_delta.chunk_statistics, mc_delta.TAIL
     for tail in (mc_delta.TAIL, 0):
         drawn = {"estimate": 0, "verification": 0}
 
@@ -221,7 +221,7 @@ def epsilon_reuse(sigma: float, delta: float) -> None:
             samples=drawn,
             wall_s=wall,
         )
-    mc_delta.chunk_statistics = drawn_statistics
+    mc_delta.TAIL, mc_delta.chunk_statistics = kept, drawn_statistics
 
 
 def projection(delta: float, ratio: float, us_per_sample: float) -> None:

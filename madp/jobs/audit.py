@@ -192,12 +192,6 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
     train = dict(config["train"])
-    inputs = train.get("inputs") or ()
-    if len(inputs if isinstance(inputs, list) else str(inputs).split(",")) > 1:
-        raise InputError(
-            f"the audit plants its canaries in one features vector; a model of several inputs "
-            f"(train: inputs: {train['inputs']}) cannot be audited"
-        )
     bound = config["bound"]
     columns = Columns(
         bound.get("id_column") or "id",

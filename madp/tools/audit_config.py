@@ -54,6 +54,12 @@ def audit_options(config: dict, flags: dict) -> AuditOptions:
             f"config train.model {config['train']['model']}: madp audit scores canaries with a numeric model "
             f"(logreg, mlp, module:function); text models cannot be audited yet"
         )
+    inputs = config["train"].get("inputs") or ()  # a list, or `a,b` as its flag takes it
+    if len(inputs if isinstance(inputs, list) else str(inputs).split(",")) > 1:
+        raise InputError(
+            f"config train.inputs {inputs}: the audit plants its canaries in one features vector; "
+            f"a model of several inputs cannot be audited"
+        )
     section = config.get("audit") or {}
     if not isinstance(section, dict):
         raise InputError("config audit: a mapping of options (canaries, confidence, ...)")
