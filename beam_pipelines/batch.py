@@ -228,7 +228,7 @@ class BatchPipeline(beam.PTransform):
         selection: list[str],
         data: str,
         output: str,
-        content: tuple[str, ...],
+        content: record_reading.Content,
         options: batching.BatchOptions,
         partitions: int,
         summary: str,
@@ -293,11 +293,8 @@ def run_beam(
         )
     started = time.perf_counter()
     data_files = rec.list_input_files(data)
-    content = (
-        options.content_columns
-        if options.content_columns is not None
-        else record_reading.content_columns(data_files[0], options.columns)
-    )
+    # the columns named, or every other column the pipeline's reads find: the driver reads no data
+    content = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection = selection_files(selected)
     bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
     work = storage.join(output, WORK_DIR)
@@ -343,7 +340,7 @@ def run_beam(
         records_never_written=summary.records - summary.written_records,
         participation=summary.participation,
         rejects=summary.rejects,
-        content_columns=list(content),
+        content_columns=list(summary.content),
         started=started,
     )
     result.update(partitions=partitions, beam_counters_per_run=[counters])

@@ -106,7 +106,7 @@ class _ReadSplit(beam.DoFn):
     """Read and validate one split: (file index, chunk of its valid records); its rejects, counts and
     facts (for the rules over whole files)."""
 
-    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
+    def __init__(self, columns: rec.Columns, content: record_reading.Content, errors_dir: str | None):
         self.columns, self.content, self.errors_dir = columns, content, errors_dir
         self._counts: dict | None = None  # the side input `before` was summed from (held, so its id stays its own)
         self._before: dict[tuple[int, int], int] = {}
@@ -148,7 +148,7 @@ class _Checked(beam.PTransform):
     the whole input hold (`record_reading.check_facts`), each chunk's content cast to the input's
     types. Until then nothing goes on, so a broken rule stops the run before any other step."""
 
-    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
+    def __init__(self, columns: rec.Columns, content: record_reading.Content, errors_dir: str | None):
         super().__init__()
         self.columns, self.content, self.errors_dir = columns, content, errors_dir
 
@@ -190,7 +190,9 @@ class SplitByRecordPartition(beam.DoFn):
 
 class ReadRecords(beam.PTransform):
     """Input files -> (file index, RecordChunk of its valid rows); the rejected rows and the counts.
-    With `content`, the chunks carry those columns too (batching). The I/O of `madp bound` and `madp
+    With `content`, the chunks carry those columns too (batching; `record_reading.OTHER_COLUMNS`: every
+    column of the input but the record's, found by the reads themselves, so no step reads a file
+    first). The I/O of `madp bound` and `madp
     batch`, through Beam's FileSystems: a file larger than `--input-split-bytes` (an option of the
     pipeline) is read in splits by as many workers, with the same rows, row numbers and results as
     whole (`madp.core.input_splits`). The records go on once the rules over whole files and the whole
@@ -201,7 +203,7 @@ class ReadRecords(beam.PTransform):
         files: list[str],
         columns: rec.Columns,
         errors_dir: str | None = None,
-        content: tuple[str, ...] | None = None,
+        content: record_reading.Content = None,
     ):
         super().__init__()
         self.files, self.columns, self.errors_dir, self.content = files, columns, errors_dir, content
@@ -242,7 +244,7 @@ def _as_line(row, to_record: Callable[[Any], dict], chunks: int) -> tuple[int, b
 class _ReadLines(beam.DoFn):
     """One chunk of rows, in the order of their JSON, read and validated as a JSON Lines file is."""
 
-    def __init__(self, columns: rec.Columns, content: tuple[str, ...] | None, errors_dir: str | None):
+    def __init__(self, columns: rec.Columns, content: record_reading.Content, errors_dir: str | None):
         self.columns, self.content, self.errors_dir = columns, content, errors_dir
 
     @keeps_input_errors
@@ -262,7 +264,8 @@ class RecordsFromRows(beam.PTransform):
 
     `to_record(row)` extracts the record as a JSON-serializable dict: the id (an int or a str) and the
     users (a list of them) under the `columns` names (`Columns()`: "id", "users"), a weight when
-    `columns.weight` names one, and the content columns `content` names (for batching). Rows go to
+    `columns.weight` names one, and the content columns `content` names (for batching;
+    `record_reading.OTHER_COLUMNS`: every other key the rows have). Rows go to
     `chunks` chunks by a hash of their record, each chunk ordered by its records' JSON, so the chunks,
     and every result, are the same whatever the runner's bundling; chunk indices are 0..chunks-1
     (records from `ReadRecords` in the same pipeline would need other indices). Rejected rows name
@@ -281,7 +284,7 @@ class RecordsFromRows(beam.PTransform):
         self,
         to_record: Callable[[Any], dict],
         columns: rec.Columns | None = None,
-        content: tuple[str, ...] | None = None,
+        content: record_reading.Content = None,
         chunks: int = 64,
         errors_dir: str | None = None,
     ):

@@ -250,3 +250,53 @@ def test_beam_mixed_id_types_across_files_are_one_clear_error(tmp_path):
     write_records(str(tmp_path / "b.jsonl"), [{"id": "x", "users": [2]}])
     with pytest.raises(InputError, match=r"^record ids mix integers and strings across input files"):
         bound_beam(str(tmp_path), str(tmp_path / "out"), BoundOptions(max_contributions=1), ["--partitions=64"])
+
+
+@pytest.mark.beam
+def test_the_content_columns_are_found_by_the_reads_not_by_the_driver(tmp_path, small_graph, monkeypatch):
+    """Without --content-columns, the Beam driver reads no data file: the splits' reads find the
+    columns (one only the last rows of a file have, one in the Parquet file and in the JSON Lines
+    file's last rows only), in order of first appearance, and the batches are local's byte for byte."""
+    directory = tmp_path / "input"
+    directory.mkdir()
+    lines = [
+        json.dumps(dict(row, x=i, **({"late": i * 0.5} if i >= 1400 else {})))
+        for i, row in enumerate(small_graph[:1500])
+    ]
+    (directory / "a.jsonl").write_text("\n".join(lines) + "\n")
+    rest = [dict(row, late=0.25, x=1) for row in small_graph[1500:]]
+    pq.write_table(pa.Table.from_pylist(rest), directory / "b.parquet", row_group_size=150)
+    bound_local(str(directory), str(tmp_path / "bound"), BoundOptions(max_contributions=2))
+    options = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, on_invalid="skip")  # rows without "late"
+    local = batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-local"), options)
+    assert local["parameters"]["content_columns"] == ["x", "late"]
+
+    def no_driver_read(path):
+        raise AssertionError(f"the driver read {path}")
+
+    monkeypatch.setattr(record_reading, "jsonl_lines", no_driver_read)
+    split = ["--direct_running_mode=in_memory", "--partitions=3", "--input-split-bytes=3000"]
+    beam = batch_beam(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-beam"), options, split)
+    assert beam["parameters"]["content_columns"] == ["x", "late"]
+    assert beam["rejected"] == local["rejected"] and local["rejected"]["null_content"] > 0
+    for name in ("batches-00000-of-00001.tfrecord", "schema.json", "rejected/rejected.jsonl"):
+        assert (tmp_path / "b-local" / name).read_bytes() == (tmp_path / "b-beam" / name).read_bytes(), name
+
+
+@pytest.mark.beam
+def test_a_file_without_a_column_other_files_have_is_named_by_both_engines(tmp_path, small_graph):
+    directory = tmp_path / "input"
+    directory.mkdir()
+    write_records(str(directory / "a.jsonl"), [dict(row, x=1) for row in small_graph[:900]])
+    write_records(str(directory / "b.jsonl"), [dict(row, x=1, note="n") for row in small_graph[900:]])
+    bound_local(str(directory), str(tmp_path / "bound"), BoundOptions(max_contributions=2))
+    options = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2)
+    message = r"a.jsonl: no content column 'note' in any row \(other input files have it: choose the columns"
+    with pytest.raises(InputError, match=message):
+        batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-local"), options)
+    with pytest.raises(InputError, match=message):
+        batch_beam(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-beam"), options, ["--partitions=2"])
+    chosen = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, content_columns=("x",))
+    assert batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-x"), chosen)["parameters"][
+        "content_columns"
+    ] == ["x"]

@@ -55,7 +55,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="TESTING ONLY: reproduce the sampling from this seed; the batches are then not private "
         "(default: a fresh secret key per run, never written)",
     )
-    batch.add_argument("--content-columns", help="comma-separated columns to carry (default: all but id and users)")
+    batch.add_argument(
+        "--content-columns",
+        help="comma-separated columns to carry (default: every column of DATA but id, users and weight)",
+    )
     batch.add_argument(
         "--on-invalid",
         choices=("error", "skip"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import enum
 import gzip
 import io
 import json
@@ -12,7 +13,7 @@ import math
 import re
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +40,20 @@ from madp.core.records import (
     Rejects,
     check_same_type,
 )
+
+
+class ContentDefault(enum.Enum):
+    """`content` of a read when no column is named: every column of the input other than the
+    record's (id, users, weight), as the rows have them. `check_facts` then takes the content as
+    the columns of every file, in order of first appearance (files in order, rows in order), so a
+    file read in splits by many workers gives the content a whole read gives, with no read first."""
+
+    OTHER_COLUMNS = "every column other than the record's"
+
+
+OTHER_COLUMNS = ContentDefault.OTHER_COLUMNS
+# The content a read carries: the columns named, every other column (OTHER_COLUMNS), or none (None).
+Content = tuple[str, ...] | Literal[ContentDefault.OTHER_COLUMNS] | None
 
 # The row rules of the README's Input section. The verifier implements them on its own (verify.py).
 # Arrays and objects nested deeper make a row invalid_json: Arrow's reader crashes (a segfault) on a
@@ -165,7 +180,7 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
     return table if len(table) == len(lines) else None
 
 
-def read_file(path: str, file_index: int, columns: Columns, content: tuple[str, ...] | None = None) -> FileResult:
+def read_file(path: str, file_index: int, columns: Columns, content: Content = None) -> FileResult:
     """Read one whole input file and split it into valid records and rejected rows; with `content`,
     also carry those columns of the valid records. The rules over a whole file and over the whole
     input are the caller's to check, once every file is read: `check_facts`."""
@@ -180,7 +195,7 @@ def read_lines(
     source: str,
     file_index: int,
     columns: Columns,
-    content: tuple[str, ...] | None = None,
+    content: Content = None,
     first_row: int = 0,
 ) -> FileResult:
     """JSON Lines rows (as `jsonl_rows` gives them) read and validated exactly as a file of them;
@@ -188,19 +203,22 @@ def read_lines(
     `first_row`, the rows of the file before them."""
     table, non_conforming, seen = _read_jsonl(source, lines, columns)
     result = _validate(table, non_conforming, source, file_index, columns, first_row, seen)
-    return _with_content(result, _read_content(source, lines, content) if content is not None else None, first_row)
+    if content is None:
+        return result
+    objects = [_json_object(line) for line in lines]
+    names = _other_columns(_object_keys(objects), columns) if content is OTHER_COLUMNS else content
+    return _with_content(result, _read_content(source, objects, names), first_row)
 
 
-def parquet_read_columns(
-    path: str, found: list[str], columns: Columns, content: tuple[str, ...] | None = None
-) -> list[str]:
-    """The columns to read of a Parquet file whose schema has `found`: the record's, then `content`'s;
-    an error naming the file when one of them is not there."""
+def parquet_read_columns(path: str, found: list[str], columns: Columns, content: Content = None) -> list[str]:
+    """The columns to read of a Parquet file whose schema has `found`: the record's, then `content`'s
+    (every other one for OTHER_COLUMNS); an error naming the file when one of them is not there."""
     _require_columns(path, found, columns)
-    missing = [n for n in content or () if n not in found]
+    names = _other_columns(found, columns) if content is OTHER_COLUMNS else content or ()
+    missing = [n for n in names if n not in found]
     if missing:
         raise InputError(f"{path}: no content column {missing} (found {found})")
-    return list(dict.fromkeys(_wanted(columns) + list(content or ())))
+    return list(dict.fromkeys(_wanted(columns) + list(names)))
 
 
 def read_parquet_rows(
@@ -208,21 +226,22 @@ def read_parquet_rows(
     source: str,
     file_index: int,
     columns: Columns,
-    content: tuple[str, ...] | None = None,
+    content: Content = None,
     first_row: int = 0,
 ) -> FileResult:
     """Parquet rows (a whole file, or the row groups of a split from its row `first_row` on) with the
     columns `parquet_read_columns` names, validated."""
     seen = frozenset(table.column_names)  # a Parquet file's columns are its schema's, rows or not
     result = _validate(table.select(_wanted(columns)), None, source, file_index, columns, first_row, seen)
-    return _with_content(result, table.select(list(content)) if content is not None else None, first_row)
-
-
-def _with_content(result: FileResult, content: pa.Table | None, first_row: int) -> FileResult:
-    """`result` with the content of its valid records (`content`: of every row read), and the
-    content's columns and types among its facts."""
     if content is None:
         return result
+    names = _other_columns(table.column_names, columns) if content is OTHER_COLUMNS else content
+    return _with_content(result, table.select(list(names)), first_row)
+
+
+def _with_content(result: FileResult, content: pa.Table, first_row: int) -> FileResult:
+    """`result` with the content of its valid records (`content`: of every row read), and the
+    content's columns and types among its facts."""
     rows = (result.chunk.keys & ((1 << ROW_KEY_BITS) - 1)) - first_row
     result.chunk.content = content.take(pa.array(rows))
     seen = result.facts.columns or frozenset()
@@ -231,18 +250,25 @@ def _with_content(result: FileResult, content: pa.Table | None, first_row: int) 
 
 
 def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
-    """The columns of an input file other than the id, users and weight columns."""
+    """The columns of one input file other than the id, users and weight columns, in order of first
+    appearance (the whole file is read: for tools that read it anyway, not for a pipeline's driver)."""
     if path.endswith(".parquet"):
-        names = storage.parquet_columns(path)
-    else:
-        lines = jsonl_lines(path)
-        table = _arrow_json(lines)
-        names = (
-            table.column_names
-            if table is not None
-            else list(dict.fromkeys(key for obj in map(_json_object, lines) for key in obj))
-        )
-    return tuple(n for n in names if n not in _wanted(columns))
+        return _other_columns(storage.parquet_columns(path), columns)
+    lines = jsonl_lines(path)
+    table = _arrow_json(lines)
+    names = table.column_names if table is not None else _object_keys(map(_json_object, lines))
+    return _other_columns(names, columns)
+
+
+def _object_keys(objects: Iterable[dict]) -> list[str]:
+    """The keys of `objects`, in order of first appearance (the order Arrow's JSON reader gives)."""
+    return list(dict.fromkeys(key for obj in objects for key in obj))
+
+
+def _other_columns(names: Iterable[str], columns: Columns) -> tuple[str, ...]:
+    """`names` without the record's columns (id, users, weight)."""
+    wanted = _wanted(columns)
+    return tuple(n for n in names if n not in wanted)
 
 
 def _json_object(line: bytes) -> dict:
@@ -251,10 +277,9 @@ def _json_object(line: bytes) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
-def _read_content(path: str, lines: list[bytes], names: tuple[str, ...]) -> pa.Table:
-    """Columns `names` of the JSON Lines rows `lines` (rows that are not JSON objects, or lack a
-    column, read as nulls; a column no row has is all nulls, for `check_facts` to judge)."""
-    objects = [_json_object(line) for line in lines]
+def _read_content(path: str, objects: list[dict], names: tuple[str, ...]) -> pa.Table:
+    """Columns `names` of the JSON Lines rows' `objects` (rows that are not JSON objects, read as {},
+    or lack a column, read as nulls; a column no row has is all nulls, for `check_facts` to judge)."""
     arrays = {}
     for name in names:
         try:
@@ -441,9 +466,7 @@ def _mixed_ids(path: str, what: str) -> InputError:
     return InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
 
 
-def check_facts(
-    facts: Sequence[ReadFacts], columns: Columns, content: tuple[str, ...] | None = None
-) -> pa.Schema | None:
+def check_facts(facts: Sequence[ReadFacts], columns: Columns, content: Content = None) -> pa.Schema | None:
     """The rules over whole files and over the whole input, judged from the facts of every read (each
     file, or each split of one, in any order: they are put in file and row order), so that a file
     reads the same whole or in splits:
@@ -453,15 +476,20 @@ def check_facts(
     - a content column that no row of a file has is an error; its types, in the splits of a file and
       across files, unify as Arrow reads one file (integers and floats read as floats), or are an error.
     Returns the content schema, in `content`'s order, that every chunk's content takes
-    (`conform_content`); None without `content`."""
+    (`conform_content`); None without `content`. For OTHER_COLUMNS the content is every column some
+    read has, in order of first appearance (files, then rows, in order)."""
     by_file: dict[int, list[ReadFacts]] = {}
     for fact in facts:
         by_file.setdefault(fact.file_index, []).append(fact)
+    in_order = [sorted(by_file[index], key=lambda read: read.first_row) for index in sorted(by_file)]
+    named = content is not OTHER_COLUMNS
+    if content is OTHER_COLUMNS:
+        found = [r.content for reads in in_order for r in reads if r.content is not None]
+        content = tuple(dict.fromkeys(name for schema in found for name in schema.names))
     id_types: list[pa.DataType] = []
     user_types: list[pa.DataType] = []
     file_schemas: list[pa.Schema] = []
-    for index in sorted(by_file):
-        reads = sorted(by_file[index], key=lambda read: read.first_row)  # unified in file order, as read whole
+    for reads in in_order:  # each file's reads, unified in row order, as read whole
         source = reads[0].source
         for what, types in (("id", {r.id_type for r in reads}), ("user", {r.user_type for r in reads})):
             if len(types - {None}) > 1:
@@ -472,7 +500,8 @@ def check_facts(
         id_types.extend(t for t in {r.id_type for r in reads} if t is not None)
         user_types.extend(t for t in {r.user_type for r in reads} if t is not None)
         if content is not None:
-            file_schemas.append(_file_content(source, [r.content for r in reads if r.content is not None], content))
+            schemas = [r.content for r in reads if r.content is not None]
+            file_schemas.append(_file_content(source, schemas, content, named))
     check_same_type(id_types, "record")
     check_same_type(user_types, "user")
     if content is None:
@@ -484,13 +513,15 @@ def check_facts(
     return pa.schema([unified.field(name) if name in unified.names else pa.field(name, pa.null()) for name in content])
 
 
-def _file_content(source: str, schemas: list[pa.Schema], content: tuple[str, ...]) -> pa.Schema:
-    """One file's content schema from its splits': every column in some row, types unified."""
+def _file_content(source: str, schemas: list[pa.Schema], content: tuple[str, ...], named: bool) -> pa.Schema:
+    """One file's content schema from its splits': every column in some row, types unified (`named`:
+    the columns were named with --content-columns, not found in other files)."""
     fields = []
     for name in content:
         found = [pa.schema([schema.field(name)]) for schema in schemas if name in schema.names]
         if not found:
-            raise InputError(f"{source}: no content column {name!r} in any row")
+            where = "" if named else " (other input files have it: choose the columns to carry with --content-columns)"
+            raise InputError(f"{source}: no content column {name!r} in any row{where}")
         try:
             fields.append(pa.unify_schemas(found, promote_options="permissive").field(name))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
@@ -499,11 +530,16 @@ def _file_content(source: str, schemas: list[pa.Schema], content: tuple[str, ...
 
 
 def conform_content(chunk: RecordChunk, schema: pa.Schema | None) -> RecordChunk:
-    """`chunk` with its content cast to `schema`, as `check_facts` unified it over the whole input."""
-    if schema is None or chunk.content is None or chunk.content.schema == schema:
+    """`chunk` with its content cast to `schema`, as `check_facts` unified it over the whole input: a
+    column none of its rows has (read with OTHER_COLUMNS) is all nulls; one the input's content
+    does not have is not carried."""
+    content = chunk.content
+    if schema is None or content is None or content.schema == schema:
         return chunk
+    rows = len(content)
+    columns = [content.column(n) if n in content.column_names else pa.nulls(rows, pa.null()) for n in schema.names]
     try:
-        return dataclasses.replace(chunk, content=chunk.content.cast(schema))
+        return dataclasses.replace(chunk, content=pa.table(columns, names=schema.names).cast(schema))
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
         sources = ", ".join(sorted(chunk.sources.values()))
         raise InputError(f"{sources}: content does not convert to the input's types {schema}: {error}") from error

@@ -65,12 +65,7 @@ class Dataset:
 def load(selected: str, data: str, options: BatchOptions, output: str) -> Dataset:
     from madp.engines.local_engine import read_input
 
-    files = rec.list_input_files(data)
-    names = (
-        options.content_columns
-        if options.content_columns is not None
-        else record_reading.content_columns(files[0], options.columns)
-    )
+    names = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection_paths = selection_files(selected)
     bound = bound_graph(selected)
     chunk, rejects, _, _ = read_input(data, bound.columns(options.columns), names)

@@ -84,7 +84,7 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
 
 
 def read_input(
-    input_path: str, columns: rec.Columns, content: tuple[str, ...] | None = None
+    input_path: str, columns: rec.Columns, content: record_reading.Content = None
 ) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
     """All valid records of the input (with `content` columns), the rejected rows, rows read and
     repeated users removed."""
