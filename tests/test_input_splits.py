@@ -256,11 +256,12 @@ def test_beam_mixed_id_types_across_files_are_one_clear_error(tmp_path):
 def test_the_content_columns_are_found_by_the_reads_not_by_the_driver(tmp_path, small_graph, monkeypatch):
     """Without --content-columns, the Beam driver reads no data file: the splits' reads find the
     columns (one only the last rows of a file have, one in the Parquet file and in the JSON Lines
-    file's last rows only), in order of first appearance, and the batches are local's byte for byte."""
+    file's last rows only; the first splits' rows have only the record's), in order of first
+    appearance, and the batches are local's byte for byte."""
     directory = tmp_path / "input"
     directory.mkdir()
     lines = [
-        json.dumps(dict(row, x=i, **({"late": i * 0.5} if i >= 1400 else {})))
+        json.dumps(dict(row, **({"x": i} if i >= 200 else {}), **({"late": i * 0.5} if i >= 1400 else {})))
         for i, row in enumerate(small_graph[:1500])
     ]
     (directory / "a.jsonl").write_text("\n".join(lines) + "\n")

@@ -536,7 +536,7 @@ def conform_content(chunk: RecordChunk, schema: pa.Schema | None) -> RecordChunk
     content = chunk.content
     if schema is None or content is None or content.schema == schema:
         return chunk
-    rows = len(content)
+    rows = len(chunk)  # not len(content): a table of no columns (a split whose rows have only the record's) has no rows
     columns = [content.column(n) if n in content.column_names else pa.nulls(rows, pa.null()) for n in schema.names]
     try:
         return dataclasses.replace(chunk, content=pa.table(columns, names=schema.names).cast(schema))
