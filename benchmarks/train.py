@@ -11,9 +11,9 @@ its weights or, with --lora-rank, LoRA adapters only; tokens/s reported too). Ta
 DP-SGD at most 3x the non-private step and BandMF (8 bands) within 1.2x of DP-SGD (mlp); at batch
 256, DP-SGD at most 1.5x non-private for the text classifier, 2x for the transformer and 3x for
 the text LM; for the pretrained causal LM at most 2x with LoRA, 3x fine-tuning every weight. All
-these models but the fully fine-tuned causal LM (RMSNorm, tied embedding) take ghost clipping
-(`madp.training.clipping`); `dp-sgd-per-example-gradients` is the general path a model with other
-layers takes.
+these models take ghost clipping (`madp.training.clipping`; the fully fine-tuned causal LM's
+RMSNorm and tied embedding included); `dp-sgd-per-example-gradients` is the general path a model
+with other layers takes.
 
     python benchmarks/train.py [--model mlp|text-classifier|text-lm|transformer] [--batch-size 1024] [--steps 100]
     python benchmarks/train.py --model causal-lm --pretrained PATH.gguf [--lora-rank 8] --batch-size 8 \

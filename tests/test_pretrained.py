@@ -360,7 +360,7 @@ def test_lora_starts_as_the_pretrained_model_and_its_adapters_are_ghost_clipped(
     assert names == ["lora_a/kernel:0"] * 4 + ["lora_b/kernel:0"] * 4
     assert {v.name.split("/")[0] for v in lora.trainable_variables} == {"blk_0_attn_q", "blk_0_attn_v",
                                                                          "blk_1_attn_q", "blk_1_attn_v"}  # fmt: skip
-    assert unsupported_layers(lora) == [] and unsupported_layers(full) != []  # full: RMSNorm, tied embedding
+    assert unsupported_layers(lora) == [] == unsupported_layers(full)
     rng = np.random.default_rng(1)
     for variable in lora.trainable_variables:  # B != 0, so A's gradients are not zero
         variable.assign(rng.normal(0, 0.1, variable.shape).astype(np.float32))
@@ -371,6 +371,33 @@ def test_lora_starts_as_the_pretrained_model_and_its_adapters_are_ghost_clipped(
     reference = np.sqrt(sum((np.asarray(g).reshape(4, -1) ** 2).sum(axis=1) for g in each))
     assert reference[0] > 0.1 and reference[3] == 0
     np.testing.assert_allclose(ghost, reference, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_every_weight_is_ghost_clipped_as_per_example_gradients_clip_it(tmp_path, tied):
+    """Fine-tuning every weight: RMSNorm scales and the token embedding, tied (looked up and the LM
+    head, its two gradients summed before the norm) or not, clipped without per-example gradients,
+    equal to per-example gradients clipped one by one (padding rows and repeated tokens included)."""
+    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+
+    path = write_tiny_gguf(str(tmp_path / "model.gguf"), tied=tied)
+    model = pretrained.pretrained_model(pretrained.read_pretrained(path), 10)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 40, (5, 10)).astype(np.int32)  # 40 of the 300 ids: repeats within a row
+    targets = np.concatenate([ids[:, 1:], np.full((5, 1), -1, np.int32)], axis=1)
+    weight = np.array([1, 0, 0.5, 1, 2], np.float32)
+    each = [np.asarray(g) for g in per_example_gradients(model, pretrained.next_token_loss, ids, targets, weight)]
+    norms = np.sqrt(sum((g.reshape(5, -1) ** 2).sum(axis=1) for g in each))
+    assert norms[1] == 0 and (norms[[0, 2, 3, 4]] > 0).all()
+    ghost = ghost_norms(model, pretrained.next_token_loss, ids, targets, weight)
+    np.testing.assert_allclose(np.asarray(ghost), norms, rtol=1e-4)
+    clip = float(np.median(norms[norms > 0]))
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    summed = ghost_clipped_sum(model, pretrained.next_token_loss, ids, targets, weight, clip)
+    names = [v.name for v in model.trainable_variables]
+    assert any("token_embd" in n for n in names) and any("norm" in n for n in names)
+    for got, g, name in zip(summed, each, names, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_lora_trains_the_adapters_only_and_saves_them(text_batches, tiny):

@@ -4,7 +4,8 @@
   (vectorized), memory rows x parameters.
 - `ghost_clipped_sum`: any model (Sequential or functional) whose trainable layers are Dense,
   EinsumDense, Embedding, LayerNormalization (also the projections inside MultiHeadAttention),
-  EmbeddingBag or PositionEmbedding, without per-example gradients of the model ("ghost
+  EmbeddingBag, PositionEmbedding, RmsNorm or TiedEmbedding (the pretrained causal LM's), without
+  per-example gradients of the model ("ghost
   clipping" and book-keeping: Goodfellow 2015; Lee & Kifer 2021; Li et al. 2022; Bu et al. 2023).
   One forward pass runs with those layers' calls tapped (`_tapped`: the same output, computed from
   the layer's weights, recording its input and its output before any activation), one backward
@@ -18,7 +19,10 @@
   - EmbeddingBag (output sum_t w_it E[id_it]): sum_v c_iv e_v d_i^T with c_iv the summed weight
     of id v in row i: ||g_i||^2 = ||d_i||^2 sum_v c_iv^2;
   - LayerNormalization: gamma sum_t x_hat_it * d_it, beta sum_t d_it (x_hat the normalized input);
-    PositionEmbedding: d_i.
+    RmsNorm: scale sum_t x_hat_it * d_it (x_hat = x / sqrt(mean(x^2) + eps)); PositionEmbedding: d_i;
+  - TiedEmbedding, looked up (L_i, as Embedding) and the LM head (logits H_i E^T: O_i = A_i^T H_i,
+    A_i the logits' gradients): ||L_i + O_i||^2 = ||L_i||^2 + ||O_i||^2 + 2 sum_{t,s} A_i[s, id_it]
+    (h_is . d_it).
   A layer called several times adds its calls' gradients (positions concatenated). The clipped
   sum is then formed from the same inputs and output gradients scaled by the rows' clip factors,
   without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
@@ -38,6 +42,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from madp.training import load_tensorflow
+from madp.training.pretrained import RmsNorm, TiedEmbedding
 from madp.training.text import EmbeddingBag, PositionEmbedding
 
 tf = load_tensorflow()
@@ -149,6 +154,8 @@ SUPPORTED = (
     tf_keras.layers.LayerNormalization,
     EmbeddingBag,
     PositionEmbedding,
+    RmsNorm,
+    TiedEmbedding,
 )
 
 
@@ -232,10 +239,11 @@ def ghost_clippable(model) -> bool:
     return not unsupported_layers(model)
 
 
-def _forward(layer, inputs):
+def _forward(layer, inputs, reverse: bool = False):
     """(recorded input, output z whose gradient is recorded, layer output): the layer's call, with
-    Dense and EinsumDense split before their activation and LayerNormalization's normalized input
-    x_hat = (x - mean) / sqrt(var + eps) kept."""
+    Dense and EinsumDense split before their activation, LayerNormalization's normalized input
+    x_hat = (x - mean) / sqrt(var + eps) and RmsNorm's x_hat = x / sqrt(mean(x^2) + eps) kept, and a
+    TiedEmbedding called as the LM head (`reverse`) recording its input vectors."""
     if isinstance(layer, tf_keras.layers.Dense):
         a = tf.cast(inputs, layer.compute_dtype)
         if a.shape.rank == 2:
@@ -257,9 +265,18 @@ def _forward(layer, inputs):
         z = x_hat * tf.reshape(layer.gamma, shape) if layer.scale else x_hat
         z = z + tf.reshape(layer.beta, shape) if layer.center else z
         return x_hat, z, z
-    if isinstance(layer, tf_keras.layers.Embedding) and inputs.dtype not in (tf.int32, tf.int64):
+    if isinstance(layer, RmsNorm):
+        x = tf.cast(inputs, layer.compute_dtype)
+        x_hat = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + layer.epsilon)
+        z = x_hat * layer.scale
+        return x_hat, z, z
+    if isinstance(layer, TiedEmbedding) and reverse:
+        a = tf.cast(inputs, layer.compute_dtype)
+        z = tf.einsum("ntd,vd->ntv", a, layer.embeddings)
+        return a, z, z
+    if isinstance(layer, (tf_keras.layers.Embedding, TiedEmbedding)) and inputs.dtype not in (tf.int32, tf.int64):
         inputs = tf.cast(inputs, tf.int32)
-    z = type(layer).call(layer, inputs)  # Embedding, EmbeddingBag, PositionEmbedding: linear in the weights
+    z = type(layer).call(layer, inputs)  # (tied) Embedding, EmbeddingBag, PositionEmbedding: linear in the weights
     return (None if isinstance(layer, PositionEmbedding) else inputs), z, z
 
 
@@ -277,7 +294,7 @@ def _tapped(layers: list, calls: dict[int, list]) -> Iterator[None]:
     def tap(layer, recorded: list):
         @tf.autograph.experimental.do_not_convert
         def call(inputs, *args, **kwargs):
-            a, z, out = _forward(layer, inputs)
+            a, z, out = _forward(layer, inputs, bool(kwargs.get("reverse", False)))
             recorded.append((a, z))
             return out
 
@@ -403,7 +420,30 @@ class _Rows:
         return tf.tensordot(factor, self.g, 1)
 
 
-Piece = _Outer | _Lookup | _Bag | _Rows
+@dataclasses.dataclass
+class _Tied:
+    """g_i = L_i + O_i: a TiedEmbedding's table looked up (L_i = sum_t onehot(id_it) d_it^T) and used
+    as the LM head (logits H_i E^T: O_i = A_i^T H_i, A_i [S, vocabulary] the logits' gradients, H_i
+    [S, width] the head's inputs). ||g_i||^2 = ||L_i||^2 + ||O_i||^2 + 2 <L_i, O_i>, and
+    <L_i, O_i> = sum_{t,s} A_i[s, id_it] (h_is . d_it): the vocabulary is never summed over."""
+
+    lookup: _Lookup
+    outer: _Outer
+
+    @property
+    def variable(self):
+        return self.lookup.variable
+
+    def squares(self):
+        picked = tf.gather(self.outer.a, self.lookup.ids, axis=2, batch_dims=1)  # [n, S, T]: A_i[s, id_it]
+        dots = tf.matmul(self.outer.d, self.lookup.d, transpose_b=True)  # [n, S, T]: h_is . d_it
+        return self.lookup.squares() + self.outer.squares() + 2.0 * tf.reduce_sum(picked * dots, axis=[1, 2])
+
+    def clipped_sum(self, factor):
+        return self.lookup.clipped_sum(factor) + self.outer.clipped_sum(factor)
+
+
+Piece = _Outer | _Lookup | _Bag | _Rows | _Tied
 
 
 def _row_sums(t, shape: list[int]):
@@ -469,6 +509,12 @@ def _layer_pieces(layer, a, d) -> list[Piece]:
         return pieces + ([_Rows(layer.bias, _row_sums(d, [q]))] if layer.use_bias else [])
     if isinstance(layer, tf_keras.layers.EinsumDense):
         return _einsum_pieces(layer, a, d)
+    if isinstance(layer, RmsNorm):  # output x_hat * scale: g_i = sum_t x_hat_it * d_it
+        return [_Rows(layer.scale, _row_sums(a * d, list(layer.scale.shape)))]
+    if isinstance(layer, TiedEmbedding) and a.dtype.is_floating:  # the LM head: logits H E^T, g_i = D_i^T H_i
+        vocabulary, width = layer.embeddings.shape
+        steps = _static_product(a.shape[1:-1])
+        return [_Outer(layer.embeddings, _rows_of(d, steps, vocabulary), _rows_of(a, steps, width), lambda m: m)]
     if isinstance(layer, tf_keras.layers.LayerNormalization):
         shape = _layer_norm_shape(layer, a.shape.rank)
         pieces = []
@@ -490,25 +536,31 @@ def _layer_pieces(layer, a, d) -> list[Piece]:
 
 def _merged(pieces: list[Piece]) -> Piece:
     """One piece for a variable used by several calls of its layer (g_i the sum of the calls'):
-    positions concatenated (outer products, lookups), rows added."""
+    positions concatenated (outer products, lookups), rows added; a table both looked up and used as
+    an output projection (TiedEmbedding) is `_Tied`."""
     if len(pieces) == 1:
         return pieces[0]
     pieces = [piece.as_lookup() if isinstance(piece, _Bag) else piece for piece in pieces]
-    first = pieces[0]
-    if isinstance(first, _Outer):
-        outers = [p for p in pieces if isinstance(p, _Outer)]
-        return _Outer(
-            first.variable,
-            tf.concat([p.a for p in outers], axis=1),
-            tf.concat([p.d for p in outers], axis=1),
-            first.to_variable,
-        )
-    if isinstance(first, _Lookup):
-        lookups = [p for p in pieces if isinstance(p, _Lookup)]
-        return _Lookup(
-            first.variable, tf.concat([p.ids for p in lookups], axis=1), tf.concat([p.d for p in lookups], axis=1)
-        )
-    return _Rows(first.variable, tf.add_n([p.g for p in pieces if isinstance(p, _Rows)]))
+    outers = [p for p in pieces if isinstance(p, _Outer)]
+    lookups = [p for p in pieces if isinstance(p, _Lookup)]
+    outer = lookup = None
+    if outers:
+        outer = outers[0]
+        if len(outers) > 1:
+            a, d = tf.concat([p.a for p in outers], axis=1), tf.concat([p.d for p in outers], axis=1)
+            outer = _Outer(outer.variable, a, d, outer.to_variable)
+    if lookups:
+        lookup = lookups[0]
+        if len(lookups) > 1:
+            ids, d = tf.concat([p.ids for p in lookups], axis=1), tf.concat([p.d for p in lookups], axis=1)
+            lookup = _Lookup(lookup.variable, ids, d)
+    if outer is not None and lookup is not None:
+        return _Tied(lookup, outer)
+    if outer is not None:
+        return outer
+    if lookup is not None:
+        return lookup
+    return _Rows(pieces[0].variable, tf.add_n([p.g for p in pieces if isinstance(p, _Rows)]))
 
 
 def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
