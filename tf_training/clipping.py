@@ -266,13 +266,12 @@ def _forward(layer, inputs, reverse: bool = False):
         z = z + tf.reshape(layer.beta, shape) if layer.center else z
         return x_hat, z, z
     if isinstance(layer, RmsNorm):
-        x = tf.cast(inputs, layer.compute_dtype)
-        x_hat = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + layer.epsilon)
+        x_hat = layer.normalized(tf.cast(inputs, layer.compute_dtype))
         z = x_hat * layer.scale
         return x_hat, z, z
     if isinstance(layer, TiedEmbedding) and reverse:
         a = tf.cast(inputs, layer.compute_dtype)
-        z = tf.einsum("ntd,vd->ntv", a, layer.embeddings)
+        z = type(layer).call(layer, a, reverse=True)
         return a, z, z
     if isinstance(layer, (tf_keras.layers.Embedding, TiedEmbedding)) and inputs.dtype not in (tf.int32, tf.int64):
         inputs = tf.cast(inputs, tf.int32)
@@ -545,15 +544,11 @@ def _merged(pieces: list[Piece]) -> Piece:
     lookups = [p for p in pieces if isinstance(p, _Lookup)]
     outer = lookup = None
     if outers:
-        outer = outers[0]
-        if len(outers) > 1:
-            a, d = tf.concat([p.a for p in outers], axis=1), tf.concat([p.d for p in outers], axis=1)
-            outer = _Outer(outer.variable, a, d, outer.to_variable)
+        a, d = tf.concat([p.a for p in outers], axis=1), tf.concat([p.d for p in outers], axis=1)
+        outer = _Outer(outers[0].variable, a, d, outers[0].to_variable)
     if lookups:
-        lookup = lookups[0]
-        if len(lookups) > 1:
-            ids, d = tf.concat([p.ids for p in lookups], axis=1), tf.concat([p.d for p in lookups], axis=1)
-            lookup = _Lookup(lookup.variable, ids, d)
+        ids, d = tf.concat([p.ids for p in lookups], axis=1), tf.concat([p.d for p in lookups], axis=1)
+        lookup = _Lookup(lookups[0].variable, ids, d)
     if outer is not None and lookup is not None:
         return _Tied(lookup, outer)
     if outer is not None:

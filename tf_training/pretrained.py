@@ -331,8 +331,12 @@ class RmsNorm(tf_keras.layers.Layer):
     def build(self, input_shape) -> None:
         self.scale = self.add_weight(name="scale", shape=(int(input_shape[-1]),), initializer="ones")
 
+    def normalized(self, x):
+        """x / sqrt(mean(x^2) + epsilon), before the scale (ghost clipping records it)."""
+        return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.epsilon)
+
     def call(self, x):
-        return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.epsilon) * self.scale
+        return self.normalized(x) * self.scale
 
     def get_config(self) -> dict:
         return {**super().get_config(), "epsilon": self.epsilon}
