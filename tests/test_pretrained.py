@@ -1,7 +1,8 @@
-"""The pretrained causal LM (`--model causal-lm --pretrained PATH.gguf`): the GGUF reader, the byte-level
-BPE tokenizer, the tf_keras Llama model against an independent numpy forward pass of a tiny random
-model written as a GGUF file the way llama.cpp's converter writes one, training it without and with
-DP-SGD and BandMF, LoRA adapters, and bad inputs. With SmolLM2-135M in the cache (`make pretrained`),
+"""The pretrained causal LM (`--model causal-lm --pretrained PATH.gguf` or a keras-hub preset
+directory): the GGUF reader, the byte-level BPE tokenizer, the tf_keras Llama model against an
+independent numpy forward pass of a tiny random model written as a GGUF file the way llama.cpp's
+converter writes one, keras-hub presets against keras-hub's own logits and token ids, training
+without and with DP-SGD and BandMF, LoRA adapters, and bad inputs. With SmolLM2-135M in the cache (`make pretrained`),
 also the real model's logits against the numpy forward pass, its loss on English text and a greedy
 continuation."""
 
@@ -55,9 +56,9 @@ VARIED = [
 # --- a tiny model as a GGUF file ----------------------------------------------------------------
 
 
-def learn_merges(text: str, count: int) -> list[str]:
+def learn_merges(text: str, count: int, pre_tokenizer: str = "smollm") -> list[str]:
     """The `count` most frequent adjacent-symbol merges of a text's pre-tokenized pieces, in order."""
-    splitter = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=True)
+    splitter = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
     symbols = pretrained.byte_symbols()
     words = collections.Counter(tuple(symbols[b] for b in piece.encode()) for piece in splitter.pieces(text))
     merges: list[str] = []
@@ -232,7 +233,7 @@ def test_tokenizer_round_trips_varied_text_and_merges_learned_words(tiny):
 
 
 def test_pretokenization_is_gpt2s_with_digits_apart():
-    tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=True)
+    tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="smollm")
     pieces = list(tokenizer.pieces("I'm 2024's best!!  ok\n\nYes  x 漢字 ½"))
     assert pieces == ["I", "'m", " ", "2", "0", "2", "4", "'s", " best", "!!", " ", " ok", "\n", "\n", "Yes"] + [
         " ",
@@ -241,13 +242,20 @@ def test_pretokenization_is_gpt2s_with_digits_apart():
         " ",
         "½",
     ]
-    gpt2 = pretrained.BpeTokenizer([], [], 0, 0, 0, digits_apart=False)
+    gpt2 = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="gpt2")
     assert list(gpt2.pieces("in 2024!")) == ["in", " 2024", "!"]
+    llama3 = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="llama-bpe")  # numbers by threes, any case
+    assert list(llama3.pieces("I'M in 1234567!\n\n  (x)")) == ["I", "'M", " in", " ", "123", "456", "7", "!\n\n"] + [
+        " ",
+        " (",
+        "x",
+        ")",
+    ]
 
 
 def test_token_sequences_start_with_bos_and_mark_the_end():
     tokenizer = pretrained.BpeTokenizer(
-        [*SPECIAL, *pretrained.byte_symbols()], [], bos=1, eos=2, pad=2, digits_apart=True
+        [*SPECIAL, *pretrained.byte_symbols()], [], bos=1, eos=2, pad=2, pre_tokenizer="smollm"
     )
     x, y = pretrained.token_sequences(tokenizer, [b"ab", b"abcdef"], 4)
     a, b, c = (tokenizer.ids[s] for s in "abc")
@@ -285,6 +293,66 @@ def test_causal_attention_ignores_later_tokens(tiny):
     changed = ids.copy()
     changed[0, 8:] = 7
     np.testing.assert_allclose(np.asarray(model(ids))[0, :8], np.asarray(model(changed))[0, :8], atol=1e-5)
+
+
+# --- keras-hub presets ---------------------------------------------------------------------------
+
+PRESETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@pytest.mark.parametrize("name, layers, tied", [("keras_hub_llama", 2, True), ("keras_hub_llama3", 11, False)])
+def test_a_keras_hub_preset_computes_what_keras_hub_computes(name, layers, tied):
+    """keras-hub wrote these presets, and beside them its logits for fixed ids and its token ids for
+    test strings (tests/data/make_keras_hub_presets.py); madp reads them without keras-hub."""
+    path = os.path.join(PRESETS, name)
+    expected = json.load(open(os.path.join(path, "expected.json"), encoding="utf-8"))
+    loaded = pretrained.read_pretrained(path)
+    assert (loaded.config.layers, loaded.config.tied_output, loaded.config.context_length) == (layers, tied, None)
+    logits = np.asarray(pretrained.pretrained_model(loaded)(np.array(expected["token_ids"], np.int32)))
+    np.testing.assert_allclose(logits, np.array(expected["logits"]), atol=1e-4)
+    tokenizer = loaded.tokenizer
+    assert [tokenizer.encode(text) for text in expected["strings"]] == expected["encoded"]
+    assert (tokenizer.bos, tokenizer.eos) == (expected["bos"], expected["eos"])
+    for text in expected["strings"]:
+        assert tokenizer.decode([tokenizer.bos, *tokenizer.encode(text), tokenizer.eos]) == text
+
+
+def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
+    import shutil
+
+    def preset(name: str, edit=None, remove: str | None = None) -> str:
+        path = tmp_path / name
+        shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), path)
+        if edit:
+            file, change = edit
+            value = json.load(open(path / file))
+            change(value)
+            json.dump(value, open(path / file, "w"))
+        if remove:
+            os.remove(path / remove)
+        return str(path)
+
+    with pytest.raises(InputError, match="a directory without config.json \\(not a keras-hub preset\\)"):
+        pretrained.read_pretrained(str(tmp_path))
+    gemma = preset("gemma", ("config.json", lambda c: c.update(class_name="GemmaBackbone")))
+    with pytest.raises(InputError, match="a 'GemmaBackbone' preset; madp reads the keras-hub backbones"):
+        pretrained.read_pretrained(gemma)
+    scaled = preset("scaled", ("config.json", lambda c: c["config"].update(rope_frequency_adjustment_factor=8.0)))
+    with pytest.raises(InputError, match="RoPE scaling .* is not implemented"):
+        pretrained.read_pretrained(scaled)
+    spm = preset("spm", ("tokenizer.json", lambda c: c.update(class_name="LlamaTokenizer")))
+    with pytest.raises(InputError, match="a 'LlamaTokenizer' tokenizer; madp reads keras-hub's Llama3Tokenizer"):
+        pretrained.read_pretrained(spm)
+    with pytest.raises(InputError, match="no model.weights.h5"):
+        pretrained.read_pretrained(preset("sharded", remove="model.weights.h5"))
+    with pytest.raises(InputError, match="unreadable tokenizer"):
+        pretrained.read_pretrained(preset("no-merges", remove="assets/tokenizer/merges.txt"))
+    deeper = preset("deeper", ("config.json", lambda c: c["config"].update(num_layers=3)))
+    with pytest.raises(InputError, match="has no 'layers/llama_transformer_decoder_2/_self_attention_layernorm"):
+        pretrained.pretrained_model(pretrained.read_pretrained(deeper))
+    wider = preset("wider", ("config.json", lambda c: c["config"].update(intermediate_dim=32)))
+    with pytest.raises(InputError, match="_feedforward_gate_dense/vars/0 holds shape \\(16, 24\\)"):
+        pretrained.pretrained_model(pretrained.read_pretrained(wider))
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -455,11 +523,18 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
 def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     from madp.cli import main
 
-    _, batches, _ = text_batches
+    _, batches, evaluation = text_batches
     out = str(tmp_path / "out")
     assert main(["-q", "train", batches, out, "--model", "causal-lm", "--mechanism", "none",
                  "--pretrained", str(tmp_path / "nothing.gguf")]) != 0  # fmt: skip
     assert "nothing.gguf: no such file" in capsys.readouterr().err
+    preset = os.path.join(PRESETS, "keras_hub_llama")  # a keras-hub preset, fine-tuned with DP-SGD and LoRA
+    assert main(["-q", "train", batches, out, "--model", "causal-lm", "--pretrained", preset, "--lora-rank", "2",
+                 "--max-length", "12", "--noise-multiplier", "0.5", "--noise-seed", "1", "--eval-data", evaluation,
+                 "--eval-every", "4"]) == 0  # fmt: skip
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert metrics["pretrained_eval"]["tokens"] == metrics["final"]["tokens"] > 100
+    assert metrics["final"]["loss"] != metrics["pretrained_eval"]["loss"]
 
 
 # --- the real model (when `make pretrained` fetched it) -----------------------------------------

@@ -75,7 +75,7 @@ class TrainOptions:
     warmup_steps: int = 0  # warmup-cosine: steps of linear warmup
     checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
     resume: bool = False  # continue from the last checkpoint of OUTPUT
-    pretrained: str | None = None  # causal-lm: the GGUF file of the pretrained model (weights and tokenizer)
+    pretrained: str | None = None  # causal-lm: the pretrained model's GGUF file or keras-hub preset directory
     lora_rank: int = 0  # causal-lm: train LoRA adapters of this rank only (0: every weight)
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
@@ -160,7 +160,7 @@ class TrainOptions:
             (self.checkpoint_every is None or self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
             (
                 (self.model == "causal-lm") == (self.pretrained is not None),
-                "--model causal-lm needs --pretrained PATH.gguf, and --pretrained needs --model causal-lm",
+                "--model causal-lm needs --pretrained PATH, and --pretrained needs --model causal-lm",
             ),
             (
                 self.lora_rank >= 0 and (self.lora_rank == 0 or self.model == "causal-lm"),

@@ -1,14 +1,23 @@
-"""A pretrained Llama-architecture causal language model read from a GGUF file (llama.cpp's format).
+"""A pretrained Llama-architecture causal language model, read from a GGUF file (llama.cpp's format) or
+a keras-hub preset directory (what `save_to_preset` writes), without llama.cpp or keras-hub.
 
-- `read_pretrained(path)`: the file's configuration (`LlamaConfig`), its byte-level BPE tokenizer
-  (`BpeTokenizer`, from the vocabulary and merges in its metadata) and its tensors, dequantized to
-  float32 with the `gguf` package. Only the metadata is read up front; tensors are read when loaded.
+- `read_pretrained(path)`: the configuration (`LlamaConfig`), the byte-level BPE tokenizer
+  (`BpeTokenizer`: a GGUF file's vocabulary and merges from its metadata; a preset's from
+  `assets/tokenizer/`) and, read when loaded, the weights: GGUF tensors dequantized to float32 with the
+  `gguf` package, or a preset's `model.weights.h5` read with h5py.
 - `llama_model(config)`: the architecture in tf_keras: token embedding, N blocks of RMSNorm ->
   grouped-query causal self-attention with rotary position embeddings -> residual, RMSNorm ->
   SwiGLU MLP -> residual, then a final RMSNorm and the LM head (the embedding, transposed, when the
   file has no `output.weight`). Projections are plain Dense layers; the custom layers (RMSNorm, the
   weightless rotary attention, the tied embedding) are registered for model.keras.
 - `load_weights(model, pretrained)`: the file's tensors into that model.
+
+Preset facts this relies on (keras-hub 0.32's LlamaBackbone and Llama3Backbone): `config.json` names
+the backbone class and its sizes; `model.weights.h5` holds each layer's variables under
+`layers/<layer>/.../vars/<i>`, the decoder blocks as `llama_transformer_decoder`, `..._1`, ... in
+order; attention kernels are EinsumDense [width, heads, head_dim] (output: [heads, head_dim, width])
+and its RoPE rotates halves, like Hugging Face's; `reversible_embedding/vars/1`, when present, is the
+separate LM head [width, vocabulary].
 
 GGUF facts this relies on: a 2-D tensor of GGUF shape [n_in, n_out] is stored row-major as a numpy
 array [n_out, n_in] (PyTorch's Linear layout; a Keras kernel is its transpose), and llama.cpp's
@@ -21,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import sys
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,9 +50,15 @@ import tf_keras  # noqa: E402
 ARCHITECTURE = "llama"
 GGUF_MAGIC = b"GGUF"
 CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special tokens (<|endoftext|>, <|im_start|>, ...)
-# Pre-tokenizers (tokenizer.ggml.pre) implemented here, and whether each splits every digit off on its
-# own first (Hugging Face's Digits(individual_digits=True) before the byte-level regex: SmolLM's).
-PRE_TOKENIZERS = {"gpt2": False, "smollm": True}
+# Pre-tokenizers implemented here, by llama.cpp's names (tokenizer.ggml.pre): GPT-2's byte-level
+# regex; SmolLM's, which first splits every digit off on its own (Hugging Face's
+# Digits(individual_digits=True)); Llama 3's ("llama-bpe"), which keras-hub's BytePairTokenizer also
+# applies on its Python path.
+PRE_TOKENIZERS = ("gpt2", "smollm", "llama-bpe")
+# keras-hub backbones of this architecture, and the tokenizer class whose special tokens madp knows
+PRESET_BACKBONES = ("LlamaBackbone", "Llama3Backbone")
+PRESET_TOKENIZER = "Llama3Tokenizer"
+LLAMA3_BOS, LLAMA3_EOS = "<|begin_of_text|>", "<|end_of_text|>"  # what keras-hub's Llama3Tokenizer uses
 
 
 # --- reading the file ---------------------------------------------------------------------------
@@ -61,32 +77,27 @@ class LlamaConfig:
     head_dim: int  # llama.rope.dimension_count, else width / heads
     rope_base: float  # llama.rope.freq_base: the rotary frequencies are base^(-2i/head_dim)
     norm_epsilon: float  # llama.attention.layer_norm_rms_epsilon
-    context_length: int  # llama.context_length: the longest sequence it was trained on
-    tied_output: bool  # no output.weight: the LM head is the token embedding, transposed
+    context_length: int | None  # llama.context_length: the longest sequence it was trained on (None: not said)
+    tied_output: bool  # no separate LM head: it is the token embedding, transposed
 
 
+@dataclasses.dataclass(frozen=True)
 class Pretrained:
-    """An open GGUF file: its configuration, tokenizer and (read on demand) float32 tensors."""
+    """A pretrained model: where it is, its configuration and tokenizer, and `layer_weights()`, which
+    reads its weights as float32 arrays by layer name of `llama_model` (in get_weights() order)."""
 
-    def __init__(self, path: str, reader: Any, config: LlamaConfig, tokenizer: BpeTokenizer):
-        self.path, self.reader, self.config, self.tokenizer = path, reader, config, tokenizer
-        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
-
-    def tensor(self, name: str) -> np.ndarray:
-        """A tensor dequantized to float32, in numpy's order of GGUF's shape reversed ([n_out, n_in])."""
-        import gguf
-
-        found = self._tensors.get(name)
-        if found is None:
-            raise InputError(f"--pretrained {self.path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
-        values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
-        shape = tuple(int(n) for n in reversed(found.shape.tolist()))
-        return np.asarray(values, dtype=np.float32).reshape(shape)
+    path: str
+    config: LlamaConfig
+    tokenizer: BpeTokenizer
+    layer_weights: Callable[[], dict[str, list[np.ndarray]]]
 
 
 def read_pretrained(path: str) -> Pretrained:
-    """The configuration and tokenizer of a GGUF file of a Llama-architecture model (InputError if it
-    is missing, is not a GGUF file, or holds another architecture or tokenizer)."""
+    """The configuration and tokenizer of a Llama-architecture model in a GGUF file or a keras-hub
+    preset directory (InputError if it is missing, unreadable, or holds another architecture or
+    tokenizer); its weights are read by `layer_weights()`."""
+    if os.path.isdir(path):
+        return read_preset(path)
     reader = _open_gguf(path)
     fields = _Fields(path, reader)
     architecture = fields.get("general.architecture")
@@ -110,9 +121,16 @@ def read_pretrained(path: str) -> Pretrained:
         context_length=int(fields.get("llama.context_length")),
         tied_output="output.weight" not in names,
     )
+    _check_sizes(path, config)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    return Pretrained(
+        path, config, _tokenizer(path, fields, tokens), functools.partial(gguf_weights, path, tensors, config)
+    )
+
+
+def _check_sizes(path: str, config: LlamaConfig) -> None:
     if config.heads % config.kv_heads or config.head_dim * config.heads != config.width or config.head_dim % 2:
         raise InputError(f"--pretrained {path}: inconsistent attention sizes {config}")
-    return Pretrained(path, reader, config, _tokenizer(path, fields, tokens))
 
 
 def _open_gguf(path: str):
@@ -154,7 +172,7 @@ def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise InputError(
             f"--pretrained {path}: tokenizer {model!r} with pre-tokenizer {pre!r}; madp implements byte-level "
-            f"BPE ('gpt2') with the pre-tokenizers {sorted(PRE_TOKENIZERS)}"
+            f"BPE ('gpt2') with the pre-tokenizers {list(PRE_TOKENIZERS)}"
         )
     types = fields.get("tokenizer.ggml.token_type", [])
     eos = int(fields.get("tokenizer.ggml.eos_token_id"))
@@ -164,9 +182,142 @@ def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
         bos=int(fields.get("tokenizer.ggml.bos_token_id", eos)),
         eos=eos,
         pad=int(fields.get("tokenizer.ggml.padding_token_id", eos)),
-        digits_apart=PRE_TOKENIZERS[pre],
+        pre_tokenizer=pre,
         control=frozenset(i for i, kind in enumerate(types) if kind == CONTROL_TOKEN),
     )
+
+
+# --- reading a keras-hub preset ------------------------------------------------------------------
+
+
+def read_preset(path: str) -> Pretrained:
+    """A keras-hub preset directory of a Llama backbone (`PRESET_BACKBONES`, no RoPE scaling) with a
+    Llama 3 byte-level BPE tokenizer: `config.json`, `model.weights.h5`, `tokenizer.json` and
+    `assets/tokenizer/{vocabulary.json, merges.txt}`."""
+    backbone = _preset_json(path, "config.json")
+    if backbone.get("class_name") not in PRESET_BACKBONES:
+        raise InputError(
+            f"--pretrained {path}: a {backbone.get('class_name')!r} preset; madp reads the keras-hub backbones "
+            f"{list(PRESET_BACKBONES)}"
+        )
+    c = backbone.get("config", {})
+    scaled = {key: c.get(key) for key in ("rope_position_scaling_factor", "rope_frequency_adjustment_factor")}
+    if scaled["rope_position_scaling_factor"] not in (None, 1, 1.0) or scaled["rope_frequency_adjustment_factor"]:
+        raise InputError(f"--pretrained {path}: RoPE scaling ({scaled}) is not implemented; madp's RoPE is unscaled")
+    weights = os.path.join(path, "model.weights.h5")
+    if not os.path.isfile(weights):
+        raise InputError(f"--pretrained {path}: no model.weights.h5 (sharded preset weights are not read)")
+    try:
+        import h5py
+
+        with h5py.File(weights, "r") as store:
+            tied = _HEAD not in store
+        width, heads = int(c["hidden_dim"]), int(c["num_query_heads"])
+        config = LlamaConfig(
+            vocabulary=int(c["vocabulary_size"]),
+            layers=int(c["num_layers"]),
+            width=width,
+            hidden=int(c["intermediate_dim"]),
+            heads=heads,
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=width // heads,
+            rope_base=float(c.get("rope_max_wavelength", 10000.0)),
+            norm_epsilon=float(c.get("layer_norm_epsilon", 1e-6)),
+            context_length=c.get("rope_pretraining_sequence_length"),
+            tied_output=tied,
+        )
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise InputError(f"--pretrained {path}: unreadable preset ({type(error).__name__}: {error})") from None
+    _check_sizes(path, config)
+    return Pretrained(path, config, _preset_tokenizer(path), functools.partial(preset_weights, path, config))
+
+
+def _preset_json(path: str, name: str) -> dict:
+    try:
+        with open(os.path.join(path, name), encoding="utf-8") as handle:
+            value = json.load(handle)
+    except FileNotFoundError:
+        raise InputError(f"--pretrained {path}: a directory without {name} (not a keras-hub preset)") from None
+    except (OSError, ValueError) as error:
+        raise InputError(f"--pretrained {path}: unreadable {name} ({error})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"--pretrained {path}: {name} is not a JSON object")
+    return value
+
+
+def _preset_tokenizer(path: str) -> BpeTokenizer:
+    """keras-hub's Llama3Tokenizer: its vocabulary and merges, Llama 3's pre-tokenizer, and its special
+    tokens (`unsplittable_tokens`) as control tokens."""
+    tokenizer = _preset_json(path, "tokenizer.json")
+    assets = os.path.join(path, "assets", "tokenizer")
+    if tokenizer.get("class_name") != PRESET_TOKENIZER:
+        raise InputError(
+            f"--pretrained {path}: a {tokenizer.get('class_name')!r} tokenizer; madp reads keras-hub's "
+            f"{PRESET_TOKENIZER} (byte-level BPE; SentencePiece tokenizers are not implemented)"
+        )
+    try:
+        with open(os.path.join(assets, "vocabulary.json"), encoding="utf-8") as handle:
+            vocabulary = json.load(handle)
+        with open(os.path.join(assets, "merges.txt"), encoding="utf-8") as handle:
+            merges = [line.rstrip("\n") for line in handle if line.strip() and not line.startswith("#version")]
+        tokens = [""] * (max(vocabulary.values()) + 1)
+        for token, index in vocabulary.items():
+            tokens[int(index)] = token
+        special = tokenizer.get("config", {}).get("unsplittable_tokens") or [LLAMA3_BOS, LLAMA3_EOS]
+        bos, eos = vocabulary[LLAMA3_BOS], vocabulary[LLAMA3_EOS]
+        control = frozenset(vocabulary[token] for token in special if token in vocabulary)
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as error:
+        raise InputError(
+            f"--pretrained {path}: unreadable tokenizer in {assets} ({type(error).__name__}: {error})"
+        ) from None
+    # keras-hub pads Llama 3 with id 0; padding is never attended to (attention is causal) nor scored
+    return BpeTokenizer(tokens, merges, bos=bos, eos=eos, pad=0, pre_tokenizer="llama-bpe", control=control)
+
+
+_HEAD = "layers/reversible_embedding/vars/1"  # a separate LM head; absent when tied to the embedding
+
+
+def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]]:
+    """The weights of each layer of `llama_model`, by layer name, from a preset's model.weights.h5."""
+    import h5py
+
+    c = config
+    with h5py.File(os.path.join(path, "model.weights.h5"), "r") as store:
+
+        def read(key: str, shape: tuple[int, ...]) -> list[np.ndarray]:
+            if key not in store:
+                raise InputError(
+                    f"--pretrained {path}: model.weights.h5 has no {key!r} (a {c.layers}-block Llama has one)"
+                )
+            values = np.asarray(store[key], dtype=np.float32)
+            if values.size != math.prod(shape):
+                raise InputError(
+                    f"--pretrained {path}: {key} holds shape {values.shape}, the configuration says {shape}"
+                )
+            return [values.reshape(shape)]
+
+        q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        weights = {
+            "token_embd": read("layers/reversible_embedding/vars/0", (c.vocabulary, c.width)),
+            "output_norm": read("layers/llama_layer_norm/vars/0", (c.width,)),
+        }
+        if not c.tied_output:
+            weights["output"] = read(_HEAD, (c.width, c.vocabulary))
+        for i in range(c.layers):
+            block = "layers/llama_transformer_decoder" + (f"_{i}" if i else "") + "/"
+            for name, key, shape in (
+                ("attn_norm", "_self_attention_layernorm", (c.width,)),
+                ("ffn_norm", "_feedforward_layernorm", (c.width,)),
+                ("attn_q", "_self_attention_layer/_query_dense", (c.width, q)),
+                ("attn_k", "_self_attention_layer/_key_dense", (c.width, kv)),
+                ("attn_v", "_self_attention_layer/_value_dense", (c.width, kv)),
+                ("attn_output", "_self_attention_layer/_output_dense", (q, c.width)),
+                ("ffn_gate", "_feedforward_gate_dense", (c.width, c.hidden)),
+                ("ffn_up", "_feedforward_intermediate_dense", (c.width, c.hidden)),
+                ("ffn_down", "_feedforward_output_dense", (c.hidden, c.width)),
+            ):
+                weights[f"blk_{i}_{name}"] = read(f"{block}{key}/vars/0", shape)
+    return weights
 
 
 # --- the tokenizer ------------------------------------------------------------------------------
@@ -213,6 +364,18 @@ def _pieces_pattern() -> tuple[re.Pattern, re.Pattern]:
     return words, re.compile(f"([{numbers}])")
 
 
+@functools.cache
+def _llama3_pattern() -> re.Pattern:
+    """Llama 3's pre-tokenization regex: contractions in any case, a word of letters behind at most one
+    other character (not a newline), numbers in runs of at most three digits, other symbols with their
+    leading space and trailing newlines, and runs of whitespace as GPT-2's."""
+    letters, numbers = _character_class("L"), _character_class("N")
+    return re.compile(
+        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{letters}{numbers}]?[{letters}]+|[{numbers}]{{1,3}}"
+        rf"| ?[^\s{letters}{numbers}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+
+
 class BpeTokenizer:
     """Byte-level BPE as GPT-2's: text -> pre-tokenized pieces -> UTF-8 bytes as printable symbols ->
     the merges applied by rank within each piece -> token ids. Special (control) tokens are not
@@ -225,13 +388,15 @@ class BpeTokenizer:
         bos: int,
         eos: int,
         pad: int,
-        digits_apart: bool,
+        pre_tokenizer: str,
         control: frozenset[int] = frozenset(),
     ):
         self.tokens = list(tokens)
         self.ids = {token: i for i, token in enumerate(self.tokens)}
         self.ranks = {tuple(merge.split(" ", 1)): rank for rank, merge in enumerate(merges)}
-        self.bos, self.eos, self.pad, self.digits_apart, self.control = bos, eos, pad, digits_apart, control
+        if pre_tokenizer not in PRE_TOKENIZERS:
+            raise ValueError(f"pre-tokenizer {pre_tokenizer!r}, not one of {PRE_TOKENIZERS}")
+        self.bos, self.eos, self.pad, self.pre_tokenizer, self.control = bos, eos, pad, pre_tokenizer, control
         self.byte_of = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
         self._cache: dict[str, tuple[int, ...]] = {}
 
@@ -240,10 +405,14 @@ class BpeTokenizer:
 
     def pieces(self, text: str) -> Iterator[str]:
         """The pre-tokenized pieces of a text, in order; they concatenate to the text."""
+        if self.pre_tokenizer == "llama-bpe":
+            yield from _llama3_pattern().findall(text)
+            return
         words, number = _pieces_pattern()
-        parts = number.split(text) if self.digits_apart else [text]
+        digits_apart = self.pre_tokenizer == "smollm"
+        parts = number.split(text) if digits_apart else [text]
         for index, part in enumerate(parts):
-            if self.digits_apart and index % 2:  # the split's captured separators: one number character each
+            if digits_apart and index % 2:  # the split's captured separators: one number character each
                 yield part
             else:
                 yield from words.findall(part)
@@ -501,9 +670,20 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_weights(pretrained: Pretrained) -> dict[str, list[np.ndarray]]:
-    """The weights of each layer of `llama_model`, by layer name, from the GGUF tensors."""
-    c, tensor = pretrained.config, pretrained.tensor
+def gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dict[str, list[np.ndarray]]:
+    """The weights of each layer of `llama_model`, by layer name, from the GGUF tensors (by name)."""
+    import gguf
+
+    def tensor(name: str) -> np.ndarray:
+        """A tensor dequantized to float32, in numpy's order of GGUF's shape reversed ([n_out, n_in])."""
+        found = tensors.get(name)
+        if found is None:
+            raise InputError(f"--pretrained {path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
+        values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
+        shape = tuple(int(n) for n in reversed(found.shape.tolist()))
+        return np.asarray(values, dtype=np.float32).reshape(shape)
+
+    c = config
     weights = {"token_embd": [tensor("token_embd.weight")], "output_norm": [tensor("output_norm.weight")]}
     if not c.tied_output:
         weights["output"] = [tensor("output.weight").T]
@@ -519,8 +699,8 @@ def gguf_weights(pretrained: Pretrained) -> dict[str, list[np.ndarray]]:
 
 
 def load_weights(model, pretrained: Pretrained) -> None:
-    """Set `llama_model(pretrained.config)`'s weights to the file's (InputError on a shape mismatch)."""
-    for name, values in gguf_weights(pretrained).items():
+    """Set `llama_model(pretrained.config)`'s weights to the pretrained ones (InputError on a shape mismatch)."""
+    for name, values in pretrained.layer_weights().items():
         layer = model.get_layer(name)
         layer = layer.base if isinstance(layer, LoraDense) else layer  # the adapters keep their initialization
         expected = [tuple(w.shape) for w in layer.get_weights()]
@@ -533,7 +713,7 @@ def load_weights(model, pretrained: Pretrained) -> None:
 
 
 def pretrained_model(pretrained: Pretrained, length: int | None = None, lora_rank: int = 0):
-    """`llama_model` of the file's configuration with its weights (and LoRA adapters of `lora_rank`)."""
+    """`llama_model` of the pretrained configuration with its weights (and LoRA adapters of `lora_rank`)."""
     model = llama_model(pretrained.config, length, lora_rank)
     load_weights(model, pretrained)
     return model

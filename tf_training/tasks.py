@@ -443,9 +443,10 @@ class ByteLmTask(_TextTask):
 
 
 class CausalLmTask(_TextTask):
-    """A pretrained causal LM (--pretrained: a GGUF file) fine-tuned on a text's first --max-length
-    tokens, with the file's own tokenizer: nothing of it is learned from the data. Loss and perplexity
-    per token; `pretrained_eval` is the untrained model's, on the evaluation data."""
+    """A pretrained causal LM (--pretrained: a GGUF file or a keras-hub preset directory) fine-tuned on
+    a text's first --max-length tokens, with the model's own tokenizer: nothing of it is learned from
+    the data. Loss and perplexity per token; `pretrained_eval` is the untrained model's, on the
+    evaluation data."""
 
     headline = "perplexity"
 
@@ -453,10 +454,10 @@ class CausalLmTask(_TextTask):
         super().__init__(options, schema)
         self.names = [options.text_column]
         self.pretrained = pretrained.read_pretrained(options.pretrained or "")
-        if options.max_length > self.pretrained.config.context_length:  # RoPE positions it never saw
+        context = self.pretrained.config.context_length
+        if context is not None and options.max_length > context:  # RoPE positions it never saw
             raise InputError(
-                f"--max-length {options.max_length} exceeds the context length of --pretrained "
-                f"({self.pretrained.config.context_length} tokens)"
+                f"--max-length {options.max_length} exceeds the context length of --pretrained ({context} tokens)"
             )
         self.model = None
         self.pretrained_eval: dict | None = None

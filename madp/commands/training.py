@@ -74,9 +74,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     text.add_argument(
         "--pretrained",
-        metavar="PATH.gguf",
-        help="causal-lm: the pretrained model, a local GGUF file of a Llama-architecture model (weights and "
-        "tokenizer; `make pretrained` fetches SmolLM2-135M-Instruct)",
+        metavar="PATH",
+        help="causal-lm: the pretrained model (weights and tokenizer) of a Llama architecture, a local GGUF "
+        "file or keras-hub preset directory (LlamaBackbone or Llama3Backbone with a Llama3Tokenizer); "
+        "`make pretrained` fetches SmolLM2-135M-Instruct as GGUF",
     )
     text.add_argument(
         "--lora-rank",
