@@ -19,7 +19,7 @@ the same rounds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import apache_beam as beam
 import numpy as np
@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from madp.beam import files
-from madp.beam.bound_rounds import NO_USERS, UserPartition, round_stat
+from madp.beam.bound_rounds import NO_USERS, NarrowedWhenPickled, UserPartition, round_stat
 from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
 from madp.beam.record_chunks import RecordPartitions
 from madp.core import records as rec
@@ -46,7 +46,7 @@ from madp.core.selection import BoundOptions, alternate_runs, user_distribution_
 
 
 @dataclasses.dataclass
-class RecordPartition:
+class RecordPartition(NarrowedWhenPickled):
     """A record partition's records (keys sorted) and the selection of earlier pipeline runs."""
 
     part: int
@@ -56,9 +56,11 @@ class RecordPartition:
     copies: np.ndarray  # selected so far
     in_pass: np.ndarray  # selected in the pass in progress
 
+    WORKING_DTYPES: ClassVar[dict[str, type]] = {"keys": np.int64, "arity": np.int64, "copies": np.int64}
+
 
 @dataclasses.dataclass
-class Incidences:
+class Incidences(NarrowedWhenPickled):
     """A record partition's incidences bound for one user partition: per incidence its user and
     record (an index into the per-record arrays), per record what the user partition keeps."""
 
@@ -76,9 +78,20 @@ class Incidences:
     dropped_users: pa.Array  # the distinct users of the incidences the certificate dropped here,
     dropped_counts: np.ndarray  # and how many each: they count in the input's statistics only
 
+    WORKING_DTYPES: ClassVar[dict[str, type]] = {
+        "record": np.int64,
+        "record_keys": np.int64,
+        "arity": np.int32,
+        "peer_offsets": np.int64,
+        "peers": np.int32,
+        "copies": np.int64,
+        "dropped_counts": np.int64,
+    }
+
     @property
     def nbytes(self) -> int:
-        return sum(value.nbytes for value in vars(self).values() if isinstance(value, (np.ndarray, pa.Array)))
+        """The bytes of the arrays that travel."""
+        return sum(v.nbytes for v in self.__getstate__().values() if isinstance(v, (np.ndarray, pa.Array)))
 
 
 def state_path(state_dir: str, part: int) -> str:

@@ -47,6 +47,31 @@ STATE, ACCEPTED, DEAD, PROGRESS = "state", "accepted", "dead", "progress"
 NO_USERS = np.zeros(0, np.int64)
 
 
+def narrowed(values: np.ndarray) -> np.ndarray:
+    """Integers in the narrowest dtype that holds them all (int8 ... int64, or unsigned where none is
+    negative): what travels is smaller, and the receiver casts back."""
+    if not len(values):
+        return values.astype(np.uint8)
+    dtype = np.result_type(np.min_scalar_type(values.min()), np.min_scalar_type(values.max()))
+    # a negative and a value above int64's half give float64: keep those as they are
+    return values.astype(dtype) if dtype.kind in "iu" and dtype.itemsize < values.dtype.itemsize else values
+
+
+class NarrowedWhenPickled:
+    """A dataclass of arrays whose integer arrays named in `WORKING_DTYPES` travel `narrowed` (Beam
+    pickles the elements it has no coder for) and are cast back to those dtypes on arrival."""
+
+    WORKING_DTYPES: typing.ClassVar[dict[str, type]] = {}
+
+    def __getstate__(self) -> dict:
+        narrow = self.WORKING_DTYPES
+        return {name: narrowed(value) if name in narrow else value for name, value in vars(self).items()}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update({name: state[name].astype(dtype) for name, dtype in self.WORKING_DTYPES.items()})
+        vars(self).update({name: value for name, value in state.items() if name not in self.WORKING_DTYPES})
+
+
 def round_stat(iteration: int, what: str) -> str:
     return f"round_{iteration:05d}_{what}"
 
@@ -67,20 +92,21 @@ class UserPartition:
     def __getstate__(self) -> dict:
         """The compact form the runner carries (Beam pickles elements it has no coder for): what the
         kernels derive again is left out (each incidence's user, from the users' incidence counts),
-        positions and counts take 32 bits (a partition holds fewer than 2^31 incidences), flags 1 bit."""
+        every integer array takes the narrowest dtype that holds its values (`narrowed`: a key,
+        count, arity or partition number is often one or two bytes), flags 1 bit."""
         side = self.side
         return {
             "part": self.part,
-            "user_incidences": np.diff(np.append(side.first_incidence, len(side.inc_user))).astype(np.int32),
-            "inc_record": side.inc_record.astype(np.int32),
-            "record_keys": side.record_keys,
-            "residual": side.residual,
-            "capacity": side.capacity,
+            "user_incidences": narrowed(np.diff(np.append(side.first_incidence, len(side.inc_user)))),
+            "inc_record": narrowed(side.inc_record),
+            "record_keys": narrowed(side.record_keys),
+            "residual": narrowed(side.residual),
+            "capacity": narrowed(side.capacity),
             "eligible": np.packbits(side.eligible),
-            "arity": self.arity.astype(np.int32),
-            "record_partition": self.record_partition.astype(np.int32),
-            "peer_counts": np.diff(self.peer_offsets).astype(np.int32),
-            "peers": self.peers.astype(np.int32),
+            "arity": narrowed(self.arity),
+            "record_partition": narrowed(self.record_partition),
+            "peer_counts": narrowed(np.diff(self.peer_offsets)),
+            "peers": narrowed(self.peers),
         }
 
     def packed(self) -> bytes:
@@ -95,6 +121,7 @@ class UserPartition:
         return partition
 
     def __setstate__(self, state: dict) -> None:
+        """The working dtypes back: int64 for the kernels' arrays, int32 for the routing columns."""
         counts = state["user_incidences"].astype(np.int64)
         first_incidence = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         incidences = int(counts.sum())
@@ -102,16 +129,16 @@ class UserPartition:
         self.side = UserSide(
             inc_user=np.repeat(np.arange(len(counts), dtype=np.int64), counts),
             inc_record=state["inc_record"].astype(np.int64),
-            record_keys=state["record_keys"],
+            record_keys=state["record_keys"].astype(np.int64),
             first_incidence=first_incidence,
-            residual=state["residual"],
-            capacity=state["capacity"],
+            residual=state["residual"].astype(np.int64),
+            capacity=state["capacity"].astype(np.int64),
             eligible=np.unpackbits(state["eligible"], count=incidences).astype(bool),
         )
-        self.arity = state["arity"]
-        self.record_partition = state["record_partition"]
-        self.peer_offsets = np.concatenate([[0], np.cumsum(state["peer_counts"])]).astype(np.int64)
-        self.peers = state["peers"]
+        self.arity = state["arity"].astype(np.int32)
+        self.record_partition = state["record_partition"].astype(np.int32)
+        self.peer_offsets = np.concatenate([[0], np.cumsum(state["peer_counts"], dtype=np.int64)]).astype(np.int64)
+        self.peers = state["peers"].astype(np.int32)
 
     def owned(self) -> np.ndarray:
         """Per record, whether this is the lowest user partition among its users'."""
@@ -183,7 +210,7 @@ class _Propose(beam.DoFn):
         records = np.flatnonzero(counts)
         shuffled = len(element[1])  # the packed partition, on to the join with its acceptances
         for record_part, index in split_by_partition(records, state.record_partition[records]):
-            message = (part, state.side.record_keys[index], counts[index].astype(np.int32), state.arity[index])
+            message = (part, state.side.record_keys[index], narrowed(counts[index]), narrowed(state.arity[index]))
             shuffled += sum(a.nbytes for a in message[1:])
             yield beam.pvalue.TaggedOutput("proposals", (record_part, message))
         yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled)
