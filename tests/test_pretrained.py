@@ -340,6 +340,13 @@ def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
     scaled = preset("scaled", ("config.json", lambda c: c["config"].update(rope_frequency_adjustment_factor=8.0)))
     with pytest.raises(InputError, match="RoPE scaling .* is not implemented"):
         pretrained.read_pretrained(scaled)
+    for name, change, message in (
+        ("null", lambda c: c.update(config=None), "config.json has no backbone configuration"),
+        ("headless", lambda c: c["config"].update(num_query_heads=0), "unreadable preset \\(ZeroDivisionError"),
+        ("small", lambda c: c["config"].update(vocabulary_size=100), "the tokenizer has 301 tokens, the model's vo"),
+    ):
+        with pytest.raises(InputError, match=message):
+            pretrained.read_pretrained(preset(name, ("config.json", change)))
     spm = preset("spm", ("tokenizer.json", lambda c: c.update(class_name="LlamaTokenizer")))
     with pytest.raises(InputError, match="a 'LlamaTokenizer' tokenizer; madp reads keras-hub's Llama3Tokenizer"):
         pretrained.read_pretrained(spm)

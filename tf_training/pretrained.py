@@ -129,8 +129,11 @@ def read_pretrained(path: str) -> Pretrained:
 
 
 def _check_sizes(path: str, config: LlamaConfig) -> None:
-    if config.heads % config.kv_heads or config.head_dim * config.heads != config.width or config.head_dim % 2:
-        raise InputError(f"--pretrained {path}: inconsistent attention sizes {config}")
+    sizes = (config.vocabulary, config.layers, config.width, config.hidden, config.heads, config.kv_heads)
+    if min(sizes) < 1 or config.heads % config.kv_heads or config.head_dim * config.heads != config.width:
+        raise InputError(f"--pretrained {path}: inconsistent sizes {config}")
+    if config.head_dim % 2:  # RoPE rotates the two halves of a head
+        raise InputError(f"--pretrained {path}: an odd head size {config.head_dim}")
 
 
 def _open_gguf(path: str):
@@ -200,7 +203,9 @@ def read_preset(path: str) -> Pretrained:
             f"--pretrained {path}: a {backbone.get('class_name')!r} preset; madp reads the keras-hub backbones "
             f"{list(PRESET_BACKBONES)}"
         )
-    c = backbone.get("config", {})
+    c = backbone.get("config")
+    if not isinstance(c, dict):
+        raise InputError(f"--pretrained {path}: config.json has no backbone configuration ('config')")
     scaled = {key: c.get(key) for key in ("rope_position_scaling_factor", "rope_frequency_adjustment_factor")}
     if scaled["rope_position_scaling_factor"] not in (None, 1, 1.0) or scaled["rope_frequency_adjustment_factor"]:
         raise InputError(f"--pretrained {path}: RoPE scaling ({scaled}) is not implemented; madp's RoPE is unscaled")
@@ -226,10 +231,16 @@ def read_preset(path: str) -> Pretrained:
             context_length=c.get("rope_pretraining_sequence_length"),
             tied_output=tied,
         )
-    except (OSError, KeyError, TypeError, ValueError) as error:
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError) as error:
         raise InputError(f"--pretrained {path}: unreadable preset ({type(error).__name__}: {error})") from None
     _check_sizes(path, config)
-    return Pretrained(path, config, _preset_tokenizer(path), functools.partial(preset_weights, path, config))
+    tokenizer = _preset_tokenizer(path)
+    if len(tokenizer) > config.vocabulary:
+        raise InputError(
+            f"--pretrained {path}: the tokenizer has {len(tokenizer)} tokens, "
+            f"the model's vocabulary {config.vocabulary}"
+        )
+    return Pretrained(path, config, tokenizer, functools.partial(preset_weights, path, config))
 
 
 def _preset_json(path: str, name: str) -> dict:
@@ -289,7 +300,10 @@ def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]
                 raise InputError(
                     f"--pretrained {path}: model.weights.h5 has no {key!r} (a {c.layers}-block Llama has one)"
                 )
-            values = np.asarray(store[key], dtype=np.float32)
+            try:
+                values = np.asarray(store[key], dtype=np.float32)
+            except (TypeError, ValueError, OSError) as error:
+                raise InputError(f"--pretrained {path}: unreadable {key} in model.weights.h5 ({error})") from None
             if values.size != math.prod(shape):
                 raise InputError(
                     f"--pretrained {path}: {key} holds shape {values.shape}, the configuration says {shape}"
