@@ -481,7 +481,7 @@ def test_lora_trains_the_adapters_only_and_saves_them(text_batches, tiny):
                            eval_every=4, noise_multiplier=0.5, noise_seed=1)  # fmt: skip
     out = directory / "trained-lora"
     result = train(batches, str(out), options)
-    assert result["lora_rank"] == 2 and result["learning_rate"] == 1e-3  # LoRA's default rate
+    assert result["lora_rank"] == 2 and result["learning_rate"] == 2e-3  # LoRA's default rate
     saved = tf_keras.models.load_model(str(out / "model.keras"), compile=False)
     start = pretrained.pretrained_model(pretrained.read_pretrained(tiny), 16, lora_rank=2)
     for before, after in zip(start.weights, saved.weights, strict=True):
