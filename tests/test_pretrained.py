@@ -317,20 +317,59 @@ def test_a_keras_hub_preset_computes_what_keras_hub_computes(name, layers, tied)
         assert tokenizer.decode([tokenizer.bos, *tokenizer.encode(text), tokenizer.eos]) == text
 
 
-def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
+def copied_preset(tmp_path, name: str, edit=None, remove: str | None = None) -> str:
+    """The tied fixture preset copied to tmp_path/name, with a JSON file edited ((file, change)) or a
+    file removed."""
     import shutil
 
+    path = tmp_path / name
+    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), path)
+    if edit:
+        file, change = edit
+        value = json.load(open(path / file))
+        change(value)
+        json.dump(value, open(path / file, "w"))
+    if remove:
+        os.remove(path / remove)
+    return str(path)
+
+
+def rewrite_weights(path: str, change) -> None:
+    """Apply change(store, name, values) to every dataset of a preset's model.weights.h5."""
+    import h5py
+
+    with h5py.File(os.path.join(path, "model.weights.h5"), "r+") as store:
+        names: list[str] = []
+        store.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
+        for name in names:
+            values = np.asarray(store[name])
+            del store[name]
+            change(store, name, values)
+
+
+def test_a_bfloat16_preset_reads_as_its_rounded_weights(tmp_path):
+    """Keras 3 saves bfloat16 weights as 2-byte opaque data marked dtype "bfloat16"."""
+    import ml_dtypes
+
+    path = copied_preset(tmp_path, "bf16")
+    original = pretrained.read_pretrained(path).layer_weights()
+
+    def to_bfloat16(store, name, values):
+        store.create_dataset(name, data=values.astype(ml_dtypes.bfloat16)).attrs["dtype"] = "bfloat16"
+
+    rewrite_weights(path, to_bfloat16)
+    for name, values in pretrained.read_pretrained(path).layer_weights().items():
+        rounded = original[name][0].astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(values[0], rounded, err_msg=name)
+    integers = copied_preset(tmp_path, "integers")
+    rewrite_weights(integers, lambda store, name, values: store.create_dataset(name, data=values.astype(np.int32)))
+    with pytest.raises(InputError, match="int32 data, not floating point"):
+        pretrained.read_pretrained(integers).layer_weights()
+
+
+def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
     def preset(name: str, edit=None, remove: str | None = None) -> str:
-        path = tmp_path / name
-        shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), path)
-        if edit:
-            file, change = edit
-            value = json.load(open(path / file))
-            change(value)
-            json.dump(value, open(path / file, "w"))
-        if remove:
-            os.remove(path / remove)
-        return str(path)
+        return copied_preset(tmp_path, name, edit, remove)
 
     with pytest.raises(InputError, match="a directory without config.json \\(not a keras-hub preset\\)"):
         pretrained.read_pretrained(str(tmp_path))
@@ -342,24 +381,51 @@ def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
         pretrained.read_pretrained(scaled)
     for name, change, message in (
         ("null", lambda c: c.update(config=None), "config.json has no backbone configuration"),
-        ("headless", lambda c: c["config"].update(num_query_heads=0), "unreadable preset \\(ZeroDivisionError"),
-        ("small", lambda c: c["config"].update(vocabulary_size=100), "the tokenizer has 301 tokens, the model's vo"),
+        ("headless", lambda c: c["config"].update(num_query_heads=0), "num_query_heads is 0, not a positive whole"),
+        ("fraction", lambda c: c["config"].update(num_layers=2.5), "num_layers is 2.5, not a positive whole number"),
+        ("rope", lambda c: c["config"].update(rope_max_wavelength=-1), "rope_max_wavelength is -1, not a positive fin"),
+        ("deeper", lambda c: c["config"].update(num_layers=3), "holds 2 decoder blocks, config.json says 3"),
+        (
+            "small",
+            lambda c: c["config"].update(vocabulary_size=100),
+            "has shape \\(301, 16\\), config.json says \\(100",
+        ),
     ):
         with pytest.raises(InputError, match=message):
             pretrained.read_pretrained(preset(name, ("config.json", change)))
+    vocabulary = "assets/tokenizer/vocabulary.json"
+    for name, change, message in (
+        ("twice", lambda v: v.update({"Ġ": 0}), "gives two tokens the same id"),
+        ("byteless", lambda v: v.pop("Ġ"), "lacks the symbols of 1 bytes"),
+        ("beyond", lambda v: v.update({"zz": 400}), "ids must be whole numbers in \\[0, 301\\)"),
+    ):
+        with pytest.raises(InputError, match=message):
+            pretrained.read_pretrained(preset(name, (vocabulary, change)))
+    malformed = preset("malformed")
+    with open(os.path.join(malformed, "assets/tokenizer/merges.txt"), "a") as merges:
+        merges.write("a b c\n")
+    with pytest.raises(InputError, match="merges.txt line 41 \\('a b c'\\) is not two tokens"):
+        pretrained.read_pretrained(malformed)
     spm = preset("spm", ("tokenizer.json", lambda c: c.update(class_name="LlamaTokenizer")))
     with pytest.raises(InputError, match="a 'LlamaTokenizer' tokenizer; madp reads keras-hub's Llama3Tokenizer"):
         pretrained.read_pretrained(spm)
     with pytest.raises(InputError, match="no model.weights.h5"):
         pretrained.read_pretrained(preset("sharded", remove="model.weights.h5"))
-    with pytest.raises(InputError, match="unreadable tokenizer"):
+    with pytest.raises(InputError, match="assets/tokenizer: unreadable \\(FileNotFoundError"):
         pretrained.read_pretrained(preset("no-merges", remove="assets/tokenizer/merges.txt"))
-    deeper = preset("deeper", ("config.json", lambda c: c["config"].update(num_layers=3)))
-    with pytest.raises(InputError, match="has no 'layers/llama_transformer_decoder_2/_self_attention_layernorm"):
-        pretrained.pretrained_model(pretrained.read_pretrained(deeper))
     wider = preset("wider", ("config.json", lambda c: c["config"].update(intermediate_dim=32)))
-    with pytest.raises(InputError, match="_feedforward_gate_dense/vars/0 holds shape \\(16, 24\\)"):
+    with pytest.raises(InputError, match="_feedforward_gate_dense/vars/0 has shape \\(16, 24\\), expected \\(16, 32"):
         pretrained.pretrained_model(pretrained.read_pretrained(wider))
+    transposed = preset("transposed")
+    rewrite_weights(transposed, lambda store, name, values: store.create_dataset(name, data=values.T))
+    with pytest.raises(InputError, match="has shape \\(16, 301\\), config.json says \\(301, 16\\)"):
+        pretrained.read_pretrained(transposed)
+    (tmp_path / "not-h5").mkdir()
+    for file in ("config.json", "tokenizer.json"):
+        (tmp_path / "not-h5" / file).write_text(open(os.path.join(PRESETS, "keras_hub_llama", file)).read())
+    (tmp_path / "not-h5" / "model.weights.h5").write_text("not HDF5")
+    with pytest.raises(InputError, match="model.weights.h5 is not a readable HDF5 file"):
+        pretrained.read_pretrained(str(tmp_path / "not-h5"))
 
 
 # --- training -----------------------------------------------------------------------------------

@@ -196,7 +196,8 @@ def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
 def read_preset(path: str) -> Pretrained:
     """A keras-hub preset directory of a Llama backbone (`PRESET_BACKBONES`, no RoPE scaling) with a
     Llama 3 byte-level BPE tokenizer: `config.json`, `model.weights.h5`, `tokenizer.json` and
-    `assets/tokenizer/{vocabulary.json, merges.txt}`."""
+    `assets/tokenizer/{vocabulary.json, merges.txt}`. Sizes, the weights' shapes and blocks, and the
+    tokenizer are checked here, before any model is built."""
     backbone = _preset_json(path, "config.json")
     if backbone.get("class_name") not in PRESET_BACKBONES:
         raise InputError(
@@ -209,38 +210,49 @@ def read_preset(path: str) -> Pretrained:
     scaled = {key: c.get(key) for key in ("rope_position_scaling_factor", "rope_frequency_adjustment_factor")}
     if scaled["rope_position_scaling_factor"] not in (None, 1, 1.0) or scaled["rope_frequency_adjustment_factor"]:
         raise InputError(f"--pretrained {path}: RoPE scaling ({scaled}) is not implemented; madp's RoPE is unscaled")
-    weights = os.path.join(path, "model.weights.h5")
-    if not os.path.isfile(weights):
+    if not os.path.isfile(os.path.join(path, "model.weights.h5")):
         raise InputError(f"--pretrained {path}: no model.weights.h5 (sharded preset weights are not read)")
-    try:
-        import h5py
-
-        with h5py.File(weights, "r") as store:
-            tied = _HEAD not in store
-        width, heads = int(c["hidden_dim"]), int(c["num_query_heads"])
-        config = LlamaConfig(
-            vocabulary=int(c["vocabulary_size"]),
-            layers=int(c["num_layers"]),
-            width=width,
-            hidden=int(c["intermediate_dim"]),
-            heads=heads,
-            kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=width // heads,
-            rope_base=float(c.get("rope_max_wavelength", 10000.0)),
-            norm_epsilon=float(c.get("layer_norm_epsilon", 1e-6)),
-            context_length=c.get("rope_pretraining_sequence_length"),
-            tied_output=tied,
-        )
-    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError) as error:
-        raise InputError(f"--pretrained {path}: unreadable preset ({type(error).__name__}: {error})") from None
+    blocks, tied, embedding = _weights_outline(path)
+    number = functools.partial(_config_number, path, c)
+    width, heads = number("hidden_dim"), number("num_query_heads")
+    context = c.get("rope_pretraining_sequence_length")
+    config = LlamaConfig(
+        vocabulary=number("vocabulary_size"),
+        layers=number("num_layers"),
+        width=width,
+        hidden=number("intermediate_dim"),
+        heads=heads,
+        kv_heads=number("num_key_value_heads", default=heads),
+        head_dim=width // heads,
+        rope_base=number("rope_max_wavelength", default=10000.0, whole=False),
+        norm_epsilon=number("layer_norm_epsilon", default=1e-6, whole=False),
+        context_length=None if context is None else number("rope_pretraining_sequence_length"),
+        tied_output=tied,
+    )
     _check_sizes(path, config)
-    tokenizer = _preset_tokenizer(path)
-    if len(tokenizer) > config.vocabulary:
+    if blocks != config.layers:
         raise InputError(
-            f"--pretrained {path}: the tokenizer has {len(tokenizer)} tokens, "
-            f"the model's vocabulary {config.vocabulary}"
+            f"--pretrained {path}: model.weights.h5 holds {blocks} decoder blocks, config.json says {config.layers}"
         )
+    if embedding != (config.vocabulary, config.width):  # before a model of the configured size is built
+        raise InputError(
+            f"--pretrained {path}: {_EMBEDDING} has shape {embedding}, config.json says "
+            f"{(config.vocabulary, config.width)}"
+        )
+    tokenizer = _preset_tokenizer(path, config.vocabulary)
     return Pretrained(path, config, tokenizer, functools.partial(preset_weights, path, config))
+
+
+def _config_number(path: str, config: dict, key: str, default: float | None = None, whole: bool = True) -> Any:
+    """A positive, finite number of config.json (a whole one where `whole`), or `default` if absent."""
+    value = config.get(key, default)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        if not whole:
+            return float(value)
+        if value == int(value):
+            return int(value)
+    kind = "a positive whole number" if whole else "a positive finite number"
+    raise InputError(f"--pretrained {path}: config.json {key} is {value!r}, not {kind}")
 
 
 def _preset_json(path: str, name: str) -> dict:
@@ -249,16 +261,18 @@ def _preset_json(path: str, name: str) -> dict:
             value = json.load(handle)
     except FileNotFoundError:
         raise InputError(f"--pretrained {path}: a directory without {name} (not a keras-hub preset)") from None
-    except (OSError, ValueError) as error:
-        raise InputError(f"--pretrained {path}: unreadable {name} ({error})") from None
+    except (OSError, ValueError, RecursionError) as error:
+        raise InputError(f"--pretrained {path}: unreadable {name} ({type(error).__name__})") from None
     if not isinstance(value, dict):
         raise InputError(f"--pretrained {path}: {name} is not a JSON object")
     return value
 
 
-def _preset_tokenizer(path: str) -> BpeTokenizer:
+def _preset_tokenizer(path: str, model_vocabulary: int) -> BpeTokenizer:
     """keras-hub's Llama3Tokenizer: its vocabulary and merges, Llama 3's pre-tokenizer, and its special
-    tokens (`unsplittable_tokens`) as control tokens."""
+    tokens (`unsplittable_tokens`) as control tokens. The vocabulary must give every token a distinct
+    id below the model's vocabulary and hold every byte's symbol and every merge's result, so that
+    any text tokenizes."""
     tokenizer = _preset_json(path, "tokenizer.json")
     assets = os.path.join(path, "assets", "tokenizer")
     if tokenizer.get("class_name") != PRESET_TOKENIZER:
@@ -266,71 +280,144 @@ def _preset_tokenizer(path: str) -> BpeTokenizer:
             f"--pretrained {path}: a {tokenizer.get('class_name')!r} tokenizer; madp reads keras-hub's "
             f"{PRESET_TOKENIZER} (byte-level BPE; SentencePiece tokenizers are not implemented)"
         )
+    settings = tokenizer.get("config")
+    settings = settings if isinstance(settings, dict) else {}
+    if settings.get("add_prefix_space"):
+        raise InputError(f"--pretrained {path}: a tokenizer with add_prefix_space is not implemented")
+    special = settings.get("unsplittable_tokens", [LLAMA3_BOS, LLAMA3_EOS])
+    if not isinstance(special, list) or not all(isinstance(token, str) for token in special):
+        raise InputError(f"--pretrained {path}: tokenizer.json unsplittable_tokens is not a list of strings")
+
+    def bad(why: str) -> InputError:
+        return InputError(f"--pretrained {path}: {assets}: {why}")
+
     try:
         with open(os.path.join(assets, "vocabulary.json"), encoding="utf-8") as handle:
             vocabulary = json.load(handle)
         with open(os.path.join(assets, "merges.txt"), encoding="utf-8") as handle:
-            merges = [line.rstrip("\n") for line in handle if line.strip() and not line.startswith("#version")]
-        tokens = [""] * (max(vocabulary.values()) + 1)
-        for token, index in vocabulary.items():
-            tokens[int(index)] = token
-        special = tokenizer.get("config", {}).get("unsplittable_tokens") or [LLAMA3_BOS, LLAMA3_EOS]
-        bos, eos = vocabulary[LLAMA3_BOS], vocabulary[LLAMA3_EOS]
-        control = frozenset(vocabulary[token] for token in special if token in vocabulary)
-    except (OSError, ValueError, KeyError, AttributeError, TypeError) as error:
-        raise InputError(
-            f"--pretrained {path}: unreadable tokenizer in {assets} ({type(error).__name__}: {error})"
-        ) from None
+            lines = [line.rstrip("\n") for line in handle]
+    except (OSError, ValueError, RecursionError) as error:
+        raise bad(f"unreadable ({type(error).__name__}: {error})") from None
+    if not isinstance(vocabulary, dict) or not vocabulary:
+        raise bad("vocabulary.json is not a non-empty JSON object of token ids")
+    ids = list(vocabulary.values())
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < model_vocabulary for i in ids):
+        raise bad(f"vocabulary.json ids must be whole numbers in [0, {model_vocabulary}) (the model's vocabulary)")
+    if len(set(ids)) != len(ids):
+        raise bad("vocabulary.json gives two tokens the same id")
+    missing = [symbol for symbol in byte_symbols() if symbol not in vocabulary]
+    if missing:
+        raise bad(f"vocabulary.json lacks the symbols of {len(missing)} bytes (e.g. {missing[0]!r})")
+    merges = [line for line in lines if line and not line.startswith("#version")]
+    for number, merge in enumerate(merges, 1):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(parts) or "".join(parts) not in vocabulary:
+            raise bad(f"merges.txt line {number} ({merge!r}) is not two tokens whose merge is in the vocabulary")
+    for token in (LLAMA3_BOS, LLAMA3_EOS):
+        if token not in vocabulary:
+            raise bad(f"vocabulary.json has no {token}")
+    tokens = [""] * (max(ids) + 1)
+    for token, index in vocabulary.items():
+        tokens[index] = token
+    control = frozenset(vocabulary[token] for token in special if token in vocabulary)
     # keras-hub pads Llama 3 with id 0; padding is never attended to (attention is causal) nor scored
-    return BpeTokenizer(tokens, merges, bos=bos, eos=eos, pad=0, pre_tokenizer="llama-bpe", control=control)
+    return BpeTokenizer(
+        tokens,
+        merges,
+        bos=vocabulary[LLAMA3_BOS],
+        eos=vocabulary[LLAMA3_EOS],
+        pad=0,
+        pre_tokenizer="llama-bpe",
+        control=control,
+    )
 
 
+_EMBEDDING = "layers/reversible_embedding/vars/0"
 _HEAD = "layers/reversible_embedding/vars/1"  # a separate LM head; absent when tied to the embedding
+_BLOCK = re.compile(r"llama_transformer_decoder(_[1-9][0-9]*)?")  # block 0, 1, 2, ... in order
+
+
+def _weights_outline(path: str) -> tuple[int, bool, tuple[int, ...] | None]:
+    """What model.weights.h5 holds, read before any model is built: its number of decoder blocks
+    (their groups under `layers/`), whether the LM head is tied (no separate head), and the token
+    embedding's shape."""
+    import h5py
+
+    with _open_h5(path) as store:
+        layers = store.get("layers")
+        names = layers.keys() if isinstance(layers, h5py.Group) else ()
+        embedding = store.get(_EMBEDDING)
+        return (
+            sum(bool(_BLOCK.fullmatch(name)) for name in names),
+            not isinstance(store.get(_HEAD), h5py.Dataset),
+            tuple(embedding.shape) if isinstance(embedding, h5py.Dataset) else None,
+        )
+
+
+def _open_h5(path: str):
+    """model.weights.h5 of a preset, open for reading (InputError if it is not an HDF5 file)."""
+    import h5py
+
+    try:
+        return h5py.File(os.path.join(path, "model.weights.h5"), "r")
+    except OSError as error:
+        raise InputError(f"--pretrained {path}: model.weights.h5 is not a readable HDF5 file ({error})") from None
+
+
+def _float32(dataset) -> np.ndarray:
+    """A weight as float32: floating-point data, or Keras 3's bfloat16 (2-byte opaque data with
+    attrs["dtype"] "bfloat16": the upper half of a float32)."""
+    values = dataset[()]
+    kind = dataset.attrs.get("dtype")
+    if values.dtype.kind == "V" and values.dtype.itemsize == 2 and kind in ("bfloat16", b"bfloat16"):
+        return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if values.dtype.kind != "f":
+        raise ValueError(f"{values.dtype} data, not floating point")
+    return values.astype(np.float32)
 
 
 def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]]:
-    """The weights of each layer of `llama_model`, by layer name, from a preset's model.weights.h5."""
+    """The weights of each layer of `llama_model`, by layer name, from a preset's model.weights.h5:
+    each dataset must have exactly the shape keras-hub gives it (attention kernels [width, heads,
+    head_dim], the output projection [heads, head_dim, width]), reshaped to madp's Dense kernels."""
     import h5py
 
     c = config
-    with h5py.File(os.path.join(path, "model.weights.h5"), "r") as store:
+    with _open_h5(path) as store:
 
-        def read(key: str, shape: tuple[int, ...]) -> list[np.ndarray]:
-            if key not in store:
-                raise InputError(
-                    f"--pretrained {path}: model.weights.h5 has no {key!r} (a {c.layers}-block Llama has one)"
-                )
+        def read(key: str, stored: tuple[int, ...], shape: tuple[int, ...] | None = None) -> list[np.ndarray]:
+            found = store.get(key)
+            if not isinstance(found, h5py.Dataset):
+                raise InputError(f"--pretrained {path}: model.weights.h5 has no dataset {key!r}")
+            if tuple(found.shape) != stored:
+                raise InputError(f"--pretrained {path}: {key} has shape {tuple(found.shape)}, expected {stored}")
             try:
-                values = np.asarray(store[key], dtype=np.float32)
-            except (TypeError, ValueError, OSError) as error:
+                values = _float32(found)
+            except (TypeError, ValueError, OSError, KeyError) as error:
                 raise InputError(f"--pretrained {path}: unreadable {key} in model.weights.h5 ({error})") from None
-            if values.size != math.prod(shape):
-                raise InputError(
-                    f"--pretrained {path}: {key} holds shape {values.shape}, the configuration says {shape}"
-                )
-            return [values.reshape(shape)]
+            return [values.reshape(shape or stored)]
 
-        q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        q, kv, d = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim
         weights = {
-            "token_embd": read("layers/reversible_embedding/vars/0", (c.vocabulary, c.width)),
+            "token_embd": read(_EMBEDDING, (c.vocabulary, c.width)),
             "output_norm": read("layers/llama_layer_norm/vars/0", (c.width,)),
         }
         if not c.tied_output:
             weights["output"] = read(_HEAD, (c.width, c.vocabulary))
         for i in range(c.layers):
             block = "layers/llama_transformer_decoder" + (f"_{i}" if i else "") + "/"
-            for name, key, shape in (
-                ("attn_norm", "_self_attention_layernorm", (c.width,)),
-                ("ffn_norm", "_feedforward_layernorm", (c.width,)),
-                ("attn_q", "_self_attention_layer/_query_dense", (c.width, q)),
-                ("attn_k", "_self_attention_layer/_key_dense", (c.width, kv)),
-                ("attn_v", "_self_attention_layer/_value_dense", (c.width, kv)),
-                ("attn_output", "_self_attention_layer/_output_dense", (q, c.width)),
-                ("ffn_gate", "_feedforward_gate_dense", (c.width, c.hidden)),
-                ("ffn_up", "_feedforward_intermediate_dense", (c.width, c.hidden)),
-                ("ffn_down", "_feedforward_output_dense", (c.hidden, c.width)),
+            for name, key, stored, shape in (
+                ("attn_norm", "_self_attention_layernorm", (c.width,), None),
+                ("ffn_norm", "_feedforward_layernorm", (c.width,), None),
+                ("attn_q", "_self_attention_layer/_query_dense", (c.width, c.heads, d), (c.width, q)),
+                ("attn_k", "_self_attention_layer/_key_dense", (c.width, c.kv_heads, d), (c.width, kv)),
+                ("attn_v", "_self_attention_layer/_value_dense", (c.width, c.kv_heads, d), (c.width, kv)),
+                ("attn_output", "_self_attention_layer/_output_dense", (c.heads, d, c.width), (q, c.width)),
+                ("ffn_gate", "_feedforward_gate_dense", (c.width, c.hidden), None),
+                ("ffn_up", "_feedforward_intermediate_dense", (c.width, c.hidden), None),
+                ("ffn_down", "_feedforward_output_dense", (c.hidden, c.width), None),
             ):
-                weights[f"blk_{i}_{name}"] = read(f"{block}{key}/vars/0", shape)
+                weights[f"blk_{i}_{name}"] = read(f"{block}{key}/vars/0", stored, shape)
     return weights
 
 
@@ -366,14 +453,19 @@ def _character_class(prefix: str) -> str:
     return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
 
 
+# Unicode's White_Space: what \s means in the tokenizers' regex engines (Python's \s adds U+001C-U+001F)
+WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
 @functools.cache
 def _pieces_pattern() -> tuple[re.Pattern, re.Pattern]:
     """(GPT-2's byte-level pre-tokenization regex, one number character): English contractions, a
     word of letters or a run of numbers or of other symbols, each with its leading space, and runs of
     whitespace (all but the last space before a word)."""
-    letters, numbers = _character_class("L"), _character_class("N")
+    letters, numbers, ws = _character_class("L"), _character_class("N"), WHITESPACE
     words = re.compile(
-        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+| ?[^\s{letters}{numbers}]+|\s+(?!\S)|\s+"
+        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+| ?[^{ws}{letters}{numbers}]+"
+        rf"|[{ws}]+(?![^{ws}])|[{ws}]+"
     )
     return words, re.compile(f"([{numbers}])")
 
@@ -383,10 +475,10 @@ def _llama3_pattern() -> re.Pattern:
     """Llama 3's pre-tokenization regex: contractions in any case, a word of letters behind at most one
     other character (not a newline), numbers in runs of at most three digits, other symbols with their
     leading space and trailing newlines, and runs of whitespace as GPT-2's."""
-    letters, numbers = _character_class("L"), _character_class("N")
+    letters, numbers, ws = _character_class("L"), _character_class("N"), WHITESPACE
     return re.compile(
         rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{letters}{numbers}]?[{letters}]+|[{numbers}]{{1,3}}"
-        rf"| ?[^\s{letters}{numbers}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        rf"| ?[^{ws}{letters}{numbers}]+[\r\n]*|[{ws}]*[\r\n]+|[{ws}]+(?![^{ws}])|[{ws}]+"
     )
 
 
@@ -457,7 +549,8 @@ class BpeTokenizer:
         found = self._cache.get(piece)
         if found is None:
             symbols = byte_symbols()
-            found = tuple(self.ids[part] for part in self._merged([symbols[b] for b in piece.encode("utf-8")]))
+            data = piece.encode("utf-8", errors="surrogatepass")  # a lone surrogate: its bytes, as any byte
+            found = tuple(self.ids[part] for part in self._merged([symbols[b] for b in data]))
             if len(self._cache) < 1 << 20:  # bounded: a corpus of distinct pieces must not exhaust memory
                 self._cache[piece] = found
         return found
