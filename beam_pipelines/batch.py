@@ -39,6 +39,7 @@ from madp.beam.pipeline import (
 from madp.beam.record_chunks import ReadRecords
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
+from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.selection import handle_rejects, selection_files, write_report
 from madp.engines import batch_local, batch_report, batching
@@ -50,7 +51,7 @@ INPUT_ERRORS = "input-errors"
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchSummary:
+class BatchSummary(Columnar):
     """What a `BatchPipeline` run tells its driver for the report. It travels as JSON, never pickle:
     the file lies under OUTPUT, and a pickle planted there would run code in the driver."""
 
@@ -136,7 +137,7 @@ def _selection_table(path: str, errors_dir: str | None) -> tuple[str, pa.Table]:
 
 
 @dataclasses.dataclass(frozen=True)
-class WrittenUsers:
+class WrittenUsers(Columnar):
     """The (user, step) pairs of written rows, sent to the user's partition."""
 
     users: np.ndarray

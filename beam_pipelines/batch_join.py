@@ -28,6 +28,7 @@ from madp.beam.pipeline import (
 from madp.beam.record_chunks import SplitByRecordPartition
 from madp.core import records as rec
 from madp.core import sampling
+from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest, graph_digest
@@ -38,7 +39,7 @@ from madp.engines.batch_report import merge_counts
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectedIds:
+class SelectedIds(Columnar):
     """Selected ids sent to their record partition, with their copies (aligned)."""
 
     ids: pa.Array
@@ -46,7 +47,7 @@ class SelectedIds:
 
 
 @dataclasses.dataclass(frozen=True)
-class JoinedPartition:
+class JoinedPartition(Columnar):
     """A record partition's selected records, joined with their copies and keyed: all that the
     sampling and the writing need of them. Aligned per record but `users` (CSR by `offsets`)."""
 
@@ -60,7 +61,7 @@ class JoinedPartition:
 
 
 @dataclasses.dataclass(frozen=True)
-class Incidences:
+class Incidences(Columnar):
     """(user, record) incidences sent to the user's partition: the record's key and copies per incidence."""
 
     users: np.ndarray
@@ -69,7 +70,7 @@ class Incidences:
 
 
 @dataclasses.dataclass(frozen=True)
-class NeighbourPairs:
+class NeighbourPairs(Columnar):
     """(record, neighbour) pairs sent to the record's partition: both keys and the neighbour's copies."""
 
     owners: np.ndarray

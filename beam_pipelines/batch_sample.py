@@ -20,11 +20,12 @@ import pyarrow as pa
 from madp.beam.batch_join import JoinedPartition, split_rows, summary_value, user_partition_of
 from madp.beam.pipeline import count
 from madp.core import batch_files, sampling
+from madp.core.columnar import Columnar
 from madp.engines.batching import BatchOptions, writable_rows
 
 
 @dataclasses.dataclass(frozen=True)
-class Units:
+class Units(Columnar):
     """What the sampling needs of a joined record partition: its records' keys and copies (its
     units) and their users (CSR), without the ids and content that only the survivors' rows need."""
 
@@ -40,7 +41,7 @@ def _units(element: tuple[int, JoinedPartition]) -> tuple[int, Units]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Samples:
+class Samples(Columnar):
     """A record partition's sampled (unit, step) pairs: the record index and unit key of each."""
 
     record: np.ndarray
@@ -49,7 +50,7 @@ class Samples:
 
 
 @dataclasses.dataclass(frozen=True)
-class SampledIncidences:
+class SampledIncidences(Columnar):
     """(user, step) incidences of a record partition's samples, sent to the user's partition."""
 
     source: int  # the record partition the samples are of

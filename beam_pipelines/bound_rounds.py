@@ -40,6 +40,7 @@ from madp.core.bounding import (
     retire,
     run_steps,
 )
+from madp.core.columnar import Columnar
 from madp.core.routing import csr_rows, split_by_partition, take_csr
 from madp.core.selection import user_distribution_stats
 
@@ -57,7 +58,7 @@ def narrowed(values: np.ndarray) -> np.ndarray:
     return values.astype(dtype) if dtype.kind in "iu" and dtype.itemsize < values.dtype.itemsize else values
 
 
-class NarrowedWhenPickled:
+class NarrowedWhenPickled(Columnar):
     """A dataclass of arrays whose integer arrays named in `WORKING_DTYPES` travel `narrowed` (Beam
     pickles the elements it has no coder for) and are cast back to those dtypes on arrival."""
 
@@ -77,7 +78,7 @@ def round_stat(iteration: int, what: str) -> str:
 
 
 @dataclasses.dataclass
-class UserPartition:
+class UserPartition(Columnar):
     """A user partition's part of the algorithm: its users' incidences (`side`) and, per record of
     `side.record_keys`, its number of users, its record partition, and (CSR, ascending) the user
     partitions its users are in (to tell them of its death; the lowest one counts it)."""

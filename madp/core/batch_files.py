@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp.core import sampling, storage, tfrecord
+from madp.core.columnar import Columnar
 from madp.core.selection import read_manifest
 
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
@@ -82,7 +83,7 @@ def content_shapes(described: dict[str, dict]) -> dict[str, list]:
 
 
 @dataclasses.dataclass
-class FileRows:
+class FileRows(Columnar):
     """Rows of one batch file before ordering/truncation: aligned arrays plus content."""
 
     steps: np.ndarray

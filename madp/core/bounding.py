@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.hashing import hash_ids
 
@@ -94,7 +95,7 @@ def preference_rank_order(primary: np.ndarray, tie: np.ndarray, record_keys: np.
 
 
 @dataclasses.dataclass
-class UserSide:
+class UserSide(Columnar):
     """Incidences of a set of users, sorted by (user, preference)."""
 
     inc_user: np.ndarray  # int64 local user index, non-decreasing

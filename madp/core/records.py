@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from madp.core import storage
+from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp")
@@ -140,7 +141,7 @@ class Rejects:
 
 
 @dataclasses.dataclass
-class RecordChunk:
+class RecordChunk(Columnar):
     """Valid records in columnar form: users as a CSR list (offsets into `users`)."""
 
     keys: np.ndarray  # int64, unique per record across the whole input
