@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-from madp.beam.pipeline import pipeline_options
+from madp.beam.pipeline import flush_data_by_size, pipeline_options
 
 log = logging.getLogger("madp.accounting")
 
@@ -62,6 +62,7 @@ class BeamTaskMap:
     def __call__(self, fn, tasks) -> list:
         tasks = list(tasks)
         path = FileSystems.join(self._results_dir, f"chunk-results-{uuid.uuid4().hex}.json")
+        flush_data_by_size()
         with beam.Pipeline(options=self._options) as pipeline:
             _ = (
                 pipeline

@@ -122,7 +122,8 @@ def _logged_after(service: Service, marker: str) -> str | None:
 @contextlib.contextmanager
 def portable_services() -> Iterator[list[str]]:
     """Beam's job service and an external worker pool on free ports; yields the PortableRunner's
-    options. The job service runs each job with one SDK worker, a process the pool starts."""
+    options. The job service (madp's start of Beam's, with a data plane that flushes by size only)
+    runs each job with one SDK worker, a process the pool starts."""
     with tempfile.TemporaryDirectory(prefix="madp-portable-") as directory:
         services: list[Service] = []
         try:
@@ -133,7 +134,7 @@ def portable_services() -> Iterator[list[str]]:
                     [
                         sys.executable,
                         "-m",
-                        "apache_beam.runners.portability.local_job_service_main",
+                        "madp.beam.local_job_service",
                         "--port=0",  # a free port, written to the port file once the service listens
                         f"--port_file={port_file}",
                     ],
