@@ -21,6 +21,7 @@ import pyarrow as pa
 from apache_beam.metrics import Metrics
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import (
+    DebugOptions,
     PipelineOptions,
     StandardOptions,
     WorkerOptions,
@@ -144,6 +145,14 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
         )
     options = PipelineOptions(beam_args)
     explicit = options.get_all_options(drop_default=True)
+    for experiment in options.view_as(DebugOptions).experiments or []:
+        name, _, value = experiment.partition("=")
+        if name == "data_buffer_time_limit_ms" and value.strip() not in ("", "0"):
+            raise InputError(
+                f"--experiments {experiment}: Beam's timed flush of the SDK workers' data plane clears what a "
+                f"step writes while it sends, and so loses elements (runners/README.md, DirectRunner); leave "
+                f"the experiment out, as madp's batch pipelines need no timed flush"
+            )
     if options.view_as(StandardOptions).runner in (None, "DirectRunner"):
         options.view_as(StandardOptions).runner = "DirectRunner"
         if "default_sdk_harness_log_level" not in explicit:

@@ -145,6 +145,18 @@ def test_direct_runner_in_process_and_in_worker_processes_writes_the_same_bytes(
     assert digests[0] == digests[1] == digests[2]
 
 
+@pytest.mark.parametrize("runner", [[], ["--runner", "PortableRunner"]])
+def test_a_timed_flush_of_the_workers_data_plane_is_refused(tmp_path, capsys, runner):
+    """The SDK workers' timed flush (an experiment of Beam's) has the race flush_data_by_size avoids."""
+    from conftest import write_records
+
+    data = write_records(str(tmp_path / "r.jsonl"), [{"id": 1, "users": [1]}])
+    experiment = ["--experiments", "data_buffer_time_limit_ms=1000"]
+    assert main(["bound", data, str(tmp_path / "out"), "-k", "1", *runner, *experiment]) == 2
+    assert "loses elements" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "selected").exists()
+
+
 def test_madp_runs_the_direct_runner_with_a_data_plane_that_flushes_by_size_only(monkeypatch):
     """Beam 2.77's timed flush of a data stream clears what a step wrote while the flush waited
     (pipeline.flush_data_by_size): madp's runs create no such stream, where Beam's own do."""
