@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-from madp.beam.pipeline import flush_data_by_size, pipeline_options
+from madp.beam.pipeline import flush_data_by_size, pipeline_options, without_prism
 
 log = logging.getLogger("madp.accounting")
 
@@ -64,6 +64,7 @@ class BeamTaskMap:
         path = FileSystems.join(self._results_dir, f"chunk-results-{uuid.uuid4().hex}.json")
         flush_data_by_size()
         with beam.Pipeline(options=self._options) as pipeline:
+            without_prism(pipeline)
             _ = (
                 pipeline
                 | "ChunkTasks" >> beam.Create(list(enumerate(tasks)))

@@ -26,6 +26,7 @@ from apache_beam.options.pipeline_options import (
     StandardOptions,
     WorkerOptions,
 )
+from apache_beam.runners.direct.direct_runner import SwitchingDirectRunner
 
 from madp.beam import files
 from madp.core import records as rec
@@ -214,6 +215,36 @@ def flush_data_by_size() -> None:
     worker_handlers.DATA_BUFFER_TIME_LIMIT_MS = 0
 
 
+class DirectRunner(SwitchingDirectRunner):
+    """Beam's DirectRunner as madp runs and tests it: Beam's FnApiRunner, in this process and the
+    workers of `--direct_num_workers` and `--direct_running_mode`, given the pipeline options as
+    Beam's DirectRunner gives them.
+
+    Beam 2.77's DirectRunner first hands a pipeline it deems supported to its Prism runner, a Go
+    binary it downloads from GitHub at the first run: where the machine reaches GitHub, the job runs
+    on Prism, which madp does not test and which ignores the direct options; elsewhere each run
+    waits for the download to fail (behind a firewall that drops the connection, until it times
+    out) and leaves a temporary folder behind, then falls back to the FnApiRunner. madp's are batch
+    pipelines the FnApiRunner runs, so this runner goes to it directly. `run` and the Monte Carlo
+    runs put it in place of Beam's (`without_prism`); name `--runner PrismRunner` for Prism."""
+
+    def run_pipeline(self, pipeline, options):
+        from apache_beam.portability.api import beam_provision_api_pb2
+        from apache_beam.runners.portability.fn_api_runner import fn_runner
+        from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+        encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+        provision = fn_runner.ExtendedProvisionInfo(beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded))
+        return fn_runner.FnApiRunner(provision_info=provision).run_pipeline(pipeline, options)
+
+
+def without_prism(pipeline: beam.Pipeline) -> None:
+    """Put madp's `DirectRunner` in place of Beam's DirectRunner (no first try on Prism); any other
+    runner stays."""
+    if type(pipeline.runner) is SwitchingDirectRunner:
+        pipeline.runner = DirectRunner()
+
+
 def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str) -> dict[str, int]:
     """Run to the end; the counters of `namespace` (committed values where the runner has them).
 
@@ -221,6 +252,7 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str) -> dict[str, i
     first by its message, when several steps met one), with no runner traceback text.
     """
     flush_data_by_size()
+    without_prism(pipeline)
     try:
         result = pipeline.run()
         result.wait_until_finish()

@@ -232,6 +232,8 @@ def test_under_on_invalid_error_a_row_rejected_before_stops_the_run_before_its_w
 class _FailingRun:
     """A pipeline whose run fails as a runner reports a worker's failure: in its own words."""
 
+    runner = None  # some runner's: not Beam's DirectRunner, which `run` would replace
+
     def __init__(self, before_failing=lambda: None):
         self.before_failing = before_failing
 

@@ -187,3 +187,32 @@ def test_madp_runs_the_direct_runner_with_a_data_plane_that_flushes_by_size_only
     timed.clear()
     run(pipeline(), "madp", "unused-errors-dir")
     assert timed == []
+
+
+def test_madp_runs_beams_direct_runner_without_its_first_try_on_prism(monkeypatch):
+    """Beam 2.77's DirectRunner first hands a pipeline to the Prism runner (a binary it downloads:
+    where the machine reaches GitHub the job runs there, untested by madp): madp's runs go to the
+    FnApiRunner directly, where Beam's own run tries Prism first."""
+    import apache_beam as beam
+    from apache_beam.runners.portability import prism_runner
+
+    from madp.beam.pipeline import pipeline_options, run
+
+    tried = []
+
+    def refused(self, pipeline, options):
+        tried.append(pipeline)
+        raise RuntimeError("no Prism here")  # Beam then falls back to the FnApiRunner
+
+    monkeypatch.setattr(prism_runner.PrismRunner, "run_pipeline", refused)
+
+    def pipeline():
+        p = beam.Pipeline(options=pipeline_options(["--direct_running_mode", "in_memory"]))
+        _ = p | beam.Create(range(10)) | beam.Map(lambda n: (n % 3, n)) | beam.GroupByKey()
+        return p
+
+    pipeline().run().wait_until_finish()
+    assert tried, "Beam's own DirectRunner should try Prism first: this test would see nothing"
+    tried.clear()
+    run(pipeline(), "madp", "unused-errors-dir")
+    assert tried == []
