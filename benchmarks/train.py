@@ -13,11 +13,12 @@ DP-SGD at most 3x the non-private step and BandMF (8 bands) within 1.2x of DP-SG
 the text LM; for the pretrained causal LM at most 2x with LoRA, 3x fine-tuning every weight. All
 these models take ghost clipping (`madp.training.clipping`; the fully fine-tuned causal LM's
 RMSNorm and tied embedding included); `dp-sgd-per-example-gradients` is the general path a model
-with other layers takes.
+with other layers takes. `--xla` compiles every step with XLA and
+`--mixed-precision` computes in bfloat16 (`madp train --xla --mixed-precision`).
 
     python benchmarks/train.py [--model mlp|text-classifier|text-lm|transformer] [--batch-size 1024] [--steps 100]
     python benchmarks/train.py --model causal-lm --pretrained PATH.gguf [--lora-rank 8] --batch-size 8 \
-        --length 64 --steps 3 --repeats 2 --warmup 2 [--kinds non-private,dp-sgd]
+        --length 64 --steps 3 --repeats 2 --warmup 2 [--kinds non-private,dp-sgd] [--xla] [--mixed-precision]
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--pretrained", help="causal-lm: the GGUF file")
     parser.add_argument("--lora-rank", type=int, default=0, help="causal-lm: LoRA adapters only, of this rank")
     parser.add_argument("--length", type=int, default=64, help="causal-lm: tokens per text")
+    parser.add_argument("--xla", action="store_true", help="every step compiled by XLA (jit_compile)")
+    parser.add_argument("--mixed-precision", action="store_true", help="layers compute in bfloat16")
     args = parser.parse_args()
 
     import numpy as np
@@ -56,7 +59,7 @@ def main() -> None:
     from madp.training.clipping import ghost_clippable
     from madp.training.options import TrainOptions
     from madp.training.queries import BandMfQuery, DpSgdQuery
-    from madp.training.steps import NonPrivateStep, PrivateStep
+    from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision
     from madp.training.tasks import ByteLmTask, TextClassifierTask, build_model
     from madp.training.text import softmax_loss
     from madp.training.trainer import tf, tf_keras
@@ -98,10 +101,11 @@ def main() -> None:
 
     def make(kind: str):
         tf_keras.utils.set_random_seed(0)
-        model, loss = build()
+        with compute_precision(args.mixed_precision):
+            model, loss = build()
         optimizer = tf_keras.optimizers.SGD(0.1)
         if kind == "non-private":
-            return NonPrivateStep(model, loss, optimizer)
+            return NonPrivateStep(model, loss, optimizer, jit_compile=args.xla)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
         key = SecretKey.fresh()
         query = (
@@ -110,7 +114,13 @@ def main() -> None:
             else DpSgdQuery(1.0, 1.0, key)
         )
         return PrivateStep(
-            model, loss, optimizer, query, float(args.batch_size), fast=kind != "dp-sgd-per-example-gradients"
+            model,
+            loss,
+            optimizer,
+            query,
+            float(args.batch_size),
+            fast=kind != "dp-sgd-per-example-gradients",
+            jit_compile=args.xla,
         )
 
     def run(step, steps: int) -> None:
@@ -123,6 +133,8 @@ def main() -> None:
         "batch_size": args.batch_size,
         "device": "GPU" if tf.config.list_physical_devices("GPU") else "CPU",
         "steps": args.steps,
+        "xla": args.xla,
+        "mixed_precision": args.mixed_precision,
         **({"length": args.length, "lora_rank": args.lora_rank} if args.model == "causal-lm" else {}),
     }
     kinds = ["non-private", "dp-sgd", f"bandmf-{args.bands}", "dp-sgd-per-example-gradients"]

@@ -30,7 +30,7 @@ from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training import pretrained  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.tasks import CausalLmTask  # noqa: E402
-from madp.training.trainer import tf_keras, train  # noqa: E402
+from madp.training.trainer import tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 SMOLLM2 = os.environ.get(
@@ -655,3 +655,129 @@ def test_smollm2_logits_match_an_independent_numpy_forward_pass(smollm2):
     # float32 against float64 through 30 blocks: measured max difference 7e-5 (logits up to 31)
     np.testing.assert_allclose(logits, reference, atol=5e-4, rtol=0)
     assert (logits.argmax(axis=1) == reference.argmax(axis=1)).all()
+
+
+# --- steps compiled by XLA (--xla) --------------------------------------------------------------
+
+
+def _lm_rows(rows: int, length: int = 12, seed: int = 0):
+    """Token ids, next-token targets and weights (a padding row at weight 0, one at 0.5) of a step."""
+    ids = np.random.default_rng(seed).integers(0, 300, (rows, length)).astype(np.int32)
+    targets = np.concatenate([ids[:, 1:], np.full((rows, 1), -1, np.int32)], axis=1)
+    weight = np.ones(rows, np.float32)
+    weight[[1, 2]] = [0.0, 0.5]
+    return ids, targets, weight
+
+
+def _lm_step(tiny, lora_rank: int, mechanism: str, jit_compile: bool, noise: float = 0.0, **kwargs):
+    from madp.core.randomness import SecretKey
+    from madp.training.queries import BandMfQuery, DpSgdQuery
+    from madp.training.steps import NonPrivateStep, PrivateStep
+
+    tf_keras.utils.set_random_seed(0)  # the same LoRA adapters in both models
+    model = pretrained.pretrained_model(pretrained.read_pretrained(tiny), 12, lora_rank)
+    optimizer = tf_keras.optimizers.Adam(0.01)
+    if mechanism == "none":
+        return NonPrivateStep(model, pretrained.next_token_loss, optimizer, jit_compile=jit_compile, **kwargs)
+    key = SecretKey.from_seed(7, "training noise")
+    template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+    query = DpSgdQuery(0.5, noise, key) if mechanism == "dpsgd" else BandMfQuery(0.5, noise, key, [1.0, 0.5], template)
+    return PrivateStep(model, pretrained.next_token_loss, optimizer, query, 8.0, jit_compile=jit_compile, **kwargs)
+
+
+@pytest.mark.parametrize("lora_rank, mechanism", [(0, "dpsgd"), (2, "bandmf"), (2, "none")])
+def test_a_step_compiled_by_xla_updates_the_model_as_the_plain_step_does(tiny, lora_rank, mechanism):
+    """Without noise, three XLA-compiled steps (clipping, BandMF's state, Adam) leave the same weights
+    as the plain steps; the compiled step is one XLA program (its HLO exists)."""
+    plain, compiled = (_lm_step(tiny, lora_rank, mechanism, jit) for jit in (False, True))
+    for seed in range(3):
+        ids, targets, weight = _lm_rows(8, seed=seed)
+        plain(ids, targets, weight)
+        compiled(ids, targets, weight)
+    for a, b in zip(plain.model.trainable_variables, compiled.model.trainable_variables, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=2e-5, err_msg=a.name)
+    start = _lm_step(tiny, lora_rank, mechanism, False).model.trainable_variables
+    changed = sum(not np.allclose(np.asarray(s), np.asarray(a)) for s, a in zip(start, plain.model.trainable_variables))
+    assert changed == len(start)  # every trained weight moved: the comparison is not of two untouched models
+    args = (tf.constant(ids), tf.constant(targets), tf.constant(weight))
+    groups = () if mechanism == "none" else (tf.range(8),)
+    assert "HloModule" in compiled._replica_step.experimental_get_compiler_ir(*args, *groups)(stage="hlo")
+
+
+def test_noise_drawn_inside_an_xla_step_has_its_law(tiny):
+    """Zero-weight rows: the privatized gradient is the noise alone over B. Inside XLA, DP-SGD's is
+    N(0, (sigma C / B)^2) per coordinate, independent across steps; BandMF's (bands 1, 0.5) has
+    w_2 = z_2 - 0.5 w_1, so corr(w_1, w_2) = -0.5 / sqrt(1.25)."""
+    ids, targets, _ = _lm_rows(4)
+    silent = np.zeros(4, np.float32)
+    for mechanism, correlation in (("dpsgd", 0.0), ("bandmf", -0.5 / np.sqrt(1.25))):
+        step = _lm_step(tiny, 0, mechanism, True, noise=2.0)
+        draws = [np.concatenate([np.ravel(g) for g in step.privatized_gradient(ids, targets, silent)]) for _ in "ab"]
+        assert draws[0].size > 20_000
+        for draw in draws if mechanism == "dpsgd" else draws[:1]:
+            assert abs(draw.std() / (2.0 * 0.5 / 8.0) - 1) < 0.03 and abs(draw.mean()) < 0.003
+        assert abs(np.corrcoef(*draws)[0, 1] - correlation) < 0.03
+
+
+def test_xla_steps_padded_to_one_size_compile_once(tiny):
+    """Steps of 5, 8 and 3 rows padded to 8 reuse the first step's program (its first call may trace
+    twice: Adam's slots are created in it)."""
+    step = _lm_step(tiny, 2, "dpsgd", True, noise=1.0, rows_per_replica=8)
+    step(*_lm_rows(5))
+    first = step._replica_step.experimental_get_tracing_count()
+    for rows in (8, 3):
+        step(*_lm_rows(rows, seed=rows))
+    assert step._replica_step.experimental_get_tracing_count() == first
+    unpadded = _lm_step(tiny, 2, "dpsgd", True, noise=1.0)  # the counter counts: each size traces anew
+    for rows in (5, 3):
+        unpadded(*_lm_rows(rows, seed=rows))
+    assert unpadded._replica_step.experimental_get_tracing_count() > first
+
+
+def test_mixed_precision_computes_in_bfloat16_and_clips_each_row_in_float32(tmp_path):
+    """Under mixed precision the layers compute in bfloat16 (weights float32), and every row's clipped
+    gradient is formed in float32 from that row alone: its norm is the clip norm to float32 precision,
+    and the batch's clipped sum is the sum of the rows' clipped alone (a bfloat16 product over the
+    batch would round the sum, so that one row moves it by more than the clip norm)."""
+    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+    from madp.training.steps import compute_precision
+
+    loaded = pretrained.read_pretrained(write_tiny_gguf(str(tmp_path / "model.gguf"), tied=True))
+    with compute_precision(True):
+        model = pretrained.pretrained_model(loaded, 10)
+    assert tf_keras.mixed_precision.global_policy().name == "float32"  # restored on leaving
+    assert model.get_layer("blk_0_attn_q").compute_dtype == "bfloat16" and model.dtype == "float32"
+    assert model(np.zeros((1, 10), np.int32)).dtype == tf.bfloat16
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 40, (5, 10)).astype(np.int32)
+    targets = np.concatenate([ids[:, 1:], np.full((5, 1), -1, np.int32)], axis=1)
+    weight = np.array([1, 0, 0.5, 1, 2], np.float32)
+    each = per_example_gradients(model, pretrained.next_token_loss, ids, targets, weight)
+    norms = np.sqrt(sum((np.asarray(g, np.float64).reshape(5, -1) ** 2).sum(axis=1) for g in each))
+    ghost = np.asarray(ghost_norms(model, pretrained.next_token_loss, ids, targets, weight))
+    np.testing.assert_allclose(ghost, norms, rtol=2e-2)  # both from bfloat16 activations
+    clip = 0.5 * float(np.median(norms[norms > 0]))  # every row above it is clipped
+    total = [np.asarray(t, np.float64) for t in ghost_clipped_sum(model, pretrained.next_token_loss, ids, targets,
+                                                                    weight, clip)]  # fmt: skip
+    rows = []
+    for j in range(5):
+        alone = np.where(np.arange(5) == j, weight, 0).astype(np.float32)
+        rows.append([np.asarray(t, np.float64) for t in ghost_clipped_sum(model, pretrained.next_token_loss, ids,
+                                                                          targets, alone, clip)])  # fmt: skip
+        norm = np.sqrt(sum((t**2).sum() for t in rows[-1]))
+        assert norm == 0 if j == 1 else abs(norm / clip - 1) < 1e-5
+    for got, *parts in zip(total, *rows, strict=True):
+        np.testing.assert_allclose(got, sum(parts), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+
+
+def test_madp_train_xla_mixed_precision_trains_the_causal_lm_and_refuses_several_devices(text_batches, tiny):
+    directory, batches, evaluation = text_batches
+    options = TrainOptions(model="causal-lm", pretrained=tiny, lora_rank=2, max_length=16, eval_data=evaluation,
+                           eval_every=4, noise_multiplier=0.5, noise_seed=1, xla=True,
+                           mixed_precision=True)  # fmt: skip
+    result = train(batches, str(directory / "trained-xla"), options)
+    assert result["xla"] is True and result["mixed_precision"] is True and math.isfinite(result["final"]["loss"])
+    saved = tf_keras.models.load_model(str(directory / "trained-xla" / "model.keras"), compile=False)
+    assert saved.get_layer("blk_0_attn_q").compute_dtype == "bfloat16"
+    with pytest.raises(InputError, match="--xla compiles the step of one device"):
+        TrainOptions(mechanism="none", xla=True, distribution="mirrored")

@@ -86,6 +86,33 @@ def test_language_model_clipping_equals_a_per_example_reference():
             np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-7)
 
 
+def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
+    """--mixed-precision: the classifier (its dense stack in float32) and the byte LM (LayerNorm,
+    attention and Dense layers in bfloat16) clip to the per-example reference of the same model, to
+    bfloat16's precision, and the clipped sums are float32."""
+    from madp.training.steps import compute_precision, float32_outputs
+
+    rng = np.random.default_rng(3)
+    texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(8)]
+    weight = np.array([1, 1, 0, 0.5, 1, 1, 2, 1], np.float32)
+    tf_keras.utils.set_random_seed(4)
+    with compute_precision(True):
+        classifier, classifier_loss = text.text_classifier(32, 8, 24, 3)
+        lm, lm_loss = text.byte_lm(10, 8, 1, 2)
+    assert lm.layers[-1].compute_dtype == "bfloat16" == classifier.layers[0].compute_dtype
+    cases = [
+        (classifier, classifier_loss, text.hashed_ngrams(texts, 32, 24), rng.integers(0, 3, 8).astype(np.int32)),
+        (lm, lm_loss, *text.byte_sequences(texts, 10)),
+    ]
+    for model, loss, x, y in cases:
+        loss = float32_outputs(loss)
+        reference = reference_clipped_sum(model, loss, x, y, weight, 0.05)
+        ghost = ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight), 0.05)
+        for a, b in zip(ghost, reference, strict=True):
+            assert a.dtype == tf.float32
+            np.testing.assert_allclose(np.asarray(a), b, rtol=3e-2, atol=3e-3 * np.abs(b).max())
+
+
 def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuation():
     texts = [b"Hello, World!", "Grüße aus Köln".encode(), b"a b a b"]
     here = text.hashed_ngrams(texts, 1 << 20, 8)

@@ -176,7 +176,9 @@ def test_madp_train_trains_a_module_model_privately_and_evaluates_its_task(data,
         assert "Keras 3 layer" in caplog.text
 
 
-def test_make_private_trains_a_keras3_model_on_two_inputs(data):
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["plain", "xla"])
+def test_make_private_trains_a_keras3_model_on_two_inputs(data, jit_compile):
+    """Also compiled by XLA (per-example gradients inside the program, steps padded to B_max)."""
     import keras
 
     batches = open_batches(str(data / "batches"))
@@ -194,7 +196,11 @@ def test_make_private_trains_a_keras3_model_on_two_inputs(data):
         return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
 
     initial = [w.copy() for w in model.get_weights()]
-    step = make_private(model, loss, keras.optimizers.SGD(0.5), calibrate(batches, epsilon=8))
+    padded = batches.max_rows_per_step if jit_compile else None
+    step = make_private(
+        model, loss, keras.optimizers.SGD(0.5), calibrate(batches, epsilon=8), jit_compile=jit_compile,
+        rows_per_replica=padded,
+    )  # fmt: skip
     for rows in read_steps(batches, ["a", "b", "cls"]):
         step({"a": rows["a"], "b": rows["b"]}, rows["cls"].astype(np.int32), rows["weight"])
     assert not np.array_equal(model.get_weights()[0], initial[0])

@@ -44,6 +44,7 @@ __all__ = [
     "PrivacyPlan",
     "PrivateTrainingStep",
     "calibrate",
+    "compute_precision",
     "load_tensorflow",
     "make_non_private",
     "make_private",

@@ -22,7 +22,7 @@ from madp.training.data import step_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import FINISHED, STARTED, PrivacyPlan, composed_plan, plan_for, record_training
 from madp.training.queries import BandMfQuery, DpSgdQuery
-from madp.training.steps import NonPrivateStep, PrivateStep
+from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  # noqa: F401 (exported)
 
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
@@ -94,6 +94,7 @@ class PrivateTrainingStep(PrivateStep):
         output: str,
         strategy=None,
         rows_per_replica: int | None = None,
+        jit_compile: bool = False,
     ):
         super().__init__(
             model,
@@ -104,6 +105,7 @@ class PrivateTrainingStep(PrivateStep):
             user_level=plan.sampler == "users",
             strategy=strategy,
             rows_per_replica=rows_per_replica,
+            jit_compile=jit_compile,
         )
         self.plan = plan
         self.own_plan = own_plan
@@ -149,6 +151,7 @@ def make_private(
     noise_seed: int | None = None,
     strategy=None,
     rows_per_replica: int | None = None,
+    jit_compile: bool = False,
     testing_noise_scale: float = 1.0,
     resumed_at: int = 0,
     training: str | None = None,
@@ -168,6 +171,9 @@ def make_private(
     `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given;
     a call then splits the step's rows over its replicas (a user's rows on one replica), each padded
     with zero-weight rows to `rows_per_replica` where given (static shapes, for TPUs).
+    `jit_compile=True` compiles the step with XLA (one device only): XLA compiles once per shape, so
+    give `rows_per_replica` (e.g. `batches.max_rows_per_step`) and every step is padded to it. Its
+    noise has the same law, but other draws than without XLA for the same seed.
 
     The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
     it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is
@@ -228,18 +234,20 @@ def make_private(
     training = training or uuid.uuid4().hex
     released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
     step = PrivateTrainingStep(
-        model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica
+        model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile
     )
     step.steps_taken = resumed_at
     return step
 
 
-def make_non_private(model, loss, optimizer, *, strategy=None, rows_per_replica: int | None = None) -> NonPrivateStep:
+def make_non_private(
+    model, loss, optimizer, *, strategy=None, rows_per_replica: int | None = None, jit_compile: bool = False
+) -> NonPrivateStep:
     """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows
     (`loss` per row, as for `make_private`), no clipping, no noise. Its metrics are internal: no
-    guarantee covers them.
+    guarantee covers them. `strategy`, `rows_per_replica` and `jit_compile` as for `make_private`.
 
     >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
     >>> baseline(rows["features"], rows["label"], rows["weight"])
     """
-    return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica)
+    return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica, jit_compile)

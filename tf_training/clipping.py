@@ -101,8 +101,8 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     with tf.GradientTape() as tape:
         inputs, outputs, a = [], [], x
         for layer in model.layers:
-            if isinstance(layer, EmbeddingBag):
-                z = layer(a)
+            if isinstance(layer, EmbeddingBag):  # the stack runs in float32, the policy's compute dtype aside
+                z = tf.cast(layer(a), tf.float32)
             else:
                 z = tf.matmul(a, layer.kernel) + (layer.bias if layer.use_bias else 0.0)
             inputs.append(a)
@@ -258,13 +258,14 @@ def _forward(layer, inputs, reverse: bool = False):
         z = z + layer.bias if layer.bias is not None else z
         return a, z, layer.activation(z) if layer.activation is not None else z
     if isinstance(layer, tf_keras.layers.LayerNormalization):
-        x = tf.cast(inputs, layer.compute_dtype)
+        # in float32 under mixed precision too, as the layer's own call (its weights are not cast)
+        x = tf.cast(inputs, tf.float32)
         mean, variance = tf.nn.moments(x, layer.axis, keepdims=True)
         x_hat = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
         shape = _layer_norm_shape(layer, x.shape.rank)
         z = x_hat * tf.reshape(layer.gamma, shape) if layer.scale else x_hat
         z = z + tf.reshape(layer.beta, shape) if layer.center else z
-        return x_hat, z, z
+        return x_hat, z, tf.cast(z, layer.compute_dtype)
     if isinstance(layer, RmsNorm):
         x_hat = layer.normalized(tf.cast(inputs, layer.compute_dtype))
         z = x_hat * layer.scale
@@ -572,7 +573,11 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     by_variable: dict[int, list[Piece]] = {}
     for layer in layers:
         for a, _ in calls[id(layer)]:
-            for piece in _layer_pieces(layer, a, next(deltas)):
+            # Under mixed precision the pieces are still float32: each row's g_i, its norm and the
+            # clipped sum are then computed in float32 from that row's own inputs and output gradients,
+            # so rounding never mixes rows (a bfloat16 product over the batch would round the sum).
+            a = tf.cast(a, tf.float32) if a is not None and a.dtype.is_floating else a
+            for piece in _layer_pieces(layer, a, tf.cast(next(deltas), tf.float32)):
                 if id(piece.variable) in trainable:
                     by_variable.setdefault(id(piece.variable), []).append(piece)
     return [_merged(pieces) for pieces in by_variable.values()]

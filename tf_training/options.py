@@ -61,6 +61,8 @@ class TrainOptions:
     distribution: str = "default"
     tpu: str = ""
     cpu_replicas: int = 1
+    xla: bool = False  # each step compiled by XLA (one device), padded to the largest step's rows
+    mixed_precision: bool = False  # layers compute in bfloat16, weights and clipping in float32
     calibration: str | None = None
     zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
     testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
@@ -130,6 +132,10 @@ class TrainOptions:
             (
                 self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
                 "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored",
+            ),
+            (
+                not self.xla or self.distribution == "default",
+                "--xla compiles the step of one device: use --distribution default (a TPU compiles every step)",
             ),
             (self.mc_workers >= 1, "--mc-workers must be at least 1"),
             (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),

@@ -608,8 +608,11 @@ class RmsNorm(tf_keras.layers.Layer):
         self.scale = self.add_weight(name="scale", shape=(int(input_shape[-1]),), initializer="ones")
 
     def normalized(self, x):
-        """x / sqrt(mean(x^2) + epsilon), before the scale (ghost clipping records it)."""
-        return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.epsilon)
+        """x / sqrt(mean(x^2) + epsilon), before the scale (ghost clipping records it); the mean of
+        squares in float32 under mixed precision (bfloat16 keeps 8 bits of a sum of width squares)."""
+        wide = tf.cast(x, tf.float32)
+        scale = tf.math.rsqrt(tf.reduce_mean(tf.square(wide), axis=-1, keepdims=True) + self.epsilon)
+        return tf.cast(wide * scale, x.dtype)
 
     def call(self, x):
         return self.normalized(x) * self.scale
@@ -630,6 +633,7 @@ def rotary_angles(length, head_dim: int, base: float):
 def rotate_halves(x, cos, sin):
     """RoPE in Hugging Face's layout: x * cos + (-x2, x1) * sin, with x1, x2 the halves of a head."""
     first, second = tf.split(x, 2, axis=-1)
+    cos, sin = tf.cast(cos, x.dtype), tf.cast(sin, x.dtype)  # bfloat16 under mixed precision
     return x * cos + tf.concat([-second, first], axis=-1) * sin
 
 
@@ -659,7 +663,9 @@ class RotaryCausalAttention(tf_keras.layers.Layer):
         scores = tf.where(causal, scores, tf.constant(-1e9, scores.dtype))
         # softmax over [n, heads, T, T], not [n, kv_heads, group, T, T]: TensorFlow's softmax takes at
         # most 5 dimensions, and per-example gradients (vectorized_map) add one
-        weights = tf.reshape(tf.nn.softmax(tf.reshape(scores, [-1, self.heads, length, length])), tf.shape(scores))
+        # in float32 under mixed precision, as the loss's softmax
+        rows = tf.reshape(tf.cast(scores, tf.float32), [-1, self.heads, length, length])
+        weights = tf.reshape(tf.cast(tf.nn.softmax(rows), scores.dtype), tf.shape(scores))
         attended = tf.einsum("nkgqs,nskd->nqkgd", weights, v)
         return tf.reshape(attended, [-1, length, self.heads * self.head_dim])
 
@@ -830,6 +836,7 @@ def next_token_loss(targets, logits):
     """Per-example mean next-token cross-entropy (nats) over the example's tokens (targets >= 0)."""
     targets = tf.cast(targets, tf.int32)
     present = tf.cast(targets >= 0, tf.float32)
+    logits = tf.cast(logits, tf.float32)  # a softmax over the vocabulary in float32 under mixed precision
     entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(targets, 0), logits=logits)
     return tf.reduce_sum(entropy * present, axis=-1) / tf.maximum(tf.reduce_sum(present, axis=-1), 1.0)
 

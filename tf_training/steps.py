@@ -3,6 +3,7 @@ rows are spread over the replicas of a tf.distribute strategy."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -68,8 +69,9 @@ class PrivateStep:
         user_level: bool = False,
         strategy=None,
         rows_per_replica: int | None = None,
+        jit_compile: bool = False,
     ):
-        self.model, self.loss_fn, self.optimizer, self.query = model, loss_fn, optimizer, query
+        self.model, self.loss_fn, self.optimizer, self.query = model, float32_outputs(loss_fn), optimizer, query
         self.expected = expected_batch_size
         self.user_level = user_level
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
@@ -84,6 +86,8 @@ class PrivateStep:
         self.fast = fast and not user_level and not blocking
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
+        self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
+        self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary; all replicas compute the same state.
         with self.strategy.scope():
@@ -113,12 +117,12 @@ class PrivateStep:
 
     @tf.function(reduce_retracing=True)
     def _privatize_once(self, x, y, weight, groups):
-        return self._privatize(x, y, weight, groups)
+        return self._privatized(x, y, weight, groups)
 
     @tf.function(reduce_retracing=True)
     def apply(self, x, y, weight, groups) -> None:
         """One step on (per-replica) rows and their clipping groups (`row_groups`)."""
-        self.strategy.run(self._apply_replica, args=(x, y, weight, groups))
+        self.strategy.run(self._replica_step, args=(x, y, weight, groups))
 
     def _apply_replica(self, x, y, weight, groups) -> None:
         gradients = self._privatize(x, y, weight, groups)
@@ -138,6 +142,61 @@ class PrivateStep:
         noised, state, _ = self.query.get_noised_result(summed, state)
         tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
         return [g / self.expected for g in noised]
+
+
+@contextlib.contextmanager
+def compute_precision(mixed: bool):
+    """Inside, with `mixed`, new layers of tf_keras and of Keras 3 compute in bfloat16 and keep float32
+    weights (Keras' mixed_bfloat16 policy); the global policies are restored on leaving. The steps
+    take the loss of float32 outputs (`float32_outputs`) and clip in float32: each row's norm and
+    the clipped sum come from that row's activations and output gradients cast to float32.
+
+    >>> with compute_precision(True):
+    ...     model = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
+    >>> step = make_private(model, loss, optimizer, plan, jit_compile=True,
+    ...                     rows_per_replica=batches.max_rows_per_step)  # XLA: one shape, one compilation
+    """
+    if not mixed:
+        yield
+        return
+    import keras
+
+    before = tf_keras.mixed_precision.global_policy(), keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        yield
+    finally:
+        tf_keras.mixed_precision.set_global_policy(before[0])
+        keras.mixed_precision.set_global_policy(before[1])
+
+
+def float32_outputs(loss_fn):
+    """`loss_fn` taking the model's floating outputs in float32: under mixed precision a bfloat16
+    softmax or sum of squares keeps 8 bits; for a float32 model, nothing changes."""
+
+    def widened(t):  # a tensor or (evaluation) an array: float32 ones pass as they are
+        dtype = tf.as_dtype(t.dtype)
+        return tf.cast(t, tf.float32) if dtype.is_floating and dtype != tf.float32 else t
+
+    def loss(y, outputs):
+        return loss_fn(y, tf.nest.map_structure(widened, outputs))
+
+    return loss
+
+
+def compiled_by_xla(function, jit_compile: bool, strategy):
+    """`function` (a replica's step) compiled by XLA into one program where `jit_compile`, else as is
+    (traced into the caller's tf.function). XLA can fuse the clipping's elementwise work with its
+    matrix products (whether that is faster depends on the device: README, XLA and mixed precision),
+    and compiles once per shape: its callers pad every step to one size (`rows_per_replica`). One
+    device only: a replica function under a MirroredStrategy all-reduces across devices, which XLA
+    cannot hold in one program, and TPUs compile everything anyway."""
+    if not jit_compile:
+        return function
+    if strategy.num_replicas_in_sync > 1:
+        raise InputError("XLA compilation (jit_compile, --xla) trains on one device: use --distribution default")
+    return tf.function(function, jit_compile=True, reduce_retracing=True)
 
 
 def _refuse_batch_statistics(model) -> None:
@@ -161,11 +220,20 @@ def _refuse_batch_statistics(model) -> None:
 class NonPrivateStep:
     """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
 
-    def __init__(self, model, loss_fn, optimizer, strategy=None, rows_per_replica: int | None = None):
-        self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        optimizer,
+        strategy=None,
+        rows_per_replica: int | None = None,
+        jit_compile: bool = False,
+    ):
+        self.model, self.loss_fn, self.optimizer = model, float32_outputs(loss_fn), optimizer
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
+        self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
 
     def __call__(self, x, y, weight, users=None) -> None:
         self.apply(*split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica))
@@ -173,7 +241,7 @@ class NonPrivateStep:
     @tf.function(reduce_retracing=True)
     def apply(self, x, y, weight, groups=None) -> None:
         """One step on (per-replica) rows; `groups` (for the same call as PrivateStep's) is not needed."""
-        self.strategy.run(self._apply_replica, args=(x, y, weight))
+        self.strategy.run(self._replica_step, args=(x, y, weight))
 
     def _apply_replica(self, x, y, weight) -> None:
         with tf.GradientTape() as tape:

@@ -105,7 +105,8 @@ class EmbeddingBag(tf_keras.layers.Layer):
         return present / (tf.sqrt(count) if self.normalization == "sqrt" else count)
 
     def call(self, ids):
-        return tf.einsum("nt,ntd->nd", self.token_weights(ids), tf.gather(self.embeddings, ids))
+        rows = tf.gather(self.embeddings, ids)  # bfloat16 under mixed precision
+        return tf.einsum("nt,ntd->nd", tf.cast(self.token_weights(ids), rows.dtype), rows)
 
     def get_config(self) -> dict:
         # a model saved without the key (before 2026-11-26) loads with the mean it was trained with

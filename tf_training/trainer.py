@@ -44,7 +44,13 @@ from madp.training.plan import (
     NOT_PRIVATE,
     labels_read_from_data,
 )
-from madp.training.steps import NonPrivateStep, distribution_strategy, row_groups
+from madp.training.steps import (
+    NonPrivateStep,
+    compute_precision,
+    distribution_strategy,
+    float32_outputs,
+    row_groups,
+)
 from madp.training.tasks import (
     CausalLmTask,
     TextClassifierTask,
@@ -135,8 +141,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     strategy = distribution_strategy(options)
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
-    with strategy.scope():
+    with strategy.scope(), compute_precision(options.mixed_precision):
         model, loss_fn = task.build()
+        loss_fn = float32_outputs(loss_fn)  # evaluations and statistics too; a float32 model's are unchanged
         if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
             raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
@@ -153,11 +160,15 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
-    # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step.
-    rows_per_replica = None if options.distribution == "default" else -(-max(batches.max_rows_per_step, 1) // replicas)
+    # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step;
+    # so does an XLA step, which compiles once per shape.
+    fixed = options.distribution != "default" or options.xla
+    rows_per_replica = -(-max(batches.max_rows_per_step, 1) // replicas) if fixed else None
     step: NonPrivateStep | PrivateTrainingStep
     if privacy is None:
-        step = make_non_private(model, loss_fn, optimizer, strategy=strategy, rows_per_replica=rows_per_replica)
+        step = make_non_private(
+            model, loss_fn, optimizer, strategy=strategy, rows_per_replica=rows_per_replica, jit_compile=options.xla
+        )
     else:
         step = make_private(
             model,
@@ -167,6 +178,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             noise_seed=options.noise_seed,
             strategy=strategy,
             rows_per_replica=rows_per_replica,
+            jit_compile=options.xla,
             testing_noise_scale=options.testing_noise_scale,
             resumed_at=resumed,
             training=training,
@@ -242,6 +254,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "model": options.model,
         "distribution": options.distribution,
         "replicas": replicas,
+        "xla": options.xla,
+        "mixed_precision": options.mixed_precision,
         "optimizer": training_defaults(options)[0],
         "learning_rate": training_defaults(options)[1],
         "lr_schedule": options.lr_schedule,

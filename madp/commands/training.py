@@ -155,6 +155,17 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="--distribution mirrored without GPUs: split the CPU into this many logical devices",
     )
     training.add_argument(
+        "--xla",
+        action="store_true",
+        help="compile each training step with XLA (one device; every step padded to the largest step's rows)",
+    )
+    training.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="layers compute in bfloat16 (GPUs, TPUs, recent CPUs); weights, losses, the clipping norms and "
+        "the noised sum stay float32",
+    )
+    training.add_argument(
         "--max-contributions",
         "-k",
         type=int,
@@ -230,6 +241,8 @@ def train_options(args: argparse.Namespace):
         distribution=args.distribution,
         tpu=args.tpu,
         cpu_replicas=args.cpu_replicas,
+        xla=args.xla,
+        mixed_precision=args.mixed_precision,
         calibration=args.calibration,
         zero_out=args.zero_out,
         testing_noise_scale=args.testing_only_noise_scale,
