@@ -226,7 +226,14 @@ class DirectRunner(SwitchingDirectRunner):
     waits for the download to fail (behind a firewall that drops the connection, until it times
     out) and leaves a temporary folder behind, then falls back to the FnApiRunner. madp's are batch
     pipelines the FnApiRunner runs, so this runner goes to it directly. `run` and the Monte Carlo
-    runs put it in place of Beam's (`without_prism`); name `--runner PrismRunner` for Prism."""
+    runs put it in place of Beam's (`without_prism`); name `--runner PrismRunner` for Prism. For
+    batch pipelines the FnApiRunner runs (no TestStream, real-time timers or combiners with deferred
+    side inputs, which Beam's sends to its bundle-based runner)."""
+
+    def is_fnapi_compatible(self) -> bool:
+        """As Beam's DirectRunner in batch: the pipeline goes to the FnApiRunner as built, without a
+        round trip through the runner API (Beam skips it for its DirectRunner by class name)."""
+        return True
 
     def run_pipeline(self, pipeline, options):
         from apache_beam.portability.api import beam_provision_api_pb2
@@ -239,9 +246,9 @@ class DirectRunner(SwitchingDirectRunner):
 
 
 def without_prism(pipeline: beam.Pipeline) -> None:
-    """Put madp's `DirectRunner` in place of Beam's DirectRunner (no first try on Prism); any other
-    runner stays."""
-    if type(pipeline.runner) is SwitchingDirectRunner:
+    """Put madp's `DirectRunner` in place of Beam's DirectRunner (no first try on Prism) for a batch
+    pipeline; a streaming one, and any other runner, stay."""
+    if type(pipeline.runner) is SwitchingDirectRunner and not pipeline.options.view_as(StandardOptions).streaming:
         pipeline.runner = DirectRunner()
 
 

@@ -4,6 +4,7 @@ gives the same bytes with one worker process as with several."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -195,10 +196,16 @@ def test_madp_runs_beams_direct_runner_without_its_first_try_on_prism(monkeypatc
     FnApiRunner directly, where Beam's own run tries Prism first."""
     import apache_beam as beam
     from apache_beam.runners.portability import prism_runner
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
 
     from madp.beam.pipeline import pipeline_options, run
 
     tried = []
+    original = fn_runner.FnApiRunner.run_pipeline
+
+    def recorded(self, ran, pipeline, options):
+        ran.append(pipeline)
+        return original(self, pipeline, options)
 
     def refused(self, pipeline, options):
         tried.append(pipeline)
@@ -214,5 +221,9 @@ def test_madp_runs_beams_direct_runner_without_its_first_try_on_prism(monkeypatc
     pipeline().run().wait_until_finish()
     assert tried, "Beam's own DirectRunner should try Prism first: this test would see nothing"
     tried.clear()
-    run(pipeline(), "madp", "unused-errors-dir")
-    assert tried == []
+    # ... and madp's runs the pipeline as built on the FnApiRunner, as Beam's does after Prism (no
+    # round trip through the runner API, which rebuilds the pipeline with placeholder coders)
+    built, ran = pipeline(), []
+    monkeypatch.setattr(fn_runner.FnApiRunner, "run_pipeline", functools.partialmethod(recorded, ran))
+    run(built, "madp", "unused-errors-dir")
+    assert tried == [] and ran == [built]

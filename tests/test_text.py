@@ -111,6 +111,12 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
         for a, b in zip(ghost, reference, strict=True):
             assert a.dtype == tf.float32
             np.testing.assert_allclose(np.asarray(a), b, rtol=3e-2, atol=3e-3 * np.abs(b).max())
+        # each row's clipped gradient formed from that row alone: the sum of the rows' taken one by one
+        alone = [ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(np.where(
+            np.arange(8) == j, weight, 0).astype(np.float32)), 0.05) for j in range(8)]  # fmt: skip
+        for a, *rows in zip(ghost, *alone, strict=True):
+            total = sum(np.asarray(r, np.float64) for r in rows)
+            np.testing.assert_allclose(np.asarray(a), total, rtol=1e-5, atol=1e-6 * np.abs(total).max())
 
 
 def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuation():

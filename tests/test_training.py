@@ -22,7 +22,13 @@ from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
-from madp.training.queries import BandMfQuery, DpSgdQuery, key_tensor, stateless_noise  # noqa: E402
+from madp.training.queries import (  # noqa: E402
+    BandMfQuery,
+    DpSgdQuery,
+    key_tensor,
+    stateless_noise,
+    variable_stream,
+)
 from madp.training.steps import PrivateStep  # noqa: E402
 from madp.training.tasks import build_model  # noqa: E402
 from madp.training.trainer import tf, tf_keras, train  # noqa: E402
@@ -118,6 +124,38 @@ def test_bandmf_noise_has_the_covariance_of_c_inverse():
         [stateless_noise([tf.zeros(200000)], 1.0, key_tensor(noise_key(5)), t)[0].numpy() for t in range(steps)]
     )
     np.testing.assert_allclose(c @ w, z, atol=1e-4)
+
+
+def test_every_bit_of_the_noise_key_counts_and_each_step_and_variable_has_a_stream_of_its_own():
+    """The noise of a (step, variable) depends on all 128 bits of the key, inside an XLA program too
+    (TensorFlow's seeded ops keep 32 bits of each int64 seed word there), and each (step, variable)
+    draws from a Philox stream of 128 derived bits (an int32 seed, which `stateless_fold_in` with an
+    int index gives, repeats a variable's noise across T steps with probability about T^2 / 2^33)."""
+    key = key_tensor(noise_key(3))
+    words = key.numpy().view(np.uint64)
+
+    def draw(k, t):
+        return stateless_noise([tf.zeros(64), tf.zeros(8)], 1.0, k, t)
+
+    for traced in (tf.function(draw), tf.function(draw, jit_compile=True)):
+
+        def compiled(k, t, traced=traced):
+            return [z.numpy() for z in traced(k, t)]
+
+        base = compiled(key, tf.constant(5, tf.int64))
+        for word in (0, 1):
+            for bit in (0, 31, 32, 63):
+                flipped = words.copy()
+                flipped[word] ^= np.uint64(1) << np.uint64(bit)
+                other = compiled(tf.constant(flipped.view(np.int64)), tf.constant(5, tf.int64))
+                assert not np.allclose(other[0], base[0]) and not np.allclose(other[1], base[1]), (word, bit)
+        later = compiled(key, tf.constant(6, tf.int64))
+        assert not np.allclose(later[0], base[0]) and not np.allclose(base[1], base[0][:8])
+    streams = [np.concatenate([k.numpy(), c.numpy()]) for t in range(20) for i in range(20) for k, c in
+               [variable_stream(key, t, i)]]  # fmt: skip
+    assert len({tuple(s) for s in streams}) == 400
+    derived = np.array([[s[0], s[2]] for s in streams])  # the stream's key and counter word (64 bits each)
+    assert (derived >= np.uint64(1 << 32)).mean() > 0.95
 
 
 def test_bandmf_with_one_band_is_dpsgd_bit_for_bit():

@@ -1,7 +1,7 @@
 """The noise of DP-SGD and DP-BandMF as TensorFlow Privacy `DPQuery`s.
 
 Both clip each record (a per-example gradient) to `l2_norm_clip` and sum; the noise is drawn from
-a stateless generator keyed by (noise key, step, variable). The 128-bit noise key is secret (fresh
+a stateless generator keyed by (noise key, step, variable) (`variable_stream`). The 128-bit noise key is secret (fresh
 entropy per run, see `madp.core.randomness`): replicas share it in memory and so draw the same z_t
 without talking, and no output holds it. Both queries draw the same z_t for the same key:
 - `DpSgdQuery`: sum + z_t, z_t ~ N(0, (sigma * clip)^2 I) (a GaussianSumQuery with seeded noise);
@@ -28,19 +28,37 @@ def key_tensor(key: SecretKey):
     return tf.constant(np.array(key.words, dtype=np.uint64).view(np.int64))
 
 
+_PHILOX = 1  # tf.random.Algorithm.PHILOX: Philox-4x32-10, a 64-bit key and a 128-bit counter
+
+
+def variable_stream(key, step, index: int):
+    """(Philox key [1], counter [2]) of variable `index`'s noise at `step`: one Philox block keyed by
+    the noise key's word 0 at counter (step * 2^32 + index, word 1) gives the variable's own 128 bits.
+    So every bit of the 128-bit key counts, and two (step, variable) pairs share a stream with
+    probability 2^-128. TensorFlow's V2 random ops take 64-bit key and counter words, under XLA too;
+    its seeded ops do not (`stateless_normal` keeps 32 bits of each int64 seed word under XLA, and
+    `stateless_fold_in` with an int gives an int32 seed, 32 secret bits per variable and step)."""
+    words = tf.bitcast(key, tf.uint64)
+    position = tf.bitwise.bitwise_or(
+        tf.bitwise.left_shift(tf.cast(step, tf.uint64), tf.constant(32, tf.uint64)), tf.constant(index, tf.uint64)
+    )
+    derived = tf.raw_ops.StatelessRandomUniformFullIntV2(
+        shape=[2], key=words[:1], counter=tf.stack([position, words[1]]), alg=_PHILOX, dtype=tf.uint64
+    )
+    return derived[:1], tf.stack([tf.constant(0, tf.uint64), derived[1]])
+
+
 def stateless_noise(template, stddev, key, step):
-    """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (key, step, variable)."""
+    """z_t: independent N(0, stddev^2) entries shaped like `template`, keyed by (key, step, variable)
+    (`variable_stream`). Inside an XLA program the normals are other draws of the same law."""
     leaves = tf.nest.flatten(template)
-    step_key = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
-    noise = [
-        tf.random.stateless_normal(
-            tf.shape(leaf),
-            seed=tf.random.experimental.stateless_fold_in(step_key, index),
-            stddev=tf.cast(stddev, leaf.dtype),
-            dtype=leaf.dtype,
+    noise = []
+    for index, leaf in enumerate(leaves):
+        stream_key, counter = variable_stream(key, step, index)
+        z = tf.raw_ops.StatelessRandomNormalV2(
+            shape=tf.shape(leaf), key=stream_key, counter=counter, alg=_PHILOX, dtype=leaf.dtype
         )
-        for index, leaf in enumerate(leaves)
-    ]
+        noise.append(z * tf.cast(stddev, leaf.dtype))
     return tf.nest.pack_sequence_as(template, noise)
 
 

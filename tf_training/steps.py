@@ -88,6 +88,9 @@ class PrivateStep:
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)
+        # TensorFloat-32 (Ampere and later GPUs) rounds float32 products' inputs to 10 bits: a row's
+        # contribution to the clipped sum would then differ from the one its norm was taken of.
+        tf.config.experimental.enable_tensor_float_32_execution(False)
         # The query's global state (BandMF: the last noise vectors) lives in variables, so it never
         # crosses the tf.function boundary; all replicas compute the same state.
         with self.strategy.scope():
