@@ -204,6 +204,12 @@ def test_make_private_trains_a_keras3_model_on_two_inputs(data, jit_compile):
     for rows in read_steps(batches, ["a", "b", "cls"]):
         step({"a": rows["a"], "b": rows["b"]}, rows["cls"].astype(np.int32), rows["weight"])
     assert not np.array_equal(model.get_weights()[0], initial[0])
+    if jit_compile:  # the step that trained is one XLA program
+        from madp.training.steps import split_over_replicas
+
+        args = split_over_replicas(step.strategy, {"a": rows["a"], "b": rows["b"]}, rows["cls"].astype(np.int32),
+                                   rows["weight"], None, padded)  # fmt: skip
+        assert "HloModule" in step._replica_step.experimental_get_compiler_ir(*args)(stage="hlo")
     test = _rows(600, 1)
     x = {name: np.array([r[name] for r in test], np.float32) for name in ("a", "b")}
     accuracy = np.mean(np.asarray(model(x)).argmax(axis=1) == np.array([r["cls"] for r in test]))
