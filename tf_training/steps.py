@@ -11,7 +11,13 @@ import numpy as np
 
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
-from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers, user_averages
+from madp.training.clipping import (
+    ghost_clipped_sum,
+    per_example_gradients,
+    runs_in_float32_when_private,
+    unsupported_layers,
+    user_averages,
+)
 from madp.training.options import TrainOptions
 from madp.training.queries import clip_and_sum
 
@@ -84,6 +90,13 @@ class PrivateStep:
                 ", ".join(blocking),
             )
         self.fast = fast and not user_level and not blocking
+        if self.fast and model.compute_dtype != "float32" and runs_in_float32_when_private(model):
+            log.warning(
+                "model %s: its private steps compute in float32 (a Dense stack's clipping runs the layers on "
+                "their float32 weights); the %s policy applies to its evaluations only",
+                model.name,
+                model.compute_dtype,
+            )
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
