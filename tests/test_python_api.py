@@ -148,3 +148,44 @@ def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_com
             make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
         said = "its private steps compute in float32" in caplog.text
         assert said == mixed, caplog.text
+
+
+def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_enters_the_ledger(demo):
+    """An op XLA has no kernel for (a numpy_function here): the step is lowered before the first step, so
+    the refusal is a clear error naming the op, and neither a private training (fresh noise key, so it
+    would enter the batches' trainings ledger) nor the baseline has trained or been entered."""
+    import tensorflow as tf
+    import tf_keras
+
+    from madp.training.plan import earlier_trainings
+
+    batches_dir = str(demo / "demo-output" / "batches")
+    batches = open_batches(batches_dir)
+    plan = calibrate(batches, epsilon=8, bands=8)
+    rows = next(iter(read_steps(batches, ["features", "label"])))
+    _, loss = build_model("logreg", 16)
+
+    def model_with_a_python_op():
+        inputs = tf_keras.Input((16,))
+        copied = tf_keras.layers.Lambda(
+            lambda t: tf.ensure_shape(tf.numpy_function(lambda a: a, [t], tf.float32, stateful=False), [None, 16])
+        )(inputs)
+        return tf_keras.Model(inputs, tf_keras.layers.Dense(1, activation="sigmoid")(copied), name="python_op")
+
+    ledger_before = earlier_trainings(batches_dir)
+    xla = {"jit_compile": True, "rows_per_replica": batches.max_rows_per_step}
+    for make in (
+        lambda model: make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, **xla),
+        lambda model: make_non_private(model, loss, tf_keras.optimizers.SGD(0.5), **xla),
+    ):
+        model = model_with_a_python_op()
+        initial = [w.copy() for w in model.get_weights()]
+        step = make(model)
+        with pytest.raises(InputError, match=r"XLA cannot compile the steps of model python_op: .*PyFunc"):
+            step(rows["features"], rows["label"], rows["weight"])
+        if hasattr(step, "privatized_gradient"):  # the API's other way to take a private step
+            with pytest.raises(InputError, match=r"XLA cannot compile the steps of model python_op"):
+                step.privatized_gradient(rows["features"], rows["label"], rows["weight"])
+        for a, b in zip(model.get_weights(), initial):
+            np.testing.assert_array_equal(a, b)
+        assert earlier_trainings(batches_dir) == ledger_before

@@ -120,6 +120,7 @@ class PrivateTrainingStep(PrivateStep):
         super().apply(x, y, weight, groups)
 
     def privatized_gradient(self, x, y, weight, users=None):
+        self.lower_once(self._privatized, self._inputs(x, y, weight, users))  # before the ledger entry
         self._count_step()
         return super().privatized_gradient(x, y, weight, users)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,36 @@ def _apply_gradients(optimizer, legacy: bool, gradients, variables) -> None:
         optimizer.apply_gradients(zip(gradients, variables))
 
 
-class PrivateStep:
+class _LoweredOnce:
+    """A step that, under XLA, lowers its compiled function once before its first step."""
+
+    model: Any
+    _lowered: bool  # set by the step: True without XLA (nothing to lower)
+
+    def lower_once(self, function, inputs: tuple) -> None:
+        if not self._lowered:
+            refuse_what_xla_cannot_compile(function, self.model, inputs)
+            self._lowered = True
+
+
+def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
+    """Lower an XLA-compiled step at its first inputs to XLA's HLO (a trace: nothing runs, no noise is
+    drawn): a model with an op XLA has no kernel for is refused with an InputError naming the op,
+    before a private training enters its batches' ledger. Without this, TensorFlow fails at the step
+    itself, with a traceback, after the ledger holds the training as started."""
+    try:
+        function.experimental_get_compiler_ir(*inputs)(stage="hlo")
+    except (ValueError, tf.errors.OpError) as error:
+        if "unsupported operations" not in str(error):  # not XLA's refusal (a tracing error): TensorFlow's own
+            raise
+        reason = str(error).removeprefix("Failed getting HLO text: ").strip("'\"").split("{{node")[0]
+        raise InputError(
+            f"--xla: XLA cannot compile the steps of model {model.name}: {reason.strip()[:400]}; "
+            f"train it without --xla (nothing was trained or entered in the batches' ledger)"
+        ) from None
+
+
+class PrivateStep(_LoweredOnce):
     """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
 
     Models whose trainable layers are all Dense, EinsumDense, Embedding, LayerNormalization (also
@@ -101,6 +131,7 @@ class PrivateStep:
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)
+        self._lowered = not jit_compile  # whether XLA lowered the step (nothing to lower without it)
         # TensorFloat-32 (Ampere and later GPUs) rounds float32 products' inputs to 10 bits: a row's
         # contribution to the clipped sum would then differ from the one its norm was taken of.
         tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -114,10 +145,14 @@ class PrivateStep:
 
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
-        return self._privatize_once(*self._inputs(x, y, weight, users))
+        inputs = self._inputs(x, y, weight, users)
+        self.lower_once(self._privatized, inputs)
+        return self._privatize_once(*inputs)
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self.apply(*split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica))
+        inputs = split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica)
+        self.lower_once(self._replica_step, inputs)
+        self.apply(*inputs)
 
     def _users(self, users):
         if not self.user_level:
@@ -233,7 +268,7 @@ def _refuse_batch_statistics(model) -> None:
         )
 
 
-class NonPrivateStep:
+class NonPrivateStep(_LoweredOnce):
     """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
 
     def __init__(
@@ -250,9 +285,12 @@ class NonPrivateStep:
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
+        self._lowered = not jit_compile
 
     def __call__(self, x, y, weight, users=None) -> None:
-        self.apply(*split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica))
+        inputs = split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica)
+        self.lower_once(self._replica_step, inputs[:3])
+        self.apply(*inputs)
 
     @tf.function(reduce_retracing=True)
     def apply(self, x, y, weight, groups=None) -> None:
