@@ -424,7 +424,10 @@ def _draw_log_ratios(kernel, seed, samples, steps, with_p, with_q, at_least_one,
     samples at a time: their noise, their Q dots, then each sample's participations and recursions."""
     ratios = np.full((2, samples), np.nan)
     plan = _dots_plan(kernel, steps, fft)
-    rows = min(max(1, _BATCH_VALUES // plan.width, _CHAINS // (with_p + with_q)), samples)  # a group of chains at least
+    rows = max(1, _BATCH_VALUES // plan.width)
+    if rows * (with_p + with_q) < _CHAINS and _CHAINS // (with_p + with_q) * plan.width <= 2 * _BATCH_VALUES:
+        rows = _CHAINS // (with_p + with_q)  # one direction: twice the noise, so a group of chains is full
+    rows = min(rows, samples)
     space = _workspace(rows, plan.width, steps, kernel.min_sep)
     for first in range(0, samples, rows):
         batch = min(rows, samples - first)

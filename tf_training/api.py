@@ -116,6 +116,7 @@ class PrivateTrainingStep(PrivateStep):
 
     def apply(self, x, y, weight, groups) -> None:
         """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""
+        self.lower_once(self._replica_step, (x, y, weight, groups))  # before the ledger entry
         self._count_step()
         super().apply(x, y, weight, groups)
 

@@ -94,10 +94,16 @@ def _is_dense_stack(model) -> bool:
     )
 
 
-def runs_in_float32_when_private(model) -> bool:
-    """Whether the private steps of `model` compute in float32 whatever Keras' policy: a dense stack's
-    clipped sum runs its layers on their float32 weights (`_dense_stack_clipped_sum`)."""
-    return _is_dense_stack(model)
+def float32_despite_policy(model) -> bool:
+    """Whether the private steps of `model` compute in float32 although some of its layers compute in
+    another dtype (Keras' mixed policy): a stack of Dense layers alone clips on a path that multiplies
+    the float32 inputs by the float32 weights (`_dense_stack_clipped_sum`). An EmbeddingBag's call in
+    that path follows the policy, so a stack that starts with one does not count."""
+    return (
+        _is_dense_stack(model)
+        and not isinstance(model.layers[0], EmbeddingBag)
+        and any(layer.compute_dtype != "float32" for layer in model.layers)
+    )
 
 
 def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):

@@ -13,9 +13,9 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
+    float32_despite_policy,
     ghost_clipped_sum,
     per_example_gradients,
-    runs_in_float32_when_private,
     unsupported_layers,
     user_averages,
 )
@@ -54,22 +54,25 @@ def _apply_gradients(optimizer, legacy: bool, gradients, variables) -> None:
 
 
 class _LoweredOnce:
-    """A step that, under XLA, lowers its compiled function once before its first step."""
+    """A step that, under XLA, lowers each of its compiled functions once, before it first runs."""
 
     model: Any
-    _lowered: bool  # set by the step: True without XLA (nothing to lower)
+    _xla: bool
+    _lowered: set[int]  # ids of the compiled functions lowered so far
 
     def lower_once(self, function, inputs: tuple) -> None:
-        if not self._lowered:
+        if self._xla and id(function) not in self._lowered:
             refuse_what_xla_cannot_compile(function, self.model, inputs)
-            self._lowered = True
+            self._lowered.add(id(function))
 
 
 def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
-    """Lower an XLA-compiled step at its first inputs to XLA's HLO (a trace: nothing runs, no noise is
-    drawn): a model with an op XLA has no kernel for is refused with an InputError naming the op,
-    before a private training enters its batches' ledger. Without this, TensorFlow fails at the step
-    itself, with a traceback, after the ledger holds the training as started."""
+    """Lower an XLA-compiled step at its first inputs to XLA's HLO (a trace: no step runs, no noise is
+    drawn, no weight changes; TensorFlow runs one eager random op to find the device, which moves its
+    global unseeded draws, not the training noise's own key): a model with an op XLA has no kernel
+    for is refused with an InputError naming the op, before the first step, so before a private
+    training enters its batches' ledger. Without this, TensorFlow fails inside the step, with a
+    traceback, after the ledger holds the training as started."""
     try:
         function.experimental_get_compiler_ir(*inputs)(stage="hlo")
     except (ValueError, tf.errors.OpError) as error:
@@ -78,7 +81,7 @@ def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
         reason = str(error).removeprefix("Failed getting HLO text: ").strip("'\"").split("{{node")[0]
         raise InputError(
             f"--xla: XLA cannot compile the steps of model {model.name}: {reason.strip()[:400]}; "
-            f"train it without --xla (nothing was trained or entered in the batches' ledger)"
+            f"train it without --xla (this step did not run)"
         ) from None
 
 
@@ -120,18 +123,18 @@ class PrivateStep(_LoweredOnce):
                 ", ".join(blocking),
             )
         self.fast = fast and not user_level and not blocking
-        if self.fast and model.compute_dtype != "float32" and runs_in_float32_when_private(model):
+        if self.fast and float32_despite_policy(model):
             log.warning(
-                "model %s: its private steps compute in float32 (a Dense stack's clipping runs the layers on "
-                "their float32 weights); the %s policy applies to its evaluations only",
+                "model %s: its private steps compute in float32 (a stack of Dense layers clips by multiplying "
+                "float32 inputs by the float32 weights); its layers' %s applies to its evaluations only",
                 model.name,
-                model.compute_dtype,
+                sorted({layer.compute_dtype for layer in model.layers} - {"float32"}),
             )
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)
-        self._lowered = not jit_compile  # whether XLA lowered the step (nothing to lower without it)
+        self._xla, self._lowered = jit_compile, set()
         # TensorFloat-32 (Ampere and later GPUs) rounds float32 products' inputs to 10 bits: a row's
         # contribution to the clipped sum would then differ from the one its norm was taken of.
         tf.config.experimental.enable_tensor_float_32_execution(False)
@@ -285,7 +288,7 @@ class NonPrivateStep(_LoweredOnce):
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
-        self._lowered = not jit_compile
+        self._xla, self._lowered = jit_compile, set()
 
     def __call__(self, x, y, weight, users=None) -> None:
         inputs = split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica)
