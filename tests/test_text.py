@@ -108,9 +108,12 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
         loss = float32_outputs(loss)
         reference = reference_clipped_sum(model, loss, x, y, weight, 0.05)
         ghost = ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight), 0.05)
+        # bfloat16 keeps 8 bits: the two computations round differently, by up to ~2^-8 of the terms
+        # summed, so a variable whose gradient nearly cancels is compared at the scale of the whole sum
+        scale = max(np.abs(b).max() for b in reference)
         for a, b in zip(ghost, reference, strict=True):
             assert a.dtype == tf.float32
-            np.testing.assert_allclose(np.asarray(a), b, rtol=3e-2, atol=3e-3 * np.abs(b).max())
+            np.testing.assert_allclose(np.asarray(a), b, rtol=3e-2, atol=3e-3 * scale)
         # each row's clipped gradient formed from that row alone: the sum of the rows' taken one by one
         alone = [ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(np.where(
             np.arange(8) == j, weight, 0).astype(np.float32)), 0.05) for j in range(8)]  # fmt: skip
