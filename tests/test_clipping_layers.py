@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.training import clipping, text  # noqa: E402
 from madp.training.clipping import (  # noqa: E402
@@ -201,3 +202,78 @@ def test_other_trainable_layers_fall_back_and_are_named(caplog):
     assert len(lines) == 1 and "conv (Conv1D" in lines[0] and "prelu (PReLU" in lines[0]
     x, y = data((6, 4))
     assert len(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))) == 7
+
+
+def test_layers_that_see_other_rows_than_the_steps_are_never_clipped_per_row():
+    """A Dense inside TimeDistributed (which folds the time steps into rows when the batch size is not
+    static) or after a reshape of the batch axis sees n * T rows: clipped per row, one example would add
+    up to T C to the sum. A wrapper sends the model to per-example gradients (each row's gradient
+    clipped to C, as checked here with rows whose time steps agree); a reshape in the model's call is
+    refused before the step runs."""
+    steps, width, clip = 8, 4, 1.0
+
+    def loss(y, out):
+        return 0.5 * tf.square(out[:, 0] - y)
+
+    def pooled(inputs, scores):
+        return functional(inputs, layers.GlobalAveragePooling1D()(scores))
+
+    inputs = tf_keras.Input((steps, width))
+    wrapped = pooled(inputs, layers.TimeDistributed(layers.Dense(1), name="per_step")(inputs))
+    assert [name.split(" ")[0] for name in unsupported_layers(wrapped)] == ["per_step"]
+    rows = np.repeat(np.random.default_rng(0).normal(size=(1, 1, width)).astype(np.float32), steps, axis=1)
+    x, y, weight = np.repeat(rows, 3, axis=0), np.full(3, 100.0, np.float32), np.ones(3, np.float32)
+    step = PrivateStep(wrapped, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    assert not step.fast
+    summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight))
+    assert np.sqrt(sum(float(np.sum(np.square(g))) for g in summed)) <= 3 * clip * (1 + 1e-5)
+
+    folded = layers.Lambda(lambda t: tf.reshape(t, [-1, width]))(inputs)
+    scores = layers.Lambda(lambda t: tf.reshape(t, [-1, steps, 1]))(layers.Dense(1, name="scores")(folded))
+    reshaped = pooled(inputs, scores)
+    step = PrivateStep(reshaped, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    assert step.fast  # nothing in its layers shows the reshape: the step's assertion does
+    for call in (step, step.privatized_gradient):  # nothing applied, no noise drawn
+        with pytest.raises(InputError, match=r"layer scores \(Dense\) sees other rows than the step holds"):
+            call(tf.constant(x), tf.constant(y), tf.constant(weight))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees other rows than the step holds"):
+        clipping.ghost_clipped_sum(reshaped, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
+    any_rows = [tf.TensorSpec([None, steps, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
+    unknown = tf.function(lambda *t: clipping.ghost_clipped_sum(reshaped, loss, *t, clip), input_signature=any_rows)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees other rows than the step holds"):
+        unknown(x, y, weight)  # shapes known only as the step runs: its assertion
+
+
+@pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])
+def test_a_row_whose_gradient_is_not_finite_adds_nothing(kind):
+    """A label beyond what the loss can square (finite in float32) makes one row's gradient infinite;
+    its clip factor 0 times inf would put NaN into the sum and the released model. The row adds
+    nothing instead, as a row of weight 0 (the neighbouring relation's missing record)."""
+
+    def loss(y, out):
+        return 0.5 * tf.square(out[:, 0] - y)
+
+    def model():
+        tf_keras.utils.set_random_seed(2)
+        if kind == "dense stack":
+            return tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(3, activation="relu"), layers.Dense(1)])
+        inputs = tf_keras.Input((4,))
+        return tf_keras.Model(inputs, layers.Dense(1)(layers.LayerNormalization()(layers.Dense(3)(inputs))))
+
+    x = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32) * 10
+    y = np.array([1.0, 3e38, -1.0, 2.0, 0.5], np.float32)
+    weight = np.ones(5, np.float32)
+    summed = {}
+    for case, (labels, weights) in {
+        "huge": (y, weight),
+        "left out": (np.where(y > 1e30, 0, y), weight * (y < 1e30)),
+    }.items():
+        step = PrivateStep(
+            model(), loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(1.0, 0.0, KEY), 1.0, fast=kind != "per-example"
+        )
+        summed[case] = [
+            np.asarray(g) for g in step.privatized_gradient(tf.constant(x), tf.constant(labels), tf.constant(weights))
+        ]
+    assert all(np.isfinite(g).all() for g in summed["huge"])
+    for got, expected in zip(summed["huge"], summed["left out"]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

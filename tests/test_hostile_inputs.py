@@ -325,10 +325,11 @@ def test_bad_files_and_outputs_are_clear_errors(tmp_path, capsys, engine):
     assert code == 2 and "nothing to batch" in err
 
 
-def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys):
-    data = write_records(
-        str(tmp_path / "d.jsonl"), [{**r, "x": [float("nan"), 1.0]} if r["id"] == 4 else r for r in rows(30)]
-    )
+@pytest.mark.parametrize("value", [float("nan"), 1e39])
+def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys, value):
+    """NaN, and a value finite in the JSON but beyond float32's range, which the batches (float32)
+    would hold as infinite: one record would turn the released model to NaN."""
+    data = write_records(str(tmp_path / "d.jsonl"), [{**r, "x": [value, 1.0]} if r["id"] == 4 else r for r in rows(30)])
     cli(capsys, "bound", data, tmp_path / "b", "-k", "9", "--runner", "local")
     code, _, err = cli(
         capsys,
@@ -343,7 +344,7 @@ def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys):
         "--runner",
         "local",
     )
-    assert code == 2 and "holds a NaN or infinite value for selected record 4" in err
+    assert code == 2 and "holds a NaN, infinite or beyond-float32 value for selected record 4" in err
 
 
 def test_run_configs_and_damaged_manifests(tmp_path, capsys):

@@ -386,3 +386,49 @@ def test_a_second_api_training_on_secret_batches_is_refused_unless_retrain(batch
         api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     again = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, retrain=True)
     assert again.plan.composition is not None and again.plan.epsilon > 2 * plan.epsilon
+
+
+def test_steps_made_before_either_trains_and_a_finished_training_continued_are_refused(batches, tmp_path):
+    """Two steps made on the same batches, then trained one after the other: the second's plan, composed
+    when it was made, missed the first; it is refused at its first step, before anything runs. A
+    training id names an interrupted entry to continue: a finished one, or one without resumed_at,
+    would train more steps than its entry's plan accounts for."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
+    one_row = (np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))
+
+    def made():
+        model, loss = build_model("logreg", 8)
+        return model, api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+
+    (_, first), (model, second) = made(), made()
+    assert first.plan.epsilon == second.plan.epsilon == plan.epsilon  # each made before any training
+    for rows in api.read_steps(batches_, ["features", "label"]):
+        first(rows["features"], rows["label"], rows["weight"])
+    initial = [w.copy() for w in model.get_weights()]
+    with pytest.raises(InputError, match="another private training entered the ledger .* make the step again"):
+        second(*one_row)
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    assert [t["training"] for t in ledger(copy)] == [first.training]
+    third = made()[1]  # made now: it states the composition, and trains
+    third(*one_row)
+    assert third.plan.composition is not None and third.plan.composition.trainings == 2
+
+    model, loss = build_model("logreg", 8)
+    optimizer = tf_keras.optimizers.SGD(0.1)
+    with pytest.raises(InputError, match="finished all its steps"):
+        api.make_private(model, loss, optimizer, plan, training=first.training, resumed_at=STEPS // 2)
+    with pytest.raises(InputError, match="pass resumed_at"):
+        api.make_private(model, loss, optimizer, plan, training=third.training)
+    with pytest.raises(InputError, match="not in the trainings ledger"):
+        api.make_private(model, loss, optimizer, plan, training="no such training", resumed_at=1)
+    continued = api.make_private(model, loss, optimizer, plan, training=third.training, resumed_at=1)
+    continued(*one_row)  # an interrupted entry, continued after its step
+    assert len(ledger(copy)) == 2

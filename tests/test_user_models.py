@@ -93,6 +93,16 @@ def task(features):
 
 def no_metrics(features):
     return type("Half", (), {"features": ["a", "cls"], "encode": lambda self, rows: (rows["a"], rows["cls"])})()
+
+
+class Standardized(TopK):  # each input scaled by the step's statistics: one record moves every row
+    def encode(self, rows):
+        a = np.asarray(rows["a"], np.float32)
+        return (a - a.mean(axis=0)) / (a.std(axis=0) + 1e-6), np.asarray(rows["cls"]).astype(np.int32)
+
+
+def standardized(features):
+    return Standardized()
 """
 
 # Its model: the ModelSchema of the task's features (a as the input, cls as the label).
@@ -103,7 +113,7 @@ import tf_keras
 
 def build(schema):
     (a,) = schema.inputs
-    assert schema.label.name == "cls" and schema.task == "top_k:task"
+    assert schema.label.name == "cls" and schema.task.startswith("top_k:")
     model = tf_keras.Sequential([tf_keras.Input(shape=a.shape), tf_keras.layers.Dense(4)])
 
     def loss(labels, logits):
@@ -262,14 +272,18 @@ def test_evaluation_follows_the_task_not_binary_labels():
     ]
 
 
-def test_a_trainable_batch_normalization_is_refused_in_private_steps(data):
-    """It normalizes each row by the whole step's statistics and keeps them without noise."""
+@pytest.mark.parametrize("kind", ["BatchNormalization", "SyncBatchNormalization"])
+def test_a_trainable_batch_normalization_is_refused_in_private_steps(data, kind):
+    """It normalizes each row by the whole step's statistics and keeps them without noise; so does
+    tf_keras' SyncBatchNormalization, whose class derives from BatchNormalizationBase alone."""
     import tf_keras
 
     from madp.training.steps import PrivateStep
 
+    layer = getattr(tf_keras.layers, kind, None) or getattr(tf_keras.layers.experimental, kind)
+
     def model(trainable: bool):
-        normalize = tf_keras.layers.BatchNormalization(center=False, scale=False)
+        normalize = layer(center=False, scale=False)
         normalize.trainable = trainable
         return tf_keras.Sequential([tf_keras.layers.Input((4,)), normalize, tf_keras.layers.Dense(1)])
 
@@ -296,6 +310,10 @@ def test_a_task_of_ones_own_encodes_rows_and_names_the_metrics(data, capsys):
     ]:
         assert main([*argv[:-4], "--model", model, "--task", task]) == 2
         assert expected in capsys.readouterr().err
+    mixed = [str(data / "mixed-rows") if arg == str(out) else arg for arg in argv[:-4]]  # a fresh OUTPUT
+    assert main([*mixed, "--model", "four_classes:build", "--task", "top_k:standardized"]) == 2
+    assert "encode(rows) gives input values that depend on the other rows" in capsys.readouterr().err
+    assert not (data / "mixed-rows" / "model.keras").exists()
     assert main([*argv[:-4], "--model", "four_classes:build", "--task", "top_k:task", "--label", "label"]) == 2
     err = capsys.readouterr().err
     assert "must be features of the batches" in err and "--label 'label'" in err

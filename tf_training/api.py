@@ -20,7 +20,15 @@ from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions
-from madp.training.plan import FINISHED, STARTED, PrivacyPlan, composed_plan, plan_for, record_training
+from madp.training.plan import (
+    FINISHED,
+    STARTED,
+    PrivacyPlan,
+    composed_plan,
+    earlier_trainings,
+    plan_for,
+    record_training,
+)
 from madp.training.queries import BandMfQuery, DpSgdQuery
 from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  # noqa: F401 (exported)
 
@@ -112,6 +120,7 @@ class PrivateTrainingStep(PrivateStep):
         self.training = training
         self.output = output  # what the ledger says the training writes
         self.steps_taken = 0
+        self.retrain = False  # whether a composition that re-uses the secret sampling is accepted
         self._entered = False
 
     def apply(self, x, y, weight, groups) -> None:
@@ -138,10 +147,21 @@ class PrivateTrainingStep(PrivateStep):
             self._enter(FINISHED)
 
     def _enter(self, state: str) -> None:
-        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee)."""
-        self._entered = True
+        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee).
+        At its first step the ledger is read again: a training entered since this step was made (two steps
+        made, then trained one after the other) would make `plan`'s composed guarantee false."""
         if self.plan.private and self.plan.trained_on:
+            if state == STARTED:
+                now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
+                if (now.epsilon, now.delta) != (self.plan.epsilon, self.plan.delta):
+                    raise InputError(
+                        f"another private training entered the ledger of {self.plan.trained_on} after this step "
+                        f"was made: its plan's ({self.plan.epsilon:.4g}, {self.plan.delta:.3g}) no longer states "
+                        f"the composition ({now.epsilon:.4g}, {now.delta:.3g}); make the step again "
+                        f"(make_private) to train under it (nothing of this training ran)"
+                    )
             record_training(self.plan.trained_on, self.training, self.output, self.own_plan, state)
+        self._entered = True
 
 
 def make_private(
@@ -233,13 +253,34 @@ def make_private(
             [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         )
     )
+    if training is not None and plan.private and plan.trained_on:
+        _check_continued(plan.trained_on, training, resumed_at)
     training = training or uuid.uuid4().hex
     released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
     step = PrivateTrainingStep(
         model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile
     )
-    step.steps_taken = resumed_at
+    step.steps_taken, step.retrain = resumed_at, retrain
     return step
+
+
+def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
+    """`training=` names the ledger entry a resumed training continues: one that exists and has not
+    finished, continued after the steps it took. Any other use would train under one entry, counted
+    once in every later composition, more steps than its plan accounts for."""
+    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), None)
+    if not resumed_at:
+        raise InputError(
+            f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
+            f"or leave training out for a new training (entered and composed on its own)"
+        )
+    if entry is None:
+        raise InputError(f"training={training!r} is not in the trainings ledger of {batches_dir}: nothing to continue")
+    if entry.get("state", FINISHED) != STARTED:
+        raise InputError(
+            f"training={training!r} finished all its steps on {batches_dir}: it cannot be continued; train "
+            f"anew (a new training, composed with it)"
+        )
 
 
 def make_non_private(

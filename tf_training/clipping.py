@@ -122,6 +122,7 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
             a = z if isinstance(layer, EmbeddingBag) else layer.activation(z)
         loss = tf.reduce_sum(loss_fn(y, a) * weight)
     deltas = tape.gradient(loss, outputs)
+    inputs, deltas = finite_rows_only(inputs, deltas)
     squares = []
     for layer, a, d in zip(model.layers, inputs, deltas):
         output_norms = tf.reduce_sum(tf.square(d), axis=1)
@@ -142,6 +143,29 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
         if layer.use_bias:
             gradients[id(layer.bias)] = tf.reduce_sum(scaled, axis=0)
     return [gradients[id(v)] for v in model.trainable_variables]
+
+
+def finite_rows_only(inputs: list, deltas: list) -> tuple[list, list]:
+    """The layers' recorded inputs and output gradients with every row that holds a NaN or infinite
+    value in any of them set to zero (integer inputs, such as ids, kept): such a row's gradient norm is
+    not finite, and its clip factor times its values would put NaN into the sum (0 * inf), so one
+    record could turn the released model to NaN. Zeroed, it adds nothing, as a row of weight 0; the
+    guarantee covers any row's contribution of norm at most C, none included."""
+    floating = [t for t in [*inputs, *deltas] if t is not None and t.dtype.is_floating]
+    if not floating:
+        return inputs, deltas
+    finite = tf.reduce_all(
+        tf.stack([tf.reduce_all(tf.reshape(tf.math.is_finite(t), [tf.shape(t)[0], -1]), axis=1) for t in floating]),
+        axis=0,
+    )
+
+    def zeroed(t):
+        if t is None or not t.dtype.is_floating:
+            return t
+        rows = tf.reshape(finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(t) - 1], tf.int32)], 0))
+        return tf.where(rows, t, tf.zeros_like(t))
+
+    return [zeroed(t) for t in inputs], [zeroed(t) for t in deltas]
 
 
 def _bag_gradient(bag: EmbeddingBag, ids, scaled, later_layers, later_deltas, factor):
@@ -228,7 +252,11 @@ def unsupported_layers(model) -> list[str]:
         return [f"{layer.name} ({type(layer).__name__}: a Keras 3 layer)" for layer in _keras3_trainable(model)]
     if _is_dense_stack(model):
         return []
-    found = []
+    found = [
+        f"{wrapper.name} ({type(wrapper).__name__}: a wrapper whose call may fold other axes into the batch's rows)"
+        for wrapper in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(wrapper, tf_keras.layers.Wrapper) and wrapper.trainable_weights
+    ]
     for layer in _trainable_layers(model):
         reason = _unsupported(layer)
         if reason:
@@ -579,20 +607,41 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     calls: dict[int, list] = {id(layer): [] for layer in layers}
     with _tapped(layers, calls), tf.GradientTape() as tape:
         loss = tf.reduce_sum(loss_fn(y, model(x, training=True)) * weight)
+    checks = [_check_rows(layer, z, weight) for layer in layers for _, z in calls[id(layer)]]
     outputs = [z for layer in layers for _, z in calls[id(layer)]]
-    deltas = iter(tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    deltas = tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    with tf.control_dependencies([check for check in checks if check is not None]):  # rows first
+        recorded, deltas = finite_rows_only([a for layer in layers for a, _ in calls[id(layer)]], deltas)
+    pairs = iter(zip(recorded, deltas))
     trainable = {id(v) for v in model.trainable_variables}
     by_variable: dict[int, list[Piece]] = {}
     for layer in layers:
-        for a, _ in calls[id(layer)]:
+        for _ in calls[id(layer)]:
+            a, d = next(pairs)
             # Under mixed precision the pieces are still float32: each row's g_i, its norm and the
             # clipped sum are then computed in float32 from that row's own inputs and output gradients,
             # so rounding never mixes rows (a bfloat16 product over the batch would round the sum).
             a = tf.cast(a, tf.float32) if a is not None and a.dtype.is_floating else a
-            for piece in _layer_pieces(layer, a, tf.cast(next(deltas), tf.float32)):
+            for piece in _layer_pieces(layer, a, tf.cast(d, tf.float32)):
                 if id(piece.variable) in trainable:
                     by_variable.setdefault(id(piece.variable), []).append(piece)
     return [_merged(pieces) for pieces in by_variable.values()]
+
+
+ROWS_NOT_THE_STEPS = "sees other rows than the step holds"
+
+
+def _check_rows(layer, z, weight):
+    """A tapped layer's call must see the step's rows, one per example: a call that sees n * T rows
+    (TimeDistributed without a static batch size, a reshape of the batch axis in the model's call)
+    would clip each of them to C, so one example would add up to T C to the sum. The assertion fails
+    as the step is traced where the shapes are static (always under XLA), else as it runs."""
+    message = (
+        f"model layer {layer.name} ({type(layer).__name__}) {ROWS_NOT_THE_STEPS}: something around or before "
+        f"it (a wrapper such as TimeDistributed, a reshape) folds other axes into the batch axis, so its "
+        f"per-row gradient norms would not be per example; keep the batch axis first in the call of the model"
+    )
+    return tf.debugging.assert_equal(tf.shape(z)[0], tf.shape(weight)[0], message=message)
 
 
 def ghost_norms(model, loss_fn, x, y, weight):
@@ -607,7 +656,8 @@ def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     if _is_dense_stack(model):
         return _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip)
     pieces = gradient_pieces(model, loss_fn, x, y, weight)
-    norms = tf.sqrt(tf.add_n([piece.squares() for piece in pieces]))
+    # A ghost norm <A A^T, D D^T> that float32 rounding makes negative would be a NaN factor: none below 0
+    norms = tf.sqrt(tf.maximum(tf.add_n([piece.squares() for piece in pieces]), 0.0))
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, 1e-30))
     sums = {id(piece.variable): piece.clipped_sum(factor) for piece in pieces}
     return [sums[id(v)] if id(v) in sums else tf.zeros_like(v) for v in model.trainable_variables]

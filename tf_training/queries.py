@@ -68,9 +68,18 @@ def clip_and_sum(l2_norm_clip, per_example):
     clip_by_global_norm has no vectorized form in TF and would loop over records)."""
     leaves = tf.nest.flatten(per_example)
     squares = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(leaf), [tf.shape(leaf)[0], -1]), axis=1) for leaf in leaves])
-    factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30))
-    summed = [tf.tensordot(factor, leaf, axes=1) for leaf in leaves]
+    # A record whose gradient holds a NaN or inf (or whose squared norm overflows) adds nothing: its
+    # clip factor times its values would put NaN into the sum (0 * inf), the whole model's released.
+    finite = tf.math.is_finite(squares)
+    factor = tf.where(finite, tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30)), 0.0)
+    summed = [tf.tensordot(factor, _finite_only(leaf, finite), axes=1) for leaf in leaves]
     return tf.nest.pack_sequence_as(per_example, summed)
+
+
+def _finite_only(leaf, finite):
+    """`leaf` (leading axis: records) with the records not `finite` set to zero."""
+    rows = tf.reshape(finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(leaf) - 1], tf.int32)], 0))
+    return tf.where(rows, leaf, tf.zeros_like(leaf))
 
 
 class DpSgdQuery(gaussian_query.GaussianSumQuery):

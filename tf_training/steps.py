@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
+    ROWS_NOT_THE_STEPS,
     float32_despite_policy,
     ghost_clipped_sum,
     per_example_gradients,
@@ -149,13 +151,15 @@ class PrivateStep(_LoweredOnce):
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
         inputs = self._inputs(x, y, weight, users)
-        self.lower_once(self._privatized, inputs)
-        return self._privatize_once(*inputs)
+        with _rows_refused():
+            self.lower_once(self._privatized, inputs)
+            return self._privatize_once(*inputs)
 
     def __call__(self, x, y, weight, users=None) -> None:
         inputs = split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica)
-        self.lower_once(self._replica_step, inputs)
-        self.apply(*inputs)
+        with _rows_refused():
+            self.lower_once(self._replica_step, inputs)
+            self.apply(*inputs)
 
     def _users(self, users):
         if not self.user_level:
@@ -253,15 +257,31 @@ def compiled_by_xla(function, jit_compile: bool, strategy):
     return tf.function(function, jit_compile=True, reduce_retracing=True)
 
 
+@contextlib.contextmanager
+def _rows_refused():
+    """The clipping's assertion that each tapped layer sees the step's rows (`clipping._check_rows`, where
+    shapes are known only when the step runs) as an InputError: it fails before any noise or update."""
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as error:
+        said = re.search(rf"\[([^\]]*{ROWS_NOT_THE_STEPS}[^\]]*)\]", error.message)
+        if said is None:
+            raise
+        raise InputError(f"{said.group(1)} (this step did not run)") from None
+
+
 def _refuse_batch_statistics(model) -> None:
-    """A trainable BatchNormalization (tf_keras or Keras 3) normalizes each row by the statistics of the
-    whole step and updates its moving statistics from them: both escape clipping and noise (one record
-    moves every row's gradient, and the moving statistics are a noiseless function of the data written
-    to the model), so no guarantee covers such a model. Frozen ones (trainable False) run in inference."""
+    """A trainable BatchNormalization (tf_keras, its SyncBatchNormalization, or Keras 3) normalizes each
+    row by the statistics of the whole step and updates its moving statistics from them: both escape
+    clipping and noise (one record moves every row's gradient, and the moving statistics are a noiseless
+    function of the data written to the model), so no guarantee covers such a model. Frozen ones
+    (trainable False) run in inference."""
     found = [
         layer.name
         for layer in model._flatten_layers(include_self=False, recursive=True)  # tf_keras and Keras 3 alike
-        if any(cls.__name__ == "BatchNormalization" for cls in type(layer).__mro__) and layer.trainable
+        # any class named so in the MRO: tf_keras' BatchNormalization and SyncBatchNormalization share
+        # BatchNormalizationBase, Keras 3's has its own
+        if any("BatchNormalization" in cls.__name__ for cls in type(layer).__mro__) and layer.trainable
     ]
     if found:
         raise InputError(

@@ -260,6 +260,13 @@ def _rows(x, start: int, stop: int):
     return tf.nest.map_structure(lambda a: a[start:stop], x)
 
 
+def _encoded_arrays(encoded: tuple) -> dict[str, np.ndarray]:
+    """An encode's (x, y) as named arrays: the model's input (an array, or a dict by input name) and y."""
+    x, y = encoded
+    inputs = {f"input {name!r}": value for name, value in x.items()} if isinstance(x, dict) else {"input": x}
+    return {**{name: np.asarray(value) for name, value in inputs.items()}, "label": np.asarray(y)}
+
+
 class UserTask:
     """`--task module:function`: `function(features)` ({name: Feature} of every batch feature) returns
     the user's task, an object with
@@ -274,7 +281,8 @@ class UserTask:
 
     Its model is `--model module:function`, given the ModelSchema of the task's features (the --label
     one as the label, the others as inputs, `task` the task's name). Only the model and the training
-    rows decide the published model; a task reads nothing but the rows it is given."""
+    rows decide the published model; `encode` computes each row from that row alone (checked on the
+    first rows it encodes, `_refuse_mixed_rows`)."""
 
     def __init__(self, options: TrainOptions, schema: dict):
         self.options = options
@@ -302,6 +310,7 @@ class UserTask:
         )
         self.headline = "loss"  # until the first evaluation names the task's first metric
         self.optimizer = None  # what the module:function model returned, if it did
+        self.rows_checked = False  # whether encode was seen to encode each row from that row alone
 
     def build(self):
         model, loss, self.optimizer = user_model(self.options.model, self.schema, self.options.model_path)
@@ -317,7 +326,35 @@ class UserTask:
 
     def encode(self, rows: dict) -> tuple:
         x, y = self.task.encode(rows)
+        if not self.rows_checked and len(y) >= 2:
+            self._refuse_mixed_rows(rows)
         return x, y, self.problems(rows)
+
+    def _refuse_mixed_rows(self, rows: dict, count: int = 8) -> None:
+        """Clipping bounds what one row adds to a step only if a row's (x, y) depend on that row alone:
+        an `encode` that standardizes by the step's statistics lets one record move every row. Checked
+        once, on the first rows it encodes: a few rows encoded together and one by one."""
+        some = {name: np.asarray(values)[:count] for name, values in rows.items()}
+        together = _encoded_arrays(self.task.encode(some))
+        alone = [
+            _encoded_arrays(self.task.encode({name: values[i : i + 1] for name, values in some.items()}))
+            for i in range(len(together["label"]))
+        ]
+        for name, joined in together.items():
+            parts = np.concatenate([encoded[name] for encoded in alone])
+            numeric = joined.dtype.kind in "biuf" and parts.dtype.kind in "biuf"
+            same = joined.shape == parts.shape and (
+                np.allclose(joined, parts, rtol=1e-5, atol=1e-6, equal_nan=True)
+                if numeric
+                else np.array_equal(joined, parts)
+            )
+            if not same:
+                raise InputError(
+                    f"--task {self.options.task}: encode(rows) gives {name} values that depend on the other rows "
+                    f"(e.g. standardized by the step's mean): one record would move every row of its step, which "
+                    f"clipping does not bound; compute each row from that row alone (constants from public data)"
+                )
+        self.rows_checked = True
 
     def read_eval(self, path: str) -> tuple:
         rows = {name: self._array(name, values) for name, values in read_columns(path, self.names).items()}

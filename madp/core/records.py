@@ -39,7 +39,7 @@ BAD_WEIGHT = "bad_weight"
 INVALID_JSON = "invalid_json"
 DUPLICATE_ID = "duplicate_id"
 NULL_CONTENT = "null_content"  # batching: a selected record's content value is null
-NON_FINITE_CONTENT = "non_finite_content"  # batching: ... or a NaN or infinite float
+NON_FINITE_CONTENT = "non_finite_content"  # batching: ... or a NaN, infinite or beyond-float32 float
 REJECT_REASONS = (
     INVALID_JSON,
     MISSING_ID,

@@ -26,6 +26,7 @@ from madp.core.selection import REPORT_FILE, read_report
 
 SAMPLERS = ("minsep", "minsep-greedy", "users")
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the batches' floats are float32
 STRING_STREAMS = 100  # string ids hash under subkey(stream + STRING_STREAMS), integers under subkey(stream)
 
 
@@ -236,7 +237,8 @@ def join_selection(
 
 def content_problems(content: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """(reason, column) per row where a content value cannot be trained on ("" where all can): a
-    null (the value, or one inside its list), or a NaN or infinite float (a NaN model)."""
+    null (the value, or one inside its list), or a NaN or infinite float, or one beyond float32's
+    range, which the batches would hold as infinite (a NaN model)."""
     reason = np.full(len(content), "", dtype=object)
     where = np.full(len(content), "", dtype=object)
     for name in content.column_names:
@@ -247,7 +249,9 @@ def content_problems(content: pa.Table) -> tuple[np.ndarray, np.ndarray]:
             null |= _rows_of_values(column, values.is_null().to_numpy(zero_copy_only=False))
         bad = [(null, rec.NULL_CONTENT)]
         if pa.types.is_floating(values.type) and len(values):
-            finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
+            # the batches hold float32 (tf.train.FloatList): a larger magnitude would be written as inf
+            representable = pc.and_(pc.is_finite(values), pc.less_equal(pc.abs(values), FLOAT32_MAX))
+            finite = pc.fill_null(representable, True).to_numpy(zero_copy_only=False)
             bad.append((_rows_of_values(column, ~finite), rec.NON_FINITE_CONTENT))
         for flags, why in bad:
             new = flags & (reason == "")
@@ -305,7 +309,7 @@ def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = N
     reason, where = content_problems(content)
     if (reason != "").any():
         row = int(np.flatnonzero(reason != "")[0])
-        problem = "is null" if reason[row] == rec.NULL_CONTENT else "holds a NaN or infinite value"
+        problem = "is null" if reason[row] == rec.NULL_CONTENT else "holds a NaN, infinite or beyond-float32 value"
         raise InputError(
             f"content column {where[row]!r} {problem} for selected record {ids[row].as_py()!r}; fix the "
             f"record, leave the column out with --content-columns, or pass --on-invalid skip"
