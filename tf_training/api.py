@@ -268,12 +268,12 @@ def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
     """`training=` names the ledger entry a resumed training continues: one that exists and has not
     finished, continued after the steps it took. Any other use would train under one entry, counted
     once in every later composition, more steps than its plan accounts for."""
-    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), None)
     if not resumed_at:
         raise InputError(
             f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
             f"or leave training out for a new training (entered and composed on its own)"
         )
+    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), None)
     if entry is None:
         raise InputError(f"training={training!r} is not in the trainings ledger of {batches_dir}: nothing to continue")
     if entry.get("state", FINISHED) != STARTED:

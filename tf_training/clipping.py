@@ -43,6 +43,7 @@ from typing import Any
 
 from madp.training import load_tensorflow
 from madp.training.pretrained import RmsNorm, TiedEmbedding
+from madp.training.queries import kept_rows
 from madp.training.text import EmbeddingBag, PositionEmbedding
 
 tf = load_tensorflow()
@@ -160,10 +161,7 @@ def finite_rows_only(inputs: list, deltas: list) -> tuple[list, list]:
     )
 
     def zeroed(t):
-        if t is None or not t.dtype.is_floating:
-            return t
-        rows = tf.reshape(finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(t) - 1], tf.int32)], 0))
-        return tf.where(rows, t, tf.zeros_like(t))
+        return t if t is None or not t.dtype.is_floating else kept_rows(t, finite)
 
     return [zeroed(t) for t in inputs], [zeroed(t) for t in deltas]
 
@@ -646,8 +644,13 @@ def _check_rows(layer, z, weight):
 
 def ghost_norms(model, loss_fn, x, y, weight):
     """||g_i|| for every row: the square root of the pieces' squares summed over the variables."""
-    pieces = gradient_pieces(model, loss_fn, x, y, weight)
-    return tf.sqrt(tf.add_n([piece.squares() for piece in pieces]))
+    return _norms(gradient_pieces(model, loss_fn, x, y, weight))
+
+
+def _norms(pieces: list[Piece]):
+    """sqrt of the pieces' squares summed over the variables; a ghost norm <A A^T, D D^T> that float32
+    rounding makes negative would be a NaN factor: none below 0."""
+    return tf.sqrt(tf.maximum(tf.add_n([piece.squares() for piece in pieces]), 0.0))
 
 
 def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
@@ -656,8 +659,7 @@ def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     if _is_dense_stack(model):
         return _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip)
     pieces = gradient_pieces(model, loss_fn, x, y, weight)
-    # A ghost norm <A A^T, D D^T> that float32 rounding makes negative would be a NaN factor: none below 0
-    norms = tf.sqrt(tf.maximum(tf.add_n([piece.squares() for piece in pieces]), 0.0))
+    norms = _norms(pieces)
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, 1e-30))
     sums = {id(piece.variable): piece.clipped_sum(factor) for piece in pieces}
     return [sums[id(v)] if id(v) in sums else tf.zeros_like(v) for v in model.trainable_variables]

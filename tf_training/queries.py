@@ -72,14 +72,14 @@ def clip_and_sum(l2_norm_clip, per_example):
     # clip factor times its values would put NaN into the sum (0 * inf), the whole model's released.
     finite = tf.math.is_finite(squares)
     factor = tf.where(finite, tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(squares), 1e-30)), 0.0)
-    summed = [tf.tensordot(factor, _finite_only(leaf, finite), axes=1) for leaf in leaves]
+    summed = [tf.tensordot(factor, kept_rows(leaf, finite), axes=1) for leaf in leaves]
     return tf.nest.pack_sequence_as(per_example, summed)
 
 
-def _finite_only(leaf, finite):
-    """`leaf` (leading axis: records) with the records not `finite` set to zero."""
-    rows = tf.reshape(finite, tf.concat([tf.shape(finite), tf.ones([tf.rank(leaf) - 1], tf.int32)], 0))
-    return tf.where(rows, leaf, tf.zeros_like(leaf))
+def kept_rows(t, keep):
+    """`t` (leading axis: rows) with the rows where `keep` is false set to zero."""
+    rows = tf.reshape(keep, tf.concat([tf.shape(keep), tf.ones([tf.rank(t) - 1], tf.int32)], 0))
+    return tf.where(rows, t, tf.zeros_like(t))
 
 
 class DpSgdQuery(gaussian_query.GaussianSumQuery):
