@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from text_defaults import madp, split  # noqa: E402
 
+from madp.training.outputs import evaluation_of  # noqa: E402  (the held-out split's: internal)
+
 # mechanism -> (madp batch sampler flags, madp train mechanism flags); b: --bands
 SAMPLERS = {
     "none": lambda b: ["--sampler", "minsep", "--min-sep", "1"],
@@ -109,14 +111,15 @@ def main() -> None:
         privacy = [] if epsilon is None else ["--epsilon", str(epsilon)]
         madp("train", batches, trained, *common, *MECHANISMS[mechanism](args.bands), *privacy)
         metrics = json.load(open(os.path.join(trained, "metrics.json")))
+        evaluated = evaluation_of(trained, internal=True)
         plan = json.load(open(os.path.join(trained, "privacy.json")))
         results.append(
             {
                 "mechanism": mechanism,
                 "epsilon": epsilon,
                 "noise_multiplier": plan.get("noise_multiplier"),
-                "loss": metrics["final"]["loss"],
-                "pretrained_loss": metrics["pretrained_eval"]["loss"],
+                "loss": evaluated["final"]["loss"],
+                "pretrained_loss": evaluated["pretrained_eval"]["loss"],
                 "steps_per_s": metrics["steps_per_s"],
                 "seconds": round(time.perf_counter() - started, 1),
             }
@@ -126,7 +129,7 @@ def main() -> None:
         "corpus": args.corpus,
         "pretrained": os.path.basename(args.pretrained),
         **{key: getattr(args, key) for key in ("k", "steps", "batch_size", "bands", "max_length", "lora_rank")},
-        "eval_tokens": metrics["final"]["tokens"],
+        "eval_tokens": evaluated["final"]["tokens"],
         "pretrained_loss": results[0]["pretrained_loss"],
         "runs": results,
     }

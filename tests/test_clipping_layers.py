@@ -277,3 +277,35 @@ def test_a_row_whose_gradient_is_not_finite_adds_nothing(kind):
     assert all(np.isfinite(g).all() for g in summed["huge"])
     for got, expected in zip(summed["huge"], summed["left out"]):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dense over positions", "embedding lookup"])
+def test_a_row_whose_positions_cancel_adds_at_most_c(kind):
+    """A row whose two positions pull its gradient in nearly opposite directions: the ghost norm is a
+    sum of terms 10^4 times the norm's square that cancel, and in float32 rounding took so much off
+    that the row added up to 200 C to the clipped sum. Its contribution is now at most C."""
+    width, clip = 8, 1.0
+    rng = np.random.default_rng(0)
+    if kind == "dense over positions":
+        inputs = tf_keras.Input((2, width))
+        model = tf_keras.Model(inputs, layers.Dense(width, use_bias=False)(inputs))
+        a = rng.normal(size=width).astype(np.float32)
+        x = np.stack([a, a])[None] * np.float32(1e3 / np.linalg.norm(a))  # the same input at both positions
+        scale = 1e3
+    else:
+        inputs = tf_keras.Input((2,), dtype="int32")
+        model = tf_keras.Model(inputs, layers.Embedding(5, width)(inputs))
+        x, scale = np.array([[3, 3]], np.int32), 1e6  # the same id at both positions
+    v = rng.normal(size=width).astype(np.float32)
+    y = (v / np.linalg.norm(v) * scale)[None].astype(np.float32)
+    contributions = []
+    for cancel in 1e-4 * (1 + np.arange(12) / 7):
+
+        def loss(y, out, cancel=cancel):  # output gradients y and -(1 - cancel) y at the two positions
+            return tf.reduce_sum(out[:, 0] * y, -1) - (1 - cancel) * tf.reduce_sum(out[:, 1] * y, -1)
+
+        weight = np.ones(1, np.float32)
+        assert reference(model, loss, x, y, weight)[1][0] > 10 * clip, "the row's gradient is far above C"
+        summed = ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
+        contributions.append(np.sqrt(sum(np.sum(np.square(np.asarray(g), dtype=np.float64)) for g in summed)))
+    assert max(contributions) <= clip and min(contributions) > 0.99 * clip

@@ -113,12 +113,13 @@ def test_published_outputs_carry_no_internal_scalars(batches):
     options = TrainOptions(noise_multiplier=1.0, bands=2, eval_data=data, eval_every=4, internal_scalars=True)
     trainer.train(out, output, options)
     internal = tags(os.path.join(output, "internal", "logs"))
-    assert set(internal) == INTERNAL_TAGS and [s for s, _ in internal["train/loss"]] == [4, 8, 12]
+    evaluations = {"eval/loss", "eval/accuracy"}  # on the training's own records: internal too
+    assert set(internal) == INTERNAL_TAGS | evaluations and [s for s, _ in internal["train/loss"]] == [4, 8, 12]
     assert all(0 <= v <= 1 for _, v in internal["train/clipped_fraction"])
     assert "INTERNAL" in open(os.path.join(output, "internal", "NOTICE.txt")).read()
     # Nothing outside internal/ holds an internal scalar: neither the TensorBoard logs nor the JSON files.
     published = tags(os.path.join(output, "logs"))
-    assert set(published) == {"eval/loss", "eval/accuracy", "privacy/epsilon_spent"}
+    assert set(published) == {"privacy/epsilon_spent"}
     for path in glob.glob(os.path.join(output, "**", "*"), recursive=True):
         if os.path.isfile(path) and not os.path.relpath(path, output).startswith("internal"):
             if path.endswith(".json"):
@@ -291,7 +292,7 @@ def crash_at(monkeypatch, step: int) -> None:
 
 
 def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_path, monkeypatch):
-    """Interrupted at step 6 without a checkpoint: the evaluation of step 4 was published, so the
+    """Interrupted at step 6 without a checkpoint: the evaluation of step 4 was written, so the
     training is in the ledger since its first step and the next training states their composition."""
     _, out, data = batches
     copy = fresh_copy(out, tmp_path)
@@ -301,7 +302,7 @@ def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_p
     with pytest.raises(KeyboardInterrupt):
         trainer.train(copy, cut, options)
     monkeypatch.undo()
-    assert tags(os.path.join(cut, "logs"))["eval/loss"][0][0] == 4, "step 4's evaluation is published"
+    assert tags(os.path.join(cut, "internal", "logs"))["eval/loss"][0][0] == 4, "step 4's evaluation was written"
     [entry] = ledger(copy)
     assert (entry["output"], entry["state"], entry["noise_multiplier"]) == (cut, "started", 1.0)
 
@@ -432,3 +433,46 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     continued = api.make_private(model, loss, optimizer, plan, training=third.training, resumed_at=1)
     continued(*one_row)  # an interrupted entry, continued after its step
     assert len(ledger(copy)) == 2
+
+
+def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path, caplog):
+    """Two processes must never both read the ledger before either enters it: a Python API step takes
+    the batches' lock for its ledger entry. Held by another live process, the first step is refused
+    before it runs; the last step still runs, its entry left 'started' (which composes the same)."""
+    import socket
+    import subprocess
+
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
+    model, loss = build_model("logreg", 8)
+    step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    other = subprocess.Popen(["sleep", "120"])
+    lock = os.path.join(copy, ".madp.lock")
+    held = {"pid": other.pid, "host": socket.gethostname(), "command": "train elsewhere", "since": "now"}
+    try:
+        with open(lock, "w") as handle:
+            json.dump(held, handle)
+        steps = list(api.read_steps(batches_, ["features", "label"]))
+        initial = [w.copy() for w in model.get_weights()]
+        with pytest.raises(InputError, match="being written by another madp process .* first step did not run"):
+            step(steps[0]["features"], steps[0]["label"], steps[0]["weight"])
+        for a, b in zip(model.get_weights(), initial):
+            np.testing.assert_array_equal(a, b)
+        assert ledger(copy) == []
+        os.remove(lock)
+        step(steps[0]["features"], steps[0]["label"], steps[0]["weight"])
+        assert [t["state"] for t in ledger(copy)] == ["started"] and not os.path.exists(lock), "the lock is let go"
+        with open(lock, "w") as handle:  # another training takes the batches while this one runs
+            json.dump(held, handle)
+        for rows in steps[1:]:
+            step(rows["features"], rows["label"], rows["weight"])
+        assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["started"]
+        assert "keeps" in caplog.text and "as started" in caplog.text
+    finally:
+        other.kill()

@@ -29,6 +29,7 @@ from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training import pretrained  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.tasks import CausalLmTask  # noqa: E402
 from madp.training.trainer import tf, tf_keras, train  # noqa: E402
 
@@ -483,7 +484,9 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
     np.testing.assert_allclose(np.asarray(saved(ids)), np.asarray(trained(ids)), atol=1e-5)
     metrics = json.load(open(out / "metrics.json"))
     assert metrics["model"] == "causal-lm" and metrics["lora_rank"] == 0
-    assert metrics["pretrained_eval"]["tokens"] == final["tokens"] and metrics["pretrained_eval"] != final
+    assert "pretrained_eval" not in metrics, "an evaluation on data not declared public is internal"
+    before = evaluation_of(str(out), internal=True)["pretrained_eval"]
+    assert before["tokens"] == final["tokens"] and before != final
 
 
 # --- LoRA adapters ------------------------------------------------------------------------------
@@ -605,7 +608,7 @@ def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     assert main(["-q", "train", batches, out, "--model", "causal-lm", "--pretrained", preset, "--lora-rank", "2",
                  "--max-length", "12", "--noise-multiplier", "0.5", "--noise-seed", "1", "--eval-data", evaluation,
                  "--eval-every", "4"]) == 0  # fmt: skip
-    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    metrics = evaluation_of(out, internal=True)
     assert metrics["pretrained_eval"]["tokens"] == metrics["final"]["tokens"] > 100
     assert metrics["final"]["loss"] != metrics["pretrained_eval"]["loss"]
 

@@ -220,7 +220,14 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
 # --- the attacker who reads every published output ---------------------------------------------------
 
 
-INTERNAL = ("audit", "baseline", "batches", "internal-report.html", "internal-results.json")  # README: threat model
+INTERNAL = (  # README: threat model
+    "audit",
+    "baseline",
+    "batches",
+    "internal-report.html",
+    "internal-results.json",
+    os.path.join("train", "internal"),
+)
 
 
 def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
@@ -301,6 +308,14 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
     assert "non-private (internal) eval accuracy" in open(tmp_path / "run" / "internal-report.html").read()
     published = _published_text(tmp_path / "run")
     assert '"baseline"' not in published and "private_over_non_private" not in published
+    # The held-out records are not declared public (--eval-data-public): the evaluations on them, computed
+    # without noise, stay internal, in no published file, log or page.
+    evaluated = json.load(open(tmp_path / "run" / "train" / "internal" / "evaluation.json"))
+    assert [point["step"] for point in evaluated["eval"]] == [10, 20] and "train" not in summary["results"]
+    for point in evaluated["eval"]:
+        assert repr(point["loss"]) not in published and repr(point["accuracy"]) not in published
+    assert "eval/" not in published and "eval accuracy" not in page and "evaluations are left out" in page
+    assert internal["train"]["accuracy"] == evaluated["final"]["accuracy"]
     # No content digest: no SHA-256 of a batch file or of a file of records or held-out content.
     content_files = [
         os.path.join(root, name)

@@ -29,7 +29,7 @@ def run_dir(tmp_path_factory):
         "bound": {"max_contributions": 2, "runner": "local"},
         "batch": {"steps": 40, "batch_size": 50, "min_sep": 3, "runner": "local"},
         "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 3},
-        "train": {"model": "logreg", "eval_every": 10, "baseline": True},
+        "train": {"model": "logreg", "eval_every": 10, "baseline": True, "eval_data_public": True},  # synthetic
         "report": True,
     }
     (directory / "job.yaml").write_text(yaml.safe_dump(config))

@@ -21,7 +21,7 @@ def write_config(path, run_dir, **changes) -> str:
         "bound": {"max_contributions": 2, "runner": "local"},
         "batch": {"steps": 30, "batch_size": 50, "min_sep": 2, "runner": "local"},
         "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 2},
-        "train": {"model": "logreg", "eval_every": 10},
+        "train": {"model": "logreg", "eval_every": 10, "eval_data_public": True},  # a synthetic hold-out
     }
     for key, value in changes.items():
         section, _, leaf = key.partition("__")

@@ -4,6 +4,7 @@ independent `madp epsilon` call."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ pytest.importorskip("tensorflow")
 from conftest import write_records  # noqa: E402
 
 from madp.cli import main  # noqa: E402
+from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local
@@ -221,6 +223,43 @@ def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, caps
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
     assert [m["step"] for m in result["eval"]] == [20, 40, 60] and result["final"]["accuracy"] > 0.6
     assert os.path.exists(os.path.join(out, "model.keras")) and os.listdir(os.path.join(out, "logs"))
+
+
+def _event_bytes(directory: str) -> bytes:
+    return b"".join(open(os.path.join(directory, name), "rb").read() for name in os.listdir(directory))
+
+
+def test_evaluations_are_published_only_on_eval_data_declared_public_and_not_the_trained_records(
+    pipeline_data, tmp_path
+):
+    directory, data = pipeline_data
+    batches = str(tmp_path / "batches")
+    batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=4, batch_size=32))
+    options = TrainOptions(mechanism="none", eval_data=data, eval_every=2)
+    out = str(tmp_path / "internal")
+    result = train(batches, out, options)
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert not {"eval", "final"} & set(metrics) and "--eval-data-public" in metrics["evaluation"]
+    kept = json.load(open(os.path.join(out, "internal", "evaluation.json")))
+    assert kept["eval"] == result["eval"] and [m["step"] for m in kept["eval"]] == [2, 4]
+    assert b"eval/" not in _event_bytes(os.path.join(out, "logs"))
+    assert b"eval/loss" in _event_bytes(os.path.join(out, "internal", "logs"))
+
+    public = dataclasses.replace(options, eval_data_public=True)
+    with pytest.raises(InputError, match="overlaps the records the batches were made from"):
+        train(batches, str(tmp_path / "refused"), public)
+    rows = [json.loads(line) for line in open(data)]
+    copy = write_records(str(tmp_path / "copy.jsonl"), rows)  # the trained records under another name
+    with pytest.raises(InputError, match=r"holds \d+ record\(s\) the bound selected"):
+        train(batches, str(tmp_path / "refused"), dataclasses.replace(public, eval_data=copy))
+    assert not os.path.exists(tmp_path / "refused"), "refused before anything is written"
+    unseen = write_records(str(tmp_path / "unseen.jsonl"), [{**row, "id": row["id"] + 10**9} for row in rows])
+    out = str(tmp_path / "public")
+    result = train(batches, out, dataclasses.replace(public, eval_data=unseen))
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert metrics["final"] == result["final"] and "evaluation" not in metrics
+    assert b"eval/loss" in _event_bytes(os.path.join(out, "logs"))
+    assert not os.path.exists(os.path.join(out, "internal", "evaluation.json"))
 
 
 def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsys):

@@ -22,6 +22,7 @@ from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.training import calibrate, make_private, open_batches, read_steps  # noqa: E402
+from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.queries import DpSgdQuery  # noqa: E402
 from madp.training.tasks import Feature, ModelSchema, user_model  # noqa: E402
 
@@ -174,7 +175,7 @@ def test_madp_train_trains_a_module_model_privately_and_evaluates_its_task(data,
     argv = ["-q", "train", str(data / "batches"), str(out), "--model", model, "--model-path", str(data / "models")]
     argv += ["--epsilon", "8", "--eval-data", str(data / "test.jsonl"), "--eval-every", "20", *flags]
     assert main(argv) == 0, capsys.readouterr().err
-    metrics = json.load(open(out / "metrics.json"))
+    metrics = evaluation_of(str(out), internal=True)  # test.jsonl is not declared public
     privacy = json.load(open(out / "privacy.json"))
     assert privacy["mechanism"] == "dpsgd" and privacy["epsilon"] <= 8 + 1e-9  # (batches of a fixed seed: not private)
     assert [m["step"] for m in metrics["eval"]] == [20, 40]
@@ -298,8 +299,7 @@ def test_a_task_of_ones_own_encodes_rows_and_names_the_metrics(data, capsys):
     argv = ["-q", "train", str(data / "batches"), str(out), "--model-path", str(data / "models"), "--label", "cls"]
     argv += ["--epsilon", "8", "--eval-data", str(data / "test.jsonl"), "--eval-every", "20"]
     assert main([*argv, "--model", "four_classes:build", "--task", "top_k:task"]) == 0, capsys.readouterr().err
-    metrics = json.load(open(out / "metrics.json"))
-    final = metrics["final"]
+    final = evaluation_of(str(out), internal=True)["final"]
     assert set(final) == {"step", "loss", "top1", "top2"} and final["top2"] >= final["top1"] > 0.45
     assert json.load(open(out / "privacy.json"))["mechanism"] == "dpsgd"
 

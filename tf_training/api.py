@@ -6,6 +6,7 @@ on `calibrate`, `make_private` and `make_non_private`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
@@ -34,6 +36,7 @@ from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  
 
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
+LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the batches' lock
 
 __all__ = [
     "PrivacyPlan",
@@ -149,19 +152,34 @@ class PrivateTrainingStep(PrivateStep):
     def _enter(self, state: str) -> None:
         """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee).
         At its first step the ledger is read again: a training entered since this step was made (two steps
-        made, then trained one after the other) would make `plan`'s composed guarantee false."""
-        if self.plan.private and self.plan.trained_on:
-            if state == STARTED:
-                now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
-                if (now.epsilon, now.delta) != (self.plan.epsilon, self.plan.delta):
-                    raise InputError(
-                        f"another private training entered the ledger of {self.plan.trained_on} after this step "
-                        f"was made: its plan's ({self.plan.epsilon:.4g}, {self.plan.delta:.3g}) no longer states "
-                        f"the composition ({now.epsilon:.4g}, {now.delta:.3g}); make the step again "
-                        f"(make_private) to train under it (nothing of this training ran)"
-                    )
-            record_training(self.plan.trained_on, self.training, self.output, self.own_plan, state)
+        made, then trained one after the other) would make `plan`'s composed guarantee false. The read and
+        the write hold the batches' lock (`madp train` holds it for its whole training), so that two
+        processes never both read the ledger before either enters it, nor rewrite it from a stale read."""
+        batches = self.plan.trained_on
+        if self.plan.private and batches:
+            held = contextlib.nullcontext() if storage.holds(batches) else storage.exclusive(batches, LEDGER_WRITER)
+            try:
+                with held:
+                    self._enter_locked(batches, state)
+            except storage.OutputLocked as error:
+                if state == STARTED:
+                    raise InputError(f"{error} (this private training's first step did not run)") from None
+                # Another training took the batches after our first step: it composed with our entry as
+                # started, which composes the same as a finished one.
+                log.warning("the trainings ledger keeps %s as started: %s", self.training, error)
         self._entered = True
+
+    def _enter_locked(self, batches: str, state: str) -> None:
+        if state == STARTED:
+            now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
+            if (now.epsilon, now.delta) != (self.plan.epsilon, self.plan.delta):
+                raise InputError(
+                    f"another private training entered the ledger of {batches} after this step was made: its "
+                    f"plan's ({self.plan.epsilon:.4g}, {self.plan.delta:.3g}) no longer states the composition "
+                    f"({now.epsilon:.4g}, {now.delta:.3g}); make the step again (make_private) to train under "
+                    f"it (nothing of this training ran)"
+                )
+        record_training(batches, self.training, self.output, self.own_plan, state)
 
 
 def make_private(

@@ -23,6 +23,10 @@
   - TiedEmbedding, looked up (L_i, as Embedding) and the LM head (logits H_i E^T: O_i = A_i^T H_i,
     A_i the logits' gradients): ||L_i + O_i||^2 = ||L_i||^2 + ||O_i||^2 + 2 sum_{t,s} A_i[s, id_it]
     (h_is . d_it).
+  The sums whose terms cancel where a row's positions pull its gradient in opposite directions
+  (ghost norms, lookups of one id at several positions, the tied head's cross term) are formed in
+  float64 and bounded above by the most rounding can have taken off them (`_cancelling`), and by
+  what float32 rounding can add to the row's part of the clipped sum: no row adds more than C.
   A layer called several times adds its calls' gradients (positions concatenated). The clipped
   sum is then formed from the same inputs and output gradients scaled by the rows' clip factors,
   without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
@@ -244,12 +248,16 @@ def _unsupported(layer) -> str | None:
     return None
 
 
-def unsupported_layers(model) -> list[str]:
-    """The trainable layers of `model` that keep it off the fast clipping path, as "name (Class): why"."""
+def unsupported_layers(model, on_tpu: bool = False) -> list[str]:
+    """The trainable layers of `model` that keep it off the fast clipping path, as "name (Class): why".
+    On a TPU only a stack of Dense layers takes it: the other norms sum terms that can cancel, which
+    the fast path sums in float64 (`_cancelling`), and TPUs have none."""
     if not isinstance(model, tf_keras.Model):  # the norm formulas tap tf_keras layers' calls only
         return [f"{layer.name} ({type(layer).__name__}: a Keras 3 layer)" for layer in _keras3_trainable(model)]
     if _is_dense_stack(model):
         return []
+    if on_tpu:
+        return [f"{model.name} (on a TPU: no float64 for the norms whose terms cancel)"]
     found = [
         f"{wrapper.name} ({type(wrapper).__name__}: a wrapper whose call may fold other axes into the batch's rows)"
         for wrapper in model._flatten_layers(include_self=False, recursive=True)
@@ -376,14 +384,19 @@ class _Outer:
         return tf.matmul(self.a, self.d, transpose_a=True)
 
     def squares(self):
-        """T = 1: ||a_i||^2 ||d_i||^2; else ||A_i^T D_i||_F^2 (`per_row`) or the ghost norm
-        <A_i A_i^T, D_i D_i^T>_F: both exact."""
+        """T = 1: ||a_i||^2 ||d_i||^2; else ||A_i^T D_i||_F^2 of the rows `clipped_sum` adds
+        (`per_row`), or an upper bound on the ghost norm <A_i A_i^T, D_i D_i^T>_F (`_cancelling`)."""
         if self.a.shape[1] == 1:
             return tf.reduce_sum(tf.square(self.a), axis=[1, 2]) * tf.reduce_sum(tf.square(self.d), axis=[1, 2])
         if self.per_row():
             return tf.reduce_sum(tf.square(self.rows), axis=[1, 2])
-        grams = tf.matmul(self.a, self.a, transpose_b=True) * tf.matmul(self.d, self.d, transpose_b=True)
-        return tf.reduce_sum(grams, axis=[1, 2])
+        a, d = _wide(self.a), _wide(self.d)
+        grams_a, grams_d = tf.matmul(a, a, transpose_b=True), tf.matmul(d, d, transpose_b=True)
+        # |<a_s, a_t> <d_s, d_t>| <= ||a_s|| ||a_t|| ||d_s|| ||d_t||, by Cauchy-Schwarz: the terms sum
+        # to at most spread^2, and spread = sum_t ||a_t|| ||d_t|| >= ||g_i|| bounds every partial sum.
+        spread = tf.reduce_sum(tf.norm(a, axis=2) * tf.norm(d, axis=2), axis=1)
+        bound = _cancelling(grams_a * grams_d, tf.square(spread), self.a.shape[2] + self.d.shape[2])
+        return _summed_in_float32(bound, spread, tf.shape(self.a)[1])
 
     def clipped_sum(self, factor):
         """sum_i f_i A_i^T D_i: one [nT, p]^T [nT, q] product, or sum_i f_i g_i of the rows' g_i
@@ -404,11 +417,16 @@ class _Lookup:
     d: Any  # [n, T, width]
 
     def squares(self):
-        """||g_i||^2 = sum_{t,s} [id_it = id_is] d_it . d_is (rows of one id add up before squaring)."""
+        """||g_i||^2 = sum_{t,s} [id_it = id_is] d_it . d_is (rows of one id add up before squaring),
+        an upper bound (`_cancelling`)."""
         if self.ids.shape[1] == 1:
             return tf.reduce_sum(tf.square(self.d), axis=[1, 2])
-        same = tf.cast(self.ids[:, :, None] == self.ids[:, None, :], self.d.dtype)
-        return tf.reduce_sum(same * tf.matmul(self.d, self.d, transpose_b=True), axis=[1, 2])
+        d = _wide(self.d)
+        same = tf.cast(self.ids[:, :, None] == self.ids[:, None, :], d.dtype)
+        norms = tf.norm(d, axis=2)
+        magnitudes = tf.reduce_sum(same * norms[:, :, None] * norms[:, None, :], axis=[1, 2])
+        bound = _cancelling(same * tf.matmul(d, d, transpose_b=True), magnitudes, self.d.shape[2])
+        return _summed_in_float32(bound, tf.reduce_sum(norms, axis=1), tf.shape(self.ids)[1])
 
     def clipped_sum(self, factor):
         """sum_i f_i g_i: the rows f_i d_it added up by id."""
@@ -473,15 +491,61 @@ class _Tied:
         return self.lookup.variable
 
     def squares(self):
-        picked = tf.gather(self.outer.a, self.lookup.ids, axis=2, batch_dims=1)  # [n, S, T]: A_i[s, id_it]
-        dots = tf.matmul(self.outer.d, self.lookup.d, transpose_b=True)  # [n, S, T]: h_is . d_it
-        return self.lookup.squares() + self.outer.squares() + 2.0 * tf.reduce_sum(picked * dots, axis=[1, 2])
+        """||L_i||^2 + ||O_i||^2 + 2 <L_i, O_i>, each an upper bound (`_cancelling`)."""
+        picked = _wide(tf.gather(self.outer.a, self.lookup.ids, axis=2, batch_dims=1))  # [n, S, T]: A_i[s, id_it]
+        heads, looked_up = _wide(self.outer.d), _wide(self.lookup.d)
+        dots = tf.matmul(heads, looked_up, transpose_b=True)  # [n, S, T]: h_is . d_it
+        norms = tf.norm(heads, axis=2)[:, :, None] * tf.norm(looked_up, axis=2)[:, None, :]
+        spread = tf.reduce_sum(tf.abs(picked) * norms, axis=[1, 2])
+        cross = _cancelling(picked * dots, spread, self.lookup.d.shape[2], bound=False)
+        looked_up_squares, head_squares = self.lookup.squares(), self.outer.squares()
+        total = tf.maximum(looked_up_squares + head_squares + 2.0 * cross, 0.0)
+        # clipped_sum adds the two sums L and O, which cancel too: at most u (||L_i|| + ||O_i||) more
+        sides = tf.sqrt(looked_up_squares) + tf.sqrt(head_squares)
+        return tf.square(tf.sqrt(total) + 2.0 * FLOAT32_ROUNDING * sides)
 
     def clipped_sum(self, factor):
         return self.lookup.clipped_sum(factor) + self.outer.clipped_sum(factor)
 
 
 Piece = _Outer | _Lookup | _Bag | _Rows | _Tied
+
+# A ghost norm is a sum of T^2 terms that cancel where a row's positions pull its gradient in opposite
+# directions, so its rounding error scales with the terms, not with the norm: in float32 one row whose
+# two positions nearly cancel got a norm far below its gradient's and added 200 C to the sum. The
+# terms are formed and summed in float64, where a product of float32 numbers is exact, and the bound
+# adds the most that rounding can have taken off.
+FLOAT64_ROUNDING = 2.0**-53  # unit roundoff of float64
+FLOAT32_ROUNDING = 2.0**-24  # of float32, which the pieces and their clipped sums are computed in
+
+
+def _wide(t):
+    """t in float64, for the sums that cancel (a TPU has no float64: `unsupported_layers`)."""
+    return tf.cast(t, tf.float64)
+
+
+def _cancelling(terms, spread, width: int | None, bound: bool = True):
+    """sum_{s,t} terms[i, s, t] (float64) for every row i, plus the most its rounding can have taken
+    off, as float32 (`bound`: at least 0). Each term is a product of dot products of length `width`
+    (or fewer), so it is off by at most (width + 1) u times its magnitude bound, whose row sum is
+    `spread`, and summing T then S terms adds at most (S + T) u times the terms' absolute sum (any
+    order of additions: Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5); doubled for
+    the second-order terms and the rounding of the bound itself."""
+    length = tf.cast(tf.shape(terms)[1] + tf.shape(terms)[2], tf.float64)
+    magnitude = spread + tf.reduce_sum(tf.abs(terms), axis=[1, 2])
+    slack = 2.0 * FLOAT64_ROUNDING * ((width or 1) + 1 + length) * magnitude
+    total = tf.reduce_sum(tf.reduce_sum(terms, axis=2), axis=1) + slack
+    total = tf.maximum(total, 0.0) if bound else total
+    return tf.cast(total + tf.abs(total) * 2.0**-22, tf.float32)  # rounded up to float32, not to nearest
+
+
+def _summed_in_float32(squares, spread, steps):
+    """(||g_i|| + r_i)^2 from a bound `squares` on ||g_i||^2: `clipped_sum` adds a row's `steps` terms,
+    whose norms sum to at most `spread` (float64), in float32, which can put up to r_i = 2 (T + 1) u
+    spread more of the row into the sum than f_i g_i (spread / ||g_i|| measures the cancellation:
+    about sqrt(T) where there is none)."""
+    rounding = 2.0 * FLOAT32_ROUNDING * (tf.cast(steps, tf.float32) + 1.0) * tf.cast(spread, tf.float32)
+    return tf.square(tf.sqrt(squares) + rounding)
 
 
 def _row_sums(t, shape: list[int]):

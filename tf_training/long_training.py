@@ -3,10 +3,11 @@ schedules, and checkpoints a job resumes from.
 
 Published vs internal, as everywhere in madp: only what the guarantee covers, or what is a function of
 public parameters, may be published. `epsilon_spent` is a function of the plan alone (public), so it
-goes to OUTPUT/logs/ beside the evaluation scalars. The training loss, the clipped fraction and the
-gradient norms are computed from the training rows without noise, so one user's records can move
-them: they go to OUTPUT/internal/ only. So do the checkpoints, which hold BandMF's last noise vectors
-(with them and two consecutive models one could strip the noise off a step's gradient sum).
+goes to OUTPUT/logs/ (beside the evaluation scalars, where the evaluation data is declared public).
+The training loss, the clipped fraction and the gradient norms are computed from the training rows
+without noise, so one user's records can move them: they go to OUTPUT/internal/ only. So do the
+checkpoints, which hold BandMF's last noise vectors (with them and two consecutive models one could
+strip the noise off a step's gradient sum).
 """
 
 from __future__ import annotations
@@ -24,31 +25,10 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
+from madp.training.outputs import internal_path
 from madp.training.plan import PrivacyPlan
 
 tf = load_tensorflow()
-
-INTERNAL_DIR = "internal"  # OUTPUT/internal/: never published (see NOTICE)
-NOTICE = """INTERNAL - do not publish this folder.
-
-logs/: TensorBoard scalars computed from the training rows without noise (training loss, fraction of
-clipped gradients, per-example gradient norms). No privacy guarantee covers them: one user's records
-can move them.
-checkpoints/: the model, the optimizer and, for BandMF, the last noise vectors of the mechanism. Those
-noise vectors are as secret as the noise key: with them one can remove the noise from released steps.
-(The noise key itself is never written; a resumed run draws a fresh one.)
-
-What may be published: model.keras, metrics.json, privacy.json and logs/ (evaluation scalars and
-privacy/epsilon_spent, a function of the public plan only).
-"""
-
-
-def internal_path(output: str, *parts: str) -> str:
-    """A path under OUTPUT/internal/, whose NOTICE says it is never published (written on first use)."""
-    notice = storage.join(output, INTERNAL_DIR, "NOTICE.txt")
-    if storage.kind(notice) == "missing":
-        storage.write_text(notice, NOTICE)
-    return storage.join(output, INTERNAL_DIR, *parts)
 
 
 # --- learning rate ------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class TrainOptions:
     noise_seed: int | None = None  # None: fresh secret noise key; an int reproduces (not private)
     mc_seed: int = 0  # Monte Carlo verification samples (public: they only check the accountant)
     eval_data: str | None = None
+    eval_data_public: bool = False  # the user declares --eval-data public: only then are evaluations published
     eval_every: int = 100
     max_contributions: int | None = None
     amplified: bool = False
@@ -108,6 +109,10 @@ class TrainOptions:
             (self.learning_rate is None or self.learning_rate > 0, "--learning-rate must be positive"),
             (self.clip_norm > 0, "--clip-norm must be positive"),
             (self.eval_every >= 1, "--eval-every must be at least 1"),
+            (
+                self.eval_data is not None or not self.eval_data_public,
+                "--eval-data-public needs --eval-data (it declares it public)",
+            ),
             (
                 self.mechanism == "none"
                 or self.calibration is not None

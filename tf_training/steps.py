@@ -117,7 +117,9 @@ class PrivateStep(_LoweredOnce):
         self.user_level = user_level
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         _refuse_batch_statistics(model)
-        blocking = unsupported_layers(model) if fast and not user_level else []
+        self.strategy = strategy or tf.distribute.get_strategy()
+        on_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
+        blocking = unsupported_layers(model, on_tpu) if fast and not user_level else []
         if blocking:
             log.warning(
                 "model %s: per-example gradients (vectorized, slower) for DP clipping; no fast clipping for %s",
@@ -132,7 +134,6 @@ class PrivateStep(_LoweredOnce):
                 model.name,
                 sorted({layer.compute_dtype for layer in model.layers} - {"float32"}),
             )
-        self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)

@@ -15,12 +15,15 @@ import logging
 import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from madp.core import storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
-from madp.core.selection import REJECTED_DIR
+from madp.core.selection import REJECTED_DIR, selection_files
+from madp.engines.batching import read_selection_file
 from madp.training import (  # the public API: the trainer's own parts are its tasks, evaluation and outputs
     PrivateTrainingStep,
     calibrate,
@@ -30,16 +33,16 @@ from madp.training import (  # the public API: the trainer's own parts are its t
     open_batches,
     read_steps,
 )
+from madp.training.batches import Batches
 from madp.training.long_training import (
-    INTERNAL_DIR,
     Checkpoints,
     epsilon_spent,
-    internal_path,
     learning_rate_at,
     set_learning_rate,
     step_statistics,
 )
 from madp.training.options import TrainOptions, training_defaults
+from madp.training.outputs import EVALUATION_FIELDS, EVALUATION_FILE, INTERNAL_DIR, internal_path
 from madp.training.plan import (
     NOT_PRIVATE,
     labels_read_from_data,
@@ -57,6 +60,7 @@ from madp.training.tasks import (
     default_optimizer,
     is_keras3,
     prepare_task,
+    read_columns,
 )
 
 tf = load_tensorflow()
@@ -79,6 +83,54 @@ def zero_out_ids(path: str) -> np.ndarray:
     if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
         return np.array([str(i).encode() for i in ids], dtype=object)
     return np.array(ids, dtype=np.int64)
+
+
+def check_public_eval_data(path: str, batches: Batches) -> None:
+    """--eval-data-public is the user's word that the evaluation data is public; refuse it where the data
+    shows otherwise: a path that is, holds or lies inside the records the batches were made from or the
+    bound selection, or a record id the bound selected (by the bound's id column, where the evaluation
+    data has it). Evaluations on those are computed without noise on the trained users' records."""
+    for role, source in (
+        ("the records the batches were made from", batches.report.get("data")),
+        ("the bound selection", batches.report.get("selected")),
+    ):
+        if source and storage.overlaps(path, source):
+            raise InputError(
+                f"--eval-data-public: --eval-data {path} overlaps {role} ({source}): evaluations on the "
+                f"trained records are not public; evaluate on public data, or leave --eval-data-public out "
+                f"(the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
+            )
+    column = batches.report["bound"]["parameters"].get("id_column", "id")
+    ids = _column_if_present(path, column)
+    if ids is None or not batches.report.get("selected"):
+        return
+    for shard in selection_files(batches.report["selected"]):
+        selected, _ = read_selection_file(shard)
+        try:
+            candidates = pa.array([i for i in ids if i is not None]).cast(selected.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return  # ids of another type than the bound's: none is a selected record
+        shared = candidates.filter(pc.is_in(candidates, value_set=selected))
+        if len(shared):
+            raise InputError(
+                f"--eval-data-public: --eval-data {path} holds {len(shared)} record(s) the bound selected for "
+                f"training ({column} {shared[0].as_py()!r}, ...): evaluations on them are not public; leave "
+                f"--eval-data-public out (the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
+            )
+
+
+def _column_if_present(path: str, column: str) -> list | None:
+    """Column `column` of an evaluation file, or None where it has no such column."""
+    if path.endswith(".parquet") or storage.kind(path) == "directory":
+        present = column in storage.parquet_columns(path)
+    else:
+        first = next((line for line in storage.read_text(path).splitlines() if line.strip()), "{}")
+        try:
+            row = json.loads(first)
+        except ValueError as error:
+            raise InputError(f"--eval-data {path}: its first line is not a JSON object ({error})") from error
+        present = isinstance(row, dict) and column in row
+    return read_columns(path, [column])[column] if present else None
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -137,6 +189,8 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
 def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     started = time.perf_counter()
     batches = open_batches(batches_dir)
+    if options.eval_data and options.eval_data_public:
+        check_public_eval_data(options.eval_data, batches)
     task, skipped = prepare_task(options, batches)
     strategy = distribution_strategy(options)
     replicas = strategy.num_replicas_in_sync
@@ -199,9 +253,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
             metrics.append({"step": resumed, **task.evaluate(model, loss_fn, evaluation)})
     tf.io.gfile.makedirs(output)
-    writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: eval and epsilon spent
-    # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training).
-    internal = tf.summary.create_file_writer(internal_path(output, "logs")) if options.internal_scalars else None
+    writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: epsilon spent, public eval
+    # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training),
+    # and the evaluations on data not declared public, which none covers either.
+    published_eval = options.eval_data_public or evaluation is None
+    needs_internal = options.internal_scalars or not published_eval
+    internal = tf.summary.create_file_writer(internal_path(output, "logs")) if needs_internal else None
+    eval_writer = internal if internal is not None and not published_eval else writer
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
     names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
@@ -222,7 +280,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         if options.lr_schedule != "constant" and logs:
             with writer.as_default():  # public: the schedule's value
                 tf.summary.scalar("train/learning_rate", rate, step=done)
-        if internal is not None and logs:  # INTERNAL: the step's rows before its update, no noise
+        if options.internal_scalars and internal is not None and logs:  # INTERNAL: the step's rows, no noise
             groups = row_groups(rows[USER_FEATURE], len(weight)) if user_level else None
             with internal.as_default():
                 for name, value in step_statistics(model, loss_fn, x, y, weight, groups, options.clip_norm).items():
@@ -236,7 +294,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             checkpoints.save(done, metrics, planned)
         if evaluates:
             metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
-            with writer.as_default():
+            with eval_writer.as_default():
                 for name in ("loss", task.headline):
                     tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
         if privacy is not None and logs:  # public: a function of the plan and the step count only
@@ -245,6 +303,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
         if quality and privacy is None:  # no guarantee covers these figures: the line says so
             quality += " (non-private: internal)"
+        elif quality and not published_eval:
+            quality += " (--eval-data not declared public: internal)"
         progress.update(done, quality)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     result = {
@@ -270,9 +330,14 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
         "privacy": dict(NOT_PRIVATE) if privacy is None else privacy.to_json(),
     }
-    storage.write_text(
-        storage.join(output, "metrics.json"), json.dumps({k: v for k, v in result.items() if k != "privacy"}, indent=2)
-    )
+    published = {k: v for k, v in result.items() if k != "privacy"}
+    if not published_eval:  # computed without noise on records no guarantee covers: internal only
+        kept = internal_path(output, EVALUATION_FILE)
+        evaluations = {field: published.pop(field) for field in EVALUATION_FIELDS if field in published}
+        storage.write_text(kept, json.dumps(evaluations, indent=2))
+        published["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
+        result["evaluation"] = published["evaluation"]
+    storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2))
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
     if checkpoints is not None:  # done: the secret noise history has no further use
         tf.io.gfile.rmtree(checkpoints.directory)

@@ -123,6 +123,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "--mc-seed", type=int, default=0, help="--amplified: seed of the Monte Carlo verification samples (public)"
     )
     training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
+    training.add_argument(
+        "--eval-data-public",
+        action="store_true",
+        help="--eval-data is public data: only then are the evaluations published (metrics.json, logs/); "
+        "computed without noise, on private records (a hold-out of the same corpus) no guarantee covers "
+        "them, so by default they go to OUTPUT/internal/",
+    )
     training.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
     training.add_argument(
         "--amplified",
@@ -233,6 +240,7 @@ def train_options(args: argparse.Namespace):
         noise_seed=args.noise_seed,
         mc_seed=args.mc_seed,
         eval_data=args.eval_data,
+        eval_data_public=args.eval_data_public,
         eval_every=args.eval_every,
         max_contributions=args.max_contributions,
         amplified=args.amplified,

@@ -264,13 +264,17 @@ def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer + "/")
 
 
+def overlaps(first: str, second: str) -> bool:
+    """Whether one path is, or lies inside, the other (links followed)."""
+    first, second = _absolute(first), _absolute(second)
+    return _within(first, second) or _within(second, first)
+
+
 def refuse_overlap(output: str, inputs: list[str]) -> None:
     """A command replaces what it writes in OUTPUT: an OUTPUT that is, contains or lies inside one of its
     inputs could delete the user's files or read its own outputs back as input."""
-    out = _absolute(output)
     for path in inputs:
-        source = _absolute(path)
-        if _within(source, out) or _within(out, source):
+        if overlaps(output, path):
             raise InputError(
                 f"output {output} overlaps input {path} (one is, or lies inside, the other): "
                 f"write the output to a directory of its own"
@@ -296,13 +300,22 @@ def _refuse_enclosing_writer(output: str) -> None:
     for lock in _enclosing_locks(output):
         if kind(lock) != "file" or _stale(lock):
             continue
-        try:
-            holder = json.loads(read_text(lock))
-            ours = holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
-        except (OSError, ValueError, AttributeError):
-            ours = False
-        if not ours:
+        if not _ours(lock):
             raise OutputLocked(_held(lock))
+
+
+def holds(output: str) -> bool:
+    """Whether this process holds OUTPUT's lock (runs inside `exclusive(OUTPUT, ...)`)."""
+    lock = join(output, LOCK_FILE)
+    return kind(lock) == "file" and _ours(lock)
+
+
+def _ours(lock: str) -> bool:
+    try:
+        holder = json.loads(read_text(lock))
+        return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _take(output: str, lock: str, holder: str) -> None:

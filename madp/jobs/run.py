@@ -23,6 +23,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, shows_sampling
+from madp.training.outputs import evaluation_of
 from madp.training.plan import stated_plan
 
 log = logging.getLogger("madp.run")
@@ -146,11 +147,14 @@ def _internal_results(run_dir: str) -> dict:
     without noise, so its metrics (and their ratio to the private model's) are not covered by the
     guarantee."""
     train, baseline = (
-        (_load(run_dir, f"{name}/metrics.json") or {}).get("final") or {} for name in ("train", "baseline")
+        evaluation_of(storage.join(run_dir, name), internal=True).get("final") or {} for name in ("train", "baseline")
     )
+    internal: dict[str, Any] = {}
+    if train and not evaluation_of(storage.join(run_dir, "train"), internal=False):
+        internal["train"] = {k: v for k, v in train.items() if k != "per_class"}  # --eval-data not public
     if not baseline:
-        return {}
-    internal: dict[str, Any] = {"baseline": {k: v for k, v in baseline.items() if k != "per_class"}}
+        return internal
+    internal["baseline"] = {k: v for k, v in baseline.items() if k != "per_class"}
     gap = {m: train[m] / baseline[m] for m in QUALITY_METRICS if train.get(m) and baseline.get(m)}
     if gap:
         internal["private_over_non_private"] = {m: round(v, 4) for m, v in gap.items()}
@@ -162,7 +166,7 @@ def _results(run_dir: str) -> dict:
 
     bound, batches = _load(run_dir, "bound/report.json"), _load(run_dir, "batches/report.json")
     privacy = _load(run_dir, "train/privacy.json") or _load(run_dir, "calibration.json")
-    train = _load(run_dir, "train/metrics.json")
+    train = evaluation_of(storage.join(run_dir, "train"), internal=False)  # on public eval data only
     results = {}
     if bound:
         results["bound"] = {"input_records": bound["input_records"], "selected_records": bound["selected_records"]}
@@ -181,7 +185,7 @@ def _results(run_dir: str) -> dict:
             "sampling": plan.sampling,
             **({} if plan.noise is None else {"noise": plan.noise, "private": plan.private}),  # a trained model's
         }
-    final = (train or {}).get("final")
+    final = train.get("final")
     if final:
         results["train"] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
     audit = _load(run_dir, "audit/audit.json")

@@ -9,7 +9,8 @@ anything runs.
 Run directory layout: records/ and test.parquet (generate), bound/, batches/ (with the
 independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
 train/, baseline/ (non-private, if asked), report.html (publishable) and internal-report.html (with
-the baseline; never published), and .madp/ with one manifest per finished stage.
+the baseline, the audit or evaluations on data not declared public; never published), and .madp/
+with one manifest per finished stage.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
     if report:
         outputs = tuple(stage.output for stage in plan.stages)
         plan.stages.append(Stage("report", ["report", run_dir], outputs, plan.path("report.html")))
-        if any(stage.name in ("baseline", "audit") for stage in plan.stages):  # what the published page leaves out
+        if any(_leaves_out(stage) for stage in plan.stages):  # what the published page leaves out
             internal = plan.path(INTERNAL_REPORT)
             command = ["report", run_dir, "--internal", "--output", internal]
             plan.stages.append(Stage("internal-report", command, outputs, internal))
@@ -307,6 +308,13 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
                 path("baseline"),
             )
         )
+
+
+def _leaves_out(stage: Stage) -> bool:
+    """Whether the published page leaves out what this stage makes: a non-private baseline, an audit,
+    or evaluations on data not declared public."""
+    internal_evaluation = "--eval-data" in stage.command and "--eval-data-public" not in stage.command
+    return stage.name in ("baseline", "audit") or (stage.name == "train" and internal_evaluation)
 
 
 def _section(config: dict, name: str) -> dict | None:

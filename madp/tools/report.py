@@ -7,7 +7,8 @@ sigma-epsilon curve), train/ and baseline/ metrics.json (evaluation curves), aud
 (the measured lower bound beside the claim) and recommend-k.json (the sweep that chose k, when
 `madp recommend-k --write-config` planned the run). Sections whose report is missing are listed as such.
 A published page holds only what the guarantee covers: the realized sampling of an amplified
-mechanism, the non-private baseline and a non-private audit appear on an `--internal` page only.
+mechanism, the non-private baseline, a non-private audit and evaluations on data not declared public
+appear on an `--internal` page only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
+from madp.training.outputs import evaluation_of
 from madp.training.plan import PrivacyPlan, stated_plan
 
 SOURCES = {
@@ -383,6 +385,9 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     reports = _load(run_dir)
     if not reports:
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
+    for name in ("train", "baseline"):  # evaluations on data not declared public: an internal page's only
+        if name in reports:
+            reports[name] = {**reports[name], **evaluation_of(storage.join(run_dir, name), internal)}
     try:
         figures, rows = _figures(reports, plt, internal), _summary(reports, internal)
     except (KeyError, TypeError, IndexError, ValueError) as error:  # a report of another version, or edited
@@ -399,8 +404,8 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     ]
     if internal:
         parts.append(
-            "<p><strong>INTERNAL: this page shows the realized batch sampling and the non-private baseline; "
-            "do not publish it.</strong></p>"
+            "<p><strong>INTERNAL: this page shows the realized batch sampling, the non-private baseline and "
+            "evaluations on data not declared public; do not publish it.</strong></p>"
         )
     elif reports.get("baseline"):
         parts.append(
@@ -413,6 +418,13 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
             "<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
             "the sampling staying secret (batches/report.json is internal; <code>madp report "
             "--internal</code> shows them).</p>"
+        )
+    if not internal and "evaluation" in reports.get("train", {}):
+        parts.append(
+            "<p>The evaluations are left out: the evaluation data was not declared public "
+            "(<code>--eval-data-public</code>), and figures computed without noise on private records are "
+            "not covered by the guarantee (train/internal/ holds them; <code>madp report --internal</code> "
+            "shows them).</p>"
         )
     if shows_audit(reports, internal):
         parts.append(

@@ -1,0 +1,53 @@
+"""What a training output holds, and who may read it (no TensorFlow: `madp run` and `madp report`
+read it too).
+
+Published vs internal, as everywhere in madp: only what the guarantee covers, or what is a function of
+public parameters, may be published. OUTPUT/internal/ holds the rest, with a NOTICE saying so.
+"""
+
+from __future__ import annotations
+
+import json
+
+from madp.core import storage
+
+INTERNAL_DIR = "internal"  # OUTPUT/internal/: never published (see NOTICE)
+NOTICE = """INTERNAL - do not publish this folder.
+
+logs/: TensorBoard scalars computed from the training rows without noise (training loss, fraction of
+clipped gradients, per-example gradient norms), and the evaluation scalars when --eval-data was not
+declared public. No privacy guarantee covers them: one user's records can move them.
+evaluation.json: the evaluations on --eval-data when it was not declared public (--eval-data-public):
+computed without noise on records the guarantee does not cover.
+checkpoints/: the model, the optimizer and, for BandMF, the last noise vectors of the mechanism. Those
+noise vectors are as secret as the noise key: with them one can remove the noise from released steps.
+(The noise key itself is never written; a resumed run draws a fresh one.)
+
+What may be published: model.keras, metrics.json, privacy.json and logs/ (privacy/epsilon_spent, a
+function of the public plan only, and the evaluation scalars on --eval-data declared public).
+"""
+EVALUATION_FILE = "evaluation.json"  # OUTPUT/internal/: the evaluations on --eval-data not declared public
+EVALUATION_FIELDS = ("eval", "final", "pretrained_eval")  # a training's evaluations, in either file
+
+
+def internal_path(output: str, *parts: str) -> str:
+    """A path under OUTPUT/internal/, whose NOTICE says it is never published (written on first use)."""
+    notice = storage.join(output, INTERNAL_DIR, "NOTICE.txt")
+    if storage.kind(notice) == "missing":
+        storage.write_text(notice, NOTICE)
+    return storage.join(output, INTERNAL_DIR, *parts)
+
+
+def evaluation_of(output: str, internal: bool) -> dict:
+    """A training output's evaluations ({"eval": [...], "final": {...}, "pretrained_eval": ...}): its
+    metrics.json's where the evaluation data was declared public, else OUTPUT/internal/evaluation.json's,
+    which only an `internal` reader gets ({} where neither holds any). What a published page may show:
+    `evaluation_of("run/train", internal=False).get("final")`."""
+    metrics = storage.join(output, "metrics.json")
+    published = json.loads(storage.read_text(metrics)) if storage.kind(metrics) == "file" else {}
+    if published.get("eval"):
+        return {field: published.get(field) for field in EVALUATION_FIELDS}
+    kept = storage.join(output, INTERNAL_DIR, EVALUATION_FILE)
+    if internal and storage.kind(kept) == "file":
+        return json.loads(storage.read_text(kept))
+    return {}
