@@ -308,4 +308,4 @@ def test_a_row_whose_positions_cancel_adds_at_most_c(kind):
         assert reference(model, loss, x, y, weight)[1][0] > 10 * clip, "the row's gradient is far above C"
         summed = ghost_clipped_sum(model, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
         contributions.append(np.sqrt(sum(np.sum(np.square(np.asarray(g), dtype=np.float64)) for g in summed)))
-    assert max(contributions) <= clip and min(contributions) > 0.99 * clip
+    assert max(contributions) <= clip * (1 + 1e-6) and min(contributions) > 0.99 * clip  # float32 sums

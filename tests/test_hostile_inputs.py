@@ -180,6 +180,31 @@ def test_capacities_match_user_ids_by_type_and_exact_text(tmp_path, capsys, engi
     assert code == 2 and "same id type" in err
 
 
+def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
+    """What the lock guards (the trainings ledger) is read and written by whoever `holds` it: another
+    thread of the same process does not, so it takes the lock itself and is refused while it is held."""
+    import threading
+
+    folder = str(tmp_path / "batches")
+    seen = {}
+
+    def other_thread():
+        seen["holds"] = storage.holds(folder)
+        try:
+            with storage.exclusive(folder, "another thread"):
+                seen["took"] = True
+        except storage.OutputLocked:
+            seen["took"] = False
+
+    assert not storage.holds(folder)
+    with storage.exclusive(folder, "train"):
+        assert storage.holds(folder)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen == {"holds": False, "took": False} and not storage.holds(folder)
+
+
 def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(100))
     with storage.exclusive(str(tmp_path / "b"), "bound (another run)"):

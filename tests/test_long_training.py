@@ -322,6 +322,10 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
         trainer.train(copy, cut, options)
     monkeypatch.undo()
     [started] = ledger(copy)
+    unseen = write_records(str(tmp_path / "unseen.jsonl"), [{"id": 10**9, "features": [0.0] * 8, "label": 1}])
+    public = TrainOptions(**{**vars(options), "resume": True, "eval_data": unseen, "eval_data_public": True})
+    with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
+        trainer.train(copy, cut, public)  # it would publish the evaluations kept internal so far
     resumed = trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
     assert "composition" not in resumed["privacy"], "a resumed training is not composed with itself"
     [finished] = ledger(copy)

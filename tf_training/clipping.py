@@ -25,8 +25,8 @@
     (h_is . d_it).
   The sums whose terms cancel where a row's positions pull its gradient in opposite directions
   (ghost norms, lookups of one id at several positions, the tied head's cross term) are formed in
-  float64 and bounded above by the most rounding can have taken off them (`_cancelling`), and by
-  what float32 rounding can add to the row's part of the clipped sum: no row adds more than C.
+  float64 and bounded above by the most rounding can have taken off them (`_cancelling`), and the
+  clipped sums of those pieces are formed in float64 too: no row adds more than C.
   A layer called several times adds its calls' gradients (positions concatenated). The clipped
   sum is then formed from the same inputs and output gradients scaled by the rows' clip factors,
   without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
@@ -385,27 +385,33 @@ class _Outer:
 
     def squares(self):
         """T = 1: ||a_i||^2 ||d_i||^2; else ||A_i^T D_i||_F^2 of the rows `clipped_sum` adds
-        (`per_row`), or an upper bound on the ghost norm <A_i A_i^T, D_i D_i^T>_F (`_cancelling`)."""
+        (`per_row`), or an upper bound on the ghost norm (`ghost_squares`)."""
         if self.a.shape[1] == 1:
             return tf.reduce_sum(tf.square(self.a), axis=[1, 2]) * tf.reduce_sum(tf.square(self.d), axis=[1, 2])
         if self.per_row():
             return tf.reduce_sum(tf.square(self.rows), axis=[1, 2])
+        return self.ghost_squares()
+
+    def ghost_squares(self):
+        """An upper bound on <A_i A_i^T, D_i D_i^T>_F = ||A_i^T D_i||_F^2 (`_cancelling`)."""
         a, d = _wide(self.a), _wide(self.d)
         grams_a, grams_d = tf.matmul(a, a, transpose_b=True), tf.matmul(d, d, transpose_b=True)
-        # |<a_s, a_t> <d_s, d_t>| <= ||a_s|| ||a_t|| ||d_s|| ||d_t||, by Cauchy-Schwarz: the terms sum
-        # to at most spread^2, and spread = sum_t ||a_t|| ||d_t|| >= ||g_i|| bounds every partial sum.
-        spread = tf.reduce_sum(tf.norm(a, axis=2) * tf.norm(d, axis=2), axis=1)
-        bound = _cancelling(grams_a * grams_d, tf.square(spread), self.a.shape[2] + self.d.shape[2])
-        return _summed_in_float32(bound, spread, tf.shape(self.a)[1])
+        # |<a_s, a_t> <d_s, d_t>| <= ||a_s|| ||a_t|| ||d_s|| ||d_t|| (Cauchy-Schwarz): their sum is
+        # (sum_t ||a_t|| ||d_t||)^2
+        magnitudes = tf.square(tf.reduce_sum(tf.norm(a, axis=2) * tf.norm(d, axis=2), axis=1))
+        return _cancelling(grams_a * grams_d, magnitudes, self.a.shape[2] + self.d.shape[2])
 
     def clipped_sum(self, factor):
-        """sum_i f_i A_i^T D_i: one [nT, p]^T [nT, q] product, or sum_i f_i g_i of the rows' g_i
-        (`per_row`)."""
+        """sum_i f_i g_i of the rows' g_i (`per_row`), or `wide_sum`."""
         if self.per_row():
             return self.to_variable(tf.tensordot(factor, self.rows, 1))
+        return tf.cast(self.wide_sum(factor), tf.float32)
+
+    def wide_sum(self, factor):
+        """sum_i f_i A_i^T D_i as one [nT, p]^T [nT, q] product in float64 (`_cancelling`), reshaped."""
         p, q = self.a.shape[2], self.d.shape[2]
-        a, d = tf.reshape(self.a, [-1, p]), tf.reshape(self.d * factor[:, None, None], [-1, q])
-        return self.to_variable(tf.matmul(a, d, transpose_a=True))
+        d = _wide(self.d) * _wide(factor)[:, None, None]
+        return self.to_variable(tf.matmul(tf.reshape(_wide(self.a), [-1, p]), tf.reshape(d, [-1, q]), transpose_a=True))
 
 
 @dataclasses.dataclass
@@ -425,13 +431,16 @@ class _Lookup:
         same = tf.cast(self.ids[:, :, None] == self.ids[:, None, :], d.dtype)
         norms = tf.norm(d, axis=2)
         magnitudes = tf.reduce_sum(same * norms[:, :, None] * norms[:, None, :], axis=[1, 2])
-        bound = _cancelling(same * tf.matmul(d, d, transpose_b=True), magnitudes, self.d.shape[2])
-        return _summed_in_float32(bound, tf.reduce_sum(norms, axis=1), tf.shape(self.ids)[1])
+        return _cancelling(same * tf.matmul(d, d, transpose_b=True), magnitudes, self.d.shape[2])
 
     def clipped_sum(self, factor):
-        """sum_i f_i g_i: the rows f_i d_it added up by id."""
+        """sum_i f_i g_i (`wide_sum`)."""
+        return tf.cast(self.wide_sum(factor), tf.float32)
+
+    def wide_sum(self, factor):
+        """sum_i f_i g_i in float64 (`_cancelling`): the rows f_i d_it added up by id."""
         width = self.d.shape[2]
-        rows = tf.reshape(self.d * factor[:, None, None], [-1, width])
+        rows = tf.reshape(_wide(self.d) * _wide(factor)[:, None, None], [-1, width])
         return tf.math.unsorted_segment_sum(rows, tf.reshape(self.ids, [-1]), self.variable.shape[0])
 
 
@@ -491,21 +500,19 @@ class _Tied:
         return self.lookup.variable
 
     def squares(self):
-        """||L_i||^2 + ||O_i||^2 + 2 <L_i, O_i>, each an upper bound (`_cancelling`)."""
+        """||L_i||^2 + ||O_i||^2 + 2 <L_i, O_i>, each an upper bound (`_cancelling`); the head's by
+        the ghost norm, as `clipped_sum` adds the exact product (never a float32 per-row g_i)."""
         picked = _wide(tf.gather(self.outer.a, self.lookup.ids, axis=2, batch_dims=1))  # [n, S, T]: A_i[s, id_it]
         heads, looked_up = _wide(self.outer.d), _wide(self.lookup.d)
         dots = tf.matmul(heads, looked_up, transpose_b=True)  # [n, S, T]: h_is . d_it
         norms = tf.norm(heads, axis=2)[:, :, None] * tf.norm(looked_up, axis=2)[:, None, :]
         spread = tf.reduce_sum(tf.abs(picked) * norms, axis=[1, 2])
         cross = _cancelling(picked * dots, spread, self.lookup.d.shape[2], bound=False)
-        looked_up_squares, head_squares = self.lookup.squares(), self.outer.squares()
-        total = tf.maximum(looked_up_squares + head_squares + 2.0 * cross, 0.0)
-        # clipped_sum adds the two sums L and O, which cancel too: at most u (||L_i|| + ||O_i||) more
-        sides = tf.sqrt(looked_up_squares) + tf.sqrt(head_squares)
-        return tf.square(tf.sqrt(total) + 2.0 * FLOAT32_ROUNDING * sides)
+        return tf.maximum(self.lookup.squares() + self.outer.ghost_squares() + 2.0 * cross, 0.0)
 
     def clipped_sum(self, factor):
-        return self.lookup.clipped_sum(factor) + self.outer.clipped_sum(factor)
+        """L + O, added in float64 as they are formed: they cancel too."""
+        return tf.cast(self.lookup.wide_sum(factor) + self.outer.wide_sum(factor), tf.float32)
 
 
 Piece = _Outer | _Lookup | _Bag | _Rows | _Tied
@@ -514,9 +521,10 @@ Piece = _Outer | _Lookup | _Bag | _Rows | _Tied
 # directions, so its rounding error scales with the terms, not with the norm: in float32 one row whose
 # two positions nearly cancel got a norm far below its gradient's and added 200 C to the sum. The
 # terms are formed and summed in float64, where a product of float32 numbers is exact, and the bound
-# adds the most that rounding can have taken off.
+# adds the most that rounding can have taken off. The clipped sums of such pieces are formed in
+# float64 too: in float32 a row's large terms, cancelling only in the end, would round away the other
+# rows' terms added to the same partial sums.
 FLOAT64_ROUNDING = 2.0**-53  # unit roundoff of float64
-FLOAT32_ROUNDING = 2.0**-24  # of float32, which the pieces and their clipped sums are computed in
 
 
 def _wide(t):
@@ -537,15 +545,6 @@ def _cancelling(terms, spread, width: int | None, bound: bool = True):
     total = tf.reduce_sum(tf.reduce_sum(terms, axis=2), axis=1) + slack
     total = tf.maximum(total, 0.0) if bound else total
     return tf.cast(total + tf.abs(total) * 2.0**-22, tf.float32)  # rounded up to float32, not to nearest
-
-
-def _summed_in_float32(squares, spread, steps):
-    """(||g_i|| + r_i)^2 from a bound `squares` on ||g_i||^2: `clipped_sum` adds a row's `steps` terms,
-    whose norms sum to at most `spread` (float64), in float32, which can put up to r_i = 2 (T + 1) u
-    spread more of the row into the sum than f_i g_i (spread / ||g_i|| measures the cancellation:
-    about sqrt(T) where there is none)."""
-    rounding = 2.0 * FLOAT32_ROUNDING * (tf.cast(steps, tf.float32) + 1.0) * tf.cast(spread, tf.float32)
-    return tf.square(tf.sqrt(squares) + rounding)
 
 
 def _row_sums(t, shape: list[int]):

@@ -112,8 +112,9 @@ def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray
 class Checkpoints:
     """OUTPUT/internal/checkpoints/: model, optimizer, the step reached and, for a private step, the
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
-    state.json beside them holds the step, the evaluations so far, the (public) plan a resume must
-    match and the training's id in the batches' ledger, whose entry a resume continues.
+    state.json beside them holds the step, the evaluations so far, the (public) plan and the
+    evaluation data (and whether it was declared public) a resume must match, and the training's id
+    in the batches' ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
     draw z_t from a fresh key K2 (keyed by (K2, t)), so every z_t is still an independent N(0, sigma^2)
@@ -122,8 +123,9 @@ class Checkpoints:
     checkpoint are re-done with other noise, which is safe only because nothing from them was released:
     every evaluation (the published scalars) is preceded by a checkpoint at the same step."""
 
-    def __init__(self, output: str, model, optimizer, step) -> None:
+    def __init__(self, output: str, model, optimizer, step, evaluated_on: dict) -> None:
         self.directory = internal_path(output, "checkpoints")
+        self.evaluated_on = evaluated_on  # the evaluations' data and flag: restored ones are published by it
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
         objects = {"model": model, "optimizer": optimizer, "steps_done": self.step_var}
         state = getattr(step, "_state", None)
@@ -147,6 +149,7 @@ class Checkpoints:
             "eval": metrics,
             "plan": None if plan is None else plan.to_json(),
             "training": self.training,
+            "evaluated_on": self.evaluated_on,
         }
         storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))  # after the files it names
 
@@ -158,5 +161,10 @@ class Checkpoints:
         stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
         if state["plan"] != stated:
             raise InputError(f"--resume: {self.directory} was written under another privacy plan; train afresh")
+        if state.get("evaluated_on") != self.evaluated_on:  # else evaluations kept internal could be published
+            raise InputError(
+                f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
+                f"{self.evaluated_on}: resume with the same --eval-data and --eval-data-public"
+            )
         self.checkpoint.restore(state["checkpoint"]).assert_existing_objects_matched()
         return state

@@ -118,7 +118,7 @@ class PrivateStep(_LoweredOnce):
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         _refuse_batch_statistics(model)
         self.strategy = strategy or tf.distribute.get_strategy()
-        on_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
+        on_tpu = isinstance(self.strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
         blocking = unsupported_layers(model, on_tpu) if fast and not user_level else []
         if blocking:
             log.warning(

@@ -8,6 +8,7 @@ import json
 import os
 import posixpath
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -239,6 +240,7 @@ def exclusive(output: str, command: str):
     holder = json.dumps(
         {
             "pid": os.getpid(),
+            "thread": threading.get_ident(),
             "host": socket.gethostname(),
             "command": command,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -305,17 +307,23 @@ def _refuse_enclosing_writer(output: str) -> None:
 
 
 def holds(output: str) -> bool:
-    """Whether this process holds OUTPUT's lock (runs inside `exclusive(OUTPUT, ...)`)."""
+    """Whether this thread holds OUTPUT's lock (runs inside `exclusive(OUTPUT, ...)`): another thread of
+    the process does not, so that two threads never both write what the lock guards."""
     lock = join(output, LOCK_FILE)
-    return kind(lock) == "file" and _ours(lock)
+    return kind(lock) == "file" and _ours(lock) and _holder(lock).get("thread") == threading.get_ident()
 
 
 def _ours(lock: str) -> bool:
+    holder = _holder(lock)
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+def _holder(lock: str) -> dict:
     try:
         holder = json.loads(read_text(lock))
-        return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
-    except (OSError, ValueError, AttributeError):
-        return False
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def _take(output: str, lock: str, holder: str) -> None:
