@@ -711,8 +711,8 @@ def ghost_norms(model, loss_fn, x, y, weight):
 
 
 def _norms(pieces: list[Piece]):
-    """sqrt of the pieces' squares summed over the variables; a ghost norm <A A^T, D D^T> that float32
-    rounding makes negative would be a NaN factor: none below 0."""
+    """sqrt of the pieces' squares summed over the variables (none below 0: a negative sum would be a
+    NaN factor)."""
     return tf.sqrt(tf.maximum(tf.add_n([piece.squares() for piece in pieces]), 0.0))
 
 

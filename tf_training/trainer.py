@@ -109,12 +109,14 @@ def check_public_eval_data(path: str, batches: Batches) -> None:
     except InputError as error:  # batches copied without their bound output: the paths are all it checks
         log.warning("--eval-data-public: the eval records' ids were not checked against the selection: %s", error)
         return
+    candidates = None  # the eval ids, as the selection's type (the same in every shard)
     for shard in shards:
         selected, _ = read_selection_file(shard)
-        try:
-            candidates = pa.array([i for i in ids if i is not None]).cast(selected.type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            return  # ids of another type than the bound's: none is a selected record
+        if candidates is None:
+            try:
+                candidates = pa.array([i for i in ids if i is not None]).cast(selected.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                return  # ids of another type than the bound's: none is a selected record
         shared = candidates.filter(pc.is_in(candidates, value_set=selected))
         if len(shared):
             raise InputError(
