@@ -27,6 +27,7 @@ from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.long_training import epsilon_spent, learning_rate_at  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
+from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.plan import stated_plan  # noqa: E402
 from madp.training.queries import key_tensor  # noqa: E402
 
@@ -196,7 +197,7 @@ def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batch
     # As madp resumes: a new key for the remaining steps, so their noise (and the model) differ.
     result = trainer.train(out, cut, TrainOptions(**{**vars(options), "resume": True}))
     assert result["steps"] == STEPS and result["resumed_at"] == 4
-    assert [m["step"] for m in result["eval"]] == [4, 8, 12]
+    assert [m["step"] for m in evaluation_of(cut, internal=True)["eval"]] == [4, 8, 12]
     assert not all(np.allclose(a, b) for a, b in zip(weights(whole), weights(cut)))
     assert not os.path.exists(checkpoints)
     with pytest.raises(InputError, match="no checkpoint"):
@@ -326,6 +327,22 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     public = TrainOptions(**{**vars(options), "resume": True, "eval_data": unseen, "eval_data_public": True})
     with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
         trainer.train(copy, cut, public)  # it would publish the evaluations kept internal so far
+    backup = str(tmp_path / "backup")
+    shutil.copytree(cut, backup)  # the checkpoint of step 4
+    # Interrupted again before its next checkpoint: steps 5-7 were never released (a checkpoint precedes
+    # every evaluation), so madp train may continue from step 4 once more.
+    crash_at(monkeypatch, 7)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
+    monkeypatch.undo()
+    assert ledger(copy)[0]["resumable_from"] == 4
+    crash_at(monkeypatch, 10)  # after the checkpoint and evaluation of step 8
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
+    monkeypatch.undo()
+    assert ledger(copy)[0]["resumable_from"] == 8
+    with pytest.raises(InputError, match="continued or run past step 4 already"):
+        trainer.train(copy, backup, TrainOptions(**{**vars(options), "resume": True}))  # would publish step 8 again
     resumed = trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
     assert "composition" not in resumed["privacy"], "a resumed training is not composed with itself"
     [finished] = ledger(copy)
@@ -439,10 +456,65 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     assert len(ledger(copy)) == 2
 
 
-def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path, caplog):
+def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path):
+    """Two continuations of one interrupted training from the same step would each run the steps after
+    it, with new noise: released twice under one entry. Whether made one after the other or both
+    before either trains, the second is refused before it runs; one from a later step continues."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    plan = api.calibrate(api.open_batches(copy), noise_multiplier=1.0, bands=2)
+    one_row = (np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))
+
+    def step(**continued):
+        model, loss = build_model("logreg", 8)
+        return api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, **continued)
+
+    interrupted = step()
+    for _ in range(3):
+        interrupted(*one_row)
+    training = interrupted.training
+    from_two, again_from_two = step(training=training, resumed_at=2), step(training=training, resumed_at=2)
+    from_two(*one_row)
+    assert ledger(copy)[0]["resumable_from"] == 3
+    with pytest.raises(InputError, match="continued or run past step 2 already"):
+        again_from_two(*one_row)  # made before the first continuation entered: refused at its first step
+    assert again_from_two.steps_taken == 2
+    with pytest.raises(InputError, match="continued or run past step 2 already"):
+        step(training=training, resumed_at=2)
+    step(training=training, resumed_at=3)(*one_row)
+    assert [(t["training"], t["state"], t["resumable_from"]) for t in ledger(copy)] == [(training, "started", 4)]
+    with pytest.raises(InputError, match="hold the lock"):
+        step(training=training, resumed_at=4, releases_from_checkpoints=True)
+    with pytest.raises(InputError, match="resumed_at='4': the number of steps"):
+        step(training=training, resumed_at="4")
+    from_four = step(training=training, resumed_at=np.int64(4))  # as optimizer.iterations.numpy() gives it
+    from_four(*one_row)
+    from_four(*one_row)
+    from_four.checkpointed()  # a checkpoint after 6 steps: a continuation from step 5 would redo step 6
+    assert ledger(copy)[0]["resumable_from"] == 6
+    with pytest.raises(InputError, match="continued or run past step 5 already"):
+        step(training=training, resumed_at=5)
+    from_six = step(training=training, resumed_at=6)
+    from_six(*one_row)
+    with pytest.raises(InputError, match="was continued by another step .* this step did not run"):
+        from_four(*one_row)  # still alive (a notebook's earlier cell): superseded
+    assert from_four.steps_taken == 6 and from_six.steps_taken == 7
+    [entry] = ledger(copy)
+    with open(os.path.join(copy, "trainings.jsonl"), "w") as edited:
+        edited.write(json.dumps({**entry, "resumable_from": "3"}) + "\n")
+    with pytest.raises(InputError, match="resumable_from is not a step count"):
+        step(training=training, resumed_at=4)
+
+
+def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path):
     """Two processes must never both read the ledger before either enters it: a Python API step takes
     the batches' lock for its ledger entry. Held by another live process, the first step is refused
-    before it runs; the last step still runs, its entry left 'started' (which composes the same)."""
+    before it runs, and so is the last (its entry, left 'started', would accept a continuation after
+    the training's end); either runs when called again once the lock is free."""
     import socket
     import subprocess
 
@@ -464,7 +536,7 @@ def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path,
             json.dump(held, handle)
         steps = list(api.read_steps(batches_, ["features", "label"]))
         initial = [w.copy() for w in model.get_weights()]
-        with pytest.raises(InputError, match="being written by another madp process .* first step did not run"):
+        with pytest.raises(InputError, match="being written by another madp process .*step 1 of this"):
             step(steps[0]["features"], steps[0]["label"], steps[0]["weight"])
         for a, b in zip(model.get_weights(), initial):
             np.testing.assert_array_equal(a, b)
@@ -474,9 +546,14 @@ def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path,
         assert [t["state"] for t in ledger(copy)] == ["started"] and not os.path.exists(lock), "the lock is let go"
         with open(lock, "w") as handle:  # another training takes the batches while this one runs
             json.dump(held, handle)
-        for rows in steps[1:]:
+        for rows in steps[1:-1]:  # no ledger write: they run
             step(rows["features"], rows["label"], rows["weight"])
-        assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["started"]
-        assert "keeps" in caplog.text and "as started" in caplog.text
+        last = steps[-1]["features"], steps[-1]["label"], steps[-1]["weight"]
+        with pytest.raises(InputError, match=f"step {STEPS} of this private training did not run"):
+            step(*last)  # its entry would stay 'started', open to a continuation after the training's end
+        assert step.steps_taken == STEPS - 1 and [t["state"] for t in ledger(copy)] == ["started"]
+        os.remove(lock)
+        step(*last)
+        assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["finished"]
     finally:
         other.kill()

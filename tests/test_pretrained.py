@@ -473,10 +473,11 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
     out = directory / f"trained-{mechanism}"
     result = train(batches, str(out), options)
     assert result["privacy"]["mechanism"] == mechanism
-    final = result["final"]
+    evaluated = evaluation_of(str(out), internal=True)
+    final = evaluated["final"]
     assert final["tokens"] > 100 and math.isfinite(final["loss"])
     assert final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-4)
-    assert [e["step"] for e in result["eval"]] == [2, 4]
+    assert [e["step"] for e in evaluated["eval"]] == [2, 4]
     saved = tf_keras.models.load_model(str(out / "model.keras"), compile=False)
     ids = np.arange(3, 19, dtype=np.int32)[None]
     trained = pretrained.llama_model(pretrained.read_pretrained(tiny).config, 16)
@@ -779,7 +780,8 @@ def test_madp_train_xla_mixed_precision_trains_the_causal_lm_and_refuses_several
                            eval_every=4, noise_multiplier=0.5, noise_seed=1, xla=True,
                            mixed_precision=True)  # fmt: skip
     result = train(batches, str(directory / "trained-xla"), options)
-    assert result["xla"] is True and result["mixed_precision"] is True and math.isfinite(result["final"]["loss"])
+    final = evaluation_of(str(directory / "trained-xla"), internal=True)["final"]
+    assert result["xla"] is True and result["mixed_precision"] is True and math.isfinite(final["loss"])
     saved = tf_keras.models.load_model(str(directory / "trained-xla" / "model.keras"), compile=False)
     assert saved.get_layer("blk_0_attn_q").compute_dtype == "bfloat16"
     with pytest.raises(InputError, match="--xla compiles the step of one device"):

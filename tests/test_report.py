@@ -112,7 +112,7 @@ def test_a_pretrained_language_model_run_shows_its_starting_loss(tmp_path, capsy
     train = tmp_path / "lm" / "train"
     train.mkdir(parents=True)
     points = [{"step": s, "loss": 3.0 - s / 100, "perplexity": 2.7 ** (3.0 - s / 100), "tokens": 900} for s in (10, 20)]
-    metrics = {"model": "causal-lm", "eval": points, "final": points[-1], "lora_rank": 8,
+    metrics = {"model": "causal-lm", "eval_data_public": True, "eval": points, "final": points[-1], "lora_rank": 8,
                "pretrained_eval": {"loss": 3.25, "perplexity": 25.8, "tokens": 900}}  # fmt: skip
     (train / "metrics.json").write_text(json.dumps(metrics))
     assert main(["-q", "report", str(tmp_path / "lm")]) == 0
@@ -120,3 +120,17 @@ def test_a_pretrained_language_model_run_shows_its_starting_loss(tmp_path, capsy
     cells = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", open(tmp_path / "lm" / "report.html").read()))
     assert cells["pretrained model eval loss, before training"] == "3.2500"
     assert cells["private eval perplexity"] == f"{points[-1]['perplexity']:.4f}"
+
+
+def test_evaluations_of_a_metrics_file_that_does_not_say_its_eval_data_was_public_stay_internal(tmp_path, capsys):
+    """madp before 2026-11-27 wrote every evaluation into metrics.json: without `eval_data_public` a
+    published page leaves them out (they may be on the trained records); an internal page shows them."""
+    train = tmp_path / "old" / "train"
+    train.mkdir(parents=True)
+    point = {"step": 10, "loss": 0.5, "accuracy": 0.8125}
+    (train / "metrics.json").write_text(json.dumps({"model": "logreg", "eval": [point], "final": point}))
+    assert main(["-q", "report", str(tmp_path / "old")]) == 0
+    capsys.readouterr()
+    assert "0.8125" not in open(tmp_path / "old" / "report.html").read()
+    assert main(["-q", "report", "--internal", str(tmp_path / "old"), "--output", str(tmp_path / "inside.html")]) == 0
+    assert "0.8125" in open(tmp_path / "inside.html").read()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
 LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the batches' lock
+_LIVE_RUNS: dict[str, str] = {}  # training id -> the run (step object) of this process that trains it now
 
 __all__ = [
     "PrivacyPlan",
@@ -124,6 +126,9 @@ class PrivateTrainingStep(PrivateStep):
         self.output = output  # what the ledger says the training writes
         self.steps_taken = 0
         self.retrain = False  # whether a composition that re-uses the secret sampling is accepted
+        self.continues = False  # whether `training` is an interrupted ledger entry this step continues
+        self.releases_from_checkpoints = False  # see make_private
+        self.run = uuid.uuid4().hex  # this object's run of `training` (a continuation is another run)
         self._entered = False
 
     def apply(self, x, y, weight, groups) -> None:
@@ -143,34 +148,61 @@ class PrivateTrainingStep(PrivateStep):
                 f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
                 f"would release more than its guarantee covers: calibrate for more steps (other batches)"
             )
+        if self._entered and _LIVE_RUNS.get(self.training) != self.run:
+            raise InputError(self._superseded())
         if not self._entered:  # before anything of this training can be released
             self._enter(STARTED)
-        self.steps_taken += 1
-        if self.steps_taken == self.plan.steps:
+        if self.steps_taken + 1 == self.plan.steps:
             self._enter(FINISHED)
+        self.steps_taken += 1
 
-    def _enter(self, state: str) -> None:
-        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee).
-        At its first step the ledger is read again: a training entered since this step was made (two steps
-        made, then trained one after the other) would make `plan`'s composed guarantee false. The read and
-        the write hold the batches' lock (`madp train` holds it for its whole training), so that two
-        processes never both read the ledger before either enters it, nor rewrite it from a stale read."""
+    def checkpointed(self) -> None:
+        """Say that a checkpoint of this training after `steps_taken` steps is written: the ledger then
+        refuses a continuation from an earlier step (whose steps after it this run may have released).
+        Call it after writing each checkpoint, before releasing anything of the model; `madp train`
+        does. Continue an interrupted training from its latest checkpoint."""
+        if self._entered and self.steps_taken < self.plan.steps:
+            self._enter(STARTED, resumable_from=self.steps_taken)
+
+    def _superseded(self) -> str:
+        return (
+            f"training {self.training} was continued by another step (make_private(..., training=, "
+            f"resumed_at=)) after this one entered it: this step did not run; train with that one"
+        )
+
+    def _enter(self, state: str, resumable_from: int | None = None) -> None:
+        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee),
+        or update its entry. At its first step the ledger is read again: a training entered since this
+        step was made (two steps made, then trained one after the other) would make `plan`'s composed
+        guarantee false. The read and the write hold the batches' lock (`madp train` holds it for its whole
+        training), so that two processes never both read the ledger before either enters it, nor rewrite
+        it from a stale read; held by another process, this step does not run (call it again later)."""
         batches = self.plan.trained_on
         if self.plan.private and batches:
+            if self.releases_from_checkpoints and not storage.holds(batches):
+                raise InputError(
+                    f"releases_from_checkpoints: this thread no longer holds the lock of {batches}; a "
+                    f"continuation from the same checkpoint could run meanwhile (this step did not run)"
+                )
             held = contextlib.nullcontext() if storage.holds(batches) else storage.exclusive(batches, LEDGER_WRITER)
             try:
                 with held:
-                    self._enter_locked(batches, state)
+                    self._enter_locked(batches, state, resumable_from)
             except storage.OutputLocked as error:
-                if state == STARTED:
-                    raise InputError(f"{error} (this private training's first step did not run)") from None
-                # Another training took the batches after our first step: it composed with our entry as
-                # started, which composes the same as a finished one.
-                log.warning("the trainings ledger keeps %s as started: %s", self.training, error)
+                step = self.steps_taken + 1
+                raise InputError(f"{error} (step {step} of this private training did not run)") from None
+        if not self._entered:
+            _LIVE_RUNS[self.training] = self.run
         self._entered = True
 
-    def _enter_locked(self, batches: str, state: str) -> None:
-        if state == STARTED:
+    def _enter_locked(self, batches: str, state: str, resumable_from: int | None) -> None:
+        if self._entered:  # the entry must still be this run's: a continuation may have taken it over
+            entry = next((t for t in earlier_trainings(batches) if t.get("training") == self.training), {})
+            if entry.get("run") != self.run:
+                raise InputError(self._superseded())
+        elif state == STARTED:
+            if self.continues:  # again under the lock: another continuation may have entered since
+                _check_continued(batches, self.training, self.steps_taken)
             now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
             if (now.epsilon, now.delta) != (self.plan.epsilon, self.plan.delta):
                 raise InputError(
@@ -179,7 +211,13 @@ class PrivateTrainingStep(PrivateStep):
                     f"({now.epsilon:.4g}, {now.delta:.3g}); make the step again (make_private) to train under "
                     f"it (nothing of this training ran)"
                 )
-        record_training(batches, self.training, self.output, self.own_plan, state)
+        if state == FINISHED:
+            resumable_from = self.plan.steps
+        elif resumable_from is None:
+            # The earliest step a later continuation may restart at: after this run's first step, which
+            # may be released as soon as it runs, unless the caller releases only what it checkpointed.
+            resumable_from = self.steps_taken + (0 if self.releases_from_checkpoints else 1)
+        record_training(batches, self.training, self.output, self.own_plan, state, resumable_from, self.run)
 
 
 def make_private(
@@ -197,6 +235,7 @@ def make_private(
     training: str | None = None,
     output: str = "Python API",
     retrain: bool = False,
+    releases_from_checkpoints: bool = False,
 ) -> PrivateTrainingStep:
     """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
     loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
@@ -224,7 +263,16 @@ def make_private(
     checkpoint into the model, optimizer and the step's noise state): the step counts from k, and its
     noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a key
     derived from the seed and k, reproducible for tests); pass `training=` the interrupted step's
-    `training` id, so that its ledger entry is continued rather than composed with.
+    `training` id, so that its ledger entry is continued rather than composed with. Continue from the
+    latest checkpoint: every step a run took after its start may have been released, and running it
+    again with new noise would release it twice. madp cannot see what you write, so the ledger keeps
+    the latest step it knows a continuation may start at (`resumable_from`): the step after the last
+    run's start, or the step of its latest `step.checkpointed()`; a continuation from an earlier step
+    is refused, and so is a step object whose training another continuation has taken over (at its
+    next call in this process, or at its next ledger write in another). `releases_from_checkpoints=True`
+    is for a caller that holds the batches' lock for the whole training (`storage.exclusive`), calls
+    `checkpointed()` after every checkpoint and releases nothing of the model before checkpointing it,
+    as `madp train` does: a run then leaves its start step resumable until its first checkpoint.
 
     The trainings ledger (`BATCHES/trainings.jsonl`): a private step enters its training there before
     its first step (as `output`, e.g. where the model will be written) and marks it finished at step T.
@@ -237,6 +285,12 @@ def make_private(
     >>> for rows in read_steps(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"])
     """
+    try:
+        resumed_at = operator.index(resumed_at)  # e.g. optimizer.iterations.numpy()
+    except TypeError:
+        raise InputError(f"resumed_at={resumed_at!r}: the number of steps the interrupted training took") from None
+    if not 0 <= resumed_at <= plan.steps:
+        raise InputError(f"resumed_at={resumed_at}: not a step count of this plan's {plan.steps} steps")
     # Drawn once per step object (a resumed training draws anew), never written anywhere.
     purpose = "training noise" if not resumed_at else f"training noise, resumed at step {resumed_at}"
     noise_key = SecretKey.for_run(noise_seed, purpose, "--noise-seed")
@@ -271,14 +325,23 @@ def make_private(
             [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         )
     )
+    continues = False
     if training is not None and plan.private and plan.trained_on:
         _check_continued(plan.trained_on, training, resumed_at)
+        continues = True
     training = training or uuid.uuid4().hex
     released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
     step = PrivateTrainingStep(
         model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile
     )
     step.steps_taken, step.retrain = resumed_at, retrain
+    step.continues = continues
+    step.releases_from_checkpoints = releases_from_checkpoints
+    if releases_from_checkpoints and plan.private and plan.trained_on and not storage.holds(plan.trained_on):
+        raise InputError(
+            f"releases_from_checkpoints: hold the lock of {plan.trained_on} (storage.exclusive) for the whole "
+            f"training, so that no other run of it continues from the same checkpoint meanwhile"
+        )
     return step
 
 
@@ -298,6 +361,14 @@ def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
         raise InputError(
             f"training={training!r} finished all its steps on {batches_dir}: it cannot be continued; train "
             f"anew (a new training, composed with it)"
+        )
+    resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
+    if resumed_at < resumable_from:
+        raise InputError(
+            f"training={training!r} was continued or run past step {resumed_at} already (the ledger of "
+            f"{batches_dir} accepts a continuation from step {resumable_from} on): resumed_at={resumed_at} would "
+            f"run steps it may have released again, with new noise, which its entry's plan does not account "
+            f"for; continue from a later checkpoint, or train anew (a new training, composed with it)"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from madp.core import storage
+from madp.core.errors import InputError
 
 INTERNAL_DIR = "internal"  # OUTPUT/internal/: never published (see NOTICE)
 NOTICE = """INTERNAL - do not publish this folder.
@@ -42,12 +43,27 @@ def evaluation_of(output: str, internal: bool) -> dict:
     """A training output's evaluations ({"eval": [...], "final": {...}, "pretrained_eval": ...}): its
     metrics.json's where the evaluation data was declared public, else OUTPUT/internal/evaluation.json's,
     which only an `internal` reader gets ({} where neither holds any). What a published page may show:
-    `evaluation_of("run/train", internal=False).get("final")`."""
-    metrics = storage.join(output, "metrics.json")
-    published = json.loads(storage.read_text(metrics)) if storage.kind(metrics) == "file" else {}
-    if published.get("eval"):
-        return {field: published.get(field) for field in EVALUATION_FIELDS}
-    kept = storage.join(output, INTERNAL_DIR, EVALUATION_FILE)
-    if internal and storage.kind(kept) == "file":
-        return json.loads(storage.read_text(kept))
-    return {}
+    `evaluation_of("run/train", internal=False).get("final")`. A metrics.json that does not say its
+    evaluation data was public (`eval_data_public`; madp before 2026-11-27 wrote every evaluation
+    there) is read as internal."""
+    stated = _json_object(storage.join(output, "metrics.json"))
+    in_metrics = {field: stated.get(field) for field in EVALUATION_FIELDS} if stated.get("eval") else {}
+    if in_metrics and stated.get("eval_data_public") is True:
+        return in_metrics
+    kept = _json_object(storage.join(output, INTERNAL_DIR, EVALUATION_FILE))
+    if internal and kept:
+        return kept
+    return in_metrics if internal else {}
+
+
+def _json_object(path: str) -> dict:
+    """A JSON object madp wrote ({} where the file is missing), or an InputError naming the file."""
+    if storage.kind(path) != "file":
+        return {}
+    try:
+        value = json.loads(storage.read_text(path))
+    except ValueError as error:
+        raise InputError(f"{path}: not the JSON madp wrote ({error})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not the JSON object madp wrote")
+    return value

@@ -543,17 +543,23 @@ def earlier_trainings(batches_dir: str) -> list[dict]:
         raise InputError(f"{path}: not a ledger madp wrote ({error}); the batches' trainings are unknown") from None
     if not all(isinstance(t, dict) and {"mechanism", "parameters", "noise_multiplier"} <= set(t) for t in trainings):
         raise InputError(f"{path}: not a ledger madp wrote (an entry lacks mechanism, parameters or sigma)")
+    if not all(type(t.get("resumable_from", 0)) is int for t in trainings):
+        raise InputError(f"{path}: not a ledger madp wrote (an entry's resumable_from is not a step count)")
     return trainings
 
 
 STARTED, FINISHED = "started", "finished"  # a ledger entry's state: steps may have run / all T steps ran
 
 
-def record_training(batches_dir: str, training: str, output: str, plan: PrivacyPlan, state: str = STARTED) -> None:
+def record_training(
+    batches_dir: str, training: str, output: str, plan: PrivacyPlan, state: str, resumable_from: int, run: str
+) -> None:
     """Enter the private training `training` (a unique id; `output`: where it writes, or what it is) in the
     batch output's ledger of trainings, or set the state of its entry. A training is entered before its
     first step: whatever it released before an interruption (evaluations, checkpointed models) is then
-    covered by its entry, which every later training on these batches composes with, finished or not."""
+    covered by its entry, which every later training on these batches composes with, finished or not.
+    `resumable_from`: the earliest step a continuation of the entry may restart at (no step it may
+    have released runs twice); `run`: the run (step object) that trains it now."""
     entry = {
         "training": training,
         "output": output,
@@ -563,6 +569,8 @@ def record_training(batches_dir: str, training: str, output: str, plan: PrivacyP
         "noise_multiplier": plan.noise_multiplier,
         "epsilon": plan.epsilon,
         "delta": plan.delta,
+        "resumable_from": resumable_from,
+        "run": run,
     }
     trainings = [t for t in earlier_trainings(batches_dir) if t.get("training") != training] + [entry]
     storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "".join(json.dumps(t) + "\n" for t in trainings))

@@ -245,6 +245,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             training=training,
             output=output,
             retrain=options.retrain,
+            releases_from_checkpoints=True,  # a checkpoint precedes every evaluation; one checkpoint, kept
         )
         privacy = step.plan  # with the composition of earlier trainings on these batches, if any
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
@@ -301,6 +302,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             # Before anything of this step is published (its evaluation): a resumed run never re-does a
             # step whose model was released, so no step is released twice with different noise.
             checkpoints.save(done, metrics, planned)
+            if isinstance(step, PrivateTrainingStep):  # a copy of an older checkpoint may not continue
+                step.checkpointed()
         if evaluates:
             metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
             with eval_writer.as_default():
@@ -331,6 +334,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),
         "seed": options.seed,
+        "eval_data_public": options.eval_data_public,  # whether the evaluations below may be published
         **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
         **_pretrained_fields(task, options),
         "eval": metrics,
@@ -339,13 +343,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
         "privacy": dict(NOT_PRIVATE) if privacy is None else privacy.to_json(),
     }
-    published = {k: v for k, v in result.items() if k != "privacy"}
-    if not published_eval:  # computed without noise on records no guarantee covers: internal only
+    if not published_eval:  # computed without noise on records no guarantee covers: internal only,
+        # not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
         kept = internal_path(output, EVALUATION_FILE)
-        evaluations = {field: published.pop(field) for field in EVALUATION_FIELDS if field in published}
+        evaluations = {field: result.pop(field) for field in EVALUATION_FIELDS if field in result}
         storage.write_text(kept, json.dumps(evaluations, indent=2))
-        published["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
-        result["evaluation"] = published["evaluation"]
+        result["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
+    published = {k: v for k, v in result.items() if k != "privacy"}
     storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2))
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
     if checkpoints is not None:  # done: the secret noise history has no further use

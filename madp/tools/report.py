@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
-from madp.training.outputs import evaluation_of
+from madp.training.outputs import EVALUATION_FIELDS, evaluation_of
 from madp.training.plan import PrivacyPlan, stated_plan
 
 SOURCES = {
@@ -387,7 +387,8 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
     for name in ("train", "baseline"):  # evaluations on data not declared public: an internal page's only
         if name in reports:
-            reports[name] = {**reports[name], **evaluation_of(storage.join(run_dir, name), internal)}
+            stated = {k: v for k, v in reports[name].items() if k not in EVALUATION_FIELDS}  # read as below
+            reports[name] = {**stated, **evaluation_of(storage.join(run_dir, name), internal)}
     try:
         figures, rows = _figures(reports, plt, internal), _summary(reports, internal)
     except (KeyError, TypeError, IndexError, ValueError) as error:  # a report of another version, or edited
