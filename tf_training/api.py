@@ -189,8 +189,12 @@ class PrivateTrainingStep(PrivateStep):
                 with held:
                     self._enter_locked(batches, state, resumable_from)
             except storage.OutputLocked as error:
-                step = self.steps_taken + 1
-                raise InputError(f"{error} (step {step} of this private training did not run)") from None
+                undone = (
+                    "its checkpoint was not recorded"
+                    if resumable_from is not None
+                    else f"step {self.steps_taken + 1} of this private training did not run"
+                )
+                raise InputError(f"{error} ({undone})") from None
         if not self._entered:
             _LIVE_RUNS[self.training] = self.run
         self._entered = True
