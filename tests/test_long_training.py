@@ -491,7 +491,7 @@ def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path
         step(training=training, resumed_at=4, releases_from_checkpoints=True)
     with pytest.raises(InputError, match="resumed_at='4': the number of steps"):
         step(training=training, resumed_at="4")
-    from_four = step(training=training, resumed_at=np.int64(4))  # as optimizer.iterations.numpy() gives it
+    from_four = step(training=training, resumed_at=tf.Variable(4, dtype=tf.int64))  # optimizer.iterations
     from_four(*one_row)
     from_four(*one_row)
     from_four.checkpointed()  # a checkpoint after 6 steps: a continuation from step 5 would redo step 6

@@ -148,7 +148,7 @@ class PrivateTrainingStep(PrivateStep):
                 f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
                 f"would release more than its guarantee covers: calibrate for more steps (other batches)"
             )
-        if self._entered and _LIVE_RUNS.get(self.training) != self.run:
+        if self._entered and _LIVE_RUNS.get(self.training, self.run) != self.run:
             raise InputError(self._superseded())
         if not self._entered:  # before anything of this training can be released
             self._enter(STARTED)
@@ -160,7 +160,9 @@ class PrivateTrainingStep(PrivateStep):
         """Say that a checkpoint of this training after `steps_taken` steps is written: the ledger then
         refuses a continuation from an earlier step (whose steps after it this run may have released).
         Call it after writing each checkpoint, before releasing anything of the model; `madp train`
-        does. Continue an interrupted training from its latest checkpoint."""
+        does. Continue an interrupted training from its latest checkpoint. While another process holds
+        the batches' lock it raises an InputError (the steps ran; the checkpoint is not recorded yet):
+        call it again before releasing anything of the model."""
         if self._entered and self.steps_taken < self.plan.steps:
             self._enter(STARTED, resumable_from=self.steps_taken)
 
@@ -195,8 +197,8 @@ class PrivateTrainingStep(PrivateStep):
                     else f"step {self.steps_taken + 1} of this private training did not run"
                 )
                 raise InputError(f"{error} ({undone})") from None
-        if not self._entered:
-            _LIVE_RUNS[self.training] = self.run
+            if not self._entered:
+                _LIVE_RUNS[self.training] = self.run
         self._entered = True
 
     def _enter_locked(self, batches: str, state: str, resumable_from: int | None) -> None:
@@ -267,13 +269,14 @@ def make_private(
     checkpoint into the model, optimizer and the step's noise state): the step counts from k, and its
     noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a key
     derived from the seed and k, reproducible for tests); pass `training=` the interrupted step's
-    `training` id, so that its ledger entry is continued rather than composed with. Continue from the
-    latest checkpoint: every step a run took after its start may have been released, and running it
-    again with new noise would release it twice. madp cannot see what you write, so the ledger keeps
-    the latest step it knows a continuation may start at (`resumable_from`): the step after the last
-    run's start, or the step of its latest `step.checkpointed()`; a continuation from an earlier step
-    is refused, and so is a step object whose training another continuation has taken over (at its
-    next call in this process, or at its next ledger write in another). `releases_from_checkpoints=True`
+    `training` id, so that its ledger entry is continued rather than composed with. Release nothing of
+    the model before checkpointing it, and continue from the latest checkpoint: every step a run took
+    after its start may have been released, and running it again with new noise would release it
+    twice. madp cannot see what you write, so the ledger keeps the earliest step a continuation may
+    start at (`resumable_from`): the step after the last run's start, or the step of its latest
+    `step.checkpointed()`; a continuation from an earlier step is refused, and so is a step object
+    whose training another continuation has taken over (at its next call in this process; in another,
+    at its next ledger write: its next `checkpointed()`, else its last step). `releases_from_checkpoints=True`
     is for a caller that holds the batches' lock for the whole training (`storage.exclusive`), calls
     `checkpointed()` after every checkpoint and releases nothing of the model before checkpointing it,
     as `madp train` does: a run then leaves its start step resumable until its first checkpoint.
@@ -289,8 +292,8 @@ def make_private(
     >>> for rows in read_steps(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"])
     """
-    try:
-        resumed_at = operator.index(resumed_at)  # e.g. optimizer.iterations.numpy()
+    try:  # e.g. optimizer.iterations (a tf.Variable) or its numpy()
+        resumed_at = operator.index(resumed_at.numpy() if hasattr(resumed_at, "numpy") else resumed_at)
     except TypeError:
         raise InputError(f"resumed_at={resumed_at!r}: the number of steps the interrupted training took") from None
     if not 0 <= resumed_at <= plan.steps:
@@ -372,7 +375,8 @@ def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
             f"training={training!r} was continued or run past step {resumed_at} already (the ledger of "
             f"{batches_dir} accepts a continuation from step {resumable_from} on): resumed_at={resumed_at} would "
             f"run steps it may have released again, with new noise, which its entry's plan does not account "
-            f"for; continue from a later checkpoint, or train anew (a new training, composed with it)"
+            f"for; continue from a later checkpoint, or train anew (a new training, composed with it), or, if "
+            f"nothing after step {resumed_at} was released, continue with releases_from_checkpoints=True"
         )
 
 

@@ -316,6 +316,9 @@ class NonPrivateStep(_LoweredOnce):
         self.lower_once(self._replica_step, inputs[:3])
         self.apply(*inputs)
 
+    def checkpointed(self) -> None:
+        """As a private step's, for a loop shared with one: no ledger entry records a baseline."""
+
     @tf.function(reduce_retracing=True)
     def apply(self, x, y, weight, groups=None) -> None:
         """One step on (per-replica) rows; `groups` (for the same call as PrivateStep's) is not needed."""

@@ -245,7 +245,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             training=training,
             output=output,
             retrain=options.retrain,
-            releases_from_checkpoints=True,  # a checkpoint precedes every evaluation; one checkpoint, kept
+            # With checkpoints, one precedes every evaluation, and a resume takes the latest.
+            releases_from_checkpoints=bool(options.checkpoint_every or resumed),
         )
         privacy = step.plan  # with the composition of earlier trainings on these batches, if any
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
