@@ -44,8 +44,8 @@ def evaluation_of(output: str, internal: bool) -> dict:
     metrics.json's where the evaluation data was declared public, else OUTPUT/internal/evaluation.json's,
     which only an `internal` reader gets ({} where neither holds any). What a published page may show:
     `evaluation_of("run/train", internal=False).get("final")`. A metrics.json that does not say its
-    evaluation data was public (`eval_data_public`; madp before 2026-11-27 wrote every evaluation
-    there) is read as internal."""
+    evaluation data was public (`eval_data_public`; written by a madp that published every
+    evaluation) is read as internal."""
     stated = _json_object(storage.join(output, "metrics.json"))
     in_metrics = {field: stated.get(field) for field in EVALUATION_FIELDS} if stated.get("eval") else {}
     if in_metrics and stated.get("eval_data_public") is True:

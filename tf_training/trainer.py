@@ -212,6 +212,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
         raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
     resumed, training = _resume_point(output, options)
+    needs_checkpoints = options.checkpoint_every or resumed
     user_level = batches.report["sampler"] == "users"
     privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
     if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
@@ -246,13 +247,12 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             output=output,
             retrain=options.retrain,
             # With checkpoints, one precedes every evaluation, and a resume takes the latest.
-            releases_from_checkpoints=bool(options.checkpoint_every or resumed),
+            releases_from_checkpoints=bool(needs_checkpoints),
         )
         privacy = step.plan  # with the composition of earlier trainings on these batches, if any
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
     planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
     evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
-    needs_checkpoints = options.checkpoint_every or resumed
     checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
