@@ -40,6 +40,8 @@ setup(
         # gguf: reads (and the tests write) the GGUF files of pretrained models (--model causal-lm)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*", "gguf>=0.17,<1"],
         "report": ["matplotlib>=3.8"],
+        # --runner cuda of madp calibrate / epsilon (bandmf-minsep): the Monte Carlo samples on an NVIDIA GPU
+        "cuda": ["numba-cuda[cu13]>=0.30", "cupy-cuda13x>=13"],
         # Beam's DaskRunner: dask and distributed in the versions Beam supports (>=2024.4.2 for 2.77),
         # for the runner tier of the tests (tests/test_runner_tier.py)
         "runners": ["apache-beam[dask]==2.77.*"],

@@ -51,14 +51,20 @@ class ChunkTask:
     reduce: bool = True  # False: plain terms on P's and Q's own samples (benchmarks compare the two)
 
 
-def chunk_statistics(task: ChunkTask) -> tuple[list[list[float]], list[list[float]]]:
+def given_one(task: ChunkTask) -> bool:
+    """Whether the task's P samples are drawn given >= 1 participation (`DeltaReduction`)."""
+    return _reductions(task.process, task.epsilon, task.reduce)["P"].at_least_one
+
+
+def chunk_statistics(task: ChunkTask, ratios: np.ndarray | None = None) -> tuple[list[list[float]], list[list[float]]]:
     """Per direction: [sum of the reduced terms X, sum of their squares, *log wealth steps], and its `tail`
     most extreme log ratios (runs in workers). X is the hockey-stick term over the direction's span, on P's
     samples given >= 1 participation where that pays (`madp.accounting.monte_carlo.DeltaReduction`); the
-    tests bet against E[X] >= bound / weight."""
+    tests bet against E[X] >= bound / weight. `ratios`: the task's log ratios where a GPU drew them
+    (`madp.accounting.monte_carlo_cuda.cuda_task_map`), else drawn here."""
     reductions = _reductions(task.process, task.epsilon, task.reduce)
-    given_one = reductions["P"].at_least_one
-    ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, given_one)
+    if ratios is None:
+        ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, given_one(task))
     statistics, tails = [], []
     for under, row in zip(task.directions, ratios):
         reduction = reductions[under]

@@ -251,10 +251,20 @@ def _participations(state, kernel, steps, at_least_one, starts, counts):
         step = failures_before_success(state, kernel.log_stay, steps)
     while step < steps:
         starts[taken] = step
-        counts[taken] = 1 + np.searchsorted(kernel.count_cdf, uniform(state), side="right")
+        counts[taken] = _records(kernel.count_cdf, uniform(state))
         taken += 1
         step += kernel.min_sep + failures_before_success(state, kernel.log_stay, steps)
     return taken
+
+
+@njit(inline="always", cache=True)
+def _records(count_cdf, u):
+    """1 + #{j: count_cdf[j] <= u} (searchsorted's right side, by a scan: k_u is small, and numba's CUDA
+    target has no searchsorted); count_cdf ends at 1 > u."""
+    records = 1
+    while count_cdf[records - 1] <= u:
+        records += 1
+    return records
 
 
 @njit(cache=True, fastmath={"contract"})

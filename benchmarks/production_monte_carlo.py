@@ -5,15 +5,17 @@ records), k_u = 1, epsilon 10. Each part prints one JSON line (what was measured
 readable line:
 
     python benchmarks/production_monte_carlo.py kernel [--reference]   # us per sample, one core
+    python benchmarks/production_monte_carlo.py gpu --kernel-samples 262144   # us per sample, one GPU
     python benchmarks/production_monte_carlo.py samples --sigma S --delta D [--workers N] [--plain]
     python benchmarks/production_monte_carlo.py scaling --workers 1,2 [--chunks C] [--runner dask]
-    python benchmarks/production_monte_carlo.py calibrate --delta 1e-6 [--workers N]
+    python benchmarks/production_monte_carlo.py calibrate --delta 1e-6 [--workers N | --runner cuda]
     python benchmarks/production_monte_carlo.py project --delta 1.3e-8 --ratio R --us-per-sample U
     python benchmarks/production_monte_carlo.py epsilon-reuse --sigma 0.5 --delta 1e-4
 
 `kernel` times ours (both directions sharing the noise, and P alone given >= 1 participation, the only
 direction the verification draws here) against jax_privacy 2.0.0 (`--reference`: its own environment,
-benchmarks/.jax-privacy-env, as benchmarks/accounting.py makes it) in the same run. `samples` runs one
+benchmarks/.jax-privacy-env, as benchmarks/accounting.py makes it) in the same run; `gpu` times the GPU's
+(`--runner cuda`) against ours on one core of the same machine. `samples` runs one
 verification, at the first candidate's level, and reports the samples it drew with madp's variance
 reduction (monte_carlo.DeltaReduction) or, with `--plain`, on P's and Q's own samples. `scaling` times
 the same chunks over 1..N worker processes (`--runner dask`: as Beam pipelines on madp's DaskRunner over
@@ -84,6 +86,51 @@ def kernel(reference: bool, samples: int, sigma: float) -> None:
         )
         measured.update(jax_privacy_us_p=theirs["P"], jax_privacy_us_q=theirs["Q"])
     report(line, part="kernel", sigma=sigma, **measured)
+
+
+def gpu_kernel(samples: int, sigma: float) -> None:
+    """The GPU's us per sample (`--runner cuda`: monte_carlo_cuda.draw_log_ratios, its transfers included),
+    against our CPU kernel on one core of the same machine in the same run, and the largest difference
+    between their log ratios on the same samples."""
+    import numpy as np
+    from numba import cuda
+
+    from madp.accounting.monte_carlo_cuda import draw_log_ratios
+
+    checked = 512
+    seeds, indices = np.full(checked, 7, np.uint64), np.arange(checked)
+    gap = np.abs(draw_log_ratios(PRODUCTION, sigma, seeds, indices) - sample_log_ratios(PRODUCTION, sigma, checked, 7))
+    timings = {}
+    for name, directions, given_one in (("pair", ("P", "Q"), False), ("P given >= 1", ("P",), True)):
+        cpu, gpu = [], []
+        for seed in range(1, 4):
+            started = time.perf_counter()
+            sample_log_ratios(PRODUCTION, sigma, 2048, seed, directions, given_one)
+            cpu.append((time.perf_counter() - started) / 2048 * 1e6)
+            many = np.full(samples, seed, np.uint64)
+            started = time.perf_counter()
+            draw_log_ratios(PRODUCTION, sigma, many, np.arange(samples), directions, given_one)
+            gpu.append((time.perf_counter() - started) / samples * 1e6)
+        timings[name] = (min(cpu), min(gpu))
+    device = cuda.get_current_device().name
+    device = device.decode() if isinstance(device, bytes) else device
+    pair, one = timings["pair"], timings["P given >= 1"]
+    report(
+        f"T = {STEPS}, b = {BANDS}, sigma {sigma}, best of 3: GPU ({device}, {samples} samples a call) "
+        f"{pair[1]:.3f} us per P + Q pair, {one[1]:.3f} per P sample; one CPU core of the same machine "
+        f"{pair[0]:.1f} and {one[0]:.1f}: {pair[0] / pair[1]:.0f}x and {one[0] / one[1]:.0f}x; log ratios of "
+        f"{checked} samples differ from the CPU kernel's by at most {gap.max():.2g}",
+        part="gpu",
+        device=device,
+        sigma=sigma,
+        samples=samples,
+        gpu_us_per_pair=pair[1],
+        gpu_us_per_p_sample=one[1],
+        cpu_us_per_pair=pair[0],
+        cpu_us_per_p_sample=one[0],
+        largest_difference=float(gap.max()),
+        cpus=os.cpu_count(),
+    )
 
 
 def samples_needed(sigma: float, delta: float, workers: int, plain: bool) -> None:
@@ -168,18 +215,22 @@ def scaling(worker_counts: list[int], chunks: int, sigma: float, runner: str) ->
         )
 
 
-def calibration(delta: float, workers: int) -> None:
+def calibration(delta: float, workers: int, runner: str) -> None:
     from madp.accounting.evr import calibrate_minsep
 
+    remote = None
+    if runner == "cuda":
+        from madp.accounting.monte_carlo_cuda import cuda_task_map as remote
     with tempfile.TemporaryDirectory() as ledger:
         os.environ["MADP_ATTEMPTS_LEDGER"] = os.path.join(ledger, "attempts.jsonl")  # not the user's ledger
         started = time.perf_counter()
-        result = calibrate_minsep(PRODUCTION, EPSILON, delta, workers=workers)
+        result = calibrate_minsep(PRODUCTION, EPSILON, delta, workers=workers, remote=remote)
         wall = time.perf_counter() - started
+    where = "one GPU" if runner == "cuda" else f"{workers} workers"
     report(
         f"calibration at epsilon {EPSILON}, delta {delta:g}: sigma {result.value:.4f} "
         f"({'verified' if result.verified else 'FALLBACK'}; fallback {result.fallback:.3f}), samples drawn "
-        f"{list(result.samples_used)}, {wall:.0f} s on {workers} workers (target <= 1800 s)",
+        f"{list(result.samples_used)}, {wall:.0f} s on {where} (target <= 1800 s)",
         part="calibrate",
         delta=delta,
         sigma=result.value,
@@ -189,6 +240,7 @@ def calibration(delta: float, workers: int) -> None:
         samples_used=list(result.samples_used),
         wall_s=wall,
         workers=workers,
+        runner=runner,
     )
 
 
@@ -250,7 +302,9 @@ def projection(delta: float, ratio: float, us_per_sample: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("kernel", "samples", "scaling", "calibrate", "project", "epsilon-reuse"))
+    parser.add_argument(
+        "part", choices=("kernel", "gpu", "samples", "scaling", "calibrate", "project", "epsilon-reuse")
+    )
     parser.add_argument("--reference", action="store_true", help="kernel: time jax_privacy 2.0.0 in the same run")
     parser.add_argument("--kernel-samples", type=int, default=512)
     parser.add_argument("--sigma", type=float, default=0.5)
@@ -262,14 +316,19 @@ def main() -> None:
     parser.add_argument("--us-per-sample", type=float, help="project: measured us per P sample, one core")
     parser.add_argument(
         "--runner",
-        choices=("local", "dask"),
+        choices=("local", "dask", "cuda"),
         default="local",
-        help="scaling: local worker processes (pool start included) or Beam pipelines on a dask.distributed cluster",
+        help="scaling: local worker processes (pool start included) or Beam pipelines on a dask.distributed "
+        "cluster; calibrate: local worker processes or the GPU (cuda)",
     )
     args = parser.parse_args()
+    if args.runner == "cuda" and args.part != "calibrate":
+        parser.error("--runner cuda is for calibrate (gpu times the GPU's kernel)")
     counts = [int(w) for w in args.workers.split(",")]
     if args.part == "kernel":
         kernel(args.reference, args.kernel_samples, args.sigma)
+    elif args.part == "gpu":
+        gpu_kernel(args.kernel_samples, args.sigma)
     elif args.part == "samples":
         samples_needed(args.sigma, args.delta, counts[0], args.plain)
     elif args.part == "scaling":
@@ -279,7 +338,7 @@ def main() -> None:
     elif args.part == "project":
         projection(args.delta, args.ratio, args.us_per_sample)
     else:
-        calibration(args.delta, counts[0])
+        calibration(args.delta, counts[0], args.runner)
 
 
 if __name__ == "__main__":

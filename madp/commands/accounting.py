@@ -11,6 +11,8 @@ from madp.core.errors import InputError
 
 log = logging.getLogger("madp")
 
+CUDA = "cuda"  # --runner: the Monte Carlo samples on one NVIDIA GPU
+
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     calibrate = commands.add_parser("calibrate", help="the noise multiplier sigma for a target (epsilon, delta)")
@@ -114,9 +116,9 @@ def add_mechanism(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runner",
         default=LOCAL,
-        help="bandmf-minsep: 'local' (default; --workers processes) or a Beam runner that computes "
-        "the Monte Carlo chunks (DirectRunner, DataflowRunner, FlinkRunner, SparkRunner); "
-        "unknown options go to Beam",
+        help="bandmf-minsep: 'local' (default; --workers processes), 'cuda' (one NVIDIA GPU draws the "
+        "samples: pip install 'madp[cuda]') or a Beam runner that computes the Monte Carlo chunks "
+        "(DirectRunner, DataflowRunner, FlinkRunner, SparkRunner); unknown options go to Beam",
     )
 
 
@@ -223,6 +225,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     import time
 
     from madp.accounting.evr import calibrate_minsep, epsilon_minsep
+    from madp.accounting.mc_delta import RemoteMap
     from madp.accounting.monte_carlo import MinSepProcess
 
     _require(args, "bandmf-minsep", "--sampling-prob", "--bands", "--min-sep")
@@ -231,8 +234,14 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
     k_u = args.max_contributions
     local_takes_no_beam_options(args, beam_args)
-    remote = None
-    if args.runner != LOCAL:
+    remote: RemoteMap | None = None
+    if args.runner == CUDA:
+        if beam_args:
+            raise InputError(f"--runner cuda takes no Beam options (got {' '.join(beam_args)})")
+        from madp.accounting.monte_carlo_cuda import cuda_task_map, gpu
+
+        remote = functools.partial(cuda_task_map, gpu())  # before any work: is there a GPU to run on?
+    elif args.runner != LOCAL:
         from madp.beam.monte_carlo import BeamTaskMap
 
         remote = functools.partial(BeamTaskMap, ["--runner", args.runner, *beam_args])

@@ -1,0 +1,296 @@
+"""The Monte Carlo samples of `madp.accounting.monte_carlo` on one NVIDIA GPU (`madp calibrate --runner cuda`).
+
+A thread per sample draws exactly what the CPU kernels draw: its noise from stream (seed, sample, 0) and
+its participations from (seed, sample, 1), with the same compiled generator (numba compiles the CPU
+kernels' `@njit` functions again for the GPU), so a chunk's samples are the CPU's, and its log ratios
+agree with theirs up to rounding (the FFT's, and CUDA's exp): a sequential test stops where it would on
+the CPU. The dots are cuFFT's (cupy); the recursion runs one chain per thread in linear space with
+rescaling where `monte_carlo` says that is exact, else in log space, as on the CPU.
+
+Needs numba-cuda and cupy with a CUDA GPU: `pip install 'madp[cuda]'`. The per-sample functions are
+`@njit` functions that the CUDA kernels call for their thread's sample; `CPU` runs them in a loop with
+numpy's FFT, which is how the tests check them on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+from numba import cuda, njit, uint64
+
+from madp.accounting.mc_delta import given_one
+from madp.accounting.monte_carlo import (
+    _CHECK_STEPS,
+    _LINEAR_EXPONENT,
+    _NOISE,
+    _PARTICIPATIONS,
+    _RESCALE_ABOVE,
+    DIRECTIONS,
+    MinSepProcess,
+    _add_participation,
+    _dots_plan,
+    _Kernel,
+    _kernel,
+    _participations,
+)
+from madp.accounting.random_streams import fill_standard_normals, seed_stream
+from madp.core.errors import InputError
+
+_THREADS = 128  # threads per block
+_MEMORY_SHARE = 0.4  # of the GPU's free memory, for one batch's arrays
+_KERNEL_ARRAYS = ("coefficients", "overlaps", "weight_table", "log_weight_table", "count_cdf")
+
+
+@njit(cache=True)
+def _fill_noise(seeds, indices, steps, noise, n, state):
+    """Row n of noise: the `steps` standard normals of sample indices[n] of seed seeds[n] (the columns past
+    stay 0); `state` is the thread's generator."""
+    seed_stream(state, seeds[n], indices[n], _NOISE)
+    fill_standard_normals(noise[n, :steps], state)
+
+
+@njit(inline="always", cache=True)
+def _weight(d, kernel, i):
+    """W_i = sum_j Binom(j) e^(j d_i - j^2 h_i) by Horner's rule in e^(d_i) (d_i <= _LINEAR_EXPONENT / k_u), as
+    `monte_carlo._weights` (with math.exp, CUDA's on the GPU, where the CPU kernels' series is within 1e-14)."""
+    table = kernel.weight_table
+    exponential = math.exp(d)
+    weight = table[table.shape[0] - 1, i]
+    for count in range(table.shape[0] - 2, -1, -1):
+        weight = weight * exponential + table[count, i]
+    return weight * exponential
+
+
+@njit(inline="always", cache=True)
+def _log_add(a, b):
+    high, low = max(a, b), min(a, b)
+    return high if low == -math.inf else high + math.log1p(math.exp(low - high))
+
+
+@njit(cache=True)
+def _log_f(d, kernel, f):
+    """log f_0 of the recursion of `monte_carlo` on dots d ([T]), one chain, in f ([T + b]): in linear space,
+    rescaled every _CHECK_STEPS steps where f left its range, when `monte_carlo._linear_holds` says that is
+    exact; else in log space."""
+    steps, gap = d.shape[0], kernel.min_sep
+    largest = -math.inf
+    for i in range(steps):
+        largest = max(largest, d[i])
+    if kernel.linear and kernel.weight_table.shape[0] * largest <= _LINEAR_EXPONENT:
+        for j in range(steps, steps + gap):
+            f[j] = 1.0
+        log_scale = 0.0
+        i = steps - 1
+        while i >= 0:
+            stop = max(i - _CHECK_STEPS, -1)
+            for j in range(i, stop, -1):
+                f[j] = kernel.stay * f[j + 1] + _weight(d[j], kernel, j) * f[j + gap]
+            i = stop
+            current = f[i + 1]
+            if not 1.0 / _RESCALE_ABOVE <= current <= _RESCALE_ABOVE:
+                for j in range(i + 1, i + 1 + gap):  # the f that later steps read
+                    f[j] /= current
+                log_scale += math.log(current)
+        return math.log(f[0]) + log_scale
+    for j in range(steps, steps + gap):
+        f[j] = 0.0
+    table = kernel.log_weight_table
+    for i in range(steps - 1, -1, -1):
+        log_weight = -math.inf
+        for count in range(table.shape[0]):
+            log_weight = _log_add(log_weight, table[count, i] + (count + 1) * d[i])
+        f[i] = _log_add(kernel.log_stay + f[i + 1], log_weight + f[i + gap])
+    return f[0]
+
+
+@njit(cache=True)
+def _sample_log_ratios(space, kernel, with_p, with_q, at_least_one, out, n, state):
+    """out[:, n] = [log P/Q under P, under Q] of sample n from its Q dots space.q_dots[:, n] (a column per
+    sample, so that a warp's reads of one step are adjacent); under P plus its participations'."""
+    steps = space.q_dots.shape[0]
+    if with_p:
+        seed_stream(state, space.seeds[n], space.indices[n], _PARTICIPATIONS)
+        for i in range(steps):
+            space.p_dots[i, n] = space.q_dots[i, n]
+        taken = _participations(state, kernel, steps, at_least_one, space.starts[:, n], space.counts[:, n])
+        for m in range(taken):
+            _add_participation(space.starts[m, n], space.counts[m, n], kernel, space.p_dots[:, n])
+        out[0, n] = _log_f(space.p_dots[:, n], kernel, space.f[:, n])
+    if with_q:
+        out[1, n] = _log_f(space.q_dots[:, n], kernel, space.f[:, n])
+
+
+class _Batch(NamedTuple):
+    """A batch's arrays, on the GPU (cupy) or on the CPU (numpy)."""
+
+    seeds: Any  # [N] uint64
+    indices: Any  # [N] int64
+    q_dots: Any  # [T, N]
+    p_dots: Any  # [T, N]
+    starts: Any  # [T // b + 1, N] int64: a sample's participations
+    counts: Any  # [T // b + 1, N] int64
+    f: Any  # [T + b, N]
+
+
+@cuda.jit
+def _fill_noise_kernel(seeds, indices, steps, noise):
+    n = cuda.grid(1)
+    if n < seeds.shape[0]:
+        _fill_noise(seeds, indices, steps, noise, n, cuda.local.array(4, uint64))
+
+
+@cuda.jit
+def _log_ratios_kernel(
+    seeds, indices, q_dots, p_dots, starts, counts, f, coefficients, overlaps, weight_table, log_weight_table,
+    count_cdf, inv_sigma, min_sep, stay, log_stay, linear, with_p, with_q, at_least_one, out,
+):  # fmt: skip
+    """`_sample_log_ratios` for thread n; the batch and the kernel come as their arrays and numbers."""
+    n = cuda.grid(1)
+    if n < seeds.shape[0]:
+        space = _Batch(seeds, indices, q_dots, p_dots, starts, counts, f)
+        kernel = _Kernel(
+            coefficients, overlaps, inv_sigma, min_sep, stay, log_stay,
+            weight_table, log_weight_table, count_cdf, linear,
+        )  # fmt: skip
+        _sample_log_ratios(space, kernel, with_p, with_q, at_least_one, out, n, cuda.local.array(4, uint64))
+
+
+@njit(cache=True)
+def _fill_noise_cpu(seeds, indices, steps, noise):
+    state = np.empty(4, np.uint64)
+    for n in range(seeds.shape[0]):
+        _fill_noise(seeds, indices, steps, noise, n, state)
+
+
+@njit(cache=True)
+def _log_ratios_cpu(space, kernel, with_p, with_q, at_least_one, out):
+    state = np.empty(4, np.uint64)
+    for n in range(space.seeds.shape[0]):
+        _sample_log_ratios(space, kernel, with_p, with_q, at_least_one, out, n, state)
+
+
+class _Device(NamedTuple):
+    """Where a batch runs: the GPU (cupy arrays, the CUDA kernels), or, for the tests, the same per-sample
+    functions in a loop on the CPU (numpy)."""
+
+    xp: Any
+    fill_noise: Callable
+    log_ratios: Callable
+    batch_size: Callable[[int], int]  # samples of a batch, from the bytes one sample takes
+
+
+def gpu() -> _Device:
+    """The GPU, or an InputError saying what is missing (cupy, numba-cuda, a GPU)."""
+    try:
+        import cupy
+    except ImportError as error:
+        raise InputError(f"--runner cuda needs cupy and numba-cuda ({error}): pip install 'madp[cuda]'") from None
+    if not cuda.is_available():
+        raise InputError("--runner cuda needs an NVIDIA GPU that numba-cuda can use; none was found")
+
+    def fill_noise(seeds, indices, steps, noise):
+        _fill_noise_kernel[_blocks(len(seeds)), _THREADS](seeds, indices, steps, noise)
+
+    def log_ratios(space, kernel, with_p, with_q, at_least_one, out):
+        k = kernel
+        _log_ratios_kernel[_blocks(len(space.seeds)), _THREADS](
+            *space, k.coefficients, k.overlaps, k.weight_table, k.log_weight_table, k.count_cdf, k.inv_sigma,
+            k.min_sep, k.stay, k.log_stay, k.linear, with_p, with_q, at_least_one, out,
+        )  # fmt: skip
+
+    def batch_size(per_sample: int) -> int:
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        return max(_THREADS, int(_MEMORY_SHARE * free) // per_sample // _THREADS * _THREADS)
+
+    return _Device(cupy, fill_noise, log_ratios, batch_size)
+
+
+def _blocks(samples: int) -> int:
+    return -(-samples // _THREADS)
+
+
+# The GPU's per-sample functions in a loop on the CPU, batches of 1024: how the tests check them without a GPU.
+CPU = _Device(np, _fill_noise_cpu, _log_ratios_cpu, lambda per_sample: 1024)
+
+
+def draw_log_ratios(
+    process: MinSepProcess,
+    noise_multiplier: float,
+    seeds: np.ndarray,
+    indices: np.ndarray,
+    directions: tuple[str, ...] = DIRECTIONS,
+    at_least_one: bool = False,
+    device: _Device | None = None,
+) -> np.ndarray:
+    """log P/Q of sample indices[n] of seed seeds[n], for every n, one row per direction: what
+    `monte_carlo.sample_log_ratios(process, noise_multiplier, ..., seeds[n], directions, at_least_one)` gives
+    for that sample, up to rounding, computed on the GPU (`device` None) in batches that fit its memory."""
+    if not directions or not set(directions) <= set(DIRECTIONS):
+        raise ValueError(f"directions must be some of {DIRECTIONS}, got {directions!r}")
+    device = device or gpu()
+    xp = device.xp
+    seeds = np.asarray(seeds, np.uint64)  # chunk seeds: 64 bits (`monte_carlo.sample_log_ratios`)
+    indices = np.asarray(indices, np.int64)
+    kernel = _kernel(process, noise_multiplier)
+    plan = _dots_plan(kernel, process.steps, True)
+    steps, width, gap = process.steps, plan.width, process.min_sep
+    on_device = kernel._replace(**{name: xp.asarray(getattr(kernel, name)) for name in _KERNEL_ARRAYS})
+    spectrum = xp.asarray(plan.spectrum)
+    with_p, with_q = "P" in directions, "Q" in directions
+    ratios = np.full((2, len(seeds)), np.nan)
+    most = steps // gap + 1  # participations of one sample at most
+    rows = min(len(seeds), device.batch_size(8 * (4 * width + 3 * steps + gap + 2 * most)))
+    noise = xp.zeros((rows, width))
+    for first in range(0, len(seeds), rows):
+        batch = min(rows, len(seeds) - first)
+        space = _Batch(
+            xp.asarray(seeds[first : first + batch]),
+            xp.asarray(indices[first : first + batch]),
+            None,
+            xp.empty((steps, batch)) if with_p else xp.empty((0, batch)),
+            xp.empty((most, batch), np.int64),
+            xp.empty((most, batch), np.int64),
+            xp.empty((steps + gap, batch)),
+        )
+        device.fill_noise(space.seeds, space.indices, steps, noise[:batch])
+        dots = xp.fft.irfft(xp.fft.rfft(noise[:batch], axis=1) * spectrum, width, axis=1)
+        space = space._replace(q_dots=xp.ascontiguousarray(dots[:, :steps].T))
+        del dots
+        out = xp.full((2, batch), np.nan)
+        device.log_ratios(space, on_device, with_p, with_q, at_least_one, out)
+        ratios[:, first : first + batch] = out if xp is np else out.get()
+        del space, out
+    ratios = ratios[[DIRECTIONS.index(under) for under in directions]]
+    if not np.isfinite(ratios).all():
+        raise FloatingPointError(f"non-finite privacy loss for {process} at sigma {noise_multiplier}")
+    return ratios
+
+
+@contextlib.contextmanager
+def cuda_task_map(device: _Device | None = None):
+    """A `map(fn, tasks)` over Monte Carlo chunk tasks (`madp.accounting.mc_delta.RemoteMap`) whose samples the
+    GPU draws, all of a call's chunks in the same batches; `fn` (`mc_delta.chunk_statistics`) then turns
+    each chunk's log ratios into its statistics here. The samples are the CPU's, so an estimate or a
+    verification stops where it would on the CPU. `device`: the GPU (None), or `CPU` for the tests."""
+    device = device or gpu()
+
+    def map_chunks(fn: Callable, tasks: Iterable) -> list:
+        tasks = list(tasks)
+        drawn: dict[tuple, list[int]] = {}  # the tasks drawn together: same process, sigma and draw
+        for n, task in enumerate(tasks):
+            drawn.setdefault((task.process, task.sigma, task.directions, given_one(task)), []).append(n)
+        ratios: list = [None] * len(tasks)
+        for (process, sigma, directions, at_least_one), members in drawn.items():
+            sizes = [tasks[n].size for n in members]
+            seeds = np.repeat(np.array([tasks[n].seed for n in members], np.uint64), sizes)
+            indices = np.concatenate([np.arange(size) for size in sizes])
+            rows = draw_log_ratios(process, sigma, seeds, indices, directions, at_least_one, device)
+            for n, part in zip(members, np.split(rows, np.cumsum(sizes)[:-1], axis=1)):
+                ratios[n] = part
+        return [fn(task, part) for task, part in zip(tasks, ratios)]
+
+    yield map_chunks
