@@ -3,6 +3,7 @@ schedules, and checkpoints a job resumes from without reusing noise or writing t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -557,3 +558,26 @@ def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path)
         assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["finished"]
     finally:
         other.kill()
+
+
+def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
+    """Its first step is its last: one ledger write, 'finished', under one take of the lock, so no other
+    process can come between a 'started' and a refused 'finished' and leave the entry open."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = dataclasses.replace(api.calibrate(batches_, noise_multiplier=1.0, bands=2), steps=1)
+    model, loss = build_model("logreg", 8)
+    step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    states = []
+    recorded = api.record_training
+    monkeypatch.setattr(api, "record_training", lambda *args: states.append(args[4]) or recorded(*args))
+    first = next(iter(api.read_steps(batches_, ["features", "label"])))
+    step(first["features"], first["label"], first["weight"])
+    assert states == ["finished"] and [(t["state"], t["resumable_from"]) for t in ledger(copy)] == [("finished", 1)]
+    with pytest.raises(InputError, match="accounts for 1 steps"):
+        step(first["features"], first["label"], first["weight"])

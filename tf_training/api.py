@@ -150,10 +150,9 @@ class PrivateTrainingStep(PrivateStep):
             )
         if self._entered and _LIVE_RUNS.get(self.training, self.run) != self.run:
             raise InputError(self._superseded())
-        if not self._entered:  # before anything of this training can be released
-            self._enter(STARTED)
-        if self.steps_taken + 1 == self.plan.steps:
-            self._enter(FINISHED)
+        last = self.steps_taken + 1 == self.plan.steps
+        if not self._entered or last:  # before anything of this training can be released; one write when both
+            self._enter(FINISHED if last else STARTED)
         self.steps_taken += 1
 
     def checkpointed(self) -> None:
@@ -206,7 +205,7 @@ class PrivateTrainingStep(PrivateStep):
             entry = next((t for t in earlier_trainings(batches) if t.get("training") == self.training), {})
             if entry.get("run") != self.run:
                 raise InputError(self._superseded())
-        elif state == STARTED:
+        else:  # its first entry (a one-step plan's is FINISHED)
             if self.continues:  # again under the lock: another continuation may have entered since
                 _check_continued(batches, self.training, self.steps_taken)
             now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
