@@ -15,14 +15,20 @@ numpy's FFT, which is how the tests check them on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import cuda, njit, uint64
+from numba import njit, uint64
 
-from madp.accounting.mc_delta import given_one
+try:
+    from numba import cuda
+except ImportError:  # a numba without its CUDA target, and no numba-cuda: gpu() says so
+    cuda = None  # type: ignore[assignment]
+
+from madp.accounting.mc_delta import RemoteMap, given_one
 from madp.accounting.monte_carlo import (
     _CHECK_STEPS,
     _LINEAR_EXPONENT,
@@ -136,14 +142,12 @@ class _Batch(NamedTuple):
     f: Any  # [T + b, N]
 
 
-@cuda.jit
 def _fill_noise_kernel(seeds, indices, steps, noise):
     n = cuda.grid(1)
     if n < seeds.shape[0]:
         _fill_noise(seeds, indices, steps, noise, n, cuda.local.array(4, uint64))
 
 
-@cuda.jit
 def _log_ratios_kernel(
     seeds, indices, q_dots, p_dots, starts, counts, f, coefficients, overlaps, weight_table, log_weight_table,
     count_cdf, inv_sigma, min_sep, stay, log_stay, linear, with_p, with_q, at_least_one, out,
@@ -181,23 +185,32 @@ class _Device(NamedTuple):
     fill_noise: Callable
     log_ratios: Callable
     batch_size: Callable[[int], int]  # samples of a batch, from the bytes one sample takes
+    release: Callable[[], None]  # gives back what a call held (the GPU's memory pool and FFT plans)
 
 
 def gpu() -> _Device:
     """The GPU, or an InputError saying what is missing (cupy, numba-cuda, a GPU)."""
+    needs = "Monte Carlo on a GPU (--runner cuda, --mc-runner cuda) needs"
     try:
         import cupy
     except ImportError as error:
-        raise InputError(f"--runner cuda needs cupy and numba-cuda ({error}): pip install 'madp[cuda]'") from None
-    if not cuda.is_available():
-        raise InputError("--runner cuda needs an NVIDIA GPU that numba-cuda can use; none was found")
+        raise InputError(f"{needs} cupy and numba-cuda ({error}): pip install 'madp[cuda]'") from None
+    if cuda is None:
+        raise InputError(f"{needs} numba-cuda (this numba has no CUDA target): pip install 'madp[cuda]'")
+    try:
+        usable = cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except cupy.cuda.runtime.CUDARuntimeError as error:  # e.g. a driver older than cupy's CUDA
+        raise InputError(f"{needs} an NVIDIA GPU that cupy can use: {error}") from None
+    if not usable:
+        raise InputError(f"{needs} an NVIDIA GPU that numba-cuda and cupy can use; none was found")
+    fill_kernel, ratios_kernel = _compiled_kernels()
 
     def fill_noise(seeds, indices, steps, noise):
-        _fill_noise_kernel[_blocks(len(seeds)), _THREADS](seeds, indices, steps, noise)
+        fill_kernel[_blocks(len(seeds)), _THREADS](seeds, indices, steps, noise)
 
     def log_ratios(space, kernel, with_p, with_q, at_least_one, out):
         k = kernel
-        _log_ratios_kernel[_blocks(len(space.seeds)), _THREADS](
+        ratios_kernel[_blocks(len(space.seeds)), _THREADS](
             *space, k.coefficients, k.overlaps, k.weight_table, k.log_weight_table, k.count_cdf, k.inv_sigma,
             k.min_sep, k.stay, k.log_stay, k.linear, with_p, with_q, at_least_one, out,
         )  # fmt: skip
@@ -206,7 +219,17 @@ def gpu() -> _Device:
         free, _ = cupy.cuda.runtime.memGetInfo()
         return max(_THREADS, int(_MEMORY_SHARE * free) // per_sample // _THREADS * _THREADS)
 
-    return _Device(cupy, fill_noise, log_ratios, batch_size)
+    def release() -> None:
+        cupy.fft.config.clear_plan_cache()
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    return _Device(cupy, fill_noise, log_ratios, batch_size, release)
+
+
+@functools.cache
+def _compiled_kernels() -> tuple:
+    """The CUDA kernels (numba-cuda compiles each at its first launch)."""
+    return cuda.jit(_fill_noise_kernel), cuda.jit(_log_ratios_kernel)
 
 
 def _blocks(samples: int) -> int:
@@ -214,7 +237,7 @@ def _blocks(samples: int) -> int:
 
 
 # The GPU's per-sample functions in a loop on the CPU, batches of 1024: how the tests check them without a GPU.
-CPU = _Device(np, _fill_noise_cpu, _log_ratios_cpu, lambda per_sample: 1024)
+CPU = _Device(np, _fill_noise_cpu, _log_ratios_cpu, lambda per_sample: 1024, lambda: None)
 
 
 def draw_log_ratios(
@@ -241,33 +264,47 @@ def draw_log_ratios(
     on_device = kernel._replace(**{name: xp.asarray(getattr(kernel, name)) for name in _KERNEL_ARRAYS})
     spectrum = xp.asarray(plan.spectrum)
     with_p, with_q = "P" in directions, "Q" in directions
-    ratios = np.full((2, len(seeds)), np.nan)
     most = steps // gap + 1  # participations of one sample at most
-    rows = min(len(seeds), device.batch_size(8 * (4 * width + 3 * steps + gap + 2 * most)))
-    noise = xp.zeros((rows, width))
-    for first in range(0, len(seeds), rows):
-        batch = min(rows, len(seeds) - first)
-        space = _Batch(
-            xp.asarray(seeds[first : first + batch]),
-            xp.asarray(indices[first : first + batch]),
-            None,
-            xp.empty((steps, batch)) if with_p else xp.empty((0, batch)),
-            xp.empty((most, batch), np.int64),
-            xp.empty((most, batch), np.int64),
-            xp.empty((steps + gap, batch)),
-        )
-        device.fill_noise(space.seeds, space.indices, steps, noise[:batch])
-        dots = xp.fft.irfft(xp.fft.rfft(noise[:batch], axis=1) * spectrum, width, axis=1)
-        space = space._replace(q_dots=xp.ascontiguousarray(dots[:, :steps].T))
-        del dots
-        out = xp.full((2, batch), np.nan)
-        device.log_ratios(space, on_device, with_p, with_q, at_least_one, out)
-        ratios[:, first : first + batch] = out if xp is np else out.get()
-        del space, out
-    ratios = ratios[[DIRECTIONS.index(under) for under in directions]]
+    # A sample's arrays: its noise, spectrum, their product and dots (and cuFFT's work areas for the two
+    # transforms, as large again), the transposed dots, P's, f and the participations.
+    largest = device.batch_size(8 * (6 * width + 3 * steps + gap + 2 * most))
+    batches = -(-len(seeds) // largest)
+    rows = -(-len(seeds) // batches)  # every batch of one size (one pair of FFT plans): the last one padded
+    padding = batches * rows - len(seeds)  # < batches samples, drawn again and dropped
+    seeds, indices = np.append(seeds, seeds[-1:].repeat(padding)), np.append(indices, indices[-1:].repeat(padding))
+    ratios = np.full((2, len(seeds)), np.nan)
+    try:  # what the GPU held goes back even when a batch fails (the noise when the frame goes)
+        noise = xp.zeros((rows, width))
+        for first in range(0, len(seeds), rows):
+            space = _Batch(
+                xp.asarray(seeds[first : first + rows]),
+                xp.asarray(indices[first : first + rows]),
+                None,
+                xp.empty((steps, rows)) if with_p else xp.empty((0, rows)),
+                xp.empty((most, rows), np.int64),
+                xp.empty((most, rows), np.int64),
+                xp.empty((steps + gap, rows)),
+            )
+            device.fill_noise(space.seeds, space.indices, steps, noise)
+            dots = xp.fft.irfft(xp.fft.rfft(noise, axis=1) * spectrum, width, axis=1)
+            space = space._replace(q_dots=xp.ascontiguousarray(dots[:, :steps].T))
+            del dots
+            out = xp.full((2, rows), np.nan)
+            device.log_ratios(space, on_device, with_p, with_q, at_least_one, out)
+            ratios[:, first : first + rows] = out if xp is np else out.get()
+            del space, out
+        del noise
+    finally:
+        device.release()
+    ratios = ratios[[DIRECTIONS.index(under) for under in directions], : len(seeds) - padding]
     if not np.isfinite(ratios).all():
         raise FloatingPointError(f"non-finite privacy loss for {process} at sigma {noise_multiplier}")
     return ratios
+
+
+def gpu_task_map() -> RemoteMap:
+    """`cuda_task_map` on the GPU, which is looked for now: an InputError before any work where none is."""
+    return functools.partial(cuda_task_map, gpu())
 
 
 @contextlib.contextmanager

@@ -77,9 +77,11 @@ def test_runner_cuda_without_a_gpu_is_a_clear_error(capsys):
     base = ["-q", "calibrate", "--epsilon", "2", "--delta", "1e-3", "--steps", "20", "--mechanism", "bandmf-minsep"]
     arguments = [*base, "--sampling-prob", "0.1", "--min-sep", "2", "--bands", "2", "--runner", "cuda"]
     assert main(arguments) == 2
-    assert "--runner cuda needs cupy" in capsys.readouterr().err
+    assert "Monte Carlo on a GPU (--runner cuda, --mc-runner cuda) needs cupy" in capsys.readouterr().err
     assert main([*arguments, "--direct_num_workers", "2"]) == 2
     assert "--runner cuda takes no Beam options" in capsys.readouterr().err
+    assert main([*arguments, "--workers", "2"]) == 2
+    assert "--workers is for --runner local" in capsys.readouterr().err
 
 
 def gpu_present() -> bool:

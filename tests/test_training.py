@@ -505,7 +505,7 @@ def test_tpu_distribution_without_a_tpu_is_a_clear_error(pipeline_data, capsys):
     assert "--cpu-replicas" in capsys.readouterr().err
 
 
-def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_data, capsys):
+def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_data, capsys, monkeypatch):
     directory, data = pipeline_data
     batches = str(directory / "amplified")
     report = batch_local(
@@ -545,6 +545,28 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
     independent = json.loads(capsys.readouterr().out)
     assert independent["noise_multiplier"] == privacy["noise_multiplier"]
     assert independent["fallback_noise_multiplier"] == privacy["monte_carlo"]["fallback_noise_multiplier"]
+    # --mc-runner cuda draws the same samples (here the GPU's per-sample functions on the CPU): the same plan
+    from madp.accounting import monte_carlo_cuda
+    from madp.training.batches import open_batches
+    from madp.training.plan import privacy_plan
+
+    monkeypatch.setattr(monte_carlo_cuda, "gpu", lambda: monte_carlo_cuda.CPU)
+    on_gpu = privacy_plan(
+        open_batches(batches), TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True, mc_runner="cuda")
+    )
+    assert on_gpu.noise_multiplier == pytest.approx(privacy["noise_multiplier"], rel=1e-12)
+
+
+def test_mc_runner_cuda_is_refused_where_tensorflow_trains_on_the_gpu(pipeline_data, monkeypatch):
+    """cupy's arrays would compete with TensorFlow's for the GPU: the plan is then computed first, in
+    madp run's calibrate stage, and nothing is written here."""
+    directory, _ = pipeline_data
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["GPU:0"] if kind == "GPU" else [])
+    output = directory / "mc-runner-cuda"
+    options = TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True, mc_runner="cuda")
+    with pytest.raises(InputError, match="calibrate stage, with mc_runner: cuda"):
+        train(str(directory / "bounded"), str(output), options)
+    assert not output.exists()
 
 
 def test_zero_out_rows_train_with_zero_gradient(pipeline_data, capsys):

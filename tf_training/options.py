@@ -8,6 +8,7 @@ from madp.core.errors import InputError
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
+MC_RUNNERS = ("local", "cuda")  # --mc-runner: worker processes, or one NVIDIA GPU
 TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
 SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
 # What --optimizer and --learning-rate default to, per model (`training_defaults`). The text
@@ -59,6 +60,7 @@ class TrainOptions:
     amplified: bool = False
     mc_samples: int | None = None
     mc_workers: int = 1
+    mc_runner: str = "local"  # where the Monte Carlo samples are drawn: MC_RUNNERS
     distribution: str = "default"
     tpu: str = ""
     cpu_replicas: int = 1
@@ -143,6 +145,8 @@ class TrainOptions:
                 "--xla compiles the step of one device: use --distribution default (a TPU compiles every step)",
             ),
             (self.mc_workers >= 1, "--mc-workers must be at least 1"),
+            (self.mc_runner in MC_RUNNERS, f"--mc-runner must be one of {MC_RUNNERS}"),
+            (self.mc_runner == "local" or self.mc_workers == 1, "--mc-workers is for --mc-runner local"),
             (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
             (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
             (self.width is None or self.width >= 1, "--width must be at least 1"),

@@ -182,9 +182,20 @@ def amplified_noise_multiplier(
         unamplified_.coefficients,
     )
     log.info("Monte Carlo accounting (estimate-verify-release) for %s", process)
+    remote = None
+    if options.mc_runner == "cuda":
+        from madp.accounting.monte_carlo_cuda import gpu_task_map
+
+        remote = gpu_task_map()
     if options.noise_multiplier is not None:
         result = epsilon_minsep(
-            process, options.noise_multiplier, options.delta, options.mc_samples, options.mc_seed, options.mc_workers
+            process,
+            options.noise_multiplier,
+            options.delta,
+            options.mc_samples,
+            options.mc_seed,
+            options.mc_workers,
+            remote,
         )
         sigma, delivered = options.noise_multiplier, result.value
     else:
@@ -195,6 +206,7 @@ def amplified_noise_multiplier(
             options.mc_samples,
             options.mc_seed,
             options.mc_workers,
+            remote,
         )
         sigma, delivered = result.value, options.target_epsilon
     details = {

@@ -195,6 +195,13 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
 
 def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     started = time.perf_counter()
+    if options.amplified and options.mc_runner == "cuda" and not options.calibration:
+        if tf.config.list_physical_devices("GPU"):  # cupy's arrays would compete with TensorFlow's for it
+            raise InputError(
+                "--mc-runner cuda: TensorFlow trains on this machine's GPU and holds it while madp train "
+                "accounts; compute the plan first (madp run's calibrate stage, with mc_runner: cuda) and "
+                "train with it (--calibration)"
+            )
     batches = open_batches(batches_dir)
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)

@@ -238,9 +238,11 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     if args.runner == CUDA:
         if beam_args:
             raise InputError(f"--runner cuda takes no Beam options (got {' '.join(beam_args)})")
-        from madp.accounting.monte_carlo_cuda import cuda_task_map, gpu
+        if args.workers != 1:
+            raise InputError("--workers is for --runner local: --runner cuda draws every sample on one GPU")
+        from madp.accounting.monte_carlo_cuda import gpu_task_map
 
-        remote = functools.partial(cuda_task_map, gpu())  # before any work: is there a GPU to run on?
+        remote = gpu_task_map()
     elif args.runner != LOCAL:
         from madp.beam.monte_carlo import BeamTaskMap
 

@@ -146,6 +146,14 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     training.add_argument("--mc-workers", type=int, default=1, help="--amplified: worker processes")
     training.add_argument(
+        "--mc-runner",
+        choices=("local", "cuda"),
+        default="local",
+        help="--amplified: where the Monte Carlo samples are drawn: local (default; --mc-workers "
+        "processes) or cuda (one NVIDIA GPU: pip install 'madp[cuda]'; refused where TensorFlow "
+        "trains on a GPU: compute the plan in madp run's calibrate stage)",
+    )
+    training.add_argument(
         "--distribution",
         choices=("default", "mirrored", "tpu"),
         default="default",
@@ -246,6 +254,7 @@ def train_options(args: argparse.Namespace):
         amplified=args.amplified,
         mc_samples=args.mc_samples,
         mc_workers=args.mc_workers,
+        mc_runner=args.mc_runner,
         distribution=args.distribution,
         tpu=args.tpu,
         cpu_replicas=args.cpu_replicas,

@@ -45,6 +45,7 @@ CALIBRATE_KEYS = (
     "amplified",
     "mc_samples",
     "mc_workers",
+    "mc_runner",
     "mc_seed",
 )
 INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the realized sampling: never published
