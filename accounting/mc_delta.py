@@ -64,7 +64,8 @@ def chunk_statistics(task: ChunkTask, ratios: np.ndarray | None = None) -> tuple
     (`madp.accounting.monte_carlo_cuda.cuda_task_map`), else drawn here."""
     reductions = _reductions(task.process, task.epsilon, task.reduce)
     if ratios is None:
-        ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, given_one(task))
+        at_least_one = reductions["P"].at_least_one
+        ratios = sample_log_ratios(task.process, task.sigma, task.size, task.seed, task.directions, at_least_one)
     statistics, tails = [], []
     for under, row in zip(task.directions, ratios):
         reduction = reductions[under]

@@ -219,23 +219,36 @@ def _log_f_linear(weights, kernel, f, out):
         out[r] = math.log(f[0, r]) + log_scale[r]
 
 
+@njit(inline="always", cache=True)
+def _log_add(a, b):
+    """log(e^a + e^b), in the math module's functions alone (numba's CUDA target has no np.logaddexp)."""
+    high, low = max(a, b), min(a, b)
+    return high if low == -math.inf else high + math.log1p(math.exp(low - high))
+
+
 @njit(cache=True)
 def _log_f_log_space(d, kernel, log_f):
-    """The same recursion in log space, for weights or spans the linear one cannot hold."""
+    """The same recursion in log space, for weights or spans the linear one cannot hold (also the GPU's,
+    one chain per thread: loops, no slice assignment)."""
     steps, gap = d.shape[0], kernel.min_sep
-    log_f[steps : steps + gap] = 0.0
+    for i in range(steps, steps + gap):
+        log_f[i] = 0.0
     table = kernel.log_weight_table
     for i in range(steps - 1, -1, -1):
         log_weight = -math.inf
         for count in range(table.shape[0]):
-            log_weight = np.logaddexp(log_weight, table[count, i] + (count + 1) * d[i])
-        log_f[i] = np.logaddexp(kernel.log_stay + log_f[i + 1], log_weight + log_f[i + gap])
+            log_weight = _log_add(log_weight, table[count, i] + (count + 1) * d[i])
+        log_f[i] = _log_add(kernel.log_stay + log_f[i + 1], log_weight + log_f[i + gap])
     return log_f[0]
 
 
 @njit(inline="always", cache=True)
 def _linear_holds(d, kernel):
-    return kernel.linear and kernel.weight_table.shape[0] * d.max() <= _LINEAR_EXPONENT
+    """Whether the linear-space recursion is exact on dots d (see _LINEAR_SPAN); a loop, as the GPU's too."""
+    largest = -math.inf
+    for i in range(d.shape[0]):
+        largest = max(largest, d[i])
+    return kernel.linear and kernel.weight_table.shape[0] * largest <= _LINEAR_EXPONENT
 
 
 @njit(cache=True)

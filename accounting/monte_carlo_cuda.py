@@ -31,7 +31,6 @@ except ImportError:  # a numba without its CUDA target, and no numba-cuda: gpu()
 from madp.accounting.mc_delta import RemoteMap, given_one
 from madp.accounting.monte_carlo import (
     _CHECK_STEPS,
-    _LINEAR_EXPONENT,
     _NOISE,
     _PARTICIPATIONS,
     _RESCALE_ABOVE,
@@ -41,6 +40,8 @@ from madp.accounting.monte_carlo import (
     _dots_plan,
     _Kernel,
     _kernel,
+    _linear_holds,
+    _log_f_log_space,
     _participations,
 )
 from madp.accounting.random_streams import fill_standard_normals, seed_stream
@@ -71,22 +72,13 @@ def _weight(d, kernel, i):
     return weight * exponential
 
 
-@njit(inline="always", cache=True)
-def _log_add(a, b):
-    high, low = max(a, b), min(a, b)
-    return high if low == -math.inf else high + math.log1p(math.exp(low - high))
-
-
 @njit(cache=True)
 def _log_f(d, kernel, f):
     """log f_0 of the recursion of `monte_carlo` on dots d ([T]), one chain, in f ([T + b]): in linear space,
     rescaled every _CHECK_STEPS steps where f left its range, when `monte_carlo._linear_holds` says that is
-    exact; else in log space."""
+    exact; else in log space (`monte_carlo._log_f_log_space`)."""
     steps, gap = d.shape[0], kernel.min_sep
-    largest = -math.inf
-    for i in range(steps):
-        largest = max(largest, d[i])
-    if kernel.linear and kernel.weight_table.shape[0] * largest <= _LINEAR_EXPONENT:
+    if _linear_holds(d, kernel):
         for j in range(steps, steps + gap):
             f[j] = 1.0
         log_scale = 0.0
@@ -102,15 +94,7 @@ def _log_f(d, kernel, f):
                     f[j] /= current
                 log_scale += math.log(current)
         return math.log(f[0]) + log_scale
-    for j in range(steps, steps + gap):
-        f[j] = 0.0
-    table = kernel.log_weight_table
-    for i in range(steps - 1, -1, -1):
-        log_weight = -math.inf
-        for count in range(table.shape[0]):
-            log_weight = _log_add(log_weight, table[count, i] + (count + 1) * d[i])
-        f[i] = _log_add(kernel.log_stay + f[i + 1], log_weight + f[i + gap])
-    return f[0]
+    return _log_f_log_space(d, kernel, f)
 
 
 @njit(cache=True)
