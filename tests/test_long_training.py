@@ -350,6 +350,72 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     assert finished["training"] == started["training"] and finished["state"] == "finished"
 
 
+def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint_to_continue(
+    batches, tmp_path, monkeypatch
+):
+    """A checkpoint of step 8 whose ledger write never happened is not resumed from (state.json stays at
+    step 4): a copy of step 4 that continued and released step 8 meanwhile is the only branch. One whose
+    ledger write happened is resumed from, and the copy of step 4 is refused."""
+    from madp.training import long_training
+    from madp.training.api import PrivateTrainingStep
+
+    _, out, data = batches
+    options = TrainOptions(noise_multiplier=1.0, bands=2, checkpoint_every=4, eval_data=data, eval_every=4)
+    resume = TrainOptions(**{**vars(options), "resume": True})
+
+    def interrupted(batches_dir: str, output: str, crash) -> None:
+        crash_at(monkeypatch, 6)  # after the checkpoint and evaluation of step 4
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(batches_dir, output, options)
+        monkeypatch.undo()
+        shutil.copytree(output, output + "-backup")  # the checkpoint of step 4
+        crash(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(batches_dir, output, resume)
+        monkeypatch.undo()
+
+    def before_the_ledger(monkeypatch) -> None:
+        recorded = PrivateTrainingStep.checkpointed
+
+        def crash(self):
+            if self.steps_taken == 8:
+                raise KeyboardInterrupt
+            recorded(self)
+
+        monkeypatch.setattr(PrivateTrainingStep, "checkpointed", crash)
+
+    copy, cut = fresh_copy(out, tmp_path), str(tmp_path / "cut")
+    interrupted(copy, cut, before_the_ledger)
+    assert ledger(copy)[0]["resumable_from"] == 4
+    crash_at(monkeypatch, 10)  # the copy of step 4 continues: the checkpoint and evaluation of step 8
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut + "-backup", resume)
+    monkeypatch.undo()
+    assert ledger(copy)[0]["resumable_from"] == 8
+    with pytest.raises(InputError, match="continued or run past step 4 already"):
+        trainer.train(copy, cut, resume)  # its own step 8 would publish steps 5-8 again with other noise
+
+    def after_the_ledger(monkeypatch) -> None:
+        write = long_training.storage.write_text
+
+        def crash(path, text):
+            if path.endswith("/state.json") and json.loads(text)["step"] == 8:
+                raise KeyboardInterrupt
+            write(path, text)
+
+        monkeypatch.setattr(long_training.storage, "write_text", crash)
+
+    (tmp_path / "second").mkdir()
+    copy, cut = fresh_copy(out, tmp_path / "second"), str(tmp_path / "second" / "cut")
+    interrupted(copy, cut, after_the_ledger)
+    assert ledger(copy)[0]["resumable_from"] == 8
+    with pytest.raises(InputError, match="continued or run past step 4 already"):
+        trainer.train(copy, cut + "-backup", resume)
+    resumed = trainer.train(copy, cut, resume)  # from step 8, which the ledger names
+    assert [entry["step"] for entry in evaluation_of(resumed["output"], internal=True)["eval"]] == [4, 8, 12]
+    assert ledger(copy)[0]["state"] == "finished"
+
+
 def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(batches, tmp_path):
     _, out, _ = batches
     copy = fresh_copy(out, tmp_path)

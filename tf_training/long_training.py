@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,9 +27,11 @@ from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import internal_path
-from madp.training.plan import PrivacyPlan
+from madp.training.plan import PrivacyPlan, earlier_trainings
 
 tf = load_tensorflow()
+
+STATE_FILE, NEXT_STATE_FILE = "state.json", "next_state.json"  # in OUTPUT/internal/checkpoints/
 
 
 # --- learning rate ------------------------------------------------------------------------------
@@ -121,7 +124,14 @@ class Checkpoints:
     draw and none is reused; BandMF's w_t = (z_t - sum c_j w_{t-j}) / c_0 continues from the restored
     history, so the noise is C^-1 z as accounted. Steps the interrupted run computed after its last
     checkpoint are re-done with other noise, which is safe only because nothing from them was released:
-    every evaluation (the published scalars) is preceded by a checkpoint at the same step."""
+    every evaluation (the published scalars) is preceded by a checkpoint at the same step.
+
+    A checkpoint is written in three steps: its files and `next_state.json` (the state it completes), the
+    ledger entry moved to its step (`step.checkpointed()`: no continuation from an earlier step from then
+    on), then state.json. A crash before the ledger's write resumes from the checkpoint before, which the
+    ledger still accepts; one after it resumes from this one, which the ledger already names (`interrupted_state`).
+    The other order let a crash between them leave state.json ahead of the ledger, so that a copy of an
+    older checkpoint could continue beside this one."""
 
     def __init__(self, output: str, model, optimizer, step, evaluated_on: dict) -> None:
         self.directory = internal_path(output, "checkpoints")
@@ -134,13 +144,13 @@ class Checkpoints:
             objects["noise_history"] = list(tf.nest.flatten(getattr(state, "history", ())))
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=2)
-        self.state_file = storage.join(self.directory, "state.json")
+        self.state_file = storage.join(self.directory, STATE_FILE)
+        self.next_state_file = storage.join(self.directory, NEXT_STATE_FILE)
         self.training = getattr(step, "training", None)
+        self.run = getattr(step, "run", None)
 
-    def exists(self) -> bool:
-        return storage.kind(self.state_file) == "file"
-
-    def save(self, done: int, metrics: list[dict], plan: PrivacyPlan | None) -> None:
+    def save(self, done: int, metrics: list[dict], plan: PrivacyPlan | None, record: Callable[[], None]) -> None:
+        """Write the checkpoint of step `done`; `record()` enters it in the ledger (see the class)."""
         self.step_var.assign(done)
         path = self.manager.save(checkpoint_number=done)
         state = {
@@ -149,15 +159,17 @@ class Checkpoints:
             "eval": metrics,
             "plan": None if plan is None else plan.to_json(),
             "training": self.training,
+            "run": self.run,  # which run's ledger write makes next_state.json the one to resume from
             "evaluated_on": self.evaluated_on,
         }
-        storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))  # after the files it names
+        text = json.dumps(state, indent=2, default=list)
+        storage.write_text(self.next_state_file, text)  # after the files it names
+        record()
+        storage.write_text(self.state_file, text)
 
-    def restore(self, plan: PrivacyPlan | None) -> dict:
-        """Restore the last checkpoint; its state.json. Refused unless it was written under the same plan."""
-        if not self.exists():
-            raise InputError(f"--resume: no checkpoint in {self.directory} (train with --checkpoint-every N)")
-        state = json.loads(storage.read_text(self.state_file))
+    def restore(self, state: dict, plan: PrivacyPlan | None) -> None:
+        """Restore the checkpoint that `state` (`interrupted_state`) names. Refused unless it was written under
+        the same plan and evaluation data."""
         stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
         if state["plan"] != stated:
             raise InputError(f"--resume: {self.directory} was written under another privacy plan; train afresh")
@@ -167,4 +179,29 @@ class Checkpoints:
                 f"{self.evaluated_on}: resume with the same --eval-data and --eval-data-public"
             )
         self.checkpoint.restore(state["checkpoint"]).assert_existing_objects_matched()
-        return state
+
+
+def interrupted_state(output: str, batches_dir: str) -> dict | None:
+    """The state.json of OUTPUT's checkpoint to resume from, or None if it holds none: next_state.json where
+    a crash came between its checkpoint's ledger write and state.json (the ledger's entry names its run
+    and step: nothing earlier may continue), else state.json (the ledger has not moved past it)."""
+    directory = internal_path(output, "checkpoints")
+    path = storage.join(directory, STATE_FILE)
+    if storage.kind(path) != "file":
+        return None
+    state = _read_state(path)
+    pending = storage.join(directory, NEXT_STATE_FILE)
+    if storage.kind(pending) == "file" and state.get("training") is not None:
+        following = _read_state(pending)
+        entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == state["training"]), {})
+        recorded = (entry.get("run"), entry.get("resumable_from"))
+        if following.get("training") == state["training"] and recorded == (following.get("run"), following["step"]):
+            return following
+    return state
+
+
+def _read_state(path: str) -> dict:
+    state = json.loads(storage.read_text(path))
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        raise InputError(f"--resume: {path} is not a checkpoint state madp wrote")
+    return state

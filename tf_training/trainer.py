@@ -37,6 +37,7 @@ from madp.training.batches import Batches
 from madp.training.long_training import (
     Checkpoints,
     epsilon_spent,
+    interrupted_state,
     learning_rate_at,
     set_learning_rate,
     step_statistics,
@@ -148,14 +149,13 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
     return done % options.eval_every == 0 or done == steps
 
 
-def _resume_point(output: str, options: TrainOptions) -> tuple[int, str | None]:
-    """(the steps a --resume continues after, the interrupted training's id in the batches' ledger); (0,
-    None) for a fresh run. A fresh run into an output holding a checkpoint or another training's logs is
-    refused."""
-    state = storage.join(output, INTERNAL_DIR, "checkpoints", "state.json")
-    found = storage.kind(state) == "file"
+def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
+    """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
+    batches' ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint or
+    another training's logs is refused."""
+    state = interrupted_state(output, batches_dir)
     if not options.resume:
-        if found:
+        if state is not None:
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it (a new "
                 f"training would compose with it: the batches' ledger holds it since its first step)"
@@ -165,11 +165,10 @@ def _resume_point(output: str, options: TrainOptions) -> tuple[int, str | None]:
                 f"{output} holds the logs of an earlier training (published with its model): train into a "
                 f"new OUTPUT, so that no folder mixes two trainings' figures"
             )
-        return 0, None
-    if not found:
+        return None
+    if state is None:
         raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
-    saved = json.loads(storage.read_text(state))
-    return int(saved["step"]), saved.get("training")
+    return state
 
 
 def _pretrained_fields(task, options: TrainOptions) -> dict:
@@ -218,7 +217,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
     if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
         raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
-    resumed, training = _resume_point(output, options)
+    interrupted = _resume_point(batches_dir, output, options)
+    resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
     needs_checkpoints = options.checkpoint_every or resumed
     user_level = batches.report["sampler"] == "users"
     privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
@@ -263,8 +263,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     metrics: list[dict] = []
-    if checkpoints is not None and resumed:
-        metrics = checkpoints.restore(planned)["eval"]
+    if checkpoints is not None and interrupted is not None:
+        checkpoints.restore(interrupted, planned)
+        metrics = interrupted["eval"]
         log.info("resumed at step %d of %d from %s (a fresh noise key)", resumed, batches.steps, checkpoints.directory)
         missed = not metrics or metrics[-1]["step"] != resumed
         if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
@@ -309,9 +310,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         if checkpoints is not None and ((every and done % every == 0) or evaluates):
             # Before anything of this step is published (its evaluation): a resumed run never re-does a
             # step whose model was released, so no step is released twice with different noise.
-            checkpoints.save(done, metrics, planned)
-            if isinstance(step, PrivateTrainingStep):  # a copy of an older checkpoint may not continue
-                step.checkpointed()
+            # A copy of an older checkpoint may not continue once the ledger records this one.
+            checkpoints.save(done, metrics, planned, step.checkpointed)
         if evaluates:
             metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
             with eval_writer.as_default():
