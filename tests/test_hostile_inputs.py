@@ -205,6 +205,63 @@ def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
     assert seen == {"holds": False, "took": False} and not storage.holds(folder)
 
 
+def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_path, monkeypatch):
+    """On an object store (here a local folder behind a mock:// scheme, through the same remote code) the
+    lock is taken by claims: two writers whose checks both find no lock are not both let in, which the
+    check-then-write taking did (both then read the trainings ledger before either entered it). A claim
+    left by a killed writer refuses the next one by name."""
+    import threading
+    import time
+
+    import pyarrow.fs as pafs
+
+    resolve, kind = storage._resolve, storage.kind
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    monkeypatch.setattr(
+        storage, "_resolve", lambda path: (bucket, path[7:]) if path.startswith("mock://") else resolve(path)
+    )
+    folder = "mock://bucket/batches"
+    both_looked = threading.Barrier(2)
+
+    def looked(path: str) -> str:
+        found = kind(path)
+        if path == f"{folder}/{storage.LOCK_FILE}":
+            both_looked.wait(timeout=30)  # both find no lock before either goes on
+        return found
+
+    monkeypatch.setattr(storage, "kind", looked)
+    passed, refused = [], []
+
+    def writer(command: str) -> None:
+        try:
+            with storage.exclusive(folder, command):
+                passed.append(command)
+                time.sleep(0.5)  # still held while the other lists the claims
+        except storage.OutputLocked as error:
+            refused.append(str(error))
+
+    threads = [threading.Thread(target=writer, args=(command,)) for command in ("train", "train (a sweep)")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.setattr(storage, "kind", kind)
+    assert len(passed) <= 1 and len(passed) + len(refused) == 2, (passed, refused)
+    assert all("being written by another madp process" in error for error in refused)
+    assert os.listdir(tmp_path / "bucket" / "batches") == []  # every claim withdrawn or released
+    with storage.exclusive(folder, "train"):
+        with pytest.raises(storage.OutputLocked, match="`madp train`"):
+            with storage.exclusive(folder, "train (a sweep)"):
+                pass
+    (tmp_path / "bucket" / "batches" / f"{storage.CLAIM_PREFIX}killed").write_text(
+        json.dumps({"pid": 1, "host": "elsewhere", "command": "train", "since": "then"})
+    )
+    with pytest.raises(storage.OutputLocked, match=f"remove {folder}/{storage.CLAIM_PREFIX}killed"):
+        with storage.exclusive(folder, "train"):
+            pass
+    assert os.listdir(tmp_path / "bucket" / "batches") == [f"{storage.CLAIM_PREFIX}killed"]
+
+
 def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(100))
     with storage.exclusive(str(tmp_path / "b"), "bound (another run)"):

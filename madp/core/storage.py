@@ -221,6 +221,7 @@ def remove_file(path: str) -> None:
 
 
 LOCK_FILE = ".madp.lock"
+CLAIM_PREFIX = LOCK_FILE + ".claim-"  # a remote writer's claim to the lock (`_take_remote`)
 
 
 class OutputLocked(InputError):
@@ -232,8 +233,9 @@ def exclusive(output: str, command: str):
     """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
     instead of mixing its files with ours; an OUTPUT inside a directory another process holds (a stage
     folder of a running `madp run`) is refused too. Local directories lock atomically (O_EXCL); a lock left by
-    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) the check
-    and the write are two steps, so two writers started at the same instant can still both pass."""
+    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
+    it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
+    one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
     if kind(output) == "file":
         raise OutputLocked(f"{output} is a file; the output must be a directory")
     lock = join(output, LOCK_FILE)
@@ -248,13 +250,19 @@ def exclusive(output: str, command: str):
     )
     try:
         _refuse_enclosing_writer(output)
-        _take(output, lock, holder)
+        claim = None
+        if "://" in output:
+            claim = _take_remote(output, lock, holder)
+        else:
+            _take_local(output, lock, holder)
     except PermissionError as error:
         raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
     try:
         yield
     finally:
         remove_file(lock)
+        if claim is not None:
+            remove_file(claim)  # after the lock: a crash between them leaves the output refused, not open
 
 
 def _absolute(path: str) -> str:
@@ -326,12 +334,31 @@ def _holder(lock: str) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
-def _take(output: str, lock: str, holder: str) -> None:
-    if "://" in output:
-        if kind(lock) == "file":
-            raise OutputLocked(_held(lock))
-        write_text(lock, holder)
-        return
+def _take_remote(output: str, lock: str, holder: str) -> str:
+    """Take a remote OUTPUT's lock; the claim to remove at release. pyarrow's object-store filesystems
+    have no create-if-absent, so a writer writes a claim of its own (LOCK_FILE.claim-<random>), then
+    lists the claims, and holds the lock only if its claim is the only one; else it withdraws it. Two
+    writers cannot both pass where writes and listings are strongly consistent (GCS, S3 since 2020,
+    HDFS): each wrote its claim before it listed, so whichever listed last saw the other's. Two that
+    see each other both withdraw (both refused: start again). The claim stays until release, so a later
+    writer is refused even before LOCK_FILE (the holder, for messages and `holds`) is written."""
+    if kind(lock) == "file":
+        raise OutputLocked(_held(lock))
+    claim = join(output, f"{CLAIM_PREFIX}{uuid.uuid4().hex}")
+    write_text(claim, holder)
+    others = [path for path in _claims(output) if path != claim]
+    if others:
+        remove_file(claim)
+        raise OutputLocked(_held(others[0]))
+    write_text(lock, holder)
+    return claim
+
+
+def _claims(output: str) -> list[str]:
+    return [path for path in list_files(output, recursive=False) if posixpath.basename(path).startswith(CLAIM_PREFIX)]
+
+
+def _take_local(output: str, lock: str, holder: str) -> None:
     os.makedirs(output, exist_ok=True)
     for _ in range(2):
         try:
