@@ -293,6 +293,20 @@ def crash_at(monkeypatch, step: int) -> None:
     monkeypatch.setattr(trainer.Progress, "update", crash)
 
 
+def crash_writing_state(monkeypatch, step: int) -> None:
+    """Interrupt madp train as it writes the state.json of its checkpoint of `step`."""
+    from madp.training import long_training
+
+    write = long_training.storage.write_text
+
+    def crash(path, text):
+        if path.endswith("/state.json") and json.loads(text)["step"] == step:
+            raise KeyboardInterrupt
+        write(path, text)
+
+    monkeypatch.setattr(long_training.storage, "write_text", crash)
+
+
 def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_path, monkeypatch):
     """Interrupted at step 6 without a checkpoint: the evaluation of step 4 was written, so the
     training is in the ledger since its first step and the next training states their composition."""
@@ -356,7 +370,6 @@ def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint
     """A checkpoint of step 8 whose ledger write never happened is not resumed from (state.json stays at
     step 4): a copy of step 4 that continued and released step 8 meanwhile is the only branch. One whose
     ledger write happened is resumed from, and the copy of step 4 is refused."""
-    from madp.training import long_training
     from madp.training.api import PrivateTrainingStep
 
     _, out, data = batches
@@ -395,25 +408,49 @@ def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint
     with pytest.raises(InputError, match="continued or run past step 4 already"):
         trainer.train(copy, cut, resume)  # its own step 8 would publish steps 5-8 again with other noise
 
-    def after_the_ledger(monkeypatch) -> None:
-        write = long_training.storage.write_text
-
-        def crash(path, text):
-            if path.endswith("/state.json") and json.loads(text)["step"] == 8:
-                raise KeyboardInterrupt
-            write(path, text)
-
-        monkeypatch.setattr(long_training.storage, "write_text", crash)
-
     (tmp_path / "second").mkdir()
     copy, cut = fresh_copy(out, tmp_path / "second"), str(tmp_path / "second" / "cut")
-    interrupted(copy, cut, after_the_ledger)
+    interrupted(copy, cut, lambda monkeypatch: crash_writing_state(monkeypatch, 8))  # after the ledger's write
     assert ledger(copy)[0]["resumable_from"] == 8
     with pytest.raises(InputError, match="continued or run past step 4 already"):
         trainer.train(copy, cut + "-backup", resume)
-    resumed = trainer.train(copy, cut, resume)  # from step 8, which the ledger names
+    crash_at(monkeypatch, 10)  # resumed from step 8 (which the ledger names), interrupted again
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, resume)
+    monkeypatch.undo()
+    resumed = trainer.train(copy, cut, resume)  # from step 8 again: state.json took next_state.json's place
     assert [entry["step"] for entry in evaluation_of(resumed["output"], internal=True)["eval"]] == [4, 8, 12]
     assert ledger(copy)[0]["state"] == "finished"
+
+
+def test_a_crash_at_the_first_checkpoint_resumes_from_it_and_a_damaged_state_is_an_error(
+    batches, tmp_path, monkeypatch
+):
+    """A crash between the ledger write of the first checkpoint and its state.json (none before it):
+    the resume takes next_state.json, which the ledger names. A copy of OUTPUT resumes its own files
+    after the original moved. A damaged state file is an InputError naming it."""
+
+    _, out, data = batches
+    copy, cut = fresh_copy(out, tmp_path), str(tmp_path / "cut")
+    options = TrainOptions(noise_multiplier=1.0, bands=2, checkpoint_every=4, eval_data=data, eval_every=4)
+    crash_writing_state(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, cut, options)
+    monkeypatch.undo()
+    checkpoints = os.path.join(cut, "internal", "checkpoints")
+    assert not os.path.exists(os.path.join(checkpoints, "state.json")) and ledger(copy)[0]["resumable_from"] == 4
+    resume = TrainOptions(**{**vars(options), "resume": True})
+    for damage in ("{not json", b"\xff\xfe", json.dumps({"step": 4}), json.dumps({"step": "4", "eval": []})):
+        shutil.copytree(cut, cut + "-damaged", dirs_exist_ok=True)
+        target = os.path.join(cut + "-damaged", "internal", "checkpoints", "next_state.json")
+        with open(target, "wb") as handle:
+            handle.write(damage if isinstance(damage, bytes) else damage.encode())
+        with pytest.raises(InputError, match="next_state.json.*not a checkpoint state madp wrote"):
+            trainer.train(copy, cut + "-damaged", resume)
+    shutil.rmtree(cut + "-damaged")
+    os.rename(cut, cut + "-moved")  # its state names the checkpoint files under the old path
+    resumed = trainer.train(copy, cut + "-moved", resume)
+    assert [entry["step"] for entry in evaluation_of(resumed["output"], internal=True)["eval"]] == [4, 8, 12]
 
 
 def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(batches, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import posixpath
 from collections.abc import Callable
 
 import numpy as np
@@ -178,30 +179,51 @@ class Checkpoints:
                 f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
                 f"{self.evaluated_on}: resume with the same --eval-data and --eval-data-public"
             )
-        self.checkpoint.restore(state["checkpoint"]).assert_existing_objects_matched()
+        # The checkpoint's own name, in this OUTPUT: a copy of OUTPUT resumes its own files, not the original's.
+        path = storage.join(self.directory, posixpath.basename(state["checkpoint"]))
+        try:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        except (tf.errors.OpError, AssertionError, ValueError) as error:
+            raise InputError(f"--resume: cannot restore {path}, which {self.state_file} names: {error}") from error
+        if int(self.step_var.numpy()) != state["step"]:
+            raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
+        # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
+        storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))
 
 
 def interrupted_state(output: str, batches_dir: str) -> dict | None:
-    """The state.json of OUTPUT's checkpoint to resume from, or None if it holds none: next_state.json where
-    a crash came between its checkpoint's ledger write and state.json (the ledger's entry names its run
-    and step: nothing earlier may continue), else state.json (the ledger has not moved past it)."""
+    """The state of OUTPUT's checkpoint to resume from, or None if it holds none: next_state.json where a
+    crash came between its checkpoint's ledger write and state.json (the ledger's entry names its run and
+    step: nothing earlier may continue), else state.json (the ledger has not moved past it)."""
     directory = internal_path(output, "checkpoints")
-    path = storage.join(directory, STATE_FILE)
-    if storage.kind(path) != "file":
-        return None
-    state = _read_state(path)
-    pending = storage.join(directory, NEXT_STATE_FILE)
-    if storage.kind(pending) == "file" and state.get("training") is not None:
-        following = _read_state(pending)
-        entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == state["training"]), {})
-        recorded = (entry.get("run"), entry.get("resumable_from"))
-        if following.get("training") == state["training"] and recorded == (following.get("run"), following["step"]):
-            return following
+    state = _read_state(storage.join(directory, STATE_FILE))
+    following = _read_state(storage.join(directory, NEXT_STATE_FILE))
+    if following is None or following.get("training") is None:
+        return state
+    training = following["training"]
+    if state is not None and state.get("training") != training:
+        return state
+    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), {})
+    if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
+        return following
     return state
 
 
-def _read_state(path: str) -> dict:
-    state = json.loads(storage.read_text(path))
-    if not isinstance(state, dict) or type(state.get("step")) is not int:
-        raise InputError(f"--resume: {path} is not a checkpoint state madp wrote")
+def _read_state(path: str) -> dict | None:
+    """A checkpoint state file (its fields checked), or None where there is none."""
+    if storage.kind(path) != "file":
+        return None
+    try:
+        state = json.loads(storage.read_text(path))
+    except (OSError, ValueError) as error:  # not JSON, not UTF-8, unreadable
+        raise InputError(f"--resume: cannot read {path} ({error}): not a checkpoint state madp wrote") from error
+    if not (
+        isinstance(state, dict)
+        and type(state.get("step")) is int
+        and isinstance(state.get("checkpoint"), str)
+        and isinstance(state.get("eval"), list)
+        and isinstance(state.get("plan"), dict | None)
+        and all(isinstance(state.get(name), str | None) for name in ("training", "run"))
+    ):
+        raise InputError(f"--resume: {path} is not a checkpoint state madp wrote (a field is missing or mistyped)")
     return state

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import posixpath
+import random
 import socket
 import threading
 import time
@@ -191,7 +192,8 @@ def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
     root = path.rstrip("/") if "://" in path else os.path.abspath(path)
     digest = hashlib.sha256()
     for name in files:
-        if posixpath.basename(name) not in (LOCK_FILE, *ignore):
+        base = posixpath.basename(name)
+        if base not in (LOCK_FILE, *ignore) and not base.startswith(CLAIM_PREFIX):
             relative = posixpath.relpath(name, root) if found == "directory" else ""
             digest.update(f"{relative}\0{sha256(name)}\n".encode())
     return digest.hexdigest()
@@ -339,23 +341,43 @@ def _take_remote(output: str, lock: str, holder: str) -> str:
     have no create-if-absent, so a writer writes a claim of its own (LOCK_FILE.claim-<random>), then
     lists the claims, and holds the lock only if its claim is the only one; else it withdraws it. Two
     writers cannot both pass where writes and listings are strongly consistent (GCS, S3 since 2020,
-    HDFS): each wrote its claim before it listed, so whichever listed last saw the other's. Two that
-    see each other both withdraw (both refused: start again). The claim stays until release, so a later
-    writer is refused even before LOCK_FILE (the holder, for messages and `holds`) is written."""
-    if kind(lock) == "file":
-        raise OutputLocked(_held(lock))
-    claim = join(output, f"{CLAIM_PREFIX}{uuid.uuid4().hex}")
-    write_text(claim, holder)
-    others = [path for path in _claims(output) if path != claim]
-    if others:
+    HDFS): each wrote its claim before it listed, so whichever listed last saw the other's. Writers that
+    see each other all withdraw, wait a random while and try again (_CLAIM_TRIES in all). The claim stays
+    until release, so a later writer is refused even before LOCK_FILE (the holder, for messages and
+    `holds`) is written. Claims are told apart by name: pyarrow lists hdfs:// paths without their host."""
+    for attempt in range(_CLAIM_TRIES):
+        if kind(lock) == "file":
+            raise OutputLocked(_held(lock) + f" (and its claim {CLAIM_PREFIX}*)")
+        name = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
+        claim = join(output, name)
+        write_text(claim, holder)
+        try:
+            others = [path for path in _claims(output) if posixpath.basename(path) != name]
+            if not others:
+                write_text(lock, holder)
+                return claim
+        except BaseException:  # a claim left behind would refuse every later writer
+            with contextlib.suppress(OSError, InputError):
+                remove_file(claim)
+            raise
         remove_file(claim)
-        raise OutputLocked(_held(others[0]))
-    write_text(lock, holder)
-    return claim
+        if attempt + 1 < _CLAIM_TRIES:
+            time.sleep(random.uniform(0.1, 1.0) * 2**attempt)
+    raise OutputLocked(
+        f"another madp process ({_holder_of(others[0])}) was taking the lock of {output} at the same time as "
+        f"this one, {_CLAIM_TRIES} times: start again, or if none is running remove {others[0]}"
+    )
+
+
+_CLAIM_TRIES = 3
 
 
 def _claims(output: str) -> list[str]:
-    return [path for path in list_files(output, recursive=False) if posixpath.basename(path).startswith(CLAIM_PREFIX)]
+    try:
+        listed = list_files(output, recursive=False)
+    except OSError as error:
+        raise OutputLocked(f"cannot list {output} to take its lock: {error}") from error
+    return [path for path in listed if posixpath.basename(path).startswith(CLAIM_PREFIX)]
 
 
 def _take_local(output: str, lock: str, holder: str) -> None:
@@ -389,12 +411,15 @@ def _stale(lock: str) -> bool:
 
 
 def _held(lock: str) -> str:
+    return (
+        f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({_holder_of(lock)}); wait "
+        f"for it, or if none is running remove {lock}"
+    )
+
+
+def _holder_of(lock: str) -> str:
     try:
         holder = json.loads(read_text(lock))
-        who = f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
+        return f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
     except (OSError, ValueError, KeyError, TypeError):
-        who = "an unknown process"
-    return (
-        f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({who}); wait for it, "
-        f"or if none is running remove {lock}"
-    )
+        return "an unknown process"
