@@ -49,8 +49,9 @@ demo: $(STAMP)
 		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
 		      'report: $(DEMO)/report.html (internal: $(DEMO)/internal-report.html)')"
 
+# One worker process per core (at most 4), each taking whole test files (their module fixtures once)
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)

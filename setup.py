@@ -33,7 +33,7 @@ setup(
         "protobuf>=4",  # reading tf.train.Example in the batch verifier
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "pytest-xdist>=3.6"],  # make test: a worker process per core
         "lint": ["ruff==0.17.*", "mypy==2.4.*"],
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
