@@ -270,7 +270,8 @@ def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_p
     (tmp_path / "bucket" / "batches" / f"{storage.CLAIM_PREFIX}killed").write_text(
         json.dumps({"pid": 1, "host": "elsewhere", "command": "train", "since": "then"})
     )
-    with pytest.raises(storage.OutputLocked, match=f"remove {folder[:7]}bucket/batches/{storage.CLAIM_PREFIX}killed"):
+    monkeypatch.setattr(storage.random, "uniform", lambda low, high: 0.001)  # the waits between tries
+    with pytest.raises(storage.OutputLocked, match=f"{folder}/{storage.CLAIM_PREFIX}killed.*remove it"):
         with storage.exclusive(folder, "train"):
             pass
     assert sorted(os.listdir(tmp_path / "bucket" / "batches")) == [f"{storage.CLAIM_PREFIX}killed", "steps.txt"]

@@ -412,8 +412,11 @@ def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint
     copy, cut = fresh_copy(out, tmp_path / "second"), str(tmp_path / "second" / "cut")
     interrupted(copy, cut, lambda monkeypatch: crash_writing_state(monkeypatch, 8))  # after the ledger's write
     assert ledger(copy)[0]["resumable_from"] == 8
+    states = glob.glob(os.path.join(cut + "-backup", "internal", "checkpoints", "*state.json"))
+    written = {path: open(path, "rb").read() for path in states}
     with pytest.raises(InputError, match="continued or run past step 4 already"):
         trainer.train(copy, cut + "-backup", resume)
+    assert len(written) == 2 and all(open(path, "rb").read() == text for path, text in written.items())
     crash_at(monkeypatch, 10)  # resumed from step 8 (which the ledger names), interrupted again
     with pytest.raises(KeyboardInterrupt):
         trainer.train(copy, cut, resume)
@@ -440,7 +443,8 @@ def test_a_crash_at_the_first_checkpoint_resumes_from_it_and_a_damaged_state_is_
     checkpoints = os.path.join(cut, "internal", "checkpoints")
     assert not os.path.exists(os.path.join(checkpoints, "state.json")) and ledger(copy)[0]["resumable_from"] == 4
     resume = TrainOptions(**{**vars(options), "resume": True})
-    for damage in ("{not json", b"\xff\xfe", json.dumps({"step": 4}), json.dumps({"step": "4", "eval": []})):
+    bad_evaluation = {"step": 4, "checkpoint": "ckpt-4", "eval": [4], "plan": None}
+    for damage in ("{not json", b"\xff\xfe", json.dumps({"step": 4}), json.dumps(bad_evaluation)):
         shutil.copytree(cut, cut + "-damaged", dirs_exist_ok=True)
         target = os.path.join(cut + "-damaged", "internal", "checkpoints", "next_state.json")
         with open(target, "wb") as handle:

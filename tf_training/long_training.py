@@ -183,7 +183,7 @@ class Checkpoints:
         path = storage.join(self.directory, posixpath.basename(state["checkpoint"]))
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
-        except (tf.errors.OpError, AssertionError, ValueError) as error:
+        except Exception as error:  # TensorFlow's errors, a mismatch, a damaged object graph (a DecodeError)
             raise InputError(f"--resume: cannot restore {path}, which {self.state_file} names: {error}") from error
         if int(self.step_var.numpy()) != state["step"]:
             raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
@@ -209,6 +209,15 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
     return state
 
 
+def _is_evaluation(entry) -> bool:
+    """{"step": int, metric: number, ...}, as the trainer appends them."""
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("step")) is int
+        and all(isinstance(value, int | float) and not isinstance(value, bool) for value in entry.values())
+    )
+
+
 def _read_state(path: str) -> dict | None:
     """A checkpoint state file (its fields checked), or None where there is none."""
     if storage.kind(path) != "file":
@@ -222,6 +231,7 @@ def _read_state(path: str) -> dict | None:
         and type(state.get("step")) is int
         and isinstance(state.get("checkpoint"), str)
         and isinstance(state.get("eval"), list)
+        and all(_is_evaluation(entry) for entry in state["eval"])
         and isinstance(state.get("plan"), dict | None)
         and all(isinstance(state.get(name), str | None) for name in ("training", "run"))
     ):

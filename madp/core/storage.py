@@ -193,7 +193,9 @@ def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
     digest = hashlib.sha256()
     for name in files:
         base = posixpath.basename(name)
-        if base not in (LOCK_FILE, *ignore) and not base.startswith(CLAIM_PREFIX):
+        # claims of the lock, and write_whole's temporaries: not what a reader reads
+        written = base.startswith(CLAIM_PREFIX) or (base.startswith(".") and base.endswith(".tmp"))
+        if base not in (LOCK_FILE, *ignore) and not written:
             relative = posixpath.relpath(name, root) if found == "directory" else ""
             digest.update(f"{relative}\0{sha256(name)}\n".encode())
     return digest.hexdigest()
@@ -342,34 +344,49 @@ def _take_remote(output: str, lock: str, holder: str) -> str:
     lists the claims, and holds the lock only if its claim is the only one; else it withdraws it. Two
     writers cannot both pass where writes and listings are strongly consistent (GCS, S3 since 2020,
     HDFS): each wrote its claim before it listed, so whichever listed last saw the other's. Writers that
-    see each other all withdraw, wait a random while and try again (_CLAIM_TRIES in all). The claim stays
-    until release, so a later writer is refused even before LOCK_FILE (the holder, for messages and
-    `holds`) is written. Claims are told apart by name: pyarrow lists hdfs:// paths without their host."""
+    see each other all withdraw, wait a random while (doubling) and try again, _CLAIM_TRIES times in
+    all. The claim stays until release, so a later writer is refused even before LOCK_FILE (the holder,
+    for messages and `holds`) is written. Claims are told apart by name: pyarrow lists hdfs:// paths
+    without their host."""
+    holders: dict[str, str] = {}  # other claims by name: their holders, read before withdrawing
+    tries: dict[str, int] = {}  # on how many tries each was seen
     for attempt in range(_CLAIM_TRIES):
         if kind(lock) == "file":
             raise OutputLocked(_held(lock) + f" (and its claim {CLAIM_PREFIX}*)")
         name = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
         claim = join(output, name)
-        write_text(claim, holder)
         try:
-            others = [path for path in _claims(output) if posixpath.basename(path) != name]
+            write_text(claim, holder)
+            others = [posixpath.basename(path) for path in _claims(output) if posixpath.basename(path) != name]
             if not others:
                 write_text(lock, holder)
                 return claim
-        except BaseException:  # a claim left behind would refuse every later writer
+            for other in others:
+                holders.setdefault(other, _holder_of(join(output, other)))
+                tries[other] = tries.get(other, 0) + 1
+            remove_file(claim)
+        except BaseException as error:  # a claim left behind would refuse every later writer
             with contextlib.suppress(OSError, InputError):
                 remove_file(claim)
+            if isinstance(error, OSError):
+                raise OutputLocked(f"cannot take the lock of {output}: {error}") from error
             raise
-        remove_file(claim)
         if attempt + 1 < _CLAIM_TRIES:
-            time.sleep(random.uniform(0.1, 1.0) * 2**attempt)
+            time.sleep(random.uniform(0.2, 1.0) * 2**attempt)
+    lasting = [other for other in others if tries[other] == _CLAIM_TRIES]
+    named = "; ".join(f"{join(output, other)} ({holders[other]})" for other in lasting or others)
+    if lasting:
+        raise OutputLocked(
+            f"{output} is claimed by another madp process through {_CLAIM_TRIES} tries: {named}. Wait for it, "
+            f"or if none is running (a killed process left its claim) remove it"
+        )
     raise OutputLocked(
-        f"another madp process ({_holder_of(others[0])}) was taking the lock of {output} at the same time as "
-        f"this one, {_CLAIM_TRIES} times: start again, or if none is running remove {others[0]}"
+        f"other madp processes were taking the lock of {output} at the same time as this one, on each of "
+        f"{_CLAIM_TRIES} tries ({named}): start again"
     )
 
 
-_CLAIM_TRIES = 3
+_CLAIM_TRIES = 5  # waits of 0.2-1 s, doubling: at most 15 s in all
 
 
 def _claims(output: str) -> list[str]:
