@@ -163,10 +163,9 @@ class Checkpoints:
             "run": self.run,  # which run's ledger write makes next_state.json the one to resume from
             "evaluated_on": self.evaluated_on,
         }
-        text = json.dumps(state, indent=2, default=list)
-        storage.write_text(self.next_state_file, text)  # after the files it names
+        storage.write_text(self.next_state_file, _state_text(state))  # after the files it names
         record()
-        storage.write_text(self.state_file, text)
+        storage.write_text(self.state_file, _state_text(state))
 
     def restore(self, state: dict, plan: PrivacyPlan | None) -> None:
         """Restore the checkpoint that `state` (`interrupted_state`) names. Refused unless it was written under
@@ -188,7 +187,7 @@ class Checkpoints:
         if int(self.step_var.numpy()) != state["step"]:
             raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
         # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
-        storage.write_text(self.state_file, json.dumps(state, indent=2, default=list))
+        storage.write_text(self.state_file, _state_text(state))
 
 
 def interrupted_state(output: str, batches_dir: str) -> dict | None:
@@ -207,6 +206,10 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
     if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
         return following
     return state
+
+
+def _state_text(state: dict) -> str:
+    return json.dumps(state, indent=2, default=list)
 
 
 def _is_evaluation(entry) -> bool:

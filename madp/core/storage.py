@@ -104,12 +104,19 @@ def write_text(path: str, text: str) -> None:
     write_whole(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
+_TEMPORARY_SUFFIX = ".tmp"  # of write_whole's hidden temporaries, .NAME.<random>.tmp
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and name.endswith(_TEMPORARY_SUFFIX)
+
+
 def write_whole(path: str, write: Callable[[Any], object]) -> None:
     """Write `path` under a hidden temporary name beside it, then rename it into place, so that a full
     disk or a killed process never leaves a truncated file (a 0-byte report.json) for a consumer to
     take for a finished output. An OSError is an InputError naming the output; the temporary is removed."""
     directory, name = (posixpath if "://" in path else os.path).split(path)
-    temporary = join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    temporary = join(directory, f".{name}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}")
     filesystem, resolved = _resolve(path)
     try:
         with open_output(temporary) as handle:
@@ -194,7 +201,7 @@ def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
     for name in files:
         base = posixpath.basename(name)
         # claims of the lock, and write_whole's temporaries: not what a reader reads
-        written = base.startswith(CLAIM_PREFIX) or (base.startswith(".") and base.endswith(".tmp"))
+        written = base.startswith(CLAIM_PREFIX) or _is_temporary(base)
         if base not in (LOCK_FILE, *ignore) and not written:
             relative = posixpath.relpath(name, root) if found == "directory" else ""
             digest.update(f"{relative}\0{sha256(name)}\n".encode())
@@ -435,8 +442,8 @@ def _held(lock: str) -> str:
 
 
 def _holder_of(lock: str) -> str:
+    holder = _holder(lock)
     try:
-        holder = json.loads(read_text(lock))
         return f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except KeyError:
         return "an unknown process"
