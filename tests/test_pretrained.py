@@ -28,6 +28,7 @@ from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training import pretrained  # noqa: E402
+from madp.training import text as text_models  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.tasks import CausalLmTask  # noqa: E402
@@ -597,6 +598,55 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
         TrainOptions(model="text-lm", mechanism="none", pretrained=tiny)
 
 
+def test_token_features_are_a_weighted_mean_of_the_embeddings_without_their_common_directions(tiny):
+    """An independent reference: the tensor read with gguf's own reader, the directions by an SVD
+    (text_models.TokenFeatures takes an eigendecomposition), the weighted mean taken before centering."""
+    loaded = pretrained.read_pretrained(tiny)
+    features = text_models.TokenFeatures.of(loaded.tokenizer, loaded.layer_weights()["token_embd"][0])
+    found = [t for t in gguf.GGUFReader(tiny).tensors if t.name == "token_embd.weight"][0]
+    table = np.asarray(found.data, dtype=np.float64).reshape(300, 32)
+    unit = table / np.linalg.norm(table, axis=1, keepdims=True)
+    common = np.linalg.svd(unit - unit.mean(axis=0), full_matrices=False)[2][: text_models.COMMON_DIRECTIONS]
+    texts = [*VARIED[:4], "", "the the the"]
+    computed = features(np.array([t.encode() for t in texts], dtype=object), 16)
+    assert computed.shape == (6, 32) and computed.dtype == np.float32
+    for row, value in enumerate(texts):
+        ids = loaded.tokenizer.encode(value)[:16]
+        if not ids:
+            assert not computed[row].any()
+            continue
+        weights = np.array(ids) / (np.array(ids) + text_models.RARE_TOKEN_RANK)
+        g = (unit[ids] * weights[:, None]).sum(axis=0) / weights.sum() - unit.mean(axis=0)
+        g -= common.T @ (common @ g)
+        np.testing.assert_allclose(computed[row], g / np.linalg.norm(g), atol=2e-5)
+        alone = features(np.array([value.encode()], dtype=object), 16)[0]  # a row's feature is its own
+        np.testing.assert_array_equal(alone, computed[row])
+
+
+def test_the_text_classifier_trains_beside_a_frozen_pretrained_feature(text_batches, tiny, tmp_path):
+    from madp.cli import main
+
+    _, batches, evaluation = text_batches
+    out = str(tmp_path / "classifier")
+    labels = "business,science,sports,travel"
+    arguments = ["-q", "train", batches, out, "--model", "text-classifier", "--labels", labels, "--pretrained", tiny,
+                 "--buckets", "256", "--noise-multiplier", "0.5", "--noise-seed", "1", "--eval-data", evaluation,
+                 "--eval-every", "4"]  # fmt: skip
+    assert main(arguments) == 0
+    final = evaluation_of(out, internal=True)["final"]
+    assert 0 <= final["accuracy"] <= 1 and set(final["per_class"]) == {"business", "science", "sports", "travel"}
+    assumptions = json.load(open(os.path.join(out, "privacy.json")))["assumptions"]
+    assert any(tiny in a and "not trained on the private records" in a for a in assumptions)
+    model = tf_keras.models.load_model(os.path.join(out, "model.keras"))
+    assert (
+        sorted(model.input) == [text_models.NGRAMS, text_models.PRETRAINED]
+        and model.input[text_models.PRETRAINED].shape[1] == 32
+    )
+    # the n-gram bag (a linear model: one column per label) and the softmax layer on the feature, nothing pretrained
+    assert [tuple(v.shape) for v in model.trainable_variables] == [(256, 4), (32, 4), (4,)]
+    assert main(["-q", "train", batches, str(tmp_path / "lm"), "--model", "text-lm", "--pretrained", tiny]) != 0
+
+
 def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     from madp.cli import main
 
@@ -611,6 +661,7 @@ def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
                  "--eval-every", "4"]) == 0  # fmt: skip
     metrics = evaluation_of(out, internal=True)
     assert metrics["pretrained_eval"]["tokens"] == metrics["final"]["tokens"] > 100
+    assert any(preset in a for a in json.load(open(os.path.join(out, "privacy.json")))["assumptions"])
     assert metrics["final"]["loss"] != metrics["pretrained_eval"]["loss"]
 
 

@@ -27,7 +27,7 @@ from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  #
 from madp.tools.synthetic_text import personal_words  # noqa: E402
 from madp.training import text  # noqa: E402
 from madp.training.batches import open_batches  # noqa: E402
-from madp.training.clipping import ghost_clipped_sum, per_example_gradients  # noqa: E402
+from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers  # noqa: E402
 from madp.training.data import step_batches  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
@@ -45,7 +45,8 @@ def reference_clipped_sum(model, loss_fn, x, y, weight, clip: float) -> list[np.
     total = None
     for i in range(len(weight)):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y[i : i + 1], model(x[i : i + 1]))[0] * weight[i]
+            row = tf.nest.map_structure(lambda a, i=i: a[i : i + 1], x)
+            loss = loss_fn(y[i : i + 1], model(row))[0] * weight[i]
         gradient = [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
         norm = math.sqrt(sum(float(tf.reduce_sum(g * g)) for g in gradient))
         scaled = [g.numpy() * min(1.0, clip / max(norm, 1e-30)) for g in gradient]
@@ -69,6 +70,26 @@ def test_embedding_bag_ghost_clipping_equals_a_per_example_reference():
             reference = reference_clipped_sum(model, loss, x, y, weight, clip)
             for a, b in zip(ghost, reference):
                 np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=1e-7)
+
+
+def test_the_classifier_beside_a_pretrained_feature_is_ghost_clipped_as_the_per_example_reference():
+    rng = np.random.default_rng(5)
+    texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(10)]
+    features = rng.normal(size=(10, 6)).astype(np.float32)
+    features /= np.linalg.norm(features, axis=1, keepdims=True)
+    x = {text.NGRAMS: text.hashed_ngrams(texts, 32, 24), text.PRETRAINED: features}
+    y = rng.integers(0, 3, 10).astype(np.int32)
+    weight = np.where(np.arange(10) == 2, 0.0, rng.random(10)).astype(np.float32)
+    tf_keras.utils.set_random_seed(6)
+    model, loss = text.text_classifier(32, 8, 24, 3, pretrained_width=6)
+    assert len(model.trainable_variables) == 3  # the bag, the softmax layer's kernel and bias: the feature is frozen
+    assert not unsupported_layers(model, on_tpu=False)
+    for clip in (1e-3, 0.05, 100.0):
+        ghost = ghost_clipped_sum(
+            model, loss, tf.nest.map_structure(tf.constant, x), tf.constant(y), tf.constant(weight), clip
+        )
+        for a, b in zip(ghost, reference_clipped_sum(model, loss, x, y, weight, clip)):
+            np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=1e-7)
 
 
 def test_language_model_clipping_equals_a_per_example_reference():
@@ -443,6 +464,8 @@ def test_text_models_default_to_the_optimizer_they_learn_with():
 
     assert training_defaults(TrainOptions(model="text-classifier", mechanism="none")) == ("adam", 0.01)
     assert training_defaults(TrainOptions(model="text-lm", mechanism="none")) == ("adam", 0.003)
+    beside = TrainOptions(model="text-classifier", mechanism="none", pretrained="model.gguf")
+    assert training_defaults(beside) == ("adam", 0.03)
     assert training_defaults(TrainOptions(model="mlp", mechanism="none")) == ("sgd", 0.5)
     assert training_defaults(TrainOptions(model="mlp", mechanism="none", optimizer="adam")) == ("adam", 0.01)
     given = TrainOptions(model="text-classifier", mechanism="none", optimizer="sgd", learning_rate=2.0)

@@ -507,6 +507,14 @@ def labels_read_from_data(labels: list[str]) -> str:
     )
 
 
+def pretrained_is_public(path: str) -> str:
+    """The assumption a training adds when it starts from a pretrained model (--pretrained)."""
+    return (
+        f"the pretrained model {path} (--pretrained) was not trained on the private records: its weights and "
+        f"tokenizer are public, and the model trained here holds or reads them"
+    )
+
+
 def epsilon_curve(plan: PrivacyPlan, points: int = 9) -> tuple[tuple[float, float], ...]:
     """(sigma, epsilon at the plan's delta) from sigma/2 to 2 sigma, for the report (PLD on a 10x coarser grid,
     still an upper bound). Monte Carlo plans are drawn with their unamplified fallback, the formal bound."""

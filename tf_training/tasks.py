@@ -3,7 +3,8 @@ names the rows it cannot use, builds the model, and evaluates it on held-out rec
 
 - `NumericTask`: fixed-shape features (one, or several by name) and a binary, multi-class or regression
   label (`logreg`, `mlp`, `module:function`, whose function gets a `ModelSchema`);
-- `TextClassifierTask` (`text-classifier`): a text feature and a label among `--labels`;
+- `TextClassifierTask` (`text-classifier`): a text feature and a label among `--labels` (with
+  --pretrained, also a frozen feature of the pretrained model's token embeddings);
 - `ByteLmTask` (`text-lm`): a text feature, next-byte prediction;
 - `CausalLmTask` (`causal-lm`): a text feature, next-token prediction by a pretrained model (--pretrained).
 """
@@ -403,7 +404,8 @@ class _TextTask:
 
 
 class TextClassifierTask(_TextTask):
-    """Hashed n-grams of a text in, one of the given labels out; accuracy and macro-F1."""
+    """Hashed n-grams of a text in, one of the given labels out; accuracy and macro-F1. With
+    --pretrained, also the pretrained model's frozen token-embedding feature (`text.TokenFeatures`)."""
 
     headline = "accuracy"
 
@@ -414,10 +416,15 @@ class TextClassifierTask(_TextTask):
         self.labels = labels
         self.index = {label: i for i, label in enumerate(labels)}
         self.names = [options.text_column, options.label]
+        self.features: text.TokenFeatures | None = None
+        if options.pretrained is not None:
+            model = pretrained.read_pretrained(options.pretrained)
+            self.features = text.TokenFeatures.of(model.tokenizer, model.layer_weights()["token_embd"][0])
 
     def build(self):
         o = self.options
-        return text.text_classifier(o.buckets, o.width or 32, o.max_length, len(self.labels))
+        width = 0 if self.features is None else self.features.width
+        return text.text_classifier(o.buckets, o.width or 32, o.max_length, len(self.labels), width)
 
     def label_indices(self, values) -> np.ndarray:
         """Each label's index in the label list, -1 where it is not in it."""
@@ -431,10 +438,13 @@ class TextClassifierTask(_TextTask):
         problems[(problems == "") & (y < 0)] = text.UNKNOWN_LABEL
         return problems, y
 
-    def encode(self, rows: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def encode(self, rows: dict) -> tuple[np.ndarray | dict[str, np.ndarray], np.ndarray, np.ndarray]:
         problems, y = self._problems_and_labels(rows)
         texts = np.where(problems == "", rows[self.options.text_column], b"")
-        x = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length)
+        ngrams = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length)
+        if self.features is None:
+            return ngrams, np.maximum(y, 0), problems
+        x = {text.NGRAMS: ngrams, text.PRETRAINED: self.features(texts, self.options.max_length)}
         return x, np.maximum(y, 0), problems
 
     def read_eval(self, path: str):
@@ -446,7 +456,9 @@ class TextClassifierTask(_TextTask):
 
     def evaluate(self, model, loss_fn, data) -> dict:
         x, y = data
-        logits = np.concatenate([model(x[i : i + _EVAL_ROWS], training=False) for i in range(0, len(x), _EVAL_ROWS)])
+        logits = np.concatenate(
+            [model(_rows(x, i, i + _EVAL_ROWS), training=False) for i in range(0, len(y), _EVAL_ROWS)]
+        )
         loss = float(np.mean(loss_fn(y, logits)))
         return {"loss": round(loss, 6), **text.classification_metrics(y, logits.argmax(axis=1), self.labels)}
 
@@ -528,14 +540,14 @@ def label_text(value) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def _usable_eval(path: str, x: np.ndarray, y: np.ndarray, problems: np.ndarray):
+def _usable_eval(path: str, x, y: np.ndarray, problems: np.ndarray):
     usable = problems == ""
     if not usable.any():
         raise InputError(f"--eval-data {path}: no usable row ({dict(zip(*np.unique(problems, return_counts=True)))})")
     if not usable.all():
         reasons = {str(k): int(v) for k, v in zip(*np.unique(problems[~usable], return_counts=True))}
         log.warning("--eval-data %s: %d rows left out of the evaluation: %s", path, int((~usable).sum()), reasons)
-    return x[usable], y[usable]
+    return tf.nest.map_structure(lambda a: a[usable], x), y[usable]
 
 
 class Skipped:

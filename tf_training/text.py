@@ -4,6 +4,8 @@ A vocabulary or label set built from the private records would be released with 
 - the classifier reads hashed word unigrams and bigrams: FarmHash Fingerprint64 of each n-gram
   (TensorFlow's `to_hash_bucket_fast`, a public function, stable across processes and versions)
   into `buckets` rows of an embedding bag (mean of its rows), then a softmax layer (fastText);
+  with a public pretrained model (`--pretrained`), a frozen feature of its token embeddings
+  (`TokenFeatures`) joins the bag before the softmax layer;
 - the language model reads UTF-8 bytes (a public 256-symbol vocabulary plus a start symbol):
   a small causal Transformer predicting each next byte.
 Text is checked here (UTF-8, not empty) so the trainer can name or skip the bad rows.
@@ -11,8 +13,10 @@ Text is checked here (UTF-8, not empty) so the trainer can name or skip the bad 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from typing import Protocol
 
 import numpy as np
 
@@ -28,6 +32,9 @@ EMPTY_TEXT = "empty_text"
 UNKNOWN_LABEL = "label_not_in_labels"
 _WORD = r"[^\p{L}\p{N}]+"  # anything but letters and digits separates words
 _LETTER_OR_DIGIT = re.compile(r"[^\W_]")  # what str.isalnum accepts, searched in C
+RARE_TOKEN_RANK = 1000  # TokenFeatures: token t weighs t / (t + RARE_TOKEN_RANK)
+COMMON_DIRECTIONS = 3  # TokenFeatures: the principal directions of the embeddings left out
+NGRAMS, PRETRAINED = "ngrams", "pretrained"  # the classifier's inputs with --pretrained
 
 
 # --- checking and encoding text -----------------------------------------------------------------
@@ -55,6 +62,58 @@ def hashed_ngrams(texts, buckets: int, max_tokens: int) -> np.ndarray:
     grams = tf.concat([words, tf.strings.ngrams(words, 2, separator=" ")], axis=1)
     ids = tf.strings.to_hash_bucket_fast(grams, buckets - 1) + 1
     return ids.to_tensor(0, shape=[None, max_tokens]).numpy().astype(np.int32)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, limit: int | None = None) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFeatures:
+    """A text's feature from a pretrained model's token embeddings E [vocabulary, width], frozen: it
+    is computed from the public model and the text alone, as the hashed n-grams are.
+
+        f(text) = g / |g|,   g = sum over the text's tokens t of w_t R[t],
+        R = (Ê - mean(Ê)) (I - V V^T),   w_t = t / (t + RARE_TOKEN_RANK),
+
+    Ê the L2-normalized rows of E, mean(Ê) their mean over the vocabulary, V the COMMON_DIRECTIONS
+    top principal directions of Ê - mean(Ê). A mean of token embeddings is dominated by what every
+    text shares; centering, removing the common directions ("all-but-the-top") and down-weighing
+    frequent tokens keep what tells texts apart. A byte-level BPE vocabulary numbers its tokens in
+    merge order, most frequent first, so the id t stands in for a token frequency that no private
+    text may supply. Chosen on CPython's changelog (benchmarks/text_defaults.py), among: no
+    weighing, a rank of 300, 1000 or 3000, 0 or 3 directions removed (a mean over the training
+    texts centered better but is a statistic of the private records)."""
+
+    tokenizer: Tokenizer
+    rows: np.ndarray  # w_t R[t], float32 [vocabulary, width]
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, embeddings: np.ndarray) -> TokenFeatures:
+        embeddings = np.asarray(embeddings, dtype=np.float64)
+        unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+        centered = unit - unit.mean(axis=0)
+        _, directions = np.linalg.eigh(centered.T @ centered)  # ascending eigenvalues
+        common = directions[:, -COMMON_DIRECTIONS:]
+        rows = centered - (centered @ common) @ common.T
+        ids = np.arange(len(rows), dtype=np.float64)
+        weights = ids / (ids + RARE_TOKEN_RANK)
+        return cls(tokenizer, (rows * weights[:, None]).astype(np.float32))
+
+    @property
+    def width(self) -> int:
+        return int(self.rows.shape[1])
+
+    def __call__(self, texts, max_tokens: int) -> np.ndarray:
+        """float32 [n, width]: f of each text's first max_tokens tokens (zeros for a text of none)."""
+        features = np.zeros((len(texts), self.width), dtype=np.float32)
+        for row, value in enumerate(texts):
+            decoded = value if isinstance(value, str) else bytes(value).decode("utf-8", errors="replace")
+            ids = self.tokenizer.encode(decoded, limit=max_tokens)
+            if ids:
+                features[row] = self.rows[ids].sum(axis=0)
+        norms = np.linalg.norm(features, axis=1, keepdims=True)
+        return features / np.where(norms > 0, norms, 1.0)
 
 
 def byte_sequences(texts, max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +211,23 @@ def next_byte_loss(targets, logits):
     return tf.reduce_sum(entropy * present, axis=-1) / tf.maximum(tf.reduce_sum(present, axis=-1), 1.0)
 
 
-def text_classifier(buckets: int, dimension: int, max_tokens: int, classes: int):
-    """(model, loss): hashed n-gram ids [n, max_tokens] -> embedding bag -> softmax over classes."""
+def text_classifier(buckets: int, dimension: int, max_tokens: int, classes: int, pretrained_width: int = 0):
+    """(model, loss): hashed n-gram ids [n, max_tokens] -> embedding bag -> softmax over classes.
+
+    With pretrained_width, the inputs are {NGRAMS: the ids, PRETRAINED: `TokenFeatures` [n,
+    pretrained_width]}, and the logits are a linear model of each: a bag of width `classes` (a
+    linear model on the L2-normalized n-gram presence) plus a softmax layer on the frozen feature.
+    Why not the bag of `dimension` into one softmax layer beside the feature: under DP-SGD's noise
+    the bag's rows drift, its output grows into a random vector larger than the unit feature, and
+    clipping, which scales by the softmax layer's input norm, then shrinks what the feature teaches
+    (CPython's changelog, epsilon 8: 0.611 and 0.593 in two runs; this form: see the README)."""
+    if pretrained_width:
+        ngrams = tf_keras.Input(shape=(max_tokens,), dtype=tf.int32, name=NGRAMS)
+        features = tf_keras.Input(shape=(pretrained_width,), dtype=tf.float32, name=PRETRAINED)
+        logits = tf_keras.layers.Add()(
+            [EmbeddingBag(buckets, classes)(ngrams), tf_keras.layers.Dense(classes)(features)]
+        )
+        return tf_keras.Model({NGRAMS: ngrams, PRETRAINED: features}, logits), softmax_loss
     model = tf_keras.Sequential(
         [
             tf_keras.Input(shape=(max_tokens,), dtype=tf.int32),

@@ -47,6 +47,7 @@ from madp.training.outputs import EVALUATION_FIELDS, EVALUATION_FILE, INTERNAL_D
 from madp.training.plan import (
     NOT_PRIVATE,
     labels_read_from_data,
+    pretrained_is_public,
 )
 from madp.training.steps import (
     NonPrivateStep,
@@ -229,6 +230,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
+    if options.pretrained is not None and privacy is not None:
+        privacy = dataclasses.replace(
+            privacy, assumptions=(*privacy.assumptions, pretrained_is_public(options.pretrained))
+        )
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step;
     # so does an XLA step, which compiles once per shape.
     fixed = options.distribution != "default" or options.xla

@@ -75,9 +75,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     text.add_argument(
         "--pretrained",
         metavar="PATH",
-        help="causal-lm: the pretrained model (weights and tokenizer) of a Llama architecture, a local GGUF "
-        "file or keras-hub preset directory (LlamaBackbone or Llama3Backbone with a Llama3Tokenizer); "
-        "`make pretrained` fetches SmolLM2-135M-Instruct as GGUF",
+        help="a pretrained model (weights and tokenizer) of a Llama architecture, a local GGUF "
+        "file or keras-hub preset directory (LlamaBackbone or Llama3Backbone with a Llama3Tokenizer): "
+        "causal-lm fine-tunes it; text-classifier adds a frozen feature of its token embeddings beside "
+        "the n-grams; `make pretrained` fetches SmolLM2-135M-Instruct as GGUF",
     )
     text.add_argument(
         "--lora-rank",
