@@ -9,6 +9,7 @@ continuation."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -621,6 +622,26 @@ def test_token_features_are_a_weighted_mean_of_the_embeddings_without_their_comm
         np.testing.assert_allclose(computed[row], g / np.linalg.norm(g), atol=2e-5)
         alone = features(np.array([value.encode()], dtype=object), 16)[0]  # a row's feature is its own
         np.testing.assert_array_equal(alone, computed[row])
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda table: table[:200], r"a token embedding table of shape \(200, 32\) for 300 tokens"),
+        (lambda table: np.where(np.arange(300)[:, None] == 7, np.nan, table), "NaN or infinite values"),
+    ],
+)
+def test_a_pretrained_table_the_feature_cannot_use_is_a_clear_error(tiny, monkeypatch, edit, message):
+    from madp.training.tasks import TextClassifierTask
+
+    loaded = pretrained.read_pretrained(tiny)
+    table = loaded.layer_weights()["token_embd"][0]
+    edited = dataclasses.replace(loaded, layer_weights=lambda: {"token_embd": [edit(table)]})
+    monkeypatch.setattr(pretrained, "read_pretrained", lambda path: edited)
+    schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "bytes", "shape": []}}}
+    options = TrainOptions(model="text-classifier", mechanism="none", pretrained=tiny)
+    with pytest.raises(InputError, match=message):
+        TextClassifierTask(options, schema, ["a", "b"])
 
 
 def test_the_text_classifier_trains_beside_a_frozen_pretrained_feature(text_batches, tiny, tmp_path):

@@ -440,6 +440,10 @@ def test_example_text_jobs_are_valid_configs(name, tmp_path):
     assert {"generate", "bound", "batch", "calibrate", "train", "baseline", "report"} <= set(stages)
     assert stages["generate"][stages["generate"].index("--task") + 1] == "text"
     assert stages["train"][stages["train"].index("--model") + 1] == name
+    if name == "text-classifier":  # a pretrained model replaced in place re-runs the trainings that read it
+        config["train"]["pretrained"] = str(tmp_path / "model.gguf")
+        inputs = {stage.name: stage.inputs for stage in plan_stages(config, parser())}
+        assert str(tmp_path / "model.gguf") in inputs["train"] and str(tmp_path / "model.gguf") in inputs["baseline"]
 
 
 def test_string_and_integer_labels_map_to_the_given_label_set():

@@ -419,7 +419,15 @@ class TextClassifierTask(_TextTask):
         self.features: text.TokenFeatures | None = None
         if options.pretrained is not None:
             model = pretrained.read_pretrained(options.pretrained)
-            self.features = text.TokenFeatures.of(model.tokenizer, model.layer_weights()["token_embd"][0])
+            table = model.layer_weights()["token_embd"][0]
+            if table.ndim != 2 or len(table) < len(model.tokenizer):
+                raise InputError(
+                    f"--pretrained {options.pretrained}: a token embedding table of shape {table.shape} for "
+                    f"{len(model.tokenizer)} tokens (a row per token expected)"
+                )
+            if not np.isfinite(table).all():
+                raise InputError(f"--pretrained {options.pretrained}: its token embeddings hold NaN or infinite values")
+            self.features = text.TokenFeatures.of(model.tokenizer, table)
 
     def build(self):
         o = self.options

@@ -90,15 +90,18 @@ class TokenFeatures:
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, embeddings: np.ndarray) -> TokenFeatures:
-        embeddings = np.asarray(embeddings, dtype=np.float64)
-        unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
-        centered = unit - unit.mean(axis=0)
-        _, directions = np.linalg.eigh(centered.T @ centered)  # ascending eigenvalues
-        common = directions[:, -COMMON_DIRECTIONS:]
-        rows = centered - (centered @ common) @ common.T
-        ids = np.arange(len(rows), dtype=np.float64)
-        weights = ids / (ids + RARE_TOKEN_RANK)
-        return cls(tokenizer, (rows * weights[:, None]).astype(np.float32))
+        # float32 arrays (a Llama 3 table is 128k x 2048), the mean and covariance in float64
+        table = np.asarray(embeddings, dtype=np.float32)
+        unit = table / np.maximum(np.linalg.norm(table, axis=1, keepdims=True), 1e-12)
+        mean = unit.mean(axis=0, dtype=np.float64)
+        covariance = (unit.T @ unit).astype(np.float64) - len(unit) * np.outer(mean, mean)
+        _, directions = np.linalg.eigh(covariance)  # ascending eigenvalues
+        common = directions[:, -COMMON_DIRECTIONS:].astype(np.float32)
+        centered = unit - mean.astype(np.float32)
+        centered -= (centered @ common) @ common.T
+        ids = np.arange(len(centered), dtype=np.float32)
+        centered *= (ids / (ids + RARE_TOKEN_RANK))[:, None]
+        return cls(tokenizer, centered)
 
     @property
     def width(self) -> int:

@@ -291,12 +291,13 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
         train["eval_data"] = eval_data
     flags = _flags(plan.commands["train"], "train", train)
     clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
-    evaluation = (train["eval_data"],) if train.get("eval_data") else ()
+    # files the trainings read besides the batches: a pretrained model replaced at the same path re-runs them
+    read = tuple(str(train[key]) for key in ("eval_data", "pretrained") if train.get(key))
     plan.stages.append(
         Stage(
             "train",
             ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
-            (path("batches"), path("calibration.json"), *evaluation),
+            (path("batches"), path("calibration.json"), *read),
             path("train"),
         )
     )
@@ -305,7 +306,7 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
             Stage(
                 "baseline",
                 ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
-                (path("batches"), *evaluation),
+                (path("batches"), *read),
                 path("baseline"),
             )
         )
