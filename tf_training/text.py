@@ -4,8 +4,8 @@ A vocabulary or label set built from the private records would be released with 
 - the classifier reads hashed word unigrams and bigrams: FarmHash Fingerprint64 of each n-gram
   (TensorFlow's `to_hash_bucket_fast`, a public function, stable across processes and versions)
   into `buckets` rows of an embedding bag (mean of its rows), then a softmax layer (fastText);
-  with a public pretrained model (`--pretrained`), a frozen feature of its token embeddings
-  (`TokenFeatures`) joins the bag before the softmax layer;
+  with a public pretrained model (`--pretrained`), the bag is a linear model of the n-grams and a
+  softmax layer on a frozen feature of the model's token embeddings (`TokenFeatures`) adds to it;
 - the language model reads UTF-8 bytes (a public 256-symbol vocabulary plus a start symbol):
   a small causal Transformer predicting each next byte.
 Text is checked here (UTF-8, not empty) so the trainer can name or skip the bad rows.
@@ -65,6 +65,8 @@ def hashed_ngrams(texts, buckets: int, max_tokens: int) -> np.ndarray:
 
 
 class Tokenizer(Protocol):
+    """What `TokenFeatures` needs of a tokenizer (`pretrained.BpeTokenizer`): a text's token ids."""
+
     def encode(self, text: str, limit: int | None = None) -> list[int]: ...
 
 
