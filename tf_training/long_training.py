@@ -163,9 +163,10 @@ class Checkpoints:
             "run": self.run,  # which run's ledger write makes next_state.json the one to resume from
             "evaluated_on": self.evaluated_on,
         }
-        storage.write_text(self.next_state_file, _state_text(state))  # after the files it names
+        text = _state_text(state)
+        storage.write_text(self.next_state_file, text)  # after the files it names
         record()
-        storage.write_text(self.state_file, _state_text(state))
+        storage.write_text(self.state_file, text)
 
     def restore(self, state: dict, plan: PrivacyPlan | None) -> None:
         """Restore the checkpoint that `state` (`interrupted_state`) names. Refused unless it was written under
