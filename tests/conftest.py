@@ -54,6 +54,20 @@ def attempts_ledger(tmp_path_factory, monkeypatch):
     return path
 
 
+def crash_at(monkeypatch, step: int) -> None:
+    """Interrupt madp train (a KeyboardInterrupt) as it reports step `step` done."""
+    from madp.training import trainer
+
+    update = trainer.Progress.update
+
+    def crash(self, done, *args):
+        if done == step:
+            raise KeyboardInterrupt
+        update(self, done, *args)
+
+    monkeypatch.setattr(trainer.Progress, "update", crash)
+
+
 def reseal_selection(output) -> None:
     """After a test rewrites selection shards: list them in the report as if the bound had written them
     (a faulty engine with a consistent report), so that the verifier's recount is what is tested."""

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import write_records  # noqa: E402
+from conftest import crash_at, write_records  # noqa: E402
 
 import madp.training.api as api  # noqa: E402
 import madp.training.trainer as trainer  # noqa: E402
@@ -162,17 +162,10 @@ def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batch
 
     # Interrupted after step 6: the checkpoint of step 4 remains, steps 5 and 6 are lost (never published).
     cut = str(directory / "cut")
-    progress_update = trainer.Progress.update
-
-    def crash(self, done, *args):
-        if done == 6:
-            raise KeyboardInterrupt
-        progress_update(self, done, *args)
-
-    monkeypatch.setattr(trainer.Progress, "update", crash)
+    crash_at(monkeypatch, 6)
     with pytest.raises(KeyboardInterrupt):
         trainer.train(out, cut, options)
-    monkeypatch.setattr(trainer.Progress, "update", progress_update)
+    monkeypatch.undo()
     checkpoints = os.path.join(cut, "internal", "checkpoints")
     assert json.load(open(os.path.join(checkpoints, "state.json")))["step"] == 4
     key = key_tensor(SecretKey.from_seed(5, "training noise")).numpy()
@@ -280,17 +273,6 @@ def fresh_copy(out: str, directory) -> str:
 def ledger(batches_dir: str) -> list[dict]:
     path = os.path.join(batches_dir, "trainings.jsonl")
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-
-
-def crash_at(monkeypatch, step: int) -> None:
-    update = trainer.Progress.update
-
-    def crash(self, done, *args):
-        if done == step:
-            raise KeyboardInterrupt
-        update(self, done, *args)
-
-    monkeypatch.setattr(trainer.Progress, "update", crash)
 
 
 def crash_writing_state(monkeypatch, step: int) -> None:

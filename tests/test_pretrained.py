@@ -668,6 +668,36 @@ def test_the_text_classifier_trains_beside_a_frozen_pretrained_feature(text_batc
     assert main(["-q", "train", batches, str(tmp_path / "lm"), "--model", "text-lm", "--pretrained", tiny]) != 0
 
 
+def test_a_resume_with_other_pretrained_files_at_the_same_path_is_refused(text_batches, tiny, tmp_path, monkeypatch):
+    """The assumption names the model's files by their SHA-256, so privacy.json says which model it was
+    and the checkpoint's plan is not the resumed one's when the files at --pretrained changed."""
+    import shutil
+
+    from conftest import crash_at
+
+    from madp.core import storage
+
+    _, batches, _ = text_batches
+    model, out = str(tmp_path / "model.gguf"), str(tmp_path / "out")
+    shutil.copy(tiny, model)
+    labels = ("business", "science", "sports", "travel")
+    options = TrainOptions(model="text-classifier", labels=labels, pretrained=model, buckets=256,
+                           noise_multiplier=0.5, noise_seed=1, checkpoint_every=2)  # fmt: skip
+    crash_at(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        train(batches, out, options)
+    monkeypatch.undo()
+    with open(model, "ab") as handle:  # other bytes at the same path; the model still reads the same
+        handle.write(b"\0" * 64)
+    resumed = dataclasses.replace(options, resume=True)
+    with pytest.raises(InputError, match=r"another privacy plan \(its assumptions differ"):
+        train(batches, out, resumed)
+    shutil.copy(tiny, model)  # the files of the interrupted training: it finishes
+    assert train(batches, out, resumed)["resumed_at"] == 2
+    assumptions = json.load(open(os.path.join(out, "privacy.json")))["assumptions"]
+    assert any(f"{model} (--pretrained, SHA-256 {storage.sha256(tiny)})" in a for a in assumptions)
+
+
 def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     from madp.cli import main
 

@@ -173,7 +173,12 @@ class Checkpoints:
         the same plan and evaluation data."""
         stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
         if state["plan"] != stated:
-            raise InputError(f"--resume: {self.directory} was written under another privacy plan; train afresh")
+            was, now = state["plan"] or {}, stated or {}
+            differing = sorted(key for key in was.keys() | now.keys() if was.get(key) != now.get(key))
+            raise InputError(
+                f"--resume: {self.directory} was written under another privacy plan (its {', '.join(differing)} "
+                f"differ: the options, the batches or a --pretrained model's files changed); train afresh"
+            )
         if state.get("evaluated_on") != self.evaluated_on:  # else evaluations kept internal could be published
             raise InputError(
                 f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
