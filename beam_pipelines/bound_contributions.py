@@ -1,7 +1,8 @@
 """Contribution bounding on Beam as one composite transform: records in, their selection out.
 
 `BoundContributions` takes (file index, RecordChunk) elements, as `record_chunks.ReadRecords` or
-`RecordsFromRows` make them (after the rules over the whole input: one id type, ...), and gives a
+`RecordsFromRows` make them (after the rules over the whole input: one id type, ...), or with
+`RecordExtractors` one's own rows (any elements), which it reads with `RecordsFromRows`, and gives a
 `BoundSelection`: (output shard, table of id and copies) elements and the number of shards (one
 element), the rejected duplicated ids, the
 counts, and the final `bounding.Control` (one element: rounds, passes, whether it converged). All
@@ -26,11 +27,13 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+from apache_beam.typehints.decorators import IOTypeHints
 
 from madp.beam import files
 from madp.beam.bound_build import BuildSides, state_path
 from madp.beam.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
 from madp.beam.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
+from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import storage
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
@@ -42,7 +45,7 @@ RECORDS, SELECTED = "records", "selected"
 class BoundSelection(typing.NamedTuple):
     shards: beam.PCollection  # (output shard, table of id and copies), every shard at least once; none until done
     shard_count: beam.PCollection  # one int: the output shards (`BoundOptions.shards` of the valid input records)
-    rejects: beam.PCollection  # Rejects of duplicated ids
+    rejects: beam.PCollection  # Rejects of duplicated ids (and with extractors, of rows that are not valid records)
     stats: beam.PCollection  # (name, count): summed over elements, "max_" ones maxed
     control: beam.PCollection  # one bounding.Control: the algorithm's rounds and what is left
 
@@ -79,15 +82,19 @@ class _FinishRecords(beam.DoFn):
             yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], shards).items()
 
 
-@beam.typehints.with_input_types(Chunk)
 class BoundContributions(beam.PTransform):
-    """(file index, RecordChunk) -> BoundSelection; see the module's description for the contract.
+    """(file index, RecordChunk) -> BoundSelection, or with `extractors` one's own rows ->
+    BoundSelection; see the module's description for the contract.
 
-    Example, in a pipeline of one's own::
+    Examples, in a pipeline of one's own::
 
         chunks, read_rejects, _ = pipeline | ReadRecords(paths, Columns())
         bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
         _ = bound.shards | beam.MapTuple(my_writer)
+
+        rows = pipeline | beam.io.ReadFromBigQuery(table="project:dataset.emails")
+        extractors = RecordExtractors(lambda row: row["message_id"], lambda row: [row["sender"], *row["recipients"]])
+        bound = rows | BoundContributions(BoundOptions(max_contributions=4), extractors=extractors)
     """
 
     def __init__(
@@ -103,18 +110,33 @@ class BoundContributions(beam.PTransform):
         rejected_before: beam.PCollection | None = None,
         output: str = "OUTPUT",
         errors_dir: str | None = None,
+        extractors: RecordExtractors | None = None,
     ):
         super().__init__()
         if options.order == "alternate" and options.group_sizes is None:
             raise InputError("--order alternate needs the sizes of its two groups first (BoundOptions.group_sizes)")
+        if extractors is not None and options.order == "weight" and extractors.weight_extractor is None:
+            raise InputError("order weight orders by each record's weight: give RecordExtractors.weight_extractor")
         self.options, self.partitions, self.rounds = options, partitions, rounds
         self.threshold, self.capacities = local_finish_incidences, capacities
         self.control = control or Control(options.duplicates, options.max_rounds)
         self.resume_from, self.state_dir = resume_from, state_dir
         self.rejected_before, self.output, self.errors_dir = rejected_before, output, errors_dir
+        self.extractors = extractors
 
-    def expand(self, chunks) -> BoundSelection:
-        users, records, rejects, counts, build_stats = chunks | "BuildSides" >> BuildSides(
+    def default_type_hints(self) -> IOTypeHints:
+        return IOTypeHints.empty().with_input_types(Chunk if self.extractors is None else typing.Any)
+
+    def expand(self, inputs) -> BoundSelection:
+        chunks, earlier, stats = inputs, [] if self.rejected_before is None else [self.rejected_before], []
+        if self.extractors is not None:
+            # (chunk index, RecordChunk) of the rows' valid records; the other rows' Rejects
+            chunks, read_rejects, read_stats = inputs | "RecordsFromRows" >> RecordsFromRows(
+                self.extractors, self.partitions, self.errors_dir
+            )
+            earlier.append(read_rejects)
+            stats.append(read_stats)
+        users, records, duplicates, counts, build_stats = chunks | "BuildSides" >> BuildSides(
             self.options,
             self.partitions,
             self.capacities,
@@ -124,13 +146,15 @@ class BoundContributions(beam.PTransform):
         # One Progress: where the algorithm starts; every later step reads it, so a gate on it stops the run.
         start = chunks.pipeline | "Start" >> beam.Create([Progress(self.control)])
         if self.options.on_invalid == "error":  # before any round
-            earlier = () if self.rejected_before is None else (self.rejected_before,)
-            start = start | "StopOnInvalidRows" >> StopOnInvalidRows((rejects, *earlier), self.output, self.errors_dir)
+            start = start | "StopOnInvalidRows" >> StopOnInvalidRows(
+                (duplicates, *earlier), self.output, self.errors_dir
+            )
         saturate = self.capacities is not None or self.resume_from is not None or not self.options.duplicates
         users, progress, first_stats = (users, counts, start) | "FirstSaturation" >> FirstSaturation(
             self.control, self.threshold, saturate
         )
-        selections, handed, stats = [], [], [build_stats, first_stats]
+        selections, handed = [], []
+        stats.extend((build_stats, first_stats))
         for iteration in range(1, self.rounds + 1):
             users, progress, selected, finish, iteration_stats = (users, progress) | f"Round{iteration}" >> Iteration(
                 iteration, self.options.duplicates, self.threshold
@@ -168,4 +192,8 @@ class BoundContributions(beam.PTransform):
             ).with_outputs("stats", main="shards")
         )
         stats.append(joined.stats)
-        return BoundSelection(joined.shards, shard_count, rejects, tuple(stats) | "AllStats" >> beam.Flatten(), control)
+        rejects = duplicates
+        if self.extractors is not None:  # the rows it read itself: their rejects are its own
+            rejects = (read_rejects, duplicates) | "AllRejects" >> beam.Flatten()
+        stats = tuple(stats) | "AllStats" >> beam.Flatten()
+        return BoundSelection(joined.shards, shard_count, rejects, stats, control)

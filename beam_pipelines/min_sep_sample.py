@@ -2,7 +2,8 @@
 rows of each batch file out (b-min-sep Poisson sampling, Alg. 3).
 
 `MinSepSample` takes (file index, RecordChunk with content) elements, as `record_chunks.ReadRecords`
-or `RecordsFromRows` (with `content`) make them, and (shard, table of id and copies)
+or `RecordsFromRows` (with a content extractor) make them, or with `RecordExtractors` one's own
+rows (any elements), which it reads with `RecordsFromRows`, and (shard, table of id and copies)
 elements, as `BoundContributions` gives them. It joins them, counts units by |N(e)|, calibrates p on
 that histogram in the graph (a side input of the sampling, so one pipeline run does it all), samples,
 excludes, and gives (batch file index, FileRows) elements for the I/O to order, truncate, pad and
@@ -21,11 +22,14 @@ import typing
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.typehints.decorators import IOTypeHints
 
 from madp.beam.batch_join import JoinSelection, NeighbourhoodHistogram
 from madp.beam.batch_sample import SampleBatches
 from madp.beam.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
+from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import sampling
+from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
 
@@ -56,10 +60,11 @@ def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: s
     return histogram
 
 
-@beam.typehints.with_input_types(Chunk, SelectionTable)
 class MinSepSample(beam.PTransform):
     """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
-    the rows rejected here and the summary values. `data` and `output` only name the records and the
+    the rows rejected here and the summary values. The records are (file index, RecordChunk)
+    elements, or with `extractors` one's own rows, whose content is `content_extractor`'s (the
+    batch files' columns besides id, step and weight). `data` and `output` only name the records and the
     output (where `--on-invalid skip` puts rejected rows) in errors. With `bound` (a `madp bound`
     output's graph, `batching.bound_graph`), records whose graph is not the bounded one stop the run
     before p is calibrated; a selection made in the same pipeline needs no such check. With
@@ -74,16 +79,34 @@ class MinSepSample(beam.PTransform):
         output: str = "OUTPUT",
         bound: BoundGraph | None = None,
         errors_dir: str | None = None,
+        extractors: RecordExtractors | None = None,
     ):
         super().__init__()
         if options.sampler != "minsep":
             raise ValueError(f"MinSepSample runs --sampler minsep, not {options.sampler}")
+        if extractors is not None and extractors.content_extractor is None:
+            raise InputError(
+                "MinSepSample writes each record's content to the batch files: give RecordExtractors.content_extractor"
+            )
         self.options, self.partitions, self.rejected_before = options, partitions, rejected_before
         self.data, self.output, self.bound, self.errors_dir = data, output, bound, errors_dir
+        self.extractors = extractors
+
+    def default_type_hints(self) -> IOTypeHints:
+        return IOTypeHints.empty().with_input_types(Chunk if self.extractors is None else typing.Any, SelectionTable)
 
     def expand(self, inputs) -> SampledBatches:
         options, partitions, errors_dir = self.options, self.partitions, self.errors_dir
-        joined = inputs | "JoinSelection" >> JoinSelection(options, self.data, partitions, errors_dir)
+        records, selection = inputs
+        earlier, read = [] if self.rejected_before is None else [self.rejected_before], []
+        if self.extractors is not None:
+            # (chunk index, RecordChunk with content) of the rows' valid records; the other rows' Rejects
+            records, read_rejects, read_stats = records | "RecordsFromRows" >> RecordsFromRows(
+                self.extractors, partitions, errors_dir
+            )
+            earlier.append(read_rejects)
+            read.append(read_stats)
+        joined = (records, selection) | "JoinSelection" >> JoinSelection(options, self.data, partitions, errors_dir)
         # (record partition, JoinedPartition), (user partition, Incidences), and the join's by-products
         partitions_joined, incidences, content, rejects, join_stats, digest = joined
         # One {|N(e)|: units} dict.
@@ -95,7 +118,6 @@ class MinSepSample(beam.PTransform):
         # One float: p.
         probability = histogram | "CalibrateP" >> beam.Map(_calibrated, options, errors_dir)
         if options.on_invalid == "error":  # the gate is on p, a single value: no data waits on it
-            earlier = () if self.rejected_before is None else (self.rejected_before,)
             probability = probability | "StopOnInvalidRows" >> StopOnInvalidRows(
                 (rejects, *earlier), self.output, errors_dir
             )
@@ -105,5 +127,7 @@ class MinSepSample(beam.PTransform):
             histogram | "NamedHistogram" >> beam.Map(lambda h: ("histogram", h)),
             probability | "NamedProbability" >> beam.Map(lambda p: ("probability", p)),
         )
-        stats = (join_stats, sample_stats, *named) | "SampleStats" >> beam.Flatten()
+        stats = (*read, join_stats, sample_stats, *named) | "SampleStats" >> beam.Flatten()
+        if self.extractors is not None:  # the rows it read itself: their rejects are its own
+            rejects = (read_rejects, rejects) | "AllRejects" >> beam.Flatten()
         return SampledBatches(rows, content, rejects, stats)

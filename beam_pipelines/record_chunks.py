@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import typing
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import apache_beam as beam
@@ -229,14 +230,74 @@ class ReadRecords(beam.PTransform):
         return chunks, rejects, read.stats
 
 
-def _as_line(row, to_record: Callable[[Any], dict], chunks: int) -> tuple[int, bytes]:
+ID, USERS, WEIGHT = "id", "users", "weight"  # the names extracted values take in the records and batch files
+
+
+class RecordExtractors(typing.NamedTuple):
+    """How to read a record out of one of your own rows, as PipelineDP's data extractors do: functions
+    of a row that give its id (an int or a str), its users (a list of ints or strs), optionally its
+    weight (`--order weight`) and, for batching, its content (a {column: value} dict of what the batch
+    files carry: numbers, strings, lists of them; numpy values are taken as their lists). A row whose
+    values are not valid is rejected with the reason a JSON Lines input row would have (README, Input).
+
+    Example (an email: its sender and recipients are its users)::
+
+        RecordExtractors(
+            id_extractor=lambda row: row["message_id"],
+            users_extractor=lambda row: [row["sender"], *row["recipients"]],
+            content_extractor=lambda row: {"text": row["body"]},
+        )
+    """
+
+    id_extractor: Callable[[Any], int | str]
+    users_extractor: Callable[[Any], list]
+    weight_extractor: Callable[[Any], float] | None = None
+    content_extractor: Callable[[Any], Mapping[str, Any]] | None = None
+
+    @property
+    def columns(self) -> rec.Columns:
+        """The names the extracted values take in the records (and the batch files)."""
+        return rec.Columns(weight=WEIGHT if self.weight_extractor else None)
+
+    def record(self, row) -> dict:
+        """The row's record as one row of a JSON Lines input file holds it; an extractor that fails is an
+        error naming it and the row."""
+        record = {ID: self._extract("id_extractor", row), USERS: self._extract("users_extractor", row)}
+        if self.weight_extractor:
+            record[WEIGHT] = self._extract("weight_extractor", row)
+        content = self._extract("content_extractor", row) if self.content_extractor else {}
+        clash = sorted(set(content) & {ID, USERS, WEIGHT})
+        if clash:
+            raise InputError(f"content_extractor gave a column named {clash[0]!r}, a name the record's own values take")
+        return {**record, **content}
+
+    def _extract(self, name: str, row) -> Any:
+        try:
+            return getattr(self, name)(row)
+        except Exception as error:  # the user's function: any error it raises is theirs to see, with the row
+            raise InputError(f"{name} failed on the row {str(row)[:300]}: {error!r}") from error
+
+
+def _json_value(value):
+    """json.dumps' fallback: a numpy array or scalar as its list or number; anything else is an error."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _as_line(row, extractors: RecordExtractors, chunks: int) -> tuple[int, bytes]:
     """A row as (chunk, its record as one JSON line); the chunk is a hash of the line, so it does not
     depend on how the runner bundles the rows."""
-    record = to_record(row)
+    record = extractors.record(row)
     try:
-        line = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        line = json.dumps(
+            record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_value
+        ).encode()
     except (TypeError, ValueError) as error:
-        raise InputError(f"a row's record is not JSON (ids, users and content must be): {error}: {record!r}") from error
+        raise InputError(
+            f"a row's record is not JSON (ids, users and content must be numbers, strings or lists of them; "
+            f"decode bytes to str in content_extractor): {error}: {record!r}"
+        ) from error
     return zlib.crc32(line) % chunks, line
 
 
@@ -257,55 +318,45 @@ class _ReadLines(beam.DoFn):
 
 
 class RecordsFromRows(beam.PTransform):
-    """A PCollection of one's own rows (from BigQuery, TFRecords, another pipeline: any elements) ->
-    the (chunk index, RecordChunk) elements that `BoundContributions` and `MinSepSample` take, the
-    `Rejects` of rows that are not valid records, and counts: each row is read and validated exactly
-    as a row of a JSON Lines input file (README, Input).
-
-    `to_record(row)` extracts the record as a JSON-serializable dict: the id (an int or a str) and the
-    users (a list of them) under the `columns` names (`Columns()`: "id", "users"), a weight when
-    `columns.weight` names one, and the content columns `content` names (for batching;
-    `record_reading.OTHER_COLUMNS`: every other key the rows have). Rows go to
+    """A PCollection of one's own rows (from BigQuery, TFRecords, another pipeline: any elements) and
+    the `RecordExtractors` that read a record out of each -> the (chunk index, RecordChunk) elements
+    that `BoundContributions` and `MinSepSample` take, the `Rejects` of rows that are not valid
+    records, and counts: each row's record is read and validated exactly as a row of a JSON Lines
+    input file (README, Input), with the content when `content_extractor` is given. Rows go to
     `chunks` chunks by a hash of their record, each chunk ordered by its records' JSON, so the chunks,
     and every result, are the same whatever the runner's bundling; chunk indices are 0..chunks-1
     (records from `ReadRecords` in the same pipeline would need other indices). Rejected rows name
-    their chunk and their row in its order.
+    their chunk and their row in its order. `BoundContributions` and `MinSepSample` take rows and
+    extractors themselves; this transform is for reading the rows once for both in one pipeline.
 
     Example::
 
         rows = pipeline | beam.io.ReadFromBigQuery(table="project:dataset.emails")
-        chunks, rejects, _ = rows | RecordsFromRows(
-            lambda row: {"id": row["message_id"], "users": [row["sender"], *row["recipients"]]}
-        )
+        extractors = RecordExtractors(lambda row: row["message_id"], lambda row: [row["sender"], *row["recipients"]])
+        chunks, rejects, _ = rows | RecordsFromRows(extractors)
         bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
     """
 
-    def __init__(
-        self,
-        to_record: Callable[[Any], dict],
-        columns: rec.Columns | None = None,
-        content: record_reading.Content = None,
-        chunks: int = 64,
-        errors_dir: str | None = None,
-    ):
+    def __init__(self, extractors: RecordExtractors, chunks: int = 64, errors_dir: str | None = None):
         super().__init__()
         if not 1 <= chunks < 1 << 20:
             raise InputError("chunks must be between 1 and 2^20")
-        self.to_record, self.columns, self.content = to_record, columns or rec.Columns(), content
-        self.chunks, self.errors_dir = chunks, errors_dir
+        self.extractors, self.chunks, self.errors_dir = extractors, chunks, errors_dir
 
     def expand(self, rows):
+        columns = self.extractors.columns
+        content = record_reading.OTHER_COLUMNS if self.extractors.content_extractor else None
         read = (
             rows
-            | "AsLines" >> beam.Map(_as_line, self.to_record, self.chunks)
+            | "AsLines" >> beam.Map(_as_line, self.extractors, self.chunks)
             | "GroupChunks" >> beam.GroupByKey()
             | "ReadAndValidate"
-            >> beam.ParDo(_ReadLines(self.columns, self.content, self.errors_dir)).with_outputs(
+            >> beam.ParDo(_ReadLines(columns, content, self.errors_dir)).with_outputs(
                 "rejects", "stats", "facts", main="chunks"
             )
         )
         chunks, rejects = (read.chunks, read.rejects, read.facts) | "Checked" >> _Checked(
-            self.columns, self.content, self.errors_dir
+            columns, content, self.errors_dir
         )
         return chunks, rejects, read.stats
 

@@ -23,7 +23,7 @@ from madp.beam.bound_contributions import BoundContributions
 from madp.beam.bound_rounds import FirstSaturation, Iteration, Progress, round_stat
 from madp.beam.min_sep_sample import MinSepSample
 from madp.beam.pipeline import keeping_input_errors, pipeline_options, run
-from madp.beam.record_chunks import ReadRecords
+from madp.beam.record_chunks import ReadRecords, RecordExtractors, RecordsFromRows
 from madp.core import record_reading
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
@@ -278,45 +278,88 @@ def test_a_tampered_partial_selection_stops_the_next_run(tmp_path):
                 _saved_selection(str(tmp_path), 0, keys)
 
 
-def test_rows_of_ones_own_are_bounded_and_batched_as_the_same_records_in_a_file(tmp_path):
-    """Rows that are not madp's (other field names, in any order) through RecordsFromRows: the same
-    selection, rejects and batch rows as the in-memory engines give for those records in a file."""
-    import pyarrow.parquet as pq
-
-    from madp.beam.record_chunks import RecordsFromRows
-
-    rng = np.random.default_rng(21)
+def ones_own_rows(count: int, seed: int, users: int = 400) -> list[dict]:
+    """Rows that are not madp's records (other field names, a numpy content value): an email's sender
+    and recipients are its users. Two are rejected (no recipient, a repeated id), one has a repeated user."""
+    rng = np.random.default_rng(seed)
     rows = [
-        {"message": 10 * i, "from": int(rng.integers(0, 400)), "to": rng.integers(0, 400, 2).tolist(), "x": float(i)}
-        for i in range(300)
+        {"message": 10 * i, "from": int(rng.integers(0, users)), "to": rng.integers(0, users, 2), "x": np.float64(i)}
+        for i in range(count)
     ]
     rows += [{"message": 5, "from": 1, "to": [], "x": 0.0}, {"message": 10, "from": 3, "to": [4], "x": 1.0}]
     rows[7]["to"] = [rows[7]["from"]]  # a repeated user, removed as in a file
+    return rows
 
-    def to_record(row):
-        users = [row["from"], *row["to"]] if row["to"] else []
-        return {"id": row["message"], "users": users, "x": row["x"]}
 
-    path = write_records(str(tmp_path / "records.jsonl"), [to_record(row) for row in rows])
+EXTRACTORS = RecordExtractors(
+    id_extractor=lambda row: row["message"],
+    users_extractor=lambda row: [row["from"], *row["to"]] if len(row["to"]) else [],
+    content_extractor=lambda row: {"x": row["x"]},
+)
+
+
+def local_results(rows: list[dict], directory, bound_options: BoundOptions, options: BatchOptions):
+    """The in-memory engines' sorted (id, copies) selection and (step, id) batch rows on `rows`' records
+    in a file."""
+    import pyarrow.parquet as pq
+
+    records = [{**EXTRACTORS.record(row), "x": float(row["x"])} for row in rows]
+    records = [{**r, "users": [int(u) for u in r["users"]]} for r in records]
+    path = write_records(str(directory / "records.jsonl"), records)
+    bound_local(path, str(directory / "bounded"), bound_options)
+    selected = pa.concat_tables(pq.read_table(p) for p in glob.glob(str(directory / "bounded" / "selected" / "*")))
+    batch_local.run_local(str(directory / "bounded"), path, str(directory / "batches"), options)
+    batch_rows = sorted((row["step"][0], row["id"][0]) for row in rows_of(str(directory / "batches")))
+    return sorted(zip(selected["id"].to_pylist(), selected["copies"].to_pylist())), batch_rows
+
+
+def test_rows_of_ones_own_are_bounded_and_batched_as_the_same_records_in_a_file(tmp_path):
+    """Rows that are not madp's, with the functions that extract their records: BoundContributions and
+    MinSepSample take them (and RecordsFromRows reads them once for both), with the same selection,
+    rejects and batch rows as the in-memory engines give for those records in a file."""
+    rows = ones_own_rows(300, seed=21)
     bound_options = BoundOptions(max_contributions=2, on_invalid="skip")
-    bound_local(path, str(tmp_path / "bounded"), bound_options)
-    selected = pa.concat_tables(
-        pq.read_table(p) for p in glob.glob(str(tmp_path / "bounded" / "selected" / "*.parquet"))
-    )
-    expected_selection = sorted(zip(selected["id"].to_pylist(), selected["copies"].to_pylist()))
     options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2, output_shards=2, on_invalid="skip")
-    batch_local.run_local(str(tmp_path / "bounded"), path, str(tmp_path / "batches"), options)
-    expected_rows = sorted((row["step"][0], row["id"][0]) for row in rows_of(str(tmp_path / "batches")))
+    expected_selection, expected_rows = local_results(rows, tmp_path, bound_options, options)
     with _test_pipeline() as pipeline:
-        shuffled = [rows[i] for i in rng.permutation(len(rows))]
-        chunks, read_rejects, _ = (
-            pipeline | beam.Create(shuffled) | RecordsFromRows(to_record, content=("x",), chunks=3)
-        )
-        bound = chunks | BoundContributions(bound_options, partitions=3)
+        shuffled = pipeline | beam.Create([rows[i] for i in np.random.default_rng(3).permutation(len(rows))])
+        bound = shuffled | BoundContributions(bound_options, partitions=3, extractors=EXTRACTORS)
         pairs = bound.shards | beam.FlatMapTuple(lambda _, t: zip(t["id"].to_pylist(), t["copies"].to_pylist()))
         assert_that(pairs, equal_to(expected_selection), label="Selection")
-        reasons = (read_rejects, bound.rejects) | "AllRejects" >> beam.Flatten() | beam.FlatMap(lambda r: r.reason)
+        reasons = bound.rejects | "Reasons" >> beam.FlatMap(lambda r: r.reason)
         assert_that(reasons, equal_to(["empty_users", "duplicate_id", "duplicate_id"]), label="Rejects")
-        sampled = (chunks, bound.shards) | MinSepSample(options, 3)
+        sampled = (shuffled, bound.shards) | MinSepSample(options, 3, extractors=EXTRACTORS)
         batch_rows = sampled.rows | beam.FlatMapTuple(lambda _, r: zip(r.steps.tolist(), r.ids.to_pylist()))
         assert_that(batch_rows, equal_to(expected_rows), label="BatchRows")
+        chunks, read_rejects, _ = shuffled | RecordsFromRows(EXTRACTORS, chunks=2)  # read once, for both
+        selection = (chunks | "BoundChunks" >> BoundContributions(bound_options, partitions=3)).shards
+        shared = (chunks, selection) | "SampleChunks" >> MinSepSample(options, 3)
+        shared_rows = shared.rows | "SharedRows" >> beam.FlatMapTuple(
+            lambda _, r: zip(r.steps.tolist(), r.ids.to_pylist())
+        )
+        assert_that(shared_rows, equal_to(expected_rows), label="SharedBatchRows")
+        read_reasons = read_rejects | "ReadReasons" >> beam.FlatMap(lambda r: r.reason)
+        assert_that(read_reasons, equal_to(["empty_users"]), label="ReadRejects")
+
+
+@pytest.mark.parametrize(
+    "extractors, message",
+    [
+        (EXTRACTORS._replace(content_extractor=lambda row: {"id": 1}), "a column named 'id'"),
+        (
+            EXTRACTORS._replace(users_extractor=lambda row: row["cc"]),
+            r"users_extractor failed on the row .*KeyError\('cc'\)",
+        ),
+        (EXTRACTORS._replace(content_extractor=lambda row: {"body": b"bytes"}), "decode bytes to str"),
+    ],
+)
+def test_an_extractor_that_fails_or_gives_what_no_record_holds_is_an_error_naming_it(extractors, message):
+    with pytest.raises(Exception, match=message):
+        with _test_pipeline() as pipeline:
+            _ = pipeline | beam.Create(ones_own_rows(10, seed=1)) | RecordsFromRows(extractors)
+
+
+def test_sampling_ones_own_rows_needs_their_content():
+    options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2)
+    with pytest.raises(InputError, match="content_extractor"):
+        MinSepSample(options, 3, extractors=EXTRACTORS._replace(content_extractor=None))

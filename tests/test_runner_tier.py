@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import uuid
 
 import pyarrow.parquet as pq
 import pytest
@@ -132,6 +133,52 @@ def test_batch_writes_the_local_batches(runner_options, local_outputs, tmp_path,
     output = str(tmp_path / "batches")
     madp(["batch", bound, data, output, *BATCH, *runner_options], request, capsys)
     assert_same_files(output, batches, ".tfrecord")
+
+
+@pytest.mark.parametrize("runner_options", ["portable", "dask"], indirect=True)
+def test_ones_own_rows_in_ones_own_pipeline_give_the_local_results(runner_options, tmp_path, request):
+    """The exported transforms on rows that are not madp's, with their extractors, in a pipeline of
+    one's own: the in-memory engines' selection and batch rows on the same records in a file."""
+    import apache_beam as beam
+    from test_beam_transforms import EXTRACTORS, local_results, ones_own_rows
+
+    from madp.beam import BoundContributions, MinSepSample, files
+    from madp.beam.pipeline import pipeline_options, run
+    from madp.core.selection import BoundOptions
+    from madp.engines.batching import BatchOptions
+
+    rows = ones_own_rows(2_000, seed=5, users=4_000)
+    bound_options = BoundOptions(max_contributions=2, on_invalid="skip")
+    options = BatchOptions(seed=4, steps=30, batch_size=40, min_sep=2, on_invalid="skip")
+    expected_selection, expected_rows = local_results(rows, tmp_path, bound_options, options)
+    found = str(tmp_path / "found")
+
+    def write(prefix: str, pairs) -> None:  # several elements per shard or batch file: a file each
+        files.write_bytes(f"{found}/{prefix}{uuid.uuid4().hex}", json.dumps(sorted(pairs)).encode())
+
+    pipeline = beam.Pipeline(options=pipeline_options(runner_options))
+    records = pipeline | beam.Create(rows)
+    bound = records | BoundContributions(bound_options, partitions=2, extractors=EXTRACTORS)
+    sampled = (records, bound.shards) | MinSepSample(options, 2, extractors=EXTRACTORS)
+    _ = bound.shards | "WriteSelection" >> beam.MapTuple(
+        lambda _, table: write("selection-", zip(table["id"].to_pylist(), table["copies"].to_pylist()))
+    )
+    _ = sampled.rows | "WriteRows" >> beam.MapTuple(
+        lambda _, file_rows: write("rows-", zip(file_rows.steps.tolist(), file_rows.ids.to_pylist()))
+    )
+    try:
+        with deadline(RUN_SECONDS, f"a pipeline of one's own on {request.node.callspec.id}"):
+            run(pipeline, "madp", str(tmp_path / "errors"))
+    except BaseException:
+        request.node.stash[_FAILED] = True
+        raise
+
+    def found_pairs(prefix: str) -> list[tuple[int, int]]:
+        paths = [os.path.join(found, name) for name in os.listdir(found) if name.startswith(prefix)]
+        return sorted(tuple(pair) for path in paths for pair in json.load(open(path)))
+
+    assert found_pairs("selection-") == expected_selection
+    assert found_pairs("rows-") == expected_rows
 
 
 MONTE_CARLO = [
