@@ -110,7 +110,7 @@ def main() -> None:
              "--content-columns", "text", "--runner", "local", *SAMPLERS[mechanism](args.bands))  # fmt: skip
         privacy = [] if epsilon is None else ["--epsilon", str(epsilon)]
         madp("train", batches, trained, *common, *MECHANISMS[mechanism](args.bands), *privacy)
-        metrics = json.load(open(os.path.join(trained, "metrics.json")))
+        timing = json.load(open(os.path.join(trained, "internal", "timing.json")))
         evaluated = evaluation_of(trained, internal=True)
         plan = json.load(open(os.path.join(trained, "privacy.json")))
         results.append(
@@ -120,7 +120,7 @@ def main() -> None:
                 "noise_multiplier": plan.get("noise_multiplier"),
                 "loss": evaluated["final"]["loss"],
                 "pretrained_loss": evaluated["pretrained_eval"]["loss"],
-                "steps_per_s": metrics["steps_per_s"],
+                "steps_per_s": timing["steps_per_s"],
                 "seconds": round(time.perf_counter() - started, 1),
             }
         )

@@ -308,6 +308,15 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
     assert "non-private (internal) eval accuracy" in open(tmp_path / "run" / "internal-report.html").read()
     published = _published_text(tmp_path / "run")
     assert '"baseline"' not in published and "private_over_non_private" not in published
+    # Wall times depend on the realized sampling and the content: in no published file nor the summary
+    for timing in ("wall_time_s", "steps_per_s"):
+        assert timing not in published and timing not in json.dumps(summary), timing
+    ran = {stage["stage"] for stage in summary["stages"] if stage["status"] == "ran"}
+    assert set(internal["wall_time_s"]) == ran | {"total"} and "train" in ran
+    assert set(json.load(open(tmp_path / "run" / "train" / "internal" / "timing.json"))) == {
+        "wall_time_s",
+        "steps_per_s",
+    }
     # The held-out records are not declared public (--eval-data-public): the evaluations on them, computed
     # without noise, stay internal, in no published file, log or page.
     evaluated = json.load(open(tmp_path / "run" / "train" / "internal" / "evaluation.json"))

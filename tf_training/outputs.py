@@ -20,6 +20,8 @@ clipped gradients, per-example gradient norms), and the evaluation scalars when 
 declared public. No privacy guarantee covers them: one user's records can move them.
 evaluation.json: the evaluations on --eval-data when it was not declared public (--eval-data-public):
 computed without noise on records the guarantee does not cover.
+timing.json: the training's wall time and steps per second, which depend on how many rows the secret
+sampling drew and on their content.
 checkpoints/: the model, the optimizer and, for BandMF, the last noise vectors of the mechanism. Those
 noise vectors are as secret as the noise key: with them one can remove the noise from released steps.
 (The noise key itself is never written; a resumed run draws a fresh one.)
@@ -29,6 +31,8 @@ function of the public plan only, and the evaluation scalars on --eval-data decl
 """
 EVALUATION_FILE = "evaluation.json"  # OUTPUT/internal/: the evaluations on --eval-data not declared public
 EVALUATION_FIELDS = ("eval", "final", "pretrained_eval")  # a training's evaluations, in either file
+TIMING_FILE = "timing.json"  # OUTPUT/internal/: the training's timings
+TIMING_FIELDS = ("wall_time_s", "steps_per_s")
 
 
 def internal_path(output: str, *parts: str) -> str:

@@ -43,7 +43,14 @@ from madp.training.long_training import (
     step_statistics,
 )
 from madp.training.options import TrainOptions, training_defaults
-from madp.training.outputs import EVALUATION_FIELDS, EVALUATION_FILE, INTERNAL_DIR, internal_path
+from madp.training.outputs import (
+    EVALUATION_FIELDS,
+    EVALUATION_FILE,
+    INTERNAL_DIR,
+    TIMING_FIELDS,
+    TIMING_FILE,
+    internal_path,
+)
 from madp.training.plan import (
     NOT_PRIVATE,
     labels_read_from_data,
@@ -362,7 +369,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         evaluations = {field: result.pop(field) for field in EVALUATION_FIELDS if field in result}
         storage.write_text(kept, json.dumps(evaluations, indent=2))
         result["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
-    published = {k: v for k, v in result.items() if k != "privacy"}
+    # Timings depend on the realized (secret) sampling and the rows' content, which no guarantee covers
+    timing = {field: result[field] for field in TIMING_FIELDS}
+    storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2))
+    published = {k: v for k, v in result.items() if k != "privacy" and k not in TIMING_FIELDS}
     storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2))
     storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
     if checkpoints is not None:  # done: the secret noise history has no further use
