@@ -130,9 +130,10 @@ class BoundContributions(beam.PTransform):
     def expand(self, inputs) -> BoundSelection:
         chunks, earlier, stats = inputs, [] if self.rejected_before is None else [self.rejected_before], []
         if self.extractors is not None:
-            # (chunk index, RecordChunk) of the rows' valid records; the other rows' Rejects
+            # (chunk index, RecordChunk) of the rows' valid records; the other rows' Rejects. Without
+            # their content, as madp bound reads files: content must not decide which records are kept.
             chunks, read_rejects, read_stats = inputs | "RecordsFromRows" >> RecordsFromRows(
-                self.extractors, self.partitions, self.errors_dir
+                self.extractors._replace(content_extractor=None), self.partitions, self.errors_dir
             )
             earlier.append(read_rejects)
             stats.append(read_stats)

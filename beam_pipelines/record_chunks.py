@@ -266,16 +266,26 @@ class RecordExtractors(typing.NamedTuple):
         if self.weight_extractor:
             record[WEIGHT] = self._extract("weight_extractor", row)
         content = self._extract("content_extractor", row) if self.content_extractor else {}
+        if not isinstance(content, Mapping):
+            raise InputError(f"content_extractor gave a {type(content).__name__}, not a dict, on the row {_shown(row)}")
         clash = sorted(set(content) & {ID, USERS, WEIGHT})
         if clash:
-            raise InputError(f"content_extractor gave a column named {clash[0]!r}, a name the record's own values take")
+            raise InputError(
+                f"content_extractor gave a column named {clash[0]!r}, a name the record's own values take, "
+                f"on the row {_shown(row)}"
+            )
         return {**record, **content}
 
     def _extract(self, name: str, row) -> Any:
         try:
             return getattr(self, name)(row)
         except Exception as error:  # the user's function: any error it raises is theirs to see, with the row
-            raise InputError(f"{name} failed on the row {str(row)[:300]}: {error!r}") from error
+            raise InputError(f"{name} failed on the row {_shown(row)}: {error!r}") from error
+
+
+def _shown(row) -> str:
+    """A row as an error names it: its first 300 characters."""
+    return str(row)[:300]
 
 
 def _json_value(value):
@@ -285,19 +295,20 @@ def _json_value(value):
     raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
-def _as_line(row, extractors: RecordExtractors, chunks: int) -> tuple[int, bytes]:
+def _as_line(row, extractors: RecordExtractors, chunks: int, errors_dir: str | None) -> tuple[int, bytes]:
     """A row as (chunk, its record as one JSON line); the chunk is a hash of the line, so it does not
-    depend on how the runner bundles the rows."""
-    record = extractors.record(row)
-    try:
-        line = json.dumps(
-            record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_value
-        ).encode()
-    except (TypeError, ValueError) as error:
-        raise InputError(
-            f"a row's record is not JSON (ids, users and content must be numbers, strings or lists of them; "
-            f"decode bytes to str in content_extractor): {error}: {record!r}"
-        ) from error
+    depend on how the runner bundles the rows. A lone surrogate stays in the line as bytes that are
+    not UTF-8, which reading rejects as `invalid_json`, as it does in a file."""
+    with keeping_input_errors(errors_dir):
+        record = extractors.record(row)
+        try:
+            text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_value)
+        except (TypeError, ValueError) as error:
+            raise InputError(
+                f"a row's record is not JSON (ids, users and content must be numbers, strings or lists of them; "
+                f"decode bytes to str in content_extractor): {error}: on the row {_shown(row)}"
+            ) from error
+    line = text.encode("utf-8", "surrogatepass")
     return zlib.crc32(line) % chunks, line
 
 
@@ -348,7 +359,7 @@ class RecordsFromRows(beam.PTransform):
         content = record_reading.OTHER_COLUMNS if self.extractors.content_extractor else None
         read = (
             rows
-            | "AsLines" >> beam.Map(_as_line, self.extractors, self.chunks)
+            | "AsLines" >> beam.Map(_as_line, self.extractors, self.chunks, self.errors_dir)
             | "GroupChunks" >> beam.GroupByKey()
             | "ReadAndValidate"
             >> beam.ParDo(_ReadLines(columns, content, self.errors_dir)).with_outputs(

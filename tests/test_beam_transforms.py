@@ -351,6 +351,7 @@ def test_rows_of_ones_own_are_bounded_and_batched_as_the_same_records_in_a_file(
             r"users_extractor failed on the row .*KeyError\('cc'\)",
         ),
         (EXTRACTORS._replace(content_extractor=lambda row: {"body": b"bytes"}), "decode bytes to str"),
+        (EXTRACTORS._replace(content_extractor=lambda row: "text"), "content_extractor gave a str, not a dict"),
     ],
 )
 def test_an_extractor_that_fails_or_gives_what_no_record_holds_is_an_error_naming_it(extractors, message):
@@ -363,3 +364,26 @@ def test_sampling_ones_own_rows_needs_their_content():
     options = BatchOptions(seed=4, steps=30, batch_size=12, min_sep=2)
     with pytest.raises(InputError, match="content_extractor"):
         MinSepSample(options, 3, extractors=EXTRACTORS._replace(content_extractor=None))
+
+
+def test_the_bounding_of_ones_own_rows_reads_no_content_and_a_lone_surrogate_is_rejected_as_in_a_file():
+    """Content decides nothing in the bounding (as madp bound reads files): rows whose content mixes
+    types are bounded. Where content is read, a lone surrogate (rows made in the same fused step meet
+    no coder) is an invalid_json reject, as in a file."""
+    from madp.beam.record_chunks import _as_line
+
+    rows = [{"message": i, "from": i, "to": [i + 1], "x": "text" if i % 2 else 1.0} for i in range(6)]
+    with _test_pipeline() as pipeline:
+        bound = (
+            pipeline
+            | beam.Create(rows)
+            | BoundContributions(
+                BoundOptions(max_contributions=2, on_invalid="skip"), partitions=2, extractors=EXTRACTORS
+            )
+        )
+        assert_that(bound.shards | beam.MapTuple(lambda _, t: len(t)) | beam.CombineGlobally(sum), equal_to([6]))
+    lines = [
+        _as_line({**row, "x": "\ud800" if i == 3 else "text"}, EXTRACTORS, 1, None)[1] for i, row in enumerate(rows)
+    ]
+    read = record_reading.read_lines(lines, "rows", 0, Columns(), record_reading.OTHER_COLUMNS)
+    assert read.rejects.counts() == {"invalid_json": 1} and len(read.chunk) == 5

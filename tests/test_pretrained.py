@@ -698,6 +698,22 @@ def test_a_resume_with_other_pretrained_files_at_the_same_path_is_refused(text_b
     assert any(f"{model} (--pretrained, SHA-256 {storage.sha256(tiny)})" in a for a in assumptions)
 
 
+def test_a_preset_is_named_by_the_digest_of_its_files_but_hidden_ones(tmp_path):
+    """A downloader's cache or .git beside a preset's files changes nothing a reader of the model reads."""
+    import shutil
+
+    from madp.training.plan import pretrained_is_public
+
+    preset = str(tmp_path / "preset")
+    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), preset)
+    named = pretrained_is_public(preset)
+    os.makedirs(os.path.join(preset, ".cache", "huggingface"))
+    open(os.path.join(preset, ".cache", "huggingface", "config.json.metadata"), "w").write("etag")
+    assert pretrained_is_public(preset) == named
+    open(os.path.join(preset, "config.json"), "a").write(" ")
+    assert pretrained_is_public(preset) != named
+
+
 def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     from madp.cli import main
 

@@ -510,9 +510,13 @@ def labels_read_from_data(labels: list[str]) -> str:
 def pretrained_is_public(path: str) -> str:
     """The assumption a training adds when it starts from a pretrained model (--pretrained). It names the
     model by its SHA-256 (a GGUF file's, as `sha256sum` prints it; a preset directory's over each file's
-    name and SHA-256, `storage.content_digest`), so that a reader can check which model it was, and a
-    --resume with other files at the same path is under another plan, refused."""
-    digest = storage.sha256(path) if storage.kind(path) == "file" else storage.content_digest(path)
+    name and SHA-256, `storage.content_digest`, hidden files such as a downloader's cache or .git left
+    out), so that a reader can check which model it was, and a --resume with other files at the same
+    path is under another plan, refused."""
+    if storage.kind(path) == "file":
+        digest = storage.sha256(path)
+    else:
+        digest = storage.content_digest(path, skip_hidden=True)
     return (
         f"the pretrained model {path} (--pretrained, SHA-256 {digest}) was not trained "
         f"on the private records: its weights and tokenizer are public, and the model trained here holds or "

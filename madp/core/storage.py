@@ -190,12 +190,12 @@ def _identity(directory: str) -> tuple[int, int]:
     return status.st_dev, status.st_ino
 
 
-def content_digest(path: str, ignore: tuple[str, ...] = ()) -> str:
+def content_digest(path: str, ignore: tuple[str, ...] = (), skip_hidden: bool = False) -> str:
     """SHA-256 over the names (relative to `path`) and contents of a file or of every file below a
-    directory, lock files and files named in `ignore` left out: what a reader of `path` would read,
-    whatever the files' times say."""
+    directory, lock files and files named in `ignore` left out (and with `skip_hidden`, hidden ones as
+    `list_files` says): what a reader of `path` would read, whatever the files' times say."""
     found = kind(path)
-    files = list_files(path) if found == "directory" else [path] if found == "file" else []
+    files = list_files(path, skip_hidden=skip_hidden) if found == "directory" else [path] if found == "file" else []
     root = path.rstrip("/") if "://" in path else os.path.abspath(path)
     digest = hashlib.sha256()
     for name in files:
