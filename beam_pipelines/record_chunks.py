@@ -338,13 +338,15 @@ class RecordsFromRows(beam.PTransform):
     and every result, are the same whatever the runner's bundling; chunk indices are 0..chunks-1
     (records from `ReadRecords` in the same pipeline would need other indices). Rejected rows name
     their chunk and their row in its order. `BoundContributions` and `MinSepSample` take rows and
-    extractors themselves; this transform is for reading the rows once for both in one pipeline.
+    extractors themselves. Chunks for `BoundContributions` are read without content (no
+    `content_extractor`, as the bounding reads files): under `on_invalid="skip"` a row whose content
+    is invalid is rejected, and content must not decide which records are kept.
 
     Example::
 
         rows = pipeline | beam.io.ReadFromBigQuery(table="project:dataset.emails")
         extractors = RecordExtractors(lambda row: row["message_id"], lambda row: [row["sender"], *row["recipients"]])
-        chunks, rejects, _ = rows | RecordsFromRows(extractors)
+        chunks, rejects, _ = rows | RecordsFromRows(extractors)  # no content_extractor: for the bounding
         bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
     """
 
