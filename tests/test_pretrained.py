@@ -698,6 +698,32 @@ def test_a_resume_with_other_pretrained_files_at_the_same_path_is_refused(text_b
     assert any(f"{model} (--pretrained, SHA-256 {storage.sha256(tiny)})" in a for a in assumptions)
 
 
+def test_a_model_whose_file_changes_while_it_is_read_is_refused(text_batches, tiny, tmp_path, monkeypatch):
+    """The digest named in privacy.json is taken before the model is read and again after: a file
+    replaced meanwhile would be named but not trained from."""
+    import shutil
+
+    from madp.training import pretrained
+
+    _, batches, _ = text_batches
+    model = str(tmp_path / "model.gguf")
+    shutil.copy(tiny, model)
+    read = pretrained.read_pretrained
+
+    def read_then_replaced(path):
+        found = read(path)
+        with open(model, "ab") as handle:
+            handle.write(b"\0" * 64)
+        return found
+
+    monkeypatch.setattr(pretrained, "read_pretrained", read_then_replaced)
+    options = TrainOptions(model="text-classifier", labels=("business", "science", "sports", "travel"),
+                           pretrained=model, buckets=256, noise_multiplier=0.5, noise_seed=1)  # fmt: skip
+    with pytest.raises(InputError, match="its files changed while madp read them"):
+        train(batches, str(tmp_path / "out"), options)
+    assert not os.path.exists(tmp_path / "out" / "privacy.json")
+
+
 def test_a_preset_is_named_by_the_digest_of_its_files_but_hidden_ones(tmp_path):
     """A downloader's cache or .git beside a preset's files changes nothing a reader of the model reads."""
     import shutil

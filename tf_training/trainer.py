@@ -212,6 +212,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     batches = open_batches(batches_dir)
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
+    # The model is named by its files' digest before it is read and checked after: a file swapped
+    # meanwhile would be named but not the one trained from.
+    public_model = None
+    if options.pretrained is not None and options.mechanism != "none":
+        public_model = pretrained_is_public(options.pretrained)
     task, skipped = prepare_task(options, batches)
     strategy = distribution_strategy(options)
     replicas = strategy.num_replicas_in_sync
@@ -237,10 +242,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
-    if options.pretrained is not None and privacy is not None:
-        privacy = dataclasses.replace(
-            privacy, assumptions=(*privacy.assumptions, pretrained_is_public(options.pretrained))
-        )
+    if options.pretrained is not None and public_model is not None and privacy is not None:
+        if pretrained_is_public(options.pretrained) != public_model:
+            raise InputError(
+                f"--pretrained {options.pretrained}: its files changed while madp read them; train again from "
+                f"files that stay as they are"
+            )
+        privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, public_model))
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step;
     # so does an XLA step, which compiles once per shape.
     fixed = options.distribution != "default" or options.xla
