@@ -52,8 +52,8 @@ def demo(tmp_path_factory):
 def readme_example() -> str:
     section = open(README, encoding="utf-8").read().split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) == 1, "the section holds one Python example"
-    return blocks[0]
+    assert len(blocks) == 2, "the section holds the example and its fit"
+    return "\n".join(blocks)
 
 
 def docstring_example() -> str:
@@ -66,7 +66,9 @@ def docstring_example() -> str:
 def test_the_examples_run_as_written(demo, example, monkeypatch, capsys):
     monkeypatch.chdir(demo)
     exec(compile(example(), example.__name__, "exec"), {"__name__": "example"})
-    assert "True" in capsys.readouterr().out  # private: a fresh noise key, batches without amplification
+    out = capsys.readouterr().out
+    assert "True" in out  # private: a fresh noise key, batches without amplification
+    assert example is docstring_example or "both trainings: (" in out  # the README's fit composes
 
 
 def test_the_package_exports_the_api_and_imports_tensorflow_only_for_it():
@@ -129,6 +131,72 @@ def test_the_api_trains_the_model_madp_train_trains(demo, private, capsys):
         assert stated["private"] is False and stated["noise"] == "fixed seed - not private"
     else:
         assert stated == {"mechanism": "none", "private": False}
+
+
+def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_the_same_model(demo):
+    import tf_keras
+
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    dataset = madp.training.steps_dataset(batches, ["features", "label"])
+    arrays = list(read_steps(batches, ["features", "label"]))
+    tensors = list(dataset)
+    assert len(tensors) == len(arrays) == batches.steps
+    for rows, step_rows in zip(arrays, tensors):
+        assert set(rows) == set(step_rows) == {"features", "label", "weight", "step"}
+        for name in rows:
+            np.testing.assert_array_equal(step_rows[name].numpy(), rows[name])
+            assert step_rows[name].dtype.as_numpy_dtype == rows[name].dtype
+    plan = calibrate(batches, epsilon=8, bands=8)
+    trained = []
+    for steps in (arrays, tensors):
+        tf_keras.utils.set_random_seed(0)
+        model, loss = build_model("logreg", 16)
+        step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
+        for rows in steps:
+            step(rows["features"], rows["label"], rows["weight"])
+        trained.append(model.get_weights())
+    for a, b in zip(*trained):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
+def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
+    """`model.fit` with the step as the model's train_step gives the loop's model bit for bit; an epoch
+    past the plan's steps and a traced (not eager) fit are refused."""
+    import importlib
+
+    K = importlib.import_module(flavour)
+    tf = madp.training.load_tensorflow()
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    plan = calibrate(batches, epsilon=8, bands=8)
+
+    def loss(labels, logits):
+        labels = tf.cast(labels[:, None], tf.float32)
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
+
+    def made():
+        K.utils.set_random_seed(0)
+        model = K.Sequential([K.Input((16,)), K.layers.Dense(1)])
+        return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
+
+    looped, step = made()
+    for rows in read_steps(batches, ["features", "label"]):
+        step(rows["features"], rows["label"], rows["weight"])
+    fitted, step = made()
+    fitted.train_step = step.keras_train_step
+    fitted.compile(run_eagerly=True)
+    steps = madp.training.steps_dataset(batches, ["features", "label"])
+    history = fitted.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
+    assert history.history["iterations"] == [batches.steps]
+    for a, b in zip(looped.get_weights(), fitted.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match="step 25 would release more than its guarantee covers"):
+        fitted.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
+    traced, step = made()
+    traced.train_step = step.keras_train_step
+    traced.compile(run_eagerly=False)
+    with pytest.raises(Exception, match="run_eagerly=True"):  # tf_keras wraps it in its StagingError
+        traced.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
 
 
 def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_compute_in_float32(demo, caplog):
@@ -195,3 +263,22 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
         for a, b in zip(model.get_weights(), initial):
             np.testing.assert_array_equal(a, b)
         assert earlier_trainings(batches_dir) == ledger_before
+
+
+def test_the_command_line_trainer_uses_only_the_public_api():
+    """`madp train` imports from madp.training only the package's exported names and the trainer's own
+    parts (its tasks, options, outputs and long jobs): the plan, the batches and the private step
+    reach it through the API a user has."""
+    import ast
+
+    own = {f"madp.training.{name}" for name in ("tasks", "options", "outputs", "long_training")}
+    source = open(os.path.join(os.path.dirname(README), "tf_training", "trainer.py"), encoding="utf-8").read()
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("madp.training"):
+            found.setdefault(node.module, set()).update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            assert not any(alias.name.startswith("madp.training") for alias in node.names)
+    assert found["madp.training"] <= set(madp.training.__all__), found["madp.training"] - set(madp.training.__all__)
+    assert set(found) - {"madp.training"} <= own, set(found) - {"madp.training"} - own
+    assert {"calibrate", "make_private", "make_non_private", "read_steps"} <= found["madp.training"]

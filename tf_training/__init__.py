@@ -1,7 +1,8 @@
 """DP-SGD and DP-BandMF training on materialized batches (TensorFlow + TensorFlow Privacy).
 
 The Python API, on the batches `madp bound` and `madp batch` (or the `madp.beam` transforms) wrote:
-`open_batches` reads them, `read_steps` gives their steps in order, `calibrate` computes the privacy
+`open_batches` reads them, `read_steps` gives their steps in order (`steps_dataset`: as a
+tf.data.Dataset), `calibrate` computes the privacy
 plan (mechanism, sigma, epsilon, delta) of training on them, and `make_private` turns a Keras model,
 a per-row loss and an optimizer into the private step of that plan (`make_non_private`: a baseline).
 `madp train` is this loop with evaluation and outputs around it; the private step enters its training
@@ -41,15 +42,21 @@ import sys
 from typing import Any
 
 __all__ = [
+    "Batches",
+    "NonPrivateStep",
     "PrivacyPlan",
     "PrivateTrainingStep",
     "calibrate",
     "compute_precision",
+    "labels_read_from_data",
     "load_tensorflow",
     "make_non_private",
     "make_private",
     "open_batches",
+    "pretrained_is_public",
+    "privacy_json",
     "read_steps",
+    "steps_dataset",
 ]
 
 

@@ -21,15 +21,18 @@ from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
-from madp.training.data import step_batches
+from madp.training.data import feature_spec, step_batches
 from madp.training.options import TrainOptions
-from madp.training.plan import (
+from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
     FINISHED,
     STARTED,
     PrivacyPlan,
     composed_plan,
     earlier_trainings,
+    labels_read_from_data,
     plan_for,
+    pretrained_is_public,
+    privacy_json,
     record_training,
 )
 from madp.training.queries import BandMfQuery, DpSgdQuery
@@ -41,13 +44,19 @@ LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who h
 _LIVE_RUNS: dict[str, str] = {}  # training id -> the run (step object) of this process that trains it now
 
 __all__ = [
+    "Batches",
+    "NonPrivateStep",
     "PrivacyPlan",
     "PrivateTrainingStep",
     "calibrate",
+    "labels_read_from_data",
     "make_non_private",
     "make_private",
     "open_batches",
+    "pretrained_is_public",
+    "privacy_json",
     "read_steps",
+    "steps_dataset",
 ]
 
 
@@ -62,6 +71,20 @@ def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, 
     """
     for _, rows in step_batches(batches, list(features)):
         yield rows
+
+
+def steps_dataset(batches: Batches, features: Sequence[str]):
+    """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
+    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`. Take every
+    element once, in order: no shuffle, filter, take or repeat (the plan accounts for each step once,
+    an empty one too, and a step past T is refused); map it to what a loop of your own takes.
+
+    >>> for rows in steps_dataset(batches, ["features", "label"]):
+    ...     step(rows["features"], rows["label"], rows["weight"])
+    """
+    spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
+    signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
+    return tf.data.Dataset.from_generator(lambda: read_steps(batches, features), output_signature=signature)
 
 
 def calibrate(batches: Batches, options: TrainOptions | None = None, **settings: Any) -> PrivacyPlan:
@@ -90,6 +113,7 @@ class PrivateTrainingStep(PrivateStep):
     composition with earlier trainings on the same batches set; `own_plan` is this training's alone.
     Each call is the next step: its noise is keyed by the step's index, BandMF's depends on the steps
     before. `training` is its id in the batches' trainings ledger, which it enters at its first step.
+    `loss_fn` is the loss it trains with, the model's outputs taken in float32 (under mixed precision).
 
     >>> step(x, y, weight)
     >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key

@@ -29,6 +29,7 @@ from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import internal_path
 from madp.training.plan import PrivacyPlan, earlier_trainings
+from madp.training.steps import row_groups
 
 tf = load_tensorflow()
 
@@ -79,7 +80,7 @@ def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:
     return epsilon(mechanism, plan.noise_multiplier, plan.delta - plan.truncation_delta, discretization=1e-2)
 
 
-def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray | None, clip_norm: float) -> dict:
+def step_statistics(model, loss_fn, x, y, weight: np.ndarray, users: np.ndarray | None, clip_norm: float) -> dict:
     """INTERNAL diagnostics of one step's rows, before its update: the mean weighted loss, and over the
     step's records (users, for user-level clipping) with weight the mean per-example gradient norm and
     the fraction above `clip_norm`. No noise: never publish them. The model runs in inference mode, so
@@ -95,8 +96,8 @@ def step_statistics(model, loss_fn, x, y, weight: np.ndarray, groups: np.ndarray
         return loss, tape.gradient(loss, model.trainable_variables)
 
     losses, gradients = tf.vectorized_map(one, (x, tf.constant(y), w))
-    if groups is not None:  # the record of a user: the average gradient of its rows, as the step clips it
-        gradients, totals = user_averages(gradients, w, groups)
+    if users is not None:  # the record of a user: the average gradient of its rows, as the step clips it
+        gradients, totals = user_averages(gradients, w, row_groups(users, len(weight)))
         present = totals.numpy() > 0
     else:
         present = weight > 0

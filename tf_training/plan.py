@@ -376,6 +376,15 @@ class PrivacyPlan:
         return self.parameters
 
 
+def privacy_json(plan: PrivacyPlan | None) -> dict[str, Any]:
+    """What privacy.json states of a training under `plan`; of a non-private one (None), that it has no plan.
+
+    >>> privacy_json(None)
+    {'mechanism': 'none', 'private': False}
+    """
+    return dict(NOT_PRIVATE) if plan is None else plan.to_json()
+
+
 def stated_plan(data: dict[str, Any]) -> PrivacyPlan | None:
     """The plan a privacy.json or calibration.json states; None for a non-private training's (no plan)."""
     return None if data.get("mechanism") == NOT_PRIVATE["mechanism"] else PrivacyPlan.from_json(data)
@@ -499,7 +508,13 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
 
 
 def labels_read_from_data(labels: list[str]) -> str:
-    """The assumption a text classifier adds when its label set came from the batches (no --labels)."""
+    """The assumption a classifier adds to its plan when its label set came from the batches' rows (no
+    --labels): the model and its metrics disclose the set. Where the schedule is secret (Poisson or
+    b-min-sep sampling) a set read from the sampled rows would reveal which records were sampled, so
+    give the labels in advance there.
+
+    >>> plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, labels_read_from_data(labels)))
+    """
     return (
         f"the label set {labels} was read from the rows of the batches (no --labels; the schedule is public "
         f"for this mechanism): the model and its metrics disclose it, so it is treated as public; give "
@@ -512,7 +527,12 @@ def pretrained_is_public(path: str) -> str:
     model by its SHA-256 (a GGUF file's, as `sha256sum` prints it; a preset directory's over each file's
     name and SHA-256, `storage.content_digest`, hidden files such as a downloader's cache or .git left
     out), so that a reader can check which model it was, and a --resume with other files at the same
-    path is under another plan, refused."""
+    path is under another plan, refused. Take it before reading the model and compare it with one taken
+    after, as `madp train` does, so that it names the files trained from.
+
+    >>> named = pretrained_is_public("SmolLM2-135M-Instruct.Q4_1.gguf")  # before reading the model
+    >>> plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, named))
+    """
     if storage.kind(path) == "file":
         digest = storage.sha256(path)
     else:

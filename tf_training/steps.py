@@ -21,7 +21,6 @@ from madp.training.clipping import (
     unsupported_layers,
     user_averages,
 )
-from madp.training.options import TrainOptions
 from madp.training.queries import clip_and_sum
 
 tf = load_tensorflow()
@@ -68,6 +67,35 @@ class _LoweredOnce:
             self._lowered.add(id(function))
 
 
+class _KerasFit:
+    """A step as a Keras model's `train_step`, so that `model.fit` trains with it."""
+
+    optimizer: Any
+
+    def __call__(self, x, y, weight, users=None) -> None: ...
+
+    def keras_train_step(self, data) -> dict:
+        """For `fit`: `model.train_step = step.keras_train_step`, `model.compile(run_eagerly=True)`, then
+        `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight) or (x, y, weight,
+        users) (`steps_dataset(...).map(...)`). Eagerly only: under tf.function, fit would trace it once
+        and a private step's per-call work (its count against the plan's T steps, the trainings ledger)
+        would not run per step. Its logs are the optimizer's iterations, a step count: public.
+
+        >>> model.fit(steps_dataset(batches, ["features", "label"]).map(
+        ...     lambda rows: (rows["features"], rows["label"], rows["weight"])), epochs=1)
+        """
+        if not tf.executing_eagerly():
+            raise InputError("keras_train_step runs each step eagerly: compile the model with run_eagerly=True")
+        if not isinstance(data, (tuple, list)) or len(data) not in (3, 4):
+            raise InputError(
+                "keras_train_step: each element that fit reads is one step's (x, y, weight) or (x, y, weight, "
+                "users); map steps_dataset's dicts to that"
+            )
+        # fit calls it in a replica context; the step splits its rows over the replicas itself
+        tf.distribute.get_replica_context().merge_call(lambda _: self(*data))
+        return {"iterations": tf.identity(self.optimizer.iterations)}
+
+
 def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
     """Lower an XLA-compiled step at its first inputs to XLA's HLO (a trace: no step runs, no noise is
     drawn, no weight changes; TensorFlow runs one eager random op to find the device, which moves its
@@ -87,7 +115,7 @@ def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
         ) from None
 
 
-class PrivateStep(_LoweredOnce):
+class PrivateStep(_LoweredOnce, _KerasFit):
     """One DP step: clip and sum per-example gradients (query), noise, divide by expected B, apply.
 
     Models whose trainable layers are all Dense, EinsumDense, Embedding, LayerNormalization (also
@@ -292,8 +320,14 @@ def _refuse_batch_statistics(model) -> None:
         )
 
 
-class NonPrivateStep(_LoweredOnce):
-    """The baseline: mean loss over the step's real rows (all replicas together), no clipping, no noise."""
+class NonPrivateStep(_LoweredOnce, _KerasFit):
+    """The baseline (`make_non_private`): `step(x, y, weight)` takes the mean loss over the step's real
+    rows (all replicas together), no clipping, no noise. `loss_fn` is the loss it trains with, the
+    model's outputs taken in float32 (under mixed precision), for evaluating the model the same way.
+
+    >>> step(x, y, weight)
+    >>> float(tf.reduce_mean(step.loss_fn(y_eval, model(x_eval))))
+    """
 
     def __init__(
         self,
@@ -340,38 +374,6 @@ class NonPrivateStep(_LoweredOnce):
 
 
 # --- distribution -------------------------------------------------------------------------------
-
-
-def distribution_strategy(options: TrainOptions):
-    """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
-    if options.distribution == "default":
-        return tf.distribute.get_strategy()
-    if options.distribution == "mirrored":
-        if options.cpu_replicas > 1:
-            if tf.config.list_physical_devices("GPU"):
-                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
-            cpu = tf.config.list_physical_devices("CPU")[0]
-            try:
-                tf.config.set_logical_device_configuration(
-                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas
-                )
-            except RuntimeError:  # TensorFlow already started: only the same split can be used
-                pass
-            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
-            if len(devices) != options.cpu_replicas:
-                raise InputError(
-                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
-                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
-                )
-            return tf.distribute.MirroredStrategy(devices)
-        return tf.distribute.MirroredStrategy()
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=options.tpu)
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
-    return tf.distribute.TPUStrategy(resolver)
 
 
 def row_groups(users: np.ndarray | None, rows: int) -> np.ndarray:

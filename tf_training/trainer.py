@@ -24,16 +24,21 @@ from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR, selection_files
 from madp.engines.batching import read_selection_file
-from madp.training import (  # the public API: the trainer's own parts are its tasks, evaluation and outputs
+from madp.training import (  # the public API; the trainer's own parts are its tasks, options, outputs and long jobs
+    Batches,
+    NonPrivateStep,
     PrivateTrainingStep,
     calibrate,
+    compute_precision,
+    labels_read_from_data,
     load_tensorflow,
     make_non_private,
     make_private,
     open_batches,
+    pretrained_is_public,
+    privacy_json,
     read_steps,
 )
-from madp.training.batches import Batches
 from madp.training.long_training import (
     Checkpoints,
     epsilon_spent,
@@ -50,18 +55,6 @@ from madp.training.outputs import (
     TIMING_FIELDS,
     TIMING_FILE,
     internal_path,
-)
-from madp.training.plan import (
-    NOT_PRIVATE,
-    labels_read_from_data,
-    pretrained_is_public,
-)
-from madp.training.steps import (
-    NonPrivateStep,
-    compute_precision,
-    distribution_strategy,
-    float32_outputs,
-    row_groups,
 )
 from madp.training.tasks import (
     CausalLmTask,
@@ -92,6 +85,38 @@ def zero_out_ids(path: str) -> np.ndarray:
     if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
         return np.array([str(i).encode() for i in ids], dtype=object)
     return np.array(ids, dtype=np.int64)
+
+
+def distribution_strategy(options: TrainOptions):
+    """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
+    if options.distribution == "default":
+        return tf.distribute.get_strategy()
+    if options.distribution == "mirrored":
+        if options.cpu_replicas > 1:
+            if tf.config.list_physical_devices("GPU"):
+                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas
+                )
+            except RuntimeError:  # TensorFlow already started: only the same split can be used
+                pass
+            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
+            if len(devices) != options.cpu_replicas:
+                raise InputError(
+                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
+                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
+                )
+            return tf.distribute.MirroredStrategy(devices)
+        return tf.distribute.MirroredStrategy()
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=options.tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
+    return tf.distribute.TPUStrategy(resolver)
 
 
 def check_public_eval_data(path: str, batches: Batches) -> None:
@@ -223,7 +248,6 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope(), compute_precision(options.mixed_precision):
         model, loss_fn = task.build()
-        loss_fn = float32_outputs(loss_fn)  # evaluations and statistics too; a float32 model's are unchanged
         if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
             raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
@@ -277,6 +301,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             releases_from_checkpoints=bool(needs_checkpoints),
         )
         privacy = step.plan  # with the composition of earlier trainings on these batches, if any
+    loss_fn = step.loss_fn  # for evaluations and statistics too: the model's outputs taken in float32
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
     planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
     evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
@@ -320,9 +345,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             with writer.as_default():  # public: the schedule's value
                 tf.summary.scalar("train/learning_rate", rate, step=done)
         if options.internal_scalars and internal is not None and logs:  # INTERNAL: the step's rows, no noise
-            groups = row_groups(rows[USER_FEATURE], len(weight)) if user_level else None
+            users = rows[USER_FEATURE] if user_level else None
             with internal.as_default():
-                for name, value in step_statistics(model, loss_fn, x, y, weight, groups, options.clip_norm).items():
+                for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
                     tf.summary.scalar(f"train/{name}", value, step=done)
         step(x, y, weight, users=rows[USER_FEATURE] if user_level else None)
         evaluates = logs and evaluation is not None
@@ -369,7 +394,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
         "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
-        "privacy": dict(NOT_PRIVATE) if privacy is None else privacy.to_json(),
+        "privacy": privacy_json(privacy),
     }
     if not published_eval:  # computed without noise on records no guarantee covers: internal only,
         # not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
