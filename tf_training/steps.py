@@ -79,7 +79,9 @@ class _KerasFit:
         `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight) or (x, y, weight,
         users) (`steps_dataset(...).map(...)`). Eagerly only: under tf.function, fit would trace it once
         and a private step's per-call work (its count against the plan's T steps, the trainings ledger)
-        would not run per step. Its logs are the optimizer's iterations, a step count: public.
+        would not run per step. One replica only: a step of several (`make_private(..., strategy=s)`)
+        splits a step's rows itself, from a loop. Its logs are the optimizer's iterations, a step count:
+        public.
 
         >>> model.fit(steps_dataset(batches, ["features", "label"]).map(
         ...     lambda rows: (rows["features"], rows["label"], rows["weight"])), epochs=1)
@@ -91,8 +93,13 @@ class _KerasFit:
                 "keras_train_step: each element that fit reads is one step's (x, y, weight) or (x, y, weight, "
                 "users); map steps_dataset's dicts to that"
             )
-        # fit calls it in a replica context; the step splits its rows over the replicas itself
-        tf.distribute.get_replica_context().merge_call(lambda _: self(*data))
+        context = tf.distribute.get_replica_context()  # fit calls it in one
+        if context.num_replicas_in_sync > 1:  # fit would hand each replica a share of the step's rows
+            raise InputError(
+                "keras_train_step: fit splits each element over several replicas; under a distribution strategy, "
+                "call the step from a loop of your own (it splits a step's rows over the replicas itself)"
+            )
+        context.merge_call(lambda _: self(*data))
         return {"iterations": tf.identity(self.optimizer.iterations)}
 
 
