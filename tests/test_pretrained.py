@@ -724,6 +724,33 @@ def test_a_model_whose_file_changes_while_it_is_read_is_refused(text_batches, ti
     assert not os.path.exists(tmp_path / "out" / "privacy.json")
 
 
+@pytest.mark.parametrize("elsewhere", ["external link", "external storage"])
+def test_a_preset_weight_stored_outside_its_weights_file_is_refused(tmp_path, elsewhere):
+    """The preset's digest covers its files: a weight that HDF5 reads from another file (a hidden one
+    the digest leaves out, or one outside the preset) could change while the digest does not."""
+    import shutil
+
+    import h5py
+
+    from madp.training import pretrained
+
+    preset = str(tmp_path / "preset")
+    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), preset)
+    key = "layers/llama_layer_norm/vars/0"
+    with h5py.File(os.path.join(preset, "model.weights.h5"), "r+") as store:
+        values = store[key][()]
+        del store[key]
+        if elsewhere == "external link":
+            with h5py.File(os.path.join(preset, ".weights.h5"), "w") as other:
+                other[key] = values
+            store[key] = h5py.ExternalLink(".weights.h5", key)
+        else:
+            values.astype(values.dtype.newbyteorder("<")).tofile(os.path.join(preset, ".raw.bin"))
+            store.create_dataset(key, values.shape, values.dtype, external=[(".raw.bin", 0, values.nbytes)])
+    with pytest.raises(InputError, match=f"{key} in model.weights.h5 is stored in another file"):
+        pretrained.read_pretrained(preset).layer_weights()
+
+
 def test_a_preset_is_named_by_the_digest_of_its_files_but_hidden_ones(tmp_path):
     """A downloader's cache or .git beside a preset's files changes nothing a reader of the model reads."""
     import shutil

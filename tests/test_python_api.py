@@ -141,8 +141,9 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
     arrays = list(read_steps(batches, ["features", "label"]))
     tensors = list(dataset)
     assert len(tensors) == len(arrays) == batches.steps
-    for rows, step_rows in zip(arrays, tensors):
-        assert set(rows) == set(step_rows) == {"features", "label", "weight", "step"}
+    for index, (rows, step_rows) in enumerate(zip(arrays, tensors)):
+        assert set(rows) == set(step_rows) - {"step_index"} == {"features", "label", "weight", "step"}
+        assert step_rows["step_index"].numpy() == index
         for name in rows:
             np.testing.assert_array_equal(step_rows[name].numpy(), rows[name])
             assert step_rows[name].dtype.as_numpy_dtype == rows[name].dtype
@@ -153,10 +154,20 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
         model, loss = build_model("logreg", 16)
         step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
         for rows in steps:
-            step(rows["features"], rows["label"], rows["weight"])
+            step(rows["features"], rows["label"], rows["weight"], index=rows.get("step_index"))
         trained.append(model.get_weights())
     for a, b in zip(*trained):
         np.testing.assert_array_equal(a, b)
+    # a step's rows again, or out of order: refused before it runs
+    step = make_private(build_model("logreg", 16)[0], loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
+    first, second = tensors[:2]
+    step(first["features"], first["label"], first["weight"], index=first["step_index"])
+    for rows in (first, tensors[2]):
+        with pytest.raises(InputError, match=r"rows of step \d+, where this training's next step is 1"):
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step_index"])
+    step(second["features"], second["label"], second["weight"], index=second["step_index"])
+    with pytest.raises(InputError, match="cannot be read"):
+        madp.training.steps_dataset(batches, ["features", "step_index"])
 
 
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
@@ -186,17 +197,25 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
     steps = madp.training.steps_dataset(batches, ["features", "label"])
-    history = fitted.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
+    elements = steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step_index"]))
+    history = fitted.fit(elements, verbose=0)
     assert history.history["iterations"] == [batches.steps]
     for a, b in zip(looped.get_weights(), fitted.get_weights()):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(InputError, match="step 25 would release more than its guarantee covers"):
-        fitted.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
+    with pytest.raises(InputError, match="rows of step 0, where this training's next step is 24"):
+        fitted.fit(elements, verbose=0)  # a second epoch
+    repeated, step = made()  # an element twice within the plan's T calls: refused
+    repeated.train_step = step.keras_train_step
+    repeated.compile(run_eagerly=True)
+    with pytest.raises(InputError, match="rows of step 0, where this training's next step is 1"):
+        repeated.fit(elements.take(1).repeat(2), verbose=0)
+    with pytest.raises(InputError, match=r"\(x, y, weight, index\)"):  # no index
+        repeated.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"])), verbose=0)
     traced, step = made()
     traced.train_step = step.keras_train_step
     traced.compile(run_eagerly=False)
     with pytest.raises(Exception, match="run_eagerly=True"):  # tf_keras wraps it in its StagingError
-        traced.fit(steps.map(lambda rows: (rows["features"], rows["label"], rows["weight"])), verbose=0)
+        traced.fit(elements, verbose=0)
 
 
 def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_compute_in_float32(demo, caplog):
@@ -267,11 +286,11 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
 
 def test_the_command_line_trainer_uses_only_the_public_api():
     """`madp train` imports from madp.training only the package's exported names and the trainer's own
-    parts (its tasks, options, outputs and long jobs): the plan, the batches and the private step
-    reach it through the API a user has."""
+    parts (its tasks and pretrained models, options, outputs and long jobs): the plan, the batches
+    and the private step reach it through the API a user has."""
     import ast
 
-    own = {f"madp.training.{name}" for name in ("tasks", "options", "outputs", "long_training")}
+    own = {f"madp.training.{name}" for name in ("tasks", "pretrained", "options", "outputs", "long_training")}
     source = open(os.path.join(os.path.dirname(README), "tf_training", "trainer.py"), encoding="utf-8").read()
     found = {}
     for node in ast.walk(ast.parse(source)):

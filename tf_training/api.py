@@ -41,6 +41,7 @@ from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
 LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the batches' lock
+STEP_INDEX = "step_index"  # steps_dataset: the key of each element's step index
 _LIVE_RUNS: dict[str, str] = {}  # training id -> the run (step object) of this process that trains it now
 
 __all__ = [
@@ -75,16 +76,27 @@ def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, 
 
 def steps_dataset(batches: Batches, features: Sequence[str]):
     """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
-    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`. Take every
-    element once, in order: no shuffle, filter, take or repeat (the plan accounts for each step once,
-    an empty one too, and a step past T is refused); map it to what a loop of your own takes.
+    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`, and
+    `step_index`, the step's index (a scalar). Take every element once, in order: no shuffle, filter or
+    repeat (the plan accounts for each step once, an empty one too); hand `step_index` to the step,
+    which refuses the rows of any step but its next. Continuing a training after step k: `.skip(k)`.
 
     >>> for rows in steps_dataset(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"])
+    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step_index"])
     """
+    if STEP_INDEX in features:
+        raise InputError(
+            f"steps_dataset gives each step's index as {STEP_INDEX!r}: a feature of that name cannot be read"
+        )
     spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
     signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
-    return tf.data.Dataset.from_generator(lambda: read_steps(batches, features), output_signature=signature)
+
+    def steps():
+        for index, rows in step_batches(batches, list(features)):
+            yield {**rows, STEP_INDEX: np.int64(index)}
+
+    signature[STEP_INDEX] = tf.TensorSpec([], tf.int64)
+    return tf.data.Dataset.from_generator(steps, output_signature=signature)
 
 
 def calibrate(batches: Batches, options: TrainOptions | None = None, **settings: Any) -> PrivacyPlan:
@@ -154,6 +166,22 @@ class PrivateTrainingStep(PrivateStep):
         self.releases_from_checkpoints = False  # see make_private
         self.run = uuid.uuid4().hex  # this object's run of `training` (a continuation is another run)
         self._entered = False
+
+    def __call__(self, x, y, weight, users=None, index=None) -> None:
+        """The next step on its rows; `index`, where given, the step's index in the batches (`steps_dataset`'s
+        `index`), refused unless it is the next step's."""
+        if index is not None:
+            self.check_index(index)
+        super().__call__(x, y, weight, users)
+
+    def check_index(self, index) -> None:
+        index = int(index.numpy() if hasattr(index, "numpy") else index)
+        if index != self.steps_taken:
+            raise InputError(
+                f"rows of step {index}, where this training's next step is {self.steps_taken}: take every step "
+                f"once, in order (no shuffle, filter or repeat); continuing after step k, skip the first k "
+                f"(steps_dataset(...).skip(k), with make_private(..., resumed_at=k))"
+            )
 
     def apply(self, x, y, weight, groups) -> None:
         """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""

@@ -389,6 +389,13 @@ def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]
             found = store.get(key)
             if not isinstance(found, h5py.Dataset):
                 raise InputError(f"--pretrained {path}: model.weights.h5 has no dataset {key!r}")
+            # The preset's digest covers its files' bytes: a weight read from elsewhere (an external
+            # link, external or virtual storage) could change while the digest does not.
+            if found.file.filename != store.filename or found.external or found.is_virtual:
+                raise InputError(
+                    f"--pretrained {path}: {key} in model.weights.h5 is stored in another file; a preset's "
+                    f"weights must lie in model.weights.h5 itself"
+                )
             if tuple(found.shape) != stored:
                 raise InputError(f"--pretrained {path}: {key} has shape {tuple(found.shape)}, expected {stored}")
             try:

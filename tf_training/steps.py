@@ -74,32 +74,42 @@ class _KerasFit:
 
     def __call__(self, x, y, weight, users=None) -> None: ...
 
+    def check_index(self, index) -> None:
+        """Refuse the rows of a step other than the next one (a private training step checks; a baseline
+        has no plan to keep)."""
+
     def keras_train_step(self, data) -> dict:
         """For `fit`: `model.train_step = step.keras_train_step`, `model.compile(run_eagerly=True)`, then
-        `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight) or (x, y, weight,
-        users) (`steps_dataset(...).map(...)`). Eagerly only: under tf.function, fit would trace it once
+        `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight, index) or (x, y,
+        weight, users, index), `index` the step's (`steps_dataset`'s `step_index`): a private step refuses
+        an element of any step but its next. Eagerly only: under tf.function, fit would trace it once
         and a private step's per-call work (its count against the plan's T steps, the trainings ledger)
         would not run per step. One replica only: a step of several (`make_private(..., strategy=s)`)
         splits a step's rows itself, from a loop. Its logs are the optimizer's iterations, a step count:
-        public.
+        public; what else fit shows (its progress bar's times, `validation_data`'s metrics without
+        noise, callbacks') no guarantee covers.
 
         >>> model.fit(steps_dataset(batches, ["features", "label"]).map(
-        ...     lambda rows: (rows["features"], rows["label"], rows["weight"])), epochs=1)
+        ...     lambda r: (r["features"], r["label"], r["weight"], r["step_index"])), epochs=1, verbose=0)
         """
         if not tf.executing_eagerly():
             raise InputError("keras_train_step runs each step eagerly: compile the model with run_eagerly=True")
-        if not isinstance(data, (tuple, list)) or len(data) not in (3, 4):
+        if not isinstance(data, (tuple, list)) or len(data) not in (4, 5):
             raise InputError(
-                "keras_train_step: each element that fit reads is one step's (x, y, weight) or (x, y, weight, "
-                "users); map steps_dataset's dicts to that"
+                "keras_train_step: each element that fit reads is one step's (x, y, weight, index) or (x, y, "
+                "weight, users, index); map steps_dataset's dicts to that"
             )
         context = tf.distribute.get_replica_context()  # fit calls it in one
+        if context is None:
+            raise InputError("keras_train_step is a model's train_step, for fit; call the step itself elsewhere")
         if context.num_replicas_in_sync > 1:  # fit would hand each replica a share of the step's rows
             raise InputError(
                 "keras_train_step: fit splits each element over several replicas; under a distribution strategy, "
                 "call the step from a loop of your own (it splits a step's rows over the replicas itself)"
             )
-        context.merge_call(lambda _: self(*data))
+        *rows, index = data
+        self.check_index(index)
+        context.merge_call(lambda _: self(*rows))
         return {"iterations": tf.identity(self.optimizer.iterations)}
 
 
@@ -201,7 +211,7 @@ class PrivateStep(_LoweredOnce, _KerasFit):
         if not self.user_level:
             return None
         if users is None:
-            raise ValueError("user-level steps need each row's user")
+            raise InputError('user-level steps need each row\'s user: step(x, y, weight, users=rows["user"])')
         return np.asarray(users)
 
     def _inputs(self, x, y, weight, users):

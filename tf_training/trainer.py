@@ -24,7 +24,7 @@ from madp.core.errors import InputError
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR, selection_files
 from madp.engines.batching import read_selection_file
-from madp.training import (  # the public API; the trainer's own parts are its tasks, options, outputs and long jobs
+from madp.training import (  # the public API; the trainer's own parts: tasks, models, options, outputs, long jobs
     Batches,
     NonPrivateStep,
     PrivateTrainingStep,
@@ -56,6 +56,7 @@ from madp.training.outputs import (
     TIMING_FILE,
     internal_path,
 )
+from madp.training.pretrained import read_pretrained
 from madp.training.tasks import (
     CausalLmTask,
     TextClassifierTask,
@@ -238,9 +239,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
     # The model is named by its files' digest before it is read and checked after: a file swapped
-    # meanwhile would be named but not the one trained from.
+    # meanwhile would be named but not the one trained from. Its configuration is checked first, so
+    # that a path which holds no model is refused before all its files are hashed.
     public_model = None
     if options.pretrained is not None and options.mechanism != "none":
+        read_pretrained(options.pretrained)
         public_model = pretrained_is_public(options.pretrained)
     task, skipped = prepare_task(options, batches)
     strategy = distribution_strategy(options)
