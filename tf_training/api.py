@@ -74,6 +74,11 @@ def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, 
         yield rows
 
 
+def _step_number(value) -> int:
+    """A step index or count given as an integer, a numpy integer or a scalar tensor (TypeError else)."""
+    return operator.index(value.numpy() if hasattr(value, "numpy") else value)
+
+
 def steps_dataset(batches: Batches, features: Sequence[str]):
     """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
     tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`, and
@@ -90,12 +95,12 @@ def steps_dataset(batches: Batches, features: Sequence[str]):
         )
     spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
     signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
+    signature[STEP_INDEX] = tf.TensorSpec([], tf.int64)
 
     def steps():
         for index, rows in step_batches(batches, list(features)):
             yield {**rows, STEP_INDEX: np.int64(index)}
 
-    signature[STEP_INDEX] = tf.TensorSpec([], tf.int64)
     return tf.data.Dataset.from_generator(steps, output_signature=signature)
 
 
@@ -169,13 +174,16 @@ class PrivateTrainingStep(PrivateStep):
 
     def __call__(self, x, y, weight, users=None, index=None) -> None:
         """The next step on its rows; `index`, where given, the step's index in the batches (`steps_dataset`'s
-        `index`), refused unless it is the next step's."""
+        `step_index`), refused unless it is the next step's."""
         if index is not None:
             self.check_index(index)
         super().__call__(x, y, weight, users)
 
     def check_index(self, index) -> None:
-        index = int(index.numpy() if hasattr(index, "numpy") else index)
+        try:
+            index = _step_number(index)
+        except TypeError:
+            raise InputError(f"index={index!r}: the step's index (steps_dataset's step_index)") from None
         if index != self.steps_taken:
             raise InputError(
                 f"rows of step {index}, where this training's next step is {self.steps_taken}: take every step "
@@ -344,7 +352,7 @@ def make_private(
     ...     step(rows["features"], rows["label"], rows["weight"])
     """
     try:  # e.g. optimizer.iterations (a tf.Variable) or its numpy()
-        resumed_at = operator.index(resumed_at.numpy() if hasattr(resumed_at, "numpy") else resumed_at)
+        resumed_at = _step_number(resumed_at)
     except TypeError:
         raise InputError(f"resumed_at={resumed_at!r}: the number of steps the interrupted training took") from None
     if not 0 <= resumed_at <= plan.steps:

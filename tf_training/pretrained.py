@@ -136,13 +136,23 @@ def _check_sizes(path: str, config: LlamaConfig) -> None:
         raise InputError(f"--pretrained {path}: an odd head size {config.head_dim}")
 
 
-def _open_gguf(path: str):
+def check_pretrained_path(path: str) -> None:
+    """`read_pretrained`'s first checks, which read no more than a header or config.json: a GGUF file,
+    or a directory with a JSON config.json. `madp train` makes them before it hashes the model's files,
+    so that a path holding no model is refused at once."""
+    if os.path.isdir(path):
+        _preset_json(path, "config.json")
+        return
     if not os.path.isfile(path):
         raise InputError(f"--pretrained {path}: no such file (a local .gguf file; `make pretrained` fetches one)")
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
         raise InputError(f"--pretrained {path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+
+
+def _open_gguf(path: str):
+    check_pretrained_path(path)
     try:
         import gguf
     except ImportError as error:

@@ -56,7 +56,7 @@ from madp.training.outputs import (
     TIMING_FILE,
     internal_path,
 )
-from madp.training.pretrained import read_pretrained
+from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
     CausalLmTask,
     TextClassifierTask,
@@ -239,11 +239,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
     # The model is named by its files' digest before it is read and checked after: a file swapped
-    # meanwhile would be named but not the one trained from. Its configuration is checked first, so
-    # that a path which holds no model is refused before all its files are hashed.
+    # meanwhile would be named but not the one trained from. The path is checked first, so that one
+    # which holds no model is refused before all its files are hashed.
     public_model = None
     if options.pretrained is not None and options.mechanism != "none":
-        read_pretrained(options.pretrained)
+        check_pretrained_path(options.pretrained)
         public_model = pretrained_is_public(options.pretrained)
     task, skipped = prepare_task(options, batches)
     strategy = distribution_strategy(options)
