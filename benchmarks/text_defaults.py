@@ -3,9 +3,11 @@ options, non-private and at epsilon 8, against a linear model on the same hashed
 
 The corpus is a madp JSON Lines file with `text`, `label` and `users` (`benchmarks/text_corpus.py`
 writes CPython's changelog, 11 classes). A seeded 20% of the records is held out for evaluation;
-the rest goes through `madp bound -k K`, `madp batch` (Poisson, T steps of expected size B, a fresh
-sampling key per private training) and `madp train --model text-classifier` with nothing but the
-labels, the evaluation file and the privacy target (plus --extra flags, to compare candidates).
+the rest goes through `madp bound -k K` (K given, or the one `madp recommend-k` recommends for the
+training records at the same epsilon, delta, T and B: `-k recommend`), `madp batch` (Poisson, T
+steps of expected size B, a fresh sampling key per private training) and `madp train --model
+text-classifier` with nothing but the labels, the evaluation file and the privacy target (plus
+--extra flags, to compare candidates).
 
 The linear model: softmax regression on the L2-normalized presence vector of the same hashed
 n-grams (`madp.training.text.hashed_ngrams`, same buckets and length), full-batch Adam, its L2
@@ -14,7 +16,7 @@ trains on, the bounded selection (each record once): the comparison is between t
 the same data, not of the bounding's bias (which drops most records of a user with thousands). It
 is also trained on all training records (`linear_all_records`), as a reference.
 
-    python benchmarks/text_defaults.py CORPUS.jsonl [--steps 1000] [--batch-size 256] [-k 4] \
+    python benchmarks/text_defaults.py CORPUS.jsonl [--steps 1000] [--batch-size 256] [-k 4|recommend] \
         [--epsilon 8] [--extra "--optimizer adam --learning-rate 0.01"]
 """
 
@@ -49,10 +51,17 @@ def split(corpus: str, directory: str, seed: int = 0) -> tuple[str, str, list[st
     return *paths, sorted({row["label"] for row in rows})
 
 
-def madp(*arguments: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "madp.cli", "-q", *arguments], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
-    )
+def madp(*arguments: str) -> str:
+    """Runs the madp command line; its standard output."""
+    command = [sys.executable, "-m", "madp.cli", "-q", *arguments]
+    return subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True).stdout
+
+
+def recommended_k(records: str, args: argparse.Namespace) -> int:
+    """The k `madp recommend-k` recommends for these records at the benchmark's privacy and steps."""
+    privacy = ["--epsilon", str(args.epsilon), "--delta", str(args.delta)]
+    steps = ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    return int(json.loads(madp("recommend-k", records, *privacy, *steps))["recommended_k"])
 
 
 def final_accuracy(output: str) -> dict:
@@ -88,36 +97,43 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
     index = {label: i for i, label in enumerate(labels)}
 
     def read(path: str):
+        """(ids, weights, labels): each text's L2-normalized presence vector as its distinct
+        nonzero n-gram ids, each weighing 1 / sqrt(their number) (repeats and padding weigh 0)."""
         rows = [json.loads(line) for line in open(path, encoding="utf-8")]
-        ids = hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length)
-        presence = np.zeros((len(rows), buckets), np.float32)
-        presence[np.repeat(np.arange(len(rows)), max_length), ids.ravel()] = 1.0
-        presence[:, 0] = 0.0  # padding
-        presence /= np.maximum(np.linalg.norm(presence, axis=1, keepdims=True), 1e-12)
-        return presence, np.array([index[r["label"]] for r in rows])
+        ids = np.sort(hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length))
+        present = ids != 0
+        present[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+        weights = present / np.maximum(np.sqrt(present.sum(axis=1, keepdims=True)), 1e-12)
+        return (ids, weights.astype(np.float32)), np.array([index[r["label"]] for r in rows])
 
     def fit(x, y, l2: float, epochs: int = 300):
         weights = tf.Variable(tf.zeros((buckets, len(labels))))
         bias = tf.Variable(tf.zeros(len(labels)))
         optimizer = tf.keras.optimizers.Adam(0.05)
-        x, y = tf.constant(x), tf.constant(y)
+        (ids, presence), y = (tf.constant(x[0]), tf.constant(x[1])), tf.constant(y)
+
+        def logits(ids, presence, weights, bias):  # the presence vector times the weights, row by row
+            return tf.einsum("nl,nlc->nc", presence, tf.gather(weights, ids)) + bias
 
         @tf.function
         def step():
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(softmax_loss(y, x @ weights + bias)) + l2 * tf.reduce_sum(weights * weights)
-            optimizer.apply_gradients(zip(tape.gradient(loss, [weights, bias]), [weights, bias]))
+                loss = softmax_loss(y, logits(ids, presence, weights, bias))
+                loss = tf.reduce_mean(loss) + l2 * tf.reduce_sum(weights * weights)
+            gradients = [tf.convert_to_tensor(g) for g in tape.gradient(loss, [weights, bias])]  # dense Adam
+            optimizer.apply_gradients(zip(gradients, [weights, bias]))
 
         for _ in range(epochs):
             step()
-        return lambda z: (z @ weights.numpy() + bias.numpy()).argmax(axis=1)
+        return lambda z: logits(*z, weights, bias).numpy().argmax(axis=1)
 
     x, y = read(records)
     validation = np.random.default_rng(1).random(len(y)) < 0.1
+    rows = lambda x, selected: tuple(part[selected] for part in x)  # noqa: E731
     scores = {}
     for l2 in (0.0, 1e-6, 1e-5, 1e-4, 1e-3):
-        predict = fit(x[~validation], y[~validation], l2)
-        scores[l2] = float(np.mean(predict(x[validation]) == y[validation]))
+        predict = fit(rows(x, ~validation), y[~validation], l2)
+        scores[l2] = float(np.mean(predict(rows(x, validation)) == y[validation]))
     best = max(scores, key=lambda l2: scores[l2])
     x_test, y_test = read(test)
     return {"accuracy": round(float(np.mean(fit(x, y, best)(x_test) == y_test)), 4), "l2": best, "validation": scores}
@@ -128,7 +144,7 @@ def main() -> None:
     parser.add_argument("corpus")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("-k", type=int, default=4, help="records per user kept by madp bound")
+    parser.add_argument("-k", default="4", help="records per user kept by madp bound, or 'recommend'")
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--delta", type=float, default=1e-6)
     parser.add_argument("--extra", default="", help="madp train flags for both trainings (a candidate default)")
@@ -141,10 +157,12 @@ def main() -> None:
     os.makedirs(directory, exist_ok=True)
     records, test, labels = split(args.corpus, directory)
     bound = os.path.join(directory, "bound")
-    madp("bound", records, bound, "-k", str(args.k), "--runner", "local")
+    k = recommended_k(records, args) if args.k == "recommend" else int(args.k)
+    madp("bound", records, bound, "-k", str(k), "--runner", "local")
     common = ["--model", "text-classifier", "--labels", ",".join(labels), "--eval-data", test]
     common += ["--eval-every", str(args.steps), *shlex.split(args.extra)]
-    results: dict = {"corpus": args.corpus, "steps": args.steps, "batch_size": args.batch_size, "k": args.k}
+    results: dict = {"corpus": args.corpus, "steps": args.steps, "batch_size": args.batch_size, "k": k}
+    results["k_chosen_by"] = "madp recommend-k" if args.k == "recommend" else "-k"
     results["extra"] = args.extra
     for name, privacy in (("non_private", ["--mechanism", "none"]), ("private", ["--epsilon", str(args.epsilon)])):
         if args.only not in (None, name):  # "linear" trains neither
