@@ -64,6 +64,13 @@ def recommended_k(records: str, args: argparse.Namespace) -> int:
     return int(json.loads(madp("recommend-k", records, *privacy, *steps))["recommended_k"])
 
 
+def bound_k(value: str) -> str:
+    """-k: a positive integer, or `recommend`."""
+    if value != "recommend" and not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a positive integer nor 'recommend'")
+    return value
+
+
 def final_accuracy(output: str) -> dict:
     metrics = json.load(open(os.path.join(output, "metrics.json")))
     privacy = json.load(open(os.path.join(output, "privacy.json")))
@@ -97,7 +104,7 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
     index = {label: i for i, label in enumerate(labels)}
 
     def read(path: str):
-        """(ids, weights, labels): each text's L2-normalized presence vector as its distinct
+        """((ids, weights), labels): each text's L2-normalized presence vector as its distinct
         nonzero n-gram ids, each weighing 1 / sqrt(their number) (repeats and padding weigh 0)."""
         rows = [json.loads(line) for line in open(path, encoding="utf-8")]
         ids = np.sort(hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length))
@@ -144,7 +151,7 @@ def main() -> None:
     parser.add_argument("corpus")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("-k", default="4", help="records per user kept by madp bound, or 'recommend'")
+    parser.add_argument("-k", type=bound_k, default="4", help="records per user kept by madp bound, or 'recommend'")
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--delta", type=float, default=1e-6)
     parser.add_argument("--extra", default="", help="madp train flags for both trainings (a candidate default)")
