@@ -64,11 +64,11 @@ def recommended_k(records: str, args: argparse.Namespace) -> int:
     return int(json.loads(madp("recommend-k", records, *privacy, *steps))["recommended_k"])
 
 
-def bound_k(value: str) -> str:
+def bound_k(value: str) -> int | str:
     """-k: a positive integer, or `recommend`."""
     if value != "recommend" and not (value.isdigit() and int(value) > 0):
         raise argparse.ArgumentTypeError(f"{value!r} is neither a positive integer nor 'recommend'")
-    return value
+    return value if value == "recommend" else int(value)
 
 
 def final_accuracy(output: str) -> dict:
@@ -104,20 +104,20 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
     index = {label: i for i, label in enumerate(labels)}
 
     def read(path: str):
-        """((ids, weights), labels): each text's L2-normalized presence vector as its distinct
+        """(ids, weights, labels): each text's L2-normalized presence vector as its distinct
         nonzero n-gram ids, each weighing 1 / sqrt(their number) (repeats and padding weigh 0)."""
         rows = [json.loads(line) for line in open(path, encoding="utf-8")]
         ids = np.sort(hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length))
         present = ids != 0
         present[:, 1:] &= ids[:, 1:] != ids[:, :-1]
         weights = present / np.maximum(np.sqrt(present.sum(axis=1, keepdims=True)), 1e-12)
-        return (ids, weights.astype(np.float32)), np.array([index[r["label"]] for r in rows])
+        return ids, weights.astype(np.float32), np.array([index[r["label"]] for r in rows])
 
-    def fit(x, y, l2: float, epochs: int = 300):
+    def fit(ids, presence, y, l2: float, epochs: int = 300):
         weights = tf.Variable(tf.zeros((buckets, len(labels))))
         bias = tf.Variable(tf.zeros(len(labels)))
         optimizer = tf.keras.optimizers.Adam(0.05)
-        (ids, presence), y = (tf.constant(x[0]), tf.constant(x[1])), tf.constant(y)
+        ids, presence, y = tf.constant(ids), tf.constant(presence), tf.constant(y)
 
         def logits(ids, presence, weights, bias):  # the presence vector times the weights, row by row
             return tf.einsum("nl,nlc->nc", presence, tf.gather(weights, ids)) + bias
@@ -132,18 +132,19 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
 
         for _ in range(epochs):
             step()
-        return lambda z: logits(*z, weights, bias).numpy().argmax(axis=1)
+        return lambda ids, presence: logits(ids, presence, weights, bias).numpy().argmax(axis=1)
 
-    x, y = read(records)
+    ids, presence, y = read(records)
     validation = np.random.default_rng(1).random(len(y)) < 0.1
-    rows = lambda x, selected: tuple(part[selected] for part in x)  # noqa: E731
+    train = ~validation
     scores = {}
     for l2 in (0.0, 1e-6, 1e-5, 1e-4, 1e-3):
-        predict = fit(rows(x, ~validation), y[~validation], l2)
-        scores[l2] = float(np.mean(predict(rows(x, validation)) == y[validation]))
+        predict = fit(ids[train], presence[train], y[train], l2)
+        scores[l2] = float(np.mean(predict(ids[validation], presence[validation]) == y[validation]))
     best = max(scores, key=lambda l2: scores[l2])
-    x_test, y_test = read(test)
-    return {"accuracy": round(float(np.mean(fit(x, y, best)(x_test) == y_test)), 4), "l2": best, "validation": scores}
+    test_ids, test_presence, y_test = read(test)
+    predicted = fit(ids, presence, y, best)(test_ids, test_presence)
+    return {"accuracy": round(float(np.mean(predicted == y_test)), 4), "l2": best, "validation": scores}
 
 
 def main() -> None:
@@ -151,7 +152,7 @@ def main() -> None:
     parser.add_argument("corpus")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("-k", type=bound_k, default="4", help="records per user kept by madp bound, or 'recommend'")
+    parser.add_argument("-k", type=bound_k, default=4, help="records per user kept by madp bound, or 'recommend'")
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--delta", type=float, default=1e-6)
     parser.add_argument("--extra", default="", help="madp train flags for both trainings (a candidate default)")
@@ -164,7 +165,7 @@ def main() -> None:
     os.makedirs(directory, exist_ok=True)
     records, test, labels = split(args.corpus, directory)
     bound = os.path.join(directory, "bound")
-    k = recommended_k(records, args) if args.k == "recommend" else int(args.k)
+    k = recommended_k(records, args) if args.k == "recommend" else args.k
     madp("bound", records, bound, "-k", str(k), "--runner", "local")
     common = ["--model", "text-classifier", "--labels", ",".join(labels), "--eval-data", test]
     common += ["--eval-every", str(args.steps), *shlex.split(args.extra)]
