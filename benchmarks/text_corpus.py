@@ -1,4 +1,4 @@
-"""Real multi-owner text corpora available offline, as madp records (JSON Lines: id, users, text, label).
+"""Real multi-owner text corpora, from Debian's archive and PyPI, as madp records (JSON Lines: id, users, text, label).
 
 `--source changelog`: CPython's changelog, from the Debian package `python3.11-doc` (the PSF
 documentation licence). Each changelog item is a record: `text` is the item (its issue number left
@@ -16,28 +16,47 @@ left out);
 `users` its Maintainer and Uploaders by e-mail address (lower case): several people per record,
 and teams (the Debian Python Team, ...) that own thousands.
 
+`--source pypi`: Python packages on PyPI, from its JSON API (pypi.org/pypi/NAME/json) for a seeded
+sample of `--packages` names of its index (pypi.org/simple). A package is a record when its
+classifiers name exactly one top-level topic (`Topic :: Scientific/Engineering :: ...` is
+Scientific/Engineering), among the --topics most common, and its metadata names an owner: `users`
+are the e-mail addresses of its author and maintainer fields (lower case), else their names (split at
+commas and "and"); `text` is its summary and the start of its description (markup, links and
+addresses removed); `label` the topic. A text without a letter or digit is left out, and so is one
+that an earlier package (by name) already has, so that copies cannot sit on both sides of a split.
+PyPI changes every day: `--cache` keeps what was fetched (resumable; `--cached-only` rebuilds the
+records from it without network), and the summary gives its SHA-256.
+
     python benchmarks/text_corpus.py OUT.jsonl [--source changelog] [--deb python3.11-doc_*.deb]
     python benchmarks/text_corpus.py OUT.jsonl --source debian [--sources Sources.xz] [--translations Translation-en.xz]
+    python benchmarks/text_corpus.py OUT.jsonl --source pypi [--packages 150000] [--cache pypi.jsonl]
 
 Without the file options the files are fetched from Debian's archive (`apt-get download`, or
-deb.debian.org: Debian's mirror, no other network); the output's summary gives their SHA-256.
+deb.debian.org: Debian's mirror) or PyPI, no other network; the output's summary gives their SHA-256.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import glob
 import gzip
 import hashlib
 import html
+import http.client
 import json
 import lzma
 import os
 import re
 import subprocess
+import sys
 import tempfile
+import threading
+import urllib.error
 import urllib.request
+
+import numpy as np
 
 CHANGELOG = "./usr/share/doc/python3.11/html/whatsnew/changelog.html.gz"
 _TOKENS = re.compile(r"<h2>(.*?)<a|<h3>(.*?)<a|<li><p>(.*?)</p>\s*</li>", re.S)
@@ -149,6 +168,108 @@ def debian_records(sources: str, translations: str, sections: int) -> list[dict]
     return [row for row in out if row["label"] in kept]
 
 
+PYPI = "https://pypi.org"
+_PYPI_FIELDS = ("summary", "author", "author_email", "maintainer", "maintainer_email", "classifiers")
+_EMAIL = re.compile(r"[^\s<>,;:\"'()\[\]]+@[^\s<>,;:\"'()\[\]]+\.[A-Za-z]{2,}")
+_MARKUP = [
+    (re.compile(r"!\[[^\]]*\]\([^)]*\)"), " "),  # a markdown image (badges)
+    (re.compile(r"\[([^\]]*)\]\([^)]*\)"), r"\1"),  # a markdown link: its text
+    (re.compile(r"<[^>]*>"), " "),  # HTML tags
+    (re.compile(r"\.\. [^\n]*"), " "),  # reStructuredText directives (images, badges)
+    (re.compile(r"\|[^|\n]+\|_?"), " "),  # reStructuredText substitutions
+    (re.compile(r"https?://\S+|\S+@\S+"), " "),  # links and addresses
+    (re.compile(r"[#*=`_~^>|\-\[\]]{2,}|[#*`]"), " "),  # headings, rules, emphasis, code marks
+]
+_NAMES = re.compile(r",|;|&|\band\b|\bet al\b\.?", re.I)
+
+
+def pypi_names() -> list[str]:
+    """PyPI's project names (normalized), from its simple index."""
+    with urllib.request.urlopen(f"{PYPI}/simple/", timeout=120) as response:
+        return re.findall(r'<a href="([^"/]+)/">', response.read().decode())
+
+
+_CONNECTION = threading.local()  # one kept-alive HTTPS connection per thread: a TLS handshake costs more than a page
+
+
+def _pypi_json(path: str, redirects: int = 3) -> dict:
+    connection = getattr(_CONNECTION, "pypi", None) or http.client.HTTPSConnection("pypi.org", timeout=60)
+    _CONNECTION.pypi = None  # until the response is read whole
+    connection.request("GET", path)
+    response = connection.getresponse()
+    body = response.read()
+    _CONNECTION.pypi = connection
+    location = response.getheader("Location", "")
+    if response.status in (301, 302, 307, 308) and redirects and location.startswith(("/", PYPI)):
+        return _pypi_json(location.removeprefix(PYPI), redirects - 1)
+    if response.status != 200:
+        raise urllib.error.HTTPError(path, response.status, response.reason, response.headers, None)
+    return json.loads(body)
+
+
+def pypi_info(name: str) -> dict:
+    """A project's metadata fields used here and the start of its description, or {"missing": why}."""
+    try:
+        info = _pypi_json(f"/pypi/{name}/json")["info"]
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as error:
+        return {"name": name, "missing": f"{type(error).__name__}: {error}"[:200]}
+    fields = {field: info.get(field) for field in _PYPI_FIELDS}
+    return {"name": name, **fields, "description": (info.get("description") or "")[:8000]}
+
+
+def fetch_pypi(names: list[str], cache: str, threads: int) -> list[dict]:
+    """Each name's `pypi_info`, read from `cache` (JSON Lines) where it is there, else fetched and
+    appended to it; a name missing for a transient reason (not 404) is fetched again on a later run."""
+    known: dict[str, dict] = {}
+    if os.path.exists(cache):
+        for line in open(cache, encoding="utf-8"):
+            entry = json.loads(line)
+            missing = entry.get("missing")
+            if missing is None or "HTTP Error 404" in missing:  # else fetched again
+                known[entry["name"]] = entry
+    todo = [name for name in names if name not in known]
+    with open(cache, "a", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for done, entry in enumerate(pool.map(pypi_info, todo), 1):
+            known[entry["name"]] = entry
+            out.write(json.dumps(entry) + "\n")
+            if done % 2000 == 0:
+                print(f"fetched {done} of {len(todo)} packages", file=sys.stderr, flush=True)
+    return [known[name] for name in names]
+
+
+def plain_description(text: str) -> str:
+    """A README's prose: markdown and reStructuredText markup, HTML, links and addresses removed."""
+    for pattern, replacement in _MARKUP:
+        text = pattern.sub(replacement, text)
+    return " ".join(text.split())
+
+
+def pypi_users(info: dict) -> list[str]:
+    """The owners a package's metadata names: its author and maintainer addresses, else names."""
+    fields = [info.get(field) or "" for field in ("author", "author_email", "maintainer", "maintainer_email")]
+    addresses = [a.lower() for a in _EMAIL.findall(" ".join(fields[1::2]) + " " + " ".join(fields[::2]))]
+    if addresses:
+        return list(dict.fromkeys(addresses))
+    names = [n.strip().lower() for n in _NAMES.split(" , ".join(fields[::2]))]
+    return list(dict.fromkeys(n for n in names if n and n not in ("none", "unknown", "n/a") and len(n) < 60))
+
+
+def pypi_records(infos: list[dict], topics: int, text_chars: int = 600) -> list[dict]:
+    """Packages as records (id, users, text, label): one top-level topic among the `topics` most common."""
+    out: list[dict] = []
+    seen: set[str] = set()
+    for info in sorted((i for i in infos if "missing" not in i), key=lambda i: i["name"]):
+        top = {c.split(" :: ")[1] for c in info["classifiers"] or [] if c.startswith("Topic :: ") and " :: " in c}
+        users = pypi_users(info)
+        summary = " ".join((info["summary"] or "").split())
+        text = f"{summary}. {plain_description(info['description'])}"[:text_chars].strip(" .")
+        if len(top) == 1 and users and any(c.isalnum() for c in text) and text.lower() not in seen:
+            seen.add(text.lower())
+            out.append({"id": info["name"], "users": users, "text": text, "label": top.pop()})
+    kept = {label for label, _ in collections.Counter(row["label"] for row in out).most_common(topics)}
+    return [row for row in out if row["label"] in kept]
+
+
 def _fetched(url: str, directory: str) -> str:
     path = os.path.join(directory, url.rsplit("/", 1)[1])
     urllib.request.urlretrieve(url, path)
@@ -163,12 +284,19 @@ def _sha256(path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
-    parser.add_argument("--source", choices=("changelog", "debian"), default="changelog")
+    parser.add_argument("--source", choices=("changelog", "debian", "pypi"), default="changelog")
     parser.add_argument("--deb", help="changelog: a python3.11-doc .deb (default: apt-get download it)")
     parser.add_argument("--sources", help="debian: Sources.xz of bookworm main (default: fetched)")
     parser.add_argument("--translations", help="debian: Translation-en.xz of bookworm main (default: fetched)")
     parser.add_argument("--sections", type=int, default=12, help="debian: the most common sections kept as labels")
+    parser.add_argument("--packages", type=int, default=150_000, help="pypi: project names sampled (seeded)")
+    parser.add_argument("--topics", type=int, default=10, help="pypi: the most common topics kept as labels")
+    parser.add_argument("--cache", help="pypi: JSON Lines of the fetched metadata (default: in a temporary folder)")
+    parser.add_argument("--threads", type=int, default=48, help="pypi: concurrent requests")
+    parser.add_argument("--cached-only", action="store_true", help="pypi: the --cache file's packages, no network")
     args = parser.parse_args()
+    if args.cached_only and not (args.cache and os.path.exists(args.cache)):
+        parser.error(f"--cached-only reads an existing --cache file, not {args.cache!r}")
     directory = tempfile.mkdtemp()
     if args.source == "changelog":
         deb = args.deb
@@ -176,6 +304,14 @@ def main() -> None:
             subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=directory, check=True)
             (deb,) = glob.glob(os.path.join(directory, "python3.11-doc_*.deb"))
         items, inputs = records(changelog_from_deb(deb)), [deb]
+    elif args.source == "pypi" and args.cached_only:
+        infos = [json.loads(line) for line in open(args.cache, encoding="utf-8")]
+        items, inputs = pypi_records(infos, args.topics), [args.cache]
+    elif args.source == "pypi":
+        names = sorted(pypi_names())
+        sample = sorted(np.random.default_rng(0).choice(len(names), min(args.packages, len(names)), replace=False))
+        cache = args.cache or os.path.join(directory, "pypi.jsonl")
+        items, inputs = pypi_records(fetch_pypi([names[i] for i in sample], cache, args.threads), args.topics), [cache]
     else:
         sources = args.sources or _fetched(f"{DEBIAN}/source/Sources.xz", directory)
         translations = args.translations or _fetched(f"{DEBIAN}/i18n/Translation-en.xz", directory)
