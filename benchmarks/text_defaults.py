@@ -96,22 +96,26 @@ def bounded_records(records: str, bound: str, directory: str) -> str:
     return path
 
 
+def presence_rows(path: str, labels: list[str], buckets: int, max_length: int):
+    """(ids, weights, labels) of a JSON Lines file: each text's L2-normalized presence vector of
+    hashed n-grams as its distinct nonzero n-gram ids, each weighing 1 / sqrt(their number) (repeats
+    and padding weigh 0), and each label's index in `labels`."""
+    from madp.training.text import hashed_ngrams
+
+    index = {label: i for i, label in enumerate(labels)}
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    ids = np.sort(hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length))
+    present = ids != 0
+    present[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    weights = present / np.maximum(np.sqrt(present.sum(axis=1, keepdims=True)), 1e-12)
+    return ids, weights.astype(np.float32), np.array([index[r["label"]] for r in rows])
+
+
 def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, max_length: int) -> dict:
     from madp.training import load_tensorflow
-    from madp.training.text import hashed_ngrams, softmax_loss
+    from madp.training.text import softmax_loss
 
     tf = load_tensorflow()
-    index = {label: i for i, label in enumerate(labels)}
-
-    def read(path: str):
-        """(ids, weights, labels): each text's L2-normalized presence vector as its distinct
-        nonzero n-gram ids, each weighing 1 / sqrt(their number) (repeats and padding weigh 0)."""
-        rows = [json.loads(line) for line in open(path, encoding="utf-8")]
-        ids = np.sort(hashed_ngrams(np.array([r["text"].encode() for r in rows], dtype=object), buckets, max_length))
-        present = ids != 0
-        present[:, 1:] &= ids[:, 1:] != ids[:, :-1]
-        weights = present / np.maximum(np.sqrt(present.sum(axis=1, keepdims=True)), 1e-12)
-        return ids, weights.astype(np.float32), np.array([index[r["label"]] for r in rows])
 
     def fit(ids, presence, y, l2: float, epochs: int = 300):
         weights = tf.Variable(tf.zeros((buckets, len(labels))))
@@ -134,7 +138,7 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
             step()
         return lambda ids, presence: logits(ids, presence, weights, bias).numpy().argmax(axis=1)
 
-    ids, presence, y = read(records)
+    ids, presence, y = presence_rows(records, labels, buckets, max_length)
     validation = np.random.default_rng(1).random(len(y)) < 0.1
     train = ~validation
     scores = {}
@@ -142,7 +146,7 @@ def linear_accuracy(records: str, test: str, labels: list[str], buckets: int, ma
         predict = fit(ids[train], presence[train], y[train], l2)
         scores[l2] = float(np.mean(predict(ids[validation], presence[validation]) == y[validation]))
     best = max(scores, key=lambda l2: scores[l2])
-    test_ids, test_presence, y_test = read(test)
+    test_ids, test_presence, y_test = presence_rows(test, labels, buckets, max_length)
     predicted = fit(ids, presence, y, best)(test_ids, test_presence)
     return {"accuracy": round(float(np.mean(predicted == y_test)), 4), "l2": best, "validation": scores}
 

@@ -1,13 +1,27 @@
-"""The PyPI corpus builder of benchmarks/text_corpus.py (its figures are in the README): who owns a
-package, what its text is, and which packages become records, on hand-written metadata (no network)."""
+"""The text benchmarks' own parts (their figures are in the README, "Text defaults"): the PyPI corpus
+builder of benchmarks/text_corpus.py (who owns a package, what its text is, which packages become
+records, on hand-written metadata, no network) and the rows of benchmarks/text_defaults.py's linear
+model (the L2-normalized presence vector of the hashed n-grams, as ids and weights)."""
 
 import importlib.util
+import json
 import os
 
+import numpy as np
+
+from madp.training.text import hashed_ngrams
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SPEC = importlib.util.spec_from_file_location("text_corpus", os.path.join(ROOT, "benchmarks", "text_corpus.py"))
-text_corpus = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(text_corpus)
+
+
+def benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+text_corpus = benchmark("text_corpus")
 
 
 def package(name, summary="A tool for parsing logs", topics=("Topic :: System :: Logging",), **fields):
@@ -51,3 +65,20 @@ def test_records_need_one_topic_an_owner_and_a_new_text():
     assert rows[0]["text"] == "A tool for parsing logs"
     most_common = text_corpus.pypi_records(infos, topics=1)
     assert [row["label"] for row in most_common] == ["System", "System"]
+
+
+def test_linear_rows_are_the_normalized_presence_vector(tmp_path):
+    texts = ["spam spam spam eggs", "eggs and ham", "a b c d e f g h i j k l m n o p"]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in zip(texts, "yxy")))
+    buckets, max_length = 64, 16  # few buckets: collisions, which presence counts once
+    ids, weights, labels = benchmark("text_defaults").presence_rows(str(path), ["x", "y"], buckets, max_length)
+    rows = np.zeros((len(texts), buckets))
+    np.add.at(rows, (np.arange(len(texts))[:, None], ids), weights)
+    expected = np.zeros((len(texts), buckets))
+    hashed = hashed_ngrams(np.array([t.encode() for t in texts], dtype=object), buckets, max_length)
+    for row, text_ids in enumerate(hashed):
+        present = sorted(set(text_ids.tolist()) - {0})
+        expected[row, present] = 1 / np.sqrt(len(present))
+    np.testing.assert_allclose(rows, expected, rtol=1e-6)  # padding (id 0) weighs nothing
+    assert labels.tolist() == [1, 0, 1]
