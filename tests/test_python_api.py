@@ -218,6 +218,49 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
         traced.fit(elements, verbose=0)
 
 
+def test_fit_trains_user_sampled_batches_with_each_rows_user_as_the_loop_does(tmp_path):
+    """On user-level batches (`--sampler users`: a sampled user brings all its records, clipped
+    together), fit's elements (x, y, weight, users, index) give the loop's model bit for bit, and a
+    step without the rows' users is refused."""
+    import tf_keras as K
+
+    rng = np.random.default_rng(6)
+    rows = [{"id": i, "users": [i % 40], "features": rng.normal(size=4).tolist(), "label": i % 2} for i in range(240)]
+    data = write_records(str(tmp_path / "single.jsonl"), rows)
+    bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=4))
+    options = BatchOptions(seed=0, steps=12, batch_size=6, sampler="users")
+    batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"), options)
+    batches = open_batches(str(tmp_path / "batches"))
+    plan = calibrate(batches, epsilon=8)
+    assert plan.mechanism == "dpsgd-uls"
+    tf = madp.training.load_tensorflow()
+
+    def loss(labels, logits):
+        labels = tf.cast(labels[:, None], tf.float32)
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
+
+    def made():
+        K.utils.set_random_seed(0)
+        model = K.Sequential([K.Input((4,)), K.layers.Dense(1)])
+        return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
+
+    looped, step = made()
+    for rows_of_step in read_steps(batches, ["features", "label", "user"]):
+        step(rows_of_step["features"], rows_of_step["label"], rows_of_step["weight"], users=rows_of_step["user"])
+    fitted, step = made()
+    fitted.train_step = step.keras_train_step
+    fitted.compile(run_eagerly=True)
+    steps = madp.training.steps_dataset(batches, ["features", "label", "user"])
+    fitted.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["user"], r["step_index"])), verbose=0)
+    for a, b in zip(looped.get_weights(), fitted.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    unknown, step = made()
+    unknown.train_step = step.keras_train_step
+    unknown.compile(run_eagerly=True)
+    with pytest.raises(InputError, match="user-level steps need each row's user"):
+        unknown.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step_index"])), verbose=0)
+
+
 def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_compute_in_float32(demo, caplog):
     """A Dense stack's clipping runs its layers on their float32 weights, so the bfloat16 policy changes
     nothing in its private steps: the step says so rather than let --mixed-precision seem to apply."""
