@@ -217,16 +217,23 @@ def pypi_info(name: str) -> dict:
     return {"name": name, **fields, "description": (info.get("description") or "")[:8000]}
 
 
-def fetch_pypi(names: list[str], cache: str, threads: int) -> list[dict]:
-    """Each name's `pypi_info`, read from `cache` (JSON Lines) where it is there, else fetched and
-    appended to it; a name missing for a transient reason (not 404) is fetched again on a later run."""
+def cached_pypi(cache: str) -> dict[str, dict]:
+    """The `pypi_info` entries of a cache file (JSON Lines) by name, but those missing for a transient
+    reason (anything but a 404): `fetch_pypi` fetches them again."""
     known: dict[str, dict] = {}
     if os.path.exists(cache):
         for line in open(cache, encoding="utf-8"):
             entry = json.loads(line)
             missing = entry.get("missing")
-            if missing is None or "HTTP Error 404" in missing:  # else fetched again
+            if missing is None or "HTTP Error 404" in missing:
                 known[entry["name"]] = entry
+    return known
+
+
+def fetch_pypi(names: list[str], cache: str, threads: int) -> list[dict]:
+    """Each name's `pypi_info`, read from `cache` (`cached_pypi`) where it is there, else fetched and
+    appended to it."""
+    known = cached_pypi(cache)
     todo = [name for name in names if name not in known]
     with open(cache, "a", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for done, entry in enumerate(pool.map(pypi_info, todo), 1):
@@ -259,11 +266,13 @@ def pypi_records(infos: list[dict], topics: int, text_chars: int = 600) -> list[
     out: list[dict] = []
     seen: set[str] = set()
     for info in sorted((i for i in infos if "missing" not in i), key=lambda i: i["name"]):
-        top = {c.split(" :: ")[1] for c in info["classifiers"] or [] if c.startswith("Topic :: ") and " :: " in c}
-        users = pypi_users(info)
+        top = {c.split(" :: ")[1] for c in info["classifiers"] or [] if c.startswith("Topic :: ")}
+        users = pypi_users(info) if len(top) == 1 else []
+        if not users:  # before the description's markup is removed, the most work per package
+            continue
         summary = " ".join((info["summary"] or "").split())
         text = f"{summary}. {plain_description(info['description'])}"[:text_chars].strip(" .")
-        if len(top) == 1 and users and any(c.isalnum() for c in text) and text.lower() not in seen:
+        if any(c.isalnum() for c in text) and text.lower() not in seen:
             seen.add(text.lower())
             out.append({"id": info["name"], "users": users, "text": text, "label": top.pop()})
     kept = {label for label, _ in collections.Counter(row["label"] for row in out).most_common(topics)}
@@ -305,8 +314,7 @@ def main() -> None:
             (deb,) = glob.glob(os.path.join(directory, "python3.11-doc_*.deb"))
         items, inputs = records(changelog_from_deb(deb)), [deb]
     elif args.source == "pypi" and args.cached_only:
-        infos = [json.loads(line) for line in open(args.cache, encoding="utf-8")]
-        items, inputs = pypi_records(infos, args.topics), [args.cache]
+        items, inputs = pypi_records(list(cached_pypi(args.cache).values()), args.topics), [args.cache]
     elif args.source == "pypi":
         names = sorted(pypi_names())
         sample = sorted(np.random.default_rng(0).choice(len(names), min(args.packages, len(names)), replace=False))

@@ -170,6 +170,21 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
         madp.training.steps_dataset(batches, ["features", "step_index"])
 
 
+def private_dense(K, plan: PrivacyPlan, inputs: int):
+    """(model, step): a one-unit Dense model of Keras `K` (tf_keras or keras), seeded, and its private
+    step under `plan` (sigmoid cross-entropy, SGD at 0.5, noise seed 3): two of them, one trained from
+    a loop and one by fit, must end equal."""
+    tf = madp.training.load_tensorflow()
+
+    def loss(labels, logits):
+        labels = tf.cast(labels[:, None], tf.float32)
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
+
+    K.utils.set_random_seed(0)
+    model = K.Sequential([K.Input((inputs,)), K.layers.Dense(1)])
+    return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
+
+
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
 def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
     """`model.fit` with the step as the model's train_step gives the loop's model bit for bit; an epoch
@@ -177,23 +192,13 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
     import importlib
 
     K = importlib.import_module(flavour)
-    tf = madp.training.load_tensorflow()
     batches = open_batches(str(demo / "demo-output" / "batches"))
     plan = calibrate(batches, epsilon=8, bands=8)
 
-    def loss(labels, logits):
-        labels = tf.cast(labels[:, None], tf.float32)
-        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
-
-    def made():
-        K.utils.set_random_seed(0)
-        model = K.Sequential([K.Input((16,)), K.layers.Dense(1)])
-        return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
-
-    looped, step = made()
+    looped, step = private_dense(K, plan, inputs=16)
     for rows in read_steps(batches, ["features", "label"]):
         step(rows["features"], rows["label"], rows["weight"])
-    fitted, step = made()
+    fitted, step = private_dense(K, plan, inputs=16)
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
     steps = madp.training.steps_dataset(batches, ["features", "label"])
@@ -204,14 +209,14 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(InputError, match="rows of step 0, where this training's next step is 24"):
         fitted.fit(elements, verbose=0)  # a second epoch
-    repeated, step = made()  # an element twice within the plan's T calls: refused
+    repeated, step = private_dense(K, plan, inputs=16)  # an element twice within the plan's T calls: refused
     repeated.train_step = step.keras_train_step
     repeated.compile(run_eagerly=True)
     with pytest.raises(InputError, match="rows of step 0, where this training's next step is 1"):
         repeated.fit(elements.take(1).repeat(2), verbose=0)
     with pytest.raises(InputError, match=r"\(x, y, weight, index\)"):  # no index
         repeated.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"])), verbose=0)
-    traced, step = made()
+    traced, step = private_dense(K, plan, inputs=16)
     traced.train_step = step.keras_train_step
     traced.compile(run_eagerly=False)
     with pytest.raises(Exception, match="run_eagerly=True"):  # tf_keras wraps it in its StagingError
@@ -233,28 +238,18 @@ def test_fit_trains_user_sampled_batches_with_each_rows_user_as_the_loop_does(tm
     batches = open_batches(str(tmp_path / "batches"))
     plan = calibrate(batches, epsilon=8)
     assert plan.mechanism == "dpsgd-uls"
-    tf = madp.training.load_tensorflow()
 
-    def loss(labels, logits):
-        labels = tf.cast(labels[:, None], tf.float32)
-        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
-
-    def made():
-        K.utils.set_random_seed(0)
-        model = K.Sequential([K.Input((4,)), K.layers.Dense(1)])
-        return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
-
-    looped, step = made()
+    looped, step = private_dense(K, plan, inputs=4)
     for rows_of_step in read_steps(batches, ["features", "label", "user"]):
         step(rows_of_step["features"], rows_of_step["label"], rows_of_step["weight"], users=rows_of_step["user"])
-    fitted, step = made()
+    fitted, step = private_dense(K, plan, inputs=4)
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
     steps = madp.training.steps_dataset(batches, ["features", "label", "user"])
     fitted.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["user"], r["step_index"])), verbose=0)
     for a, b in zip(looped.get_weights(), fitted.get_weights()):
         np.testing.assert_array_equal(a, b)
-    unknown, step = made()
+    unknown, step = private_dense(K, plan, inputs=4)
     unknown.train_step = step.keras_train_step
     unknown.compile(run_eagerly=True)
     with pytest.raises(InputError, match="user-level steps need each row's user"):
