@@ -5,7 +5,8 @@ that traces them; the best of --repeats timed blocks is reported, with the ratio
 synthetic logistic-regression content (16 features) for `logreg`/`mlp`, synthetic emails
 (`madp generate --task text` documents) encoded as the trainer encodes them for `text-classifier`
 (hashed n-grams) and `text-lm` (bytes), random ids and labels for `transformer` (a Transformer
-encoder classifier: vocabulary 5000, 64 tokens, width 64, 2 heads, 1 block, 4 classes), and
+encoder classifier: vocabulary 5000, 64 tokens, width 64, 2 heads, 1 block, 4 classes; with
+--keras3 built of Keras 3 layers, without the position embedding, madp's being a tf_keras layer), and
 English sentences cut to --length tokens for `causal-lm` (the pretrained model of --pretrained, all
 its weights or, with --lora-rank, LoRA adapters only; tokens/s reported too). Targets:
 DP-SGD at most 3x the non-private step and BandMF (8 bands) within 1.2x of DP-SGD (mlp); at batch
@@ -17,6 +18,7 @@ with other layers takes. `--xla` compiles every step with XLA and
 `--mixed-precision` computes in bfloat16 (`madp train --xla --mixed-precision`).
 
     python benchmarks/train.py [--model mlp|text-classifier|text-lm|transformer] [--batch-size 1024] [--steps 100]
+    python benchmarks/train.py --model transformer --keras3 --batch-size 256 --steps 20
     python benchmarks/train.py --model causal-lm --pretrained PATH.gguf [--lora-rank 8] --batch-size 8 \
         --length 64 --steps 3 --repeats 2 --warmup 2 [--kinds non-private,dp-sgd] [--xla] [--mixed-precision]
 """
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=64, help="causal-lm: tokens per text")
     parser.add_argument("--xla", action="store_true", help="every step compiled by XLA (jit_compile)")
     parser.add_argument("--mixed-precision", action="store_true", help="layers compute in bfloat16")
+    parser.add_argument("--keras3", action="store_true", help="transformer: of Keras 3 layers (`import keras`)")
     args = parser.parse_args()
 
     import numpy as np
@@ -92,18 +95,25 @@ def main() -> None:
     elif args.model == "transformer":
         inputs = rng.integers(1, 5000, (args.batch_size, 64)).astype(np.int32)
         labels = rng.integers(0, 4, args.batch_size).astype(np.int32)
-        build = lambda: (transformer_classifier(5000, 64, 64, 2, 4), softmax_loss)  # noqa: E731
+        build = lambda: (transformer_classifier(5000, 64, 64, 2, 4, args.keras3), softmax_loss)  # noqa: E731
     else:
         inputs = rng.normal(size=(args.batch_size, args.features)).astype(np.float32)
         labels = (rng.random(args.batch_size) < 0.5).astype(np.float32)
         build = lambda: build_model(args.model, args.features)  # noqa: E731
     x, y, weight = tf.constant(inputs), tf.constant(labels), tf.ones(args.batch_size)
 
+    if args.keras3:
+        import keras
+
+        keras_lib = keras
+    else:
+        keras_lib = tf_keras
+
     def make(kind: str):
-        tf_keras.utils.set_random_seed(0)
+        keras_lib.utils.set_random_seed(0)
         with compute_precision(args.mixed_precision):
             model, loss = build()
-        optimizer = tf_keras.optimizers.SGD(0.1)
+        optimizer = keras_lib.optimizers.SGD(0.1)
         if kind == "non-private":
             return NonPrivateStep(model, loss, optimizer, jit_compile=args.xla)
         template = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
@@ -135,6 +145,7 @@ def main() -> None:
         "steps": args.steps,
         "xla": args.xla,
         "mixed_precision": args.mixed_precision,
+        **({"keras": "Keras 3" if args.keras3 else "tf_keras"} if args.model == "transformer" else {}),
         **({"length": args.length, "lora_rank": args.lora_rank} if args.model == "causal-lm" else {}),
     }
     kinds = ["non-private", "dp-sgd", f"bandmf-{args.bands}", "dp-sgd-per-example-gradients"]
@@ -176,21 +187,28 @@ ENGLISH = [  # the causal LM's texts: plain English, as it was trained on
 ]
 
 
-def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int):
-    """Token and position embeddings, one pre-norm encoder block (attention, a 4x-wide GELU layer),
-    mean pooling, a softmax layer."""
+def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int, keras3: bool):
+    """Token and position embeddings (tf_keras; Keras 3: token embeddings only), one pre-norm encoder
+    block (attention, a 4x-wide GELU layer), mean pooling, a softmax layer."""
     from madp.training.text import PositionEmbedding
-    from madp.training.trainer import tf, tf_keras
+    from madp.training.trainer import tf_keras
 
-    layers = tf_keras.layers
-    inputs = tf_keras.Input((length,), dtype=tf.int32)
-    x = PositionEmbedding()(layers.Embedding(vocabulary, width)(inputs))
+    if keras3:
+        import keras
+
+        keras_lib = keras
+    else:
+        keras_lib = tf_keras
+    layers = keras_lib.layers
+    inputs = keras_lib.Input((length,), dtype="int32")
+    x = layers.Embedding(vocabulary, width)(inputs)
+    x = x if keras3 else PositionEmbedding()(x)
     normalized = layers.LayerNormalization()(x)
     x = x + layers.MultiHeadAttention(heads, width // heads)(normalized, normalized)
     hidden = layers.Dense(4 * width, activation="gelu")(layers.LayerNormalization()(x))
     x = x + layers.Dense(width)(hidden)
     pooled = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
-    return tf_keras.Model(inputs, layers.Dense(classes)(pooled))
+    return keras_lib.Model(inputs, layers.Dense(classes)(pooled))
 
 
 if __name__ == "__main__":

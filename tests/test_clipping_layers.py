@@ -1,7 +1,8 @@
 """Fast clipping for any model of Dense, EinsumDense, Embedding, LayerNormalization,
 MultiHeadAttention, EmbeddingBag and PositionEmbedding layers: per-example norms and the clipped sum
-against vectorized per-example gradients clipped one by one, rows of weight 0 included; models with
-other trainable layers fall back to per-example gradients, naming the layers."""
+against vectorized per-example gradients clipped one by one, rows of weight 0 included, for tf_keras
+and Keras 3 models (the `keras_lib` fixture); models with other trainable layers fall back to
+per-example gradients, naming the layers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+import keras  # noqa: E402  (Keras 3)
+
 from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.training import clipping, text  # noqa: E402
@@ -19,7 +22,6 @@ from madp.training.clipping import (  # noqa: E402
     ghost_clippable,
     ghost_clipped_sum,
     ghost_norms,
-    per_example_gradients,
     unsupported_layers,
 )
 from madp.training.queries import DpSgdQuery  # noqa: E402
@@ -34,8 +36,14 @@ KEY = SecretKey.from_seed(1, "training noise")
 
 
 def reference(model, loss, x, y, weight) -> tuple[list[np.ndarray], np.ndarray]:
-    """Vectorized per-example gradients of weight_i * loss_i and their global norms."""
-    per_example = [np.asarray(g) for g in per_example_gradients(model, loss, x, y, tf.constant(weight))]
+    """Per-example gradients of weight_i * loss_i, one tape per example, and their global norms."""
+    rows = []
+    for i in range(len(weight)):
+        with tf.GradientTape() as tape:
+            one = loss(y[i : i + 1], model(x[i : i + 1], training=True))[0] * weight[i]
+        gradients = tape.gradient(one, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        rows.append([np.asarray(tf.convert_to_tensor(g)) for g in gradients])  # a lookup's IndexedSlices: dense
+    per_example = [np.stack(variable) for variable in zip(*rows)]
     norms = np.sqrt(sum(np.sum(g.reshape(len(weight), -1) ** 2, axis=1) for g in per_example))
     return per_example, norms
 
@@ -66,9 +74,16 @@ def data(shape, classes: int = 3, seed: int = 0, vocabulary: int | None = None):
     return x, rng.integers(0, classes, ROWS).astype(np.int32)
 
 
-def functional(inputs, outputs):
-    tf_keras.utils.set_random_seed(3)
-    return tf_keras.Model(inputs, outputs)
+def functional(inputs, outputs, keras_lib=tf_keras):
+    keras_lib.utils.set_random_seed(3)
+    return keras_lib.Model(inputs, outputs)
+
+
+@pytest.fixture(params=["tf_keras", "keras3"])
+def keras_lib(request):
+    """The Keras a test builds its model with: tf_keras or Keras 3 (`import keras`), whose layers of
+    the same kinds clip by the same formulas."""
+    return tf_keras if request.param == "tf_keras" else keras
 
 
 @pytest.fixture(params=["per-row", "ghost"])
@@ -78,18 +93,18 @@ def kernel_norms(request, monkeypatch):
         monkeypatch.setattr(clipping, "PER_ROW_LIMIT", 0)
 
 
-def test_dense_on_vectors_and_on_sequences(kernel_norms):
-    tf_keras.utils.set_random_seed(3)
-    inputs = tf_keras.Input((5, 4))
+def test_dense_on_vectors_and_on_sequences(kernel_norms, keras_lib):
+    keras_lib.utils.set_random_seed(3)
+    inputs, layers = keras_lib.Input((5, 4)), keras_lib.layers
     hidden = layers.Dense(6, activation="tanh")(inputs)  # per position: T = 5
     flat = layers.Dense(7, activation="relu")(layers.Flatten()(hidden))
-    check(tf_keras.Model(inputs, layers.Dense(3, use_bias=False)(flat)), *data((5, 4)))
+    check(keras_lib.Model(inputs, layers.Dense(3, use_bias=False)(flat)), *data((5, 4)))
 
 
-def test_dense_called_twice_shares_its_gradient():
-    inputs = tf_keras.Input((4,))
+def test_dense_called_twice_shares_its_gradient(keras_lib):
+    inputs, layers = keras_lib.Input((4,)), keras_lib.layers
     shared = layers.Dense(4, activation="tanh")
-    model = functional(inputs, layers.Dense(3)(shared(shared(inputs)) + inputs))
+    model = functional(inputs, layers.Dense(3)(shared(shared(inputs)) + inputs), keras_lib)
     check(model, *data((4,)))
 
 
@@ -104,36 +119,66 @@ def test_dense_called_twice_shares_its_gradient():
         ("abc,cd->ad", "d", (6,)),  # a summed sequence axis
     ],
 )
-def test_einsum_dense(equation, bias_axes, output_shape, kernel_norms):
+def test_einsum_dense(equation, bias_axes, output_shape, kernel_norms, keras_lib):
     shape = (5, 2, 4) if equation.startswith("abcd") else (5, 4)
-    inputs = tf_keras.Input(shape)
+    inputs, layers = keras_lib.Input(shape), keras_lib.layers
     projected = layers.EinsumDense(equation, output_shape, bias_axes=bias_axes, activation="tanh")(inputs)
     if equation == "abc,cd->ad":  # the summed axis makes this equation unsupported
-        model = functional(inputs, layers.Dense(3)(projected))
+        model = functional(inputs, layers.Dense(3)(projected), keras_lib)
         assert not ghost_clippable(model)
         assert "einsum_dense" in unsupported_layers(model)[0]
         return
-    model = functional(inputs, layers.Dense(3)(layers.Flatten()(projected)))
+    model = functional(inputs, layers.Dense(3)(layers.Flatten()(projected)), keras_lib)
     check(model, *data(shape))
 
 
-def test_embedding_with_repeated_ids():
-    inputs = tf_keras.Input((6,), dtype=tf.int32)
+def test_embedding_with_repeated_ids(keras_lib):
+    inputs, layers = keras_lib.Input((6,), dtype="int32"), keras_lib.layers
     pooled = layers.GlobalAveragePooling1D()(layers.Embedding(7, 4)(inputs))  # 6 ids from 7: repeats
-    check(functional(inputs, layers.Dense(3)(pooled)), *data((6,), vocabulary=7))
+    check(functional(inputs, layers.Dense(3)(pooled), keras_lib), *data((6,), vocabulary=7))
 
 
 @pytest.mark.parametrize("axis", [-1, [1, 2], 1])
-def test_layer_normalization(axis):
-    inputs = tf_keras.Input((5, 4))
+def test_layer_normalization(axis, keras_lib):
+    inputs, layers = keras_lib.Input((5, 4)), keras_lib.layers
     normalized = layers.LayerNormalization(axis=axis)(layers.Dense(4)(inputs))
-    check(functional(inputs, layers.Dense(3)(layers.Flatten()(normalized))), *data((5, 4)))
+    check(functional(inputs, layers.Dense(3)(layers.Flatten()(normalized)), keras_lib), *data((5, 4)))
 
 
-def test_multi_head_attention(kernel_norms):
-    inputs = tf_keras.Input((5, 4))
+def test_multi_head_attention(kernel_norms, keras_lib):
+    inputs, layers = keras_lib.Input((5, 4)), keras_lib.layers
     attended = layers.MultiHeadAttention(2, 3)(inputs, inputs)
-    check(functional(inputs, layers.Dense(3)(layers.GlobalAveragePooling1D()(attended))), *data((5, 4)))
+    pooled = layers.GlobalAveragePooling1D()(attended)
+    check(functional(inputs, layers.Dense(3)(pooled), keras_lib), *data((5, 4)))
+
+
+def test_keras3_layers_whose_call_is_not_the_formula_fall_back_and_are_named():
+    """A Keras 3 layer with LoRA (trainable low-rank factors beside a frozen kernel), a quantized one,
+    a rematerialized one, RMS-scaled layer normalization, and variables no layer owns: each keeps the
+    model off the fast path, named, rather than clipping or training the wrong weights."""
+    inputs, layers = keras.Input((4,)), keras.layers
+    lora, quantized = layers.Dense(4, name="lora"), layers.Dense(4, name="int8")
+    with keras.RematScope(mode="full"):
+        remat = layers.Dense(4, name="remat")
+    rms = layers.LayerNormalization(rms_scaling=True, name="rms")
+    model = functional(inputs, layers.Dense(3)(rms(remat(quantized(lora(inputs))))), keras)
+    assert [name.split(" ")[0] for name in unsupported_layers(model)] == ["remat", "rms"]
+    lora.enable_lora(2)
+    quantized.quantize("int8")
+    assert [name.split(" ")[0] for name in unsupported_layers(model)] == ["lora", "int8", "remat", "rms"]
+
+    class Scaled(keras.Model):  # a weight of the model itself: the model is named, with its variable
+        def __init__(self):
+            super().__init__()
+            self.dense = layers.Dense(3)
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+        def call(self, x):
+            return self.dense(x) * self.scale
+
+    scaled = Scaled()
+    scaled(np.zeros((1, 4), np.float32))
+    assert [name.split(" ")[0] for name in unsupported_layers(scaled)] == [scaled.name]
 
 
 @pytest.mark.parametrize("normalization", ["sqrt", "mean"])
@@ -145,10 +190,12 @@ def test_embedding_bag_in_a_functional_model_and_called_twice(normalization):
     check(functional(inputs, layers.Dense(3)(tf.concat([bag(inputs), bag(inputs[:, :3])], axis=1))), x, y)
 
 
-def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int):
-    """Embedding + positions, one pre-norm encoder block, mean pooling, a softmax layer."""
-    inputs = tf_keras.Input((length,), dtype=tf.int32)
-    x = text.PositionEmbedding()(layers.Embedding(vocabulary, width)(inputs))
+def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int, keras_lib=tf_keras):
+    """Embedding (+ positions: madp's PositionEmbedding is a tf_keras layer), one pre-norm encoder
+    block, mean pooling, a softmax layer."""
+    inputs, layers = keras_lib.Input((length,), dtype="int32"), keras_lib.layers
+    x = layers.Embedding(vocabulary, width)(inputs)
+    x = text.PositionEmbedding()(x) if keras_lib is tf_keras else x
     normalized = layers.LayerNormalization()(x)
     x = x + layers.MultiHeadAttention(heads, width // heads)(normalized, normalized)
     hidden = layers.EinsumDense("abc,cd->abd", (None, 2 * width), bias_axes="d", activation="gelu")(
@@ -156,12 +203,12 @@ def transformer_classifier(vocabulary: int, length: int, width: int, heads: int,
     )
     x = x + layers.Dense(width)(hidden)
     pooled = layers.GlobalAveragePooling1D()(layers.LayerNormalization()(x))
-    return tf_keras.Model(inputs, layers.Dense(classes)(pooled))
+    return keras_lib.Model(inputs, layers.Dense(classes)(pooled))
 
 
-def test_transformer_encoder_classifier(kernel_norms):
-    tf_keras.utils.set_random_seed(5)
-    check(transformer_classifier(11, 6, 8, 2, 3), *data((6,), vocabulary=11))
+def test_transformer_encoder_classifier(kernel_norms, keras_lib):
+    keras_lib.utils.set_random_seed(5)
+    check(transformer_classifier(11, 6, 8, 2, 3, keras_lib), *data((6,), vocabulary=11))
 
 
 def test_byte_language_model():
@@ -172,15 +219,44 @@ def test_byte_language_model():
     check(model, x, y, loss=loss)
 
 
-def test_private_step_takes_the_fast_path_and_matches_per_example_clipping():
-    tf_keras.utils.set_random_seed(5)
+def test_mixed_precision_clips_each_row_in_float32(keras_lib):
+    """Under mixed precision (layers in bfloat16), each row's clipped gradient is formed in float32
+    from that row alone, for either Keras: a row above the clip norm adds exactly C, and the step's
+    clipped sum is the sum of its rows' clipped alone (a bfloat16 product over the batch would round
+    the sum, so that one row could move it by more than C)."""
+    from madp.training.steps import compute_precision, float32_outputs
+
+    loss = float32_outputs(text.softmax_loss)  # as the private step takes it: the model's outputs in float32
+    keras_lib.utils.set_random_seed(5)
+    with compute_precision(True):
+        model = transformer_classifier(11, 6, 8, 2, 3, keras_lib)
+    assert model.layers[-1].compute_dtype == "bfloat16" and model.layers[-1].kernel.dtype == "float32"
+    x, y = (tf.constant(t) for t in data((6,), vocabulary=11, seed=2))
+    norms = np.asarray(ghost_norms(model, loss, x, y, tf.constant(WEIGHT)))
+    clip = 0.5 * float(norms[WEIGHT > 0].min())  # every row of weight > 0 clipped
+
+    def clipped(weight):
+        summed = ghost_clipped_sum(model, loss, x, y, tf.constant(weight), clip)
+        assert all(g.dtype == tf.float32 for g in summed)
+        return [np.asarray(g, np.float64) for g in summed]
+
+    total, rows = clipped(WEIGHT), []
+    for j in range(ROWS):
+        rows.append(clipped(np.where(np.arange(ROWS) == j, WEIGHT, 0).astype(np.float32)))
+        norm = np.sqrt(sum(np.sum(g**2) for g in rows[-1]))
+        assert norm == 0 if WEIGHT[j] == 0 else abs(norm / clip - 1) < 1e-5
+    for got, *parts in zip(total, *rows, strict=True):
+        np.testing.assert_allclose(got, sum(parts), rtol=1e-5, atol=1e-6 * np.abs(got).max())
+
+
+def test_private_step_takes_the_fast_path_and_matches_per_example_clipping(keras_lib):
     x, y = data((6,), vocabulary=11, seed=4)
     results = []
     for fast in (True, False):
-        tf_keras.utils.set_random_seed(5)
-        model = transformer_classifier(11, 6, 8, 2, 3)
+        keras_lib.utils.set_random_seed(5)
+        model = transformer_classifier(11, 6, 8, 2, 3, keras_lib)
         step = PrivateStep(
-            model, text.softmax_loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(0.05, 0.0, KEY), 8.0, fast=fast
+            model, text.softmax_loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(0.05, 0.0, KEY), 8.0, fast=fast
         )
         assert step.fast == fast
         results.append(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT)))

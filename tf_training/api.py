@@ -309,7 +309,9 @@ def make_private(
     applied by `optimizer`.
 
     `model` is a tf_keras or a Keras 3 model and `optimizer` one of the same Keras (a mismatch is an
-    InputError); a Keras 3 model takes the per-example clipping path. `x` is an array, or a dict of
+    InputError); either clips without per-example gradients where its trainable layers are Dense,
+    EinsumDense, Embedding, LayerNormalization or MultiHeadAttention (`madp.training.clipping`), else
+    with them, naming the other layers in the log. `x` is an array, or a dict of
     arrays for a model of several inputs. `loss(y, outputs)` returns one loss per row (no reduction),
     e.g. `tf.nn.sigmoid_cross_entropy_with_logits` or a Keras loss built with `reduction="none"`.
     `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given;

@@ -2,7 +2,7 @@
 
 - `per_example_gradients` then `queries.clip_and_sum`: any model, one gradient per example
   (vectorized), memory rows x parameters.
-- `ghost_clipped_sum`: any model (Sequential or functional) whose trainable layers are Dense,
+- `ghost_clipped_sum`: any model (Sequential or functional, tf_keras or Keras 3) whose trainable layers are Dense,
   EinsumDense, Embedding, LayerNormalization (also the projections inside MultiHeadAttention),
   EmbeddingBag, PositionEmbedding, RmsNorm or TiedEmbedding (the pretrained causal LM's), without
   per-example gradients of the model ("ghost
@@ -32,8 +32,9 @@
   without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
   then backpropagates a reweighted loss again, and knows no madp layers). A Sequential of an
   optional EmbeddingBag then Dense layers runs its layers one by one instead
-  (`_dense_stack_clipped_sum`, the same norms). Any other trainable layer (`unsupported_layers`)
-  sends the model to per-example gradients.
+  (`_dense_stack_clipped_sum`, the same norms). Any other trainable layer, one whose call is not
+  the formula's (Keras 3's LoRA, quantized, rematerialized or RMS-scaled layers) and any trainable
+  variable no layer owns (`unsupported_layers`) send the model to per-example gradients.
 """
 
 from __future__ import annotations
@@ -51,7 +52,15 @@ from madp.training.queries import kept_rows
 from madp.training.text import EmbeddingBag, PositionEmbedding
 
 tf = load_tensorflow()
+import keras  # noqa: E402  (Keras 3: `import keras` beside TensorFlow's legacy tf_keras)
 import tf_keras  # noqa: E402
+
+# Each layer kind of both Kerases: tf_keras and Keras 3 layers of a kind have the same weights and
+# call, so one norm formula serves both.
+DENSE = (tf_keras.layers.Dense, keras.layers.Dense)
+EINSUM_DENSE = (tf_keras.layers.EinsumDense, keras.layers.EinsumDense)
+EMBEDDING = (tf_keras.layers.Embedding, keras.layers.Embedding)
+LAYER_NORMALIZATION = (tf_keras.layers.LayerNormalization, keras.layers.LayerNormalization)
 
 
 def per_example_gradients(model, loss_fn, x, y, weight):
@@ -186,15 +195,22 @@ def _bag_gradient(bag: EmbeddingBag, ids, scaled, later_layers, later_deltas, fa
 # --- any model of supported layers: tapped layer calls ------------------------------------------
 
 SUPPORTED = (
-    tf_keras.layers.Dense,
-    tf_keras.layers.EinsumDense,
-    tf_keras.layers.Embedding,
-    tf_keras.layers.LayerNormalization,
+    *DENSE,
+    *EINSUM_DENSE,
+    *EMBEDDING,
+    *LAYER_NORMALIZATION,
     EmbeddingBag,
     PositionEmbedding,
     RmsNorm,
     TiedEmbedding,
 )
+
+
+def _own_variables(layer) -> list:
+    """The variables `layer` itself created, not its sublayers' (tf_keras and Keras 3 name the list
+    differently)."""
+    own = getattr(layer, "_trainable_weights", None)
+    return list(own if own is not None else getattr(layer, "_trainable_variables", []))
 
 
 def _trainable_layers(model) -> list:
@@ -204,7 +220,7 @@ def _trainable_layers(model) -> list:
     return [
         layer
         for layer in model._flatten_layers(include_self=True, recursive=True)
-        if any(id(v) in trainable for v in getattr(layer, "_trainable_weights", []))
+        if any(id(v) in trainable for v in _own_variables(layer))
     ]
 
 
@@ -238,10 +254,18 @@ def _unsupported(layer) -> str | None:
     gradients here (None if they are). Exact types only: a subclass may change `call`."""
     if type(layer) not in SUPPORTED:
         return "no norm formula for this layer"
-    if isinstance(layer, tf_keras.layers.EinsumDense):
+    if getattr(layer, "lora_enabled", False):
+        return "LoRA enabled: no norm formula for its low-rank factors"
+    if getattr(layer, "quantization_mode", None) is not None:
+        return f"quantized ({layer.quantization_mode}): its call is not the layer's formula"
+    if getattr(layer, "_remat_mode", None) is not None:
+        return "rematerialized: its outputs are recomputed outside the recorded pass"
+    if getattr(layer, "rms_scaling", False):
+        return "rms_scaling: not the normalization the formula takes"
+    if isinstance(layer, EINSUM_DENSE):
         inputs = layer.equation.split(",")[0]
         return _einsum_problem(*_einsum_axes(layer.equation, len(inputs.replace("...", "")) + 1))
-    if isinstance(layer, tf_keras.layers.LayerNormalization):
+    if isinstance(layer, LAYER_NORMALIZATION):
         axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
         if 0 in axes or axes != sorted(axes):
             return f"axis {layer.axis}: the batch axis or unsorted axes"
@@ -252,8 +276,6 @@ def unsupported_layers(model, on_tpu: bool = False) -> list[str]:
     """The trainable layers of `model` that keep it off the fast clipping path, as "name (Class): why".
     On a TPU only a stack of Dense layers takes it: the other norms sum terms that can cancel, which
     the fast path sums in float64 (`_cancelling`), and TPUs have none."""
-    if not isinstance(model, tf_keras.Model):  # the norm formulas tap tf_keras layers' calls only
-        return [f"{layer.name} ({type(layer).__name__}: a Keras 3 layer)" for layer in _keras3_trainable(model)]
     if _is_dense_stack(model):
         return []
     if on_tpu:
@@ -261,23 +283,18 @@ def unsupported_layers(model, on_tpu: bool = False) -> list[str]:
     found = [
         f"{wrapper.name} ({type(wrapper).__name__}: a wrapper whose call may fold other axes into the batch's rows)"
         for wrapper in model._flatten_layers(include_self=False, recursive=True)
-        if isinstance(wrapper, tf_keras.layers.Wrapper) and wrapper.trainable_weights
+        if isinstance(wrapper, (tf_keras.layers.Wrapper, keras.layers.Wrapper)) and wrapper.trainable_weights
     ]
-    for layer in _trainable_layers(model):
+    layers = _trainable_layers(model)
+    for layer in layers:
         reason = _unsupported(layer)
         if reason:
             found.append(f"{layer.name} ({type(layer).__name__}: {reason})")
+    owned = {id(v) for layer in layers for v in _own_variables(layer)}
+    ownerless = [v.name for v in model.trainable_variables if id(v) not in owned]
+    if ownerless:  # the fast path would give them no gradient
+        found.append(f"{model.name} ({type(model).__name__}: variables of no layer found: {', '.join(ownerless)})")
     return found
-
-
-def _keras3_trainable(model) -> list:
-    """The layers of a Keras 3 model that own trainable variables (the model itself if none is found)."""
-    layers = [
-        layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if not getattr(layer, "layers", None) and layer.trainable_variables
-    ]
-    return layers or [model]
 
 
 def ghost_clippable(model) -> bool:
@@ -290,7 +307,7 @@ def _forward(layer, inputs, reverse: bool = False):
     Dense and EinsumDense split before their activation, LayerNormalization's normalized input
     x_hat = (x - mean) / sqrt(var + eps) and RmsNorm's x_hat = x / sqrt(mean(x^2) + eps) kept, and a
     TiedEmbedding called as the LM head (`reverse`) recording its input vectors."""
-    if isinstance(layer, tf_keras.layers.Dense):
+    if isinstance(layer, DENSE):
         a = tf.cast(inputs, layer.compute_dtype)
         if a.shape.rank == 2:
             z = tf.matmul(a, layer.kernel)
@@ -298,12 +315,12 @@ def _forward(layer, inputs, reverse: bool = False):
             z = tf.tensordot(a, layer.kernel, [[a.shape.rank - 1], [0]])
         z = z + layer.bias if layer.use_bias else z
         return a, z, layer.activation(z) if layer.activation is not None else z
-    if isinstance(layer, tf_keras.layers.EinsumDense):
+    if isinstance(layer, EINSUM_DENSE):
         a = tf.cast(inputs, layer.compute_dtype)
         z = tf.einsum(layer.equation, a, layer.kernel)
         z = z + layer.bias if layer.bias is not None else z
         return a, z, layer.activation(z) if layer.activation is not None else z
-    if isinstance(layer, tf_keras.layers.LayerNormalization):
+    if isinstance(layer, LAYER_NORMALIZATION):
         # in float32 under mixed precision too, as the layer's own call (its weights are not cast)
         x = tf.cast(inputs, tf.float32)
         mean, variance = tf.nn.moments(x, layer.axis, keepdims=True)
@@ -320,7 +337,7 @@ def _forward(layer, inputs, reverse: bool = False):
         a = tf.cast(inputs, layer.compute_dtype)
         z = type(layer).call(layer, a, reverse=True)
         return a, z, z
-    if isinstance(layer, (tf_keras.layers.Embedding, TiedEmbedding)) and inputs.dtype not in (tf.int32, tf.int64):
+    if isinstance(layer, (*EMBEDDING, TiedEmbedding)) and inputs.dtype not in (tf.int32, tf.int64):
         inputs = tf.cast(inputs, tf.int32)
     z = type(layer).call(layer, inputs)  # (tied) Embedding, EmbeddingBag, PositionEmbedding: linear in the weights
     return (None if isinstance(layer, PositionEmbedding) else inputs), z, z
@@ -603,12 +620,12 @@ def _einsum_pieces(layer, a, d) -> list[Piece]:
 
 def _layer_pieces(layer, a, d) -> list[Piece]:
     """The pieces of one call of `layer`, from its recorded input a and output gradient d."""
-    if isinstance(layer, tf_keras.layers.Dense):
+    if isinstance(layer, DENSE):
         p, q = layer.kernel.shape
         steps = _static_product(a.shape[1:-1])
         pieces: list[Piece] = [_Outer(layer.kernel, _rows_of(a, steps, p), _rows_of(d, steps, q), lambda m: m)]
         return pieces + ([_Rows(layer.bias, _row_sums(d, [q]))] if layer.use_bias else [])
-    if isinstance(layer, tf_keras.layers.EinsumDense):
+    if isinstance(layer, EINSUM_DENSE):
         return _einsum_pieces(layer, a, d)
     if isinstance(layer, RmsNorm):  # output x_hat * scale: g_i = sum_t x_hat_it * d_it
         return [_Rows(layer.scale, _row_sums(a * d, list(layer.scale.shape)))]
@@ -616,7 +633,7 @@ def _layer_pieces(layer, a, d) -> list[Piece]:
         vocabulary, width = layer.embeddings.shape
         steps = _static_product(a.shape[1:-1])
         return [_Outer(layer.embeddings, _rows_of(d, steps, vocabulary), _rows_of(a, steps, width), lambda m: m)]
-    if isinstance(layer, tf_keras.layers.LayerNormalization):
+    if isinstance(layer, LAYER_NORMALIZATION):
         shape = _layer_norm_shape(layer, a.shape.rank)
         pieces = []
         if layer.scale:
@@ -725,4 +742,4 @@ def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     norms = _norms(pieces)
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, 1e-30))
     sums = {id(piece.variable): piece.clipped_sum(factor) for piece in pieces}
-    return [sums[id(v)] if id(v) in sums else tf.zeros_like(v) for v in model.trainable_variables]
+    return [sums[id(v)] if id(v) in sums else tf.zeros(v.shape, v.dtype) for v in model.trainable_variables]
