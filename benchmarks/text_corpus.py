@@ -24,8 +24,9 @@ are the e-mail addresses of its author and maintainer fields (lower case), else 
 commas and "and"); `text` is its summary and the start of its description (markup, links and
 addresses removed); `label` the topic. A text without a letter or digit is left out, and so is one
 that an earlier package (by name) already has, so that copies cannot sit on both sides of a split.
-PyPI changes every day: `--cache` keeps what was fetched (resumable; `--cached-only` rebuilds the
-records from it without network), and the summary gives its SHA-256.
+PyPI changes every day: `--cache` keeps what was fetched (resumable: a line cut short by a stopped
+run is fetched again; `--cached-only` rebuilds the records from it without network), and the
+summary gives its SHA-256.
 
     python benchmarks/text_corpus.py OUT.jsonl [--source changelog] [--deb python3.11-doc_*.deb]
     python benchmarks/text_corpus.py OUT.jsonl --source debian [--sources Sources.xz] [--translations Translation-en.xz]
@@ -219,15 +220,34 @@ def pypi_info(name: str) -> dict:
 
 def cached_pypi(cache: str) -> dict[str, dict]:
     """The `pypi_info` entries of a cache file (JSON Lines) by name, but those missing for a transient
-    reason (anything but a 404): `fetch_pypi` fetches them again."""
+    reason (anything but a 404): `fetch_pypi` fetches them again. A last line cut short (no newline:
+    a run stopped as it wrote it) is left out, so its package is fetched again; any other line that
+    is not an entry stops the run, naming it."""
     known: dict[str, dict] = {}
-    if os.path.exists(cache):
-        for line in open(cache, encoding="utf-8"):
-            entry = json.loads(line)
-            missing = entry.get("missing")
+    if not os.path.exists(cache):
+        return known
+    with open(cache, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                entry = json.loads(line)
+                name, missing = entry["name"], entry.get("missing")
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                if not line.endswith("\n"):
+                    print(f"{cache}: line {number} is cut short (a stopped run); left out", file=sys.stderr)
+                    break
+                raise SystemExit(f"{cache}: line {number} is not a package entry of this script's cache") from None
             if missing is None or "HTTP Error 404" in missing:
-                known[entry["name"]] = entry
+                known[name] = entry
     return known
+
+
+def _cut_line_removed(cache: str) -> None:
+    """Truncate `cache` after its last newline: an entry appended then starts on a line of its own. An
+    entry is a few kB (`pypi_info` keeps 8,000 characters of a description), so its last MiB holds it."""
+    with open(cache, "rb+") as file:
+        start = max(file.seek(0, os.SEEK_END) - (1 << 20), 0)
+        file.seek(start)
+        file.truncate(start + file.read().rfind(b"\n") + 1)
 
 
 def fetch_pypi(names: list[str], cache: str, threads: int) -> list[dict]:
@@ -235,6 +255,8 @@ def fetch_pypi(names: list[str], cache: str, threads: int) -> list[dict]:
     appended to it."""
     known = cached_pypi(cache)
     todo = [name for name in names if name not in known]
+    if os.path.exists(cache):
+        _cut_line_removed(cache)
     with open(cache, "a", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for done, entry in enumerate(pool.map(pypi_info, todo), 1):
             known[entry["name"]] = entry

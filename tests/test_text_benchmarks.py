@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from madp.training.text import hashed_ngrams
 
@@ -82,3 +83,21 @@ def test_linear_rows_are_the_normalized_presence_vector(tmp_path):
         expected[row, present] = 1 / np.sqrt(len(present))
     np.testing.assert_allclose(rows, expected, rtol=1e-6)  # padding (id 0) weighs nothing
     assert labels.tolist() == [1, 0, 1]
+
+
+def test_a_cache_line_cut_short_is_fetched_again_and_a_broken_one_is_named(tmp_path, monkeypatch, capsys):
+    """A run stopped as it wrote the cache leaves a last line without its newline: the next run leaves
+    it out, fetches that package again and writes it on a line of its own; a broken line elsewhere
+    stops the run naming the file and line, not with a traceback."""
+    cache = tmp_path / "cache.jsonl"
+    kept = {"name": "kept", "summary": "a"}
+    cache.write_text(json.dumps(kept) + "\n" + json.dumps({"name": "cut", "summary": "b"})[:15], encoding="utf-8")
+    fetched = {"name": "cut", "summary": "fetched"}
+    monkeypatch.setattr(text_corpus, "pypi_info", lambda name: {"name": name, "summary": "fetched"})
+    assert text_corpus.fetch_pypi(["kept", "cut"], str(cache), threads=1) == [kept, fetched]
+    assert "line 2 is cut short" in capsys.readouterr().err
+    assert [json.loads(line)["name"] for line in cache.read_text().splitlines()] == ["kept", "cut"]
+    assert text_corpus.cached_pypi(str(cache)) == {"kept": kept, "cut": fetched}
+    cache.write_text("{broken\n" + json.dumps(kept) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"cache.jsonl: line 1 is not a package entry"):
+        text_corpus.cached_pypi(str(cache))
