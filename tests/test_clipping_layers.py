@@ -132,6 +132,21 @@ def test_einsum_dense(equation, bias_axes, output_shape, kernel_norms, keras_lib
     check(model, *data(shape))
 
 
+def test_per_example_gradients_where_they_cannot_be_vectorized(caplog):
+    """TensorFlow cannot vectorize the gradient of Keras 3's EinsumDense with a bias on an inner axis
+    (its converter fails): the per-example path (user-level clipping, models with other layers) then
+    takes one example after another, says so, and gives the same gradients."""
+    inputs, layers = keras.Input((5, 4)), keras.layers
+    projected = layers.EinsumDense("abc,cd->adb", (6, 5), bias_axes="d")(inputs)
+    model = functional(inputs, layers.Dense(3)(layers.Flatten()(projected)), keras)
+    x, y = data((5, 4))
+    with caplog.at_level(logging.WARNING, logger="madp.train"):
+        got = clipping.per_example_gradients(model, text.softmax_loss, tf.constant(x), tf.constant(y), WEIGHT)
+    assert "one example at a time" in caplog.text
+    for g, expected in zip(got, reference(model, text.softmax_loss, x, y, WEIGHT)[0], strict=True):
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_embedding_with_repeated_ids(keras_lib):
     inputs, layers = keras_lib.Input((6,), dtype="int32"), keras_lib.layers
     pooled = layers.GlobalAveragePooling1D()(layers.Embedding(7, 4)(inputs))  # 6 ids from 7: repeats

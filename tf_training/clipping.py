@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,6 +56,8 @@ tf = load_tensorflow()
 import keras  # noqa: E402  (Keras 3: `import keras` beside TensorFlow's legacy tf_keras)
 import tf_keras  # noqa: E402
 
+log = logging.getLogger("madp.train")
+
 # Each layer kind of both Kerases: tf_keras and Keras 3 layers of a kind have the same weights and
 # call, so one norm formula serves both.
 DENSE = (tf_keras.layers.Dense, keras.layers.Dense)
@@ -64,15 +67,24 @@ LAYER_NORMALIZATION = (tf_keras.layers.LayerNormalization, keras.layers.LayerNor
 
 
 def per_example_gradients(model, loss_fn, x, y, weight):
-    """Gradient of weight_i * loss_i for every example i (vectorized; rows of weight 0 give zeros)."""
+    """Gradient of weight_i * loss_i for every example i (rows of weight 0 give zeros): vectorized, or
+    one example after another where TensorFlow cannot vectorize the model's gradient (its converter
+    fails on the gradient of Keras 3's EinsumDense with a bias on an inner axis)."""
 
     def one(example):
         xi, yi, wi = example
         with tf.GradientTape() as tape:  # xi: one row of an array, or of each array of a dict of inputs
             loss = loss_fn(yi[None], model(tf.nest.map_structure(lambda t: t[None], xi), training=True))[0] * wi
-        return tape.gradient(loss, model.trainable_variables)
+        gradients = tape.gradient(loss, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in gradients]  # an embedding's IndexedSlices as a dense tensor
 
-    return tf.vectorized_map(one, (x, y, weight))
+    try:
+        return tf.vectorized_map(one, (x, y, weight))
+    except ValueError as error:
+        why = [line.strip() for line in str(error).splitlines() if line.strip()][-1][:300]
+        log.warning("model %s: per-example gradients one example at a time (not vectorized: %s)", model.name, why)
+        shapes = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+        return tf.map_fn(one, (x, y, weight), fn_output_signature=shapes)
 
 
 def user_averages(gradients, weight, groups):
