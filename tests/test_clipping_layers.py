@@ -153,6 +153,23 @@ def test_embedding_with_repeated_ids(keras_lib):
     check(functional(inputs, layers.Dense(3)(pooled), keras_lib), *data((6,), vocabulary=7))
 
 
+def test_keras3_embedding_of_negative_ids():
+    """Keras 3 looks up id -1 as the table's last row: the norms count it as that row's id."""
+    inputs, layers = keras.Input((6,), dtype="int32"), keras.layers
+    pooled = layers.GlobalAveragePooling1D()(layers.Embedding(7, 4)(inputs))
+    x, y = data((6,), vocabulary=7)
+    check(functional(inputs, layers.Dense(3)(pooled), keras), np.where(x % 2 == 0, x - 7, x), y)
+
+
+def test_keras3_layer_normalization_over_axes_of_both_signs_falls_back():
+    """Keras 3 keeps axis=[1, -1] as [-1, 1] (tf_keras makes them positive): its weights' shape then
+    follows the axes in another order than the formula's."""
+    inputs, layers = keras.Input((3, 5)), keras.layers
+    normalized = layers.LayerNormalization(axis=[1, -1])(inputs)
+    model = functional(inputs, layers.Dense(3)(layers.Flatten()(normalized)), keras)
+    assert "axes of both signs" in unsupported_layers(model)[0]
+
+
 @pytest.mark.parametrize("axis", [-1, [1, 2], 1])
 def test_layer_normalization(axis, keras_lib):
     inputs, layers = keras_lib.Input((5, 4)), keras_lib.layers

@@ -279,8 +279,8 @@ def _unsupported(layer) -> str | None:
         return _einsum_problem(*_einsum_axes(layer.equation, len(inputs.replace("...", "")) + 1))
     if isinstance(layer, LAYER_NORMALIZATION):
         axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
-        if 0 in axes or axes != sorted(axes):
-            return f"axis {layer.axis}: the batch axis or unsorted axes"
+        if 0 in axes or axes != sorted(axes) or len({a < 0 for a in axes}) > 1:
+            return f"axis {layer.axis}: the batch axis, unsorted axes or axes of both signs"
     return None
 
 
@@ -658,9 +658,10 @@ def _layer_pieces(layer, a, d) -> list[Piece]:
     if isinstance(layer, PositionEmbedding):  # output x + P[:T]: g_i = d_i, zero past T
         padding = [[0, 0], [0, layer.positions.shape[0] - tf.shape(d)[1]]] + [[0, 0]] * (d.shape.rank - 2)
         return [_Rows(layer.positions, tf.pad(d, padding))]
-    width = layer.embeddings.shape[1]
+    vocabulary, width = layer.embeddings.shape
     steps = _static_product(a.shape[1:])
     ids = tf.reshape(a, [tf.shape(a)[0], -1 if steps is None else steps])
+    ids = tf.where(ids < 0, ids + tf.cast(vocabulary, ids.dtype), ids)  # Keras 3's lookup takes -1 as the last row
     return [_Lookup(layer.embeddings, ids, _rows_of(d, steps, width))]
 
 
