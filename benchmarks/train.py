@@ -67,6 +67,12 @@ def main() -> None:
     from madp.training.text import softmax_loss
     from madp.training.trainer import tf, tf_keras
 
+    if args.keras3:
+        import keras
+
+        keras_lib = keras
+    else:
+        keras_lib = tf_keras
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):
         from madp.tools.synthetic_text import TOPICS, documents
@@ -95,19 +101,12 @@ def main() -> None:
     elif args.model == "transformer":
         inputs = rng.integers(1, 5000, (args.batch_size, 64)).astype(np.int32)
         labels = rng.integers(0, 4, args.batch_size).astype(np.int32)
-        build = lambda: (transformer_classifier(5000, 64, 64, 2, 4, args.keras3), softmax_loss)  # noqa: E731
+        build = lambda: (transformer_classifier(5000, 64, 64, 2, 4, keras_lib), softmax_loss)  # noqa: E731
     else:
         inputs = rng.normal(size=(args.batch_size, args.features)).astype(np.float32)
         labels = (rng.random(args.batch_size) < 0.5).astype(np.float32)
         build = lambda: build_model(args.model, args.features)  # noqa: E731
     x, y, weight = tf.constant(inputs), tf.constant(labels), tf.ones(args.batch_size)
-
-    if args.keras3:
-        import keras
-
-        keras_lib = keras
-    else:
-        keras_lib = tf_keras
 
     def make(kind: str):
         keras_lib.utils.set_random_seed(0)
@@ -187,22 +186,17 @@ ENGLISH = [  # the causal LM's texts: plain English, as it was trained on
 ]
 
 
-def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int, keras3: bool):
-    """Token and position embeddings (tf_keras; Keras 3: token embeddings only), one pre-norm encoder
-    block (attention, a 4x-wide GELU layer), mean pooling, a softmax layer."""
+def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int, keras_lib):
+    """Of `keras_lib`'s layers (the tf_keras or the Keras 3 module): token and position embeddings
+    (Keras 3: token embeddings only, madp's PositionEmbedding being a tf_keras layer), one pre-norm
+    encoder block (attention, a 4x-wide GELU layer), mean pooling, a softmax layer."""
     from madp.training.text import PositionEmbedding
     from madp.training.trainer import tf_keras
 
-    if keras3:
-        import keras
-
-        keras_lib = keras
-    else:
-        keras_lib = tf_keras
     layers = keras_lib.layers
     inputs = keras_lib.Input((length,), dtype="int32")
     x = layers.Embedding(vocabulary, width)(inputs)
-    x = x if keras3 else PositionEmbedding()(x)
+    x = PositionEmbedding()(x) if keras_lib is tf_keras else x
     normalized = layers.LayerNormalization()(x)
     x = x + layers.MultiHeadAttention(heads, width // heads)(normalized, normalized)
     hidden = layers.Dense(4 * width, activation="gelu")(layers.LayerNormalization()(x))
