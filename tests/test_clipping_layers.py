@@ -312,12 +312,12 @@ def test_other_trainable_layers_fall_back_and_are_named(caplog):
     assert len(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))) == 7
 
 
-def test_layers_that_see_other_rows_than_the_steps_are_never_clipped_per_row():
+def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row():
     """A Dense inside TimeDistributed (which folds the time steps into rows when the batch size is not
-    static) or after a reshape of the batch axis sees n * T rows: clipped per row, one example would add
-    up to T C to the sum. A wrapper sends the model to per-example gradients (each row's gradient
-    clipped to C, as checked here with rows whose time steps agree); a reshape in the model's call is
-    refused before the step runs."""
+    static) or after a reshape of the batch axis sees T rows for one example: clipped per row, one
+    example would add up to T C to the sum. A wrapper sends the model to per-example gradients (each
+    row's gradient clipped to C, as checked here with rows whose time steps agree); a reshape in the
+    model's call is refused before the step runs."""
     steps, width, clip = 8, 4, 1.0
 
     def loss(y, out):
@@ -342,14 +342,73 @@ def test_layers_that_see_other_rows_than_the_steps_are_never_clipped_per_row():
     step = PrivateStep(reshaped, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
     assert step.fast  # nothing in its layers shows the reshape: the step's assertion does
     for call in (step, step.privatized_gradient):  # nothing applied, no noise drawn
-        with pytest.raises(InputError, match=r"layer scores \(Dense\) sees other rows than the step holds"):
+        with pytest.raises(InputError, match=r"layer scores \(Dense\) sees several rows for one example"):
             call(tf.constant(x), tf.constant(y), tf.constant(weight))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees other rows than the step holds"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
         clipping.ghost_clipped_sum(reshaped, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
     any_rows = [tf.TensorSpec([None, steps, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
     unknown = tf.function(lambda *t: clipping.ghost_clipped_sum(reshaped, loss, *t, clip), input_signature=any_rows)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees other rows than the step holds"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
         unknown(x, y, weight)  # shapes known only as the step runs: its assertion
+
+
+class BatchMixing:
+    """Subclassed models whose call mixes the rows of its batch before a Dense layer, in ways no row
+    count shows: each row made its predecessor's (a roll over the batch), centred on the batch's mean,
+    or a time-major transpose when the sequence is as long as the batch."""
+
+    @staticmethod
+    def model(keras_lib, kind: str):
+        ops = keras.ops  # TensorFlow's ops for a tf_keras model as well
+
+        class Mixing(keras_lib.Model):
+            def __init__(self):
+                super().__init__()
+                self.hidden, self.scores = keras_lib.layers.Dense(4), keras_lib.layers.Dense(3)
+
+            def call(self, x):
+                if kind == "roll":
+                    x = ops.roll(x, 1, axis=0)
+                elif kind == "batch mean":
+                    x = x - ops.mean(x, axis=0, keepdims=True)
+                elif kind == "time-major transpose":
+                    return self.scores(ops.mean(ops.transpose(self.hidden(ops.transpose(x, (1, 0, 2))), (1, 0, 2)), 1))
+                return self.scores(ops.mean(self.hidden(x), axis=1))
+
+        keras_lib.utils.set_random_seed(4)
+        return Mixing()
+
+
+@pytest.mark.parametrize("kind", ["roll", "batch mean", "time-major transpose"])
+def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_example(kind, keras_lib):
+    """The attacker's view of the released sum: the clipped sums of a batch with and without one
+    example differ by at most C, and no other example's term moves. Run on the whole batch at once,
+    the roll put example j's inputs into row j + 1 (2 C between neighbours), the batch mean moved every
+    row, and the transpose (T = n) passed the row count while each row held all examples' values:
+    each example now runs through the model alone. The transpose leaves several rows per example in
+    the Dense layer's call, which the step refuses before applying anything."""
+    clip = 0.05
+    x, y = data((ROWS, 5))  # as many time steps as rows
+    model = BatchMixing.model(keras_lib, kind)
+    model(x)
+    assert ghost_clippable(model)
+    if kind == "time-major transpose":
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
+            ghost_clipped_sum(model, text.softmax_loss, tf.constant(x), tf.constant(y), tf.ones(ROWS), clip)
+        return
+
+    def released(rows):
+        batch = tf.constant(x[rows]), tf.constant(y[rows]), tf.ones(len(rows))
+        summed = ghost_clipped_sum(model, text.softmax_loss, *batch, clip)
+        return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in summed])
+
+    everyone = released(np.arange(ROWS))
+    alone = [released(np.array([j])) for j in range(ROWS)]
+    assert max(np.linalg.norm(term) for term in alone) == pytest.approx(clip, rel=1e-5)  # every example clipped
+    np.testing.assert_allclose(everyone, np.sum(alone, axis=0), rtol=1e-4, atol=1e-7)
+    for j in (0, ROWS - 1):
+        without = released(np.delete(np.arange(ROWS), j))
+        assert np.linalg.norm(everyone - without) <= clip * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])

@@ -7,9 +7,11 @@
   EmbeddingBag, PositionEmbedding, RmsNorm or TiedEmbedding (the pretrained causal LM's), without
   per-example gradients of the model ("ghost
   clipping" and book-keeping: Goodfellow 2015; Lee & Kifer 2021; Li et al. 2022; Bu et al. 2023).
-  One forward pass runs with those layers' calls tapped (`_tapped`: the same output, computed from
-  the layer's weights, recording its input and its output before any activation), one backward
-  pass gives the loss gradients d_i at those outputs (not at the weights), and each variable's
+  Each example's forward pass runs with those layers' calls tapped (`_tapped`: the same output,
+  computed from the layer's weights, recording its input and its output before any activation), its
+  backward pass gives the loss gradients d_i at those outputs (not at the weights), vectorized over
+  the batch as per-example gradients are (each example a batch of its own, so no call can mix rows:
+  `gradient_pieces`), and each variable's
   per-example gradient g_i is a product of a row's inputs and output gradients, so its norm comes
   from them alone (A_i: a row's inputs at its T positions, [T, p]; D_i: the output gradients there):
   - Dense and EinsumDense kernels: g_i = A_i^T D_i, ||g_i||^2 = ||a_i||^2 ||d_i||^2 for one
@@ -67,24 +69,43 @@ LAYER_NORMALIZATION = (tf_keras.layers.LayerNormalization, keras.layers.LayerNor
 
 
 def per_example_gradients(model, loss_fn, x, y, weight):
-    """Gradient of weight_i * loss_i for every example i (rows of weight 0 give zeros): vectorized, or
-    one example after another where TensorFlow cannot vectorize the model's gradient (its converter
-    fails on the gradient of Keras 3's EinsumDense with a bias on an inner axis)."""
+    """Gradient of weight_i * loss_i for every example i (rows of weight 0 give zeros), each example
+    through the model alone (`each_example`)."""
 
     def one(example):
         xi, yi, wi = example
-        with tf.GradientTape() as tape:  # xi: one row of an array, or of each array of a dict of inputs
-            loss = loss_fn(yi[None], model(tf.nest.map_structure(lambda t: t[None], xi), training=True))[0] * wi
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(one_row(xi), training=True))[0] * wi
         gradients = tape.gradient(loss, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [tf.convert_to_tensor(g) for g in gradients]  # an embedding's IndexedSlices as a dense tensor
 
+    return each_example(model, one, (x, y, weight))
+
+
+def one_row(xi):
+    """An example's inputs (one row of an array, or of each array of a dict) as a batch of one."""
+    return tf.nest.map_structure(lambda t: t[None], xi)
+
+
+def each_example(model, one, examples):
+    """one(example) for every example, stacked: vectorized, or one example after another where
+    TensorFlow cannot vectorize it (its converter fails on the gradient of Keras 3's EinsumDense with a
+    bias on an inner axis), as the log says. Each example runs through the model as a batch of its own
+    either way, so nothing the model's call does across its batch (a transpose, a reshape, a statistic
+    over the rows) can bring one example's values into another's."""
+    signature: list = []
+
+    def traced(example):
+        outputs = one(example)
+        signature[:] = [tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs)]
+        return outputs
+
     try:
-        return tf.vectorized_map(one, (x, y, weight))
+        return tf.vectorized_map(traced, examples)
     except ValueError as error:
         why = [line.strip() for line in str(error).splitlines() if line.strip()][-1][:300]
-        log.warning("model %s: per-example gradients one example at a time (not vectorized: %s)", model.name, why)
-        shapes = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
-        return tf.map_fn(one, (x, y, weight), fn_output_signature=shapes)
+        log.warning("model %s: one example at a time (not vectorized: %s)", model.name, why)
+        return tf.map_fn(one, examples, fn_output_signature=signature[0])
 
 
 def user_averages(gradients, weight, groups):
@@ -691,48 +712,59 @@ def _merged(pieces: list[Piece]) -> Piece:
 
 
 def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
-    """One forward pass of `model` with its trainable layers tapped (`_tapped`), one backward pass to
-    their outputs z (not to the weights), and each trainable variable's piece. The loss is
-    sum_i weight_i loss_i, so a row of weight 0 has d_i = 0: no norm, no gradient."""
+    """Each example's forward pass through `model` with its trainable layers tapped (`_tapped`) and
+    its backward pass to their outputs z (not to the weights), vectorized over the examples
+    (`each_example`), then each trainable variable's piece. An example's loss is weight_i loss_i, so a
+    row of weight 0 has d_i = 0: no norm, no gradient. Each example runs as a batch of its own, so row
+    i of every recorded input and output gradient is example i's alone whatever the model's call does
+    across its batch (run on the whole batch at once, a transpose that brought another axis of the
+    batch's size to the front passed every row count and let one example add up to T C)."""
     layers = _trainable_layers(model)
-    calls: dict[int, list] = {id(layer): [] for layer in layers}
-    with _tapped(layers, calls), tf.GradientTape() as tape:
-        loss = tf.reduce_sum(loss_fn(y, model(x, training=True)) * weight)
-    checks = [_check_rows(layer, z, weight) for layer in layers for _, z in calls[id(layer)]]
-    outputs = [z for layer in layers for _, z in calls[id(layer)]]
-    deltas = tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    with tf.control_dependencies([check for check in checks if check is not None]):  # rows first
-        recorded, deltas = finite_rows_only([a for layer in layers for a, _ in calls[id(layer)]], deltas)
-    pairs = iter(zip(recorded, deltas))
+    tapped: list = []  # (layer, whether its input is recorded) of each call, in order, as traced
+
+    def one(example):
+        xi, yi, wi = example
+        calls: dict[int, list] = {id(layer): [] for layer in layers}
+        with _tapped(layers, calls), tf.GradientTape() as tape:
+            loss = loss_fn(yi[None], model(one_row(xi), training=True))[0] * wi
+        recorded = [(layer, a, z) for layer in layers for a, z in calls[id(layer)]]
+        tapped[:] = [(layer, a is not None) for layer, a, _ in recorded]
+        deltas = tape.gradient(loss, [z for *_, z in recorded], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [a for _, a, _ in recorded if a is not None], deltas
+
+    inputs, deltas = each_example(model, one, (x, y, weight))  # each [n, rows of the call, ...]
+    with tf.control_dependencies([_check_rows(layer, d) for (layer, _), d in zip(tapped, deltas)]):  # rows first
+        inputs, deltas = finite_rows_only([a[:, 0] for a in inputs], [d[:, 0] for d in deltas])
+    recorded = iter(inputs)
     trainable = {id(v) for v in model.trainable_variables}
     by_variable: dict[int, list[Piece]] = {}
-    for layer in layers:
-        for _ in calls[id(layer)]:
-            a, d = next(pairs)
-            # Under mixed precision the pieces are still float32: each row's g_i, its norm and the
-            # clipped sum are then computed in float32 from that row's own inputs and output gradients,
-            # so rounding never mixes rows (a bfloat16 product over the batch would round the sum).
-            a = tf.cast(a, tf.float32) if a is not None and a.dtype.is_floating else a
-            for piece in _layer_pieces(layer, a, tf.cast(d, tf.float32)):
-                if id(piece.variable) in trainable:
-                    by_variable.setdefault(id(piece.variable), []).append(piece)
+    for (layer, has_input), d in zip(tapped, deltas):
+        a = next(recorded) if has_input else None
+        # Under mixed precision the pieces are still float32: each row's g_i, its norm and the
+        # clipped sum are then computed in float32 from that row's own inputs and output gradients,
+        # so rounding never mixes rows (a bfloat16 product over the batch would round the sum).
+        a = tf.cast(a, tf.float32) if a is not None and a.dtype.is_floating else a
+        for piece in _layer_pieces(layer, a, tf.cast(d, tf.float32)):
+            if id(piece.variable) in trainable:
+                by_variable.setdefault(id(piece.variable), []).append(piece)
     return [_merged(pieces) for pieces in by_variable.values()]
 
 
-ROWS_NOT_THE_STEPS = "sees other rows than the step holds"
+ROWS_NOT_ONE_EXAMPLE = "sees several rows for one example"
 
 
-def _check_rows(layer, z, weight):
-    """A tapped layer's call must see the step's rows, one per example: a call that sees n * T rows
-    (TimeDistributed without a static batch size, a reshape of the batch axis in the model's call)
-    would clip each of them to C, so one example would add up to T C to the sum. The assertion fails
-    as the step is traced where the shapes are static (always under XLA), else as it runs."""
+def _check_rows(layer, d):
+    """A tapped layer's call in one example's pass (a batch of one) must see that one row: a call that
+    sees T rows (TimeDistributed without a static batch size, a reshape or a transpose of the batch
+    axis in the model's call) would give T pieces of one example's gradient as T rows. `d`: the call's
+    output gradients of every example, [n, rows of the call, ...]. The assertion fails as the step is
+    traced where the shapes are static (always under XLA), else as it runs."""
     message = (
-        f"model layer {layer.name} ({type(layer).__name__}) {ROWS_NOT_THE_STEPS}: something around or before "
-        f"it (a wrapper such as TimeDistributed, a reshape) folds other axes into the batch axis, so its "
-        f"per-row gradient norms would not be per example; keep the batch axis first in the call of the model"
+        f"model layer {layer.name} ({type(layer).__name__}) {ROWS_NOT_ONE_EXAMPLE}: something around or before "
+        f"it (a wrapper such as TimeDistributed, a reshape or a transpose) moves other axes into the batch "
+        f"axis, so its rows are not examples; keep the batch axis first in the call of the model"
     )
-    return tf.debugging.assert_equal(tf.shape(z)[0], tf.shape(weight)[0], message=message)
+    return tf.debugging.assert_equal(tf.shape(d)[1], 1, message=message)
 
 
 def ghost_norms(model, loss_fn, x, y, weight):

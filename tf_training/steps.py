@@ -14,7 +14,7 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
-    ROWS_NOT_THE_STEPS,
+    ROWS_NOT_ONE_EXAMPLE,
     float32_despite_policy,
     ghost_clipped_sum,
     per_example_gradients,
@@ -310,7 +310,7 @@ def _rows_refused():
     try:
         yield
     except tf.errors.InvalidArgumentError as error:
-        said = re.search(rf"\[([^\]]*{ROWS_NOT_THE_STEPS}[^\]]*)\]", error.message)
+        said = re.search(rf"\[([^\]]*{ROWS_NOT_ONE_EXAMPLE}[^\]]*)\]", error.message)
         if said is None:
             raise
         raise InputError(f"{said.group(1)} (this step did not run)") from None
