@@ -15,7 +15,6 @@ pytest.importorskip("tensorflow")
 
 import keras  # noqa: E402  (Keras 3)
 
-from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.training import clipping, text  # noqa: E402
 from madp.training.clipping import (  # noqa: E402
@@ -312,12 +311,14 @@ def test_other_trainable_layers_fall_back_and_are_named(caplog):
     assert len(step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))) == 7
 
 
-def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row():
+def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(caplog):
     """A Dense inside TimeDistributed (which folds the time steps into rows when the batch size is not
     static) or after a reshape of the batch axis sees T rows for one example: clipped per row, one
-    example would add up to T C to the sum. A wrapper sends the model to per-example gradients (each
-    row's gradient clipped to C, as checked here with rows whose time steps agree); a reshape in the
-    model's call is refused before the step runs."""
+    example would add up to T C to the sum. A wrapper sends the model to per-example gradients, as
+    does a layer whose call sees several rows for one example, or a number known only as the step runs
+    (a reshape in the model's call, here with time steps of a fixed and of any length), found as the
+    step is traced: each example's gradient clipped to C, as checked with examples whose time steps
+    agree."""
     steps, width, clip = 8, 4, 1.0
 
     def loss(y, out):
@@ -326,30 +327,47 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
     def pooled(inputs, scores):
         return functional(inputs, layers.GlobalAveragePooling1D()(scores))
 
+    def norm(summed):
+        return np.sqrt(sum(float(np.sum(np.square(g))) for g in summed))
+
     inputs = tf_keras.Input((steps, width))
     wrapped = pooled(inputs, layers.TimeDistributed(layers.Dense(1), name="per_step")(inputs))
     assert [name.split(" ")[0] for name in unsupported_layers(wrapped)] == ["per_step"]
     rows = np.repeat(np.random.default_rng(0).normal(size=(1, 1, width)).astype(np.float32), steps, axis=1)
-    x, y, weight = np.repeat(rows, 3, axis=0), np.full(3, 100.0, np.float32), np.ones(3, np.float32)
+    x, y, weight = map(tf.constant, (np.repeat(rows, 3, axis=0), np.full(3, 100.0, np.float32), np.ones(3, np.float32)))
     step = PrivateStep(wrapped, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
     assert not step.fast
-    summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(weight))
-    assert np.sqrt(sum(float(np.sum(np.square(g))) for g in summed)) <= 3 * clip * (1 + 1e-5)
+    assert norm(step.privatized_gradient(x, y, weight)) <= 3 * clip * (1 + 1e-5)
 
-    folded = layers.Lambda(lambda t: tf.reshape(t, [-1, width]))(inputs)
-    scores = layers.Lambda(lambda t: tf.reshape(t, [-1, steps, 1]))(layers.Dense(1, name="scores")(folded))
-    reshaped = pooled(inputs, scores)
+    def time_steps_as_rows(inputs):
+        folded = layers.Lambda(lambda t: tf.reshape(t, [-1, width]))(inputs)
+        scores = layers.Lambda(lambda ts: tf.reshape(ts[0], [-1, tf.shape(ts[1])[1], 1]))(
+            [layers.Dense(1, name="scores")(folded), inputs]
+        )
+        return pooled(inputs, scores)
+
+    reshaped = time_steps_as_rows(inputs)
     step = PrivateStep(reshaped, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
-    assert step.fast  # nothing in its layers shows the reshape: the step's assertion does
-    for call in (step, step.privatized_gradient):  # nothing applied, no noise drawn
-        with pytest.raises(InputError, match=r"layer scores \(Dense\) sees several rows for one example"):
-            call(tf.constant(x), tf.constant(y), tf.constant(weight))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
-        clipping.ghost_clipped_sum(reshaped, loss, tf.constant(x), tf.constant(y), tf.constant(weight), clip)
-    any_rows = [tf.TensorSpec([None, steps, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
-    unknown = tf.function(lambda *t: clipping.ghost_clipped_sum(reshaped, loss, *t, clip), input_signature=any_rows)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
-        unknown(x, y, weight)  # shapes known only as the step runs: its assertion
+    assert step.fast  # nothing in its layers shows the reshape: the step's trace does
+    with caplog.at_level(logging.WARNING, logger="madp.train"):
+        summed = step.privatized_gradient(x, y, weight)
+    assert "per-example gradients" in caplog.text and "scores (8 rows)" in caplog.text
+    assert 3 * clip * (1 - 1e-5) <= norm(summed) <= 3 * clip * (1 + 1e-5)
+    with pytest.raises(clipping.SeveralRowsPerExample, match=r"scores \(8 rows\)"):
+        clipping.ghost_clipped_sum(reshaped, loss, x, y, weight, clip)
+
+    any_length = time_steps_as_rows(tf_keras.Input((None, width)))
+    step = PrivateStep(any_length, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    caplog.clear()
+    for length in (8, 5, 6):  # traced again for time steps of any length: the rows known only as the step runs
+        with caplog.at_level(logging.WARNING, logger="madp.train"):
+            summed = step.privatized_gradient(x[:, :length], y, weight)
+        assert 3 * clip * (1 - 1e-5) <= norm(summed) <= 3 * clip * (1 + 1e-5)
+    assert "scores (8 rows)" in caplog.text and "scores (unknown rows)" in caplog.text
+    unknown = [tf.TensorSpec([None, None, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
+    ghost = tf.function(lambda *t: clipping.ghost_clipped_sum(any_length, loss, *t, clip), input_signature=unknown)
+    with pytest.raises(clipping.SeveralRowsPerExample, match=r"scores \(unknown rows\)"):
+        ghost.get_concrete_function()
 
 
 class BatchMixing:
@@ -380,29 +398,27 @@ class BatchMixing:
 
 
 @pytest.mark.parametrize("kind", ["roll", "batch mean", "time-major transpose"])
-def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_example(kind, keras_lib):
-    """The attacker's view of the released sum: the clipped sums of a batch with and without one
-    example differ by at most C, and no other example's term moves. Run on the whole batch at once,
-    the roll put example j's inputs into row j + 1 (2 C between neighbours), the batch mean moved every
-    row, and the transpose (T = n) passed the row count while each row held all examples' values:
-    each example now runs through the model alone. The transpose leaves several rows per example in
-    the Dense layer's call, which the step refuses before applying anything."""
+def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_example(kind, keras_lib, caplog):
+    """The attacker's view of the released sum (a private step without noise): the sums of a batch
+    with and without one example differ by at most C, and no other example's term moves. Run on the
+    whole batch at once, the roll put example j's inputs into row j + 1 (2 C between neighbours), the
+    batch mean moved every row, and the transpose (T = n) passed the row count while each row held all
+    examples' values: each example now runs through the model alone, and the transpose, which leaves
+    T rows of one example in the Dense layer's call, takes per-example gradients."""
     clip = 0.05
     x, y = data((ROWS, 5))  # as many time steps as rows
     model = BatchMixing.model(keras_lib, kind)
     model(x)
     assert ghost_clippable(model)
-    if kind == "time-major transpose":
-        with pytest.raises(tf.errors.InvalidArgumentError, match=r"sees several rows for one example"):
-            ghost_clipped_sum(model, text.softmax_loss, tf.constant(x), tf.constant(y), tf.ones(ROWS), clip)
-        return
+    step = PrivateStep(model, text.softmax_loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
 
     def released(rows):
-        batch = tf.constant(x[rows]), tf.constant(y[rows]), tf.ones(len(rows))
-        summed = ghost_clipped_sum(model, text.softmax_loss, *batch, clip)
+        summed = step.privatized_gradient(tf.constant(x[rows]), tf.constant(y[rows]), tf.ones(len(rows)))
         return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in summed])
 
-    everyone = released(np.arange(ROWS))
+    with caplog.at_level(logging.WARNING, logger="madp.train"):
+        everyone = released(np.arange(ROWS))
+    assert ("per-example gradients" in caplog.text) == (kind == "time-major transpose")
     alone = [released(np.array([j])) for j in range(ROWS)]
     assert max(np.linalg.norm(term) for term in alone) == pytest.approx(clip, rel=1e-5)  # every example clipped
     np.testing.assert_allclose(everyone, np.sum(alone, axis=0), rtol=1e-4, atol=1e-7)

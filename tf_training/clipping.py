@@ -733,8 +733,14 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
         return [a for _, a, _ in recorded if a is not None], deltas
 
     inputs, deltas = each_example(model, one, (x, y, weight))  # each [n, rows of the call, ...]
-    with tf.control_dependencies([_check_rows(layer, d) for (layer, _), d in zip(tapped, deltas)]):  # rows first
-        inputs, deltas = finite_rows_only([a[:, 0] for a in inputs], [d[:, 0] for d in deltas])
+    # a call's rows in an example's pass, as traced: anything but 1 (None: known only as the step runs)
+    # and its rows would be pieces of one example's gradient, each clipped to C
+    several = sorted(
+        {f"{layer.name} ({d.shape[1] or 'unknown'} rows)" for (layer, _), d in zip(tapped, deltas) if d.shape[1] != 1}
+    )
+    if several:
+        raise SeveralRowsPerExample(", ".join(several))
+    inputs, deltas = finite_rows_only([a[:, 0] for a in inputs], [d[:, 0] for d in deltas])
     recorded = iter(inputs)
     trainable = {id(v) for v in model.trainable_variables}
     by_variable: dict[int, list[Piece]] = {}
@@ -750,21 +756,11 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     return [_merged(pieces) for pieces in by_variable.values()]
 
 
-ROWS_NOT_ONE_EXAMPLE = "sees several rows for one example"
-
-
-def _check_rows(layer, d):
-    """A tapped layer's call in one example's pass (a batch of one) must see that one row: a call that
-    sees T rows (TimeDistributed without a static batch size, a reshape or a transpose of the batch
-    axis in the model's call) would give T pieces of one example's gradient as T rows. `d`: the call's
-    output gradients of every example, [n, rows of the call, ...]. The assertion fails as the step is
-    traced where the shapes are static (always under XLA), else as it runs."""
-    message = (
-        f"model layer {layer.name} ({type(layer).__name__}) {ROWS_NOT_ONE_EXAMPLE}: something around or before "
-        f"it (a wrapper such as TimeDistributed, a reshape or a transpose) moves other axes into the batch "
-        f"axis, so its rows are not examples; keep the batch axis first in the call of the model"
-    )
-    return tf.debugging.assert_equal(tf.shape(d)[1], 1, message=message)
+class SeveralRowsPerExample(Exception):
+    """Layers whose call, in one example's pass (a batch of one), sees several rows, or a number known
+    only as the step runs, as the step is traced: a wrapper such as TimeDistributed, or a reshape or a
+    transpose in the model's call, brings time steps into the batch axis. Clipped per row, one example
+    would add up to T C, so the step takes per-example gradients instead (`steps.PrivateStep`)."""
 
 
 def ghost_norms(model, loss_fn, x, y, weight):

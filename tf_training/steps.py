@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import re
 from typing import Any
 
 import numpy as np
@@ -14,7 +13,7 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
-    ROWS_NOT_ONE_EXAMPLE,
+    SeveralRowsPerExample,
     float32_despite_policy,
     ghost_clipped_sum,
     per_example_gradients,
@@ -197,15 +196,13 @@ class PrivateStep(_LoweredOnce, _KerasFit):
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
         inputs = self._inputs(x, y, weight, users)
-        with _rows_refused():
-            self.lower_once(self._privatized, inputs)
-            return self._privatize_once(*inputs)
+        self.lower_once(self._privatized, inputs)
+        return self._privatize_once(*inputs)
 
     def __call__(self, x, y, weight, users=None) -> None:
         inputs = split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica)
-        with _rows_refused():
-            self.lower_once(self._replica_step, inputs)
-            self.apply(*inputs)
+        self.lower_once(self._replica_step, inputs)
+        self.apply(*inputs)
 
     def _users(self, users):
         if not self.user_level:
@@ -235,9 +232,18 @@ class PrivateStep(_LoweredOnce, _KerasFit):
     def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
+        summed = None
         if self.fast:
-            summed = ghost_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
-        else:
+            try:
+                summed = ghost_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
+            except SeveralRowsPerExample as error:
+                log.warning(
+                    "model %s: per-example gradients (vectorized, slower) for DP clipping; these layers' calls see "
+                    "several rows for one example (a reshape or a transpose of the batch axis in the model's call): %s",
+                    self.model.name,
+                    error,
+                )
+        if summed is None:
             per_example = per_example_gradients(self.model, self.loss_fn, x, y, weight)
             if self.user_level:  # the ULS record of a user: the average gradient of its rows
                 per_example, _ = user_averages(per_example, weight, groups)
@@ -301,19 +307,6 @@ def compiled_by_xla(function, jit_compile: bool, strategy):
     if strategy.num_replicas_in_sync > 1:
         raise InputError("XLA compilation (jit_compile, --xla) trains on one device: use --distribution default")
     return tf.function(function, jit_compile=True, reduce_retracing=True)
-
-
-@contextlib.contextmanager
-def _rows_refused():
-    """The clipping's assertion that each tapped layer sees the step's rows (`clipping._check_rows`, where
-    shapes are known only when the step runs) as an InputError: it fails before any noise or update."""
-    try:
-        yield
-    except tf.errors.InvalidArgumentError as error:
-        said = re.search(rf"\[([^\]]*{ROWS_NOT_ONE_EXAMPLE}[^\]]*)\]", error.message)
-        if said is None:
-            raise
-        raise InputError(f"{said.group(1)} (this step did not run)") from None
 
 
 def _refuse_batch_statistics(model) -> None:
