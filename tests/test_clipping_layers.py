@@ -353,7 +353,7 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
         summed = step.privatized_gradient(x, y, weight)
     assert "per-example gradients" in caplog.text and "scores (8 rows)" in caplog.text
     assert 3 * clip * (1 - 1e-5) <= norm(summed) <= 3 * clip * (1 + 1e-5)
-    with pytest.raises(clipping.SeveralRowsPerExample, match=r"scores \(8 rows\)"):
+    with pytest.raises(clipping.NoFastClipping, match=r"scores \(8 rows\)"):
         clipping.ghost_clipped_sum(reshaped, loss, x, y, weight, clip)
 
     any_length = time_steps_as_rows(tf_keras.Input((None, width)))
@@ -366,7 +366,7 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
     assert "scores (8 rows)" in caplog.text and "scores (unknown rows)" in caplog.text
     unknown = [tf.TensorSpec([None, None, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
     ghost = tf.function(lambda *t: clipping.ghost_clipped_sum(any_length, loss, *t, clip), input_signature=unknown)
-    with pytest.raises(clipping.SeveralRowsPerExample, match=r"scores \(unknown rows\)"):
+    with pytest.raises(clipping.NoFastClipping, match=r"scores \(unknown rows\)"):
         ghost.get_concrete_function()
 
 
@@ -425,6 +425,37 @@ def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_examp
     for j in (0, ROWS - 1):
         without = released(np.delete(np.arange(ROWS), j))
         assert np.linalg.norm(everyone - without) <= clip * (1 + 1e-5)
+
+
+def test_a_layer_recomputed_by_keras_remat_takes_per_example_gradients(caplog):
+    """keras.remat(layer) in a model's call recomputes the layer's output in the backward pass, so the
+    output its tapped call recorded has no path to the loss, and fast clipping would give the layer's
+    weights no gradient. The step's trace shows it, and the step takes per-example gradients."""
+
+    class Recomputed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(4, activation="tanh", name="hidden")
+            self.scores = keras.layers.Dense(3, name="scores")
+
+        def call(self, x):
+            return self.scores(keras.remat(self.hidden)(x))
+
+    keras.utils.set_random_seed(5)
+    model = Recomputed()
+    x, y = data((5,))
+    model(x)
+    per_example, norms = reference(model, text.softmax_loss, tf.constant(x), tf.constant(y), WEIGHT)
+    clip = float(np.median(norms[WEIGHT > 0]))
+    step = PrivateStep(model, text.softmax_loss, keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    assert step.fast
+    with caplog.at_level(logging.WARNING, logger="madp.train"):
+        summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+    assert "hidden (output not reaching the loss)" in caplog.text
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    for got, g in zip(summed, per_example):
+        assert np.any(g != 0)
+        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])

@@ -721,6 +721,7 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     batch's size to the front passed every row count and let one example add up to T C)."""
     layers = _trainable_layers(model)
     tapped: list = []  # (layer, whether its input is recorded) of each call, in order, as traced
+    unreached: list = []  # the layers of calls whose output, as traced, has no path to the loss
 
     def one(example):
         xi, yi, wi = example
@@ -729,17 +730,22 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
             loss = loss_fn(yi[None], model(one_row(xi), training=True))[0] * wi
         recorded = [(layer, a, z) for layer in layers for a, z in calls[id(layer)]]
         tapped[:] = [(layer, a is not None) for layer, a, _ in recorded]
-        deltas = tape.gradient(loss, [z for *_, z in recorded], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        deltas = tape.gradient(loss, [z for *_, z in recorded])
+        unreached[:] = sorted({layer.name for (layer, *_), d in zip(recorded, deltas) if d is None})
+        deltas = [tf.zeros_like(z) if d is None else d for (*_, z), d in zip(recorded, deltas)]
         return [a for _, a, _ in recorded if a is not None], deltas
 
     inputs, deltas = each_example(model, one, (x, y, weight))  # each [n, rows of the call, ...]
     # a call's rows in an example's pass, as traced: anything but 1 (None: known only as the step runs)
     # and its rows would be pieces of one example's gradient, each clipped to C
-    several = sorted(
-        {f"{layer.name} ({d.shape[1] or 'unknown'} rows)" for (layer, _), d in zip(tapped, deltas) if d.shape[1] != 1}
-    )
-    if several:
-        raise SeveralRowsPerExample(", ".join(several))
+    several = {
+        f"{layer.name} ({d.shape[1] or 'unknown'} rows)" for (layer, _), d in zip(tapped, deltas) if d.shape[1] != 1
+    }
+    # a call whose output does not reach the loss (recomputed in the backward pass, as keras.remat
+    # does, or unused) gives its weights no gradient here, though another path may
+    unused = {f"{name} (output not reaching the loss)" for name in unreached}
+    if several or unused:
+        raise NoFastClipping(", ".join(sorted(several | unused)))
     inputs, deltas = finite_rows_only([a[:, 0] for a in inputs], [d[:, 0] for d in deltas])
     recorded = iter(inputs)
     trainable = {id(v) for v in model.trainable_variables}
@@ -756,11 +762,14 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     return [_merged(pieces) for pieces in by_variable.values()]
 
 
-class SeveralRowsPerExample(Exception):
-    """Layers whose call, in one example's pass (a batch of one), sees several rows, or a number known
-    only as the step runs, as the step is traced: a wrapper such as TimeDistributed, or a reshape or a
-    transpose in the model's call, brings time steps into the batch axis. Clipped per row, one example
-    would add up to T C, so the step takes per-example gradients instead (`steps.PrivateStep`)."""
+class NoFastClipping(Exception):
+    """The calls of layers that the step's trace shows fast clipping cannot clip per example, as
+    "name (why)": a call that sees several rows in one example's pass (a batch of one), or a number
+    known only as the step runs (a wrapper such as TimeDistributed, or a reshape or a transpose in the
+    model's call, brings time steps into the batch axis: clipped per row, one example would add up to
+    T C), and a call whose output does not reach the loss (`keras.remat(layer)` recomputes it in the
+    backward pass: its weights would get no gradient). The step takes per-example gradients instead
+    (`steps.PrivateStep`)."""
 
 
 def ghost_norms(model, loss_fn, x, y, weight):

@@ -13,7 +13,7 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
-    SeveralRowsPerExample,
+    NoFastClipping,
     float32_despite_policy,
     ghost_clipped_sum,
     per_example_gradients,
@@ -236,10 +236,12 @@ class PrivateStep(_LoweredOnce, _KerasFit):
         if self.fast:
             try:
                 summed = ghost_clipped_sum(self.model, self.loss_fn, x, y, weight, params)
-            except SeveralRowsPerExample as error:
+            except NoFastClipping as error:
                 log.warning(
-                    "model %s: per-example gradients (vectorized, slower) for DP clipping; these layers' calls see "
-                    "several rows for one example (a reshape or a transpose of the batch axis in the model's call): %s",
+                    "model %s: per-example gradients (vectorized, slower) for DP clipping; fast clipping cannot clip "
+                    "these calls per example (several rows for one example: a reshape or a transpose of the batch "
+                    "axis in the model's call; an output not reaching the loss: a call recomputed, as by keras.remat, "
+                    "or unused): %s",
                     self.model.name,
                     error,
                 )
