@@ -100,6 +100,18 @@ def test_dense_on_vectors_and_on_sequences(kernel_norms, keras_lib):
     check(keras_lib.Model(inputs, layers.Dense(3, use_bias=False)(flat)), *data((5, 4)))
 
 
+def test_a_stack_of_dense_layers_over_sequences_clips_each_example():
+    """madp's path for a tf_keras Sequential of Dense layers takes vectors only: over a sequence each
+    layer's per-example gradient sums its positions' outer products, which that path took for rows of
+    their own (a crash, or where the widths allowed it, a row adding up to 1.88 C); the general path
+    clips it."""
+    tf_keras.utils.set_random_seed(1)
+    stack = tf_keras.Sequential([tf_keras.Input((4, 4)), layers.Dense(4), layers.Dense(4)])
+    assert not clipping._is_dense_stack(stack)
+    assert clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
+    check(stack, *data((4, 4), classes=4), loss=lambda y, out: text.softmax_loss(y, tf.reduce_mean(out, axis=1)))
+
+
 def test_dense_called_twice_shares_its_gradient(keras_lib):
     inputs, layers = keras_lib.Input((4,)), keras_lib.layers
     shared = layers.Dense(4, activation="tanh")
@@ -371,13 +383,26 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
 
 
 class BatchMixing:
-    """Subclassed models whose call mixes the rows of its batch before a Dense layer, in ways no row
-    count shows: each row made its predecessor's (a roll over the batch), centred on the batch's mean,
-    or a time-major transpose when the sequence is as long as the batch."""
+    """Models that mix the rows of their batch, in ways no row count shows: subclassed models whose
+    call makes each row its predecessor's (a roll over the batch), centres the rows on the batch's
+    mean, or runs a Dense layer time-major when the sequence is as long as the batch; and stacks of
+    Dense layers (madp's own clipping path for them in tf_keras) whose loss, or a layer's activation,
+    adds half the previous row's values to each row's."""
+
+    @staticmethod
+    def loss(kind: str):
+        if kind != "loss over the batch":
+            return text.softmax_loss
+        return lambda y, logits: text.softmax_loss(y, logits + keras.ops.roll(logits, 1, axis=0) / 2)
 
     @staticmethod
     def model(keras_lib, kind: str):
         ops = keras.ops  # TensorFlow's ops for a tf_keras model as well
+        keras_lib.utils.set_random_seed(4)
+        if kind in ("loss over the batch", "activation over the batch"):
+            mixing = (lambda t: t + ops.roll(t, 1, axis=0) / 2) if kind == "activation over the batch" else None
+            hidden = keras_lib.layers.Dense(4, activation=mixing)
+            return keras_lib.Sequential([keras_lib.Input((ROWS * 5,)), hidden, keras_lib.layers.Dense(3)])
 
         class Mixing(keras_lib.Model):
             def __init__(self):
@@ -393,24 +418,29 @@ class BatchMixing:
                     return self.scores(ops.mean(ops.transpose(self.hidden(ops.transpose(x, (1, 0, 2))), (1, 0, 2)), 1))
                 return self.scores(ops.mean(self.hidden(x), axis=1))
 
-        keras_lib.utils.set_random_seed(4)
         return Mixing()
 
 
-@pytest.mark.parametrize("kind", ["roll", "batch mean", "time-major transpose"])
+@pytest.mark.parametrize(
+    "kind", ["roll", "batch mean", "time-major transpose", "loss over the batch", "activation over the batch"]
+)
 def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_example(kind, keras_lib, caplog):
     """The attacker's view of the released sum (a private step without noise): the sums of a batch
     with and without one example differ by at most C, and no other example's term moves. Run on the
     whole batch at once, the roll put example j's inputs into row j + 1 (2 C between neighbours), the
     batch mean moved every row, and the transpose (T = n) passed the row count while each row held all
-    examples' values: each example now runs through the model alone, and the transpose, which leaves
-    T rows of one example in the Dense layer's call, takes per-example gradients."""
+    examples' values, and the stack of Dense layers took its loss on the whole batch: each example now
+    runs through the model and the loss alone, and the transpose, which leaves T rows of one example
+    in the Dense layer's call, takes per-example gradients."""
     clip = 0.05
     x, y = data((ROWS, 5))  # as many time steps as rows
     model = BatchMixing.model(keras_lib, kind)
+    if kind in ("loss over the batch", "activation over the batch"):
+        x = x.reshape(ROWS, -1)
+        assert clipping._is_dense_stack(model) == (keras_lib is tf_keras and kind == "loss over the batch")
     model(x)
     assert ghost_clippable(model)
-    step = PrivateStep(model, text.softmax_loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    step = PrivateStep(model, BatchMixing.loss(kind), keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
 
     def released(rows):
         summed = step.privatized_gradient(tf.constant(x[rows]), tf.constant(y[rows]), tf.ones(len(rows)))

@@ -33,7 +33,7 @@
   sum is then formed from the same inputs and output gradients scaled by the rows' clip factors,
   without a second backward pass (TF Privacy's fast-gradient-clipping registry gives the norms,
   then backpropagates a reweighted loss again, and knows no madp layers). A Sequential of an
-  optional EmbeddingBag then Dense layers runs its layers one by one instead
+  optional EmbeddingBag then Dense layers on vectors runs its layers one by one instead
   (`_dense_stack_clipped_sum`, the same norms). Any other trainable layer, one whose call is not
   the formula's (Keras 3's LoRA, quantized, rematerialized or RMS-scaled layers) and any trainable
   variable no layer owns (`unsupported_layers`) send the model to per-example gradients.
@@ -131,13 +131,28 @@ def bag_weight_squares(bag: EmbeddingBag, ids):
     return tf.reduce_sum(tf.square(weights) * (2.0 * tf.cast(earlier, tf.float32) + 1.0), axis=1)
 
 
+# Keras' activations that act on each row alone (softmax over its last axis): any other function
+# may mix a batch's rows, and the stack runs its layers on the whole batch
+ROW_WISE_ACTIVATIONS = frozenset(
+    tf_keras.activations.get(name)
+    for name in ("linear", "relu", "relu6", "elu", "selu", "gelu", "sigmoid", "hard_sigmoid", "tanh", "softmax")
+    + ("softplus", "softsign", "swish", "exponential")
+)
+
+
 def _is_dense_stack(model) -> bool:
-    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense layers."""
-    if not isinstance(model, tf_keras.Sequential) or not model.layers:
+    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense layers of
+    row-wise activations, built for inputs of rank 2 (one vector or one list of ids per example;
+    over sequences, each Dense layer's per-example gradient sums the positions' outer products, which
+    the general path clips)."""
+    if not isinstance(model, tf_keras.Sequential) or not model.layers or not model.built:
+        return False
+    if len(tf.TensorShape(model.input_shape)) != 2:
         return False
     first, *rest = model.layers
     return isinstance(first, (EmbeddingBag, tf_keras.layers.Dense)) and all(
-        isinstance(layer, tf_keras.layers.Dense) for layer in rest
+        isinstance(layer, tf_keras.layers.Dense) and layer.activation in ROW_WISE_ACTIVATIONS
+        for layer in model.layers[isinstance(first, EmbeddingBag) :]
     )
 
 
@@ -155,20 +170,23 @@ def float32_despite_policy(model) -> bool:
 
 def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     """sum_i g_i min(1, clip / ||g_i||) for a `_is_dense_stack` model: the layers run one by one on
-    their weights (no tapped calls), and a bag followed by a narrower Dense layer scatters that
-    layer's output gradients (`_bag_gradient`)."""
+    their weights (no tapped calls) over the batch, each row alone, and the loss is taken of each
+    example alone (`each_example`: a loss that mixes a batch's rows sees one); a bag followed by a
+    narrower Dense layer scatters that layer's output gradients (`_bag_gradient`)."""
     with tf.GradientTape() as tape:
         inputs, outputs, a = [], [], x
         for layer in model.layers:
             if isinstance(layer, EmbeddingBag):  # the stack runs in float32, the policy's compute dtype aside
                 z = tf.cast(layer(a), tf.float32)
-            else:
+            else:  # as Keras casts its inputs (float64 arrays, say)
+                a = tf.cast(a, tf.float32)
                 z = tf.matmul(a, layer.kernel) + (layer.bias if layer.use_bias else 0.0)
             inputs.append(a)
             outputs.append(z)
             a = z if isinstance(layer, EmbeddingBag) else layer.activation(z)
-        loss = tf.reduce_sum(loss_fn(y, a) * weight)
-    deltas = tape.gradient(loss, outputs)
+        losses = each_example(model, lambda example: loss_fn(example[0][None], example[1][None])[0], (y, a))
+        loss = tf.reduce_sum(losses * weight)
+    deltas = tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     inputs, deltas = finite_rows_only(inputs, deltas)
     squares = []
     for layer, a, d in zip(model.layers, inputs, deltas):
