@@ -15,6 +15,7 @@ pytest.importorskip("tensorflow")
 
 import keras  # noqa: E402  (Keras 3)
 
+from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.training import clipping, text  # noqa: E402
 from madp.training.clipping import (  # noqa: E402
@@ -100,16 +101,59 @@ def test_dense_on_vectors_and_on_sequences(kernel_norms, keras_lib):
     check(keras_lib.Model(inputs, layers.Dense(3, use_bias=False)(flat)), *data((5, 4)))
 
 
-def test_a_stack_of_dense_layers_over_sequences_clips_each_example():
-    """madp's path for a tf_keras Sequential of Dense layers takes vectors only: over a sequence each
-    layer's per-example gradient sums its positions' outer products, which that path took for rows of
-    their own (a crash, or where the widths allowed it, a row adding up to 1.88 C); the general path
-    clips it."""
+def test_the_dense_stack_path_takes_only_what_it_clips_exactly():
+    """madp's path for a tf_keras Sequential of Dense layers takes vectors, Dense layers of that class
+    exactly and all of them trainable. Over a sequence each layer's per-example gradient sums its
+    positions' outer products, which that path took for rows of their own (a crash, or where the
+    widths allowed it, a row adding up to 1.88 C); a subclass's call may differ (a masked kernel); a
+    frozen layer's gradient would count in the norms. The general path clips them."""
     tf_keras.utils.set_random_seed(1)
     stack = tf_keras.Sequential([tf_keras.Input((4, 4)), layers.Dense(4), layers.Dense(4)])
     assert not clipping._is_dense_stack(stack)
-    assert clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
     check(stack, *data((4, 4), classes=4), loss=lambda y, out: text.softmax_loss(y, tf.reduce_mean(out, axis=1)))
+
+    class Masked(layers.Dense):
+        pass
+
+    frozen = layers.Dense(4, trainable=False)
+    assert clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
+    assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), Masked(4), layers.Dense(4)]))
+    assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), frozen, layers.Dense(4)]))
+
+
+@pytest.mark.parametrize("keras_lib_name", ["tf_keras", "keras3"])
+def test_a_loss_of_one_column_per_row_weighs_each_example_once(keras_lib_name):
+    """tf.nn.sigmoid_cross_entropy_with_logits with labels [n, 1] gives [n, 1]: times the rows'
+    weights [n] it broadcast to [n, n] in the Dense stack's path (every row weighed by the batch's
+    total weight: a row of weight 0 added 0.84 C, one example moved the sum by 1.8 C)."""
+    keras_lib = tf_keras if keras_lib_name == "tf_keras" else keras
+    keras_lib.utils.set_random_seed(0)
+    model = keras_lib.Sequential([keras_lib.Input((4,)), keras_lib.layers.Dense(3, "tanh"), keras_lib.layers.Dense(1)])
+    x, y = data((4,), classes=2)
+    y = y[:, None].astype(np.float32)
+
+    def loss(labels, logits):
+        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    per_example, norms = reference(model, loss, tf.constant(x), tf.constant(y), WEIGHT)
+    clip = float(np.median(norms[WEIGHT > 0]))
+    step = PrivateStep(model, loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    for got, g in zip(summed, per_example):
+        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
+
+
+def test_a_loss_of_one_number_per_batch_is_refused_clearly():
+    """A Keras loss object reduces the batch to one number by default: neither path can tell one
+    example's loss from it, and the step says so before any noise or update."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x, y = data((4,))
+    for fast in (True, False):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        step = PrivateStep(model, loss, keras.optimizers.SGD(0.0), DpSgdQuery(1.0, 0.0, KEY), 1.0, fast=fast)
+        with pytest.raises(InputError, match=r"one number for the whole batch.*reduction=\"none\""):
+            step(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
 
 
 def test_dense_called_twice_shares_its_gradient(keras_lib):

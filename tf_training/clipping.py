@@ -49,6 +49,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.pretrained import RmsNorm, TiedEmbedding
 from madp.training.queries import kept_rows
@@ -75,11 +76,25 @@ def per_example_gradients(model, loss_fn, x, y, weight):
     def one(example):
         xi, yi, wi = example
         with tf.GradientTape() as tape:
-            loss = loss_fn(yi[None], model(one_row(xi), training=True))[0] * wi
+            loss = example_loss(loss_fn, yi, model(one_row(xi), training=True)) * wi
         gradients = tape.gradient(loss, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return [tf.convert_to_tensor(g) for g in gradients]  # an embedding's IndexedSlices as a dense tensor
 
     return each_example(model, one, (x, y, weight))
+
+
+LOSS_NOT_PER_ROW = "the loss gives one number for the whole batch"
+
+
+def example_loss(loss_fn, yi, outputs):
+    """The loss of one example from the model's outputs on it (a batch of one): what `loss_fn` gives
+    its row, summed (one number, or one per output)."""
+    losses = loss_fn(yi[None], outputs)
+    if losses.shape.rank == 0:
+        raise InputError(
+            f'{LOSS_NOT_PER_ROW}: it must give one loss per row (a Keras loss built with reduction="none")'
+        )
+    return tf.reduce_sum(losses[0])
 
 
 def one_row(xi):
@@ -102,7 +117,9 @@ def each_example(model, one, examples):
 
     try:
         return tf.vectorized_map(traced, examples)
-    except ValueError as error:
+    except Exception as error:  # TensorFlow's converter fails with several kinds of errors
+        if not signature:  # the model or the loss failed on the example, not the converter
+            raise
         why = [line.strip() for line in str(error).splitlines() if line.strip()][-1][:300]
         log.warning("model %s: one example at a time (not vectorized: %s)", model.name, why)
         return tf.map_fn(one, examples, fn_output_signature=signature[0])
@@ -147,12 +164,13 @@ def _is_dense_stack(model) -> bool:
     the general path clips)."""
     if not isinstance(model, tf_keras.Sequential) or not model.layers or not model.built:
         return False
-    if len(tf.TensorShape(model.input_shape)) != 2:
+    if len(tf.TensorShape(model.input_shape)) != 2 or not all(layer.trainable for layer in model.layers):
         return False
     first, *rest = model.layers
-    return isinstance(first, (EmbeddingBag, tf_keras.layers.Dense)) and all(
-        isinstance(layer, tf_keras.layers.Dense) and layer.activation in ROW_WISE_ACTIVATIONS
-        for layer in model.layers[isinstance(first, EmbeddingBag) :]
+    # these classes exactly: a subclass's call may differ (a masked kernel, a weight of its own)
+    return type(first) in (EmbeddingBag, tf_keras.layers.Dense) and all(
+        type(layer) is tf_keras.layers.Dense and layer.activation in ROW_WISE_ACTIVATIONS
+        for layer in model.layers[type(first) is EmbeddingBag :]
     )
 
 
@@ -184,7 +202,7 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
             inputs.append(a)
             outputs.append(z)
             a = z if isinstance(layer, EmbeddingBag) else layer.activation(z)
-        losses = each_example(model, lambda example: loss_fn(example[0][None], example[1][None])[0], (y, a))
+        losses = each_example(model, lambda example: example_loss(loss_fn, example[0], example[1][None]), (y, a))
         loss = tf.reduce_sum(losses * weight)
     deltas = tape.gradient(loss, outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     inputs, deltas = finite_rows_only(inputs, deltas)
@@ -745,7 +763,7 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
         xi, yi, wi = example
         calls: dict[int, list] = {id(layer): [] for layer in layers}
         with _tapped(layers, calls), tf.GradientTape() as tape:
-            loss = loss_fn(yi[None], model(one_row(xi), training=True))[0] * wi
+            loss = example_loss(loss_fn, yi, model(one_row(xi), training=True)) * wi
         recorded = [(layer, a, z) for layer in layers for a, z in calls[id(layer)]]
         tapped[:] = [(layer, a is not None) for layer, a, _ in recorded]
         deltas = tape.gradient(loss, [z for *_, z in recorded])
@@ -804,7 +822,7 @@ def _norms(pieces: list[Piece]):
 def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     """sum_i g_i min(1, clip / ||g_i||) for a `ghost_clippable` model, from each layer's inputs and
     output gradients (the module docstring's norms); a variable no call reached gets zeros."""
-    if _is_dense_stack(model):
+    if _is_dense_stack(model) and not isinstance(x, dict) and tf.TensorShape(x.shape).rank == 2:
         return _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip)
     pieces = gradient_pieces(model, loss_fn, x, y, weight)
     norms = _norms(pieces)

@@ -13,6 +13,7 @@ import numpy as np
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
+    LOSS_NOT_PER_ROW,
     NoFastClipping,
     float32_despite_policy,
     ghost_clipped_sum,
@@ -196,13 +197,15 @@ class PrivateStep(_LoweredOnce, _KerasFit):
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
         inputs = self._inputs(x, y, weight, users)
-        self.lower_once(self._privatized, inputs)
-        return self._privatize_once(*inputs)
+        with _input_errors_of_the_trace():
+            self.lower_once(self._privatized, inputs)
+            return self._privatize_once(*inputs)
 
     def __call__(self, x, y, weight, users=None) -> None:
         inputs = split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica)
-        self.lower_once(self._replica_step, inputs)
-        self.apply(*inputs)
+        with _input_errors_of_the_trace():
+            self.lower_once(self._replica_step, inputs)
+            self.apply(*inputs)
 
     def _users(self, users):
         if not self.user_level:
@@ -239,7 +242,8 @@ class PrivateStep(_LoweredOnce, _KerasFit):
             except NoFastClipping as error:
                 log.warning(
                     "model %s: per-example gradients (vectorized, slower) for DP clipping; fast clipping cannot clip "
-                    "these calls per example (several rows for one example: a reshape or a transpose of the batch "
+                    "these calls per example (several rows for one example: a layer called on a tensor without the "
+                    "batch axis first, such as position ids from a range, or a reshape or a transpose of the batch "
                     "axis in the model's call; an output not reaching the loss: a call recomputed, as by keras.remat, "
                     "or unused): %s",
                     self.model.name,
@@ -309,6 +313,20 @@ def compiled_by_xla(function, jit_compile: bool, strategy):
     if strategy.num_replicas_in_sync > 1:
         raise InputError("XLA compilation (jit_compile, --xla) trains on one device: use --distribution default")
     return tf.function(function, jit_compile=True, reduce_retracing=True)
+
+
+@contextlib.contextmanager
+def _input_errors_of_the_trace():
+    """The clipping's InputError for a loss of one number per batch (`clipping.example_loss`), raised as
+    the step is traced, reaches here as TensorFlow's StagingError, which keeps only its text: raised
+    again as the InputError it was, before any noise or update."""
+    try:
+        yield
+    except Exception as error:
+        said = [line.strip() for line in str(error).splitlines() if LOSS_NOT_PER_ROW in line]
+        if isinstance(error, InputError) or not said:
+            raise
+        raise InputError(said[0].removeprefix("InputError: ")) from None
 
 
 def _refuse_batch_statistics(model) -> None:
