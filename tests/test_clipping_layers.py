@@ -532,6 +532,40 @@ def test_a_layer_recomputed_by_keras_remat_takes_per_example_gradients(caplog):
         np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_layer_that_writes_into_a_variable_in_its_call_is_refused(keras_lib, fast):
+    """A running statistic kept in a variable and assigned in a layer's call (as BatchNormalization
+    keeps, in a custom layer): through it the step's examples reached each other's gradients on both
+    paths (one example moved the sum by up to 2.45 C in a review), and the variable, saved with the
+    model, holds the data without noise. The step refuses it before any noise or update; a Keras 3
+    Dropout's seed state, which it writes too, is no statistic of the data and trains."""
+
+    class Running(keras_lib.layers.Layer):
+        def build(self, shape):
+            self.mean = self.add_weight(name="mean", shape=(shape[-1],), initializer="zeros", trainable=False)
+
+        def call(self, x, training=None):
+            if training:
+                self.mean.assign(0.5 * self.mean + 0.5 * tf.reduce_mean(x, axis=0))
+            return x - self.mean
+
+    x, y = data((4,))
+    for refused in (True, False):
+        inputs = keras_lib.Input((4,))
+        hidden = keras_lib.layers.Dropout(0.3)(keras_lib.layers.Dense(4)(inputs))
+        model = functional(inputs, keras_lib.layers.Dense(3)(Running()(hidden) if refused else hidden), keras_lib)
+        optimizer = keras_lib.optimizers.SGD(0.1)
+        step = PrivateStep(model, text.softmax_loss, optimizer, DpSgdQuery(1.0, 0.0, KEY), 1.0, fast=fast)
+        before = [np.asarray(v) for v in model.trainable_variables]
+        if refused:
+            with pytest.raises(InputError, match=r"writes into variables in its call: running(_\d+)?/mean"):
+                step(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+            assert all(np.array_equal(b, np.asarray(v)) for b, v in zip(before, model.trainable_variables))
+        else:
+            step(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+            assert not all(np.array_equal(b, np.asarray(v)) for b, v in zip(before, model.trainable_variables))
+
+
 @pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])
 def test_a_row_whose_gradient_is_not_finite_adds_nothing(kind):
     """A label beyond what the loss can square (finite in float32) makes one row's gradient infinite;

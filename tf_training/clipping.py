@@ -102,16 +102,27 @@ def one_row(xi):
     return tf.nest.map_structure(lambda t: t[None], xi)
 
 
+WRITES_VARIABLES = "writes into variables in its call"
+
+
 def each_example(model, one, examples):
     """one(example) for every example, stacked: vectorized, or one example after another where
     TensorFlow cannot vectorize it (its converter fails on the gradient of Keras 3's EinsumDense with a
     bias on an inner axis), as the log says. Each example runs through the model as a batch of its own
     either way, so nothing the model's call does across its batch (a transpose, a reshape, a statistic
-    over the rows) can bring one example's values into another's."""
+    over the rows) can bring one example's values into another's, except through a variable the call
+    writes, which is refused (`written_variables`)."""
     signature: list = []
 
     def traced(example):
         outputs = one(example)
+        written = written_variables(model)
+        if written:
+            raise InputError(
+                f"model {model.name} {WRITES_VARIABLES}: {', '.join(written)} (a statistic of the data kept across "
+                f"calls: through it the step's examples reach each other's gradients, and it is saved with the "
+                f"model without noise); keep such layers out of a private model"
+            )
         signature[:] = [tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs)]
         return outputs
 
@@ -123,6 +134,43 @@ def each_example(model, one, examples):
         why = [line.strip() for line in str(error).splitlines() if line.strip()][-1][:300]
         log.warning("model %s: one example at a time (not vectorized: %s)", model.name, why)
         return tf.map_fn(one, examples, fn_output_signature=signature[0])
+
+
+def written_variables(model) -> list[str]:
+    """The names of the variables of `model` (random generators' seed states aside) that an op of the
+    graph being traced writes: a layer's running statistic (as BatchNormalization's) assigned in its call."""
+    seeds = {
+        id(generator.state)
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for generator in getattr(layer, "_seed_generators", [])
+    }
+    by_handle = {id(_handle(v)): v for v in model.variables if id(v) not in seeds}
+    graph = tf.compat.v1.get_default_graph()
+    names = set()
+    for op in graph.get_operations():
+        if op.type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp") or (
+            op.type.startswith("ResourceScatter")
+        ):
+            variable = by_handle.get(id(_captured(op.inputs[0], graph)))
+            if variable is not None:
+                names.add(getattr(variable, "path", None) or variable.name)
+    return sorted(names)
+
+
+def _handle(variable):
+    """A variable's resource handle (a Keras 3 variable holds a TensorFlow one)."""
+    return variable.handle if hasattr(variable, "handle") else variable.value.handle
+
+
+def _captured(tensor, graph):
+    """What `tensor` of a function's graph captures, through the functions it is traced in: a
+    variable's handle is captured into each."""
+    while hasattr(graph, "captures") and hasattr(graph, "outer_graph"):
+        outer = {id(internal): external for external, internal in graph.captures}
+        if id(tensor) not in outer:
+            break
+        tensor, graph = outer[id(tensor)], graph.outer_graph
+    return tensor
 
 
 def user_averages(gradients, weight, groups):

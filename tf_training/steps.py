@@ -14,6 +14,7 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import (
     LOSS_NOT_PER_ROW,
+    WRITES_VARIABLES,
     NoFastClipping,
     float32_despite_policy,
     ghost_clipped_sum,
@@ -317,13 +318,16 @@ def compiled_by_xla(function, jit_compile: bool, strategy):
 
 @contextlib.contextmanager
 def _input_errors_of_the_trace():
-    """The clipping's InputError for a loss of one number per batch (`clipping.example_loss`), raised as
-    the step is traced, reaches here as TensorFlow's StagingError, which keeps only its text: raised
-    again as the InputError it was, before any noise or update."""
+    """The clipping's InputErrors for a loss of one number per batch (`clipping.example_loss`) and a
+    model that writes into its variables (`clipping.each_example`), raised as the step is traced, reach
+    here as TensorFlow's StagingError, which keeps only their text: raised again as the InputErrors
+    they were, before any noise or update."""
     try:
         yield
     except Exception as error:
-        said = [line.strip() for line in str(error).splitlines() if LOSS_NOT_PER_ROW in line]
+        said = [
+            line.strip() for line in str(error).splitlines() if LOSS_NOT_PER_ROW in line or WRITES_VARIABLES in line
+        ]
         if isinstance(error, InputError) or not said:
             raise
         raise InputError(said[0].removeprefix("InputError: ")) from None
