@@ -106,7 +106,8 @@ def test_the_dense_stack_path_takes_only_what_it_clips_exactly():
     exactly and all of them trainable. Over a sequence each layer's per-example gradient sums its
     positions' outer products, which that path took for rows of their own (a crash, or where the
     widths allowed it, a row adding up to 1.88 C); a subclass's call may differ (a masked kernel); a
-    frozen layer's gradient would count in the norms. The general path clips them."""
+    frozen layer's gradient would count in the norms; a layer placed twice is listed once (that path
+    computed another model). The general path clips them."""
     tf_keras.utils.set_random_seed(1)
     stack = tf_keras.Sequential([tf_keras.Input((4, 4)), layers.Dense(4), layers.Dense(4)])
     assert not clipping._is_dense_stack(stack)
@@ -119,6 +120,10 @@ def test_the_dense_stack_path_takes_only_what_it_clips_exactly():
     assert clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
     assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), Masked(4), layers.Dense(4)]))
     assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), frozen, layers.Dense(4)]))
+    twice = layers.Dense(4)
+    stacked_twice = tf_keras.Sequential([tf_keras.Input((4,)), twice, twice, layers.Dense(3)])
+    assert not clipping._is_dense_stack(stacked_twice)
+    check(stacked_twice, *data((4,)))
 
 
 @pytest.mark.parametrize("keras_lib_name", ["tf_keras", "keras3"])

@@ -212,7 +212,10 @@ def _is_dense_stack(model) -> bool:
     the general path clips)."""
     if not isinstance(model, tf_keras.Sequential) or not model.layers or not model.built:
         return False
-    if len(tf.TensorShape(model.input_shape)) != 2 or not all(layer.trainable for layer in model.layers):
+    if len(tf.TensorShape(model.input_shape)) != 2:
+        return False
+    # each layer trainable and called once (a layer placed twice is listed once)
+    if not all(layer.trainable and len(layer.inbound_nodes) == 1 for layer in model.layers):
         return False
     first, *rest = model.layers
     # these classes exactly: a subclass's call may differ (a masked kernel, a weight of its own)
