@@ -571,6 +571,36 @@ def test_a_layer_that_writes_into_a_variable_in_its_call_is_refused(keras_lib, f
             assert not all(np.array_equal(b, np.asarray(v)) for b, v in zip(before, model.trainable_variables))
 
 
+def test_a_layer_called_inside_a_loop_takes_per_example_gradients(caplog):
+    """A Dense layer inside an RNN's cell is called in the loop's own graph, whose tensors the fast
+    path cannot take out (it crashed, inside tf.function): the step's trace finds it, and the step
+    takes per-example gradients, checked against one tape per example."""
+
+    class Cell(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.state_size = 4
+            self.dense = keras.layers.Dense(4, activation="tanh", name="cell_dense")
+
+        def call(self, x, states):
+            h = self.dense(keras.ops.concatenate([x, states[0]], axis=-1))
+            return h, [h]
+
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((5, 3))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.RNN(Cell())(inputs)))
+    x, y = data((5, 3))
+    per_example, norms = reference(model, text.softmax_loss, tf.constant(x), tf.constant(y), WEIGHT)
+    clip = float(np.median(norms[WEIGHT > 0]))
+    step = PrivateStep(model, text.softmax_loss, keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    with caplog.at_level(logging.WARNING, logger="madp.train"):
+        summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+    assert "cell_dense (called inside a loop)" in caplog.text
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    for got, g in zip(summed, per_example):
+        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])
 def test_a_row_whose_gradient_is_not_finite_adds_nothing(kind):
     """A label beyond what the loss can square (finite in float32) makes one row's gradient infinite;

@@ -816,6 +816,10 @@ def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
         with _tapped(layers, calls), tf.GradientTape() as tape:
             loss = example_loss(loss_fn, yi, model(one_row(xi), training=True)) * wi
         recorded = [(layer, a, z) for layer in layers for a, z in calls[id(layer)]]
+        graph = tf.compat.v1.get_default_graph()
+        looped = {f"{layer.name} (called inside a loop)" for layer, _, z in recorded if z.graph is not graph}
+        if looped:  # its recorded tensors live inside the loop's own graph (tf.scan, an RNN's cell)
+            raise NoFastClipping(", ".join(sorted(looped)))
         tapped[:] = [(layer, a is not None) for layer, a, _ in recorded]
         deltas = tape.gradient(loss, [z for *_, z in recorded])
         unreached[:] = sorted({layer.name for (layer, *_), d in zip(recorded, deltas) if d is None})
@@ -854,8 +858,9 @@ class NoFastClipping(Exception):
     "name (why)": a call that sees several rows in one example's pass (a batch of one), or a number
     known only as the step runs (a wrapper such as TimeDistributed, or a reshape or a transpose in the
     model's call, brings time steps into the batch axis: clipped per row, one example would add up to
-    T C), and a call whose output does not reach the loss (`keras.remat(layer)` recomputes it in the
-    backward pass: its weights would get no gradient). The step takes per-example gradients instead
+    T C), a call whose output does not reach the loss (`keras.remat(layer)` recomputes it in the
+    backward pass: its weights would get no gradient), and a call inside a loop of the model's
+    (tf.scan, an RNN's cell), whose recorded tensors cannot leave the loop. The step takes per-example gradients instead
     (`steps.PrivateStep`)."""
 
 

@@ -246,7 +246,7 @@ class PrivateStep(_LoweredOnce, _KerasFit):
                     "these calls per example (several rows for one example: a layer called on a tensor without the "
                     "batch axis first, such as position ids from a range, or a reshape or a transpose of the batch "
                     "axis in the model's call; an output not reaching the loss: a call recomputed, as by keras.remat, "
-                    "or unused): %s",
+                    "or unused; a call inside a loop): %s",
                     self.model.name,
                     error,
                 )
