@@ -57,11 +57,28 @@ def check(model, x, y, weight=WEIGHT, loss=text.softmax_loss) -> None:
     clip = float(np.median(norms[weight > 0]))
     assert (norms > clip * 1.01).any() and ((norms < clip * 0.99) & (weight > 0)).any()
     np.testing.assert_allclose(ghost_norms(model, loss, x, y, tf.constant(weight)), norms, rtol=1e-4, atol=1e-6)
-    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
     summed = ghost_clipped_sum(model, loss, x, y, tf.constant(weight), clip)
     assert len(summed) == len(model.trainable_variables)
-    for got, g, v in zip(summed, per_example, model.trainable_variables):
-        assert got.shape == v.shape
+    assert all(got.shape == v.shape for got, v in zip(summed, model.trainable_variables))
+    assert_clipped_sum(summed, per_example, norms, clip)
+
+
+def check_step(model, x, y, keras_lib=keras, loss=text.softmax_loss) -> list[np.ndarray]:
+    """A private step without noise, at the median norm as clip norm, against per-example gradients
+    clipped one by one (rows of `WEIGHT`); returns those per-example gradients."""
+    x, y = tf.constant(x), tf.constant(y)
+    per_example, norms = reference(model, loss, x, y, WEIGHT)
+    clip = float(np.median(norms[WEIGHT > 0]))
+    step = PrivateStep(model, loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
+    assert step.fast
+    assert_clipped_sum(step.privatized_gradient(x, y, tf.constant(WEIGHT)), per_example, norms, clip)
+    return per_example
+
+
+def assert_clipped_sum(summed, per_example, norms, clip) -> None:
+    """`summed` is sum_i min(1, clip / ||g_i||) g_i of the per-example gradients g_i."""
+    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
+    for got, g in zip(summed, per_example):
         np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
 
 
@@ -140,13 +157,7 @@ def test_a_loss_of_one_column_per_row_weighs_each_example_once(keras_lib_name):
     def loss(labels, logits):
         return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)
 
-    per_example, norms = reference(model, loss, tf.constant(x), tf.constant(y), WEIGHT)
-    clip = float(np.median(norms[WEIGHT > 0]))
-    step = PrivateStep(model, loss, keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
-    summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
-    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
-    for got, g in zip(summed, per_example):
-        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
+    check_step(model, x, y, keras_lib, loss)
 
 
 def test_a_loss_of_one_number_per_batch_is_refused_clearly():
@@ -524,17 +535,10 @@ def test_a_layer_recomputed_by_keras_remat_takes_per_example_gradients(caplog):
     model = Recomputed()
     x, y = data((5,))
     model(x)
-    per_example, norms = reference(model, text.softmax_loss, tf.constant(x), tf.constant(y), WEIGHT)
-    clip = float(np.median(norms[WEIGHT > 0]))
-    step = PrivateStep(model, text.softmax_loss, keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
-    assert step.fast
     with caplog.at_level(logging.WARNING, logger="madp.train"):
-        summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+        per_example = check_step(model, x, y)
     assert "hidden (output not reaching the loss)" in caplog.text
-    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
-    for got, g in zip(summed, per_example):
-        assert np.any(g != 0)
-        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
+    assert all(np.any(g != 0) for g in per_example)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -590,15 +594,9 @@ def test_a_layer_called_inside_a_loop_takes_per_example_gradients(caplog):
     inputs = keras.Input((5, 3))
     model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.RNN(Cell())(inputs)))
     x, y = data((5, 3))
-    per_example, norms = reference(model, text.softmax_loss, tf.constant(x), tf.constant(y), WEIGHT)
-    clip = float(np.median(norms[WEIGHT > 0]))
-    step = PrivateStep(model, text.softmax_loss, keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
     with caplog.at_level(logging.WARNING, logger="madp.train"):
-        summed = step.privatized_gradient(tf.constant(x), tf.constant(y), tf.constant(WEIGHT))
+        check_step(model, x, y)
     assert "cell_dense (called inside a loop)" in caplog.text
-    factor = np.minimum(1.0, clip / np.maximum(norms, 1e-30))
-    for got, g in zip(summed, per_example):
-        np.testing.assert_allclose(np.asarray(got), np.tensordot(factor, g, 1), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["dense stack", "ghost", "per-example"])

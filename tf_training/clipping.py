@@ -860,8 +860,8 @@ class NoFastClipping(Exception):
     model's call, brings time steps into the batch axis: clipped per row, one example would add up to
     T C), a call whose output does not reach the loss (`keras.remat(layer)` recomputes it in the
     backward pass: its weights would get no gradient), and a call inside a loop of the model's
-    (tf.scan, an RNN's cell), whose recorded tensors cannot leave the loop. The step takes per-example gradients instead
-    (`steps.PrivateStep`)."""
+    (tf.scan, an RNN's cell), whose recorded tensors cannot leave the loop. The step takes
+    per-example gradients instead (`steps.PrivateStep`)."""
 
 
 def ghost_norms(model, loss_fn, x, y, weight):
