@@ -31,6 +31,10 @@ summary gives its SHA-256.
     python benchmarks/text_corpus.py OUT.jsonl [--source changelog] [--deb python3.11-doc_*.deb]
     python benchmarks/text_corpus.py OUT.jsonl --source debian [--sources Sources.xz] [--translations Translation-en.xz]
     python benchmarks/text_corpus.py OUT.jsonl --source pypi [--packages 150000] [--cache pypi.jsonl]
+    python benchmarks/text_corpus.py OUT2.jsonl --source pypi --seed 1 --exclude OUT.jsonl [--cache pypi2.jsonl]
+
+The last draws a second sample of PyPI and leaves out the packages and texts of the first: a corpus
+to choose defaults on that shares no record with the one they are evaluated on.
 
 Without the file options the files are fetched from Debian's archive (`apt-get download`, or
 deb.debian.org: Debian's mirror) or PyPI, no other network; the output's summary gives their SHA-256.
@@ -301,6 +305,13 @@ def pypi_records(infos: list[dict], topics: int, text_chars: int = 600) -> list[
     return [row for row in out if row["label"] in kept]
 
 
+def disjoint(items: list[dict], excluded: list[dict]) -> list[dict]:
+    """The records of `items` whose id and text (in lower case, as `pypi_records` compares them) no
+    record of `excluded` has: a second corpus that shares no record with the first."""
+    ids, texts = {row["id"] for row in excluded}, {row["text"].lower() for row in excluded}
+    return [item for item in items if item["id"] not in ids and item["text"].lower() not in texts]
+
+
 def _fetched(url: str, directory: str) -> str:
     path = os.path.join(directory, url.rsplit("/", 1)[1])
     urllib.request.urlretrieve(url, path)
@@ -322,6 +333,10 @@ def main() -> None:
     parser.add_argument("--sections", type=int, default=12, help="debian: the most common sections kept as labels")
     parser.add_argument("--packages", type=int, default=150_000, help="pypi: project names sampled (seeded)")
     parser.add_argument("--topics", type=int, default=10, help="pypi: the most common topics kept as labels")
+    parser.add_argument("--seed", type=int, default=0, help="pypi: the seed of the names' sample")
+    parser.add_argument(
+        "--exclude", help="a corpus (JSON Lines) whose records (by id) and texts are left out: a disjoint second one"
+    )
     parser.add_argument("--cache", help="pypi: JSON Lines of the fetched metadata (default: in a temporary folder)")
     parser.add_argument("--threads", type=int, default=48, help="pypi: concurrent requests")
     parser.add_argument("--cached-only", action="store_true", help="pypi: the --cache file's packages, no network")
@@ -339,7 +354,8 @@ def main() -> None:
         items, inputs = pypi_records(list(cached_pypi(args.cache).values()), args.topics), [args.cache]
     elif args.source == "pypi":
         names = sorted(pypi_names())
-        sample = sorted(np.random.default_rng(0).choice(len(names), min(args.packages, len(names)), replace=False))
+        sample = np.random.default_rng(args.seed).choice(len(names), min(args.packages, len(names)), replace=False)
+        sample = sorted(sample)
         cache = args.cache or os.path.join(directory, "pypi.jsonl")
         items, inputs = pypi_records(fetch_pypi([names[i] for i in sample], cache, args.threads), args.topics), [cache]
     else:
@@ -347,6 +363,9 @@ def main() -> None:
         translations = args.translations or _fetched(f"{DEBIAN}/i18n/Translation-en.xz", directory)
         with lzma.open(sources, "rt", encoding="utf-8") as file, lzma.open(translations, "rt", encoding="utf-8") as t:
             items, inputs = debian_records(file.read(), t.read(), args.sections), [sources, translations]
+    if args.exclude:
+        items = disjoint(items, [json.loads(line) for line in open(args.exclude, encoding="utf-8")])
+        inputs.append(args.exclude)
     with open(args.output, "w", encoding="utf-8") as file:
         for item in items:
             file.write(json.dumps(item) + "\n")

@@ -85,6 +85,16 @@ def test_linear_rows_are_the_normalized_presence_vector(tmp_path):
     assert labels.tolist() == [1, 0, 1]
 
 
+def test_a_second_corpus_leaves_out_the_firsts_packages_and_texts():
+    first = [{"id": "a", "text": "Parses logs"}, {"id": "b", "text": "Plots data"}]
+    second = [
+        {"id": "a", "text": "another text"},  # the same package
+        {"id": "c", "text": "parses LOGS"},  # the same text, another package
+        {"id": "d", "text": "Sends mail"},
+    ]
+    assert text_corpus.disjoint(second, first) == [{"id": "d", "text": "Sends mail"}]
+
+
 def test_a_cache_line_cut_short_is_fetched_again_and_a_broken_one_is_named(tmp_path, monkeypatch, capsys):
     """A run stopped as it wrote the cache leaves a last line without its newline: the next run leaves
     it out, fetches that package again and writes it on a line of its own; a broken line elsewhere
