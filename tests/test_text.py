@@ -372,7 +372,9 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
     train(batches, str(out), TrainOptions(on_invalid="skip", **options))
     counts = json.load(open(out / "rejected" / "counts.json"))
     assert counts["records"] == {text.EMPTY_TEXT: 1, text.UNKNOWN_LABEL: 1, text.NOT_UTF8: 1}
-    assert "skipped" not in json.load(open(out / "metrics.json")), "which records were skipped is internal"
+    metrics = json.load(open(out / "metrics.json"))
+    assert "skipped" not in metrics, "which records were skipped is internal"
+    assert (metrics["optimizer"], metrics["learning_rate"], metrics["adam_epsilon"]) == ("adam", 0.01, 1e-7)
     rejected = [json.loads(line) for line in open(out / "rejected" / "rejected.jsonl")]
     assert sorted((r["id"], r["reason"]) for r in rejected) == [
         (3, text.NOT_UTF8),
@@ -462,18 +464,27 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
 
 def test_text_models_default_to_the_optimizer_they_learn_with():
     """The text models default to Adam (on CPython's changelog, benchmarks/text_defaults.py, Adam at
-    0.01 came within a point of a linear model, SGD at 0.5 2.4 points below); numeric models keep
-    SGD; given flags always win."""
+    0.01 came within a point of a linear model, SGD at 0.5 2.4 points below) at Keras' epsilon;
+    numeric models keep SGD; given flags always win, --adam-epsilon in the optimizer built."""
     from madp.training.options import training_defaults
+    from madp.training.tasks import default_optimizer
 
-    assert training_defaults(TrainOptions(model="text-classifier", mechanism="none")) == ("adam", 0.01)
-    assert training_defaults(TrainOptions(model="text-lm", mechanism="none")) == ("adam", 0.003)
-    beside = TrainOptions(model="text-classifier", mechanism="none", pretrained="model.gguf")
-    assert training_defaults(beside) == ("adam", 0.03)
-    assert training_defaults(TrainOptions(model="mlp", mechanism="none")) == ("sgd", 0.5)
-    assert training_defaults(TrainOptions(model="mlp", mechanism="none", optimizer="adam")) == ("adam", 0.01)
-    given = TrainOptions(model="text-classifier", mechanism="none", optimizer="sgd", learning_rate=2.0)
-    assert training_defaults(given) == ("sgd", 2.0)
+    def defaults(**given):
+        return tuple(training_defaults(TrainOptions(mechanism="none", **given)))
+
+    assert defaults(model="text-classifier") == ("adam", 0.01, 1e-7)
+    assert defaults(model="text-lm") == ("adam", 0.003, 1e-7)
+    assert defaults(model="text-classifier", pretrained="model.gguf") == ("adam", 0.03, 1e-7)
+    assert defaults(model="mlp") == ("sgd", 0.5, None)
+    assert defaults(model="mlp", optimizer="adam") == ("adam", 0.01, 1e-7)
+    assert defaults(model="text-classifier", optimizer="sgd", learning_rate=2.0) == ("sgd", 2.0, None)
+    given = TrainOptions(model="text-classifier", mechanism="none", adam_epsilon=3e-3)
+    assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3)
+    built = default_optimizer(text.text_classifier(64, 4, 8, 2)[0], given)
+    assert float(built.epsilon) == pytest.approx(3e-3) and float(built.learning_rate) == pytest.approx(0.01)
+    for wrong, message in (({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "drop it")):
+        with pytest.raises(InputError, match=message):
+            TrainOptions(model="text-classifier", mechanism="none", **{"adam_epsilon": 1e-3, **wrong})
 
 
 def test_the_embedding_bag_weighs_a_texts_ngrams_by_its_l2_normalized_presence():

@@ -126,16 +126,18 @@ def is_keras3(model) -> bool:
 
 
 def default_optimizer(model, options: TrainOptions):
-    """--optimizer at --learning-rate (or the model's defaults), from the Keras of `model` (a tf_keras
-    optimizer cannot update Keras 3 variables, nor the reverse)."""
+    """--optimizer at --learning-rate with --adam-epsilon (or the model's defaults), from the Keras
+    of `model` (a tf_keras optimizer cannot update Keras 3 variables, nor the reverse)."""
     if is_keras3(model):
         import keras  # Keras 3: imported only for such models
 
         optimizers: Any = keras.optimizers
     else:
         optimizers = tf_keras.optimizers
-    name, rate = training_defaults(options)
-    return (optimizers.SGD if name == "sgd" else optimizers.Adam)(rate)
+    settings = training_defaults(options)
+    if settings.name == "sgd":
+        return optimizers.SGD(settings.learning_rate)
+    return optimizers.Adam(settings.learning_rate, epsilon=settings.adam_epsilon)
 
 
 def read_columns(path: str, names: list[str]) -> dict[str, list]:

@@ -257,6 +257,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
     if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
         raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
+    if options.adam_epsilon is not None and getattr(task, "optimizer", None) is not None:
+        raise InputError("--adam-epsilon sets the epsilon of --optimizer adam; this model brings its own optimizer")
     interrupted = _resume_point(batches_dir, output, options)
     resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
     needs_checkpoints = options.checkpoint_every or resumed
@@ -384,8 +386,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "replicas": replicas,
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
-        "optimizer": training_defaults(options)[0],
-        "learning_rate": training_defaults(options)[1],
+        "optimizer": training_defaults(options).name,
+        "learning_rate": training_defaults(options).learning_rate,
+        **({"adam_epsilon": epsilon} if (epsilon := training_defaults(options).adam_epsilon) else {}),
         "lr_schedule": options.lr_schedule,
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),

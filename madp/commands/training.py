@@ -112,6 +112,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=float,
         help="default: 0.01 with adam (0.003 for text-lm, 1e-4 for causal-lm), 0.5 with sgd",
     )
+    training.add_argument(
+        "--adam-epsilon",
+        type=float,
+        help="Adam's epsilon, added to the root of each coordinate's mean squared gradient: a coordinate "
+        "whose gradients stay below it moves less than the learning rate (default: Keras' 1e-7; "
+        "3e-3 makes text-classifier memorize less in long trainings)",
+    )
     training.add_argument("--clip-norm", type=float, default=1.0)
     training.add_argument("--seed", type=int, default=0, help="seed of the model initialization (not of the noise)")
     training.add_argument(
@@ -244,6 +251,7 @@ def train_options(args: argparse.Namespace):
         model_path=tuple(args.model_path),
         optimizer=args.optimizer,
         learning_rate=args.learning_rate,
+        adam_epsilon=args.adam_epsilon,
         clip_norm=args.clip_norm,
         seed=args.seed,
         noise_seed=args.noise_seed,
