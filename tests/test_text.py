@@ -482,9 +482,11 @@ def test_text_models_default_to_the_optimizer_they_learn_with():
     assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3)
     built = default_optimizer(text.text_classifier(64, 4, 8, 2)[0], given)
     assert float(built.epsilon) == pytest.approx(3e-3) and float(built.learning_rate) == pytest.approx(0.01)
-    for wrong, message in (({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "drop it")):
+    refused = ({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "uses SGD: drop it")
+    refused += (({"model": "mlp"}, "uses SGD: drop it"),)  # SGD by default: the flag would be ignored
+    for wrong, message in refused:
         with pytest.raises(InputError, match=message):
-            TrainOptions(model="text-classifier", mechanism="none", **{"adam_epsilon": 1e-3, **wrong})
+            TrainOptions(**{"model": "text-classifier", "mechanism": "none", "adam_epsilon": 1e-3, **wrong})
 
 
 def test_the_embedding_bag_weighs_a_texts_ngrams_by_its_l2_normalized_presence():

@@ -244,7 +244,7 @@ def test_a_module_that_cannot_be_imported_is_a_clear_error(data, capsys, tmp_pat
     assert main([*argv, "--model", "two_inputs:nope", "--model-path", str(data / "models")]) == 2
     assert "has no 'nope'" in capsys.readouterr().err
     own_optimizer = [*argv, "--model", "two_inputs:build", "--model-path", str(data / "models")]
-    assert main([*own_optimizer, "--label", "label", "--adam-epsilon", "1e-3"]) == 2
+    assert main([*own_optimizer, "--label", "label", "--optimizer", "adam", "--adam-epsilon", "1e-3"]) == 2
     assert "--adam-epsilon sets the epsilon of --optimizer adam; this model brings its own" in capsys.readouterr().err
     with pytest.raises(Exception, match="cannot import module"):
         user_model("still_missing:build", ModelSchema((), Feature("label", "float", ()), "binary"))

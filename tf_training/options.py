@@ -104,6 +104,11 @@ class TrainOptions:
         return ":" in self.task
 
     @property
+    def optimizer_name(self) -> str:
+        """--optimizer, else the model's default (Adam for the text models, SGD otherwise)."""
+        return self.optimizer or OPTIMIZER_DEFAULTS.get(self.model, "sgd")
+
+    @property
     def input_features(self) -> tuple[str, ...]:
         """The features a numeric model reads: --inputs, else --features."""
         return self.inputs or (self.features,)
@@ -123,8 +128,8 @@ class TrainOptions:
             (self.learning_rate is None or self.learning_rate > 0, "--learning-rate must be positive"),
             (self.adam_epsilon is None or self.adam_epsilon > 0, "--adam-epsilon must be positive"),
             (
-                self.adam_epsilon is None or self.optimizer in (None, "adam"),
-                "--adam-epsilon sets Adam's epsilon: drop it with --optimizer sgd",
+                self.adam_epsilon is None or self.optimizer_name == "adam",
+                "--adam-epsilon sets Adam's epsilon, and this training uses SGD: drop it, or give --optimizer adam",
             ),
             (self.clip_norm > 0, "--clip-norm must be positive"),
             (self.eval_every >= 1, "--eval-every must be at least 1"),
@@ -220,7 +225,7 @@ def training_defaults(options: TrainOptions) -> OptimizerSettings:
     """The optimizer of a training: --optimizer, --learning-rate and --adam-epsilon where given, else
     the model's defaults (Adam for the text models, SGD otherwise; the rate of that model and
     optimizer; Keras' epsilon for Adam)."""
-    optimizer = options.optimizer or OPTIMIZER_DEFAULTS.get(options.model, "sgd")
+    optimizer = options.optimizer_name
     rate = options.learning_rate
     if rate is None:
         model = f"{options.model}-lora" if options.lora_rank else options.model

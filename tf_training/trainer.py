@@ -377,6 +377,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             quality += " (--eval-data not declared public: internal)"
         progress.update(done, quality)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
+    settings = training_defaults(options)
     result = {
         "batches": batches_dir,
         "output": output,
@@ -386,9 +387,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "replicas": replicas,
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
-        "optimizer": training_defaults(options).name,
-        "learning_rate": training_defaults(options).learning_rate,
-        **({"adam_epsilon": epsilon} if (epsilon := training_defaults(options).adam_epsilon) else {}),
+        "optimizer": settings.name,
+        "learning_rate": settings.learning_rate,
+        **({"adam_epsilon": settings.adam_epsilon} if settings.adam_epsilon else {}),
         "lr_schedule": options.lr_schedule,
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),
