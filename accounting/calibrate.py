@@ -13,7 +13,7 @@ import math
 from dp_accounting.pld import pld_privacy_accountant
 
 from madp.accounting.mechanisms import Mechanism, check_delta, check_target
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 
 log = logging.getLogger("madp.accounting")
 
@@ -27,8 +27,8 @@ def epsilon(
     mechanism: Mechanism, noise_multiplier: float, delta: float, discretization: float = DISCRETIZATION
 ) -> float:
     """Epsilon of `mechanism` at `noise_multiplier` for `delta` (an upper bound)."""
-    if not noise_multiplier > 0:
-        raise InputError(f"--noise-multiplier must be > 0, got {noise_multiplier}")
+    if not positive(noise_multiplier):
+        raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
     check_delta(delta)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization)
     accountant.compose(mechanism.event(noise_multiplier))

@@ -43,7 +43,7 @@ from madp.accounting.random_streams import (
     standard_normals,
     uniform,
 )
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 
 DIRECTIONS = ("P", "Q")
 
@@ -92,8 +92,8 @@ class _Kernel(NamedTuple):
 
 
 def _kernel(process: MinSepProcess, noise_multiplier: float) -> _Kernel:
-    if not noise_multiplier > 0:
-        raise InputError(f"the noise multiplier must be positive, got {noise_multiplier}")
+    if not positive(noise_multiplier):
+        raise InputError(f"the noise multiplier must be positive and finite, got {noise_multiplier}")
     coefficients = np.asarray(process.coefficients, dtype=np.float64)
     steps = process.steps
     # ||c_i||^2 counts only the bands before the horizon

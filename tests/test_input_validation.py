@@ -167,3 +167,23 @@ def test_capacities_file_problems(tmp_path):
     (tmp_path / "good.jsonl").write_text('{"user": "a", "capacity": 0}\n{"user": "b", "capacity": 5}\n')
     capacities = read_capacities(str(tmp_path / "good.jsonl"), 2)
     assert capacities.lookup(pa.array(["b", "z", "a"])).tolist() == [5, 2, 0]
+
+
+@pytest.mark.parametrize("number", ["inf", "nan"])
+def test_numbers_that_are_not_finite_are_refused_by_name(number, capsys):
+    """argparse and YAML read "inf" and "nan" as floats: the accountant crashed on an infinite sigma,
+    and training ran to NaN weights at an infinite clip norm or learning rate."""
+    from madp.cli import main
+    from madp.tools.recommend import Sweep
+    from madp.training.options import TrainOptions
+
+    accounted = ["epsilon", "--mechanism", "dpsgd", "--delta", "1e-6", "--steps", "100", "--sampling-prob", "0.01"]
+    assert main([*accounted, "--noise-multiplier", number]) == 2
+    error = capsys.readouterr().err
+    assert "--noise-multiplier must be positive and finite" in error and "Traceback" not in error
+    for field in ("learning_rate", "adam_epsilon", "clip_norm", "noise_multiplier", "testing_noise_scale"):
+        flag = "--" + field.replace("_", "-").replace("testing-", "testing-only-")
+        with pytest.raises(InputError, match=f"{flag} must be positive and finite"):
+            TrainOptions(model="text-classifier", epsilon=8.0, **{field: float(number)})
+    with pytest.raises(InputError, match="--clip-norm must be positive and finite"):
+        Sweep(epsilon=8.0, delta=1e-6, steps=10, batch_size=4.0, clip_norm=float(number))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
@@ -125,13 +125,13 @@ class TrainOptions:
             (self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
             (self.bands >= 1, "--bands must be at least 1"),
             (self.optimizer in (None, "sgd", "adam"), "--optimizer must be sgd or adam"),
-            (self.learning_rate is None or self.learning_rate > 0, "--learning-rate must be positive"),
-            (self.adam_epsilon is None or self.adam_epsilon > 0, "--adam-epsilon must be positive"),
+            (self.learning_rate is None or positive(self.learning_rate), "--learning-rate must be positive and finite"),
+            (self.adam_epsilon is None or positive(self.adam_epsilon), "--adam-epsilon must be positive and finite"),
             (
                 self.adam_epsilon is None or self.optimizer_name == "adam",
                 "--adam-epsilon sets Adam's epsilon, and this training uses SGD: drop it, or give --optimizer adam",
             ),
-            (self.clip_norm > 0, "--clip-norm must be positive"),
+            (positive(self.clip_norm), "--clip-norm must be positive and finite"),
             (self.eval_every >= 1, "--eval-every must be at least 1"),
             (
                 self.eval_data is not None or not self.eval_data_public,
@@ -152,7 +152,10 @@ class TrainOptions:
                 self.calibration is None or self.mechanism != "none",
                 "--mechanism none trains without privacy, --calibration with the plan's mechanism: give one of them",
             ),
-            (self.noise_multiplier is None or self.noise_multiplier > 0, "--noise-multiplier must be positive"),
+            (
+                self.noise_multiplier is None or positive(self.noise_multiplier),
+                "--noise-multiplier must be positive and finite",
+            ),
             (
                 not self.amplified or self.mechanism in ("auto", "bandmf"),
                 "--amplified accounts BandMF: use --mechanism auto or bandmf",
@@ -169,7 +172,7 @@ class TrainOptions:
             (self.mc_workers >= 1, "--mc-workers must be at least 1"),
             (self.mc_runner in MC_RUNNERS, f"--mc-runner must be one of {MC_RUNNERS}"),
             (self.mc_runner == "local" or self.mc_workers == 1, "--mc-workers is for --mc-runner local"),
-            (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+            (positive(self.testing_noise_scale), "--testing-only-noise-scale must be positive and finite"),
             (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
             (self.width is None or self.width >= 1, "--width must be at least 1"),
             (

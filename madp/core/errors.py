@@ -3,6 +3,8 @@ the file, row, option or output and says why."""
 
 from __future__ import annotations
 
+import math
+
 
 class InputError(ValueError):
     """Bad input or options, with a message that names the file, row and reason."""
@@ -15,3 +17,9 @@ class CheckFailed(InputError):
     def __init__(self, message: str, result: dict | None = None):
         super().__init__(message)
         self.result = result or {}
+
+
+def positive(value: float) -> bool:
+    """Whether an option's number is above 0 and finite: argparse's float and YAML read "inf" and
+    "nan", which train on NaN or crash the accountant deep inside instead of being refused."""
+    return value > 0 and math.isfinite(value)

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from madp.core import records as rec
 from madp.core import storage, tfrecord
 from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.randomness import DETERMINISTIC, SecretKey
@@ -52,7 +52,7 @@ class BatchOptions:
         checks = [
             (self.sampler in SAMPLERS, f"--sampler must be one of {SAMPLERS}"),
             (self.steps >= 1, "--steps must be at least 1"),
-            (self.batch_size > 0, "--batch-size must be positive"),
+            (positive(self.batch_size), "--batch-size must be positive and finite"),
             (self.min_sep >= 1, "--min-sep must be at least 1 (1 is plain Poisson sampling)"),
             (self.warm_up is None or self.warm_up >= 0, "--warm-up must be at least 0"),
             (self.max_batch_size is None or self.max_batch_size >= 1, "--max-batch-size must be at least 1"),

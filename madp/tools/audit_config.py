@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 
 DEFAULT_DIRECTORY = "audit"
 
@@ -27,9 +27,9 @@ class AuditOptions:
         checks = [
             (self.canaries >= 2, "--canaries must be at least 2"),
             (0 < self.confidence < 1, "--confidence must be in (0, 1)"),
-            (self.canary_norm > 0, "--canary-norm must be positive"),
+            (positive(self.canary_norm), "--canary-norm must be positive and finite"),
             (0 <= self.shared <= 1, "--shared must be in [0, 1]"),
-            (self.testing_noise_scale > 0, "--testing-only-noise-scale must be positive"),
+            (positive(self.testing_noise_scale), "--testing-only-noise-scale must be positive and finite"),
             (
                 not (self.non_private and self.testing_noise_scale != 1.0),
                 "--non-private trains without noise: drop --testing-only-noise-scale",

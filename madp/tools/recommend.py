@@ -49,7 +49,7 @@ from madp.accounting.truncation import REFUSED_SHARE, smallest_max_batch_size, t
 from madp.core import record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.bounding import Capacities
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 from madp.core.selection import BoundOptions, read_capacities
 from madp.engines.local_engine import bound_records, read_input
 
@@ -245,12 +245,12 @@ class Sweep:
             raise InputError("--mechanism dpsgd is plain Poisson sampling: --min-sep 1 and --bands 1")
         if self.mechanism == "bandmf" and not 1 <= self.bands <= self.min_sep:
             raise InputError(f"--mechanism bandmf needs 1 <= --bands <= --min-sep, got {self.bands} and {self.min_sep}")
-        if self.clip_norm <= 0:
-            raise InputError("--clip-norm must be positive")
-        if self.steps < 1 or self.batch_size <= 0:
-            raise InputError("--steps must be at least 1 and --batch-size positive")
-        if not 0 < self.epsilon or not 0 < self.delta < 1:
-            raise InputError("--epsilon must be positive and --delta in (0, 1)")
+        if not positive(self.clip_norm):
+            raise InputError("--clip-norm must be positive and finite")
+        if self.steps < 1 or not positive(self.batch_size):
+            raise InputError("--steps must be at least 1 and --batch-size positive and finite")
+        if not positive(self.epsilon) or not 0 < self.delta < 1:
+            raise InputError("--epsilon must be positive and finite, and --delta in (0, 1)")
         if not 0 < self.truncation_share < REFUSED_SHARE:
             raise InputError(
                 f"--truncation-share must be in (0, {REFUSED_SHARE:g}): calibration refuses a truncation that "

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
 import pyarrow as pa
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, positive
 from madp.tools.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
@@ -49,10 +50,13 @@ class GraphSpec:
             raise InputError("--task must be 'logistic' or 'text'")
         if self.graph not in ("regular", "skewed"):
             raise InputError("--graph must be 'regular' or 'skewed'")
-        if self.mean_arity < 1:
-            raise InputError("--mean-arity must be at least 1 (every record has a user)")
-        if self.records_per_user <= 0 or self.alpha < 0 or self.features < 1 or self.bias_scale < 0:
-            raise InputError("--records-per-user must be > 0, --alpha >= 0, --features >= 1, --bias-scale >= 0")
+        if not (self.mean_arity >= 1 and math.isfinite(self.mean_arity)):
+            raise InputError("--mean-arity must be finite and at least 1 (every record has a user)")
+        at_least_zero = all(math.isfinite(value) and value >= 0 for value in (self.alpha, self.bias_scale))
+        if not positive(self.records_per_user) or self.features < 1 or not at_least_zero:
+            raise InputError(
+                "--records-per-user must be positive, --alpha and --bias-scale at least 0 (all finite), --features >= 1"
+            )
 
     @property
     def users(self) -> int:
