@@ -183,6 +183,9 @@ def test_madp_train_trains_a_module_model_privately_and_evaluates_its_task(data,
     assert set(final) == {"step", "loss", "accuracy"} and np.isfinite(final["loss"])
     assert final["accuracy"] > (0.45 if case.startswith("keras3") else 0.7)  # chance: 0.25 and about 0.5
     assert (out / "model.keras").exists()
+    used = json.load(open(out / "metrics.json"))  # the optimizer that trained: the model's own, else madp's
+    own = case.startswith("tf_keras")  # two_inputs:build returns SGD(0.5); k3_classifier:build none
+    assert (used["optimizer"], used.get("learning_rate")) == (("SGD (the model's own)", None) if own else ("sgd", 0.5))
     assert "per-example gradients" not in caplog.text  # Dense layers of either Keras: the fast clipping path
 
 
@@ -245,7 +248,9 @@ def test_a_module_that_cannot_be_imported_is_a_clear_error(data, capsys, tmp_pat
     assert "has no 'nope'" in capsys.readouterr().err
     own_optimizer = [*argv, "--model", "two_inputs:build", "--model-path", str(data / "models")]
     assert main([*own_optimizer, "--label", "label", "--optimizer", "adam", "--adam-epsilon", "1e-3"]) == 2
-    assert "--adam-epsilon sets the epsilon of --optimizer adam; this model brings its own" in capsys.readouterr().err
+    assert "--optimizer, --adam-epsilon: this model brings its own optimizer" in capsys.readouterr().err
+    assert main([*own_optimizer, "--label", "label", "--learning-rate", "0.1", "--lr-schedule", "cosine"]) == 2
+    assert "--learning-rate, --lr-schedule: this model brings its own optimizer" in capsys.readouterr().err
     with pytest.raises(Exception, match="cannot import module"):
         user_model("still_missing:build", ModelSchema((), Feature("label", "float", ()), "binary"))
 

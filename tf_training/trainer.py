@@ -205,6 +205,38 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
     return state
 
 
+def _refuse_optimizer_flags(options: TrainOptions) -> None:
+    """The flags that build madp's optimizer would be silently ignored by a model that brings its own."""
+    given = [
+        flag
+        for flag, value in (
+            ("--optimizer", options.optimizer),
+            ("--learning-rate", options.learning_rate),
+            ("--adam-epsilon", options.adam_epsilon),
+            ("--lr-schedule", None if options.lr_schedule == "constant" else options.lr_schedule),
+        )
+        if value is not None
+    ]
+    if given:
+        raise InputError(
+            f"{', '.join(given)}: this model brings its own optimizer, which these would not change: drop them, "
+            f"or return (model, loss) without an optimizer"
+        )
+
+
+def _optimizer_fields(own_optimizer, options: TrainOptions) -> dict:
+    """What metrics.json says of the optimizer: the one the options build, or the class of the one a
+    module:function model returned (its learning rate may be a schedule: the model's code says it)."""
+    if own_optimizer is not None:
+        return {"optimizer": f"{type(own_optimizer).__qualname__} (the model's own)"}
+    settings = training_defaults(options)
+    return {
+        "optimizer": settings.name,
+        "learning_rate": settings.learning_rate,
+        **({"adam_epsilon": settings.adam_epsilon} if settings.adam_epsilon else {}),
+    }
+
+
 def _pretrained_fields(task, options: TrainOptions) -> dict:
     """A pretrained model's metrics fields: the adapters' rank and the pretrained model's evaluation
     on --eval-data before the first step (published as the evaluations are: it is the public
@@ -255,10 +287,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
         optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
-    if options.lr_schedule != "constant" and getattr(task, "optimizer", None) is not None:
-        raise InputError("--lr-schedule scales --learning-rate of --optimizer; this model brings its own optimizer")
-    if options.adam_epsilon is not None and getattr(task, "optimizer", None) is not None:
-        raise InputError("--adam-epsilon sets the epsilon of --optimizer adam; this model brings its own optimizer")
+    if getattr(task, "optimizer", None) is not None:
+        _refuse_optimizer_flags(options)
     interrupted = _resume_point(batches_dir, output, options)
     resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
     needs_checkpoints = options.checkpoint_every or resumed
@@ -377,7 +407,6 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             quality += " (--eval-data not declared public: internal)"
         progress.update(done, quality)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
-    settings = training_defaults(options)
     result = {
         "batches": batches_dir,
         "output": output,
@@ -387,9 +416,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "replicas": replicas,
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
-        "optimizer": settings.name,
-        "learning_rate": settings.learning_rate,
-        **({"adam_epsilon": settings.adam_epsilon} if settings.adam_epsilon else {}),
+        **_optimizer_fields(getattr(task, "optimizer", None), options),
         "lr_schedule": options.lr_schedule,
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),
