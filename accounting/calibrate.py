@@ -21,6 +21,7 @@ log = logging.getLogger("madp.accounting")
 # epsilon moves in its fourth digit (measured); the bound stays valid at any grid.
 DISCRETIZATION = 1e-3
 SIGMA_RANGE = (1e-2, 1e3)
+MIN_TOLERANCE = 1e-9  # calibrate's smallest relative precision of sigma: float64 still brackets it
 
 
 def epsilon(
@@ -58,6 +59,10 @@ def calibrate(
     below it. The returned sigma is the upper end of the final bracket, so it meets the target.
     """
     check_target(target_epsilon, delta)
+    if not MIN_TOLERANCE <= relative_tolerance < 1:  # NaN too; below it, bisection stalls between adjacent floats
+        raise InputError(
+            f"--tolerance (sigma's relative precision) must be in [{MIN_TOLERANCE:g}, 1), got {relative_tolerance}"
+        )
     evaluations = 0
 
     def on_grid(grid: float):

@@ -93,6 +93,8 @@ def test_sigma_moves_as_theory_says():
         (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "--delta"),
         (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "--noise-multiplier"),
         (lambda: calibrate(DpSgd(1.0, 10), 1e-3, 1e-12), "unreachable"),
+        # a tolerance of 0 or below, or NaN, never ended the bisection (or ended it at once)
+        *((lambda t=t: calibrate(DpSgd(0.1, 10), 1.0, 1e-5, t), "--tolerance") for t in (0.0, -1.0, math.nan, 1.0)),
     ],
 )
 def test_clear_errors(build, message):
