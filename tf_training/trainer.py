@@ -286,8 +286,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
             raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
-        optimizer = getattr(task, "optimizer", None) or default_optimizer(model, options)
-    if getattr(task, "optimizer", None) is not None:
+        own_optimizer = getattr(task, "optimizer", None)
+        optimizer = own_optimizer or default_optimizer(model, options)
+    if own_optimizer is not None:
         _refuse_optimizer_flags(options)
     interrupted = _resume_point(batches_dir, output, options)
     resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
@@ -416,7 +417,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "replicas": replicas,
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
-        **_optimizer_fields(getattr(task, "optimizer", None), options),
+        **_optimizer_fields(own_optimizer, options),
         "lr_schedule": options.lr_schedule,
         **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),
