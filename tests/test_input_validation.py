@@ -185,5 +185,9 @@ def test_numbers_that_are_not_finite_are_refused_by_name(number, capsys):
         flag = "--" + field.replace("_", "-").replace("testing-", "testing-only-")
         with pytest.raises(InputError, match=f"{flag} must be positive and finite"):
             TrainOptions(model="text-classifier", epsilon=8.0, **{field: float(number)})
+    with pytest.raises(InputError, match="--l2 must be 0 or above and finite"):
+        TrainOptions(model="text-classifier", epsilon=8.0, l2=float(number))
+    with pytest.raises(InputError, match="--l2 must be 0 or above and finite"):
+        TrainOptions(model="text-classifier", epsilon=8.0, l2=-1e-4)
     with pytest.raises(InputError, match="--clip-norm must be positive and finite"):
         Sweep(epsilon=8.0, delta=1e-6, steps=10, batch_size=4.0, clip_norm=float(number))

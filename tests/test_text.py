@@ -58,7 +58,7 @@ def test_embedding_bag_ghost_clipping_equals_a_per_example_reference():
     rng = np.random.default_rng(0)
     # Few words and buckets: repeated n-grams in a row and hash collisions, both counted by the norm.
     texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(12)]
-    x = text.hashed_ngrams(texts, 32, 24)
+    x = text.hashed_ngrams(texts, 32, 24, 2)
     assert any(len(set(row[row > 0])) < (row > 0).sum() for row in x)
     y = rng.integers(0, 3, 12).astype(np.int32)
     weight = np.where(np.arange(12) == 5, 0.0, rng.random(12)).astype(np.float32)  # one padding row
@@ -77,7 +77,7 @@ def test_the_classifier_beside_a_pretrained_feature_is_ghost_clipped_as_the_per_
     texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(10)]
     features = rng.normal(size=(10, 6)).astype(np.float32)
     features /= np.linalg.norm(features, axis=1, keepdims=True)
-    x = {text.NGRAMS: text.hashed_ngrams(texts, 32, 24), text.PRETRAINED: features}
+    x = {text.NGRAMS: text.hashed_ngrams(texts, 32, 24, 2), text.PRETRAINED: features}
     y = rng.integers(0, 3, 10).astype(np.int32)
     weight = np.where(np.arange(10) == 2, 0.0, rng.random(10)).astype(np.float32)
     tf_keras.utils.set_random_seed(6)
@@ -123,7 +123,7 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
         lm, lm_loss = text.byte_lm(10, 8, 1, 2)
     assert lm.layers[-1].compute_dtype == "bfloat16" == classifier.layers[0].compute_dtype
     cases = [
-        (classifier, classifier_loss, text.hashed_ngrams(texts, 32, 24), rng.integers(0, 3, 8).astype(np.int32)),
+        (classifier, classifier_loss, text.hashed_ngrams(texts, 32, 24, 2), rng.integers(0, 3, 8).astype(np.int32)),
         (lm, lm_loss, *text.byte_sequences(texts, 10)),
     ]
     for model, loss, x, y in cases:
@@ -146,18 +146,23 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
 
 def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuation():
     texts = [b"Hello, World!", "Grüße aus Köln".encode(), b"a b a b"]
-    here = text.hashed_ngrams(texts, 1 << 20, 8)
+    here = text.hashed_ngrams(texts, 1 << 20, 8, 2)
     script = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from madp.training import text; "
         "print(json.dumps(text.hashed_ngrams([b'Hello, World!', 'Grüße aus Köln'.encode(), b'a b a b'], "
-        "1 << 20, 8).tolist()))"
+        "1 << 20, 8, 2).tolist()))"
     )
     other = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=120)
     assert other.returncode == 0, other.stderr[-2000:]
     np.testing.assert_array_equal(here, json.loads(other.stdout.strip().splitlines()[-1]))
-    np.testing.assert_array_equal(here[0], text.hashed_ngrams([b"hello world"], 1 << 20, 8)[0])
+    np.testing.assert_array_equal(here[0], text.hashed_ngrams([b"hello world"], 1 << 20, 8, 2)[0])
     assert (here[0] > 0).sum() == 3 and (here[1] > 0).sum() == 5  # 2 words + 1 bigram; 3 + 2
     assert here[2][0] == here[2][2] and here[2][4] == here[2][6]  # "a", "a"; "a b", "a b"
+    words, trigrams = (text.hashed_ngrams(texts, 1 << 20, 8, order) for order in (1, 3))
+    for row, count in enumerate((2, 3, 4)):  # the words alone, then padding
+        assert words[row].tolist() == here[row].tolist()[:count] + [0] * (8 - count)
+    assert (trigrams[1] > 0).sum() == 6  # + "grüße aus köln"
+    assert trigrams[2].tolist()[:7] == here[2].tolist()[:7] and trigrams[2][7] > 0  # + "a b a", cut at 8
     # FarmHash Fingerprint64 is fixed: a changed tokenizer or hash would silently change every model
     assert here[0][:3].tolist() == [int(v) for v in PINNED_HELLO_WORLD]
 
@@ -374,7 +379,9 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
     assert counts["records"] == {text.EMPTY_TEXT: 1, text.UNKNOWN_LABEL: 1, text.NOT_UTF8: 1}
     metrics = json.load(open(out / "metrics.json"))
     assert "skipped" not in metrics, "which records were skipped is internal"
-    assert (metrics["optimizer"], metrics["learning_rate"], metrics["adam_epsilon"]) == ("adam", 0.01, 1e-7)
+    optimizer = ("adam", 0.01, 1e-7, 3e-4)
+    assert (metrics["optimizer"], metrics["learning_rate"], metrics["adam_epsilon"], metrics["l2"]) == optimizer
+    assert metrics["text_features"] == {"ngrams": 1, "buckets": 64, "max_length": 8}
     rejected = [json.loads(line) for line in open(out / "rejected" / "rejected.jsonl")]
     assert sorted((r["id"], r["reason"]) for r in rejected) == [
         (3, text.NOT_UTF8),
@@ -464,24 +471,31 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
 
 def test_text_models_default_to_the_optimizer_they_learn_with():
     """The text models default to Adam (on CPython's changelog, benchmarks/text_defaults.py, Adam at
-    0.01 came within a point of a linear model, SGD at 0.5 2.4 points below) at Keras' epsilon;
-    numeric models keep SGD; given flags always win, --adam-epsilon in the optimizer built."""
+    0.01 came within a point of a linear model, SGD at 0.5 2.4 points below) at Keras' epsilon, the
+    classifier without a pretrained feature with an L2 penalty of 3e-4; numeric models keep SGD and
+    no penalty; given flags always win, --adam-epsilon in the optimizer built."""
     from madp.training.options import training_defaults
     from madp.training.tasks import default_optimizer
 
     def defaults(**given):
         return tuple(training_defaults(TrainOptions(mechanism="none", **given)))
 
-    assert defaults(model="text-classifier") == ("adam", 0.01, 1e-7)
-    assert defaults(model="text-lm") == ("adam", 0.003, 1e-7)
-    assert defaults(model="text-classifier", pretrained="model.gguf") == ("adam", 0.03, 1e-7)
-    assert defaults(model="mlp") == ("sgd", 0.5, None)
-    assert defaults(model="mlp", optimizer="adam") == ("adam", 0.01, 1e-7)
-    assert defaults(model="text-classifier", optimizer="sgd", learning_rate=2.0) == ("sgd", 2.0, None)
+    assert defaults(model="text-classifier") == ("adam", 0.01, 1e-7, 3e-4)
+    assert defaults(model="text-classifier", l2=0.0) == ("adam", 0.01, 1e-7, 0.0)
+    assert defaults(model="text-lm") == ("adam", 0.003, 1e-7, 0.0)
+    assert defaults(model="text-classifier", pretrained="model.gguf") == ("adam", 0.03, 1e-7, 0.0)
+    assert defaults(model="mlp") == ("sgd", 0.5, None, 0.0)
+    assert defaults(model="mlp", optimizer="adam", l2=1e-3) == ("adam", 0.01, 1e-7, 1e-3)
+    assert defaults(model="text-classifier", optimizer="sgd", learning_rate=2.0) == ("sgd", 2.0, None, 3e-4)
     given = TrainOptions(model="text-classifier", mechanism="none", adam_epsilon=3e-3)
-    assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3)
+    assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3, 3e-4)
     built = default_optimizer(text.text_classifier(64, 4, 8, 2)[0], given)
     assert float(built.epsilon) == pytest.approx(3e-3) and float(built.learning_rate) == pytest.approx(0.01)
+    words = TrainOptions(model="text-classifier", mechanism="none")
+    assert (words.ngram_order, dataclasses.replace(words, pretrained="model.gguf").ngram_order) == (1, 2)
+    assert dataclasses.replace(words, ngrams=3, pretrained="model.gguf").ngram_order == 3
+    with pytest.raises(InputError, match="--ngrams must be at least 1"):
+        dataclasses.replace(words, ngrams=0)
     refused = ({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "uses SGD: drop it")
     refused += (({"model": "mlp"}, "uses SGD: drop it"),)  # SGD by default: the flag would be ignored
     for wrong, message in refused:

@@ -179,6 +179,66 @@ def test_bandmf_with_one_band_is_dpsgd_bit_for_bit():
         assert np.array_equal(a, b)
 
 
+def test_the_l2_penalty_adds_l2_times_the_weights_after_clipping_and_noise():
+    """One SGD step at rate lr moves w by -lr (g + l2 w): g the clipped mean gradient (private, no
+    noise) or the mean gradient (non-private), both derived here by hand from the logistic loss, and
+    l2 w unclipped (a function of the weights alone). A negative or NaN penalty is refused by name."""
+    from madp.training.steps import NonPrivateStep
+
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(20, 3)) * 3).astype(np.float32)
+    y = (rng.random(20) < 0.5).astype(np.float32)
+    lr, l2, clip = 0.1, 0.05, 0.5
+    for private in (True, False):
+        model, loss = logreg(3)
+        w = np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables])
+        per_example = (1 / (1 + np.exp(-(x @ w[:3] + w[3]))) - y)[:, None] * np.c_[x, np.ones(20)]
+        if private:
+            norms = np.linalg.norm(per_example, axis=1)
+            per_example *= np.minimum(1, clip / norms)[:, None]
+            step = PrivateStep(
+                model, loss, tf_keras.optimizers.SGD(lr), DpSgdQuery(clip, 0.0, noise_key(5)), 20.0, l2=l2
+            )
+        else:
+            step = NonPrivateStep(model, loss, tf_keras.optimizers.SGD(lr), l2=l2)
+        step(tf.constant(x), tf.constant(y), tf.ones(20))
+        moved = np.concatenate([v.numpy().reshape(-1) for v in model.trainable_variables])
+        np.testing.assert_allclose(moved, w - lr * (per_example.mean(axis=0) + l2 * w), rtol=1e-5, atol=1e-6)
+    for wrong in (-0.1, float("nan")):
+        with pytest.raises(InputError, match="the L2 penalty must be 0 or above and finite"):
+            NonPrivateStep(model, loss, tf_keras.optimizers.SGD(lr), l2=wrong)
+
+
+def test_a_keras_regularizer_the_steps_do_not_apply_is_named(caplog):
+    """The steps train on the loss alone: a layer's regularizers (which Keras adds to model.losses)
+    are named in a warning that points to l2, in tf_keras and in Keras 3, and a model without any
+    gets no warning."""
+    import keras
+
+    from madp.training.steps import NonPrivateStep
+
+    query = DpSgdQuery(1.0, 0.0, noise_key(1))
+    regularized = tf_keras.Sequential(
+        [tf_keras.Input((3,)), tf_keras.layers.Dense(2, kernel_regularizer="l2", activity_regularizer="l1", name="d")]
+    )
+    keras3 = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, bias_regularizer="l2", name="e")])
+    for make, model, optimizer, named in (
+        (
+            lambda m, o: PrivateStep(m, None, o, query, 10.0),
+            regularized,
+            tf_keras.optimizers.SGD(0.1),
+            "d.activity_regularizer, d.kernel_regularizer are not applied",
+        ),
+        (lambda m, o: NonPrivateStep(m, None, o), keras3, keras.optimizers.SGD(0.1), "e.bias_regularizer are not"),
+    ):
+        caplog.clear()
+        make(model, optimizer)
+        assert named in caplog.text and "--l2" in caplog.text
+    caplog.clear()
+    PrivateStep(logreg(3)[0], None, tf_keras.optimizers.SGD(0.1), query, 10.0)
+    assert "regularizers" not in caplog.text
+
+
 @pytest.fixture(scope="module")
 def pipeline_data(tmp_path_factory):
     directory = tmp_path_factory.mktemp("train")

@@ -149,6 +149,7 @@ class PrivateTrainingStep(PrivateStep):
         strategy=None,
         rows_per_replica: int | None = None,
         jit_compile: bool = False,
+        l2: float = 0.0,
     ):
         super().__init__(
             model,
@@ -160,6 +161,7 @@ class PrivateTrainingStep(PrivateStep):
             strategy=strategy,
             rows_per_replica=rows_per_replica,
             jit_compile=jit_compile,
+            l2=l2,
         )
         self.plan = plan
         self.own_plan = own_plan
@@ -301,6 +303,7 @@ def make_private(
     output: str = "Python API",
     retrain: bool = False,
     releases_from_checkpoints: bool = False,
+    l2: float = 0.0,
 ) -> PrivateTrainingStep:
     """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
     loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
@@ -319,7 +322,9 @@ def make_private(
     with zero-weight rows to `rows_per_replica` where given (static shapes, for TPUs).
     `jit_compile=True` compiles the step with XLA (one device only): XLA compiles once per shape, so
     give `rows_per_replica` (e.g. `batches.max_rows_per_step`) and every step is padded to it. Its
-    noise has the same law, but other draws than without XLA for the same seed.
+    noise has the same law, but other draws than without XLA for the same seed. `l2` adds `l2` times
+    each trainable weight to the noised gradient before `optimizer` applies it (an L2 penalty
+    (l2 / 2) ||w||^2, outside the clipping: a function of the weights alone, it costs no privacy).
 
     The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
     it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is
@@ -400,7 +405,7 @@ def make_private(
     training = training or uuid.uuid4().hex
     released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
     step = PrivateTrainingStep(
-        model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile
+        model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile, l2
     )
     step.steps_taken, step.retrain = resumed_at, retrain
     step.continues = continues
@@ -442,13 +447,20 @@ def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
 
 
 def make_non_private(
-    model, loss, optimizer, *, strategy=None, rows_per_replica: int | None = None, jit_compile: bool = False
+    model,
+    loss,
+    optimizer,
+    *,
+    strategy=None,
+    rows_per_replica: int | None = None,
+    jit_compile: bool = False,
+    l2: float = 0.0,
 ) -> NonPrivateStep:
     """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows
     (`loss` per row, as for `make_private`), no clipping, no noise. Its metrics are internal: no
-    guarantee covers them. `strategy`, `rows_per_replica` and `jit_compile` as for `make_private`.
+    guarantee covers them. `strategy`, `rows_per_replica`, `jit_compile` and `l2` as for `make_private`.
 
     >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
     >>> baseline(rows["features"], rows["label"], rows["weight"])
     """
-    return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica, jit_compile)
+    return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica, jit_compile, l2)

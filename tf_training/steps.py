@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, nonnegative
 from madp.training import load_tensorflow
 from madp.training.clipping import (
     LOSS_NOT_PER_ROW,
@@ -48,11 +48,22 @@ def _matching_optimizer(model, optimizer) -> bool:
     return legacy
 
 
-def _apply_gradients(optimizer, legacy: bool, gradients, variables) -> None:
+def _apply_gradients(optimizer, legacy: bool, gradients, variables, l2: float) -> None:
+    """Applies the step's mean gradients, plus `l2` times each variable (the gradient of an L2 penalty
+    (l2 / 2) ||w||^2: a function of the weights alone, added after the noise, so it is not clipped and
+    the guarantee does not depend on it)."""
+    if l2:
+        gradients = [l2 * v if g is None else tf.convert_to_tensor(g) + l2 * v for g, v in zip(gradients, variables)]
     if legacy:
         optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
     else:  # Keras 3: one device (the trainer refuses a distribution for it), nothing to aggregate
         optimizer.apply_gradients(zip(gradients, variables))
+
+
+def _l2_penalty(l2: float) -> float:
+    if not nonnegative(l2):
+        raise InputError(f"l2={l2!r}: the L2 penalty must be 0 or above and finite")
+    return float(l2)
 
 
 class _LoweredOnce:
@@ -157,8 +168,11 @@ class PrivateStep(_LoweredOnce, _KerasFit):
         strategy=None,
         rows_per_replica: int | None = None,
         jit_compile: bool = False,
+        l2: float = 0.0,
     ):
         self.model, self.loss_fn, self.optimizer, self.query = model, float32_outputs(loss_fn), optimizer, query
+        self.l2 = _l2_penalty(l2)
+        _warn_unapplied_regularizers(model)
         self.expected = expected_batch_size
         self.user_level = user_level
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
@@ -231,7 +245,7 @@ class PrivateStep(_LoweredOnce, _KerasFit):
 
     def _apply_replica(self, x, y, weight, groups) -> None:
         gradients = self._privatize(x, y, weight, groups)
-        _apply_gradients(self.optimizer, self.legacy_optimizer, gradients, self.model.trainable_variables)
+        _apply_gradients(self.optimizer, self.legacy_optimizer, gradients, self.model.trainable_variables, self.l2)
 
     def _privatize(self, x, y, weight, groups):
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
@@ -354,6 +368,25 @@ def _refuse_batch_statistics(model) -> None:
         )
 
 
+def _warn_unapplied_regularizers(model) -> None:
+    """A Keras regularizer adds to `model.losses`, which these steps do not train on (a penalty on the
+    weights is the step's `l2`; one on activations would be a per-row loss to clip): say so rather
+    than drop it silently."""
+    found = sorted(
+        f"{layer.name}.{name.lstrip('_')}"  # tf_keras keeps the activity one as _activity_regularizer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for name, value in vars(layer).items()
+        if name.endswith("_regularizer") and value is not None and not isinstance(value, list)  # not tf_keras' own list
+    )
+    if found:
+        log.warning(
+            "model %s: its regularizers %s are not applied (madp's steps train on the loss alone): give an L2 "
+            "penalty on the weights as --l2 (make_private(..., l2=)), and put a penalty on activations in the loss",
+            model.name,
+            ", ".join(found),
+        )
+
+
 class NonPrivateStep(_LoweredOnce, _KerasFit):
     """The baseline (`make_non_private`): `step(x, y, weight)` takes the mean loss over the step's real
     rows (all replicas together), no clipping, no noise. `loss_fn` is the loss it trains with, the
@@ -371,8 +404,11 @@ class NonPrivateStep(_LoweredOnce, _KerasFit):
         strategy=None,
         rows_per_replica: int | None = None,
         jit_compile: bool = False,
+        l2: float = 0.0,
     ):
         self.model, self.loss_fn, self.optimizer = model, float32_outputs(loss_fn), optimizer
+        self.l2 = _l2_penalty(l2)
+        _warn_unapplied_regularizers(model)
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
@@ -404,6 +440,7 @@ class NonPrivateStep(_LoweredOnce, _KerasFit):
             self.legacy_optimizer,
             [g / tf.maximum(total, 1.0) for g in gradients],
             self.model.trainable_variables,
+            self.l2,
         )
 
 

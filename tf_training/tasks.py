@@ -451,7 +451,7 @@ class TextClassifierTask(_TextTask):
     def encode(self, rows: dict) -> tuple[np.ndarray | dict[str, np.ndarray], np.ndarray, np.ndarray]:
         problems, y = self._problems_and_labels(rows)
         texts = np.where(problems == "", rows[self.options.text_column], b"")
-        ngrams = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length)
+        ngrams = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length, self.options.ngram_order)
         if self.features is None:
             return ngrams, np.maximum(y, 0), problems
         x = {text.NGRAMS: ngrams, text.PRETRAINED: self.features(texts, self.options.max_length)}

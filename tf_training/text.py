@@ -54,12 +54,13 @@ def text_problems(texts: np.ndarray) -> np.ndarray:
     return problems
 
 
-def hashed_ngrams(texts, buckets: int, max_tokens: int) -> np.ndarray:
+def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int) -> np.ndarray:
     """int32 [n, max_tokens]: 1 + FarmHash64(n-gram) mod (buckets - 1) of each text's lower-cased
-    word unigrams then bigrams, cut at max_tokens, padded with 0 (the embedding bag skips 0)."""
+    word n-grams of 1 to `order` words (unigrams, then bigrams, ...), cut at max_tokens, padded with
+    0 (the embedding bag skips 0)."""
     text = tf.strings.lower(tf.constant(texts, tf.string), encoding="utf-8")
     words = tf.strings.split(tf.strings.strip(tf.strings.regex_replace(text, _WORD, " ")))
-    grams = tf.concat([words, tf.strings.ngrams(words, 2, separator=" ")], axis=1)
+    grams = tf.concat([words, *(tf.strings.ngrams(words, n, separator=" ") for n in range(2, order + 1))], axis=1)
     ids = tf.strings.to_hash_bucket_fast(grams, buckets - 1) + 1
     return ids.to_tensor(0, shape=[None, max_tokens]).numpy().astype(np.int32)
 

@@ -226,15 +226,25 @@ def _refuse_optimizer_flags(options: TrainOptions) -> None:
 
 def _optimizer_fields(own_optimizer, options: TrainOptions) -> dict:
     """What metrics.json says of the optimizer: the one the options build, or the class of the one a
-    module:function model returned (its learning rate may be a schedule: the model's code says it)."""
-    if own_optimizer is not None:
-        return {"optimizer": f"{type(own_optimizer).__qualname__} (the model's own)"}
+    module:function model returned (its learning rate may be a schedule: the model's code says it);
+    and the L2 penalty the steps add, if any."""
     settings = training_defaults(options)
+    penalty = {"l2": settings.l2} if settings.l2 else {}
+    if own_optimizer is not None:
+        return {"optimizer": f"{type(own_optimizer).__qualname__} (the model's own)", **penalty}
     return {
         "optimizer": settings.name,
         "learning_rate": settings.learning_rate,
         **({"adam_epsilon": settings.adam_epsilon} if settings.adam_epsilon else {}),
+        **penalty,
     }
+
+
+def _text_features(task: TextClassifierTask, options: TrainOptions) -> dict:
+    """What a text classifier's saved model needs of a new text: its labels' order and the hashed
+    n-grams it reads (`text.hashed_ngrams(texts, buckets, max_length, ngrams)`)."""
+    features = {"ngrams": options.ngram_order, "buckets": options.buckets, "max_length": options.max_length}
+    return {"labels": task.labels, "text_features": features}
 
 
 def _pretrained_fields(task, options: TrainOptions) -> dict:
@@ -313,10 +323,17 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     # so does an XLA step, which compiles once per shape.
     fixed = options.distribution != "default" or options.xla
     rows_per_replica = -(-max(batches.max_rows_per_step, 1) // replicas) if fixed else None
+    l2 = training_defaults(options).l2
     step: NonPrivateStep | PrivateTrainingStep
     if privacy is None:
         step = make_non_private(
-            model, loss_fn, optimizer, strategy=strategy, rows_per_replica=rows_per_replica, jit_compile=options.xla
+            model,
+            loss_fn,
+            optimizer,
+            strategy=strategy,
+            rows_per_replica=rows_per_replica,
+            jit_compile=options.xla,
+            l2=l2,
         )
     else:
         step = make_private(
@@ -335,6 +352,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             retrain=options.retrain,
             # With checkpoints, one precedes every evaluation, and a resume takes the latest.
             releases_from_checkpoints=bool(needs_checkpoints),
+            l2=l2,
         )
         privacy = step.plan  # with the composition of earlier trainings on these batches, if any
     loss_fn = step.loss_fn  # for evaluations and statistics too: the model's outputs taken in float32
@@ -423,7 +441,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         **({"resumed_at": resumed} if resumed else {}),
         "seed": options.seed,
         "eval_data_public": options.eval_data_public,  # whether the evaluations below may be published
-        **({"labels": task.labels} if isinstance(task, TextClassifierTask) else {}),
+        **(_text_features(task, options) if isinstance(task, TextClassifierTask) else {}),
         **_pretrained_fields(task, options),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,

@@ -23,3 +23,8 @@ def positive(value: float) -> bool:
     """Whether an option's number is above 0 and finite: argparse's float and YAML read "inf" and
     "nan", which train on NaN or crash the accountant deep inside instead of being refused."""
     return value > 0 and math.isfinite(value)
+
+
+def nonnegative(value: float) -> bool:
+    """Whether an option's number is 0 or above and finite (as `positive`, 0 allowed)."""
+    return value >= 0 and math.isfinite(value)
