@@ -12,6 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# As madp.training.load_tensorflow sets it, for the test modules that import Keras 3 (and with it
+# TensorFlow) before madp: TensorFlow reads it when it is imported.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def write_records(path: str, rows: list[dict]) -> str:

@@ -64,6 +64,10 @@ def load_tensorflow():
     """Import TensorFlow with legacy Keras (tf-keras) and without TF Privacy's eager package import."""
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow 2.21's oneDNN CPU kernels corrupted the heap in their thread pool ("free(): invalid
+    # pointer", an abort) in a Keras 3 Transformer's private step on an AMD EPYC machine whose AVX-512
+    # oneDNN does not fully use; TF_ENABLE_ONEDNN_OPTS=1 in the environment turns them back on.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     sys.skip_tf_privacy_import = True  # TF Privacy's __init__ imports modules that need old dependencies
     try:
         import tensorflow as tf
