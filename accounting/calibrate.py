@@ -36,6 +36,20 @@ def epsilon(
     return float(accountant.get_epsilon(delta))
 
 
+def finite_epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float) -> float:
+    """`epsilon`, for a guarantee that is stated: an unbounded one (the privacy loss distribution
+    holds more than delta at infinite loss, where delta is below what its truncated tail resolves,
+    about 1e-15, or sigma is tiny) is an InputError naming both, not an `Infinity` in the output."""
+    value = epsilon(mechanism, noise_multiplier, delta)
+    if not math.isfinite(value):
+        raise InputError(
+            f"no finite epsilon for {mechanism.name} at --noise-multiplier {noise_multiplier:g} and --delta "
+            f"{delta:g}: the accountant resolves deltas down to about 1e-15 and needs a sigma large enough; "
+            f"raise --delta or --noise-multiplier"
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     noise_multiplier: float

@@ -10,7 +10,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from madp.accounting.calibrate import DISCRETIZATION, calibrate, epsilon
+from madp.accounting.calibrate import DISCRETIZATION, calibrate, epsilon, finite_epsilon
 from madp.accounting.mechanisms import DpSgd, DpSgdUls
 from madp.cli import main
 from madp.core.errors import InputError
@@ -93,6 +93,8 @@ def test_sigma_moves_as_theory_says():
         (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "--delta"),
         (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "--noise-multiplier"),
         (lambda: calibrate(DpSgd(1.0, 10), 1e-3, 1e-12), "unreachable"),
+        # below the delta the accountant resolves, epsilon is infinite: `madp epsilon` printed "Infinity"
+        (lambda: finite_epsilon(DpSgd(0.01, 100), 1.0, 1e-16), "no finite epsilon .* --delta 1e-16"),
         # a tolerance of 0 or below, or NaN, never ended the bisection (or ended it at once)
         *((lambda t=t: calibrate(DpSgd(0.1, 10), 1.0, 1e-5, t), "--tolerance") for t in (0.0, -1.0, math.nan, 1.0)),
     ],

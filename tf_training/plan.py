@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from madp.accounting import truncation as truncation_bound
-from madp.accounting.calibrate import calibrate, epsilon
+from madp.accounting.calibrate import calibrate, epsilon, finite_epsilon
 from madp.accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
 from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from madp.accounting.monte_carlo import MinSepProcess
@@ -150,7 +150,7 @@ def _with_truncation(options: TrainOptions, delivered: float, delta: float, trun
 def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation) -> tuple[float, float, float]:
     """(sigma, epsilon, delta of the released guarantee); `truncation(epsilon)` is the delta truncation adds."""
     if options.noise_multiplier is not None:
-        delivered = epsilon(mechanism, options.noise_multiplier, options.delta)
+        delivered = finite_epsilon(mechanism, options.noise_multiplier, options.delta)
         total = _with_truncation(options, delivered, options.delta, truncation)
         _warn_override(options, delivered, total)
         return options.noise_multiplier, delivered, total

@@ -278,7 +278,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
     import dataclasses
 
-    from madp.accounting.calibrate import calibrate, epsilon
+    from madp.accounting.calibrate import calibrate, finite_epsilon
 
     if args.mechanism == "bandmf-minsep":
         return _minsep(args, beam_args)
@@ -299,7 +299,7 @@ def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
         return {
             **result,
             "noise_multiplier": args.noise_multiplier,
-            "epsilon": epsilon(mechanism, args.noise_multiplier, args.delta),
+            "epsilon": finite_epsilon(mechanism, args.noise_multiplier, args.delta),
         }
     calibration = calibrate(mechanism, args.epsilon, args.delta, args.tolerance)
     return {
