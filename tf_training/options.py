@@ -44,7 +44,7 @@ KERAS_ADAM_EPSILON = 1e-7  # what tf_keras and Keras 3 default to
 # the text classifier from memorizing rare words without privacy and, unlike --adam-epsilon 3e-3,
 # does not slow its first steps: chosen on a second sample of PyPI's packages, CPython's changelog
 # and Debian's packages (README "Text defaults, on real text"); the classifier beside a pretrained
-# feature was measured without one, and keeps none.
+# feature was measured without one, and keeps none. Keyed as LEARNING_RATE_DEFAULTS' models.
 L2_DEFAULTS = {"text-classifier": 3e-4}
 
 
@@ -249,14 +249,12 @@ def training_defaults(options: TrainOptions) -> OptimizerSettings:
     else the model's defaults (Adam for the text models, SGD otherwise; the rate of that model and
     optimizer; Keras' epsilon for Adam; L2_DEFAULTS' penalty)."""
     optimizer = options.optimizer_name
+    model = f"{options.model}-lora" if options.lora_rank else options.model
+    if options.model == "text-classifier" and options.pretrained is not None:
+        model = "text-classifier-pretrained"
     rate = options.learning_rate
     if rate is None:
-        model = f"{options.model}-lora" if options.lora_rank else options.model
-        if options.model == "text-classifier" and options.pretrained is not None:
-            model = "text-classifier-pretrained"
         rate = LEARNING_RATE_DEFAULTS.get((model, optimizer), LEARNING_RATE_DEFAULTS[("*", optimizer)])
     epsilon = (options.adam_epsilon or KERAS_ADAM_EPSILON) if optimizer == "adam" else None
-    l2 = options.l2
-    if l2 is None:
-        l2 = L2_DEFAULTS.get(options.model, 0.0) if options.pretrained is None else 0.0
+    l2 = L2_DEFAULTS.get(model, 0.0) if options.l2 is None else options.l2
     return OptimizerSettings(optimizer, rate, epsilon, l2)
