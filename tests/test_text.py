@@ -472,23 +472,28 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
 def test_text_models_default_to_the_optimizer_they_learn_with():
     """The text models default to Adam (on CPython's changelog, benchmarks/text_defaults.py, Adam at
     0.01 came within a point of a linear model, SGD at 0.5 2.4 points below) at Keras' epsilon, the
-    classifier without a pretrained feature with an L2 penalty of 3e-4; numeric models keep SGD and
-    no penalty; given flags always win, --adam-epsilon in the optimizer built."""
+    classifier without a pretrained feature with an L2 penalty of 3e-4 and, without privacy only, a
+    cosine decay of its rate; numeric models keep SGD, no penalty and a constant rate; given flags
+    always win, --adam-epsilon in the optimizer built."""
     from madp.training.options import training_defaults
     from madp.training.tasks import default_optimizer
 
-    def defaults(**given):
-        return tuple(training_defaults(TrainOptions(mechanism="none", **given)))
+    def defaults(mechanism="none", **given):
+        privacy = {} if mechanism == "none" else {"noise_multiplier": 1.0}
+        return tuple(training_defaults(TrainOptions(mechanism=mechanism, **privacy, **given)))
 
-    assert defaults(model="text-classifier") == ("adam", 0.01, 1e-7, 3e-4)
-    assert defaults(model="text-classifier", l2=0.0) == ("adam", 0.01, 1e-7, 0.0)
-    assert defaults(model="text-lm") == ("adam", 0.003, 1e-7, 0.0)
-    assert defaults(model="text-classifier", pretrained="model.gguf") == ("adam", 0.03, 1e-7, 0.0)
-    assert defaults(model="mlp") == ("sgd", 0.5, None, 0.0)
-    assert defaults(model="mlp", optimizer="adam", l2=1e-3) == ("adam", 0.01, 1e-7, 1e-3)
-    assert defaults(model="text-classifier", optimizer="sgd", learning_rate=2.0) == ("sgd", 2.0, None, 3e-4)
+    assert defaults(model="text-classifier") == ("adam", 0.01, 1e-7, 3e-4, "cosine")
+    assert defaults("auto", model="text-classifier") == ("adam", 0.01, 1e-7, 3e-4, "constant")
+    assert defaults("auto", model="text-classifier", lr_schedule="cosine")[4] == "cosine"
+    assert defaults(model="text-classifier", lr_schedule="constant")[4] == "constant"
+    assert defaults(model="text-classifier", l2=0.0) == ("adam", 0.01, 1e-7, 0.0, "cosine")
+    assert defaults(model="text-lm") == ("adam", 0.003, 1e-7, 0.0, "constant")
+    assert defaults(model="text-classifier", pretrained="model.gguf") == ("adam", 0.03, 1e-7, 0.0, "constant")
+    assert defaults(model="mlp") == ("sgd", 0.5, None, 0.0, "constant")
+    assert defaults(model="mlp", optimizer="adam", l2=1e-3) == ("adam", 0.01, 1e-7, 1e-3, "constant")
+    assert defaults(model="text-classifier", optimizer="sgd", learning_rate=2.0) == ("sgd", 2.0, None, 3e-4, "cosine")
     given = TrainOptions(model="text-classifier", mechanism="none", adam_epsilon=3e-3)
-    assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3, 3e-4)
+    assert tuple(training_defaults(given)) == ("adam", 0.01, 3e-3, 3e-4, "cosine")
     built = default_optimizer(text.text_classifier(64, 4, 8, 2)[0], given)
     assert float(built.epsilon) == pytest.approx(3e-3) and float(built.learning_rate) == pytest.approx(0.01)
     words = TrainOptions(model="text-classifier", mechanism="none")

@@ -40,10 +40,12 @@ STATE_FILE, NEXT_STATE_FILE = "state.json", "next_state.json"  # in OUTPUT/inter
 
 
 def learning_rate_at(step: int, steps: int, options: TrainOptions) -> float:
-    """The learning rate of step `step` (0-based) of `steps` (--lr-schedule): constant; cosine decay
+    """The learning rate of step `step` (0-based) of `steps` (--lr-schedule, or the model's default
+    schedule: `training_defaults`): constant; cosine decay
     from --learning-rate to 0; or a linear warmup over --warmup-steps to it, then cosine decay over the
     rest. A function of public settings and the step index only."""
-    base, schedule = training_defaults(options).learning_rate, options.lr_schedule
+    settings = training_defaults(options)
+    base, schedule = settings.learning_rate, settings.lr_schedule
     if schedule == "constant":
         return base
     warmup = options.warmup_steps if schedule == "warmup-cosine" else 0

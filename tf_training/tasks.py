@@ -434,7 +434,7 @@ class TextClassifierTask(_TextTask):
     def build(self):
         o = self.options
         width = 0 if self.features is None else self.features.width
-        return text.text_classifier(o.buckets, o.width or 32, o.max_length, len(self.labels), width)
+        return text.text_classifier(o.buckets, o.width or text.CLASSIFIER_WIDTH, o.max_length, len(self.labels), width)
 
     def label_indices(self, values) -> np.ndarray:
         """Each label's index in the label list, -1 where it is not in it."""

@@ -213,7 +213,7 @@ def _refuse_optimizer_flags(options: TrainOptions) -> None:
             ("--optimizer", options.optimizer),
             ("--learning-rate", options.learning_rate),
             ("--adam-epsilon", options.adam_epsilon),
-            ("--lr-schedule", None if options.lr_schedule == "constant" else options.lr_schedule),
+            ("--lr-schedule", options.lr_schedule),
         )
         if value is not None
     ]
@@ -323,7 +323,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     # so does an XLA step, which compiles once per shape.
     fixed = options.distribution != "default" or options.xla
     rows_per_replica = -(-max(batches.max_rows_per_step, 1) // replicas) if fixed else None
-    l2 = training_defaults(options).l2
+    settings = training_defaults(options)
+    l2, schedule = settings.l2, settings.lr_schedule
     step: NonPrivateStep | PrivateTrainingStep
     if privacy is None:
         step = make_non_private(
@@ -391,11 +392,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
         if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
             weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
-        if options.lr_schedule != "constant":  # by step index: public
+        if schedule != "constant":  # by step index: public
             rate = learning_rate_at(index, batches.steps, options)
             set_learning_rate(optimizer, rate)
         logs = _evaluates(done, batches.steps, options)
-        if options.lr_schedule != "constant" and logs:
+        if schedule != "constant" and logs:
             with writer.as_default():  # public: the schedule's value
                 tf.summary.scalar("train/learning_rate", rate, step=done)
         if options.internal_scalars and internal is not None and logs:  # INTERNAL: the step's rows, no noise
@@ -436,8 +437,8 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
         **_optimizer_fields(own_optimizer, options),
-        "lr_schedule": options.lr_schedule,
-        **({"warmup_steps": options.warmup_steps} if options.lr_schedule == "warmup-cosine" else {}),
+        "lr_schedule": schedule,
+        **({"warmup_steps": options.warmup_steps} if schedule == "warmup-cosine" else {}),
         **({"resumed_at": resumed} if resumed else {}),
         "seed": options.seed,
         "eval_data_public": options.eval_data_public,  # whether the evaluations below may be published

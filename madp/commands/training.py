@@ -94,7 +94,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="text-classifier: hash n-grams of 1 to this many words (default 1, words; 2 with --pretrained: "
         "words and word pairs)",
     )
-    text.add_argument("--width", type=int, help="embedding width (default 32 classifier, 64 language model)")
+    text.add_argument("--width", type=int, help="embedding width (default 64)")
     text.add_argument("--layers", type=int, default=2, help="text-lm: Transformer blocks")
     text.add_argument("--heads", type=int, default=4, help="text-lm: attention heads")
     text.add_argument(
@@ -222,8 +222,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     long.add_argument(
         "--lr-schedule",
         choices=("constant", "cosine", "warmup-cosine"),
-        default="constant",
-        help="learning rate by step index: constant, cosine decay to 0, or linear warmup then cosine",
+        help="learning rate by step index: constant, cosine decay to 0, or linear warmup then cosine "
+        "(default: constant; cosine for text-classifier without privacy)",
     )
     long.add_argument(
         "--internal-scalars",
