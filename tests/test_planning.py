@@ -9,14 +9,17 @@ import json
 import math
 import os
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from madp.accounting.truncation import smallest_max_batch_size, truncation_delta
 from madp.cli import main, parser
+from madp.core import sampling
 from madp.jobs.run_check import check_feasible
 from madp.jobs.run_plan import load_config, plan_stages
+from madp.tools.recommend import largest_min_sep_reaching
 from madp.tools.synthetic import GraphSpec, generate, to_table
 
 USERS = ["--users-columns", "from,to,cc"]
@@ -88,6 +91,23 @@ def test_recommend_k_never_aborts_and_says_what_to_change(emails, capsys):
     code, result, err = sweep(capsys, emails, *options[:3], "100000", "--k", "1,2", "--write-config", config)
     assert code == 1 and result["recommended_k"] is None and not os.path.exists(config)
     assert all(not row["feasible"] and row["problems"] for row in result["sweep"])
+
+
+def test_the_largest_min_sep_reaching_a_batch_size_is_bisected_as_a_scan_finds_it():
+    """The min-sep an unreachable batch size is told to use: the largest b below --min-sep whose
+    b-min-sep sampling reaches it, found by bisection (a --min-sep of 10^8 hung scanning down from
+    it), the same b a scan finds."""
+    sizes, counts = np.array([1, 2, 3, 5]), np.array([500, 300, 100, 50])
+
+    def reach(min_sep):
+        return sampling.largest_expected_batch_size(sizes, counts, min_sep).largest
+
+    for target in (reach(2), reach(7) + 0.5, reach(30), 1.0, 950.0, 951.0):
+        scanned = next((b for b in range(39, 0, -1) if reach(b) >= target), None)
+        assert largest_min_sep_reaching(target, sizes, counts, 40) == scanned
+    far = largest_min_sep_reaching(10.0, sizes, counts, 10**8)
+    assert far is not None and reach(far) >= 10.0 > reach(far + 1)
+    assert largest_min_sep_reaching(10.0, sizes, counts, 1) is None
 
 
 def test_the_criterion_picks_the_feasible_k_of_least_excess_risk(emails, capsys):

@@ -139,11 +139,20 @@ def neighbourhood_histogram(graph: Graph, copies: np.ndarray) -> tuple[np.ndarra
 
 
 def largest_min_sep_reaching(target: float, sizes: np.ndarray, counts: np.ndarray, below: int) -> int | None:
-    """The largest b < `below` at which b-min-sep sampling reaches an expected batch size `target`."""
-    for min_sep in range(below - 1, 0, -1):
-        if sampling.largest_expected_batch_size(sizes, counts, min_sep).largest >= target:
-            return min_sep
-    return None
+    """The largest b < `below` at which b-min-sep sampling reaches an expected batch size `target`:
+    a bisection, as the largest reachable size never grows with b (a longer exclusion leaves fewer
+    records eligible at every p), so that a --min-sep of 10^8 takes 27 probes, not 10^8."""
+
+    def reaches(min_sep: int) -> bool:
+        return sampling.largest_expected_batch_size(sizes, counts, min_sep).largest >= target
+
+    if below <= 1 or not reaches(1):
+        return None
+    low, high = 1, below  # reaches(low); high is past the range or does not reach
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if reaches(middle) else (low, middle)
+    return low
 
 
 def batch_feasibility(graph: Graph, copies: np.ndarray, k: int, target: BatchTarget) -> BatchFeasibility:
@@ -188,11 +197,13 @@ def _unreachable(target: BatchTarget, reach: sampling.Reach, k: int, sizes: np.n
             f"{names.batch_size} {target.batch_size:g} exceeds the {kept} records (copies) kept at k = {k}: "
             f"use {names.batch_size} <= {kept}, or a larger {names.max_contributions}"
         )
-    fixes = [f"{names.batch_size} <= {math.floor(reach.largest)}"]
+    largest = math.floor(reach.largest)
+    fixes = [f"{names.batch_size} <= {largest}"] if largest >= 1 else []  # not a batch size of 0
     min_sep = largest_min_sep_reaching(target.batch_size, sizes, counts, target.min_sep)
     if min_sep is not None:
         bands = f" (and {names.bands} <= {min_sep})" if target.bands > min_sep else ""
         fixes.append(f"{names.min_sep} <= {min_sep}{bands}")
+    fixes = fixes or [f"a larger {names.max_contributions}"]
     return (
         f"{names.batch_size} {target.batch_size:g} unreachable at {names.min_sep} {target.min_sep} with k = {k}: "
         f"largest {math.floor(10 * reach.largest) / 10:.1f} (at p = {reach.probability:.3g}); use {' or '.join(fixes)}"
