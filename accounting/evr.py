@@ -280,7 +280,7 @@ def _release(
     `estimate_weight` is P's DeltaReduction weight where every candidate has the same epsilon, else 1."""
     mechanism_delta, failure = release_deltas(delta)
     fewest = samples_to_reject_on_zeros(mechanism_delta, rung_level(failure, 0))
-    samples = samples or default_samples(delta)
+    samples = default_samples(delta) if samples is None else samples  # 0 is refused below, not the default
     if samples < fewest:
         raise InputError(
             f"{samples} samples cannot verify delta {delta:g}: even a mechanism with delta 0 needs "

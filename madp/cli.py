@@ -10,7 +10,7 @@ import logging
 import sys
 
 from madp.commands import accounting, batching, bounding, data, report, training
-from madp.commands.registry import Family, Parser, build_parser
+from madp.commands.registry import Family, Parser, build_parser, seed_argument
 from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 
@@ -65,7 +65,9 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
         type=float,
         help="TESTING ONLY: scale the audit model's noise while keeping the claim; the audit must fail",
     )
-    audit.add_argument("--seed", type=int, help="TESTING ONLY: reproduce canaries and inclusion (default: secret)")
+    audit.add_argument(
+        "--seed", type=seed_argument, help="TESTING ONLY: reproduce canaries and inclusion (default: secret)"
+    )
     audit.add_argument("--force", action="store_true", help="re-run every stage of the audit's job")
 
 

@@ -444,6 +444,39 @@ def test_nan_features_stop_batching_with_the_record_named(tmp_path, capsys, valu
     assert code == 2 and "holds a NaN, infinite or beyond-float32 value for selected record 4" in err
 
 
+def test_every_seed_is_an_integer_in_0_to_2_to_the_64(tmp_path, capsys):
+    """A negative seed was a numpy traceback, one of 2^64 or more reproduced a smaller one's draws: both
+    are refused by name, on the command line and in a `madp run` config."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(30))
+    refused = [
+        ("generate", tmp_path / "g", "--records", "10", "--seed", "-1"),
+        ("bound", data, tmp_path / "b", "-k", "2", "--seed", str(2**64)),
+        ("train", tmp_path / "b", tmp_path / "t", "--noise-seed", "abc"),
+        ("epsilon", "--mechanism", "dpsgd", "--delta", "1e-6", "--steps", "5", "--sampling-prob", "0.1"),
+    ]
+    refused[-1] += ("--noise-multiplier", "1", "--seed", "-3")
+    for args in refused:
+        with pytest.raises(SystemExit) as stopped:  # argparse's usage error
+            main(["-q", *map(str, args)])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and "a seed is an integer in [0, 2^64)" in err and "Traceback" not in err
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "generate": {"records": 50, "seed": -1},
+        "bound": {"max_contributions": 2},
+    }
+    (tmp_path / "job.yaml").write_text(json.dumps(config))
+    code, _, err = cli(capsys, "run", tmp_path / "job.yaml")
+    assert code == 2 and "config generate.seed: a seed is an integer in [0, 2^64), got -1" in err
+
+
+def test_zero_monte_carlo_samples_are_refused_not_read_as_the_default(capsys):
+    args = ["epsilon", "--mechanism", "bandmf-minsep", "--delta", "1e-6", "--steps", "100", "--min-sep", "5"]
+    args += ["--bands", "2", "--sampling-prob", "0.01", "--noise-multiplier", "2", "--samples", "0"]
+    code, _, err = cli(capsys, *args)
+    assert code == 2 and "0 samples cannot verify delta 1e-06" in err
+
+
 def test_run_configs_and_damaged_manifests(tmp_path, capsys):
     import yaml
 

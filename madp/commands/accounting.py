@@ -6,7 +6,7 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
 from madp.core.errors import InputError
 
 log = logging.getLogger("madp")
@@ -51,7 +51,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="bounds to try, comma-separated (default 1,2,3,4,6,8,12,16)",
     )
     sweep.add_argument("--order", choices=("arity", "hash"), default="arity")
-    sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument("--seed", type=seed_argument, default=0)
     sweep.add_argument(
         "--truncation-share",
         type=float,
@@ -111,7 +111,7 @@ def add_mechanism(parser: argparse.ArgumentParser) -> None:
         "draw per direction (default: 4x what the sequential test needs "
         "at delta 0; it stops as soon as it decides)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
+    parser.add_argument("--seed", type=seed_argument, default=0, help="bandmf-minsep: seed of the Monte Carlo samples")
     parser.add_argument("--workers", type=int, default=1, help="bandmf-minsep: worker processes (--runner local)")
     parser.add_argument(
         "--runner",

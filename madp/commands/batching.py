@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     batch.add_argument(
         "--seed",
-        type=int,
+        type=seed_argument,
         help="TESTING ONLY: reproduce the sampling from this seed; the batches are then not private "
         "(default: a fresh secret key per run, never written)",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     )
     bound.add_argument("--small-run", type=int, help="--order alternate: c1, small records per run")
     bound.add_argument("--large-run", type=int, help="--order alternate: c2, large records per run")
-    bound.add_argument("--seed", type=int, default=0, help="seed of the hash that breaks ties in the order")
+    bound.add_argument("--seed", type=seed_argument, default=0, help="seed of the hash that breaks ties in the order")
     bound.add_argument("--capacities", help="file (.csv/.jsonl/.parquet) of rows user, capacity overriding K")
     bound.add_argument("--max-rounds", type=int, help="stop after R rounds (default: until converged)")
     bound.add_argument(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import Family
+from madp.commands.registry import Family, seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--features", type=int, default=16, help="dimension of the logistic-regression features")
     generate.add_argument("--bias-scale", type=float, default=1.0, help="k: weight of the arity-dependent bias")
     generate.add_argument("--shards", type=int, default=4, help="Parquet shards when OUTPUT is a directory")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=seed_argument, default=0)
     generate.add_argument(
         "--users-as",
         choices=("users", "from-to-cc", "both"),

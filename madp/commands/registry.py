@@ -82,6 +82,21 @@ def build_parser(families: tuple[Family, ...], description: str) -> Parser:
     return parser
 
 
+SEED_BOUND = 2**64  # numpy's SeedSequence takes any non-negative integer; above this madp's keys wrap
+
+
+def seed_argument(text: str) -> int:
+    """argparse type of every --seed: an integer in [0, 2^64) (a negative one was a numpy traceback,
+    a larger one reproduced a smaller one's draws)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2^64), got {text!r}") from None
+    if not 0 <= value < SEED_BOUND:
+        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2^64), got {value}")
+    return value
+
+
 def add_columns(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
     parser.add_argument("--users-column", help="column holding the list of user ids (default: users)")

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from madp.commands.registry import Family
+from madp.commands.registry import Family, seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -132,15 +132,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "clipping, so it costs no privacy (default: 3e-4 for text-classifier without --pretrained, else 0)",
     )
     training.add_argument("--clip-norm", type=float, default=1.0)
-    training.add_argument("--seed", type=int, default=0, help="seed of the model initialization (not of the noise)")
+    training.add_argument(
+        "--seed", type=seed_argument, default=0, help="seed of the model initialization (not of the noise)"
+    )
     training.add_argument(
         "--noise-seed",
-        type=int,
+        type=seed_argument,
         help="TESTING ONLY: reproduce the noise from this seed; the model is then not private "
         "(default: a fresh secret key per run, never written)",
     )
     training.add_argument(
-        "--mc-seed", type=int, default=0, help="--amplified: seed of the Monte Carlo verification samples (public)"
+        "--mc-seed",
+        type=seed_argument,
+        default=0,
+        help="--amplified: seed of the Monte Carlo verification samples (public)",
     )
     training.add_argument("--eval-data", help="records (.jsonl/.parquet) to evaluate on")
     training.add_argument(

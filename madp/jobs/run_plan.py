@@ -361,6 +361,8 @@ def _flags(parser: CommandParser, section: str, options: dict, beam: bool = Fals
             convert = action.type if callable(action.type) else str
             try:
                 converted = convert(text)
+            except argparse.ArgumentTypeError as error:  # a type that says what it takes (a seed's range)
+                raise InputError(f"config {section}.{key}: {error}") from None
             except ValueError:
                 name = getattr(convert, "__name__", "a value")
                 raise InputError(f"config {section}.{key}: expected {name}, got {value!r}") from None
