@@ -652,10 +652,11 @@ def test_the_text_classifier_trains_beside_a_frozen_pretrained_feature(text_batc
     labels = "business,science,sports,travel"
     arguments = ["-q", "train", batches, out, "--model", "text-classifier", "--labels", labels, "--pretrained", tiny,
                  "--buckets", "256", "--noise-multiplier", "0.5", "--noise-seed", "1", "--eval-data", evaluation,
-                 "--eval-every", "4", "--ngrams", "1", "--l2", "1e-3"]  # fmt: skip
+                 "--eval-every", "4", "--ngrams", "1", "--l2", "1e-3", "--word-prefix", "5"]  # fmt: skip
     assert main(arguments) == 0
     metrics = json.load(open(os.path.join(out, "metrics.json")))
-    assert (metrics["text_features"]["ngrams"], metrics["l2"]) == (1, 1e-3)  # the defaults beside it: 2 and none
+    features = (metrics["text_features"]["ngrams"], metrics["text_features"]["word_prefix"], metrics["l2"])
+    assert features == (1, 5, 1e-3)  # the defaults beside it: 2, whole words (0) and none
     final = evaluation_of(out, internal=True)["final"]
     assert 0 <= final["accuracy"] <= 1 and set(final["per_class"]) == {"business", "science", "sports", "travel"}
     assumptions = json.load(open(os.path.join(out, "privacy.json")))["assumptions"]

@@ -58,7 +58,7 @@ def test_embedding_bag_ghost_clipping_equals_a_per_example_reference():
     rng = np.random.default_rng(0)
     # Few words and buckets: repeated n-grams in a row and hash collisions, both counted by the norm.
     texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(12)]
-    x = text.hashed_ngrams(texts, 32, 24, 2)
+    x = text.hashed_ngrams(texts, 32, 24, 2, prefix=0)
     assert any(len(set(row[row > 0])) < (row > 0).sum() for row in x)
     y = rng.integers(0, 3, 12).astype(np.int32)
     weight = np.where(np.arange(12) == 5, 0.0, rng.random(12)).astype(np.float32)  # one padding row
@@ -77,7 +77,7 @@ def test_the_classifier_beside_a_pretrained_feature_is_ghost_clipped_as_the_per_
     texts = [" ".join(f"w{rng.integers(12)}" for _ in range(rng.integers(1, 20))).encode() for _ in range(10)]
     features = rng.normal(size=(10, 6)).astype(np.float32)
     features /= np.linalg.norm(features, axis=1, keepdims=True)
-    x = {text.NGRAMS: text.hashed_ngrams(texts, 32, 24, 2), text.PRETRAINED: features}
+    x = {text.NGRAMS: text.hashed_ngrams(texts, 32, 24, 2, prefix=0), text.PRETRAINED: features}
     y = rng.integers(0, 3, 10).astype(np.int32)
     weight = np.where(np.arange(10) == 2, 0.0, rng.random(10)).astype(np.float32)
     tf_keras.utils.set_random_seed(6)
@@ -123,7 +123,12 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
         lm, lm_loss = text.byte_lm(10, 8, 1, 2)
     assert lm.layers[-1].compute_dtype == "bfloat16" == classifier.layers[0].compute_dtype
     cases = [
-        (classifier, classifier_loss, text.hashed_ngrams(texts, 32, 24, 2), rng.integers(0, 3, 8).astype(np.int32)),
+        (
+            classifier,
+            classifier_loss,
+            text.hashed_ngrams(texts, 32, 24, 2, prefix=0),
+            rng.integers(0, 3, 8).astype(np.int32),
+        ),
         (lm, lm_loss, *text.byte_sequences(texts, 10)),
     ]
     for model, loss, x, y in cases:
@@ -146,25 +151,29 @@ def test_text_models_under_mixed_precision_clip_as_the_per_example_reference():
 
 def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuation():
     texts = [b"Hello, World!", "Grüße aus Köln".encode(), b"a b a b"]
-    here = text.hashed_ngrams(texts, 1 << 20, 8, 2)
+    here = text.hashed_ngrams(texts, 1 << 20, 8, 2, prefix=0)
     script = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); from madp.training import text; "
         "print(json.dumps(text.hashed_ngrams([b'Hello, World!', 'Grüße aus Köln'.encode(), b'a b a b'], "
-        "1 << 20, 8, 2).tolist()))"
+        "1 << 20, 8, 2, prefix=0).tolist()))"
     )
     other = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=120)
     assert other.returncode == 0, other.stderr[-2000:]
     np.testing.assert_array_equal(here, json.loads(other.stdout.strip().splitlines()[-1]))
-    np.testing.assert_array_equal(here[0], text.hashed_ngrams([b"hello world"], 1 << 20, 8, 2)[0])
+    np.testing.assert_array_equal(here[0], text.hashed_ngrams([b"hello world"], 1 << 20, 8, 2, prefix=0)[0])
     assert (here[0] > 0).sum() == 3 and (here[1] > 0).sum() == 5  # 2 words + 1 bigram; 3 + 2
     assert here[2][0] == here[2][2] and here[2][4] == here[2][6]  # "a", "a"; "a b", "a b"
-    words, trigrams = (text.hashed_ngrams(texts, 1 << 20, 8, order) for order in (1, 3))
+    words, trigrams = (text.hashed_ngrams(texts, 1 << 20, 8, order, prefix=0) for order in (1, 3))
     for row, count in enumerate((2, 3, 4)):  # the words alone, then padding
         assert words[row].tolist() == here[row].tolist()[:count] + [0] * (8 - count)
     assert (trigrams[1] > 0).sum() == 6  # + "grüße aus köln"
     assert trigrams[2].tolist()[:7] == here[2].tolist()[:7] and trigrams[2][7] > 0  # + "a b a", cut at 8
     # FarmHash Fingerprint64 is fixed: a changed tokenizer or hash would silently change every model
     assert here[0][:3].tolist() == [int(v) for v in PINNED_HELLO_WORLD]
+    # a prefix of 4 characters (of letters, not bytes: "grüß"): "hello world" and "hell worl" hash alike
+    cut = text.hashed_ngrams([b"Hello, World!", b"hell worl", "Grüße Grüß".encode()], 1 << 20, 8, 2, prefix=4)
+    assert cut[0].tolist() == cut[1].tolist() == text.hashed_ngrams([b"hell worl"], 1 << 20, 8, 2, prefix=0)[0].tolist()
+    assert cut[2][0] == cut[2][1] and cut[0][0] != here[0][0]
 
 
 PINNED_HELLO_WORLD = (469997, 66749, 243862)  # "hello", "world", "hello world" into 2^20 buckets
@@ -381,7 +390,7 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
     assert "skipped" not in metrics, "which records were skipped is internal"
     optimizer = ("adam", 0.01, 1e-7, 3e-4)
     assert (metrics["optimizer"], metrics["learning_rate"], metrics["adam_epsilon"], metrics["l2"]) == optimizer
-    assert metrics["text_features"] == {"ngrams": 1, "buckets": 64, "max_length": 8}
+    assert metrics["text_features"] == {"ngrams": 1, "buckets": 64, "max_length": 8, "word_prefix": 6}
     rejected = [json.loads(line) for line in open(out / "rejected" / "rejected.jsonl")]
     assert sorted((r["id"], r["reason"]) for r in rejected) == [
         (3, text.NOT_UTF8),
@@ -501,6 +510,12 @@ def test_text_models_default_to_the_optimizer_they_learn_with():
     assert dataclasses.replace(words, ngrams=3, pretrained="model.gguf").ngram_order == 3
     with pytest.raises(InputError, match="--ngrams must be at least 1"):
         dataclasses.replace(words, ngrams=0)
+    beside = dataclasses.replace(words, pretrained="model.gguf")
+    assert (words.word_prefix_length, beside.word_prefix_length) == (6, 0)  # 6 characters; whole beside it
+    assert dataclasses.replace(words, word_prefix=0).word_prefix_length == 0
+    assert dataclasses.replace(beside, word_prefix=5).word_prefix_length == 5
+    with pytest.raises(InputError, match="--word-prefix must be at least 0"):
+        dataclasses.replace(words, word_prefix=-1)
     refused = ({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "uses SGD: drop it")
     refused += (({"model": "mlp"}, "uses SGD: drop it"),)  # SGD by default: the flag would be ignored
     for wrong, message in refused:

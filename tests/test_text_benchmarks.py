@@ -73,11 +73,11 @@ def test_linear_rows_are_the_normalized_presence_vector(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in zip(texts, "yxy")))
     buckets, max_length = 64, 16  # few buckets: collisions, which presence counts once
-    ids, weights, labels = benchmark("text_defaults").presence_rows(str(path), ["x", "y"], buckets, max_length, 2)
+    ids, weights, labels = benchmark("text_defaults").presence_rows(str(path), ["x", "y"], buckets, max_length, 2, 0)
     rows = np.zeros((len(texts), buckets))
     np.add.at(rows, (np.arange(len(texts))[:, None], ids), weights)
     expected = np.zeros((len(texts), buckets))
-    hashed = hashed_ngrams(np.array([t.encode() for t in texts], dtype=object), buckets, max_length, 2)
+    hashed = hashed_ngrams(np.array([t.encode() for t in texts], dtype=object), buckets, max_length, 2, prefix=0)
     for row, text_ids in enumerate(hashed):
         present = sorted(set(text_ids.tolist()) - {0})
         expected[row, present] = 1 / np.sqrt(len(present))

@@ -54,6 +54,13 @@ L2_DEFAULTS = {"text-classifier": 3e-4}
 # so with sum_t r_t of signal against sqrt(sum_t r_t^2) of noise a constant rate is the best (Cauchy-
 # Schwarz), and a cosine lost 2 points privately on the changelog. Keyed as LEARNING_RATE_DEFAULTS.
 NON_PRIVATE_SCHEDULE_DEFAULTS = {"text-classifier": "cosine"}
+# The classifier's words are cut to their first 6 characters (--word-prefix; 0 keeps them whole), a
+# stemmer that needs no vocabulary: "packages", "packaged" and "packaging" share one row, which under
+# DP-SGD's noise gathers their signal. At epsilon 8 it lifted accuracy by 0.7 to 1.9 points (the mean
+# of two noise seeds) on a second sample of PyPI's packages, CPython's changelog (1000 and 250 steps)
+# and Debian's packages, and moved it by -0.5 to +0.7 without privacy; 5 and 7 characters did about
+# as well (README "Text defaults, on real text"). Beside a pretrained feature words stay whole (measured so).
+CLASSIFIER_WORD_PREFIX = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +109,8 @@ class TrainOptions:
     max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text; causal-lm: tokens
     buckets: int = 16384  # text-classifier: rows of the hashed n-gram embedding
     ngrams: int | None = None  # text-classifier: n-grams of 1 to this many words (None: `ngram_order`)
+    word_prefix: int | None = None  # text-classifier: words cut to this many characters, 0: whole
+    # (None: `word_prefix_length`)
     width: int | None = None  # text models: embedding width (None: 64)
     layers: int = 2  # text-lm: Transformer blocks
     heads: int = 4  # text-lm: attention heads
@@ -133,6 +142,14 @@ class TrainOptions:
         shrink its words' gradients while the noise on the bag stays the same, and the pairs, mostly
         in one text each, are memorized without privacy."""
         return self.ngrams or (1 if self.pretrained is None else 2)
+
+    @property
+    def word_prefix_length(self) -> int:
+        """--word-prefix, else CLASSIFIER_WORD_PREFIX characters, or whole words (0) beside a
+        --pretrained feature (measured so)."""
+        if self.word_prefix is not None:
+            return self.word_prefix
+        return CLASSIFIER_WORD_PREFIX if self.pretrained is None else 0
 
     @property
     def input_features(self) -> tuple[str, ...]:
@@ -202,6 +219,7 @@ class TrainOptions:
             (positive(self.testing_noise_scale), "--testing-only-noise-scale must be positive and finite"),
             (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
             (self.ngrams is None or self.ngrams >= 1, "--ngrams must be at least 1 (1: words, 2: and word pairs)"),
+            (self.word_prefix is None or self.word_prefix >= 0, "--word-prefix must be at least 0 (0: whole words)"),
             (self.width is None or self.width >= 1, "--width must be at least 1"),
             (
                 self.layers >= 1 and self.heads >= 1 and (self.width or 64) % self.heads == 0,

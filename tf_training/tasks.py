@@ -451,10 +451,11 @@ class TextClassifierTask(_TextTask):
     def encode(self, rows: dict) -> tuple[np.ndarray | dict[str, np.ndarray], np.ndarray, np.ndarray]:
         problems, y = self._problems_and_labels(rows)
         texts = np.where(problems == "", rows[self.options.text_column], b"")
-        ngrams = text.hashed_ngrams(texts, self.options.buckets, self.options.max_length, self.options.ngram_order)
+        o = self.options
+        ngrams = text.hashed_ngrams(texts, o.buckets, o.max_length, o.ngram_order, prefix=o.word_prefix_length)
         if self.features is None:
             return ngrams, np.maximum(y, 0), problems
-        x = {text.NGRAMS: ngrams, text.PRETRAINED: self.features(texts, self.options.max_length)}
+        x = {text.NGRAMS: ngrams, text.PRETRAINED: self.features(texts, o.max_length)}
         return x, np.maximum(y, 0), problems
 
     def read_eval(self, path: str):

@@ -59,12 +59,14 @@ def text_problems(texts: np.ndarray) -> np.ndarray:
     return problems
 
 
-def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int) -> np.ndarray:
+def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int, *, prefix: int) -> np.ndarray:
     """int32 [n, max_tokens]: 1 + FarmHash64(n-gram) mod (buckets - 1) of each text's lower-cased
-    word n-grams of 1 to `order` words (unigrams, then bigrams, ...), cut at max_tokens, padded with
-    0 (the embedding bag skips 0)."""
+    word n-grams of 1 to `order` words (unigrams, then bigrams, ...), each word cut to its first
+    `prefix` characters (0: whole words), cut at max_tokens, padded with 0 (the bag skips 0)."""
     text = tf.strings.lower(tf.constant(texts, tf.string), encoding="utf-8")
     words = tf.strings.split(tf.strings.strip(tf.strings.regex_replace(text, _WORD, " ")))
+    if prefix:
+        words = tf.strings.substr(words, 0, prefix, unit="UTF8_CHAR")
     grams = tf.concat([words, *(tf.strings.ngrams(words, n, separator=" ") for n in range(2, order + 1))], axis=1)
     ids = tf.strings.to_hash_bucket_fast(grams, buckets - 1) + 1
     return ids.to_tensor(0, shape=[None, max_tokens]).numpy().astype(np.int32)

@@ -94,6 +94,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         help="text-classifier: hash n-grams of 1 to this many words (default 1, words; 2 with --pretrained: "
         "words and word pairs)",
     )
+    text.add_argument(
+        "--word-prefix",
+        type=int,
+        help="text-classifier: cut each word to its first N characters before hashing (default 6; 0, and the "
+        "default with --pretrained: whole words)",
+    )
     text.add_argument("--width", type=int, help="embedding width (default 64)")
     text.add_argument("--layers", type=int, default=2, help="text-lm: Transformer blocks")
     text.add_argument("--heads", type=int, default=4, help="text-lm: attention heads")
@@ -295,6 +301,7 @@ def train_options(args: argparse.Namespace):
         max_length=args.max_length,
         buckets=args.buckets,
         ngrams=args.ngrams,
+        word_prefix=args.word_prefix,
         width=args.width,
         layers=args.layers,
         heads=args.heads,
