@@ -41,8 +41,19 @@ def epsilon(
     event = mechanism.event(noise_multiplier)
     widening = max(1.0, (FINE_GRID_NOISE_RATIO / smallest_noise_ratio(event)) ** 2)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization * widening)
-    accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
+    try:
+        accountant.compose(event)
+        return float(accountant.get_epsilon(delta))
+    except ValueError as error:  # dp_accounting's own failure, a traceback otherwise
+        raise Unaccountable(
+            f"the PLD accountant cannot account {mechanism.name} at --noise-multiplier {noise_multiplier:g} "
+            f"(dp_accounting: {error}); raise --noise-multiplier or the sampling probability"
+        ) from None
+
+
+class Unaccountable(InputError):
+    """dp_accounting could not build an event's privacy loss distribution: it fails on some extreme
+    ones (a mixture of Gaussians at a sampling probability of 1e-9 and sigma 0.04 or below)."""
 
 
 def smallest_noise_ratio(event: dp_event.DpEvent) -> float:
@@ -152,7 +163,10 @@ def _smallest_sigma(
             return low, low_eps
         high, high_eps = low, low_eps
         low = low / factor
-        low_eps = eps(low)
+        try:
+            low_eps = eps(low)
+        except Unaccountable:  # below the sigmas the accountant can account: the last it did meets the target
+            return high, high_eps
     while high / low > 1 + tolerance:
         middle = math.sqrt(low * high)
         middle_eps = eps(middle)

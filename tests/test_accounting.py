@@ -10,7 +10,14 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy.stats import binom
 
-from madp.accounting.calibrate import DISCRETIZATION, calibrate, epsilon, finite_epsilon, smallest_noise_ratio
+from madp.accounting.calibrate import (
+    DISCRETIZATION,
+    Unaccountable,
+    calibrate,
+    epsilon,
+    finite_epsilon,
+    smallest_noise_ratio,
+)
 from madp.accounting.mechanisms import DpSgd, DpSgdUls
 from madp.cli import main
 from madp.core.errors import InputError
@@ -69,6 +76,18 @@ def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
     assert fine <= epsilon(DpSgdUls(q, steps), 0.05, delta) == pytest.approx(fine, rel=1e-6)
     tiny = finite_epsilon(DpSgdUls(q, steps), 1e-3, delta)
     assert fine < tiny < 1e9
+
+
+def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_above_it():
+    """dp_accounting fails to build a mixture of Gaussians at q = 1e-9 below sigma 0.05 (a ValueError
+    deep inside it): epsilon names the mechanism and sigma instead, and calibration, which searches
+    down while the target is met, keeps the smallest sigma the accountant did account."""
+    mechanism = DpSgd(1e-9, 1000, 1)
+    with pytest.raises(Unaccountable, match="cannot account dpsgd at --noise-multiplier 0.03"):
+        epsilon(mechanism, 0.03, 1e-6)
+    result = calibrate(mechanism, 8.0, 1e-6)
+    assert result.noise_multiplier > 0.03 and result.epsilon <= 8.0
+    assert epsilon(mechanism, result.noise_multiplier, 1e-6) == result.epsilon
 
 
 @pytest.mark.slow
