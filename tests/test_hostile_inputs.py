@@ -470,6 +470,18 @@ def test_every_seed_is_an_integer_in_0_to_2_to_the_64(tmp_path, capsys):
     assert code == 2 and "config generate.seed: a seed is an integer in [0, 2^64), got -1" in err
 
 
+def test_a_synthetic_dataset_beyond_memory_or_shards_beyond_its_records_is_refused(tmp_path, capsys):
+    """generate allocated first and was killed (or raised numpy's MemoryError); a shard per record at
+    most, since more wrote empty files, and before anything is written."""
+    for option, value in (("--features", 10**9), ("--mean-arity", 1e9)):
+        code, _, err = cli(capsys, "generate", tmp_path / "g", "--records", 20, option, value)
+        assert code == 2 and "GiB in memory, more than half of this machine's" in err and "Traceback" not in err
+    code, _, err = cli(capsys, "generate", tmp_path / "g", "--records", 20, "--shards", 21)
+    assert code == 2 and "--shards must be between 1 and --records (20)" in err
+    assert not list((tmp_path / "g").glob("*.parquet"))
+    assert cli(capsys, "generate", tmp_path / "g", "--records", 20, "--shards", 20)[0] == 0
+
+
 def test_zero_monte_carlo_samples_are_refused_not_read_as_the_default(capsys):
     args = ["epsilon", "--mechanism", "bandmf-minsep", "--delta", "1e-6", "--steps", "100", "--min-sep", "5"]
     args += ["--bands", "2", "--sampling-prob", "0.01", "--noise-multiplier", "2", "--samples", "0"]

@@ -4,6 +4,7 @@ the file, row, option or output and says why."""
 from __future__ import annotations
 
 import math
+import os
 
 
 class InputError(ValueError):
@@ -28,3 +29,9 @@ def positive(value: float) -> bool:
 def nonnegative(value: float) -> bool:
     """Whether an option's number is 0 or above and finite (as `positive`, 0 allowed)."""
     return value >= 0 and math.isfinite(value)
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes: what a job held in memory is checked against before
+    it allocates, so that it is refused by name instead of killed."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ from madp.core.batch_files import (
     write_batch_file,
     write_schema,
 )
-from madp.core.errors import InputError
+from madp.core.errors import InputError, machine_memory
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
@@ -125,7 +124,7 @@ BYTES_PER_SAMPLE = 200
 
 def check_fits(expected_rows: float, options: BatchOptions) -> None:
     """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = machine_memory()
     if expected_rows * BYTES_PER_SAMPLE > memory / 2:
         raise InputError(
             f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about "

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp.core import storage
-from madp.core.errors import InputError, positive
+from madp.core.errors import InputError, machine_memory, positive
 from madp.tools.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
@@ -28,6 +28,11 @@ from madp.tools.synthetic_text import documents
 STALENESS = 0.05
 _FIRST_CHUNK = 1024
 _REDRAWS = 8
+
+
+# Peak bytes of `generate`, rounded up: an incidence's user id (int64) and the preferential process's
+# copies of it; a feature's float64 draw, its float32 copy and the Arrow table's.
+BYTES_PER_INCIDENCE, BYTES_PER_FEATURE = 64, 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,20 @@ class GraphSpec:
             raise InputError(
                 "--records-per-user must be positive, --alpha and --bias-scale at least 0 (all finite), --features >= 1"
             )
+        memory = machine_memory()
+        if self.peak_bytes > memory / 2:
+            raise InputError(
+                f"--records {self.records} with --mean-arity {self.mean_arity:g} and --features {self.features} "
+                f"hold about {self.peak_bytes / 2**30:.3g} GiB in memory, more than half of this machine's "
+                f"{memory / 2**30:.0f} GiB: generate fewer records, users per record or features"
+            )
+
+    @property
+    def peak_bytes(self) -> float:
+        """About the most memory `generate` holds: BYTES_PER_INCIDENCE per record-user pair and
+        BYTES_PER_FEATURE per record and feature (the logistic task's vectors and matrix)."""
+        features = (self.records + 2) * self.features if self.task == "logistic" else 0
+        return BYTES_PER_INCIDENCE * self.records * self.mean_arity + BYTES_PER_FEATURE * features
 
     @property
     def users(self) -> int:
