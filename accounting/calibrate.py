@@ -44,16 +44,18 @@ def epsilon(
     try:
         accountant.compose(event)
         return float(accountant.get_epsilon(delta))
-    except ValueError as error:  # dp_accounting's own failure, a traceback otherwise
+    except (ValueError, OverflowError, MemoryError) as error:  # dp_accounting's own failure, a traceback otherwise
         raise Unaccountable(
             f"the PLD accountant cannot account {mechanism.name} at --noise-multiplier {noise_multiplier:g} "
-            f"(dp_accounting: {error}); raise --noise-multiplier or the sampling probability"
+            f"(dp_accounting: {type(error).__name__}: {error}); raise --noise-multiplier or the sampling "
+            f"probability, or lower --max-contributions or --steps"
         ) from None
 
 
 class Unaccountable(InputError):
-    """dp_accounting could not build an event's privacy loss distribution: it fails on some extreme
-    ones (a mixture of Gaussians at a sampling probability of 1e-9 and sigma 0.04 or below)."""
+    """dp_accounting could not build or compose an event's privacy loss distribution, on some extreme
+    ones: a mixture of Gaussians at a sampling probability of 1e-9 and sigma 0.04 or below (a
+    ValueError), at --max-contributions 100000 (an OverflowError), 10^9 steps (out of memory)."""
 
 
 def smallest_noise_ratio(event: dp_event.DpEvent) -> float:

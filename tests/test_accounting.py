@@ -80,14 +80,17 @@ def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
 
 def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_above_it():
     """dp_accounting fails to build a mixture of Gaussians at q = 1e-9 below sigma 0.05 (a ValueError
-    deep inside it): epsilon names the mechanism and sigma instead, and calibration, which searches
-    down while the target is met, keeps the smallest sigma the accountant did account."""
+    deep inside it) or of 100,000 contributions (an OverflowError): epsilon names the mechanism and
+    sigma instead, and calibration, which searches down while the target is met, keeps the smallest
+    sigma the accountant did account."""
     mechanism = DpSgd(1e-9, 1000, 1)
     with pytest.raises(Unaccountable, match="cannot account dpsgd at --noise-multiplier 0.03"):
         epsilon(mechanism, 0.03, 1e-6)
     result = calibrate(mechanism, 8.0, 1e-6)
     assert result.noise_multiplier > 0.03 and result.epsilon <= 8.0
     assert epsilon(mechanism, result.noise_multiplier, 1e-6) == result.epsilon
+    with pytest.raises(Unaccountable, match="OverflowError.*lower --max-contributions"):  # math range error
+        epsilon(DpSgd(0.01, 1000, 100_000), 1.0, 1e-6)
 
 
 @pytest.mark.slow
