@@ -508,8 +508,9 @@ def test_text_models_default_to_the_optimizer_they_learn_with():
     words = TrainOptions(model="text-classifier", mechanism="none")
     assert (words.ngram_order, dataclasses.replace(words, pretrained="model.gguf").ngram_order) == (1, 2)
     assert dataclasses.replace(words, ngrams=3, pretrained="model.gguf").ngram_order == 3
-    with pytest.raises(InputError, match="--ngrams must be at least 1"):
-        dataclasses.replace(words, ngrams=0)
+    for wrong in (0, 129):  # above --max-length (128): never kept, only slow to hash
+        with pytest.raises(InputError, match=r"--ngrams must be between 1 \(words\) and --max-length \(128\)"):
+            dataclasses.replace(words, ngrams=wrong)
     beside = dataclasses.replace(words, pretrained="model.gguf")
     assert (words.word_prefix_length, beside.word_prefix_length) == (6, 0)  # 6 characters; whole beside it
     assert dataclasses.replace(words, word_prefix=0).word_prefix_length == 0

@@ -218,7 +218,11 @@ class TrainOptions:
             (self.mc_runner == "local" or self.mc_workers == 1, "--mc-workers is for --mc-runner local"),
             (positive(self.testing_noise_scale), "--testing-only-noise-scale must be positive and finite"),
             (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
-            (self.ngrams is None or self.ngrams >= 1, "--ngrams must be at least 1 (1: words, 2: and word pairs)"),
+            (
+                self.ngrams is None or 1 <= self.ngrams <= self.max_length,
+                f"--ngrams must be between 1 (words) and --max-length ({self.max_length}): a longer n-gram is never "
+                f"kept, and hashing it costs time",
+            ),
             (self.word_prefix is None or self.word_prefix >= 0, "--word-prefix must be at least 0 (0: whole words)"),
             (self.width is None or self.width >= 1, "--width must be at least 1"),
             (
