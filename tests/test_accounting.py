@@ -66,8 +66,9 @@ def test_never_worse_than_group_privacy(k):
 def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
     """Below a noise-to-sensitivity ratio of 0.1 the PLD grid widens as 1 / ratio^2: 1000 steps at
     sigma 1e-3 are accounted in bounded memory (on the fixed grid one step alone outgrew any memory),
-    and at 0.05 the wider grid's bound (each grid's is an upper bound) is the fixed grid's to 1e-6. The ratio is read from the event:
-    sigma over the mixture's largest sensitivity, through sampling and composition."""
+    and at 0.05 the wider grid's bound (each grid's is an upper bound) is the fixed grid's to 1e-6.
+    The ratio is read from the event: sigma over the mixture's largest sensitivity, through sampling
+    and composition."""
     q, steps, delta = 0.01, 1000, 1e-6
     assert smallest_noise_ratio(DpSgd(q, steps, 4).event(0.2)) == pytest.approx(0.05)
     composed = dp_event.ComposedDpEvent([poisson_gaussian(q, 0.5, 3), dp_event.GaussianDpEvent(0.3)])
