@@ -243,8 +243,12 @@ def _optimizer_fields(own_optimizer, options: TrainOptions) -> dict:
 def _text_features(task: TextClassifierTask, options: TrainOptions) -> dict:
     """What a text classifier's saved model needs of a new text: its labels' order and the hashed
     n-grams it reads (`text.hashed_ngrams(texts, buckets, max_length, ngrams, prefix=word_prefix)`)."""
-    features = {"ngrams": options.ngram_order, "buckets": options.buckets, "max_length": options.max_length}
-    features["word_prefix"] = options.word_prefix_length
+    features = {
+        "ngrams": options.ngram_order,
+        "buckets": options.buckets,
+        "max_length": options.max_length,
+        "word_prefix": options.word_prefix_length,
+    }
     return {"labels": task.labels, "text_features": features}
 
 

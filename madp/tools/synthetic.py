@@ -269,6 +269,9 @@ def write_dataset(
     """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory; with
     `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead. `users_as`:
     see `to_table`."""
+    directory = not output.endswith((".jsonl", ".parquet"))
+    if directory and not 1 <= shards <= spec.records:  # before anything is written
+        raise InputError(f"--shards must be between 1 and --records ({spec.records}): more would write empty files")
     table = to_table(data, users_as)
     held_out = 0
     if holdout is not None:
@@ -277,11 +280,9 @@ def write_dataset(
         chosen = np.random.default_rng([spec.seed, 1]).random(len(table)) < holdout_fraction
         _write_table(table.filter(pa.array(chosen)), holdout)
         table, held_out = table.filter(pa.array(~chosen)), int(chosen.sum())
-    if output.endswith((".jsonl", ".parquet")):
+    if not directory:
         _write_table(table, output)
     else:
-        if shards < 1:
-            raise InputError("--shards must be at least 1")
         os.makedirs(output, exist_ok=True)
         bounds = np.linspace(0, len(table), shards + 1).astype(int)
         for shard in range(shards):
