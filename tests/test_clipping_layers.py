@@ -293,6 +293,14 @@ def test_embedding_bag_in_a_functional_model_and_called_twice(normalization):
     check(functional(inputs, layers.Dense(3)(tf.concat([bag(inputs), bag(inputs[:, :3])], axis=1))), x, y)
 
 
+def test_a_scaled_gradient_dense_layer_in_a_functional_model(kernel_norms):
+    """The general path clips a ScaledGradientDense (over vectors and over positions) by the Dense
+    formula with its output gradients times its scale, as the per-example reference's tape does."""
+    inputs = tf_keras.Input((5, 4))
+    hidden = text.ScaledGradientDense(6, gradient_scale=3.0, activation="tanh")(inputs)
+    check(functional(inputs, text.ScaledGradientDense(3, gradient_scale=0.5)(layers.Flatten()(hidden))), *data((5, 4)))
+
+
 def transformer_classifier(vocabulary: int, length: int, width: int, heads: int, classes: int, keras_lib=tf_keras):
     """Embedding (+ positions: madp's PositionEmbedding is a tf_keras layer), one pre-norm encoder
     block, mean pooling, a softmax layer."""

@@ -27,7 +27,12 @@ from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  #
 from madp.tools.synthetic_text import personal_words  # noqa: E402
 from madp.training import text  # noqa: E402
 from madp.training.batches import open_batches  # noqa: E402
-from madp.training.clipping import ghost_clipped_sum, per_example_gradients, unsupported_layers  # noqa: E402
+from madp.training.clipping import (  # noqa: E402
+    _is_dense_stack,
+    ghost_clipped_sum,
+    per_example_gradients,
+    unsupported_layers,
+)
 from madp.training.data import step_batches  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
@@ -539,3 +544,39 @@ def test_the_embedding_bag_weighs_a_texts_ngrams_by_its_l2_normalized_presence()
     assert config["normalization"] == "sqrt"
     del config["normalization"]
     assert text.EmbeddingBag.from_config(config).normalization == "mean"
+
+
+def test_the_classifiers_softmax_layer_outputs_densely_and_its_gradient_counts_its_scale(tmp_path):
+    """ScaledGradientDense: Dense's output and s times Dense's gradients (one tape per example, no
+    madp clipping code), in the text classifier at CLASSIFIER_HEAD_GRADIENT_SCALE and kept through
+    a save and load; the clipped sums of both fast paths against that reference are
+    `test_embedding_bag_ghost_clipping_equals_a_per_example_reference` and
+    test_clipping_layers' `test_a_scaled_gradient_dense_layer_in_a_functional_model`."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(4, 5)).astype(np.float32)
+    y = np.array([0, 2, 1, 2], np.int32)
+    scaled = text.ScaledGradientDense(3, gradient_scale=0.25, activation="tanh")
+    plain = tf_keras.layers.Dense(3, activation="tanh")
+    scaled.build((None, 5)), plain.build((None, 5))
+    plain.set_weights(scaled.get_weights())
+    np.testing.assert_array_equal(scaled(x).numpy(), plain(x).numpy())
+    for i in range(4):
+        gradients = []
+        for layer in (scaled, plain):
+            with tf.GradientTape() as tape:
+                loss = text.softmax_loss(y[i : i + 1], layer(x[i : i + 1]))[0]
+            gradients.append(tape.gradient(loss, layer.trainable_variables))
+        for s, p in zip(*gradients, strict=True):
+            np.testing.assert_allclose(s.numpy(), 0.25 * p.numpy(), rtol=1e-6)
+    model, _ = text.text_classifier(32, 8, 24, 3)
+    assert type(model.layers[-1]) is text.ScaledGradientDense
+    assert model.layers[-1].gradient_scale == text.CLASSIFIER_HEAD_GRADIENT_SCALE
+    assert _is_dense_stack(model)  # the classifier keeps its path of layers run one by one
+    model.save(tmp_path / "model.keras")
+    loaded = tf_keras.models.load_model(tmp_path / "model.keras", compile=False)
+    assert loaded.layers[-1].gradient_scale == text.CLASSIFIER_HEAD_GRADIENT_SCALE
+    ids = text.hashed_ngrams([b"one two three", b"four"], 32, 24, 1, prefix=0)
+    np.testing.assert_array_equal(loaded(ids).numpy(), model(ids).numpy())
+    for wrong in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="gradient_scale must be positive and finite"):
+            text.ScaledGradientDense(3, gradient_scale=wrong)

@@ -4,9 +4,9 @@
   (vectorized), memory rows x parameters.
 - `ghost_clipped_sum`: any model (Sequential or functional, tf_keras or Keras 3) whose trainable layers are Dense,
   EinsumDense, Embedding, LayerNormalization (also the projections inside MultiHeadAttention),
-  EmbeddingBag, PositionEmbedding, RmsNorm or TiedEmbedding (the pretrained causal LM's), without
-  per-example gradients of the model ("ghost
-  clipping" and book-keeping: Goodfellow 2015; Lee & Kifer 2021; Li et al. 2022; Bu et al. 2023).
+  EmbeddingBag, PositionEmbedding, ScaledGradientDense, RmsNorm or TiedEmbedding (the pretrained
+  causal LM's), without per-example gradients of the model ("ghost clipping" and book-keeping:
+  Goodfellow 2015; Lee & Kifer 2021; Li et al. 2022; Bu et al. 2023).
   Each example's forward pass runs with those layers' calls tapped (`_tapped`: the same output,
   computed from the layer's weights, recording its input and its output before any activation), its
   backward pass gives the loss gradients d_i at those outputs (not at the weights), vectorized over
@@ -16,7 +16,7 @@
   from them alone (A_i: a row's inputs at its T positions, [T, p]; D_i: the output gradients there):
   - Dense and EinsumDense kernels: g_i = A_i^T D_i, ||g_i||^2 = ||a_i||^2 ||d_i||^2 for one
     position, else <A_i A_i^T, D_i D_i^T>_F or ||A_i^T D_i||^2, whichever costs less;
-    biases: g_i = sum_t d_it;
+    biases: g_i = sum_t d_it; a ScaledGradientDense's D_i are its output gradients times its scale;
   - Embedding: g_i = sum_t onehot(id_it) d_it^T, ||g_i||^2 = sum_{t,s} [id_it = id_is] d_it.d_is;
   - EmbeddingBag (output sum_t w_it E[id_it]): sum_v c_iv e_v d_i^T with c_iv the summed weight
     of id v in row i: ||g_i||^2 = ||d_i||^2 sum_v c_iv^2;
@@ -53,7 +53,7 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.pretrained import RmsNorm, TiedEmbedding
 from madp.training.queries import kept_rows
-from madp.training.text import EmbeddingBag, PositionEmbedding
+from madp.training.text import EmbeddingBag, PositionEmbedding, ScaledGradientDense
 
 tf = load_tensorflow()
 import keras  # noqa: E402  (Keras 3: `import keras` beside TensorFlow's legacy tf_keras)
@@ -205,11 +205,20 @@ ROW_WISE_ACTIVATIONS = frozenset(
 )
 
 
+STACK_DENSE = (tf_keras.layers.Dense, ScaledGradientDense)  # exactly these classes
+
+
+def _output_gradients(layer, d):
+    """A Dense layer's output gradients as its weights' gradients take them: times a
+    ScaledGradientDense's scale (its kernel's g_i = a_i (s d_i)^T, its bias's s d_i)."""
+    return d * layer.gradient_scale if isinstance(layer, ScaledGradientDense) else d
+
+
 def _is_dense_stack(model) -> bool:
-    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense layers of
-    row-wise activations, built for inputs of rank 2 (one vector or one list of ids per example;
-    over sequences, each Dense layer's per-example gradient sums the positions' outer products, which
-    the general path clips)."""
+    """Whether `model` is a Sequential of an optional first EmbeddingBag and Dense (or
+    ScaledGradientDense) layers of row-wise activations, built for inputs of rank 2 (one vector or one
+    list of ids per example; over sequences, each Dense layer's per-example gradient sums the positions'
+    outer products, which the general path clips)."""
     if not isinstance(model, tf_keras.Sequential) or not model.layers or not model.built:
         return False
     if len(tf.TensorShape(model.input_shape)) != 2:
@@ -219,8 +228,8 @@ def _is_dense_stack(model) -> bool:
         return False
     first, *rest = model.layers
     # these classes exactly: a subclass's call may differ (a masked kernel, a weight of its own)
-    return type(first) in (EmbeddingBag, tf_keras.layers.Dense) and all(
-        type(layer) is tf_keras.layers.Dense and layer.activation in ROW_WISE_ACTIVATIONS
+    return type(first) in (EmbeddingBag, *STACK_DENSE) and all(
+        type(layer) in STACK_DENSE and layer.activation in ROW_WISE_ACTIVATIONS
         for layer in model.layers[type(first) is EmbeddingBag :]
     )
 
@@ -259,10 +268,10 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     inputs, deltas = finite_rows_only(inputs, deltas)
     squares = []
     for layer, a, d in zip(model.layers, inputs, deltas):
-        output_norms = tf.reduce_sum(tf.square(d), axis=1)
         if isinstance(layer, EmbeddingBag):
-            squares.append(output_norms * bag_weight_squares(layer, a))
+            squares.append(tf.reduce_sum(tf.square(d), axis=1) * bag_weight_squares(layer, a))
         else:
+            output_norms = tf.reduce_sum(tf.square(_output_gradients(layer, d)), axis=1)
             squares.append((tf.reduce_sum(tf.square(a), axis=1) + (1.0 if layer.use_bias else 0.0)) * output_norms)
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(tf.sqrt(tf.add_n(squares)), 1e-30))
     gradients = {}
@@ -273,6 +282,7 @@ def _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
                 layer, a, scaled, model.layers[index + 1 :], deltas[index + 1 :], factor
             )
             continue
+        scaled = _output_gradients(layer, scaled)
         gradients[id(layer.kernel)] = tf.matmul(a, scaled, transpose_a=True)
         if layer.use_bias:
             gradients[id(layer.bias)] = tf.reduce_sum(scaled, axis=0)
@@ -322,6 +332,7 @@ SUPPORTED = (
     EmbeddingBag,
     PositionEmbedding,
     RmsNorm,
+    ScaledGradientDense,
     TiedEmbedding,
 )
 
@@ -743,6 +754,7 @@ def _layer_pieces(layer, a, d) -> list[Piece]:
     if isinstance(layer, DENSE):
         p, q = layer.kernel.shape
         steps = _static_product(a.shape[1:-1])
+        d = _output_gradients(layer, d)
         pieces: list[Piece] = [_Outer(layer.kernel, _rows_of(a, steps, p), _rows_of(d, steps, q), lambda m: m)]
         return pieces + ([_Rows(layer.bias, _row_sums(d, [q]))] if layer.use_bias else [])
     if isinstance(layer, EINSUM_DENSE):
