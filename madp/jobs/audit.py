@@ -55,6 +55,9 @@ class Canaries:
     table: pa.Table  # the canary records, in the real records' schema
 
 
+FLOAT32_NORM_LIMIT = float(np.sqrt(np.finfo(np.float32).max))  # a longer float32 vector's squared norm is inf
+
+
 def plant(
     real_files: list[str], columns: Columns, features: str, label: str, options: AuditOptions, rng: np.random.Generator
 ) -> Canaries:
@@ -74,7 +77,15 @@ def plant(
     record_ids = _fresh_ids(ids, len(owners), "madp-canary-record-")
     width = len(sample.column(features)[0])
     norms = np.linalg.norm(np.stack(sample.column(features).to_numpy(zero_copy_only=False)), axis=1)
-    norm = options.canary_norm * float(np.median(norms) or 1.0)
+    median = float(np.median(norms) or 1.0)
+    norm = options.canary_norm * median
+    if not norm < FLOAT32_NORM_LIMIT:
+        raise InputError(
+            f"--canary-norm {options.canary_norm:g}: canary features of norm {norm:.3g} ({options.canary_norm:g} x "
+            f"the real records' median feature norm {median:.3g}) have no finite squared norm in float32, in which "
+            f"the model trains: clipping would give them no weight and the audit would measure nothing; use a "
+            f"smaller --canary-norm (default 10)"
+        )
     pattern = canary_patterns(rng, m, len(owners) - m, width) * norm
     labels = np.asarray(sample.column(label).to_numpy(zero_copy_only=False))
     chosen = rng.choice(np.unique(labels), size=len(owners))
