@@ -10,9 +10,11 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, machine_memory
 
 STRATEGIES = ("sqrt", "optimized")
+# Bytes per step prefix_sum_mse holds at its peak (float64 arrays of T entries; 23 measured at T = 1e8).
+MSE_BYTES_PER_STEP = 40
 
 
 def check_bands(steps: int, bands: int) -> None:
@@ -37,7 +39,15 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
 
     C^-1 is lower-triangular Toeplitz with first column d (an IIR filter of the bands), so
     B = A C^-1 is Toeplitz with first column D = cumsum(d) and ||B||_F^2 = sum_n (T - n) D_n^2.
+    Refused, before allocating, where those arrays would not fit in half of this machine's memory.
     """
+    memory = machine_memory()
+    if steps * MSE_BYTES_PER_STEP > memory / 2:
+        raise InputError(
+            f"--steps {steps}: the prefix-sum MSE of a BandMF strategy over that many steps takes about "
+            f"{steps * MSE_BYTES_PER_STEP / 2**30:.0f} GiB, more than half of this machine's {memory / 2**30:.0f} "
+            f"GiB: use fewer --steps (--strategy sqrt builds its bands without it)"
+        )
     impulse = np.zeros(steps)
     impulse[0] = 1.0
     first_column = np.cumsum(lfilter([1.0], coefficients, impulse))

@@ -88,6 +88,9 @@ def test_one_band_every_step_is_full_batch_dp_sgd():
         (lambda: BandMf(100, 0, 1, (1.0,)), "--min-sep"),
         (lambda: coefficients("sqrt", 10, 11), "--bands"),
         (lambda: coefficients("magic", 10, 2), "--strategy"),
+        # arrays of 10^12 steps: refused before allocating (was numpy's MemoryError traceback)
+        (lambda: coefficients("optimized", 10**12, 8), r"--steps 1000000000000: the prefix-sum MSE .* GiB"),
+        (lambda: prefix_sum_mse(sqrt_coefficients(8), 10**12), "use fewer --steps"),
     ],
 )
 def test_bandmf_errors(build, message):
