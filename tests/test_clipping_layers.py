@@ -297,7 +297,7 @@ def test_a_scaled_gradient_dense_layer_in_a_functional_model(kernel_norms):
     """The general path clips a ScaledGradientDense (over vectors and over positions) by the Dense
     formula with its output gradients times its scale, as the per-example reference's tape does."""
     inputs = tf_keras.Input((5, 4))
-    hidden = text.ScaledGradientDense(6, gradient_scale=3.0, activation="tanh")(inputs)
+    hidden = text.ScaledGradientDense(6, gradient_scale=0.3, activation="tanh")(inputs)
     check(functional(inputs, text.ScaledGradientDense(3, gradient_scale=0.5)(layers.Flatten()(hidden))), *data((5, 4)))
 
 

@@ -223,12 +223,14 @@ class ScaledGradientDense(tf_keras.layers.Dense):
     `gradient_scale` times Dense's: in DP-SGD its per-example gradient weighs gradient_scale^2 in the
     norm that is clipped, so the clip norm goes further on the model's other layers (and under noise
     its own signal is that much smaller). Clipped on the fast paths by the Dense formula, each output
-    gradient times the scale (`madp.training.clipping`)."""
+    gradient times the scale (`madp.training.clipping`). The scale is at most 1: the clipping's guard
+    against non-finite rows (`finite_rows_only`) looks at the layer's output gradients before the
+    scale, which then cannot make a finite one infinite."""
 
     def __init__(self, units: int, gradient_scale: float = 1.0, **kwargs):
         super().__init__(units, **kwargs)
-        if not (math.isfinite(gradient_scale) and gradient_scale > 0):
-            raise ValueError(f"ScaledGradientDense gradient_scale must be positive and finite, got {gradient_scale!r}")
+        if not 0 < gradient_scale <= 1:  # above 1, s d could overflow float32 where d does not
+            raise ValueError(f"ScaledGradientDense gradient_scale must be in (0, 1], got {gradient_scale!r}")
         self.gradient_scale = float(gradient_scale)
 
     def call(self, inputs):
