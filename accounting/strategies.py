@@ -18,8 +18,8 @@ MSE_BYTES_PER_STEP = 40
 
 
 def check_bands(steps: int, bands: int) -> None:
-    if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"--steps must be an integer >= 1, got {steps}")
+    if not isinstance(steps, int) or not 1 <= steps < 2**63:
+        raise InputError(f"--steps must be an integer in [1, 2^63), got {steps}")
     if not isinstance(bands, int) or not 1 <= bands <= steps:
         raise InputError(f"--bands must be an integer in [1, --steps], got {bands}")
 
@@ -45,8 +45,8 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
     if steps * MSE_BYTES_PER_STEP > memory / 2:
         raise InputError(
             f"--steps {steps}: the prefix-sum MSE of a BandMF strategy over that many steps takes about "
-            f"{steps * MSE_BYTES_PER_STEP / 2**30:.0f} GiB, more than half of this machine's {memory / 2**30:.0f} "
-            f"GiB: use fewer --steps (--strategy sqrt builds its bands without it)"
+            f"{steps * MSE_BYTES_PER_STEP // 2**30} GiB, more than half of this machine's {memory / 2**30:.0f} "
+            f"GiB: use fewer --steps (training and accounting with --strategy sqrt build its bands without this error)"
         )
     impulse = np.zeros(steps)
     impulse[0] = 1.0

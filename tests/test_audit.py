@@ -311,3 +311,31 @@ def test_a_model_of_several_inputs_is_refused_by_name(tmp_path, capsys, auditabl
     config = _config(tmp_path, auditable_records)
     code = cli.main(["-q", "audit", config, "--set", "train.inputs=features,other"])
     assert code != 0 and "cannot be audited" in capsys.readouterr().err
+
+
+def test_canaries_are_not_scaled_by_a_median_of_broken_features(tmp_path, auditable_records):
+    """A NaN among the real records' features makes their median norm NaN: named as the data's
+    fault, not as a --canary-norm too large."""
+    import glob
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from madp.core.records import Columns
+    from madp.jobs.audit import plant
+    from madp.tools.audit_config import AuditOptions
+
+    source = sorted(glob.glob(str(auditable_records / "records" / "*.parquet")))[0]
+    table = pq.read_table(source)
+    features = table.column("features").to_pylist()
+    features[0] = [float("nan")] * len(features[0])
+    broken = table.set_column(
+        table.schema.get_field_index("features"),
+        "features",
+        pa.array(features, type=table.schema.field("features").type),
+    )
+    pq.write_table(broken, tmp_path / "broken.parquet")
+    with pytest.raises(InputError, match="'features' column holds NaN or infinite values"):
+        plant(
+            [str(tmp_path / "broken.parquet")], Columns(), "features", "label", AuditOptions(), np.random.default_rng(1)
+        )

@@ -577,6 +577,8 @@ def test_the_classifiers_softmax_layer_outputs_densely_and_its_gradient_counts_i
     assert loaded.layers[-1].gradient_scale == text.CLASSIFIER_HEAD_GRADIENT_SCALE
     ids = text.hashed_ngrams([b"one two three", b"four"], 32, 24, 1, prefix=0)
     np.testing.assert_array_equal(loaded(ids).numpy(), model(ids).numpy())
+    with pytest.raises(AttributeError):  # read-only: the clipping takes it as checked here
+        scaled.gradient_scale = 1e38
     for wrong in (0.0, -1.0, float("nan"), 1.5, float("inf")):
         with pytest.raises(ValueError, match=r"gradient_scale must be in \(0, 1\]"):
             text.ScaledGradientDense(3, gradient_scale=wrong)

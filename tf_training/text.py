@@ -231,7 +231,12 @@ class ScaledGradientDense(tf_keras.layers.Dense):
         super().__init__(units, **kwargs)
         if not 0 < gradient_scale <= 1:  # above 1, s d could overflow float32 where d does not
             raise ValueError(f"ScaledGradientDense gradient_scale must be in (0, 1], got {gradient_scale!r}")
-        self.gradient_scale = float(gradient_scale)
+        self._gradient_scale = float(gradient_scale)
+
+    @property
+    def gradient_scale(self) -> float:
+        """The factor on the weights' gradients: read-only, as the clipping paths take it as checked."""
+        return self._gradient_scale
 
     def call(self, inputs):
         x = tf.cast(inputs, self.compute_dtype)

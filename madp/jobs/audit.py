@@ -55,7 +55,10 @@ class Canaries:
     table: pa.Table  # the canary records, in the real records' schema
 
 
-FLOAT32_NORM_LIMIT = float(np.sqrt(np.finfo(np.float32).max))  # a longer float32 vector's squared norm is inf
+# The largest canary feature norm whose example's gradient keeps a finite squared norm in float32: a
+# Dense layer's is ||a||^2 ||d||^2, and under a squared-error loss the output gradient d grows with a,
+# so the square grows as ||a||^4 (at 1e10 clipping gave such canaries no weight).
+FLOAT32_NORM_LIMIT = float(np.finfo(np.float32).max) ** 0.25
 
 
 def plant(
@@ -78,13 +81,18 @@ def plant(
     width = len(sample.column(features)[0])
     norms = np.linalg.norm(np.stack(sample.column(features).to_numpy(zero_copy_only=False)), axis=1)
     median = float(np.median(norms) or 1.0)
+    if not np.isfinite(median):
+        raise InputError(
+            f"the real records' {features!r} column holds NaN or infinite values (their median norm is {median}): "
+            f"the audit scales its canaries by that median; fix or drop those records"
+        )
     norm = options.canary_norm * median
     if not norm < FLOAT32_NORM_LIMIT:
         raise InputError(
             f"--canary-norm {options.canary_norm:g}: canary features of norm {norm:.3g} ({options.canary_norm:g} x "
-            f"the real records' median feature norm {median:.3g}) have no finite squared norm in float32, in which "
-            f"the model trains: clipping would give them no weight and the audit would measure nothing; use a "
-            f"smaller --canary-norm (default 10)"
+            f"the real records' median feature norm {median:.3g}) are beyond {FLOAT32_NORM_LIMIT:.3g}, where an "
+            f"example's squared gradient norm can overflow float32, in which the model trains: clipping would give "
+            f"them no weight and the audit would measure nothing; use a smaller --canary-norm (default 10)"
         )
     pattern = canary_patterns(rng, m, len(owners) - m, width) * norm
     labels = np.asarray(sample.column(label).to_numpy(zero_copy_only=False))
