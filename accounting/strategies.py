@@ -10,7 +10,7 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
-from madp.core.errors import InputError, machine_memory
+from madp.core.errors import InputError, check_memory
 
 STRATEGIES = ("sqrt", "optimized")
 # Bytes per step prefix_sum_mse holds at its peak (float64 arrays of T entries; 23 measured at T = 1e8).
@@ -41,13 +41,11 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
     B = A C^-1 is Toeplitz with first column D = cumsum(d) and ||B||_F^2 = sum_n (T - n) D_n^2.
     Refused, before allocating, where those arrays would not fit in half of this machine's memory.
     """
-    memory = machine_memory()
-    if steps * MSE_BYTES_PER_STEP > memory / 2:
-        raise InputError(
-            f"--steps {steps}: the prefix-sum MSE of a BandMF strategy over that many steps takes about "
-            f"{steps * MSE_BYTES_PER_STEP // 2**30} GiB, more than half of this machine's {memory / 2**30:.0f} "
-            f"GiB: use fewer --steps (training and accounting with --strategy sqrt build its bands without this error)"
-        )
+    check_memory(
+        steps * MSE_BYTES_PER_STEP,
+        f"--steps {steps}: the prefix-sum MSE of a BandMF strategy over that many steps holds",
+        "use fewer --steps (training and accounting with --strategy sqrt build its bands without this error)",
+    )
     impulse = np.zeros(steps)
     impulse[0] = 1.0
     first_column = np.cumsum(lfilter([1.0], coefficients, impulse))

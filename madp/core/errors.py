@@ -31,7 +31,13 @@ def nonnegative(value: float) -> bool:
     return value >= 0 and math.isfinite(value)
 
 
-def machine_memory() -> int:
-    """This machine's physical memory in bytes: what a job held in memory is checked against before
-    it allocates, so that it is refused by name instead of killed."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def check_memory(needed_bytes: float, what: str, remedy: str) -> None:
+    """Refuse, before allocating, what would hold more than half of this machine's physical memory,
+    so that it is refused by name instead of killed: "{what} about N GiB in memory, more than half
+    of this machine's M GiB: {remedy}" (N rounded to whole GiB in integers: no float overflow at any size)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed_bytes > memory / 2:
+        raise InputError(
+            f"{what} about {int((needed_bytes + 2**29) // 2**30):,} GiB in memory, more than half of this machine's "
+            f"{memory / 2**30:.0f} GiB: {remedy}"
+        )

@@ -22,7 +22,7 @@ from madp.core.batch_files import (
     write_batch_file,
     write_schema,
 )
-from madp.core.errors import InputError, machine_memory
+from madp.core.errors import InputError, check_memory
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
@@ -124,14 +124,11 @@ BYTES_PER_SAMPLE = 200
 
 def check_fits(expected_rows: float, options: BatchOptions) -> None:
     """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
-    memory = machine_memory()
-    if expected_rows * BYTES_PER_SAMPLE > memory / 2:
-        raise InputError(
-            f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about "
-            f"{expected_rows:.3g} rows, about {expected_rows * BYTES_PER_SAMPLE / 2**30:.0f} GiB "
-            f"in memory, more than half of this machine's {memory / 2**30:.0f} GiB: use fewer steps "
-            f"or a smaller batch size, or --runner with a Beam cluster"
-        )
+    check_memory(
+        expected_rows * BYTES_PER_SAMPLE,
+        f"--steps {options.steps} with --batch-size {options.batch_size:g} samples about {expected_rows:.3g} rows,",
+        "use fewer steps or a smaller batch size, or --runner with a Beam cluster",
+    )
 
 
 def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp.core import storage
-from madp.core.errors import InputError, machine_memory, positive
+from madp.core.errors import InputError, check_memory, positive
 from madp.tools.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
@@ -62,13 +62,11 @@ class GraphSpec:
             raise InputError(
                 "--records-per-user must be positive, --alpha and --bias-scale at least 0 (all finite), --features >= 1"
             )
-        memory = machine_memory()
-        if self.peak_bytes > memory / 2:
-            raise InputError(
-                f"--records {self.records} with --mean-arity {self.mean_arity:g} and --features {self.features} "
-                f"hold about {self.peak_bytes / 2**30:.3g} GiB in memory, more than half of this machine's "
-                f"{memory / 2**30:.0f} GiB: generate fewer records, users per record or features"
-            )
+        check_memory(
+            self.peak_bytes,
+            f"--records {self.records} with --mean-arity {self.mean_arity:g} and --features {self.features} hold",
+            "generate fewer records, users per record or features",
+        )
 
     @property
     def peak_bytes(self) -> float:
