@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -207,6 +208,19 @@ def test_dp_sgd_stays_below_its_claim_as_a_stage_of_the_job_and_leaves_the_job_u
     assert result["can_refute_claim"]  # 1 is within what 100 canaries can measure, so this check has teeth
     page = (tmp_path / "run" / "report.html").read_text()
     assert "Privacy audit" in page and "composition of both trainings" in page
+    # Published beside the model, the audit's figures cost its training too: the summary and the page's
+    # headline state the two composed, not the model's epsilon alone
+    model = json.loads((tmp_path / "run" / "train" / "privacy.json").read_text())
+    together = summary["results"]["audit"]["published_with_the_model"]
+    assert together["epsilon"] == model["epsilon"] + result["claimed_epsilon"] > model["epsilon"]
+    assert together["delta"] == model["delta"] + result["delta"]
+    cells = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", page))
+    headline = next(iter(cells.items()))
+    assert headline == (
+        "(epsilon, delta) of this page: model and audit",
+        f"({together['epsilon']:.4g}, {together['delta']:g})",
+    )
+    assert cells["(epsilon, delta) of the model alone"] == f"({model['epsilon']:.4g}, {model['delta']:g})"
     changed = {k for k, v in _digests(tmp_path / "run").items() if before.get(k) != v}
     pages = {"report.html", "internal-report.html", os.path.join(".madp", "report.json")}
     pages.add("internal-results.json")  # this invocation's internal figures: the wall times of its stages

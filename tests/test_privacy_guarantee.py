@@ -224,6 +224,7 @@ INTERNAL = (  # README: threat model
     "audit",
     "baseline",
     "batches",
+    "bound",
     "internal-report.html",
     "internal-results.json",
     os.path.join("train", "internal"),
@@ -330,9 +331,11 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         os.path.join(root, name)
         for root, _, files in os.walk(tmp_path / "run")
         for name in files
-        if name.endswith(".tfrecord") or (name.endswith(".parquet") and os.sep + "selected" not in root)
+        if name.endswith((".tfrecord", ".parquet"))
     ]
     assert any(f.endswith(".tfrecord") for f in content_files) and any("records" in f for f in content_files)
+    assert any(os.sep + "selected" + os.sep in f for f in content_files)  # the selection: no digest of it either
+    assert "graph_digest" not in published and '"digest"' not in published
     for path in content_files:
         assert hashlib.sha256(open(path, "rb").read()).hexdigest() not in published, f"digest of {path} published"
     everything = published + _published_text(tmp_path / "run", internal=())

@@ -3,6 +3,7 @@ installed) that it renders."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from madp.cli import main
+from madp.tools.report import GRAPH_STATEMENT
 
 pytestmark = [pytest.mark.slow]  # every test reads the job its fixture runs
 
@@ -46,6 +48,10 @@ def test_report_numbers_come_from_the_runs_reports(run_dir, capsys):
     assert cells["selected records"] == f"{bound['selected_records']:,}"
     assert cells["noise multiplier sigma"] == f"{plan['noise_multiplier']:.4g}"
     assert cells["private eval accuracy"] == f"{final['accuracy']:.4f}"
+    # Where the guarantee is stated, what it rests on; and which figures describe the (unprotected) graph
+    privacy = json.load(open(os.path.join(run_dir, "train", "privacy.json")))
+    assert privacy["assumptions"] and all(html.escape(a) in page for a in privacy["assumptions"])
+    assert "What the guarantee rests on" in page and html.escape(GRAPH_STATEMENT) in page
     assert page.count("<img ") == 6 and "data:image/png;base64," in page
     assert "Not in this run" not in page
     assert len(plan["epsilon_curve"]) == 9 and sorted(e for _, e in plan["epsilon_curve"])[::-1] == [

@@ -22,7 +22,7 @@ from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
-from madp.tools.report import QUALITY_METRICS, shows_sampling
+from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.outputs import evaluation_of
 from madp.training.plan import stated_plan
 
@@ -202,4 +202,12 @@ def _results(run_dir: str) -> dict:
                 "verdict",
             )
         }
+        together = published_with_audit(plan, audit)
+        if together is not None:  # its figures beside the model release a second training of the records
+            results["audit"]["published_with_the_model"] = {
+                "epsilon": together.epsilon,
+                "delta": together.delta,
+                "composition": "the model's and the audit model's guarantees summed (basic composition): "
+                "what publishing this summary or the audit's figures beside the model costs",
+            }
     return results

@@ -23,7 +23,7 @@ from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
 from madp.training.outputs import EVALUATION_FIELDS, evaluation_of
-from madp.training.plan import PrivacyPlan, stated_plan
+from madp.training.plan import Guarantee, PrivacyPlan, stated_plan
 
 SOURCES = {
     "bound": "bound/report.json",
@@ -107,6 +107,16 @@ def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
     """Whether the audit may be on a published page: only if its model was private (its numbers are then a
     second private release of the records, see the page's note), or on an internal page."""
     return "audit" in reports and (internal or bool(reports["audit"].get("audit_model_private")))
+
+
+def published_with_audit(plan: PrivacyPlan | None, audit: Mapping | None) -> Guarantee | None:
+    """The (epsilon, delta) of the model and a private audit published together: the audit trained a second
+    model on the same records (and canaries), so its figures beside the model release both trainings.
+    Basic composition (the sum of the epsilons and of the deltas) bounds that for any two mechanisms.
+    None without a plan or a private audit (a non-private audit is never published)."""
+    if plan is None or not audit or not audit.get("audit_model_private") or audit.get("claimed_epsilon") is None:
+        return None
+    return Guarantee(plan.epsilon + float(audit["claimed_epsilon"]), plan.delta + float(audit["delta"]))
 
 
 def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, str, str]]:
@@ -333,11 +343,16 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         if internal or shows_sampling(reports):
             rows.append(("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}"))
     plan = _released_plan(reports)
+    together = published_with_audit(plan, reports.get("audit")) if shows_audit(reports, internal) else None
+    if together is not None:  # the page's headline: the model and the audit's second training composed
+        rows.insert(
+            0, ("(epsilon, delta) of this page: model and audit", f"({together.epsilon:.4g}, {together.delta:g})")
+        )
     if plan is not None:
         rows += [
             ("mechanism", plan.mechanism),
             ("noise multiplier sigma", f"{plan.noise_multiplier:.4g}"),
-            ("(epsilon, delta)", f"({plan.epsilon:.4g}, {plan.delta:g})"),
+            ("(epsilon, delta)" + (" of the model alone" if together else ""), f"({plan.epsilon:.4g}, {plan.delta:g})"),
             ("records per user the accountant assumes (k)", str(plan.contribution_bound)),
             ("privacy unit", plan.privacy_unit),
             ("neighbouring relation", plan.neighbouring_relation),
@@ -373,6 +388,34 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
             ("audit: verdict", audit["verdict"]),
         ]
     return rows
+
+
+GRAPH_STATEMENT = (
+    "The bound's figures (input records and users, the contribution bound, selected records, the kept "
+    "fraction, and the plots of records per user and of the kept fraction by arity) describe the graph of "
+    "which user each record belongs to. The guarantee protects the content of a user's records, not this "
+    "graph, which it treats as public; no published file holds a digest of it or of the selection."
+)
+
+
+def _guarantee_basis(reports: Mapping[str, dict | None]) -> list[str]:
+    """What the stated guarantee rests on (the plan's assumptions, and its composition with earlier
+    trainings), and what the graph figures are, as HTML paragraphs beside the guarantee."""
+    parts = []
+    plan = _released_plan(reports)
+    if plan is not None:
+        parts.append("<h2>What the guarantee rests on</h2><ul>")
+        parts += [f"<li>{html.escape(assumption)}</li>" for assumption in plan.assumptions]
+        if plan.composition is not None:
+            earlier = plan.composition.trainings - 1
+            composed = (
+                f"the (epsilon, delta) above composes this training with {earlier} earlier one(s) on the same records"
+            )
+            parts.append(f"<li>{html.escape(composed)} (privacy.json: composition)</li>")
+        parts.append("</ul>")
+    if reports.get("bound"):
+        parts.append(f"<p>{html.escape(GRAPH_STATEMENT)}</p>")
+    return parts
 
 
 def write_report(run_dir: str, output: str | None = None, internal: bool = False) -> dict:
@@ -431,7 +474,8 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
         parts.append(
             "<p>The audit trained a second model on the same records (with canaries). Publishing its "
             "results releases that model's statistics too: the records' guarantee for everything on this "
-            "page is then the composition of both trainings (at most twice epsilon and delta).</p>"
+            "page is then the composition of both trainings (the sum of their epsilons and of their deltas, "
+            "the first row below).</p>"
         )
     elif "audit" in reports:
         parts.append(
@@ -441,6 +485,7 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     parts.append("<table>")
     parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows]
     parts.append("</table>")
+    parts += _guarantee_basis(reports)
     for title, caption, png in figures:
         parts.append(
             f"<figure><h2>{html.escape(title)}</h2><img alt='{html.escape(title)}' "
