@@ -191,3 +191,64 @@ def test_a_recommendation_at_the_largest_k_swept_says_to_sweep_further(emails, c
     assert code == 0 and result["recommended_k"] == 2
     assert "largest k swept and the proxy was still falling there" in result["reason"]
     assert "(--k 1,2,4,8)" in result["reason"]
+
+
+def _text_emails(path) -> str:
+    """Text records whose label column is `category`: the recommend-k plan must not assume `label`."""
+    rows = [
+        {"id": i, "users": [f"u{i % 40}", f"u{(i * 7) % 40}"], "text": f"message {i}", "category": "ab"[i % 2]}
+        for i in range(200)
+    ]
+    with open(path, "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+def test_recommend_k_plans_a_classifier_on_the_label_column_named(tmp_path, capsys):
+    data, config = _text_emails(tmp_path / "text.jsonl"), str(tmp_path / "job.yaml")
+    args = ["-q", "recommend-k", data, "--epsilon", "4", "--delta", "1e-5", "--steps", "4", "--batch-size", "10"]
+    # --labels on data without a `label` column: refused by name, not a byte-level LM planned silently
+    assert main([*args, "--k", "1", "--labels", "a,b", "--write-config", config]) == 2
+    err = capsys.readouterr().err
+    assert "--labels: the input has no label column 'label'" in err and "--label-column" in err
+    assert not os.path.exists(config)
+    assert main([*args, "--k", "1", "--labels", "a,b", "--label-column", "category", "--write-config", config]) == 0
+    capsys.readouterr()
+    train = yaml.safe_load(open(config))["train"]
+    assert train == {"model": "text-classifier", "text_column": "text", "label": "category", "labels": ["a", "b"]}
+    assert main([*args, "--k", "1", "--text-column", "body", "--write-config", config]) == 2
+    assert "--text-column body: the input has no such column" in capsys.readouterr().err
+
+
+def test_run_refuses_a_column_the_training_reads_but_the_records_lack_before_bounding(emails, tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    run_dir = tmp_path / "out"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(run_dir),
+                "input": emails,
+                "bound": {"max_contributions": 2, "users_columns": ["from", "to", "cc"], "runner": "local"},
+                "batch": {"steps": 4, "batch_size": 20, "runner": "local"},
+                "calibrate": {"epsilon": 8, "delta": 1e-5},
+                "train": {"model": "logreg", "label": "y"},
+            }
+        )
+    )
+    assert main(["-q", "run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "the train section's model logreg reads the column(s) y, which the records" in err
+    assert not (run_dir / "bound").exists()
+    held_out = str(tmp_path / "held-out.jsonl")  # features, but the labels under another name
+    with open(held_out, "w") as handle:
+        handle.writelines(json.dumps({"features": [0.0] * 4, "y": 1}) + "\n" for _ in range(5))
+    for sets, expected in (
+        (["train.model=text-lm", "train.text_column=body"], "reads the column(s) body"),
+        (["train.eval_data=" + held_out], f"which the evaluation data {held_out} lack"),
+        (["batch.content_columns=features"], "which the batch section's content_columns (features) leave out"),
+    ):
+        overrides = [arg for key in sets for arg in ("--set", key)]
+        label = [] if "train.model=text-lm" in sets else ["--set", "train.label=label"]
+        assert main(["-q", "run", str(config), *label, *overrides]) == 2
+        assert expected in capsys.readouterr().err
+        assert not (run_dir / "bound").exists()

@@ -152,6 +152,18 @@ class TrainOptions:
         return CLASSIFIER_WORD_PREFIX if self.pretrained is None else 0
 
     @property
+    def batch_features(self) -> tuple[str, ...] | None:
+        """The batch features (the records' content columns) the model reads; None for a --task, whose
+        code names them."""
+        if self.user_task:
+            return None
+        if self.model in ("text-lm", "causal-lm"):
+            return (self.text_column,)
+        if self.model == "text-classifier":
+            return (self.text_column, self.label)
+        return (*self.input_features, self.label)
+
+    @property
     def input_features(self) -> tuple[str, ...]:
         """The features a numeric model reads: --inputs, else --features."""
         return self.inputs or (self.features,)

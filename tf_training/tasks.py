@@ -189,7 +189,7 @@ class NumericTask:
         ):
             raise InputError(f"--model {options.model} takes one vector feature and --task binary")
         self.options, self.input_dim = options, self.schema.input_dim
-        self.names = [*options.input_features, options.label]
+        self.names = list(options.batch_features or ())
         self.headline = "mse" if options.task == "regression" else "accuracy"
         self.optimizer = None  # what a module:function model returned, if it did
 
@@ -417,7 +417,7 @@ class TextClassifierTask(_TextTask):
             raise InputError(f"--label {options.label!r} is not a feature of the batches")
         self.labels = labels
         self.index = {label: i for i, label in enumerate(labels)}
-        self.names = [options.text_column, options.label]
+        self.names = list(options.batch_features or ())
         self.features: text.TokenFeatures | None = None
         if options.pretrained is not None:
             model = pretrained.read_pretrained(options.pretrained)
@@ -481,7 +481,7 @@ class ByteLmTask(_TextTask):
 
     def __init__(self, options: TrainOptions, schema: dict):
         super().__init__(options, schema)
-        self.names = [options.text_column]
+        self.names = list(options.batch_features or ())
 
     def build(self):
         o = self.options
@@ -512,7 +512,7 @@ class CausalLmTask(_TextTask):
 
     def __init__(self, options: TrainOptions, schema: dict):
         super().__init__(options, schema)
-        self.names = [options.text_column]
+        self.names = list(options.batch_features or ())
         self.pretrained = pretrained.read_pretrained(options.pretrained or "")
         context = self.pretrained.config.context_length
         if context is not None and options.max_length > context:  # RoPE positions it never saw

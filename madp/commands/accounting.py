@@ -75,6 +75,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=lambda value: tuple(label for label in value.split(",") if label),
         help="the public label set A,B,... of a text-classifier config (train.labels)",
     )
+    sweep.add_argument(
+        "--label-column", default="label", help="the written config's label column (train.label; default label)"
+    )
+    sweep.add_argument(
+        "--text-column", help="the written config's text column (train.text_column; default text, else body)"
+    )
     add_columns(sweep)
 
 
@@ -347,9 +353,17 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
         columns_of(args),
         args.truncation_share,
     )
-    if args.write_config is None and (args.run_dir, args.model, args.labels) != (None, None, None):
-        raise InputError("--run-dir, --model and --labels describe the config --write-config writes: give it")
-    train = train_section(args.input, sweep.columns, args.model, args.labels) if args.write_config else None
+    written = (args.run_dir, args.model, args.labels, args.text_column, args.label_column)
+    if args.write_config is None and written != (None, None, None, None, "label"):
+        raise InputError(
+            "--run-dir, --model, --labels, --label-column and --text-column describe the config --write-config "
+            "writes: give it"
+        )
+    train = (
+        train_section(args.input, sweep.columns, args.model, args.labels, args.label_column, args.text_column)
+        if args.write_config
+        else None
+    )
     result = recommend(args.input, sweep)
     print(table(result), file=sys.stderr)
     if args.write_config is None:

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import gzip
 import io
+import itertools
 import json
 import math
 import re
@@ -258,6 +259,29 @@ def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
     table = _arrow_json(lines)
     names = table.column_names if table is not None else _object_keys(map(_json_object, lines))
     return _other_columns(names, columns)
+
+
+LEADING_ROWS = 1000  # `missing_columns`: rows of a JSON Lines file read before the whole of it
+
+
+def missing_columns(path: str, names: Iterable[str]) -> list[str]:
+    """Which of `names` no row of the input file `path` has: a Parquet file's schema; the keys of a JSON Lines
+    file's first rows, and only where one is missing there, of all its rows (a check before a pipeline, cheap
+    on a file that has them)."""
+    wanted = list(dict.fromkeys(names))
+    if path.endswith(".parquet"):
+        found = set(storage.parquet_columns(path))
+        return [name for name in wanted if name not in found]
+    try:
+        with storage.open_input(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as handle:
+            head = [line for line in itertools.islice(handle, LEADING_ROWS)]
+    except (OSError, EOFError, zlib.error):
+        head = []  # an unreadable file: judged below on the whole, whose reader names what is wrong with it
+    found = set(_object_keys(map(_json_object, jsonl_rows(b"".join(head)))))
+    if all(name in found for name in wanted):
+        return []
+    found = set(_object_keys(map(_json_object, jsonl_lines(path))))
+    return [name for name in wanted if name not in found]
 
 
 def _object_keys(objects: Iterable[dict]) -> list[str]:

@@ -20,7 +20,7 @@ from madp.commands.training import calibrate_batches
 from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import CheckFailed, InputError
-from madp.jobs.run_check import check_feasible
+from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.outputs import evaluation_of
@@ -85,12 +85,14 @@ def run_stages(
     force: bool,
     before_bounding: Callable[[], None] | None = None,
 ) -> dict:
-    """Run the stages that are not up to date; `before_bounding` (the plan's feasibility check) runs once,
-    before the first bound or batch stage that runs (after generate, which may make the input)."""
+    """Run the stages that are not up to date; the columns the training reads are checked before the first
+    stage after generate (which may make the input) that runs, and `before_bounding` (the plan's feasibility
+    check) once, before the first bound or batch stage that runs."""
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     # Wall times depend on the realized (secret) sampling and the records' content: internal only
     timings: dict[str, float] = {}
     started = time.perf_counter()
+    columns_checked = False
     for number, stage in enumerate(stages, 1):
         current = fingerprint(stage)  # taken before the stage reads anything, checked again after it
         if not force and up_to_date(run_dir, stage, current):
@@ -102,6 +104,9 @@ def run_stages(
             )
             summary["stages"].append({"stage": stage.name, "status": "skipped"})
             continue
+        if stage.name != "generate" and not columns_checked:
+            check_columns(stages, parser)
+            columns_checked = True
         if stage.name in ("bound", "batch") and before_bounding is not None:
             before_bounding()
             before_bounding = None

@@ -15,14 +15,55 @@ import argparse
 import logging
 
 from madp.commands.registry import LOCAL, Parser
+from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.record_reading import missing_columns
+from madp.core.records import list_input_files
 from madp.core.selection import BoundOptions
 from madp.jobs.run_plan import Stage
 from madp.tools.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
+from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.run")
 # Runners that bound on this machine, where the graph fits in memory; a cluster job's input may not.
 IN_PROCESS_RUNNERS = (LOCAL, "DirectRunner")
+
+
+def check_columns(stages: list[Stage], parser: Parser) -> None:
+    """Refuse, before the first stage after generate, a config whose training reads a column that the records
+    (the batch stage's DATA) or its evaluation data lack, or that the batch stage's --content-columns leaves
+    out: it would fail only after bounding, verifying, batching and calibrating. A --task names its columns in
+    its code: the trainer checks those against the batches."""
+    commands = {stage.name: stage.command for stage in stages}
+    if "batch" not in commands:
+        return
+    batch, _ = parser.parse_known_args(commands["batch"])
+    data = list_input_files(batch.data)[0]
+    for name in ("train", "baseline"):
+        if name not in commands:
+            continue
+        options = parser.family["train"].options["train"](parser.parse_known_args(commands[name])[0])
+        assert isinstance(options, TrainOptions)
+        needed = options.batch_features
+        if needed is None:
+            continue
+        carried = batch.content_columns
+        if carried is not None and (left_out := [c for c in needed if c not in carried.split(",")]):
+            raise InputError(
+                f"config: the {name} section's model {options.model} reads {', '.join(left_out)}, which the batch "
+                f"section's content_columns ({carried}) leave out of the batches"
+            )
+        for role, path in (("records", data), ("evaluation data", options.eval_data)):
+            if path is None:
+                continue
+            first = list_input_files(path)[0] if storage.kind(path) == "directory" else path
+            missing = missing_columns(first, needed)
+            if missing:
+                raise InputError(
+                    f"config: the {name} section's model {options.model} reads the column(s) "
+                    f"{', '.join(missing)}, which the {role} {first} lack: name the column(s) it holds "
+                    f"(features, label, text_column)"
+                )
 
 
 def check_feasible(stages: list[Stage], parser: Parser) -> None:

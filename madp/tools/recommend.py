@@ -492,22 +492,35 @@ TEXT_COLUMNS = ("text", "body")  # `madp generate --task text`, `madp import-mbo
 
 
 def train_section(
-    input_path: str, columns: rec.Columns, model: str | None, labels: tuple[str, ...] | None
+    input_path: str,
+    columns: rec.Columns,
+    model: str | None,
+    labels: tuple[str, ...] | None,
+    label_column: str = "label",
+    text_column: str | None = None,
 ) -> dict[str, Any]:
-    """A train section for the input's content columns: logreg on `features`/`label`; on a text column
-    (`text`, an mbox's `body`) a text classifier where the public label set is given (`labels`: the
-    trainer never reads it from the private records) and a `label` column holds the labels, else a
-    byte-level language model, which needs none; `model` overrides the choice."""
+    """A train section for the input's content columns: logreg on `features` and `label_column`; on a text
+    column (`text_column`, else `text` or an mbox's `body`) a text classifier where the public label set is
+    given (`labels`: the trainer never reads it from the private records), else a byte-level language
+    model, which needs none; `model` overrides the choice. A named column the input lacks is refused."""
     content = record_reading.content_columns(rec.list_input_files(input_path)[0], columns)
-    text = next((name for name in TEXT_COLUMNS if name in content), None)
+    listed = ", ".join(content) or "(none)"
+    if text_column is not None and text_column not in content:
+        raise InputError(f"--text-column {text_column}: the input has no such column (its content columns: {listed})")
+    text = text_column or next((name for name in TEXT_COLUMNS if name in content), None)
+    if labels and label_column not in content:
+        raise InputError(
+            f"--labels: the input has no label column {label_column!r} (its content columns: {listed}): name it "
+            f"with --label-column"
+        )
     if model is None:
-        if "features" in content and "label" in content:
+        if "features" in content and label_column in content:
             model = "logreg"
         elif text is not None:
-            model = "text-classifier" if labels and "label" in content else "text-lm"
+            model = "text-classifier" if labels else "text-lm"
         else:
             raise InputError(
-                f"--write-config: no model is known to train on the columns {', '.join(content) or '(none)'}: "
+                f"--write-config: no model is known to train on the columns {listed}: "
                 f"give --model (logreg, mlp, text-classifier, text-lm or module:function)"
             )
     section: dict[str, Any] = {"model": model}
@@ -519,7 +532,9 @@ def train_section(
                 "--model text-classifier: give --labels, the public label set (DP training never reads it from "
                 "the records: which labels occur would disclose them)"
             )
-        section.update(label="label", labels=list(labels))
+        section.update(label=label_column, labels=list(labels))
+    elif label_column != "label" and not model.startswith("text-"):
+        section["label"] = label_column
     return section
 
 
