@@ -4,8 +4,8 @@ The contribution bound holds per user id: a person written as "ann@x" in one row
 in another is two users, and keeps up to K records under each. A string user id shows a sign of
 this (`SIGNS`) when it has surrounding whitespace, holds an address in angle brackets (a display
 name), holds several addresses, or is an address with upper-case letters. Reading records finds
-them per value (`find_suspects`, on the distinct values of each users column), so every engine and
-every split of a file finds the same, and `record_reading.check_facts` refuses them over the whole
+them per value (`find_suspects`, vectorized over each users column), so every engine and every
+split of a file finds the same, and `record_reading.check_facts` refuses them over the whole
 input unless `--user-ids` says how to read the ids: `email` (each value's addresses become its
 users: `email_users`) or `as-is`. `madp/core/verify.py` implements the same rules on its own.
 """
@@ -23,7 +23,7 @@ EMAIL = "email"  # --user-ids email: each value's e-mail addresses are its users
 AS_IS = "as-is"  # --user-ids as-is: every id as it is (the operator's word that they are distinct users)
 USER_IDS = (EMAIL, AS_IS)  # the choices of --user-ids; None (not given): checked for the signs, refused on one
 
-# The signs, in the order a refusal names them, with what a value showing one does.
+# The signs, in the order a refusal names them, with what a value showing one holds.
 SEVERAL_ADDRESSES = "several_addresses"
 DISPLAY_NAME = "display_name"
 WHITESPACE = "surrounding_whitespace"
@@ -36,6 +36,11 @@ SIGNS = {
 }
 EXAMPLES = 3  # values a refusal shows per sign
 _ANGLE_ADDRESS = r"<[^<>]*@[^<>]*>"
+_MAY_SHOW_A_SIGN = "[A-Z<,;]"  # what every sign but whitespace needs
+# A bare ASCII address (dot-atom local part and domain): getaddresses finds it as it is, so
+# `email_users` takes it lower-cased without a parse.
+_ATEXT = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_BARE_ADDRESS = rf"^{_ATEXT}(\.{_ATEXT})*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*$"
 
 
 class Suspect(NamedTuple):
@@ -57,19 +62,22 @@ class SuspectUserIds(NamedTuple):
 
 
 def signs(values: pa.Array) -> dict[str, np.ndarray]:
-    """For each sign, whether each of `values` (string user ids, no nulls) shows it, computed once per
-    distinct value. Whitespace is Unicode's, as Python's str.isspace and str.strip take it."""
-    encoded = pc.dictionary_encode(values)
-    distinct, codes = encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
-    at_signs = pc.count_substring(distinct, "@").to_numpy(zero_copy_only=False)
-    has_whitespace = pc.list_value_length(pc.utf8_split_whitespace(distinct)).to_numpy(zero_copy_only=False) > 1
-    found = {
-        SEVERAL_ADDRESSES: (at_signs >= 2) & _matches(distinct, "[,;]"),
-        DISPLAY_NAME: _matches(distinct, _ANGLE_ADDRESS),
-        WHITESPACE: pc.not_equal(pc.utf8_trim_whitespace(distinct), distinct).to_numpy(zero_copy_only=False),
-        UPPER_CASE: (at_signs == 1) & ~has_whitespace & _matches(distinct, "[A-Z]"),
-    }
-    return {sign: flags[codes] for sign, flags in found.items()}
+    """For each sign, whether each of `values` (string user ids, no nulls) shows it, vectorized: two
+    passes over every value, the rest over those that may show one. Whitespace is Unicode's, as
+    Python's str.isspace and str.strip take it."""
+    whitespace = pc.not_equal(pc.utf8_trim_whitespace(values), values).to_numpy(zero_copy_only=False)
+    found = {sign: np.zeros(len(values), dtype=bool) for sign in SIGNS}
+    found[WHITESPACE] = whitespace
+    index = np.flatnonzero(_matches(values, _MAY_SHOW_A_SIGN))
+    if not len(index):
+        return found
+    candidates = values.take(pa.array(index))
+    at_signs = pc.count_substring(candidates, "@").to_numpy(zero_copy_only=False)
+    has_whitespace = pc.list_value_length(pc.utf8_split_whitespace(candidates)).to_numpy(zero_copy_only=False) > 1
+    found[SEVERAL_ADDRESSES][index] = (at_signs >= 2) & _matches(candidates, "[,;]")
+    found[DISPLAY_NAME][index] = _matches(candidates, _ANGLE_ADDRESS)
+    found[UPPER_CASE][index] = (at_signs == 1) & ~has_whitespace & _matches(candidates, "[A-Z]")
+    return found
 
 
 def _matches(values: pa.Array, pattern: str) -> np.ndarray:
@@ -144,14 +152,15 @@ def email_addresses(value: str) -> list[str]:
 
 def email_users(users: pa.ListArray) -> tuple[pa.ListArray, np.ndarray]:
     """Each record's string user values replaced by the addresses they hold (`email_addresses`, once
-    per distinct value), and whether each record has a value holding none (a `bad_address`)."""
+    per distinct value; a bare ASCII address lower-cased without a parse), and whether each record
+    has a value holding none (a `bad_address`)."""
     flat = pc.list_flatten(users)
     parents = pc.list_parent_indices(users).to_numpy(zero_copy_only=False).astype(np.int64)
     encoded = pc.dictionary_encode(flat)
     codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    found = [email_addresses(value) for value in encoded.dictionary.to_pylist()]
-    counts = np.array([len(addresses) for addresses in found], dtype=np.int64)
-    addresses = pa.array([address for each in found for address in each], pa.string())
+    found = _addresses_of_distinct(encoded.dictionary)
+    counts = pc.list_value_length(found).to_numpy(zero_copy_only=False).astype(np.int64)
+    addresses = pc.list_flatten(found)
     per_value = counts[codes]  # addresses each user value becomes
     value_of = np.repeat(np.arange(len(codes)), per_value)
     within = np.arange(len(value_of)) - np.repeat(np.cumsum(per_value) - per_value, per_value)
@@ -162,3 +171,18 @@ def email_users(users: pa.ListArray) -> tuple[pa.ListArray, np.ndarray]:
     no_address[parents[per_value == 0]] = True
     normalized = addresses.take(pa.array(first[value_of] + within))
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), normalized), no_address
+
+
+def _addresses_of_distinct(distinct: pa.Array) -> pa.ListArray:
+    """`email_addresses` of each distinct value, in order: a bare ASCII address is its lower case (as
+    getaddresses finds it whole), every other value is parsed."""
+    is_bare = _matches(distinct, _BARE_ADDRESS)
+    bare, other = np.flatnonzero(is_bare), np.flatnonzero(~is_bare)
+    one_each = pa.array(np.arange(len(bare) + 1, dtype=np.int32))
+    lists = pa.concat_arrays(
+        [
+            pa.ListArray.from_arrays(one_each, pc.utf8_lower(distinct.take(pa.array(bare))).cast(pa.string())),
+            pa.array([email_addresses(v) for v in distinct.take(pa.array(other)).to_pylist()], pa.list_(pa.string())),
+        ]
+    )
+    return lists.take(pa.array(np.argsort(np.concatenate([bare, other]))))
