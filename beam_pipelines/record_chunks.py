@@ -253,11 +253,12 @@ class RecordExtractors(typing.NamedTuple):
     users_extractor: Callable[[Any], list]
     weight_extractor: Callable[[Any], float] | None = None
     content_extractor: Callable[[Any], Mapping[str, Any]] | None = None
+    user_ids: str | None = None  # how string user ids are read, as `--user-ids` says (README, Input)
 
     @property
     def columns(self) -> rec.Columns:
-        """The names the extracted values take in the records (and the batch files)."""
-        return rec.Columns(weight=WEIGHT if self.weight_extractor else None)
+        """The names the extracted values take in the records (and the batch files), and how user ids are read."""
+        return rec.Columns(weight=WEIGHT if self.weight_extractor else None, user_ids=self.user_ids)
 
     def record(self, row) -> dict:
         """The row's record as one row of a JSON Lines input file holds it; an extractor that fails is an

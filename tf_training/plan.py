@@ -26,6 +26,7 @@ from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED
 from madp.core.selection import REPORT_FILE
+from madp.core.user_ids import AS_IS, EMAIL
 from madp.training.batches import Batches
 from madp.training.options import TrainOptions
 
@@ -479,6 +480,17 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
             f"covers a whole row), is treated as public like the graph of the valid rows"
         )
     bound_parameters = (report.get("bound") or {}).get("parameters") or {}
+    user_ids = bound_parameters.get("user_ids")
+    if user_ids == EMAIL:
+        stated.append(
+            "user ids were read as e-mail addresses (--user-ids email: display names dropped, values split at "
+            "',' and ';', stripped, lower-cased): one address is one user"
+        )
+    elif user_ids == AS_IS:
+        stated.append(
+            "user ids were taken as they are (--user-ids as-is, not checked for one person written two ways): "
+            "distinct ids are distinct people, as the operator stated"
+        )
     if bound_parameters.get("order") == "weight":
         stated.append(
             f"the bounding ordered records by the content column {bound_parameters.get('weight_column')!r} "

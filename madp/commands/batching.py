@@ -146,6 +146,7 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
         selected=args.selected,
         max_contributions=args.max_contributions,
         users_columns=columns.users_columns,
+        user_ids=columns.user_ids,
     )
 
 

@@ -121,6 +121,7 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
         columns.id,
         columns.users,
         columns.users_columns,
+        columns.user_ids,
     )
 
 

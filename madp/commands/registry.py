@@ -10,6 +10,7 @@ from typing import Any
 
 from madp.core.errors import InputError
 from madp.core.records import Columns, users_columns_of
+from madp.core.user_ids import USER_IDS
 
 LOCAL = "local"
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
@@ -106,6 +107,13 @@ def add_columns(parser: argparse.ArgumentParser) -> None:
         help="columns whose values' union are a record's users, each a user id or a list of them; null, '' "
         "and [] add none (e.g. from,to,cc of an email export); instead of --users-column",
     )
+    parser.add_argument(
+        "--user-ids",
+        choices=USER_IDS,
+        help="how string user ids are read: 'email' (each value's e-mail addresses are its users: display "
+        "names dropped, split at ',' and ';', stripped, lower-cased) or 'as-is'; by default an id that may "
+        "name a person under several ids (surrounding whitespace, 'Ann <ann@x>', 'a@x; b@y', 'ANN@X') is an error",
+    )
 
 
 def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
@@ -117,7 +125,7 @@ def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
             f"(--users-columns reads the users from several columns, --users-column from one list column)"
         )
     users_columns = users_columns_of(args.users_columns)
-    return Columns(args.id_column, args.users_column or "users", weight, users_columns)
+    return Columns(args.id_column, args.users_column or "users", weight, users_columns, args.user_ids)
 
 
 def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:

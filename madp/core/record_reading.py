@@ -21,9 +21,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from madp.core import storage
+from madp.core import storage, user_ids
 from madp.core.errors import InputError
 from madp.core.records import (
+    BAD_ADDRESS,
     BAD_ID_TYPE,
     BAD_USER_TYPE,
     BAD_WEIGHT,
@@ -497,6 +498,8 @@ def check_facts(facts: Sequence[ReadFacts], columns: Columns, content: Content =
     - a file some of whose rows are JSON objects, none of which has a record column, is an error;
     - ids (or user ids) that are integers in some rows and strings in others are an error, within a
       file and across files (rows that are not valid records count too);
+    - string user ids of valid records showing a sign of naming a person under several ids (read
+      without `--user-ids`: `user_ids.SIGNS`) are an error naming the first few of each sign;
     - a content column that no row of a file has is an error; its types, in the splits of a file and
       across files, unify as Arrow reads one file (integers and floats read as floats), or are an error.
     Returns the content schema, in `content`'s order, that every chunk's content takes
@@ -528,6 +531,9 @@ def check_facts(facts: Sequence[ReadFacts], columns: Columns, content: Content =
             file_schemas.append(_file_content(source, schemas, content, named))
     check_same_type(id_types, "record")
     check_same_type(user_types, "user")
+    refused = user_ids.refusal([r.suspect_users for reads in in_order for r in reads if r.suspect_users])
+    if refused:
+        raise InputError(refused)
     if content is None:
         return None
     try:
@@ -626,6 +632,12 @@ def _validate(
     for failed, why in checks:
         reason[(reason == "") & failed] = why
     valid = reason == ""
+    valid_users = users.filter(pa.array(valid))
+    if columns.user_ids == user_ids.EMAIL and pa.types.is_string(valid_users.type.value_type):
+        valid_users, no_address = user_ids.email_users(valid_users)
+        reason[np.flatnonzero(valid)[no_address]] = BAD_ADDRESS
+        valid = reason == ""
+        valid_users = valid_users.filter(pa.array(~no_address))
 
     rejects = Rejects()
     for row in np.flatnonzero(~valid).tolist():
@@ -636,7 +648,6 @@ def _validate(
         rejects.add(path, first_row + row, reason[row], record)
 
     rows = first_row + np.flatnonzero(valid).astype(np.int64)
-    valid_users = users.filter(pa.array(valid))
     offsets, flat_users, removed = _drop_repeated_users(valid_users)
     chunk = RecordChunk(
         keys=(np.int64(file_index) << np.int64(ROW_KEY_BITS)) | rows,
@@ -653,8 +664,27 @@ def _validate(
         seen,
         ids.type if ids.null_count < n else None,
         flat.type if flat.null_count < len(flat) else None,
+        suspect_users=_suspect_users(table, columns, valid, path, first_row) if columns.user_ids is None else None,
     )
     return FileResult(chunk, rejects, n, removed, facts)
+
+
+def _suspect_users(
+    table: pa.Table, columns: Columns, valid: np.ndarray, path: str, first_row: int
+) -> user_ids.SuspectUserIds | None:
+    """The string user ids of the `valid` rows that show a sign of naming a person under several ids
+    (`user_ids.find_suspects`), each users column on its own, so that a refusal names the column."""
+    read = []
+    for name in columns.user_sources:
+        column = table.column(name).combine_chunks()
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            values, rows = pc.list_flatten(column), pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        else:
+            values, rows = column, np.arange(len(column))
+        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+            keep = valid[rows] & values.is_valid().to_numpy(zero_copy_only=False)
+            read.append((name, values.filter(pa.array(keep)), first_row + rows[keep]))
+    return user_ids.find_suspects(path, read)
 
 
 def _users_list(table: pa.Table, name: str, path: str) -> pa.Array:

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from madp.core import storage
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
+from madp.core.user_ids import USER_IDS, SuspectUserIds
 
 log = logging.getLogger("madp")
 
@@ -35,6 +36,7 @@ EMPTY_USERS = "empty_users"
 NULL_USER = "null_user"
 NON_SCALAR_USER = "non_scalar_user"
 BAD_USER_TYPE = "bad_user_type"
+BAD_ADDRESS = "bad_address"  # --user-ids email: a user value holding no e-mail address
 BAD_WEIGHT = "bad_weight"
 INVALID_JSON = "invalid_json"
 DUPLICATE_ID = "duplicate_id"
@@ -49,6 +51,7 @@ REJECT_REASONS = (
     NULL_USER,
     NON_SCALAR_USER,
     BAD_USER_TYPE,
+    BAD_ADDRESS,
     BAD_WEIGHT,
     DUPLICATE_ID,
     NULL_CONTENT,
@@ -62,14 +65,20 @@ ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any glo
 class Columns:
     """The input columns of a record. Its users are the list column `users`, or with `users_columns`
     (`--users-columns from,to,cc`) the union of those columns' values, each a user id or a list of
-    them (null, "" and [] adding none); `users` then only names the union once read."""
+    them (null, "" and [] adding none); `users` then only names the union once read. `user_ids`
+    (`--user-ids`) says how string user ids are read: None, as they are once none shows a sign of
+    naming a person under several ids (`user_ids.SIGNS`); "email", as the e-mail addresses they
+    hold; "as-is", as they are."""
 
     id: str = "id"
     users: str = "users"
     weight: str | None = None
     users_columns: tuple[str, ...] = ()
+    user_ids: str | None = None
 
     def __post_init__(self) -> None:
+        if self.user_ids not in (None, *USER_IDS):
+            raise InputError(f"--user-ids {self.user_ids}: one of {', '.join(USER_IDS)}")
         names = self.users_columns
         if not names:
             return
@@ -176,6 +185,7 @@ class ReadFacts(NamedTuple):
     id_type: pa.DataType | None  # of the non-null ids of the rows read (valid or not); None: none
     user_type: pa.DataType | None  # likewise of their user ids
     content: pa.Schema | None = None  # the content columns some row has, with their types as read
+    suspect_users: SuspectUserIds | None = None  # user ids showing a sign (read with user_ids None), or None
 
 
 @dataclasses.dataclass

@@ -380,6 +380,7 @@ def base_report(
             "id_column": options.columns.id,
             "users_column": None if options.columns.users_columns else options.columns.users,
             "users_columns": list(options.columns.users_columns) or None,  # --users-columns: users are their union
+            "user_ids": options.columns.user_ids,  # --user-ids: how string user ids were read (None: checked)
             "weight_column": options.columns.weight,
             "on_invalid": options.on_invalid,
         },

@@ -16,9 +16,11 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from email.utils import getaddresses
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -77,12 +79,15 @@ def _scalar(value) -> bool:
 
 class _UsersFrom:
     """Where a record's users are: the list column `users`, or (`--users-columns`) several columns,
-    each a user id or a list of them, whose values' union the users are."""
+    each a user id or a list of them, whose values' union the users are; and how string user ids are
+    read (`--user-ids`): None, as they are, each showing a sign of naming a person under several ids
+    noted; "email", as the addresses they hold; "as-is", as they are."""
 
-    def __init__(self, users_column: str, users_columns: Iterable[str] = ()):
+    def __init__(self, users_column: str, users_columns: Iterable[str] = (), user_ids: str | None = None):
         listed = list(users_columns)
         self.columns = listed or [users_column]
         self.union = bool(listed)
+        self.user_ids = user_ids
 
     def users(self, values: list):
         """A row's users from its users columns' values, re-derived here from the data alone: the list
@@ -102,22 +107,96 @@ class _UsersFrom:
         return f"--users-columns {','.join(self.columns)}" if self.union else f"--users-column {self.columns[0]}"
 
 
-def _rows(path: str, id_column: str, users_from: _UsersFrom):
+# The signs that a string user id may name a person who is also written another way (README, Input).
+_SIGNS = {
+    "several_addresses": "several addresses in one value",
+    "display_name": "an address in angle brackets",
+    "surrounding_whitespace": "whitespace around the id",
+    "upper_case": "an address with upper-case letters",
+}
+_ANGLE_ADDRESS = re.compile(r"<[^<>]*@[^<>]*>")
+_UPPER = re.compile(r"[A-Z]")
+
+
+def _signs_of(user: str) -> list[str]:
+    """The signs a string user id shows: ',' or ';' with two '@' or more; an address in angle brackets;
+    whitespace (str.isspace's) around it; one '@', no whitespace and an upper-case letter A-Z."""
+    at_signs = user.count("@")
+    shown = {
+        "several_addresses": at_signs >= 2 and ("," in user or ";" in user),
+        "display_name": bool(_ANGLE_ADDRESS.search(user)),
+        "surrounding_whitespace": user != user.strip(),
+        "upper_case": at_signs == 1 and not any(c.isspace() for c in user) and bool(_UPPER.search(user)),
+    }
+    return [sign for sign, found in shown.items() if found]
+
+
+def _addresses(user: str) -> list[str]:
+    """The e-mail addresses a user value holds (--user-ids email): email.utils.getaddresses over the
+    value split at ';' (it splits at ',' itself), each address stripped and lower-cased, those with an '@'."""
+    found = [address.strip().lower() for _, address in getaddresses(user.split(";"))]
+    return [address for address in found if "@" in address]
+
+
+class _Suspects:
+    """The string user ids of valid rows that show a sign, read without --user-ids: how many per sign,
+    and the first few of each (file, row, column, value)."""
+
+    def __init__(self) -> None:
+        self.count: Counter = Counter()
+        self.shown: defaultdict = defaultdict(list)
+
+    def note(self, path: str, row: int, columns: list[str], values: list) -> None:
+        for column, value in zip(columns, values):
+            for user in value if isinstance(value, list) else [value]:
+                for sign in _signs_of(user) if isinstance(user, str) else ():
+                    self.count[sign] += 1
+                    if len(self.shown[sign]) < 3:
+                        self.shown[sign].append(f"{path} row {row} column {column!r}: {user!r}")
+
+    def violations(self) -> list[str]:
+        if not self.count:
+            return []
+        found = ", ".join(
+            f"{sign}: {self.count[sign]} ({_SIGNS[sign]}; e.g. {'; '.join(self.shown[sign])})"
+            for sign in _SIGNS
+            if self.count[sign]
+        )
+        return [
+            f"string user ids that may name one person under several ids, each then bounded on its own: {found}; "
+            f"no engine reads them without --user-ids email or --user-ids as-is"
+        ]
+
+
+def _rows(path: str, id_column: str, users_from: _UsersFrom, suspects: _Suspects):
     """(id, users) of every row with a string or 64-bit integer id and a non-empty list of such users, as
     read from disk; other rows (undecodable, not JSON objects, nested too deep, a lone surrogate, text
-    that is not UTF-8, list ids, nested users) are invalid and no engine keeps them."""
+    that is not UTF-8, list ids, nested users) are invalid and no engine keeps them. Under --user-ids
+    email a string user is the addresses it holds, and a row with a value holding none is invalid;
+    without --user-ids each user showing a sign is noted in `suspects`."""
     if os.path.isdir(path):
         raise ValueError("a directory that cannot be listed, or a link to a directory above it (a loop)")
-    pairs: Iterable[tuple[object, object]]
+    pairs: Iterable[tuple[object, list | None]]
     if path.endswith(".parquet"):
         table = pq.read_table(path, columns=[id_column, *users_from.columns], page_checksum_verification=True)
         columns = [_column_values(table.column(name)) for name in users_from.columns]
-        pairs = zip(_column_values(table.column(id_column)), map(users_from.users, map(list, zip(*columns))))
+        pairs = zip(_column_values(table.column(id_column)), map(list, zip(*columns)))
     else:
         pairs = (_json_pair(line, id_column, users_from) for line in _json_lines(path))
-    for record_id, users in pairs:
-        if _scalar(record_id) and isinstance(users, list) and users and all(_scalar(u) for u in users):
-            yield record_id, users
+    for row, (record_id, values) in enumerate(pairs):
+        if values is None:
+            continue
+        users = users_from.users(values)
+        if not (_scalar(record_id) and isinstance(users, list) and users and all(_scalar(u) for u in users)):
+            continue
+        if users_from.user_ids == "email":
+            read = [_addresses(u) if isinstance(u, str) else [u] for u in users]
+            if not all(read):
+                continue
+            users = [address for addresses in read for address in addresses]
+        elif users_from.user_ids is None:
+            suspects.note(path, row, users_from.columns, values)
+        yield record_id, users
 
 
 def _column_values(column) -> list:
@@ -146,10 +225,12 @@ def _text(value):
     return value
 
 
-def _readable_rows(path: str, id_column: str, users_from: _UsersFrom, violations: list[str]) -> list:
+def _readable_rows(
+    path: str, id_column: str, users_from: _UsersFrom, violations: list[str], suspects: _Suspects
+) -> list:
     """`_rows` of a file, or none and a violation when the file cannot be read at all."""
     try:
-        return list(_rows(path, id_column, users_from))
+        return list(_rows(path, id_column, users_from, suspects))
     except (OSError, ValueError, KeyError, EOFError, zlib.error) as error:
         violations.append(f"{path}: cannot be read ({error})")
         return []
@@ -177,8 +258,8 @@ def _json_lines(path: str) -> list[bytes]:
 
 
 def _json_pair(line: bytes, id_column: str, users_from: _UsersFrom):
-    """(id, users) of a row, or (None, None) where the row rules make it invalid: not strict UTF-8, nested
-    deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its strings."""
+    """(id, its users columns' values) of a row, or (None, None) where the row rules make it invalid: not
+    strict UTF-8, nested deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its strings."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError:
@@ -191,7 +272,7 @@ def _json_pair(line: bytes, id_column: str, users_from: _UsersFrom):
         return None, None
     if not isinstance(row, dict) or ("\\u" in text and _holds_lone_surrogate(row)):
         return None, None
-    return row.get(id_column), users_from.users([row.get(name) for name in users_from.columns])
+    return row.get(id_column), [row.get(name) for name in users_from.columns]
 
 
 def _depth(text: str) -> int:
@@ -241,24 +322,36 @@ def _capacities(path: str | None) -> tuple[dict, bool]:
 
 
 def _other_users_columns(bound_output: str, users_from: _UsersFrom, command: str) -> list[str]:
-    """A violation when the bound's report.json records other users columns than the verifier was given:
-    the verifier would then re-derive the bound of another graph than the one bounded. A report that
-    records none (or cannot be read: `_listed_files` says so) is not judged here."""
+    """A violation when the bound's report.json records other users columns, or another --user-ids, than
+    the verifier was given: the verifier would then re-derive the bound of another graph than the one
+    bounded. What a report does not record (or a report that cannot be read: `_listed_files` says so)
+    is not judged here."""
     try:
         with open(os.path.join(bound_output, "report.json"), "rb") as handle:
             parameters = json.loads(handle.read().decode("utf-8")).get("parameters")
     except (OSError, ValueError, AttributeError):
         return []
-    if not isinstance(parameters, dict) or ("users_columns" not in parameters and "users_column" not in parameters):
+    if not isinstance(parameters, dict):
         return []
-    listed = parameters.get("users_columns")
-    bound_from = _UsersFrom(str(parameters.get("users_column") or "users"), listed if isinstance(listed, list) else ())
-    if (bound_from.union, bound_from.columns) == (users_from.union, users_from.columns):
-        return []
-    return [
-        f"{bound_output} was bounded with {bound_from.flags()}, but {command} was given {users_from.flags()}: "
-        f"pass the users columns the bound read"
-    ]
+    violations = []
+    if "users_columns" in parameters or "users_column" in parameters:
+        listed = parameters.get("users_columns")
+        bound_from = _UsersFrom(
+            str(parameters.get("users_column") or "users"), listed if isinstance(listed, list) else ()
+        )
+        if (bound_from.union, bound_from.columns) != (users_from.union, users_from.columns):
+            violations.append(
+                f"{bound_output} was bounded with {bound_from.flags()}, but {command} was given "
+                f"{users_from.flags()}: pass the users columns the bound read"
+            )
+    if "user_ids" in parameters and parameters["user_ids"] != users_from.user_ids:
+        read = parameters["user_ids"]
+        violations.append(
+            f"{bound_output} read the user ids {f'with --user-ids {read}' if read else 'without --user-ids'}, but "
+            f"{command} was given {f'--user-ids {users_from.user_ids}' if users_from.user_ids else 'none'}: "
+            f"pass the --user-ids the bound read them with"
+        )
+    return violations
 
 
 def _inside(name: str) -> bool:
@@ -336,10 +429,11 @@ def verify_bound(
     id_column: str = "id",
     users_column: str = "users",
     users_columns: Iterable[str] = (),
+    user_ids: str | None = None,
 ) -> dict:
     """Recompute every user's contribution from the input and OUTPUT/selected (users from `users_column`,
-    or the union of `users_columns`); list violations."""
-    users_from = _UsersFrom(users_column, users_columns)
+    or the union of `users_columns`, read as `user_ids` says); list violations."""
+    users_from = _UsersFrom(users_column, users_columns, user_ids)
     shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
     if missing:
@@ -349,11 +443,13 @@ def verify_bound(
 
     users_of: dict = {}
     occurrences: Counter = Counter()
+    suspects = _Suspects()
     for path in _input_files(input_path):
-        for record_id, users in _readable_rows(path, id_column, users_from, violations):
+        for record_id, users in _readable_rows(path, id_column, users_from, violations, suspects):
             if record_id in selected:
                 occurrences[record_id] += 1
                 users_of[record_id] = set(users) if isinstance(users, list) else set()
+    violations += suspects.violations()
     for record_id in selected:
         if occurrences[record_id] == 0:
             violations.append(f"selected id {record_id!r} is not in the input")
@@ -568,14 +664,15 @@ def verify_batches(
     selected: str,
     max_contributions: int,
     users_columns: Iterable[str] = (),
+    user_ids: str | None = None,
 ) -> dict:
     """Re-read the batches, the records' users and the selection they were made from; list every
     violation: of the bound (a real row that is not a selected record of DATA, a record in more rows
     of a step than its copies, a user whose selected records in the batches have more than
     `max_contributions` copies in all), of min-sep, participations and sizes. Of OUTPUT/report.json
     only the list of batch files is read: the bound is re-derived, never taken from the batch report.
-    A record's users are `users_column`'s list, or the union of `users_columns`."""
-    users_from = _UsersFrom(users_column, users_columns)
+    A record's users are `users_column`'s list, or the union of `users_columns`, read as `user_ids` says."""
+    users_from = _UsersFrom(users_column, users_columns, user_ids)
     files, problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
@@ -589,10 +686,12 @@ def verify_batches(
     users_of: dict = {}
     occurrences: Counter = Counter()
     violations: list[str] = []
+    suspects = _Suspects()
     for path in _input_files(data_path):
-        for record_id, users in _readable_rows(path, id_column, users_from, violations):
+        for record_id, users in _readable_rows(path, id_column, users_from, violations, suspects):
             occurrences[record_id] += 1
             users_of[record_id] = set(users) if isinstance(users, list) else set()
+    violations += suspects.violations()
 
     rows_per_step: Counter = Counter()
     rows_of_record_in_step: Counter = Counter()

@@ -23,6 +23,7 @@ from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.randomness import DETERMINISTIC, SecretKey
 from madp.core.selection import REPORT_FILE, read_report
+from madp.core.user_ids import AS_IS, USER_IDS
 
 SAMPLERS = ("minsep", "minsep-greedy", "users")
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
@@ -135,16 +136,25 @@ class BoundGraph:
     users_column: str
     weight_column: str | None
     users_columns: tuple[str, ...] = ()  # --users-columns: the users were the union of these columns
+    user_ids: str | None = None  # --user-ids: how the bound read string user ids (None: checked)
 
     def column_flags(self) -> str:
         """The id and users options the bound read the records with, as a user would pass them."""
         users = f"--users-columns {','.join(self.users_columns)}" if self.users_columns else None
-        return f"--id-column {self.id_column} {users or f'--users-column {self.users_column}'}"
+        read = f" --user-ids {self.user_ids}" if self.user_ids else ""
+        return f"--id-column {self.id_column} {users or f'--users-column {self.users_column}'}{read}"
 
     def columns(self, columns: rec.Columns) -> rec.Columns:
         """`columns` (the batch's id and users columns) with the bound's weight column, which reading
-        validates as the bound did; the weight column is no more than that for batching."""
-        return dataclasses.replace(columns, weight=self.weight_column)
+        validates as the bound did (the weight column is no more than that for batching), and the
+        bound's reading of user ids, which the batch's --user-ids, when given, must repeat."""
+        if columns.user_ids is not None and columns.user_ids != self.user_ids:
+            raise InputError(
+                f"--user-ids {columns.user_ids}: {self.selected} read the user ids "
+                f"{f'with --user-ids {self.user_ids}' if self.user_ids else 'without --user-ids'}; batch reads "
+                f"them as the bound did: leave --user-ids out or give the bound's"
+            )
+        return dataclasses.replace(columns, weight=self.weight_column, user_ids=self.user_ids)
 
 
 def bound_graph(selected: str) -> BoundGraph:
@@ -159,6 +169,10 @@ def bound_graph(selected: str) -> BoundGraph:
             f"by an older madp bound; re-run madp bound on the records, then batch"
         ) from error
     parameters = bound.get("parameters", {})
+    # a report from before --user-ids: the bound took every user id as it was
+    user_ids = parameters.get("user_ids") if "user_ids" in parameters else AS_IS
+    if user_ids not in (None, *USER_IDS):
+        raise InputError(f"{storage.join(selected, REPORT_FILE)}: parameters.user_ids {user_ids!r} is not madp's")
     return BoundGraph(
         selected,
         digest,
@@ -166,6 +180,7 @@ def bound_graph(selected: str) -> BoundGraph:
         parameters.get("users_column") or "users",
         parameters.get("weight_column"),
         rec.users_columns_of(parameters.get("users_columns")),
+        user_ids,
     )
 
 

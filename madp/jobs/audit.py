@@ -33,6 +33,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
+from madp.core.user_ids import EMAIL
 from madp.jobs import run, run_plan
 from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
 from madp.training.plan import PrivacyPlan, stated_plan
@@ -74,7 +75,8 @@ def plant(
             f"(the train section's features and label), but {real_files[0]} has {list(names)}"
         )
     m = options.canaries
-    canary_users = _fresh_ids(users, m, "madp-canary-user-")
+    # read as e-mail addresses (--user-ids email), a canary user must be one, or its records were bad_address
+    canary_users = _fresh_ids(users, m, "madp-canary-user-", "@canary.invalid" if columns.user_ids == EMAIL else "")
     pairs = rng.permutation(m)[: 2 * int(options.shared * m / 2)].reshape(-1, 2)
     owners = [(i,) for i in range(m)] + [tuple(sorted(int(u) for u in pair)) for pair in pairs]
     record_ids = _fresh_ids(ids, len(owners), "madp-canary-record-")
@@ -134,13 +136,14 @@ def _real_ids(files: list[str], columns: Columns) -> tuple[pa.Array, pa.Array, p
     )
 
 
-def _fresh_ids(taken: pa.Array, count: int, prefix: str) -> list:
-    """`count` ids of `taken`'s type that `taken` does not hold: integers above its largest, or prefixed strings."""
+def _fresh_ids(taken: pa.Array, count: int, prefix: str, suffix: str = "") -> list:
+    """`count` ids of `taken`'s type that `taken` does not hold: integers above its largest, or strings
+    `prefix` + a number + `suffix`."""
     if pa.types.is_integer(taken.type):
         start = int(max(taken.to_numpy().max(initial=-1), -1)) + 1
         return list(range(start, start + count))
     existing = set(taken.to_pylist())
-    names = [f"{prefix}{i}" for i in range(count)]
+    names = [f"{prefix}{i}{suffix}" for i in range(count)]
     clash = [n for n in names if n in existing]
     if clash:
         raise InputError(f"the records already use the canary id {clash[0]!r}; rename it to run an audit")
@@ -217,6 +220,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
         bound.get("users_column") or "users",
         None,
         users_columns_of(bound.get("users_columns")),
+        bound.get("user_ids"),
     )
     real = config.get("input")
     eval_data = None

@@ -170,7 +170,7 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
     k = ["--max-contributions", str(bound["max_contributions"])]
     capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
-    columns = _pick(flags, ("--id-column", "--users-column", "--users-columns"))
+    columns = _pick(flags, ("--id-column", "--users-column", "--users-columns", "--user-ids"))
     plan.stages.append(
         Stage(
             "verify-bound",
@@ -183,7 +183,7 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
 
 def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
     """batch, then verify-batches against the bound's selection and contribution bound; both read the
-    records with the bound's id and users columns (a batch section may only repeat them)."""
+    records with the bound's id and users columns and its user_ids (a batch section may only repeat them)."""
     batch = _section(config, "batch")
     if batch is None:
         return
@@ -201,6 +201,11 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
                 f"records with the columns the bound read; leave batch.{key} out"
             )
         columns += [f"--{key.replace('_', '-')}", used]
+    if "user_ids" in batch:  # left: the bound section has none
+        raise InputError(
+            "config batch.user_ids: the bound section says how user ids are read (bound.user_ids): batch and "
+            "verify-batches read them as the bound did; leave batch.user_ids out"
+        )
     other = sorted({"users_column", "users_columns"} & set(batch))  # left: the users option the bound did not use
     if other:
         bound_key = next(key for key in _bound_columns(bound) if key != "id_column")
@@ -235,10 +240,13 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
 
 def _bound_columns(bound: dict) -> dict[str, str]:
     """The bound section's id column and its users option (users_column, or users_columns as
-    `a,b,c`), with their defaults: the columns batch and verify-batches must read the records with."""
+    `a,b,c`), with their defaults, and its user_ids when given: how batch and verify-batches must read
+    the records."""
     users = "users_columns" if bound.get("users_columns") is not None else "users_column"
     default = {"id_column": "id", "users_column": "users"}
     given = {key: bound[key] if bound.get(key) is not None else default.get(key) for key in ("id_column", users)}
+    if bound.get("user_ids") is not None:
+        given["user_ids"] = bound["user_ids"]
     return {key: _column_value(key, value) for key, value in given.items()}
 
 

@@ -550,6 +550,8 @@ def job_config(result: dict, sweep: Sweep, input_path: str, run_dir: str, train:
         bound["users_columns"] = list(columns.users_columns)
     elif columns.users != "users":
         bound["users_column"] = columns.users
+    if columns.user_ids is not None:
+        bound["user_ids"] = columns.user_ids
     if sweep.order != "arity":
         bound["order"] = sweep.order
     if sweep.seed:
