@@ -23,7 +23,7 @@ import re
 import struct
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -537,9 +537,13 @@ def read_tfrecord(path: str):
 
 
 def _feature_values(example, name: str) -> list:
-    feature = example.features.feature[name]
+    return list(_kind_and_values(example.features.feature[name])[1])
+
+
+def _kind_and_values(feature) -> tuple[str | None, Sequence]:
+    """A feature's kind and its values (protobuf's own sequence: not copied)."""
     kind = feature.WhichOneof("kind")
-    return list(getattr(feature, kind).value) if kind else []
+    return kind, getattr(feature, kind).value if kind else ()
 
 
 # Each row's own features: (name, the kinds it may have), each holding exactly one value.
@@ -548,15 +552,14 @@ _USER_FEATURE = "user"  # --sampler users: each row's user identity, by which tr
 _BATCH_FILE = re.compile(r"batches-(\d+)-of-(\d+)\.tfrecord")
 
 
-def _row_fields(example, where: str) -> tuple[tuple | None, str | None]:
-    """((step, weight, id), None) of a batch row, the id an int or text; or (None, the problem)."""
+def _row_fields(features: dict, where: str) -> tuple[tuple | None, str | None]:
+    """((step, weight, id), None) of a batch row's {feature: (kind, values)}, the id an int or text; or
+    (None, the problem)."""
     values = {}
     for name, kinds in _ROW_FEATURES:
-        if name not in example.features.feature:
+        if name not in features:
             return None, f"{where}: no {name!r} feature"
-        feature = example.features.feature[name]
-        kind = feature.WhichOneof("kind")
-        found = list(getattr(feature, kind).value) if kind else []
+        kind, found = features[name]
         if kind not in kinds or len(found) != 1:
             return None, f"{where}: feature {name!r} must hold one {' or '.join(kinds)} value, not {kind} {found[:3]}"
         values[name] = found[0]
@@ -625,9 +628,9 @@ def _positive_int(value) -> int | None:
 
 
 def _batch_rows(files: list[tuple[str, range]], violations: list[str]):
-    """(where, the file's steps, step, weight, id, example) of every row of the batch files in order; a
-    record that cannot be read or parsed, or lacks a row feature, is a violation naming its file and
-    number."""
+    """(where, the file's steps, step, weight, id, {feature: (kind, values)}) of every row of the batch
+    files in order; a record that cannot be read or parsed, or lacks a row feature, is a violation
+    naming its file and number."""
     from google.protobuf.message import DecodeError
 
     example_class = _example_class()
@@ -641,40 +644,39 @@ def _batch_rows(files: list[tuple[str, range]], violations: list[str]):
                 except DecodeError as error:
                     violations.append(f"{where}: not a tf.train.Example ({error})")
                     continue
-                fields, problem = _row_fields(example, where)
+                features = {name: _kind_and_values(feature) for name, feature in example.features.feature.items()}
+                fields, problem = _row_fields(features, where)
                 if fields is None:
                     violations.append(str(problem))
                     continue
-                yield (where, steps, *fields, example)
+                yield (where, steps, *fields, features)
         except ValueError as error:
             violations.append(f"{name}: unreadable after record {number}: {error}")
 
 
-def _digest(values: tuple | None) -> bytes:
-    """A feature's values in 16 bytes of SHA-256 (b"" for None, which matches no feature): of their repr,
-    which tells any two different ints, bytes or floats (float32 values held as Python floats) apart."""
-    return b"" if values is None else hashlib.sha256(repr(values).encode()).digest()[:16]
-
-
-def _as_feature(value, kind: str | None) -> tuple | None:
-    """The values a tf.train.Feature of `kind` holds for a content value of a DATA row, as madp batch
-    writes it: integers and booleans as int64, numbers as float32, strings as UTF-8 bytes, a list's
-    elements in order; None where no such feature holds it (a null, a nested list, another type)."""
-    items = value if isinstance(value, list) else [value]
-    found: list = []
-    for item in items:
-        if kind == "int64_list" and isinstance(item, int):  # a boolean too: True is 1
-            found.append(int(item))
-        elif kind == "float_list" and isinstance(item, (int, float)) and not isinstance(item, bool):
-            try:
-                found.append(struct.unpack("<f", struct.pack("<f", float(item)))[0])  # rounded to float32
-            except (OverflowError, struct.error):  # beyond float32: madp batch refuses it
-                return None
-        elif kind == "bytes_list" and isinstance(item, (str, bytes)):
-            found.append(item.encode("utf-8") if isinstance(item, str) else item)
+def _digest(values: Sequence, kind: str | None) -> bytes:
+    """16 bytes of SHA-256 of a feature's values as a tf.train.Feature of `kind` holds them: int64s,
+    float32s (a float rounded to float32, as madp batch writes it; an integer as a float), or UTF-8 text
+    and bytes, each after its length; b"", which matches no feature, where no such feature can hold
+    them (a null, a nested list, text in a number feature, a number beyond the kind's range)."""
+    try:
+        if kind == "int64_list":
+            encoded = struct.pack(f"<{len(values)}q", *values)  # a boolean too: True is 1
+        elif kind == "float_list":
+            encoded = struct.pack(f"<{len(values)}f", *values)
+        elif kind == "bytes_list":
+            as_bytes = [value.encode("utf-8") if isinstance(value, str) else value for value in values]
+            encoded = b"".join(struct.pack("<Q", len(value)) + value for value in as_bytes)
         else:
-            return None
-    return tuple(found)
+            return b""
+    except (struct.error, OverflowError, TypeError):
+        return b""
+    return hashlib.sha256(encoded).digest()[:16]
+
+
+def _values_of(value) -> list:
+    """A content value of a DATA row as the values of its feature: a list's elements, or the value."""
+    return value if isinstance(value, list) else [value]
 
 
 @dataclasses.dataclass
@@ -698,8 +700,8 @@ def _read_batches(layout: _Layout, user_level: bool, violations: list[str]) -> _
     order, weights, padding's id, the same features as every other row), the real ones kept by record."""
     batched = _Batched()
     last_step = -1
-    for where, steps, step, weight, record_id, example in _batch_rows(layout.files, violations):
-        kinds = {name: feature.WhichOneof("kind") for name, feature in example.features.feature.items()}
+    for where, steps, step, weight, record_id, features in _batch_rows(layout.files, violations):
+        kinds = {name: kind for name, (kind, _) in features.items()}
         if not batched.kinds:
             batched.kinds = kinds
             own = {name for name, _ in _ROW_FEATURES} | ({_USER_FEATURE} if user_level else set())
@@ -726,10 +728,12 @@ def _read_batches(layout: _Layout, user_level: bool, violations: list[str]) -> _
         batched.real_rows += 1
         batched.steps_of[record_id].append(step)
         batched.first_row.setdefault(record_id, (where, step))
-        digests = tuple(_digest(tuple(_feature_values(example, name))) for name in batched.content_names)
+        digests = tuple(
+            _digest(features[name][1], kinds[name]) if name in kinds else b"" for name in batched.content_names
+        )
         batched.content[record_id].setdefault(digests, [where, step, 0])[2] += 1
         if user_level and _USER_FEATURE in kinds:
-            batched.user_values[record_id].setdefault(tuple(_feature_values(example, _USER_FEATURE)), where)
+            batched.user_values[record_id].setdefault(tuple(features[_USER_FEATURE][1]), where)
     if user_level and batched.kinds and _USER_FEATURE not in batched.kinds:
         violations.append(f"the rows have no {_USER_FEATURE!r} feature, by which user-level training clips per user")
     return batched
@@ -738,10 +742,12 @@ def _read_batches(layout: _Layout, user_level: bool, violations: list[str]) -> _
 def _other_content(record_id, values: tuple, batched: _Batched, data_path: str) -> list[tuple[str, int]]:
     """(violation, rows) for each content of `record_id`'s rows that is not the content DATA's record
     gives (`values`, of `batched.content_names`), naming the features that differ."""
-    expected = [_digest(_as_feature(value, batched.kinds[name])) for name, value in zip(batched.content_names, values)]
+    expected = [_digest(_values_of(value), batched.kinds[name]) for name, value in zip(batched.content_names, values)]
     found = []
     for digests, (where, step, rows) in batched.content[record_id].items():
-        differ = [name for name, held, wanted in zip(batched.content_names, digests, expected) if held != wanted]
+        differ = [
+            name for name, held, wanted in zip(batched.content_names, digests, expected) if not wanted or held != wanted
+        ]
         if differ:
             more = f" ({rows} rows)" if rows > 1 else ""
             found.append(
