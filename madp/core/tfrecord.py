@@ -152,9 +152,9 @@ def serialize_examples(columns: dict[str, pa.Array]) -> Ragged:
     return _concat([_constant(b"\x0a", rows), _varints(features_length), *segments])
 
 
-def _masked(crc: np.ndarray) -> np.ndarray:
-    crc = crc.astype(np.uint32)
-    return (((crc >> np.uint32(15)) | (crc << np.uint32(17))) + np.uint32(0xA282EAD8)).astype(np.uint32)
+def _masked(crc):
+    """TFRecord's masked CRC-32C of a CRC-32C: of a Python int, or of each of a uint64 array (32-bit values)."""
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def tfrecord_bytes(examples: Ragged) -> bytes:
@@ -209,7 +209,7 @@ def check_records(path: str) -> None:
 
 
 def _masked_crc(data: bytes) -> int:
-    return int(_masked(np.array([google_crc32c.value(data)], dtype=np.uint64))[0])
+    return _masked(google_crc32c.value(data))
 
 
 def _damaged(path: str, at: int, why: str) -> InputError:
