@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 
 import numpy as np
@@ -81,3 +82,41 @@ def reseal_selection(output) -> None:
     report["selection_files"] = selection_manifest(str(output), len(report["selection_files"]))
     with open(path, "w") as handle:
         json.dump(report, handle)
+
+
+def reseal_batches(output) -> None:
+    """After a test rewrites or removes batch files: list the files left in the batch report as if `madp
+    batch` had written them (a faulty producer with a consistent report)."""
+    from madp.core import storage
+
+    path = os.path.join(output, "report.json")
+    report = json.load(open(path))
+    names = sorted(n for n in os.listdir(output) if n.startswith("batches-") and n.endswith(".tfrecord"))
+    report["files"] = storage.manifest([os.path.join(output, name) for name in names])
+    with open(path, "w") as handle:
+        json.dump(report, handle)
+
+
+def masked_crc(data: bytes) -> int:
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def rewrite_batches(output, edit, name: str = "batches-00000-of-00001.tfrecord") -> None:
+    """Apply `edit(number, example)` to every example of a batch file and reseal the batch report."""
+    from madp.core.verify import _example_class, read_tfrecord
+
+    path = os.path.join(output, name)
+    example_class = _example_class()
+    framed = b""
+    for number, payload in enumerate(read_tfrecord(path)):
+        example = example_class.FromString(payload)
+        edit(number, example)
+        body = example.SerializeToString()
+        header = struct.pack("<Q", len(body))
+        framed += header + struct.pack("<I", masked_crc(header)) + body + struct.pack("<I", masked_crc(body))
+    with open(path, "wb") as handle:
+        handle.write(framed)
+    reseal_batches(output)

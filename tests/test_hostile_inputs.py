@@ -14,7 +14,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_records
+from conftest import reseal_batches, write_records
 
 from madp.cli import main
 from madp.core import storage
@@ -111,6 +111,36 @@ def test_a_changed_batch_file_is_refused_by_training_and_the_verifier(tmp_path, 
     pytest.importorskip("tensorflow")
     code, _, err = cli(capsys, "train", tmp_path / "out", tmp_path / "model", "--epsilon", "2")
     assert code == 2 and "files the batch did not write" in err
+
+
+@pytest.mark.tf
+def test_a_batch_file_cut_short_is_refused_before_training_starts(tmp_path, capsys):
+    """A batch file cut inside a record, its listing rewritten to match (a faulty copy with a consistent
+    report): TensorFlow's reader would stop the training halfway with a DataLossError, after it entered
+    the trainings ledger; madp train refuses it by name before either."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(300))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
+    batch = ("--steps", "6", "--batch-size", "10", "--runner", "local", "--output-shards", "2")
+    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", *batch)[0] == 0
+    path = tmp_path / "out" / "batches-00001-of-00002.tfrecord"
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-5])
+    reseal_batches(tmp_path / "out")
+    code, verdict, _ = cli(
+        capsys, "verify-batches", tmp_path / "out", data, "--min-sep", "1", "-k", "2", "--selected", tmp_path / "b"
+    )
+    assert code == 1 and any("batches-00001-of-00002.tfrecord: unreadable" in v for v in verdict["violations"])
+    pytest.importorskip("tensorflow")
+    code, _, err = cli(capsys, "train", tmp_path / "out", tmp_path / "model", "--epsilon", "2", "--features", "x")
+    assert code == 2 and f"{path}: the record at byte" in err and "cut short" in err, err
+    assert not (tmp_path / "out" / "trainings.jsonl").exists() and not (tmp_path / "model" / "model.keras").exists()
+    # A byte of a record's data changed: its checksum fails, and training refuses it the same way.
+    changed = bytearray(whole)
+    changed[20] ^= 1
+    path.write_bytes(changed)
+    reseal_batches(tmp_path / "out")
+    code, _, err = cli(capsys, "train", tmp_path / "out", tmp_path / "model", "--epsilon", "2", "--features", "x")
+    assert code == 2 and f"{path}: the record at byte 0 is damaged (its data fails its checksum)" in err, err
 
 
 @pytest.mark.parametrize("engine", ENGINE_CASES)

@@ -8,18 +8,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 
-import google_crc32c
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import reseal_selection, write_records
+from conftest import reseal_selection, rewrite_batches, write_records
 
 from madp.cli import main
-from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.verify import _example_class, read_tfrecord
 
@@ -53,31 +50,6 @@ def data_pair(tmp_path) -> tuple[str, str]:
         write_records(str(tmp_path / "data.jsonl"), rows()),
         write_records(str(tmp_path / "other.jsonl"), rows(heavy=11)),
     )
-
-
-def masked_crc(data: bytes) -> int:
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def rewrite_batches(output, edit) -> None:
-    """Apply `edit(number, example)` to every example of the (single) batch file and list the new file
-    in the batch report as if `madp batch` had written it (a faulty producer with a consistent report)."""
-    path = os.path.join(output, "batches-00000-of-00001.tfrecord")
-    example_class = _example_class()
-    framed = b""
-    for number, payload in enumerate(read_tfrecord(path)):
-        example = example_class.FromString(payload)
-        edit(number, example)
-        body = example.SerializeToString()
-        header = struct.pack("<Q", len(body))
-        framed += header + struct.pack("<I", masked_crc(header)) + body + struct.pack("<I", masked_crc(body))
-    with open(path, "wb") as handle:
-        handle.write(framed)
-    report_path = os.path.join(output, "report.json")
-    report = json.load(open(report_path))
-    report["files"] = storage.manifest([path])
-    json.dump(report, open(report_path, "w"))
 
 
 def real_rows(output) -> list[tuple[int, int, int]]:

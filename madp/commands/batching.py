@@ -85,7 +85,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         type=int,
         required=True,
         help="K: the contribution bound the training accounts with (the bound's contribution_bound): no user's "
-        "selected records in the batches may have more copies in all",
+        "selected records may have more copies in all, whichever the batches hold",
+    )
+    verify_batches.add_argument(
+        "--capacities",
+        help="the bound's --capacities file: a user it lists may have its capacity in copies instead of K (as "
+        "verify-bound checks it)",
     )
     verify_batches.add_argument("--max-participations", type=int, help="k: steps per user at most")
     verify_batches.add_argument("--max-batch-size", type=int, help="B_max: rows per step at most")
@@ -147,6 +152,7 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
         max_contributions=args.max_contributions,
         users_columns=columns.users_columns,
         user_ids=columns.user_ids,
+        capacities_path=args.capacities,
     )
 
 

@@ -50,14 +50,19 @@ def batch_file_path(output: str, file: int, files: int) -> str:
 
 def batch_files(output: str) -> list[str]:
     """The batch files of a finished `madp batch` output, exactly those its report lists (they sit beside
-    the schema, the report and rejects, so only files named like batch files must be listed)."""
-    return read_manifest(
+    the schema, the report and rejects, so only files named like batch files must be listed), each
+    whole TFRecords: a file damaged or cut short is refused here, before a training starts, even where
+    its listing was rewritten to match it."""
+    files = read_manifest(
         output,
         "batch",
         "",
         "files",
         lambda name: posixpath.basename(name).startswith("batches-") and name.endswith(".tfrecord"),
     )
+    for path in files:
+        tfrecord.check_records(path)
+    return files
 
 
 def _padding(value_type: pa.DataType, shape: list, rows: int) -> pa.Array:

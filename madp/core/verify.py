@@ -1,26 +1,31 @@
 """Independent checks of a bounding output (no user over its bound, no unknown selected id) and of
-batches (the bound re-derived from the records, the selection and the batches: only selected
-records, within their copies, no user over K; min-sep between a user's participations,
+batches (re-derived from the records, the selection and the batch files: no user of the selection
+over K, only selected records, within their copies; each row's content that of its record; the
+rows the format says each file and step hold; min-sep between a user's participations,
 participations, sizes).
 
-Deliberately shares no code with the reader, the kernels or the engines: it re-reads the input
-with plain pyarrow / json, and counts contributions with Python dictionaries. One file over
-~350 lines on purpose: it imports no other module of madp (`tests/test_import_graph.py` checks
-it), so it is the whole of what a reviewer reads to trust the two verifiers.
+Deliberately shares no code with the reader, the kernels, the engines or the batch writer: it
+re-reads the input with plain pyarrow / json, the batches with protobuf, and counts contributions
+with Python dictionaries. One file on purpose: it imports no other module of madp
+(`tests/test_import_graph.py` checks it), so it is the whole of what a reviewer reads to trust the
+two verifiers.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import hashlib
 import json
 import os
 import re
+import struct
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from email.utils import getaddresses
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,22 +173,21 @@ class _Suspects:
         ]
 
 
-def _rows(path: str, id_column: str, users_from: _UsersFrom, suspects: _Suspects):
-    """(id, users) of every row with a string or 64-bit integer id and a non-empty list of such users, as
-    read from disk; other rows (undecodable, not JSON objects, nested too deep, a lone surrogate, text
-    that is not UTF-8, list ids, nested users) are invalid and no engine keeps them. Under --user-ids
-    email a string user is the addresses it holds, and a row with a value holding none is invalid;
-    without --user-ids each user showing a sign is noted in `suspects`."""
+def _rows(path: str, id_column: str, users_from: _UsersFrom, suspects: _Suspects, content: tuple[str, ...] = ()):
+    """(id, users, content) of every row with a string or 64-bit integer id and a non-empty list of such
+    users, as read from disk, `content` the row's values of the `content` columns (None where it has
+    none); other rows (undecodable, not JSON objects, nested too deep, a lone surrogate, text that is not
+    UTF-8, list ids, nested users) are invalid and no engine keeps them. Under --user-ids email a string
+    user is the addresses it holds, and a row with a value holding none is invalid; without --user-ids
+    each user showing a sign is noted in `suspects`. Streamed: a Parquet file a batch of rows at a time,
+    a JSON Lines file a line at a time."""
     if os.path.isdir(path):
         raise ValueError("a directory that cannot be listed, or a link to a directory above it (a loop)")
-    pairs: Iterable[tuple[object, list | None]]
     if path.endswith(".parquet"):
-        table = pq.read_table(path, columns=[id_column, *users_from.columns], page_checksum_verification=True)
-        columns = [_column_values(table.column(name)) for name in users_from.columns]
-        pairs = zip(_column_values(table.column(id_column)), map(list, zip(*columns)))
+        rows = _parquet_rows(path, id_column, users_from, content)
     else:
-        pairs = (_json_pair(line, id_column, users_from) for line in _json_lines(path))
-    for row, (record_id, values) in enumerate(pairs):
+        rows = (_json_row(line, id_column, users_from, content) for line in _json_lines(path))
+    for row, (record_id, values, found) in enumerate(rows):
         if values is None:
             continue
         users = users_from.users(values)
@@ -196,7 +200,24 @@ def _rows(path: str, id_column: str, users_from: _UsersFrom, suspects: _Suspects
             users = [address for addresses in read for address in addresses]
         elif users_from.user_ids is None:
             suspects.note(path, row, users_from.columns, values)
-        yield record_id, users
+        yield record_id, users, found
+
+
+def _parquet_rows(path: str, id_column: str, users_from: _UsersFrom, content: tuple[str, ...]):
+    """(id, its users columns' values, content) of each row of a Parquet file, 65,536 rows in memory at a
+    time; a content column the file lacks reads as None."""
+    source = pq.ParquetFile(path, page_checksum_verification=True)
+    held = [name for name in content if name in source.schema_arrow.names]
+    names = list(dict.fromkeys([id_column, *users_from.columns, *held]))
+    for batch in source.iter_batches(columns=names):
+        users = [_column_values(batch.column(name)) for name in users_from.columns]
+        found = {name: _column_values(batch.column(name)) for name in held}
+        values = [found.get(name, [None] * batch.num_rows) for name in content]
+        yield from zip(
+            _column_values(batch.column(id_column)),
+            map(list, zip(*users)),
+            zip(*values) if values else [()] * batch.num_rows,
+        )
 
 
 def _column_values(column) -> list:
@@ -226,53 +247,48 @@ def _text(value):
 
 
 def _readable_rows(
-    path: str, id_column: str, users_from: _UsersFrom, violations: list[str], suspects: _Suspects
-) -> list:
-    """`_rows` of a file, or none and a violation when the file cannot be read at all."""
+    path: str, id_column: str, users_from: _UsersFrom, violations: list[str], suspects: _Suspects, content=()
+):
+    """`_rows` of a file, and a violation where the file cannot be read (further)."""
     try:
-        return list(_rows(path, id_column, users_from, suspects))
+        yield from _rows(path, id_column, users_from, suspects, content)
     except (OSError, ValueError, KeyError, EOFError, zlib.error) as error:
         violations.append(f"{path}: cannot be read ({error})")
-        return []
 
 
-def _json_lines(path: str) -> list[bytes]:
-    """The rows of a JSON Lines file by the README's row rules: a UTF-8 byte order mark only at byte 0
-    of the (gunzipped) file; a row ends at LF, a CR just before it dropped (a lone CR ends nothing);
-    rows of only spaces, tabs and CRs skipped. An empty .gz is unreadable, not an empty file."""
-    if path.endswith(".gz"):
-        if os.path.getsize(path) == 0:
-            raise ValueError("an empty gzip file (0 bytes)")
-        with gzip.open(path, "rb") as handle:
-            data = handle.read()
-    else:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
-    rows = []
-    for line in data.split(b"\n"):
-        line = line[:-1] if line.endswith(b"\r") else line
-        if line.strip(b" \t\r"):
-            rows.append(line)
-    return rows
+def _json_lines(path: str):
+    """The rows of a JSON Lines file by the README's row rules, one at a time: a UTF-8 byte order mark
+    only at byte 0 of the (gunzipped) file; a row ends at LF, a CR just before it dropped (a lone CR
+    ends nothing); rows of only spaces, tabs and CRs skipped. An empty .gz is unreadable, not an empty
+    file."""
+    if path.endswith(".gz") and os.path.getsize(path) == 0:
+        raise ValueError("an empty gzip file (0 bytes)")
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as handle:
+        for number, line in enumerate(handle):
+            line = line[3:] if number == 0 and line.startswith(b"\xef\xbb\xbf") else line
+            line = line[:-1] if line.endswith(b"\n") else line
+            line = line[:-1] if line.endswith(b"\r") else line
+            if line.strip(b" \t\r"):
+                yield line
 
 
-def _json_pair(line: bytes, id_column: str, users_from: _UsersFrom):
-    """(id, its users columns' values) of a row, or (None, None) where the row rules make it invalid: not
-    strict UTF-8, nested deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its strings."""
+def _json_row(line: bytes, id_column: str, users_from: _UsersFrom, content: tuple[str, ...]):
+    """(id, its users columns' values, content) of a row, or Nones where the row rules make it invalid:
+    not strict UTF-8, nested deeper than _MAX_DEPTH, not a JSON object, or a lone surrogate in any of its
+    strings."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError:
-        return None, None
+        return None, None, ()
     if text.count("[") + text.count("{") > _MAX_DEPTH and _depth(text) > _MAX_DEPTH:
-        return None, None
+        return None, None, ()
     try:
         row = json.loads(text)
     except ValueError:
-        return None, None
+        return None, None, ()
     if not isinstance(row, dict) or ("\\u" in text and _holds_lone_surrogate(row)):
-        return None, None
-    return row.get(id_column), [row.get(name) for name in users_from.columns]
+        return None, None, ()
+    return row.get(id_column), [row.get(name) for name in users_from.columns], tuple(row.get(name) for name in content)
 
 
 def _depth(text: str) -> int:
@@ -373,21 +389,31 @@ def _entry_problem(entry, report_path: str, root: str) -> str | None:
     return None
 
 
+def _report(output: str) -> tuple[dict, list[str]]:
+    """OUTPUT/report.json as a JSON object, or {} and the problem: a missing report (an unfinished run),
+    one that is not JSON or not an object is a problem, never a crash."""
+    report_path = os.path.join(output, "report.json")
+    if not os.path.isfile(report_path):
+        return {}, [f"no {report_path}: the run did not finish, its output is incomplete"]
+    try:
+        with open(report_path, "rb") as handle:
+            report = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError) as error:
+        return {}, [f"{report_path} is not a readable report ({error})"]
+    if not isinstance(report, dict):
+        return {}, [f"{report_path} is not a report (a JSON {type(report).__name__}, not an object)"]
+    return report, []
+
+
 def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str], list[str]]:
     """(paths, problems): the files OUTPUT/report.json lists under `key`, each checked for its size and
     SHA-256, and every file under OUTPUT/`folder` (hidden ones too) that `counts` but is not listed.
     A report that is not a JSON object, or lists malformed entries or names outside the folder, is a
     problem, never a crash."""
     report_path = os.path.join(output, "report.json")
-    if not os.path.isfile(report_path):
-        return [], [f"no {report_path}: the run did not finish, its output is incomplete"]
-    try:
-        with open(report_path, "rb") as handle:
-            report = json.loads(handle.read().decode("utf-8"))
-    except (OSError, ValueError) as error:
-        return [], [f"{report_path} is not a readable report ({error})"]
-    if not isinstance(report, dict):
-        return [], [f"{report_path} is not a report (a JSON {type(report).__name__}, not an object)"]
+    report, problems = _report(output)
+    if problems:
+        return [], problems
     listed = report.get(key) or []
     root = os.path.join(output, folder)
     if not isinstance(listed, list):
@@ -411,14 +437,60 @@ def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str]
         if not os.path.isfile(path):
             problems.append(f"{path} is listed in {report_path} but missing")
             continue
+        digest = hashlib.sha256()
         with open(path, "rb") as handle:
-            digest = hashlib.sha256(handle.read()).hexdigest()
-        if os.path.getsize(path) != entry["bytes"] or digest != entry["sha256"]:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        if os.path.getsize(path) != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
             problems.append(f"{path} differs from the file the run wrote (size or SHA-256)")
         paths.append(path)
     if not listed:
         problems.append(f"{report_path} lists no {key}")
     return paths, problems
+
+
+def _selected_not_once(selected: dict, occurrences: Counter, data: str) -> list[str]:
+    """A violation for each selected id that is not one valid record of `data`: no engine selects a record
+    it did not read, nor keeps an id that two rows hold."""
+    return [
+        f"selected id {record_id!r} is not in {data}"
+        if occurrences[record_id] == 0
+        else f"selected id {record_id!r} appears {occurrences[record_id]} times in {data}"
+        for record_id in selected
+        if occurrences[record_id] != 1
+    ]
+
+
+def _contributions(selected: dict, users_of: dict) -> dict:
+    """{user: copies of its selected records in all}, the users of each record as the records say."""
+    contribution: defaultdict = defaultdict(int)
+    for record_id, copies in selected.items():
+        for user in users_of.get(record_id, ()):
+            contribution[user] += copies
+    return contribution
+
+
+def _user_bounds(capacities_path: str | None, max_contributions: int, violations: list[str]):
+    """Each user's bound: its capacity where the capacities file lists it, else `max_contributions`; an
+    unreadable capacities file is a violation (and bounds every user by `max_contributions`)."""
+    try:
+        capacity, text = _capacities(capacities_path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        capacity, text = {}, False
+        violations.append(f"{capacities_path}: not a readable capacities file ({type(error).__name__}: {error})")
+
+    def bound_of(user) -> int:
+        return capacity.get(str(user) if text else user, max_contributions)
+
+    return bound_of
+
+
+def _over_bound(contribution: dict, bound_of) -> list[tuple]:
+    """(user, contribution, bound) of every user over its bound, the largest contribution first."""
+    return sorted(
+        ((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
+        key=lambda v: (-v[1], str(v[0])),
+    )
 
 
 def verify_bound(
@@ -445,34 +517,15 @@ def verify_bound(
     occurrences: Counter = Counter()
     suspects = _Suspects()
     for path in _input_files(input_path):
-        for record_id, users in _readable_rows(path, id_column, users_from, violations, suspects):
+        for record_id, users, _ in _readable_rows(path, id_column, users_from, violations, suspects):
             if record_id in selected:
                 occurrences[record_id] += 1
-                users_of[record_id] = set(users) if isinstance(users, list) else set()
+                users_of[record_id] = set(users)
     violations += suspects.violations()
-    for record_id in selected:
-        if occurrences[record_id] == 0:
-            violations.append(f"selected id {record_id!r} is not in the input")
-        elif occurrences[record_id] > 1:
-            violations.append(f"selected id {record_id!r} appears {occurrences[record_id]} times in the input")
-
-    contribution: defaultdict = defaultdict(int)
-    for record_id, copies in selected.items():
-        for user in users_of.get(record_id, ()):
-            contribution[user] += copies
-    try:
-        capacity, text = _capacities(capacities_path)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        capacity, text = {}, False
-        violations.append(f"{capacities_path}: not a readable capacities file ({type(error).__name__}: {error})")
-
-    def bound_of(user) -> int:
-        return capacity.get(str(user) if text else user, max_contributions)
-
-    over = sorted(
-        ((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
-        key=lambda v: (-v[1], str(v[0])),
-    )
+    violations += _selected_not_once(selected, occurrences, "the input")
+    contribution = _contributions(selected, users_of)
+    bound_of = _user_bounds(capacities_path, max_contributions, violations)
+    over = _over_bound(contribution, bound_of)
     violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
     return {
         "ok": not violations,
@@ -549,47 +602,59 @@ def _masked_crc(data: bytes) -> int:
 
 
 def read_tfrecord(path: str):
-    """Each record of a TFRecord file, checking both checksums."""
-    import struct
-
+    """Each record of a TFRecord file, checking both checksums; read in 1 MiB blocks, so memory holds a
+    record and a block. A file cut short (in a record's header, data or checksum) is a ValueError."""
+    pending = bytearray()
+    start = 0  # the byte of the file where `pending` starts
     with open(path, "rb") as handle:
-        data = handle.read()
-    position = 0
-    while position < len(data):
-        if position + 12 > len(data):
-            raise ValueError(f"{path}: truncated record header at byte {position}")
-        header = data[position : position + 8]
-        (length,) = struct.unpack("<Q", header)
-        (length_crc,) = struct.unpack("<I", data[position + 8 : position + 12])
-        payload = data[position + 12 : position + 12 + length]
-        if length_crc != _masked_crc(header) or len(payload) != length:
-            raise ValueError(f"{path}: corrupt record header at byte {position}")
-        (payload_crc,) = struct.unpack("<I", data[position + 12 + length : position + 16 + length])
-        if payload_crc != _masked_crc(payload):
-            raise ValueError(f"{path}: corrupt record payload at byte {position}")
-        yield payload
-        position += 16 + length
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            pending += block
+            position = 0
+            while len(pending) - position >= 12:
+                header = bytes(pending[position : position + 8])
+                (length,) = struct.unpack("<Q", header)
+                (length_crc,) = struct.unpack("<I", pending[position + 8 : position + 12])
+                if length_crc != _masked_crc(header):
+                    raise ValueError(f"{path}: corrupt record header at byte {start + position}")
+                end = position + 16 + length
+                if end > len(pending):
+                    break
+                payload = bytes(pending[position + 12 : end - 4])
+                (payload_crc,) = struct.unpack("<I", pending[end - 4 : end])
+                if payload_crc != _masked_crc(payload):
+                    raise ValueError(f"{path}: corrupt record payload at byte {start + position}")
+                yield payload
+                position = end
+            del pending[:position]
+            start += position
+    if pending:
+        raise ValueError(f"{path}: cut short in the record at byte {start} (only {len(pending)} bytes of it)")
 
 
 def _feature_values(example, name: str) -> list:
-    feature = example.features.feature[name]
+    return list(_kind_and_values(example.features.feature[name])[1])
+
+
+def _kind_and_values(feature) -> tuple[str | None, Sequence]:
+    """A feature's kind and its values (protobuf's own sequence: not copied)."""
     kind = feature.WhichOneof("kind")
-    return list(getattr(feature, kind).value) if kind else []
+    return kind, getattr(feature, kind).value if kind else ()
 
 
 # Each row's own features: (name, the kinds it may have), each holding exactly one value.
 _ROW_FEATURES = (("step", ("int64_list",)), ("weight", ("float_list",)), ("id", ("int64_list", "bytes_list")))
+_USER_FEATURE = "user"  # --sampler users: each row's user identity, by which training clips per user
+_BATCH_FILE = re.compile(r"batches-(\d+)-of-(\d+)\.tfrecord")
 
 
-def _row_fields(example, where: str) -> tuple[tuple | None, str | None]:
-    """((step, weight, id), None) of a batch row, the id an int or text; or (None, the problem)."""
+def _row_fields(features: dict, where: str) -> tuple[tuple | None, str | None]:
+    """((step, weight, id), None) of a batch row's {feature: (kind, values)}, the id an int or text; or
+    (None, the problem)."""
     values = {}
     for name, kinds in _ROW_FEATURES:
-        if name not in example.features.feature:
+        if name not in features:
             return None, f"{where}: no {name!r} feature"
-        feature = example.features.feature[name]
-        kind = feature.WhichOneof("kind")
-        found = list(getattr(feature, kind).value) if kind else []
+        kind, found = features[name]
         if kind not in kinds or len(found) != 1:
             return None, f"{where}: feature {name!r} must hold one {' or '.join(kinds)} value, not {kind} {found[:3]}"
         values[name] = found[0]
@@ -602,13 +667,69 @@ def _row_fields(example, where: str) -> tuple[tuple | None, str | None]:
     return (values["step"], values["weight"], record_id), None
 
 
-def _batch_rows(files: list[str], violations: list[str]):
-    """(where, step, weight, id) of every row of the batch files in order; a record that cannot be
-    read or parsed, or lacks a row feature, is a violation naming its file and number."""
+class _Layout(NamedTuple):
+    """What the batch format says the files hold, whatever rows they hold: file i of n (its name,
+    `batches-i-of-n.tfrecord`) holds steps ceil(i T / n) to ceil((i + 1) T / n) - 1 of the T steps
+    training reads (the report's `steps`, as the trainer reads them), and padded batches (the report's
+    `parameters.max_batch_size`, or any padding row) hold the same number of rows in every step."""
+
+    files: list[tuple[str, range]]  # the files in step order, each with the steps it holds
+    steps: int
+    padded_to: int | None  # B_max of the report's parameters, where it says the steps are padded
+
+
+def _batch_layout(paths: list[str], report: dict, output: str) -> tuple[_Layout | None, list[str]]:
+    """The layout of the listed batch files, or the problems that leave it unknown: a name not of the
+    format, files of several outputs or with some missing (a file left out of the listing), or no T."""
+    report_path = os.path.join(output, "report.json")
+    steps = _positive_int(report.get("steps"))
+    problems = []
+    if steps is None:
+        problems.append(
+            f"{report_path}: steps {report.get('steps')!r} is not a positive integer: which steps training reads is "
+            f"unknown"
+        )
+    numbered: list[tuple[int, int, str]] = []
+    for path in paths:
+        match = _BATCH_FILE.fullmatch(os.path.basename(path))
+        if match is None:
+            problems.append(f"{path} is not named batches-NNNNN-of-MMMMM.tfrecord, as madp batch names its files")
+        else:
+            numbered.append((int(match[1]), int(match[2]), path))
+    numbered.sort()
+    counts = sorted({count for _, count, _ in numbered})
+    if len(counts) > 1:
+        problems.append(f"{output}: batch files of {counts} files each: the files of several batch outputs")
+    elif counts and [number for number, _, _ in numbered] != list(range(counts[0])):
+        problems.append(
+            f"{output}: the batch files are numbers {[number for number, _, _ in numbered]} of {counts[0]}, not "
+            f"each of 0..{counts[0] - 1} once: a batch file is missing from {report_path} or repeated"
+        )
+    if problems or steps is None:
+        return None, problems
+    files = [
+        (path, range(-(-number * steps // count), -(-(number + 1) * steps // count)))
+        for number, count, path in numbered
+    ]
+    parameters = report.get("parameters")
+    return _Layout(
+        files, steps, _positive_int(parameters.get("max_batch_size")) if isinstance(parameters, dict) else None
+    ), []
+
+
+def _positive_int(value) -> int | None:
+    """`value` where it is an integer of at least 1 (not a boolean), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _batch_rows(files: list[tuple[str, range]], violations: list[str]):
+    """(where, the file's steps, step, weight, id, {feature: (kind, values)}) of every row of the batch
+    files in order; a record that cannot be read or parsed, or lacks a row feature, is a violation
+    naming its file and number."""
     from google.protobuf.message import DecodeError
 
     example_class = _example_class()
-    for path in files:
+    for path, steps in files:
         name, number = os.path.basename(path), -1
         try:
             for number, payload in enumerate(read_tfrecord(path)):
@@ -618,13 +739,144 @@ def _batch_rows(files: list[str], violations: list[str]):
                 except DecodeError as error:
                     violations.append(f"{where}: not a tf.train.Example ({error})")
                     continue
-                fields, problem = _row_fields(example, where)
+                features = {name: _kind_and_values(feature) for name, feature in example.features.feature.items()}
+                fields, problem = _row_fields(features, where)
                 if fields is None:
                     violations.append(str(problem))
                     continue
-                yield (where, *fields)
+                yield (where, steps, *fields, features)
         except ValueError as error:
             violations.append(f"{name}: unreadable after record {number}: {error}")
+
+
+def _digest(values: Sequence, kind: str | None) -> bytes:
+    """16 bytes of SHA-256 of a feature's values as a tf.train.Feature of `kind` holds them: int64s,
+    float32s (a float rounded to float32, as madp batch writes it; an integer as a float), or UTF-8 text
+    and bytes, each after its length; b"", which matches no feature, where no such feature can hold
+    them (a null, a nested list, text in a number feature, a number beyond the kind's range)."""
+    try:
+        if kind == "int64_list":
+            encoded = struct.pack(f"<{len(values)}q", *values)  # a boolean too: True is 1
+        elif kind == "float_list":
+            encoded = struct.pack(f"<{len(values)}f", *values)
+        elif kind == "bytes_list":
+            as_bytes = [value.encode("utf-8") if isinstance(value, str) else value for value in values]
+            encoded = b"".join(struct.pack("<Q", len(value)) + value for value in as_bytes)
+        else:
+            return b""
+    except (struct.error, OverflowError, TypeError):
+        return b""
+    return hashlib.sha256(encoded).digest()[:16]
+
+
+def _values_of(value) -> list:
+    """A content value of a DATA row as the values of its feature: a list's elements, or the value."""
+    return value if isinstance(value, list) else [value]
+
+
+@dataclasses.dataclass
+class _Batched:
+    """The batch files' rows as read. Memory: a step per real row and, per distinct (record, content)
+    pair, a 16-byte digest of each content feature and the row that first holds it; no content itself."""
+
+    content_names: tuple[str, ...] = ()  # the features a record's content gives (not step, id, weight, user)
+    kinds: dict = dataclasses.field(default_factory=dict)  # feature -> kind, of the first row: every row's
+    steps_of: dict = dataclasses.field(default_factory=lambda: defaultdict(list))  # id -> step of each real row
+    first_row: dict = dataclasses.field(default_factory=dict)  # id -> (where, step) of its first real row
+    content: dict = dataclasses.field(default_factory=lambda: defaultdict(dict))  # id -> {digests: [where, step, rows]}
+    user_values: dict = dataclasses.field(default_factory=lambda: defaultdict(dict))  # id -> {user feature: where}
+    rows_per_step: Counter = dataclasses.field(default_factory=Counter)
+    real_rows: int = 0
+    padding_rows: int = 0
+
+
+def _read_batches(layout: _Layout, user_level: bool, violations: list[str]) -> _Batched:
+    """Every row of the batch files, checked for what the format says of each (its file's steps, step
+    order, weights, padding's id, the same features as every other row), the real ones kept by record."""
+    batched = _Batched()
+    last_step = -1
+    for where, steps, step, weight, record_id, features in _batch_rows(layout.files, violations):
+        kinds = {name: kind for name, (kind, _) in features.items()}
+        if not batched.kinds:
+            batched.kinds = kinds
+            own = {name for name, _ in _ROW_FEATURES} | ({_USER_FEATURE} if user_level else set())
+            batched.content_names = tuple(sorted(set(kinds) - own))
+        elif kinds != batched.kinds:
+            violations.append(
+                f"{where}: features {sorted(kinds.items())}, not the first row's {sorted(batched.kinds.items())}"
+            )
+        if step not in steps:
+            violations.append(
+                f"{where}: step {step}, not one of the file's steps {steps.start}..{steps.stop - 1} (of {layout.steps})"
+            )
+        if step < last_step:
+            violations.append(f"{where}: step {step} after step {last_step}: not in step order")
+        last_step = step
+        batched.rows_per_step[step] += 1
+        if weight == 0.0:
+            batched.padding_rows += 1
+            if record_id not in (-1, ""):  # a row of a record that trains with weight 0 is never written
+                violations.append(f"{where}: step {step}: weight-0 row with id {record_id!r}, not padding's")
+            continue
+        if weight != 1.0:
+            violations.append(f"{where}: step {step}: id {record_id!r} has weight {weight}, expected 1 or 0")
+        batched.real_rows += 1
+        batched.steps_of[record_id].append(step)
+        batched.first_row.setdefault(record_id, (where, step))
+        digests = tuple(
+            _digest(features[name][1], kinds[name]) if name in kinds else b"" for name in batched.content_names
+        )
+        batched.content[record_id].setdefault(digests, [where, step, 0])[2] += 1
+        if user_level and _USER_FEATURE in kinds:
+            batched.user_values[record_id].setdefault(tuple(features[_USER_FEATURE][1]), where)
+    if user_level and batched.kinds and _USER_FEATURE not in batched.kinds:
+        violations.append(f"the rows have no {_USER_FEATURE!r} feature, by which user-level training clips per user")
+    return batched
+
+
+def _other_content(record_id, values: tuple, batched: _Batched, data_path: str) -> list[tuple[str, int]]:
+    """(violation, rows) for each content of `record_id`'s rows that is not the content DATA's record
+    gives (`values`, of `batched.content_names`), naming the features that differ."""
+    expected = [_digest(_values_of(value), batched.kinds[name]) for name, value in zip(batched.content_names, values)]
+    found = []
+    for digests, (where, step, rows) in batched.content[record_id].items():
+        differ = [
+            name for name, held, wanted in zip(batched.content_names, digests, expected) if not wanted or held != wanted
+        ]
+        if differ:
+            more = f" ({rows} rows)" if rows > 1 else ""
+            found.append(
+                (f"{where}: step {step}: id {record_id!r}: {differ} differ from its record in {data_path}{more}", rows)
+            )
+    return found
+
+
+def _user_identity_problems(user_values: dict, users_of: dict) -> list[str]:
+    """User-level batches: per-user clipping groups a step's rows by their `user` feature, so each
+    record must have one user (in DATA) and the feature must name users one to one."""
+    problems = []
+    value_of_user: dict = {}
+    user_of_value: dict = {}
+    for record_id, values in user_values.items():
+        users = users_of.get(record_id)
+        if users is None:
+            continue  # not a record of DATA: a violation of its own
+        if len(users) != 1:
+            problems.append(f"record {record_id!r} has {len(users)} users in the records: user-level rows need one")
+            continue
+        (user,) = users
+        for value, where in values.items():
+            if value_of_user.setdefault(user, value) != value:
+                problems.append(
+                    f"{where}: user {user!r} has {_USER_FEATURE} {list(value)}, elsewhere {list(value_of_user[user])}: "
+                    f"per-user clipping would split the user"
+                )
+            if user_of_value.setdefault(value, user) != user:
+                problems.append(
+                    f"{where}: {_USER_FEATURE} {list(value)} is user {user!r} here, {user_of_value[value]!r} elsewhere:"
+                    f" per-user clipping would merge them"
+                )
+    return problems
 
 
 def _selection(selected: str, shards: list[str], violations: list[str]) -> dict:
@@ -665,55 +917,74 @@ def verify_batches(
     max_contributions: int,
     users_columns: Iterable[str] = (),
     user_ids: str | None = None,
+    capacities_path: str | None = None,
 ) -> dict:
-    """Re-read the batches, the records' users and the selection they were made from; list every
-    violation: of the bound (a real row that is not a selected record of DATA, a record in more rows
-    of a step than its copies, a user whose selected records in the batches have more than
-    `max_contributions` copies in all), of min-sep, participations and sizes. Of OUTPUT/report.json
-    only the list of batch files is read: the bound is re-derived, never taken from the batch report.
-    A record's users are `users_column`'s list, or the union of `users_columns`, read as `user_ids` says."""
+    """Re-read the batches, the records and the selection they were made from; list every violation:
+    of the bound (a user whose selected records have more than `max_contributions` copies in all, or
+    more than its capacity in `capacities_path`, whatever the batches sampled; a real row that is not a
+    selected record of DATA, or a record in more rows of a step than its copies), of content (a real
+    row whose features are not those DATA's record gives; user-level rows whose `user` feature is not
+    their one user's, one to one), of the format (a file's rows outside its steps or out of order, a
+    step of padded batches without its B_max rows: a file cut short), of min-sep, participations and
+    sizes. Of OUTPUT/report.json only what the trainer reads to read the files is used: the list of
+    batch files, T (`steps`), `parameters.max_batch_size` and whether the sampler is `users`; the bound
+    is re-derived, never taken from the batch report. A record's users are `users_column`'s list, or
+    the union of `users_columns`, read as `user_ids` says.
+
+    Memory: the selection's ids, the users of the selected and batched records, a step per real row, and
+    16 bytes per content feature of each distinct batched (record, content); DATA and the batch files
+    are streamed (a Parquet batch of rows, a line, a TFRecord and a 1 MiB block at a time)."""
     users_from = _UsersFrom(users_column, users_columns, user_ids)
     files, problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
+    report, _ = _report(output)
+    layout, layout_problems = _batch_layout(files, report, output) if not problems else (None, [])
+    problems += layout_problems
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
     shards, selection_problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
     problems += selection_problems
     copies_of = _selection(selected, shards, problems)
     problems += _other_users_columns(selected, users_from, "verify-batches") if not selection_problems else []
-    if problems:
+    if problems or layout is None:
         return {"ok": False, "violation_count": len(problems), "violations": problems}
+    violations: list[str] = []
+    batched = _read_batches(layout, report.get("sampler") == "users", violations)
+    padded_to = layout.padded_to or (max(batched.rows_per_step.values()) if batched.padding_rows else None)
+    if padded_to is not None:
+        violations += [
+            f"step {step} holds {batched.rows_per_step[step]} rows, not the {padded_to} every step of padded "
+            f"batches holds: rows are missing (a batch file cut short?) or added"
+            for step in range(layout.steps)
+            if batched.rows_per_step[step] != padded_to
+        ]
+
+    # DATA, streamed: the users of the selected and batched records, and the content of the batched.
     users_of: dict = {}
     occurrences: Counter = Counter()
-    violations: list[str] = []
+    other_content = []
     suspects = _Suspects()
     for path in _input_files(data_path):
-        for record_id, users in _readable_rows(path, id_column, users_from, violations, suspects):
-            occurrences[record_id] += 1
-            users_of[record_id] = set(users) if isinstance(users, list) else set()
+        for record_id, users, values in _readable_rows(
+            path, id_column, users_from, violations, suspects, batched.content_names
+        ):
+            if record_id in copies_of or record_id in batched.steps_of:
+                occurrences[record_id] += 1
+                users_of[record_id] = set(users)
+                if occurrences[record_id] == 1 and record_id in batched.content:
+                    other_content += _other_content(record_id, values, batched, data_path)
     violations += suspects.violations()
+    violations += [violation for violation, _ in other_content]
 
-    rows_per_step: Counter = Counter()
     rows_of_record_in_step: Counter = Counter()
     steps_of_user: defaultdict = defaultdict(list)
-    batched: set = set()
-    last_step, real_rows, padding_rows, unknown, unselected = -1, 0, 0, 0, 0
-    for where, step, weight, record_id in _batch_rows(files, violations):
-        if step < last_step:
-            violations.append(f"{where}: step {step} after step {last_step}: not in step order")
-        last_step = step
-        rows_per_step[step] += 1
-        if weight == 0.0:
-            padding_rows += 1
-            if record_id not in (-1, ""):  # a row of a record that trains with weight 0 is never written
-                violations.append(f"{where}: step {step}: weight-0 row with id {record_id!r}, not padding's")
-            continue
-        if weight != 1.0:
-            violations.append(f"{where}: step {step}: id {record_id!r} has weight {weight}, expected 1 or 0")
-        real_rows += 1
+    unknown = unselected = 0
+    for record_id, steps in batched.steps_of.items():
+        where, step = batched.first_row[record_id]
+        more = f" ({len(steps)} rows)" if len(steps) > 1 else ""
         if record_id not in users_of:
-            unknown += 1
-            violations.append(f"{where}: step {step}: id {record_id!r} is not a record of {data_path}")
+            unknown += len(steps)
+            violations.append(f"{where}: step {step}: id {record_id!r} is not a record of {data_path}{more}")
             continue
         if occurrences[record_id] > 1:
             violations.append(
@@ -721,33 +992,33 @@ def verify_batches(
                 f"(no engine keeps a duplicated id)"
             )
         if record_id not in copies_of:
-            unselected += 1
-            violations.append(f"{where}: step {step}: id {record_id!r} is not a record {selected} selected")
+            unselected += len(steps)
+            violations.append(f"{where}: step {step}: id {record_id!r} is not a record {selected} selected{more}")
         else:
-            batched.add(record_id)
-            rows_of_record_in_step[step, record_id] += 1
+            rows_of_record_in_step.update((step, record_id) for step in steps)
         for user in users_of[record_id]:
-            steps_of_user[user].append(step)
-
+            steps_of_user[user].extend(steps)
     violations += [
         f"step {step}: record {record_id!r} is in {rows} rows, more than its {copies_of[record_id]} copies"
         for (step, record_id), rows in sorted(rows_of_record_in_step.items(), key=lambda v: (v[0][0], str(v[0][1])))
         if rows > copies_of[record_id]
     ]
-    contribution: defaultdict = defaultdict(int)
+    violations += _user_identity_problems(batched.user_values, users_of)
+
+    # The bound over the whole selection, whatever the batches sampled of it.
+    violations += _selected_not_once(copies_of, occurrences, data_path)
+    contribution = _contributions(copies_of, users_of)
+    over = _over_bound(contribution, _user_bounds(capacities_path, max_contributions, violations))
+    over_users = {user for user, _, _ in over}
     records_of_user: defaultdict = defaultdict(list)
-    for record_id in batched:
-        for user in users_of[record_id]:
-            contribution[user] += copies_of[record_id]
+    for record_id in copies_of:
+        for user in users_of.get(record_id, set()) & over_users:
             records_of_user[user].append(record_id)
-    over = sorted(
-        ((count, user) for user, count in contribution.items() if count > max_contributions),
-        key=lambda v: (-v[0], str(v[1])),
-    )
     violations += [
-        f"user {user!r} has {count} records (copies counted) in the batches, over the contribution bound "
-        f"{max_contributions}: records {sorted(records_of_user[user], key=str)[:10]}"
-        for count, user in over
+        f"user {user!r} has {count} records (copies counted) in the selection, over "
+        f"{f'the contribution bound {bound}' if bound == max_contributions else f'its capacity {bound}'}: "
+        f"records {sorted(records_of_user[user], key=str)[:10]}"
+        for user, count, bound in over
     ]
 
     closest: list[tuple[int, object, int, int]] = []
@@ -775,22 +1046,24 @@ def verify_batches(
     if max_batch_size is not None:
         violations += [
             f"step {step} has {rows} rows (> max batch size {max_batch_size})"
-            for step, rows in sorted(rows_per_step.items())
+            for step, rows in sorted(batched.rows_per_step.items())
             if rows > max_batch_size
         ]
     return {
         "ok": not violations,
         "files": len(files),
-        "steps": len(rows_per_step),
-        "rows": real_rows + padding_rows,
-        "real_rows": real_rows,
-        "padding_rows": padding_rows,
+        "steps": len(batched.rows_per_step),
+        "rows": batched.real_rows + batched.padding_rows,
+        "real_rows": batched.real_rows,
+        "padding_rows": batched.padding_rows,
         "users": len(steps_of_user),
         "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
         "min_gap": closest[0][0] if closest else None,
         "user_rows_sharing_a_step": repeated_in_step,
         "unknown_ids": unknown,
         "unselected_rows": unselected,
+        "content_features": list(batched.content_names),
+        "rows_with_other_content": sum(rows for _, rows in other_content),
         "contribution_bound": max_contributions,
         "max_user_contribution": max(contribution.values(), default=0),
         "users_over_bound": len(over),
