@@ -308,7 +308,7 @@ def run_beam(
         data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir
     )
     try:
-        counters = run(pipeline, NAMESPACE, errors_dir)
+        counters = run(pipeline, NAMESPACE, errors_dir, output)
         summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
         handle_rejects(summary.rejects, options.on_invalid, output)
     except InputError:

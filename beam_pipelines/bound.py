@@ -179,7 +179,7 @@ def _count_groups(
     path, errors_dir = storage.join(run_dir, "group-sizes.json"), storage.join(run_dir, "input-errors")
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "CountGroups" >> GroupSizes(input_files, options, partitions, errors_dir, path)
-    run(pipeline, NAMESPACE, errors_dir)
+    run(pipeline, NAMESPACE, errors_dir, run_dir)
     small, large = json.loads(files.read_bytes(path))
     log.info("--order alternate: %d records with at most %d users, %d with more", small, options.arity_threshold, large)
     return dataclasses.replace(options, group_sizes=(small, large))
@@ -238,7 +238,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
             resume_from,
         )
         try:
-            counters = run(pipeline, NAMESPACE, storage.join(run_dir, "input-errors"))
+            counters = run(pipeline, NAMESPACE, storage.join(run_dir, "input-errors"), output)
             summary = json.loads(files.read_bytes(storage.join(run_dir, SUMMARY)))
             if not runs:  # every run reads the same input: the first one's rejects are all of them
                 rejects = rec.Rejects.from_jsonl(files.read_bytes(storage.join(run_dir, REJECTED)).decode())

@@ -4,7 +4,9 @@ and the small helpers of joining partitions with messages.
 An `InputError` a worker raises (bad input: the user's to fix) reaches the driver as data: the step
 that meets it writes its message under the run's errors directory through Beam's `FileSystems`
 (`keeping_input_errors`) before it stops the run, and the driver raises it again from there (`run`).
-The runner's own exception, whose text differs from runner to runner, is never parsed.
+The runner's own exception, whose text differs from runner to runner, is never parsed for input
+errors; it is looked at for one failure only, a full file system, which no step can write down
+(`storage.disk_full`: the errno where the error carries one, else the system's message for it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from apache_beam.runners.direct.direct_runner import SwitchingDirectRunner
 
 from madp.beam import files
 from madp.core import records as rec
+from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.records import RecordChunk
 from madp.core.selection import handle_rejects
@@ -252,11 +255,14 @@ def without_prism(pipeline: beam.Pipeline) -> None:
         pipeline.runner = DirectRunner()
 
 
-def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str) -> dict[str, int]:
+def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str, output: str | None = None) -> dict[str, int]:
     """Run to the end; the counters of `namespace` (committed values where the runner has them).
 
     When the run fails after a step kept an InputError under `errors_dir`, that error is raised (the
-    first by its message, when several steps met one), with no runner traceback text.
+    first by its message, when several steps met one), with no runner traceback text. A failure on a
+    full file system (or a spent quota), where nothing can be kept, is a `DiskFull` naming `output`,
+    the directory the pipeline writes (default `errors_dir`); any other failure is raised as the runner
+    raised it.
     """
     flush_data_by_size()
     without_prism(pipeline)
@@ -267,6 +273,11 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str) -> dict[str, i
         messages = sorted(files.read_bytes(path).decode() for path in files.files_under(errors_dir))
         if messages:
             raise InputError(messages[0]) from error
+        # A worker's write failed, and so would writing its error down: the runner's error is all there
+        # is (relayed as text by the DirectRunner), read for the file system's errno or its message only.
+        full = storage.disk_full(output or errors_dir, error)
+        if full is not None:
+            raise full from error
         raise
     try:
         counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]

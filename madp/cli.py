@@ -12,7 +12,8 @@ import sys
 from madp.commands import accounting, batching, bounding, data, report, training
 from madp.commands.registry import Family, Parser, build_parser, seed_argument
 from madp.core import storage
-from madp.core.errors import CheckFailed, InputError
+from madp.core.errors import CheckFailed, DiskFull, InputError
+from madp.core.selection import REPORT_FILE
 
 log = logging.getLogger("madp")
 DESCRIPTION = (
@@ -121,6 +122,30 @@ def _read_paths(args: argparse.Namespace) -> list[str]:
     return [value for name in named if isinstance(value := getattr(args, name, None), str)]
 
 
+def _after_stop(args: argparse.Namespace) -> str:
+    """What an interrupted command, or one stopped by a full disk, kept and how to go on: the end of its
+    one line. Outputs are marked finished last (a report, a stage's manifest, a training's model and
+    metrics), so nothing unfinished passes for finished."""
+    if args.command in ("run", "audit"):
+        rerun = f"madp {args.command} {args.config}"
+        return f"the stages that finished are kept: `{rerun}` again skips them and runs the rest"
+    if args.command == "train":
+        from madp.training.long_training import after_stop
+
+        return after_stop(args.output, args.batches)
+    output = _written_directory(args)
+    if args.command == "generate":
+        if output:
+            return f"{output} may hold only some of its Parquet shards: generate again before reading it"
+        return f"{args.output} is written whole or not at all: generate again"
+    if output and storage.kind(storage.join(output, REPORT_FILE)) == "missing":
+        return (
+            f"{output} is unfinished (no {REPORT_FILE}, which is written last, so no madp command reads it): "
+            f"run the command again"
+        )
+    return "run the command again"
+
+
 def main(argv: list[str] | None = None) -> int:
     madp = parser()
     args, unknown = madp.parse_known_args(argv)
@@ -134,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     # Beam relays its workers' start-up warnings (missing GCP client libraries, unparsed
     # options) through these loggers; they say nothing about the job.
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
-    # The DirectRunner also relays worker tracebacks; the driver raises the same failure itself.
+    # The DirectRunner also logs a failed step's traceback as its worker meets it, and relays it; the
+    # driver raises the same failure itself (an InputError or a full disk as one line, below).
+    logging.getLogger("apache_beam.runners.common").setLevel(logging.CRITICAL)
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
     output = _written_directory(args)
@@ -143,12 +170,26 @@ def main(argv: list[str] | None = None) -> int:
             storage.refuse_overlap(output, _read_paths(args))
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
+    except KeyboardInterrupt:
+        print(f"madp {args.command}: interrupted: {_after_stop(args)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     except CheckFailed as error:
         print(json.dumps(error.result, indent=2, sort_keys=True, default=str))
         print(f"madp {args.command}: FAILED: {error}", file=sys.stderr)
         return 1
+    except DiskFull as error:
+        print(f"madp {args.command}: error: {error}; {_after_stop(args)}", file=sys.stderr)
+        return 2
     except InputError as error:
         print(f"madp {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        # A write on a full file system that no layer below turned into a DiskFull (TensorFlow's
+        # summaries, checkpoints and model, a file written by a library).
+        full = storage.disk_full(getattr(error, "filename", None) or output, error)
+        if full is None:
+            raise
+        print(f"madp {args.command}: error: {full}; {_after_stop(args)}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2, sort_keys=True))
     return 1 if result.get("ok") is False else 0

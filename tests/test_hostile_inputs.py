@@ -505,7 +505,7 @@ def test_a_synthetic_dataset_beyond_memory_or_shards_beyond_its_records_is_refus
     most, since more wrote empty files, and before anything is written."""
     for option, value in (("--features", 10**9), ("--mean-arity", 1e9)):
         code, _, err = cli(capsys, "generate", tmp_path / "g", "--records", 20, option, value)
-        assert code == 2 and "GiB in memory, more than half of this machine's" in err and "Traceback" not in err
+        assert code == 2 and "GiB in memory, more than half of " in err and "Traceback" not in err
     code, _, err = cli(capsys, "generate", tmp_path / "g", "--records", 20, "--shards", 21)
     assert code == 2 and "--shards must be between 1 and --records (20)" in err
     assert not list((tmp_path / "g").glob("*.parquet"))
@@ -589,7 +589,7 @@ def test_content_columns_come_from_every_row_and_huge_samplings_are_refused(tmp_
         "--runner",
         "local",
     )
-    assert code == 2 and "more than half of this machine's" in err
+    assert code == 2 and "more than half of " in err
 
 
 def test_an_empty_parquet_file_is_named(tmp_path, capsys):

@@ -269,6 +269,8 @@ def test_a_full_disk_is_an_error_naming_the_output_and_leaves_no_report(tmp_path
     code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", *LOCAL)
     assert code == 2 and "cannot write " in err and "No space left on device" in err, err
     assert failing.lstrip(".") in err.split("cannot write ")[1].split(":")[0]
+    assert "free space there, or write to another file system" in err and err.rstrip().endswith("run the command again")
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "b" / "report.json").exists()  # never a 0-byte report a consumer would read
     left = [name for _, _, names in os.walk(tmp_path / "b") for name in names if name.endswith(".tmp")]
     assert not left

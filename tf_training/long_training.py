@@ -28,7 +28,7 @@ from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import internal_path
-from madp.training.plan import PrivacyPlan, earlier_trainings
+from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings
 from madp.training.steps import row_groups
 
 tf = load_tensorflow()
@@ -215,6 +215,32 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
     if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
         return following
     return state
+
+
+def after_stop(output: str, batches_dir: str) -> str:
+    """What an interrupted or failed `madp train` into OUTPUT kept, and how to go on (the end of the command
+    line's one line on it): its checkpoint and --resume; or, where the batches' ledger holds the training
+    as finished (it stopped while writing its outputs) or no checkpoint was kept, a new training."""
+    try:
+        state = interrupted_state(output, batches_dir)
+        training = None if state is None else state.get("training")  # None: a non-private training
+        ledger = earlier_trainings(batches_dir) if training is not None else []
+    except InputError as error:  # a damaged state or ledger, which --resume names too
+        return f"its checkpoint state cannot be read ({error})"
+    entry = next((t for t in ledger if t.get("training") == training), {})
+    fresh = (
+        "train again, into a new OUTPUT" if storage.kind(storage.join(output, "logs")) != "missing" else "train again"
+    )
+    if entry.get("state") == FINISHED:
+        return (
+            f"the training ran all its steps (the batches' ledger holds it as finished) but {output} was not all "
+            f"written, so it cannot be resumed: {fresh} (composed with it)"
+        )
+    if state is not None:
+        return (
+            f"{output} keeps the checkpoint of step {state['step']}: the same command with --resume continues from it"
+        )
+    return f"{output} keeps no checkpoint (--checkpoint-every writes them): {fresh}"
 
 
 def _state_text(state: dict) -> str:

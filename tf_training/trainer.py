@@ -266,11 +266,18 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     A private training holds the batch output's lock from its plan to its last step (its entry in the
     trainings ledger, made before its first step, is then marked finished), so two trainings on one
     batch output (a parallel sweep) run one after the other and the second composes with the first
-    instead of both claiming a single training's guarantee."""
-    if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
-        return _train(batches_dir, output, options)
-    with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
-        return _train(batches_dir, output, options)
+    instead of both claiming a single training's guarantee. A full file system is a `DiskFull` naming
+    `output`: TensorFlow's writes (summaries, checkpoints, the model) raise errors of their own types."""
+    try:
+        if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
+            return _train(batches_dir, output, options)
+        with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
+            return _train(batches_dir, output, options)
+    except (OSError, tf.errors.OpError) as error:
+        full = storage.disk_full(output, error)
+        if full is None:
+            raise
+        raise full from error
 
 
 def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:

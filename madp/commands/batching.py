@@ -131,9 +131,20 @@ def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
         from madp.engines.batch_local import run_local
 
         return run_local(args.selected, args.data, args.output, options)
+    from madp.engines.batch_local import BYTES_PER_SAMPLE
+    from madp.engines.direct_runner import check_direct_runner_memory
+
+    beam_args = ["--runner", args.runner, *beam_args]
+    rows = float(options.sampled_steps) * options.batch_size  # the local engine's estimate, as it samples
+    check_direct_runner_memory(  # before Beam is imported
+        beam_args,
+        "madp batch",
+        rows * BYTES_PER_SAMPLE,
+        f"--steps {options.steps} with --batch-size {options.batch_size:g} sampling about {rows:.3g} rows",
+    )
     from madp.beam.batch import run_beam
 
-    return run_beam(args.selected, args.data, args.output, options, ["--runner", args.runner, *beam_args])
+    return run_beam(args.selected, args.data, args.output, options, beam_args)
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -104,9 +104,13 @@ def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
         from madp.engines.local_engine import run_local
 
         return run_local(args.input, args.output, options)
+    from madp.engines.direct_runner import check_direct_runner_memory
+
+    beam_args = ["--runner", args.runner, *beam_args]
+    check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
     from madp.beam.bound import run_beam
 
-    return run_beam(args.input, args.output, options, ["--runner", args.runner, *beam_args])
+    return run_beam(args.input, args.output, options, beam_args)
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -1,14 +1,22 @@
 """The one error madp reports to users: bad input, options or outputs, with a message that names
-the file, row, option or output and says why."""
+the file, row, option or output and says why; and what turns the machine's limits into it: the memory
+this process may use (the machine's, or its cgroup's limit), a full file system."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+from typing import NamedTuple
 
 
 class InputError(ValueError):
     """Bad input or options, with a message that names the file, row and reason."""
+
+
+class DiskFull(InputError):
+    """A write failed because its file system is full (or the user's disk quota is spent): the message names
+    the path and what the file system holds; the command line adds what was kept and how to go on."""
 
 
 class CheckFailed(InputError):
@@ -31,13 +39,109 @@ def nonnegative(value: float) -> bool:
     return value >= 0 and math.isfinite(value)
 
 
+def size_text(size: float) -> str:
+    """A size in whole GiB, MiB or KiB (rounded, integers: no float overflow at any finite size), or bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{int((size + (1 << (shift - 1))) // (1 << shift)):,} {unit}"
+    return f"{int(size)} B"
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the cgroup file systems are mounted
+PROC_CGROUPS = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
+
+
+class MemoryLimit(NamedTuple):
+    """The memory this process may use, and the cgroup file that sets it (None: the machine's memory)."""
+
+    size: int
+    cgroup_file: str | None
+
+    def named(self) -> str:
+        if self.cgroup_file is None:
+            return f"this machine's {size_text(self.size)}"
+        return f"the {size_text(self.size)} memory limit of this process's cgroup ({self.cgroup_file})"
+
+
+def memory_limit() -> MemoryLimit:
+    """The smaller of this machine's physical memory and the memory limit of this process's cgroup (a
+    container's limit, or a cgroup above it): past the limit the kernel kills the process, whatever the
+    machine holds."""
+    limit = MemoryLimit(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None)
+    for path in _cgroup_limit_files():
+        size = _cgroup_limit(path)
+        if size is not None and size < limit.size:
+            limit = MemoryLimit(size, path)
+    return limit
+
+
+def _cgroup_limit_files() -> list[str]:
+    """The files that may limit this process's memory: cgroup v2's memory.max and v1's
+    memory.limit_in_bytes, of its own cgroup and of every cgroup above it, in the hierarchies that
+    /proc/self/cgroup names. A container with a cgroup namespace of its own sees its cgroup as the
+    root; one without sees a path that its mount does not hold, and then the mount's root files (its
+    own cgroup's) are still among these."""
+    try:
+        with open(PROC_CGROUPS) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # the unified (v2) hierarchy
+            mount, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            mount, name = os.path.join(CGROUP_ROOT, controllers), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        files += [os.path.join(mount, *parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    return files
+
+
+def _cgroup_limit(path: str) -> int | None:
+    """A cgroup memory limit file's bytes; None where it is absent or says "max" (no limit). v1's
+    "no limit" is a huge number, which the physical memory undercuts."""
+    try:
+        with open(path) as handle:
+            text = handle.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def check_memory(needed_bytes: float, what: str, remedy: str) -> None:
-    """Refuse, before allocating, what would hold more than half of this machine's physical memory,
-    so that it is refused by name instead of killed: "{what} about N GiB in memory, more than half
-    of this machine's M GiB: {remedy}" (N rounded to whole GiB in integers: no float overflow at any size)."""
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if needed_bytes > memory / 2:
+    """Refuse, before allocating, what would hold more than half of the memory this process may use (the
+    machine's, or its cgroup's limit if smaller: `memory_limit`), so that it is refused by name instead
+    of killed: "{what} about N GiB in memory, more than half of this machine's M GiB: {remedy}"."""
+    memory = memory_limit()
+    if needed_bytes > memory.size / 2:
         raise InputError(
-            f"{what} about {int((needed_bytes + 2**29) // 2**30):,} GiB in memory, more than half of this machine's "
-            f"{memory / 2**30:.0f} GiB: {remedy}"
+            f"{what} about {size_text(needed_bytes)} in memory, more than half of {memory.named()}: {remedy}"
         )
+
+
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_reason(error: BaseException) -> str | None:
+    """The system's message for a full file system ("No space left on device") or a spent quota ("Disk
+    quota exceeded") where `error`, or an error it was raised from or while handling, is one: by the
+    errno of an OSError where one carries it, else by that message in an error's text (a Beam runner
+    relays a worker's error as text, TensorFlow raises errors of its own without an errno); None
+    otherwise."""
+    chain: list[BaseException] = []
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is not None and all(current is not seen for seen in chain):
+            chain.append(current)
+            pending += [current.__cause__, current.__context__]
+    for current in chain:
+        if isinstance(current, OSError) and current.errno in FULL_DISK_ERRNOS:
+            return os.strerror(current.errno)
+    texts = [str(current) for current in chain]
+    return next(
+        (os.strerror(code) for code in FULL_DISK_ERRNOS if any(os.strerror(code) in text for text in texts)), None
+    )

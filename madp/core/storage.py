@@ -8,6 +8,7 @@ import json
 import os
 import posixpath
 import random
+import shutil
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from madp.core.errors import InputError
+from madp.core.errors import DiskFull, InputError, full_disk_reason, size_text
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -114,7 +115,8 @@ def _is_temporary(name: str) -> bool:
 def write_whole(path: str, write: Callable[[Any], object]) -> None:
     """Write `path` under a hidden temporary name beside it, then rename it into place, so that a full
     disk or a killed process never leaves a truncated file (a 0-byte report.json) for a consumer to
-    take for a finished output. An OSError is an InputError naming the output; the temporary is removed."""
+    take for a finished output. An OSError is an InputError naming the output (a `DiskFull` on a full
+    file system); the temporary is removed, on an interruption (Ctrl-C) too."""
     directory, name = (posixpath if "://" in path else os.path).split(path)
     temporary = join(directory, f".{name}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}")
     filesystem, resolved = _resolve(path)
@@ -122,10 +124,44 @@ def write_whole(path: str, write: Callable[[Any], object]) -> None:
         with open_output(temporary) as handle:
             write(handle)
         filesystem.move(_resolve(temporary)[1], resolved)
-    except OSError as error:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             filesystem.delete_file(_resolve(temporary)[1])
+        if not isinstance(error, OSError):
+            raise
+        full = disk_full(path, error)
+        if full is not None:
+            raise full from error
         raise InputError(f"cannot write {path}: {error.strerror or error}") from error
+
+
+def disk_full(path: str | None, error: BaseException) -> DiskFull | None:
+    """The error to report for `error` met writing `path` (a file, or the directory written into; None
+    where unknown) when it is a full file system or a spent quota (`errors.full_disk_reason`): it names
+    the path, what its file system has free (local paths), and what to do; None for any other error."""
+    reason = full_disk_reason(error)
+    if reason is None:
+        return None
+    if path is None:
+        return DiskFull(f"a write failed: {reason}: free space, or write to another file system")
+    return DiskFull(
+        f"cannot write {path}: {reason}{_free_space(path)}: free space there, or write to another file system"
+    )
+
+
+def _free_space(path: str) -> str:
+    """What the file system of a local path (of its nearest existing directory) has free, for a message;
+    "" for a remote one."""
+    if "://" in path:
+        return ""
+    directory = os.path.abspath(path)
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return ""
+    return f" (its file system has {size_text(usage.free)} free of {size_text(usage.total)})"
 
 
 def kind(path: str) -> str:

@@ -246,13 +246,17 @@ def _lists(lengths: np.ndarray, values: np.ndarray, null_where_empty: bool = Fal
 
 
 def _write_table(table: pa.Table, output: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    """One .jsonl or .parquet file, whole or not at all (`storage.write_whole`): a full disk or a Ctrl-C
+    leaves no truncated file for `madp bound` to read as the dataset."""
     if output.endswith(".jsonl"):
-        with open(output, "w", encoding="utf-8") as handle:
-            for row in table.to_pylist():
-                handle.write(json.dumps(row) + "\n")
+        storage.write_whole(output, lambda handle: _write_jsonl(handle, table))
     else:
         storage.write_parquet(table, output)
+
+
+def _write_jsonl(handle, table: pa.Table) -> None:
+    for batch in table.to_batches(max_chunksize=1 << 16):
+        handle.write("".join(json.dumps(row) + "\n" for row in batch.to_pylist()).encode("utf-8"))
 
 
 def write_dataset(
