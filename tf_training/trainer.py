@@ -269,7 +269,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     instead of both claiming a single training's guarantee."""
     if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
         return _train(batches_dir, output, options)
-    with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
+    with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)", keeps_content=True):
         return _train(batches_dir, output, options)
 
 
