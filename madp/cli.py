@@ -10,7 +10,7 @@ import logging
 import sys
 
 from madp.commands import accounting, batching, bounding, data, report, training
-from madp.commands.registry import Family, Parser, build_parser, seed_argument
+from madp.commands.registry import Family, Parser, build_parser, read_paths, seed_argument, written_directory
 from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 
@@ -101,26 +101,6 @@ def parser() -> Parser:
     return build_parser((*STAGE_FAMILIES, JOBS), DESCRIPTION)
 
 
-def _written_directory(args: argparse.Namespace) -> str | None:
-    """The output directory a command writes (held exclusively while it runs); `madp run` holds its run_dir."""
-    if args.command in ("bound", "batch", "train", "import-mbox"):
-        return args.output
-    if args.command == "generate" and not args.output.endswith((".jsonl", ".parquet")):
-        return args.output
-    return None
-
-
-def _read_paths(args: argparse.Namespace) -> list[str]:
-    """The inputs of a command that writes a directory: none may be, contain or lie inside its output."""
-    named = {
-        "bound": ("input", "capacities"),
-        "batch": ("selected", "data"),
-        "train": ("batches", "eval_data", "calibration", "zero_out"),
-        "import-mbox": ("mbox",),
-    }.get(args.command, ())
-    return [value for name in named if isinstance(value := getattr(args, name, None), str)]
-
-
 def main(argv: list[str] | None = None) -> int:
     madp = parser()
     args, unknown = madp.parse_known_args(argv)
@@ -137,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     # The DirectRunner also relays worker tracebacks; the driver raises the same failure itself.
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
-    output = _written_directory(args)
+    output = written_directory(args)
     try:
         if output:
-            storage.refuse_overlap(output, _read_paths(args))
+            storage.refuse_overlap(output, read_paths(args))
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
     except CheckFailed as error:

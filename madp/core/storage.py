@@ -217,6 +217,45 @@ def clear_directory(directory: str) -> None:
         filesystem.delete_dir_contents(resolved)
 
 
+def written_files(output: str, writes: Callable[[str], bool], command: str) -> list[str]:
+    """The files an earlier run of `command` left in OUTPUT, which this one may replace: those whose path
+    below OUTPUT `writes` says it writes. Any other file there (hidden names aside: no madp input reads
+    them, and the lock's are among them) was not madp's to delete: an InputError names it, before anything
+    is written or deleted."""
+    if kind(output) != "directory":
+        return []
+    root = output.rstrip("/") if "://" in output else os.path.abspath(output)
+    own: list[str] = []
+    foreign: list[str] = []
+    for path in list_files(output, skip_hidden=True):
+        (own if writes(posixpath.relpath(path, root)) else foreign).append(path)
+    if foreign:
+        named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise InputError(
+            f"{output} holds files {command} did not write ({named}): madp replaces only its own outputs and "
+            f"never deletes yours; move them, or write to another OUTPUT"
+        )
+    return own
+
+
+def remove_written(output: str, paths: list[str]) -> None:
+    """Delete `paths` (files below OUTPUT, from `written_files`), then the folders between them and OUTPUT
+    that this leaves empty."""
+    filesystem, root = _resolve(output)
+    folders = set()
+    for path in paths:
+        resolved = _resolve(path)[1]
+        filesystem.delete_file(resolved)
+        folder = posixpath.dirname(resolved)
+        while folder.startswith(root + "/"):
+            folders.add(folder)
+            folder = posixpath.dirname(folder)
+    for folder in sorted(folders, key=len, reverse=True):  # the deepest first
+        listed = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+        if not listed and filesystem.get_file_info(folder).type == pafs.FileType.Directory:
+            filesystem.delete_dir(folder)
+
+
 def link_or_copy(source: str, target: str) -> None:
     """Make `target` read as `source`: a symbolic link on local disks, a copy on object stores (no links)."""
     if "://" not in source and "://" not in target:
