@@ -10,7 +10,7 @@ import logging
 import sys
 
 from madp.commands import accounting, batching, bounding, data, report, training
-from madp.commands.registry import Family, Parser, build_parser, seed_argument
+from madp.commands.registry import Family, Parser, build_parser, read_paths, seed_argument, written_directory
 from madp.core import storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
 from madp.core.selection import REPORT_FILE
@@ -102,26 +102,6 @@ def parser() -> Parser:
     return build_parser((*STAGE_FAMILIES, JOBS), DESCRIPTION)
 
 
-def _written_directory(args: argparse.Namespace) -> str | None:
-    """The output directory a command writes (held exclusively while it runs); `madp run` holds its run_dir."""
-    if args.command in ("bound", "batch", "train", "import-mbox"):
-        return args.output
-    if args.command == "generate" and not args.output.endswith((".jsonl", ".parquet")):
-        return args.output
-    return None
-
-
-def _read_paths(args: argparse.Namespace) -> list[str]:
-    """The inputs of a command that writes a directory: none may be, contain or lie inside its output."""
-    named = {
-        "bound": ("input", "capacities"),
-        "batch": ("selected", "data"),
-        "train": ("batches", "eval_data", "calibration", "zero_out"),
-        "import-mbox": ("mbox",),
-    }.get(args.command, ())
-    return [value for name in named if isinstance(value := getattr(args, name, None), str)]
-
-
 def _after_stop(args: argparse.Namespace) -> str:
     """What an interrupted command, or one stopped by a full disk, kept and how to go on: the end of its
     one line. Outputs are marked finished last (a report, a stage's manifest, a training's model and
@@ -133,7 +113,7 @@ def _after_stop(args: argparse.Namespace) -> str:
         from madp.training.long_training import after_stop
 
         return after_stop(args.output, args.batches)
-    output = _written_directory(args)
+    output = written_directory(args)
     if args.command == "generate":
         if output:
             return f"{output} may hold only some of its Parquet shards: generate again before reading it"
@@ -164,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("apache_beam.runners.common").setLevel(logging.CRITICAL)
     logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.CRITICAL)
     logging.getLogger().addFilter(lambda record: "apitools not found" not in record.getMessage())
-    output = _written_directory(args)
+    output = written_directory(args)
     try:
         if output:
-            storage.refuse_overlap(output, _read_paths(args))
+            storage.refuse_overlap(output, read_paths(args))
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
     except KeyboardInterrupt:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -26,6 +28,20 @@ def write_records(path: str, rows: list[dict]) -> str:
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+def held_by(pid: int, command: str) -> str:
+    """The text of an output's lock (or a reader's mark) as madp process `pid` on this host writes it."""
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "command": command, "since": "now"})
+
+
+@pytest.fixture
+def other_process():
+    """The pid of another live process: a lock or a reader's mark it holds is neither this process's nor stale."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield process.pid
+    process.kill()
+    process.wait()
 
 
 def graph_rows(offsets: np.ndarray, users: np.ndarray, ids=None) -> list[dict]:

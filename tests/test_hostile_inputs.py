@@ -14,7 +14,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import reseal_batches, write_records
+from conftest import held_by, reseal_batches, write_records
 
 from madp.cli import main
 from madp.core import storage
@@ -321,6 +321,61 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, ca
     (tmp_path / "file").write_text("")
     code, _, err = cli(capsys, "bound", data, tmp_path / "file", "-k", "2", "--runner", "local")
     assert code == 2 and "is a file" in err
+
+
+def test_a_link_into_a_folder_another_process_holds_is_refused(tmp_path, capsys, other_process):
+    """OUTPUT given as a link to a stage folder of a running `madp run`: the folders above the link's
+    target hold a lock that counts, as do those above the link (one inside the run's folder)."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    run_dir = tmp_path / "run"
+    (run_dir / "bound").mkdir(parents=True)
+    (run_dir / storage.LOCK_FILE).write_text(held_by(other_process, "run job.yaml"))
+    os.symlink(run_dir / "bound", tmp_path / "link")
+    code, _, err = cli(capsys, "bound", data, tmp_path / "link", "-k", "2", "--runner", "local")
+    assert code == 2 and "being written by another madp process" in err and f"pid {other_process}" in err
+    assert os.listdir(run_dir / "bound") == []
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", run_dir / "stage")  # a link inside the run's folder, to another one
+    code, _, err = cli(capsys, "bound", data, run_dir / "stage", "-k", "2", "--runner", "local")
+    assert code == 2 and "being written by another madp process" in err
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+@pytest.mark.tf
+def test_a_training_never_reads_batches_while_they_are_rewritten(tmp_path, capsys, other_process):
+    """A training reads the batch files a report lists; `madp batch` into the same folder rewrites them.
+    A writer of another process holding the folder refuses the readers (a non-private `madp train`, which
+    takes no lock of its own, and the Python API); a reader's mark refuses a `madp batch` of another
+    process; and batches rewritten between opening and reading them are refused, never read as a mix."""
+    pytest.importorskip("tensorflow")
+    from madp.core.errors import InputError
+    from madp.training import open_batches, read_steps
+
+    data = write_records(str(tmp_path / "d.jsonl"), rows(300))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
+    out = tmp_path / "out"
+    batch = ["batch", tmp_path / "b", data, out, "--steps", "5", "--batch-size", "10", "--runner", "local"]
+    assert cli(capsys, *batch)[0] == 0
+    (out / storage.LOCK_FILE).write_text(held_by(other_process, "batch"))
+    code, _, err = cli(capsys, "train", out, tmp_path / "model", "--mechanism", "none", "--features", "x")
+    assert code == 2 and "being written by another madp process" in err
+    with pytest.raises(InputError, match="being written by another madp process"):
+        open_batches(str(out))
+    (out / storage.LOCK_FILE).unlink()
+
+    steps = read_steps(open_batches(str(out)), ["x", "label"])
+    next(steps)  # reading
+    writer = subprocess.run(
+        [sys.executable, "-m", "madp.cli", "-q", *map(str, batch)], capture_output=True, text=True, timeout=300
+    )
+    assert writer.returncode == 2 and "is being read by another madp process" in writer.stderr, writer.stderr
+    assert len(list(steps)) == 4  # the other steps, of the same batches
+    assert [name for name in os.listdir(out) if name.startswith(storage.LOCK_FILE)] == []  # the mark is gone
+
+    opened = open_batches(str(out))
+    assert cli(capsys, *batch)[0] == 0  # a fresh secret sampling: other rows
+    with pytest.raises(InputError, match="rewritten since"):
+        next(read_steps(opened, ["x", "label"]))
 
 
 @pytest.mark.parametrize("engine", ENGINE_CASES)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 import yaml
+from conftest import crash_at, held_by
 
 from madp.cli import main
+from madp.core import storage
 
 pytest.importorskip("tensorflow")
 
@@ -52,6 +55,15 @@ def digest(directory) -> str:
             if name.endswith((".tfrecord", ".parquet")):
                 hashes.update(open(os.path.join(root, name), "rb").read())
     return hashes.hexdigest()
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file below a directory (by its path there) and its bytes."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+        for root, _, files in os.walk(directory)
+        for name in files
+    }
 
 
 @pytest.mark.slow
@@ -140,3 +152,87 @@ def test_set_needs_key_and_value(tmp_path, capsys):
     config = write_config(tmp_path / "job.yaml", tmp_path / "run")
     assert main(["-q", "run", config, "--set", "bound.max_contributions"]) == 2
     assert "expected key=value" in capsys.readouterr().err
+
+
+def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path, capsys):
+    """DP-SGD on Poisson batches relies on the secret sampling: a second training on them is refused
+    unless retrained. A changed train option must not have deleted the finished model first; undone, the
+    stage is up to date again; with retrain: true the new training replaces it, logs and all."""
+    config = write_config(
+        tmp_path / "job.yaml", tmp_path / "run", batch__min_sep=1, calibrate={"epsilon": 4, "delta": 1e-5}
+    )
+    run(capsys, config)
+    train = tmp_path / "run" / "train"
+    finished = snapshot(train)
+    assert {"model.keras", "metrics.json", "privacy.json"} <= set(finished)
+    assert main(["-q", "run", config, "--set", "train.learning_rate=0.1"]) == 2
+    assert "--retrain" in capsys.readouterr().err
+    assert snapshot(train) == finished
+    assert statuses(run(capsys, config))["train"] == "skipped"
+    replaced = run(capsys, config, "--set", "train.learning_rate=0.1", "--set", "train.retrain=true")
+    assert statuses(replaced)["train"] == "ran"
+    assert json.load(open(train / "metrics.json"))["learning_rate"] == 0.1
+    assert json.load(open(train / "privacy.json"))["composition"]["trainings"] == 2
+    assert len(os.listdir(train / "logs")) == 1  # the earlier training's events replaced, not mixed in
+
+
+def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp_path, capsys, monkeypatch):
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run", train__checkpoint_every=10)
+    with monkeypatch.context() as patch:
+        crash_at(patch, 15)
+        with pytest.raises(KeyboardInterrupt):
+            main(["-q", "run", config])
+    capsys.readouterr()
+    state = tmp_path / "run" / "train" / "internal" / "checkpoints" / "state.json"
+    assert json.load(open(state))["step"] == 10
+    assert main(["-q", "run", config]) == 2  # a fresh training: the checkpoint is the user's to resume or drop
+    err = capsys.readouterr().err
+    assert "holds a checkpoint of an interrupted training" in err and "train.resume: true" in err
+    assert json.load(open(state))["step"] == 10
+    resumed = run(capsys, config, "--set", "train.resume=true")
+    assert statuses(resumed)["train"] == "ran"
+    metrics = json.load(open(tmp_path / "run" / "train" / "metrics.json"))
+    assert metrics["resumed_at"] == 10 and metrics["final"]["step"] == 30
+    assert not state.parent.exists()  # a finished training removes its checkpoints
+
+
+def test_files_of_yours_inside_a_stage_folder_are_never_deleted(tmp_path, capsys):
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run")
+    run(capsys, config)
+    train, records = tmp_path / "run" / "train", tmp_path / "run" / "records"
+    (train / "notes.txt").write_text("mine")
+    finished = snapshot(train)
+    assert main(["-q", "run", config, "--set", "train.eval_every=5"]) == 2
+    err = capsys.readouterr().err
+    assert "notes.txt" in err and "did not write" in err
+    assert snapshot(train) == finished
+    held_out = train / "held-out.parquet"  # the user's evaluation data, inside the stage's folder
+    shutil.copy(tmp_path / "run" / "test.parquet", held_out)
+    assert main(["-q", "run", config, "--set", f"train.eval_data={held_out}"]) == 2
+    assert f"overlaps input {held_out}" in capsys.readouterr().err
+    assert held_out.exists()
+    (records / "notes.txt").write_text("mine")
+    assert main(["-q", "run", config, "--set", "generate.shards=2"]) == 2
+    assert "notes.txt" in capsys.readouterr().err and (records / "notes.txt").exists()
+    (records / "notes.txt").unlink()
+    (train / "notes.txt").unlink()
+    held_out.unlink()
+    assert set(statuses(run(capsys, config, "--set", "generate.shards=2")).values()) == {"ran"}
+    assert sorted(os.listdir(records)) == ["part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
+
+
+def test_a_stage_folder_another_process_writes_is_left_to_it(tmp_path, capsys, other_process):
+    """A standalone `madp train` writing run_dir/train (its lock, logs and a checkpoint): the run stops with
+    one error naming it, and nothing of it is deleted."""
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run")
+    run(capsys, config)
+    train = tmp_path / "run" / "train"
+    (train / "internal" / "checkpoints").mkdir()
+    (train / "internal" / "checkpoints" / "ckpt-5.index").write_bytes(b"a checkpoint")
+    (train / storage.LOCK_FILE).write_text(held_by(other_process, "train"))
+    held = snapshot(train)
+    assert main(["-q", "run", config, "--set", "train.eval_every=5"]) == 2
+    err = capsys.readouterr().err
+    assert "is being written by another madp process" in err and f"pid {other_process}" in err
+    assert "Traceback" not in err
+    assert snapshot(train) == held

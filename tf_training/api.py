@@ -247,7 +247,11 @@ class PrivateTrainingStep(PrivateStep):
                     f"releases_from_checkpoints: this thread no longer holds the lock of {batches}; a "
                     f"continuation from the same checkpoint could run meanwhile (this step did not run)"
                 )
-            held = contextlib.nullcontext() if storage.holds(batches) else storage.exclusive(batches, LEDGER_WRITER)
+            held = (
+                contextlib.nullcontext()
+                if storage.holds(batches)
+                else storage.exclusive(batches, LEDGER_WRITER, keeps_content=True)
+            )
             try:
                 with held:
                     self._enter_locked(batches, state, resumable_from)

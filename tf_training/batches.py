@@ -33,11 +33,30 @@ class Batches:
         return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
 
 
+READER = "reading the batches (madp train, or the Python API)"  # what a reader's mark on them says
+
+
 def open_batches(directory: str) -> Batches:
     """The batches of a local or remote (gs://, s3://, hdfs://) finished `madp batch` output: exactly
-    the files its report lists, each with its recorded size and SHA-256."""
-    if storage.kind(storage.join(directory, "schema.json")) != "file":
-        raise InputError(f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)")
-    files = tuple(batch_files(directory))
-    schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
-    return Batches(directory, files, schema, read_report(directory, "batch"))
+    the files its report lists, each with its recorded size and SHA-256; refused while another process
+    holds the folder to write it (the files, the schema and the report are read under a reader's mark,
+    so that all three are of one `madp batch`)."""
+    with storage.reading(directory, READER):
+        if storage.kind(storage.join(directory, "schema.json")) != "file":
+            raise InputError(
+                f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)"
+            )
+        files = tuple(batch_files(directory))
+        schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
+        return Batches(directory, files, schema, read_report(directory, "batch"))
+
+
+def unchanged(batches: Batches) -> None:
+    """Refuse batches that a `madp batch` rewrote since `open_batches` read them (their report, which lists
+    every file's SHA-256, differs): their files are no longer those of the report they were opened with.
+    Call it under a reader's mark (`storage.reading`), which then keeps any writer out while they are read."""
+    if read_report(batches.directory, "batch") != batches.report:
+        raise InputError(
+            f"{batches.directory}: rewritten since it was opened (its report.json changed: a `madp batch` wrote "
+            f"other batches there); open it again (open_batches) to read what it holds now"
+        )

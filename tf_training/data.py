@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from madp.core import storage
 from madp.core.errors import InputError
 from madp.training import load_tensorflow
-from madp.training.batches import Batches
+from madp.training.batches import READER, Batches, unchanged
 
 tf = load_tensorflow()
 
@@ -31,8 +32,17 @@ def step_batches(batches: Batches, names: list[str]):
     """Yield (step, {feature: array}) for every step 0..T-1 in order, rows of a step together.
 
     Files hold rows in step order; rows are parsed in blocks and regrouped by step, so memory
-    holds a block and one step, not the dataset. A step without rows yields empty arrays.
+    holds a block and one step, not the dataset. A step without rows yields empty arrays. The files are
+    read under a reader's mark on their folder, which refuses a `madp batch` of another process into it
+    until the last step is read (or the iteration is closed), and only if they are still those of the
+    report they were opened with: a training never reads a mix of two batchings.
     """
+    with storage.reading(batches.directory, READER):
+        unchanged(batches)
+        yield from _steps(batches, names)
+
+
+def _steps(batches: Batches, names: list[str]):
     spec = feature_spec(batches.schema, sorted(set(names) | {"step", "weight"}))
     dataset = (
         tf.data.TFRecordDataset(list(batches.files))

@@ -7,10 +7,12 @@ public parameters, may be published. OUTPUT/internal/ holds the rest, with a NOT
 
 from __future__ import annotations
 
+import fnmatch
 import json
 
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.selection import REJECTED_DIR
 
 INTERNAL_DIR = "internal"  # OUTPUT/internal/: never published (see NOTICE)
 NOTICE = """INTERNAL - do not publish this folder.
@@ -33,6 +35,28 @@ EVALUATION_FILE = "evaluation.json"  # OUTPUT/internal/: the evaluations on --ev
 EVALUATION_FIELDS = ("eval", "final", "pretrained_eval")  # a training's evaluations, in either file
 TIMING_FILE = "timing.json"  # OUTPUT/internal/: the training's timings
 TIMING_FIELDS = ("wall_time_s", "steps_per_s")
+CHECKPOINTS = "checkpoints"  # OUTPUT/internal/checkpoints/: an interrupted training's, until it finishes
+EVENTS = "events.out.tfevents.*"  # TensorBoard's event files
+# What a finished training leaves in OUTPUT (below it, as `fnmatch` patterns): what `madp train --replace`
+# replaces. Its checkpoints are not among them: a finished training removes them, and an interrupted one's
+# are resumed, never replaced.
+WRITTEN = (
+    "model.keras",
+    "metrics.json",
+    "privacy.json",
+    f"logs/{EVENTS}",
+    f"{INTERNAL_DIR}/NOTICE.txt",
+    f"{INTERNAL_DIR}/{EVALUATION_FILE}",
+    f"{INTERNAL_DIR}/{TIMING_FILE}",
+    f"{INTERNAL_DIR}/logs/{EVENTS}",
+    f"{REJECTED_DIR}/rejected.jsonl",
+    f"{REJECTED_DIR}/counts.json",
+)
+
+
+def written_by_training(relative: str) -> bool:
+    """Whether a file at this path below a training's OUTPUT is one a finished training writes."""
+    return any(fnmatch.fnmatchcase(relative, pattern) for pattern in WRITTEN)
 
 
 def internal_path(output: str, *parts: str) -> str:

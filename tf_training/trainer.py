@@ -49,12 +49,14 @@ from madp.training.long_training import (
 )
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import (
+    CHECKPOINTS,
     EVALUATION_FIELDS,
     EVALUATION_FILE,
     INTERNAL_DIR,
     TIMING_FIELDS,
     TIMING_FILE,
     internal_path,
+    written_by_training,
 )
 from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
@@ -185,19 +187,21 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
 
 def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
     """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
-    batches' ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint or
-    another training's logs is refused."""
+    batches' ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint is
+    refused, and so is one into an output holding another training's logs unless --replace."""
     state = interrupted_state(output, batches_dir)
     if not options.resume:
-        if state is not None:
+        checkpoints = storage.join(output, INTERNAL_DIR, CHECKPOINTS)
+        if state is not None or (options.replace and storage.kind(checkpoints) != "missing"):
             raise InputError(
-                f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it (a new "
-                f"training would compose with it: the batches' ledger holds it since its first step)"
+                f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
+                f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
+                f"compose with it: the batches' ledger holds it since its first step)"
             )
-        if storage.kind(storage.join(output, "logs")) != "missing":
+        if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
             raise InputError(
                 f"{output} holds the logs of an earlier training (published with its model): train into a "
-                f"new OUTPUT, so that no folder mixes two trainings' figures"
+                f"new OUTPUT, so that no folder mixes two trainings' figures, or replace that training (--replace)"
             )
         return None
     if state is None:
@@ -271,7 +275,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     try:
         if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
             return _train(batches_dir, output, options)
-        with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)"):
+        with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)", keeps_content=True):
             return _train(batches_dir, output, options)
     except (OSError, tf.errors.OpError) as error:
         full = storage.disk_full(output, error)
@@ -313,6 +317,11 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     if own_optimizer is not None:
         _refuse_optimizer_flags(options)
     interrupted = _resume_point(batches_dir, output, options)
+    # --replace: an earlier training's outputs, replaced once this one's checks (plan, ledger) have passed;
+    # files madp does not write are refused here, before the plan is computed.
+    replaced = []
+    if options.replace and interrupted is None:
+        replaced = storage.written_files(output, written_by_training, "madp train")
     resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
     needs_checkpoints = options.checkpoint_every or resumed
     user_level = batches.report["sampler"] == "users"
@@ -372,8 +381,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
     planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
     evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
-    checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
+    storage.remove_written(output, replaced)  # the last check passed: from here on OUTPUT is this training's
+    checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     metrics: list[dict] = []
     if checkpoints is not None and interrupted is not None:
         checkpoints.restore(interrupted, planned)

@@ -71,6 +71,27 @@ class Parser(argparse.ArgumentParser):
             build(args)
 
 
+def written_directory(args: argparse.Namespace) -> str | None:
+    """The output directory a command writes (held exclusively while it runs); `madp run` holds its run_dir."""
+    if args.command in ("bound", "batch", "train", "import-mbox"):
+        return args.output
+    if args.command == "generate" and not args.output.endswith((".jsonl", ".parquet")):
+        return args.output
+    return None
+
+
+def read_paths(args: argparse.Namespace) -> list[str]:
+    """The inputs of a command that writes a directory: none may be, contain or lie inside its output
+    (the CLI refuses it, and `madp run` for each of its stages before any runs)."""
+    named = {
+        "bound": ("input", "capacities"),
+        "batch": ("selected", "data"),
+        "train": ("batches", "eval_data", "calibration", "zero_out", "pretrained"),
+        "import-mbox": ("mbox",),
+    }.get(args.command, ())
+    return [value for name in named if isinstance(value := getattr(args, name, None), str)]
+
+
 def build_parser(families: tuple[Family, ...], description: str) -> Parser:
     parser = Parser(prog="madp", description=description)
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")

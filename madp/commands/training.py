@@ -253,6 +253,13 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue from OUTPUT's last checkpoint to the same T steps under the same plan (fresh noise key)",
     )
+    long.add_argument(
+        "--replace",
+        action="store_true",
+        help="OUTPUT may hold an earlier finished training: its outputs are replaced once this training's "
+        "checks (plan, ledger) pass; a checkpoint, or a file madp train does not write, is refused by name "
+        "(what madp run's train and baseline stages do); nothing is replaced under --resume",
+    )
 
 
 def train_options(args: argparse.Namespace):
@@ -311,6 +318,7 @@ def train_options(args: argparse.Namespace):
         warmup_steps=args.warmup_steps,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        replace=args.replace,
         internal_scalars=args.internal_scalars,
         pretrained=args.pretrained,
         lora_rank=args.lora_rank,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import random
@@ -21,6 +22,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from madp.core.errors import DiskFull, InputError, full_disk_reason, size_text
+
+log = logging.getLogger("madp.storage")
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -236,9 +239,9 @@ def content_digest(path: str, ignore: tuple[str, ...] = (), skip_hidden: bool = 
     digest = hashlib.sha256()
     for name in files:
         base = posixpath.basename(name)
-        # claims of the lock, and write_whole's temporaries: not what a reader reads
-        written = base.startswith(CLAIM_PREFIX) or _is_temporary(base)
-        if base not in (LOCK_FILE, *ignore) and not written:
+        # the lock, its claims and readers' marks, and write_whole's temporaries: not what a reader reads
+        written = base.startswith(LOCK_FILE) or _is_temporary(base)
+        if base not in ignore and not written:
             relative = posixpath.relpath(name, root) if found == "directory" else ""
             digest.update(f"{relative}\0{sha256(name)}\n".encode())
     return digest.hexdigest()
@@ -248,6 +251,45 @@ def clear_directory(directory: str) -> None:
     filesystem, resolved = _resolve(directory)
     if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:
         filesystem.delete_dir_contents(resolved)
+
+
+def written_files(output: str, writes: Callable[[str], bool], command: str) -> list[str]:
+    """The files an earlier run of `command` left in OUTPUT, which this one may replace: those whose path
+    below OUTPUT `writes` says it writes. Any other file there (hidden names aside: no madp input reads
+    them, and the lock's are among them) was not madp's to delete: an InputError names it, before anything
+    is written or deleted."""
+    if kind(output) != "directory":
+        return []
+    root = output.rstrip("/") if "://" in output else os.path.abspath(output)
+    own: list[str] = []
+    foreign: list[str] = []
+    for path in list_files(output, skip_hidden=True):
+        (own if writes(posixpath.relpath(path, root)) else foreign).append(path)
+    if foreign:
+        named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise InputError(
+            f"{output} holds files {command} did not write ({named}): madp replaces only its own outputs and "
+            f"never deletes yours; move them, or write to another OUTPUT"
+        )
+    return own
+
+
+def remove_written(output: str, paths: list[str]) -> None:
+    """Delete `paths` (files below OUTPUT, from `written_files`), then the folders between them and OUTPUT
+    that this leaves empty."""
+    filesystem, root = _resolve(output)
+    folders = set()
+    for path in paths:
+        resolved = _resolve(path)[1]
+        filesystem.delete_file(resolved)
+        folder = posixpath.dirname(resolved)
+        while folder.startswith(root + "/"):
+            folders.add(folder)
+            folder = posixpath.dirname(folder)
+    for folder in sorted(folders, key=len, reverse=True):  # the deepest first
+        listed = filesystem.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+        if not listed and filesystem.get_file_info(folder).type == pafs.FileType.Directory:
+            filesystem.delete_dir(folder)
 
 
 def link_or_copy(source: str, target: str) -> None:
@@ -269,32 +311,42 @@ def remove_file(path: str) -> None:
 
 LOCK_FILE = ".madp.lock"
 CLAIM_PREFIX = LOCK_FILE + ".claim-"  # a remote writer's claim to the lock (`_take_remote`)
+READER_PREFIX = LOCK_FILE + ".reader-"  # a reader's mark (`reading`): writers are refused while it is there
 
 
 class OutputLocked(InputError):
     """Another process is writing the output directory (or it cannot be written at all)."""
 
 
-@contextlib.contextmanager
-def exclusive(output: str, command: str):
-    """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
-    instead of mixing its files with ours; an OUTPUT inside a directory another process holds (a stage
-    folder of a running `madp run`) is refused too. Local directories lock atomically (O_EXCL); a lock left by
-    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
-    it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
-    one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
-    if kind(output) == "file":
-        raise OutputLocked(f"{output} is a file; the output must be a directory")
-    lock = join(output, LOCK_FILE)
-    holder = json.dumps(
+def _holder_text(command: str, **fields: object) -> str:
+    """What a lock or a reader's mark says of its process: a message names it, `_stale` checks it."""
+    return json.dumps(
         {
             "pid": os.getpid(),
             "thread": threading.get_ident(),
             "host": socket.gethostname(),
             "command": command,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **fields,
         }
     )
+
+
+@contextlib.contextmanager
+def exclusive(output: str, command: str, keeps_content: bool = False):
+    """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
+    instead of mixing its files with ours; an OUTPUT inside a directory another process holds (a stage
+    folder of a running `madp run`) is refused too, and so is one that a reader of another process is
+    reading (`reading`: a training on batches). `keeps_content`: the holder changes nothing that readers
+    read (the trainings ledger of batches, which no reader's data includes), so readers go on meanwhile.
+    Local directories lock atomically (O_EXCL); a lock left by
+    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
+    it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
+    one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
+    if kind(output) == "file":
+        raise OutputLocked(f"{output} is a file; the output must be a directory")
+    lock = join(output, LOCK_FILE)
+    holder = _holder_text(command, **({"keeps_content": True} if keeps_content else {}))
     try:
         _refuse_enclosing_writer(output)
         claim = None
@@ -305,11 +357,54 @@ def exclusive(output: str, command: str):
     except PermissionError as error:
         raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
     try:
+        if not keeps_content:  # after taking the lock: a reader that marked before we took it is seen here
+            _refuse_readers(output)
         yield
     finally:
         remove_file(lock)
         if claim is not None:
             remove_file(claim)  # after the lock: a crash between them leaves the output refused, not open
+
+
+@contextlib.contextmanager
+def reading(directory: str, reader: str):
+    """Hold a reader's mark (DIRECTORY/.madp.lock.reader-<random>) while `reader` reads DIRECTORY, so that
+    a writer of another process (`exclusive`: `madp batch` rewriting the batches) is refused instead of
+    changing the files under it; a DIRECTORY that another process holds to write it is refused. The
+    reader marks before it looks for the lock and the writer takes the lock before it looks for marks, so
+    of the two at least one sees the other. Readers never refuse each other, and a process never refuses
+    itself (a training holds its batches' lock to write their ledger while it reads them). Where the mark
+    cannot be written (read-only storage) the reader goes on, with a warning, after the lock's check."""
+    if kind(directory) != "directory":  # nothing to read: the reader's own error says so
+        yield
+        return
+    mark, marked = join(directory, f"{READER_PREFIX}{uuid.uuid4().hex}"), True
+    try:
+        write_text(mark, _holder_text(reader))
+    except InputError as error:
+        log.warning("%s: a writer started meanwhile would not be refused (%s)", directory, error)
+        marked = False
+    try:
+        lock = join(directory, LOCK_FILE)
+        if kind(lock) == "file" and not _stale(lock) and not _ours(lock) and not _holder(lock).get("keeps_content"):
+            raise OutputLocked(_held(lock))
+        yield
+    finally:
+        if marked:
+            remove_file(mark)
+
+
+def _refuse_readers(output: str) -> None:
+    """Refuse a writer of OUTPUT while a live reader of another process marks it (`reading`); a mark left
+    by a killed process on this host is removed."""
+    for mark in _listed(output, READER_PREFIX):
+        if _stale(mark):
+            remove_file(mark)
+        elif not _ours(mark):
+            raise OutputLocked(
+                f"{output} is being read by another madp process ({_holder_of(mark, '')}); wait for it, or if "
+                f"none is running remove {mark}"
+            )
 
 
 def _absolute(path: str) -> str:
@@ -339,16 +434,19 @@ def refuse_overlap(output: str, inputs: list[str]) -> None:
 
 
 def _enclosing_locks(output: str) -> list[str]:
-    """The lock files of the directories above OUTPUT (a `madp run` holds its run_dir's)."""
+    """The lock files of the directories above OUTPUT (a `madp run` holds its run_dir's). A local OUTPUT's
+    are those above it as given and above where its links lead: a link inside a running `madp run`'s
+    run_dir, and a link elsewhere to one of its stage folders, both find that run's lock."""
     if "://" in output:
         scheme, rest = output.split("://", 1)
         parts = rest.rstrip("/").split("/")
         return [f"{scheme}://{'/'.join(parts[:i])}/{LOCK_FILE}" for i in range(len(parts) - 1, 0, -1)]
-    directory, locks = os.path.abspath(output), []
-    while (parent := os.path.dirname(directory)) != directory:
-        directory = parent
-        locks.append(os.path.join(directory, LOCK_FILE))
-    return locks
+    locks: dict[str, None] = {}  # in order, once each
+    for directory in (os.path.abspath(output), os.path.realpath(output)):
+        while (parent := os.path.dirname(directory)) != directory:
+            directory = parent
+            locks[os.path.join(directory, LOCK_FILE)] = None
+    return list(locks)
 
 
 def _refuse_enclosing_writer(output: str) -> None:
@@ -400,7 +498,8 @@ def _take_remote(output: str, lock: str, holder: str) -> str:
         claim = join(output, name)
         try:
             write_text(claim, holder)
-            others = [posixpath.basename(path) for path in _claims(output) if posixpath.basename(path) != name]
+            claims = _listed(output, CLAIM_PREFIX)
+            others = [posixpath.basename(path) for path in claims if posixpath.basename(path) != name]
             if not others:
                 write_text(lock, holder)
                 return claim
@@ -432,12 +531,13 @@ def _take_remote(output: str, lock: str, holder: str) -> str:
 _CLAIM_TRIES = 5  # waits of 0.2-1 s, doubling: at most 15 s in all
 
 
-def _claims(output: str) -> list[str]:
+def _listed(output: str, prefix: str) -> list[str]:
+    """The files directly in OUTPUT whose names start with `prefix` (writers' claims, readers' marks)."""
     try:
         listed = list_files(output, recursive=False)
-    except OSError as error:
+    except (OSError, InputError) as error:
         raise OutputLocked(f"cannot list {output} to take its lock: {error}") from error
-    return [path for path in listed if posixpath.basename(path).startswith(CLAIM_PREFIX)]
+    return [path for path in listed if posixpath.basename(path).startswith(prefix)]
 
 
 def _take_local(output: str, lock: str, holder: str) -> None:
@@ -477,9 +577,9 @@ def _held(lock: str) -> str:
     )
 
 
-def _holder_of(lock: str) -> str:
+def _holder_of(lock: str, program: str = "madp ") -> str:
     holder = _holder(lock)
     try:
-        return f"pid {holder['pid']} on {holder['host']}, `madp {holder['command']}`, since {holder['since']}"
+        return f"pid {holder['pid']} on {holder['host']}, `{program}{holder['command']}`, since {holder['since']}"
     except KeyError:
         return "an unknown process"

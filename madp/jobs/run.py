@@ -44,15 +44,38 @@ def fingerprint(stage: Stage) -> str:
 
 def _writing(stage: Stage):
     """Hold the stage's output directory (OUTPUT/.madp.lock) while the stage writes it, as a standalone
-    command would: a `madp bound` already writing run_dir/bound makes the run stop instead of mixing in.
-    The audit takes its own lock; files (calibration.json, the pages) are written whole at the end."""
+    command would: a `madp bound` already writing run_dir/bound, or a `madp train` run_dir/train, makes
+    the run stop instead of mixing in. A verifier writes nothing: it holds a reader's mark on the folder it
+    checks. The audit takes its own lock; files (calibration.json, the pages) are written whole at the end."""
     if stage.name == "audit" or stage.output.endswith((".json", ".html")):
         return contextlib.nullcontext()
+    if stage.name.startswith("verify-"):
+        return storage.reading(stage.output, f"madp run stage {stage.name}")
     return storage.exclusive(stage.output, f"run stage {stage.name}")
 
 
 def _manifest(run_dir: str, stage: Stage) -> str:
     return storage.join(run_dir, MANIFESTS, f"{stage.name}.json")
+
+
+def _run_stage(run_dir: str, stage: Stage, parser: Parser) -> dict:
+    """Run a stage whose output's lock is held. Nothing of its output is deleted for it: the stage itself
+    replaces its earlier outputs after its own checks (`madp train --replace`, generate's shards, bound's and
+    batch's outputs). Its manifest goes first, so that a stage stopped half-way is never taken for done;
+    a stage that stops having changed nothing of its output (refused by its own checks: the ledger, a
+    checkpoint to resume, a file of the user's) gets it back, so that the outputs it left in place stay up
+    to date for the options and inputs they were made from."""
+    args, extra = parser.parse_known_args(stage.command)
+    manifest = _manifest(run_dir, stage)
+    recorded = storage.read_text(manifest) if storage.kind(manifest) == "file" else None
+    before = storage.content_digest(stage.output) if recorded is not None else None
+    storage.remove_file(manifest)
+    try:
+        return calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
+    except BaseException:
+        if recorded is not None and storage.content_digest(stage.output) == before:
+            storage.write_text(manifest, recorded)
+        raise
 
 
 def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
@@ -111,14 +134,9 @@ def run_stages(
             before_bounding()
             before_bounding = None
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
-        if stage.name in ("generate", "train", "baseline"):
-            storage.clear_directory(stage.output)  # these write fresh outputs; bound and batch clear their own
         stage_started = time.perf_counter()
-        manifest = _manifest(run_dir, stage)
-        storage.remove_file(manifest)
-        args, extra = parser.parse_known_args(stage.command)
         with _writing(stage):
-            result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
+            result = _run_stage(run_dir, stage, parser)
         if result.get("ok") is False:
             raise CheckFailed(
                 f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result
@@ -129,7 +147,8 @@ def run_stages(
                 f"describe neither version; nothing is recorded as done: run again once they stay put"
             )
         storage.write_text(
-            manifest, json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2)
+            _manifest(run_dir, stage),
+            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2),
         )
         summary["stages"].append({"stage": stage.name, "status": "ran"})
         timings[stage.name] = round(time.perf_counter() - stage_started, 3)

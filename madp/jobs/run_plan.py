@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import yaml
 
-from madp.commands.registry import CommandParser, Parser
+from madp.commands.registry import CommandParser, Parser, read_paths
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.records import users_columns_of
@@ -301,6 +301,9 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
     clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
     # files the trainings read besides the batches: a pretrained model replaced at the same path re-runs them
     read = tuple(str(train[key]) for key in ("eval_data", "pretrained") if train.get(key))
+    # A changed option re-runs a training into the same folder: it replaces the earlier one's outputs
+    # itself, once its checks (plan, ledger) pass, and never under resume (`madp train --replace`).
+    flags.append("--replace")
     plan.stages.append(
         Stage(
             "train",
@@ -422,5 +425,7 @@ def _check(parser: Parser, stage: Stage) -> None:
         raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
     try:
         parser.check_options(args)
+        if not stage.name.startswith("verify-"):  # a verifier writes nothing: its output is the folder it checks
+            storage.refuse_overlap(stage.output, [*stage.inputs, *read_paths(args)])
     except InputError as error:
         raise InputError(f"config {stage.name}: {error}") from error

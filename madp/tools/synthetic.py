@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -259,6 +260,11 @@ def _write_jsonl(handle, table: pa.Table) -> None:
         handle.write("".join(json.dumps(row) + "\n" for row in batch.to_pylist()).encode("utf-8"))
 
 
+def _is_shard(relative: str) -> bool:
+    """A name `write_dataset` gives a Parquet shard of a directory OUTPUT."""
+    return re.fullmatch(r"part-\d+-of-\d+\.parquet", relative) is not None
+
+
 def write_dataset(
     data: SyntheticData,
     spec: GraphSpec,
@@ -270,10 +276,13 @@ def write_dataset(
 ) -> dict:
     """Write to one .jsonl/.parquet file, or to `shards` Parquet files in a directory; with
     `holdout`, a seeded random `holdout_fraction` of the records goes to that file instead. `users_as`:
-    see `to_table`."""
+    see `to_table`. A directory's shards of an earlier run are replaced: the new ones are written, then
+    those they did not overwrite (another --shards) removed; a file there that madp did not write is
+    refused by name before anything is written (a reader of the directory would take it for records)."""
     directory = not output.endswith((".jsonl", ".parquet"))
     if directory and not 1 <= shards <= spec.records:  # before anything is written
         raise InputError(f"--shards must be between 1 and --records ({spec.records}): more would write empty files")
+    earlier = storage.written_files(output, _is_shard, "madp generate") if directory else []
     table = to_table(data, users_as)
     held_out = 0
     if holdout is not None:
@@ -287,11 +296,13 @@ def write_dataset(
     else:
         os.makedirs(output, exist_ok=True)
         bounds = np.linspace(0, len(table), shards + 1).astype(int)
-        for shard in range(shards):
-            storage.write_parquet(
-                table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]),
-                os.path.join(output, f"part-{shard:05d}-of-{shards:05d}.parquet"),
-            )
+        written = [
+            os.path.join(os.path.abspath(output), f"part-{shard:05d}-of-{shards:05d}.parquet")
+            for shard in range(shards)
+        ]
+        for shard, path in enumerate(written):
+            storage.write_parquet(table.slice(bounds[shard], bounds[shard + 1] - bounds[shard]), path)
+        storage.remove_written(output, [path for path in earlier if path not in written])
     degree = np.bincount(data.users)
     degree = degree[degree > 0]
     return {
