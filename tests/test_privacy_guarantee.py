@@ -301,6 +301,9 @@ def assert_nothing_published_times_the_run_or_shows_its_sampling(run_dir, summar
     files = _published_files(run_dir)
     contents = {path: open(path, "rb").read() for path in files}
     texts = [data.decode("latin-1") for data in contents.values()] + [json.dumps(summary)]
+    images = [base64.b64decode(png) for text in texts for png in re.findall(r"data:image/png;base64,([\w+/=]+)", text)]
+    assert images, "report.html's plots are read too (their PNG metadata)"
+    texts += [image.decode("latin-1") for image in images]
     low, high = started - 2, ended + 2
 
     def is_clock(number: float) -> bool:
