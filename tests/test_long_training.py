@@ -8,7 +8,11 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
+import socket
+import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -134,6 +138,47 @@ def test_published_outputs_carry_no_internal_scalars(batches):
     assert plan is not None and spent == sorted(spent) and spent[-1] == pytest.approx(plan.epsilon, rel=0.05)
     assert spent[-1] >= plan.epsilon  # the coarser grid only adds
     assert spent[-1] == pytest.approx(epsilon_spent(plan, STEPS), rel=1e-6)
+
+
+def test_tensorboard_scalars_and_the_model_carry_no_clock_time(batches, monkeypatch):
+    """Every event's wall_time is its step, and each event file is named by the step its training starts
+    at: no start time, host or process id (tf.summary's writer puts all three there and stamps each
+    event with the time it was written, which would time every step). TensorBoard reads the scalars,
+    and a resumed training's file sorts after the interrupted one's. model.keras holds no time of
+    saving (Keras writes it into metadata.json and the weights' zip entry)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    directory, out, _ = batches
+    output = str(directory / "stamped")
+    options = TrainOptions(noise_multiplier=1.0, bands=2, lr_schedule="cosine", checkpoint_every=4, eval_every=4)
+    started = time.time()
+    crash_at(monkeypatch, 6)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(out, output, options)
+    monkeypatch.undo()
+    plan = stated_plan(trainer.train(out, output, TrainOptions(**{**vars(options), "resume": True}))["privacy"])
+    ended = time.time()
+    logs = os.path.join(output, "logs")
+    names = sorted(os.listdir(logs))
+    assert names == ["events.out.tfevents.0000000000.madp", "events.out.tfevents.0000000004.madp"]
+    for name, first_step in zip(names, (0, 4)):
+        assert socket.gethostname() not in name and str(os.getpid()) not in name
+        assert not any(started - 1 <= int(number) <= ended + 1 for number in re.findall(r"\d+", name))
+        events = list(tf.compat.v1.train.summary_iterator(os.path.join(logs, name)))
+        assert events[0].file_version and events[0].wall_time == first_step
+        assert all(event.wall_time == event.step for event in events[1:]) and len(events) > 1
+    scalars = EventAccumulator(logs).Reload()
+    assert set(scalars.Tags()["tensors"]) == {"privacy/epsilon_spent", "train/learning_rate"}
+    spent = scalars.Tensors("privacy/epsilon_spent")
+    assert [(e.step, e.wall_time) for e in spent] == [(4, 4.0), (8, 8.0), (12, 12.0)]
+    for event in spent:
+        assert float(tf.make_ndarray(event.tensor_proto)) == pytest.approx(epsilon_spent(plan, event.step), rel=1e-6)
+    rates = [float(tf.make_ndarray(e.tensor_proto)) for e in scalars.Tensors("train/learning_rate")]
+    assert rates == pytest.approx([learning_rate_at(step - 1, STEPS, options) for step in (4, 8, 12)], rel=1e-6)
+    with zipfile.ZipFile(os.path.join(output, "model.keras")) as archive:
+        assert {entry.date_time for entry in archive.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+        assert json.loads(archive.read("metadata.json"))["date_saved"] == "1980-01-01@00:00:00"
+    assert len(weights(output)) == 2  # it loads
 
 
 def test_epsilon_spent_pairs_with_the_plans_delta_truncation_share_included(batches):

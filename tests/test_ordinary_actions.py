@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -153,13 +154,15 @@ def test_the_weight_order_is_an_assumption_of_the_plan(tmp_path, capsys):
 def test_batch_logs_hold_no_realized_sampling(tmp_path, capsys, caplog):
     data = write_records(str(tmp_path / "records.jsonl"), rows(400))
     assert main(["-q", "bound", data, str(tmp_path / "bound"), "-k", "2", "--runner", "local"]) == 0
-    with caplog.at_level("INFO", logger="madp"):
+    with caplog.at_level("DEBUG", logger="madp"):
         command = ["batch", str(tmp_path / "bound"), data, str(tmp_path / "batches"), "--steps", "20"]
         assert main([*command, "--batch-size", "40", "--runner", "local"]) == 0
     capsys.readouterr()
-    sampling_lines = [r.getMessage() for r in caplog.records if r.name == "madp.batch" and r.levelname == "INFO"]
-    assert any("sampled in" in line for line in sampling_lines)
-    assert not any("rows" in line for line in sampling_lines), "how many rows were sampled stays internal"
+    batch = [r for r in caplog.records if r.name == "madp.batch"]
+    lines = {level: [r.getMessage() for r in batch if r.levelname == level] for level in ("INFO", "DEBUG")}
+    assert not any("rows" in line for line in lines["INFO"]), "how many rows were sampled stays internal"
+    assert not any("sampled" in line for line in lines["INFO"]), "so does how long sampling took"
+    assert any(re.fullmatch(r"sampled \d+ rows in [\d.]+ s .*", line) for line in lines["DEBUG"])
 
 
 @pytest.mark.slow

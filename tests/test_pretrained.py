@@ -13,11 +13,14 @@ import dataclasses
 import json
 import math
 import os
+import random
+import tracemalloc
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from reference import gpt2_byte_symbols, reference_bpe_tokens
 
 pytest.importorskip("tensorflow")
 gguf = pytest.importorskip("gguf")
@@ -254,6 +257,100 @@ def test_pretokenization_is_gpt2s_with_digits_apart():
         "x",
         ")",
     ]
+
+
+# Pieces of what texts hold: words in several scripts, numbers, contractions, symbols, emoji, whitespace
+PIECES = [
+    *"abcdefghijklmnopqrstuvwxyzTHE",
+    "the", "fox", "Grüße", "ça", "naïve", "Ελληνικά", "русский", "漢字", "かな", "ÿ", "İ",
+    *"0123456789", "2024", "½", "²", "٣", "Ⅻ",
+    "'", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL",
+    *".,;:!?-()[]{}<>@#$%^&*_+=/\\|~`\"", "...", "--", "🚀", "👩\u200d👧", "\x00", "\x1f",
+    " ", " ", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\xa0", "\u2028", "\u3000", "   \n",
+]  # fmt: skip
+
+
+def ordinary_texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [*VARIED, CORPUS, *("".join(rng.choices(PIECES, k=rng.randint(1, 60))) for _ in range(count))]
+
+
+def symbol_tokens(merges: list[str]) -> list[str]:
+    """A vocabulary that holds the byte symbols and every merge's result."""
+    merged = [merge.replace(" ", "") for merge in merges]
+    return list(dict.fromkeys([*SPECIAL, *pretrained.byte_symbols(), *merged]))
+
+
+@pytest.mark.parametrize("pre_tokenizer", pretrained.PRE_TOKENIZERS)
+def test_tokens_of_ordinary_text_are_gpt2s_byte_level_bpe(pre_tokenizer):
+    """On text without a run of more than RUN letters, numbers, symbols or whitespace, the tokens are
+    those of the reference (tests/reference.py): the pre-tokenizers' own regexes, runs of any length,
+    and GPT-2's merge loop, which scans every pair for each merge."""
+    assert gpt2_byte_symbols() == list(pretrained.byte_symbols())
+    texts = ordinary_texts(400, seed=5)
+    merges = learn_merges("".join(texts[:200]), 400, pre_tokenizer)
+    tokenizer = pretrained.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer=pre_tokenizer)
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert [tokenizer.tokens[i] for i in ids] == reference_bpe_tokens(text, merges, pre_tokenizer), repr(text)
+        assert tokenizer.encode(text.encode("utf-8"), limit=7) == ids[:7]
+
+
+def test_merges_follow_gpt2s_rule_whatever_their_order():
+    """Merge tables in random orders (a merge before the ones that make its parts, too): the merges the
+    heap finds are GPT-2's, the lowest rank at every place left to right, then again."""
+    rng = random.Random(11)
+    for _ in range(40):
+        pool, merges = ["a", "b", "c", "Ġ"], []
+        for _ in range(30):
+            first, second = rng.choice(pool), rng.choice(pool)
+            merges.append(f"{first} {second}")
+            pool.append(first + second)
+        rng.shuffle(merges)
+        merges = list(dict.fromkeys(merges))
+        tokenizer = pretrained.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer="gpt2")
+        for _ in range(20):
+            text = "".join(rng.choices("abc ", k=rng.randint(1, 40)))
+            expected = reference_bpe_tokens(text, merges, "gpt2")
+            assert [tokenizer.tokens[i] for i in tokenizer.encode(text)] == expected, (text, merges)
+
+
+def test_a_run_of_more_than_256_characters_is_pretokenized_in_runs():
+    for pre_tokenizer in pretrained.PRE_TOKENIZERS:
+        tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
+        run = 256  # pretrained.RUN, as the README gives it
+        assert [len(p) for p in tokenizer.pieces("a" * (2 * run + 10))] == [run, run, 10]
+        assert [len(p) for p in tokenizer.pieces(" " + "." * (run + 1))] == [run + 1, 1]
+        assert max(len(p) for p in tokenizer.pieces(" " * 3 * run + "\n" * 3 * run + "x")) <= 2 * run + 1
+
+
+def test_megabytes_of_extra_text_cost_the_tokenizer_no_more_work(tiny, monkeypatch):
+    """A text that continues for megabytes costs what a text of --max-length tokens costs: the
+    tokenizer reads only the prefix those tokens can come from (its memory does not grow with the
+    rest), merges the same symbols, and gives the same tokens, whether the rest is 1 MB or 4 MB."""
+    merged: list[int] = []
+    original = pretrained.BpeTokenizer._merged
+    monkeypatch.setattr(
+        pretrained.BpeTokenizer, "_merged", lambda self, parts: merged.append(len(parts)) or original(self, parts)
+    )
+    head = CORPUS.encode()[:20]
+
+    def work(text: bytes) -> tuple[list[int], int, int]:
+        tokenizer = pretrained.read_pretrained(tiny).tokenizer  # an empty cache of pieces
+        merged.clear()
+        tracemalloc.start()
+        try:
+            _, targets = pretrained.token_sequences(tokenizer, [text], 64)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        return targets[0].tolist(), sum(merged), peak
+
+    for rest in (b"x", b" the fox", b" ", b"7", b"!", b"\n"):
+        tokens, symbols, peak = work(head + rest * (1_000_000 // len(rest)))
+        assert work(head + rest * (4_000_000 // len(rest))) == (tokens, symbols, peak), rest
+        assert peak < 500_000 and symbols <= len(head) + 64 * 4 * (2 * pretrained.RUN + 1), rest
+        assert -1 not in tokens  # the 64 tokens, from the head and the start of the rest
 
 
 def test_token_sequences_start_with_bos_and_mark_the_end():

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import re
+import socket
+import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -231,21 +235,146 @@ INTERNAL = (  # README: threat model
 )
 
 
-def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
-    """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html;
-    not what the README's threat model calls internal (`internal`: the audit's second model and its
-    data, the non-private baseline, the batches and their report, the internal page and results) nor
-    rejected/ folders."""
-    chunks = []
+def _published_files(run_dir, internal: tuple[str, ...] = INTERNAL) -> list[str]:
+    """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html,
+    the TensorBoard logs; not what the README's threat model calls internal (`internal`: the audit's
+    second model and its data, the non-private baseline, the batches and their report, the internal
+    page and results) nor rejected/ folders."""
+    found = []
     hidden = {os.path.join(str(run_dir), i) for i in internal}
     for root, directories, files in os.walk(run_dir):
         directories[:] = [d for d in directories if os.path.join(root, d) not in hidden and d != "rejected"]
         for name in files:
             if name.endswith((".tfrecord", ".parquet")) or "/." in root or os.path.join(root, name) in hidden:
                 continue  # the data and the batches themselves are never published
-            content = open(os.path.join(root, name), "rb").read()
-            chunks.append(content.decode("latin-1"))
-    return "\n".join(chunks)
+            found.append(os.path.join(root, name))
+    return found
+
+
+def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
+    return "\n".join(open(path, "rb").read().decode("latin-1") for path in _published_files(run_dir, internal))
+
+
+# What batches/report.json says of the realized sampling (README: internal, like the batches)
+REALIZED_SAMPLING = {
+    "batch_sizes",
+    "written_batch_sizes",
+    "warm_up_batch_sizes",
+    "users_per_step",
+    "relative_error_to_target",
+    "truncated_rows",
+    "padding_rows",
+    "records_never_written",
+    "participation",
+    "mean_batch_size",
+}
+
+
+def _keys(value) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {key for item in value.values() for key in _keys(item)}
+    return {key for item in value for key in _keys(item)} if isinstance(value, list) else set()
+
+
+def _clock_times(started: float, ended: float) -> set[str]:
+    """How a time within the run would be written: dates with hours and minutes (Keras' "date_saved",
+    ISO 8601), and each second as HH:MM:SS, in local time and in UTC."""
+    written = set()
+    for second in range(int(started) - 2, int(ended) + 3):
+        for moment in (time.localtime(second), time.gmtime(second)):
+            written.add(time.strftime("%H:%M:%S", moment))
+            written.update(time.strftime(f"%Y-%m-%d{sep}%H:%M", moment) for sep in ("@", "T", " "))
+    return written
+
+
+def assert_nothing_published_times_the_run_or_shows_its_sampling(run_dir, summary: dict, started: float, ended: float):
+    """An attacker who reads every published output of a run (and its printed summary) finds no clock time
+    of the run, no figure of the realized sampling, and no content digest of a batch or record file.
+
+    Clock times: none in a file name (epoch seconds, the host name, the process id, as tf.summary's
+    event files carry them), in a TensorBoard event (wall_time: tf.summary's holds the time each
+    scalar was written), in a number (epoch seconds or milliseconds) or a date-and-time of any text or
+    binary output, in a zip entry's time or an HDF5 object's times (model.keras holds both)."""
+    import h5py
+    from tensorflow.compat.v1.train import summary_iterator
+
+    run_dir = str(run_dir)
+    files = _published_files(run_dir)
+    contents = {path: open(path, "rb").read() for path in files}
+    texts = [data.decode("latin-1") for data in contents.values()] + [json.dumps(summary)]
+    images = [base64.b64decode(png) for text in texts for png in re.findall(r"data:image/png;base64,([\w+/=]+)", text)]
+    assert images, "report.html's plots are read too (their PNG metadata)"
+    texts += [image.decode("latin-1") for image in images]
+    low, high = started - 2, ended + 2
+
+    def is_clock(number: float) -> bool:
+        return low <= number <= high or low * 1000 <= number <= high * 1000
+
+    for path in files:
+        name = os.path.relpath(path, run_dir)
+        assert not any(is_clock(int(n)) for n in re.findall(r"\d+", name)), name
+        assert not {socket.gethostname(), str(os.getpid())} & set(re.split(r"[./]", name)), name
+    events = [path for path in files if "tfevents" in os.path.basename(path)]
+    assert events, "the published logs are among the outputs"
+    for path in events:
+        for event in summary_iterator(path):
+            assert not is_clock(event.wall_time) and (event.wall_time == event.step or event.file_version), path
+    for text in texts:
+        assert not any(is_clock(float(n)) for n in re.findall(r"\d{9,13}(?:\.\d+)?", text))
+    times = _clock_times(started, ended)
+    for text in texts:
+        assert not [t for t in times if t in text], "a clock time of the run is in a published output"
+    archives = [path for path in files if zipfile.is_zipfile(path)]
+    assert archives, "model.keras is among the outputs"
+    for path in archives:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                assert not is_clock(time.mktime((*entry.date_time, 0, 0, -1))), (path, entry.filename)
+                content = archive.read(entry)
+                times_in = [t for t in times if t in content.decode("latin-1")]
+                assert not times_in, (path, entry.filename, times_in)
+                if content.startswith(b"\x89HDF"):
+                    with h5py.File(io.BytesIO(content), "r") as weights:
+                        objects = [weights] + [weights[name] for name in _h5_names(weights)]
+                        for item in objects:
+                            info = h5py.h5o.get_info(item.id)
+                            stamps = (info.atime, info.mtime, info.ctime, info.btime)
+                            assert not any(map(is_clock, stamps)), (path, item.name)
+
+    # The realized sampling: batches/report.json's figures, under their names or as their values
+    batches = json.load(open(os.path.join(run_dir, "batches", "report.json")))
+    published_json = [json.loads(data) for path, data in contents.items() if path.endswith(".json")] + [summary]
+    assert not REALIZED_SAMPLING & {key for value in published_json for key in _keys(value)}
+    sizes = batches["batch_sizes"]["per_step"]
+    assert len(set(sizes)) > 1, "a run whose batch sizes vary, so that their sequence is recognizable"
+    for rendering in (", ".join(map(str, sizes)), " ".join(map(str, sizes)), json.dumps(sizes)):
+        assert all(rendering not in text for text in texts), rendering
+    mean = batches["batch_sizes"]["mean"]
+    if mean != batches["expected_batch_size"]:
+        for text in texts:
+            assert not re.search(rf"(?<![\d.]){re.escape(f'{mean:.2f}')}(?!\d)", text), mean
+
+    # No content digest: no SHA-256 of a batch, selection or record file (or held-out content), and not the
+    # bound's graph digest (bound/ is internal: unkeyed, the digest confirms a guessed graph)
+    content_files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(run_dir)
+        for name in names
+        if name.endswith((".tfrecord", ".parquet"))
+    ]
+    assert any(f.endswith(".tfrecord") for f in content_files) and any("records" in f for f in content_files)
+    assert any(os.sep + "selected" + os.sep in f for f in content_files)
+    graph = json.load(open(os.path.join(run_dir, "bound", "report.json")))["graph_digest"]["digest"]
+    assert all(graph not in text for text in texts)
+    for path in content_files:
+        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        assert all(digest not in text for text in texts), f"digest of {path} published"
+
+
+def _h5_names(group) -> list[str]:
+    names: list[str] = []
+    group.visit(names.append)
+    return names
 
 
 def _encodings(words: tuple[int, int]) -> list[str]:
@@ -282,8 +411,11 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         "report": True,
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    started = time.time()
     assert main(["-q", "run", str(tmp_path / "job.yaml")]) == 0
+    ended = time.time()
     summary = json.loads(capsys.readouterr().out)
+    assert_nothing_published_times_the_run_or_shows_its_sampling(tmp_path / "run", summary, started, ended)
     assert "mean_batch_size" not in summary["results"]["batch"] and summary["results"]["privacy"]["private"] is True
     assert not {"baseline", "private_over_non_private"} & set(summary["results"]), (
         "the non-private baseline is not covered by the guarantee: internal only"
@@ -326,18 +458,6 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         assert repr(point["loss"]) not in published and repr(point["accuracy"]) not in published
     assert "eval/" not in published and "eval accuracy" not in page and "evaluations are left out" in page
     assert internal["train"]["accuracy"] == evaluated["final"]["accuracy"]
-    # No content digest: no SHA-256 of a batch file or of a file of records or held-out content.
-    content_files = [
-        os.path.join(root, name)
-        for root, _, files in os.walk(tmp_path / "run")
-        for name in files
-        if name.endswith((".tfrecord", ".parquet"))
-    ]
-    assert any(f.endswith(".tfrecord") for f in content_files) and any("records" in f for f in content_files)
-    assert any(os.sep + "selected" + os.sep in f for f in content_files)  # the selection: no digest of it either
-    assert "graph_digest" not in published and '"digest"' not in published
-    for path in content_files:
-        assert hashlib.sha256(open(path, "rb").read()).hexdigest() not in published, f"digest of {path} published"
     everything = published + _published_text(tmp_path / "run", internal=())
     for key in drawn:
         for text in _encodings(key.words):
@@ -357,6 +477,40 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
         str(run / "bound"), str(run / "records"), str(tmp_path / "guess"), BatchOptions(steps=20, batch_size=40, seed=0)
     )
     assert batch_bytes(tmp_path / "guess") != batch_bytes(run / "batches")
+
+
+def test_an_attacker_finds_no_clock_time_sampling_figure_or_digest_in_a_run_with_a_pretrained_model(tmp_path, capsys):
+    """A default `madp run` fine-tuning a pretrained model (a small GGUF file) beside a non-private
+    baseline: the published outputs hold no clock time, no realized sampling and no content digest. (The
+    audit plants its canaries in a numeric features vector, so it runs beside a numeric model: the test
+    above reads that run's outputs the same way.)"""
+    pytest.importorskip("gguf")
+    from test_pretrained import write_tiny_gguf
+
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "generate": {"records": 400, "task": "text", "seed": 3, "holdout": True},
+        "bound": {"max_contributions": 2, "runner": "local"},
+        "batch": {"steps": 6, "batch_size": 8, "min_sep": 1, "runner": "local"},
+        "calibrate": {"noise_multiplier": 1.0, "delta": 1e-5},
+        "train": {
+            "model": "causal-lm",
+            "pretrained": write_tiny_gguf(str(tmp_path / "tiny.gguf")),
+            "max_length": 16,
+            "lora_rank": 2,
+            "eval_every": 3,
+            "baseline": True,
+        },
+        "report": True,
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    started = time.time()
+    assert main(["-q", "run", str(tmp_path / "job.yaml")]) == 0
+    ended = time.time()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["results"]["privacy"]["private"] is True and "baseline" not in summary["results"]
+    assert "pretrained" in json.load(open(tmp_path / "run" / "train" / "privacy.json"))["assumptions"][-1]
+    assert_nothing_published_times_the_run_or_shows_its_sampling(tmp_path / "run", summary, started, ended)
 
 
 def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_path):

@@ -184,6 +184,31 @@ def test_ngram_hashing_is_stable_across_processes_and_ignores_case_and_punctuati
 PINNED_HELLO_WORLD = (469997, 66749, 243862)  # "hello", "world", "hello world" into 2^20 buckets
 
 
+def test_megabytes_of_extra_text_cost_the_ngram_hashing_no_more_work(monkeypatch):
+    """TensorFlow's string ops get at most max_tokens x GRAM_BYTES bytes of a text (cut between
+    characters), whatever follows: a text with megabytes of extra words, or one endless word, costs what
+    one of max_tokens words does, and gives the n-grams of its first words."""
+    read: list[int] = []
+    lower = tf.strings.lower
+
+    def reading(texts, *args, **kwargs):
+        read.append(max(len(t) for t in texts.numpy()))
+        return lower(texts, *args, **kwargs)
+
+    monkeypatch.setattr(tf.strings, "lower", reading)
+    words = " ".join(f"Wörd{i}" for i in range(40)).encode()  # 40 words: the 16 n-grams are its first 16
+    for rest in (b" and more words", b"x", "ü".encode(), b"!"):
+        for size in (1_000_000, 4_000_000):
+            read.clear()
+            longer = text.hashed_ngrams([words, words + rest * (size // len(rest))], 1 << 20, 16, 2, prefix=0)
+            assert longer[1].tolist() == longer[0].tolist(), rest
+            assert read[0] < size // 100, (rest, read)  # the text's prefix, not its megabytes
+            assert read[0] <= 16 * text.GRAM_BYTES
+    with pytest.raises(UnicodeEncodeError):  # a str is read as its UTF-8, as before (a lone surrogate is none)
+        text.hashed_ngrams(["\ud800"], 16, 4, 1, prefix=0)
+    assert text.utf8_prefix("Grüße".encode(), 3) == b"Gr" and text.utf8_prefix("Grüße", 4) == "Grü".encode()
+
+
 def test_classification_and_byte_metrics():
     labels = np.array([0, 0, 1, 1, 2, 2])
     predicted = np.array([0, 1, 1, 1, 0, 2])
@@ -375,6 +400,35 @@ def test_null_text_is_a_batch_error_or_skipped_and_written_out(bad_text):
     assert report["rejected"] == {"null_content": 1}
     rejected = [json.loads(line) for line in open(directory / "batches" / "rejected" / "rejected.jsonl")]
     assert [(r["record"]["id"], r["record"]["column"], r["reason"]) for r in rejected] == [(6, "text", "null_content")]
+
+
+def test_a_long_record_costs_each_training_step_what_max_length_keeps(tmp_path, monkeypatch):
+    """A record of megabytes that most steps sample: its text is judged (UTF-8, a letter or a digit
+    anywhere: all of it is read) once for the whole training, and each step's n-grams read at most
+    --max-length x GRAM_BYTES bytes of it."""
+    rows = [{"id": i, "users": [i], "text": f"note {i} on travel", "label": "ab"[i % 2]} for i in range(30)]
+    rows[7]["text"] = "a long note " * 200_000  # 2.4 MB
+    data = str(tmp_path / "records.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=1))
+    batches = str(tmp_path / "batches")
+    batch_local(str(tmp_path / "bounded"), data, batches, BatchOptions(seed=0, steps=6, batch_size=25))
+    texts = {}
+    for _, step in step_batches(open_batches(batches), ["id", "text"]):
+        texts.update(zip(step["id"].tolist(), step["text"].tolist()))
+    sampled = sum(7 in step["id"].tolist() for _, step in step_batches(open_batches(batches), ["id"]))
+    assert sampled >= 3, "the long record is in several steps"
+    judged, read = [], []
+    problems, lower = text.text_problems, tf.strings.lower
+    monkeypatch.setattr(text, "text_problems", lambda values: judged.append(sum(map(len, values))) or problems(values))
+    monkeypatch.setattr(
+        tf.strings, "lower", lambda values, **kw: read.append(max(map(len, values.numpy()))) or lower(values, **kw)
+    )
+    options = TrainOptions(model="text-classifier", labels=("a", "b"), mechanism="none", buckets=64, max_length=8)
+    train(batches, str(tmp_path / "out"), options)
+    assert sum(judged) == sum(map(len, texts.values())), "each record's text judged once"
+    assert len(read) == 6 and max(read) < 100_000, "each step's n-grams read the long text's prefix"
+    assert max(read) <= 8 * text.GRAM_BYTES
 
 
 def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplog):

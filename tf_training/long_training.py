@@ -1,5 +1,5 @@
-"""What a long `madp train` job needs: TensorBoard scalars (published and internal), learning-rate
-schedules, and checkpoints a job resumes from.
+"""What a long `madp train` job needs: TensorBoard scalars (published and internal, stamped with steps
+rather than clock times: `ScalarLog`), learning-rate schedules, and checkpoints a job resumes from.
 
 Published vs internal, as everywhere in madp: only what the guarantee covers, or what is a function of
 public parameters, may be published. `epsilon_spent` is a function of the plan alone (public), so it
@@ -62,6 +62,44 @@ def set_learning_rate(optimizer, value: float) -> None:
 
 
 # --- scalars ------------------------------------------------------------------------------------
+
+_SCALAR = tf.compat.v1.SummaryMetadata(plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
+
+
+def events_file_name(first_step: int) -> str:
+    """The name of the event file of a training that starts after step `first_step` (0, or the step a
+    --resume continues from): TensorBoard reads any name holding "tfevents", and the files of a resumed
+    training sort after the ones before it."""
+    return f"events.out.tfevents.{first_step:010d}.madp"
+
+
+class ScalarLog:
+    """TensorBoard scalars in an event file of madp's own, with no clock time anywhere: every event's
+    wall_time is its step, and the file is named by the step it starts at (`events_file_name`).
+
+    tf.summary's writer stamps each event with the time it was written (to the microsecond) and names
+    its file by the time it started, the host and the process id. Published beside the model, those
+    times would say how long each step took, which depends on how many rows the secret sampling drew
+    and on the sampled records' content. The file is TensorBoard's format (TFRecords of Event protos,
+    each scalar a float32 tensor of the "scalars" plugin, as tf.summary.scalar writes it), flushed after
+    every event, so TensorBoard follows a running training and an interruption loses nothing written."""
+
+    def __init__(self, directory: str, first_step: int = 0) -> None:
+        tf.io.gfile.makedirs(directory)
+        self._file = tf.io.TFRecordWriter(storage.join(directory, events_file_name(first_step)))
+        self._write(tf.compat.v1.Event(wall_time=float(first_step), file_version="brain.Event:2"))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        tensor = tf.make_tensor_proto(np.float32(value))
+        summary = tf.compat.v1.Summary(value=[tf.compat.v1.Summary.Value(tag=tag, tensor=tensor, metadata=_SCALAR)])
+        self._write(tf.compat.v1.Event(wall_time=float(step), step=step, summary=summary))
+
+    def _write(self, event) -> None:
+        self._file.write(event.SerializeToString())
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:

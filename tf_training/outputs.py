@@ -8,7 +8,9 @@ public parameters, may be published. OUTPUT/internal/ holds the rest, with a NOT
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
+import zipfile
 
 from madp.core import storage
 from madp.core.errors import InputError
@@ -59,12 +61,38 @@ def written_by_training(relative: str) -> bool:
     return any(fnmatch.fnmatchcase(relative, pattern) for pattern in WRITTEN)
 
 
+# What a saved model's archive says instead of the clock time of saving: the earliest time a zip entry
+# can hold, and Keras' metadata.json "date_saved" at that time
+NEUTRAL_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+NEUTRAL_DATE_SAVED = "1980-01-01@00:00:00"
+
+
 def internal_path(output: str, *parts: str) -> str:
     """A path under OUTPUT/internal/, whose NOTICE says it is never published (written on first use)."""
     notice = storage.join(output, INTERNAL_DIR, "NOTICE.txt")
     if storage.kind(notice) == "missing":
         storage.write_text(notice, NOTICE)
     return storage.join(output, INTERNAL_DIR, *parts)
+
+
+def without_clock_times(path: str) -> None:
+    """Rewrite the Keras archive at `path` (model.keras, a zip file) with every clock time in it made
+    neutral: Keras writes the time of saving into metadata.json ("date_saved") and into the weights'
+    zip entry, and the time its temporary files were written into an assets entry. Saved at the end of
+    the training, the model would otherwise tell when the training ended. Every entry keeps its name,
+    place, compression, permissions and content (metadata.json all but its date)."""
+    with storage.open_input(path) as handle:
+        saved = zipfile.ZipFile(io.BytesIO(handle.read()))
+    rewritten = io.BytesIO()
+    with saved, zipfile.ZipFile(rewritten, "w") as archive:
+        for entry in saved.infolist():
+            content = saved.read(entry)
+            if entry.filename == "metadata.json" and "date_saved" in (metadata := json.loads(content)):
+                content = json.dumps({**metadata, "date_saved": NEUTRAL_DATE_SAVED}).encode()
+            neutral = zipfile.ZipInfo(entry.filename, date_time=NEUTRAL_ZIP_TIME)
+            neutral.compress_type, neutral.external_attr = entry.compress_type, entry.external_attr
+            archive.writestr(neutral, content)
+    storage.write_whole(path, lambda handle: handle.write(rewritten.getvalue()))
 
 
 def evaluation_of(output: str, internal: bool) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import json
 import math
 import os
@@ -472,31 +473,49 @@ def _character_class(prefix: str) -> str:
 
 # Unicode's White_Space: what \s means in the tokenizers' regex engines (Python's \s adds U+001C-U+001F)
 WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# The longest run of letters, numbers, other symbols, whitespace or trailing newlines that one piece takes
+# (the tokenizers' regexes take runs of any length): a longer run is pre-tokenized in runs of this many
+# characters. Ordinary text has no such run, so its tokens are the tokenizers' own; capped, a piece
+# holds at most 2 x RUN + 1 characters (symbols then newlines), matching it reads at most one
+# character more, and its merges work on at most 4 x (2 x RUN + 1) bytes.
+RUN = 256
+PIECE_READ = 2 * RUN + 2  # characters that matching one piece reads at most
+UTF8_WIDTH = 4  # bytes of a character, at most
 
 
 @functools.cache
-def _pieces_pattern() -> tuple[re.Pattern, re.Pattern]:
-    """(GPT-2's byte-level pre-tokenization regex, one number character): English contractions, a
-    word of letters or a run of numbers or of other symbols, each with its leading space, and runs of
-    whitespace (all but the last space before a word)."""
+def _pieces_pattern(pre_tokenizer: str) -> re.Pattern:
+    """The pre-tokenization regex of `pre_tokenizer`, every run at most RUN characters.
+
+    GPT-2's ("gpt2"): English contractions, a word of letters or a run of numbers or of other symbols,
+    each with its leading space, and runs of whitespace (all but the last space before a word).
+    SmolLM's ("smollm"): GPT-2's between number characters, each of which is a piece of its own (as
+    splitting them off first would: no run takes a number character, and a number character ends a
+    run of whitespace as the end of the text does). Llama 3's ("llama-bpe"): contractions in any case,
+    a word of letters behind at most one other character (not a newline), numbers in runs of at most
+    three digits, other symbols with their leading space and trailing newlines, and runs of whitespace
+    as GPT-2's."""
     letters, numbers, ws = _character_class("L"), _character_class("N"), WHITESPACE
-    words = re.compile(
-        rf"'s|'t|'re|'ve|'m|'ll|'d| ?[{letters}]+| ?[{numbers}]+| ?[^{ws}{letters}{numbers}]+"
-        rf"|[{ws}]+(?![^{ws}])|[{ws}]+"
-    )
-    return words, re.compile(f"([{numbers}])")
+    run, some = f"{{1,{RUN}}}", f"{{0,{RUN}}}"
+    if pre_tokenizer == "llama-bpe":
+        return re.compile(
+            rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{letters}{numbers}]?[{letters}]{run}|[{numbers}]{{1,3}}"
+            rf"| ?[^{ws}{letters}{numbers}]{run}[\r\n]{some}|[{ws}]{some}[\r\n]{run}|[{ws}]{run}(?![^{ws}])"
+            rf"|[{ws}]{run}"
+        )
+    contractions, words, symbols = "'s|'t|'re|'ve|'m|'ll|'d", f" ?[{letters}]{run}", f" ?[^{ws}{letters}{numbers}]{run}"
+    if pre_tokenizer == "smollm":
+        return re.compile(rf"[{numbers}]|{contractions}|{words}|{symbols}|[{ws}]{run}(?![^{ws}{numbers}])|[{ws}]{run}")
+    return re.compile(rf"{contractions}|{words}| ?[{numbers}]{run}|{symbols}|[{ws}]{run}(?![^{ws}])|[{ws}]{run}")
 
 
-@functools.cache
-def _llama3_pattern() -> re.Pattern:
-    """Llama 3's pre-tokenization regex: contractions in any case, a word of letters behind at most one
-    other character (not a newline), numbers in runs of at most three digits, other symbols with their
-    leading space and trailing newlines, and runs of whitespace as GPT-2's."""
-    letters, numbers, ws = _character_class("L"), _character_class("N"), WHITESPACE
-    return re.compile(
-        rf"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n{letters}{numbers}]?[{letters}]+|[{numbers}]{{1,3}}"
-        rf"| ?[^{ws}{letters}{numbers}]+[\r\n]*|[{ws}]*[\r\n]+|[{ws}]+(?![^{ws}])|[{ws}]+"
-    )
+def text_prefix(text: str | bytes, characters: int) -> str:
+    """The first `characters` characters of a text (UTF-8 bytes decoded, what is not UTF-8 as U+FFFD),
+    reading at most UTF8_WIDTH x characters + 3 bytes of it: a character takes at most UTF8_WIDTH
+    bytes, and a character the cut splits (at most 3 bytes) lies past the characters kept."""
+    if isinstance(text, str):
+        return text[:characters]
+    return bytes(text[: UTF8_WIDTH * characters + 3]).decode("utf-8", errors="replace")[:characters]
 
 
 class BpeTokenizer:
@@ -527,22 +546,23 @@ class BpeTokenizer:
         return len(self.tokens)
 
     def pieces(self, text: str) -> Iterator[str]:
-        """The pre-tokenized pieces of a text, in order; they concatenate to the text."""
-        if self.pre_tokenizer == "llama-bpe":
-            yield from _llama3_pattern().findall(text)
-            return
-        words, number = _pieces_pattern()
-        digits_apart = self.pre_tokenizer == "smollm"
-        parts = number.split(text) if digits_apart else [text]
-        for index, part in enumerate(parts):
-            if digits_apart and index % 2:  # the split's captured separators: one number character each
-                yield part
-            else:
-                yield from words.findall(part)
+        """The pre-tokenized pieces of a text, in order, each found as it is asked for (what is not asked
+        for is not read); they concatenate to the text."""
+        return (match.group() for match in _pieces_pattern(self.pre_tokenizer).finditer(text))
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
-        """Token ids of a text (no BOS); with `limit`, the first `limit` of them, tokenizing no further
-        (pieces are tokenized apart, so a prefix of the pieces gives a prefix of the ids)."""
+    def encode(self, text: str | bytes, limit: int | None = None) -> list[int]:
+        """Token ids of a text (a str, or UTF-8 bytes: what is not UTF-8 is U+FFFD; no BOS); with `limit`,
+        the first `limit` of them, reading only the text's first `limit` x PIECE_READ characters.
+
+        Why that bound holds: pieces are tokenized apart and each gives at least one token, so the first
+        `limit` tokens come from the first `limit` pieces at most. The pieces tile the text and each holds
+        fewer than PIECE_READ characters, so the i-th starts within the first (i - 1) x (PIECE_READ - 1),
+        and matching it reads at most PIECE_READ characters from its start: the first `limit` pieces, and
+        their tokens, are the same in the text and in that prefix."""
+        if limit is not None:
+            text = text_prefix(text, limit * PIECE_READ)
+        elif not isinstance(text, str):
+            text = bytes(text).decode("utf-8", errors="replace")
         ids: list[int] = []
         for piece in self.pieces(text):
             if limit is not None and len(ids) >= limit:
@@ -574,23 +594,40 @@ class BpeTokenizer:
 
     def _merged(self, parts: list[str]) -> list[str]:
         """The merges applied to a piece's symbols: repeatedly, the lowest-ranked adjacent pair, at
-        every place it occurs, left to right."""
-        while len(parts) > 1:
-            rank, first, second = min(
-                (self.ranks.get((a, b), math.inf), a, b) for a, b in zip(parts[:-1], parts[1:], strict=True)
-            )
-            if rank == math.inf:
-                break
-            merged, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and parts[i] == first and parts[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(parts[i])
-                    i += 1
-            parts = merged
-        return parts
+        every place it occurs, left to right (GPT-2's rule). The pairs wait in a heap by rank, so n
+        symbols take O(n log n) steps rather than a scan of every pair for each merge (O(n^2)).
+
+        symbols[i] is the symbol that starts at the piece's i-th byte symbol ("" once merged into the
+        one before it); after[i] and before[i] link the symbols still there. A heap entry (rank, i) is
+        the pair starting at i when it was pushed; it is stale once that pair changed (its rank then
+        differs: a rank names one pair)."""
+        symbols = list(parts)
+        count = len(symbols)
+        after, before = list(range(1, count + 1)), list(range(-1, count - 1))
+
+        def rank_at(i: int) -> int | None:
+            return self.ranks.get((symbols[i], symbols[after[i]])) if 0 <= i and after[i] < count else None
+
+        waiting = [(rank, i) for i in range(count - 1) if (rank := rank_at(i)) is not None]
+        heapq.heapify(waiting)
+        while waiting:
+            rank = waiting[0][0]
+            places = []
+            while waiting and waiting[0][0] == rank:
+                places.append(heapq.heappop(waiting)[1])
+            for i in sorted(places):  # every place of the pair, left to right
+                if not symbols[i] or rank_at(i) != rank:
+                    continue  # merged into the symbol before it, or the pair changed
+                absorbed = after[i]
+                symbols[i] += symbols[absorbed]
+                symbols[absorbed] = ""
+                after[i] = after[absorbed]
+                if after[i] < count:
+                    before[after[i]] = i
+                for start in (before[i], i):  # the two pairs the merged symbol now starts or ends
+                    if (formed := rank_at(start)) is not None:
+                        heapq.heappush(waiting, (formed, start))
+        return [symbol for symbol in symbols if symbol]
 
 
 def token_sequences(tokenizer: BpeTokenizer, texts, max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -600,8 +637,7 @@ def token_sequences(tokenizer: BpeTokenizer, texts, max_length: int) -> tuple[np
     n = len(texts)
     targets = np.full((n, max_length), -1, dtype=np.int32)
     for row, value in enumerate(texts):
-        decoded = bytes(value).decode("utf-8", errors="replace") if not isinstance(value, str) else value
-        ids = tokenizer.encode(decoded, limit=max_length)
+        ids = tokenizer.encode(value, limit=max_length)  # reads only the prefix those tokens can come from
         targets[row, : len(ids)] = ids
     inputs = np.concatenate(
         [np.full((n, 1), tokenizer.bos, np.int32), np.where(targets[:, :-1] >= 0, targets[:, :-1], tokenizer.pad)],

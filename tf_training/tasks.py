@@ -399,10 +399,20 @@ class _TextTask:
                 f"(one string per record; found {sorted(schema['features'])})"
             )
         self.options = options
+        self.verdicts: dict = {}  # record id -> why its text cannot be used ("" where it can)
 
     def problems(self, rows: dict) -> np.ndarray:
-        """Why each row cannot be used ("" where it can)."""
-        return text.text_problems(rows[self.options.text_column])
+        """Why each row cannot be used ("" where it can). Judging a text reads all of it (UTF-8, a letter
+        or digit anywhere), so a record is judged once, by the id the batches' rows carry: a step that
+        samples a long record again costs what its encoding reads (a bounded prefix), not its length."""
+        texts, ids = rows[self.options.text_column], rows.get("id")
+        if ids is None:  # evaluation data, an audit's canaries: not rows of the batches
+            return text.text_problems(texts)
+        records = ids.tolist()
+        new = [row for row, record in enumerate(records) if record not in self.verdicts]
+        for row, verdict in zip(new, text.text_problems(texts[new]).tolist(), strict=True):
+            self.verdicts[records[row]] = verdict
+        return np.array([self.verdicts[record] for record in records], dtype=object)
 
 
 class TextClassifierTask(_TextTask):

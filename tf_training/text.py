@@ -53,6 +53,9 @@ CLASSIFIER_WIDTH = 64
 # leaves as it was: without privacy only the L2 penalty (--l2), added to the halved gradient, weighs
 # twice as much on the layer (-0.6 to +0.4 points on the same corpora).
 CLASSIFIER_HEAD_GRADIENT_SCALE = 0.5
+# The bytes of a text the classifier reads per n-gram it keeps (`hashed_ngrams`): an English word and its
+# separator take about 6; a run of CJK characters between two punctuation marks, tens.
+GRAM_BYTES = 256
 
 
 # --- checking and encoding text -----------------------------------------------------------------
@@ -72,11 +75,30 @@ def text_problems(texts: np.ndarray) -> np.ndarray:
     return problems
 
 
+def utf8_prefix(text: str | bytes, limit: int) -> bytes:
+    """The first `limit` bytes of a text's UTF-8 (a str is encoded), less a character the cut would
+    split (it started within the last 3 bytes); reads `limit` + 1 bytes (characters, for a str) at most."""
+    head = text[: limit + 1]
+    data = head.encode("utf-8") if isinstance(head, str) else bytes(head)
+    if len(data) <= limit:
+        return data
+    end = limit
+    while end > limit - 3 and data[end] & 0xC0 == 0x80:  # a continuation byte: its character began before
+        end -= 1
+    return data[:end]
+
+
 def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int, *, prefix: int) -> np.ndarray:
     """int32 [n, max_tokens]: 1 + FarmHash64(n-gram) mod (buckets - 1) of each text's lower-cased
     word n-grams of 1 to `order` words (unigrams, then bigrams, ...), each word cut to its first
-    `prefix` characters (0: whole words), cut at max_tokens, padded with 0 (the bag skips 0)."""
-    text = tf.strings.lower(tf.constant(texts, tf.string), encoding="utf-8")
+    `prefix` characters (0: whole words), cut at max_tokens, padded with 0 (the bag skips 0).
+
+    Each text is read up to its first max_tokens x GRAM_BYTES bytes (`utf8_prefix`). A text of
+    max_tokens words or more has max_tokens n-grams, its first max_tokens words, so every text gives
+    the n-grams of its whole self unless its first max_tokens words (and the start of the next) take
+    more than GRAM_BYTES bytes each on average; the work on a text is bounded whatever its length."""
+    cut = [utf8_prefix(value, max_tokens * GRAM_BYTES) for value in texts]
+    text = tf.strings.lower(tf.constant(cut, tf.string), encoding="utf-8")
     words = tf.strings.split(tf.strings.strip(tf.strings.regex_replace(text, _WORD, " ")))
     if prefix:
         words = tf.strings.substr(words, 0, prefix, unit="UTF8_CHAR")
@@ -88,7 +110,7 @@ def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int, *, prefix: i
 class Tokenizer(Protocol):
     """What `TokenFeatures` needs of a tokenizer (`pretrained.BpeTokenizer`): a text's token ids."""
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]: ...
+    def encode(self, text: str | bytes, limit: int | None = None) -> list[int]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +156,7 @@ class TokenFeatures:
         """float32 [n, width]: f of each text's first max_tokens tokens (zeros for a text of none)."""
         features = np.zeros((len(texts), self.width), dtype=np.float32)
         for row, value in enumerate(texts):
-            decoded = value if isinstance(value, str) else bytes(value).decode("utf-8", errors="replace")
-            ids = self.tokenizer.encode(decoded, limit=max_tokens)
+            ids = self.tokenizer.encode(value, limit=max_tokens)  # reads only the prefix those tokens can come from
             if ids:
                 features[row] = self.rows[ids].sum(axis=0)
         norms = np.linalg.norm(features, axis=1, keepdims=True)

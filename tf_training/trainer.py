@@ -41,6 +41,7 @@ from madp.training import (  # the public API; the trainer's own parts: tasks, m
 )
 from madp.training.long_training import (
     Checkpoints,
+    ScalarLog,
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
@@ -57,6 +58,7 @@ from madp.training.outputs import (
     TIMING_FILE,
     internal_path,
     written_by_training,
+    without_clock_times,
 )
 from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
@@ -394,12 +396,13 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
             metrics.append({"step": resumed, **task.evaluate(model, loss_fn, evaluation)})
     tf.io.gfile.makedirs(output)
-    writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: epsilon spent, public eval
+    # Published: epsilon spent, public evaluations; stamped with steps, never clock times (see ScalarLog)
+    writer = ScalarLog(storage.join(output, "logs"), resumed)
     # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training),
     # and the evaluations on data not declared public, which none covers either.
     published_eval = options.eval_data_public or evaluation is None
     needs_internal = options.internal_scalars or not published_eval
-    internal = tf.summary.create_file_writer(internal_path(output, "logs")) if needs_internal else None
+    internal = ScalarLog(internal_path(output, "logs"), resumed) if needs_internal else None
     eval_writer = internal if internal is not None and not published_eval else writer
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
@@ -418,14 +421,12 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             rate = learning_rate_at(index, batches.steps, options)
             set_learning_rate(optimizer, rate)
         logs = _evaluates(done, batches.steps, options)
-        if schedule != "constant" and logs:
-            with writer.as_default():  # public: the schedule's value
-                tf.summary.scalar("train/learning_rate", rate, step=done)
+        if schedule != "constant" and logs:  # public: the schedule's value
+            writer.scalar("train/learning_rate", rate, done)
         if options.internal_scalars and internal is not None and logs:  # INTERNAL: the step's rows, no noise
             users = rows[USER_FEATURE] if user_level else None
-            with internal.as_default():
-                for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
-                    tf.summary.scalar(f"train/{name}", value, step=done)
+            for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
+                internal.scalar(f"train/{name}", value, done)
         step(x, y, weight, users=rows[USER_FEATURE] if user_level else None)
         evaluates = logs and evaluation is not None
         every = options.checkpoint_every
@@ -436,19 +437,21 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             checkpoints.save(done, metrics, planned, step.checkpointed)
         if evaluates:
             metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
-            with eval_writer.as_default():
-                for name in ("loss", task.headline):
-                    tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
+            for name in ("loss", task.headline):
+                eval_writer.scalar(f"eval/{name}", metrics[-1][name], done)
         if privacy is not None and logs:  # public: a function of the plan and the step count only
-            with writer.as_default():
-                tf.summary.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), step=done)
+            writer.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), done)
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
         if quality and privacy is None:  # no guarantee covers these figures: the line says so
             quality += " (non-private: internal)"
         elif quality and not published_eval:
             quality += " (--eval-data not declared public: internal)"
         progress.update(done, quality)
+    writer.close()
+    if internal is not None:
+        internal.close()
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
+    without_clock_times(storage.join(output, "model.keras"))  # Keras stamps it with the time it was saved
     result = {
         "batches": batches_dir,
         "output": output,

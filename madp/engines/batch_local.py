@@ -228,9 +228,11 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     described = check_content(dataset.content, dataset.ids, dataset.valid)
     samplers = {"minsep": minsep_rows, "minsep-greedy": greedy_rows, "users": user_rows}
     sampled = samplers[options.sampler](dataset, options)
-    # How many rows were sampled depends on the secret sampling, and logs get shared: counts at debug level only.
-    log.info("sampled in %.1f s", time.perf_counter() - started)
-    log.debug("sampled %d rows (internal: realized sampling)", len(sampled.record))
+    # How many rows were sampled depends on the secret sampling, and so does how long sampling took; logs get
+    # shared: both at debug level only.
+    log.debug(
+        "sampled %d rows in %.1f s (internal: realized sampling)", len(sampled.record), time.perf_counter() - started
+    )
     warm_up = options.warm_up_steps
     sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
     # After warm-up, the rows of records with valid content (the others were sampled and excluded like any).
