@@ -57,8 +57,8 @@ from madp.training.outputs import (
     TIMING_FIELDS,
     TIMING_FILE,
     internal_path,
-    written_by_training,
     without_clock_times,
+    written_by_training,
 )
 from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
