@@ -289,8 +289,9 @@ def test_bad_audit_options_are_named(tmp_path, capsys, auditable_records):
     assert "inside or around run_dir" in capsys.readouterr().err
     assert cli.main(["-q", "run", config, "--set", "audit.canaries=many"]) == 2
     assert "config audit.canaries: expected int, got 'many'" in capsys.readouterr().err
-    assert cli.main(["-q", "audit", config, "--set", "train.model=text-classifier"]) == 2
-    assert "text models cannot be audited yet" in capsys.readouterr().err
+    for text_model in ("text-classifier", "causal-lm"):  # refused before any stage runs
+        assert cli.main(["-q", "audit", config, "--set", f"train.model={text_model}"]) == 2
+        assert "text models cannot be audited yet" in capsys.readouterr().err
     # float32 features of this norm square to inf: clipping would silently drop every canary
     assert cli.main(["-q", "audit", config, "--canary-norm", "1e40"]) == 2
     assert "--canary-norm 1e+40: canary features of norm" in capsys.readouterr().err

@@ -49,7 +49,7 @@ def audit_options(config: dict, flags: dict) -> AuditOptions:
         raise InputError(
             "config: an audit trains the config's model, so it needs bound, batch, calibrate and train sections"
         )
-    if str(config["train"].get("model", "")).startswith("text-"):
+    if str(config["train"].get("model", "")) in ("text-classifier", "text-lm", "causal-lm"):
         raise InputError(
             f"config train.model {config['train']['model']}: madp audit scores canaries with a numeric model "
             f"(logreg, mlp, module:function); text models cannot be audited yet"
