@@ -224,6 +224,7 @@ INTERNAL = (  # README: threat model
     "audit",
     "baseline",
     "batches",
+    os.path.join("bound", "trainings.jsonl"),
     "internal-report.html",
     "internal-results.json",
     os.path.join("train", "internal"),
@@ -233,8 +234,8 @@ INTERNAL = (  # README: threat model
 def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
     """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html;
     not what the README's threat model calls internal (`internal`: the audit's second model and its
-    data, the non-private baseline, the batches and their report, the internal page and results) nor
-    rejected/ folders."""
+    data, the non-private baseline, the batches and their report, the trainings ledger, the internal
+    page and results) nor rejected/ folders."""
     chunks = []
     hidden = {os.path.join(str(run_dir), i) for i in internal}
     for root, directories, files in os.walk(run_dir):

@@ -28,7 +28,7 @@ from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import internal_path
-from madp.training.plan import PrivacyPlan, earlier_trainings
+from madp.training.plan import PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
 tf = load_tensorflow()
@@ -211,7 +211,7 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
     training = following["training"]
     if state is not None and state.get("training") != training:
         return state
-    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), {})
+    entry = next((t for t in earlier_trainings(ledger_of(batches_dir)) if t.get("training") == training), {})
     if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
         return following
     return state
