@@ -648,7 +648,7 @@ def _entries(path: str) -> list[dict]:
 
 
 def _selection_entries(ledger: Ledger) -> list[dict]:
-    trainings = _entries(ledger.path)
+    trainings = _entries(ledger.path) if ledger.selection else []
     if not all(isinstance(t.get("batch_files"), str) for t in trainings) or not all(
         _is_probability(t.get("truncation_probability")) for t in trainings
     ):
@@ -669,13 +669,17 @@ def earlier_trainings(ledger: Ledger) -> list[dict]:
     (unless the selection's ledger holds their entry since: a continuation), then the selection's. An
     entry without a state (madp before 2026-11-25 entered trainings when they finished) is a finished one."""
     shared = _selection_entries(ledger)
-    entered = {t.get("training") for t in shared}
-    own = [
+    return _batch_output_entries(ledger, {t.get("training") for t in shared}) + shared
+
+
+def _batch_output_entries(ledger: Ledger, entered: set) -> list[dict]:
+    """The entries of the batch output's own ledger (madp kept it there before the selection did), as
+    trainings on these batches, but for the trainings in `entered`."""
+    return [
         {**t, "batches": ledger.batches, "batch_files": ledger.batch_files}
         for t in _entries(storage.join(ledger.batches, TRAININGS_FILE))
         if t.get("training") not in entered
     ]
-    return own + shared
 
 
 def _truncation_probability(plan: PrivacyPlan) -> float:
@@ -714,11 +718,7 @@ def record_training(
     }
     shared = _selection_entries(ledger)
     entered = {t.get("training") for t in shared} | {training}
-    own = [
-        {**t, "batches": ledger.batches, "batch_files": ledger.batch_files, "truncation_probability": rho}
-        for t in _entries(storage.join(ledger.batches, TRAININGS_FILE))
-        if t.get("training") not in entered
-    ]
+    own = [{**t, "truncation_probability": rho} for t in _batch_output_entries(ledger, entered)]
     trainings = own + [t for t in shared if t.get("training") != training] + [entry]
     storage.write_text(ledger.path, "".join(json.dumps(t) + "\n" for t in trainings))
 
