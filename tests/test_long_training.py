@@ -616,9 +616,9 @@ def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path
 
 def test_a_step_enters_the_ledger_only_under_the_selections_lock(batches, tmp_path):
     """Two processes must never both read the ledger before either enters it: a Python API step takes
-    the lock of the batches' selection for its ledger entry. Held by another live process, the first step is refused
-    before it runs, and so is the last (its entry, left 'started', would accept a continuation after
-    the training's end); either runs when called again once the lock is free."""
+    the lock of the batches' selection for its ledger entry. Held by another live process, the first
+    step is refused before it runs, and so is the last (its entry, left 'started', would accept a
+    continuation after the training's end); either runs when called again once the lock is free."""
     import socket
     import subprocess
 

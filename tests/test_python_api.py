@@ -367,7 +367,7 @@ def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_com
 def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_enters_the_ledger(demo):
     """An op XLA has no kernel for (a numpy_function here): the step is lowered before the first step, so
     the refusal is a clear error naming the op, and neither a private training (fresh noise key, so it
-    would enter the batches' trainings ledger) nor the baseline has trained or been entered."""
+    would enter the trainings ledger) nor the baseline has trained or been entered."""
     import tensorflow as tf
     import tf_keras
 

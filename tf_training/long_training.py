@@ -121,7 +121,7 @@ class Checkpoints:
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
     state.json beside them holds the step, the evaluations so far, the (public) plan and the
     evaluation data (and whether it was declared public) a resume must match, and the training's id
-    in the batches' ledger, whose entry a resume continues.
+    in the trainings ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
     draw z_t from a fresh key K2 (keyed by (K2, t)), so every z_t is still an independent N(0, sigma^2)

@@ -173,7 +173,7 @@ def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
     drawn, no weight changes; TensorFlow runs one eager random op to find the device, which moves its
     global unseeded draws, not the training noise's own key): a model with an op XLA has no kernel
     for is refused with an InputError naming the op, before the first step, so before a private
-    training enters its batches' ledger. Without this, TensorFlow fails inside the step, with a
+    training enters the trainings ledger. Without this, TensorFlow fails inside the step, with a
     traceback, after the ledger holds the training as started."""
     try:
         function.experimental_get_compiler_ir(*inputs)(stage="hlo")

@@ -185,14 +185,14 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
 
 def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
     """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
-    batches' ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint or
+    trainings ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint or
     another training's logs is refused."""
     state = interrupted_state(output, batches_dir)
     if not options.resume:
         if state is not None:
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training: pass --resume to finish it (a new "
-                f"training would compose with it: the batches' ledger holds it since its first step)"
+                f"training would compose with it: the trainings ledger holds it since its first noisy update)"
             )
         if storage.kind(storage.join(output, "logs")) != "missing":
             raise InputError(
