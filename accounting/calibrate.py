@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Sequence
 
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
@@ -35,18 +36,29 @@ def epsilon(
     mechanism: Mechanism, noise_multiplier: float, delta: float, discretization: float = DISCRETIZATION
 ) -> float:
     """Epsilon of `mechanism` at `noise_multiplier` for `delta` (an upper bound)."""
-    if not positive(noise_multiplier):
-        raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
+    return composed_epsilon(((mechanism, noise_multiplier),), delta, discretization)
+
+
+def composed_epsilon(
+    releases: Sequence[tuple[Mechanism, float]], delta: float, discretization: float = DISCRETIZATION
+) -> float:
+    """Epsilon for `delta` of independent releases, each a mechanism at its noise multiplier, composed
+    (their privacy loss distributions convolved: adaptive composition; an upper bound)."""
+    for _, noise_multiplier in releases:
+        if not positive(noise_multiplier):
+            raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
     check_delta(delta)
-    event = mechanism.event(noise_multiplier)
+    events = [mechanism.event(noise_multiplier) for mechanism, noise_multiplier in releases]
+    event = events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
     widening = max(1.0, (FINE_GRID_NOISE_RATIO / smallest_noise_ratio(event)) ** 2)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=discretization * widening)
     try:
         accountant.compose(event)
         return float(accountant.get_epsilon(delta))
     except (ValueError, OverflowError, MemoryError) as error:  # dp_accounting's own failure, a traceback otherwise
+        accounted = " composed with ".join(f"{m.name} at --noise-multiplier {s:g}" for m, s in releases)
         raise Unaccountable(
-            f"the PLD accountant cannot account {mechanism.name} at --noise-multiplier {noise_multiplier:g} "
+            f"the PLD accountant cannot account {accounted} "
             f"(dp_accounting: {type(error).__name__}: {error}); raise --noise-multiplier or the sampling "
             f"probability, or lower --max-contributions or --steps"
         ) from None

@@ -255,10 +255,10 @@ def test_resumed_step_counts_from_the_checkpoint_and_draws_other_noise(batches):
     resumed = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, noise_seed=5, resumed_at=10)
     assert resumed.steps_taken == 10 and first.query._clipping._key != resumed.query._clipping._key
     x, y, w = np.zeros((2, 8), np.float32), np.zeros(2, np.float32), np.ones(2, np.float32)
-    resumed(x, y, w)
-    resumed(x, y, w)
+    resumed(x, y, w, index=10)
+    resumed(x, y, w, index=11)
     with pytest.raises(InputError, match="12 steps"):
-        resumed(x, y, w)
+        resumed(x, y, w, index=12)
 
 
 def test_step_statistics_measure_the_records_with_weight():
@@ -307,16 +307,28 @@ def test_a_new_training_into_an_output_holding_another_trainings_logs_is_refused
 
 
 def fresh_copy(out: str, directory) -> str:
-    """A copy of the batches whose ledger holds no training yet (this module's trainings stay apart)."""
-    copy = str(directory / "batches")
+    """A copy of the batches and of the selection they were made from (its report names the copy), whose
+    ledger holds no training yet: this module's trainings stay apart."""
+    copy, selection = str(directory / "batches"), str(directory / "bounded")
     shutil.copytree(out, copy)
-    if os.path.exists(os.path.join(copy, "trainings.jsonl")):
-        os.remove(os.path.join(copy, "trainings.jsonl"))
+    report_path = os.path.join(copy, "report.json")
+    report = json.load(open(report_path))
+    shutil.copytree(report["selected"], selection)
+    with open(report_path, "w") as handle:
+        json.dump({**report, "selected": selection}, handle)
+    for leftover in (os.path.join(copy, "trainings.jsonl"), ledger_path(copy)):
+        if os.path.exists(leftover):
+            os.remove(leftover)
     return copy
 
 
+def ledger_path(batches_dir: str) -> str:
+    """The trainings ledger of the batches: beside the selection they were made from."""
+    return os.path.join(json.load(open(os.path.join(batches_dir, "report.json")))["selected"], "trainings.jsonl")
+
+
 def ledger(batches_dir: str) -> list[dict]:
-    path = os.path.join(batches_dir, "trainings.jsonl")
+    path = ledger_path(batches_dir)
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
@@ -510,7 +522,7 @@ def test_api_trainings_enter_the_ledger_at_their_first_step_and_compose(batches,
         model, loss = build_model("logreg", 8)
         step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, **settings)
         for rows in api.read_steps(batches_, ["features", "label"]):
-            step(rows["features"], rows["label"], rows["weight"])
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
         return step
 
     model, loss = build_model("logreg", 8)
@@ -538,7 +550,7 @@ def test_a_second_api_training_on_secret_batches_is_refused_unless_retrain(batch
     assert plan.relies_on_secret_sampling
     model, loss = build_model("logreg", 8)
     first = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
-    first(np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))  # one step: it counts
+    first(np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32), index=0)  # one step: counts
     with pytest.raises(InputError, match="re-uses it"):
         api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     again = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, retrain=True)
@@ -567,15 +579,15 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     (_, first), (model, second) = made(), made()
     assert first.plan.epsilon == second.plan.epsilon == plan.epsilon  # each made before any training
     for rows in api.read_steps(batches_, ["features", "label"]):
-        first(rows["features"], rows["label"], rows["weight"])
+        first(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     initial = [w.copy() for w in model.get_weights()]
     with pytest.raises(InputError, match="another private training entered the ledger .* make the step again"):
-        second(*one_row)
+        second(*one_row, index=second.steps_taken)
     for a, b in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(a, b)
     assert [t["training"] for t in ledger(copy)] == [first.training]
     third = made()[1]  # made now: it states the composition, and trains
-    third(*one_row)
+    third(*one_row, index=third.steps_taken)
     assert third.plan.composition is not None and third.plan.composition.trainings == 2
 
     model, loss = build_model("logreg", 8)
@@ -587,7 +599,7 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     with pytest.raises(InputError, match="not in the trainings ledger"):
         api.make_private(model, loss, optimizer, plan, training="no such training", resumed_at=1)
     continued = api.make_private(model, loss, optimizer, plan, training=third.training, resumed_at=1)
-    continued(*one_row)  # an interrupted entry, continued after its step
+    continued(*one_row, index=continued.steps_taken)  # an interrupted entry, continued after its step
     assert len(ledger(copy)) == 2
 
 
@@ -610,46 +622,48 @@ def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path
 
     interrupted = step()
     for _ in range(3):
-        interrupted(*one_row)
+        interrupted(*one_row, index=interrupted.steps_taken)
     training = interrupted.training
     from_two, again_from_two = step(training=training, resumed_at=2), step(training=training, resumed_at=2)
-    from_two(*one_row)
+    from_two(*one_row, index=from_two.steps_taken)
     assert ledger(copy)[0]["resumable_from"] == 3
     with pytest.raises(InputError, match="continued or run past step 2 already"):
-        again_from_two(*one_row)  # made before the first continuation entered: refused at its first step
+        # made before the first continuation entered: refused at its first step
+        again_from_two(*one_row, index=again_from_two.steps_taken)
     assert again_from_two.steps_taken == 2
     with pytest.raises(InputError, match="continued or run past step 2 already"):
         step(training=training, resumed_at=2)
-    step(training=training, resumed_at=3)(*one_row)
+    from_three = step(training=training, resumed_at=3)
+    from_three(*one_row, index=3)
     assert [(t["training"], t["state"], t["resumable_from"]) for t in ledger(copy)] == [(training, "started", 4)]
     with pytest.raises(InputError, match="hold the lock"):
         step(training=training, resumed_at=4, releases_from_checkpoints=True)
     with pytest.raises(InputError, match="resumed_at='4': the number of steps"):
         step(training=training, resumed_at="4")
     from_four = step(training=training, resumed_at=tf.Variable(4, dtype=tf.int64))  # optimizer.iterations
-    from_four(*one_row)
-    from_four(*one_row)
+    from_four(*one_row, index=from_four.steps_taken)
+    from_four(*one_row, index=from_four.steps_taken)
     from_four.checkpointed()  # a checkpoint after 6 steps: a continuation from step 5 would redo step 6
     assert ledger(copy)[0]["resumable_from"] == 6
     with pytest.raises(InputError, match="continued or run past step 5 already"):
         step(training=training, resumed_at=5)
     from_six = step(training=training, resumed_at=6)
-    from_six(*one_row)
+    from_six(*one_row, index=from_six.steps_taken)
     with pytest.raises(InputError, match="was continued by another step .* this step did not run"):
-        from_four(*one_row)  # still alive (a notebook's earlier cell): superseded
+        from_four(*one_row, index=from_four.steps_taken)  # still alive (a notebook's earlier cell): superseded
     assert from_four.steps_taken == 6 and from_six.steps_taken == 7
     [entry] = ledger(copy)
-    with open(os.path.join(copy, "trainings.jsonl"), "w") as edited:
+    with open(ledger_path(copy), "w") as edited:
         edited.write(json.dumps({**entry, "resumable_from": "3"}) + "\n")
     with pytest.raises(InputError, match="resumable_from is not a step count"):
         step(training=training, resumed_at=4)
 
 
-def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path):
+def test_a_step_enters_the_ledger_only_under_the_selections_lock(batches, tmp_path):
     """Two processes must never both read the ledger before either enters it: a Python API step takes
-    the batches' lock for its ledger entry. Held by another live process, the first step is refused
-    before it runs, and so is the last (its entry, left 'started', would accept a continuation after
-    the training's end); either runs when called again once the lock is free."""
+    the lock of the batches' selection for its ledger entry. Held by another live process, the first
+    step is refused before it runs, and so is the last (its entry, left 'started', would accept a
+    continuation after the training's end); either runs when called again once the lock is free."""
     import socket
     import subprocess
 
@@ -664,8 +678,8 @@ def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path)
     model, loss = build_model("logreg", 8)
     step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     other = subprocess.Popen(["sleep", "120"])
-    lock = os.path.join(copy, ".madp.lock")
-    # as another training's lock says: it writes the ledger only, so readers of the batches go on meanwhile
+    lock = os.path.join(os.path.dirname(ledger_path(copy)), ".madp.lock")  # the selection's
+    # as another training's lock says: it writes the ledger only, so readers go on meanwhile
     held = {"pid": other.pid, "host": socket.gethostname(), "command": "train elsewhere", "since": "now"}
     held["keeps_content"] = True
     try:
@@ -674,26 +688,66 @@ def test_a_step_enters_the_ledger_only_under_the_batches_lock(batches, tmp_path)
         steps = list(api.read_steps(batches_, ["features", "label"]))
         initial = [w.copy() for w in model.get_weights()]
         with pytest.raises(InputError, match="being written by another madp process .*step 1 of this"):
-            step(steps[0]["features"], steps[0]["label"], steps[0]["weight"])
+            step(steps[0]["features"], steps[0]["label"], steps[0]["weight"], index=0)
         for a, b in zip(model.get_weights(), initial):
             np.testing.assert_array_equal(a, b)
         assert ledger(copy) == []
         os.remove(lock)
-        step(steps[0]["features"], steps[0]["label"], steps[0]["weight"])
+        step(steps[0]["features"], steps[0]["label"], steps[0]["weight"], index=0)
         assert [t["state"] for t in ledger(copy)] == ["started"] and not os.path.exists(lock), "the lock is let go"
-        with open(lock, "w") as handle:  # another training takes the batches while this one runs
+        with open(lock, "w") as handle:  # another training takes the selection while this one runs
             json.dump(held, handle)
         for rows in steps[1:-1]:  # no ledger write: they run
-            step(rows["features"], rows["label"], rows["weight"])
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
         last = steps[-1]["features"], steps[-1]["label"], steps[-1]["weight"]
         with pytest.raises(InputError, match=f"step {STEPS} of this private training did not run"):
-            step(*last)  # its entry would stay 'started', open to a continuation after the training's end
+            # its entry would stay 'started', open to a continuation after the training's end
+            step(*last, index=STEPS - 1)
         assert step.steps_taken == STEPS - 1 and [t["state"] for t in ledger(copy)] == ["started"]
         os.remove(lock)
-        step(*last)
+        step(*last, index=STEPS - 1)
         assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["finished"]
     finally:
         other.kill()
+
+
+def test_a_training_that_fails_before_its_first_noisy_update_is_not_entered(batches, tmp_path):
+    """A model whose call cannot be traced (it reads a tensor's value, which only eager code has) fails as
+    its first step is traced, before any noise or update: nothing of the data was released, so the ledger
+    holds no entry and the next training composes with nothing. One noisy update enters the training."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
+    first = next(iter(api.read_steps(batches_, ["features", "label"])))
+
+    class EagerOnly(tf_keras.Model):
+        def __init__(self):
+            super().__init__(name="eager_only")
+            self.dense = tf_keras.layers.Dense(1)
+
+        def call(self, x, training=False):
+            return self.dense(x / (float(tf.reduce_max(tf.abs(x)).numpy()) + 1.0))  # a Python number: eager only
+
+    model = EagerOnly()
+    model(first["features"])  # built, eagerly
+    _, loss = build_model("logreg", 8)
+    step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    initial = [w.copy() for w in model.get_weights()]
+    with pytest.raises(Exception, match="numpy"):
+        step(first["features"], first["label"], first["weight"], index=0)
+    assert ledger(copy) == [] and step.steps_taken == 0
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    model, loss = build_model("logreg", 8)
+    after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    assert after.plan.composition is None, "no earlier training: the failed one released nothing"
+    after(first["features"], first["label"], first["weight"], index=0)
+    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
 
 
 def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
@@ -713,7 +767,7 @@ def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
     recorded = api.record_training
     monkeypatch.setattr(api, "record_training", lambda *args: states.append(args[4]) or recorded(*args))
     first = next(iter(api.read_steps(batches_, ["features", "label"])))
-    step(first["features"], first["label"], first["weight"])
+    step(first["features"], first["label"], first["weight"], index=first["step"])
     assert states == ["finished"] and [(t["state"], t["resumable_from"]) for t in ledger(copy)] == [("finished", 1)]
     with pytest.raises(InputError, match="accounts for 1 steps"):
-        step(first["features"], first["label"], first["weight"])
+        step(first["features"], first["label"], first["weight"], index=1)

@@ -187,7 +187,7 @@ def test_a_second_training_on_the_same_secret_batches_is_refused_or_composed(tmp
     first = json.load(open(tmp_path / "first" / "privacy.json"))
     assert first["private"] and first["relies_on_secret_sampling"] and "composition" not in first
     capsys.readouterr()
-    lock = tmp_path / "batches" / LOCK_FILE  # a training of another process, still running (a parallel sweep)
+    lock = tmp_path / "bound" / LOCK_FILE  # a training of another process, still running (a parallel sweep)
     lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "command": "train", "since": "now"}))
     assert main([*training[:3], str(tmp_path / "parallel"), *training[3:]]) == 2
     assert "being written by another madp process" in capsys.readouterr().err
@@ -203,4 +203,72 @@ def test_a_second_training_on_the_same_secret_batches_is_refused_or_composed(tmp
         "the headline guarantee of a retrained model is the composed one"
     )
     assert second["single_training"]["epsilon"] == pytest.approx(first["epsilon"])
-    assert not (tmp_path / "batches" / LOCK_FILE).exists()
+    assert not (tmp_path / "bound" / LOCK_FILE).exists()
+
+
+@pytest.mark.tf
+def test_trainings_on_batches_made_anew_from_one_selection_compose(tmp_path, capsys):
+    """The trainings ledger is kept with the selection: a training on another batching of it (a fresh
+    key) composes with the first as an independent release (the PLD of both, computed here with
+    dp_accounting directly), below what re-using one sampling costs; a second training on the first
+    batches is refused in terms of composition, never sent to a new batching as a way out. A batch
+    output's own ledger (madp before the selection kept it) still counts."""
+    pytest.importorskip("tensorflow")
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    data = write_records(str(tmp_path / "records.jsonl"), rows(400))
+    assert main(["-q", "bound", data, str(tmp_path / "bound"), "-k", "1", "--runner", "local"]) == 0
+
+    def batch(name: str) -> int:
+        command = ["-q", "batch", str(tmp_path / "bound"), data, str(tmp_path / name), "--steps", "30"]
+        return main([*command, "--batch-size", "20", "--runner", "local"])
+
+    for name in ("batches", "again", "old"):  # three batchings of one selection, each with a fresh key
+        assert batch(name) == 0
+
+    def train(batches: str, output: str, *extra: str) -> tuple[int, str]:
+        sigma = ["--noise-multiplier", "0.8", "--delta", "1e-5"]
+        code = main(["-q", "train", str(tmp_path / batches), str(tmp_path / output), *sigma, *extra])
+        return code, capsys.readouterr().err
+
+    assert train("batches", "first")[0] == 0
+    first = json.load(open(tmp_path / "first" / "privacy.json"))
+    assert train("again", "other")[0] == 0
+    other = json.load(open(tmp_path / "other" / "privacy.json"))
+    composed = other.get("composition") or {}
+    assert (composed.get("trainings"), composed.get("independent_batches")) == (2, 1), "not composed with first"
+    assert composed["outputs"] == [str(tmp_path / "first")] and other["epsilon"] == composed["epsilon"]
+    code, said = train("batches", "second")
+    assert code == 2 and "2 earlier private training(s)" in said and "1 of them on these batches" in said
+    assert "re-uses it" in said and "compose" in said and "batch again" not in said
+
+    q, steps = first["parameters"]["sampling_prob"], first["parameters"]["steps"]  # K = 1: one record per user
+
+    def pld_epsilon(*sigmas: float) -> float:
+        trainings = [
+            dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(s)), steps)
+            for s in sigmas
+        ]
+        accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+        accountant.compose(dp_event.ComposedDpEvent(trainings))
+        return accountant.get_epsilon(1e-5)
+
+    assert first["epsilon"] == pytest.approx(pld_epsilon(0.8), rel=1e-2)
+    assert other["epsilon"] == pytest.approx(pld_epsilon(0.8, 0.8), rel=1e-2)
+    assert first["epsilon"] < other["epsilon"] < pld_epsilon(0.8 / 2**0.5), "independent: less than re-used sampling"
+
+    ledger = [json.loads(line) for line in open(tmp_path / "bound" / "trainings.jsonl")]
+    assert [entry["output"] for entry in ledger] == [str(tmp_path / "first"), str(tmp_path / "other")]
+    older = {k: v for k, v in ledger[0].items() if k not in ("batches", "batch_files", "truncation_probability")}
+    (tmp_path / "old" / "trainings.jsonl").write_text(json.dumps({**older, "training": "older", "output": "older"}))
+    assert batch("old") == 2, "a new batching there would delete the only record of that training"
+    assert "does not hold yet" in capsys.readouterr().err
+    code, said = train("old", "third")
+    assert code == 2 and "3 earlier private training(s)" in said and "1 of them on these batches" in said
+    assert train("old", "third", "--retrain")[0] == 0
+    third = json.load(open(tmp_path / "third" / "privacy.json"))["composition"]
+    assert (third["trainings"], third["independent_batches"], third["outputs"][0]) == (4, 2, "older")
+    ledger = [json.loads(line)["output"] for line in open(tmp_path / "bound" / "trainings.jsonl")]
+    assert ledger == ["older", str(tmp_path / "first"), str(tmp_path / "other"), str(tmp_path / "third")]
+    assert batch("old") == 0, "its trainings are in the selection's ledger now"

@@ -238,8 +238,8 @@ INTERNAL = (  # README: threat model
 def _published_files(run_dir, internal: tuple[str, ...] = INTERNAL) -> list[str]:
     """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html,
     the TensorBoard logs; not what the README's threat model calls internal (`internal`: the audit's
-    second model and its data, the non-private baseline, the batches and their report, the internal
-    page and results) nor rejected/ folders."""
+    second model and its data, the non-private baseline, the batches and their report, the trainings
+    ledger, the internal page and results) nor rejected/ folders."""
     found = []
     hidden = {os.path.join(str(run_dir), i) for i in internal}
     for root, directories, files in os.walk(run_dir):

@@ -56,5 +56,10 @@ def test_a_new_plan_survives_its_json_and_composes_with_its_ledger_entry(tmp_pat
     stated = json.loads(json.dumps(plan.to_json()))
     assert stated == plan.to_json() and PrivacyPlan.from_json(stated) == plan
     entry = {"output": "first", "mechanism": plan.mechanism, "parameters": to_json(plan.parameters)}
-    composed = composition(plan, [{**entry, "noise_multiplier": plan.noise_multiplier}])
+    entry.update(noise_multiplier=plan.noise_multiplier, batch_files="these", truncation_probability=0.0)
+    composed = composition(plan, [entry], "these")
     assert composed is not None and composed.trainings == 2, "the same mechanism and parameters compose"
+    assert composed.independent_batches is None
+    independent = composition(plan, [{**entry, "batch_files": "other batches"}], "these")
+    assert independent is not None and independent.independent_batches == 1
+    assert plan.epsilon < independent.epsilon <= composed.epsilon * (1 + 1e-6), "a shared sampling costs no less"

@@ -116,7 +116,7 @@ def test_the_api_trains_the_model_madp_train_trains(demo, private, capsys):
     else:
         step = make_non_private(model, loss, optimizer)
     for rows in read_steps(batches, ["features", "label"]):
-        step(rows["features"], rows["label"], rows["weight"])
+        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
 
     initial = build_model("logreg", 16)[0].get_weights()
     trained = model.get_weights()
@@ -126,7 +126,7 @@ def test_the_api_trains_the_model_madp_train_trains(demo, private, capsys):
     stated = json.load(open(out / "privacy.json"))
     if private:
         with pytest.raises(InputError, match="accounts for 24 steps of these batches; step 25 would release"):
-            step(rows["features"], rows["label"], rows["weight"])  # a step the guarantee does not cover
+            step(rows["features"], rows["label"], rows["weight"], index=24)  # a step the guarantee does not cover
         assert json.loads(json.dumps(step.plan.to_json())) == stated
         assert stated["private"] is False and stated["noise"] == "fixed seed - not private"
     else:
@@ -154,7 +154,7 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
         model, loss = build_model("logreg", 16)
         step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
         for rows in steps:
-            step(rows["features"], rows["label"], rows["weight"], index=rows.get("step_index"))
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
         trained.append(model.get_weights())
     for a, b in zip(*trained):
         np.testing.assert_array_equal(a, b)
@@ -170,10 +170,10 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
         madp.training.steps_dataset(batches, ["features", "step_index"])
 
 
-def private_dense(K, plan: PrivacyPlan, inputs: int):
+def private_dense(K, plan: PrivacyPlan, inputs: int, **settings):
     """(model, step): a one-unit Dense model of Keras `K` (tf_keras or keras), seeded, and its private
-    step under `plan` (sigmoid cross-entropy, SGD at 0.5, noise seed 3): two of them, one trained from
-    a loop and one by fit, must end equal."""
+    step under `plan` (sigmoid cross-entropy, SGD at 0.5, noise seed 3, `settings` for make_private): two
+    of them, one trained from a loop and one by fit, must end equal."""
     tf = madp.training.load_tensorflow()
 
     def loss(labels, logits):
@@ -182,7 +182,7 @@ def private_dense(K, plan: PrivacyPlan, inputs: int):
 
     K.utils.set_random_seed(0)
     model = K.Sequential([K.Input((inputs,)), K.layers.Dense(1)])
-    return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3)
+    return model, make_private(model, loss, K.optimizers.SGD(0.5), plan, noise_seed=3, **settings)
 
 
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
@@ -197,7 +197,7 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
 
     looped, step = private_dense(K, plan, inputs=16)
     for rows in read_steps(batches, ["features", "label"]):
-        step(rows["features"], rows["label"], rows["weight"])
+        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     fitted, step = private_dense(K, plan, inputs=16)
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
@@ -223,6 +223,88 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
         traced.fit(elements, verbose=0)
 
 
+def test_a_private_step_takes_each_steps_own_rows_once_in_order(demo):
+    """The loop form names each call's step (`index`: the rows' `step`, or the step's index), so what
+    ordinary tf.data use does to the steps is refused before any update: shuffled steps, rows unbatched
+    and batched again (512 rows a call: 3 calls for a plan of 24 steps), a step's rows twice, and a call
+    that names no step. Only rows of the next step, no more than the batches' largest step holds, run."""
+    import tf_keras
+
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    plan = calibrate(batches, epsilon=8, bands=8)
+    model, loss = build_model("logreg", 16)
+    step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
+    initial = [w.copy() for w in model.get_weights()]
+    steps = madp.training.steps_dataset(batches, ["features", "label"])
+    rows_only = steps.map(lambda r: {name: r[name] for name in ("features", "label", "weight", "step")})
+    first = next(iter(read_steps(batches, ["features", "label"])))
+    with pytest.raises(InputError, match=r"needs the index of the step its rows are: .*index=rows\['step'\]"):
+        step(first["features"], first["label"], first["weight"])  # the README's loop form, as it was
+    shuffled = [rows for rows in steps.shuffle(64, seed=1)]
+    assert [int(rows["step_index"]) for rows in shuffled] != list(range(batches.steps))
+    for index in ("step", "step_index"):
+        with pytest.raises(InputError, match=r"rows of step \d+, where this training's next step is 0"):
+            for rows in shuffled:
+                step(rows["features"], rows["label"], rows["weight"], index=rows[index])
+    rebatched = list(rows_only.unbatch().batch(512))
+    assert len(rebatched) == 3
+    with pytest.raises(InputError, match="rows of steps 0 to 7 in one call"):
+        step(rebatched[0]["features"], rebatched[0]["label"], rebatched[0]["weight"], index=rebatched[0]["step"])
+    with pytest.raises(InputError, match="512 rows for step 0, where no step of the batches holds more than 64"):
+        step(rebatched[0]["features"], rebatched[0]["label"], rebatched[0]["weight"], index=0)  # a counted index
+    twice = {name: np.concatenate([first[name], first[name]]) for name in ("features", "label", "weight", "step")}
+    with pytest.raises(InputError, match="128 rows for step 0"):
+        step(twice["features"], twice["label"], twice["weight"], index=twice["step"])
+    with pytest.raises(InputError, match="2 steps for 64 rows"):
+        step(first["features"], first["label"], first["weight"], index=first["step"][:2])
+    assert step.steps_taken == 0
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    for rows in steps:  # each element whole, in order: every step runs
+        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+    assert step.steps_taken == batches.steps
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
+def test_fit_refuses_callbacks_that_choose_the_model_by_private_validation_data(demo, flavour, tmp_path):
+    """fit measures `validation_data` without noise: EarlyStopping (restoring the best weights) or
+    ReduceLROnPlateau would choose the released model, or its training, by a statistic of those records.
+    Refused before the first step unless the caller says the validation data is public; recording
+    callbacks, and validation without callbacks, are not refused."""
+    import importlib
+
+    K = importlib.import_module(flavour)
+    batches = open_batches(str(demo / "demo-output" / "batches"))
+    plan = calibrate(batches, epsilon=8, bands=8)
+    elements = madp.training.steps_dataset(batches, ["features", "label"]).map(
+        lambda r: (r["features"], r["label"], r["weight"], r["step_index"])
+    )
+    held = next(iter(read_steps(batches, ["features", "label"])))  # records of the batches: private
+    validation = (held["features"], held["label"][:, None].astype(np.float32))
+
+    def model_and_step(**settings):
+        model, step = private_dense(K, plan, inputs=16, **settings)
+        model.train_step = step.keras_train_step
+        model.compile(run_eagerly=True, loss=K.losses.BinaryCrossentropy(from_logits=True))
+        return model, step
+
+    for callback, named in (
+        (K.callbacks.EarlyStopping(monitor="val_loss", patience=0, restore_best_weights=True), "EarlyStopping"),
+        (K.callbacks.ReduceLROnPlateau(monitor="val_loss"), "ReduceLROnPlateau"),
+        (K.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True), "ModelCheckpoint"),
+    ):
+        model, step = model_and_step()
+        initial = [w.copy() for w in model.get_weights()]
+        with pytest.raises(InputError, match=f"validation_data and the callbacks {named}: .*validation_data_public"):
+            model.fit(elements, validation_data=validation, callbacks=[callback], verbose=0)
+        assert step.steps_taken == 0 and all(np.array_equal(a, b) for a, b in zip(model.get_weights(), initial))
+    early = K.callbacks.EarlyStopping(monitor="val_loss", restore_best_weights=True)
+    for callbacks, settings in (([early], {"validation_data_public": True}), ([K.callbacks.History()], {}), (None, {})):
+        model, step = model_and_step(**settings)
+        model.fit(elements, validation_data=validation, callbacks=callbacks, verbose=0)
+        assert step.steps_taken == batches.steps
+
+
 def test_fit_trains_user_sampled_batches_with_each_rows_user_as_the_loop_does(tmp_path):
     """On user-level batches (`--sampler users`: a sampled user brings all its records, clipped
     together), fit's elements (x, y, weight, users, index) give the loop's model bit for bit, and a
@@ -241,7 +323,8 @@ def test_fit_trains_user_sampled_batches_with_each_rows_user_as_the_loop_does(tm
 
     looped, step = private_dense(K, plan, inputs=4)
     for rows_of_step in read_steps(batches, ["features", "label", "user"]):
-        step(rows_of_step["features"], rows_of_step["label"], rows_of_step["weight"], users=rows_of_step["user"])
+        x, y, weight = rows_of_step["features"], rows_of_step["label"], rows_of_step["weight"]
+        step(x, y, weight, users=rows_of_step["user"], index=rows_of_step["step"])
     fitted, step = private_dense(K, plan, inputs=4)
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
@@ -284,11 +367,11 @@ def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_com
 def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_enters_the_ledger(demo):
     """An op XLA has no kernel for (a numpy_function here): the step is lowered before the first step, so
     the refusal is a clear error naming the op, and neither a private training (fresh noise key, so it
-    would enter the batches' trainings ledger) nor the baseline has trained or been entered."""
+    would enter the trainings ledger) nor the baseline has trained or been entered."""
     import tensorflow as tf
     import tf_keras
 
-    from madp.training.plan import earlier_trainings
+    from madp.training.plan import earlier_trainings, ledger_of
 
     batches_dir = str(demo / "demo-output" / "batches")
     batches = open_batches(batches_dir)
@@ -303,7 +386,7 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
         )(inputs)
         return tf_keras.Model(inputs, tf_keras.layers.Dense(1, activation="sigmoid")(copied), name="python_op")
 
-    ledger_before = earlier_trainings(batches_dir)
+    ledger_before = earlier_trainings(ledger_of(batches_dir))
     xla = {"jit_compile": True, "rows_per_replica": batches.max_rows_per_step}
     for make in (
         lambda model: make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, **xla),
@@ -313,13 +396,13 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
         initial = [w.copy() for w in model.get_weights()]
         step = make(model)
         with pytest.raises(InputError, match=r"XLA cannot compile the steps of model python_op: .*PyFunc"):
-            step(rows["features"], rows["label"], rows["weight"])
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
         if hasattr(step, "privatized_gradient"):  # the API's other way to take a private step
             with pytest.raises(InputError, match=r"XLA cannot compile the steps of model python_op"):
-                step.privatized_gradient(rows["features"], rows["label"], rows["weight"])
+                step.privatized_gradient(rows["features"], rows["label"], rows["weight"], index=rows["step"])
         for a, b in zip(model.get_weights(), initial):
             np.testing.assert_array_equal(a, b)
-        assert earlier_trainings(batches_dir) == ledger_before
+        assert earlier_trainings(ledger_of(batches_dir)) == ledger_before
 
 
 def test_the_command_line_trainer_uses_only_the_public_api():

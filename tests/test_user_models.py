@@ -215,7 +215,7 @@ def test_make_private_trains_a_keras3_model_on_two_inputs(data, jit_compile):
         rows_per_replica=padded,
     )  # fmt: skip
     for rows in read_steps(batches, ["a", "b", "cls"]):
-        step({"a": rows["a"], "b": rows["b"]}, rows["cls"].astype(np.int32), rows["weight"])
+        step({"a": rows["a"], "b": rows["b"]}, rows["cls"].astype(np.int32), rows["weight"], index=rows["step"])
     assert not np.array_equal(model.get_weights()[0], initial[0])
     if jit_compile:  # the step that trained is one XLA program
         from madp.training.steps import split_over_replicas

@@ -6,7 +6,7 @@ tf.data.Dataset), `calibrate` computes the privacy
 plan (mechanism, sigma, epsilon, delta) of training on them, and `make_private` turns a Keras model,
 a per-row loss and an optimizer into the private step of that plan (`make_non_private`: a baseline).
 `madp train` is this loop with evaluation and outputs around it; the private step enters its training
-in the batches' trainings ledger and composes with the earlier ones there::
+in the trainings ledger of the batches' selection and composes with the earlier ones there::
 
     from madp.training import calibrate, load_tensorflow, make_private, open_batches, read_steps
 
@@ -22,8 +22,8 @@ in the batches' trainings ledger and composes with the earlier ones there::
         return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
 
     step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
-    for rows in read_steps(batches, ["features", "label"]):
-        step(rows["features"], rows["label"], rows["weight"])
+    for rows in read_steps(batches, ["features", "label"]):  # every step, in order, named by its rows
+        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     print(step.plan.epsilon, step.plan.delta, step.plan.private)
 
 TensorFlow is an optional dependency (`pip install -e '.[train]'` plus `tensorflow-privacy`

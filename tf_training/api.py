@@ -19,13 +19,15 @@ import numpy as np
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
+from madp.core.selection import read_report
 from madp.training import load_tensorflow
-from madp.training.batches import Batches, open_batches
+from madp.training.batches import Batches, max_rows_per_step, open_batches
 from madp.training.data import feature_spec, step_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
     FINISHED,
     STARTED,
+    Ledger,
     PrivacyPlan,
     composed_plan,
     earlier_trainings,
@@ -34,13 +36,14 @@ from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions:
     pretrained_is_public,
     privacy_json,
     record_training,
+    trainings_ledger,
 )
 from madp.training.queries import BandMfQuery, DpSgdQuery
-from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision  # noqa: F401 (exported)
+from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision, trace  # noqa: F401 (exported)
 
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
-LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the batches' lock
+LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the selection's lock
 STEP_INDEX = "step_index"  # steps_dataset: the key of each element's step index
 _LIVE_RUNS: dict[str, str] = {}  # training id -> the run (step object) of this process that trains it now
 
@@ -64,11 +67,12 @@ __all__ = [
 def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
     """The rows of every step, steps 0..T-1 in order, a step's rows together: per step a dict of arrays
     (one entry per row) holding `features`, `weight` (1 for a sampled record, 0 for a padding row, whose
-    gradient is then zero) and `step`. Train on every step, an empty one (arrays of no rows) too: its
-    noise is part of the mechanism. Rows are parsed in blocks, so memory holds a block and one step.
+    gradient is then zero) and `step` (each row's step, which a private step checks: hand it over as
+    `index`). Train on every step, an empty one (arrays of no rows) too: its noise is part of the
+    mechanism. Rows are parsed in blocks, so memory holds a block and one step.
 
     >>> for rows in read_steps(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"])
+    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
     for _, rows in step_batches(batches, list(features)):
         yield rows
@@ -82,12 +86,13 @@ def _step_number(value) -> int:
 def steps_dataset(batches: Batches, features: Sequence[str]):
     """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
     tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`, and
-    `step_index`, the step's index (a scalar). Take every element once, in order: no shuffle, filter or
-    repeat (the plan accounts for each step once, an empty one too); hand `step_index` to the step,
-    which refuses the rows of any step but its next. Continuing a training after step k: `.skip(k)`.
+    `step_index`, the step's index (a scalar). Take every element once, in order, whole: no shuffle,
+    filter, repeat, or unbatch and batch again (the plan accounts for each step's rows once, an empty
+    step too); hand `step` (or `step_index`) to the step as its `index`, which refuses the rows of any
+    step but its next, and of several. Continuing a training after step k: `.skip(k)`.
 
     >>> for rows in steps_dataset(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step_index"])
+    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
     if STEP_INDEX in features:
         raise InputError(
@@ -124,15 +129,16 @@ def calibrate(batches: Batches, options: TrainOptions | None = None, **settings:
 
 
 class PrivateTrainingStep(PrivateStep):
-    """A private training step (`make_private`): `step(x, y, weight)` trains on one step's rows (`users=`
-    each row's user too, for user-sampled batches); `plan` is the plan it trains under, with `noise`
-    (where the noise comes from), `private` (whether the model will hold the plan's guarantee) and any
-    composition with earlier trainings on the same batches set; `own_plan` is this training's alone.
-    Each call is the next step: its noise is keyed by the step's index, BandMF's depends on the steps
-    before. `training` is its id in the batches' trainings ledger, which it enters at its first step.
-    `loss_fn` is the loss it trains with, the model's outputs taken in float32 (under mixed precision).
+    """A private training step (`make_private`): `step(x, y, weight, index=rows["step"])` trains on one
+    step's rows (`users=` each row's user too, for user-sampled batches); `plan` is the plan it trains
+    under, with `noise` (where the noise comes from), `private` (whether the model will hold the plan's
+    guarantee) and any composition with earlier trainings on the same selection set; `own_plan` is this
+    training's alone. Each call is the next step of the batches, which `index` names (`check_index`): its
+    noise is keyed by the step's index, BandMF's depends on the steps before. `training` is its id in
+    the selection's trainings ledger, which it enters just before its first noisy update. `loss_fn` is
+    the loss it trains with, the model's outputs taken in float32 (under mixed precision).
 
-    >>> step(x, y, weight)
+    >>> step(x, y, weight, index=rows["step"])
     >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
     """
 
@@ -171,38 +177,72 @@ class PrivateTrainingStep(PrivateStep):
         self.retrain = False  # whether a composition that re-uses the secret sampling is accepted
         self.continues = False  # whether `training` is an interrupted ledger entry this step continues
         self.releases_from_checkpoints = False  # see make_private
+        self.ledger: Ledger | None = None  # where a private training is entered (None: not private)
+        self.rows_per_step: int | None = None  # the most rows a step of the batches holds
         self.run = uuid.uuid4().hex  # this object's run of `training` (a continuation is another run)
         self._entered = False
 
     def __call__(self, x, y, weight, users=None, index=None) -> None:
-        """The next step on its rows; `index`, where given, the step's index in the batches (`steps_dataset`'s
-        `step_index`), refused unless it is the next step's."""
-        if index is not None:
-            self.check_index(index)
+        """The next step on its rows, which `index` names (`check_index`)."""
+        self.check_index(index, len(weight))
         super().__call__(x, y, weight, users)
 
-    def check_index(self, index) -> None:
-        try:
-            index = _step_number(index)
-        except TypeError:
-            raise InputError(f"index={index!r}: the step's index (steps_dataset's step_index)") from None
-        if index != self.steps_taken:
+    def check_index(self, index, rows: int) -> None:
+        """Refuse `rows` rows unless they are the next step's: `index` is the rows' `step` (one value per
+        row, as `read_steps` and `steps_dataset` give them: every one the next step's) or the step's
+        index (`steps_dataset`'s `step_index`), and a step holds no more rows than the batches' largest.
+        The plan accounts for each step's own rows, once, in order: rows of another step, of several,
+        or of one step twice would be released under noise the accounting did not plan for them."""
+        if index is None:
             raise InputError(
-                f"rows of step {index}, where this training's next step is {self.steps_taken}: take every step "
+                "a private step needs the index of the step its rows are: step(x, y, weight, index=rows['step']) "
+                "with the rows read_steps or steps_dataset give, one step's per call"
+            )
+        values = np.asarray(index.numpy() if hasattr(index, "numpy") else index)
+        if values.dtype.kind not in "iu" or values.ndim > 1:
+            raise InputError(f"index={index!r}: the rows' step (rows['step']) or the step's index, as integers")
+        if values.ndim == 1 and len(values) != rows:
+            raise InputError(f"index holds {len(values)} steps for {rows} rows: pass the rows' own step (rows['step'])")
+        steps = np.unique(values)
+        if len(steps) > 1:
+            raise InputError(
+                f"rows of steps {steps[0]} to {steps[-1]} in one call: each call takes one step's rows, as "
+                f"read_steps or steps_dataset give them (not unbatched and batched again)"
+            )
+        step = int(steps[0]) if len(steps) else self.steps_taken  # a step without rows
+        if step != self.steps_taken:
+            raise InputError(
+                f"rows of step {step}, where this training's next step is {self.steps_taken}: take every step "
                 f"once, in order (no shuffle, filter or repeat); continuing after step k, skip the first k "
                 f"(steps_dataset(...).skip(k), with make_private(..., resumed_at=k))"
+            )
+        if self.rows_per_step is not None and rows > self.rows_per_step:
+            raise InputError(
+                f"{rows} rows for step {step}, where no step of the batches holds more than {self.rows_per_step}: "
+                f"each call takes one step's rows, as read_steps or steps_dataset give them"
             )
 
     def apply(self, x, y, weight, groups) -> None:
         """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""
-        self.lower_once(self._replica_step, (x, y, weight, groups))  # before the ledger entry
+        self._before_first_update(super().apply, self._replica_step, (x, y, weight, groups))
         self._count_step()
         super().apply(x, y, weight, groups)
 
-    def privatized_gradient(self, x, y, weight, users=None):
-        self.lower_once(self._privatized, self._inputs(x, y, weight, users))  # before the ledger entry
+    def privatized_gradient(self, x, y, weight, users=None, index=None):
+        """As `PrivateStep.privatized_gradient`, for the next step, which `index` names (`check_index`)."""
+        self.check_index(index, len(weight))
+        self._before_first_update(self._privatize_once, self._privatized, self._inputs(x, y, weight, users))
         self._count_step()
         return super().privatized_gradient(x, y, weight, users)
+
+    def _before_first_update(self, function, replica_function, inputs: tuple) -> None:
+        """Before the training is entered in the ledger, lower (under XLA) and trace the step's function at
+        its first inputs, which runs nothing (no noise, no update): a model XLA cannot compile, or whose
+        call cannot be traced (an import that fails, an op on a tensor only eager code has), fails here
+        and leaves no entry. Only the first noisy update releases anything of the data."""
+        self.lower_once(replica_function, inputs)
+        if not self._entered:
+            trace(function, inputs)
 
     def _count_step(self) -> None:
         if self.steps_taken >= self.plan.steps:
@@ -222,7 +262,7 @@ class PrivateTrainingStep(PrivateStep):
         refuses a continuation from an earlier step (whose steps after it this run may have released).
         Call it after writing each checkpoint, before releasing anything of the model; `madp train`
         does. Continue an interrupted training from its latest checkpoint. While another process holds
-        the batches' lock it raises an InputError (the steps ran; the checkpoint is not recorded yet):
+        the selection's lock it raises an InputError (the steps ran; the checkpoint is not recorded yet):
         call it again before releasing anything of the model."""
         if self._entered and self.steps_taken < self.plan.steps:
             self._enter(STARTED, resumable_from=self.steps_taken)
@@ -234,27 +274,27 @@ class PrivateTrainingStep(PrivateStep):
         )
 
     def _enter(self, state: str, resumable_from: int | None = None) -> None:
-        """Enter this training in its batches' ledger (a private one: a seeded noise key holds no guarantee),
+        """Enter this training in its selection's ledger (a private one: a seeded noise key holds no guarantee),
         or update its entry. At its first step the ledger is read again: a training entered since this
         step was made (two steps made, then trained one after the other) would make `plan`'s composed
-        guarantee false. The read and the write hold the batches' lock (`madp train` holds it for its whole
-        training), so that two processes never both read the ledger before either enters it, nor rewrite
-        it from a stale read; held by another process, this step does not run (call it again later)."""
-        batches = self.plan.trained_on
-        if self.plan.private and batches:
-            if self.releases_from_checkpoints and not storage.holds(batches):
+        guarantee false. The read and the write hold the selection's lock (`madp train` holds it for its
+        whole training), so that two processes never both read the ledger before either enters it, nor
+        rewrite it from a stale read; held by another process, this step does not run (call it again later)."""
+        ledger = self.ledger
+        if ledger is not None:
+            if self.releases_from_checkpoints and not storage.holds(ledger.selection):
                 raise InputError(
-                    f"releases_from_checkpoints: this thread no longer holds the lock of {batches}; a "
+                    f"releases_from_checkpoints: this thread no longer holds the lock of {ledger.selection}; a "
                     f"continuation from the same checkpoint could run meanwhile (this step did not run)"
                 )
             held = (
                 contextlib.nullcontext()
-                if storage.holds(batches)
-                else storage.exclusive(batches, LEDGER_WRITER, keeps_content=True)
+                if storage.holds(ledger.selection)
+                else storage.exclusive(ledger.selection, LEDGER_WRITER, keeps_content=True)
             )
             try:
                 with held:
-                    self._enter_locked(batches, state, resumable_from)
+                    self._enter_locked(ledger, state, resumable_from)
             except storage.OutputLocked as error:
                 undone = (
                     "its checkpoint was not recorded"
@@ -266,19 +306,19 @@ class PrivateTrainingStep(PrivateStep):
                 _LIVE_RUNS[self.training] = self.run
         self._entered = True
 
-    def _enter_locked(self, batches: str, state: str, resumable_from: int | None) -> None:
+    def _enter_locked(self, ledger: Ledger, state: str, resumable_from: int | None) -> None:
         if self._entered:  # the entry must still be this run's: a continuation may have taken it over
-            entry = next((t for t in earlier_trainings(batches) if t.get("training") == self.training), {})
+            entry = next((t for t in earlier_trainings(ledger) if t.get("training") == self.training), {})
             if entry.get("run") != self.run:
                 raise InputError(self._superseded())
         else:  # its first entry (a one-step plan's is FINISHED)
             if self.continues:  # again under the lock: another continuation may have entered since
-                _check_continued(batches, self.training, self.steps_taken)
+                _check_continued(ledger, self.training, self.steps_taken)
             now = composed_plan(self.own_plan, training=self.training, retrain=self.retrain)
             if (now.epsilon, now.delta) != (self.plan.epsilon, self.plan.delta):
                 raise InputError(
-                    f"another private training entered the ledger of {batches} after this step was made: its "
-                    f"plan's ({self.plan.epsilon:.4g}, {self.plan.delta:.3g}) no longer states the composition "
+                    f"another private training entered the ledger of {ledger.selection} after this step was made: "
+                    f"its plan's ({self.plan.epsilon:.4g}, {self.plan.delta:.3g}) no longer states the composition "
                     f"({now.epsilon:.4g}, {now.delta:.3g}); make the step again (make_private) to train under "
                     f"it (nothing of this training ran)"
                 )
@@ -288,7 +328,7 @@ class PrivateTrainingStep(PrivateStep):
             # The earliest step a later continuation may restart at: after this run's first step, which
             # may be released as soon as it runs, unless the caller releases only what it checkpointed.
             resumable_from = self.steps_taken + (0 if self.releases_from_checkpoints else 1)
-        record_training(batches, self.training, self.output, self.own_plan, state, resumable_from, self.run)
+        record_training(ledger, self.training, self.output, self.own_plan, state, resumable_from, self.run)
 
 
 def make_private(
@@ -307,6 +347,7 @@ def make_private(
     output: str = "Python API",
     retrain: bool = False,
     releases_from_checkpoints: bool = False,
+    validation_data_public: bool = False,
     l2: float = 0.0,
 ) -> PrivateTrainingStep:
     """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
@@ -347,20 +388,34 @@ def make_private(
     `step.checkpointed()`; a continuation from an earlier step is refused, and so is a step object
     whose training another continuation has taken over (at its next call in this process; in another,
     at its next ledger write: its next `checkpointed()`, else its last step). `releases_from_checkpoints=True`
-    is for a caller that holds the batches' lock for the whole training (`storage.exclusive`), calls
-    `checkpointed()` after every checkpoint and releases nothing of the model before checkpointing it,
-    as `madp train` does: a run then leaves its start step resumable until its first checkpoint.
+    is for a caller that holds the selection's lock for the whole training (`storage.exclusive(batches.selection,
+    ...)`), calls `checkpointed()` after every checkpoint and releases nothing of the model before
+    checkpointing it, as `madp train` does: a run then leaves its start step resumable until its first
+    checkpoint.
 
-    The trainings ledger (`BATCHES/trainings.jsonl`): a private step enters its training there before
-    its first step (as `output`, e.g. where the model will be written) and marks it finished at step T.
-    A step made on batches that earlier private trainings used, finished or interrupted, states the
-    composition of all of them as `step.plan`'s (epsilon, delta) (`step.own_plan`: this training
-    alone); where the plan relies on the secret sampling, which a second training re-uses, it is
-    refused unless `retrain=True`. Seeded or scaled noise (not private) is neither entered nor composed.
+    Each call names its step: `step(x, y, weight, index=rows["step"])` (the rows' own step, or the step's
+    index, `steps_dataset`'s `step_index`), and the step refuses rows of any step but its next, rows of
+    several steps, and more rows than the batches' largest step holds (`PrivateTrainingStep.check_index`).
+    As a Keras model's `train_step` (`keras_train_step`), `fit` with `validation_data` and a callback that
+    acts on what it measures (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), any
+    callback of your own) is refused: the model fit returns would be chosen by a noiseless statistic of
+    the validation records. `validation_data_public=True` is your word that they are public (no record of
+    a user the guarantee protects), as `madp train --eval-data-public` is.
+
+    The trainings ledger is kept with the selection the batches were made from (`SELECTED/trainings.jsonl`,
+    `batches.selection`), shared by every batch output made from it: a private step enters its training
+    there just before its first noisy update (as `output`, e.g. where the model will be written) and
+    marks it finished at step T. A step made on batches whose selection earlier private trainings used,
+    finished or interrupted, states the composition of all of them as `step.plan`'s (epsilon, delta)
+    (`step.own_plan`: this training alone): trainings on the same batches as one release at their
+    equivalent noise multiplier (they share the sampling), trainings on other batches of the selection as
+    independent releases. Where the plan relies on the secret sampling and an earlier training used these
+    batches, which it would re-use, it is refused unless `retrain=True`. Seeded or scaled noise (not
+    private) is neither entered nor composed.
 
     >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
     >>> for rows in read_steps(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"])
+    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
     try:  # e.g. optimizer.iterations (a tf.Variable) or its numpy()
         resumed_at = _step_number(resumed_at)
@@ -402,27 +457,32 @@ def make_private(
             [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         )
     )
+    ledger = trainings_ledger(plan.trained_on) if plan.private and plan.trained_on else None
     continues = False
-    if training is not None and plan.private and plan.trained_on:
-        _check_continued(plan.trained_on, training, resumed_at)
+    if training is not None and ledger is not None:
+        _check_continued(ledger, training, resumed_at)
         continues = True
     training = training or uuid.uuid4().hex
-    released = composed_plan(plan, training=training, retrain=retrain) if plan.private else plan
+    released = composed_plan(plan, training=training, retrain=retrain) if ledger is not None else plan
     step = PrivateTrainingStep(
         model, loss, optimizer, query, released, plan, training, output, strategy, rows_per_replica, jit_compile, l2
     )
     step.steps_taken, step.retrain = resumed_at, retrain
     step.continues = continues
     step.releases_from_checkpoints = releases_from_checkpoints
-    if releases_from_checkpoints and plan.private and plan.trained_on and not storage.holds(plan.trained_on):
+    step.validation_data_public = validation_data_public
+    step.ledger = ledger
+    if plan.trained_on:
+        step.rows_per_step = max_rows_per_step(read_report(plan.trained_on, "batch"))
+    if releases_from_checkpoints and ledger is not None and not storage.holds(ledger.selection):
         raise InputError(
-            f"releases_from_checkpoints: hold the lock of {plan.trained_on} (storage.exclusive) for the whole "
+            f"releases_from_checkpoints: hold the lock of {ledger.selection} (storage.exclusive) for the whole "
             f"training, so that no other run of it continues from the same checkpoint meanwhile"
         )
     return step
 
 
-def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
+def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
     """`training=` names the ledger entry a resumed training continues: one that exists and has not
     finished, continued after the steps it took. Any other use would train under one entry, counted
     once in every later composition, more steps than its plan accounts for."""
@@ -431,22 +491,24 @@ def _check_continued(batches_dir: str, training: str, resumed_at: int) -> None:
             f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
             f"or leave training out for a new training (entered and composed on its own)"
         )
-    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), None)
+    entry = next((t for t in earlier_trainings(ledger) if t.get("training") == training), None)
     if entry is None:
-        raise InputError(f"training={training!r} is not in the trainings ledger of {batches_dir}: nothing to continue")
+        raise InputError(
+            f"training={training!r} is not in the trainings ledger of {ledger.selection}: nothing to continue"
+        )
     if entry.get("state", FINISHED) != STARTED:
         raise InputError(
-            f"training={training!r} finished all its steps on {batches_dir}: it cannot be continued; train "
+            f"training={training!r} finished all its steps on {ledger.batches}: it cannot be continued; train "
             f"anew (a new training, composed with it)"
         )
     resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
     if resumed_at < resumable_from:
         raise InputError(
             f"training={training!r} was continued or run past step {resumed_at} already (the ledger of "
-            f"{batches_dir} accepts a continuation from step {resumable_from} on): resumed_at={resumed_at} would "
-            f"run steps it may have released again, with new noise, which its entry's plan does not account "
-            f"for; continue from a later checkpoint, or train anew (a new training, composed with it), or, if "
-            f"nothing after step {resumed_at} was released, continue with releases_from_checkpoints=True"
+            f"{ledger.selection} accepts a continuation from step {resumable_from} on): resumed_at={resumed_at} "
+            f"would run steps it may have released again, with new noise, which its entry's plan does not "
+            f"account for; continue from a later checkpoint, or train anew (a new training, composed with it), "
+            f"or, if nothing after step {resumed_at} was released, continue with releases_from_checkpoints=True"
         )
 
 

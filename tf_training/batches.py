@@ -30,7 +30,18 @@ class Batches:
     @property
     def max_rows_per_step(self) -> int:
         """Rows of the largest step in the files: B_max where steps are padded to it, else the largest batch."""
-        return int(self.report["parameters"].get("max_batch_size") or self.report["written_batch_sizes"]["max"])
+        return max_rows_per_step(self.report)
+
+    @property
+    def selection(self) -> str:
+        """The bound output the batches were made from (`madp bound`'s OUTPUT): the private trainings on
+        every batch output made from it are entered in its ledger, under its lock."""
+        return str(self.report.get("selected") or "")
+
+
+def max_rows_per_step(report: dict) -> int:
+    """`Batches.max_rows_per_step` of a batch report."""
+    return int(report["parameters"].get("max_batch_size") or report["written_batch_sizes"]["max"])
 
 
 READER = "reading the batches (madp train, or the Python API)"  # what a reader's mark on them says

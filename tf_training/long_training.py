@@ -28,7 +28,7 @@ from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import internal_path
-from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings
+from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
 tf = load_tensorflow()
@@ -159,7 +159,7 @@ class Checkpoints:
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
     state.json beside them holds the step, the evaluations so far, the (public) plan and the
     evaluation data (and whether it was declared public) a resume must match, and the training's id
-    in the batches' ledger, whose entry a resume continues.
+    in the trainings ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
     draw z_t from a fresh key K2 (keyed by (K2, t)), so every z_t is still an independent N(0, sigma^2)
@@ -249,7 +249,7 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
     training = following["training"]
     if state is not None and state.get("training") != training:
         return state
-    entry = next((t for t in earlier_trainings(batches_dir) if t.get("training") == training), {})
+    entry = next((t for t in earlier_trainings(ledger_of(batches_dir)) if t.get("training") == training), {})
     if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
         return following
     return state
@@ -262,7 +262,7 @@ def after_stop(output: str, batches_dir: str) -> str:
     try:
         state = interrupted_state(output, batches_dir)
         training = None if state is None else state.get("training")  # None: a non-private training
-        ledger = earlier_trainings(batches_dir) if training is not None else []
+        ledger = earlier_trainings(ledger_of(batches_dir)) if training is not None else []
     except InputError as error:  # a damaged state or ledger, which --resume names too
         return f"its checkpoint state cannot be read ({error})"
     entry = next((t for t in ledger if t.get("training") == training), {})
@@ -271,7 +271,7 @@ def after_stop(output: str, batches_dir: str) -> str:
     )
     if entry.get("state") == FINISHED:
         return (
-            f"the training ran all its steps (the batches' ledger holds it as finished) but {output} was not all "
+            f"the training ran all its steps (the trainings ledger holds it as finished) but {output} was not all "
             f"written, so it cannot be resumed: {fresh} (composed with it)"
         )
     if state is not None:

@@ -7,6 +7,7 @@ epsilon, delta) that the batches' reports and the accountant imply. No TensorFlo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from madp.accounting import truncation as truncation_bound
-from madp.accounting.calibrate import calibrate, epsilon, finite_epsilon
+from madp.accounting.calibrate import calibrate, composed_epsilon, epsilon, finite_epsilon
 from madp.accounting.evr import calibrate_minsep, epsilon_minsep, unamplified
 from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from madp.accounting.monte_carlo import MinSepProcess
@@ -25,7 +26,7 @@ from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED
-from madp.core.selection import REPORT_FILE
+from madp.core.selection import REPORT_FILE, read_report
 from madp.core.user_ids import AS_IS, EMAIL
 from madp.training.batches import Batches
 from madp.training.options import TrainOptions
@@ -240,6 +241,12 @@ PARAMETERS: dict[str, Callable[..., Mechanism | MinSepProcess]] = {
 }
 
 
+def parameters_of(mechanism: str, parameters: dict[str, Any]) -> Mechanism | MinSepProcess:
+    """A plan's `parameters` from their JSON (`to_json`), for the mechanism it names: KeyError or TypeError
+    where they are not that mechanism's."""
+    return PARAMETERS[mechanism](**{k: tuple(v) if isinstance(v, list) else v for k, v in parameters.items()})
+
+
 def to_json(value: Any) -> Any:
     """A plan, or a part of it, as its JSON files hold it: dataclasses as objects in field order (a field
     whose default is None left out while None), tuples as lists."""
@@ -284,14 +291,18 @@ class Guarantee:
 
 @dataclasses.dataclass(frozen=True)
 class Composition:
-    """The guarantee of a training and the earlier ones on the same batches, released together (`composition`)."""
+    """The guarantee of a training and the earlier ones on the same selection, released together (`composition`)."""
 
     trainings: int  # this one and the earlier ones
     outputs: tuple[str | None, ...]  # the earlier trainings' output directories, oldest first
-    equivalent_noise_multiplier: float  # (sum of sigma_i^-2)^(-1/2): one training at it dominates them all
-    epsilon: float  # the composed epsilon, PLD accounting at that sigma
+    # (sum of sigma_i^-2)^(-1/2) over this training and the earlier ones on the same batches: one training at
+    # it dominates them all
+    equivalent_noise_multiplier: float
+    epsilon: float  # the composed epsilon, PLD accounting
     delta: float  # the mechanism's delta plus that of truncation (one event, shared by all), at that epsilon
-    accountant: str  # "PLD", or "unamplified fallback (PLD)" for a Monte Carlo plan
+    accountant: str  # "PLD", or "unamplified fallback (PLD)" where a Monte Carlo plan is composed
+    # other batch outputs of the selection whose trainings composed with these as independent releases
+    independent_batches: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +350,7 @@ class PrivacyPlan:
     private: bool | None = None  # privacy.json: whether the model holds the guarantee (fresh noise and sampling)
     single_training: Guarantee | None = None  # privacy.json, after a composition: this training's own guarantee
     composition: Composition | None = None  # privacy.json: the composition of this and earlier trainings
-    trained_on: str | None = None  # the batch output the plan is for, whose trainings ledger it is entered in
+    trained_on: str | None = None  # the batch output the plan is for (its selection keeps the trainings ledger)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as its files hold it, ready for json.dumps."""
@@ -353,9 +364,7 @@ class PrivacyPlan:
             return cls(
                 **{
                     **data,
-                    "parameters": PARAMETERS[data["mechanism"]](
-                        **{k: tuple(v) if isinstance(v, list) else v for k, v in data["parameters"].items()}
-                    ),
+                    "parameters": parameters_of(data["mechanism"], data["parameters"]),
                     "assumptions": tuple(data["assumptions"]),
                     "bands": tuple(data["bands"]),
                     "accounted_batches": AccountedBatches(**data["accounted_batches"]),
@@ -566,7 +575,7 @@ def epsilon_curve(plan: PrivacyPlan, points: int = 9) -> tuple[tuple[float, floa
 
 def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     """The plan of `options.calibration` (checked against the batches and the clip norm), else a new one;
-    either is for `batches.directory` (`trained_on`: the trainings ledger a private training enters)."""
+    either is for `batches.directory` (`trained_on`: its selection keeps the ledger a private training enters)."""
     if options.calibration is None:
         plan = privacy_plan(batches, options)
         return None if plan is None else dataclasses.replace(plan, trained_on=batches.directory)
@@ -589,19 +598,60 @@ def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     return dataclasses.replace(plan, calibration=options.calibration, trained_on=batches.directory)
 
 
-# --- trainings on one batch output ---------------------------------------------------------------
+# --- the trainings on one selection --------------------------------------------------------------
+
+STARTED, FINISHED = "started", "finished"  # a ledger entry's state: steps may have run / all T steps ran
 
 
-def earlier_trainings(batches_dir: str) -> list[dict]:
-    """The private trainings recorded on this batch output (`record_training`), oldest first; an entry
-    without a state (madp before 2026-11-25 entered trainings when they finished) is a finished one."""
-    path = storage.join(batches_dir, TRAININGS_FILE)
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """Where the private trainings on a batch output are entered: beside the selection it was made from
+    (`madp bound`'s OUTPUT: `SELECTED/trainings.jsonl`, under that output's lock), one ledger for every
+    batch output made from it, since a training on any of them releases the same users' records. An
+    entry names the batch files it trained on (`batch_files`: a digest of their SHA-256, internal like
+    the batch report), so that trainings on one sampling (a batch output, or a copy of it) are told from
+    trainings on independent batches of the selection. The batch output's own ledger
+    (`BATCHES/trainings.jsonl`, which madp kept before the selection did) is read too: its entries
+    trained on these batches."""
+
+    selection: str  # the bound output the batches were made from: the ledger's folder, whose lock guards it
+    batches: str  # the batch output trained on
+    batch_files: str  # the digest of its batch files' SHA-256: the identity of its sampling
+
+    @property
+    def path(self) -> str:
+        return storage.join(self.selection, TRAININGS_FILE)
+
+
+def ledger_of(batches_dir: str) -> Ledger:
+    """The ledger of the trainings on a `madp batch` output (`Ledger`), as its report names it."""
+    report = read_report(batches_dir, "batch")
+    listed = "\n".join(str(entry.get("sha256")) for entry in report.get("files") or [] if isinstance(entry, dict))
+    return Ledger(str(report.get("selected") or ""), batches_dir, hashlib.sha256(listed.encode()).hexdigest())
+
+
+def trainings_ledger(batches_dir: str) -> Ledger:
+    """The ledger a private training on a `madp batch` output enters; refused where its selection is not
+    there to keep it (moved or removed since batching): the training would miss the earlier ones."""
+    ledger = ledger_of(batches_dir)
+    if not ledger.selection or storage.kind(ledger.selection) != "directory":
+        raise InputError(
+            f"the trainings ledger of {batches_dir} is kept with the selection it was made from, "
+            f"{ledger.selection or '(none named in its report)'}, which is not there (moved or removed): a private "
+            f"training composes with every earlier one on that selection, which madp reads there; restore it "
+            f"at that path, or train where it is"
+        )
+    return ledger
+
+
+def _entries(path: str) -> list[dict]:
+    """The entries of one ledger file, checked ([] where there is none)."""
     if storage.kind(path) != "file":
         return []
     try:
         trainings = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
     except ValueError as error:
-        raise InputError(f"{path}: not a ledger madp wrote ({error}); the batches' trainings are unknown") from None
+        raise InputError(f"{path}: not a ledger madp wrote ({error}); the earlier trainings are unknown") from None
     if not all(isinstance(t, dict) and {"mechanism", "parameters", "noise_multiplier"} <= set(t) for t in trainings):
         raise InputError(f"{path}: not a ledger madp wrote (an entry lacks mechanism, parameters or sigma)")
     if not all(type(t.get("resumable_from", 0)) is int for t in trainings):
@@ -609,59 +659,117 @@ def earlier_trainings(batches_dir: str) -> list[dict]:
     return trainings
 
 
-STARTED, FINISHED = "started", "finished"  # a ledger entry's state: steps may have run / all T steps ran
+def _selection_entries(ledger: Ledger) -> list[dict]:
+    trainings = _entries(ledger.path) if ledger.selection else []
+    if not all(isinstance(t.get("batch_files"), str) for t in trainings) or not all(
+        _is_probability(t.get("truncation_probability")) for t in trainings
+    ):
+        raise InputError(
+            f"{ledger.path}: not a ledger madp wrote (an entry lacks the batch files it trained on or their "
+            f"truncation probability)"
+        )
+    return trainings
+
+
+def _is_probability(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+def earlier_trainings(ledger: Ledger) -> list[dict]:
+    """The private trainings on the ledger's selection (`record_training`), oldest first, each naming the
+    batch files it trained on: first those of the batch output's own ledger, as trainings on these batches
+    (unless the selection's ledger holds their entry since: a continuation), then the selection's. An
+    entry without a state (madp before 2026-11-25 entered trainings when they finished) is a finished one."""
+    shared = _selection_entries(ledger)
+    return _batch_output_entries(ledger, {t.get("training") for t in shared}) + shared
+
+
+def _batch_output_entries(ledger: Ledger, entered: set) -> list[dict]:
+    """The entries of the batch output's own ledger (madp kept it there before the selection did), as
+    trainings on these batches, but for the trainings in `entered`."""
+    return [
+        {**t, "batches": ledger.batches, "batch_files": ledger.batch_files}
+        for t in _entries(storage.join(ledger.batches, TRAININGS_FILE))
+        if t.get("training") not in entered
+    ]
+
+
+def _truncation_probability(plan: PrivacyPlan) -> float:
+    """rho: the probability that some step of the plan's batches sampled more than B_max units (0 where the
+    guarantee does not pay for truncation), which its truncation_delta is rho (1 + e^epsilon) of."""
+    return plan.truncation_delta / (1 + math.exp(plan.epsilon))
 
 
 def record_training(
-    batches_dir: str, training: str, output: str, plan: PrivacyPlan, state: str, resumable_from: int, run: str
+    ledger: Ledger, training: str, output: str, plan: PrivacyPlan, state: str, resumable_from: int, run: str
 ) -> None:
     """Enter the private training `training` (a unique id; `output`: where it writes, or what it is) in the
-    batch output's ledger of trainings, or set the state of its entry. A training is entered before its
-    first step: whatever it released before an interruption (evaluations, checkpointed models) is then
-    covered by its entry, which every later training on these batches composes with, finished or not.
+    ledger of its selection, or set the state of its entry. A training is entered before its first noisy
+    update: whatever it released before an interruption (evaluations, checkpointed models) is then
+    covered by its entry, which every later training on the selection composes with, finished or not.
     `resumable_from`: the earliest step a continuation of the entry may restart at (no step it may
-    have released runs twice); `run`: the run (step object) that trains it now."""
+    have released runs twice); `run`: the run (step object) that trains it now. The entries of the
+    batch output's own ledger join the selection's (trainings on these batches, of this plan's
+    mechanism: `composed_plan` refuses others), so that trainings on other batches of the selection
+    compose with them too, and a new batching into that output loses none of them."""
+    rho = _truncation_probability(plan)
     entry = {
         "training": training,
         "output": output,
         "state": state,
+        "batches": ledger.batches,
+        "batch_files": ledger.batch_files,
         "mechanism": plan.mechanism,
         "parameters": to_json(plan.parameters),
         "noise_multiplier": plan.noise_multiplier,
         "epsilon": plan.epsilon,
         "delta": plan.delta,
+        "truncation_probability": rho,
         "resumable_from": resumable_from,
         "run": run,
     }
-    trainings = [t for t in earlier_trainings(batches_dir) if t.get("training") != training] + [entry]
-    storage.write_text(storage.join(batches_dir, TRAININGS_FILE), "".join(json.dumps(t) + "\n" for t in trainings))
+    shared = _selection_entries(ledger)
+    entered = {t.get("training") for t in shared} | {training}
+    own = [{**t, "truncation_probability": rho} for t in _batch_output_entries(ledger, entered)]
+    trainings = own + [t for t in shared if t.get("training") != training] + [entry]
+    storage.write_text(ledger.path, "".join(json.dumps(t) + "\n" for t in trainings))
 
 
 def composed_plan(plan: PrivacyPlan, *, training: str, retrain: bool) -> PrivacyPlan:
-    """The plan of a private training on batches that earlier private trainings used (the ledger of
-    `plan.trained_on`: its entries other than `training`'s own, finished or interrupted): refused where the
-    guarantee relies on the secret sampling (re-using it leaks far more than twice epsilon) unless
-    `retrain`, and in any case released with the composition of all of them as its (epsilon, delta)
-    (the single training's figures kept under `single_training`): whoever publishes this model next to
-    the earlier ones gets no more than that. Without a composed figure (other mechanisms) it is refused."""
-    batches_dir = plan.trained_on
-    earlier = [t for t in earlier_trainings(batches_dir) if t.get("training") != training] if batches_dir else []
+    """The plan of a private training on batches whose selection earlier private trainings used (the ledger
+    of `plan.trained_on`'s selection: its entries other than `training`'s own, finished or interrupted),
+    released with the composition of all of them as its (epsilon, delta) (the single training's figures
+    kept under `single_training`): whoever publishes this model next to the earlier ones gets no more than
+    that. Refused where the guarantee relies on the secret sampling and an earlier training used these
+    batches (re-using that sampling leaks far more than twice epsilon) unless `retrain`; refused without a
+    composed figure (other mechanisms on one batch output); refused where the selection is not there to
+    keep the ledger."""
+    if not plan.trained_on:
+        return plan
+    ledger = trainings_ledger(plan.trained_on)
+    earlier = [t for t in earlier_trainings(ledger) if t.get("training") != training]
     if not earlier:
         return plan
-    composed = composition(plan, earlier)
+    same = sum(t["batch_files"] == ledger.batch_files for t in earlier)
+    composed = composition(plan, earlier, ledger.batch_files)
     outputs = ", ".join(str(t["output"]) for t in earlier)
-    said = f"{len(earlier)} earlier private training(s) used {batches_dir} ({outputs})"
+    said = (
+        f"{len(earlier)} earlier private training(s) on the selection {ledger.selection} ({outputs}), {same} of "
+        f"them on these batches"
+    )
     if composed is None:
         raise InputError(
-            f"{said} with another mechanism or parameters, and madp has no composed figure for them: batch "
-            f"again (a fresh key) for this training"
+            f"{said}, with another mechanism or parameters than this training's on one batch output, which madp "
+            f"has no composed figure for: train with their mechanism and parameters, or on batches made anew "
+            f"from the selection (composed with them as an independent release)"
         )
     figure = f"together they are ({composed.epsilon:.4g}, {composed.delta:.3g})-DP"
-    if plan.relies_on_secret_sampling and not retrain:
+    if same and plan.relies_on_secret_sampling and not retrain:
         raise InputError(
-            f"{said}: {figure}. Each relies on the secret sampling, and training again on the same batches "
-            f"re-uses it: batch again (a fresh key) for a new training, or retrain (--retrain, retrain=True) "
-            f"to accept the composed guarantee"
+            f"{said}: {figure}. {plan.mechanism} relies on the secret sampling of these batches and training "
+            f"on them again re-uses it, which composes far worse than independent batches: retrain (--retrain, "
+            f"retrain=True) to accept that composed guarantee, or train on batches made anew from the selection "
+            f"(composed with these trainings as an independent release)"
         )
     log.warning("%s: %s; the plan states that composed guarantee", said, figure)
     return dataclasses.replace(
@@ -673,28 +781,63 @@ def composed_plan(plan: PrivacyPlan, *, training: str, retrain: bool) -> Privacy
     )
 
 
-def composition(plan: PrivacyPlan, earlier: list[dict]) -> Composition | None:
-    """The guarantee of this training and the `earlier` ones (ledger entries) on the same batches, released
-    together.
+def _equivalent_noise_multiplier(sigmas: list[float]) -> float:
+    """(sum sigma_i^-2)^(-1/2): one release at it dominates the releases of one sampling at each sigma_i."""
+    return sum(sigma**-2 for sigma in sigmas) ** -0.5
 
-    They share the batches, hence the sampling: n Gaussian releases of one sampled batch with noise
-    multipliers sigma_i are n stacked queries of sensitivity 1 each, i.e. one query of sensitivity
-    sqrt(n)-equivalent, dominated by the same mechanism at sigma = (sum sigma_i^-2)^(-1/2). With
-    amplification this is far worse than twice epsilon (the same secret sampling is used again), which
-    is why independent batches are the better way to train twice. Trainings of another mechanism or
-    parameters have no such closed form: None for them."""
-    parameters = to_json(plan.parameters)  # as the ledger holds them
-    if not all(t["mechanism"] == plan.mechanism and t["parameters"] == parameters for t in earlier):
+
+def _formal_mechanism(entry: dict) -> Mechanism:
+    """What a ledger entry's training is accounted as (a Monte Carlo plan's unamplified fallback)."""
+    try:
+        parameters = parameters_of(entry["mechanism"], entry["parameters"])
+    except (KeyError, TypeError, AttributeError) as error:
+        raise InputError(
+            f"the trainings ledger's entry of {entry.get('output')!r} holds no parameters of a mechanism madp "
+            f"accounts ({type(error).__name__}: {error}): not a ledger madp wrote"
+        ) from None
+    return unamplified(parameters) if isinstance(parameters, MinSepProcess) else parameters
+
+
+def _one_mechanism(entries: list[dict], mechanism: str, parameters: dict) -> bool:
+    return all(t["mechanism"] == mechanism and t["parameters"] == parameters for t in entries)
+
+
+def composition(plan: PrivacyPlan, earlier: list[dict], batch_files: str) -> Composition | None:
+    """The guarantee of this training, on the batches of `batch_files`, and the `earlier` ones (ledger
+    entries) on the same selection, released together.
+
+    Trainings on one batch output share its sampling: n Gaussian releases of one sampled batch with noise
+    multipliers sigma_i are n stacked queries of sensitivity 1 each, dominated by the same mechanism at
+    sigma = (sum sigma_i^-2)^(-1/2). With amplification this is far worse than n times epsilon (the same
+    secret sampling is used again). Trainings on independent batch outputs of the selection (each sampled
+    with a key of its own) are independent mechanisms on the same users, each at its outputs' equivalent
+    sigma: their privacy loss distributions compose (PLD). Truncation adds its delta once: the event that
+    some step of any of these batch outputs sampled more than B_max units has a probability of at most the
+    sum of theirs (rho, the same for both neighbours), which costs rho (1 + e^epsilon). A batch output
+    whose trainings differ in mechanism or parameters has no such closed form: None."""
+    groups: dict[str, list[dict]] = {}
+    for entry in earlier:
+        groups.setdefault(entry["batch_files"], []).append(entry)
+    these = groups.pop(batch_files, [])
+    if not _one_mechanism(these, plan.mechanism, to_json(plan.parameters)):  # the plan's, as the ledger holds them
         return None
-    sigma = sum([*(t["noise_multiplier"] ** -2 for t in earlier), plan.noise_multiplier**-2]) ** -0.5
+    if not all(_one_mechanism(group, group[0]["mechanism"], group[0]["parameters"]) for group in groups.values()):
+        return None
+    sigma = _equivalent_noise_multiplier([*(t["noise_multiplier"] for t in these), plan.noise_multiplier])
+    releases = [(plan.formal_mechanism, sigma)] + [
+        (_formal_mechanism(group[0]), _equivalent_noise_multiplier([t["noise_multiplier"] for t in group]))
+        for group in groups.values()
+    ]
     mechanism_delta = plan.delta - plan.truncation_delta
-    composed = epsilon(plan.formal_mechanism, sigma, mechanism_delta)
-    rho = plan.truncation_delta / (1 + math.exp(plan.epsilon))  # one truncation event, shared by all runs
+    composed = composed_epsilon(releases, mechanism_delta)
+    rho = _truncation_probability(plan) + sum(max(t["truncation_probability"] for t in g) for g in groups.values())
+    monte_carlo = "bandmf-minsep" in {plan.mechanism, *(t["mechanism"] for t in earlier)}
     return Composition(
         trainings=len(earlier) + 1,
         outputs=tuple(t.get("output") for t in earlier),
         equivalent_noise_multiplier=sigma,
         epsilon=composed,
         delta=mechanism_delta + rho * (1 + math.exp(composed)),
-        accountant="unamplified fallback (PLD)" if plan.mechanism == "bandmf-minsep" else "PLD",
+        accountant="unamplified fallback (PLD)" if monte_carlo else "PLD",
+        independent_batches=len(groups) or None,
     )

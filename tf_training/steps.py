@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from typing import Any
 
@@ -82,27 +83,28 @@ class _LoweredOnce:
 class _KerasFit:
     """A step as a Keras model's `train_step`, so that `model.fit` trains with it."""
 
+    model: Any
     optimizer: Any
+    # Whether fit's validation data may choose the model (a private training step: its caller's word)
+    validation_data_public = True
 
-    def __call__(self, x, y, weight, users=None) -> None: ...
-
-    def check_index(self, index) -> None:
-        """Refuse the rows of a step other than the next one (a private training step checks; a baseline
-        has no plan to keep)."""
+    def __call__(self, x, y, weight, users=None, index=None) -> None: ...
 
     def keras_train_step(self, data) -> dict:
         """For `fit`: `model.train_step = step.keras_train_step`, `model.compile(run_eagerly=True)`, then
         `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight, index) or (x, y,
-        weight, users, index), `index` the step's (`steps_dataset`'s `step_index`): a private step refuses
-        an element of any step but its next. Eagerly only: under tf.function, fit would trace it once
-        and a private step's per-call work (its count against the plan's T steps, the trainings ledger)
-        would not run per step. One replica only: a step of several (`make_private(..., strategy=s)`)
-        splits a step's rows itself, from a loop. Its logs are the optimizer's iterations, a step count:
-        public; what else fit shows (its progress bar's times, `validation_data`'s metrics without
-        noise, callbacks') no guarantee covers.
+        weight, users, index), `index` the rows' `step` (or `steps_dataset`'s `step_index`): a private
+        step refuses an element of any step but its next. Eagerly only: under tf.function, fit would
+        trace it once and a private step's per-call work (its count against the plan's T steps, the
+        trainings ledger) would not run per step. One replica only: a step of several
+        (`make_private(..., strategy=s)`) splits a step's rows itself, from a loop. Its logs are the
+        optimizer's iterations, a step count: public; what else fit shows (its progress bar's times,
+        `validation_data`'s metrics without noise, callbacks') no guarantee covers. A private step
+        refuses `validation_data` with a callback that acts on it (`refuse_model_selection`) unless
+        `make_private(..., validation_data_public=True)`.
 
         >>> model.fit(steps_dataset(batches, ["features", "label"]).map(
-        ...     lambda r: (r["features"], r["label"], r["weight"], r["step_index"])), epochs=1, verbose=0)
+        ...     lambda r: (r["features"], r["label"], r["weight"], r["step"])), epochs=1, verbose=0)
         """
         if not tf.executing_eagerly():
             raise InputError("keras_train_step runs each step eagerly: compile the model with run_eagerly=True")
@@ -119,10 +121,51 @@ class _KerasFit:
                 "keras_train_step: fit splits each element over several replicas; under a distribution strategy, "
                 "call the step from a loop of your own (it splits a step's rows over the replicas itself)"
             )
-        *rows, index = data
-        self.check_index(index)
-        context.merge_call(lambda _: self(*rows))
+        if not self.validation_data_public:
+            refuse_model_selection(self.model)
+        x, y, weight, *users = data[:-1]
+        context.merge_call(lambda _: self(x, y, weight, users[0] if users else None, index=data[-1]))
         return {"iterations": tf.identity(self.optimizer.iterations)}
+
+
+# Keras' callbacks that never act on what fit's validation measures: they record it, or act on the epoch alone
+RECORDING_CALLBACKS = frozenset(
+    {"History", "ProgbarLogger", "BaseLogger", "CSVLogger", "TensorBoard", "LearningRateScheduler", "TerminateOnNaN"}
+)
+
+
+def _acts_on_validation(callback) -> bool:
+    """Whether a fit callback may change the model fit returns, or its training, by what validation measures:
+    anything but Keras' own recording callbacks, and ModelCheckpoint unless it saves every epoch."""
+    cls = type(callback)
+    keras_own = cls.__module__.split(".")[0] in ("keras", "tf_keras")
+    if keras_own and cls.__name__ == "ModelCheckpoint":
+        return bool(getattr(callback, "save_best_only", False))
+    return not (keras_own and cls.__name__ in RECORDING_CALLBACKS)
+
+
+def refuse_model_selection(model) -> None:
+    """Refuse a `fit` of `model` with validation data and a callback that acts on it (EarlyStopping,
+    ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), any callback of the user's): fit measures the
+    validation data without noise, so the model it returns (or how it trained) would be chosen by a
+    statistic of those records that no guarantee covers. fit hands train_step its data alone, so its
+    arguments are read from its frame, which calls this one (tf_keras and Keras 3 name them alike)."""
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model):
+        frame = frame.f_back
+    if frame is None:
+        return
+    arguments = frame.f_locals
+    callbacks = getattr(arguments.get("callbacks"), "callbacks", arguments.get("callbacks")) or []
+    acting = [type(callback).__name__ for callback in callbacks if _acts_on_validation(callback)]
+    if arguments.get("validation_data") is not None and acting:
+        raise InputError(
+            f"fit of model {model.name} with validation_data and the callbacks {', '.join(acting)}: fit measures "
+            f"the validation data without noise, and these act on what it measures, so the model it returns "
+            f"would be chosen by a statistic of those records that no guarantee covers; leave them out, or, if the "
+            f"validation records are public (no record of a user the guarantee protects), say so with "
+            f"make_private(..., validation_data_public=True) (this step did not run)"
+        )
 
 
 def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
@@ -130,7 +173,7 @@ def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
     drawn, no weight changes; TensorFlow runs one eager random op to find the device, which moves its
     global unseeded draws, not the training noise's own key): a model with an op XLA has no kernel
     for is refused with an InputError naming the op, before the first step, so before a private
-    training enters its batches' ledger. Without this, TensorFlow fails inside the step, with a
+    training enters the trainings ledger. Without this, TensorFlow fails inside the step, with a
     traceback, after the ledger holds the training as started."""
     try:
         function.experimental_get_compiler_ir(*inputs)(stage="hlo")
@@ -216,7 +259,8 @@ class PrivateStep(_LoweredOnce, _KerasFit):
             self.lower_once(self._privatized, inputs)
             return self._privatize_once(*inputs)
 
-    def __call__(self, x, y, weight, users=None) -> None:
+    def __call__(self, x, y, weight, users=None, index=None) -> None:
+        """One step on its rows; `index` is checked by a step with a plan (`make_private`), not here."""
         inputs = split_over_replicas(self.strategy, x, y, weight, self._users(users), self.rows_per_replica)
         with _input_errors_of_the_trace():
             self.lower_once(self._replica_step, inputs)
@@ -330,6 +374,14 @@ def compiled_by_xla(function, jit_compile: bool, strategy):
     return tf.function(function, jit_compile=True, reduce_retracing=True)
 
 
+def trace(function, inputs: tuple) -> None:
+    """Trace the tf.function `function` at `inputs` without running it (no noise is drawn, no weight
+    changes; a call with inputs of the same shapes then runs the traced graph): a model whose call
+    cannot be traced fails here, with the InputError of the trace where there is one."""
+    with _input_errors_of_the_trace():
+        function.get_concrete_function(*inputs)
+
+
 @contextlib.contextmanager
 def _input_errors_of_the_trace():
     """The clipping's InputErrors for a loss of one number per batch (`clipping.example_loss`) and a
@@ -415,7 +467,8 @@ class NonPrivateStep(_LoweredOnce, _KerasFit):
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._xla, self._lowered = jit_compile, set()
 
-    def __call__(self, x, y, weight, users=None) -> None:
+    def __call__(self, x, y, weight, users=None, index=None) -> None:
+        """One step on its rows; `users` and `index`, for the same call as a private step's, are not needed."""
         inputs = split_over_replicas(self.strategy, x, y, weight, None, self.rows_per_replica)
         self.lower_once(self._replica_step, inputs[:3])
         self.apply(*inputs)

@@ -189,7 +189,7 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
 
 def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
     """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
-    batches' ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint is
+    trainings ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint is
     refused, and so is one into an output holding another training's logs unless --replace."""
     state = interrupted_state(output, batches_dir)
     if not options.resume:
@@ -198,7 +198,7 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
                 f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
-                f"compose with it: the batches' ledger holds it since its first step)"
+                f"compose with it: the trainings ledger holds it since its first noisy update)"
             )
         if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
             raise InputError(
@@ -269,24 +269,14 @@ def _pretrained_fields(task, options: TrainOptions) -> dict:
 
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     """Train on a `madp batch` output and write model.keras, metrics.json and privacy.json to `output`.
-    A private training holds the batch output's lock from its plan to its last step (its entry in the
-    trainings ledger, made before its first step, is then marked finished), so two trainings on one
-    batch output (a parallel sweep) run one after the other and the second composes with the first
-    instead of both claiming a single training's guarantee. A full file system is a `DiskFull` naming
-    `output`: TensorFlow's writes (summaries, checkpoints, the model) raise errors of their own types."""
-    try:
-        if options.mechanism == "none" or storage.kind(batches_dir) != "directory":
-            return _train(batches_dir, output, options)
-        with storage.exclusive(batches_dir, f"train {output} (holds the trainings ledger)", keeps_content=True):
-            return _train(batches_dir, output, options)
-    except (OSError, tf.errors.OpError) as error:
-        full = storage.disk_full(output, error)
-        if full is None:
-            raise
-        raise full from error
-
-
-def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
+    A private training holds the lock of the selection the batches were made from (which keeps the
+    trainings ledger of every batch output made from it) from its plan to its last step (its entry in
+    the ledger, made before its first noisy update, is then marked finished), so two trainings on one
+    selection (a parallel sweep) run one after the other and the second composes with the first
+    instead of both claiming a single training's guarantee. Where the selection is not there, nothing
+    is held: a private training is refused then (`make_private`), a seeded one keeps no ledger. A full
+    file system is a `DiskFull` naming `output`: TensorFlow's writes (checkpoints, the model) raise
+    errors of their own types."""
     started = time.perf_counter()
     if options.amplified and options.mc_runner == "cuda" and not options.calibration:
         if tf.config.list_physical_devices("GPU"):  # cupy's arrays would compete with TensorFlow's for it
@@ -296,6 +286,21 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 "train with it (--calibration)"
             )
     batches = open_batches(batches_dir)
+    selection = batches.selection
+    try:
+        if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
+            return _train(batches, output, options, started)
+        with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
+            return _train(batches, output, options, started)
+    except (OSError, tf.errors.OpError) as error:
+        full = storage.disk_full(output, error)
+        if full is None:
+            raise
+        raise full from error
+
+
+def _train(batches: Batches, output: str, options: TrainOptions, started: float) -> dict:
+    batches_dir = batches.directory
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
     # The model is named by its files' digest before it is read and checked after: a file swapped
@@ -427,7 +432,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             users = rows[USER_FEATURE] if user_level else None
             for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
                 internal.scalar(f"train/{name}", value, done)
-        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None)
+        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None, index=rows["step"])
         evaluates = logs and evaluation is not None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):

@@ -4,6 +4,7 @@ per user, rejects and the files written; and the batch output directory's own fi
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import posixpath
 import time
@@ -14,6 +15,7 @@ import numpy as np
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, batch_file_path
+from madp.core.errors import InputError
 from madp.core.selection import REJECTED_DIR, REPORT_FILE
 from madp.engines.batching import BatchOptions, bound_record
 
@@ -175,10 +177,41 @@ def _absolute(path: str) -> str:
 
 
 def prepare_output(output: str) -> None:
-    """Remove an earlier run's batch files, schema, report and rejects (and only those)."""
+    """Remove an earlier run's batch files, schema, report and rejects (and only those); refused where
+    that would lose private trainings on its batches (`refuse_losing_trainings`)."""
+    refuse_losing_trainings(output)
     for path in storage.list_files(output, recursive=False) if storage.kind(output) == "directory" else []:
         if posixpath.basename(path).startswith("batches-") and path.endswith(".tfrecord"):
             storage.remove_file(path)
     for name in (SCHEMA_FILE, REPORT_FILE, TRAININGS_FILE):  # new batches: no training has used them yet
         storage.remove_file(storage.join(output, name))
     storage.clear_directory(storage.join(output, REJECTED_DIR))
+
+
+def refuse_losing_trainings(output: str) -> None:
+    """A batch output's own trainings ledger (madp kept it there before the ledger moved beside the
+    selection) names private trainings on its batches, which later trainings compose with. Its entries
+    join the selection's ledger at the next private training on those batches; a new batching into the
+    output before that would delete the only record of them, so it is refused."""
+    own = storage.join(output, TRAININGS_FILE)
+    if storage.kind(own) != "file":
+        return
+    report = storage.join(output, REPORT_FILE)
+    selected = json.loads(storage.read_text(report)).get("selected") if storage.kind(report) == "file" else None
+    kept = _training_ids(storage.join(selected, TRAININGS_FILE)) if isinstance(selected, str) else set()
+    if _training_ids(own) - kept:
+        raise InputError(
+            f"{own} records private trainings on the batches in {output}, which the trainings ledger of their "
+            f"selection ({selected}) does not hold yet: a new batching there would delete that record, and "
+            f"later trainings would no longer compose with them; batch into another OUTPUT"
+        )
+
+
+def _training_ids(ledger: str) -> set:
+    """The trainings a ledger file names (none where there is no file)."""
+    if storage.kind(ledger) != "file":
+        return set()
+    try:
+        return {json.loads(line).get("training") for line in storage.read_text(ledger).splitlines() if line.strip()}
+    except (ValueError, AttributeError) as error:
+        raise InputError(f"{ledger}: not a trainings ledger madp wrote ({error})") from None

@@ -37,7 +37,7 @@ def fingerprint(stage: Stage) -> str:
     must re-run the stage, since the claim is made for the data it read."""
     digest = hashlib.sha256(json.dumps([madp.__version__, stage.command]).encode())  # an upgrade re-runs
     for path in stage.inputs:
-        # A training's record on its batches is not what later stages read as data.
+        # The trainings ledger (beside the selection; in a batch output, of an earlier madp) is not data.
         digest.update(f"{path}\0{storage.content_digest(path, ignore=(TRAININGS_FILE,))}\n".encode())
     return digest.hexdigest()
 
