@@ -218,7 +218,7 @@ def interrupted_state(output: str, batches_dir: str) -> dict | None:
 
 
 def _state_text(state: dict) -> str:
-    return json.dumps(state, indent=2, default=list)
+    return json.dumps(state, indent=2, default=list, allow_nan=False)
 
 
 def _is_evaluation(entry) -> bool:

@@ -59,8 +59,10 @@ from madp.training.outputs import (
 from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
     CausalLmTask,
+    MetricsFailed,
     TextClassifierTask,
     default_optimizer,
+    finite_evaluation,
     is_keras3,
     prepare_task,
     read_columns,
@@ -176,6 +178,13 @@ def _column_if_present(path: str, column: str) -> list | None:
 
 
 # --- the run ------------------------------------------------------------------------------------
+
+
+def _evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
+    """The task's evaluation of the model on --eval-data, every figure a finite number (`finite_evaluation`)."""
+    return finite_evaluation(
+        task.evaluate(model, loss_fn, data), f"--model {options.model}: its evaluation on --eval-data {when}"
+    )
 
 
 def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
@@ -367,6 +376,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
     checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
+    if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
+        # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
+        _evaluation(task, model, loss_fn, evaluation, options, "before the first step")
     metrics: list[dict] = []
     if checkpoints is not None and interrupted is not None:
         checkpoints.restore(interrupted, planned)
@@ -375,7 +387,9 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         missed = not metrics or metrics[-1]["step"] != resumed
         if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
             # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
-            metrics.append({"step": resumed, **task.evaluate(model, loss_fn, evaluation)})
+            metrics.append(
+                {"step": resumed, **_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}")}
+            )
     tf.io.gfile.makedirs(output)
     writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: epsilon spent, public eval
     # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training),
@@ -388,6 +402,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     progress = Progress(log, "training", batches.steps, "steps")
     names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
+    unevaluated: MetricsFailed | None = None  # a task's metrics() that failed: the model trains on, unevaluated
     for index, rows in enumerate(read_steps(batches, names)):
         if index < resumed:  # run before the checkpoint resumed from
             continue
@@ -410,7 +425,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
                 for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
                     tf.summary.scalar(f"train/{name}", value, step=done)
         step(x, y, weight, users=rows[USER_FEATURE] if user_level else None)
-        evaluates = logs and evaluation is not None
+        evaluates = logs and evaluation is not None and unevaluated is None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):
             # Before anything of this step is published (its evaluation): a resumed run never re-does a
@@ -418,10 +433,16 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
             # A copy of an older checkpoint may not continue once the ledger records this one.
             checkpoints.save(done, metrics, planned, step.checkpointed)
         if evaluates:
-            metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
-            with eval_writer.as_default():
-                for name in ("loss", task.headline):
-                    tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
+            try:
+                metrics.append(
+                    {"step": done, **_evaluation(task, model, loss_fn, evaluation, options, f"at step {done}")}
+                )
+            except MetricsFailed as error:
+                unevaluated = MetricsFailed(f"{error} (at step {done})")
+            else:
+                with eval_writer.as_default():
+                    for name in ("loss", task.headline):
+                        tf.summary.scalar(f"eval/{name}", metrics[-1][name], step=done)
         if privacy is not None and logs:  # public: a function of the plan and the step count only
             with writer.as_default():
                 tf.summary.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), step=done)
@@ -455,22 +476,29 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
         "privacy": privacy_json(privacy),
     }
-    if not published_eval:  # computed without noise on records no guarantee covers: internal only,
-        # not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
+    if not published_eval and unevaluated is None:  # computed without noise on records no guarantee covers:
+        # internal only, not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
         kept = internal_path(output, EVALUATION_FILE)
         evaluations = {field: result.pop(field) for field in EVALUATION_FIELDS if field in result}
-        storage.write_text(kept, json.dumps(evaluations, indent=2))
+        storage.write_text(kept, json.dumps(evaluations, indent=2, allow_nan=False))
         result["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
     # Timings depend on the realized (secret) sampling and the rows' content, which no guarantee covers
     timing = {field: result[field] for field in TIMING_FIELDS}
-    storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2))
+    storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2, allow_nan=False))
     published = {k: v for k, v in result.items() if k != "privacy" and k not in TIMING_FIELDS}
-    storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2))
-    storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
+    if unevaluated is None:  # else no evaluation to publish with the model: no metrics.json
+        storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2, allow_nan=False))
+    privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
+    storage.write_text(storage.join(output, "privacy.json"), privacy_text)
     if checkpoints is not None:  # done: the secret noise history has no further use
         tf.io.gfile.rmtree(checkpoints.directory)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))
         result["rejected"] = f"{storage.join(output, REJECTED_DIR)}: rows trained with weight 0 (internal)"
+    if unevaluated is not None:  # the model trained and is kept, with its guarantee; its evaluation failed
+        raise InputError(
+            f"{unevaluated}; the training ran all its steps: {storage.join(output, 'model.keras')} and privacy.json "
+            f"hold its model and guarantee, and no metrics.json is written: fix metrics() and evaluate model.keras"
+        )
     return result
