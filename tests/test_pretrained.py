@@ -720,6 +720,10 @@ CRAFTED = {  # how a file is crafted, and the error that names what is wrong
         r"tokenizer.ggml.tokens lacks the symbols of 1 bytes \(e.g. ','\)",
     ),
     "a NaN weight": ({"tensors": one_nan("blk.1.ffn_down.weight")}, "tensor 'blk.1.ffn_down.weight' holds NaN"),
+    "an integer tensor": (
+        {"tensors": lambda name, values: values.astype(np.int32) if name == "output_norm.weight" else values},
+        r"tensor 'output_norm.weight' cannot be read \(Dequantization for I32 is not yet implemented\)",
+    ),
     "weights so large the loss overflows": (
         {"tensors": lambda name, values: values * 1e30 if name == "output_norm.weight" else values},
         r"the pretrained model's evaluation on --eval-data gives \{'perplexity': inf\}: the model's outputs or loss",

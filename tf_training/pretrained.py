@@ -296,7 +296,8 @@ class _Fields:
                 raise InputError(f"--pretrained {self.path}: the GGUF metadata has no {key!r}")
             return False, default
         types = [kind.name for kind in field.types]
-        if types != (["ARRAY", types[-1]] if array else types[-1:]) or types[-1] not in kinds:
+        shaped = types[:1] == ["ARRAY"] and len(types) == 2 if array else len(types) == 1
+        if not (shaped and types[-1] in kinds):
             raise self.wrong(key, self._shown(field, types), needed)
         try:
             return True, field.contents()
@@ -307,7 +308,7 @@ class _Fields:
     def _shown(field: Any, types: list[str]) -> str:
         """A value of an unexpected type, for an error: a scalar and its type, else the array's types."""
         if len(types) != 1 or types == ["ARRAY"]:
-            return f"an array ({' of '.join(types)})"
+            return f"an array ({' of '.join(types) or 'no type'})"
         try:
             return f"{field.contents()!r} ({types[0]})"
         except UnicodeDecodeError:
@@ -973,7 +974,7 @@ def gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dic
         found = tensors[name]
         try:
             values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
-        except (NotImplementedError, ValueError) as error:  # a type gguf cannot dequantize, or bytes of another size
+        except NotImplementedError as error:  # a type gguf cannot dequantize (an integer tensor, say)
             raise InputError(f"--pretrained {path}: tensor {name!r} cannot be read ({error})") from None
         shape = tuple(int(n) for n in reversed(found.shape.tolist()))
         return finite_weights(path, f"tensor {name!r}", np.asarray(values, dtype=np.float32).reshape(shape))

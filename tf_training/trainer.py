@@ -180,7 +180,7 @@ def _column_if_present(path: str, column: str) -> list | None:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def _evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
+def _checked_evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
     """The task's evaluation of the model on --eval-data, every figure a finite number (`finite_evaluation`)."""
     return finite_evaluation(
         task.evaluate(model, loss_fn, data), f"--model {options.model}: its evaluation on --eval-data {when}"
@@ -378,7 +378,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
         # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
-        _evaluation(task, model, loss_fn, evaluation, options, "before the first step")
+        _checked_evaluation(task, model, loss_fn, evaluation, options, "before the first step")
     metrics: list[dict] = []
     if checkpoints is not None and interrupted is not None:
         checkpoints.restore(interrupted, planned)
@@ -388,7 +388,10 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
             # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
             metrics.append(
-                {"step": resumed, **_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}")}
+                {
+                    "step": resumed,
+                    **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}"),
+                }
             )
     tf.io.gfile.makedirs(output)
     writer = tf.summary.create_file_writer(storage.join(output, "logs"))  # published: epsilon spent, public eval
@@ -435,7 +438,7 @@ def _train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         if evaluates:
             try:
                 metrics.append(
-                    {"step": done, **_evaluation(task, model, loss_fn, evaluation, options, f"at step {done}")}
+                    {"step": done, **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {done}")}
                 )
             except MetricsFailed as error:
                 unevaluated = MetricsFailed(f"{error} (at step {done})")
