@@ -14,7 +14,9 @@ import json
 import math
 import os
 import random
+import re
 import tracemalloc
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -109,13 +111,14 @@ def write_tiny_gguf(
     vocabulary: int = 300,
     tied: bool = True,
     architecture: str = "llama",
+    metadata: Sequence[Callable[[dict], None]] = (),
+    tensors: Callable[[str, np.ndarray], np.ndarray] = lambda name, values: values,
 ) -> str:
     """A random Llama of SmolLM2's layout (F32 tensors, the real file's names and metadata keys), whose
-    BPE vocabulary is SmolLM2's special tokens, the 256 byte symbols and merges learned on CORPUS."""
+    BPE vocabulary is SmolLM2's special tokens, the 256 byte symbols and merges learned on CORPUS.
+    Crafted ones: each of `metadata` edits the metadata ({key: gguf.GGUFValue}) before it is written,
+    and `tensors(name, values)` gives each tensor's values."""
     rng = np.random.default_rng(seed)
-    merges = learn_merges(CORPUS, vocabulary - len(SPECIAL) - 256)
-    tokens = [*SPECIAL, *pretrained.byte_symbols(), *(m.replace(" ", "") for m in merges)]
-    assert len(tokens) == vocabulary and len(set(tokens)) == vocabulary
     head_dim, hidden = width // heads, 3 * width
 
     def matrix(rows: int, columns: int) -> np.ndarray:  # [n_out, n_in]: PyTorch's Linear layout
@@ -124,6 +127,42 @@ def write_tiny_gguf(
     def norm() -> np.ndarray:
         return (1 + 0.1 * rng.normal(size=width)).astype(np.float32)
 
+    writer = tiny_gguf_metadata(path, layers, width, heads, kv_heads, vocabulary, architecture, hidden)
+    for edit in metadata:
+        edit(writer.kv_data[0])
+
+    def add(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, tensors(name, values))
+
+    add("token_embd.weight", rng.normal(0, 1, (vocabulary, width)).astype(np.float32))
+    add("output_norm.weight", norm())
+    if not tied:
+        add("output.weight", matrix(vocabulary, width))
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", norm())
+        add(f"blk.{i}.attn_q.weight", converter_permute(matrix(heads * head_dim, width), heads))
+        add(f"blk.{i}.attn_k.weight", converter_permute(matrix(kv_heads * head_dim, width), kv_heads))
+        add(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, width))
+        add(f"blk.{i}.attn_output.weight", matrix(width, heads * head_dim))
+        add(f"blk.{i}.ffn_norm.weight", norm())
+        add(f"blk.{i}.ffn_gate.weight", matrix(hidden, width))
+        add(f"blk.{i}.ffn_up.weight", matrix(hidden, width))
+        add(f"blk.{i}.ffn_down.weight", matrix(width, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def tiny_gguf_metadata(
+    path: str, layers: int, width: int, heads: int, kv_heads: int, vocabulary: int, architecture: str, hidden: int
+):
+    """A GGUFWriter holding the metadata of `write_tiny_gguf`'s model."""
+    merges = learn_merges(CORPUS, vocabulary - len(SPECIAL) - 256)
+    tokens = [*SPECIAL, *pretrained.byte_symbols(), *(m.replace(" ", "") for m in merges)]
+    assert len(tokens) == vocabulary and len(set(tokens)) == vocabulary
+    head_dim = width // heads
     writer = gguf.GGUFWriter(path, architecture)
     arch = architecture
     writer.add_uint32(f"{arch}.block_count", layers)
@@ -144,20 +183,26 @@ def write_tiny_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(2)
-    writer.add_tensor("token_embd.weight", rng.normal(0, 1, (vocabulary, width)).astype(np.float32))
-    writer.add_tensor("output_norm.weight", norm())
-    if not tied:
-        writer.add_tensor("output.weight", matrix(vocabulary, width))
+    return writer
+
+
+def write_aliased_gguf(path: str, layers: int, width: int = 4096, heads: int = 32, kv_heads: int = 8) -> str:
+    """A crafted GGUF file of a model far larger than its bytes: every tensor of `write_tiny_gguf`'s
+    layout (a feed-forward width of `width`) is stated as Q4_0 data at the same place, the start of one
+    block of zero bytes as large as the largest of them; GGUF does not forbid tensors sharing bytes."""
+    writer = tiny_gguf_metadata(path, layers, width, heads, kv_heads, 300, "llama", width)
+    q4, (block, size) = gguf.GGMLQuantizationType.Q4_0, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_0]
+    queries, keys = (width, width), (kv_heads * width // heads, width)
+    shapes = {"token_embd.weight": (300, width), "output_norm.weight": (width,)}
     for i in range(layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.attn_q.weight", converter_permute(matrix(heads * head_dim, width), heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", converter_permute(matrix(kv_heads * head_dim, width), kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, width))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(width, heads * head_dim))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(hidden, width))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(hidden, width))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(width, hidden))
+        for name, shape in (("attn_norm", (width,)), ("ffn_norm", (width,)), ("attn_q", queries), ("attn_k", keys),
+                            ("attn_v", keys), ("attn_output", queries), ("ffn_gate", queries), ("ffn_up", queries),
+                            ("ffn_down", queries)):  # fmt: skip
+            shapes[f"blk.{i}.{name}.weight"] = shape
+    for name, shape in shapes.items():  # none has bytes of its own: each starts where the zeros do
+        writer.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), 0, raw_dtype=q4)
+        writer.tensors[0][name].tensor = np.empty(0, np.uint8)
+    writer.add_tensor("zeros", np.zeros(width * width // block * size, np.uint8), raw_dtype=q4)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -696,6 +741,171 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
         TrainOptions(model="text-lm", mechanism="none", pretrained=tiny)
 
 
+# --- crafted files ------------------------------------------------------------------------------
+
+
+def set_metadata(key: str, value, kind: gguf.GGUFValueType = gguf.GGUFValueType.UINT32) -> Callable[[dict], None]:
+    """A metadata edit of `write_tiny_gguf`: `key` set to `value` of type `kind`, or removed (None)."""
+
+    def edit(metadata: dict) -> None:
+        if value is None:
+            del metadata[key]
+        else:
+            metadata[key] = gguf.GGUFValue(value, kind)
+
+    return edit
+
+
+def renamed_token(token: str, name: str) -> Callable[[dict], None]:
+    """A metadata edit of `write_tiny_gguf`: a token of the vocabulary renamed (the vocabulary keeps its size)."""
+
+    def edit(metadata: dict) -> None:
+        tokens = metadata["tokenizer.ggml.tokens"].value
+        tokens[tokens.index(token)] = name
+
+    return edit
+
+
+def one_nan(tensor: str) -> Callable[[str, np.ndarray], np.ndarray]:
+    """A tensor edit of `write_tiny_gguf`: one value of `tensor` NaN."""
+
+    def edit(name: str, values: np.ndarray) -> np.ndarray:
+        if name == tensor:
+            values = values.copy()
+            values.flat[5] = np.nan
+        return values
+
+    return edit
+
+
+CRAFTED = {  # how a file is crafted, and the error that names what is wrong
+    "100000 blocks": (
+        {"metadata": [set_metadata("llama.block_count", 100000)]},
+        r"llama.block_count is 100000, but the file holds the tensors of 2 blocks \(blocks \[0, 1\]\)",
+    ),
+    "a huge width": (
+        {"metadata": [set_metadata("llama.embedding_length", 2**30), set_metadata("llama.rope.dimension_count", None)]},
+        r"tensor 'token_embd.weight' has shape \(300, 32\), where the metadata gives \(300, 1073741824\): "
+        r"llama.vocab_size \(300\) x llama.embedding_length \(1073741824\)",
+    ),
+    "a huge feed-forward width": (
+        {"metadata": [set_metadata("llama.feed_forward_length", 2**32 - 1)]},
+        r"tensor 'blk.0.ffn_gate.weight' has shape \(96, 32\), where the metadata gives \(4294967295, 32\)",
+    ),
+    "a huge vocabulary": (
+        {"metadata": [set_metadata("llama.vocab_size", 2**40, gguf.GGUFValueType.UINT64)]},
+        "llama.vocab_size is 1099511627776, but tokenizer.ggml.tokens lists 300 tokens",
+    ),
+    "a string for an integer": (
+        {"metadata": [set_metadata("llama.block_count", "two", gguf.GGUFValueType.STRING)]},
+        r"llama.block_count is 'two' \(STRING\), not a whole number of at least 1",
+    ),
+    "no heads": (
+        {"metadata": [set_metadata("llama.attention.head_count", 0)]},
+        "llama.attention.head_count is 0, not a whole number of at least 1",
+    ),
+    "a BOS id past the vocabulary": (
+        {"metadata": [set_metadata("tokenizer.ggml.bos_token_id", 300)]},
+        r"tokenizer.ggml.bos_token_id is 300, not a token id \(tokenizer.ggml.tokens lists 300\)",
+    ),
+    "a merge missing from the vocabulary": (
+        {"metadata": [renamed_token("he", "h-e")]},
+        r"tokenizer.ggml.merges entry 1 \('h e'\) is not two tokens of the vocabulary whose merge is in it too",
+    ),
+    "a byte missing from the vocabulary": (
+        {"metadata": [renamed_token(",", "comma")]},
+        r"tokenizer.ggml.tokens lacks the symbols of 1 bytes \(e.g. ','\)",
+    ),
+    "a NaN weight": ({"tensors": one_nan("blk.1.ffn_down.weight")}, "tensor 'blk.1.ffn_down.weight' holds NaN"),
+    "an integer tensor": (
+        {"tensors": lambda name, values: values.astype(np.int32) if name == "output_norm.weight" else values},
+        r"tensor 'output_norm.weight' cannot be read \(Dequantization for I32 is not yet implemented\)",
+    ),
+    "weights so large the loss overflows": (
+        {"tensors": lambda name, values: values * 1e30 if name == "output_norm.weight" else values},
+        r"the pretrained model's evaluation on --eval-data gives \{'perplexity': inf\}: the model's outputs or loss",
+    ),
+}
+
+
+def train_causal_lm(batches: str, out: str, model: str, *flags: str) -> int:
+    """`madp train BATCHES OUT --model causal-lm --pretrained MODEL` with DP-SGD, through the command line."""
+    from madp.cli import main
+
+    return main(["-q", "train", batches, out, "--model", "causal-lm", "--pretrained", model, "--max-length", "16",
+                 "--noise-multiplier", "0.5", "--noise-seed", "1", *flags])  # fmt: skip
+
+
+def assert_refused_before_writing(batches: str, out, train) -> str:
+    """What `train()` wrote to stderr, once checked that it exited 2 without a traceback, wrote no
+    model nor its files to OUT, and entered no training in the batches' ledger."""
+    ledger = os.path.join(batches, "trainings.jsonl")
+    before = open(ledger).read() if os.path.exists(ledger) else None
+    code = train()
+    assert not any(os.path.exists(os.path.join(out, name)) for name in ("model.keras", "metrics.json", "privacy.json"))
+    assert (open(ledger).read() if os.path.exists(ledger) else None) == before
+    return code
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_crafted_gguf_file_is_refused_by_name_before_anything_is_written(text_batches, tmp_path, capsys, case):
+    """Each was a hang with growing memory (a model of the sizes the metadata states, built before its
+    tensors were read), a traceback (an overflowing loss: math.exp's OverflowError on its perplexity),
+    or (a NaN weight) exit 0 with a model trained on noise alone: DP-SGD's clipping gives every row no
+    weight, and the evaluation file held NaN, which is not JSON."""
+    _, batches, evaluation = text_batches
+    crafted, message = CRAFTED[case]
+    path = write_tiny_gguf(str(tmp_path / "crafted.gguf"), **crafted)
+    out = str(tmp_path / "out")
+    code = assert_refused_before_writing(
+        batches, out, lambda: train_causal_lm(batches, out, path, "--eval-data", evaluation)
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert re.search(f"--pretrained {re.escape(path)}: {message}", err), err
+
+
+def test_a_gguf_model_beyond_memory_is_refused_before_it_is_built(text_batches, tmp_path, capsys):
+    """An 11 MB file of 1,000 blocks of width 4,096 whose tensors share their bytes: consistent metadata
+    and tensors, 92 billion weights (was built until memory ran out)."""
+    _, batches, _ = text_batches
+    path = write_aliased_gguf(str(tmp_path / "aliased.gguf"), layers=1000)
+    out = str(tmp_path / "out")
+    assert assert_refused_before_writing(batches, out, lambda: train_causal_lm(batches, out, path)) == 2
+    err = capsys.readouterr().err
+    assert f"--pretrained {path}: its 92,284,112,896 weights in float32, with their copy read from the file, " in err
+    assert re.search("hold about 688 GiB in memory, more than half of this machine's [0-9,]+ GiB", err), err
+
+
+@pytest.mark.parametrize("case", ["beyond memory", "a NaN weight"])
+def test_a_crafted_preset_is_refused_by_name_before_anything_is_written(text_batches, tmp_path, capsys, case):
+    """A preset whose token embedding is an HDF5 dataset never written (its chunks are absent: it reads
+    as zeros) of 2^36 rows: a few KB for 8.8 TB of weights; or one whose weight holds a NaN."""
+    _, batches, _ = text_batches
+    if case == "beyond memory":
+        path = copied_preset(tmp_path, "huge", ("config.json", lambda c: c["config"].update(vocabulary_size=2**36)))
+
+        def edit(store, name, values):
+            if name == pretrained._EMBEDDING:
+                store.create_dataset(name, shape=(2**36, 16), dtype="float32", chunks=(1024, 16))
+            else:
+                store.create_dataset(name, data=values)
+
+        message = r"its 1,099,511,631,696 weights in float32, with their copy read from the file, hold about 8,192 GiB"
+    else:
+        path = copied_preset(tmp_path, "nan")
+
+        def edit(store, name, values):
+            store.create_dataset(name, data=np.where(name.endswith("_feedforward_gate_dense/vars/0"), np.nan, values))
+
+        message = r"layers/llama_transformer_decoder/_feedforward_gate_dense/vars/0 in model.weights.h5 holds NaN"
+    rewrite_weights(path, edit)
+    out = str(tmp_path / "out")
+    assert assert_refused_before_writing(batches, out, lambda: train_causal_lm(batches, out, path)) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"--pretrained {re.escape(path)}: {message}", err) and "Traceback" not in err, err
+
+
 def test_token_features_are_a_weighted_mean_of_the_embeddings_without_their_common_directions(tiny):
     """An independent reference: the tensor read with gguf's own reader, the directions by an SVD
     (text_models.TokenFeatures takes an eigendecomposition), the weighted mean taken before centering."""
@@ -722,21 +932,21 @@ def test_token_features_are_a_weighted_mean_of_the_embeddings_without_their_comm
 
 
 @pytest.mark.parametrize(
-    "edit, message",
+    "crafted, message",
     [
-        (lambda table: table[:200], r"a token embedding table of shape \(200, 32\) for 300 tokens"),
-        (lambda table: np.where(np.arange(300)[:, None] == 7, np.nan, table), "NaN or infinite values"),
+        (
+            {"tensors": lambda name, values: values[:200] if name == "token_embd.weight" else values},
+            r"tensor 'token_embd.weight' has shape \(200, 32\), where the metadata gives \(300, 32\)",
+        ),
+        ({"tensors": one_nan("token_embd.weight")}, "tensor 'token_embd.weight' holds NaN or infinite values"),
     ],
 )
-def test_a_pretrained_table_the_feature_cannot_use_is_a_clear_error(tiny, monkeypatch, edit, message):
+def test_a_pretrained_table_the_feature_cannot_use_is_a_clear_error(tmp_path, crafted, message):
     from madp.training.tasks import TextClassifierTask
 
-    loaded = pretrained.read_pretrained(tiny)
-    table = loaded.layer_weights()["token_embd"][0]
-    edited = dataclasses.replace(loaded, layer_weights=lambda: {"token_embd": [edit(table)]})
-    monkeypatch.setattr(pretrained, "read_pretrained", lambda path: edited)
+    path = write_tiny_gguf(str(tmp_path / "crafted.gguf"), **crafted)
     schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "bytes", "shape": []}}}
-    options = TrainOptions(model="text-classifier", mechanism="none", pretrained=tiny)
+    options = TrainOptions(model="text-classifier", mechanism="none", pretrained=path)
     with pytest.raises(InputError, match=message):
         TextClassifierTask(options, schema, ["a", "b"])
 

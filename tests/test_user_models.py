@@ -124,6 +124,136 @@ def build(schema):
 """
 
 
+# User code that goes wrong: models and tasks that raise, return the wrong thing, or NaN.
+HOSTILE_MODULE = """
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+
+def build(schema):  # a 4-class model of input a
+    model = tf_keras.Sequential([tf_keras.Input(shape=schema.inputs[0].shape), tf_keras.layers.Dense(4)])
+
+    def loss(labels, logits):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.cast(labels, tf.int32), logits=logits)
+
+    return model, loss
+
+
+def raising(schema):
+    raise RuntimeError("no layer for this schema")
+
+
+def not_a_model(schema):
+    return "a model", lambda labels, outputs: outputs
+
+
+def not_an_optimizer(schema):
+    return (*build(schema), "adam")
+
+
+def nan_weights(schema):
+    model, loss = build(schema)
+    model.layers[-1].bias.assign(np.full(4, np.nan, np.float32))
+    return model, loss
+
+
+def nan_loss(schema):
+    model, loss = build(schema)
+    return model, lambda labels, logits: loss(labels, logits) * np.nan
+
+
+class Task:
+    features = ["a", "cls"]
+
+    def encode(self, rows):
+        return np.asarray(rows["a"], np.float32), np.asarray(rows["cls"]).astype(np.int32)
+
+    def metrics(self, labels, outputs):
+        return {"accuracy": float(np.mean(outputs.argmax(axis=1) == labels))}
+
+
+def task(features):
+    return Task()
+
+
+def task_raising(features):
+    raise KeyError("cls")
+
+
+def encode_raising(features):
+    class EncodeRaising(Task):
+        def encode(self, rows):
+            raise ValueError("no such column")
+
+    return EncodeRaising()
+
+
+def encode_one_array(features):
+    class OneArray(Task):
+        def encode(self, rows):
+            return np.asarray(rows["a"], np.float32)
+
+    return OneArray()
+
+
+def encode_too_few_labels(features):
+    class TooFew(Task):
+        def encode(self, rows):
+            x, y = super().encode(rows)
+            return x, y[:1]
+
+    return TooFew()
+
+
+def encode_nan(features):  # the log of a feature that is negative in about half the rows
+    class NanFeatures(Task):
+        def encode(self, rows):
+            x, y = super().encode(rows)
+            with np.errstate(invalid="ignore"):
+                return np.log(x), y
+
+    return NanFeatures()
+
+
+def metrics_raising(features):
+    class MetricsRaising(Task):
+        def metrics(self, labels, outputs):
+            raise ZeroDivisionError("division by zero")
+
+    return MetricsRaising()
+
+
+def metrics_text(features):
+    class MetricsText(Task):
+        def metrics(self, labels, outputs):
+            return {"accuracy": "high"}
+
+    return MetricsText()
+
+
+def metrics_nan(features):
+    class MetricsNan(Task):
+        def metrics(self, labels, outputs):
+            return {"accuracy": float("nan")}
+
+    return MetricsNan()
+
+
+def metrics_raising_later(features):  # fine on the untrained model, raises on the trained one
+    class Later(Task):
+        calls = 0
+
+        def metrics(self, labels, outputs):
+            self.calls += 1
+            if self.calls > 1:
+                raise IndexError("list index out of range")
+            return super().metrics(labels, outputs)
+
+    return Later()
+"""
+
+
 def _rows(count: int, seed: int) -> list[dict]:
     """Records of 2000 users: inputs a (4 floats) and b (3 floats), a class (the largest of a) and a
     binary label (whether a and b sum above 0)."""
@@ -156,6 +286,7 @@ def data(tmp_path_factory):
     (modules / "two_inputs.py").write_text(textwrap.dedent(TWO_INPUTS_MODULE))
     (modules / "top_k.py").write_text(textwrap.dedent(TOP_K_TASK))
     (modules / "four_classes.py").write_text(textwrap.dedent(FOUR_CLASSES_MODULE))
+    (modules / "hostile.py").write_text(HOSTILE_MODULE)
     return directory
 
 
@@ -324,3 +455,137 @@ def test_a_task_of_ones_own_encodes_rows_and_names_the_metrics(data, capsys):
     assert main([*argv[:-4], "--model", "four_classes:build", "--task", "top_k:task", "--label", "label"]) == 2
     err = capsys.readouterr().err
     assert "must be features of the batches" in err and "--label 'label'" in err
+
+
+HOSTILE = {  # --model, --task, and the error naming the function and what it did or returned
+    "model raises": ("raising", "task", "--model hostile:raising: raising(schema) raised RuntimeError: no layer for"),
+    "model returns no model": (
+        "not_a_model",
+        "task",
+        "--model hostile:not_a_model: not_a_model(schema) must return (model, loss[, optimizer]): a tf_keras or "
+        "Keras 3 model, a loss function and an optimizer of the model's Keras; it returned tuple ('a model', <function",
+    ),
+    "model returns no optimizer": (
+        "not_an_optimizer",
+        "task",
+        ("of the model's Keras; it returned tuple (<tf_keras.src", "<function bui", ", 'adam')"),
+    ),
+    "model with NaN weights": (
+        "nan_weights",
+        "task",
+        "--model hostile:nan_weights: the model nan_weights(schema) returned holds NaN or infinite weights (dense",
+    ),
+    "loss of NaN": (
+        "nan_loss",
+        "task",
+        "--model hostile:nan_loss: its evaluation on --eval-data before the first step gives {'loss': nan}: the "
+        "model's outputs or loss there are not finite numbers",
+    ),
+    "task raises": (
+        "build",
+        "task_raising",
+        "--task hostile:task_raising: task_raising(features) raised KeyError: 'cls'",
+    ),
+    "encode raises": ("build", "encode_raising", "encode(rows) raised ValueError: no such column"),
+    "encode returns one array": (
+        "build",
+        "encode_one_array",
+        "--task hostile:encode_one_array: encode(rows) must return (x, y): the model's input (an array, or a dict of "
+        "arrays by input name) and the labels; it returned ndarray",
+    ),
+    "encode returns too few labels": (
+        "build",
+        "encode_too_few_labels",
+        "encode(rows) of 131 rows returned shapes {'input': (131, 4), 'label': (1,)}: one entry per row expected",
+    ),
+    "encode returns NaN": (
+        "build",
+        "encode_nan",
+        "--task hostile:encode_nan: encode(rows) returned NaN or infinite input values for 118 of the 131 usable "
+        "rows of step 0: fix encode, or give those rows a reason in problems",
+    ),
+    "metrics raises": (
+        "build",
+        "metrics_raising",
+        "--task hostile:metrics_raising: metrics(labels, outputs) raised ZeroDivisionError: division by zero",
+    ),
+    "metrics returns text": (
+        "build",
+        "metrics_text",
+        "metrics(labels, outputs) must return {name: number}, at least one; it returned dict {'accuracy': 'high'}",
+    ),
+    "metrics returns NaN": (
+        "build",
+        "metrics_nan",
+        "metrics(labels, outputs) returned {'accuracy': nan}: not all finite numbers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_user_code_that_fails_is_named_before_anything_is_trained_or_written(data, tmp_path, capsys, case):
+    """Each was a traceback, or (NaN) exit 0 with a model trained on noise alone (DP-SGD's clipping gives a
+    non-finite row no weight) and NaN in the evaluation file, which is not JSON. Now an error that names
+    the function and what it raised or returned, before the first step: no model, metrics or privacy
+    statement, and no training entered in the batches' ledger."""
+    model, task, message = HOSTILE[case]
+    out, ledger = tmp_path / "out", data / "batches" / "trainings.jsonl"
+    before = ledger.read_text() if ledger.exists() else None
+    argv = ["-q", "train", str(data / "batches"), str(out), "--model-path", str(data / "models"), "--label", "cls"]
+    argv += [
+        "--noise-multiplier",
+        "1",
+        "--noise-seed",
+        "1",
+        "--eval-data",
+        str(data / "test.jsonl"),
+        "--eval-every",
+        "20",
+    ]
+    assert main([*argv, "--model", f"hostile:{model}", "--task", f"hostile:{task}"]) == 2
+    err = capsys.readouterr().err
+    assert all(fragment in err for fragment in ((message,) if isinstance(message, str) else message)), err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not any((out / name).exists() for name in ("model.keras", "metrics.json", "privacy.json"))
+    assert (ledger.read_text() if ledger.exists() else None) == before
+
+
+def test_metrics_that_fail_after_training_keep_the_model_and_its_guarantee(data, tmp_path, capsys):
+    """metrics() that works on the untrained model and raises at the first evaluation of the trained one
+    (step 20 of 40) was a traceback after the training's privacy budget was spent, the model lost. Now
+    the training runs all its steps and saves model.keras and privacy.json, writes no metrics.json (no
+    evaluation to publish with the model), and fails naming metrics() and the step."""
+    out = tmp_path / "out"
+    argv = ["-q", "train", str(data / "batches"), str(out), "--model-path", str(data / "models"), "--label", "cls"]
+    argv += [
+        "--noise-multiplier",
+        "1",
+        "--noise-seed",
+        "1",
+        "--eval-data",
+        str(data / "test.jsonl"),
+        "--eval-every",
+        "20",
+    ]
+    assert main([*argv, "--model", "hostile:build", "--task", "hostile:metrics_raising_later"]) == 2
+    err = capsys.readouterr().err
+    assert "--task hostile:metrics_raising_later: metrics(labels, outputs) raised IndexError: list index out of " in err
+    assert "(at step 20); the training ran all its steps: " in err and "Traceback" not in err
+    assert (out / "model.keras").exists() and not (out / "metrics.json").exists()
+    assert not (out / "internal" / "evaluation.json").exists()
+    privacy = json.load(open(out / "privacy.json"))
+    assert privacy["mechanism"] == "dpsgd" and privacy["steps"] == 40
+
+
+def test_an_evaluation_that_is_not_a_finite_number_stops_the_training(data, tmp_path, capsys):
+    """A logistic regression trained without noise at a learning rate of 1e38 overflows: its evaluation was
+    infinite, written as Infinity into internal/evaluation.json (not JSON), and madp train exited 0. Now the
+    evaluation that is not a finite number stops it, naming the model and the step; nothing claims a result."""
+    out = tmp_path / "out"
+    argv = ["-q", "train", str(data / "batches"), str(out), "--model", "logreg", "--inputs", "a", "--label", "label"]
+    argv += ["--mechanism", "none", "--learning-rate", "1e38", "--eval-data", str(data / "test.jsonl")]
+    assert main([*argv, "--eval-every", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "--model logreg: its evaluation on --eval-data at step 20 gives {'loss': inf}: the model's outputs" in err
+    assert not any((out / name).exists() for name in ("model.keras", "metrics.json", "internal/evaluation.json"))

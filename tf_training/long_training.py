@@ -282,7 +282,7 @@ def after_stop(output: str, batches_dir: str) -> str:
 
 
 def _state_text(state: dict) -> str:
-    return json.dumps(state, indent=2, default=list)
+    return json.dumps(state, indent=2, default=list, allow_nan=False)
 
 
 def _is_evaluation(entry) -> bool:

@@ -126,6 +126,11 @@ class TrainOptions:
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
 
     @property
+    def user_model(self) -> bool:
+        """--model module:function: a model of the user's own."""
+        return ":" in self.model
+
+    @property
     def user_task(self) -> bool:
         """--task module:function: a task of the user's own."""
         return ":" in self.task

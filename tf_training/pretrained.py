@@ -37,12 +37,12 @@ import os
 import re
 import sys
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, check_memory
 from madp.training import load_tensorflow, text
 
 tf = load_tensorflow()
@@ -96,34 +96,42 @@ class Pretrained:
 def read_pretrained(path: str) -> Pretrained:
     """The configuration and tokenizer of a Llama-architecture model in a GGUF file or a keras-hub
     preset directory (InputError if it is missing, unreadable, or holds another architecture or
-    tokenizer); its weights are read by `layer_weights()`."""
+    tokenizer); its weights are read by `layer_weights()`. A GGUF file's metadata is checked before
+    any model is built: each value's type, the sizes against the tensors the file stores, the
+    tokenizer's ids and symbols against its vocabulary, and the model's size against memory."""
     if os.path.isdir(path):
         return read_preset(path)
     reader = _open_gguf(path)
     fields = _Fields(path, reader)
-    architecture = fields.get("general.architecture")
+    architecture = fields.text("general.architecture")
     if architecture != ARCHITECTURE:
         raise InputError(
             f"--pretrained {path}: a {architecture!r} model; madp implements the {ARCHITECTURE!r} architecture only"
         )
-    tokens = fields.get("tokenizer.ggml.tokens")
-    width, heads = int(fields.get("llama.embedding_length")), int(fields.get("llama.attention.head_count"))
-    names = {tensor.name for tensor in reader.tensors}
+    tokens = fields.texts("tokenizer.ggml.tokens")
+    width, heads = fields.whole("llama.embedding_length"), fields.whole("llama.attention.head_count")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = LlamaConfig(
-        vocabulary=int(fields.get("llama.vocab_size", len(tokens))),
-        layers=int(fields.get("llama.block_count")),
+        vocabulary=fields.whole("llama.vocab_size", len(tokens)),
+        layers=fields.whole("llama.block_count"),
         width=width,
-        hidden=int(fields.get("llama.feed_forward_length")),
+        hidden=fields.whole("llama.feed_forward_length"),
         heads=heads,
-        kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(fields.get("llama.rope.dimension_count", width // heads)),
-        rope_base=float(fields.get("llama.rope.freq_base", 10000.0)),
-        norm_epsilon=float(fields.get("llama.attention.layer_norm_rms_epsilon")),
-        context_length=int(fields.get("llama.context_length")),
-        tied_output="output.weight" not in names,
+        kv_heads=fields.whole("llama.attention.head_count_kv", heads),
+        head_dim=fields.whole("llama.rope.dimension_count", width // heads),
+        rope_base=fields.number("llama.rope.freq_base", 10000.0),
+        norm_epsilon=fields.number("llama.attention.layer_norm_rms_epsilon"),
+        context_length=fields.whole("llama.context_length"),
+        tied_output="output.weight" not in tensors,
     )
     _check_sizes(path, config)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    if len(tokens) != config.vocabulary:
+        raise InputError(
+            f"--pretrained {path}: llama.vocab_size is {config.vocabulary}, but tokenizer.ggml.tokens lists "
+            f"{len(tokens)} tokens"
+        )
+    _check_gguf_tensors(path, config, tensors)
+    _check_memory(path, config)
     return Pretrained(
         path, config, _tokenizer(path, fields, tokens), functools.partial(gguf_weights, path, tensors, config)
     )
@@ -135,6 +143,82 @@ def _check_sizes(path: str, config: LlamaConfig) -> None:
         raise InputError(f"--pretrained {path}: inconsistent sizes {config}")
     if config.head_dim % 2:  # RoPE rotates the two halves of a head
         raise InputError(f"--pretrained {path}: an odd head size {config.head_dim}")
+
+
+def parameter_count(config: LlamaConfig) -> int:
+    """The number of weights of `llama_model(config)` (LoRA adapters aside)."""
+    c = config
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    block = 2 * c.width + 2 * c.width * q + 2 * c.width * kv + 3 * c.width * c.hidden
+    return c.vocabulary * c.width * (1 if c.tied_output else 2) + c.width + c.layers * block
+
+
+def _check_memory(path: str, config: LlamaConfig) -> None:
+    """Refuse, before any model is built, a model whose float32 weights and their copy read from the
+    file would fill more than half of this machine's memory (a file can state sizes that its bytes
+    do not hold: quantized, or GGUF tensors that share their bytes)."""
+    parameters = parameter_count(config)
+    check_memory(
+        8 * parameters,
+        f"--pretrained {path}: its {parameters:,} weights in float32, with their copy read from the file, hold",
+        "fine-tune a smaller model, or on a machine with more memory",
+    )
+
+
+def gguf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors a GGUF file of the architecture holds, by name: their shape in numpy's order
+    ([n_out, n_in], GGUF's dimensions reversed) and the metadata that gives it."""
+    c = config
+    vocabulary, width = (c.vocabulary, "llama.vocab_size"), (c.width, "llama.embedding_length")
+    hidden = (c.hidden, "llama.feed_forward_length")
+    queries = (c.heads * c.head_dim, "llama.attention.head_count x the head size")
+    keys = (c.kv_heads * c.head_dim, "llama.attention.head_count_kv x the head size")
+
+    def shape(*dimensions: tuple[int, str]) -> tuple[tuple[int, ...], str]:
+        return tuple(n for n, _ in dimensions), " x ".join(f"{key} ({n})" for n, key in dimensions)
+
+    shapes = {"token_embd.weight": shape(vocabulary, width), "output_norm.weight": shape(width)}
+    if not c.tied_output:
+        shapes["output.weight"] = shape(vocabulary, width)
+    for i in range(c.layers):
+        block = {
+            "attn_norm": shape(width),
+            "ffn_norm": shape(width),
+            "attn_q": shape(queries, width),
+            "attn_k": shape(keys, width),
+            "attn_v": shape(keys, width),
+            "attn_output": shape(width, queries),
+            "ffn_gate": shape(hidden, width),
+            "ffn_up": shape(hidden, width),
+            "ffn_down": shape(width, hidden),
+        }
+        shapes.update({f"blk.{i}.{name}.weight": found for name, found in block.items()})
+    return shapes
+
+
+_BLOCK_TENSOR = re.compile(r"blk\.([0-9]+)\.")
+
+
+def _check_gguf_tensors(path: str, config: LlamaConfig, tensors: dict[str, Any]) -> None:
+    """The metadata's sizes against the tensors the file stores, before a model of those sizes is built:
+    the blocks (blk.N.*) are blocks 0 to llama.block_count - 1, and each tensor of the architecture is
+    there with the shape the metadata gives it."""
+    blocks = sorted({int(found.group(1)) for name in tensors if (found := _BLOCK_TENSOR.match(name))})
+    if len(blocks) != config.layers or blocks[-1] != config.layers - 1:  # distinct: blocks 0 to block_count - 1
+        held = f"blocks {blocks[:5]}{' ...' if len(blocks) > 5 else ''}" if blocks else "no block"
+        raise InputError(
+            f"--pretrained {path}: llama.block_count is {config.layers}, but the file holds the tensors of "
+            f"{len(blocks)} blocks ({held})"
+        )
+    for name, (shape, given_by) in gguf_tensor_shapes(config).items():
+        found = tensors.get(name)
+        if found is None:
+            raise InputError(f"--pretrained {path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
+        stored = tuple(int(n) for n in reversed(found.shape.tolist()))
+        if stored != shape:
+            raise InputError(
+                f"--pretrained {path}: tensor {name!r} has shape {stored}, where the metadata gives {shape}: {given_by}"
+            )
 
 
 def check_pretrained_path(path: str) -> None:
@@ -164,41 +248,126 @@ def _open_gguf(path: str):
         raise InputError(f"--pretrained {path}: unreadable GGUF file ({type(error).__name__}: {error})") from None
 
 
+# GGUF metadata value types (GGUFValueType names) of the keys that hold numbers
+_INTEGER_TYPES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
+_NUMBER_TYPES = (*_INTEGER_TYPES, "FLOAT32", "FLOAT64")
+
+
 class _Fields:
-    """The metadata of a GGUF file by key, as Python values."""
+    """The metadata of a GGUF file by key, as Python values of the type each key needs: a value of
+    another type (a string where an integer belongs), or out of range, is an InputError naming the key."""
 
     _REQUIRED = object()
 
     def __init__(self, path: str, reader: Any):
         self.path, self.fields = path, reader.fields
 
-    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+    def whole(self, key: str, default: Any = _REQUIRED, least: int = 1) -> int:
+        """An integer of at least `least`."""
+        found, value = self._get(key, default, _INTEGER_TYPES, f"a whole number of at least {least}")
+        if found and value < least:
+            raise self.wrong(key, repr(value), f"a whole number of at least {least}")
+        return int(value)
+
+    def number(self, key: str, default: Any = _REQUIRED) -> float:
+        """A positive, finite number."""
+        found, value = self._get(key, default, _NUMBER_TYPES, "a positive finite number")
+        if found and not (math.isfinite(value) and value > 0):
+            raise self.wrong(key, repr(value), "a positive finite number")
+        return float(value)
+
+    def text(self, key: str, default: Any = _REQUIRED) -> str:
+        return self._get(key, default, ("STRING",), "a string")[1]
+
+    def texts(self, key: str) -> list[str]:
+        return self._get(key, self._REQUIRED, ("STRING",), "an array of strings", array=True)[1]
+
+    def wholes(self, key: str, default: list[int]) -> list[int]:
+        return self._get(key, default, _INTEGER_TYPES, "an array of integers", array=True)[1]
+
+    def wrong(self, key: str, what: str, needed: str) -> InputError:
+        return InputError(f"--pretrained {self.path}: {key} is {what}, not {needed}")
+
+    def _get(self, key: str, default: Any, kinds: tuple[str, ...], needed: str, array: bool = False) -> tuple:
+        """(True, the key's value) if its type (GGUFValueType's name; its items' for an array) is one
+        of `kinds`, else an InputError; (False, default) where the key is absent."""
         field = self.fields.get(key)
         if field is None:
             if default is self._REQUIRED:
                 raise InputError(f"--pretrained {self.path}: the GGUF metadata has no {key!r}")
-            return default
-        return field.contents()
+            return False, default
+        types = [kind.name for kind in field.types]
+        shaped = types[:1] == ["ARRAY"] and len(types) == 2 if array else len(types) == 1
+        if not (shaped and types[-1] in kinds):
+            raise self.wrong(key, self._shown(field, types), needed)
+        try:
+            return True, field.contents()
+        except UnicodeDecodeError as error:
+            raise self.wrong(key, f"text that is not UTF-8 ({error.reason})", needed) from None
+
+    @staticmethod
+    def _shown(field: Any, types: list[str]) -> str:
+        """A value of an unexpected type, for an error: a scalar and its type, else the array's types."""
+        if len(types) != 1 or types == ["ARRAY"]:
+            return f"an array ({' of '.join(types) or 'no type'})"
+        try:
+            return f"{field.contents()!r} ({types[0]})"
+        except UnicodeDecodeError:
+            return f"text that is not UTF-8 ({types[0]})"
 
 
 def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
-    model, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "gpt2")
+    """The file's byte-level BPE tokenizer: its special token ids among its tokens, and every byte's
+    symbol and every merge in its vocabulary (`_check_vocabulary`), so that any text tokenizes."""
+    model, pre = fields.text("tokenizer.ggml.model"), fields.text("tokenizer.ggml.pre", "gpt2")
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
         raise InputError(
             f"--pretrained {path}: tokenizer {model!r} with pre-tokenizer {pre!r}; madp implements byte-level "
             f"BPE ('gpt2') with the pre-tokenizers {list(PRE_TOKENIZERS)}"
         )
-    types = fields.get("tokenizer.ggml.token_type", [])
-    eos = int(fields.get("tokenizer.ggml.eos_token_id"))
+    types = fields.wholes("tokenizer.ggml.token_type", [])
+    eos = fields.whole("tokenizer.ggml.eos_token_id", least=0)
+    special = {
+        "eos": eos,
+        "bos": fields.whole("tokenizer.ggml.bos_token_id", eos, least=0),
+        "padding": fields.whole("tokenizer.ggml.padding_token_id", eos, least=0),
+    }
+    for name, token in special.items():
+        if token >= len(tokens):
+            listed = f"a token id (tokenizer.ggml.tokens lists {len(tokens)})"
+            raise fields.wrong(f"tokenizer.ggml.{name}_token_id", repr(token), listed)
+    merges = fields.texts("tokenizer.ggml.merges")
+    _check_vocabulary(
+        set(tokens),
+        merges,
+        lambda why: InputError(f"--pretrained {path}: {why}"),
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges entry",
+    )
     return BpeTokenizer(
         tokens=tokens,
-        merges=fields.get("tokenizer.ggml.merges"),
-        bos=int(fields.get("tokenizer.ggml.bos_token_id", eos)),
+        merges=merges,
+        bos=special["bos"],
         eos=eos,
-        pad=int(fields.get("tokenizer.ggml.padding_token_id", eos)),
+        pad=special["padding"],
         pre_tokenizer=pre,
         control=frozenset(i for i, kind in enumerate(types) if kind == CONTROL_TOKEN),
     )
+
+
+def _check_vocabulary(
+    vocabulary: Container[str], merges: Sequence[str], bad: Callable[[str], InputError], tokens: str, merge: str
+) -> None:
+    """That a byte-level BPE vocabulary holds the symbol of every byte, and every merge is two of its
+    tokens whose merge it holds too: else a text would tokenize to a symbol that has no id. `tokens`
+    and `merge` name where the vocabulary and a merge come from, for the error."""
+    missing = [symbol for symbol in byte_symbols() if symbol not in vocabulary]
+    if missing:
+        raise bad(f"{tokens} lacks the symbols of {len(missing)} bytes (e.g. {missing[0]!r})")
+    for number, pair in enumerate(merges, 1):
+        parts = pair.split(" ")
+        if len(parts) != 2 or not all(symbol and symbol in vocabulary for symbol in (*parts, "".join(parts))):
+            raise bad(f"{merge} {number} ({pair!r}) is not two tokens of the vocabulary whose merge is in it too")
 
 
 # --- reading a keras-hub preset ------------------------------------------------------------------
@@ -250,6 +419,7 @@ def read_preset(path: str) -> Pretrained:
             f"--pretrained {path}: {_EMBEDDING} has shape {embedding}, config.json says "
             f"{(config.vocabulary, config.width)}"
         )
+    _check_memory(path, config)
     tokenizer = _preset_tokenizer(path, config.vocabulary)
     return Pretrained(path, config, tokenizer, functools.partial(preset_weights, path, config))
 
@@ -316,14 +486,8 @@ def _preset_tokenizer(path: str, model_vocabulary: int) -> BpeTokenizer:
         raise bad(f"vocabulary.json ids must be whole numbers in [0, {model_vocabulary}) (the model's vocabulary)")
     if len(set(ids)) != len(ids):
         raise bad("vocabulary.json gives two tokens the same id")
-    missing = [symbol for symbol in byte_symbols() if symbol not in vocabulary]
-    if missing:
-        raise bad(f"vocabulary.json lacks the symbols of {len(missing)} bytes (e.g. {missing[0]!r})")
     merges = [line for line in lines if line and not line.startswith("#version")]
-    for number, merge in enumerate(merges, 1):
-        parts = merge.split(" ")
-        if len(parts) != 2 or not all(parts) or "".join(parts) not in vocabulary:
-            raise bad(f"merges.txt line {number} ({merge!r}) is not two tokens whose merge is in the vocabulary")
+    _check_vocabulary(vocabulary, merges, bad, "vocabulary.json", "merges.txt line")
     for token in (LLAMA3_BOS, LLAMA3_EOS):
         if token not in vocabulary:
             raise bad(f"vocabulary.json has no {token}")
@@ -413,7 +577,7 @@ def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]
                 values = _float32(found)
             except (TypeError, ValueError, OSError, KeyError) as error:
                 raise InputError(f"--pretrained {path}: unreadable {key} in model.weights.h5 ({error})") from None
-            return [values.reshape(shape or stored)]
+            return [finite_weights(path, f"{key} in model.weights.h5", values).reshape(shape or stored)]
 
         q, kv, d = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim
         weights = {
@@ -841,13 +1005,15 @@ def gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dic
     import gguf
 
     def tensor(name: str) -> np.ndarray:
-        """A tensor dequantized to float32, in numpy's order of GGUF's shape reversed ([n_out, n_in])."""
-        found = tensors.get(name)
-        if found is None:
-            raise InputError(f"--pretrained {path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
-        values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
+        """A tensor dequantized to float32, in numpy's order of GGUF's shape reversed ([n_out, n_in])
+        (`read_pretrained` checked that each is there, of the configuration's shape)."""
+        found = tensors[name]
+        try:
+            values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
+        except NotImplementedError as error:  # a type gguf cannot dequantize (an integer tensor, say)
+            raise InputError(f"--pretrained {path}: tensor {name!r} cannot be read ({error})") from None
         shape = tuple(int(n) for n in reversed(found.shape.tolist()))
-        return np.asarray(values, dtype=np.float32).reshape(shape)
+        return finite_weights(path, f"tensor {name!r}", np.asarray(values, dtype=np.float32).reshape(shape))
 
     c = config
     weights = {"token_embd": [tensor("token_embd.weight")], "output_norm": [tensor("output_norm.weight")]}
@@ -862,6 +1028,14 @@ def gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dic
         for name in ("attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             weights[f"blk_{i}_{name}"] = [tensor(f"{block}{name}.weight").T]
     return weights
+
+
+def finite_weights(path: str, name: str, values: np.ndarray) -> np.ndarray:
+    """Weights as read from a file, refused where one is NaN or infinite: the model would compute NaN
+    for every row, and DP-SGD, whose clipping gives such a row no weight, would train it on noise alone."""
+    if not np.isfinite(values).all():
+        raise InputError(f"--pretrained {path}: {name} holds NaN or infinite values")
+    return values
 
 
 def load_weights(model, pretrained: Pretrained) -> None:
@@ -897,7 +1071,7 @@ def next_token_loss(targets, logits):
 def token_metrics(total_nats: float, total_tokens: int) -> dict:
     """Mean next-token loss in nats and perplexity exp(loss), over `total_tokens` tokens."""
     nats = total_nats / max(total_tokens, 1)
-    return {"loss": round(nats, 6), "perplexity": round(math.exp(nats), 4), "tokens": total_tokens}
+    return {"loss": round(nats, 6), "perplexity": round(text.perplexity(nats), 4), "tokens": total_tokens}
 
 
 def mean_token_loss(model, inputs: np.ndarray, targets: np.ndarray, rows_at_once: int = 8) -> dict:

@@ -16,7 +16,9 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import os
+import reprlib
 import sys
 from typing import Any
 
@@ -85,6 +87,26 @@ def build_model(name: str, input_dim: int, model_path: tuple[str, ...] = ()):
     return user_model(name, schema, model_path)[:2]
 
 
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its class and the first line of its message."""
+    said = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {said[0]}" if said else "")
+
+
+def _returned(value: Any) -> str:
+    """What the user's code returned, for an error: its type and a short repr."""
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def user_call(flag: str, spec: str, call: str, function, *args, error: type[InputError] = InputError):
+    """`function(*args)`, a function of the user's code (`flag spec`, called as `call`): an exception it
+    raises is an `error` that names the function and the exception, on one line (no traceback)."""
+    try:
+        return function(*args)
+    except Exception as failure:  # noqa: BLE001 - the user's code failed: say which function and how
+        raise error(f"{flag} {spec}: {call} raised {_one_line(failure)}") from None
+
+
 def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
     """The function of `module:function` (`--model`, `--task`). The module is looked up in `model_path`,
     then the current directory, then sys.path (PYTHONPATH); an import failure is an InputError naming it."""
@@ -98,9 +120,7 @@ def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
         where = ", ".join(searched) + ", PYTHONPATH"
         raise InputError(f"{flag} {spec}: cannot import module {module_name!r} ({error}; searched {where})") from None
     except Exception as error:  # noqa: BLE001 - the user's module failed while importing: say which
-        raise InputError(
-            f"{flag} {spec}: importing module {module_name!r} failed: {type(error).__name__}: {error}"
-        ) from None
+        raise InputError(f"{flag} {spec}: importing module {module_name!r} failed: {_one_line(error)}") from None
     finally:
         sys.path[:] = saved
     function = getattr(module, function_name, None)
@@ -111,13 +131,40 @@ def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
 
 def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ()) -> tuple:
     """(model, loss, optimizer or None) from `--model module:function`: `function(schema)` returns
-    (model, loss) or (model, loss, optimizer)."""
+    (model, loss) or (model, loss, optimizer), a tf_keras or Keras 3 model whose weights are finite
+    numbers; anything else, or an exception it raises, is an InputError naming the function."""
     if ":" not in name:
         raise InputError(f"--model must be logreg, mlp, {', '.join(TEXT_MODELS)} or module:function, got {name!r}")
-    built = user_function(name, "--model", model_path)(schema)
-    if not isinstance(built, tuple) or len(built) not in (2, 3) or not callable(built[1]):
-        raise InputError(f"--model {name}: {name.split(':', 1)[1]}(schema) must return (model, loss[, optimizer])")
-    return (*built, None) if len(built) == 2 else built
+    call = f"{name.split(':', 1)[1]}(schema)"
+    built = user_call("--model", name, call, user_function(name, "--model", model_path), schema)
+    if isinstance(built, tuple) and len(built) in (2, 3):
+        model, loss, optimizer = (*built, None)[:3]
+    else:
+        model = loss = optimizer = None
+    if not (_is_keras_model(model) and callable(loss) and (optimizer is None or _is_optimizer(optimizer))):
+        raise InputError(
+            f"--model {name}: {call} must return (model, loss[, optimizer]): a tf_keras or Keras 3 model, a loss "
+            f"function and an optimizer of the model's Keras; it returned {_returned(built)}"
+        )
+    broken = [  # a Keras 3 variable's path names its layer, as a tf_keras variable's name does
+        getattr(weight, "path", weight.name) for weight in model.weights if not np.isfinite(np.asarray(weight)).all()
+    ]
+    if broken:
+        raise InputError(
+            f"--model {name}: the model {call} returned holds NaN or infinite weights ({', '.join(broken[:3])}): it "
+            f"would compute NaN for every row, which DP-SGD's clipping gives no weight (a model of noise alone)"
+        )
+    return model, loss, optimizer
+
+
+def _is_keras_model(value: Any) -> bool:
+    """A tf_keras model, or a Keras 3 one (Keras 3 is then imported: the model's code did)."""
+    keras = sys.modules.get("keras")
+    return isinstance(value, tf_keras.Model) or (keras is not None and isinstance(value, keras.Model))
+
+
+def _is_optimizer(value: Any) -> bool:
+    return callable(getattr(value, "apply_gradients", None))
 
 
 def is_keras3(model) -> bool:
@@ -292,7 +339,8 @@ class UserTask:
         features = {
             name: Feature(name, found["dtype"], tuple(found["shape"])) for name, found in schema["features"].items()
         }
-        self.task = user_function(options.task, "--task", options.model_path)(features)
+        function = user_function(options.task, "--task", options.model_path)
+        self.task = user_call("--task", options.task, f"{options.task.split(':', 1)[1]}(features)", function, features)
         where = f"--task {options.task}"
         for name in ("encode", "metrics"):
             if not callable(getattr(self.task, name, None)):
@@ -319,28 +367,68 @@ class UserTask:
         model, loss, self.optimizer = user_model(self.options.model, self.schema, self.options.model_path)
         return model, loss
 
+    def _call(self, call: str, function, *args, error: type[InputError] = InputError):
+        return user_call("--task", self.options.task, call, function, *args, error=error)
+
     def problems(self, rows: dict) -> np.ndarray:
         count = len(rows[self.names[0]])
-        found = self.task.problems(rows) if callable(getattr(self.task, "problems", None)) else None
+        given = callable(getattr(self.task, "problems", None))
+        found = self._call("problems(rows)", self.task.problems, rows) if given else None
         problems = np.full(count, "", dtype=object) if found is None else np.asarray(found, dtype=object)
         if problems.shape != (count,):
-            raise InputError(f"--task {self.options.task}: problems(rows) must give one reason per row")
+            raise InputError(
+                f"--task {self.options.task}: problems(rows) must give one reason per row ({count}); it returned "
+                f"{_returned(found)}"
+            )
         return problems
 
     def encode(self, rows: dict) -> tuple:
-        x, y = self.task.encode(rows)
+        x, y = self._encoded(rows)
         if not self.rows_checked and len(y) >= 2:
             self._refuse_mixed_rows(rows)
         return x, y, self.problems(rows)
+
+    def _encoded(self, rows: dict) -> tuple:
+        """The task's encode(rows), checked: (x, y), x an array or a dict of arrays by input name, each
+        of them and y with one entry per row."""
+        found = self._call("encode(rows)", self.task.encode, rows)
+        where, count = f"--task {self.options.task}: encode(rows)", len(rows[self.names[0]])
+        if not (isinstance(found, tuple) and len(found) == 2):
+            raise InputError(
+                f"{where} must return (x, y): the model's input (an array, or a dict of arrays by input name) and "
+                f"the labels; it returned {_returned(found)}"
+            )
+        try:
+            shapes = {name: array.shape for name, array in _encoded_arrays(found).items()}
+        except (ValueError, TypeError) as error:  # ragged lists, or values numpy cannot hold in an array
+            raise InputError(f"{where} returned values that are not arrays ({_one_line(error)})") from None
+        if any(shape[:1] != (count,) for shape in shapes.values()):
+            raise InputError(f"{where} of {count} rows returned shapes {shapes}: one entry per row expected")
+        return found
+
+    def refuse_non_finite(self, x, y, usable: np.ndarray, rows_of: str) -> None:
+        """Refuse an encoding whose usable rows hold NaN or infinite features or labels: a training on
+        them learns nothing (DP-SGD's clipping gives a non-finite row no weight: a model of noise
+        alone) and evaluates to NaN. `rows_of` says whose rows they are (a step, the evaluation data).
+        The rows are private: the error goes to the operator only, and nothing is written."""
+        for name, array in _encoded_arrays((x, y)).items():
+            if array.dtype.kind in "fc":
+                bad = usable & ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+                if bad.any():
+                    raise InputError(
+                        f"--task {self.options.task}: encode(rows) returned NaN or infinite {name} values for "
+                        f"{int(bad.sum())} of the {int(usable.sum())} usable rows of {rows_of}: fix encode, or "
+                        f"give those rows a reason in problems(rows) (trained with weight 0 under --on-invalid skip)"
+                    )
 
     def _refuse_mixed_rows(self, rows: dict, count: int = 8) -> None:
         """Clipping bounds what one row adds to a step only if a row's (x, y) depend on that row alone:
         an `encode` that standardizes by the step's statistics lets one record move every row. Checked
         once, on the first rows it encodes: a few rows encoded together and one by one."""
         some = {name: np.asarray(values)[:count] for name, values in rows.items()}
-        together = _encoded_arrays(self.task.encode(some))
+        together = _encoded_arrays(self._encoded(some))
         alone = [
-            _encoded_arrays(self.task.encode({name: values[i : i + 1] for name, values in some.items()}))
+            _encoded_arrays(self._encoded({name: values[i : i + 1] for name, values in some.items()}))
             for i in range(len(together["label"]))
         ]
         for name, joined in together.items():
@@ -364,6 +452,7 @@ class UserTask:
         x, y, problems = self.encode(rows)
         if (problems != "").any():
             raise InputError(f"--eval-data {path}: {int((problems != '').sum())} rows: {problems[problems != ''][0]}")
+        self.refuse_non_finite(x, y, np.ones(len(problems), bool), f"--eval-data {path}")
         return x, y
 
     def _array(self, name: str, values: list) -> np.ndarray:
@@ -377,13 +466,41 @@ class UserTask:
         outputs = np.concatenate(
             [np.asarray(model(_rows(x, i, i + _EVAL_ROWS), training=False)) for i in range(0, rows, _EVAL_ROWS)]
         )
-        found = self.task.metrics(y, outputs)
-        if not isinstance(found, dict) or not found:
-            raise InputError(f"--task {self.options.task}: metrics(labels, outputs) must return a dict of numbers")
-        self.headline = next(iter(found))
+        where = f"--task {self.options.task}: metrics(labels, outputs)"
+        found = self._call("metrics(labels, outputs)", self.task.metrics, y, outputs, error=MetricsFailed)
+        if not (isinstance(found, dict) and found and all(_is_number(value) for value in found.values())):
+            raise MetricsFailed(f"{where} must return {{name: number}}, at least one; it returned {_returned(found)}")
+        figures = {str(name): float(value) for name, value in found.items()}
+        if not all(math.isfinite(value) for value in figures.values()):
+            raise MetricsFailed(f"{where} returned {figures}: not all finite numbers (metrics.json is JSON: no NaN)")
+        self.headline = next(iter(figures))
         return {"loss": round(float(np.mean(loss_fn(y, outputs))), 6)} | {
-            str(name): round(float(value), 6) for name, value in found.items()
+            name: round(value, 6) for name, value in figures.items()
         }
+
+
+class MetricsFailed(InputError):
+    """A `--task module:function`'s metrics() raised, or returned something other than finite numbers by
+    name: the user's evaluation failed, not the model (`madp train` keeps the model it trains)."""
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (a Python or numpy scalar, or a 0-d array of one), not a boolean."""
+    array = np.asarray(value)
+    return array.ndim == 0 and array.dtype.kind in "iuf"
+
+
+def finite_evaluation(evaluation: dict, what: str) -> dict:
+    """A task's evaluation, refused where one of its figures is NaN or infinite: `what` says whose
+    evaluation, when ("--model mlp: its evaluation on --eval-data at step 20"). metrics.json is JSON,
+    which has no NaN; and such a figure means a model that computes no number there."""
+    bad = {name: value for name, value in evaluation.items() if isinstance(value, float) and not math.isfinite(value)}
+    if bad:
+        raise InputError(
+            f"{what} gives {bad}: the model's outputs or loss there are not finite numbers (weights that diverged, "
+            f"e.g. at too high a --learning-rate, or NaN or infinite values in --eval-data)"
+        )
+    return evaluation
 
 
 class _TextTask:
@@ -429,17 +546,9 @@ class TextClassifierTask(_TextTask):
         self.index = {label: i for i, label in enumerate(labels)}
         self.names = list(options.batch_features or ())
         self.features: text.TokenFeatures | None = None
-        if options.pretrained is not None:
+        if options.pretrained is not None:  # read_pretrained checked the table: a finite row per token
             model = pretrained.read_pretrained(options.pretrained)
-            table = model.layer_weights()["token_embd"][0]
-            if table.ndim != 2 or len(table) < len(model.tokenizer):
-                raise InputError(
-                    f"--pretrained {options.pretrained}: a token embedding table of shape {table.shape} for "
-                    f"{len(model.tokenizer)} tokens (a row per token expected)"
-                )
-            if not np.isfinite(table).all():
-                raise InputError(f"--pretrained {options.pretrained}: its token embeddings hold NaN or infinite values")
-            self.features = text.TokenFeatures.of(model.tokenizer, table)
+            self.features = text.TokenFeatures.of(model.tokenizer, model.layer_weights()["token_embd"][0])
 
     def build(self):
         o = self.options
@@ -548,7 +657,9 @@ class CausalLmTask(_TextTask):
         data = _usable_eval(path, *self.encode({self.options.text_column: texts}))
         if self.model is not None and self.pretrained_eval is None:  # the trainer reads it after build(),
             # before the first step (and before a --resume restores a checkpoint): the pretrained weights
-            self.pretrained_eval = self.evaluate(self.model, pretrained.next_token_loss, data)
+            found = self.evaluate(self.model, pretrained.next_token_loss, data)
+            what = f"--pretrained {self.options.pretrained}: the pretrained model's evaluation on --eval-data"
+            self.pretrained_eval = finite_evaluation(found, what)
         return data
 
     def evaluate(self, model, loss_fn, data) -> dict:
@@ -632,6 +743,9 @@ def prepare_task(options: TrainOptions, batches: Batches):
         bad = (rows["weight"] > 0) & (problems != "")
         if bad.any():
             skipped.add(step, rows["id"][bad], problems[bad])
+        if isinstance(task, UserTask):  # the user's encode, on every step before the first is trained
+            x, y, _ = task.encode(rows)
+            task.refuse_non_finite(x, y, (rows["weight"] > 0) & (problems == ""), f"step {step}")
     if len(skipped) and options.on_invalid == "error":
         counts = skipped.counts()["records"]
         raise InputError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -382,11 +383,17 @@ def summed_sequence_loss(model, loss_fn, inputs: np.ndarray, targets: np.ndarray
     return nats, count
 
 
+def perplexity(nats: float) -> float:
+    """exp(nats), a mean loss in nats as a perplexity; infinite beyond float's range (where math.exp
+    raises: a model can be that bad), for the evaluation's finiteness check to name."""
+    return math.exp(nats) if nats < math.log(sys.float_info.max) else math.inf
+
+
 def byte_metrics(total_nats: float, total_bytes: int) -> dict:
     """Mean next-byte loss in nats, in bits per byte (nats / ln 2), and perplexity exp(nats)."""
     nats = total_nats / max(total_bytes, 1)
     return {
         "loss": round(nats, 6),
         "bits_per_byte": round(nats / math.log(2), 6),
-        "perplexity": round(math.exp(nats), 4),
+        "perplexity": round(perplexity(nats), 4),
     }

@@ -63,8 +63,10 @@ from madp.training.outputs import (
 from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
     CausalLmTask,
+    MetricsFailed,
     TextClassifierTask,
     default_optimizer,
+    finite_evaluation,
     is_keras3,
     prepare_task,
     read_columns,
@@ -180,6 +182,13 @@ def _column_if_present(path: str, column: str) -> list | None:
 
 
 # --- the run ------------------------------------------------------------------------------------
+
+
+def _checked_evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
+    """The task's evaluation of the model on --eval-data, every figure a finite number (`finite_evaluation`)."""
+    return finite_evaluation(
+        task.evaluate(model, loss_fn, data), f"--model {options.model}: its evaluation on --eval-data {when}"
+    )
 
 
 def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
@@ -389,6 +398,9 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
     evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
+    if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
+        # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
+        _checked_evaluation(task, model, loss_fn, evaluation, options, "before the first step")
     storage.remove_written(output, replaced)  # the last check passed: from here on OUTPUT is this training's
     checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     metrics: list[dict] = []
@@ -399,7 +411,12 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         missed = not metrics or metrics[-1]["step"] != resumed
         if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
             # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
-            metrics.append({"step": resumed, **task.evaluate(model, loss_fn, evaluation)})
+            metrics.append(
+                {
+                    "step": resumed,
+                    **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}"),
+                }
+            )
     tf.io.gfile.makedirs(output)
     # Published: epsilon spent, public evaluations; stamped with steps, never clock times (see ScalarLog)
     writer = ScalarLog(storage.join(output, "logs"), resumed)
@@ -413,6 +430,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     progress = Progress(log, "training", batches.steps, "steps")
     names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
+    unevaluated: MetricsFailed | None = None  # a task's metrics() that failed: the model trains on, unevaluated
     for index, rows in enumerate(read_steps(batches, names)):
         if index < resumed:  # run before the checkpoint resumed from
             continue
@@ -433,7 +451,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
             for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
                 internal.scalar(f"train/{name}", value, done)
         step(x, y, weight, users=rows[USER_FEATURE] if user_level else None, index=rows["step"])
-        evaluates = logs and evaluation is not None
+        evaluates = logs and evaluation is not None and unevaluated is None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):
             # Before anything of this step is published (its evaluation): a resumed run never re-does a
@@ -441,9 +459,15 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
             # A copy of an older checkpoint may not continue once the ledger records this one.
             checkpoints.save(done, metrics, planned, step.checkpointed)
         if evaluates:
-            metrics.append({"step": done, **task.evaluate(model, loss_fn, evaluation)})
-            for name in ("loss", task.headline):
-                eval_writer.scalar(f"eval/{name}", metrics[-1][name], done)
+            try:
+                metrics.append(
+                    {"step": done, **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {done}")}
+                )
+            except MetricsFailed as error:
+                unevaluated = MetricsFailed(f"{error} (at step {done})")
+            else:
+                for name in ("loss", task.headline):
+                    eval_writer.scalar(f"eval/{name}", metrics[-1][name], done)
         if privacy is not None and logs:  # public: a function of the plan and the step count only
             writer.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), done)
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
@@ -480,22 +504,29 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
         "privacy": privacy_json(privacy),
     }
-    if not published_eval:  # computed without noise on records no guarantee covers: internal only,
-        # not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
+    if not published_eval and unevaluated is None:  # computed without noise on records no guarantee covers:
+        # internal only, not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
         kept = internal_path(output, EVALUATION_FILE)
         evaluations = {field: result.pop(field) for field in EVALUATION_FIELDS if field in result}
-        storage.write_text(kept, json.dumps(evaluations, indent=2))
+        storage.write_text(kept, json.dumps(evaluations, indent=2, allow_nan=False))
         result["evaluation"] = f"{kept} (internal: --eval-data was not declared public with --eval-data-public)"
     # Timings depend on the realized (secret) sampling and the rows' content, which no guarantee covers
     timing = {field: result[field] for field in TIMING_FIELDS}
-    storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2))
+    storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2, allow_nan=False))
     published = {k: v for k, v in result.items() if k != "privacy" and k not in TIMING_FIELDS}
-    storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2))
-    storage.write_text(storage.join(output, "privacy.json"), json.dumps(result["privacy"], indent=2, default=list))
+    if unevaluated is None:  # else no evaluation to publish with the model: no metrics.json
+        storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2, allow_nan=False))
+    privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
+    storage.write_text(storage.join(output, "privacy.json"), privacy_text)
     if checkpoints is not None:  # done: the secret noise history has no further use
         tf.io.gfile.rmtree(checkpoints.directory)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))
         result["rejected"] = f"{storage.join(output, REJECTED_DIR)}: rows trained with weight 0 (internal)"
+    if unevaluated is not None:  # the model trained and is kept, with its guarantee; its evaluation failed
+        raise InputError(
+            f"{unevaluated}; the training ran all its steps: {storage.join(output, 'model.keras')} and privacy.json "
+            f"hold its model and guarantee, and no metrics.json is written: fix metrics() and evaluate model.keras"
+        )
     return result
