@@ -153,21 +153,18 @@ def test_the_written_config_runs_as_written(emails, tmp_path, capsys):
     assert summary["results"]["bound"]["selected_records"] == row["kept_records"]
 
 
+def job(tmp_path, emails: str, k: int, batch: dict, calibrate: dict, train: dict):
+    """A `madp run` config on the email export, bounded and batched locally: (its path, its run_dir)."""
+    config, run_dir = tmp_path / "job.yaml", tmp_path / "out"
+    bound = {"max_contributions": k, "users_columns": ["from", "to", "cc"], "runner": "local"}
+    sections = {"bound": bound, "batch": {**batch, "runner": "local"}, "calibrate": calibrate, "train": train}
+    config.write_text(yaml.safe_dump({"run_dir": str(run_dir), "input": emails, **sections}))
+    return config, run_dir
+
+
 def test_run_refuses_an_infeasible_plan_before_bounding(emails, tmp_path, capsys):
-    config = tmp_path / "job.yaml"
-    run_dir = tmp_path / "out"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": str(run_dir),
-                "input": emails,
-                "bound": {"max_contributions": 8, "users_columns": ["from", "to", "cc"], "runner": "local"},
-                "batch": {"steps": 50, "batch_size": 150, "min_sep": 8, "max_batch_size": 200, "runner": "local"},
-                "calibrate": {"epsilon": 8, "delta": 1e-5, "bands": 8},
-                "train": {"model": "logreg"},
-            }
-        )
-    )
+    batch = {"steps": 50, "batch_size": 150, "min_sep": 8, "max_batch_size": 200}
+    config, run_dir = job(tmp_path, emails, 8, batch, {"epsilon": 8, "delta": 1e-5, "bands": 8}, {"model": "logreg"})
     assert main(["-q", "run", str(config)]) == 2
     err = capsys.readouterr().err
     assert "before bounding" in err and "batch.batch_size 150 unreachable at batch.min_sep 8 with k = 8" in err
@@ -221,20 +218,8 @@ def test_recommend_k_plans_a_classifier_on_the_label_column_named(tmp_path, caps
 
 
 def test_run_refuses_a_column_the_training_reads_but_the_records_lack_before_bounding(emails, tmp_path, capsys):
-    config = tmp_path / "job.yaml"
-    run_dir = tmp_path / "out"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run_dir": str(run_dir),
-                "input": emails,
-                "bound": {"max_contributions": 2, "users_columns": ["from", "to", "cc"], "runner": "local"},
-                "batch": {"steps": 4, "batch_size": 20, "runner": "local"},
-                "calibrate": {"epsilon": 8, "delta": 1e-5},
-                "train": {"model": "logreg", "label": "y"},
-            }
-        )
-    )
+    batch, calibrate = {"steps": 4, "batch_size": 20}, {"epsilon": 8, "delta": 1e-5}
+    config, run_dir = job(tmp_path, emails, 2, batch, calibrate, {"model": "logreg", "label": "y"})
     assert main(["-q", "run", str(config)]) == 2
     err = capsys.readouterr().err
     assert "the train section's model logreg reads the column(s) y, which the records" in err
