@@ -16,6 +16,7 @@ import mmap
 import os
 import random
 import re
+import struct
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -908,11 +909,23 @@ def truncated(path: str, key: str, after: int) -> str:
     return copy
 
 
+def nested_arrays(path: str, depth: int) -> str:
+    """A GGUF file (version 3, no tensor) of one metadata entry, 'general.deep': arrays of one array each,
+    `depth` deep, the innermost of one bool."""
+    kinds = gguf.GGUFValueType
+    arrays = struct.pack("<IQ", kinds.ARRAY, 1) * depth + struct.pack("<IQB", kinds.BOOL, 1, 1)
+    key = b"general.deep"
+    header = gguf.GGUF_MAGIC.to_bytes(4, "little") + struct.pack("<IQQQ", 3, 0, 1, len(key))
+    open(path, "wb").write(header + key + struct.pack("<I", kinds.ARRAY) + arrays)
+    return path
+
+
 def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text_batches, tmp_path, capsys):
     """gguf's reader makes an object of every array element: a 16 MB file of one array of 2 million empty
-    strings held it for half a minute and 3 GB (was read, then trained on). Counts and lengths are read
-    first: an array of more than 65,536 elements outside the tokenizer's, and a count or a length that
-    runs past the file's end, are refused by key in milliseconds."""
+    strings held it for half a minute and 3 GB (was read, then trained on); arrays of arrays 5000 deep
+    raised its RecursionError. Counts and lengths are read first: an array of more than 65,536 elements
+    outside the tokenizer's, a count or a length that runs past the file's end (a truncated file), and
+    arrays nested more than 8 deep, are refused by key in milliseconds."""
     _, batches, _ = text_batches
     strings = [array_metadata("general.junk", [b""] * 200_000, gguf.GGUFValueType.STRING)]
     junk = write_tiny_gguf(str(tmp_path / "junk.gguf"), metadata=strings)
@@ -933,6 +946,7 @@ def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text
         f"2,305,843,009,213,693,952 elements: {past_the_end}",
         truncated(tiny, "tokenizer.ggml.tokens", 1000): f"(metadata 'tokenizer.ggml.tokens', an array of 300 elements: "
         f"{past_the_end}",
+        nested_arrays(str(tmp_path / "deep.gguf"), 5000): "metadata 'general.deep' nests arrays more than 8 deep",
     }.items():
         start = time.perf_counter()
         with pytest.raises(InputError, match=re.escape(f"--pretrained {path}: ") + ".*" + re.escape(message)):
