@@ -12,9 +12,12 @@ import collections
 import dataclasses
 import json
 import math
+import mmap
 import os
 import random
 import re
+import struct
+import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 
@@ -875,6 +878,130 @@ def test_a_gguf_model_beyond_memory_is_refused_before_it_is_built(text_batches, 
     err = capsys.readouterr().err
     assert f"--pretrained {path}: its 92,284,112,896 weights in float32, with their copy read from the file, " in err
     assert re.search("hold about 688 GiB in memory, more than half of this machine's [0-9,]+ GiB", err), err
+
+
+def array_metadata(key: str, values: list, kind: gguf.GGUFValueType) -> Callable[[dict], None]:
+    """A metadata edit of `write_tiny_gguf`: `key` an array of `values` of type `kind`."""
+
+    def edit(metadata: dict) -> None:
+        metadata[key] = gguf.GGUFValue(values, gguf.GGUFValueType.ARRAY, sub_type=kind)
+
+    return edit
+
+
+def with_number(path: str, key: str, after: int, value: int) -> str:
+    """A copy of the GGUF file `path` whose 64-bit number `after` bytes past metadata `key`'s name is
+    `value` (an array's count is 8 bytes past it, after its value type and element type; its first
+    string's length 16)."""
+    data = bytearray(open(path, "rb").read())
+    at = data.index(key.encode()) + len(key) + after
+    data[at : at + 8] = value.to_bytes(8, "little")
+    copy = f"{path[:-5]}-{key}-{after}.gguf"
+    open(copy, "wb").write(data)
+    return copy
+
+
+def truncated(path: str, key: str, after: int) -> str:
+    """A copy of the GGUF file `path` that ends `after` bytes past metadata `key`'s name."""
+    data = open(path, "rb").read()
+    copy = f"{path[:-5]}-{key}-cut.gguf"
+    open(copy, "wb").write(data[: data.index(key.encode()) + len(key) + after])
+    return copy
+
+
+def nested_arrays(path: str, depth: int) -> str:
+    """A GGUF file (version 3, no tensor) of one metadata entry, 'general.deep': arrays of one array each,
+    `depth` deep, the innermost of one bool."""
+    kinds = gguf.GGUFValueType
+    arrays = struct.pack("<IQ", kinds.ARRAY, 1) * depth + struct.pack("<IQB", kinds.BOOL, 1, 1)
+    key = b"general.deep"
+    header = gguf.GGUF_MAGIC.to_bytes(4, "little") + struct.pack("<IQQQ", 3, 0, 1, len(key))
+    open(path, "wb").write(header + key + struct.pack("<I", kinds.ARRAY) + arrays)
+    return path
+
+
+def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text_batches, tmp_path, capsys):
+    """gguf's reader makes an object of every array element: a 16 MB file of one array of 2 million empty
+    strings held it for half a minute and 3 GB (was read, then trained on); arrays of arrays 5000 deep
+    raised its RecursionError. Counts and lengths are read first: an array of more than 65,536 elements
+    outside the tokenizer's, a count or a length that runs past the file's end (a truncated file), and
+    arrays nested more than 8 deep, are refused by key in milliseconds."""
+    _, batches, _ = text_batches
+    strings = [array_metadata("general.junk", [b""] * 200_000, gguf.GGUFValueType.STRING)]
+    junk = write_tiny_gguf(str(tmp_path / "junk.gguf"), metadata=strings)
+    out = str(tmp_path / "out")
+    assert assert_refused_before_writing(batches, out, lambda: train_causal_lm(batches, out, junk)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"--pretrained {junk}: metadata 'general.junk', an array of 200,000 elements; madp reads at most " in err
+    tiny = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    past_the_end = "past the end of its"
+    for path, message in {
+        junk: "metadata 'general.junk', an array of 200,000 elements; madp reads at most 65,536 in an array",
+        with_number(junk, "general.junk", 8, 2**40): f"(metadata 'general.junk', an array of 1,099,511,627,776 "
+        f"elements: {past_the_end}",
+        with_number(tiny, "tokenizer.ggml.tokens", 16, 2**40): f"(metadata 'tokenizer.ggml.tokens', an array of "
+        f"300 elements: {past_the_end}",
+        with_number(tiny, "tokenizer.ggml.merges", 8, 2**61): "(metadata 'tokenizer.ggml.merges', an array of "
+        f"2,305,843,009,213,693,952 elements: {past_the_end}",
+        truncated(tiny, "tokenizer.ggml.tokens", 1000): f"(metadata 'tokenizer.ggml.tokens', an array of 300 elements: "
+        f"{past_the_end}",
+        nested_arrays(str(tmp_path / "deep.gguf"), 5000): "metadata 'general.deep' nests arrays more than 8 deep",
+    }.items():
+        start = time.perf_counter()
+        with pytest.raises(InputError, match=re.escape(f"--pretrained {path}: ") + ".*" + re.escape(message)):
+            pretrained.read_pretrained(path)
+        assert time.perf_counter() - start < 0.5, path
+
+
+def test_the_tokenizers_arrays_are_refused_for_memory_only(text_batches, tmp_path, capsys, monkeypatch):
+    """The tokenizer's arrays are as long as the vocabulary (Llama 3's 128k tokens, 280k merges): one of
+    150,000 elements is read; under a memory limit that what the reader would hold passes, it is refused
+    by key, before the reader runs."""
+    from test_operational_faults import fake_cgroups
+
+    _, batches, _ = text_batches
+    scores = [array_metadata("tokenizer.ggml.scores", [0.0] * 150_000, gguf.GGUFValueType.FLOAT32)]
+    path = write_tiny_gguf(str(tmp_path / "scores.gguf"), metadata=scores)
+    assert pretrained.read_pretrained(path).config.vocabulary == 300
+    limit_file = fake_cgroups(tmp_path, monkeypatch, 2, 256 << 20)
+    out = str(tmp_path / "out")
+    assert assert_refused_before_writing(batches, out, lambda: train_causal_lm(batches, out, path)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"--pretrained {path}: metadata 'tokenizer.ggml.scores', an array of 150,000 elements, read by the " in err
+    assert f"MiB in memory, more than half of the 256 MiB memory limit of this process's cgroup ({limit_file})" in err
+
+
+@pytest.mark.parametrize("byte_order", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_gguf_walk_counts_what_the_reader_holds(tmp_path, byte_order):
+    """The walk before gguf's reader ends where the reader's tensor infos do, and counts the objects it
+    holds: every value type, arrays of each, arrays of arrays, tensors; in either byte order."""
+    path = str(tmp_path / "every.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=byte_order)
+    kinds = gguf.GGUFValueType
+    for kind in (kinds.UINT8, kinds.INT8, kinds.UINT16, kinds.INT16, kinds.UINT32, kinds.INT32, kinds.UINT64,
+                 kinds.INT64, kinds.FLOAT32, kinds.FLOAT64, kinds.BOOL):  # fmt: skip
+        writer.add_key_value(f"one.{kind.name}", 1, kind)
+        writer.add_key_value(f"array.{kind.name}", [1, 0, 1], kinds.ARRAY, sub_type=kind)
+    writer.add_string("one.STRING", "text")
+    writer.add_array("array.STRING", ["", "a", "bc" * 40])
+    writer.add_array("array.ARRAY", [[1, 2], ["x", "yz"], [[3], [4, 5]]])
+    for i in range(3):
+        writer.add_tensor(f"t.{i}", np.zeros((2, 3 + i), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    header = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+    held = sum(len(field.parts) for key, field in reader.fields.items() if key not in header)
+    held += sum(len(tensor.field.parts) + 1 for tensor in reader.tensors)  # its parts and its data
+    last = reader.tensors[-1].field
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        walk = pretrained._GgufWalk(path, data)
+        walk.walk()
+        assert walk.parts == held and walk.at == last.offset + sum(part.nbytes for part in last.parts)
 
 
 @pytest.mark.parametrize("case", ["beyond memory", "a NaN weight"])

@@ -145,6 +145,65 @@ def test_with_user_ids_email_a_person_written_every_way_is_one_user_within_k(tmp
     assert code == 1 and f"user 'ann@x.org' contributes {kept} records, bound {K}" in found["violations"]
 
 
+# Ann's address written other ways than ANN's, each read under --user-ids email as the addresses given.
+OTHER_WAYS = {
+    "ann@x.org\u200b": ["ann@x.org"],  # a zero-width space (Unicode Cf), invisible when printed
+    "mailto:ann@x.org": ["ann@x.org"],
+    "ann@x.org (Ann Smith)": ["ann@x.org"],
+    "ann@x.org;": ["ann@x.org"],
+    "ann@x.org.": ["ann@x.org"],
+    '"ann"@x.org': ["ann@x.org"],
+    "Ann Smith ann@x.org": ["ann@x.org"],
+    "ann@x.org b@y.org": ["ann@x.org", "b@y.org"],
+    "ann@x.org|b@y.org": ["ann@x.org", "b@y.org"],
+    "\ufeffANN@x.org": ["ann@x.org"],  # a byte order mark, and upper case
+}
+# Values holding '@' from which no address can be read: their rows are bad_address under --user-ids email.
+UNREADABLE = ['"ann smith"@x.org', "ann@x.org\u200bb@y.org", "ann@x.org (a) b@y.org", "ann@"]
+
+
+def test_an_address_written_any_other_way_is_refused_and_read_as_its_address(tmp_path, capsys):
+    """Beside the four named signs, any id holding '@' that is not a plain lower-case address is a sign
+    (shown in its repr, so that an invisible character shows); ids without '@' are not. Under --user-ids
+    email each way reads as the addresses it holds, so Ann keeps K records in all; a value from which no
+    address can be read is a bad_address. The verifier finds the same on its own."""
+    ways = ["ann@x.org", *OTHER_WAYS, "Smith, J."]
+    rows = [{"id": i, "from": f"u{i}@y.org", "to": way} for i, way in enumerate(ways)]
+    data = write_records(str(tmp_path / "ways.jsonl"), rows)
+    code, _, err = cli(capsys, "bound", data, tmp_path / "refused", "-k", K, *FROM_TO, *LOCAL)
+    assert code == 2 and "Traceback" not in err
+    assert f"not_a_plain_address: {len(OTHER_WAYS) - 1} (an id holding '@' that is no plain lower-case address" in err
+    assert f"{data} row 1 column 'to': 'ann@x.org\\u200b'" in err  # the zero-width space shown
+    assert f"{data} row 2 column 'to': 'mailto:ann@x.org'" in err
+    assert "upper_case: 1 " in err and "Smith, J." not in err
+    assert not (tmp_path / "refused" / "selected").exists()
+    _bound(capsys, data, tmp_path / "as-is", *LOCAL, "--user-ids", "as-is")
+    assert sum(selection(tmp_path / "as-is").get(i, 0) for i in range(len(ways) - 1)) > K  # Ann's ways: distinct
+    code, found, _ = cli(capsys, "verify-bound", data, tmp_path / "as-is", "-k", K, *FROM_TO)
+    shown = " ".join(found["violations"])
+    assert code == 1 and f"not_a_plain_address: {len(OTHER_WAYS) - 1} " in shown
+    assert f"{data} row 1 column 'to': 'ann@x.org\\u200b'" in shown
+
+    code, _, err = cli(capsys, "bound", data, tmp_path / "email", "-k", K, *FROM_TO, *LOCAL, "--user-ids", "email")
+    assert code == 2 and f"{data}: row {len(ways) - 1}: bad_address" in err  # "Smith, J." holds no address
+    report = _bound(capsys, data, tmp_path / "email", *LOCAL, "--user-ids", "email", "--on-invalid", "skip")
+    assert report["rejected"] == {"bad_address": 1}
+    assert report["input_users"] == len(ways) - 1 + 2  # the senders, ann@x.org and b@y.org
+    assert sum(selection(tmp_path / "email").get(i, 0) for i in range(len(ways) - 1)) == K
+    read = read_file(data, 0, Columns(users_columns=("from", "to"), user_ids="email"))
+    offsets, users = read.chunk.offsets.tolist(), read.chunk.users.to_pylist()
+    assert [users[a:b] for a, b in zip(offsets, offsets[1:])] == [
+        [f"u{i}@y.org", *addresses] for i, addresses in enumerate([["ann@x.org"], *OTHER_WAYS.values()])
+    ]
+    code, checked, _ = cli(capsys, "verify-bound", data, tmp_path / "email", "-k", K, *FROM_TO, "--user-ids", "email")
+    assert code == 0 and checked["ok"], checked
+
+    bad = [{"id": i, "from": "c@y.org", "to": value} for i, value in enumerate(UNREADABLE)]
+    unreadable = write_records(str(tmp_path / "unreadable.jsonl"), bad)
+    report = _bound(capsys, unreadable, tmp_path / "bad", *LOCAL, "--user-ids", "email", "--on-invalid", "skip")
+    assert report["rejected"] == {"bad_address": len(UNREADABLE)}
+
+
 def test_a_value_holding_no_address_is_a_bad_address_and_repeats_are_removed(tmp_path, capsys):
     rows = [
         {"id": 1, "from": "Ann <ann@x.org>", "to": "ANN@x.org, b@y.org"},  # ann twice: a repeated user
@@ -373,9 +432,16 @@ def test_the_readers_and_the_verifier_find_the_same_signs_and_addresses():
     from madp.core.verify import _addresses, _signs_of
 
     rng = np.random.default_rng(7)
-    alphabet = list('aZ9@<>,;. \t"()') + ["\u00a0", "\u2003", "\x1c", "\u00c4", "\u0130"]
+    alphabet = list('aZ9@<>,;. \t"()|:') + ["\u00a0", "\u2003", "\x1c", "\u00c4", "\u0130", "\u200b", "\uff21"]
     values = [*ANN, "a@x; b@y", "a@x, b@y", "Smith, J.", "Smith, Ann <ann@x>", "bob", "<ann@x>", "", "A.B-c+d@Ex-1.ORG"]
+    values += [*OTHER_WAYS, *UNREADABLE, "MAILTO:Ann <ann@x>", "j\u00f6rg@b\u00fccher.de", "\uff41nn@x"]
     values += ["".join(rng.choice(alphabet, size=int(rng.integers(1, 12)))) for _ in range(3000)]
+    around = ["", " ", "mailto:", "Ann <", ">", "(c) ", " (c)", "\u200b", '"', ";", "|", ".", ",", " b@y", "b@y|"]
+    values += [
+        f"{rng.choice(around)}{rng.choice(['ann', 'Ann.Lee', 'x|y', 'a+b'])}{rng.choice(around)}@"
+        f"{rng.choice(['x.org', 'X', 'x-1.y'])}{rng.choice(around)}"
+        for _ in range(1000)
+    ]
     values += [
         f"{word}@{domain}"
         for word in ("Ann.Lee", "a..b", ".a", "a.", "a'b{c}", "x|y")
@@ -389,6 +455,12 @@ def test_the_readers_and_the_verifier_find_the_same_signs_and_addresses():
         assert normalized[i].as_py() == user_ids.email_addresses(value) == _addresses(value), value
         assert no_address[i] == (not _addresses(value))
     assert sum(bool(_signs_of(v)) for v in values) > 1000 and sum(not _addresses(v) for v in values) > 1000
+    # What --user-ids email reads is what shows no sign (or, non-ASCII, an internationalized address).
+    read = {address for value in values for address in _addresses(value) if address.isascii()}
+    assert len(read) > 20 and not any(_signs_of(address) for address in read)
+    for value, addresses in OTHER_WAYS.items():
+        assert _addresses(value) == addresses and _signs_of(value), value
+    assert not any(_addresses(value) for value in UNREADABLE)
 
 
 def test_the_privacy_plan_states_how_user_ids_were_read():

@@ -33,16 +33,18 @@ import functools
 import heapq
 import json
 import math
+import mmap
 import os
 import re
+import struct
 import sys
 import unicodedata
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from madp.core.errors import InputError, check_memory
+from madp.core.errors import InputError, check_memory, memory_limit
 from madp.training import load_tensorflow, text
 
 tf = load_tensorflow()
@@ -238,6 +240,7 @@ def check_pretrained_path(path: str) -> None:
 
 def _open_gguf(path: str):
     check_pretrained_path(path)
+    check_gguf_layout(path)
     try:
         import gguf
     except ImportError as error:
@@ -246,6 +249,150 @@ def _open_gguf(path: str):
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, EOFError) as error:  # truncated or corrupt
         raise InputError(f"--pretrained {path}: unreadable GGUF file ({type(error).__name__}: {error})") from None
+
+
+# GGUF's layout, as the gguf package reads it: value types by number (GGUFValueType), the bytes of
+# each fixed-size one; versions 2 and 3 (64-bit counts and lengths).
+_GGUF_FIXED_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_VERSIONS = (2, 3)
+# The fewest bytes of a metadata entry (its key's length, its type, a 1-byte value) and of a tensor's
+# info (its name's length, no dimension, its type and offset).
+_GGUF_LEAST_ENTRY, _GGUF_LEAST_TENSOR = 13, 24
+# gguf.GGUFReader holds a numpy view of the file for each part of the metadata: a key's length, name
+# and type; a string's length and bytes; a number; an array's type and count, then each element's parts;
+# and 7 per tensor. Each holds 0.7 to 0.8 KB (measured: numpy 2.4, gguf 0.19), and takes about 10 us.
+_READER_BYTES_PER_PART = 1000
+_KEY_PARTS, _TENSOR_PARTS = 3, 7
+_TOKENIZER_KEYS = "tokenizer.ggml."  # its arrays are as long as the vocabulary or its merges
+MOST_ARRAY_ELEMENTS = 65_536  # in an array of another key (real files: tags, languages, per-layer sizes)
+_MOST_NESTED = 8  # arrays within arrays
+
+
+def check_gguf_layout(path: str) -> None:
+    """Refuse by name, before gguf.GGUFReader reads a GGUF file, what would hang it with growing memory:
+    it makes a numpy view of every array element (`_READER_BYTES_PER_PART`), so that a 16 MB file of one
+    array of 2 million empty strings held it for half a minute and 3 GB. Walks the header (magic, version,
+    tensor count, metadata count), each metadata entry (key string, value type, value: an array is an
+    element type, a count and the elements; a string a 64-bit length and its bytes) and each tensor's
+    info (name, dimensions, type, offset), reading lengths and counts only and skipping the bytes
+    between. Refused: a count or length that runs past the file's end (a truncated or crafted file);
+    an array of more than MOST_ARRAY_ELEMENTS elements but the tokenizer's (`tokenizer.ggml.*`, as long
+    as its vocabulary: Llama 3's 128k tokens and 280k merges), or nested more than `_MOST_NESTED` deep;
+    and what the reader would hold in more memory than `check_memory` allows."""
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        _GgufWalk(path, data).walk()
+
+
+class _GgufWalk:
+    """One walk of `check_gguf_layout`: where it is in the file, and the parts the reader will hold."""
+
+    def __init__(self, path: str, data: mmap.mmap):
+        self.path, self.data, self.at, self.parts = path, data, 4, 0  # past the magic, checked before
+        self.budget = memory_limit().size / 2 / _READER_BYTES_PER_PART  # the parts check_memory allows
+        # the gguf package reads a file whose version has zero low bytes as of the other byte order
+        self.order: Literal["little", "big"] = "little" if int.from_bytes(data[4:6], "little") else "big"
+        self.u64 = struct.Struct(("<" if self.order == "little" else ">") + "Q")
+
+    def walk(self) -> None:
+        version = self.number(4, "its header")
+        if version not in _GGUF_VERSIONS:
+            raise InputError(
+                f"--pretrained {self.path}: unreadable GGUF file (version {version}; the gguf package reads "
+                f"versions {', '.join(map(str, _GGUF_VERSIONS))})"
+            )
+        tensors, entries = self.number(8, "its header"), self.number(8, "its header")
+        counts = f"its {entries:,} metadata entries and {tensors:,} tensors"
+        self.fits(entries * _GGUF_LEAST_ENTRY + tensors * _GGUF_LEAST_TENSOR, counts)
+        self.hold(entries * _KEY_PARTS + tensors * _TENSOR_PARTS, counts)
+        for index in range(entries):
+            key = self.text(f"metadata entry {index}'s key")
+            self.value(self.number(4, f"metadata {key!r}"), key, 0)
+        for index in range(tensors):
+            name = self.text(f"tensor {index}'s name")
+            self.skip(8 * self.number(4, f"tensor {name!r}") + 4 + 8, f"tensor {name!r}")
+        self.hold(0, counts)  # with the strings and numbers counted since
+
+    def value(self, kind: int, key: str, depth: int) -> None:
+        """Skip one value of type `kind` of metadata `key`, counting its parts."""
+        where = f"metadata {key!r}"
+        if kind in _GGUF_FIXED_BYTES:
+            self.skip(_GGUF_FIXED_BYTES[kind], where)
+            self.parts += 1
+        elif kind == _GGUF_STRING:
+            self.skip(self.number(8, where), where)
+            self.parts += 2
+        elif kind == _GGUF_ARRAY:
+            if depth == _MOST_NESTED:
+                raise InputError(f"--pretrained {self.path}: {where} nests arrays more than {_MOST_NESTED} deep")
+            element, count = self.number(4, where), self.number(8, where)
+            self.array(element, count, key, depth)
+        else:
+            raise InputError(f"--pretrained {self.path}: unreadable GGUF file ({where} has value type {kind}, "
+                             "which GGUF does not define)")  # fmt: skip
+
+    def array(self, element: int, count: int, key: str, depth: int) -> None:
+        """Skip the `count` elements of type `element` of an array of metadata `key`, counting their parts."""
+        where = f"metadata {key!r}, an array of {count:,} elements"
+        least = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}.get(element, _GGUF_FIXED_BYTES.get(element, 1))
+        self.fits(count * least, where)
+        if count > MOST_ARRAY_ELEMENTS and not key.startswith(_TOKENIZER_KEYS):
+            raise InputError(
+                f"--pretrained {self.path}: {where}; madp reads at most {MOST_ARRAY_ELEMENTS:,} in an array "
+                f"outside the tokenizer's ({_TOKENIZER_KEYS}*): the gguf package makes an object of each"
+            )
+        own_parts = 1 if element in _GGUF_FIXED_BYTES else 2 if element == _GGUF_STRING else 0  # arrays: their own
+        self.hold(2 + count * own_parts, where)
+        if element in _GGUF_FIXED_BYTES:
+            self.skip(count * _GGUF_FIXED_BYTES[element], where)
+        elif element == _GGUF_STRING:
+            at, end, length = self.at, len(self.data), self.u64.unpack_from
+            for _ in range(count):
+                if at + 8 > end:  # a length past the end
+                    at += 8
+                    break
+                at += 8 + length(self.data, at)[0]
+            self.skip(at - self.at, where)  # refused where a length or a string runs past the end
+        else:
+            for _ in range(count):
+                self.value(element, key, depth + 1)
+
+    def number(self, size: int, what: str) -> int:
+        """An unsigned integer of `size` bytes."""
+        start = self.skip(size, what)
+        return int.from_bytes(self.data[start : start + size], self.order)
+
+    def text(self, what: str) -> str:
+        """A string, as shown in an error: its first 100 bytes."""
+        length = self.number(8, what)
+        start = self.skip(length, what)
+        shown = self.data[start : start + min(length, 100)].decode("utf-8", "replace")
+        return shown + ("..." if length > 100 else "")
+
+    def skip(self, size: int, what: str) -> int:
+        """Where `size` bytes start, skipped; refused where they run past the file's end."""
+        self.fits(size, what)
+        start, self.at = self.at, self.at + size
+        return start
+
+    def fits(self, size: int, what: str) -> None:
+        if size > len(self.data) - self.at:
+            raise InputError(
+                f"--pretrained {self.path}: unreadable GGUF file ({what}: past the end of its "
+                f"{len(self.data):,} bytes; a truncated or crafted file)"
+            )
+
+    def hold(self, parts: int, what: str) -> None:
+        """`parts` more held by the reader, refused past what the memory check allows."""
+        self.parts += parts
+        if self.parts > self.budget:
+            check_memory(
+                self.parts * _READER_BYTES_PER_PART,
+                f"--pretrained {self.path}: {what}, read by the gguf package with what comes before "
+                f"(a numpy view of each element, about 1 KB), would hold",
+                "check the file (a real model's tokenizer holds a few hundred thousand entries), or read it on a "
+                "machine with more memory",
+            )
 
 
 # GGUF metadata value types (GGUFValueType names) of the keys that hold numbers

@@ -132,8 +132,9 @@ def add_columns(parser: argparse.ArgumentParser) -> None:
         "--user-ids",
         choices=USER_IDS,
         help="how string user ids are read: 'email' (each value's e-mail addresses are its users: display "
-        "names dropped, split at ',' and ';', stripped, lower-cased) or 'as-is'; by default an id that may "
-        "name a person under several ids (surrounding whitespace, 'Ann <ann@x>', 'a@x; b@y', 'ANN@X') is an error",
+        "names, comments and 'mailto:' dropped, split at ',', ';' and '|', lower-cased) or 'as-is'; by default an "
+        "id that may name a person under several ids (surrounding whitespace, or holding '@' and no plain "
+        "lower-case address: 'Ann <ann@x>', 'a@x; b@y', 'ANN@X', 'mailto:ann@x') is an error",
     )
 
 

@@ -2,8 +2,9 @@
 
 The contribution bound holds per user id: a person written as "ann@x" in one row and "Ann <ann@x>"
 in another is two users, and keeps up to K records under each. A string user id shows a sign of
-this (`SIGNS`) when it has surrounding whitespace, holds an address in angle brackets (a display
-name), holds several addresses, or is an address with upper-case letters. Reading records finds
+this (`SIGNS`) when it has surrounding whitespace, or holds an '@' (is an e-mail address) and is not
+a plain lower-case address: one in angle brackets (a display name), several addresses, an address
+with upper-case letters, or anything else around or inside one. Reading records finds
 them per value (`find_suspects`, vectorized over each users column), so every engine and every
 split of a file finds the same, and `record_reading.check_facts` refuses them over the whole
 input unless `--user-ids` says how to read the ids: `email` (each value's addresses become its
@@ -12,6 +13,8 @@ users: `email_users`) or `as-is`. `madp/core/verify.py` implements the same rule
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from email.utils import getaddresses
 from typing import NamedTuple
 
@@ -28,19 +31,31 @@ SEVERAL_ADDRESSES = "several_addresses"
 DISPLAY_NAME = "display_name"
 WHITESPACE = "surrounding_whitespace"
 UPPER_CASE = "upper_case"
+NOT_PLAIN = "not_a_plain_address"
 SIGNS = {
     SEVERAL_ADDRESSES: "several addresses in one value: ',' or ';' and two '@' or more",
     DISPLAY_NAME: "an address in angle brackets, as after a display name",
     WHITESPACE: "whitespace around the id",
     UPPER_CASE: "an address (one '@', no whitespace) with upper-case letters A-Z",
+    NOT_PLAIN: "an id holding '@' that is no plain lower-case address, as with a comment, a separator, inner "
+    "whitespace, 'mailto:', an invisible character, quotes or a trailing dot",
 }
 EXAMPLES = 3  # values a refusal shows per sign
 _ANGLE_ADDRESS = r"<[^<>]*@[^<>]*>"
-_MAY_SHOW_A_SIGN = "[A-Z<,;]"  # what every sign but whitespace needs
-# A bare ASCII address (dot-atom local part and domain): getaddresses finds it as it is, so
-# `email_users` takes it lower-cased without a parse.
-_ATEXT = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
-_BARE_ADDRESS = rf"^{_ATEXT}(\.{_ATEXT})*@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*$"
+
+
+def _address_pattern(letters: str) -> str:
+    """An address of dot-atoms of `letters` and RFC 5322's other atext characters, '|' left out (exports
+    separate addresses with it), at a domain of dot-separated labels of `letters`, digits and '-'."""
+    atom = f"[{letters}0-9!#$%&'*+/=?^_`{{}}~-]+"
+    label = f"[{letters}0-9-]+"
+    return rf"^{atom}(\.{atom})*@{label}(\.{label})*$"
+
+
+# A plain address: what shows no sign. A bare ASCII address (upper case too) is what `email_addresses`
+# finds as it is, so `email_users` takes it lower-cased without a parse.
+_PLAIN_ADDRESS = _address_pattern("a-z")
+_BARE_ADDRESS = _address_pattern("A-Za-z")
 
 
 class Suspect(NamedTuple):
@@ -63,12 +78,13 @@ class SuspectUserIds(NamedTuple):
 
 def signs(values: pa.Array) -> dict[str, np.ndarray]:
     """For each sign, whether each of `values` (string user ids, no nulls) shows it, vectorized: two
-    passes over every value, the rest over those that may show one. Whitespace is Unicode's, as
-    Python's str.isspace and str.strip take it."""
+    passes over every value, one over those holding '@', the rest over those that are not plain
+    addresses. Whitespace is Unicode's, as Python's str.isspace and str.strip take it."""
     whitespace = pc.not_equal(pc.utf8_trim_whitespace(values), values).to_numpy(zero_copy_only=False)
     found = {sign: np.zeros(len(values), dtype=bool) for sign in SIGNS}
     found[WHITESPACE] = whitespace
-    index = np.flatnonzero(_matches(values, _MAY_SHOW_A_SIGN))
+    index = np.flatnonzero(pc.match_substring(values, "@").to_numpy(zero_copy_only=False))
+    index = index[~_matches(values.take(pa.array(index)), _PLAIN_ADDRESS)]  # every other sign needs one of these
     if not len(index):
         return found
     candidates = values.take(pa.array(index))
@@ -77,6 +93,8 @@ def signs(values: pa.Array) -> dict[str, np.ndarray]:
     found[SEVERAL_ADDRESSES][index] = (at_signs >= 2) & _matches(candidates, "[,;]")
     found[DISPLAY_NAME][index] = _matches(candidates, _ANGLE_ADDRESS)
     found[UPPER_CASE][index] = (at_signs == 1) & ~has_whitespace & _matches(candidates, "[A-Z]")
+    shown = [found[sign][index] for sign in (SEVERAL_ADDRESSES, DISPLAY_NAME, WHITESPACE, UPPER_CASE)]
+    found[NOT_PLAIN][index] = ~np.logical_or.reduce(shown)
     return found
 
 
@@ -136,18 +154,46 @@ def refusal(suspects: list[SuspectUserIds]) -> str | None:
     return (
         "string user ids that may name one person under several ids, who would then keep up to K records "
         "under each: " + ", ".join(parts) + ". Read them with --user-ids email (each value's e-mail addresses "
-        "become its users: display names dropped, split at ',' and ';', stripped, lower-cased) or "
+        "become its users: display names, comments and 'mailto:' dropped, split at ',', ';' and '|', "
+        "lower-cased; a value no address can be read from is a bad_address) or "
         "--user-ids as-is (take every id as it is: you state that distinct ids are distinct people)"
     )
 
 
+_SEPARATORS = re.compile("[;|]")  # what exports separate addresses with, beside the ',' getaddresses splits at
+_PARSED_AS_WRITTEN = re.compile('[<>()"]')  # angle addresses, comments, quoted strings: getaddresses reads them
+_MAILTO = re.compile("mailto:", re.IGNORECASE | re.ASCII)
+_QUOTED_LOCAL_PART = re.compile(r'^"([^"\\]*)"@')
+# What an address read from a value must be, lower-cased: a plain address, whose letters may be any
+# printable non-ASCII character too (an internationalized address).
+_READ_ADDRESS = re.compile(_address_pattern("a-z\u0080-\U0010ffff"))
+
+
 def email_addresses(value: str) -> list[str]:
-    """The e-mail addresses one user value holds, as user ids: those `email.utils.getaddresses` finds
-    in it, split at ',' and at ';' too (display names, quotes and comments dropped), each stripped and
-    lower-cased, in order; parts without an '@' (a name's "Smith" in `Smith, Ann <ann@x>`) are no
-    address. A repeat stays, for the reading to remove and count as any repeated user."""
-    found = (address.strip().lower() for _, address in getaddresses(value.split(";")))
-    return [address for address in found if "@" in address]
+    """The e-mail addresses one user value holds, as user ids, in order; none where an address in it
+    cannot be read. The value in NFKC form, without format characters (Unicode's Cf: zero-width spaces,
+    byte order marks) and 'mailto:', split at ';' and '|', and at whitespace too where it holds no angle
+    bracket, parenthesis or quote; then what `email.utils.getaddresses` finds in it (it splits at ','
+    and drops display names, quotes and comments), each address stripped and lower-cased, a quoted local
+    part of a dot-atom unquoted and a final '.' (the DNS root) dropped. Parts without an '@' (a name's
+    "Smith" in `Smith, Ann <ann@x>`) are no address; an address that is then no plain address (a
+    letter of it may be any printable non-ASCII character) makes the whole value hold none. A repeat
+    stays, for the reading to remove and count as any repeated user."""
+    text = "".join(c for c in unicodedata.normalize("NFKC", value) if unicodedata.category(c) != "Cf")
+    text = _MAILTO.sub("", text)
+    parts = _SEPARATORS.split(text)
+    if not _PARSED_AS_WRITTEN.search(text):
+        parts = [word for part in parts for word in part.split()]
+    found = []
+    for _, address in getaddresses(parts):
+        address = address.strip().lower()
+        if "@" not in address:
+            continue
+        address = _QUOTED_LOCAL_PART.sub(r"\1@", address).removesuffix(".")
+        if not (_READ_ADDRESS.fullmatch(address) and address.isprintable()):
+            return []
+        found.append(address)
+    return found
 
 
 def email_users(users: pa.ListArray) -> tuple[pa.ListArray, np.ndarray]:

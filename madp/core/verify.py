@@ -21,6 +21,7 @@ import json
 import os
 import re
 import struct
+import unicodedata
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -118,14 +119,27 @@ _SIGNS = {
     "display_name": "an address in angle brackets",
     "surrounding_whitespace": "whitespace around the id",
     "upper_case": "an address with upper-case letters",
+    "not_a_plain_address": "an id holding '@' that is no plain lower-case address",
 }
 _ANGLE_ADDRESS = re.compile(r"<[^<>]*@[^<>]*>")
 _UPPER = re.compile(r"[A-Z]")
+# RFC 5322's atext but '|', and a domain's label, of ASCII letters `letters` (a plain address's are
+# lower case), or with `letters` any printable non-ASCII character too (an address read under email).
+_ATOM = "[{letters}0-9!#$%&'*+/=?^_`{{}}~-]+"
+_LABEL = "[{letters}0-9-]+"
+_ADDRESS = r"{atom}(?:\.{atom})*@{label}(?:\.{label})*"
+_PLAIN = re.compile(_ADDRESS.format(atom=_ATOM.format(letters="a-z"), label=_LABEL.format(letters="a-z")))
+_INTERNATIONAL = "a-z\u0080-\U0010ffff"
+_READ = re.compile(
+    _ADDRESS.format(atom=_ATOM.format(letters=_INTERNATIONAL), label=_LABEL.format(letters=_INTERNATIONAL))
+)
 
 
 def _signs_of(user: str) -> list[str]:
     """The signs a string user id shows: ',' or ';' with two '@' or more; an address in angle brackets;
-    whitespace (str.isspace's) around it; one '@', no whitespace and an upper-case letter A-Z."""
+    whitespace (str.isspace's) around it; one '@', no whitespace and an upper-case letter A-Z; an '@'
+    in an id that shows none of those and is not a plain address (lower-case dot-atoms but '|' at a
+    domain of lower-case labels)."""
     at_signs = user.count("@")
     shown = {
         "several_addresses": at_signs >= 2 and ("," in user or ";" in user),
@@ -133,14 +147,33 @@ def _signs_of(user: str) -> list[str]:
         "surrounding_whitespace": user != user.strip(),
         "upper_case": at_signs == 1 and not any(c.isspace() for c in user) and bool(_UPPER.search(user)),
     }
+    shown["not_a_plain_address"] = at_signs > 0 and not any(shown.values()) and not _PLAIN.fullmatch(user)
     return [sign for sign, found in shown.items() if found]
 
 
 def _addresses(user: str) -> list[str]:
-    """The e-mail addresses a user value holds (--user-ids email): email.utils.getaddresses over the
-    value split at ';' (it splits at ',' itself), each address stripped and lower-cased, those with an '@'."""
-    found = [address.strip().lower() for _, address in getaddresses(user.split(";"))]
-    return [address for address in found if "@" in address]
+    """The e-mail addresses a user value holds (--user-ids email), or none where one cannot be read: in
+    the value's NFKC form, without Cf characters and 'mailto:' (any case), split at ';' and '|' (and at
+    whitespace unless it holds one of <>()"), email.utils.getaddresses' addresses holding an '@', each
+    stripped, lower-cased, unquoted ('"ann"@x' is ann@x) and without a final '.'; each must then be a
+    plain address (non-ASCII letters allowed)."""
+    text = "".join(c for c in unicodedata.normalize("NFKC", user) if unicodedata.category(c) != "Cf")
+    text = re.sub("(?ai)mailto:", "", text)
+    parts = re.split("[;|]", text)
+    if not any(c in text for c in '<>()"'):
+        parts = [word for part in parts for word in part.split()]
+    read = []
+    for _, found in getaddresses(parts):
+        address = found.strip().lower()
+        if "@" in address:
+            local, _, domain = address.rpartition("@")
+            if len(local) > 1 and local[0] == local[-1] == '"':
+                local = local[1:-1]
+            address = f"{local}@{domain[:-1] if domain.endswith('.') else domain}"
+            if not (_READ.fullmatch(address) and address.isprintable()):
+                return []
+            read.append(address)
+    return read
 
 
 class _Suspects:
