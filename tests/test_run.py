@@ -219,6 +219,18 @@ def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp
     err = capsys.readouterr().err
     assert "holds a checkpoint of an interrupted training" in err and "train.resume: true" in err
     assert json.load(open(state))["step"] == 10
+    batches, bound = snapshot(tmp_path / "run" / "batches"), snapshot(tmp_path / "run" / "bound")
+    for change, stage in (
+        (["--set", "batch.steps=31"], "batch"),  # fresh batches (a fresh key): the checkpoint's plan no more
+        (["--set", "bound.max_contributions=3"], "bound"),
+        (["--force"], "generate"),
+    ):
+        assert main(["-q", "run", config, "--set", "train.resume=true", *change]) == 2
+        err = capsys.readouterr().err
+        assert f"stage {stage} would run again" in err and "holds the checkpoint of an interrupted training" in err
+        assert "resume it (train.resume: true)" in err and "move" in err
+        assert snapshot(tmp_path / "run" / "batches") == batches and snapshot(tmp_path / "run" / "bound") == bound
+        assert json.load(open(state))["step"] == 10
     resumed = run(capsys, config, "--set", "train.resume=true")
     assert statuses(resumed)["train"] == "ran"
     metrics = json.load(open(tmp_path / "run" / "train" / "metrics.json"))

@@ -453,6 +453,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         if replaced:  # the first step ran: the earlier training goes now, before anything of this one is written
             storage.remove_written(output, replaced)
             replaced = []
+            internal_path(output)  # its NOTICE again, removed with the earlier training's internal files
         if schedule != "constant" and logs:  # public: the schedule's value
             writer.scalar("train/learning_rate", rate, done)
         if internal is not None:
