@@ -12,6 +12,7 @@ the runner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -317,8 +318,9 @@ def run_beam(
         summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
         if options.on_invalid == "error":
             handle_rejects(summary.rejects, "error", output)
-    except InputError:
-        storage.clear_directory(work)
+    except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
+        with contextlib.suppress(OSError):
+            storage.clear_directory(work)
         raise
     batch_report.prepare_output(output)
     shards = options.output_shards

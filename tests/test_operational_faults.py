@@ -55,7 +55,8 @@ def environment() -> dict:
 # --- a full file system ---------------------------------------------------------------------------
 
 # In the namespace: mount a tmpfs of argv[2] bytes at argv[1], run each madp command of argv[3] (or
-# "grow": remount the tmpfs at 64 MiB, as a user freeing space), and print what each left there.
+# "grow": remount the tmpfs at 64 MiB, as a user freeing space; "fill": write DISK/.filler until it is
+# full), and print what each left there.
 SMALL_DISK = """
 import json, os, subprocess, sys
 disk, size, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -65,6 +66,14 @@ for step in steps:
     if step == "grow":
         subprocess.run(["mount", "-o", "remount,size=64m", disk], check=True)
         continue
+    if step == "fill":
+        try:
+            with open(os.path.join(disk, ".filler"), "wb") as filler:
+                while True:
+                    filler.write(bytes(4096))
+                    filler.flush()
+        except OSError:
+            continue
     done = subprocess.run([sys.executable, "-m", "madp.cli", "-q", *step], capture_output=True, text=True)
     left = sorted(os.path.relpath(os.path.join(root, name), disk) for root, _, names in os.walk(disk) for name in names)
     results.append({"code": done.returncode, "err": done.stderr, "out": done.stdout, "left": left})
@@ -77,7 +86,7 @@ def on_a_small_disk(disk, size: str, *steps) -> list[dict]:
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1): a real full file system needs a mount namespace")
     os.makedirs(disk, exist_ok=True)
-    steps_json = json.dumps([step if step == "grow" else list(map(str, step)) for step in steps])
+    steps_json = json.dumps([step if step in ("grow", "fill") else list(map(str, step)) for step in steps])
     done = subprocess.run(
         ["unshare", "--mount", "--map-root-user", sys.executable, "-c", SMALL_DISK, str(disk), size, steps_json],
         capture_output=True,
@@ -119,6 +128,20 @@ def test_a_full_disk_under_a_beam_job_is_one_line_and_no_output_passes_for_finis
     assert "run the command again" in line
     assert "out/report.json" not in result["left"] and "out/.madp.lock" not in result["left"], result["left"]
     assert not [name for name in result["left"] if name.endswith((".parquet", ".tfrecord"))], result["left"]
+
+
+def test_a_full_disk_while_taking_a_lock_leaves_no_lock(tmp_path):
+    """The lock's holder was written after the lock file was created: on a full disk an empty .madp.lock
+    stayed, and every later run was refused as "being written by another madp process (an unknown
+    process)"; the message named OUTPUT, not the file that could not be written."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    disk = tmp_path / "disk"
+    bound = ["bound", data, disk / "out", "-k", "2", "--runner", "local"]
+    full, freed = on_a_small_disk(disk, "64k", "fill", bound, "grow", bound)
+    assert_one_full_disk_line(full, "bound", str(disk / "out" / ".madp.lock"))
+    assert full["left"] == [".filler"], full["left"]
+    assert freed["code"] == 0, freed["err"]
+    assert "out/report.json" in freed["left"] and "out/.madp.lock" not in freed["left"]
 
 
 def test_a_full_disk_under_generate_leaves_no_truncated_dataset(tmp_path):

@@ -302,7 +302,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
             return _train(batches, output, options, started)
     except (OSError, tf.errors.OpError) as error:
-        full = storage.disk_full(output, error)
+        full = storage.disk_full(getattr(error, "filename", None) or output, error)  # the file, where it is known
         if full is None:
             raise
         raise full from error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -544,16 +545,52 @@ def _take_local(output: str, lock: str, holder: str) -> None:
     os.makedirs(output, exist_ok=True)
     for _ in range(2):
         try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create_whole(lock, holder)
         except FileExistsError:
             if not _stale(lock):
                 raise OutputLocked(_held(lock)) from None
             os.remove(lock)  # its process died (a killed run): the output is ours to redo
             continue
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(holder)
         return
     raise OutputLocked(_held(lock))
+
+
+def _create_whole(path: str, text: str) -> None:
+    """Create the local file `path` holding `text`, or raise FileExistsError where it exists, so that a lock
+    file always names its holder: `text` is written to a file of its own, which is then linked to `path` (a
+    link fails where the name exists). A write that fails (a full disk: a `DiskFull` naming `path`) leaves
+    no file."""
+    written = f"{path}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}"
+    try:
+        _write_new(written, text)
+        try:
+            os.link(written, path)
+        except OSError as error:
+            if error.errno not in _NO_HARD_LINKS:
+                raise
+            _write_new(path, text)  # a file system without hard links: created exclusively, then written
+    except OSError as error:
+        full = disk_full(path, error)
+        if full is None:
+            raise
+        raise full from error
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(written)
+
+
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)  # what os.link raises where links are unsupported
+
+
+def _write_new(path: str, text: str) -> None:
+    """Create `path` (FileExistsError where it exists) holding `text`; a write that fails removes it."""
+    with open(path, "x", encoding="utf-8") as handle:
+        try:
+            handle.write(text)
+            handle.flush()
+        except BaseException:
+            os.remove(path)
+            raise
 
 
 def _stale(lock: str) -> bool:
