@@ -374,3 +374,96 @@ def test_ctrl_c_during_madp_run_keeps_the_finished_stages(tmp_path, capsys, monk
         "batch": "ran",
         "verify-batches": "ran",
     }
+
+
+# argv[1]: when the Ctrl-Cs come; the rest, a madp command whose bound is interrupted. "ended": one Ctrl-C once
+# the command has ended, while the process waits for a thread of it (as Beam's and TensorFlow's outlive a
+# command); "twice": a first one as it bounds, a second once it has ended; "cleanup": a first one as it bounds,
+# a second as its clean-up releases the output's lock.
+LATE_CTRL_C = """
+import os, signal, sys, threading, time
+from madp import cli
+from madp.core import storage
+from madp.engines import local_engine
+when, ended = sys.argv.pop(1), threading.Event()
+bound_records, remove_file = local_engine.bound_records, storage.remove_file
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+def outliving():
+    ended.wait()
+    ctrl_c()
+    time.sleep(10)
+def bounded(*args, **kwargs):
+    if when != "cleanup":
+        threading.Thread(target=outliving).start()
+    if when != "ended":
+        ctrl_c()
+    return bound_records(*args, **kwargs)
+def removed(path):
+    if when == "cleanup" and path.endswith(".madp.lock"):
+        ctrl_c()
+    remove_file(path)
+local_engine.bound_records, storage.remove_file = bounded, removed
+code = cli.main()
+ended.set()
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("when", ["ended", "twice", "cleanup"])
+def test_a_second_ctrl_c_or_one_after_the_end_is_no_traceback(tmp_path, when):
+    """A Ctrl-C while the process waits for the threads of a command that has ended (a second one after the
+    first stopped it, or one at the very end of a finished command) was a KeyboardInterrupt traceback, or an
+    exit by the signal with no line; a second one during the first one's clean-up ends the process at once.
+    Either way: the command's exit status and its one line, no traceback; a lock the clean-up had no time to
+    remove is a killed process's, which the next run takes over."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    output = tmp_path / "out"
+    command = ["-q", "bound", data, str(output), "-k", "2", "--runner", "local"]
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_CTRL_C, when, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=environment(),
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    if when == "ended":
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["selected_records"] == 100 and (output / "report.json").exists()
+        assert not (output / ".madp.lock").exists()
+        return
+    assert done.returncode == 130, done.stderr
+    assert madp_lines(done.stderr, "bound") == [
+        f"madp bound: interrupted: {output} is unfinished (no report.json, which is written last, so no madp "
+        f"command reads it): run the command again"
+    ]
+    assert not (output / "report.json").exists()
+    assert (output / ".madp.lock").exists() == (when == "cleanup")
+    again = subprocess.run(
+        [sys.executable, "-m", "madp.cli", *command], capture_output=True, text=True, cwd=ROOT, env=environment()
+    )
+    assert again.returncode == 0, again.stderr
+    assert (output / "report.json").exists() and not (output / ".madp.lock").exists()
+
+
+@pytest.mark.beam
+def test_a_ctrl_c_met_in_a_beam_step_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """The DirectRunner runs a step in this process, and re-raised the Ctrl-C it met there as a RuntimeError of
+    its own: a traceback, not madp's line."""
+    from madp.beam import bound
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bound, "_write_shard", interrupted)
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    output = tmp_path / "out"
+    code, err = cli(capsys, "bound", data, output, "-k", "2", *BEAM)
+    assert code == 130 and "Traceback" not in err, err
+    assert madp_lines(err, "bound") == [
+        f"madp bound: interrupted: {output} is unfinished (no report.json, which is written last, so no madp "
+        f"command reads it): run the command again"
+    ]
+    assert not (output / ".madp.lock").exists()

@@ -340,8 +340,8 @@ def exclusive(output: str, command: str, keeps_content: bool = False):
     folder of a running `madp run`) is refused too, and so is one that a reader of another process is
     reading (`reading`: a training on batches). `keeps_content`: the holder changes nothing that readers
     read (the trainings ledger of batches, which no reader's data includes), so readers go on meanwhile.
-    Local directories lock atomically (O_EXCL); a lock left by
-    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
+    Local directories lock atomically, the lock created whole with its holder (`_create_whole`); a lock
+    left by a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
     it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
     one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
     if kind(output) == "file":
