@@ -12,6 +12,7 @@ the runner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -218,10 +219,10 @@ class WriteBatchFiles(beam.PTransform):
 
 
 class BatchPipeline(beam.PTransform):
-    """Read DATA and the selection, sample (MinSepSample), write the batch files, and write the run's
-    summary (`BatchSummary`, JSON) to `summary` through FileSystems. With `bound` (the selection's
-    `batching.bound_graph`), DATA must be the graph it was bounded from. With `errors_dir`, an
-    InputError a step meets is kept there for the driver (`pipeline.run`)."""
+    """Read DATA and the selection, sample (MinSepSample), write the batch files (into `staged`, where given,
+    else into `output`, which errors name), and write the run's summary (`BatchSummary`, JSON) to `summary`
+    through FileSystems. With `bound` (the selection's `batching.bound_graph`), DATA must be the graph it was
+    bounded from. With `errors_dir`, an InputError a step meets is kept there for the driver (`pipeline.run`)."""
 
     def __init__(
         self,
@@ -235,11 +236,12 @@ class BatchPipeline(beam.PTransform):
         summary: str,
         bound: batching.BoundGraph | None = None,
         errors_dir: str | None = None,
+        staged: str | None = None,
     ):
         super().__init__()
         self.data_files, self.selection, self.data, self.output = data_files, selection, data, output
         self.content, self.options, self.partitions, self.summary = content, options, partitions, summary
-        self.bound, self.errors_dir = bound, errors_dir
+        self.bound, self.errors_dir, self.staged = bound, errors_dir, staged or output
 
     def expand(self, pbegin):
         partitions, errors_dir = self.partitions, self.errors_dir
@@ -258,7 +260,7 @@ class BatchPipeline(beam.PTransform):
             self.options, partitions, read_rejects, self.data, self.output, self.bound, errors_dir
         )
         written = sampled.rows | "WriteBatchFiles" >> WriteBatchFiles(
-            self.output, self.options, partitions, sampled.content
+            self.staged, self.options, partitions, sampled.content
         )
         rejects = (
             (read_rejects, sampled.rejects)
@@ -300,21 +302,31 @@ def run_beam(
     bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
-    batch_report.prepare_output(output)
+    batch_report.refuse_losing_trainings(output)
     run_dir = storage.join(work, uuid.uuid4().hex[:12])
     errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
+    # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the
+    # batch files under _work/, and they take the earlier batches' place once it has passed (its failure
+    # leaves the earlier batches, made with a secret key that is gone, as they were).
+    staged = storage.join(run_dir, "batches")
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "Batch" >> BatchPipeline(
-        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir
+        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir, staged
     )
     try:
         counters = run(pipeline, NAMESPACE, errors_dir, output)
         summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
-        handle_rejects(summary.rejects, options.on_invalid, output)
-    except InputError:
-        batch_report.prepare_output(output)  # no batch file outlives an error
-        storage.clear_directory(work)
+        if options.on_invalid == "error":
+            handle_rejects(summary.rejects, "error", output)
+    except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
+        with contextlib.suppress(OSError):
+            storage.clear_directory(work)
         raise
+    batch_report.prepare_output(output)
+    shards = options.output_shards
+    for file in range(shards):
+        files.move(batch_files.batch_file_path(staged, file, shards), batch_files.batch_file_path(output, file, shards))
+    handle_rejects(summary.rejects, options.on_invalid, output)  # skipped rows: OUTPUT/rejected/
     probability = summary.probability
     log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
     sizes, counts = histogram_arrays(summary.histogram)

@@ -31,8 +31,8 @@ from madp.beam.pipeline import (
     run,
 )
 from madp.beam.record_chunks import ReadRecords, RecordPartitions
+from madp.core import record_reading, storage
 from madp.core import records as rec
-from madp.core import storage
 from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
@@ -211,6 +211,12 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     started = time.perf_counter()
     input_files = rec.list_input_files(input_path)
     capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None
+    # Before the earlier selection goes: the first input file's record columns and, against the capacities,
+    # its user ids' type. What the pipeline meets in reading all of it (an invalid row, another file's
+    # columns or types) stops the run with no selection, so that none of an earlier input outlives it.
+    users = record_reading.leading_facts(input_files[0], options.columns).user_type
+    if capacities is not None and users is not None:
+        capacities.typed_as(users)
     work = storage.join(output, WORK_DIR)
     storage.clear_directory(work)
     prepare_output(output)

@@ -21,13 +21,18 @@ def write_whole(path: str, write: Callable[[Any], object]) -> None:
     try:
         with FileSystems.create(temporary, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
             write(handle)
-        if FileSystems.exists(path):
-            FileSystems.delete([path])  # object stores do not rename over an existing object
-        FileSystems.rename([temporary], [path])
+        move(temporary, path)
     except BaseException:
         if FileSystems.exists(temporary):
             FileSystems.delete([temporary])
         raise
+
+
+def move(source: str, target: str) -> None:
+    """Put the file `source` in place of `target` (a rename; on object stores a copy, then a delete)."""
+    if FileSystems.exists(target):
+        FileSystems.delete([target])  # object stores do not rename over an existing object
+    FileSystems.rename([source], [target])
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -270,6 +270,8 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str, output: str | 
         result = pipeline.run()
         result.wait_until_finish()
     except Exception as error:
+        if _interrupted(error):  # Ctrl-C in a step run in this process, which the runner re-raises as its own error
+            raise KeyboardInterrupt from error
         messages = sorted(files.read_bytes(path).decode() for path in files.files_under(errors_dir))
         if messages:
             raise InputError(messages[0]) from error
@@ -284,6 +286,18 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str, output: str | 
     except NotImplementedError:  # a runner that keeps no metrics (Beam's DaskRunner)
         return {}
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt caused `error` (Beam re-raises one met in a step as a RuntimeError)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def stat(name: str, value: int) -> beam.pvalue.TaggedOutput:

@@ -7,7 +7,10 @@ import argparse
 import contextlib
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 
 from madp.commands import accounting, batching, bounding, data, report, training
 from madp.commands.registry import Family, Parser, build_parser, read_paths, seed_argument, written_directory
@@ -126,9 +129,60 @@ def _after_stop(args: argparse.Namespace) -> str:
     return "run the command again"
 
 
+class _Stop:
+    """Ctrl-C while madp runs. The first stops the command: a KeyboardInterrupt, after whose clean-up (locks
+    released, temporaries and staged files removed, a Beam job's workers stopped) madp prints one line and
+    exits 130. A later one, during that clean-up or once the command has ended (while Beam's or TensorFlow's
+    threads finish, which an interrupted Beam job can leave waiting for ever), ends the process at once: the
+    line, if not printed yet, and the command's exit status (130 when interrupted), never a traceback. What
+    the clean-up had left to do is what a killed process leaves, which madp handles: a dead process's lock is
+    taken over, temporaries and staged files are never read and go at the next run."""
+
+    def __init__(self) -> None:
+        self.args: argparse.Namespace | None = None  # the command, once parsed
+        self.interrupted = False
+        self.said = False  # the interrupted command's line printed
+        self.code: int | None = None  # the command's exit status, once it has ended
+
+    def __call__(self, signum, frame) -> None:
+        if not self.interrupted and self.code is None:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        if self.interrupted and not self.said and self.args is not None:
+            self.say()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if self.code is None else self.code)
+
+    def say(self) -> None:
+        assert self.args is not None
+        print(f"madp {self.args.command}: interrupted: {_after_stop(self.args)}", file=sys.stderr)
+        self.said = True
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The madp command line (`argv`: the program's own when None), Ctrl-C answered by `_Stop`; on the
+    program's own command line, `_Stop` stays SIGINT's handler to the process's exit, and a caller's own
+    handler is restored."""
+    stop = _Stop()
+    # Not where SIGINT is ignored (a background job of a script) or its handler is not Python's
+    answered = signal.getsignal(signal.SIGINT) not in (None, signal.SIG_IGN)
+    ours = threading.current_thread() is threading.main_thread() and answered
+    previous = signal.signal(signal.SIGINT, stop) if ours else None
+    try:
+        stop.code = _main(argv, stop)
+        return stop.code
+    finally:
+        if stop.code is None:  # a traceback: its status
+            stop.code = 1
+        if ours and argv is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None, stop: _Stop) -> int:
     madp = parser()
     args, unknown = madp.parse_known_args(argv)
+    stop.args = args
     if unknown and not madp.takes_beam_options(args.command):
         madp.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
@@ -151,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
     except KeyboardInterrupt:
-        print(f"madp {args.command}: interrupted: {_after_stop(args)}", file=sys.stderr)
+        stop.say()
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
     except CheckFailed as error:
         print(json.dumps(error.result, indent=2, sort_keys=True, default=str))

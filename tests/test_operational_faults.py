@@ -55,7 +55,8 @@ def environment() -> dict:
 # --- a full file system ---------------------------------------------------------------------------
 
 # In the namespace: mount a tmpfs of argv[2] bytes at argv[1], run each madp command of argv[3] (or
-# "grow": remount the tmpfs at 64 MiB, as a user freeing space), and print what each left there.
+# "grow": remount the tmpfs at 64 MiB, as a user freeing space; "fill": write DISK/.filler until it is
+# full), and print what each left there.
 SMALL_DISK = """
 import json, os, subprocess, sys
 disk, size, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -65,6 +66,14 @@ for step in steps:
     if step == "grow":
         subprocess.run(["mount", "-o", "remount,size=64m", disk], check=True)
         continue
+    if step == "fill":
+        try:
+            with open(os.path.join(disk, ".filler"), "wb") as filler:
+                while True:
+                    filler.write(bytes(4096))
+                    filler.flush()
+        except OSError:
+            continue
     done = subprocess.run([sys.executable, "-m", "madp.cli", "-q", *step], capture_output=True, text=True)
     left = sorted(os.path.relpath(os.path.join(root, name), disk) for root, _, names in os.walk(disk) for name in names)
     results.append({"code": done.returncode, "err": done.stderr, "out": done.stdout, "left": left})
@@ -77,7 +86,7 @@ def on_a_small_disk(disk, size: str, *steps) -> list[dict]:
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1): a real full file system needs a mount namespace")
     os.makedirs(disk, exist_ok=True)
-    steps_json = json.dumps([step if step == "grow" else list(map(str, step)) for step in steps])
+    steps_json = json.dumps([step if step in ("grow", "fill") else list(map(str, step)) for step in steps])
     done = subprocess.run(
         ["unshare", "--mount", "--map-root-user", sys.executable, "-c", SMALL_DISK, str(disk), size, steps_json],
         capture_output=True,
@@ -119,6 +128,20 @@ def test_a_full_disk_under_a_beam_job_is_one_line_and_no_output_passes_for_finis
     assert "run the command again" in line
     assert "out/report.json" not in result["left"] and "out/.madp.lock" not in result["left"], result["left"]
     assert not [name for name in result["left"] if name.endswith((".parquet", ".tfrecord"))], result["left"]
+
+
+def test_a_full_disk_while_taking_a_lock_leaves_no_lock(tmp_path):
+    """The lock's holder was written after the lock file was created: on a full disk an empty .madp.lock
+    stayed, and every later run was refused as "being written by another madp process (an unknown
+    process)"; the message named OUTPUT, not the file that could not be written."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    disk = tmp_path / "disk"
+    bound = ["bound", data, disk / "out", "-k", "2", "--runner", "local"]
+    full, freed = on_a_small_disk(disk, "64k", "fill", bound, "grow", bound)
+    assert_one_full_disk_line(full, "bound", str(disk / "out" / ".madp.lock"))
+    assert full["left"] == [".filler"], full["left"]
+    assert freed["code"] == 0, freed["err"]
+    assert "out/report.json" in freed["left"] and "out/.madp.lock" not in freed["left"]
 
 
 def test_a_full_disk_under_generate_leaves_no_truncated_dataset(tmp_path):
@@ -351,3 +374,96 @@ def test_ctrl_c_during_madp_run_keeps_the_finished_stages(tmp_path, capsys, monk
         "batch": "ran",
         "verify-batches": "ran",
     }
+
+
+# argv[1]: when the Ctrl-Cs come; the rest, a madp command whose bound is interrupted. "ended": one Ctrl-C once
+# the command has ended, while the process waits for a thread of it (as Beam's and TensorFlow's outlive a
+# command); "twice": a first one as it bounds, a second once it has ended; "cleanup": a first one as it bounds,
+# a second as its clean-up releases the output's lock.
+LATE_CTRL_C = """
+import os, signal, sys, threading, time
+from madp import cli
+from madp.core import storage
+from madp.engines import local_engine
+when, ended = sys.argv.pop(1), threading.Event()
+bound_records, remove_file = local_engine.bound_records, storage.remove_file
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+def outliving():
+    ended.wait()
+    ctrl_c()
+    time.sleep(10)
+def bounded(*args, **kwargs):
+    if when != "cleanup":
+        threading.Thread(target=outliving).start()
+    if when != "ended":
+        ctrl_c()
+    return bound_records(*args, **kwargs)
+def removed(path):
+    if when == "cleanup" and path.endswith(".madp.lock"):
+        ctrl_c()
+    remove_file(path)
+local_engine.bound_records, storage.remove_file = bounded, removed
+code = cli.main()
+ended.set()
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("when", ["ended", "twice", "cleanup"])
+def test_a_second_ctrl_c_or_one_after_the_end_is_no_traceback(tmp_path, when):
+    """A Ctrl-C while the process waits for the threads of a command that has ended (a second one after the
+    first stopped it, or one at the very end of a finished command) was a KeyboardInterrupt traceback, or an
+    exit by the signal with no line; a second one during the first one's clean-up ends the process at once.
+    Either way: the command's exit status and its one line, no traceback; a lock the clean-up had no time to
+    remove is a killed process's, which the next run takes over."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    output = tmp_path / "out"
+    command = ["-q", "bound", data, str(output), "-k", "2", "--runner", "local"]
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_CTRL_C, when, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=environment(),
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    if when == "ended":
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["selected_records"] == 100 and (output / "report.json").exists()
+        assert not (output / ".madp.lock").exists()
+        return
+    assert done.returncode == 130, done.stderr
+    assert madp_lines(done.stderr, "bound") == [
+        f"madp bound: interrupted: {output} is unfinished (no report.json, which is written last, so no madp "
+        f"command reads it): run the command again"
+    ]
+    assert not (output / "report.json").exists()
+    assert (output / ".madp.lock").exists() == (when == "cleanup")
+    again = subprocess.run(
+        [sys.executable, "-m", "madp.cli", *command], capture_output=True, text=True, cwd=ROOT, env=environment()
+    )
+    assert again.returncode == 0, again.stderr
+    assert (output / "report.json").exists() and not (output / ".madp.lock").exists()
+
+
+@pytest.mark.beam
+def test_a_ctrl_c_met_in_a_beam_step_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """The DirectRunner runs a step in this process, and re-raised the Ctrl-C it met there as a RuntimeError of
+    its own: a traceback, not madp's line."""
+    from madp.beam import bound
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bound, "_write_shard", interrupted)
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    output = tmp_path / "out"
+    code, err = cli(capsys, "bound", data, output, "-k", "2", *BEAM)
+    assert code == 130 and "Traceback" not in err, err
+    assert madp_lines(err, "bound") == [
+        f"madp bound: interrupted: {output} is unfinished (no report.json, which is written last, so no madp "
+        f"command reads it): run the command again"
+    ]
+    assert not (output / ".madp.lock").exists()

@@ -127,6 +127,82 @@ def test_a_failed_rerun_leaves_no_selection(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])
+def test_a_bound_refused_by_its_checks_leaves_the_earlier_selection(tmp_path, capsys, runner):
+    """Capacities whose user ids are strings against integer users, a users column the input lacks: checked
+    before the earlier selection and report are replaced, so they stay as they were."""
+    data = write_records(str(tmp_path / "records.jsonl"), rows(100))
+    output = tmp_path / "bound"
+    command = ["-q", "bound", data, str(output), "-k", "2", "--runner", runner]
+    assert main(command) == 0
+    capsys.readouterr()
+    finished = snapshot(output)
+    assert "report.json" in finished
+    capacities = tmp_path / "capacities.jsonl"
+    capacities.write_text('{"user": "5", "capacity": 3}\n')
+    for change, message in (
+        (["--capacities", str(capacities)], "capacities file has string user ids but the input's user ids are int64"),
+        (["--users-column", "nosuch"], "no column ['nosuch'] in any row"),
+    ):
+        assert main([*command, *change]) == 2
+        assert message in capsys.readouterr().err
+        assert {name: kept for name, kept in snapshot(output).items() if not name.startswith("_work")} == finished
+
+
+@pytest.mark.tf
+def test_a_rerun_never_removes_the_trainings_ledger(tmp_path, capsys):
+    """The selection's trainings ledger outlives every re-run of the bound stage: one refused by its checks
+    (the selection stays too), and one that meets an invalid row (which leaves no selection)."""
+    pytest.importorskip("tensorflow")
+    extra = {  # the greedy sampler: madp run's check of the plan on the graph (which reads capacities) is not run
+        "batch": {"steps": 10, "batch_size": 40, "min_sep": 2, "sampler": "minsep-greedy", "runner": "local"},
+        "calibrate": {"epsilon": 4, "delta": 1e-5, "bands": 2},
+        "train": {"model": "logreg", "eval_every": 10},
+    }
+    code, _, _ = run_job(tmp_path, capsys, extra)
+    bound = tmp_path / "run" / "bound"
+    assert code == 0 and (bound / "trainings.jsonl").exists()
+    finished = snapshot(bound)
+    capacities = tmp_path / "capacities.jsonl"
+    capacities.write_text('{"user": "5", "capacity": 3}\n')
+    extra["bound"] = {"max_contributions": 2, "runner": "local", "capacities": str(capacities)}
+    code, _, err = run_job(tmp_path, capsys, extra)
+    assert code == 2 and "capacities file has string user ids" in err
+    assert snapshot(bound) == finished
+    with open(tmp_path / "records.jsonl", "a") as handle:
+        handle.write('{"id": 5000, "users": []}\n')  # invalid: the re-run stops
+    code, _, err = run_job(tmp_path, capsys)
+    assert code == 2 and "invalid input rows" in err
+    assert not (bound / "report.json").exists() and not os.listdir(bound / "selected")
+    assert (bound / "trainings.jsonl").read_bytes() == finished["trainings.jsonl"]
+
+
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file below a directory (by its path there) and its bytes."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+        for root, _, files in os.walk(directory)
+        for name in files
+    }
+
+
+@pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])
+def test_a_batching_that_fails_its_checks_leaves_the_earlier_batches(tmp_path, capsys, runner):
+    """Batches are made with a secret key that is gone once written: a re-run refused by a check (a content
+    column DATA lacks, which the pipeline finds on Beam) leaves them, their report and schema as they were."""
+    data = write_records(str(tmp_path / "records.jsonl"), rows(400))
+    bound, batches = str(tmp_path / "bound"), tmp_path / "batches"
+    assert main(["-q", "bound", data, bound, "-k", "2", "--runner", "local"]) == 0
+    command = ["-q", "batch", bound, data, str(batches), "--steps", "10", "--batch-size", "40", "--runner", runner]
+    assert main(command) == 0
+    capsys.readouterr()
+    finished = snapshot(batches)
+    assert "report.json" in finished and any(name.endswith(".tfrecord") for name in finished)
+    assert main([*command, "--content-columns", "features,label,nosuch"]) == 2
+    assert "'nosuch'" in capsys.readouterr().err
+    assert {name: kept for name, kept in snapshot(batches).items() if not name.startswith("_work")} == finished
+
+
 def test_a_fixed_sigma_whose_truncation_eats_delta_is_refused(tmp_path, capsys):
     extra = {
         "batch": {"steps": 50, "batch_size": 40, "max_batch_size": 41, "runner": "local"},

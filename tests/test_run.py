@@ -176,6 +176,37 @@ def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path
     assert len(os.listdir(train / "logs")) == 1  # the earlier training's events replaced, not mixed in
 
 
+SCALAR_LOSS = """
+from madp.training import load_tensorflow
+tf = load_tensorflow()
+import tf_keras
+def build(schema):
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(schema.input_dim,))])
+    bce = tf_keras.losses.BinaryCrossentropy(from_logits=True)  # reduces the batch to one number
+    return model, lambda y, logits: bce(tf.cast(y[:, None], tf.float32), logits)
+"""
+
+
+def test_a_new_training_that_cannot_start_leaves_the_finished_one_in_place(tmp_path, capsys):
+    """A changed model whose loss is not per row fails at its first step (when the step is traced): the
+    finished model, its logs (the new training's event file has the same name) and privacy.json stay, and
+    the stage is up to date again once the change is undone."""
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run", train__checkpoint_every=10)
+    run(capsys, config)
+    train = tmp_path / "run" / "train"
+    finished = snapshot(train)
+    assert {"model.keras", "metrics.json", "privacy.json"} <= set(finished)
+    (tmp_path / "scalarloss.py").write_text(SCALAR_LOSS)
+    model = ["--set", "train.model=scalarloss:build", "--set", f"train.model_path={tmp_path}"]
+    assert main(["-q", "run", config, *model]) == 2
+    assert "the loss gives one number for the whole batch" in capsys.readouterr().err
+    assert snapshot(train) == finished
+    assert not (train / "internal" / "checkpoints").exists()
+    summary = run(capsys, config)
+    assert statuses(summary)["train"] == "skipped"
+    assert summary["results"]["train"] == json.load(open(train / "metrics.json"))["final"]
+
+
 def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp_path, capsys, monkeypatch):
     config = write_config(tmp_path / "job.yaml", tmp_path / "run", train__checkpoint_every=10)
     with monkeypatch.context() as patch:
@@ -188,6 +219,18 @@ def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp
     err = capsys.readouterr().err
     assert "holds a checkpoint of an interrupted training" in err and "train.resume: true" in err
     assert json.load(open(state))["step"] == 10
+    batches, bound = snapshot(tmp_path / "run" / "batches"), snapshot(tmp_path / "run" / "bound")
+    for change, stage in (
+        (["--set", "batch.steps=31"], "batch"),  # fresh batches (a fresh key): the checkpoint's plan no more
+        (["--set", "bound.max_contributions=3"], "bound"),
+        (["--force"], "generate"),
+    ):
+        assert main(["-q", "run", config, "--set", "train.resume=true", *change]) == 2
+        err = capsys.readouterr().err
+        assert f"stage {stage} would run again" in err and "holds the checkpoint of an interrupted training" in err
+        assert "resume it (train.resume: true)" in err and "move" in err
+        assert snapshot(tmp_path / "run" / "batches") == batches and snapshot(tmp_path / "run" / "bound") == bound
+        assert json.load(open(state))["step"] == 10
     resumed = run(capsys, config, "--set", "train.resume=true")
     assert statuses(resumed)["train"] == "ran"
     metrics = json.load(open(tmp_path / "run" / "train" / "metrics.json"))

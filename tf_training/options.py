@@ -120,7 +120,7 @@ class TrainOptions:
     warmup_steps: int = 0  # warmup-cosine: steps of linear warmup
     checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
     resume: bool = False  # continue from the last checkpoint of OUTPUT
-    replace: bool = False  # a fresh training replaces an earlier one's outputs in OUTPUT, once its checks pass
+    replace: bool = False  # a fresh training replaces an earlier one's outputs in OUTPUT, after its first step
     pretrained: str | None = None  # causal-lm, text-classifier: a pretrained model's GGUF file or keras-hub preset
     lora_rank: int = 0  # causal-lm: train LoRA adapters of this rank only (0: every weight)
     internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/

@@ -302,7 +302,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
         with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
             return _train(batches, output, options, started)
     except (OSError, tf.errors.OpError) as error:
-        full = storage.disk_full(output, error)
+        full = storage.disk_full(getattr(error, "filename", None) or output, error)  # the file, where it is known
         if full is None:
             raise
         raise full from error
@@ -333,8 +333,8 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     if own_optimizer is not None:
         _refuse_optimizer_flags(options)
     interrupted = _resume_point(batches_dir, output, options)
-    # --replace: an earlier training's outputs, replaced once this one's checks (plan, ledger) have passed;
-    # files madp does not write are refused here, before the plan is computed.
+    # --replace: an earlier training's outputs, replaced once this one has taken its first step (every check
+    # passed, the model traced and ran); files madp does not write are refused here, before the plan is computed.
     replaced = []
     if options.replace and interrupted is None:
         replaced = storage.written_files(output, written_by_training, "madp train")
@@ -401,7 +401,6 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
         # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
         _checked_evaluation(task, model, loss_fn, evaluation, options, "before the first step")
-    storage.remove_written(output, replaced)  # the last check passed: from here on OUTPUT is this training's
     checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
     metrics: list[dict] = []
     if checkpoints is not None and interrupted is not None:
@@ -418,7 +417,9 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
                 }
             )
     tf.io.gfile.makedirs(output)
-    # Published: epsilon spent, public evaluations; stamped with steps, never clock times (see ScalarLog)
+    # Published: epsilon spent, public evaluations; stamped with steps, never clock times (see ScalarLog).
+    # The logs' files are created at their first event, after the first step (an earlier training's logs,
+    # of the same names, are replaced then).
     writer = ScalarLog(storage.join(output, "logs"), resumed)
     # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training),
     # and the evaluations on data not declared public, which none covers either.
@@ -444,13 +445,20 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
             rate = learning_rate_at(index, batches.steps, options)
             set_learning_rate(optimizer, rate)
         logs = _evaluates(done, batches.steps, options)
+        statistics: dict[str, float] = {}  # INTERNAL: the step's rows before its update, no noise; written once it ran
+        if options.internal_scalars and internal is not None and logs:
+            users = rows[USER_FEATURE] if user_level else None
+            statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
+        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None, index=rows["step"])
+        if replaced:  # the first step ran: the earlier training goes now, before anything of this one is written
+            storage.remove_written(output, replaced)
+            replaced = []
+            internal_path(output)  # its NOTICE again, removed with the earlier training's internal files
         if schedule != "constant" and logs:  # public: the schedule's value
             writer.scalar("train/learning_rate", rate, done)
-        if options.internal_scalars and internal is not None and logs:  # INTERNAL: the step's rows, no noise
-            users = rows[USER_FEATURE] if user_level else None
-            for name, value in step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm).items():
+        if internal is not None:
+            for name, value in statistics.items():
                 internal.scalar(f"train/{name}", value, done)
-        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None, index=rows["step"])
         evaluates = logs and evaluation is not None and unevaluated is None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):

@@ -256,9 +256,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     long.add_argument(
         "--replace",
         action="store_true",
-        help="OUTPUT may hold an earlier finished training: its outputs are replaced once this training's "
-        "checks (plan, ledger) pass; a checkpoint, or a file madp train does not write, is refused by name "
-        "(what madp run's train and baseline stages do); nothing is replaced under --resume",
+        help="OUTPUT may hold an earlier finished training: its outputs are replaced once this training has "
+        "taken its first step (its checks passed, its model traced and ran); a checkpoint, or a file madp train "
+        "does not write, is refused by name (what madp run's train and baseline stages do); nothing is replaced "
+        "under --resume",
     )
 
 

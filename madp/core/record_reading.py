@@ -8,7 +8,6 @@ import dataclasses
 import enum
 import gzip
 import io
-import itertools
 import json
 import math
 import re
@@ -20,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
+import pyarrow.parquet as pq
 
 from madp.core import storage, user_ids
 from madp.core.errors import InputError
@@ -266,23 +266,60 @@ LEADING_ROWS = 1000  # `missing_columns`: rows of a JSON Lines file read before 
 
 
 def missing_columns(path: str, names: Iterable[str]) -> list[str]:
-    """Which of `names` no row of the input file `path` has: a Parquet file's schema; the keys of a JSON Lines
-    file's first rows, and only where one is missing there, of all its rows (a check before a pipeline, cheap
-    on a file that has them)."""
+    """Which of `names` no row of the input file `path` has (`_present_columns`: a check before a pipeline,
+    cheap on a file that has them)."""
     wanted = list(dict.fromkeys(names))
-    if path.endswith(".parquet"):
-        found = set(storage.parquet_columns(path))
-        return [name for name in wanted if name not in found]
-    try:
-        with storage.open_input(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as handle:
-            head = [line for line in itertools.islice(handle, LEADING_ROWS)]
-    except (OSError, EOFError, zlib.error):
-        head = []  # an unreadable file: judged below on the whole, whose reader names what is wrong with it
-    found = set(_object_keys(map(_json_object, jsonl_rows(b"".join(head)))))
-    if all(name in found for name in wanted):
-        return []
-    found = set(_object_keys(map(_json_object, jsonl_lines(path))))
+    found = _present_columns(path, wanted)
     return [name for name in wanted if name not in found]
+
+
+def _present_columns(path: str, names: list[str]) -> set[str]:
+    """The columns of the input file `path`, as far as a check of `names` needs them: a Parquet file's
+    schema; the keys of a JSON Lines file's first rows, and only where one of `names` is missing there, of
+    all its rows."""
+    if path.endswith(".parquet"):
+        return set(storage.parquet_columns(path))
+    found = set(_object_keys(map(_json_object, _leading_rows(path))))
+    if all(name in found for name in names):
+        return found
+    return set(_object_keys(map(_json_object, jsonl_lines(path))))
+
+
+def _leading_rows(path: str) -> list[bytes]:
+    """The first LEADING_ROWS rows of a JSON Lines file (none where it cannot be read: its reader, on the
+    whole file, names what is wrong with it)."""
+    blocks, lines, whole = [], 0, False
+    try:  # in blocks: pyarrow's files read no lines
+        with storage.open_input(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as handle:
+            while lines < LEADING_ROWS and not whole:
+                block = handle.read(1 << 20)
+                blocks.append(block)
+                lines, whole = lines + block.count(b"\n"), not block
+    except (OSError, EOFError, zlib.error):
+        return []
+    head = b"".join(blocks)
+    return jsonl_rows(head if whole else head[: head.rfind(b"\n") + 1])[:LEADING_ROWS]  # whole rows only
+
+
+def leading_facts(path: str, columns: Columns) -> ReadFacts:
+    """What the first rows of an input file show (its first LEADING_ROWS JSON Lines rows, or its first
+    Parquet row group, read as the whole file is): a driver's cheap look at the input, its id and user id
+    types, before a pipeline reads all of it. A record column that no row of the file has is an InputError,
+    as reading the whole file says it."""
+    _require_columns(path, _present_columns(path, _wanted(columns)), columns)
+    if not path.endswith(".parquet"):
+        return read_lines(_leading_rows(path), path, 0, columns).facts
+    try:
+        with storage.open_input(path) as handle:
+            parquet = pq.ParquetFile(handle, page_checksum_verification=True)
+            names = parquet_read_columns(path, parquet.schema_arrow.names, columns)
+            if parquet.num_row_groups:
+                table = parquet.read_row_group(0, columns=names)
+            else:
+                table = parquet.schema_arrow.empty_table().select(names)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+    return read_parquet_rows(table, path, 0, columns).facts
 
 
 def _object_keys(objects: Iterable[dict]) -> list[str]:

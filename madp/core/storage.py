@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -339,8 +340,8 @@ def exclusive(output: str, command: str, keeps_content: bool = False):
     folder of a running `madp run`) is refused too, and so is one that a reader of another process is
     reading (`reading`: a training on batches). `keeps_content`: the holder changes nothing that readers
     read (the trainings ledger of batches, which no reader's data includes), so readers go on meanwhile.
-    Local directories lock atomically (O_EXCL); a lock left by
-    a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
+    Local directories lock atomically, the lock created whole with its holder (`_create_whole`); a lock
+    left by a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
     it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
     one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
     if kind(output) == "file":
@@ -544,16 +545,52 @@ def _take_local(output: str, lock: str, holder: str) -> None:
     os.makedirs(output, exist_ok=True)
     for _ in range(2):
         try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create_whole(lock, holder)
         except FileExistsError:
             if not _stale(lock):
                 raise OutputLocked(_held(lock)) from None
             os.remove(lock)  # its process died (a killed run): the output is ours to redo
             continue
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(holder)
         return
     raise OutputLocked(_held(lock))
+
+
+def _create_whole(path: str, text: str) -> None:
+    """Create the local file `path` holding `text`, or raise FileExistsError where it exists, so that a lock
+    file always names its holder: `text` is written to a file of its own, which is then linked to `path` (a
+    link fails where the name exists). A write that fails (a full disk: a `DiskFull` naming `path`) leaves
+    no file."""
+    written = f"{path}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}"
+    try:
+        _write_new(written, text)
+        try:
+            os.link(written, path)
+        except OSError as error:
+            if error.errno not in _NO_HARD_LINKS:
+                raise
+            _write_new(path, text)  # a file system without hard links: created exclusively, then written
+    except OSError as error:
+        full = disk_full(path, error)
+        if full is None:
+            raise
+        raise full from error
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(written)
+
+
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)  # what os.link raises where links are unsupported
+
+
+def _write_new(path: str, text: str) -> None:
+    """Create `path` (FileExistsError where it exists) holding `text`; a write that fails removes it."""
+    with open(path, "x", encoding="utf-8") as handle:
+        try:
+            handle.write(text)
+            handle.flush()
+        except BaseException:
+            os.remove(path)
+            raise
 
 
 def _stale(lock: str) -> bool:

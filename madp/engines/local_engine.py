@@ -106,20 +106,27 @@ def read_input(
 
 
 def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
-    """`madp bound --runner local`: read, validate, bound, write selection and report."""
+    """`madp bound --runner local`: read, validate, bound, write selection and report. An earlier run's
+    selection and report are replaced once every check has passed: the capacities, the input's files,
+    columns and types, the capacities against its user ids. Invalid rows (--on-invalid error) remove them
+    (as on Beam): no selection of an earlier input outlives a re-run on an input that now has a bad row. The
+    trainings ledger (OUTPUT/trainings.jsonl) is never removed."""
     started = time.perf_counter()
-    prepare_output(output)  # an earlier selection never outlives a run that fails (as on Beam)
-    chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
-    if options.on_invalid == "error":
-        handle_rejects(rejects, options.on_invalid, output)
     capacities = (
         read_capacities(options.capacities, options.max_contributions)
         if options.capacities
         else Capacities(default=options.max_contributions)
     )
+    chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
+    if options.capacities and len(chunk.users):  # a capacity names a user of the input's id type only
+        capacities.typed_as(chunk.users.type)
+    if options.on_invalid == "error" and len(rejects):
+        prepare_output(output)
+        handle_rejects(rejects, options.on_invalid, output)
     if options.order == "alternate":
         options = dataclasses.replace(options, group_sizes=group_sizes(chunk.arity, options.alternate[0]))
     result = bound_records(chunk, options, capacities)
+    prepare_output(output)  # every check passed
     handle_rejects(rejects, options.on_invalid, output)
     selected = result.copies > 0
     shards = options.shards(len(chunk))

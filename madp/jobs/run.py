@@ -23,12 +23,13 @@ from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
-from madp.training.outputs import evaluation_of
+from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, evaluation_of
 from madp.training.plan import stated_plan
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
 INTERNAL_RESULTS = "internal-results.json"  # beside baseline/ and batches/: never published
+TRAININGS = ("train", "baseline")  # the stages that run `madp train`
 
 
 def fingerprint(stage: Stage) -> str:
@@ -91,6 +92,30 @@ def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
     return isinstance(recorded, dict) and recorded.get("fingerprint") == current
 
 
+def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: bool) -> None:
+    """A training stage's folder holding the checkpoint of an interrupted training (OUTPUT/internal/checkpoints)
+    resumes only on the batches it trained on: a run that would re-make them (a stage up to the batch stage
+    that is not up to date, or all of them under --force) would leave the checkpoint for ever refused by its
+    own plan. Refused here, before any stage runs, naming the stage and the ways out."""
+    folders = [storage.join(stage.output, INTERNAL_DIR, CHECKPOINTS) for stage in stages if stage.name in TRAININGS]
+    held = [folder for folder in folders if storage.kind(folder) != "missing"]
+    if not held or not any(stage.name == "batch" for stage in stages):
+        return
+    for stage in stages:
+        remakes = not stage.name.startswith("verify-")  # a verifier changes nothing the training read
+        if remakes and (force or not up_to_date(run_dir, stage, fingerprint(stage))):
+            why = "--force re-runs every stage" if force else "its options, inputs or outputs changed since it ran"
+            raise InputError(
+                f"{held[0]} holds the checkpoint of an interrupted training: stage {stage.name} would run again "
+                f"({why}) and re-make what that training trained on, so that it could never be resumed. "
+                f"Undo the change (or leave out --force) and resume it (train.resume: true), or move "
+                f"{held[0]} away to train afresh (the trainings ledger keeps the interrupted training: a new one "
+                f"composes with it)"
+            )
+        if stage.name == "batch":
+            return
+
+
 def run(config_path: str, overrides: list[str], parser: Parser, force: bool = False) -> dict:
     """The job of a config; `parser` (every madp command) plans and runs its stages."""
     config = load_config(config_path, overrides)
@@ -108,9 +133,11 @@ def run_stages(
     force: bool,
     before_bounding: Callable[[], None] | None = None,
 ) -> dict:
-    """Run the stages that are not up to date; the columns the training reads are checked before the first
-    stage after generate (which may make the input) that runs, and `before_bounding` (the plan's feasibility
-    check) once, before the first bound or batch stage that runs."""
+    """Run the stages that are not up to date; a run that would re-make the batches an interrupted training's
+    checkpoint trained on is refused before any stage runs, the columns the training reads are checked before
+    the first stage after generate (which may make the input) that runs, and `before_bounding` (the plan's
+    feasibility check) once, before the first bound or batch stage that runs."""
+    _refuse_remaking_trained_batches(run_dir, stages, force)
     summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
     # Wall times depend on the realized (secret) sampling and the records' content: internal only
     timings: dict[str, float] = {}
