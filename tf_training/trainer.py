@@ -345,8 +345,9 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     if options.pretrained is not None and options.mechanism != "none":
         check_pretrained_path(options.pretrained)
         public_model = pretrained_is_public(options.pretrained)
-    task, skipped = prepare_task(options, batches)
+    # The devices first: TensorFlow fixes them when it first runs an op, and prepare_task reads every step
     strategy = distribution_strategy(options)
+    task, skipped = prepare_task(options, batches)
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope(), compute_precision(options.mixed_precision):
