@@ -120,14 +120,17 @@ def masked_crc(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-def rewrite_batches(output, edit, name: str = "batches-00000-of-00001.tfrecord") -> None:
-    """Apply `edit(number, example)` to every example of a batch file and reseal the batch report."""
+def rewrite_batches(output, edit, name: str = "batches-00000-of-00001.tfrecord", drop: int | None = None) -> None:
+    """Apply `edit(number, example)` to every example of a batch file (but the one numbered `drop`, left
+    out) and reseal the batch report."""
     from madp.core.verify import _example_class, read_tfrecord
 
     path = os.path.join(output, name)
     example_class = _example_class()
     framed = b""
     for number, payload in enumerate(read_tfrecord(path)):
+        if number == drop:
+            continue
         example = example_class.FromString(payload)
         edit(number, example)
         body = example.SerializeToString()

@@ -143,6 +143,54 @@ def test_a_batch_file_cut_short_is_refused_before_training_starts(tmp_path, caps
     assert code == 2 and f"{path}: the record at byte 0 is damaged (its data fails its checksum)" in err, err
 
 
+@pytest.mark.tf
+def test_a_batch_row_unlike_its_schema_or_a_step_short_of_a_row_is_refused_before_training_starts(tmp_path, capsys):
+    """The last row's label deleted, or the last row taken out, the checksums and the listing rewritten to
+    match (a faulty copy with a consistent report): the first killed madp train mid-run with TensorFlow's
+    traceback, after its ledger entry; the second trained on. madp train reads every step before its
+    first: it refuses either by name before both; a Python loop meets the first as an error naming the file."""
+    from conftest import rewrite_batches
+
+    from madp.core.errors import InputError
+    from madp.core.verify import _example_class, _feature_values, read_tfrecord
+
+    data = write_records(str(tmp_path / "d.jsonl"), rows(300))
+    assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
+    batch = ("--steps", "6", "--batch-size", "10", "--runner", "local")
+    assert cli(capsys, "batch", tmp_path / "b", data, tmp_path / "out", *batch)[0] == 0
+    name = "batches-00000-of-00001.tfrecord"
+    example = _example_class()
+    steps = [_feature_values(example.FromString(p), "step")[0] for p in read_tfrecord(str(tmp_path / "out" / name))]
+    last, held = len(steps) - 1, steps.count(steps[-1])
+
+    def without_label(number, row) -> None:
+        if number == last:
+            del row.features.feature["label"]
+
+    for damage in ("label", "row"):
+        batches = tmp_path / f"without-{damage}"
+        shutil.copytree(tmp_path / "out", batches)
+        if damage == "label":
+            rewrite_batches(batches, without_label)
+        else:
+            rewrite_batches(batches, lambda number, row: None, drop=last)
+        model = tmp_path / f"model-{damage}"
+        code, _, err = cli(capsys, "train", batches, model, "--epsilon", "2", "--features", "x")
+        said = (
+            f"{batches / name}: TensorFlow cannot read its rows as schema.json describes them (InvalidArgumentError: "
+            f"Feature: label (data type: int64) is required but could not be found.)"
+            if damage == "label"
+            else f"{batches}: step {steps[-1]} holds {held - 1} rows where its report records {held}: not the batches"
+        )
+        assert code == 2 and said in err and "Traceback" not in err, err
+        assert not (tmp_path / "b" / "trainings.jsonl").exists()
+        assert not [path for path in model.rglob("*") if path.is_file()]
+    from madp.training import open_batches, read_steps
+
+    with pytest.raises(InputError, match=f"{tmp_path / 'without-label' / name}: TensorFlow cannot read its rows"):
+        list(read_steps(open_batches(str(tmp_path / "without-label")), ["x", "label"]))
+
+
 @pytest.mark.parametrize("engine", ENGINE_CASES)
 def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
     """Arrow reads an object split over two lines, or two objects on one line, as records; the content

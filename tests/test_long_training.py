@@ -60,6 +60,12 @@ def batches(tmp_path_factory):
     return directory, out, data
 
 
+def next_step(step, steps: list[dict]) -> None:
+    """The step object's next step, on all that step's rows (`steps`: read_steps' of its batches)."""
+    rows = steps[step.steps_taken]
+    step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+
+
 def tags(directory: str) -> dict[str, list[tuple[int, float]]]:
     """The scalars of the TensorBoard event files directly in `directory`: tag -> [(step, value)]."""
     found: dict[str, list[tuple[int, float]]] = {}
@@ -249,16 +255,18 @@ def test_resumed_step_counts_from_the_checkpoint_and_draws_other_noise(batches):
 
     from madp.training.tasks import build_model
 
-    plan = api.calibrate(api.open_batches(out), noise_multiplier=1.0, bands=2)
+    batches_ = api.open_batches(out)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
     model, loss = build_model("logreg", 8)
     first = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, noise_seed=5)
     resumed = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, noise_seed=5, resumed_at=10)
     assert resumed.steps_taken == 10 and first.query._clipping._key != resumed.query._clipping._key
-    x, y, w = np.zeros((2, 8), np.float32), np.zeros(2, np.float32), np.ones(2, np.float32)
-    resumed(x, y, w, index=10)
-    resumed(x, y, w, index=11)
+    steps = list(api.read_steps(batches_, ["features", "label"]))
+    next_step(resumed, steps)
+    next_step(resumed, steps)
+    last = steps[-1]
     with pytest.raises(InputError, match="12 steps"):
-        resumed(x, y, w, index=12)
+        resumed(last["features"], last["label"], last["weight"], index=last["step"])
 
 
 def test_step_statistics_measure_the_records_with_weight():
@@ -550,7 +558,7 @@ def test_a_second_api_training_on_secret_batches_is_refused_unless_retrain(batch
     assert plan.relies_on_secret_sampling
     model, loss = build_model("logreg", 8)
     first = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
-    first(np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32), index=0)  # one step: counts
+    next_step(first, list(api.read_steps(api.open_batches(secret), ["features", "label"])))  # one step: counts
     with pytest.raises(InputError, match="re-uses it"):
         api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     again = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan, retrain=True)
@@ -570,7 +578,7 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     copy = fresh_copy(out, tmp_path)
     batches_ = api.open_batches(copy)
     plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
-    one_row = (np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))
+    steps = list(api.read_steps(batches_, ["features", "label"]))
 
     def made():
         model, loss = build_model("logreg", 8)
@@ -582,12 +590,12 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
         first(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     initial = [w.copy() for w in model.get_weights()]
     with pytest.raises(InputError, match="another private training entered the ledger .* make the step again"):
-        second(*one_row, index=second.steps_taken)
+        next_step(second, steps)
     for a, b in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(a, b)
     assert [t["training"] for t in ledger(copy)] == [first.training]
     third = made()[1]  # made now: it states the composition, and trains
-    third(*one_row, index=third.steps_taken)
+    next_step(third, steps)
     assert third.plan.composition is not None and third.plan.composition.trainings == 2
 
     model, loss = build_model("logreg", 8)
@@ -599,7 +607,7 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     with pytest.raises(InputError, match="not in the trainings ledger"):
         api.make_private(model, loss, optimizer, plan, training="no such training", resumed_at=1)
     continued = api.make_private(model, loss, optimizer, plan, training=third.training, resumed_at=1)
-    continued(*one_row, index=continued.steps_taken)  # an interrupted entry, continued after its step
+    next_step(continued, steps)  # an interrupted entry, continued after its step
     assert len(ledger(copy)) == 2
 
 
@@ -614,7 +622,7 @@ def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path
     _, out, _ = batches
     copy = fresh_copy(out, tmp_path)
     plan = api.calibrate(api.open_batches(copy), noise_multiplier=1.0, bands=2)
-    one_row = (np.zeros((1, 8), np.float32), np.zeros(1, np.float32), np.ones(1, np.float32))
+    steps = list(api.read_steps(api.open_batches(copy), ["features", "label"]))
 
     def step(**continued):
         model, loss = build_model("logreg", 8)
@@ -622,35 +630,35 @@ def test_an_interrupted_training_is_continued_once_from_a_step(batches, tmp_path
 
     interrupted = step()
     for _ in range(3):
-        interrupted(*one_row, index=interrupted.steps_taken)
+        next_step(interrupted, steps)
     training = interrupted.training
     from_two, again_from_two = step(training=training, resumed_at=2), step(training=training, resumed_at=2)
-    from_two(*one_row, index=from_two.steps_taken)
+    next_step(from_two, steps)
     assert ledger(copy)[0]["resumable_from"] == 3
     with pytest.raises(InputError, match="continued or run past step 2 already"):
         # made before the first continuation entered: refused at its first step
-        again_from_two(*one_row, index=again_from_two.steps_taken)
+        next_step(again_from_two, steps)
     assert again_from_two.steps_taken == 2
     with pytest.raises(InputError, match="continued or run past step 2 already"):
         step(training=training, resumed_at=2)
     from_three = step(training=training, resumed_at=3)
-    from_three(*one_row, index=3)
+    next_step(from_three, steps)
     assert [(t["training"], t["state"], t["resumable_from"]) for t in ledger(copy)] == [(training, "started", 4)]
     with pytest.raises(InputError, match="hold the lock"):
         step(training=training, resumed_at=4, releases_from_checkpoints=True)
     with pytest.raises(InputError, match="resumed_at='4': the number of steps"):
         step(training=training, resumed_at="4")
     from_four = step(training=training, resumed_at=tf.Variable(4, dtype=tf.int64))  # optimizer.iterations
-    from_four(*one_row, index=from_four.steps_taken)
-    from_four(*one_row, index=from_four.steps_taken)
+    next_step(from_four, steps)
+    next_step(from_four, steps)
     from_four.checkpointed()  # a checkpoint after 6 steps: a continuation from step 5 would redo step 6
     assert ledger(copy)[0]["resumable_from"] == 6
     with pytest.raises(InputError, match="continued or run past step 5 already"):
         step(training=training, resumed_at=5)
     from_six = step(training=training, resumed_at=6)
-    from_six(*one_row, index=from_six.steps_taken)
+    next_step(from_six, steps)
     with pytest.raises(InputError, match="was continued by another step .* this step did not run"):
-        from_four(*one_row, index=from_four.steps_taken)  # still alive (a notebook's earlier cell): superseded
+        next_step(from_four, steps)  # still alive (a notebook's earlier cell): superseded
     assert from_four.steps_taken == 6 and from_six.steps_taken == 7
     [entry] = ledger(copy)
     with open(ledger_path(copy), "w") as edited:
@@ -688,24 +696,23 @@ def test_a_step_enters_the_ledger_only_under_the_selections_lock(batches, tmp_pa
         steps = list(api.read_steps(batches_, ["features", "label"]))
         initial = [w.copy() for w in model.get_weights()]
         with pytest.raises(InputError, match="being written by another madp process .*step 1 of this"):
-            step(steps[0]["features"], steps[0]["label"], steps[0]["weight"], index=0)
+            next_step(step, steps)
         for a, b in zip(model.get_weights(), initial):
             np.testing.assert_array_equal(a, b)
         assert ledger(copy) == []
         os.remove(lock)
-        step(steps[0]["features"], steps[0]["label"], steps[0]["weight"], index=0)
+        next_step(step, steps)
         assert [t["state"] for t in ledger(copy)] == ["started"] and not os.path.exists(lock), "the lock is let go"
         with open(lock, "w") as handle:  # another training takes the selection while this one runs
             json.dump(held, handle)
         for rows in steps[1:-1]:  # no ledger write: they run
             step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
-        last = steps[-1]["features"], steps[-1]["label"], steps[-1]["weight"]
         with pytest.raises(InputError, match=f"step {STEPS} of this private training did not run"):
             # its entry would stay 'started', open to a continuation after the training's end
-            step(*last, index=STEPS - 1)
+            next_step(step, steps)
         assert step.steps_taken == STEPS - 1 and [t["state"] for t in ledger(copy)] == ["started"]
         os.remove(lock)
-        step(*last, index=STEPS - 1)
+        next_step(step, steps)
         assert step.steps_taken == STEPS and [t["state"] for t in ledger(copy)] == ["finished"]
     finally:
         other.kill()
@@ -739,14 +746,47 @@ def test_a_training_that_fails_before_its_first_noisy_update_is_not_entered(batc
     step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     initial = [w.copy() for w in model.get_weights()]
     with pytest.raises(Exception, match="numpy"):
-        step(first["features"], first["label"], first["weight"], index=0)
+        step(first["features"], first["label"], first["weight"], index=first["step"])
     assert ledger(copy) == [] and step.steps_taken == 0
     for a, b in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(a, b)
     model, loss = build_model("logreg", 8)
     after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
     assert after.plan.composition is None, "no earlier training: the failed one released nothing"
-    after(first["features"], first["label"], first["weight"], index=0)
+    after(first["features"], first["label"], first["weight"], index=first["step"])
+    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
+
+
+def test_a_training_whose_first_step_fails_as_it_runs_is_not_entered(batches, tmp_path):
+    """A model that traces but fails as its first step runs (an Embedding of 4 ids given hundreds: an error
+    of the running graph, not of its trace) was entered in the ledger as started, and the next training
+    composed with it, though nothing of the data was released. The first step computes its noised
+    gradient before the entry, so it fails there: no entry, no update. One that runs is entered."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    batches_ = api.open_batches(copy)
+    plan = api.calibrate(batches_, noise_multiplier=1.0, bands=2)
+    steps = list(api.read_steps(batches_, ["features", "label"]))
+    inputs = tf_keras.Input((8,))
+    ids = tf_keras.layers.Lambda(lambda x: tf.cast(tf.abs(x) * 100.0, tf.int32))(inputs)
+    embedded = tf_keras.layers.Flatten()(tf_keras.layers.Embedding(4, 2)(ids))
+    model = tf_keras.Model(inputs, tf_keras.layers.Dense(1)(embedded))
+    _, loss = build_model("logreg", 8)
+    step = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    initial = [w.copy() for w in model.get_weights()]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 4\)"):
+        next_step(step, steps)
+    assert ledger(copy) == [] and step.steps_taken == 0
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    model, loss = build_model("logreg", 8)
+    after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    assert after.plan.composition is None, "no earlier training: the failed one released nothing"
+    next_step(after, steps)
     assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -142,8 +143,8 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
     tensors = list(dataset)
     assert len(tensors) == len(arrays) == batches.steps
     for index, (rows, step_rows) in enumerate(zip(arrays, tensors)):
-        assert set(rows) == set(step_rows) - {"step_index"} == {"features", "label", "weight", "step"}
-        assert step_rows["step_index"].numpy() == index
+        assert set(rows) == set(step_rows) == {"features", "label", "weight", "step"}  # the rows' step: no number
+        assert set(rows["step"]) == {index}
         for name in rows:
             np.testing.assert_array_equal(step_rows[name].numpy(), rows[name])
             assert step_rows[name].dtype.as_numpy_dtype == rows[name].dtype
@@ -161,13 +162,11 @@ def test_steps_dataset_gives_read_steps_rows_as_a_tf_data_pipeline_and_trains_th
     # a step's rows again, or out of order: refused before it runs
     step = make_private(build_model("logreg", 16)[0], loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
     first, second = tensors[:2]
-    step(first["features"], first["label"], first["weight"], index=first["step_index"])
+    step(first["features"], first["label"], first["weight"], index=first["step"])
     for rows in (first, tensors[2]):
-        with pytest.raises(InputError, match=r"rows of step \d+, where this training's next step is 1"):
-            step(rows["features"], rows["label"], rows["weight"], index=rows["step_index"])
-    step(second["features"], second["label"], second["weight"], index=second["step_index"])
-    with pytest.raises(InputError, match="cannot be read"):
-        madp.training.steps_dataset(batches, ["features", "step_index"])
+        with pytest.raises(InputError, match=r"rows of step \d+ where step 1 is next"):
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+    step(second["features"], second["label"], second["weight"], index=second["step"])
 
 
 def private_dense(K, plan: PrivacyPlan, inputs: int, **settings):
@@ -202,20 +201,29 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
     steps = madp.training.steps_dataset(batches, ["features", "label"])
-    elements = steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step_index"]))
+    elements = steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step"]))
     history = fitted.fit(elements, verbose=0)
     assert history.history["iterations"] == [batches.steps]
     for a, b in zip(looped.get_weights(), fitted.get_weights()):
         np.testing.assert_array_equal(a, b)
-    with pytest.raises(InputError, match="rows of step 0, where this training's next step is 24"):
+    with pytest.raises(InputError, match="the plan accounts for 24 steps of these batches; step 25 would release"):
         fitted.fit(elements, verbose=0)  # a second epoch
     repeated, step = private_dense(K, plan, inputs=16)  # an element twice within the plan's T calls: refused
     repeated.train_step = step.keras_train_step
     repeated.compile(run_eagerly=True)
-    with pytest.raises(InputError, match="rows of step 0, where this training's next step is 1"):
+    with pytest.raises(InputError, match="rows of step 0 where step 1 is next"):
         repeated.fit(elements.take(1).repeat(2), verbose=0)
     with pytest.raises(InputError, match=r"\(x, y, weight, index\)"):  # no index
         repeated.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"])), verbose=0)
+    counted, step = private_dense(K, plan, inputs=16)  # shuffled, each element named by enumerate's number
+    counted.train_step = step.keras_train_step
+    counted.compile(run_eagerly=True)
+    with pytest.raises(InputError, match="index=0 is a number, which says nothing of the rows"):
+        counted.fit(
+            steps.shuffle(64, seed=1).enumerate().map(lambda i, r: (r["features"], r["label"], r["weight"], i)),
+            verbose=0,
+        )
+    assert step.steps_taken == 0
     traced, step = private_dense(K, plan, inputs=16)
     traced.train_step = step.keras_train_step
     traced.compile(run_eagerly=False)
@@ -223,11 +231,12 @@ def test_fit_trains_with_the_private_step_as_the_loop_does(demo, flavour):
         traced.fit(elements, verbose=0)
 
 
-def test_a_private_step_takes_each_steps_own_rows_once_in_order(demo):
-    """The loop form names each call's step (`index`: the rows' `step`, or the step's index), so what
-    ordinary tf.data use does to the steps is refused before any update: shuffled steps, rows unbatched
-    and batched again (512 rows a call: 3 calls for a plan of 24 steps), a step's rows twice, and a call
-    that names no step. Only rows of the next step, no more than the batches' largest step holds, run."""
+def test_a_private_step_takes_all_the_rows_of_its_next_step_named_by_their_own_step(demo):
+    """The loop form names each call's step by its rows (`index`: the rows' own `step`, one entry per row),
+    so what ordinary tf.data use does to the steps is refused before any update: shuffled steps, named by
+    their rows' step or by `enumerate`'s number; rows unbatched and batched again; a step's rows twice; a
+    part of a step (its padding rows left out); and a call that names no step. Only all the rows of the
+    next step, padding rows (which carry their step) included, run."""
     import tf_keras
 
     batches = open_batches(str(demo / "demo-output" / "batches"))
@@ -236,33 +245,91 @@ def test_a_private_step_takes_each_steps_own_rows_once_in_order(demo):
     step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
     initial = [w.copy() for w in model.get_weights()]
     steps = madp.training.steps_dataset(batches, ["features", "label"])
-    rows_only = steps.map(lambda r: {name: r[name] for name in ("features", "label", "weight", "step")})
     first = next(iter(read_steps(batches, ["features", "label"])))
-    with pytest.raises(InputError, match=r"needs the index of the step its rows are: .*index=rows\['step'\]"):
-        step(first["features"], first["label"], first["weight"])  # the README's loop form, as it was
-    shuffled = [rows for rows in steps.shuffle(64, seed=1)]
-    assert [int(rows["step_index"]) for rows in shuffled] != list(range(batches.steps))
-    for index in ("step", "step_index"):
-        with pytest.raises(InputError, match=r"rows of step \d+, where this training's next step is 0"):
-            for rows in shuffled:
-                step(rows["features"], rows["label"], rows["weight"], index=rows[index])
-    rebatched = list(rows_only.unbatch().batch(512))
-    assert len(rebatched) == 3
-    with pytest.raises(InputError, match="rows of steps 0 to 7 in one call"):
-        step(rebatched[0]["features"], rebatched[0]["label"], rebatched[0]["weight"], index=rebatched[0]["step"])
-    with pytest.raises(InputError, match="512 rows for step 0, where no step of the batches holds more than 64"):
-        step(rebatched[0]["features"], rebatched[0]["label"], rebatched[0]["weight"], index=0)  # a counted index
-    twice = {name: np.concatenate([first[name], first[name]]) for name in ("features", "label", "weight", "step")}
-    with pytest.raises(InputError, match="128 rows for step 0"):
-        step(twice["features"], twice["label"], twice["weight"], index=twice["step"])
-    with pytest.raises(InputError, match="2 steps for 64 rows"):
-        step(first["features"], first["label"], first["weight"], index=first["step"][:2])
+    assert len(first["weight"]) == batches.max_rows_per_step == 64 and set(first["step"]) == {0}
+    assert 0 < first["weight"].sum() < 64  # padded to B_max: the padding rows carry their step too
+
+    def call(rows, index):
+        step(rows["features"], rows["label"], rows["weight"], index=index)
+
+    with pytest.raises(InputError, match=r"needs the rows' own step: .*index=rows\['step'\]"):
+        step(first["features"], first["label"], first["weight"])
+    shuffled = list(steps.shuffle(64, seed=1))
+    assert [int(rows["step"][0]) for rows in shuffled] != list(range(batches.steps))
+    with pytest.raises(InputError, match=r"rows of step \d+ where step 0 is next"):
+        for rows in shuffled:
+            call(rows, rows["step"])
+    for number in (0, np.int64(0), next(iter(steps))["step"][0]):  # enumerate's, a numpy number, a scalar tensor
+        with pytest.raises(InputError, match=r"index=0 is a number, which says nothing of the rows"):
+            call(shuffled[0], number)
+    rebatched = list(steps.unbatch().batch(100))
+    with pytest.raises(InputError, match="rows of steps 0 to 1 in one call where step 0 is next"):
+        call(rebatched[0], rebatched[0]["step"])
+    with pytest.raises(InputError, match="index=0 is a number"):
+        call(rebatched[0], 0)
+    twice = {name: np.concatenate([first[name], first[name]]) for name in first}
+    with pytest.raises(InputError, match="128 rows where step 0 holds 64: each call takes all the rows of one step"):
+        call(twice, twice["step"])
+    real = int(first["weight"].sum())
+    without_padding = {name: values[:real] for name, values in first.items()}
+    with pytest.raises(InputError, match=f"{real} rows where step 0 holds 64"):
+        call(without_padding, without_padding["step"])
+    with pytest.raises(InputError, match="index holds 2 entries for 64 rows"):
+        call(first, first["step"][:2])
     assert step.steps_taken == 0
     for a, b in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(a, b)
     for rows in steps:  # each element whole, in order: every step runs
-        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+        call(rows, rows["step"])
     assert step.steps_taken == batches.steps
+
+
+@pytest.fixture(scope="module")
+def unpadded(demo):
+    """Batches of the demo's selection without padding (no --max-batch-size), at two rows per step on
+    average: steps of the sizes their sampling drew, some empty."""
+    batches = demo / "unpadded"
+    options = BatchOptions(seed=0, steps=30, batch_size=2)
+    batch_local(str(demo / "bounded"), str(demo / "records.jsonl"), str(batches), options)
+    return batches
+
+
+def test_on_unpadded_batches_each_call_takes_exactly_the_rows_its_step_holds(unpadded, tmp_path):
+    """Unpadded, a step holds the rows its sampling drew, which the batch report records per step
+    (`written_batch_sizes`): a step padded up to the largest with its own rows (a row twice), or given
+    without some of its rows, is refused, and an empty `step` is taken only where the step holds no rows.
+    Batches whose report does not record them (madp before it did): the rows are counted in the files."""
+    import tf_keras
+
+    steps = list(read_steps(open_batches(str(unpadded)), ["features", "label"]))
+    sizes = [len(rows["step"]) for rows in steps]
+    largest = max(sizes)
+    assert json.load(open(unpadded / "report.json"))["written_batch_sizes"]["per_step"] == sizes
+    assert 0 in sizes and len(set(sizes)) > 2
+    earlier = tmp_path / "earlier-madp"
+    shutil.copytree(unpadded, earlier)
+    report = json.load(open(earlier / "report.json"))
+    del report["written_batch_sizes"]["per_step"]
+    (earlier / "report.json").write_text(json.dumps(report))
+    for directory in (unpadded, earlier):
+        batches = open_batches(str(directory))
+        model, loss = build_model("logreg", 16)
+        step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), calibrate(batches, epsilon=8), noise_seed=3)
+
+        def call(rows, picked, step=step):
+            step(rows["features"][picked], rows["label"][picked], rows["weight"][picked], index=rows["step"][picked])
+
+        for index, rows in enumerate(steps):
+            held = len(rows["step"])
+            own_rows_again = np.concatenate([np.arange(held), np.arange(min(held, largest - held))])
+            if len(own_rows_again) > held:  # padded up to the largest step with its own rows: the review's case
+                with pytest.raises(InputError, match=f"{len(own_rows_again)} rows where step {index} holds {held}:"):
+                    call(rows, own_rows_again)
+            if held:
+                with pytest.raises(InputError, match=f"0 rows where step {index} holds {held}:"):
+                    call(rows, np.arange(0))  # an empty step given for one that holds rows
+            call(rows, np.arange(held))  # all its rows; an empty step, where it holds none
+        assert step.steps_taken == batches.steps
 
 
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras"])
@@ -277,7 +344,7 @@ def test_fit_refuses_callbacks_that_choose_the_model_by_private_validation_data(
     batches = open_batches(str(demo / "demo-output" / "batches"))
     plan = calibrate(batches, epsilon=8, bands=8)
     elements = madp.training.steps_dataset(batches, ["features", "label"]).map(
-        lambda r: (r["features"], r["label"], r["weight"], r["step_index"])
+        lambda r: (r["features"], r["label"], r["weight"], r["step"])
     )
     held = next(iter(read_steps(batches, ["features", "label"])))  # records of the batches: private
     validation = (held["features"], held["label"][:, None].astype(np.float32))
@@ -329,14 +396,14 @@ def test_fit_trains_user_sampled_batches_with_each_rows_user_as_the_loop_does(tm
     fitted.train_step = step.keras_train_step
     fitted.compile(run_eagerly=True)
     steps = madp.training.steps_dataset(batches, ["features", "label", "user"])
-    fitted.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["user"], r["step_index"])), verbose=0)
+    fitted.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["user"], r["step"])), verbose=0)
     for a, b in zip(looped.get_weights(), fitted.get_weights()):
         np.testing.assert_array_equal(a, b)
     unknown, step = private_dense(K, plan, inputs=4)
     unknown.train_step = step.keras_train_step
     unknown.compile(run_eagerly=True)
     with pytest.raises(InputError, match="user-level steps need each row's user"):
-        unknown.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step_index"])), verbose=0)
+        unknown.fit(steps.map(lambda r: (r["features"], r["label"], r["weight"], r["step"])), verbose=0)
 
 
 def test_a_dense_model_built_under_mixed_precision_is_told_its_private_steps_compute_in_float32(demo, caplog):

@@ -551,6 +551,65 @@ def test_user_code_that_fails_is_named_before_anything_is_trained_or_written(dat
     assert (ledger.read_text() if ledger.exists() else None) == before
 
 
+# Models that trace, and one that fails as it runs: ids of hundreds into an Embedding of 4 (an error of the
+# running graph, which no trace meets).
+RUNTIME_MODULE = """
+import tensorflow as tf
+import tf_keras
+
+
+def loss(labels, logits):
+    labels = tf.cast(tf.reshape(labels, [-1]), tf.float32)
+    return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=tf.reshape(logits, [-1]))
+
+
+def dense(schema):
+    return tf_keras.Sequential([tf_keras.Input(shape=schema.inputs[0].shape), tf_keras.layers.Dense(1)]), loss
+
+
+def embedding_past_its_vocabulary(schema):
+    inputs = tf_keras.Input(shape=schema.inputs[0].shape)
+    ids = tf_keras.layers.Lambda(lambda x: tf.cast(tf.abs(x) * 100.0, tf.int32))(inputs)
+    embedded = tf_keras.layers.Flatten()(tf_keras.layers.Embedding(4, 2)(ids))
+    return tf_keras.Model(inputs, tf_keras.layers.Dense(1)(embedded)), loss
+"""
+
+
+def test_a_module_model_that_fails_as_it_runs_is_named_and_leaves_nothing_behind(data, tmp_path, capsys):
+    """A module:function model that fails as it runs (not as it is traced) was a traceback (exit 1) from
+    its first step, or from its evaluation before the first step, after a private training had entered
+    the trainings ledger and written its logs. Now one line names the model and TensorFlow's error, exit
+    2, with no ledger entry and nothing written; an earlier training that --replace would replace stays."""
+    records = str(data / "records.jsonl")
+    bound_local(records, str(tmp_path / "bounded"), BoundOptions(max_contributions=2))
+    batch_local(str(tmp_path / "bounded"), records, str(tmp_path / "batches"), BatchOptions(steps=8, batch_size=64))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "runtime.py").write_text(RUNTIME_MODULE)
+    ledger, out = tmp_path / "bounded" / "trainings.jsonl", tmp_path / "out"
+
+    def train(model: str, *flags: str) -> int:
+        argv = ["-q", "train", str(tmp_path / "batches"), str(out), "--model", f"runtime:{model}"]
+        argv += ["--model-path", str(tmp_path / "models"), "--inputs", "a", "--noise-multiplier", "1", *flags]
+        return main(argv)
+
+    failing = "--model runtime:embedding_past_its_vocabulary: the model or its loss failed"
+    for flags, when in (
+        ((), "at step 1"),
+        (("--eval-data", str(data / "test.jsonl")), "in its evaluation on --eval-data before the first step"),
+    ):
+        assert train("embedding_past_its_vocabulary", *flags) == 2
+        err = capsys.readouterr().err
+        assert f"{failing} {when}: InvalidArgumentError: indices[" in err and "is not in [0, 4)" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not ledger.exists() and not [path for path in out.rglob("*") if path.is_file()]
+    assert train("dense") == 0
+    kept = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert train("embedding_past_its_vocabulary", "--replace", "--retrain") == 2  # composed with the first
+    assert f"{failing} at step 1: InvalidArgumentError" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == kept
+    assert [entry["state"] for entry in map(json.loads, ledger.read_text().splitlines())] == ["finished"]
+
+
 def test_metrics_that_fail_after_training_keep_the_model_and_its_guarantee(data, tmp_path, capsys):
     """metrics() that works on the untrained model and raises at the first evaluation of the trained one
     (step 20 of 40) was a traceback after the training's privacy budget was spent, the model lost. Now

@@ -19,10 +19,9 @@ import numpy as np
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
-from madp.core.selection import read_report
 from madp.training import load_tensorflow
-from madp.training.batches import Batches, max_rows_per_step, open_batches
-from madp.training.data import feature_spec, step_batches
+from madp.training.batches import Batches, open_batches
+from madp.training.data import feature_spec, rows_per_step, step_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
     FINISHED,
@@ -44,7 +43,6 @@ from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision, 
 tf = load_tensorflow()
 log = logging.getLogger("madp.train")
 LEDGER_WRITER = "a private training step (enters the trainings ledger)"  # who holds the selection's lock
-STEP_INDEX = "step_index"  # steps_dataset: the key of each element's step index
 _LIVE_RUNS: dict[str, str] = {}  # training id -> the run (step object) of this process that trains it now
 
 __all__ = [
@@ -67,9 +65,9 @@ __all__ = [
 def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
     """The rows of every step, steps 0..T-1 in order, a step's rows together: per step a dict of arrays
     (one entry per row) holding `features`, `weight` (1 for a sampled record, 0 for a padding row, whose
-    gradient is then zero) and `step` (each row's step, which a private step checks: hand it over as
-    `index`). Train on every step, an empty one (arrays of no rows) too: its noise is part of the
-    mechanism. Rows are parsed in blocks, so memory holds a block and one step.
+    gradient is then zero) and `step` (each row's step, padding rows' too, which a private step checks:
+    hand it over as `index`). Train on every step, an empty one (arrays of no rows) too: its noise is
+    part of the mechanism. Rows are parsed in blocks, so memory holds a block and one step.
 
     >>> for rows in read_steps(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
@@ -79,32 +77,27 @@ def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, 
 
 
 def _step_number(value) -> int:
-    """A step index or count given as an integer, a numpy integer or a scalar tensor (TypeError else)."""
+    """A step count given as an integer, a numpy integer or a scalar tensor (TypeError else)."""
     return operator.index(value.numpy() if hasattr(value, "numpy") else value)
 
 
 def steps_dataset(batches: Batches, features: Sequence[str]):
     """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
-    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`, and
-    `step_index`, the step's index (a scalar). Take every element once, in order, whole: no shuffle,
-    filter, repeat, or unbatch and batch again (the plan accounts for each step's rows once, an empty
-    step too); hand `step` (or `step_index`) to the step as its `index`, which refuses the rows of any
-    step but its next, and of several. Continuing a training after step k: `.skip(k)`.
+    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`. Take every
+    element once, in order, whole: no shuffle, filter, repeat, or unbatch and batch again (the plan
+    accounts for each step's rows once, an empty step too); hand its `step` to the step as its `index`,
+    which refuses rows of any step but its next, of several, and other than all of the step's rows.
+    Continuing a training after step k: `.skip(k)`.
 
     >>> for rows in steps_dataset(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
-    if STEP_INDEX in features:
-        raise InputError(
-            f"steps_dataset gives each step's index as {STEP_INDEX!r}: a feature of that name cannot be read"
-        )
     spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
     signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
-    signature[STEP_INDEX] = tf.TensorSpec([], tf.int64)
 
     def steps():
-        for index, rows in step_batches(batches, list(features)):
-            yield {**rows, STEP_INDEX: np.int64(index)}
+        for _, rows in step_batches(batches, list(features)):
+            yield rows
 
     return tf.data.Dataset.from_generator(steps, output_signature=signature)
 
@@ -133,10 +126,11 @@ class PrivateTrainingStep(PrivateStep):
     step's rows (`users=` each row's user too, for user-sampled batches); `plan` is the plan it trains
     under, with `noise` (where the noise comes from), `private` (whether the model will hold the plan's
     guarantee) and any composition with earlier trainings on the same selection set; `own_plan` is this
-    training's alone. Each call is the next step of the batches, which `index` names (`check_index`): its
-    noise is keyed by the step's index, BandMF's depends on the steps before. `training` is its id in
-    the selection's trainings ledger, which it enters just before its first noisy update. `loss_fn` is
-    the loss it trains with, the model's outputs taken in float32 (under mixed precision).
+    training's alone. Each call takes all the rows of the next step of the batches, which `index`, the
+    rows' own `step`, names (`check_index`): its noise is keyed by the step's index, BandMF's depends on
+    the steps before. `training` is its id in the selection's trainings ledger, which it enters once its
+    first noisy gradient is computed, just before that update is applied. `loss_fn` is the loss it
+    trains with, the model's outputs taken in float32 (under mixed precision).
 
     >>> step(x, y, weight, index=rows["step"])
     >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
@@ -178,7 +172,7 @@ class PrivateTrainingStep(PrivateStep):
         self.continues = False  # whether `training` is an interrupted ledger entry this step continues
         self.releases_from_checkpoints = False  # see make_private
         self.ledger: Ledger | None = None  # where a private training is entered (None: not private)
-        self.rows_per_step: int | None = None  # the most rows a step of the batches holds
+        self.rows_per_step: np.ndarray | None = None  # the rows each step of the batches holds (padding included)
         self.run = uuid.uuid4().hex  # this object's run of `training` (a continuation is another run)
         self._entered = False
 
@@ -188,68 +182,83 @@ class PrivateTrainingStep(PrivateStep):
         super().__call__(x, y, weight, users)
 
     def check_index(self, index, rows: int) -> None:
-        """Refuse `rows` rows unless they are the next step's: `index` is the rows' `step` (one value per
-        row, as `read_steps` and `steps_dataset` give them: every one the next step's) or the step's
-        index (`steps_dataset`'s `step_index`), and a step holds no more rows than the batches' largest.
-        The plan accounts for each step's own rows, once, in order: rows of another step, of several,
-        or of one step twice would be released under noise the accounting did not plan for them."""
+        """Refuse `rows` rows unless they are all the rows of the next step: `index` is the rows' own `step`
+        (one entry per row, as `read_steps` and `steps_dataset` give them, padding rows' too), every entry
+        the next step's number, and there are as many rows as the batches hold for that step (an empty
+        `step` where it holds none). The plan accounts for each step's own rows, once, in order: rows of
+        another step, of several, a part of a step or its rows twice would be released under noise the
+        accounting did not plan for them. A number (a count, `enumerate`'s) says nothing of the rows: refused."""
+        if self.steps_taken >= self.plan.steps:
+            raise InputError(self._past_the_plan())
         if index is None:
             raise InputError(
-                "a private step needs the index of the step its rows are: step(x, y, weight, index=rows['step']) "
-                "with the rows read_steps or steps_dataset give, one step's per call"
+                "a private step needs the rows' own step: step(x, y, weight, index=rows['step']) with the rows "
+                "read_steps or steps_dataset give, one step's per call"
             )
         values = np.asarray(index.numpy() if hasattr(index, "numpy") else index)
-        if values.dtype.kind not in "iu" or values.ndim > 1:
-            raise InputError(f"index={index!r}: the rows' step (rows['step']) or the step's index, as integers")
-        if values.ndim == 1 and len(values) != rows:
-            raise InputError(f"index holds {len(values)} steps for {rows} rows: pass the rows' own step (rows['step'])")
-        steps = np.unique(values)
-        if len(steps) > 1:
+        if values.ndim == 0:
             raise InputError(
-                f"rows of steps {steps[0]} to {steps[-1]} in one call: each call takes one step's rows, as "
-                f"read_steps or steps_dataset give them (not unbatched and batched again)"
+                f"index={values.item()!r} is a number, which says nothing of the rows it comes with: pass the "
+                f"rows' own step, index=rows['step'] (one entry per row, as read_steps and steps_dataset give them)"
             )
-        step = int(steps[0]) if len(steps) else self.steps_taken  # a step without rows
-        if step != self.steps_taken:
+        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
             raise InputError(
-                f"rows of step {step}, where this training's next step is {self.steps_taken}: take every step "
-                f"once, in order (no shuffle, filter or repeat); continuing after step k, skip the first k "
+                f"index of shape {values.shape} and dtype {values.dtype}: pass the rows' own step, index=rows['step'] "
+                f"(one integer per row)"
+            )
+        if len(values) != rows:
+            raise InputError(
+                f"index holds {len(values)} entries for {rows} rows: pass the rows' own step (rows['step'])"
+            )
+        step, found = self.steps_taken, np.unique(values)
+        if len(found) > 1 or (len(found) and found[0] != step):
+            given = f"step {found[0]}" if len(found) == 1 else f"steps {found[0]} to {found[-1]} in one call"
+            raise InputError(
+                f"rows of {given} where step {step} is next: take every step once, in order, whole (no shuffle, "
+                f"filter or repeat, no unbatch and batch again); continuing after step k, skip the first k "
                 f"(steps_dataset(...).skip(k), with make_private(..., resumed_at=k))"
             )
-        if self.rows_per_step is not None and rows > self.rows_per_step:
+        if self.rows_per_step is not None and rows != self.rows_per_step[step]:
             raise InputError(
-                f"{rows} rows for step {step}, where no step of the batches holds more than {self.rows_per_step}: "
-                f"each call takes one step's rows, as read_steps or steps_dataset give them"
+                f"{rows} rows where step {step} holds {self.rows_per_step[step]}: each call takes all the rows of "
+                f"one step, once, as read_steps or steps_dataset give them (not a part, no row twice, no padding "
+                f"of your own)"
             )
 
     def apply(self, x, y, weight, groups) -> None:
-        """The next step (what a call does); refused past the plan's T steps, which the guarantee covers."""
-        self._before_first_update(super().apply, self._replica_step, (x, y, weight, groups))
+        """The next step (what a call does); refused past the plan's T steps, which the guarantee covers. The
+        first step of a run computes its noised gradient, then enters the training in the ledger, then
+        applies it: a step that fails before its update (a model XLA cannot compile, whose call cannot be
+        traced, or that fails as it runs) leaves no entry, since only the first update releases anything
+        of the data. Interrupted after it, the training stays entered."""
+        self.lower_once(self._replica_step, (x, y, weight, groups))
+        if self._entered:
+            self._count_step()
+            super().apply(x, y, weight, groups)
+            return
+        noised = self._noised_update(x, y, weight, groups)
+        trace(self._apply_noised, (noised,))  # the update's graph is built before the entry, applied after
         self._count_step()
-        super().apply(x, y, weight, groups)
+        self._apply_noised(noised)
 
     def privatized_gradient(self, x, y, weight, users=None, index=None):
-        """As `PrivateStep.privatized_gradient`, for the next step, which `index` names (`check_index`)."""
+        """As `PrivateStep.privatized_gradient`, for the next step, which `index` names (`check_index`); the
+        training is entered in the ledger once its first noised gradient is computed, before it is returned."""
         self.check_index(index, len(weight))
-        self._before_first_update(self._privatize_once, self._privatized, self._inputs(x, y, weight, users))
+        gradients, state = self._noised_gradient(x, y, weight, users)
         self._count_step()
-        return super().privatized_gradient(x, y, weight, users)
+        self._keep_noise_state(state)
+        return gradients
 
-    def _before_first_update(self, function, replica_function, inputs: tuple) -> None:
-        """Before the training is entered in the ledger, lower (under XLA) and trace the step's function at
-        its first inputs, which runs nothing (no noise, no update): a model XLA cannot compile, or whose
-        call cannot be traced (an import that fails, an op on a tensor only eager code has), fails here
-        and leaves no entry. Only the first noisy update releases anything of the data."""
-        self.lower_once(replica_function, inputs)
-        if not self._entered:
-            trace(function, inputs)
+    def _past_the_plan(self) -> str:
+        return (
+            f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
+            f"would release more than its guarantee covers: calibrate for more steps (other batches)"
+        )
 
     def _count_step(self) -> None:
         if self.steps_taken >= self.plan.steps:
-            raise InputError(
-                f"the plan accounts for {self.plan.steps} steps of these batches; step {self.steps_taken + 1} "
-                f"would release more than its guarantee covers: calibrate for more steps (other batches)"
-            )
+            raise InputError(self._past_the_plan())
         if self._entered and _LIVE_RUNS.get(self.training, self.run) != self.run:
             raise InputError(self._superseded())
         last = self.steps_taken + 1 == self.plan.steps
@@ -393,9 +402,10 @@ def make_private(
     checkpointing it, as `madp train` does: a run then leaves its start step resumable until its first
     checkpoint.
 
-    Each call names its step: `step(x, y, weight, index=rows["step"])` (the rows' own step, or the step's
-    index, `steps_dataset`'s `step_index`), and the step refuses rows of any step but its next, rows of
-    several steps, and more rows than the batches' largest step holds (`PrivateTrainingStep.check_index`).
+    Each call names its step by its rows: `step(x, y, weight, index=rows["step"])`, the rows' own step (one
+    entry per row, as `read_steps` and `steps_dataset` give them), and the step refuses a number, rows of
+    any step but its next, rows of several steps, and other than all the rows the batches hold for that
+    step (`PrivateTrainingStep.check_index`).
     As a Keras model's `train_step` (`keras_train_step`), `fit` with `validation_data` and a callback that
     acts on what it measures (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), any
     callback of your own) is refused: the model fit returns would be chosen by a noiseless statistic of
@@ -404,8 +414,9 @@ def make_private(
 
     The trainings ledger is kept with the selection the batches were made from (`SELECTED/trainings.jsonl`,
     `batches.selection`), shared by every batch output made from it: a private step enters its training
-    there just before its first noisy update (as `output`, e.g. where the model will be written) and
-    marks it finished at step T. A step made on batches whose selection earlier private trainings used,
+    there once its first noisy gradient is computed, just before it is applied (as `output`, e.g. where the
+    model will be written; a step that fails before then leaves no entry), and marks it finished at step
+    T. A step made on batches whose selection earlier private trainings used,
     finished or interrupted, states the composition of all of them as `step.plan`'s (epsilon, delta)
     (`step.own_plan`: this training alone): trainings on the same batches as one release at their
     equivalent noise multiplier (they share the sampling), trainings on other batches of the selection as
@@ -473,7 +484,7 @@ def make_private(
     step.validation_data_public = validation_data_public
     step.ledger = ledger
     if plan.trained_on:
-        step.rows_per_step = max_rows_per_step(read_report(plan.trained_on, "batch"))
+        step.rows_per_step = rows_per_step(plan.trained_on)
     if releases_from_checkpoints and ledger is not None and not storage.holds(ledger.selection):
         raise InputError(
             f"releases_from_checkpoints: hold the lock of {ledger.selection} (storage.exclusive) for the whole "

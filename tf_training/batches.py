@@ -44,6 +44,17 @@ def max_rows_per_step(report: dict) -> int:
     return int(report["parameters"].get("max_batch_size") or report["written_batch_sizes"]["max"])
 
 
+def recorded_rows_per_step(report: dict) -> list[int] | None:
+    """The rows each step of the batches holds, padding rows (which carry their step) included, as their
+    report records them: B_max for every step where steps are padded to it, else each step's written
+    rows; None for a report of madp before it recorded those (unpadded batches)."""
+    padded_to = report["parameters"].get("max_batch_size")
+    if padded_to:
+        return [int(padded_to)] * int(report["steps"])
+    written = report["written_batch_sizes"].get("per_step")
+    return None if written is None else [int(rows) for rows in written]
+
+
 READER = "reading the batches (madp train, or the Python API)"  # what a reader's mark on them says
 
 

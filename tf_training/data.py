@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, one_line
+from madp.core.selection import read_report
 from madp.training import load_tensorflow
-from madp.training.batches import READER, Batches, unchanged
+from madp.training.batches import READER, Batches, open_batches, recorded_rows_per_step, unchanged
 
 tf = load_tensorflow()
 
@@ -44,23 +45,53 @@ def step_batches(batches: Batches, names: list[str]):
 
 def _steps(batches: Batches, names: list[str]):
     spec = feature_spec(batches.schema, sorted(set(names) | {"step", "weight"}))
-    dataset = (
-        tf.data.TFRecordDataset(list(batches.files))
+    empty = {name: np.zeros((0, *feature.shape), feature.dtype.as_numpy_dtype) for name, feature in spec.items()}
+    carry, next_step = empty, 0
+    for path in batches.files:
+        for block in _parsed_blocks(path, spec):
+            block = {name: np.concatenate([carry[name], block[name]]) for name in spec}
+            steps = block["step"]
+            if np.any(np.diff(steps) < 0) or steps[0] < next_step or steps[-1] >= batches.steps:
+                raise InputError(f"{batches.directory}: rows are not in step order 0..{batches.steps - 1}")
+            last = int(steps[-1])  # its rows may continue in the next block
+            starts = np.searchsorted(steps, np.arange(next_step, last + 1))
+            for step, (lo, hi) in zip(range(next_step, last), zip(starts[:-1], starts[1:])):
+                yield step, {name: values[lo:hi] for name, values in block.items()}
+            carry, next_step = {name: values[starts[-1] :] for name, values in block.items()}, last
+    for step in range(next_step, batches.steps):
+        yield step, carry if step == next_step else empty
+
+
+def _parsed_blocks(path: str, spec: dict):
+    """The rows of one batch file, parsed in blocks of `_PARSE_ROWS`; a row TensorFlow cannot parse as the
+    schema says (a feature missing, of another type or length) is an InputError naming the file. `madp
+    train` parses every step before its first (`tasks.prepare_task`), so it refuses such a file before it
+    trains; a loop of the Python API meets it at the step that holds it."""
+    blocks = (
+        tf.data.TFRecordDataset([path])
         .batch(_PARSE_ROWS)
         .map(lambda serialized: tf.io.parse_example(serialized, spec), num_parallel_calls=tf.data.AUTOTUNE)
         .prefetch(2)
+        .as_numpy_iterator()
     )
-    empty = {name: np.zeros((0, *feature.shape), feature.dtype.as_numpy_dtype) for name, feature in spec.items()}
-    carry, next_step = empty, 0
-    for block in dataset.as_numpy_iterator():
-        block = {name: np.concatenate([carry[name], block[name]]) for name in spec}
-        steps = block["step"]
-        if np.any(np.diff(steps) < 0) or steps[0] < next_step or steps[-1] >= batches.steps:
-            raise InputError(f"{batches.directory}: rows are not in step order 0..{batches.steps - 1}")
-        last = int(steps[-1])  # its rows may continue in the next block
-        starts = np.searchsorted(steps, np.arange(next_step, last + 1))
-        for step, (lo, hi) in zip(range(next_step, last), zip(starts[:-1], starts[1:])):
-            yield step, {name: values[lo:hi] for name, values in block.items()}
-        carry, next_step = {name: values[starts[-1] :] for name, values in block.items()}, last
-    for step in range(next_step, batches.steps):
-        yield step, carry if step == next_step else empty
+    while True:
+        try:
+            block = next(blocks)
+        except StopIteration:
+            return
+        except tf.errors.OpError as error:
+            raise InputError(
+                f"{path}: TensorFlow cannot read its rows as schema.json describes them ({one_line(error)}): not "
+                f"the file madp batch wrote; batch again"
+            ) from None
+        yield block
+
+
+def rows_per_step(directory: str) -> np.ndarray:
+    """The rows each step of the batches in `directory` holds, padding rows included, as their report
+    records them (`recorded_rows_per_step`); counted in the files where a report of madp before it
+    recorded them does not say."""
+    recorded = recorded_rows_per_step(read_report(directory, "batch"))
+    if recorded is None:
+        recorded = [len(rows["step"]) for _, rows in step_batches(open_batches(directory), [])]
+    return np.asarray(recorded, dtype=np.int64)

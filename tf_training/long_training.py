@@ -27,7 +27,7 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
-from madp.training.outputs import internal_path
+from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, internal_path
 from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
@@ -188,7 +188,8 @@ class Checkpoints:
     older checkpoint could continue beside this one."""
 
     def __init__(self, output: str, model, optimizer, step, evaluated_on: dict) -> None:
-        self.directory = internal_path(output, "checkpoints")
+        self.output = output
+        self.directory = checkpoints_directory(output)  # written at the first save, not before
         self.evaluated_on = evaluated_on  # the evaluations' data and flag: restored ones are published by it
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
         objects = {"model": model, "optimizer": optimizer, "steps_done": self.step_var}
@@ -206,6 +207,7 @@ class Checkpoints:
     def save(self, done: int, metrics: list[dict], plan: PrivacyPlan | None, record: Callable[[], None]) -> None:
         """Write the checkpoint of step `done`; `record()` enters it in the ledger (see the class)."""
         self.step_var.assign(done)
+        internal_path(self.output, CHECKPOINTS)  # its NOTICE first: never published
         path = self.manager.save(checkpoint_number=done)
         state = {
             "step": done,
@@ -249,11 +251,16 @@ class Checkpoints:
         storage.write_text(self.state_file, _state_text(state))
 
 
+def checkpoints_directory(output: str) -> str:
+    """OUTPUT/internal/checkpoints/, named, not made."""
+    return storage.join(output, INTERNAL_DIR, CHECKPOINTS)
+
+
 def interrupted_state(output: str, batches_dir: str) -> dict | None:
     """The state of OUTPUT's checkpoint to resume from, or None if it holds none: next_state.json where a
     crash came between its checkpoint's ledger write and state.json (the ledger's entry names its run and
-    step: nothing earlier may continue), else state.json (the ledger has not moved past it)."""
-    directory = internal_path(output, "checkpoints")
+    step: nothing earlier may continue), else state.json (the ledger has not moved past it). Reads only."""
+    directory = checkpoints_directory(output)
     state = _read_state(storage.join(directory, STATE_FILE))
     following = _read_state(storage.join(directory, NEXT_STATE_FILE))
     if following is None or following.get("training") is None:

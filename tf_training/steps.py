@@ -93,10 +93,10 @@ class _KerasFit:
     def keras_train_step(self, data) -> dict:
         """For `fit`: `model.train_step = step.keras_train_step`, `model.compile(run_eagerly=True)`, then
         `model.fit(dataset, epochs=1)` with one element per step, its (x, y, weight, index) or (x, y,
-        weight, users, index), `index` the rows' `step` (or `steps_dataset`'s `step_index`): a private
-        step refuses an element of any step but its next. Eagerly only: under tf.function, fit would
-        trace it once and a private step's per-call work (its count against the plan's T steps, the
-        trainings ledger) would not run per step. One replica only: a step of several
+        weight, users, index), `index` the rows' own `step`: a private step refuses an element that is not
+        all the rows of its next step (a number as `index`, from `enumerate`, too). Eagerly only: under
+        tf.function, fit would trace it once and a private step's per-call work (its count against the
+        plan's T steps, the trainings ledger) would not run per step. One replica only: a step of several
         (`make_private(..., strategy=s)`) splits a step's rows itself, from a loop. Its logs are the
         optimizer's iterations, a step count: public; what else fit shows (its progress bar's times,
         `validation_data`'s metrics without noise, callbacks') no guarantee covers. A private step
@@ -239,7 +239,7 @@ class PrivateStep(_LoweredOnce, _KerasFit):
             )
         self.rows_per_replica = rows_per_replica
         self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
-        self._privatized = compiled_by_xla(self._privatize, jit_compile, self.strategy)
+        self._privatized = compiled_by_xla(self._noised, jit_compile, self.strategy)
         self._xla, self._lowered = jit_compile, set()
         # TensorFloat-32 (Ampere and later GPUs) rounds float32 products' inputs to 10 bits: a row's
         # contribution to the clipped sum would then differ from the one its norm was taken of.
@@ -254,6 +254,12 @@ class PrivateStep(_LoweredOnce, _KerasFit):
 
     def privatized_gradient(self, x, y, weight, users=None):
         """The step's noisy clipped gradient sum over the expected batch size (one replica); advances the noise."""
+        gradients, state = self._noised_gradient(x, y, weight, users)
+        self._keep_noise_state(state)
+        return gradients
+
+    def _noised_gradient(self, x, y, weight, users):
+        """`privatized_gradient`'s (gradient, noise state after it), the noise state not yet kept."""
         inputs = self._inputs(x, y, weight, users)
         with _input_errors_of_the_trace():
             self.lower_once(self._privatized, inputs)
@@ -287,11 +293,31 @@ class PrivateStep(_LoweredOnce, _KerasFit):
         """One step on (per-replica) rows and their clipping groups (`row_groups`)."""
         self.strategy.run(self._replica_step, args=(x, y, weight, groups))
 
+    @tf.function(reduce_retracing=True)
+    def _noised_update(self, x, y, weight, groups):
+        """`apply` in two halves, this one computing each replica's (noised gradient, noise state after it),
+        which changes no variable, `_apply_noised` applying them: a private training enters its ledger
+        between the two at its first step (`PrivateTrainingStep.apply`)."""
+        return self.strategy.run(self._privatized, args=(x, y, weight, groups))
+
+    @tf.function(reduce_retracing=True)
+    def _apply_noised(self, noised) -> None:
+        """`apply`'s second half: keep the noise state and apply the noised gradient of `_noised_update`."""
+        self.strategy.run(self._commit, args=noised)
+
     def _apply_replica(self, x, y, weight, groups) -> None:
-        gradients = self._privatize(x, y, weight, groups)
+        self._commit(*self._noised(x, y, weight, groups))
+
+    def _commit(self, gradients, state) -> None:
+        self._keep_noise_state(state)
         _apply_gradients(self.optimizer, self.legacy_optimizer, gradients, self.model.trainable_variables, self.l2)
 
-    def _privatize(self, x, y, weight, groups):
+    def _keep_noise_state(self, state) -> None:
+        tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
+
+    def _noised(self, x, y, weight, groups):
+        """(the noised clipped gradient sum over the expected batch size, the noise state after it) of one
+        replica's rows: the noise state is read, not written."""
         state = tf.nest.map_structure(lambda v: v.read_value(), self._state)
         params = self.query.derive_sample_params(state)
         summed = None
@@ -315,8 +341,7 @@ class PrivateStep(_LoweredOnce, _KerasFit):
             summed = clip_and_sum(params, per_example)
         summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, summed)
         noised, state, _ = self.query.get_noised_result(summed, state)
-        tf.nest.map_structure(lambda v, t: v.assign(t), self._state, state)
-        return [g / self.expected for g in noised]
+        return [g / self.expected for g in noised], state
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ names the rows it cannot use, builds the model, and evaluates it on held-out rec
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -25,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.batch_files import USER_FEATURE
+from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow, pretrained, text
-from madp.training.batches import Batches
+from madp.training.batches import Batches, recorded_rows_per_step
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions, training_defaults
 
@@ -87,12 +89,6 @@ def build_model(name: str, input_dim: int, model_path: tuple[str, ...] = ()):
     return user_model(name, schema, model_path)[:2]
 
 
-def _one_line(error: BaseException) -> str:
-    """An exception as one line: its class and the first line of its message."""
-    said = str(error).strip().splitlines()
-    return type(error).__name__ + (f": {said[0]}" if said else "")
-
-
 def _returned(value: Any) -> str:
     """What the user's code returned, for an error: its type and a short repr."""
     return f"{type(value).__name__} {reprlib.repr(value)}"
@@ -104,7 +100,7 @@ def user_call(flag: str, spec: str, call: str, function, *args, error: type[Inpu
     try:
         return function(*args)
     except Exception as failure:  # noqa: BLE001 - the user's code failed: say which function and how
-        raise error(f"{flag} {spec}: {call} raised {_one_line(failure)}") from None
+        raise error(f"{flag} {spec}: {call} raised {one_line(failure)}") from None
 
 
 def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
@@ -120,7 +116,7 @@ def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
         where = ", ".join(searched) + ", PYTHONPATH"
         raise InputError(f"{flag} {spec}: cannot import module {module_name!r} ({error}; searched {where})") from None
     except Exception as error:  # noqa: BLE001 - the user's module failed while importing: say which
-        raise InputError(f"{flag} {spec}: importing module {module_name!r} failed: {_one_line(error)}") from None
+        raise InputError(f"{flag} {spec}: importing module {module_name!r} failed: {one_line(error)}") from None
     finally:
         sys.path[:] = saved
     function = getattr(module, function_name, None)
@@ -401,7 +397,7 @@ class UserTask:
         try:
             shapes = {name: array.shape for name, array in _encoded_arrays(found).items()}
         except (ValueError, TypeError) as error:  # ragged lists, or values numpy cannot hold in an array
-            raise InputError(f"{where} returned values that are not arrays ({_one_line(error)})") from None
+            raise InputError(f"{where} returned values that are not arrays ({one_line(error)})") from None
         if any(shape[:1] != (count,) for shape in shapes.values()):
             raise InputError(f"{where} of {count} rows returned shapes {shapes}: one entry per row expected")
         return found
@@ -720,16 +716,23 @@ class Skipped:
         )
 
 
+def step_features(task, batches: Batches) -> list[str]:
+    """The batch features a training of `task` reads from each step: the task's, each row's `id` (the rows
+    a task cannot use, --zero-out) and, on user-sampled batches, each row's user (clipped by user)."""
+    return [*task.names, "id"] + ([USER_FEATURE] if batches.report["sampler"] == "users" else [])
+
+
 def prepare_task(options: TrainOptions, batches: Batches):
     """(task, skipped rows): the task of --model, its label set (given, or read from the batches with a
-    warning), and every real row it cannot use, checked before any training step."""
+    warning), and every real row it cannot use. Every step is read once, as the training reads it
+    (`step_features`), before the training starts (so before its ledger entry): a row TensorFlow cannot
+    parse as schema.json says (`data.step_batches` names its file) or a step of other than the rows the
+    batch report records is refused here, not at the step that holds it."""
     task: _TextTask | NumericTask | UserTask
     if options.user_task:
         task = UserTask(options, batches.schema)
     elif options.model not in TEXT_MODELS:
         task = NumericTask(options, batches.schema)
-        if options.task != "multiclass":  # nothing to check: every row is usable
-            return task, Skipped()
     elif options.model == "text-lm":
         task = ByteLmTask(options, batches.schema)
     elif options.model == "causal-lm":
@@ -737,8 +740,14 @@ def prepare_task(options: TrainOptions, batches: Batches):
     else:
         labels = list(options.labels or ()) or _labels_in(options, batches)
         task = TextClassifierTask(options, batches.schema, labels)
+    recorded = recorded_rows_per_step(batches.report)
     skipped = Skipped()
-    for step, rows in step_batches(batches, [*task.names, "id", "weight"]):
+    for step, rows in step_batches(batches, step_features(task, batches)):
+        if recorded is not None and len(rows["weight"]) != recorded[step]:
+            raise InputError(
+                f"{batches.directory}: step {step} holds {len(rows['weight'])} rows where its report records "
+                f"{recorded[step]}: not the batches madp batch wrote; batch again"
+            )
         problems = task.problems(rows)
         bad = (rows["weight"] > 0) & (problems != "")
         if bad.any():
@@ -754,6 +763,21 @@ def prepare_task(options: TrainOptions, batches: Batches):
             f"Fix them, or pass --on-invalid skip to train them with weight 0 (listed in OUTPUT/rejected/)"
         )
     return task, skipped
+
+
+@contextlib.contextmanager
+def user_model_failures(options: TrainOptions, when: str):
+    """A TensorFlow run-time error (an op that failed as it ran: an index past an Embedding's vocabulary,
+    shapes that do not fit) while a `--model module:function` model computes with its loss, as one
+    InputError that names the model, what failed and where (`one_line`). Only for such models: in madp's
+    own models an op that fails is madp's error, which keeps its traceback; and only run-time errors
+    (OpError), not Python's exceptions as a step is traced, which madp's clipping code raises too."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if not options.user_model:
+            raise
+        raise InputError(f"--model {options.model}: the model or its loss failed {when}: {one_line(error)}") from None
 
 
 def _labels_in(options: TrainOptions, batches: Batches) -> list[str]:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +43,7 @@ from madp.training import (  # the public API; the trainer's own parts: tasks, m
 from madp.training.long_training import (
     Checkpoints,
     ScalarLog,
+    checkpoints_directory,
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
@@ -50,7 +52,6 @@ from madp.training.long_training import (
 )
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import (
-    CHECKPOINTS,
     EVALUATION_FIELDS,
     EVALUATION_FILE,
     INTERNAL_DIR,
@@ -70,6 +71,8 @@ from madp.training.tasks import (
     is_keras3,
     prepare_task,
     read_columns,
+    step_features,
+    user_model_failures,
 )
 
 tf = load_tensorflow()
@@ -185,10 +188,33 @@ def _column_if_present(path: str, column: str) -> list | None:
 
 
 def _checked_evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
-    """The task's evaluation of the model on --eval-data, every figure a finite number (`finite_evaluation`)."""
-    return finite_evaluation(
-        task.evaluate(model, loss_fn, data), f"--model {options.model}: its evaluation on --eval-data {when}"
-    )
+    """The task's evaluation of the model on --eval-data, every figure a finite number (`finite_evaluation`);
+    a module:function model that fails as it runs there is named (`user_model_failures`)."""
+    with user_model_failures(options, f"in its evaluation on --eval-data {when}"):
+        evaluated = task.evaluate(model, loss_fn, data)
+    return finite_evaluation(evaluated, f"--model {options.model}: its evaluation on --eval-data {when}")
+
+
+class _Logs(NamedTuple):
+    """A training's TensorBoard scalars: `published` (epsilon spent, public evaluations; stamped with steps,
+    never clock times: see ScalarLog) and `internal` (the scalars of the training rows without noise,
+    --internal-scalars, see long_training; the evaluations on data not declared public: no guarantee
+    covers either), `evaluations` the one of the two the evaluations go to."""
+
+    published: ScalarLog
+    internal: ScalarLog | None
+    evaluations: ScalarLog
+
+
+def _take_output(output: str, replaced: list[str], resumed: int, options: TrainOptions, published_eval: bool) -> _Logs:
+    """The logs, opened once this run's first step has run (or none was left to run), after removing the
+    earlier training's outputs that --replace replaces (`replaced`): nothing is written into OUTPUT before,
+    so a training that fails in its first step leaves it as it was."""
+    storage.remove_written(output, replaced)
+    published = ScalarLog(storage.join(output, "logs"), resumed)
+    needs_internal = options.internal_scalars or not published_eval
+    internal = ScalarLog(internal_path(output, "logs"), resumed) if needs_internal else None
+    return _Logs(published, internal, internal if internal is not None and not published_eval else published)
 
 
 def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
@@ -202,7 +228,7 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
     refused, and so is one into an output holding another training's logs unless --replace."""
     state = interrupted_state(output, batches_dir)
     if not options.resume:
-        checkpoints = storage.join(output, INTERNAL_DIR, CHECKPOINTS)
+        checkpoints = checkpoints_directory(output)
         if state is not None or (options.replace and storage.kind(checkpoints) != "missing"):
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
@@ -319,8 +345,9 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     if options.pretrained is not None and options.mechanism != "none":
         check_pretrained_path(options.pretrained)
         public_model = pretrained_is_public(options.pretrained)
-    task, skipped = prepare_task(options, batches)
+    # The devices first: TensorFlow fixes them when it first runs an op, and prepare_task reads every step
     strategy = distribution_strategy(options)
+    task, skipped = prepare_task(options, batches)
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope(), compute_precision(options.mixed_precision):
@@ -416,23 +443,13 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
                     **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}"),
                 }
             )
-    tf.io.gfile.makedirs(output)
-    # Published: epsilon spent, public evaluations; stamped with steps, never clock times (see ScalarLog).
-    # The logs' files are created at their first event, after the first step (an earlier training's logs,
-    # of the same names, are replaced then).
-    writer = ScalarLog(storage.join(output, "logs"), resumed)
-    # Internal: scalars of the training rows without noise, which no guarantee covers (see long_training),
-    # and the evaluations on data not declared public, which none covers either.
     published_eval = options.eval_data_public or evaluation is None
-    needs_internal = options.internal_scalars or not published_eval
-    internal = ScalarLog(internal_path(output, "logs"), resumed) if needs_internal else None
-    eval_writer = internal if internal is not None and not published_eval else writer
+    scalars: _Logs | None = None  # once this run's first step ran
     loop_started = time.perf_counter()
     progress = Progress(log, "training", batches.steps, "steps")
-    names = [*task.names, "id"] + ([USER_FEATURE] if user_level else [])
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
     unevaluated: MetricsFailed | None = None  # a task's metrics() that failed: the model trains on, unevaluated
-    for index, rows in enumerate(read_steps(batches, names)):
+    for index, rows in enumerate(read_steps(batches, step_features(task, batches))):
         if index < resumed:  # run before the checkpoint resumed from
             continue
         # Every step runs, an empty one too: its noise is part of the mechanism.
@@ -445,20 +462,19 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
             rate = learning_rate_at(index, batches.steps, options)
             set_learning_rate(optimizer, rate)
         logs = _evaluates(done, batches.steps, options)
-        statistics: dict[str, float] = {}  # INTERNAL: the step's rows before its update, no noise; written once it ran
-        if options.internal_scalars and internal is not None and logs:
-            users = rows[USER_FEATURE] if user_level else None
-            statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
-        step(x, y, weight, users=rows[USER_FEATURE] if user_level else None, index=rows["step"])
-        if replaced:  # the first step ran: the earlier training goes now, before anything of this one is written
-            storage.remove_written(output, replaced)
-            replaced = []
-            internal_path(output)  # its NOTICE again, removed with the earlier training's internal files
+        users = rows[USER_FEATURE] if user_level else None
+        statistics = {}  # INTERNAL: the step's rows before its update, no noise
+        with user_model_failures(options, f"at step {done}"):
+            if options.internal_scalars and logs:
+                statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
+            step(x, y, weight, users=users, index=rows["step"])
+        if scalars is None:
+            scalars = _take_output(output, replaced, resumed, options, published_eval)
         if schedule != "constant" and logs:  # public: the schedule's value
-            writer.scalar("train/learning_rate", rate, done)
-        if internal is not None:
+            scalars.published.scalar("train/learning_rate", rate, done)
+        if scalars.internal is not None:
             for name, value in statistics.items():
-                internal.scalar(f"train/{name}", value, done)
+                scalars.internal.scalar(f"train/{name}", value, done)
         evaluates = logs and evaluation is not None and unevaluated is None
         every = options.checkpoint_every
         if checkpoints is not None and ((every and done % every == 0) or evaluates):
@@ -475,18 +491,20 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
                 unevaluated = MetricsFailed(f"{error} (at step {done})")
             else:
                 for name in ("loss", task.headline):
-                    eval_writer.scalar(f"eval/{name}", metrics[-1][name], done)
+                    scalars.evaluations.scalar(f"eval/{name}", metrics[-1][name], done)
         if privacy is not None and logs:  # public: a function of the plan and the step count only
-            writer.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), done)
+            scalars.published.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), done)
         quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
         if quality and privacy is None:  # no guarantee covers these figures: the line says so
             quality += " (non-private: internal)"
         elif quality and not published_eval:
             quality += " (--eval-data not declared public: internal)"
         progress.update(done, quality)
-    writer.close()
-    if internal is not None:
-        internal.close()
+    if scalars is None:  # no step was left to run: resumed after the last
+        scalars = _take_output(output, replaced, resumed, options, published_eval)
+    scalars.published.close()
+    if scalars.internal is not None:
+        scalars.internal.close()
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     without_clock_times(storage.join(output, "model.keras"))  # Keras stamps it with the time it was saved
     result = {

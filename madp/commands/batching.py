@@ -118,9 +118,10 @@ def _batch_options(args: argparse.Namespace):
 
 
 def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    """The batch report as printed: batch sizes without the per-step list (it stays in report.json)."""
+    """The batch report as printed: batch sizes without the per-step lists (they stay in report.json)."""
     result = _run_batch(args, beam_args)
-    result["batch_sizes"] = {k: v for k, v in result["batch_sizes"].items() if k != "per_step"}
+    for sizes in ("batch_sizes", "written_batch_sizes"):
+        result[sizes] = {k: v for k, v in result[sizes].items() if k != "per_step"}
     return result
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 from typing import NamedTuple
 
 
@@ -26,6 +27,45 @@ class CheckFailed(InputError):
     def __init__(self, message: str, result: dict | None = None):
         super().__init__(message)
         self.result = result or {}
+
+
+# TensorFlow's run-time errors (OpError) open with where the failed op was defined: a header, "Detected at
+# node N defined at (most recent call last):" and that stack; an eager one names the function it ran in
+# and ends with its op's name; Keras wraps an error of a layer's call in a header that names the layer.
+_PREAMBLE = ("Graph execution error:", "Detected at node", "Exception encountered when calling")
+_WHERE = re.compile(
+    r"^(?:Detected at node '?(?P<node>[^' ]+)'? defined at"
+    r"|Exception encountered when calling (?:layer '(?P<layer>[^']+)'|(?P<call>\S+?\.call)\(\)))",
+    re.MULTILINE,
+)
+# An eager op's function and name; tf.data's words on the function of a step of its pipeline
+_DECORATION = re.compile(
+    r"^\{\{function_node [^}]*\}\}\s*|\s*name:\s*$"
+    r"|Error in user-defined function passed to \S+ transformation with iterator: \S+: (?:Name: [^,]*, )?"
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras 3 prints its errors bold
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its class and the first line of its message that says what failed. Of a
+    TensorFlow run-time error, that is the line after its preamble (`_PREAMBLE`: the stack of the op's
+    definition, Keras' header), with the node or layer that failed: "InvalidArgumentError: indices[0,0]
+    = 23 is not in [0, 4) (at node model/embedding/embedding_lookup)"."""
+    text = _ANSI.sub("", str(error))
+    lines = [line for line in text.splitlines() if line.strip()]
+    said = next(
+        (line for line in lines if not line[0].isspace() and not line.startswith(_PREAMBLE)), lines[0] if lines else ""
+    )
+    said = _DECORATION.sub("", said.strip())
+    where = _WHERE.search(text)
+    at = ""
+    if where is not None:
+        at = (
+            f" (at node {where['node']})"
+            if where["node"]
+            else f" (in {where['call'] or 'layer ' + repr(where['layer'])})"
+        )
+    return type(error).__name__ + (f": {said}" if said else "") + at
 
 
 def positive(value: float) -> bool:
