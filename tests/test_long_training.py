@@ -340,6 +340,23 @@ def ledger(batches_dir: str) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
+def assert_nothing_entered_and_the_next_training_starts_alone(failed, model, initial, copy, plan, steps) -> None:
+    """After a first step that raised: no ledger entry, no step taken, the model's weights as they were; a
+    new training on the same plan composes with nothing and is entered once its first step runs."""
+    import tf_keras
+
+    from madp.training.tasks import build_model
+
+    assert ledger(copy) == [] and failed.steps_taken == 0
+    for a, b in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(a, b)
+    model, loss = build_model("logreg", 8)
+    after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
+    assert after.plan.composition is None, "no earlier training: the failed one released nothing"
+    next_step(after, steps)
+    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
+
+
 def crash_writing_state(monkeypatch, step: int) -> None:
     """Interrupt madp train as it writes the state.json of its checkpoint of `step`."""
     from madp.training import long_training
@@ -747,14 +764,7 @@ def test_a_training_that_fails_before_its_first_noisy_update_is_not_entered(batc
     initial = [w.copy() for w in model.get_weights()]
     with pytest.raises(Exception, match="numpy"):
         step(first["features"], first["label"], first["weight"], index=first["step"])
-    assert ledger(copy) == [] and step.steps_taken == 0
-    for a, b in zip(model.get_weights(), initial):
-        np.testing.assert_array_equal(a, b)
-    model, loss = build_model("logreg", 8)
-    after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
-    assert after.plan.composition is None, "no earlier training: the failed one released nothing"
-    after(first["features"], first["label"], first["weight"], index=first["step"])
-    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
+    assert_nothing_entered_and_the_next_training_starts_alone(step, model, initial, copy, plan, [first])
 
 
 def test_a_training_whose_first_step_fails_as_it_runs_is_not_entered(batches, tmp_path):
@@ -780,14 +790,7 @@ def test_a_training_whose_first_step_fails_as_it_runs_is_not_entered(batches, tm
     initial = [w.copy() for w in model.get_weights()]
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 4\)"):
         next_step(step, steps)
-    assert ledger(copy) == [] and step.steps_taken == 0
-    for a, b in zip(model.get_weights(), initial):
-        np.testing.assert_array_equal(a, b)
-    model, loss = build_model("logreg", 8)
-    after = api.make_private(model, loss, tf_keras.optimizers.SGD(0.1), plan)
-    assert after.plan.composition is None, "no earlier training: the failed one released nothing"
-    next_step(after, steps)
-    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(after.training, "started")]
+    assert_nothing_entered_and_the_next_training_starts_alone(step, model, initial, copy, plan, steps)
 
 
 def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
