@@ -935,9 +935,13 @@ def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text
     assert "Traceback" not in err
     assert f"--pretrained {junk}: metadata 'general.junk', an array of 200,000 elements; madp reads at most " in err
     tiny = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    # under the tokenizer's prefix, but none of its arrays: capped as any other key's
+    strings = [array_metadata("tokenizer.ggml.junk", [b""] * 200_000, gguf.GGUFValueType.STRING)]
+    tokenizer_junk = write_tiny_gguf(str(tmp_path / "tokenizer_junk.gguf"), metadata=strings)
     past_the_end = "past the end of its"
     for path, message in {
         junk: "metadata 'general.junk', an array of 200,000 elements; madp reads at most 65,536 in an array",
+        tokenizer_junk: "metadata 'tokenizer.ggml.junk', an array of 200,000 elements; madp reads at most 65,536",
         with_number(junk, "general.junk", 8, 2**40): f"(metadata 'general.junk', an array of 1,099,511,627,776 "
         f"elements: {past_the_end}",
         with_number(tiny, "tokenizer.ggml.tokens", 16, 2**40): f"(metadata 'tokenizer.ggml.tokens', an array of "

@@ -261,10 +261,11 @@ _GGUF_VERSIONS = (2, 3)
 _GGUF_LEAST_ENTRY, _GGUF_LEAST_TENSOR = 13, 24
 # gguf.GGUFReader holds a numpy view of the file for each part of the metadata: a key's length, name
 # and type; a string's length and bytes; a number; an array's type and count, then each element's parts;
-# and 7 per tensor. Each holds 0.7 to 0.8 KB (measured: numpy 2.4, gguf 0.19), and takes about 10 us.
-_READER_BYTES_PER_PART = 1000
+# and 7 per tensor. Each holds 0.7 to 1.2 KB (measured: numpy 2.4, gguf 0.19), and takes about 10 us.
+_READER_BYTES_PER_PART = 1200
 _KEY_PARTS, _TENSOR_PARTS = 3, 7
-_TOKENIZER_KEYS = "tokenizer.ggml."  # its arrays are as long as the vocabulary or its merges
+# The tokenizer's arrays, as long as the vocabulary or its merges (any other key's array is capped)
+_TOKENIZER_ARRAYS = frozenset(f"tokenizer.ggml.{name}" for name in ("tokens", "scores", "token_type", "merges"))
 MOST_ARRAY_ELEMENTS = 65_536  # in an array of another key (real files: tags, languages, per-layer sizes)
 _MOST_NESTED = 8  # arrays within arrays
 
@@ -277,7 +278,7 @@ def check_gguf_layout(path: str) -> None:
     element type, a count and the elements; a string a 64-bit length and its bytes) and each tensor's
     info (name, dimensions, type, offset), reading lengths and counts only and skipping the bytes
     between. Refused: a count or length that runs past the file's end (a truncated or crafted file);
-    an array of more than MOST_ARRAY_ELEMENTS elements but the tokenizer's (`tokenizer.ggml.*`, as long
+    an array of more than MOST_ARRAY_ELEMENTS elements but the tokenizer's (`_TOKENIZER_ARRAYS`, as long
     as its vocabulary: Llama 3's 128k tokens and 280k merges), or nested more than `_MOST_NESTED` deep;
     and what the reader would hold in more memory than `check_memory` allows."""
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -336,10 +337,11 @@ class _GgufWalk:
         where = f"metadata {key!r}, an array of {count:,} elements"
         least = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}.get(element, _GGUF_FIXED_BYTES.get(element, 1))
         self.fits(count * least, where)
-        if count > MOST_ARRAY_ELEMENTS and not key.startswith(_TOKENIZER_KEYS):
+        if count > MOST_ARRAY_ELEMENTS and key not in _TOKENIZER_ARRAYS:
             raise InputError(
                 f"--pretrained {self.path}: {where}; madp reads at most {MOST_ARRAY_ELEMENTS:,} in an array "
-                f"outside the tokenizer's ({_TOKENIZER_KEYS}*): the gguf package makes an object of each"
+                f"outside the tokenizer's ({', '.join(sorted(_TOKENIZER_ARRAYS))}): the gguf package makes an "
+                "object of each"
             )
         own_parts = 1 if element in _GGUF_FIXED_BYTES else 2 if element == _GGUF_STRING else 0  # arrays: their own
         self.hold(2 + count * own_parts, where)
