@@ -235,7 +235,8 @@ def test_a_private_step_takes_all_the_rows_of_its_next_step_named_by_their_own_s
     """The loop form names each call's step by its rows (`index`: the rows' own `step`, one entry per row),
     so what ordinary tf.data use does to the steps is refused before any update: shuffled steps, named by
     their rows' step or by `enumerate`'s number; rows unbatched and batched again; a step's rows twice; a
-    part of a step (its padding rows left out); and a call that names no step. Only all the rows of the
+    part of a step (its padding rows left out); its padding rows replaced by copies of its records; and a
+    call that names no step. Only all the rows of the
     next step, padding rows (which carry their step) included, run."""
     import tf_keras
 
@@ -274,6 +275,11 @@ def test_a_private_step_takes_all_the_rows_of_its_next_step_named_by_their_own_s
     without_padding = {name: values[:real] for name, values in first.items()}
     with pytest.raises(InputError, match=f"{real} rows where step 0 holds 64"):
         call(without_padding, without_padding["step"])
+    records = np.flatnonzero(first["weight"])
+    copies = np.concatenate([records, records[np.arange(64 - real) % real]])  # padding rows given records' copies
+    filled = {name: values[copies] for name, values in first.items()}
+    with pytest.raises(InputError, match=f"64 rows of non-zero weight where step 0 holds {real} records"):
+        call(filled, filled["step"])
     with pytest.raises(InputError, match="index holds 2 entries for 64 rows"):
         call(first, first["step"][:2])
     assert step.steps_taken == 0

@@ -21,7 +21,7 @@ from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
-from madp.training.data import feature_spec, rows_per_step, step_batches
+from madp.training.data import StepRows, feature_spec, rows_per_step, step_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
     FINISHED,
@@ -172,22 +172,25 @@ class PrivateTrainingStep(PrivateStep):
         self.continues = False  # whether `training` is an interrupted ledger entry this step continues
         self.releases_from_checkpoints = False  # see make_private
         self.ledger: Ledger | None = None  # where a private training is entered (None: not private)
-        self.rows_per_step: np.ndarray | None = None  # the rows each step of the batches holds (padding included)
+        self.step_rows: StepRows | None = None  # the rows and records each step of the batches holds
         self.run = uuid.uuid4().hex  # this object's run of `training` (a continuation is another run)
         self._entered = False
 
     def __call__(self, x, y, weight, users=None, index=None) -> None:
         """The next step on its rows, which `index` names (`check_index`)."""
-        self.check_index(index, len(weight))
+        self.check_index(index, weight)
         super().__call__(x, y, weight, users)
 
-    def check_index(self, index, rows: int) -> None:
-        """Refuse `rows` rows unless they are all the rows of the next step: `index` is the rows' own `step`
-        (one entry per row, as `read_steps` and `steps_dataset` give them, padding rows' too), every entry
-        the next step's number, and there are as many rows as the batches hold for that step (an empty
-        `step` where it holds none). The plan accounts for each step's own rows, once, in order: rows of
-        another step, of several, a part of a step or its rows twice would be released under noise the
-        accounting did not plan for them. A number (a count, `enumerate`'s) says nothing of the rows: refused."""
+    def check_index(self, index, weight) -> None:
+        """Refuse rows (their `weight`s) unless they are all the rows of the next step: `index` is the rows'
+        own `step` (one entry per row, as `read_steps` and `steps_dataset` give them, padding rows' too),
+        every entry the next step's number, and there are as many rows, and as many of them of non-zero
+        weight, as the batches hold rows and records for that step (an empty `step` where it holds none).
+        The plan accounts for each step's own records, once, in order: rows of another step, of several, a
+        part of a step or its rows twice (padding rows given a record's weight among them) would be released
+        under noise the accounting did not plan for them. A number (a count, `enumerate`'s) says nothing of
+        the rows: refused."""
+        rows = len(weight)
         if self.steps_taken >= self.plan.steps:
             raise InputError(self._past_the_plan())
         if index is None:
@@ -218,10 +221,16 @@ class PrivateTrainingStep(PrivateStep):
                 f"filter or repeat, no unbatch and batch again); continuing after step k, skip the first k "
                 f"(steps_dataset(...).skip(k), with make_private(..., resumed_at=k))"
             )
-        if self.rows_per_step is not None and rows != self.rows_per_step[step]:
+        if self.step_rows is None:
+            return
+        held, records = self.step_rows.rows[step], self.step_rows.records[step]
+        weighted = int(np.count_nonzero(np.asarray(weight.numpy() if hasattr(weight, "numpy") else weight)))
+        if rows != held or weighted != records:
+            given = f"{rows} rows" if rows != held else f"{weighted} rows of non-zero weight"
+            holds = f"holds {held}" if rows != held else f"holds {records} records (and {held - records} padding rows)"
             raise InputError(
-                f"{rows} rows where step {step} holds {self.rows_per_step[step]}: each call takes all the rows of "
-                f"one step, once, as read_steps or steps_dataset give them (not a part, no row twice, no padding "
+                f"{given} where step {step} {holds}: each call takes all the rows of one step, once, as "
+                f"read_steps or steps_dataset give them, with their weights (not a part, no row twice, no padding "
                 f"of your own)"
             )
 
@@ -244,7 +253,7 @@ class PrivateTrainingStep(PrivateStep):
     def privatized_gradient(self, x, y, weight, users=None, index=None):
         """As `PrivateStep.privatized_gradient`, for the next step, which `index` names (`check_index`); the
         training is entered in the ledger once its first noised gradient is computed, before it is returned."""
-        self.check_index(index, len(weight))
+        self.check_index(index, weight)
         gradients, state = self._noised_gradient(x, y, weight, users)
         self._count_step()
         self._keep_noise_state(state)
@@ -484,7 +493,7 @@ def make_private(
     step.validation_data_public = validation_data_public
     step.ledger = ledger
     if plan.trained_on:
-        step.rows_per_step = rows_per_step(plan.trained_on)
+        step.step_rows = rows_per_step(plan.trained_on)
     if releases_from_checkpoints and ledger is not None and not storage.holds(ledger.selection):
         raise InputError(
             f"releases_from_checkpoints: hold the lock of {ledger.selection} (storage.exclusive) for the whole "

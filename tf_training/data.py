@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from madp.core import storage
@@ -87,11 +89,24 @@ def _parsed_blocks(path: str, spec: dict):
         yield block
 
 
-def rows_per_step(directory: str) -> np.ndarray:
-    """The rows each step of the batches in `directory` holds, padding rows included, as their report
-    records them (`recorded_rows_per_step`); counted in the files where a report of madp before it
-    recorded them does not say."""
-    recorded = recorded_rows_per_step(read_report(directory, "batch"))
-    if recorded is None:
-        recorded = [len(rows["step"]) for _, rows in step_batches(open_batches(directory), [])]
-    return np.asarray(recorded, dtype=np.int64)
+class StepRows(NamedTuple):
+    """What each step of a batch output holds: its `rows`, padding rows included, and its `records`, the
+    real ones (weight 1.0; padding rows weigh 0.0)."""
+
+    rows: np.ndarray
+    records: np.ndarray
+
+
+def rows_per_step(directory: str) -> StepRows:
+    """The rows and the records each step of the batches in `directory` holds, as their report records
+    them (`recorded_rows_per_step`, `written_batch_sizes`); counted in the files where a report of madp
+    before it recorded them does not say."""
+    report = read_report(directory, "batch")
+    rows, records = recorded_rows_per_step(report), report["written_batch_sizes"].get("per_step")
+    if rows is None or records is None:
+        steps = [
+            (len(step["step"]), int(np.count_nonzero(step["weight"])))
+            for _, step in step_batches(open_batches(directory), [])
+        ]
+        rows, records = [held for held, _ in steps], [real for _, real in steps]
+    return StepRows(np.asarray(rows, dtype=np.int64), np.asarray(records, dtype=np.int64))
