@@ -320,7 +320,8 @@ def test_on_unpadded_batches_each_call_takes_exactly_the_rows_its_step_holds(unp
     for directory in (unpadded, earlier):
         batches = open_batches(str(directory))
         model, loss = build_model("logreg", 16)
-        step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), calibrate(batches, epsilon=8), noise_seed=3)
+        plan = calibrate(batches, noise_multiplier=1.0)  # calibrating to an epsilon would take a minute here
+        step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan, noise_seed=3)
 
         def call(rows, picked, step=step):
             step(rows["features"][picked], rows["label"][picked], rows["weight"][picked], index=rows["step"][picked])
