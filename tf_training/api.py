@@ -184,8 +184,8 @@ class PrivateTrainingStep(PrivateStep):
     def check_index(self, index, weight) -> None:
         """Refuse rows (their `weight`s) unless they are all the rows of the next step: `index` is the rows'
         own `step` (one entry per row, as `read_steps` and `steps_dataset` give them, padding rows' too),
-        every entry the next step's number, and there are as many rows, and as many of them of non-zero
-        weight, as the batches hold rows and records for that step (an empty `step` where it holds none).
+        every entry the next step's number, and there are as many rows as the batches hold for that step (an
+        empty `step` where it holds none), no more of them of non-zero weight than its records.
         The plan accounts for each step's own records, once, in order: rows of another step, of several, a
         part of a step or its rows twice (padding rows given a record's weight among them) would be released
         under noise the accounting did not plan for them. A number (a count, `enumerate`'s) says nothing of
@@ -225,7 +225,7 @@ class PrivateTrainingStep(PrivateStep):
             return
         held, records = self.step_rows.rows[step], self.step_rows.records[step]
         weighted = int(np.count_nonzero(np.asarray(weight.numpy() if hasattr(weight, "numpy") else weight)))
-        if rows != held or weighted != records:
+        if rows != held or weighted > records:  # rows of weight 0 withhold records (an audit's), never add one
             given = f"{rows} rows" if rows != held else f"{weighted} rows of non-zero weight"
             holds = f"holds {held}" if rows != held else f"holds {records} records (and {held - records} padding rows)"
             raise InputError(
