@@ -121,6 +121,11 @@ def calibrate(batches: Batches, options: TrainOptions | None = None, **settings:
     return plan
 
 
+def _as_array(values) -> np.ndarray:
+    """A tensor's values (an eager one's) or an array-like's, as a numpy array."""
+    return np.asarray(values.numpy() if hasattr(values, "numpy") else values)
+
+
 class PrivateTrainingStep(PrivateStep):
     """A private training step (`make_private`): `step(x, y, weight, index=rows["step"])` trains on one
     step's rows (`users=` each row's user too, for user-sampled batches); `plan` is the plan it trains
@@ -198,7 +203,7 @@ class PrivateTrainingStep(PrivateStep):
                 "a private step needs the rows' own step: step(x, y, weight, index=rows['step']) with the rows "
                 "read_steps or steps_dataset give, one step's per call"
             )
-        values = np.asarray(index.numpy() if hasattr(index, "numpy") else index)
+        values = _as_array(index)
         if values.ndim == 0:
             raise InputError(
                 f"index={values.item()!r} is a number, which says nothing of the rows it comes with: pass the "
@@ -224,7 +229,7 @@ class PrivateTrainingStep(PrivateStep):
         if self.step_rows is None:
             return
         held, records = self.step_rows.rows[step], self.step_rows.records[step]
-        weighted = int(np.count_nonzero(np.asarray(weight.numpy() if hasattr(weight, "numpy") else weight)))
+        weighted = int(np.count_nonzero(_as_array(weight)))
         if rows != held or weighted > records:  # rows of weight 0 withhold records (an audit's), never add one
             given = f"{rows} rows" if rows != held else f"{weighted} rows of non-zero weight"
             holds = f"holds {held}" if rows != held else f"holds {records} records (and {held - records} padding rows)"

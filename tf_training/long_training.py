@@ -82,36 +82,24 @@ class ScalarLog:
     times would say how long each step took, which depends on how many rows the secret sampling drew
     and on the sampled records' content. The file is TensorBoard's format (TFRecords of Event protos,
     each scalar a float32 tensor of the "scalars" plugin, as tf.summary.scalar writes it), flushed after
-    every event, so TensorBoard follows a running training and an interruption loses nothing written.
-
-    The file is created at the first event written (or at `close`), not before: a training replacing an
-    earlier one in the same OUTPUT writes the same file name, and the earlier file stays until the new
-    training has taken its first step (`madp train --replace`)."""
+    every event, so TensorBoard follows a running training and an interruption loses nothing written."""
 
     def __init__(self, directory: str, first_step: int = 0) -> None:
-        self._directory, self._first_step = directory, first_step
-        self._file = None
+        tf.io.gfile.makedirs(directory)
+        self._file = tf.io.TFRecordWriter(storage.join(directory, events_file_name(first_step)))
+        self._write(tf.compat.v1.Event(wall_time=float(first_step), file_version="brain.Event:2"))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         tensor = tf.make_tensor_proto(np.float32(value))
         summary = tf.compat.v1.Summary(value=[tf.compat.v1.Summary.Value(tag=tag, tensor=tensor, metadata=_SCALAR)])
         self._write(tf.compat.v1.Event(wall_time=float(step), step=step, summary=summary))
 
-    def _opened(self):
-        if self._file is None:
-            tf.io.gfile.makedirs(self._directory)
-            self._file = tf.io.TFRecordWriter(storage.join(self._directory, events_file_name(self._first_step)))
-            header = tf.compat.v1.Event(wall_time=float(self._first_step), file_version="brain.Event:2")
-            self._file.write(header.SerializeToString())
-        return self._file
-
     def _write(self, event) -> None:
-        file = self._opened()
-        file.write(event.SerializeToString())
-        file.flush()
+        self._file.write(event.SerializeToString())
+        self._file.flush()
 
     def close(self) -> None:
-        self._opened().close()
+        self._file.close()
 
 
 def epsilon_spent(plan: PrivacyPlan, steps: int) -> float:
