@@ -74,6 +74,15 @@ def attempts_ledger(tmp_path_factory, monkeypatch):
     return path
 
 
+def snapshot(directory) -> dict[str, bytes]:
+    """Every file below a directory (by its path there) and its bytes."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+        for root, _, files in os.walk(directory)
+        for name in files
+    }
+
+
 def crash_at(monkeypatch, step: int) -> None:
     """Interrupt madp train (a KeyboardInterrupt) as it reports step `step` done."""
     from madp.training import trainer

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import crash_at, write_records  # noqa: E402
+from conftest import crash_at, snapshot, write_records  # noqa: E402
 
 import madp.training.api as api  # noqa: E402
 import madp.training.trainer as trainer  # noqa: E402
@@ -30,7 +30,7 @@ from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
-from madp.training.long_training import epsilon_spent, learning_rate_at  # noqa: E402
+from madp.training.long_training import after_stop, epsilon_spent, learning_rate_at  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.plan import stated_plan  # noqa: E402
@@ -619,6 +619,10 @@ def test_steps_made_before_either_trains_and_a_finished_training_continued_are_r
     optimizer = tf_keras.optimizers.SGD(0.1)
     with pytest.raises(InputError, match="finished all its steps"):
         api.make_private(model, loss, optimizer, plan, training=first.training, resumed_at=STEPS // 2)
+    at_its_end = api.make_private(model, loss, optimizer, plan, training=first.training, resumed_at=STEPS)
+    last = steps[-1]  # continued at its last step, it may write what it computed, and run no step
+    with pytest.raises(InputError, match=f"accounts for {STEPS} steps"):
+        at_its_end(last["features"], last["label"], last["weight"], index=last["step"])
     with pytest.raises(InputError, match="pass resumed_at"):
         api.make_private(model, loss, optimizer, plan, training=third.training)
     with pytest.raises(InputError, match="not in the trainings ledger"):
@@ -814,3 +818,108 @@ def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
     assert states == ["finished"] and [(t["state"], t["resumable_from"]) for t in ledger(copy)] == [("finished", 1)]
     with pytest.raises(InputError, match="accounts for 1 steps"):
         step(first["features"], first["label"], first["weight"], index=1)
+
+
+# --- a training that replaces another (--replace) ------------------------------------------------
+
+
+def test_a_replacing_training_that_stops_gives_the_earlier_one_back(batches, tmp_path, monkeypatch):
+    """--replace sets the earlier training aside (OUTPUT/internal/replaced/) once its first step ran: stopped
+    later without a checkpoint, it puts it back byte for byte; killed with no clean-up, even while setting it
+    aside, the next training into OUTPUT puts it back first. Finished, it leaves nothing of it."""
+    _, out, data = batches
+    output = str(tmp_path / "train")
+    options = TrainOptions(mechanism="none", eval_data=data, eval_every=4)
+    trainer.train(out, output, options)
+    finished = snapshot(output)
+    replacing = TrainOptions(**{**vars(options), "replace": True, "learning_rate": 0.5})
+    with monkeypatch.context() as patch:
+        crash_at(patch, 6)  # after the evaluation of step 4, in the new training's logs
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, replacing)
+    assert snapshot(output) == finished
+
+    aside = os.path.join(output, "internal", "replaced")
+    with monkeypatch.context() as patch:  # killed at step 6: nothing settles the earlier training
+        crash_at(patch, 6)
+        patch.setattr(trainer, "settle_replaced", lambda output: None)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, replacing)
+    assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
+    with pytest.raises(InputError, match="holds the logs of an earlier training"):
+        trainer.train(out, output, options)  # put back first, then refused as ever
+    assert snapshot(output) == finished
+
+    move = trainer.storage.move_below
+    with monkeypatch.context() as patch:  # killed while moving the earlier training aside
+        patch.setattr(trainer, "settle_replaced", lambda output: None)
+
+        def killed_midway(source, target, relatives):
+            move(source, target, relatives[:2])
+            raise KeyboardInterrupt
+
+        patch.setattr(trainer.storage, "move_below", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, replacing)
+    with pytest.raises(InputError, match="holds the logs of an earlier training"):
+        trainer.train(out, output, options)
+    assert snapshot(output) == finished
+
+    trainer.train(out, output, replacing)
+    assert json.load(open(os.path.join(output, "metrics.json")))["learning_rate"] == 0.5
+    assert not os.path.exists(aside) and len(os.listdir(os.path.join(output, "internal", "logs"))) == 1
+
+
+def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_until_it_finishes(
+    batches, tmp_path, monkeypatch
+):
+    _, out, data = batches
+    output = str(tmp_path / "train")
+    options = TrainOptions(mechanism="none", eval_data=data, eval_every=4)
+    trainer.train(out, output, options)
+    finished = snapshot(output)
+    replacing = TrainOptions(**{**vars(options), "replace": True, "learning_rate": 0.5, "checkpoint_every": 4})
+    with monkeypatch.context() as patch:
+        crash_at(patch, 6)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, replacing)
+    aside = os.path.join(output, "internal", "replaced")
+    assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
+    said = after_stop(output, out)
+    assert "checkpoint of step 4" in said and f"{aside} keeps the training it replaces" in said
+    resumed = trainer.train(out, output, TrainOptions(**{**vars(replacing), "resume": True}))
+    assert resumed["resumed_at"] == 4 and resumed["learning_rate"] == 0.5
+    assert not os.path.exists(aside) and not os.path.exists(os.path.join(output, "internal", "checkpoints"))
+
+
+def test_a_training_stopped_while_writing_its_outputs_writes_them_on_resume(batches, tmp_path, monkeypatch):
+    """Its ledger entry is finished once its last step ran. Stopped before privacy.json, the last of its
+    outputs, it keeps its last step's checkpoint: --resume writes them from it, running no step (nothing
+    released twice), and its entry stays as it was."""
+    _, out, _ = batches
+    copy = fresh_copy(out, tmp_path)
+    options = TrainOptions(noise_multiplier=1.0, bands=2, checkpoint_every=5)  # 12 steps: 5, 10 and the last
+    output = str(tmp_path / "train")
+    write = trainer.storage.write_text
+
+    def stopped_before_privacy_json(path, text):
+        if path.endswith("privacy.json"):
+            raise KeyboardInterrupt
+        write(path, text)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.storage, "write_text", stopped_before_privacy_json)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(copy, output, options)
+    [entry] = ledger(copy)
+    assert entry["state"] == "finished" and not os.path.exists(os.path.join(output, "privacy.json"))
+    trained = weights(output)  # written before it stopped
+    assert "--resume writes it from the checkpoint of its last step" in after_stop(output, copy)
+    with pytest.raises(InputError, match="pass --resume"):
+        trainer.train(copy, output, options)
+    resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True}))
+    assert resumed["resumed_at"] == STEPS and ledger(copy) == [entry]
+    assert "composition" not in json.load(open(os.path.join(output, "privacy.json")))
+    for a, b in zip(weights(output), trained):
+        np.testing.assert_array_equal(a, b)
+    assert not os.path.exists(os.path.join(output, "internal", "checkpoints"))

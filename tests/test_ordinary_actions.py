@@ -13,7 +13,7 @@ import socket
 
 import pytest
 import yaml
-from conftest import write_records
+from conftest import snapshot, write_records
 
 from madp.cli import main
 from madp.core.storage import LOCK_FILE
@@ -175,15 +175,6 @@ def test_a_rerun_never_removes_the_trainings_ledger(tmp_path, capsys):
     assert code == 2 and "invalid input rows" in err
     assert not (bound / "report.json").exists() and not os.listdir(bound / "selected")
     assert (bound / "trainings.jsonl").read_bytes() == finished["trainings.jsonl"]
-
-
-def snapshot(directory) -> dict[str, bytes]:
-    """Every file below a directory (by its path there) and its bytes."""
-    return {
-        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
-        for root, _, files in os.walk(directory)
-        for name in files
-    }
 
 
 @pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])

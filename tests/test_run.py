@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import crash_at, held_by
+from conftest import crash_at, held_by, snapshot
 
 from madp.cli import main
 from madp.core import storage
@@ -55,15 +55,6 @@ def digest(directory) -> str:
             if name.endswith((".tfrecord", ".parquet")):
                 hashes.update(open(os.path.join(root, name), "rb").read())
     return hashes.hexdigest()
-
-
-def snapshot(directory) -> dict[str, bytes]:
-    """Every file below a directory (by its path there) and its bytes."""
-    return {
-        os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
-        for root, _, files in os.walk(directory)
-        for name in files
-    }
 
 
 @pytest.mark.slow
@@ -174,6 +165,20 @@ def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path
     assert json.load(open(train / "metrics.json"))["learning_rate"] == 0.1
     assert json.load(open(train / "privacy.json"))["composition"]["trainings"] == 2
     assert len(os.listdir(train / "logs")) == 1  # the earlier training's events replaced, not mixed in
+
+
+def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished_one_back(tmp_path, capsys, caplog):
+    """A changed train option whose training diverges at its first evaluation (step 10): the finished
+    training, set aside at the new one's first step, is back in place, and the stage up to date again."""
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run")
+    run(capsys, config)
+    train = tmp_path / "run" / "train"
+    finished = snapshot(train)
+    assert main(["-q", "run", config, "--set", "train.learning_rate=1e38"]) == 2
+    assert "its evaluation on --eval-data at step 10 gives {'loss': inf}" in capsys.readouterr().err
+    assert "the training it replaced is back in place" in caplog.text
+    assert snapshot(train) == finished
+    assert statuses(run(capsys, config))["train"] == "skipped"
 
 
 SCALAR_LOSS = """

@@ -509,8 +509,9 @@ def make_private(
 
 def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
     """`training=` names the ledger entry a resumed training continues: one that exists and has not
-    finished, continued after the steps it took. Any other use would train under one entry, counted
-    once in every later composition, more steps than its plan accounts for."""
+    finished, continued after the steps it took, or a finished one at its last step (it runs no step).
+    Any other use would train under one entry, counted once in every later composition, more steps than
+    its plan accounts for."""
     if not resumed_at:
         raise InputError(
             f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
@@ -521,12 +522,14 @@ def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
         raise InputError(
             f"training={training!r} is not in the trainings ledger of {ledger.selection}: nothing to continue"
         )
+    resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
     if entry.get("state", FINISHED) != STARTED:
+        if resumed_at == resumable_from:  # from its last step's checkpoint: no step runs again, nothing new
+            return  # is released; a run stopped while writing its outputs writes them so
         raise InputError(
             f"training={training!r} finished all its steps on {ledger.batches}: it cannot be continued; train "
             f"anew (a new training, composed with it)"
         )
-    resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
     if resumed_at < resumable_from:
         raise InputError(
             f"training={training!r} was continued or run past step {resumed_at} already (the ledger of "

@@ -27,7 +27,7 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
-from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, internal_path
+from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, REPLACED, internal_path
 from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
@@ -276,6 +276,13 @@ def after_stop(output: str, batches_dir: str) -> str:
     fresh = (
         "train again, into a new OUTPUT" if storage.kind(storage.join(output, "logs")) != "missing" else "train again"
     )
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    kept = f" ({aside} keeps the training it replaces until then)" if storage.kind(aside) != "missing" else ""
+    if entry.get("state") == FINISHED and state is not None and state["step"] == entry.get("resumable_from"):
+        return (
+            f"the training ran all its steps but {output} was not all written: the same command with --resume "
+            f"writes it from the checkpoint of its last step, running no step again{kept}"
+        )
     if entry.get("state") == FINISHED:
         return (
             f"the training ran all its steps (the trainings ledger holds it as finished) but {output} was not all "
@@ -283,7 +290,8 @@ def after_stop(output: str, batches_dir: str) -> str:
         )
     if state is not None:
         return (
-            f"{output} keeps the checkpoint of step {state['step']}: the same command with --resume continues from it"
+            f"{output} keeps the checkpoint of step {state['step']}: the same command with --resume continues from "
+            f"it{kept}"
         )
     return f"{output} keeps no checkpoint (--checkpoint-every writes them): {fresh}"
 

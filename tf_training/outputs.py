@@ -29,6 +29,8 @@ sampling drew and on their content.
 checkpoints/: the model, the optimizer and, for BandMF, the last noise vectors of the mechanism. Those
 noise vectors are as secret as the noise key: with them one can remove the noise from released steps.
 (The noise key itself is never written; a resumed run draws a fresh one.)
+replaced/: while a training started with --replace runs, the earlier training it replaces (its files at
+their places below OUTPUT); deleted once the new training has finished, moved back if it stops before.
 
 What may be published: model.keras, metrics.json, privacy.json and logs/ (privacy/epsilon_spent, a
 function of the public plan only, and the evaluation scalars on --eval-data declared public).
@@ -38,6 +40,8 @@ EVALUATION_FIELDS = ("eval", "final", "pretrained_eval")  # a training's evaluat
 TIMING_FILE = "timing.json"  # OUTPUT/internal/: the training's timings
 TIMING_FIELDS = ("wall_time_s", "steps_per_s")
 CHECKPOINTS = "checkpoints"  # OUTPUT/internal/checkpoints/: an interrupted training's, until it finishes
+REPLACED = "replaced"  # OUTPUT/internal/replaced/: the training a --replace training replaces, until it finishes
+REPLACED_LIST = "files.json"  # in it: the files set aside (paths below OUTPUT), written before the first is moved
 EVENTS = "events.out.tfevents.*"  # TensorBoard's event files
 # What a finished training leaves in OUTPUT (below it, as `fnmatch` patterns): what `madp train --replace`
 # replaces. Its checkpoints are not among them: a finished training removes them, and an interrupted one's
@@ -59,6 +63,50 @@ WRITTEN = (
 def written_by_training(relative: str) -> bool:
     """Whether a file at this path below a training's OUTPUT is one a finished training writes."""
     return any(fnmatch.fnmatchcase(relative, pattern) for pattern in WRITTEN)
+
+
+def set_aside(output: str, paths: list[str]) -> None:
+    """Move the earlier training's files (`paths`, from `storage.written_files`) to OUTPUT/internal/replaced/,
+    each at its place below OUTPUT, so that the training replacing it writes into an OUTPUT holding nothing
+    of it, and nothing of it is lost until that training has finished (`settle_replaced`). Their list is
+    written first: a process killed while moving them leaves what tells a moved file from a new one."""
+    if not paths:
+        return
+    relatives = [storage.below(output, path) for path in paths]
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(relatives, indent=2))
+    storage.move_below(output, aside, relatives)
+    internal_path(output, REPLACED)  # the NOTICE, moved aside with the rest, written again
+
+
+def settle_replaced(output: str) -> str | None:
+    """Settle the earlier training that a --replace training set aside in OUTPUT (`set_aside`), once that
+    training has stopped or finished: "finished" where it wrote its privacy.json (the last of its outputs;
+    the earlier files are deleted), "kept" where it stopped leaving a checkpoint to resume (--resume
+    finishes it, then deletes them), "restored" where it stopped for good (its own files are deleted and the
+    earlier ones moved back to their places); None where nothing was set aside."""
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    listing = storage.join(aside, REPLACED_LIST)
+    if storage.kind(listing) != "file":  # killed before the list was written: nothing was moved
+        storage.remove_tree(aside)
+        return None
+    moved = json.loads(storage.read_text(listing))
+    written_anew = storage.kind(storage.join(output, "privacy.json")) == "file"
+    if written_anew and ("privacy.json" not in moved or storage.kind(storage.join(aside, "privacy.json")) == "file"):
+        storage.remove_tree(aside)
+        return "finished"
+    if storage.kind(storage.join(output, INTERNAL_DIR, CHECKPOINTS)) != "missing":
+        return "kept"
+    newer = [
+        path
+        for path in storage.list_files(output, skip_hidden=True)
+        if written_by_training(relative := storage.below(output, path)) and relative not in moved
+    ]
+    storage.remove_written(output, newer)
+    still_aside = [relative for relative in moved if storage.kind(storage.join(aside, relative)) == "file"]
+    storage.move_below(aside, output, still_aside)
+    storage.remove_tree(aside)
+    return "restored"
 
 
 # What a saved model's archive says instead of the clock time of saving: the earliest time a zip entry

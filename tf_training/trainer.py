@@ -9,6 +9,7 @@ guarantee describes the data it was trained on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -55,9 +56,12 @@ from madp.training.outputs import (
     EVALUATION_FIELDS,
     EVALUATION_FILE,
     INTERNAL_DIR,
+    REPLACED,
     TIMING_FIELDS,
     TIMING_FILE,
     internal_path,
+    set_aside,
+    settle_replaced,
     without_clock_times,
     written_by_training,
 )
@@ -207,10 +211,11 @@ class _Logs(NamedTuple):
 
 
 def _take_output(output: str, replaced: list[str], resumed: int, options: TrainOptions, published_eval: bool) -> _Logs:
-    """The logs, opened once this run's first step has run (or none was left to run), after removing the
-    earlier training's outputs that --replace replaces (`replaced`): nothing is written into OUTPUT before,
-    so a training that fails in its first step leaves it as it was."""
-    storage.remove_written(output, replaced)
+    """The logs, opened once this run's first step has run (or none was left to run), after setting aside
+    the earlier training's outputs that --replace replaces (`replaced`; `set_aside`): nothing is written into
+    OUTPUT before, so a training that fails in its first step leaves it as it was, and one that stops later
+    gets them back (`_settled`)."""
+    set_aside(output, replaced)
     published = ScalarLog(storage.join(output, "logs"), resumed)
     needs_internal = options.internal_scalars or not published_eval
     internal = ScalarLog(internal_path(output, "logs"), resumed) if needs_internal else None
@@ -313,6 +318,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     file system is a `DiskFull` naming `output`: TensorFlow's writes (checkpoints, the model) raise
     errors of their own types."""
     started = time.perf_counter()
+    _settle(output, "before this training")
     if options.amplified and options.mc_runner == "cuda" and not options.calibration:
         if tf.config.list_physical_devices("GPU"):  # cupy's arrays would compete with TensorFlow's for it
             raise InputError(
@@ -323,15 +329,51 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     batches = open_batches(batches_dir)
     selection = batches.selection
     try:
-        if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
-            return _train(batches, output, options, started)
-        with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
-            return _train(batches, output, options, started)
+        with _settled(output):
+            if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
+                return _train(batches, output, options, started)
+            with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
+                return _train(batches, output, options, started)
     except (OSError, tf.errors.OpError) as error:
         full = storage.disk_full(getattr(error, "filename", None) or output, error)  # the file, where it is known
         if full is None:
             raise
         raise full from error
+
+
+@contextlib.contextmanager
+def _settled(output: str):
+    """A training that stops before it has finished leaves the training it was replacing (--replace) as
+    that was, unless it keeps a checkpoint to resume (`settle_replaced`)."""
+    try:
+        yield
+    except BaseException:
+        _settle(output, "as this training stopped")
+        raise
+
+
+def _settle(output: str, when: str) -> None:
+    """`settle_replaced`, said in the log; a failure to settle is named, never in the way of what stopped."""
+    try:
+        outcome = settle_replaced(output)
+    except Exception as error:  # the files stay where they are: named, for the user to move
+        aside = storage.join(output, INTERNAL_DIR, REPLACED)
+        log.warning(
+            "%s: the training a --replace training set aside in %s could not be settled (%s)", output, aside, error
+        )
+        return
+    if outcome == "restored":
+        log.warning(
+            "%s: a --replace training stopped before it finished: the training it replaced is back in place (%s)",
+            output,
+            when,
+        )
+    elif outcome == "kept":
+        log.warning(
+            "%s: %s keeps the training that the interrupted --replace training replaces, until --resume finishes it",
+            output,
+            storage.join(output, INTERNAL_DIR, REPLACED),
+        )
 
 
 def _train(batches: Batches, output: str, options: TrainOptions, started: float) -> dict:
@@ -477,10 +519,11 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
                 scalars.internal.scalar(f"train/{name}", value, done)
         evaluates = logs and evaluation is not None and unevaluated is None
         every = options.checkpoint_every
-        if checkpoints is not None and ((every and done % every == 0) or evaluates):
+        if checkpoints is not None and ((every and done % every == 0) or evaluates or done == batches.steps):
             # Before anything of this step is published (its evaluation): a resumed run never re-does a
             # step whose model was released, so no step is released twice with different noise.
-            # A copy of an older checkpoint may not continue once the ledger records this one.
+            # A copy of an older checkpoint may not continue once the ledger records this one. The last
+            # step's lets a run stopped while writing its outputs write them on --resume, running no step.
             checkpoints.save(done, metrics, planned, step.checkpointed)
         if evaluates:
             try:
@@ -542,14 +585,17 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     published = {k: v for k, v in result.items() if k != "privacy" and k not in TIMING_FIELDS}
     if unevaluated is None:  # else no evaluation to publish with the model: no metrics.json
         storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2, allow_nan=False))
-    privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
-    storage.write_text(storage.join(output, "privacy.json"), privacy_text)
-    if checkpoints is not None:  # done: the secret noise history has no further use
-        tf.io.gfile.rmtree(checkpoints.directory)
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))
         result["rejected"] = f"{storage.join(output, REJECTED_DIR)}: rows trained with weight 0 (internal)"
+    # privacy.json last: it says the training's outputs are all written (`settle_replaced`), and a run stopped
+    # before it resumes from the last step's checkpoint (removed only now) to write them
+    privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
+    storage.write_text(storage.join(output, "privacy.json"), privacy_text)
+    settle_replaced(output)  # the training it replaced, set aside, is deleted
+    if checkpoints is not None:  # done: the secret noise history has no further use
+        storage.remove_tree(checkpoints.directory)
     if unevaluated is not None:  # the model trained and is kept, with its guarantee; its evaluation failed
         raise InputError(
             f"{unevaluated}; the training ran all its steps: {storage.join(output, 'model.keras')} and privacy.json "

@@ -254,6 +254,13 @@ def clear_directory(directory: str) -> None:
         filesystem.delete_dir_contents(resolved)
 
 
+def below(directory: str, path: str) -> str:
+    """The path below `directory` of a file `list_files(directory)` listed."""
+    if "://" in directory:
+        return posixpath.relpath(path, directory.rstrip("/"))
+    return posixpath.relpath(os.path.abspath(path), os.path.abspath(directory))
+
+
 def written_files(output: str, writes: Callable[[str], bool], command: str) -> list[str]:
     """The files an earlier run of `command` left in OUTPUT, which this one may replace: those whose path
     below OUTPUT `writes` says it writes. Any other file there (hidden names aside: no madp input reads
@@ -261,11 +268,10 @@ def written_files(output: str, writes: Callable[[str], bool], command: str) -> l
     is written or deleted."""
     if kind(output) != "directory":
         return []
-    root = output.rstrip("/") if "://" in output else os.path.abspath(output)
     own: list[str] = []
     foreign: list[str] = []
     for path in list_files(output, skip_hidden=True):
-        (own if writes(posixpath.relpath(path, root)) else foreign).append(path)
+        (own if writes(below(output, path)) else foreign).append(path)
     if foreign:
         named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise InputError(
@@ -279,11 +285,35 @@ def remove_written(output: str, paths: list[str]) -> None:
     """Delete `paths` (files below OUTPUT, from `written_files`), then the folders between them and OUTPUT
     that this leaves empty."""
     filesystem, root = _resolve(output)
-    folders = set()
     for path in paths:
-        resolved = _resolve(path)[1]
-        filesystem.delete_file(resolved)
-        folder = posixpath.dirname(resolved)
+        filesystem.delete_file(_resolve(path)[1])
+    _remove_emptied_folders(filesystem, root, paths)
+
+
+def move_below(source: str, target: str, relatives: list[str]) -> None:
+    """Move the files at `relatives` (paths below folder `source`) to the same paths below folder `target`,
+    replacing a file there, then remove the folders below `source` this leaves empty. A rename on a local
+    disk; a copy and a delete on an object store."""
+    filesystem, root = _resolve(source)
+    for relative in relatives:
+        destination = _resolve(join(target, relative))[1]
+        filesystem.create_dir(posixpath.dirname(destination), recursive=True)
+        filesystem.move(_resolve(join(source, relative))[1], destination)
+    _remove_emptied_folders(filesystem, root, [join(source, relative) for relative in relatives])
+
+
+def remove_tree(directory: str) -> None:
+    """Delete a folder and everything below it (nothing where it is missing)."""
+    filesystem, resolved = _resolve(directory)
+    if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:
+        filesystem.delete_dir(resolved)
+
+
+def _remove_emptied_folders(filesystem: pafs.FileSystem, root: str, removed: list[str]) -> None:
+    """Remove the folders between the files `removed` (gone now) and `root` that are left empty."""
+    folders = set()
+    for path in removed:
+        folder = posixpath.dirname(_resolve(path)[1])
         while folder.startswith(root + "/"):
             folders.add(folder)
             folder = posixpath.dirname(folder)
