@@ -283,18 +283,13 @@ def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
     assert seen == {"holds": False, "took": False} and not storage.holds(folder)
 
 
-def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_path, monkeypatch):
-    """On an object store (here a local folder behind a mock:// scheme, through the same remote code; its
-    listings drop the host, as pyarrow's of hdfs:// do) the lock is taken by claims: two writers whose
-    checks both find no lock never hold it at once, which the check-then-write taking allowed (both then
-    read the trainings ledger before either entered it). A claim left by a killed writer refuses the
-    next one by name, and a content digest does not see claims."""
-    import threading
-    import time
-
+@pytest.fixture
+def object_store(tmp_path, monkeypatch) -> None:
+    """mock://: the test's folder as an object store, read and written through madp's remote code; its
+    listings drop the host, as pyarrow's of hdfs:// do."""
     import pyarrow.fs as pafs
 
-    resolve, kind = storage._resolve, storage.kind
+    resolve = storage._resolve
     bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
 
     def mock_resolve(path: str):
@@ -304,6 +299,17 @@ def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_p
         return bucket, "/".join(parts[1:] if ":" in parts[0] else parts)  # host:port dropped
 
     monkeypatch.setattr(storage, "_resolve", mock_resolve)
+
+
+def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_path, monkeypatch, object_store):
+    """On an object store the lock is taken by claims: two writers whose checks both find no lock never
+    hold it at once, which the check-then-write taking allowed (both then read the trainings ledger
+    before either entered it). A claim left by a killed writer refuses the next one by name, and a
+    content digest does not see claims."""
+    import threading
+    import time
+
+    kind = storage.kind
     folder = "mock://namenode:8020/bucket/batches"
     both_looked, first_looks = threading.Barrier(2), set()
 
@@ -699,3 +705,21 @@ def test_an_empty_parquet_file_is_named(tmp_path, capsys):
     (tmp_path / "empty.parquet").write_bytes(b"")
     code, _, err = cli(capsys, "bound", tmp_path / "empty.parquet", tmp_path / "b", "-k", "2", "--runner", "local")
     assert code == 2 and "empty.parquet: not a readable Parquet file" in err
+
+
+def test_a_training_replaced_on_an_object_store_is_set_aside_and_put_back(object_store):
+    """Where a file is moved by a copy and a delete: a --replace training's earlier training goes to
+    internal/replaced/ and comes back byte for byte, the new training's files gone."""
+    from madp.training.outputs import set_aside, settle_replaced, written_by_training
+
+    output = "mock://bucket/train"
+    earlier = {"model.keras": "model", "privacy.json": "{}", "logs/events.out.tfevents.0000000000.madp": "old"}
+    for relative, text in earlier.items():
+        storage.write_text(f"{output}/{relative}", text)
+    set_aside(output, storage.written_files(output, written_by_training, "madp train"))
+    assert storage.kind(f"{output}/model.keras") == "missing"
+    storage.write_text(f"{output}/logs/events.out.tfevents.0000000000.madp", "new")
+    storage.write_text(f"{output}/metrics.json", "{}")
+    assert settle_replaced(output) == "restored"
+    held = {storage.below(output, path): storage.read_text(path) for path in storage.list_files(output)}
+    assert held == earlier

@@ -296,9 +296,13 @@ def move_below(source: str, target: str, relatives: list[str]) -> None:
     disk; a copy and a delete on an object store."""
     filesystem, root = _resolve(source)
     for relative in relatives:
-        destination = _resolve(join(target, relative))[1]
+        origin, destination = _resolve(join(source, relative))[1], _resolve(join(target, relative))[1]
         filesystem.create_dir(posixpath.dirname(destination), recursive=True)
-        filesystem.move(_resolve(join(source, relative))[1], destination)
+        if "://" in source:  # not every object store's `move` moves a file
+            filesystem.copy_file(origin, destination)
+            filesystem.delete_file(origin)
+        else:
+            filesystem.move(origin, destination)
     _remove_emptied_folders(filesystem, root, [join(source, relative) for relative in relatives])
 
 
