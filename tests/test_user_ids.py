@@ -156,10 +156,17 @@ OTHER_WAYS = {
     "Ann Smith ann@x.org": ["ann@x.org"],
     "ann@x.org b@y.org": ["ann@x.org", "b@y.org"],
     "ann@x.org|b@y.org": ["ann@x.org", "b@y.org"],
+    "ann+news@x.org": ["ann@x.org"],  # a subaddress of Ann's mailbox
+    "'ann'@x.org": ["ann@x.org"],
+    # Invisible and not Cf, among Unicode's other default-ignorable code points: a combining grapheme joiner
+    # (Mn), a variation selector (Mn), a Hangul filler (Lo)
+    "ann\u034f@x.org": ["ann@x.org"],
+    "ann@x.org\ufe0f": ["ann@x.org"],
+    "ann\u3164@x.org": ["ann@x.org"],
     "\ufeffANN@x.org": ["ann@x.org"],  # a byte order mark, and upper case
 }
 # Values holding '@' from which no address can be read: their rows are bad_address under --user-ids email.
-UNREADABLE = ['"ann smith"@x.org', "ann@x.org\u200bb@y.org", "ann@x.org (a) b@y.org", "ann@"]
+UNREADABLE = ['"ann smith"@x.org', "ann@x.org\u200bb@y.org", "ann@x.org (a) b@y.org", "ann@", "ann@x-.org", "+a@x.org"]
 
 
 def test_an_address_written_any_other_way_is_refused_and_read_as_its_address(tmp_path, capsys):
@@ -432,14 +439,17 @@ def test_the_readers_and_the_verifier_find_the_same_signs_and_addresses():
     from madp.core.verify import _addresses, _signs_of
 
     rng = np.random.default_rng(7)
-    alphabet = list('aZ9@<>,;. \t"()|:') + ["\u00a0", "\u2003", "\x1c", "\u00c4", "\u0130", "\u200b", "\uff21"]
+    alphabet = list("aZ9@<>,;. \t\"()|:+'-") + ["\u00a0", "\u2003", "\x1c", "\u00c4", "\u0130", "\u200b", "\uff21"]
+    alphabet += ["\u034f", "\ufe0f", "\U000e0100", "\u3164"]  # default-ignorable, not Cf
     values = [*ANN, "a@x; b@y", "a@x, b@y", "Smith, J.", "Smith, Ann <ann@x>", "bob", "<ann@x>", "", "A.B-c+d@Ex-1.ORG"]
     values += [*OTHER_WAYS, *UNREADABLE, "MAILTO:Ann <ann@x>", "j\u00f6rg@b\u00fccher.de", "\uff41nn@x"]
     values += ["".join(rng.choice(alphabet, size=int(rng.integers(1, 12)))) for _ in range(3000)]
     around = ["", " ", "mailto:", "Ann <", ">", "(c) ", " (c)", "\u200b", '"', ";", "|", ".", ",", " b@y", "b@y|"]
+    around += ["'", "+", "\u034f", "\ufe0f"]
+    words = ["ann", "Ann.Lee", "x|y", "a+b", "'a'", "o'b", "a+"]
     values += [
-        f"{rng.choice(around)}{rng.choice(['ann', 'Ann.Lee', 'x|y', 'a+b'])}{rng.choice(around)}@"
-        f"{rng.choice(['x.org', 'X', 'x-1.y'])}{rng.choice(around)}"
+        f"{rng.choice(around)}{rng.choice(words)}{rng.choice(around)}@"
+        f"{rng.choice(['x.org', 'X', 'x-1.y', 'x-.y', '-x.y'])}{rng.choice(around)}"
         for _ in range(1000)
     ]
     values += [

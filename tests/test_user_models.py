@@ -163,6 +163,38 @@ def nan_loss(schema):
     return model, lambda labels, logits: loss(labels, logits) * np.nan
 
 
+def loss_raising(schema):
+    model, _ = build(schema)
+
+    def loss(labels, logits):
+        raise ValueError("labels of the wrong rank")
+
+    return model, loss
+
+
+def loss_raising_when_traced(schema):  # works eagerly, fails as the step is traced
+    model, loss = build(schema)
+
+    def traced_only(labels, logits):
+        if not tf.executing_eagerly():
+            raise ValueError("labels of the wrong rank")
+        return loss(labels, logits)
+
+    return model, traced_only
+
+
+def nan_when_trained(schema):  # a finite loss before the first step, NaN on the trained model
+    model, loss = build(schema)
+    eager_calls = []
+
+    def checked(labels, logits):
+        if tf.executing_eagerly():  # madp's checks outside the steps: before the first, after the last
+            eager_calls.append(1)
+        return loss(labels, logits) * (np.nan if len(eager_calls) > 1 else 1.0)
+
+    return model, checked
+
+
 class Task:
     features = ["a", "cls"]
 
@@ -608,6 +640,51 @@ def test_a_module_model_that_fails_as_it_runs_is_named_and_leaves_nothing_behind
     assert f"{failing} at step 1: InvalidArgumentError" in capsys.readouterr().err
     assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == kept
     assert [entry["state"] for entry in map(json.loads, ledger.read_text().splitlines())] == ["finished"]
+
+
+def test_a_loss_that_raises_or_is_not_a_number_is_named_without_eval_data(data, tmp_path, capsys):
+    """Without --eval-data, a module:function model whose loss raised a Python exception as the step was
+    traced was a traceback (exit 1), and one whose loss is NaN trained on noise alone (DP-SGD's clipping
+    gives a non-finite row no weight) and exited 0, publishing model.keras. Now each is one line naming the
+    model and where, exit 2: before the first step nothing is written and nothing entered in the ledger;
+    a loss that is NaN only on the trained model, or a madp model whose weights diverged, stops before
+    model.keras and metrics.json are written (the private training's ledger entry stays: its steps ran)."""
+    records = str(data / "records.jsonl")
+    bound_local(records, str(tmp_path / "bounded"), BoundOptions(max_contributions=2))
+    batch_local(str(tmp_path / "bounded"), records, str(tmp_path / "batches"), BatchOptions(steps=8, batch_size=64))
+    ledger = tmp_path / "bounded" / "trainings.jsonl"
+
+    def train(out: str, *flags: str) -> str:
+        argv = ["-q", "train", str(tmp_path / "batches"), str(tmp_path / out), *flags]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not any((tmp_path / out / name).exists() for name in ("model.keras", "metrics.json", "privacy.json"))
+        return err
+
+    user = ["--model-path", str(data / "models"), "--task", "hostile:task", "--label", "cls", "--noise-multiplier", "1"]
+    raised = "its loss failed at step 1: ValueError: labels of the wrong rank"
+    for model, message in (
+        ("loss_raising", f"--model hostile:loss_raising: {raised}"),
+        ("loss_raising_when_traced", f"--model hostile:loss_raising_when_traced: {raised}"),
+        ("nan_loss", "--model hostile:nan_loss: its loss is NaN or infinite on "),
+    ):
+        err = train(model, *user, "--model", f"hostile:{model}")
+        assert message in err, err
+        assert not ledger.exists() and not [path for path in (tmp_path / model).rglob("*") if path.is_file()]
+    assert "usable rows of step 1: the model's outputs or its loss there are not numbers" in err
+    assert "fix the model or its loss; this step did not run" in err
+
+    err = train("trained", *user, "--model", "hostile:nan_when_trained")
+    assert "--model hostile:nan_when_trained: its loss is NaN or infinite on " in err, err
+    assert "usable rows of step 8 after the training" in err
+    assert "no model.keras or metrics.json is written, and the trainings ledger keeps its entry" in err
+    assert [entry["state"] for entry in map(json.loads, ledger.read_text().splitlines())] == ["finished"]
+
+    madp_model = ["--model", "logreg", "--inputs", "a", "--label", "label", "--mechanism", "none"]
+    err = train("diverged", *madp_model, "--optimizer", "adam", "--learning-rate", "1e38")
+    assert "--model logreg: its weights hold NaN or infinite values after the training (dense" in err, err
+    assert "the training diverged (e.g. at too high a --learning-rate); no model.keras or metrics.json" in err
 
 
 def test_metrics_that_fail_after_training_keep_the_model_and_its_guarantee(data, tmp_path, capsys):

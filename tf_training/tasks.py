@@ -142,15 +142,46 @@ def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ())
             f"--model {name}: {call} must return (model, loss[, optimizer]): a tf_keras or Keras 3 model, a loss "
             f"function and an optimizer of the model's Keras; it returned {_returned(built)}"
         )
-    broken = [  # a Keras 3 variable's path names its layer, as a tf_keras variable's name does
-        getattr(weight, "path", weight.name) for weight in model.weights if not np.isfinite(np.asarray(weight)).all()
-    ]
+    broken = non_finite_weights(model.weights)
     if broken:
         raise InputError(
             f"--model {name}: the model {call} returned holds NaN or infinite weights ({', '.join(broken[:3])}): it "
             f"would compute NaN for every row, which DP-SGD's clipping gives no weight (a model of noise alone)"
         )
-    return model, loss, optimizer
+    return model, _named_loss(name, loss), optimizer
+
+
+def non_finite_weights(weights) -> list[str]:
+    """The names of the `weights` (a model's variables) that hold a NaN or infinite value; a Keras 3
+    variable's path names its layer, as a tf_keras variable's name does."""
+    return [getattr(weight, "path", weight.name) for weight in weights if not np.isfinite(np.asarray(weight)).all()]
+
+
+class UserLossFailed(InputError):
+    """The loss of a `--model module:function` raised a Python exception (as a step is traced, or as the
+    model is evaluated): `user_model_failures` says where."""
+
+    ag_pass_through = True  # TensorFlow's autograph lets it out of a traced step as it is, not as a StagingError
+
+    def __init__(self, model: str, failure: Exception):
+        self.model, self.failure = model, one_line(failure)
+        super().__init__(f"--model {model}: its loss raised {self.failure}")
+
+
+def _named_loss(model: str, loss):
+    """The loss of `--model model`, a Python exception it raises an UserLossFailed naming the model: traced
+    into a step, it would otherwise reach the user as a traceback through madp's clipping code. An op that
+    fails as it runs is TensorFlow's OpError, which `user_model_failures` names as it is."""
+
+    def named(labels, outputs):
+        try:
+            return loss(labels, outputs)
+        except tf.errors.OpError:
+            raise
+        except Exception as failure:  # noqa: BLE001 - the user's loss failed: say which and how
+            raise UserLossFailed(model, failure) from None
+
+    return named
 
 
 def _is_keras_model(value: Any) -> bool:
@@ -499,6 +530,31 @@ def finite_evaluation(evaluation: dict, what: str) -> dict:
     return evaluation
 
 
+def refuse_non_finite_loss(
+    model, loss_fn, x, y, usable: np.ndarray, options: TrainOptions, rows_of: str, kept: str
+) -> None:
+    """Refuse a `--model module:function` whose loss on the usable rows of `rows_of` (a step's) is NaN or
+    infinite (`kept`: what the training left). DP-SGD's clipping gives such a row no weight, so that one
+    row cannot put NaN into the sum: a model whose outputs or loss are not numbers would train on noise
+    alone and be published as trained. The model runs eagerly in inference mode (no randomness drawn) on
+    the host's copy of the rows, outside the steps. The rows are private: the error goes to the operator."""
+    losses = np.concatenate(
+        [
+            np.atleast_1d(loss_fn(y[i : i + _EVAL_ROWS], model(_rows(x, i, i + _EVAL_ROWS), training=False)))
+            for i in range(0, len(y), _EVAL_ROWS)
+        ]
+    )
+    if losses.shape[:1] != usable.shape:  # not one loss per row: the step refuses it as it is traced
+        return
+    bad = usable & ~np.isfinite(losses.reshape(len(losses), -1)).all(axis=1)
+    if bad.any():
+        raise InputError(
+            f"--model {options.model}: its loss is NaN or infinite on {int(bad.sum())} of the {int(usable.sum())} "
+            f"usable rows of {rows_of}: the model's outputs or its loss there are not numbers, and DP-SGD's clipping "
+            f"gives such rows no weight (a model trained on noise alone): fix the model or its loss; {kept}"
+        )
+
+
 class _TextTask:
     """Shared by the text tasks: the text feature must be a single string per row."""
 
@@ -770,10 +826,13 @@ def user_model_failures(options: TrainOptions, when: str):
     """A TensorFlow run-time error (an op that failed as it ran: an index past an Embedding's vocabulary,
     shapes that do not fit) while a `--model module:function` model computes with its loss, as one
     InputError that names the model, what failed and where (`one_line`). Only for such models: in madp's
-    own models an op that fails is madp's error, which keeps its traceback; and only run-time errors
-    (OpError), not Python's exceptions as a step is traced, which madp's clipping code raises too."""
+    own models an op that fails is madp's error, which keeps its traceback. Of Python's exceptions as a
+    step is traced, which madp's clipping code raises too, only those of the model's loss, which reach
+    here marked as its (`UserLossFailed`)."""
     try:
         yield
+    except UserLossFailed as error:
+        raise InputError(f"--model {error.model}: its loss failed {when}: {error.failure}") from None
     except tf.errors.OpError as error:
         if not options.user_model:
             raise

@@ -73,8 +73,10 @@ from madp.training.tasks import (
     default_optimizer,
     finite_evaluation,
     is_keras3,
+    non_finite_weights,
     prepare_task,
     read_columns,
+    refuse_non_finite_loss,
     step_features,
     user_model_failures,
 )
@@ -307,6 +309,32 @@ def _pretrained_fields(task, options: TrainOptions) -> dict:
     return {"lora_rank": options.lora_rank, "pretrained_eval": task.pretrained_eval}
 
 
+def _check_trained_model(model, loss_fn, options: TrainOptions, last_rows: tuple | None, entered: bool) -> None:
+    """Refuse to publish a trained model whose weights hold NaN or infinite values (a non-private step
+    applies a NaN gradient; a learning rate far too high overflows), or, of a `--model module:function`,
+    whose loss on the usable rows of the last step is not a number. With the check of its loss before the
+    first update (`refuse_non_finite_loss`), that is enough without a check at every step, which would wait
+    for the device at each: a private step's update is finite whatever the rows (clipping gives a
+    non-finite row no weight, and the noise is finite), so a model whose loss stops being a number on some
+    rows meanwhile trains on the others, under the plan's guarantee like any training; what must not be
+    published as trained is a model that computes no number, and that is checked on the model as it would
+    be published. Each check is one forward pass over one step's rows. `entered`: whether the training is
+    in the trainings ledger."""
+    kept = "no model.keras or metrics.json is written" + (
+        ", and the trainings ledger keeps its entry: its noisy steps ran" if entered else ""
+    )
+    broken = non_finite_weights(model.trainable_weights)
+    if broken:
+        raise InputError(
+            f"--model {options.model}: its weights hold NaN or infinite values after the training "
+            f"({', '.join(broken[:3])}): the training diverged (e.g. at too high a --learning-rate); {kept}"
+        )
+    if options.user_model and last_rows is not None and last_rows[2].any():
+        x, y, usable, done = last_rows
+        with user_model_failures(options, f"after step {done}"):
+            refuse_non_finite_loss(model, loss_fn, x, y, usable, options, f"step {done} after the training", kept)
+
+
 def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     """Train on a `madp batch` output and write model.keras, metrics.json and privacy.json to `output`.
     A private training holds the lock of the selection the batches were made from (which keeps the
@@ -491,6 +519,8 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     progress = Progress(log, "training", batches.steps, "steps")
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
     unevaluated: MetricsFailed | None = None  # a task's metrics() that failed: the model trains on, unevaluated
+    loss_checked = not options.user_model  # madp's own models: a finite loss on the rows their tasks accept
+    last_rows = None  # (x, y, usable rows, step) of the last step this run took: the trained model's check
     for index, rows in enumerate(read_steps(batches, step_features(task, batches))):
         if index < resumed:  # run before the checkpoint resumed from
             continue
@@ -506,10 +536,15 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         logs = _evaluates(done, batches.steps, options)
         users = rows[USER_FEATURE] if user_level else None
         statistics = {}  # INTERNAL: the step's rows before its update, no noise
+        usable = weight > 0
         with user_model_failures(options, f"at step {done}"):
+            if not loss_checked and usable.any():  # before the first update (see _check_trained_model)
+                refuse_non_finite_loss(model, loss_fn, x, y, usable, options, f"step {done}", "this step did not run")
+                loss_checked = True
             if options.internal_scalars and logs:
                 statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
             step(x, y, weight, users=users, index=rows["step"])
+        last_rows = (x, y, usable, done)
         if scalars is None:
             scalars = _take_output(output, replaced, resumed, options, published_eval)
         if schedule != "constant" and logs:  # public: the schedule's value
@@ -548,6 +583,8 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     scalars.published.close()
     if scalars.internal is not None:
         scalars.internal.close()
+    entered = isinstance(step, PrivateTrainingStep) and step.ledger is not None
+    _check_trained_model(model, loss_fn, options, last_rows, entered)
     model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
     without_clock_times(storage.join(output, "model.keras"))  # Keras stamps it with the time it was saved
     result = {

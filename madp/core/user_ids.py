@@ -38,18 +38,23 @@ SIGNS = {
     WHITESPACE: "whitespace around the id",
     UPPER_CASE: "an address (one '@', no whitespace) with upper-case letters A-Z",
     NOT_PLAIN: "an id holding '@' that is no plain lower-case address, as with a comment, a separator, inner "
-    "whitespace, 'mailto:', an invisible character, quotes or a trailing dot",
+    "whitespace, 'mailto:', an invisible character, quotes, a subaddress ('+') or a trailing dot",
 }
 EXAMPLES = 3  # values a refusal shows per sign
 _ANGLE_ADDRESS = r"<[^<>]*@[^<>]*>"
 
 
 def _address_pattern(letters: str) -> str:
-    """An address of dot-atoms of `letters` and RFC 5322's other atext characters, '|' left out (exports
-    separate addresses with it), at a domain of dot-separated labels of `letters`, digits and '-'."""
-    atom = f"[{letters}0-9!#$%&'*+/=?^_`{{}}~-]+"
-    label = f"[{letters}0-9-]+"
-    return rf"^{atom}(\.{atom})*@{label}(\.{label})*$"
+    """An address of dot-atoms of `letters` and RFC 5322's other atext characters but '|' (exports separate
+    addresses with it) and '+' (what follows it is a subaddress of the same mailbox: `ann+news@x` is
+    `ann@x`), neither beginning nor ending with a quote ("'ann'@x" is `ann@x` quoted), at a domain of
+    dot-separated labels of `letters`, digits and '-', neither beginning nor ending with '-' (RFC 1035).
+    Written for RE2 (pyarrow's regular expressions), which has no lookaround."""
+    character = f"{letters}0-9!#$%&*/=?^_`{{}}~-"  # atext but '|', '+' and the quote
+    atext = f"['{character}]"
+    local = rf"[{character}](?:(?:\.?{atext})*\.?[{character}])?"
+    label = f"[{letters}0-9](?:[{letters}0-9-]*[{letters}0-9])?"
+    return rf"^{local}@{label}(\.{label})*$"
 
 
 # A plain address: what shows no sign. A bare ASCII address (upper case too) is what `email_addresses`
@@ -160,10 +165,26 @@ def refusal(suspects: list[SuspectUserIds]) -> str | None:
     )
 
 
+# Unicode's Default_Ignorable_Code_Point characters (DerivedCoreProperties.txt): invisible where they are
+# not supported (variation selectors, the combining grapheme joiner, Hangul fillers, tags); most are format
+# characters (Cf), which are removed whatever their code point.
+_DEFAULT_IGNORABLE = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e\u2060-\u206f"
+    "\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
+    "\U000e0000-\U000e0fff]"
+)
+
+
+def _invisible(character: str) -> bool:
+    """A format character (Cf) or another default-ignorable code point: what a reader does not see."""
+    return unicodedata.category(character) == "Cf" or _DEFAULT_IGNORABLE.match(character) is not None
+
+
 _SEPARATORS = re.compile("[;|]")  # what exports separate addresses with, beside the ',' getaddresses splits at
 _PARSED_AS_WRITTEN = re.compile('[<>()"]')  # angle addresses, comments, quoted strings: getaddresses reads them
 _MAILTO = re.compile("mailto:", re.IGNORECASE | re.ASCII)
-_QUOTED_LOCAL_PART = re.compile(r'^"([^"\\]*)"@')
+_QUOTED_LOCAL_PART = re.compile(r"""^("[^"\\]*"|'[^'\\]*')@""")
+_SUBADDRESS = re.compile(r"^([^@+]+)\+[^@]*@")
 # What an address read from a value must be, lower-cased: a plain address, whose letters may be any
 # printable non-ASCII character too (an internationalized address).
 _READ_ADDRESS = re.compile(_address_pattern("a-z\u0080-\U0010ffff"))
@@ -171,15 +192,17 @@ _READ_ADDRESS = re.compile(_address_pattern("a-z\u0080-\U0010ffff"))
 
 def email_addresses(value: str) -> list[str]:
     """The e-mail addresses one user value holds, as user ids, in order; none where an address in it
-    cannot be read. The value in NFKC form, without format characters (Unicode's Cf: zero-width spaces,
-    byte order marks) and 'mailto:', split at ';' and '|', and at whitespace too where it holds no angle
-    bracket, parenthesis or quote; then what `email.utils.getaddresses` finds in it (it splits at ','
-    and drops display names, quotes and comments), each address stripped and lower-cased, a quoted local
-    part of a dot-atom unquoted and a final '.' (the DNS root) dropped. Parts without an '@' (a name's
-    "Smith" in `Smith, Ann <ann@x>`) are no address; an address that is then no plain address (a
+    cannot be read. The value in NFKC form, without invisible characters (Unicode's format characters,
+    Cf, and its other default-ignorable code points: zero-width spaces, byte order marks, variation
+    selectors, the combining grapheme joiner) and 'mailto:', split at ';' and '|', and at whitespace too
+    where it holds no angle bracket, parenthesis or quote; then what `email.utils.getaddresses` finds in
+    it (it splits at ',' and drops display names, quotes and comments), each address stripped and
+    lower-cased, a local part of a dot-atom in double or single quotes unquoted, a subaddress ('+' and
+    what follows it in the local part) and a final '.' (the DNS root) dropped. Parts without an '@' (a
+    name's "Smith" in `Smith, Ann <ann@x>`) are no address; an address that is then no plain address (a
     letter of it may be any printable non-ASCII character) makes the whole value hold none. A repeat
     stays, for the reading to remove and count as any repeated user."""
-    text = "".join(c for c in unicodedata.normalize("NFKC", value) if unicodedata.category(c) != "Cf")
+    text = "".join(c for c in unicodedata.normalize("NFKC", value) if not _invisible(c))
     text = _MAILTO.sub("", text)
     parts = _SEPARATORS.split(text)
     if not _PARSED_AS_WRITTEN.search(text):
@@ -189,7 +212,8 @@ def email_addresses(value: str) -> list[str]:
         address = address.strip().lower()
         if "@" not in address:
             continue
-        address = _QUOTED_LOCAL_PART.sub(r"\1@", address).removesuffix(".")
+        address = _QUOTED_LOCAL_PART.sub(lambda quoted: f"{quoted[1][1:-1]}@", address)
+        address = _SUBADDRESS.sub(r"\1@", address).removesuffix(".")
         if not (_READ_ADDRESS.fullmatch(address) and address.isprintable()):
             return []
         found.append(address)
