@@ -254,6 +254,13 @@ def clear_directory(directory: str) -> None:
         filesystem.delete_dir_contents(resolved)
 
 
+def remove_directory(directory: str) -> None:
+    """Delete a folder of madp's own (a run's staging, `_work/`) with all it holds, where it is there."""
+    filesystem, resolved = _resolve(directory)
+    if filesystem.get_file_info(resolved).type == pafs.FileType.Directory:
+        filesystem.delete_dir(resolved)
+
+
 def written_files(output: str, writes: Callable[[str], bool], command: str) -> list[str]:
     """The files an earlier run of `command` left in OUTPUT, which this one may replace: those whose path
     below OUTPUT `writes` says it writes. Any other file there (hidden names aside: no madp input reads

@@ -185,7 +185,7 @@ def prepare_output(output: str) -> None:
             storage.remove_file(path)
     for name in (SCHEMA_FILE, REPORT_FILE, TRAININGS_FILE):  # new batches: no training has used them yet
         storage.remove_file(storage.join(output, name))
-    storage.clear_directory(storage.join(output, REJECTED_DIR))
+    storage.remove_directory(storage.join(output, REJECTED_DIR))  # a run writes it only where it skips rows
 
 
 def refuse_losing_trainings(output: str) -> None:
