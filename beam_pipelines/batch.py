@@ -300,9 +300,9 @@ def run_beam(
     content = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection = selection_files(selected)
     bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
+    batch_report.refuse_losing_trainings(output)  # before anything of OUTPUT is deleted
     work = storage.join(output, WORK_DIR)
     storage.remove_directory(work)
-    batch_report.refuse_losing_trainings(output)
     run_dir = storage.join(work, uuid.uuid4().hex[:12])
     errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
     # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the

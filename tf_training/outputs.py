@@ -67,6 +67,11 @@ NEUTRAL_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 NEUTRAL_DATE_SAVED = "1980-01-01@00:00:00"
 
 
+def checkpoints_directory(output: str) -> str:
+    """OUTPUT/internal/checkpoints/, named, not made."""
+    return storage.join(output, INTERNAL_DIR, CHECKPOINTS)
+
+
 def internal_path(output: str, *parts: str) -> str:
     """A path under OUTPUT/internal/, whose NOTICE says it is never published (written on first use)."""
     notice = storage.join(output, INTERNAL_DIR, "NOTICE.txt")

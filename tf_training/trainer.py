@@ -43,7 +43,6 @@ from madp.training import (  # the public API; the trainer's own parts: tasks, m
 from madp.training.long_training import (
     Checkpoints,
     ScalarLog,
-    checkpoints_directory,
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
@@ -57,6 +56,7 @@ from madp.training.outputs import (
     INTERNAL_DIR,
     TIMING_FIELDS,
     TIMING_FILE,
+    checkpoints_directory,
     internal_path,
     without_clock_times,
     written_by_training,
