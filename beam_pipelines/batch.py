@@ -300,9 +300,9 @@ def run_beam(
     content = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection = selection_files(selected)
     bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
+    batch_report.refuse_losing_trainings(output)  # before anything of OUTPUT is deleted
     work = storage.join(output, WORK_DIR)
-    storage.clear_directory(work)
-    batch_report.refuse_losing_trainings(output)
+    storage.remove_tree(work)
     run_dir = storage.join(work, uuid.uuid4().hex[:12])
     errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
     # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the
@@ -320,7 +320,7 @@ def run_beam(
             handle_rejects(summary.rejects, "error", output)
     except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
         with contextlib.suppress(OSError):
-            storage.clear_directory(work)
+            storage.remove_tree(work)
         raise
     batch_report.prepare_output(output)
     shards = options.output_shards
@@ -357,6 +357,6 @@ def run_beam(
         started=started,
     )
     result.update(partitions=partitions, beam_counters_per_run=[counters])
-    storage.clear_directory(work)
+    storage.remove_tree(work)
     write_report(output, result)
     return result

@@ -218,7 +218,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     if capacities is not None and users is not None:
         capacities.typed_as(users)
     work = storage.join(output, WORK_DIR)
-    storage.clear_directory(work)
+    storage.remove_tree(work)
     prepare_output(output)
     invocation = uuid.uuid4().hex[:12]  # a run's files never meet an earlier invocation's
     if options.order == "alternate":
@@ -251,7 +251,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
                 handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
         except InputError:
             prepare_output(output)  # no partial selection outlives an error
-            storage.clear_directory(work)
+            storage.remove_tree(work)
             raise
         rounds_before, control = len(control.per_round), _control_of(summary)
         control.log_rounds(rounds_before)
@@ -299,7 +299,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         pipeline_runs=runs,
         selection_files=selection_manifest(output, shards),
     )
-    storage.clear_directory(work)
+    storage.remove_tree(work)
     write_report(output, report)
     # The wall time is printed, not in the published report: it depends on the machine's load and on
     # more of the input than the graph (parsing JSON Lines rows reads their content too).

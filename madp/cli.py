@@ -4,6 +4,7 @@ them (`madp run`, `madp audit`), and `main`."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
@@ -162,13 +163,19 @@ class _Stop:
 
 def main(argv: list[str] | None = None) -> int:
     """The madp command line (`argv`: the program's own when None), Ctrl-C answered by `_Stop`; on the
-    program's own command line, `_Stop` stays SIGINT's handler to the process's exit, and a caller's own
-    handler is restored."""
+    program's own command line, `_Stop` stays SIGINT's handler until the process tears down (a Ctrl-C is
+    ignored then), and a caller's own handler is restored."""
     stop = _Stop()
     # Not where SIGINT is ignored (a background job of a script) or its handler is not Python's
     answered = signal.getsignal(signal.SIGINT) not in (None, signal.SIG_IGN)
     ours = threading.current_thread() is threading.main_thread() and answered
     previous = signal.signal(signal.SIGINT, stop) if ours else None
+    if ours and argv is None:
+        # CPython gives SIGINT back its default action once the exit functions have run, as it tears the
+        # interpreter down (a while with Beam or TensorFlow loaded): a Ctrl-C there would end the process by
+        # the signal, with no line. It is ignored from the last exit functions on (those registered before this
+        # one; the command's own run first, under `_Stop`): the process ends as it would have, with its status.
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     try:
         stop.code = _main(argv, stop)
         return stop.code

@@ -428,6 +428,77 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     assert finished["training"] == started["training"] and finished["state"] == "finished"
 
 
+def contents(directory: str) -> dict[str, bytes | None]:
+    """What a folder holds directly: each file's bytes, None for a folder."""
+    paths = {name: os.path.join(directory, name) for name in os.listdir(directory)}
+    return {name: open(path, "rb").read() if os.path.isfile(path) else None for name, path in paths.items()}
+
+
+@pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])
+def test_a_new_batching_of_the_batches_an_interrupted_training_resumes_on_is_refused(
+    batches, tmp_path, capsys, monkeypatch, runner
+):
+    """A stand-alone `madp batch` replaced the batches an interrupted training keeps the checkpoint of a step
+    on (only `madp run` refused it), and a resume then went on, on other batches than those of its first
+    steps. Refused before anything of BATCHES is written or deleted, naming the checkpoint and the ways out;
+    once the training has resumed and finished, the batching runs."""
+    from madp.cli import main
+
+    _, out, data = batches
+    copy = fresh_copy(out, tmp_path)
+    cut = str(tmp_path / "cut")
+    train = ["-q", "train", copy, cut, "--noise-multiplier", "1", "--bands", "2", "--checkpoint-every", "4"]
+    crash_at(monkeypatch, 6)
+    assert main(train) == 130
+    monkeypatch.undo()
+    assert [entry["state"] for entry in ledger(copy)] == ["started"]
+    capsys.readouterr()
+    made = contents(copy)
+    selection = str(tmp_path / "bounded")
+    batch = ["-q", "batch", selection, data, copy, "--steps", str(STEPS), "--batch-size", "32", "--runner", runner]
+    assert main(batch) == 2
+    err = capsys.readouterr().err
+    checkpoint = os.path.join(cut, "internal", "checkpoints")
+    assert f"madp batch: error: {checkpoint} holds the checkpoint of an interrupted training: a new batching " in err
+    assert "with --resume" in err and "batch into another OUTPUT" in err and f"move {checkpoint} away" in err
+    assert contents(copy) == made  # no batch file, report or staging folder written or deleted
+    assert main([*train, "--resume"]) == 0
+    assert [entry["state"] for entry in ledger(copy)] == ["finished"]
+    assert main(batch) == 0
+
+
+def test_a_resume_on_batches_made_again_since_the_training_started_is_refused(batches, tmp_path, capsys, monkeypatch):
+    """With the checkpoint moved away, `madp batch` makes the batches again (the same options, a fresh secret
+    key); moved back, `--resume` went on under the same plan on the new batches, and the ledger entry named
+    only them: a BandMF training whose steps came from two samplings, min-separation unchecked across them.
+    Refused, and the checkpoint and the entry stay as they were."""
+    from madp.cli import main
+
+    _, out, data = batches
+    fresh_copy(out, tmp_path)  # a selection of this test's own, with no training in its ledger
+    made, cut = str(tmp_path / "made"), str(tmp_path / "cut")
+    batch = ["-q", "batch", str(tmp_path / "bounded"), data, made, "--steps", str(STEPS), "--batch-size", "32"]
+    batch += ["--min-sep", "2", "--max-batch-size", "64", "--runner", "local"]
+    assert main(batch) == 0
+    train = ["-q", "train", made, cut, "--noise-multiplier", "1", "--bands", "2", "--checkpoint-every", "4"]
+    crash_at(monkeypatch, 6)
+    assert main(train) == 130
+    monkeypatch.undo()
+    checkpoint, aside = os.path.join(cut, "internal", "checkpoints"), str(tmp_path / "aside")
+    shutil.move(checkpoint, aside)
+    first = contents(made)
+    assert main(batch) == 0
+    assert contents(made) != first
+    shutil.move(aside, checkpoint)
+    capsys.readouterr()
+    [entry] = ledger(made)
+    kept = contents(checkpoint)
+    assert main([*train, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"trained on other batch files than {made} holds now (batched again since it started)" in err
+    assert ledger(made) == [entry] and contents(checkpoint) == kept
+
+
 def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint_to_continue(
     batches, tmp_path, monkeypatch
 ):

@@ -379,7 +379,8 @@ def test_ctrl_c_during_madp_run_keeps_the_finished_stages(tmp_path, capsys, monk
 # argv[1]: when the Ctrl-Cs come; the rest, a madp command whose bound is interrupted. "ended": one Ctrl-C once
 # the command has ended, while the process waits for a thread of it (as Beam's and TensorFlow's outlive a
 # command); "twice": a first one as it bounds, a second once it has ended; "cleanup": a first one as it bounds,
-# a second as its clean-up releases the output's lock.
+# a second as its clean-up releases the output's lock; "teardown": one as the interpreter tears down, after the
+# exit functions (from an object's __del__ there, which says so on stderr once the Ctrl-C has not ended it).
 LATE_CTRL_C = """
 import os, signal, sys, threading, time
 from madp import cli
@@ -394,18 +395,24 @@ def outliving():
     ctrl_c()
     time.sleep(10)
 def bounded(*args, **kwargs):
-    if when != "cleanup":
+    if when in ("ended", "twice"):
         threading.Thread(target=outliving).start()
-    if when != "ended":
+    if when in ("twice", "cleanup"):
         ctrl_c()
     return bound_records(*args, **kwargs)
 def removed(path):
     if when == "cleanup" and path.endswith(".madp.lock"):
         ctrl_c()
     remove_file(path)
+class CtrlCAtTeardown:
+    def __del__(self, kill=os.kill, write=os.write, pid=os.getpid(), sigint=signal.SIGINT):
+        kill(pid, sigint)
+        write(2, b"still running after a Ctrl-C at teardown\\n")
 local_engine.bound_records, storage.remove_file = bounded, removed
 code = cli.main()
 ended.set()
+if when == "teardown":
+    teardown = CtrlCAtTeardown()  # deleted as the interpreter clears this module, after the exit functions
 sys.exit(code)
 """
 
@@ -446,6 +453,28 @@ def test_a_second_ctrl_c_or_one_after_the_end_is_no_traceback(tmp_path, when):
     )
     assert again.returncode == 0, again.stderr
     assert (output / "report.json").exists() and not (output / ".madp.lock").exists()
+
+
+@pytest.mark.parametrize(
+    "runner", [pytest.param(["--runner", "local"], id="local"), pytest.param(BEAM, marks=pytest.mark.beam, id="beam")]
+)
+def test_a_ctrl_c_as_the_process_tears_down_leaves_the_finished_command_its_status(tmp_path, runner):
+    """Once the exit functions have run, CPython gives SIGINT back its default action as it tears the
+    interpreter down (longer with Beam loaded): a Ctrl-C there ended the finished command's process by the
+    signal (exit status -2), with no line. It is ignored there: the command's own status and output."""
+    data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    output = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_CTRL_C, "teardown", "-q", "bound", data, str(output), "-k", "2", *runner],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=environment(),
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert "still running after a Ctrl-C at teardown" in done.stderr and "Traceback" not in done.stderr
+    assert json.loads(done.stdout)["selected_records"] == 100 and (output / "report.json").exists()
 
 
 @pytest.mark.beam

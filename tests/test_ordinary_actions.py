@@ -146,7 +146,7 @@ def test_a_bound_refused_by_its_checks_leaves_the_earlier_selection(tmp_path, ca
     ):
         assert main([*command, *change]) == 2
         assert message in capsys.readouterr().err
-        assert {name: kept for name, kept in snapshot(output).items() if not name.startswith("_work")} == finished
+        assert snapshot(output) == finished and not (output / "_work").exists()
 
 
 @pytest.mark.tf
@@ -178,6 +178,30 @@ def test_a_rerun_never_removes_the_trainings_ledger(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])
+def test_a_finished_output_holds_no_staging_folder_and_no_emptied_rejects(tmp_path, capsys, runner):
+    """A Beam bound or batch left its staging folder `_work/` in OUTPUT, emptied, and a re-run that skips no
+    row left the `rejected/` folder of the run before it, emptied: a finished output holds what it documents."""
+    records = rows(200)
+    data = write_records(str(tmp_path / "records.jsonl"), records)
+    invalid_row = write_records(str(tmp_path / "invalid-row.jsonl"), [*records, {"id": 999, "users": []}])
+    invalid_content = write_records(
+        str(tmp_path / "invalid-content.jsonl"), [{**records[0], "features": None}, *records[1:]]
+    )
+    bound, batches = tmp_path / "bound", tmp_path / "batches"
+    engine = ["--runner", runner]
+    assert main(["-q", "bound", invalid_row, str(bound), "-k", "2", "--on-invalid", "skip", *engine]) == 0
+    assert sorted(os.listdir(bound)) == ["rejected", "report.json", "selected"]
+    assert main(["-q", "bound", data, str(bound), "-k", "2", *engine]) == 0
+    assert sorted(os.listdir(bound)) == ["report.json", "selected"]
+    batch = ["-q", "batch", str(bound), "DATA", str(batches), "--steps", "10", "--batch-size", "40", *engine]
+    assert main([*batch[:3], invalid_content, *batch[4:], "--on-invalid", "skip"]) == 0
+    assert sorted(os.listdir(batches)) == ["batches-00000-of-00001.tfrecord", "rejected", "report.json", "schema.json"]
+    assert main([*batch[:3], data, *batch[4:]]) == 0
+    assert sorted(os.listdir(batches)) == ["batches-00000-of-00001.tfrecord", "report.json", "schema.json"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("runner", ["local", pytest.param("DirectRunner", marks=pytest.mark.beam)])
 def test_a_batching_that_fails_its_checks_leaves_the_earlier_batches(tmp_path, capsys, runner):
     """Batches are made with a secret key that is gone once written: a re-run refused by a check (a content
     column DATA lacks, which the pipeline finds on Beam) leaves them, their report and schema as they were."""
@@ -191,7 +215,7 @@ def test_a_batching_that_fails_its_checks_leaves_the_earlier_batches(tmp_path, c
     assert "report.json" in finished and any(name.endswith(".tfrecord") for name in finished)
     assert main([*command, "--content-columns", "features,label,nosuch"]) == 2
     assert "'nosuch'" in capsys.readouterr().err
-    assert {name: kept for name, kept in snapshot(batches).items() if not name.startswith("_work")} == finished
+    assert snapshot(batches) == finished and not (batches / "_work").exists()
 
 
 def test_a_fixed_sigma_whose_truncation_eats_delta_is_refused(tmp_path, capsys):

@@ -509,9 +509,9 @@ def make_private(
 
 def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
     """`training=` names the ledger entry a resumed training continues: one that exists and has not
-    finished, continued after the steps it took, or a finished one at its last step (it runs no step).
-    Any other use would train under one entry, counted once in every later composition, more steps than
-    its plan accounts for."""
+    finished, continued on the batch files it trained on, after the steps it took, or a finished one at
+    its last step (it runs no step). Any other use would train under one entry, counted once in every
+    later composition, more steps or other samplings than its plan accounts for."""
     if not resumed_at:
         raise InputError(
             f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
@@ -521,6 +521,13 @@ def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
     if entry is None:
         raise InputError(
             f"training={training!r} is not in the trainings ledger of {ledger.selection}: nothing to continue"
+        )
+    if entry.get("batch_files") != ledger.batch_files:
+        raise InputError(
+            f"training={training!r} trained on other batch files than {ledger.batches} holds now (batched again "
+            f"since it started): its later steps would train on another sampling than its first ones, which its "
+            f"plan does not account for; continue it on the batches it trained on, or train anew (a new training, "
+            f"composed with it)"
         )
     resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
     if entry.get("state", FINISHED) != STARTED:

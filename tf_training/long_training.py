@@ -27,7 +27,7 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
-from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, REPLACED, internal_path
+from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, REPLACED, checkpoints_directory, internal_path
 from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
@@ -237,11 +237,6 @@ class Checkpoints:
             raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
         # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
         storage.write_text(self.state_file, _state_text(state))
-
-
-def checkpoints_directory(output: str) -> str:
-    """OUTPUT/internal/checkpoints/, named, not made."""
-    return storage.join(output, INTERNAL_DIR, CHECKPOINTS)
 
 
 def interrupted_state(output: str, batches_dir: str) -> dict | None:

@@ -95,7 +95,7 @@ def settle_replaced(output: str) -> str | None:
     if written_anew and ("privacy.json" not in moved or storage.kind(storage.join(aside, "privacy.json")) == "file"):
         storage.remove_tree(aside)
         return "finished"
-    if storage.kind(storage.join(output, INTERNAL_DIR, CHECKPOINTS)) != "missing":
+    if storage.kind(checkpoints_directory(output)) != "missing":
         return "kept"
     newer = [
         path
@@ -113,6 +113,11 @@ def settle_replaced(output: str) -> str | None:
 # can hold, and Keras' metadata.json "date_saved" at that time
 NEUTRAL_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 NEUTRAL_DATE_SAVED = "1980-01-01@00:00:00"
+
+
+def checkpoints_directory(output: str) -> str:
+    """OUTPUT/internal/checkpoints/, named, not made."""
+    return storage.join(output, INTERNAL_DIR, CHECKPOINTS)
 
 
 def internal_path(output: str, *parts: str) -> str:

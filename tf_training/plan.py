@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from madp.core.selection import REPORT_FILE, read_report
 from madp.core.user_ids import AS_IS, EMAIL
 from madp.training.batches import Batches
 from madp.training.options import TrainOptions
+from madp.training.outputs import checkpoints_directory
 
 log = logging.getLogger("madp.train")
 
@@ -692,6 +693,37 @@ def _batch_output_entries(ledger: Ledger, entered: set) -> list[dict]:
         for t in _entries(storage.join(ledger.batches, TRAININGS_FILE))
         if t.get("training") not in entered
     ]
+
+
+def stranded_checkpoints(batches_dir: str, trainings: Iterable[str] = ()) -> list[str]:
+    """The checkpoints (OUTPUT/internal/checkpoints) that re-making the batches in BATCHES would strand, where
+    they are there: those of the private trainings its ledger holds as started, not finished, on the batch
+    files BATCHES holds now (a copy of them too), and those of the OUTPUTs in `trainings` (known to train on
+    BATCHES, a non-private training too). An interrupted training resumes only on the batches it trained on.
+    A ledger entry's OUTPUT is read as the training named it (a relative one from this directory)."""
+    try:
+        ledger = ledger_of(batches_dir)
+    except InputError:  # no finished batch output there (no report.json): no training resumes on it
+        interrupted = []
+    else:
+        interrupted = [
+            str(t.get("output"))
+            for t in earlier_trainings(ledger)
+            if t.get("state") == STARTED and t.get("batch_files") == ledger.batch_files
+        ]
+    folders = dict.fromkeys(checkpoints_directory(output) for output in [*trainings, *interrupted])
+    return [folder for folder in folders if storage.kind(folder) != "missing"]
+
+
+def refuse_stranding(checkpoints: list[str], remaking: str, resuming: str) -> None:
+    """Refuse, naming the first of `checkpoints` (`stranded_checkpoints`) and the ways out, a command that
+    would re-make the batches they resume on: `remaking` says what would, `resuming` how to resume instead."""
+    if checkpoints:
+        raise InputError(
+            f"{checkpoints[0]} holds the checkpoint of an interrupted training: {remaking} and re-make what that "
+            f"training trained on, so that it could never be resumed. {resuming}, or move {checkpoints[0]} away "
+            f"to train afresh (the trainings ledger keeps the interrupted training: a new one composes with it)"
+        )
 
 
 def _truncation_probability(plan: PrivacyPlan) -> float:

@@ -44,7 +44,6 @@ from madp.training import (  # the public API; the trainer's own parts: tasks, m
 from madp.training.long_training import (
     Checkpoints,
     ScalarLog,
-    checkpoints_directory,
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
@@ -59,6 +58,7 @@ from madp.training.outputs import (
     REPLACED,
     TIMING_FIELDS,
     TIMING_FILE,
+    checkpoints_directory,
     internal_path,
     set_aside,
     settle_replaced,

@@ -330,9 +330,10 @@ def write_report(output: str, report: dict) -> None:
 
 
 def prepare_output(output: str) -> None:
-    """Clear the results of an earlier run (and only those) so that no stale shard survives."""
-    for sub in (SELECTED_DIR, REJECTED_DIR):
-        storage.clear_directory(storage.join(output, sub))
+    """Clear the results of an earlier run (and only those) so that no stale shard survives; its rejects go
+    with their folder, which a run writes only where it skips rows."""
+    storage.clear_directory(storage.join(output, SELECTED_DIR))
+    storage.remove_tree(storage.join(output, REJECTED_DIR))
     storage.remove_file(storage.join(output, REPORT_FILE))
 
 

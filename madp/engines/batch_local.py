@@ -27,7 +27,7 @@ from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
 from madp.core.selection import handle_rejects, selection_files, write_report
-from madp.engines.batch_report import Sampled, participation_stats, prepare_output, report
+from madp.engines.batch_report import Sampled, participation_stats, prepare_output, refuse_losing_trainings, report
 from madp.engines.batching import (
     USER_SAMPLING_STREAM,
     BatchOptions,
@@ -217,6 +217,7 @@ def single_users(dataset: Dataset) -> np.ndarray:
 def run_local(selected: str, data: str, output: str, options: BatchOptions, engine: str = "local") -> dict:
     """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
     started = time.perf_counter()
+    refuse_losing_trainings(output)  # before the work, and again as the earlier batches go (prepare_output)
     dataset = load(selected, data, options, output)
     if options.sampler == "users":
         if USER_FEATURE in dataset.content.column_names:

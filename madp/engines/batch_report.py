@@ -185,14 +185,24 @@ def prepare_output(output: str) -> None:
             storage.remove_file(path)
     for name in (SCHEMA_FILE, REPORT_FILE, TRAININGS_FILE):  # new batches: no training has used them yet
         storage.remove_file(storage.join(output, name))
-    storage.clear_directory(storage.join(output, REJECTED_DIR))
+    storage.remove_tree(storage.join(output, REJECTED_DIR))  # a run writes it only where it skips rows
 
 
 def refuse_losing_trainings(output: str) -> None:
-    """A batch output's own trainings ledger (madp kept it there before the ledger moved beside the
-    selection) names private trainings on its batches, which later trainings compose with. Its entries
-    join the selection's ledger at the next private training on those batches; a new batching into the
-    output before that would delete the only record of them, so it is refused."""
+    """Refuse a new batching into OUTPUT that would lose trainings on its batches. The checkpoint of an
+    interrupted training on them resumes only on them (`stranded_checkpoints`: the trainings ledger names
+    it). A batch output's own trainings ledger (madp kept it there before the ledger moved beside the
+    selection) names private trainings on its batches, which later trainings compose with; its entries
+    join the selection's ledger at the next private training on those batches, and a new batching into the
+    output before that would delete the only record of them."""
+    if storage.kind(storage.join(output, REPORT_FILE)) == "file":  # finished batches, which a training may use
+        from madp.training.plan import refuse_stranding, stranded_checkpoints  # the ledger (no TensorFlow)
+
+        refuse_stranding(
+            stranded_checkpoints(output),
+            f"a new batching into {output} would replace its batches",
+            "Resume it first (its madp train command again, with --resume), or batch into another OUTPUT",
+        )
     own = storage.join(output, TRAININGS_FILE)
     if storage.kind(own) != "file":
         return

@@ -23,8 +23,8 @@ from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
-from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, evaluation_of
-from madp.training.plan import stated_plan
+from madp.training.outputs import evaluation_of
+from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
@@ -93,24 +93,23 @@ def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
 
 
 def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: bool) -> None:
-    """A training stage's folder holding the checkpoint of an interrupted training (OUTPUT/internal/checkpoints)
-    resumes only on the batches it trained on: a run that would re-make them (a stage up to the batch stage
-    that is not up to date, or all of them under --force) would leave the checkpoint for ever refused by its
-    own plan. Refused here, before any stage runs, naming the stage and the ways out."""
-    folders = [storage.join(stage.output, INTERNAL_DIR, CHECKPOINTS) for stage in stages if stage.name in TRAININGS]
-    held = [folder for folder in folders if storage.kind(folder) != "missing"]
-    if not held or not any(stage.name == "batch" for stage in stages):
+    """The checkpoint of an interrupted training on the batch stage's output (a training stage's, or another
+    the trainings ledger holds: `stranded_checkpoints`) resumes only on the batches it trained on: a run that
+    would re-make them (a stage up to the batch stage that is not up to date, or all of them under --force)
+    would leave the checkpoint for ever refused. Refused here, before any stage runs, naming the stage and the
+    ways out (`madp batch` refuses the same on its own, but only once the stages before it have run)."""
+    batches = next((stage.output for stage in stages if stage.name == "batch"), None)
+    if batches is None:
         return
-    for stage in stages:
+    held = stranded_checkpoints(batches, [stage.output for stage in stages if stage.name in TRAININGS])
+    for stage in stages if held else []:
         remakes = not stage.name.startswith("verify-")  # a verifier changes nothing the training read
         if remakes and (force or not up_to_date(run_dir, stage, fingerprint(stage))):
             why = "--force re-runs every stage" if force else "its options, inputs or outputs changed since it ran"
-            raise InputError(
-                f"{held[0]} holds the checkpoint of an interrupted training: stage {stage.name} would run again "
-                f"({why}) and re-make what that training trained on, so that it could never be resumed. "
-                f"Undo the change (or leave out --force) and resume it (train.resume: true), or move "
-                f"{held[0]} away to train afresh (the trainings ledger keeps the interrupted training: a new one "
-                f"composes with it)"
+            refuse_stranding(
+                held,
+                f"stage {stage.name} would run again ({why})",
+                "Undo the change (or leave out --force) and resume it (train.resume: true)",
             )
         if stage.name == "batch":
             return
