@@ -707,9 +707,10 @@ def test_an_empty_parquet_file_is_named(tmp_path, capsys):
     assert code == 2 and "empty.parquet: not a readable Parquet file" in err
 
 
-def test_a_training_replaced_on_an_object_store_is_set_aside_and_put_back(object_store):
+def test_a_training_replaced_on_an_object_store_is_set_aside_and_put_back(object_store, monkeypatch):
     """Where a file is moved by a copy and a delete: a --replace training's earlier training goes to
-    internal/replaced/ and comes back byte for byte, the new training's files gone."""
+    internal/replaced/ and comes back byte for byte, the new training's files gone; stopped between a copy
+    and its delete (privacy.json in both places), it comes back whole too."""
     from madp.training.outputs import set_aside, settle_replaced, written_by_training
 
     output = "mock://bucket/train"
@@ -720,6 +721,21 @@ def test_a_training_replaced_on_an_object_store_is_set_aside_and_put_back(object
     assert storage.kind(f"{output}/model.keras") == "missing"
     storage.write_text(f"{output}/logs/events.out.tfevents.0000000000.madp", "new")
     storage.write_text(f"{output}/metrics.json", "{}")
+    assert settle_replaced(output) == "restored"
+    held = {storage.below(output, path): storage.read_text(path) for path in storage.list_files(output)}
+    assert held == earlier
+
+    move = storage.move_below  # stopped between the copy of privacy.json and the delete of the original
+
+    def stopped_after_a_copy(source, target, relatives):
+        move(source, target, [relative for relative in relatives if relative != "privacy.json"])
+        storage.write_text(f"{target}/privacy.json", storage.read_text(f"{source}/privacy.json"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(storage, "move_below", stopped_after_a_copy)
+    with pytest.raises(KeyboardInterrupt):
+        set_aside(output, storage.written_files(output, written_by_training, "madp train"))
+    monkeypatch.setattr(storage, "move_below", move)
     assert settle_replaced(output) == "restored"
     held = {storage.below(output, path): storage.read_text(path) for path in storage.list_files(output)}
     assert held == earlier

@@ -23,7 +23,7 @@ from conftest import crash_at, snapshot, write_records  # noqa: E402
 
 import madp.training.api as api  # noqa: E402
 import madp.training.trainer as trainer  # noqa: E402
-from madp.core.errors import InputError  # noqa: E402
+from madp.core.errors import DiskFull, InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -894,15 +894,21 @@ def test_a_one_step_plan_enters_the_ledger_once(batches, tmp_path, monkeypatch):
 # --- a training that replaces another (--replace) ------------------------------------------------
 
 
-def test_a_replacing_training_that_stops_gives_the_earlier_one_back(batches, tmp_path, monkeypatch):
-    """--replace sets the earlier training aside (OUTPUT/internal/replaced/) once its first step ran: stopped
-    later without a checkpoint, it puts it back byte for byte; killed with no clean-up, even while setting it
-    aside, the next training into OUTPUT puts it back first. Finished, it leaves nothing of it."""
+def finished_training(batches, tmp_path) -> tuple[str, TrainOptions, dict[str, bytes]]:
+    """A finished training in tmp_path/train: its folder, its options and its files' bytes."""
     _, out, data = batches
     output = str(tmp_path / "train")
     options = TrainOptions(mechanism="none", eval_data=data, eval_every=4)
     trainer.train(out, output, options)
-    finished = snapshot(output)
+    return output, options, snapshot(output)
+
+
+def test_a_replacing_training_that_stops_gives_the_earlier_one_back(batches, tmp_path, monkeypatch):
+    """--replace sets the earlier training aside (OUTPUT/internal/replaced/) once its first step ran: stopped
+    later without a checkpoint, it puts it back byte for byte; killed with no clean-up, even while setting it
+    aside, the next training into OUTPUT puts it back first. Finished, it leaves nothing of it."""
+    output, options, finished = finished_training(batches, tmp_path)
+    out = batches[1]
     replacing = TrainOptions(**{**vars(options), "replace": True, "learning_rate": 0.5})
     with monkeypatch.context() as patch:
         crash_at(patch, 6)  # after the evaluation of step 4, in the new training's logs
@@ -944,11 +950,8 @@ def test_a_replacing_training_that_stops_gives_the_earlier_one_back(batches, tmp
 def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_until_it_finishes(
     batches, tmp_path, monkeypatch
 ):
-    _, out, data = batches
-    output = str(tmp_path / "train")
-    options = TrainOptions(mechanism="none", eval_data=data, eval_every=4)
-    trainer.train(out, output, options)
-    finished = snapshot(output)
+    output, options, finished = finished_training(batches, tmp_path)
+    out = batches[1]
     replacing = TrainOptions(**{**vars(options), "replace": True, "learning_rate": 0.5, "checkpoint_every": 4})
     with monkeypatch.context() as patch:
         crash_at(patch, 6)
@@ -961,6 +964,52 @@ def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_un
     resumed = trainer.train(out, output, TrainOptions(**{**vars(replacing), "resume": True}))
     assert resumed["resumed_at"] == 4 and resumed["learning_rate"] == 0.5
     assert not os.path.exists(aside) and not os.path.exists(os.path.join(output, "internal", "checkpoints"))
+
+
+def test_a_replacing_training_leaves_one_whole_training_whatever_stops_it(batches, tmp_path, monkeypatch):
+    """A kill as a finished training deletes the one it replaced leaves the new one whole; a first checkpoint
+    cut short (a full disk), which no resume can read, is removed and the earlier training put back; so is
+    a training that diverges, whose checkpoint holds the model that computes no number."""
+    output, options, finished = finished_training(batches, tmp_path)
+    out = batches[1]
+    replacing = TrainOptions(**{**vars(options), "replace": True, "learning_rate": 0.5})
+    aside, checkpoints = os.path.join(output, "internal", "replaced"), os.path.join(output, "internal", "checkpoints")
+    remove_tree = trainer.storage.remove_tree
+    with monkeypatch.context() as patch:  # killed after deleting two files of the replaced training
+        patch.setattr(trainer, "settle_replaced", lambda output: None)
+
+        def killed_midway(directory):
+            if directory != aside:
+                return remove_tree(directory)
+            for name in ("metrics.json", "privacy.json"):
+                os.remove(os.path.join(aside, name))
+            raise KeyboardInterrupt
+
+        patch.setattr(trainer.storage, "remove_tree", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, replacing)
+    replaced = {name: content for name, content in snapshot(output).items() if not name.startswith("internal/replaced")}
+    assert json.loads(replaced["metrics.json"])["learning_rate"] == 0.5
+    with pytest.raises(InputError, match="holds the logs of an earlier training"):
+        trainer.train(out, output, options)
+    assert snapshot(output) == replaced
+
+    finished = replaced  # the training to keep from here on
+
+    def cut_short(self, done, *args):  # the disk fills as the first checkpoint is written
+        os.makedirs(os.path.join(self.directory, f"ckpt-{done}_temp"))
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.Checkpoints, "save", cut_short)
+        with pytest.raises(DiskFull):
+            trainer.train(out, output, TrainOptions(**{**vars(replacing), "checkpoint_every": 4}))
+    assert snapshot(output) == finished and not os.path.exists(checkpoints)
+
+    diverging = TrainOptions(**{**vars(replacing), "learning_rate": 1e38, "checkpoint_every": 4})
+    with pytest.raises(InputError, match=r"its evaluation on --eval-data at step 4 .* held this model, .*: removed"):
+        trainer.train(out, output, diverging)
+    assert snapshot(output) == finished and not os.path.exists(checkpoints)
 
 
 def test_a_training_stopped_while_writing_its_outputs_writes_them_on_resume(batches, tmp_path, monkeypatch):
@@ -985,7 +1034,7 @@ def test_a_training_stopped_while_writing_its_outputs_writes_them_on_resume(batc
     [entry] = ledger(copy)
     assert entry["state"] == "finished" and not os.path.exists(os.path.join(output, "privacy.json"))
     trained = weights(output)  # written before it stopped
-    assert "--resume writes it from the checkpoint of its last step" in after_stop(output, copy)
+    assert "--resume writes them from the checkpoint of its last step" in after_stop(output, copy)
     with pytest.raises(InputError, match="pass --resume"):
         trainer.train(copy, output, options)
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True}))

@@ -27,13 +27,19 @@ from madp.core.errors import InputError
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
-from madp.training.outputs import CHECKPOINTS, INTERNAL_DIR, REPLACED, checkpoints_directory, internal_path
+from madp.training.outputs import (
+    CHECKPOINTS,
+    INTERNAL_DIR,
+    NEXT_STATE_FILE,
+    REPLACED,
+    STATE_FILE,
+    checkpoints_directory,
+    internal_path,
+)
 from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
 
 tf = load_tensorflow()
-
-STATE_FILE, NEXT_STATE_FILE = "state.json", "next_state.json"  # in OUTPUT/internal/checkpoints/
 
 
 # --- learning rate ------------------------------------------------------------------------------
@@ -275,8 +281,9 @@ def after_stop(output: str, batches_dir: str) -> str:
     kept = f" ({aside} keeps the training it replaces until then)" if storage.kind(aside) != "missing" else ""
     if entry.get("state") == FINISHED and state is not None and state["step"] == entry.get("resumable_from"):
         return (
-            f"the training ran all its steps but {output} was not all written: the same command with --resume "
-            f"writes it from the checkpoint of its last step, running no step again{kept}"
+            f"the training ran all its steps, but its outputs were not all written or its checkpoint not removed: "
+            f"the same command with --resume writes them from the checkpoint of its last step, running no step "
+            f"again{kept}"
         )
     if entry.get("state") == FINISHED:
         return (
@@ -288,6 +295,8 @@ def after_stop(output: str, batches_dir: str) -> str:
             f"{output} keeps the checkpoint of step {state['step']}: the same command with --resume continues from "
             f"it{kept}"
         )
+    if storage.kind(storage.join(output, "privacy.json")) == "file":  # a --replace training's: the one it replaced
+        return f"{output} holds a finished training, whole (privacy.json with it), and no checkpoint to resume"
     return f"{output} keeps no checkpoint (--checkpoint-every writes them): {fresh}"
 
 

@@ -40,6 +40,7 @@ EVALUATION_FIELDS = ("eval", "final", "pretrained_eval")  # a training's evaluat
 TIMING_FILE = "timing.json"  # OUTPUT/internal/: the training's timings
 TIMING_FIELDS = ("wall_time_s", "steps_per_s")
 CHECKPOINTS = "checkpoints"  # OUTPUT/internal/checkpoints/: an interrupted training's, until it finishes
+STATE_FILE, NEXT_STATE_FILE = "state.json", "next_state.json"  # in it: what a resume reads (long_training)
 REPLACED = "replaced"  # OUTPUT/internal/replaced/: the training a --replace training replaces, until it finishes
 REPLACED_LIST = "files.json"  # in it: the files set aside (paths below OUTPUT), written before the first is moved
 EVENTS = "events.out.tfevents.*"  # TensorBoard's event files
@@ -79,23 +80,29 @@ def set_aside(output: str, paths: list[str]) -> None:
     internal_path(output, REPLACED)  # the NOTICE, moved aside with the rest, written again
 
 
+def drop_replaced(output: str) -> None:
+    """Delete the earlier training set aside in OUTPUT, once the training replacing it has written all its
+    outputs: its list first, which says that it is still to be settled, so that a process killed while the
+    rest is deleted leaves nothing `settle_replaced` would move back over the new training."""
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    storage.remove_file(storage.join(aside, REPLACED_LIST))
+    storage.remove_tree(aside)
+
+
 def settle_replaced(output: str) -> str | None:
     """Settle the earlier training that a --replace training set aside in OUTPUT (`set_aside`), once that
-    training has stopped or finished: "finished" where it wrote its privacy.json (the last of its outputs;
-    the earlier files are deleted), "kept" where it stopped leaving a checkpoint to resume (--resume
-    finishes it, then deletes them), "restored" where it stopped for good (its own files are deleted and the
-    earlier ones moved back to their places); None where nothing was set aside."""
+    training has stopped: "kept" where it left a checkpoint to resume (--resume finishes it, then deletes
+    them: `drop_replaced`), "restored" where it stopped for good (its own files are deleted and the earlier
+    ones moved back to their places); None where nothing waits to be settled (what is left of the folder, a
+    deletion by `drop_replaced` cut short or a list never written, is removed). A training stopped between
+    writing its privacy.json and deleting the list has its outputs deleted and the earlier ones put back."""
     aside = storage.join(output, INTERNAL_DIR, REPLACED)
     listing = storage.join(aside, REPLACED_LIST)
-    if storage.kind(listing) != "file":  # killed before the list was written: nothing was moved
+    if storage.kind(listing) != "file":
         storage.remove_tree(aside)
         return None
     moved = json.loads(storage.read_text(listing))
-    written_anew = storage.kind(storage.join(output, "privacy.json")) == "file"
-    if written_anew and ("privacy.json" not in moved or storage.kind(storage.join(aside, "privacy.json")) == "file"):
-        storage.remove_tree(aside)
-        return "finished"
-    if storage.kind(checkpoints_directory(output)) != "missing":
+    if resumable_checkpoint(output):
         return "kept"
     newer = [
         path
@@ -107,6 +114,13 @@ def settle_replaced(output: str) -> str | None:
     storage.move_below(aside, output, still_aside)
     storage.remove_tree(aside)
     return "restored"
+
+
+def resumable_checkpoint(output: str) -> bool:
+    """Whether OUTPUT/internal/checkpoints/ holds a checkpoint's state, which a --resume reads: a first
+    checkpoint cut short (a full disk, a kill) leaves its files and no state."""
+    directory = checkpoints_directory(output)
+    return any(storage.kind(storage.join(directory, name)) == "file" for name in (STATE_FILE, NEXT_STATE_FILE))
 
 
 # What a saved model's archive says instead of the clock time of saving: the earliest time a zip entry

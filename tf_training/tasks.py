@@ -511,6 +511,11 @@ class MetricsFailed(InputError):
     name: the user's evaluation failed, not the model (`madp train` keeps the model it trains)."""
 
 
+class NotFinite(InputError):
+    """The model computes no number: an evaluation, its loss on a step's rows or its weights are NaN or
+    infinite. A checkpoint of it would stop a resume at the same place (`trainer._settled` removes it)."""
+
+
 def _is_number(value: Any) -> bool:
     """A real number (a Python or numpy scalar, or a 0-d array of one), not a boolean."""
     array = np.asarray(value)
@@ -523,7 +528,7 @@ def finite_evaluation(evaluation: dict, what: str) -> dict:
     which has no NaN; and such a figure means a model that computes no number there."""
     bad = {name: value for name, value in evaluation.items() if isinstance(value, float) and not math.isfinite(value)}
     if bad:
-        raise InputError(
+        raise NotFinite(
             f"{what} gives {bad}: the model's outputs or loss there are not finite numbers (weights that diverged, "
             f"e.g. at too high a --learning-rate, or NaN or infinite values in --eval-data)"
         )
@@ -548,7 +553,7 @@ def refuse_non_finite_loss(
         return
     bad = usable & ~np.isfinite(losses.reshape(len(losses), -1)).all(axis=1)
     if bad.any():
-        raise InputError(
+        raise NotFinite(
             f"--model {options.model}: its loss is NaN or infinite on {int(bad.sum())} of the {int(usable.sum())} "
             f"usable rows of {rows_of}: the model's outputs or its loss there are not numbers, and DP-SGD's clipping "
             f"gives such rows no weight (a model trained on noise alone): fix the model or its loss; {kept}"

@@ -59,6 +59,7 @@ from madp.training.outputs import (
     TIMING_FIELDS,
     TIMING_FILE,
     checkpoints_directory,
+    drop_replaced,
     internal_path,
     set_aside,
     settle_replaced,
@@ -69,6 +70,7 @@ from madp.training.pretrained import check_pretrained_path
 from madp.training.tasks import (
     CausalLmTask,
     MetricsFailed,
+    NotFinite,
     TextClassifierTask,
     default_optimizer,
     finite_evaluation,
@@ -325,7 +327,7 @@ def _check_trained_model(model, loss_fn, options: TrainOptions, last_rows: tuple
     )
     broken = non_finite_weights(model.trainable_weights)
     if broken:
-        raise InputError(
+        raise NotFinite(
             f"--model {options.model}: its weights hold NaN or infinite values after the training "
             f"({', '.join(broken[:3])}): the training diverged (e.g. at too high a --learning-rate); {kept}"
         )
@@ -346,7 +348,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     file system is a `DiskFull` naming `output`: TensorFlow's writes (checkpoints, the model) raise
     errors of their own types."""
     started = time.perf_counter()
-    _settle(output, "before this training")
+    _settle(output, batches_dir, stopped=False)
     if options.amplified and options.mc_runner == "cuda" and not options.calibration:
         if tf.config.list_physical_devices("GPU"):  # cupy's arrays would compete with TensorFlow's for it
             raise InputError(
@@ -357,7 +359,7 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     batches = open_batches(batches_dir)
     selection = batches.selection
     try:
-        with _settled(output):
+        with _settled(output, batches_dir):
             if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
                 return _train(batches, output, options, started)
             with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
@@ -370,38 +372,49 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
 
 
 @contextlib.contextmanager
-def _settled(output: str):
+def _settled(output: str, batches_dir: str):
     """A training that stops before it has finished leaves the training it was replacing (--replace) as
-    that was, unless it keeps a checkpoint to resume (`settle_replaced`)."""
+    that was, unless it keeps a checkpoint to resume (`_settle`). One stopped by a model that computes no
+    number (`NotFinite`) keeps no checkpoint: its latest holds that model (each evaluation follows one),
+    and a resume would evaluate it again and stop there."""
     try:
         yield
+    except NotFinite as error:
+        held = checkpoints_directory(output)
+        if storage.kind(held) == "missing":
+            _settle(output, batches_dir, stopped=True)
+            raise
+        storage.remove_tree(held)
+        _settle(output, batches_dir, stopped=True)
+        raise NotFinite(
+            f"{error}; its checkpoint ({held}) held this model, which a resume would stop at: removed"
+        ) from None
     except BaseException:
-        _settle(output, "as this training stopped")
+        _settle(output, batches_dir, stopped=True)
         raise
 
 
-def _settle(output: str, when: str) -> None:
-    """`settle_replaced`, said in the log; a failure to settle is named, never in the way of what stopped."""
+def _settle(output: str, batches_dir: str, stopped: bool) -> None:
+    """Before a training into OUTPUT and after one that `stopped`: remove a checkpoint folder no resume can
+    read (a first checkpoint cut short by a full disk or a kill), then settle an earlier training set aside
+    by --replace (`settle_replaced`), said in the log. A failure here is named, never in the way of what
+    stopped."""
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
     try:
+        held = checkpoints_directory(output)
+        if storage.kind(held) != "missing" and interrupted_state(output, batches_dir) is None:
+            log.warning("%s: no resume can read it (its first checkpoint was cut short): removed", held)
+            storage.remove_tree(held)
         outcome = settle_replaced(output)
-    except Exception as error:  # the files stay where they are: named, for the user to move
-        aside = storage.join(output, INTERNAL_DIR, REPLACED)
-        log.warning(
-            "%s: the training a --replace training set aside in %s could not be settled (%s)", output, aside, error
-        )
+    except Exception as error:  # the files stay where they are (a damaged state: --resume names it)
+        log.warning("%s: the training a --replace training set aside in %s is not settled (%s)", output, aside, error)
         return
     if outcome == "restored":
         log.warning(
-            "%s: a --replace training stopped before it finished: the training it replaced is back in place (%s)",
-            output,
-            when,
+            "%s: a --replace training stopped before it finished: the training it replaced is back in place", output
         )
-    elif outcome == "kept":
-        log.warning(
-            "%s: %s keeps the training that the interrupted --replace training replaces, until --resume finishes it",
-            output,
-            storage.join(output, INTERNAL_DIR, REPLACED),
-        )
+    elif outcome == "kept" and stopped:
+        log.warning("%s keeps the training this one replaces, until --resume finishes it", aside)
 
 
 def _train(batches: Batches, output: str, options: TrainOptions, started: float) -> dict:
@@ -626,11 +639,11 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))
         result["rejected"] = f"{storage.join(output, REJECTED_DIR)}: rows trained with weight 0 (internal)"
-    # privacy.json last: it says the training's outputs are all written (`settle_replaced`), and a run stopped
-    # before it resumes from the last step's checkpoint (removed only now) to write them
+    # privacy.json last, then the training it replaced (set aside) is deleted; a run stopped before resumes from
+    # the last step's checkpoint, removed only now, to write them
     privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
     storage.write_text(storage.join(output, "privacy.json"), privacy_text)
-    settle_replaced(output)  # the training it replaced, set aside, is deleted
+    drop_replaced(output)
     if checkpoints is not None:  # done: the secret noise history has no further use
         storage.remove_tree(checkpoints.directory)
     if unevaluated is not None:  # the model trained and is kept, with its guarantee; its evaluation failed
