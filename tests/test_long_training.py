@@ -404,7 +404,7 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     [started] = ledger(copy)
     unseen = write_records(str(tmp_path / "unseen.jsonl"), [{"id": 10**9, "features": [0.0] * 8, "label": 1}])
     public = TrainOptions(**{**vars(options), "resume": True, "eval_data": unseen, "eval_data_public": True})
-    with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
+    with pytest.raises(InputError, match=r"no --eval-data-public \(this run: --eval-data-public\)"):
         trainer.train(copy, cut, public)  # it would publish the evaluations kept internal so far
     backup = str(tmp_path / "backup")
     shutil.copytree(cut, backup)  # the checkpoint of step 4
@@ -497,6 +497,65 @@ def test_a_resume_on_batches_made_again_since_the_training_started_is_refused(ba
     err = capsys.readouterr().err
     assert f"trained on other batch files than {made} holds now (batched again since it started)" in err
     assert ledger(made) == [entry] and contents(checkpoint) == kept
+
+
+def test_a_resume_with_options_other_than_the_interrupted_trainings_is_refused(batches, tmp_path, capsys, monkeypatch):
+    """Interrupted at --learning-rate 0.05 and resumed with the default rate, --resume went on and metrics.json
+    recorded the resumed run's rate as the training's. Refused before anything is written, each option named by
+    its flag; the same options (a run-only one aside) finish it."""
+    from madp.cli import main
+
+    _, out, data = batches
+    copy = fresh_copy(out, tmp_path)
+    output = str(tmp_path / "train")
+    train = ["-q", "train", copy, output, "--noise-multiplier", "1", "--bands", "2", "--checkpoint-every", "4"]
+    train += ["--eval-data", data, "--eval-every", "4"]
+    crash_at(monkeypatch, 6)
+    assert main([*train, "--learning-rate", "0.05"]) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    kept, [entry] = snapshot(output), ledger(copy)
+    checkpoints = os.path.join(output, "internal", "checkpoints")
+    assert main([*train, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--learning-rate 0.05 (this run: no --learning-rate)" in err and err.count("(this run:") == 1
+    assert f"Resume with its options, or move {checkpoints} away to train afresh" in err
+    assert snapshot(output) == kept and ledger(copy) == [entry]
+    assert main([*train, "--resume", "--learning-rate", "0.5", "--model", "mlp", "--l2", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--model logreg (this run: --model mlp)" in err
+        and "--learning-rate 0.05 (this run: --learning-rate 0.5)" in err
+    )
+    assert "no --l2 (this run: --l2 0.01)" in err and err.count("(this run:") == 3
+    assert snapshot(output) == kept and ledger(copy) == [entry]
+
+    assert main([*train, "--resume", "--learning-rate", "0.05", "--internal-scalars"]) == 0
+    metrics = json.load(open(os.path.join(output, "metrics.json")))
+    assert metrics["resumed_at"] == 4 and metrics["learning_rate"] == 0.05 and not os.path.exists(checkpoints)
+    assert [(t["training"], t["state"]) for t in ledger(copy)] == [(entry["training"], "finished")]
+
+
+def test_a_checkpoint_without_the_options_of_its_training_resumes_as_it_did(batches, tmp_path, monkeypatch):
+    """A checkpoint of a madp that did not record the training's options in state.json: a resume compares its
+    evaluation data (and its plan) only."""
+    _, out, data = batches
+    copy = fresh_copy(out, tmp_path)
+    output = str(tmp_path / "train")
+    options = TrainOptions(noise_multiplier=1.0, bands=2, checkpoint_every=4, eval_data=data, eval_every=4)
+    crash_at(monkeypatch, 6)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(copy, output, options)
+    monkeypatch.undo()
+    for state_file in glob.glob(os.path.join(output, "internal", "checkpoints", "*state.json")):
+        state = json.load(open(state_file))
+        del state["options"]
+        with open(state_file, "w") as handle:
+            json.dump({**state, "evaluated_on": {"eval_data": data, "eval_data_public": False}}, handle)
+    with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
+        trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "eval_data": None}))
+    resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "learning_rate": 0.05}))
+    assert resumed["resumed_at"] == 4
 
 
 def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint_to_continue(
@@ -961,6 +1020,15 @@ def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_un
     assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
     said = after_stop(output, out)
     assert "checkpoint of step 4" in said and f"{aside} keeps the training it replaces" in said
+    with pytest.raises(
+        InputError, match=re.escape(f"; {aside} holds the training that the interrupted one replaces, kept until")
+    ):
+        trainer.train(out, output, replacing)  # a fresh run
+    with pytest.raises(InputError, match=r"--learning-rate 0.5 \(this run: no --learning-rate\)"):
+        trainer.train(
+            out, output, TrainOptions(**{**vars(options), "replace": True, "checkpoint_every": 4, "resume": True})
+        )
+    assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
     resumed = trainer.train(out, output, TrainOptions(**{**vars(replacing), "resume": True}))
     assert resumed["resumed_at"] == 4 and resumed["learning_rate"] == 0.5
     assert not os.path.exists(aside) and not os.path.exists(os.path.join(output, "internal", "checkpoints"))

@@ -163,8 +163,8 @@ def step_statistics(model, loss_fn, x, y, weight: np.ndarray, users: np.ndarray 
 class Checkpoints:
     """OUTPUT/internal/checkpoints/: model, optimizer, the step reached and, for a private step, the
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
-    state.json beside them holds the step, the evaluations so far, the (public) plan and the
-    evaluation data (and whether it was declared public) a resume must match, and the training's id
+    state.json beside them holds the step, the evaluations so far, the (public) plan and the options
+    that define the training (`training_options`), which a resume must match, and the training's id
     in the trainings ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
@@ -181,10 +181,10 @@ class Checkpoints:
     The other order let a crash between them leave state.json ahead of the ledger, so that a copy of an
     older checkpoint could continue beside this one."""
 
-    def __init__(self, output: str, model, optimizer, step, evaluated_on: dict) -> None:
+    def __init__(self, output: str, model, optimizer, step, options: TrainOptions) -> None:
         self.output = output
         self.directory = checkpoints_directory(output)  # written at the first save, not before
-        self.evaluated_on = evaluated_on  # the evaluations' data and flag: restored ones are published by it
+        self.options = training_options(options)
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
         objects = {"model": model, "optimizer": optimizer, "steps_done": self.step_var}
         state = getattr(step, "_state", None)
@@ -210,7 +210,7 @@ class Checkpoints:
             "plan": None if plan is None else plan.to_json(),
             "training": self.training,
             "run": self.run,  # which run's ledger write makes next_state.json the one to resume from
-            "evaluated_on": self.evaluated_on,
+            "options": self.options,  # what a resume must give again (`refuse_other_options`)
         }
         text = _state_text(state)
         storage.write_text(self.next_state_file, text)  # after the files it names
@@ -219,7 +219,8 @@ class Checkpoints:
 
     def restore(self, state: dict, plan: PrivacyPlan | None) -> None:
         """Restore the checkpoint that `state` (`interrupted_state`) names. Refused unless it was written under
-        the same plan and evaluation data."""
+        the same plan (which the batches and a --pretrained model's files define too; the options are checked
+        before: `refuse_other_options`)."""
         stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
         if state["plan"] != stated:
             was, now = state["plan"] or {}, stated or {}
@@ -227,11 +228,6 @@ class Checkpoints:
             raise InputError(
                 f"--resume: {self.directory} was written under another privacy plan (its {', '.join(differing)} "
                 f"differ: the options, the batches or a --pretrained model's files changed); train afresh"
-            )
-        if state.get("evaluated_on") != self.evaluated_on:  # else evaluations kept internal could be published
-            raise InputError(
-                f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
-                f"{self.evaluated_on}: resume with the same --eval-data and --eval-data-public"
             )
         # The checkpoint's own name, in this OUTPUT: a copy of OUTPUT resumes its own files, not the original's.
         path = storage.join(self.directory, posixpath.basename(state["checkpoint"]))
@@ -243,6 +239,66 @@ class Checkpoints:
             raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
         # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
         storage.write_text(self.state_file, _state_text(state))
+
+
+# The TrainOptions fields that say how one run of a training goes, not which training it is: a --resume may
+# give others. resume and replace: what this run does with OUTPUT; checkpoint_every: how often it saves;
+# internal_scalars: the internal diagnostics of the steps this run takes, no part of the model nor of what is
+# published; mc_workers and mc_runner: where the accountant draws its Monte Carlo samples (the plan they give is
+# compared on its own: `Checkpoints.restore`); tpu: the address of the TPU (--distribution is compared).
+RUN_ONLY_OPTIONS = frozenset(
+    {"resume", "replace", "checkpoint_every", "internal_scalars", "mc_workers", "mc_runner", "tpu"}
+)
+# The options whose flags are not their names with dashes
+OTHER_FLAGS = {"testing_noise_scale": "--testing-only-noise-scale"}
+
+
+def training_options(options: TrainOptions) -> dict:
+    """The options that define a training, as state.json records them: every TrainOptions field but
+    RUN_ONLY_OPTIONS, by name, as JSON values."""
+    fields = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
+    return json.loads(json.dumps({name: value for name, value in fields.items() if name not in RUN_ONLY_OPTIONS}))
+
+
+def refuse_other_options(output: str, state: dict, options: TrainOptions) -> None:
+    """Refuse a --resume into OUTPUT whose options define another training than the interrupted one (`state`,
+    from `interrupted_state`), naming each option that differs by its flag: it would finish that training
+    under other settings, and metrics.json would record them as the training's. An option that one of the two
+    madp versions has not is not compared. A state without "options" (written by a madp that did not record
+    them) is accepted as it was then: its evaluation data is compared (else evaluations kept internal could be
+    published) and its plan (`Checkpoints.restore`)."""
+    recorded = state.get("options")
+    if recorded is None:
+        evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
+        if state.get("evaluated_on") != evaluated_on:
+            raise InputError(
+                f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
+                f"{evaluated_on}: resume with the same --eval-data and --eval-data-public"
+            )
+        return
+    given = training_options(options)
+    differing = [name for name, value in given.items() if name in recorded and recorded[name] != value]
+    if differing:
+        each = ", ".join(
+            f"{_as_given(name, recorded[name])} (this run: {_as_given(name, given[name])})" for name in differing
+        )
+        raise InputError(
+            f"--resume continues the interrupted training in {output}, which ran with other options than this run: "
+            f"{each}. Resume with its options, or move {checkpoints_directory(output)} away to train afresh "
+            f"(the trainings ledger keeps the interrupted training, and a new one composes with it)"
+        )
+
+
+def _as_given(name: str, value) -> str:
+    """Option `name` with `value` as its flag gives it: "--learning-rate 0.05", "--retrain", "no --l2"."""
+    flag = OTHER_FLAGS.get(name, "--" + name.replace("_", "-"))
+    if value is None or value is False or value == []:
+        return f"no {flag}"
+    if value is True:
+        return flag
+    if name == "model_path":  # repeated
+        return " ".join(f"{flag} {directory}" for directory in value)
+    return f"{flag} {','.join(value) if isinstance(value, list) else value}"
 
 
 def interrupted_state(output: str, batches_dir: str) -> dict | None:
@@ -328,6 +384,7 @@ def _read_state(path: str) -> dict | None:
         and isinstance(state.get("eval"), list)
         and all(_is_evaluation(entry) for entry in state["eval"])
         and isinstance(state.get("plan"), dict | None)
+        and isinstance(state.get("options"), dict | None)
         and all(isinstance(state.get(name), str | None) for name in ("training", "run"))
     ):
         raise InputError(f"--resume: {path} is not a checkpoint state madp wrote (a field is missing or mistyped)")

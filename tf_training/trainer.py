@@ -47,6 +47,7 @@ from madp.training.long_training import (
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
+    refuse_other_options,
     set_learning_rate,
     step_statistics,
 )
@@ -233,8 +234,9 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
 
 def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
     """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
-    trainings ledger, "training"); None for a fresh run. A fresh run into an output holding a checkpoint is
-    refused, and so is one into an output holding another training's logs unless --replace."""
+    trainings ledger, "training"), once its options are those of the interrupted training
+    (`refuse_other_options`); None for a fresh run. A fresh run into an output holding a checkpoint is
+    refused, and so is one into an output holding another training's logs unless --replace. Reads only."""
     state = interrupted_state(output, batches_dir)
     if not options.resume:
         checkpoints = checkpoints_directory(output)
@@ -242,7 +244,7 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
                 f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
-                f"compose with it: the trainings ledger holds it since its first noisy update)"
+                f"compose with it: the trainings ledger holds it since its first noisy update){_kept_aside(output)}"
             )
         if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
             raise InputError(
@@ -252,7 +254,16 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
         return None
     if state is None:
         raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
+    refuse_other_options(output, state, options)
     return state
+
+
+def _kept_aside(output: str) -> str:
+    """Where OUTPUT holds a training that an interrupted --replace training set aside, a clause that says so."""
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    if storage.kind(aside) == "missing":
+        return ""
+    return f"; {aside} holds the training that the interrupted one replaces, kept until it finishes"
 
 
 def _refuse_optimizer_flags(options: TrainOptions) -> None:
@@ -506,12 +517,11 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     loss_fn = step.loss_fn  # for evaluations and statistics too: the model's outputs taken in float32
     # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
     planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
-    evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
     evaluation = task.read_eval(options.eval_data) if options.eval_data else None
     if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
         # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
         _checked_evaluation(task, model, loss_fn, evaluation, options, "before the first step")
-    checkpoints = Checkpoints(output, model, optimizer, step, evaluated_on) if needs_checkpoints else None
+    checkpoints = Checkpoints(output, model, optimizer, step, options) if needs_checkpoints else None
     metrics: list[dict] = []
     if checkpoints is not None and interrupted is not None:
         checkpoints.restore(interrupted, planned)
