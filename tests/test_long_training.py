@@ -1020,9 +1020,7 @@ def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_un
     assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
     said = after_stop(output, out)
     assert "checkpoint of step 4" in said and f"{aside} keeps the training it replaces" in said
-    with pytest.raises(
-        InputError, match=re.escape(f"; {aside} holds the training that the interrupted one replaces, kept until")
-    ):
+    with pytest.raises(InputError, match=re.escape(f"; {aside} keeps the training it replaces until it finishes")):
         trainer.train(out, output, replacing)  # a fresh run
     with pytest.raises(InputError, match=r"--learning-rate 0.5 \(this run: no --learning-rate\)"):
         trainer.train(

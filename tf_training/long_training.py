@@ -29,12 +29,11 @@ from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import (
     CHECKPOINTS,
-    INTERNAL_DIR,
     NEXT_STATE_FILE,
-    REPLACED,
     STATE_FILE,
     checkpoints_directory,
     internal_path,
+    replaced_kept,
 )
 from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
 from madp.training.steps import row_groups
@@ -333,8 +332,7 @@ def after_stop(output: str, batches_dir: str) -> str:
     fresh = (
         "train again, into a new OUTPUT" if storage.kind(storage.join(output, "logs")) != "missing" else "train again"
     )
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
-    kept = f" ({aside} keeps the training it replaces until then)" if storage.kind(aside) != "missing" else ""
+    kept = f" ({aside})" if (aside := replaced_kept(output)) else ""
     if entry.get("state") == FINISHED and state is not None and state["step"] == entry.get("resumable_from"):
         return (
             f"the training ran all its steps, but its outputs were not all written or its checkpoint not removed: "

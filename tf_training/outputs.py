@@ -116,6 +116,13 @@ def settle_replaced(output: str) -> str | None:
     return "restored"
 
 
+def replaced_kept(output: str) -> str:
+    """Where OUTPUT keeps a training that an interrupted --replace training set aside, what a message says
+    of it; else ""."""
+    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    return f"{aside} keeps the training it replaces until it finishes" if storage.kind(aside) != "missing" else ""
+
+
 def resumable_checkpoint(output: str) -> bool:
     """Whether OUTPUT/internal/checkpoints/ holds a checkpoint's state, which a --resume reads: a first
     checkpoint cut short (a full disk, a kill) leaves its files and no state."""

@@ -62,6 +62,7 @@ from madp.training.outputs import (
     checkpoints_directory,
     drop_replaced,
     internal_path,
+    replaced_kept,
     set_aside,
     settle_replaced,
     without_clock_times,
@@ -241,10 +242,11 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
     if not options.resume:
         checkpoints = checkpoints_directory(output)
         if state is not None or (options.replace and storage.kind(checkpoints) != "missing"):
+            kept = replaced_kept(output)
             raise InputError(
                 f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
                 f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
-                f"compose with it: the trainings ledger holds it since its first noisy update){_kept_aside(output)}"
+                f"compose with it: the trainings ledger holds it since its first noisy update){'; ' * bool(kept)}{kept}"
             )
         if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
             raise InputError(
@@ -256,14 +258,6 @@ def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict 
         raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
     refuse_other_options(output, state, options)
     return state
-
-
-def _kept_aside(output: str) -> str:
-    """Where OUTPUT holds a training that an interrupted --replace training set aside, a clause that says so."""
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
-    if storage.kind(aside) == "missing":
-        return ""
-    return f"; {aside} holds the training that the interrupted one replaces, kept until it finishes"
 
 
 def _refuse_optimizer_flags(options: TrainOptions) -> None:
