@@ -181,6 +181,33 @@ def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished
     assert statuses(run(capsys, config))["train"] == "skipped"
 
 
+def test_a_replacing_training_killed_leaves_the_finished_one_up_to_date_once_the_option_is_undone(
+    tmp_path, capsys, monkeypatch
+):
+    """A changed train option's training killed with no clean-up (SIGKILL: nothing settles the finished training
+    it set aside, nor puts the stage's manifest back): the option undone, the run settles the output back to the
+    finished training and finds it up to date, instead of training once more over it."""
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run")
+    run(capsys, config)
+    train = tmp_path / "run" / "train"
+    finished = snapshot(train)
+    trainings = (tmp_path / "run" / "bound" / "trainings.jsonl").read_text()
+    from madp.training import trainer
+
+    with monkeypatch.context() as patch:
+        crash_at(patch, 15)
+        patch.setattr(trainer, "settle_replaced", lambda output: None)
+        assert main(["-q", "run", config, "--set", "train.learning_rate=0.05"]) == 130
+    capsys.readouterr()
+    assert (train / "internal" / "replaced" / "model.keras").read_bytes() == finished["model.keras"]
+    assert not (tmp_path / "run" / ".madp" / "train.json").exists()
+    summary = run(capsys, config)
+    assert statuses(summary)["train"] == "skipped"
+    assert snapshot(train) == finished
+    killed = (tmp_path / "run" / "bound" / "trainings.jsonl").read_text()[len(trainings) :]
+    assert [json.loads(line)["state"] for line in killed.splitlines()] == ["started"]  # no training since
+
+
 SCALAR_LOSS = """
 from madp.training import load_tensorflow
 tf = load_tensorflow()
@@ -241,6 +268,12 @@ def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp
     metrics = json.load(open(tmp_path / "run" / "train" / "metrics.json"))
     assert metrics["resumed_at"] == 10 and metrics["final"]["step"] == 30
     assert not state.parent.exists()  # a finished training removes its checkpoints
+    # The resumed training is the one its options made: a re-run without resume (or setting another option that
+    # says only how to reach it) finds it done instead of training once more, composed with it.
+    trainings = (tmp_path / "run" / "bound" / "trainings.jsonl").read_text()
+    for how in ([], ["--set", "train.checkpoint_every=5", "--set", "train.retrain=true"]):
+        assert statuses(run(capsys, config, *how))["train"] == "skipped"
+    assert (tmp_path / "run" / "bound" / "trainings.jsonl").read_text() == trainings
 
 
 def test_files_of_yours_inside_a_stage_folder_are_never_deleted(tmp_path, capsys):

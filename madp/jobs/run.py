@@ -23,7 +23,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
-from madp.training.outputs import evaluation_of
+from madp.training.outputs import INTERNAL_DIR, REPLACED, evaluation_of, settle_replaced
 from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
 
 log = logging.getLogger("madp.run")
@@ -33,10 +33,11 @@ TRAININGS = ("train", "baseline")  # the stages that run `madp train`
 
 
 def fingerprint(stage: Stage) -> str:
-    """Digest of the stage's command and of the content of every file it reads. Content, not names, sizes
-    and modification times: an edit that keeps those (`cp -p`, `rsync -t`, a coarse-mtime file system)
-    must re-run the stage, since the claim is made for the data it read."""
-    digest = hashlib.sha256(json.dumps([madp.__version__, stage.command]).encode())  # an upgrade re-runs
+    """Digest of the stage's parameters (its command, less what says only how it reaches its outputs: a
+    training finished by --resume is the one a plain re-run finds) and of the content of every file it reads.
+    Content, not names, sizes and modification times: an edit that keeps those (`cp -p`, `rsync -t`, a
+    coarse-mtime file system) must re-run the stage, since the claim is made for the data it read."""
+    digest = hashlib.sha256(json.dumps([madp.__version__, stage.parameters]).encode())  # an upgrade re-runs
     for path in stage.inputs:
         # The trainings ledger (beside the selection; in a batch output, of an earlier madp) is not data.
         digest.update(f"{path}\0{storage.content_digest(path, ignore=(TRAININGS_FILE,))}\n".encode())
@@ -59,29 +60,79 @@ def _manifest(run_dir: str, stage: Stage) -> str:
     return storage.join(run_dir, MANIFESTS, f"{stage.name}.json")
 
 
+def _pending(run_dir: str, stage: Stage) -> str:
+    """The manifest a running stage set aside, with the content digest of the output it describes."""
+    return storage.join(run_dir, MANIFESTS, f"{stage.name}.pending.json")
+
+
+def _set_manifest_aside(run_dir: str, stage: Stage) -> None:
+    """Before the stage runs, its manifest goes, so that a stage stopped half-way is never taken for done. It
+    is kept as pending, with its output's content digest, for `_take_manifest_back`."""
+    manifest = _manifest(run_dir, stage)
+    if storage.kind(manifest) != "file":
+        return
+    pending = {"manifest": storage.read_text(manifest), "output": storage.content_digest(stage.output)}
+    storage.write_text(_pending(run_dir, stage), json.dumps(pending))
+    storage.remove_file(manifest)
+
+
+def _take_manifest_back(run_dir: str, stage: Stage) -> None:
+    """The manifest set aside for a run of the stage that stopped (an error, Ctrl-C, or killed with no clean-up:
+    taken back by the next run's `up_to_date`), back where the output is still byte for byte the one it
+    describes: a stage refused by its own checks (the ledger, a checkpoint to resume, a file of the user's), or
+    a training that gave the finished one back, leaves those outputs up to date for what they were made from."""
+    pending = _pending(run_dir, stage)
+    if storage.kind(pending) != "file":
+        return
+    try:
+        kept = json.loads(storage.read_text(pending))
+        manifest, output = kept["manifest"], kept["output"]
+    except (ValueError, TypeError, KeyError):
+        log.warning("%s is damaged (truncated?): stage %s is not taken for done", pending, stage.name)
+        return
+    if storage.content_digest(stage.output) == output:
+        storage.write_text(_manifest(run_dir, stage), manifest)
+        storage.remove_file(pending)
+
+
 def _run_stage(run_dir: str, stage: Stage, parser: Parser) -> dict:
     """Run a stage whose output's lock is held. Nothing of its output is deleted for it: the stage itself
     replaces its earlier outputs after its own checks (`madp train --replace`, generate's shards, bound's and
-    batch's outputs). Its manifest goes first, so that a stage stopped half-way is never taken for done;
-    a stage that stops having changed nothing of its output (refused by its own checks: the ledger, a
-    checkpoint to resume, a file of the user's) gets it back, so that the outputs it left in place stay up
-    to date for the options and inputs they were made from."""
+    batch's outputs). Its manifest is set aside first, and back if it stops having changed nothing of it."""
     args, extra = parser.parse_known_args(stage.command)
-    manifest = _manifest(run_dir, stage)
-    recorded = storage.read_text(manifest) if storage.kind(manifest) == "file" else None
-    before = storage.content_digest(stage.output) if recorded is not None else None
-    storage.remove_file(manifest)
+    _set_manifest_aside(run_dir, stage)
     try:
         return calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
     except BaseException:
-        if recorded is not None and storage.content_digest(stage.output) == before:
-            storage.write_text(manifest, recorded)
+        _take_manifest_back(run_dir, stage)
         raise
 
 
+def _settle_replaced_training(stage: Stage) -> None:
+    """A training stage's output where a `madp train --replace` was killed with no clean-up (SIGKILL, a power
+    cut) still holds the training it replaced set aside: settled first (`settle_replaced`, as `madp train` does
+    at its start, under the output's lock), so that the output is that finished training again, or the new one
+    kept to resume, before the stage is checked for being up to date."""
+    aside = storage.join(stage.output, INTERNAL_DIR, REPLACED)
+    if storage.kind(aside) == "missing":
+        return
+    with _writing(stage):
+        outcome = settle_replaced(stage.output)
+    said = {
+        "restored": "a --replace training was stopped before it finished: the training it replaced is back in place",
+        "kept": f"{aside} keeps the training an interrupted --replace training replaces, until --resume finishes it",
+        "finished": "a --replace training had finished: the training it replaced, set aside, is deleted",
+    }
+    if outcome in said:
+        log.warning("stage %s: %s: %s", stage.name, stage.output, said[outcome])
+
+
 def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
-    """Whether the stage's outputs exist and its last successful run had the `current` fingerprint."""
+    """Whether the stage's outputs exist and its last successful run had the `current` fingerprint (its manifest,
+    or the one a stopped run of it set aside, where its output is still the one that describes)."""
     manifest = _manifest(run_dir, stage)
+    if storage.kind(manifest) != "file":
+        _take_manifest_back(run_dir, stage)
     if storage.kind(manifest) != "file" or storage.kind(stage.output) == "missing":
         return False
     try:
@@ -144,6 +195,8 @@ def run_stages(
     columns_checked = False
     for number, stage in enumerate(stages, 1):
         current = fingerprint(stage)  # taken before the stage reads anything, checked again after it
+        if stage.name in TRAININGS:
+            _settle_replaced_training(stage)
         if not force and up_to_date(run_dir, stage, current):
             log.info(
                 "stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
@@ -176,6 +229,7 @@ def run_stages(
             _manifest(run_dir, stage),
             json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2),
         )
+        storage.remove_file(_pending(run_dir, stage))
         summary["stages"].append({"stage": stage.name, "status": "ran"})
         timings[stage.name] = round(time.perf_counter() - stage_started, 3)
     timings["total"] = round(time.perf_counter() - started, 3)

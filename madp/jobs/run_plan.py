@@ -10,7 +10,7 @@ Run directory layout: records/ and test.parquet (generate), bound/, batches/ (wi
 independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
 train/, baseline/ (non-private, if asked), report.html (publishable) and internal-report.html (with
 the baseline, the audit or evaluations on data not declared public; never published), and .madp/
-with one manifest per finished stage.
+with one manifest per finished stage (set aside as STAGE.pending.json while the stage runs again).
 """
 
 from __future__ import annotations
@@ -50,14 +50,40 @@ CALIBRATE_KEYS = (
 )
 INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the realized sampling: never published
 SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
+# Options of a madp command that say only how a stage reaches its outputs, never what they are, with the number
+# of values each takes: left out of the stage's parameters (`Stage.parameters`, what `madp run` fingerprints), so
+# that a re-run that sets them otherwise finds the outputs up to date instead of training once more.
+HOW_ONLY = {
+    "train": {
+        "--resume": 0,  # finishes the interrupted training: its outputs are that training's
+        "--retrain": 0,  # a permission: privacy.json states the ledger's composition with it or without it
+        "--checkpoint-every": 1,  # how often progress is saved; a finished training removes its checkpoints
+        "--mc-workers": 1,  # every number of workers draws the same Monte Carlo samples (`mc_delta`)
+    }
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     name: str
-    command: list[str]  # the `madp` command line it runs (its parameters)
+    command: list[str]  # the `madp` command line it runs
     inputs: tuple[str, ...]  # paths whose files it reads
     output: str  # the path it writes (a directory, or calibration.json)
+
+    @property
+    def parameters(self) -> list[str]:
+        """Its command without the options that say only how it reaches its outputs (`HOW_ONLY`)."""
+        how = HOW_ONLY.get(self.command[0], {})
+        kept: list[str] = []
+        values_left = 0
+        for token in self.command:
+            if values_left:
+                values_left -= 1
+            elif token in how:
+                values_left = how[token]
+            else:
+                kept.append(token)
+        return kept
 
 
 def load_config(path: str, overrides: list[str]) -> dict:
