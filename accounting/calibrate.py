@@ -54,9 +54,8 @@ def composed_epsilon(
 
 # Remembered per process: a PLD is built anew for each evaluation (seconds for a mixture of Gaussians), and
 # the same one recurs: a training's composition is computed as its step is made and again as it enters the
-# ledger, `madp run` trains at the sigma its calibrate stage evaluated last, and calibrations of one
-# mechanism to one target evaluate the same sigmas. Mechanisms are frozen dataclasses: the key is their
-# parameters. A failure is not remembered (raised again each time).
+# ledger, and calibrations of one mechanism evaluate the same sigmas. Mechanisms are frozen dataclasses: the
+# key is their parameters. A failure is not remembered (raised again each time).
 @functools.lru_cache(maxsize=1024)
 def _composed_epsilon(releases: tuple[tuple[Mechanism, float], ...], delta: float, discretization: float) -> float:
     events = [mechanism.event(noise_multiplier) for mechanism, noise_multiplier in releases]
