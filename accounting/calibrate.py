@@ -7,6 +7,7 @@ every epsilon reported here is an upper bound of the true one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -48,6 +49,15 @@ def composed_epsilon(
         if not positive(noise_multiplier):
             raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
     check_delta(delta)
+    return _composed_epsilon(tuple((mechanism, sigma) for mechanism, sigma in releases), delta, discretization)
+
+
+# Remembered per process: a PLD is built anew for each evaluation (seconds for a mixture of Gaussians), and
+# the same one recurs: a training's composition is computed as its step is made and again as it enters the
+# ledger, and calibrations of one mechanism evaluate the same sigmas. Mechanisms are frozen dataclasses: the
+# key is their parameters. A failure is not remembered (raised again each time).
+@functools.lru_cache(maxsize=1024)
+def _composed_epsilon(releases: tuple[tuple[Mechanism, float], ...], delta: float, discretization: float) -> float:
     events = [mechanism.event(noise_multiplier) for mechanism, noise_multiplier in releases]
     event = events[0] if len(events) == 1 else dp_event.ComposedDpEvent(events)
     widening = max(1.0, (FINE_GRID_NOISE_RATIO / smallest_noise_ratio(event)) ** 2)

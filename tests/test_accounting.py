@@ -94,6 +94,30 @@ def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_abo
         epsilon(DpSgd(0.01, 1000, 100_000), 1.0, 1e-6)
 
 
+def test_an_epsilon_asked_again_is_not_accounted_again(monkeypatch):
+    """A privacy loss distribution is built once per process for a mechanism, sigma, delta and grid (a
+    training's composition is computed as its step is made and again as it enters the ledger; calibrations
+    of one mechanism evaluate the same sigmas); anything else is another one, and a failure is raised again."""
+    built = []
+    compose = pld_privacy_accountant.PLDAccountant.compose
+
+    def counted(self, event, *args, **kwargs):
+        built.append(event)
+        return compose(self, event, *args, **kwargs)
+
+    monkeypatch.setattr(pld_privacy_accountant.PLDAccountant, "compose", counted)
+    first = epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-5)
+    assert epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-5) == first and len(built) == 1
+    assert epsilon(DpSgdUls(0.0123, 17), 1.2, 1e-5) < first and len(built) == 2
+    assert epsilon(DpSgdUls(0.0123, 18), 1.1, 1e-5) > first and len(built) == 3
+    assert epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-6) > first and len(built) == 4
+    assert epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-5, discretization=1e-2) >= first and len(built) == 5
+    for _ in range(2):
+        with pytest.raises(Unaccountable, match="cannot account dpsgd at --noise-multiplier 0.031"):
+            epsilon(DpSgd(1e-9, 999, 1), 0.031, 1e-6)
+    assert len(built) == 7
+
+
 @pytest.mark.slow
 def test_calibration_meets_the_target_tightly():
     mechanism = DpSgd(0.02, 100, 2)

@@ -154,13 +154,15 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
         str(tmp_path / "bounded"), data, str(tmp_path / "batches"), BatchOptions(steps=50, batch_size=40, seed=1)
     )
     batches = open_batches(str(tmp_path / "batches"))
-    plan = privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5))
+    sigma = 5.0  # a given sigma: one PLD evaluation each (calibrating k = 7 to an epsilon is seconds per sigma tried)
+    plan = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5))
     assert plan.contribution_bound == 7 and plan.parameters.max_contributions == 7
     with pytest.raises(InputError, match="--max-contributions 1 is below"):
-        privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=1))
-    assert privacy_plan(batches, TrainOptions(epsilon=2.0, delta=1e-5, max_contributions=9)).contribution_bound == 9
+        privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=1))
+    nine = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=9))
+    assert nine.contribution_bound == 9 and nine.epsilon > plan.epsilon
     with caplog.at_level("WARNING"):
-        privacy_plan(batches, TrainOptions(epsilon=2.0, delta=0.01))
+        privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=0.01))
     assert "delta 0.01 exceeds 1/200 users" in caplog.text
 
 
@@ -175,10 +177,11 @@ def test_a_selection_rebounded_after_batching_is_refused(bounded, tmp_path):
     bound_local(data, selected, BoundOptions(max_contributions=3))
     batch_local(selected, data, str(tmp_path / "batches"), BatchOptions(steps=20, batch_size=30, seed=1))
     batches = open_batches(str(tmp_path / "batches"))
-    assert privacy_plan(batches, TrainOptions(epsilon=4.0, bands=1)).contribution_bound == 3
+    options = TrainOptions(noise_multiplier=3.0, bands=1)  # a given sigma: one PLD evaluation, not a search
+    assert privacy_plan(batches, options).contribution_bound == 3
     bound_local(data, selected, BoundOptions(max_contributions=1))  # the same SELECTED, now K = 1
     with pytest.raises(InputError, match="changed since"):
-        privacy_plan(batches, TrainOptions(epsilon=4.0, bands=1))
+        privacy_plan(batches, options)
 
 
 # --- truncation -------------------------------------------------------------------------------------

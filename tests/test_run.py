@@ -149,9 +149,8 @@ def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path
     """DP-SGD on Poisson batches relies on the secret sampling: a second training on them is refused
     unless retrained. A changed train option must not have deleted the finished model first; undone, the
     stage is up to date again; with retrain: true the new training replaces it, logs and all."""
-    config = write_config(
-        tmp_path / "job.yaml", tmp_path / "run", batch__min_sep=1, calibrate={"epsilon": 4, "delta": 1e-5}
-    )
+    calibrate = {"noise_multiplier": 2.0, "delta": 1e-5}  # DP-SGD's PLD once, not a search for an epsilon
+    config = write_config(tmp_path / "job.yaml", tmp_path / "run", batch__min_sep=1, calibrate=calibrate)
     run(capsys, config)
     train = tmp_path / "run" / "train"
     finished = snapshot(train)

@@ -470,14 +470,16 @@ def test_imported_mail_trains_a_language_model_on_its_bodies(tmp_path, capsys):
     from madp.cli import main
 
     box = mailbox.mbox(str(tmp_path / "mail.mbox"))
-    people = ["ann@example.com", "ben@example.com", "cyd@example.com", "dee@example.com"]
+    # 60 people, each in two messages: k = 2 keeps every message, and DP-SGD's mixture of k + 1 Gaussians is
+    # accounted in seconds (at k = 10 its one PLD took most of this test)
+    people = [f"{name}{j}@example.com" for j in range(15) for name in ("ann", "ben", "cyd", "dee")]
     for i in range(60):
-        body = f"Hallo {people[(i + 1) % 4].split('@')[0]}, Grüße zum Treffen Nummer {i}."
-        box.add(message(people[i % 4], people[(i + 1) % 4], body=body, message_id=f"<m{i}@example.com>"))
+        body = f"Hallo {people[(i + 1) % 60].split('@')[0]}, Grüße zum Treffen Nummer {i}."
+        box.add(message(people[i], people[(i + 1) % 60], body=body, message_id=f"<m{i}@example.com>"))
     box.flush()
     mail, bounded, batches, out = (str(tmp_path / name) for name in ("mail", "bounded", "batches", "lm"))
     assert main(["-q", "import-mbox", str(tmp_path / "mail.mbox"), mail]) == 0
-    assert main(["-q", "bound", f"{mail}/records", bounded, "-k", "10", "--runner", "local"]) == 0
+    assert main(["-q", "bound", f"{mail}/records", bounded, "-k", "2", "--runner", "local"]) == 0
     assert (
         main(
             [
