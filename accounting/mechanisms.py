@@ -107,6 +107,9 @@ class BandMf:
     name = "bandmf"
 
     def __post_init__(self) -> None:
+        # a tuple of floats whatever the caller gave (a list, a numpy array): the accountant remembers
+        # epsilons by the mechanism's value, which must hash
+        object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))
         check_steps(self.steps)
         check_min_sep(self.min_sep, len(self.coefficients))
         most = 1 + (self.steps - 1) // self.min_sep
@@ -152,6 +155,7 @@ class BandMfCyclic:
     name = "bandmf-cyclic"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))  # hashable (BandMf)
         check_probability("--sampling-prob", self.sampling_prob)
         check_steps(self.steps)
         check_min_sep(self.min_sep, len(self.coefficients))  # min_sep: the number of subsets
