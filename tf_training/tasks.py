@@ -440,7 +440,7 @@ class UserTask:
         The rows are private: the error goes to the operator only, and nothing is written."""
         for name, array in _encoded_arrays((x, y)).items():
             if array.dtype.kind in "fc":
-                bad = usable & ~np.isfinite(array.reshape(len(array), -1)).all(axis=1)
+                bad = non_finite_rows(array, usable)
                 if bad.any():
                     raise InputError(
                         f"--task {self.options.task}: encode(rows) returned NaN or infinite {name} values for "
@@ -535,6 +535,11 @@ def finite_evaluation(evaluation: dict, what: str) -> dict:
     return evaluation
 
 
+def non_finite_rows(values: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """Which of the `usable` rows (a mask) of `values` (one row per leading index) hold a NaN or infinity."""
+    return usable & ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+
+
 def refuse_non_finite_loss(
     model, loss_fn, x, y, usable: np.ndarray, options: TrainOptions, rows_of: str, kept: str
 ) -> None:
@@ -551,7 +556,7 @@ def refuse_non_finite_loss(
     )
     if losses.shape[:1] != usable.shape:  # not one loss per row: the step refuses it as it is traced
         return
-    bad = usable & ~np.isfinite(losses.reshape(len(losses), -1)).all(axis=1)
+    bad = non_finite_rows(losses, usable)
     if bad.any():
         raise NotFinite(
             f"--model {options.model}: its loss is NaN or infinite on {int(bad.sum())} of the {int(usable.sum())} "
