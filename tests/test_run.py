@@ -166,9 +166,12 @@ def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path
     assert len(os.listdir(train / "logs")) == 1  # the earlier training's events replaced, not mixed in
 
 
-def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished_one_back(tmp_path, capsys, caplog):
+def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished_one_back(
+    tmp_path, capsys, caplog, monkeypatch
+):
     """A changed train option whose training diverges at its first evaluation (step 10): the finished
-    training, set aside at the new one's first step, is back in place, and the stage up to date again."""
+    training, set aside at the new one's first step, is back in place, and the stage up to date again. A
+    training that finished is done, even where the run stopped before it had checked its inputs again."""
     config = write_config(tmp_path / "job.yaml", tmp_path / "run")
     run(capsys, config)
     train = tmp_path / "run" / "train"
@@ -178,6 +181,26 @@ def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished
     assert "the training it replaced is back in place" in caplog.text
     assert snapshot(train) == finished
     assert statuses(run(capsys, config))["train"] == "skipped"
+
+    # Stopped once the new training has finished, while its inputs are digested again: it is done, not
+    # trained a third time by the same command.
+    import madp.jobs.run as jobs_run
+
+    digests, digested = jobs_run.fingerprint, []
+
+    def stopped_at_the_second(stage):
+        digested.append(stage.name)
+        if digested.count("train") == 2:
+            raise KeyboardInterrupt
+        return digests(stage)
+
+    changed = ["--set", "train.learning_rate=0.05"]
+    monkeypatch.setattr(jobs_run, "fingerprint", stopped_at_the_second)
+    assert main(["-q", "run", config, *changed]) == 130
+    monkeypatch.undo()
+    trained = snapshot(train)
+    assert json.loads(trained["metrics.json"])["learning_rate"] == 0.05
+    assert statuses(run(capsys, config, *changed))["train"] == "skipped" and snapshot(train) == trained
 
 
 def test_a_replacing_training_killed_leaves_the_finished_one_up_to_date_once_the_option_is_undone(

@@ -95,17 +95,27 @@ def _take_manifest_back(run_dir: str, stage: Stage) -> None:
         storage.remove_file(pending)
 
 
-def _run_stage(run_dir: str, stage: Stage, parser: Parser) -> dict:
+def _run_stage(run_dir: str, stage: Stage, parser: Parser, current: str) -> dict:
     """Run a stage whose output's lock is held. Nothing of its output is deleted for it: the stage itself
     replaces its earlier outputs after its own checks (`madp train --replace`, generate's shards, bound's and
-    batch's outputs). Its manifest is set aside first, and back if it stops having changed nothing of it."""
+    batch's outputs). Its manifest is set aside first, and back if it stops having changed nothing of it; once
+    the stage has run (and its verifier, if it is one, passed), its manifest for the `current` fingerprint is
+    written at once: a stop while the inputs are digested again after it (minutes over large inputs) leaves
+    it done, not to be run again (a training: a second one, composed with it)."""
     args, extra = parser.parse_known_args(stage.command)
     _set_manifest_aside(run_dir, stage)
     try:
-        return calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
+        result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
     except BaseException:
         _take_manifest_back(run_dir, stage)
         raise
+    if result.get("ok") is not False:
+        storage.write_text(
+            _manifest(run_dir, stage),
+            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2),
+        )
+        storage.remove_file(_pending(run_dir, stage))
+    return result
 
 
 def _settle_replaced_training(stage: Stage) -> None:
@@ -214,21 +224,17 @@ def run_stages(
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
         stage_started = time.perf_counter()
         with _writing(stage):
-            result = _run_stage(run_dir, stage, parser)
+            result = _run_stage(run_dir, stage, parser, current)
         if result.get("ok") is False:
             raise CheckFailed(
                 f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result
             )
         if fingerprint(stage) != current:
+            storage.remove_file(_manifest(run_dir, stage))
             raise InputError(
                 f"stage {stage.name}: its inputs ({', '.join(stage.inputs)}) changed while it ran, so its outputs "
                 f"describe neither version; nothing is recorded as done: run again once they stay put"
             )
-        storage.write_text(
-            _manifest(run_dir, stage),
-            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2),
-        )
-        storage.remove_file(_pending(run_dir, stage))
         summary["stages"].append({"stage": stage.name, "status": "ran"})
         timings[stage.name] = round(time.perf_counter() - stage_started, 3)
     timings["total"] = round(time.perf_counter() - started, 3)
