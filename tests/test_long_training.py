@@ -1060,6 +1060,16 @@ def test_a_replacing_training_leaves_one_whole_training_whatever_stops_it(batche
         trainer.train(out, output, options)
     assert snapshot(output) == replaced
 
+    with monkeypatch.context() as patch:  # killed between its privacy.json and deleting the list
+        patch.setattr(trainer, "settle_replaced", lambda output: None)
+        patch.setattr(trainer, "drop_replaced", lambda output: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train(out, output, TrainOptions(**{**vars(replacing), "learning_rate": 0.25}))
+    with pytest.raises(InputError, match="holds the logs of an earlier training"):
+        trainer.train(out, output, options)
+    replaced = snapshot(output)
+    assert json.loads(replaced["metrics.json"])["learning_rate"] == 0.25 and not os.path.exists(aside)
+
     finished = replaced  # the training to keep from here on
 
     def cut_short(self, done, *args):  # the disk fills as the first checkpoint is written

@@ -70,12 +70,15 @@ def set_aside(output: str, paths: list[str]) -> None:
     """Move the earlier training's files (`paths`, from `storage.written_files`) to OUTPUT/internal/replaced/,
     each at its place below OUTPUT, so that the training replacing it writes into an OUTPUT holding nothing
     of it, and nothing of it is lost until that training has finished (`settle_replaced`). Their list is
-    written first: a process killed while moving them leaves what tells a moved file from a new one."""
+    written first, with the digest of its model and privacy.json: a process killed while moving them leaves
+    what tells a moved file from a new one, and the earlier training's model and privacy.json from those the
+    new training writes last."""
     if not paths:
         return
     relatives = [storage.below(output, path) for path in paths]
     aside = storage.join(output, INTERNAL_DIR, REPLACED)
-    storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(relatives, indent=2))
+    listing = {"files": relatives, "finished_training": _finished_training(output)}
+    storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(listing, indent=2))
     storage.move_below(output, aside, relatives)
     internal_path(output, REPLACED)  # the NOTICE, moved aside with the rest, written again
 
@@ -91,17 +94,23 @@ def drop_replaced(output: str) -> None:
 
 def settle_replaced(output: str) -> str | None:
     """Settle the earlier training that a --replace training set aside in OUTPUT (`set_aside`), once that
-    training has stopped: "kept" where it left a checkpoint to resume (--resume finishes it, then deletes
-    them: `drop_replaced`), "restored" where it stopped for good (its own files are deleted and the earlier
-    ones moved back to their places); None where nothing waits to be settled (what is left of the folder, a
-    deletion by `drop_replaced` cut short or a list never written, is removed). A training stopped between
-    writing its privacy.json and deleting the list has its outputs deleted and the earlier ones put back."""
+    training has stopped: "finished" where it wrote its model and its privacy.json, the last of its outputs
+    (others than the earlier ones: their digest is in the list), but was stopped before `drop_replaced`
+    (which this does),
+    "kept" where it left a checkpoint to resume (--resume finishes it, then deletes them), "restored" where it
+    stopped for good (its own files are deleted and the earlier ones moved back to their places); None where
+    nothing waits to be settled (what is left of the folder, a deletion by `drop_replaced` cut short or a
+    list never written, is removed)."""
     aside = storage.join(output, INTERNAL_DIR, REPLACED)
     listing = storage.join(aside, REPLACED_LIST)
     if storage.kind(listing) != "file":
         storage.remove_tree(aside)
         return None
-    moved = json.loads(storage.read_text(listing))
+    listed = json.loads(storage.read_text(listing))
+    moved, finished = listed["files"], _finished_training(output)
+    if finished is not None and finished != listed["finished_training"]:
+        drop_replaced(output)
+        return "finished"
     if resumable_checkpoint(output):
         return "kept"
     newer = [
@@ -114,6 +123,15 @@ def settle_replaced(output: str) -> str | None:
     storage.move_below(aside, output, still_aside)
     storage.remove_tree(aside)
     return "restored"
+
+
+def _finished_training(output: str) -> str | None:
+    """A digest of OUTPUT's model.keras and privacy.json (written last), where both are there: what tells a
+    training set aside from the one that replaced it."""
+    files = [storage.join(output, name) for name in ("model.keras", "privacy.json")]
+    if any(storage.kind(path) != "file" for path in files):
+        return None
+    return ":".join(storage.sha256(path) for path in files)
 
 
 def replaced_kept(output: str) -> str:

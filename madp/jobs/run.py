@@ -131,6 +131,7 @@ def _settle_replaced_training(stage: Stage) -> None:
     said = {
         "restored": "a --replace training was stopped before it finished: the training it replaced is back in place",
         "kept": f"{aside} keeps the training an interrupted --replace training replaces, until --resume finishes it",
+        "finished": "a --replace training had finished: the training it replaced, set aside, is deleted",
     }
     if outcome in said:
         log.warning("stage %s: %s: %s", stage.name, stage.output, said[outcome])
