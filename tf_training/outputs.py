@@ -76,7 +76,7 @@ def set_aside(output: str, paths: list[str]) -> None:
     if not paths:
         return
     relatives = [storage.below(output, path) for path in paths]
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    aside = replaced_directory(output)
     listing = {"files": relatives, "finished_training": _finished_training(output)}
     storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(listing, indent=2))
     storage.move_below(output, aside, relatives)
@@ -87,7 +87,7 @@ def drop_replaced(output: str) -> None:
     """Delete the earlier training set aside in OUTPUT, once the training replacing it has written all its
     outputs: its list first, which says that it is still to be settled, so that a process killed while the
     rest is deleted leaves nothing `settle_replaced` would move back over the new training."""
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    aside = replaced_directory(output)
     storage.remove_file(storage.join(aside, REPLACED_LIST))
     storage.remove_tree(aside)
 
@@ -96,12 +96,11 @@ def settle_replaced(output: str) -> str | None:
     """Settle the earlier training that a --replace training set aside in OUTPUT (`set_aside`), once that
     training has stopped: "finished" where it wrote its model and its privacy.json, the last of its outputs
     (others than the earlier ones: their digest is in the list), but was stopped before `drop_replaced`
-    (which this does),
-    "kept" where it left a checkpoint to resume (--resume finishes it, then deletes them), "restored" where it
-    stopped for good (its own files are deleted and the earlier ones moved back to their places); None where
-    nothing waits to be settled (what is left of the folder, a deletion by `drop_replaced` cut short or a
-    list never written, is removed)."""
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
+    (which this does), "kept" where it left a checkpoint to resume (--resume finishes it, then deletes them),
+    "restored" where it stopped for good (its own files are deleted and the earlier ones moved back to their
+    places); None where nothing waits to be settled (what is left of the folder, a deletion by
+    `drop_replaced` cut short or a list never written, is removed). `settled_text` says which."""
+    aside = replaced_directory(output)
     listing = storage.join(aside, REPLACED_LIST)
     if storage.kind(listing) != "file":
         storage.remove_tree(aside)
@@ -134,11 +133,29 @@ def _finished_training(output: str) -> str | None:
     return ":".join(storage.sha256(path) for path in files)
 
 
+def settled_text(output: str, outcome: str | None) -> str | None:
+    """What a log says of a `settle_replaced` outcome in OUTPUT (None: nothing was settled)."""
+    return {
+        "restored": f"{output}: a --replace training stopped before it finished: the training it replaced is back "
+        f"in place",
+        "kept": _kept_text(output),
+        "finished": f"{output}: a --replace training had finished: the training it replaced, set aside, is deleted",
+    }.get(outcome or "")
+
+
 def replaced_kept(output: str) -> str:
     """Where OUTPUT keeps a training that an interrupted --replace training set aside, what a message says
     of it; else ""."""
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
-    return f"{aside} keeps the training it replaces until it finishes" if storage.kind(aside) != "missing" else ""
+    return _kept_text(output) if storage.kind(replaced_directory(output)) != "missing" else ""
+
+
+def _kept_text(output: str) -> str:
+    return f"{replaced_directory(output)} keeps the training it replaces until it finishes"
+
+
+def replaced_directory(output: str) -> str:
+    """OUTPUT/internal/replaced/, named, not made."""
+    return storage.join(output, INTERNAL_DIR, REPLACED)
 
 
 def resumable_checkpoint(output: str) -> bool:

@@ -56,15 +56,16 @@ from madp.training.outputs import (
     EVALUATION_FIELDS,
     EVALUATION_FILE,
     INTERNAL_DIR,
-    REPLACED,
     TIMING_FIELDS,
     TIMING_FILE,
     checkpoints_directory,
     drop_replaced,
     internal_path,
+    replaced_directory,
     replaced_kept,
     set_aside,
     settle_replaced,
+    settled_text,
     without_clock_times,
     written_by_training,
 )
@@ -386,11 +387,11 @@ def _settled(output: str, batches_dir: str):
         yield
     except NotFinite as error:
         held = checkpoints_directory(output)
-        if storage.kind(held) == "missing":
-            _settle(output, batches_dir, stopped=True)
-            raise
+        removed = storage.kind(held) != "missing"
         storage.remove_tree(held)
         _settle(output, batches_dir, stopped=True)
+        if not removed:
+            raise
         raise NotFinite(
             f"{error}; its checkpoint ({held}) held this model, which a resume would stop at: removed"
         ) from None
@@ -404,7 +405,6 @@ def _settle(output: str, batches_dir: str, stopped: bool) -> None:
     read (a first checkpoint cut short by a full disk or a kill), then settle an earlier training set aside
     by --replace (`settle_replaced`), said in the log. A failure here is named, never in the way of what
     stopped."""
-    aside = storage.join(output, INTERNAL_DIR, REPLACED)
     try:
         held = checkpoints_directory(output)
         if storage.kind(held) != "missing" and interrupted_state(output, batches_dir) is None:
@@ -412,14 +412,11 @@ def _settle(output: str, batches_dir: str, stopped: bool) -> None:
             storage.remove_tree(held)
         outcome = settle_replaced(output)
     except Exception as error:  # the files stay where they are (a damaged state: --resume names it)
+        aside = replaced_directory(output)
         log.warning("%s: the training a --replace training set aside in %s is not settled (%s)", output, aside, error)
         return
-    if outcome == "restored":
-        log.warning(
-            "%s: a --replace training stopped before it finished: the training it replaced is back in place", output
-        )
-    elif outcome == "kept" and stopped:
-        log.warning("%s keeps the training this one replaces, until --resume finishes it", aside)
+    if outcome == "restored" or (outcome == "kept" and stopped):
+        log.warning("%s", settled_text(output, outcome))
 
 
 def _train(batches: Batches, output: str, options: TrainOptions, started: float) -> dict:

@@ -23,7 +23,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
-from madp.training.outputs import INTERNAL_DIR, REPLACED, evaluation_of, settle_replaced
+from madp.training.outputs import evaluation_of, replaced_directory, settle_replaced, settled_text
 from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
 
 log = logging.getLogger("madp.run")
@@ -123,18 +123,12 @@ def _settle_replaced_training(stage: Stage) -> None:
     cut) still holds the training it replaced set aside: settled first (`settle_replaced`, as `madp train` does
     at its start, under the output's lock), so that the output is that finished training again, or the new one
     kept to resume, before the stage is checked for being up to date."""
-    aside = storage.join(stage.output, INTERNAL_DIR, REPLACED)
-    if storage.kind(aside) == "missing":
+    if storage.kind(replaced_directory(stage.output)) == "missing":
         return
     with _writing(stage):
-        outcome = settle_replaced(stage.output)
-    said = {
-        "restored": "a --replace training was stopped before it finished: the training it replaced is back in place",
-        "kept": f"{aside} keeps the training an interrupted --replace training replaces, until --resume finishes it",
-        "finished": "a --replace training had finished: the training it replaced, set aside, is deleted",
-    }
-    if outcome in said:
-        log.warning("stage %s: %s: %s", stage.name, stage.output, said[outcome])
+        said = settled_text(stage.output, settle_replaced(stage.output))
+    if said is not None:
+        log.warning("stage %s: %s", stage.name, said)
 
 
 def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
