@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
+from madp.commands.registry import Family, add_columns, columns_of, seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -93,24 +93,10 @@ def _bound_options(args: argparse.Namespace):
 
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """The bound's report as printed: without its per-round statistics (they stay in report.json)."""
-    result = _run_bound(args, beam_args)
+    from madp.stages.bounding import run_bound
+
+    result = run_bound(args.input, args.output, _bound_options(args), args.runner, beam_args)
     return {k: v for k, v in result.items() if k != "per_round"}
-
-
-def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    options = _bound_options(args)
-    local_takes_no_beam_options(args, beam_args)
-    if args.runner == LOCAL:
-        from madp.engines.local_engine import run_local
-
-        return run_local(args.input, args.output, options)
-    from madp.engines.direct_runner import check_direct_runner_memory
-
-    beam_args = ["--runner", args.runner, *beam_args]
-    check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
-    from madp.beam.bound import run_beam
-
-    return run_beam(args.input, args.output, options, beam_args)
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -12,7 +12,6 @@ from madp.core.errors import InputError
 from madp.core.records import Columns, users_columns_of
 from madp.core.user_ids import USER_IDS
 
-LOCAL = "local"
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
 
 
@@ -148,10 +147,3 @@ def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
         )
     users_columns = users_columns_of(args.users_columns)
     return Columns(args.id_column, args.users_column or "users", weight, users_columns, args.user_ids)
-
-
-def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:
-    """--runner local runs in this process: a Beam option (madp's --partitions among them) is a mistake
-    to report, not to drop."""
-    if args.runner == LOCAL and beam_args:
-        raise InputError(f"--runner local takes no Beam options (got {' '.join(beam_args)})")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 
 from madp.commands.registry import Family, seed_argument
 
@@ -327,25 +325,17 @@ def train_options(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.training.trainer import train
+    from madp.stages.training import run_train
 
-    return train(args.batches, args.output, train_options(args))
+    return run_train(args.batches, args.output, train_options(args))
 
 
 def calibrate_batches(args: argparse.Namespace) -> dict:
-    """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
-    from madp.core import storage
-    from madp.training.batches import open_batches
-    from madp.training.plan import NOT_PRIVATE, epsilon_curve, privacy_plan
+    """The privacy plan of training on args.batches with args' privacy options, written to args.output: the
+    calibrate stage of `madp run`, which parses it as a `madp train` command."""
+    from madp.stages.calibrating import calibration_json, run_calibrate
 
-    plan = privacy_plan(open_batches(args.batches), train_options(args))
-    stated = (
-        {**NOT_PRIVATE, "epsilon_curve": []}  # no plan: no curve either
-        if plan is None
-        else dataclasses.replace(plan, epsilon_curve=epsilon_curve(plan)).to_json()
-    )
-    storage.write_text(args.output, json.dumps(stated, indent=2))
-    return stated
+    return calibration_json(run_calibrate(args.batches, args.output, train_options(args)))
 
 
 FAMILY = Family(add_parsers, {"train": _train}, {"train": train_options})
