@@ -52,8 +52,8 @@ def demo(tmp_path_factory):
 
 def readme_example() -> str:
     section = open(README, encoding="utf-8").read().split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
-    assert len(blocks) == 2, "the section holds the example and its fit"
+    blocks = [block for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "madp.training" in block]
+    assert len(blocks) == 2, "the section holds the madp.training example and its fit"
     return "\n".join(blocks)
 
 
