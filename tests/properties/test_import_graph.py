@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 # Bottom to top, one folder (or package) per layer; a module belongs to the first layer naming it or
 # a package holding it ("madp" names only the package itself). The package's __init__ exports the step

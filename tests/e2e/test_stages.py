@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 import madp
 import madp.accounting
@@ -211,7 +212,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
     import re
 
     pytest.importorskip("tensorflow")
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     section = readme.split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
     (example,) = [block for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "madp.bound(" in block]
     monkeypatch.chdir(tmp_path)

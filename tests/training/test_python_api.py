@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import write_records  # noqa: E402
+from conftest import ROOT, write_records  # noqa: E402
 
 import madp.training  # noqa: E402
 from madp.cli import main  # noqa: E402
@@ -31,7 +31,7 @@ from madp.training.tasks import build_model  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(ROOT, "README.md")
 
 
 @pytest.fixture(scope="module")
