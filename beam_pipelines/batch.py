@@ -355,8 +355,9 @@ def run_beam(
         rejects=summary.rejects,
         content_columns=list(summary.content),
         started=started,
-    )
-    result.update(partitions=partitions, beam_counters_per_run=[counters])
+        partitions=partitions,
+        beam_counters=counters,
+    ).to_json()
     storage.remove_tree(work)
     write_report(output, result)
     return result

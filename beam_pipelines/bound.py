@@ -38,10 +38,11 @@ from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.core.selection import (
     BoundOptions,
-    base_report,
+    BoundOutcome,
+    InputFigures,
+    bound_report,
     group_sizes,
     handle_rejects,
-    histograms,
     prepare_output,
     read_capacities,
     selection_manifest,
@@ -275,30 +276,31 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
                 shard_path(output, shard, shards),
                 sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
             )
-    report = base_report(
+    report = bound_report(
         options,
         beam_options.view_as(StandardOptions).runner,
         input_path,
-        summary.get("input_rows", 0),
-        summary.get("input_records", 0),
-        summary.get("input_users", 0),
-        rejects,
-        summary.get("repeated_users_removed", 0),
+        InputFigures(
+            summary.get("input_rows", 0),
+            summary.get("input_records", 0),
+            summary.get("input_users", 0),
+            rejects,
+            summary.get("repeated_users_removed", 0),
+        ),
         GraphDigest.from_counts(summary),
-    )
-    report.update(
-        selected_records=summary.get("selected_records", 0),
-        distinct_selected=summary.get("distinct_selected", 0),
-        max_user_contribution=summary.get("max_user_contribution", 0),
-        rounds=len(control.per_round),
-        passes=control.passes,
-        converged=control.converged,
-        per_round=list(control.per_round),
+        BoundOutcome(
+            selected_records=summary.get("selected_records", 0),
+            distinct_selected=summary.get("distinct_selected", 0),
+            max_user_contribution=summary.get("max_user_contribution", 0),
+            per_round=control.per_round,
+            passes=control.passes,
+            converged=control.converged,
+            stats=summary,
+        ),
+        selection_manifest(output, shards),
         partitions=ours.partitions,
-        histograms=histograms(summary),
         pipeline_runs=runs,
-        selection_files=selection_manifest(output, shards),
-    )
+    ).to_json()
     storage.remove_tree(work)
     write_report(output, report)
     # The wall time is printed, not in the published report: it depends on the machine's load and on

@@ -6,9 +6,9 @@ import dataclasses
 import json
 
 from madp.core import storage
-from madp.core.batch_files import batch_files
+from madp.core.batch_files import batch_files, read_batch_report
 from madp.core.errors import InputError
-from madp.core.selection import read_report
+from madp.core.reports import BatchReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,43 +16,27 @@ class Batches:
     directory: str
     files: tuple[str, ...]
     schema: dict
-    report: dict
+    report: BatchReport
 
     @property
     def steps(self) -> int:
-        return int(self.report["steps"])
+        return int(self.report.steps)
 
     @property
     def expected_batch_size(self) -> float:
         """The divisor of the noisy gradient sum: the target expected size, never the realized one."""
-        return float(self.report["parameters"]["batch_size"])
+        return float(self.report.parameters.batch_size)
 
     @property
     def max_rows_per_step(self) -> int:
         """Rows of the largest step in the files: B_max where steps are padded to it, else the largest batch."""
-        return max_rows_per_step(self.report)
+        return self.report.max_rows_per_step
 
     @property
     def selection(self) -> str:
         """The bound output the batches were made from (`madp bound`'s OUTPUT): the private trainings on
         every batch output made from it are entered in its ledger, under its lock."""
-        return str(self.report.get("selected") or "")
-
-
-def max_rows_per_step(report: dict) -> int:
-    """`Batches.max_rows_per_step` of a batch report."""
-    return int(report["parameters"].get("max_batch_size") or report["written_batch_sizes"]["max"])
-
-
-def recorded_rows_per_step(report: dict) -> list[int] | None:
-    """The rows each step of the batches holds, padding rows (which carry their step) included, as their
-    report records them: B_max for every step where steps are padded to it, else each step's written
-    rows; None for a report of madp before it recorded those (unpadded batches)."""
-    padded_to = report["parameters"].get("max_batch_size")
-    if padded_to:
-        return [int(padded_to)] * int(report["steps"])
-    written = report["written_batch_sizes"].get("per_step")
-    return None if written is None else [int(rows) for rows in written]
+        return self.report.selected
 
 
 READER = "reading the batches (madp train, or the Python API)"  # what a reader's mark on them says
@@ -70,14 +54,14 @@ def open_batches(directory: str) -> Batches:
             )
         files = tuple(batch_files(directory))
         schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
-        return Batches(directory, files, schema, read_report(directory, "batch"))
+        return Batches(directory, files, schema, read_batch_report(directory))
 
 
 def unchanged(batches: Batches) -> None:
     """Refuse batches that a `madp batch` rewrote since `open_batches` read them (their report, which lists
     every file's SHA-256, differs): their files are no longer those of the report they were opened with.
     Call it under a reader's mark (`storage.reading`), which then keeps any writer out while they are read."""
-    if read_report(batches.directory, "batch") != batches.report:
+    if read_batch_report(batches.directory) != batches.report:
         raise InputError(
             f"{batches.directory}: rewritten since it was opened (its report.json changed: a `madp batch` wrote "
             f"other batches there); open it again (open_batches) to read what it holds now"

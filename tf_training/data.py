@@ -7,10 +7,10 @@ from typing import NamedTuple
 import numpy as np
 
 from madp.core import storage
+from madp.core.batch_files import read_batch_report
 from madp.core.errors import InputError, one_line
-from madp.core.selection import read_report
 from madp.training import load_tensorflow
-from madp.training.batches import READER, Batches, open_batches, recorded_rows_per_step, unchanged
+from madp.training.batches import READER, Batches, open_batches, unchanged
 
 tf = load_tensorflow()
 
@@ -99,14 +99,14 @@ class StepRows(NamedTuple):
 
 def rows_per_step(directory: str) -> StepRows:
     """The rows and the records each step of the batches in `directory` holds, as their report records
-    them (`recorded_rows_per_step`, `written_batch_sizes`); counted in the files where a report of madp
+    them (`BatchReport.rows_per_step`, `written_batch_sizes`); counted in the files where a report of madp
     before it recorded them does not say."""
-    report = read_report(directory, "batch")
-    rows, records = recorded_rows_per_step(report), report["written_batch_sizes"].get("per_step")
+    report = read_batch_report(directory)
+    rows, records = report.rows_per_step, report.written_batch_sizes.per_step
     if rows is None or records is None:
         steps = [
             (len(step["step"]), int(np.count_nonzero(step["weight"])))
             for _, step in step_batches(open_batches(directory), [])
         ]
-        rows, records = [held for held, _ in steps], [real for _, real in steps]
+        rows, records = [held for held, _ in steps], tuple(real for _, real in steps)
     return StepRows(np.asarray(rows, dtype=np.int64), np.asarray(records, dtype=np.int64))

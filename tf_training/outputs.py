@@ -7,10 +7,13 @@ public parameters, may be published. OUTPUT/internal/ holds the rest, with a NOT
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import io
 import json
 import zipfile
+from collections.abc import Mapping
+from typing import Any
 
 from madp.core import storage
 from madp.core.errors import InputError
@@ -204,21 +207,103 @@ def without_clock_times(path: str) -> None:
     storage.write_whole(path, lambda handle: handle.write(rewritten.getvalue()))
 
 
-def evaluation_of(output: str, internal: bool) -> dict:
-    """A training output's evaluations ({"eval": [...], "final": {...}, "pretrained_eval": ...}): its
-    metrics.json's where the evaluation data was declared public, else OUTPUT/internal/evaluation.json's,
-    which only an `internal` reader gets ({} where neither holds any). What a published page may show:
-    `evaluation_of("run/train", internal=False).get("final")`. A metrics.json that does not say its
-    evaluation data was public (`eval_data_public`; written by a madp that published every
-    evaluation) is read as internal."""
-    stated = _json_object(storage.join(output, "metrics.json"))
-    in_metrics = {field: stated.get(field) for field in EVALUATION_FIELDS} if stated.get("eval") else {}
-    if in_metrics and stated.get("eval_data_public") is True:
+METRICS_FILE = "metrics.json"
+METRICS_FORMAT_VERSION = 1  # of metrics.json; a file without it is its predecessor (the same keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluations:
+    """A training's evaluations on --eval-data: each one (its step, loss and the task's metrics, named as the
+    task names them), the last, and a pretrained model's before the first step (`pretrained_eval`, stated
+    by a training from --pretrained only, None where it had no evaluation data)."""
+
+    eval: tuple[Mapping[str, Any], ...]
+    final: Mapping[str, Any] | None
+    pretrained_eval: Mapping[str, Any] | None = None
+    from_pretrained: bool = False  # whether the training states `pretrained_eval`
+
+    def to_json(self) -> dict[str, Any]:
+        """As metrics.json and OUTPUT/internal/evaluation.json hold them."""
+        stated = {"pretrained_eval": self.pretrained_eval} if self.from_pretrained else {}
+        return {**stated, "eval": list(self.eval), "final": self.final}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Evaluations:
+        return cls(
+            tuple(data.get("eval") or ()),
+            data.get("final"),
+            data.get("pretrained_eval"),
+            "pretrained_eval" in data,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingMetrics:
+    """metrics.json: what a training ran with (`settings`: the batches, the model, the optimizer, whether the
+    evaluation data was declared public, ..., in the file's order), and its evaluations where that data was
+    public (else `evaluation` says where the internal ones are)."""
+
+    settings: Mapping[str, Any]
+    evaluations: Evaluations | None
+    evaluation: str | None = None
+
+    @property
+    def eval_data_public(self) -> bool:
+        """Whether the evaluation data was declared public (a file of madp before it said so: not)."""
+        return self.settings.get("eval_data_public") is True
+
+    def to_json(self) -> dict[str, Any]:
+        held = self.evaluations.to_json() if self.evaluations is not None else {}
+        noted = {} if self.evaluation is None else {"evaluation": self.evaluation}
+        return {"format_version": METRICS_FORMAT_VERSION, **self.settings, **held, **noted}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str) -> TrainingMetrics:
+        """The metrics of a parsed metrics.json (`where` names it in errors)."""
+        version = data.get("format_version", METRICS_FORMAT_VERSION)
+        if type(version) is not int or not 1 <= version <= METRICS_FORMAT_VERSION:
+            raise InputError(
+                f"{where}: format_version {version!r} is not one this madp reads (it reads "
+                f"{METRICS_FORMAT_VERSION}): written by another madp; read it with that madp"
+            )
+        evaluated = {"eval", "final", "pretrained_eval"} & set(data)
+        settings = {k: v for k, v in data.items() if k not in evaluated | {"format_version", "evaluation"}}
+        return cls(settings, Evaluations.from_json(data) if evaluated else None, data.get("evaluation"))
+
+
+def read_metrics(output: str) -> TrainingMetrics | None:
+    """OUTPUT/metrics.json of a training (None where there is none)."""
+    path = storage.join(output, METRICS_FILE)
+    stated = _json_object(path)
+    return TrainingMetrics.from_json(stated, path) if stated else None
+
+
+def write_metrics(output: str, metrics: TrainingMetrics) -> None:
+    storage.write_text(storage.join(output, METRICS_FILE), json.dumps(metrics.to_json(), indent=2, allow_nan=False))
+
+
+def evaluations_of(output: str, internal: bool) -> Evaluations | None:
+    """A training output's evaluations: its metrics.json's where the evaluation data was declared public,
+    else OUTPUT/internal/evaluation.json's, which only an `internal` reader gets (None where neither holds
+    any). A metrics.json that does not say its evaluation data was public (`eval_data_public`; written by
+    a madp that published every evaluation) is read as internal."""
+    metrics = read_metrics(output)
+    in_metrics = metrics.evaluations if metrics is not None and metrics.evaluations is not None else None
+    if in_metrics is not None and not in_metrics.eval:
+        in_metrics = None
+    if in_metrics is not None and metrics is not None and metrics.eval_data_public:
         return in_metrics
     kept = _json_object(storage.join(output, INTERNAL_DIR, EVALUATION_FILE))
     if internal and kept:
-        return kept
-    return in_metrics if internal else {}
+        return Evaluations.from_json(kept)
+    return in_metrics if internal else None
+
+
+def evaluation_of(output: str, internal: bool) -> dict:
+    """`evaluations_of` as JSON ({"eval": [...], "final": {...}, "pretrained_eval": ...}; {} where there are
+    none). What a published page may show: `evaluation_of("run/train", internal=False).get("final")`."""
+    evaluations = evaluations_of(output, internal)
+    return {} if evaluations is None else evaluations.to_json()
 
 
 def _json_object(path: str) -> dict:

@@ -23,10 +23,11 @@ from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from madp.accounting.monte_carlo import MinSepProcess
 from madp.accounting.strategies import coefficients as strategy_coefficients
 from madp.core import storage
-from madp.core.batch_files import TRAININGS_FILE
+from madp.core.batch_files import TRAININGS_FILE, read_batch_report
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED
-from madp.core.selection import REPORT_FILE, read_report
+from madp.core.reports import BatchReport, BoundRecord
+from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.core.user_ids import AS_IS, EMAIL
 from madp.training.batches import Batches
 from madp.training.options import TrainOptions
@@ -39,34 +40,31 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
     """K for the accountant: the most records (copies) any user can have in the selection the batches
     were made from, as `madp batch` recorded it (the bound's largest capacity or K, and at least the
     largest contribution the bound found). `--max-contributions` may raise it, never lower it."""
-    bound = batches.report.get("bound") or {}
+    bound = batches.report.bound
     _check_selection_unchanged(batches, bound)
-    recorded = max(
-        (int(v) for v in (bound.get("contribution_bound"), bound.get("max_user_contribution")) if v is not None),
-        default=None,
-    )
+    recorded = None if bound is None else max(bound.contribution_bound, bound.max_user_contribution)
     if override is not None and recorded is not None and override < recorded:
         raise InputError(
             f"--max-contributions {override} is below what the batches were made from: users may "
-            f"have up to {recorded} records in {batches.report.get('selected')} (its bound report); "
+            f"have up to {recorded} records in {batches.report.selected} (its bound report); "
             f"the guarantee would not hold"
         )
     if override is not None:
         return override
     if recorded is None:
         raise InputError(
-            f"the batches record no bounding report of {batches.report.get('selected')}: give --max-contributions"
+            f"the batches record no bounding report of {batches.report.selected}: give --max-contributions"
         )
     return recorded
 
 
-def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
+def _check_selection_unchanged(batches: Batches, bound: BoundRecord | None) -> None:
     """A SELECTED re-bounded after batching no longer describes the batches: refuse to guess which holds."""
-    selected = batches.report.get("selected", "")
+    selected = batches.report.selected
     path = storage.join(selected, REPORT_FILE)
     if storage.kind(path) != "file":
         return  # SELECTED moved or removed: the batches' own record stands
-    if json.loads(storage.read_text(path)).get("selection_files") != bound.get("selection_files"):
+    if read_bound_report(selected).selection_files != (None if bound is None else bound.selection_files):
         raise InputError(
             f"{selected} changed since {batches.directory} was made from it (its selection files "
             f"differ): re-run madp batch on the new selection, or restore the old one"
@@ -74,7 +72,7 @@ def _check_selection_unchanged(batches: Batches, bound: dict) -> None:
 
 
 def warn_delta(delta: float, batches: Batches) -> None:
-    users = (batches.report.get("bound") or {}).get("input_users")
+    users = None if batches.report.bound is None else batches.report.bound.input_users
     if users and delta > 1 / users:
         log.warning("delta %g exceeds 1/%d users: a mechanism could release one user's data in the clear", delta, users)
 
@@ -88,13 +86,13 @@ def truncation_delta(batches: Batches, epsilon_: float) -> float:
     (epsilon, delta + rho (1 + e^epsilon)). A step's batch is a subset of its Bernoulli(p) sample of
     all U units, so rho <= T Pr[Binomial(U, p) > B_max]."""
     report = batches.report
-    max_batch = report["parameters"].get("max_batch_size")
+    max_batch = report.parameters.max_batch_size
     if max_batch is None:
         return 0.0
-    if report["sampler"] == "users":
+    if report.sampler == "users":
         raise InputError("--max-batch-size truncation of user-sampled batches is not accounted: re-batch without it")
     return truncation_bound.truncation_delta(
-        batches.steps, int(report["units"]), float(report["sampling_probability"]), int(max_batch), epsilon_
+        batches.steps, int(report.units), _probability(batches), int(max_batch), epsilon_
     )
 
 
@@ -107,22 +105,31 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
       records of the user (Poisson batches), or the greedy's k with one record per step.
     """
     report, steps = batches.report, batches.steps
-    if report["sampler"] == "users":
+    if report.sampler == "users":
         if len(bands) > 1 or options.mechanism == "bandmf":
             raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
-        return DpSgdUls(float(report["sampling_probability"]), steps)
+        return DpSgdUls(_probability(batches), steps)
     if k is None:
         raise ValueError("record-level batches are accounted with their contribution bound k")
-    min_sep = int(report["parameters"]["min_sep"])
-    if report["sampler"] == "minsep":
+    min_sep = int(report.parameters.min_sep)
+    if report.sampler == "minsep":
         if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
-            return DpSgd(float(report["sampling_probability"]), steps, k)
+            return DpSgd(_probability(batches), steps, k)
         if options.mechanism == "dpsgd":
             raise InputError("--mechanism dpsgd needs --min-sep 1 batches and --bands 1")
         return BandMf(steps, min_sep, 1 + (steps - 1) // min_sep, bands, records_per_step=k)
     if options.mechanism == "dpsgd":
         raise InputError("--mechanism dpsgd needs Poisson (minsep) batches; greedy batches are accounted as BandMF")
-    return BandMf(steps, min_sep, int(report["k"]), bands, records_per_step=1)
+    if report.k is None:
+        raise InputError(f"{batches.directory}: its report records no k of the greedy batches: batch again")
+    return BandMf(steps, min_sep, int(report.k), bands, records_per_step=1)
+
+
+def _probability(batches: Batches) -> float:
+    """p of Poisson-sampled batches, which their report must record."""
+    if batches.report.sampling_probability is None:
+        raise InputError(f"{batches.directory}: its report records no sampling probability: batch again")
+    return float(batches.report.sampling_probability)
 
 
 def _mechanism_delta(options: TrainOptions, truncation) -> float:
@@ -175,12 +182,12 @@ def amplified_noise_multiplier(
 ) -> tuple[float, float, float, MinSepProcess, dict]:
     """(sigma, epsilon, delta, the process accounted, Monte Carlo details) for b-min-sep Poisson batches with
     amplification (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
-    if batches.report["sampler"] != "minsep":
+    if batches.report.sampler != "minsep":
         raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
     process = MinSepProcess(
         unamplified_.steps,
         unamplified_.min_sep,
-        float(batches.report["sampling_probability"]),
+        _probability(batches),
         unamplified_.records_per_step,
         unamplified_.coefficients,
     )
@@ -408,7 +415,7 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
         return None
     warn_delta(options.delta, batches)
     report = batches.report
-    user_level = report["sampler"] == "users"
+    user_level = report.sampler == "users"
     bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
     k = None if user_level else contribution_bound(batches, options.max_contributions)
     mechanism = mechanism_for(batches, options, bands, k)
@@ -438,7 +445,7 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
         privacy_unit=PRIVACY_UNIT,
         neighbouring_relation=RELATION,
         assumptions=tuple(assumptions(report, name, k)),
-        sampling=report.get("sampling", FIXED_SEED),  # batches from before secret keys used a fixed seed
+        sampling=report.sampling or FIXED_SEED,  # batches from before secret keys used a fixed seed
         relies_on_secret_sampling=amplified,
         steps=batches.steps,
         clip_norm=options.clip_norm,
@@ -447,8 +454,8 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
         strategy=options.strategy,
         noise_stddev_of_mean_gradient=sigma * options.clip_norm / batches.expected_batch_size,
         contribution_bound=k,
-        min_sep=int(report["parameters"]["min_sep"]),
-        sampler=report["sampler"],
+        min_sep=int(report.parameters.min_sep),
+        sampler=report.sampler,
         accounted_batches=accounted_batches(report),
         accountant="Monte Carlo with estimate-verify-release (b-min-sep paper, App. A)"
         if monte_carlo
@@ -457,40 +464,41 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     )
 
 
-def accounted_batches(report: dict) -> AccountedBatches:
+def accounted_batches(report: BatchReport) -> AccountedBatches:
     """What the accounting reads from a batch `report` (`AccountedBatches`)."""
-    bound = report.get("bound") or {}
+    bound = report.bound
     return AccountedBatches(
-        sampler=report["sampler"],
-        steps=report["steps"],
-        units=report.get("units"),
-        sampling_probability=report.get("sampling_probability"),
-        sampling=report.get("sampling"),
-        k=report.get("k"),
-        parameters=report["parameters"],
-        contribution_bound=bound.get("contribution_bound"),
-        max_user_contribution=bound.get("max_user_contribution"),
+        sampler=report.sampler,
+        steps=report.steps,
+        units=report.units,
+        sampling_probability=report.sampling_probability,
+        sampling=report.sampling,
+        k=report.k,
+        parameters=report.parameters.to_json(),
+        contribution_bound=None if bound is None else bound.contribution_bound,
+        max_user_contribution=None if bound is None else bound.max_user_contribution,
     )
 
 
-def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
+def assumptions(report: BatchReport, mechanism: str, k: int | None) -> list[str]:
     """What the guarantee of training on these batches rests on, step by step."""
-    sampler = report["sampler"]
+    sampler = report.sampler
     stated = [
         f"every user has at most {k} records (copies) in the data trained on: the bound's K or largest "
         f"capacity, checked by madp verify-bound"
         if k is not None
         else "every record has exactly one user (user-level sampling, one clipped gradient per user)"
     ]
-    rejected = {reason: n for reason, n in ((report.get("bound") or {}).get("rejected") or {}).items() if n}
+    bound = report.bound
+    rejected = {reason: n for reason, n in (bound.rejected if bound else {}).items() if n}
     if rejected:
         stated.append(
             f"the bound dropped invalid rows ({', '.join(f'{r}: {n}' for r, n in sorted(rejected.items()))}; "
             f"--on-invalid skip): which rows are valid, which can depend on a row's content (invalid_json "
             f"covers a whole row), is treated as public like the graph of the valid rows"
         )
-    bound_parameters = (report.get("bound") or {}).get("parameters") or {}
-    user_ids = bound_parameters.get("user_ids")
+    bound_parameters = None if bound is None else bound.parameters
+    user_ids = None if bound_parameters is None else bound_parameters.user_ids
     if user_ids == EMAIL:
         stated.append(
             "user ids were read as e-mail addresses (--user-ids email: display names dropped, values split at "
@@ -501,9 +509,9 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
             "user ids were taken as they are (--user-ids as-is, not checked for one person written two ways): "
             "distinct ids are distinct people, as the operator stated"
         )
-    if bound_parameters.get("order") == "weight":
+    if bound_parameters is not None and bound_parameters.order == "weight":
         stated.append(
-            f"the bounding ordered records by the content column {bound_parameters.get('weight_column')!r} "
+            f"the bounding ordered records by the content column {bound_parameters.weight_column!r} "
             f"(--order weight): that column is treated as public, like the graph (which records were kept, "
             f"and the bound report, depend on it)"
         )
@@ -517,7 +525,7 @@ def assumptions(report: dict, mechanism: str, k: int | None) -> list[str]:
         stated.append("amplification by subsampling: which units each step sampled stays secret")
     else:
         stated.append(f"{mechanism} is accounted without amplification: knowing the schedule costs nothing")
-    if report["parameters"].get("max_batch_size") is not None:
+    if report.parameters.max_batch_size is not None:
         stated.append(
             "truncation to --max-batch-size: "
             + (
@@ -626,9 +634,9 @@ class Ledger:
 
 def ledger_of(batches_dir: str) -> Ledger:
     """The ledger of the trainings on a `madp batch` output (`Ledger`), as its report names it."""
-    report = read_report(batches_dir, "batch")
-    listed = "\n".join(str(entry.get("sha256")) for entry in report.get("files") or [] if isinstance(entry, dict))
-    return Ledger(str(report.get("selected") or ""), batches_dir, hashlib.sha256(listed.encode()).hexdigest())
+    report = read_batch_report(batches_dir)
+    listed = "\n".join(entry.sha256 for entry in report.files)
+    return Ledger(report.selected, batches_dir, hashlib.sha256(listed.encode()).hexdigest())
 
 
 def trainings_ledger(batches_dir: str) -> Ledger:

@@ -29,7 +29,7 @@ from madp.core import storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow, pretrained, text
-from madp.training.batches import Batches, recorded_rows_per_step
+from madp.training.batches import Batches
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions, training_defaults
 
@@ -785,7 +785,7 @@ class Skipped:
 def step_features(task, batches: Batches) -> list[str]:
     """The batch features a training of `task` reads from each step: the task's, each row's `id` (the rows
     a task cannot use, --zero-out) and, on user-sampled batches, each row's user (clipped by user)."""
-    return [*task.names, "id"] + ([USER_FEATURE] if batches.report["sampler"] == "users" else [])
+    return [*task.names, "id"] + ([USER_FEATURE] if batches.report.sampler == "users" else [])
 
 
 def prepare_task(options: TrainOptions, batches: Batches):
@@ -806,7 +806,7 @@ def prepare_task(options: TrainOptions, batches: Batches):
     else:
         labels = list(options.labels or ()) or _labels_in(options, batches)
         task = TextClassifierTask(options, batches.schema, labels)
-    recorded = recorded_rows_per_step(batches.report)
+    recorded = batches.report.rows_per_step
     skipped = Skipped()
     for step, rows in step_batches(batches, step_features(task, batches)):
         if recorded is not None and len(rows["weight"]) != recorded[step]:

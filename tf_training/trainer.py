@@ -56,8 +56,10 @@ from madp.training.outputs import (
     EVALUATION_FIELDS,
     EVALUATION_FILE,
     INTERNAL_DIR,
+    METRICS_FILE,
     TIMING_FIELDS,
     TIMING_FILE,
+    TrainingMetrics,
     checkpoints_directory,
     drop_replaced,
     internal_path,
@@ -67,6 +69,7 @@ from madp.training.outputs import (
     settle_replaced,
     settled_text,
     without_clock_times,
+    write_metrics,
     written_by_training,
 )
 from madp.training.pretrained import check_pretrained_path
@@ -146,8 +149,8 @@ def check_public_eval_data(path: str, batches: Batches) -> None:
     bound selection, or a record id the bound selected (by the bound's id column, where the evaluation
     data has it). Evaluations on those are computed without noise on the trained users' records."""
     for role, source in (
-        ("the records the batches were made from", batches.report.get("data")),
-        ("the bound selection", batches.report.get("selected")),
+        ("the records the batches were made from", batches.report.data),
+        ("the bound selection", batches.report.selected),
     ):
         if source and storage.overlaps(path, source):
             raise InputError(
@@ -155,12 +158,13 @@ def check_public_eval_data(path: str, batches: Batches) -> None:
                 f"trained records are not public; evaluate on public data, or leave --eval-data-public out "
                 f"(the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
             )
-    column = batches.report["bound"]["parameters"].get("id_column", "id")
+    bound = batches.report.bound
+    column = "id" if bound is None else bound.parameters.id_column
     ids = _column_if_present(path, column)
-    if ids is None or not batches.report.get("selected"):
+    if ids is None or not batches.report.selected:
         return
     try:
-        shards = selection_files(batches.report["selected"])
+        shards = selection_files(batches.report.selected)
     except InputError as error:  # batches copied without their bound output: the paths are all it checks
         log.warning("--eval-data-public: the eval records' ids were not checked against the selection: %s", error)
         return
@@ -452,7 +456,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         replaced = storage.written_files(output, written_by_training, "madp train")
     resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
     needs_checkpoints = options.checkpoint_every or resumed
-    user_level = batches.report["sampler"] == "users"
+    user_level = batches.report.sampler == "users"
     privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
     if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
         if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
@@ -635,7 +639,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     storage.write_text(internal_path(output, TIMING_FILE), json.dumps(timing, indent=2, allow_nan=False))
     published = {k: v for k, v in result.items() if k != "privacy" and k not in TIMING_FIELDS}
     if unevaluated is None:  # else no evaluation to publish with the model: no metrics.json
-        storage.write_text(storage.join(output, "metrics.json"), json.dumps(published, indent=2, allow_nan=False))
+        write_metrics(output, TrainingMetrics.from_json(published, storage.join(output, METRICS_FILE)))
     if len(skipped):  # which records a task could not use, and in how many steps: internal, never published
         storage.write_text(storage.join(output, REJECTED_DIR, "rejected.jsonl"), skipped.to_jsonl())
         storage.write_text(storage.join(output, REJECTED_DIR, "counts.json"), json.dumps(skipped.counts(), indent=2))

@@ -14,7 +14,8 @@ import pyarrow as pa
 
 from madp.core import sampling, storage, tfrecord
 from madp.core.columnar import Columnar
-from madp.core.selection import read_manifest
+from madp.core.reports import BatchReport
+from madp.core.selection import REPORT_FILE, read_manifest, read_report
 
 USER_FEATURE = "user"  # users sampler: the row's user (64-bit hash), for per-user clipping
 SCHEMA_FILE = "schema.json"
@@ -48,6 +49,11 @@ def batch_file_path(output: str, file: int, files: int) -> str:
     return storage.join(output, f"batches-{file:05d}-of-{files:05d}.tfrecord")
 
 
+def read_batch_report(output: str) -> BatchReport:
+    """The report of a finished `madp batch` OUTPUT, checked (`BatchReport.from_json`)."""
+    return BatchReport.from_json(read_report(output, "batch"), storage.join(output, REPORT_FILE))
+
+
 def batch_files(output: str) -> list[str]:
     """The batch files of a finished `madp batch` output, exactly those its report lists (they sit beside
     the schema, the report and rejects, so only files named like batch files must be listed), each
@@ -57,7 +63,7 @@ def batch_files(output: str) -> list[str]:
         output,
         "batch",
         "",
-        "files",
+        read_batch_report(output).files,
         lambda name: posixpath.basename(name).startswith("batches-") and name.endswith(".tfrecord"),
     )
     for path in files:

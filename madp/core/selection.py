@@ -7,7 +7,8 @@ import dataclasses
 import io
 import json
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +22,7 @@ from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
 from madp.core.record_reading import jsonl_lines, parse_row
 from madp.core.records import Columns, Rejects, ignored_input_files
+from madp.core.reports import BoundParameters, BoundReport, FileEntry, Histograms, RoundStats
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
@@ -127,7 +129,7 @@ def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
     return {f"{prefix}{int(v):09d}": int(c) for v, c in zip(found, counts)}
 
 
-def histograms(stats: dict[str, int]) -> dict[str, dict[str, int]]:
+def histograms(stats: Mapping[str, int]) -> dict[str, dict[str, int]]:
     """{histogram: {value: count}} from summed distribution stats."""
     return {
         name: {str(int(key[len(prefix) :])): count for key, count in sorted(stats.items()) if key.startswith(prefix)}
@@ -222,32 +224,26 @@ def selection_manifest(output: str, shards: int) -> list[dict]:
 
 def selection_files(selected: str) -> list[str]:
     """The selection shards of a finished `madp bound` output, exactly those its report lists."""
-    return read_manifest(selected, "bound", SELECTED_DIR, "selection_files")
+    return read_manifest(selected, "bound", SELECTED_DIR, read_bound_report(selected).selection_files)
 
 
 def read_manifest(
-    output: str, what: str, directory: str, listed_key: str, counts: Callable[[str], bool] = lambda name: True
+    output: str,
+    what: str,
+    directory: str,
+    listed: tuple[FileEntry, ...],
+    counts: Callable[[str], bool] = lambda name: True,
 ) -> list[str]:
-    """The files an output's report lists under `listed_key` (in `directory` of it), checked: the report
-    must exist (it is written last, so an unfinished run has none), every listed file must have its
-    recorded size and SHA-256, and `directory` must hold no other file for which `counts(name)` is
-    true (by default any file, hidden ones included)."""
-    report_path = storage.join(output, REPORT_FILE)
-    listed = read_report(output, what).get(listed_key)
-    if not listed:
-        raise InputError(f"{report_path} lists no {listed_key}: re-run madp {what}")
-    if not isinstance(listed, list) or not all(_is_entry(entry) for entry in listed):
-        raise InputError(
-            f"{report_path}: {listed_key} is not a list of files (name, bytes, sha256), as madp {what} writes "
-            f"it; re-run madp {what}"
-        )
+    """The files `listed` by an output's report (in `directory` of it), checked: every listed file must have
+    its recorded size and SHA-256, and `directory` must hold no other file for which `counts(name)` is true
+    (by default any file, hidden ones included)."""
     root = storage.join(output, directory) if directory else output
     present = (
         {posixpath.relpath(path, root): path for path in storage.list_files(root)}
         if storage.kind(root) == "directory"
         else {}
     )
-    expected = {entry["name"]: entry for entry in listed}
+    expected = {entry.name: entry for entry in listed}
     missing = sorted(set(expected) - set(present))
     extra = sorted(name for name in set(present) - set(expected) if counts(name))
     if missing or extra:
@@ -265,7 +261,7 @@ def read_manifest(
         )
     for name, entry in sorted(expected.items()):
         path = present[name]
-        if storage.size(path) != entry["bytes"] or storage.sha256(path) != entry["sha256"]:
+        if storage.size(path) != entry.bytes or storage.sha256(path) != entry.sha256:
             raise InputError(f"{path} is not the file madp {what} wrote (size or SHA-256 differ); re-run madp {what}")
     return [present[name] for name in sorted(expected)]
 
@@ -293,17 +289,9 @@ def read_report(output: str, what: str) -> dict:
     return report
 
 
-def _is_entry(entry: object) -> bool:
-    """A report's file entry as `storage.manifest` writes it: a plain name (no folder, so nothing outside
-    the output is ever read), its size and its SHA-256."""
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("name"), str)
-        and entry["name"] not in ("", ".", "..")
-        and "/" not in entry["name"].replace("\\", "/")
-        and isinstance(entry.get("bytes"), int)
-        and isinstance(entry.get("sha256"), str)
-    )
+def read_bound_report(output: str) -> BoundReport:
+    """The report of a finished `madp bound` OUTPUT, checked (`BoundReport.from_json`)."""
+    return BoundReport.from_json(read_report(output, "bound"), storage.join(output, REPORT_FILE))
 
 
 def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
@@ -326,6 +314,7 @@ def write_selection_shard(path: str, table: pa.Table) -> None:
 
 
 def write_report(output: str, report: dict) -> None:
+    """OUTPUT/report.json (a report's `to_json()`), keys sorted."""
     storage.write_text(storage.join(output, REPORT_FILE), json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
@@ -351,47 +340,83 @@ def largest_capacity(max_contributions: int, capacities: str | None) -> int:
     return max([max_contributions, *listed.tolist()])
 
 
-def base_report(
+class InputFigures(NamedTuple):
+    """What an engine read of the input: its rows, valid records and their users, the rows rejected and
+    the repeated users removed from records."""
+
+    rows: int
+    records: int
+    users: int
+    rejects: Rejects
+    repeated_users_removed: int
+
+
+class BoundOutcome(NamedTuple):
+    """What the bounding found: the selection's copies and distinct records, the largest contribution, the
+    rounds (`Control.per_round`) and passes, whether it converged, and the distribution stats summed
+    (named counts of `HISTOGRAMS`; other names are ignored)."""
+
+    selected_records: int
+    distinct_selected: int
+    max_user_contribution: int
+    per_round: tuple[dict, ...]
+    passes: int
+    converged: bool
+    stats: Mapping[str, int]
+
+
+def bound_report(
     options: BoundOptions,
     engine: str,
     input_path: str,
-    rows_read: int,
-    input_records: int,
-    input_users: int,
-    rejects: Rejects,
-    repeated_users_removed: int,
+    read: InputFigures,
     graph: GraphDigest,
-) -> dict:
-    """The report's figures both engines know once the input is read; `graph` is the digest of the
-    valid records' graph (ids and users, not content), which `madp batch` checks DATA against."""
-    return {
-        "engine": engine,
-        "input": input_path,
-        "parameters": {
-            "max_contributions": options.max_contributions,
-            "order": options.order,
-            "arity_threshold": options.arity_threshold,
-            "small_run": options.small_run,
-            "large_run": options.large_run,
-            "group_sizes": options.group_sizes,
-            "seed": options.seed,
-            "max_rounds": options.max_rounds,
-            "duplicates": options.duplicates,
-            "capacities": options.capacities,
-            "id_column": options.columns.id,
-            "users_column": None if options.columns.users_columns else options.columns.users,
-            "users_columns": list(options.columns.users_columns) or None,  # --users-columns: users are their union
-            "user_ids": options.columns.user_ids,  # --user-ids: how string user ids were read (None: checked)
-            "weight_column": options.columns.weight,
-            "on_invalid": options.on_invalid,
-        },
-        "contribution_bound": contribution_bound(options),
-        "ignored_files": ignored_input_files(input_path),
-        "input_rows": rows_read,
-        "input_records": input_records,
-        "input_users": input_users,
-        "rejected": rejects.counts(),
-        "rejected_total": len(rejects),
-        "repeated_users_removed": repeated_users_removed,
-        "graph_digest": graph.to_report(),
-    }
+    outcome: BoundOutcome,
+    selection_files: list[dict],
+    partitions: int | None = None,
+    pipeline_runs: list[dict] | None = None,
+) -> BoundReport:
+    """The report of a bound (`BoundReport`) from what the engine read and found; `graph` is the digest of
+    the valid records' graph (ids and users, not content), which `madp batch` checks DATA against."""
+    return BoundReport(
+        engine=engine,
+        input=input_path,
+        parameters=BoundParameters(
+            max_contributions=options.max_contributions,
+            order=options.order,
+            arity_threshold=options.arity_threshold,
+            small_run=options.small_run,
+            large_run=options.large_run,
+            group_sizes=options.group_sizes,
+            seed=options.seed,
+            max_rounds=options.max_rounds,
+            duplicates=options.duplicates,
+            capacities=options.capacities,
+            id_column=options.columns.id,
+            users_column=None if options.columns.users_columns else options.columns.users,
+            users_columns=tuple(options.columns.users_columns) or None,
+            user_ids=options.columns.user_ids,
+            weight_column=options.columns.weight,
+            on_invalid=options.on_invalid,
+        ),
+        contribution_bound=contribution_bound(options),
+        ignored_files=tuple(ignored_input_files(input_path)),
+        input_rows=read.rows,
+        input_records=read.records,
+        input_users=read.users,
+        rejected=read.rejects.counts(),
+        rejected_total=len(read.rejects),
+        repeated_users_removed=read.repeated_users_removed,
+        graph_digest=graph,
+        selected_records=outcome.selected_records,
+        distinct_selected=outcome.distinct_selected,
+        max_user_contribution=outcome.max_user_contribution,
+        rounds=len(outcome.per_round),
+        passes=outcome.passes,
+        converged=outcome.converged,
+        per_round=tuple(RoundStats.from_json(one) for one in outcome.per_round),
+        histograms=Histograms.from_json(histograms(outcome.stats)),
+        selection_files=tuple(FileEntry(**entry) for entry in selection_files),
+        partitions=partitions,
+        pipeline_runs=None if pipeline_runs is None else tuple(pipeline_runs),
+    )

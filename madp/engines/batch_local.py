@@ -289,6 +289,6 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         rejects=dataset.rejects,
         content_columns=dataset.content.column_names,
         started=started,
-    )
+    ).to_json()
     write_report(output, result)
     return result

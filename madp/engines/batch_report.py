@@ -16,8 +16,9 @@ from madp.core import records as rec
 from madp.core import storage
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, batch_file_path
 from madp.core.errors import InputError
-from madp.core.selection import REJECTED_DIR, REPORT_FILE
-from madp.engines.batching import BatchOptions, bound_record
+from madp.core.reports import BatchParameters, BatchReport, BoundRecord, FileEntry, Participation, SizeSummary
+from madp.core.selection import REJECTED_DIR, REPORT_FILE, read_bound_report
+from madp.engines.batching import BatchOptions
 
 
 @dataclasses.dataclass
@@ -91,14 +92,14 @@ def merge_participation_stats(parts: list[dict]) -> dict:
     }
 
 
-def size_summary(sizes: np.ndarray) -> dict:
-    return {
-        "mean": round(float(sizes.mean()), 4) if len(sizes) else 0.0,
-        "std": round(float(sizes.std()), 4) if len(sizes) else 0.0,
-        "min": int(sizes.min()) if len(sizes) else 0,
-        "max": int(sizes.max()) if len(sizes) else 0,
-        "per_step": sizes.tolist(),
-    }
+def size_summary(sizes: np.ndarray) -> SizeSummary:
+    return SizeSummary(
+        mean=round(float(sizes.mean()), 4) if len(sizes) else 0.0,
+        std=round(float(sizes.std()), 4) if len(sizes) else 0.0,
+        min=int(sizes.min()) if len(sizes) else 0,
+        max=int(sizes.max()) if len(sizes) else 0,
+        per_step=tuple(sizes.tolist()),
+    )
 
 
 def report(
@@ -118,57 +119,63 @@ def report(
     rejects: rec.Rejects,
     content_columns: list[str],
     started: float,
-) -> dict:
-    """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up."""
+    partitions: int | None = None,
+    beam_counters: dict | None = None,
+) -> BatchReport:
+    """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up;
+    `participation` as `participation_stats` gives it; Beam's `partitions` and pipeline counters."""
     warm_up = options.warm_up_steps
     realized = sampled_sizes[warm_up:]
     written = np.concatenate([f["written"] for f in files])
-    result = {
-        "engine": engine,
-        "selected": _absolute(selected),
-        "data": _absolute(data),
-        "sampler": options.sampler,
-        "bound": bound_record(selected),
-        "parameters": {
-            "steps": options.steps,
-            "batch_size": options.batch_size,
-            "min_sep": sampled.min_sep,
-            "batch_size_counts": "users" if options.sampler == "users" else "records",
-            "warm_up": warm_up,
-            "max_batch_size": options.max_batch_size,
-            "seed": options.seed,
-            "output_shards": options.output_shards,
-            "on_invalid": options.on_invalid,
-            "content_columns": list(content_columns),
-        },
-        "sampling": options.sampling,
-        "sampling_probability": sampled.probability,
-        "expected_batch_size": sampled.expected_batch_size,
-        "steps": options.steps,
-        "records": records,
-        "units": units,
-        "batch_sizes": size_summary(realized),
-        "relative_error_to_target": round(float(realized.mean() / options.batch_size - 1.0), 6),
-        "written_batch_sizes": size_summary(written),  # per step: the rows a private step checks it is given
-        "warm_up_batch_sizes": sampled_sizes[:warm_up].tolist(),
-        "truncated_rows": sum(f["truncated"] for f in files),
-        "padding_rows": sum(f["padding"] for f in files),
-        "records_never_written": records_never_written,
-        "participation": participation,
-        "rejected": rejects.counts(),
-        "rejected_total": len(rejects),
-        "files": storage.manifest(
-            [batch_file_path(output, file, options.output_shards) for file in range(options.output_shards)]
+    target = realized if sampled.sampled_users is None else sampled.sampled_users  # what --batch-size counts
+    search = sampled.min_sep_search
+    return BatchReport(
+        engine=engine,
+        selected=_absolute(selected),
+        data=_absolute(data),
+        sampler=options.sampler,
+        bound=BoundRecord.of(read_bound_report(selected)),
+        parameters=BatchParameters(
+            steps=options.steps,
+            batch_size=options.batch_size,
+            min_sep=sampled.min_sep,
+            batch_size_counts="users" if options.sampler == "users" else "records",
+            warm_up=warm_up,
+            max_batch_size=options.max_batch_size,
+            seed=options.seed,
+            output_shards=options.output_shards,
+            on_invalid=options.on_invalid,
+            content_columns=tuple(content_columns),
         ),
-        "wall_time_s": round(time.perf_counter() - started, 3),
-    }
-    if sampled.sampled_users is not None:
-        result["users_per_step"] = size_summary(sampled.sampled_users)
-        result["relative_error_to_target"] = round(float(sampled.sampled_users.mean() / options.batch_size - 1.0), 6)
-    if sampled.min_sep_search is not None:
-        result["min_sep_search"] = sampled.min_sep_search
-        result["k"] = participation["max_participations"]
-    return result
+        sampling=options.sampling,
+        sampling_probability=sampled.probability,
+        expected_batch_size=sampled.expected_batch_size,
+        steps=options.steps,
+        records=records,
+        units=units,
+        batch_sizes=size_summary(realized),
+        relative_error_to_target=round(float(target.mean() / options.batch_size - 1.0), 6),
+        written_batch_sizes=size_summary(written),  # per step: the rows a private step checks it is given
+        warm_up_batch_sizes=tuple(sampled_sizes[:warm_up].tolist()),
+        truncated_rows=sum(f["truncated"] for f in files),
+        padding_rows=sum(f["padding"] for f in files),
+        records_never_written=records_never_written,
+        participation=Participation.from_json(participation),
+        rejected=rejects.counts(),
+        rejected_total=len(rejects),
+        files=tuple(
+            FileEntry(**entry)
+            for entry in storage.manifest(
+                [batch_file_path(output, file, options.output_shards) for file in range(options.output_shards)]
+            )
+        ),
+        wall_time_s=round(time.perf_counter() - started, 3),
+        users_per_step=None if sampled.sampled_users is None else size_summary(sampled.sampled_users),
+        min_sep_search=None if search is None else tuple(search),
+        k=None if search is None else participation["max_participations"],
+        partitions=partitions,
+        beam_counters_per_run=None if beam_counters is None else (beam_counters,),
+    )
 
 
 def _absolute(path: str) -> str:

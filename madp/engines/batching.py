@@ -19,11 +19,11 @@ from madp.core import records as rec
 from madp.core import storage, tfrecord
 from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
 from madp.core.errors import InputError, positive
-from madp.core.graph_digest import GraphDigest
+from madp.core.graph_digest import SCHEME, GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.randomness import DETERMINISTIC, SecretKey
-from madp.core.selection import REPORT_FILE, read_report
-from madp.core.user_ids import AS_IS, USER_IDS
+from madp.core.selection import REPORT_FILE, read_bound_report
+from madp.core.user_ids import USER_IDS
 
 SAMPLERS = ("minsep", "minsep-greedy", "users")
 RECORD_STREAM, USER_STREAM, USER_SAMPLING_STREAM = 7, 8, 9  # unit keys (keyed), user identity, user sampling (keyed)
@@ -99,31 +99,6 @@ class BatchOptions:
 # --- inputs -------------------------------------------------------------------------------------
 
 
-BOUND_RECORD_KEYS = ("contribution_bound", "max_user_contribution", "input_users", "parameters", "selection_files")
-
-
-def bound_record(selected: str) -> dict:
-    """What the batches are made from, for the accountant: the bound's contribution bound, its largest
-    user contribution, users and parameters, its selection files (names, sizes, SHA-256) and the
-    digest of the graph it bounded. Training accounts with this record, so a later re-run of `madp
-    bound` cannot change it."""
-    bound = read_report(selected, "bound")
-    missing = [key for key in BOUND_RECORD_KEYS if key not in bound]
-    if missing:
-        raise InputError(
-            f"{storage.join(selected, REPORT_FILE)} lacks {missing}: not a report of this madp bound; re-run madp bound"
-        )
-    return {
-        "contribution_bound": bound["contribution_bound"],
-        "max_user_contribution": bound["max_user_contribution"],
-        "input_users": bound["input_users"],
-        "parameters": bound["parameters"],
-        "selection_files": bound["selection_files"],
-        "graph_digest": bound.get("graph_digest"),
-        "rejected": bound.get("rejected", {}),  # rows the bound dropped: which are valid is treated as public
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class BoundGraph:
     """The graph a `madp bound` output was bounded from, as its report records it: DATA must have the
@@ -160,27 +135,25 @@ class BoundGraph:
 def bound_graph(selected: str) -> BoundGraph:
     """What `madp batch` checks DATA against, from SELECTED/report.json (read after `selection_files`
     found it); a report without a graph digest (madp before it had one) is refused."""
-    bound = read_report(selected, "bound")
-    try:
-        digest = GraphDigest.from_report(bound.get("graph_digest"))
-    except ValueError as error:
+    bound = read_bound_report(selected)
+    if bound.graph_digest is None:
         raise InputError(
-            f"{storage.join(selected, REPORT_FILE)} has no graph_digest of this madp ({error}): it was written "
-            f"by an older madp bound; re-run madp bound on the records, then batch"
-        ) from error
-    parameters = bound.get("parameters", {})
-    # a report from before --user-ids: the bound took every user id as it was
-    user_ids = parameters.get("user_ids") if "user_ids" in parameters else AS_IS
-    if user_ids not in (None, *USER_IDS):
-        raise InputError(f"{storage.join(selected, REPORT_FILE)}: parameters.user_ids {user_ids!r} is not madp's")
+            f"{storage.join(selected, REPORT_FILE)} has no graph_digest of this madp (not a graph digest of scheme "
+            f"{SCHEME}): it was written by an older madp bound; re-run madp bound on the records, then batch"
+        )
+    parameters = bound.parameters
+    if parameters.user_ids not in (None, *USER_IDS):
+        raise InputError(
+            f"{storage.join(selected, REPORT_FILE)}: parameters.user_ids {parameters.user_ids!r} is not madp's"
+        )
     return BoundGraph(
         selected,
-        digest,
-        parameters.get("id_column", "id"),
-        parameters.get("users_column") or "users",
-        parameters.get("weight_column"),
-        rec.users_columns_of(parameters.get("users_columns")),
-        user_ids,
+        bound.graph_digest,
+        parameters.id_column,
+        parameters.users_column or "users",
+        parameters.weight_column,
+        rec.users_columns_of(parameters.users_columns),
+        parameters.user_ids,
     )
 
 

@@ -15,11 +15,12 @@ from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
 from madp.core.selection import (
     BoundOptions,
+    BoundOutcome,
+    InputFigures,
     alternate_runs,
-    base_report,
+    bound_report,
     group_sizes,
     handle_rejects,
-    histograms,
     prepare_output,
     read_capacities,
     record_distribution_stats,
@@ -134,25 +135,26 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
     for shard, table in tables.items():
         write_selection_shard(shard_path(output, shard, shards), table)
     graph = graph_digest(chunk.ids, chunk.offsets, chunk.users)  # the graph bounded: what `madp batch` checks
-    report = base_report(
-        options, "local", input_path, rows_read, len(chunk), result.input_users, rejects, removed, graph
-    )
-    report.update(
-        selected_records=int(result.copies.sum()),
-        distinct_selected=int(selected.sum()),
-        max_user_contribution=result.max_user_contribution,
-        rounds=len(result.rounds),
-        passes=result.passes,
-        converged=result.converged,
-        per_round=result.rounds,
-        histograms=histograms(
-            {
+    report = bound_report(
+        options,
+        "local",
+        input_path,
+        InputFigures(rows_read, len(chunk), result.input_users, rejects, removed),
+        graph,
+        BoundOutcome(
+            selected_records=int(result.copies.sum()),
+            distinct_selected=int(selected.sum()),
+            max_user_contribution=result.max_user_contribution,
+            per_round=tuple(result.rounds),
+            passes=result.passes,
+            converged=result.converged,
+            stats={
                 **user_distribution_stats(result.user_degree, result.user_contribution),
                 **record_distribution_stats(chunk.arity, result.copies),
-            }
+            },
         ),
-        selection_files=selection_manifest(output, shards),
-    )
+        selection_manifest(output, shards),
+    ).to_json()
     write_report(output, report)
     # printed, not in the published report (as madp.beam.bound.run_beam says why)
     return {**report, "wall_time_s": round(time.perf_counter() - started, 3)}

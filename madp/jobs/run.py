@@ -11,19 +11,20 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import madp
 from madp.commands.registry import Parser
 from madp.commands.training import calibrate_batches
 from madp.core import storage
-from madp.core.batch_files import TRAININGS_FILE
+from madp.core.batch_files import TRAININGS_FILE, read_batch_report
 from madp.core.errors import CheckFailed, InputError
+from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Stage, load_config, plan_stages
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
-from madp.training.outputs import evaluation_of, replaced_directory, settle_replaced, settled_text
+from madp.training.outputs import evaluations_of, replaced_directory, settle_replaced, settled_text
 from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
 
 log = logging.getLogger("madp.run")
@@ -245,15 +246,23 @@ def _load(run_dir: str, name: str) -> dict | None:
     return json.loads(storage.read_text(path)) if storage.kind(path) == "file" else None
 
 
+def _has_report(run_dir: str, stage: str) -> bool:
+    return storage.kind(storage.join(run_dir, stage, REPORT_FILE)) == "file"
+
+
+def _final(output: str, internal: bool) -> Mapping[str, Any]:
+    """A training's last evaluation ({} where it has none the reader may see)."""
+    evaluations = evaluations_of(output, internal)
+    return (evaluations.final if evaluations is not None else None) or {}
+
+
 def _internal_results(run_dir: str) -> dict:
     """What the operator compares but nobody may publish: the non-private baseline saw the records
     without noise, so its metrics (and their ratio to the private model's) are not covered by the
     guarantee."""
-    train, baseline = (
-        evaluation_of(storage.join(run_dir, name), internal=True).get("final") or {} for name in ("train", "baseline")
-    )
+    train, baseline = (_final(storage.join(run_dir, name), internal=True) for name in ("train", "baseline"))
     internal: dict[str, Any] = {}
-    if train and not evaluation_of(storage.join(run_dir, "train"), internal=False):
+    if train and not evaluations_of(storage.join(run_dir, "train"), internal=False):
         internal["train"] = {k: v for k, v in train.items() if k != "per_class"}  # --eval-data not public
     if not baseline:
         return internal
@@ -267,17 +276,18 @@ def _internal_results(run_dir: str) -> dict:
 def _results(run_dir: str) -> dict:
     """The figures a user looks at first, from the run's reports: only what the guarantee covers."""
 
-    bound, batches = _load(run_dir, "bound/report.json"), _load(run_dir, "batches/report.json")
+    bound = read_bound_report(storage.join(run_dir, "bound")) if _has_report(run_dir, "bound") else None
+    batches = read_batch_report(storage.join(run_dir, "batches")) if _has_report(run_dir, "batches") else None
     privacy = _load(run_dir, "train/privacy.json") or _load(run_dir, "calibration.json")
-    train = evaluation_of(storage.join(run_dir, "train"), internal=False)  # on public eval data only
-    results = {}
-    if bound:
-        results["bound"] = {"input_records": bound["input_records"], "selected_records": bound["selected_records"]}
-    if batches:
-        results["batch"] = {"sampling_probability": batches.get("sampling_probability")}
-        if shows_sampling({"batches": batches, "privacy": privacy}):  # else the realized sizes stay internal
-            results["batch"]["mean_batch_size"] = batches["batch_sizes"]["mean"]
+    train = evaluations_of(storage.join(run_dir, "train"), internal=False)  # on public eval data only
+    results: dict[str, dict[str, Any]] = {}
+    if bound is not None:
+        results["bound"] = {"input_records": bound.input_records, "selected_records": bound.selected_records}
     plan = stated_plan(privacy) if privacy else None
+    if batches is not None:
+        results["batch"] = {"sampling_probability": batches.sampling_probability}
+        if shows_sampling(plan, batches):  # else the realized sizes stay internal
+            results["batch"]["mean_batch_size"] = batches.batch_sizes.mean
     if plan is not None:
         results["privacy"] = {
             "mechanism": plan.mechanism,
@@ -288,7 +298,7 @@ def _results(run_dir: str) -> dict:
             "sampling": plan.sampling,
             **({} if plan.noise is None else {"noise": plan.noise, "private": plan.private}),  # a trained model's
         }
-    final = train.get("final")
+    final = None if train is None else train.final
     if final:
         results["train"] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
     audit = _load(run_dir, "audit/audit.json")

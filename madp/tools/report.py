@@ -14,15 +14,18 @@ appear on an `--internal` page only.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
-from madp.training.outputs import EVALUATION_FIELDS, evaluation_of
+from madp.core.reports import BatchReport, BoundReport
+from madp.training.outputs import Evaluations, TrainingMetrics, evaluations_of
 from madp.training.plan import Guarantee, PrivacyPlan, stated_plan
 
 SOURCES = {
@@ -54,21 +57,30 @@ def _load(run_dir: str) -> dict[str, dict]:
     return found
 
 
-def _png(figure) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+@dataclasses.dataclass(frozen=True)
+class RunReports:
+    """The reports of a run directory the page is made from (None where the run has none), and the
+    evaluations of each training the page may show."""
+
+    bound: BoundReport | None = None
+    batches: BatchReport | None = None
+    calibration: PrivacyPlan | None = None
+    privacy_stated: bool = False  # train/privacy.json is there (a non-private training's states no plan)
+    privacy: PrivacyPlan | None = None
+    train: TrainingMetrics | None = None
+    baseline: TrainingMetrics | None = None
+    evaluations: Mapping[str, Evaluations] = dataclasses.field(default_factory=dict)  # train, baseline
+    audit: Mapping[str, Any] | None = None  # audit/audit.json
+    recommend: Mapping[str, Any] | None = None  # recommend-k.json
+
+    @property
+    def released(self) -> PrivacyPlan | None:
+        """The plan the trained model states (train/privacy.json), else the one it is to train with."""
+        return self.privacy if self.privacy_stated else self.calibration
 
 
-def _counts(histogram: dict[str, int]) -> tuple[list[int], list[int]]:
-    pairs = sorted((int(value), count) for value, count in histogram.items())
-    return [v for v, _ in pairs], [c for _, c in pairs]
-
-
-def _plan(reports: Mapping[str, dict | None], name: str) -> PrivacyPlan | None:
-    """The plan of reports[name] (privacy or calibration); None without that report, or for a non-private
-    training."""
-    stated = reports.get(name)
+def _plan(stated: dict | None, name: str) -> PrivacyPlan | None:
+    """The plan of a privacy or calibration file; None without that file, or for a non-private training."""
     if not stated:
         return None
     try:
@@ -77,36 +89,64 @@ def _plan(reports: Mapping[str, dict | None], name: str) -> PrivacyPlan | None:
         raise InputError(f"{SOURCES[name]}: {error}") from None
 
 
-def _released_plan(reports: Mapping[str, dict | None]) -> PrivacyPlan | None:
-    """The plan the trained model states (train/privacy.json), else the one it is to train with."""
-    return _plan(reports, "privacy" if reports.get("privacy") else "calibration")
+def _typed(run_dir: str, found: dict[str, dict], internal: bool) -> RunReports:
+    """The run's reports read (`_load`) as the stages wrote them; the evaluations of data not declared
+    public only where `internal`."""
+    where = {name: storage.join(run_dir, relative) for name, relative in SOURCES.items()}
+    metrics = {
+        name: TrainingMetrics.from_json(found[name], where[name]) for name in ("train", "baseline") if name in found
+    }
+    evaluations = {name: evaluations_of(storage.join(run_dir, name), internal) for name in metrics}
+    return RunReports(
+        bound=BoundReport.from_json(found["bound"], where["bound"]) if "bound" in found else None,
+        batches=BatchReport.from_json(found["batches"], where["batches"]) if "batches" in found else None,
+        calibration=_plan(found.get("calibration"), "calibration"),
+        privacy_stated=bool(found.get("privacy")),
+        privacy=_plan(found.get("privacy"), "privacy"),
+        train=metrics.get("train"),
+        baseline=metrics.get("baseline"),
+        evaluations={name: shown for name, shown in evaluations.items() if shown is not None},
+        audit=found.get("audit"),
+        recommend=found.get("recommend"),
+    )
 
 
-def shows_sampling(reports: Mapping[str, dict | None]) -> bool:
+def _png(figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _counts(histogram: Mapping[str, int]) -> tuple[list[int], list[int]]:
+    pairs = sorted((int(value), count) for value, count in histogram.items())
+    return [v for v, _ in pairs], [c for _, c in pairs]
+
+
+def shows_sampling(plan: PrivacyPlan | None, batches: BatchReport | None) -> bool:
     """Whether the realized sampling (batch sizes per step, participation gaps) may be on a published page:
-    only when no guarantee relies on keeping it secret (deterministic batches, or unamplified accounting)."""
-    plan = _released_plan(reports)
+    only when no guarantee relies on keeping it secret (deterministic batches, or unamplified accounting).
+    `plan`: the plan released with the model (`RunReports.released`)."""
     if plan is not None:
         return not plan.relies_on_secret_sampling
-    return (reports.get("batches") or {}).get("sampling") == DETERMINISTIC
+    return batches is not None and batches.sampling == DETERMINISTIC
 
 
-def shows_baseline(reports: Mapping[str, dict | None], internal: bool) -> bool:
+def shows_baseline(reports: RunReports, internal: bool) -> bool:
     """Whether the non-private baseline may be on the page: only an internal one. The baseline saw the
     records without noise, so its metrics can tell a dataset from its neighbour (one user's records
     made extreme move its held-out accuracy); like a non-private audit, it is never published."""
-    return internal and bool(reports.get("baseline"))
+    return internal and reports.baseline is not None
 
 
-def _models(reports: Mapping[str, dict | None], internal: bool) -> tuple[str, ...]:
+def _models(reports: RunReports, internal: bool) -> tuple[str, ...]:
     """The trainings whose metrics the page shows: the private one, and the baseline on an internal page."""
     return ("train", "baseline") if shows_baseline(reports, internal) else ("train",)
 
 
-def shows_audit(reports: dict[str, dict], internal: bool) -> bool:
+def shows_audit(reports: RunReports, internal: bool) -> bool:
     """Whether the audit may be on a published page: only if its model was private (its numbers are then a
     second private release of the records, see the page's note), or on an internal page."""
-    return "audit" in reports and (internal or bool(reports["audit"].get("audit_model_private")))
+    return reports.audit is not None and (internal or bool(reports.audit.get("audit_model_private")))
 
 
 def published_with_audit(plan: PrivacyPlan | None, audit: Mapping | None) -> Guarantee | None:
@@ -119,157 +159,100 @@ def published_with_audit(plan: PrivacyPlan | None, audit: Mapping | None) -> Gua
     return Guarantee(plan.epsilon + float(audit["claimed_epsilon"]), plan.delta + float(audit["delta"]))
 
 
-def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, str, str]]:
+def _figures(reports: RunReports, plt, internal: bool) -> list[tuple[str, str, str]]:
     """(title, caption, base64 PNG) of every plot the reports allow (the realized sampling only if
     `shows_sampling` or `internal`)."""
     figures = []
-    sweep = (reports.get("recommend") or {}).get("sweep")
-    if sweep:
-        figures.append(_choosing_k(reports["recommend"], plt))
-    bound = reports.get("bound")
-    if bound and bound.get("histograms"):
-        hist = bound["histograms"]
-        figure, axis = plt.subplots(figsize=(7, 4))
-        for key, label in (("records_per_user_input", "input"), ("records_per_user_selected", "after bounding")):
-            values, counts = _counts(hist[key])
-            shown = [(v, c) for v, c in zip(values, counts) if v >= 1]  # log axis; users left with 0: caption
-            axis.plot([v for v, _ in shown], [c for _, c in shown], marker="o", markersize=3, label=label)
-        k = bound["parameters"]["max_contributions"]
-        axis.axvline(k, color="grey", linestyle="--", label=f"K = {k}")
-        axis.set(xscale="log", yscale="log", xlabel="records per user", ylabel="users")
-        axis.legend()
-        without = hist["records_per_user_selected"].get("0", 0)
-        figures.append(
-            (
-                "Records per user",
-                f"Users by their number of records in the input and after bounding; "
-                f"{without:,} users have no selected record (bound/report.json).",
-                _png(figure),
-            )
-        )
-        plt.close(figure)
-        values, inputs = _counts(hist["records_by_users_input"])
-        selected = dict(zip(*_counts(hist["records_by_users_selected"])))
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.bar([str(v) for v in values], [selected.get(v, 0) / n for v, n in zip(values, inputs)])
-        axis.set(xlabel="users per record", ylabel="fraction kept", ylim=(0, 1))
-        figures.append(
-            (
-                "Kept fraction by record arity",
-                "Fraction of the input records with u users that "
-                "bounding kept: the bias towards few-user records (bound/report.json).",
-                _png(figure),
-            )
-        )
-        plt.close(figure)
-    batches = reports.get("batches")
-    if batches and (internal or shows_sampling(reports)):
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot(batches["batch_sizes"]["per_step"], linewidth=0.8, label="sampled")
-        if "per_step" in batches.get("written_batch_sizes", {}):
-            axis.plot(batches["written_batch_sizes"]["per_step"], linewidth=0.8, label="written")
-        axis.axhline(batches["parameters"]["batch_size"], color="grey", linestyle="--", label="target B")
-        axis.set(xlabel="step", ylabel=f"batch size ({batches['parameters']['batch_size_counts']})")
-        axis.legend()
-        figures.append(
-            (
-                "Batch sizes",
-                "Realized batch size per step against the target expected size (batches/report.json).",
-                _png(figure),
-            )
-        )
-        plt.close(figure)
-        gaps = batches.get("participation", {}).get("gap_histogram")
-        if gaps:
-            values, counts = _counts(gaps)
-            figure, axis = plt.subplots(figsize=(7, 4))
-            axis.bar(values, counts, width=1.0)
-            axis.axvline(
-                batches["parameters"]["min_sep"] - 0.5,
-                color="red",
-                linestyle="--",
-                label=f"min-sep b = {batches['parameters']['min_sep']}",
-            )
-            axis.set(xlabel="steps between a user's consecutive participations", ylabel="gaps", yscale="log")
-            axis.legend()
-            figures.append(
-                (
-                    "Gaps between participations",
-                    "Every gap between two consecutive steps a user "
-                    "takes part in; none is below b (batches/report.json).",
-                    _png(figure),
-                )
-            )
-            plt.close(figure)
-    calibration = _plan(reports, "calibration")
-    if calibration and calibration.epsilon_curve:
-        sigmas, epsilons = zip(*calibration.epsilon_curve)
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot(sigmas, epsilons, marker="o", markersize=3)
-        axis.plot(
-            [calibration.noise_multiplier],
-            [calibration.epsilon],
-            marker="*",
-            markersize=12,
-            color="red",
-            label=f"this run: sigma {calibration.noise_multiplier:.3g}",
-        )
-        axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration.delta:g}")
-        axis.legend()
-        figures.append(
-            (
-                "Sigma and epsilon",
-                f"Epsilon of {calibration.mechanism} as a function of sigma (calibration.json).",
-                _png(figure),
-            )
-        )
-        plt.close(figure)
+    if reports.recommend and reports.recommend.get("sweep"):
+        figures.append(_choosing_k(reports.recommend, plt))
+    if reports.bound is not None:
+        figures += _bound_figures(reports.bound, plt)
+    if reports.batches is not None and (internal or shows_sampling(reports.released, reports.batches)):
+        figures += _sampling_figures(reports.batches, plt)
+    if reports.calibration is not None and reports.calibration.epsilon_curve:
+        figures.append(_calibration_figure(reports.calibration, plt))
     models = _models(reports, internal)
-    curves = {name: reports[name]["eval"] for name in models if reports.get(name, {}).get("eval")}
+    curves = {name: reports.evaluations[name].eval for name in models if name in reports.evaluations}
+    curves = {name: points for name, points in curves.items() if points}
     if curves:
-        figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-        quality = next(m for m in QUALITY_METRICS if m in next(iter(curves.values()))[0])
-        for name, points in curves.items():
-            steps = [p["step"] for p in points]
-            axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
-            axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
-        start = _pretrained_eval(reports, models)
-        if start:  # a pretrained model: what fine-tuning has to beat
-            for axis, metric in zip(axes, ("loss", quality)):
-                axis.axhline(start[metric], color="grey", linestyle="--", label="pretrained, before training")
-        axes[0].set(xlabel="step", ylabel="eval loss")
-        axes[1].set(xlabel="step", ylabel=f"eval {quality.replace('_', ' ')}")
-        axes[1].legend()
-        figures.append(
-            (
-                "Training",
-                f"Loss and {quality.replace('_', ' ')} on the evaluation data "
-                f"({' and '.join(f'{name}/' for name in curves)} metrics.json).",
-                _png(figure),
-            )
+        figures.append(_training_figure(curves, _pretrained_eval(reports, models), plt))
+    if shows_audit(reports, internal) and reports.audit and reports.audit.get("per_canary"):
+        figures.append(_audit_figure(reports.audit, plt))
+    return figures
+
+
+def _bound_figures(bound: BoundReport, plt) -> list[tuple[str, str, str]]:
+    """Records per user before and after bounding, and the kept fraction by arity."""
+    hist = bound.histograms
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for histogram, label in (
+        (hist.records_per_user_input, "input"),
+        (hist.records_per_user_selected, "after bounding"),
+    ):
+        values, counts = _counts(histogram)
+        shown = [(v, c) for v, c in zip(values, counts) if v >= 1]  # log axis; users left with 0: caption
+        axis.plot([v for v, _ in shown], [c for _, c in shown], marker="o", markersize=3, label=label)
+    k = bound.parameters.max_contributions
+    axis.axvline(k, color="grey", linestyle="--", label=f"K = {k}")
+    axis.set(xscale="log", yscale="log", xlabel="records per user", ylabel="users")
+    axis.legend()
+    without = hist.records_per_user_selected.get("0", 0)
+    figures = [
+        (
+            "Records per user",
+            f"Users by their number of records in the input and after bounding; "
+            f"{without:,} users have no selected record (bound/report.json).",
+            _png(figure),
         )
-        plt.close(figure)
-    audit = reports.get("audit") or {}
-    if shows_audit(reports, internal) and audit.get("per_canary"):
+    ]
+    plt.close(figure)
+    values, inputs = _counts(hist.records_by_users_input)
+    selected = dict(zip(*_counts(hist.records_by_users_selected)))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.bar([str(v) for v in values], [selected.get(v, 0) / n for v, n in zip(values, inputs)])
+    axis.set(xlabel="users per record", ylabel="fraction kept", ylim=(0, 1))
+    figures.append(
+        (
+            "Kept fraction by record arity",
+            "Fraction of the input records with u users that "
+            "bounding kept: the bias towards few-user records (bound/report.json).",
+            _png(figure),
+        )
+    )
+    plt.close(figure)
+    return figures
+
+
+def _sampling_figures(batches: BatchReport, plt) -> list[tuple[str, str, str]]:
+    """The realized batch sizes against the target, and the gaps between a user's participations."""
+    parameters = batches.parameters
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(batches.batch_sizes.per_step, linewidth=0.8, label="sampled")
+    if batches.written_batch_sizes.per_step is not None:
+        axis.plot(batches.written_batch_sizes.per_step, linewidth=0.8, label="written")
+    axis.axhline(parameters.batch_size, color="grey", linestyle="--", label="target B")
+    axis.set(xlabel="step", ylabel=f"batch size ({parameters.batch_size_counts})")
+    axis.legend()
+    figures = [
+        (
+            "Batch sizes",
+            "Realized batch size per step against the target expected size (batches/report.json).",
+            _png(figure),
+        )
+    ]
+    plt.close(figure)
+    gaps = batches.participation.gap_histogram
+    if gaps:
+        values, counts = _counts(gaps)
         figure, axis = plt.subplots(figsize=(7, 4))
-        for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
-            axis.hist(
-                [c["score"] for c in audit["per_canary"] if c["included"] == included],
-                bins=30,
-                alpha=0.6,
-                label=f"{label} canaries",
-            )
-        axis.set(xlabel="score (minus the audit model's mean loss on the canary's records)", ylabel="canaries")
+        axis.bar(values, counts, width=1.0)
+        axis.axvline(parameters.min_sep - 0.5, color="red", linestyle="--", label=f"min-sep b = {parameters.min_sep}")
+        axis.set(xlabel="steps between a user's consecutive participations", ylabel="gaps", yscale="log")
         axis.legend()
-        claimed = audit.get("claimed_epsilon")
         figures.append(
             (
-                "Privacy audit",
-                f"{audit['canaries']} canary users, each included with probability 1/2; "
-                f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
-                f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
-                f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
-                f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
+                "Gaps between participations",
+                "Every gap between two consecutive steps a user takes part in; none is below b (batches/report.json).",
                 _png(figure),
             )
         )
@@ -277,13 +260,83 @@ def _figures(reports: dict[str, dict], plt, internal: bool) -> list[tuple[str, s
     return figures
 
 
-def _pretrained_eval(reports: Mapping[str, dict | None], models: tuple[str, ...]) -> dict | None:
+def _calibration_figure(calibration: PrivacyPlan, plt) -> tuple[str, str, str]:
+    """Epsilon against sigma around the calibrated sigma."""
+    sigmas, epsilons = zip(*(calibration.epsilon_curve or ()))
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(sigmas, epsilons, marker="o", markersize=3)
+    axis.plot(
+        [calibration.noise_multiplier],
+        [calibration.epsilon],
+        marker="*",
+        markersize=12,
+        color="red",
+        label=f"this run: sigma {calibration.noise_multiplier:.3g}",
+    )
+    axis.set(xlabel="noise multiplier sigma", ylabel=f"epsilon at delta {calibration.delta:g}")
+    axis.legend()
+    png = _png(figure)
+    plt.close(figure)
+    return "Sigma and epsilon", f"Epsilon of {calibration.mechanism} as a function of sigma (calibration.json).", png
+
+
+def _training_figure(curves: dict[str, tuple], start: Mapping | None, plt) -> tuple[str, str, str]:
+    """Loss and the task's quality metric on the evaluation data, per training shown."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    quality = next(m for m in QUALITY_METRICS if m in next(iter(curves.values()))[0])
+    for name, points in curves.items():
+        steps = [p["step"] for p in points]
+        axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
+        axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
+    if start:  # a pretrained model: what fine-tuning has to beat
+        for axis, metric in zip(axes, ("loss", quality)):
+            axis.axhline(start[metric], color="grey", linestyle="--", label="pretrained, before training")
+    axes[0].set(xlabel="step", ylabel="eval loss")
+    axes[1].set(xlabel="step", ylabel=f"eval {quality.replace('_', ' ')}")
+    axes[1].legend()
+    png = _png(figure)
+    plt.close(figure)
+    return (
+        "Training",
+        f"Loss and {quality.replace('_', ' ')} on the evaluation data "
+        f"({' and '.join(f'{name}/' for name in curves)} metrics.json).",
+        png,
+    )
+
+
+def _audit_figure(audit: Mapping[str, Any], plt) -> tuple[str, str, str]:
+    """The canaries' scores, included against excluded, and the lower bound they give."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
+        axis.hist(
+            [c["score"] for c in audit["per_canary"] if c["included"] == included],
+            bins=30,
+            alpha=0.6,
+            label=f"{label} canaries",
+        )
+    axis.set(xlabel="score (minus the audit model's mean loss on the canary's records)", ylabel="canaries")
+    axis.legend()
+    claimed = audit.get("claimed_epsilon")
+    png = _png(figure)
+    plt.close(figure)
+    return (
+        "Privacy audit",
+        f"{audit['canaries']} canary users, each included with probability 1/2; "
+        f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
+        f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
+        f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
+        f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
+        png,
+    )
+
+
+def _pretrained_eval(reports: RunReports, models: tuple[str, ...]) -> Mapping | None:
     """A pretrained model's evaluation before training (the same in every training of the run)."""
-    found = ((reports.get(name) or {}).get("pretrained_eval") for name in models)
+    found = (reports.evaluations[name].pretrained_eval for name in models if name in reports.evaluations)
     return next((start for start in found if start), None)
 
 
-def _choosing_k(result: dict, plt) -> tuple[str, str, str]:
+def _choosing_k(result: Mapping[str, Any], plt) -> tuple[str, str, str]:
     """The recommend-k sweep: bias, variance and their sum (the excess-risk proxy) against k, the
     infeasible k marked, the recommended k and the median heuristic's."""
     rows = result["sweep"]
@@ -319,31 +372,30 @@ def _choosing_k(result: dict, plt) -> tuple[str, str, str]:
     return "Choosing k", caption, png
 
 
-def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
+def _summary(reports: RunReports, internal: bool) -> list[tuple[str, str]]:
     rows = []
-    if "bound" in reports:
-        bound = reports["bound"]
+    bound, batches = reports.bound, reports.batches
+    if bound is not None:
         rows += [
-            ("input records", f"{bound['input_records']:,}"),
-            ("input users", f"{bound['input_users']:,}"),
-            ("contribution bound K", str(bound["parameters"]["max_contributions"])),
-            ("largest per-user bound (K or a capacity)", str(bound.get("contribution_bound"))),
-            ("selected records", f"{bound['selected_records']:,}"),
-            ("kept fraction", f"{bound['distinct_selected'] / max(bound['input_records'], 1):.3f}"),
+            ("input records", f"{bound.input_records:,}"),
+            ("input users", f"{bound.input_users:,}"),
+            ("contribution bound K", str(bound.parameters.max_contributions)),
+            ("largest per-user bound (K or a capacity)", str(bound.contribution_bound)),
+            ("selected records", f"{bound.selected_records:,}"),
+            ("kept fraction", f"{bound.distinct_selected / max(bound.input_records, 1):.3f}"),
         ]
-    if "batches" in reports:
-        batches = reports["batches"]
+    if batches is not None:
         rows += [
-            ("sampler", batches["sampler"]),
-            ("steps", str(batches["steps"])),
-            ("expected batch size", f"{batches['parameters']['batch_size']:g}"),
-            ("min-sep b", str(batches["parameters"]["min_sep"])),
-            ("sampling probability", f"{batches.get('sampling_probability') or 0:.4g}"),
+            ("sampler", batches.sampler),
+            ("steps", str(batches.steps)),
+            ("expected batch size", f"{batches.parameters.batch_size:g}"),
+            ("min-sep b", str(batches.parameters.min_sep)),
+            ("sampling probability", f"{batches.sampling_probability or 0:.4g}"),
         ]
-        if internal or shows_sampling(reports):
-            rows.append(("mean realized batch size", f"{batches['batch_sizes']['mean']:.2f}"))
-    plan = _released_plan(reports)
-    together = published_with_audit(plan, reports.get("audit")) if shows_audit(reports, internal) else None
+        if internal or shows_sampling(reports.released, batches):
+            rows.append(("mean realized batch size", f"{batches.batch_sizes.mean:.2f}"))
+    plan = reports.released
+    together = published_with_audit(plan, reports.audit) if shows_audit(reports, internal) else None
     if together is not None:  # the page's headline: the model and the audit's second training composed
         rows.insert(
             0, ("(epsilon, delta) of this page: model and audit", f"({together.epsilon:.4g}, {together.delta:g})")
@@ -364,7 +416,8 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         if plan.noise is not None:
             rows += [("noise", plan.noise), ("private", "yes" if plan.private else "NO")]
     models = _models(reports, internal)
-    finals = {name: (reports.get(name) or {}).get("final") or {} for name in models}
+    shown = {name: reports.evaluations.get(name) for name in models}
+    finals = {name: (evaluations.final if evaluations else None) or {} for name, evaluations in shown.items()}
     start = _pretrained_eval(reports, models)
     if start:
         rows.append(("pretrained model eval loss, before training", f"{start['loss']:.4f}"))
@@ -375,7 +428,7 @@ def _summary(reports: dict[str, dict], internal: bool) -> list[tuple[str, str]]:
         if len(finals) == 2 and all(finals[name].get(metric) for name in finals):
             gap = finals["train"][metric] / finals["baseline"][metric]
             rows.append((f"privacy-utility gap ({metric.replace('_', ' ')}): private / non-private", f"{gap:.3f}"))
-    audit = reports.get("audit") or {}
+    audit = reports.audit or {}
     if shows_audit(reports, internal):
         claimed = audit.get("claimed_epsilon")
         rows += [
@@ -398,11 +451,11 @@ GRAPH_STATEMENT = (
 )
 
 
-def _guarantee_basis(reports: Mapping[str, dict | None]) -> list[str]:
+def _guarantee_basis(reports: RunReports) -> list[str]:
     """What the stated guarantee rests on (the plan's assumptions, and its composition with earlier
     trainings), and what the graph figures are, as HTML paragraphs beside the guarantee."""
     parts = []
-    plan = _released_plan(reports)
+    plan = reports.released
     if plan is not None:
         parts.append("<h2>What the guarantee rests on</h2><ul>")
         parts += [f"<li>{html.escape(assumption)}</li>" for assumption in plan.assumptions]
@@ -413,7 +466,7 @@ def _guarantee_basis(reports: Mapping[str, dict | None]) -> list[str]:
             )
             parts.append(f"<li>{html.escape(composed)} (privacy.json: composition)</li>")
         parts.append("</ul>")
-    if reports.get("bound"):
+    if reports.bound is not None:
         parts.append(f"<p>{html.escape(GRAPH_STATEMENT)}</p>")
     return parts
 
@@ -425,20 +478,18 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reports = _load(run_dir)
-    if not reports:
+    found = _load(run_dir)
+    if not found:
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
-    for name in ("train", "baseline"):  # evaluations on data not declared public: an internal page's only
-        if name in reports:
-            stated = {k: v for k, v in reports[name].items() if k not in EVALUATION_FIELDS}  # read as below
-            reports[name] = {**stated, **evaluation_of(storage.join(run_dir, name), internal)}
+    # evaluations on data not declared public: an internal page's only
+    reports = _typed(run_dir, found, internal)
     try:
         figures, rows = _figures(reports, plt, internal), _summary(reports, internal)
-    except (KeyError, TypeError, IndexError, ValueError) as error:  # a report of another version, or edited
+    except (KeyError, TypeError, IndexError, ValueError) as error:  # an audit or sweep of another version, or edited
         raise InputError(f"{run_dir}: a report lacks what madp writes ({type(error).__name__}: {error})") from error
     output = output or storage.join(run_dir, "report.html")
     optional = ("audit", "recommend")  # a run without an audit, or planned by hand, misses nothing
-    missing = [relative for name, relative in SOURCES.items() if name not in reports and name not in optional]
+    missing = [relative for name, relative in SOURCES.items() if name not in found and name not in optional]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>madp run report</title>",
         "<style>body{font-family:sans-serif;max-width:1150px;margin:2em auto;color:#222}"
@@ -451,19 +502,19 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
             "<p><strong>INTERNAL: this page shows the realized batch sampling, the non-private baseline and "
             "evaluations on data not declared public; do not publish it.</strong></p>"
         )
-    elif reports.get("baseline"):
+    elif reports.baseline is not None:
         parts.append(
             "<p>The non-private baseline is left out: it saw the records without noise, so its metrics are "
             "not covered by the guarantee (baseline/ is internal; <code>madp report --internal</code> shows "
             "it).</p>"
         )
-    elif reports.get("batches") and not shows_sampling(reports):
+    elif reports.batches is not None and not shows_sampling(reports.released, reports.batches):
         parts.append(
             "<p>The realized batch sizes and participation gaps are left out: the guarantee relies on "
             "the sampling staying secret (batches/report.json is internal; <code>madp report "
             "--internal</code> shows them).</p>"
         )
-    if not internal and "evaluation" in reports.get("train", {}):
+    if not internal and reports.train is not None and reports.train.evaluation is not None:
         parts.append(
             "<p>The evaluations are left out: the evaluation data was not declared public "
             "(<code>--eval-data-public</code>), and figures computed without noise on private records are "
@@ -477,7 +528,7 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
             "page is then the composition of both trainings (the sum of their epsilons and of their deltas, "
             "the first row below).</p>"
         )
-    elif "audit" in reports:
+    elif reports.audit is not None:
         parts.append(
             "<p>The audit is left out: its model was not private (<code>--non-private</code> or a "
             "testing option); <code>madp report --internal</code> shows it.</p>"

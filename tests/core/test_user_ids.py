@@ -474,10 +474,19 @@ def test_the_readers_and_the_verifier_find_the_same_signs_and_addresses():
 
 
 def test_the_privacy_plan_states_how_user_ids_were_read():
+    from madp.core.reports import BatchParameters, BatchReport, BoundParameters, BoundRecord, Participation, SizeSummary
     from madp.training.plan import assumptions
 
+    sizes = SizeSummary(1.0, 0.0, 1, 1, (1,))
+    parameters = BatchParameters(1, 1.0, 1, "records", 0, None, None, 1, "error", ())
+    participation = Participation(1, 1, 1, None, 0, {})
+
     def stated(user_ids) -> list[str]:
-        report = {"sampler": "minsep", "parameters": {}, "bound": {"parameters": {"user_ids": user_ids}}}
+        bound = BoundRecord(K, K, 1, BoundParameters(K, user_ids=user_ids), (), None, {})
+        report = BatchReport(
+            "local", "s", "d", "minsep", bound, parameters, None, 0.5, 1.0, 1, 1, 1, sizes, 0.0, sizes, (), 0, 0, 0,
+            participation, {}, 0, (), 0.0,
+        )  # fmt: skip
         return assumptions(report, "dpsgd", K)
 
     assert any("user ids were read as e-mail addresses" in s for s in stated("email"))

@@ -1,0 +1,592 @@
+"""The reports the stages write and the next stages read, as typed values: `BoundReport` (`madp bound`'s
+OUTPUT/report.json) and `BatchReport` (`madp batch`'s, which carries the `BoundRecord` the batches were
+made from). Each has `to_json()` (the object its file holds) and `from_json(data, where)` (from the parsed
+object; `where` names the file in errors). Every file states its `format_version`; one without it is read
+as the format before the key was written (the same keys), and a version this madp does not know is
+refused. The independent verifiers (`madp.core.verify`) never read these classes: they read raw JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from madp.core.errors import InputError
+from madp.core.graph_digest import GraphDigest
+from madp.core.user_ids import AS_IS
+
+FORMAT_VERSION = 1  # of both reports: the keys below; a file without the key is their predecessor (the same keys)
+VERSION_KEY = "format_version"
+
+
+def check_version(data: Mapping[str, Any], where: str) -> None:
+    """Refuse a report whose `format_version` this madp does not read (a newer madp's, or not a version)."""
+    version = data.get(VERSION_KEY, FORMAT_VERSION)
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise InputError(
+            f"{where}: format_version {version!r} is not one this madp reads (it reads {FORMAT_VERSION}): written by "
+            f"another madp; read it with that madp, or re-run the stage with this one"
+        )
+
+
+def _lists(values: Any) -> Any:
+    """Tuples as lists, inside mappings too: what json.loads gives back."""
+    if isinstance(values, (list, tuple)):
+        return [_lists(value) for value in values]
+    if isinstance(values, Mapping):
+        return {key: _lists(value) for key, value in values.items()}
+    return values
+
+
+def _refuse_missing(data: Mapping[str, Any], required: tuple[str, ...], where: str, what: str) -> None:
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise InputError(f"{where} lacks {missing}: not a report of this madp {what}; re-run madp {what}")
+
+
+def _parsed(parse, where: str, what: str):
+    """`parse()`, its KeyError, TypeError or ValueError an InputError naming the report."""
+    try:
+        return parse()
+    except InputError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise InputError(
+            f"{where} is not a madp {what} report this madp reads ({type(error).__name__}: {error}); re-run madp {what}"
+        ) from None
+
+
+# --- files listed by a report ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A file an output's report lists (`storage.manifest`): its name in the output, size and SHA-256."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def _is_entry(entry: object) -> bool:
+    """A report's file entry as `storage.manifest` writes it: a plain name (no folder, so nothing outside
+    the output is ever read), its size and its SHA-256."""
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and entry["name"] not in ("", ".", "..")
+        and "/" not in entry["name"].replace("\\", "/")
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
+
+
+def file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tuple[FileEntry, ...]:
+    """The files a report lists under `key`, checked: a non-empty list of plain names with sizes and SHA-256."""
+    listed = data.get(key)
+    if not listed:
+        raise InputError(f"{where} lists no {key}: re-run madp {what}")
+    if not isinstance(listed, list) or not all(_is_entry(entry) for entry in listed):
+        raise InputError(
+            f"{where}: {key} is not a list of files (name, bytes, sha256), as madp {what} writes it; re-run madp {what}"
+        )
+    return tuple(FileEntry(entry["name"], entry["bytes"], entry["sha256"]) for entry in listed)
+
+
+# --- madp bound ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundParameters:
+    """The options the bound ran with, as its report records them (`parameters`)."""
+
+    max_contributions: int
+    order: str = "arity"
+    arity_threshold: int | None = None  # --order alternate: u, c1, c2 and the two groups' sizes
+    small_run: int | None = None
+    large_run: int | None = None
+    group_sizes: tuple[int, int] | None = None
+    seed: int = 0
+    max_rounds: int | None = None
+    duplicates: bool = False
+    capacities: str | None = None
+    id_column: str = "id"
+    users_column: str | None = "users"  # None where --users-columns named them
+    users_columns: tuple[str, ...] | None = None  # --users-columns: the users are their union
+    user_ids: str | None = None  # --user-ids: how string user ids were read (None: checked)
+    weight_column: str | None = None
+    on_invalid: str = "error"
+
+    def to_json(self) -> dict[str, Any]:
+        return _lists({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BoundParameters:
+        """The parameters as written; those a report of an earlier madp lacks take what that madp did (a
+        report from before --user-ids: the bound took every user id as it was)."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in known}
+        values["user_ids"] = data["user_ids"] if "user_ids" in data else AS_IS
+        for key in ("group_sizes", "users_columns"):
+            if values.get(key) is not None:
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+    """One round of the bounding: its pass, the records it selected and those still eligible after it."""
+
+    round: int
+    pass_: int
+    selected: int
+    eligible: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "pass": self.pass_, "selected": self.selected, "eligible": self.eligible}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RoundStats:
+        return cls(data["round"], data["pass"], data["selected"], data["eligible"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Histograms:
+    """The bound's distributions, {value: count} with string keys: users by their records in the input and
+    after bounding, records by their users in the input and among the selected records."""
+
+    records_per_user_input: Mapping[str, int]
+    records_per_user_selected: Mapping[str, int]
+    records_by_users_input: Mapping[str, int]
+    records_by_users_selected: Mapping[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {field.name: dict(getattr(self, field.name)) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Histograms:
+        return cls(**{field.name: dict(data[field.name]) for field in dataclasses.fields(cls)})
+
+
+BOUND_REPORT_KEYS = (
+    "engine",
+    "input",
+    "parameters",
+    "contribution_bound",
+    "ignored_files",
+    "input_rows",
+    "input_records",
+    "input_users",
+    "rejected_total",
+    "repeated_users_removed",
+    "selected_records",
+    "distinct_selected",
+    "max_user_contribution",
+    "rounds",
+    "passes",
+    "converged",
+    "per_round",
+    "histograms",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundReport:
+    """`madp bound`'s OUTPUT/report.json: the selection files, the bound every user is held to, the input's
+    figures and rejects, the rounds and the digest of the graph bounded. Both engines write it; Beam adds its
+    partitions and pipeline runs."""
+
+    engine: str
+    input: str
+    parameters: BoundParameters
+    contribution_bound: int  # K, or a larger listed capacity: what the accountant assumes for every user
+    ignored_files: tuple[str, ...]
+    input_rows: int
+    input_records: int
+    input_users: int
+    rejected: Mapping[str, int]  # rows dropped (--on-invalid skip), by reason
+    rejected_total: int
+    repeated_users_removed: int
+    graph_digest: GraphDigest | None  # None in a report of madp before it had one (batching refuses it)
+    selected_records: int  # copies
+    distinct_selected: int
+    max_user_contribution: int
+    rounds: int
+    passes: int
+    converged: bool
+    per_round: tuple[RoundStats, ...]
+    histograms: Histograms
+    selection_files: tuple[FileEntry, ...]
+    partitions: int | None = None  # Beam: the partitions of each side
+    pipeline_runs: tuple[Mapping[str, Any], ...] | None = None  # Beam: each run's iterations and counters
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as its file holds it (written with sorted keys)."""
+        report = {
+            VERSION_KEY: FORMAT_VERSION,
+            "engine": self.engine,
+            "input": self.input,
+            "parameters": self.parameters.to_json(),
+            "contribution_bound": self.contribution_bound,
+            "ignored_files": list(self.ignored_files),
+            "input_rows": self.input_rows,
+            "input_records": self.input_records,
+            "input_users": self.input_users,
+            "rejected": dict(self.rejected),
+            "rejected_total": self.rejected_total,
+            "repeated_users_removed": self.repeated_users_removed,
+            "graph_digest": None if self.graph_digest is None else self.graph_digest.to_report(),
+            "selected_records": self.selected_records,
+            "distinct_selected": self.distinct_selected,
+            "max_user_contribution": self.max_user_contribution,
+            "rounds": self.rounds,
+            "passes": self.passes,
+            "converged": self.converged,
+            "per_round": [one.to_json() for one in self.per_round],
+        }
+        if self.partitions is not None:
+            report["partitions"] = self.partitions
+        report["histograms"] = self.histograms.to_json()
+        if self.pipeline_runs is not None:
+            report["pipeline_runs"] = _lists(self.pipeline_runs)
+        report["selection_files"] = [entry.to_json() for entry in self.selection_files]
+        return report
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> BoundReport:
+        """The report of a parsed report.json (`where` names it in errors)."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where} is not a madp bound report (a JSON {type(data).__name__}, not an object)")
+        check_version(data, where)
+        selection_files = file_entries(data, "selection_files", where, "bound")
+        _refuse_missing(data, BOUND_REPORT_KEYS, where, "bound")
+
+        def parse() -> BoundReport:
+            runs = data.get("pipeline_runs")
+            return cls(
+                engine=data["engine"],
+                input=data["input"],
+                parameters=BoundParameters.from_json(data["parameters"]),
+                contribution_bound=data["contribution_bound"],
+                ignored_files=tuple(data["ignored_files"]),
+                input_rows=data["input_rows"],
+                input_records=data["input_records"],
+                input_users=data["input_users"],
+                rejected=dict(data.get("rejected", {})),
+                rejected_total=data["rejected_total"],
+                repeated_users_removed=data["repeated_users_removed"],
+                graph_digest=_graph_digest(data.get("graph_digest")),
+                selected_records=data["selected_records"],
+                distinct_selected=data["distinct_selected"],
+                max_user_contribution=data["max_user_contribution"],
+                rounds=data["rounds"],
+                passes=data["passes"],
+                converged=data["converged"],
+                per_round=tuple(RoundStats.from_json(one) for one in data["per_round"]),
+                histograms=Histograms.from_json(data["histograms"]),
+                selection_files=selection_files,
+                partitions=data.get("partitions"),
+                pipeline_runs=None if runs is None else tuple(runs),
+            )
+
+        return _parsed(parse, where, "bound")
+
+
+def _graph_digest(value: object) -> GraphDigest | None:
+    """A report's graph digest; None where it has none of this scheme (`madp batch` refuses that bound)."""
+    try:
+        return GraphDigest.from_report(value)
+    except ValueError:
+        return None
+
+
+# --- madp batch ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundRecord:
+    """What a batch report records of the bound its batches were made from, for the accountant: the bound
+    its users are held to, the largest contribution found, its users, parameters, selection files and graph
+    digest, and the rows it dropped (which rows are valid is treated as public)."""
+
+    contribution_bound: int
+    max_user_contribution: int
+    input_users: int
+    parameters: BoundParameters
+    selection_files: tuple[FileEntry, ...]
+    graph_digest: GraphDigest | None
+    rejected: Mapping[str, int]
+
+    @classmethod
+    def of(cls, bound: BoundReport) -> BoundRecord:
+        return cls(
+            bound.contribution_bound,
+            bound.max_user_contribution,
+            bound.input_users,
+            bound.parameters,
+            bound.selection_files,
+            bound.graph_digest,
+            bound.rejected,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "contribution_bound": self.contribution_bound,
+            "max_user_contribution": self.max_user_contribution,
+            "input_users": self.input_users,
+            "parameters": self.parameters.to_json(),
+            "selection_files": [entry.to_json() for entry in self.selection_files],
+            "graph_digest": None if self.graph_digest is None else self.graph_digest.to_report(),
+            "rejected": dict(self.rejected),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str) -> BoundRecord:
+        return cls(
+            data["contribution_bound"],
+            data["max_user_contribution"],
+            data["input_users"],
+            BoundParameters.from_json(data["parameters"]),
+            file_entries(data, "selection_files", f"{where} (its bound)", "bound"),
+            _graph_digest(data.get("graph_digest")),
+            dict(data.get("rejected", {})),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchParameters:
+    """The options the batches were made with, as their report records them (`parameters`)."""
+
+    steps: int
+    batch_size: float
+    min_sep: int  # b (the one found by --find-max-min-sep where it searched)
+    batch_size_counts: str  # "records", or "users" for --sampler users
+    warm_up: int
+    max_batch_size: int | None  # B_max: steps padded and truncated to it
+    seed: int | None
+    output_shards: int
+    on_invalid: str
+    content_columns: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """As the report holds them, keys sorted: a privacy plan states them in that order (`AccountedBatches`)."""
+        return _lists({name: getattr(self, name) for name in sorted(field.name for field in dataclasses.fields(self))})
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BatchParameters:
+        return cls(**{**data, "content_columns": tuple(data["content_columns"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeSummary:
+    """Batch sizes over the steps: mean, standard deviation, extremes and each step's."""
+
+    mean: float
+    std: float
+    min: int
+    max: int
+    per_step: tuple[int, ...] | None  # None in a report of madp before it recorded them
+
+    def to_json(self) -> dict[str, Any]:
+        summary: dict[str, Any] = {"mean": self.mean, "std": self.std, "min": self.min, "max": self.max}
+        if self.per_step is not None:
+            summary["per_step"] = list(self.per_step)
+        return summary
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SizeSummary:
+        per_step = data.get("per_step")
+        return cls(data["mean"], data["std"], data["min"], data["max"], None if per_step is None else tuple(per_step))
+
+
+@dataclasses.dataclass(frozen=True)
+class Participation:
+    """How the written rows' users take part: their number, the most steps and rows of one user, the
+    smallest gap between two of a user's steps and every gap's count."""
+
+    users: int
+    max_participations: int
+    max_rows: int
+    min_gap: int | None  # None where no user takes part twice
+    user_rows_sharing_a_step: int
+    gap_histogram: Mapping[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(self)},
+            "gap_histogram": dict(self.gap_histogram),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Participation:
+        return cls(**{**data, "gap_histogram": dict(data["gap_histogram"])})
+
+
+BATCH_REPORT_KEYS = (
+    "engine",
+    "selected",
+    "data",
+    "sampler",
+    "parameters",
+    "sampling_probability",
+    "expected_batch_size",
+    "steps",
+    "records",
+    "units",
+    "batch_sizes",
+    "relative_error_to_target",
+    "written_batch_sizes",
+    "warm_up_batch_sizes",
+    "truncated_rows",
+    "padding_rows",
+    "records_never_written",
+    "participation",
+    "rejected",
+    "rejected_total",
+    "wall_time_s",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReport:
+    """`madp batch`'s OUTPUT/report.json: what the batches were made from (the selection, the records and the
+    `BoundRecord`), how (the sampler, its parameters, p), what they hold (sizes, participations, rejects)
+    and the batch files. The trainer's accounting reads it (`Batches.report`)."""
+
+    engine: str
+    selected: str  # the bound output the batches were made from (absolute where local)
+    data: str  # the records (absolute where local)
+    sampler: str  # minsep, minsep-greedy or users
+    bound: BoundRecord | None  # None in a report of madp before it recorded the bound
+    parameters: BatchParameters
+    sampling: str | None  # what the sampling rests on; None in a report of madp before secret keys (a fixed seed)
+    sampling_probability: float | None  # p (Poisson samplers)
+    expected_batch_size: float | None
+    steps: int
+    records: int
+    units: int
+    batch_sizes: SizeSummary  # sampled, after warm-up
+    relative_error_to_target: float
+    written_batch_sizes: SizeSummary  # the real rows each step's file holds
+    warm_up_batch_sizes: tuple[int, ...]
+    truncated_rows: int
+    padding_rows: int
+    records_never_written: int
+    participation: Participation
+    rejected: Mapping[str, int]
+    rejected_total: int
+    files: tuple[FileEntry, ...]
+    wall_time_s: float
+    users_per_step: SizeSummary | None = None  # --sampler users: users sampled per step
+    min_sep_search: tuple[Mapping[str, Any], ...] | None = None  # --sampler minsep-greedy: the b tried
+    k: int | None = None  # --sampler minsep-greedy: the most participations of a record
+    partitions: int | None = None  # Beam: the partitions
+    beam_counters_per_run: tuple[Mapping[str, Any], ...] | None = None  # Beam: the pipeline's counters
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as its file holds it (written with sorted keys)."""
+        report: dict[str, Any] = {
+            VERSION_KEY: FORMAT_VERSION,
+            "engine": self.engine,
+            "selected": self.selected,
+            "data": self.data,
+            "sampler": self.sampler,
+            "bound": None if self.bound is None else self.bound.to_json(),
+            "parameters": self.parameters.to_json(),
+            "sampling": self.sampling,
+            "sampling_probability": self.sampling_probability,
+            "expected_batch_size": self.expected_batch_size,
+            "steps": self.steps,
+            "records": self.records,
+            "units": self.units,
+            "batch_sizes": self.batch_sizes.to_json(),
+            "relative_error_to_target": self.relative_error_to_target,
+            "written_batch_sizes": self.written_batch_sizes.to_json(),
+            "warm_up_batch_sizes": list(self.warm_up_batch_sizes),
+            "truncated_rows": self.truncated_rows,
+            "padding_rows": self.padding_rows,
+            "records_never_written": self.records_never_written,
+            "participation": self.participation.to_json(),
+            "rejected": dict(self.rejected),
+            "rejected_total": self.rejected_total,
+            "files": [entry.to_json() for entry in self.files],
+            "wall_time_s": self.wall_time_s,
+        }
+        if self.users_per_step is not None:
+            report["users_per_step"] = self.users_per_step.to_json()
+        if self.min_sep_search is not None:
+            report["min_sep_search"] = _lists(self.min_sep_search)
+        if self.k is not None:
+            report["k"] = self.k
+        if self.partitions is not None:
+            report["partitions"] = self.partitions
+        if self.beam_counters_per_run is not None:
+            report["beam_counters_per_run"] = _lists(self.beam_counters_per_run)
+        return report
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> BatchReport:
+        """The report of a parsed report.json (`where` names it in errors)."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where} is not a madp batch report (a JSON {type(data).__name__}, not an object)")
+        check_version(data, where)
+        files = file_entries(data, "files", where, "batch")
+        _refuse_missing(data, BATCH_REPORT_KEYS, where, "batch")
+
+        def parse() -> BatchReport:
+            bound, users, search, counters = (
+                data.get(key) for key in ("bound", "users_per_step", "min_sep_search", "beam_counters_per_run")
+            )
+            return cls(
+                engine=data["engine"],
+                selected=data["selected"],
+                data=data["data"],
+                sampler=data["sampler"],
+                bound=None if not bound else BoundRecord.from_json(bound, where),
+                parameters=BatchParameters.from_json(data["parameters"]),
+                sampling=data.get("sampling"),
+                sampling_probability=data["sampling_probability"],
+                expected_batch_size=data["expected_batch_size"],
+                steps=data["steps"],
+                records=data["records"],
+                units=data["units"],
+                batch_sizes=SizeSummary.from_json(data["batch_sizes"]),
+                relative_error_to_target=data["relative_error_to_target"],
+                written_batch_sizes=SizeSummary.from_json(data["written_batch_sizes"]),
+                warm_up_batch_sizes=tuple(data["warm_up_batch_sizes"]),
+                truncated_rows=data["truncated_rows"],
+                padding_rows=data["padding_rows"],
+                records_never_written=data["records_never_written"],
+                participation=Participation.from_json(data["participation"]),
+                rejected=dict(data["rejected"]),
+                rejected_total=data["rejected_total"],
+                files=files,
+                wall_time_s=data["wall_time_s"],
+                users_per_step=None if users is None else SizeSummary.from_json(users),
+                min_sep_search=None if search is None else tuple(search),
+                k=data.get("k"),
+                partitions=data.get("partitions"),
+                beam_counters_per_run=None if counters is None else tuple(counters),
+            )
+
+        return _parsed(parse, where, "batch")
+
+    @property
+    def max_rows_per_step(self) -> int:
+        """Rows of the largest step in the files: B_max where steps are padded to it, else the largest batch."""
+        return int(self.parameters.max_batch_size or self.written_batch_sizes.max)
+
+    @property
+    def rows_per_step(self) -> list[int] | None:
+        """The rows each step of the batches holds, padding rows (which carry their step) included: B_max for
+        every step where steps are padded to it, else each step's written rows; None for a report of madp
+        before it recorded those (unpadded batches)."""
+        padded_to = self.parameters.max_batch_size
+        if padded_to:
+            return [int(padded_to)] * int(self.steps)
+        written = self.written_batch_sizes.per_step
+        return None if written is None else [int(rows) for rows in written]
