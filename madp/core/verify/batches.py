@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from madp.core.verify.batch_rows import (
     _batch_layout,
+    _Batched,
+    _Layout,
     _other_content,
     _read_batches,
     _user_identity_problems,
@@ -16,6 +19,42 @@ from madp.core.verify.bound import _SHOWN, _contributions, _over_bound, _selecte
 from madp.core.verify.outputs import _listed_files, _other_users_columns, _report, _selection
 from madp.core.verify.records import _input_files, _readable_rows, _UsersFrom
 from madp.core.verify.user_ids import _Suspects
+
+
+class _Inputs(NamedTuple):
+    """What verify-batches reads before the rows: the listed batch files, their report and layout, and the
+    selection's {id: copies}."""
+
+    files: list[str]
+    report: dict
+    layout: _Layout | None
+    copies_of: dict
+
+
+class _Records(NamedTuple):
+    """DATA as the verifier reads it for the selected and batched records: each one's users, the rows that
+    hold its id, and (violation, rows) for each batched content that is not its record's."""
+
+    users_of: dict
+    occurrences: Counter
+    other_content: list[tuple[str, int]]
+
+
+class _Placed(NamedTuple):
+    """Where the batched records' rows are: each user's steps, and the rows of ids DATA lacks (`unknown`)
+    or the selection lacks (`unselected`)."""
+
+    steps_of_user: dict
+    unknown: int
+    unselected: int
+
+
+class _Participations(NamedTuple):
+    """Each user's closest two participations (gap, user, first step, second step), closest first, and the
+    rows of a user that share a step with another of its rows."""
+
+    closest: list[tuple[int, object, int, int]]
+    repeated_in_step: int
 
 
 def verify_batches(
@@ -49,9 +88,61 @@ def verify_batches(
     16 bytes per content feature of each distinct batched (record, content); DATA and the batch files
     are streamed (a Parquet batch of rows, a line, a TFRecord and a 1 MiB block at a time)."""
     users_from = _UsersFrom(users_column, users_columns, user_ids)
-    files, problems = _listed_files(
+    problems: list[str] = []
+    inputs = _read_inputs(output, data_path, selected, users_from, problems)
+    layout, copies_of = inputs.layout, inputs.copies_of
+    if problems or layout is None:
+        return {"ok": False, "violation_count": len(problems), "violations": problems}
+    violations: list[str] = []
+    batched = _read_batches(layout, inputs.report.get("sampler") == "users", violations)
+    violations += _padding_problems(layout, batched)
+    records = _read_records(data_path, id_column, users_from, copies_of, batched, violations)
+    placed = _place_rows(batched, records, copies_of, data_path, selected, violations)
+    violations += _user_identity_problems(batched.user_values, records.users_of)
+    # The bound over the whole selection, whatever the batches sampled of it.
+    violations += _selected_not_once(copies_of, records.occurrences, data_path)
+    contribution = _contributions(copies_of, records.users_of)
+    over = _over_bound(contribution, _user_bounds(capacities_path, max_contributions, violations))
+    violations += _over_bound_problems(over, copies_of, records.users_of, max_contributions)
+    participations = _participations(placed.steps_of_user, min_sep, max_participations, violations)
+    if max_batch_size is not None:
+        violations += [
+            f"step {step} has {rows} rows (> max batch size {max_batch_size})"
+            for step, rows in sorted(batched.rows_per_step.items())
+            if rows > max_batch_size
+        ]
+    closest, steps_of_user = participations.closest, placed.steps_of_user
+    return {
+        "ok": not violations,
+        "files": len(inputs.files),
+        "steps": len(batched.rows_per_step),
+        "rows": batched.real_rows + batched.padding_rows,
+        "real_rows": batched.real_rows,
+        "padding_rows": batched.padding_rows,
+        "users": len(steps_of_user),
+        "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
+        "min_gap": closest[0][0] if closest else None,
+        "user_rows_sharing_a_step": participations.repeated_in_step,
+        "unknown_ids": placed.unknown,
+        "unselected_rows": placed.unselected,
+        "content_features": list(batched.content_names),
+        "rows_with_other_content": sum(rows for _, rows in records.other_content),
+        "contribution_bound": max_contributions,
+        "max_user_contribution": max(contribution.values(), default=0),
+        "users_over_bound": len(over),
+        "violation_count": len(violations),
+        "violations": violations[:_SHOWN],
+    }
+
+
+def _read_inputs(output: str, data_path: str, selected: str, users_from: _UsersFrom, problems: list[str]) -> _Inputs:
+    """The batch files OUTPUT/report.json lists (checked against their sizes and digests) and their layout,
+    and the selection of the bound output `selected`; what leaves them unread or unknown is a problem, as
+    are missing records and users columns other than the bound's."""
+    files, listing_problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
+    problems += listing_problems
     report, _ = _report(output)
     layout, layout_problems = _batch_layout(files, report, output) if not problems else (None, [])
     problems += layout_problems
@@ -60,20 +151,29 @@ def verify_batches(
     problems += selection_problems
     copies_of = _selection(selected, shards, problems)
     problems += _other_users_columns(selected, users_from, "verify-batches") if not selection_problems else []
-    if problems or layout is None:
-        return {"ok": False, "violation_count": len(problems), "violations": problems}
-    violations: list[str] = []
-    batched = _read_batches(layout, report.get("sampler") == "users", violations)
-    padded_to = layout.padded_to or (max(batched.rows_per_step.values()) if batched.padding_rows else None)
-    if padded_to is not None:
-        violations += [
-            f"step {step} holds {batched.rows_per_step[step]} rows, not the {padded_to} every step of padded "
-            f"batches holds: rows are missing (a batch file cut short?) or added"
-            for step in range(layout.steps)
-            if batched.rows_per_step[step] != padded_to
-        ]
+    return _Inputs(files, report, layout, copies_of)
 
-    # DATA, streamed: the users of the selected and batched records, and the content of the batched.
+
+def _padding_problems(layout: _Layout, batched: _Batched) -> list[str]:
+    """Padded batches (the report's B_max, or any padding row) hold the same rows in every step: a step with
+    other than that many lost rows (a batch file cut short?) or gained some."""
+    padded_to = layout.padded_to or (max(batched.rows_per_step.values()) if batched.padding_rows else None)
+    if padded_to is None:
+        return []
+    return [
+        f"step {step} holds {batched.rows_per_step[step]} rows, not the {padded_to} every step of padded "
+        f"batches holds: rows are missing (a batch file cut short?) or added"
+        for step in range(layout.steps)
+        if batched.rows_per_step[step] != padded_to
+    ]
+
+
+def _read_records(
+    data_path: str, id_column: str, users_from: _UsersFrom, copies_of: dict, batched: _Batched, violations: list[str]
+) -> _Records:
+    """DATA, streamed: the users of the selected and batched records, and the content of the batched checked
+    against their rows'; an unreadable file, a string user id showing a sign (without --user-ids) and each
+    other content are violations."""
     users_of: dict = {}
     occurrences: Counter = Counter()
     other_content = []
@@ -89,7 +189,15 @@ def verify_batches(
                     other_content += _other_content(record_id, values, batched, data_path)
     violations += suspects.violations()
     violations += [violation for violation, _ in other_content]
+    return _Records(users_of, occurrences, other_content)
 
+
+def _place_rows(
+    batched: _Batched, records: _Records, copies_of: dict, data_path: str, selected: str, violations: list[str]
+) -> _Placed:
+    """Each batched record's rows given to its users' steps; a violation for an id DATA lacks or holds twice,
+    one the selection lacks, and a record in more rows of a step than its copies."""
+    users_of, occurrences = records.users_of, records.occurrences
     rows_of_record_in_step: Counter = Counter()
     steps_of_user: defaultdict = defaultdict(list)
     unknown = unselected = 0
@@ -117,24 +225,29 @@ def verify_batches(
         for (step, record_id), rows in sorted(rows_of_record_in_step.items(), key=lambda v: (v[0][0], str(v[0][1])))
         if rows > copies_of[record_id]
     ]
-    violations += _user_identity_problems(batched.user_values, users_of)
+    return _Placed(steps_of_user, unknown, unselected)
 
-    # The bound over the whole selection, whatever the batches sampled of it.
-    violations += _selected_not_once(copies_of, occurrences, data_path)
-    contribution = _contributions(copies_of, users_of)
-    over = _over_bound(contribution, _user_bounds(capacities_path, max_contributions, violations))
+
+def _over_bound_problems(over: list[tuple], copies_of: dict, users_of: dict, max_contributions: int) -> list[str]:
+    """A violation for each user over its bound in the selection, naming its first selected records."""
     over_users = {user for user, _, _ in over}
     records_of_user: defaultdict = defaultdict(list)
     for record_id in copies_of:
         for user in users_of.get(record_id, set()) & over_users:
             records_of_user[user].append(record_id)
-    violations += [
+    return [
         f"user {user!r} has {count} records (copies counted) in the selection, over "
         f"{f'the contribution bound {bound}' if bound == max_contributions else f'its capacity {bound}'}: "
         f"records {sorted(records_of_user[user], key=str)[:10]}"
         for user, count, bound in over
     ]
 
+
+def _participations(
+    steps_of_user: dict, min_sep: int, max_participations: int | None, violations: list[str]
+) -> _Participations:
+    """Each user's participations: a violation for two closer than `min_sep` steps, and for more steps than
+    `max_participations`, the most first."""
     closest: list[tuple[int, object, int, int]] = []
     too_many: list[tuple[int, object]] = []
     repeated_in_step = 0
@@ -157,30 +270,4 @@ def verify_batches(
         f"user {user!r} participates in {count} steps (> {max_participations})"
         for count, user in sorted(too_many, key=lambda v: (-v[0], str(v[1])))
     ]
-    if max_batch_size is not None:
-        violations += [
-            f"step {step} has {rows} rows (> max batch size {max_batch_size})"
-            for step, rows in sorted(batched.rows_per_step.items())
-            if rows > max_batch_size
-        ]
-    return {
-        "ok": not violations,
-        "files": len(files),
-        "steps": len(batched.rows_per_step),
-        "rows": batched.real_rows + batched.padding_rows,
-        "real_rows": batched.real_rows,
-        "padding_rows": batched.padding_rows,
-        "users": len(steps_of_user),
-        "max_participations": max((len(set(s)) for s in steps_of_user.values()), default=0),
-        "min_gap": closest[0][0] if closest else None,
-        "user_rows_sharing_a_step": repeated_in_step,
-        "unknown_ids": unknown,
-        "unselected_rows": unselected,
-        "content_features": list(batched.content_names),
-        "rows_with_other_content": sum(rows for _, rows in other_content),
-        "contribution_bound": max_contributions,
-        "max_user_contribution": max(contribution.values(), default=0),
-        "users_over_bound": len(over),
-        "violation_count": len(violations),
-        "violations": violations[:_SHOWN],
-    }
+    return _Participations(closest, repeated_in_step)
