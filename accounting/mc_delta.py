@@ -256,6 +256,24 @@ def estimate_passes(
     return estimate <= target, estimate
 
 
+def _failure(
+    under: str, private: float, not_private: float, done: int, samples: int, threshold: float, mechanism_delta: float
+) -> str | None:
+    """Why the test of direction `under` fails after `done` of `samples` samples, at log wealths `private`
+    (for delta <= delta*) and `not_private`, or None while it may pass: the evidence for delta > delta*
+    reached 1 / GIVE_UP_LEVEL, or, past half the samples, the log wealth growing at its rate so far would
+    not reach `threshold` in time."""
+    if not_private >= math.log(1 / GIVE_UP_LEVEL):
+        return f"failed, delta > {mechanism_delta:.3g} in direction {under} after {done} samples"
+    if (
+        private < threshold
+        and 2 * done >= samples
+        and private + (samples - done) * max(private, 0.0) / done < threshold
+    ):
+        return f"failed, direction {under} would not pass within {samples} samples at its rate so far ({done} drawn)"
+    return None
+
+
 def verify(
     process: MinSepProcess,
     sigma: float,
@@ -303,29 +321,12 @@ def verify(
                 continue
             wealth[under] += values[2:]
             private, not_private = log_wealth(wealth[under])
-            if not_private >= math.log(1 / GIVE_UP_LEVEL):
-                log.info(
-                    "verification at sigma %.6g, epsilon %.6g: failed, delta > %.3g in direction %s after %d samples",
-                    sigma,
-                    epsilon,
-                    mechanism_delta,
-                    under,
-                    done,
-                )
+            failure = _failure(under, private, not_private, done, samples, threshold, mechanism_delta)
+            if failure is not None:
+                log.info("verification at sigma %.6g, epsilon %.6g: %s", sigma, epsilon, failure)
                 return False, done
             if private >= threshold:
                 rejected.add(under)
-            elif 2 * done >= samples and private + (samples - done) * max(private, 0.0) / done < threshold:
-                log.info(
-                    "verification at sigma %.6g, epsilon %.6g: failed, direction %s would not pass within %d "
-                    "samples at its rate so far (%d drawn)",
-                    sigma,
-                    epsilon,
-                    under,
-                    samples,
-                    done,
-                )
-                return False, done
         if len(rejected) == len(DIRECTIONS):
             log.info(
                 "verification at sigma %.6g, epsilon %.6g: passed at level %.3g after %d samples",

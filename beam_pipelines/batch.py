@@ -24,6 +24,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from apache_beam.options.pipeline_options import PipelineOptions
 
 from madp.beam import files
 from madp.beam.batch_join import record_partition_of, split_rows, summary_value, user_partition_of
@@ -277,6 +278,42 @@ class BatchPipeline(beam.PTransform):
         )
 
 
+def _run_pipeline(
+    data_files: list[str],
+    selection: list[str],
+    data: str,
+    output: str,
+    content: record_reading.Content,
+    options: batching.BatchOptions,
+    partitions: int,
+    bound: batching.BoundGraph,
+    beam_options: PipelineOptions,
+    work: str,
+) -> tuple[BatchSummary, dict, str]:
+    """The pipeline run (`BatchPipeline`) that writes the batch files under `work`: its summary, Beam's
+    counters and the folder of the staged batch files. A failure removes `work` and leaves OUTPUT as it was."""
+    run_dir = storage.join(work, uuid.uuid4().hex[:12])
+    errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
+    # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the
+    # batch files under _work/, and they take the earlier batches' place once it has passed (its failure
+    # leaves the earlier batches, made with a secret key that is gone, as they were).
+    staged = storage.join(run_dir, "batches")
+    pipeline = beam.Pipeline(options=beam_options)
+    _ = pipeline | "Batch" >> BatchPipeline(
+        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir, staged
+    )
+    try:
+        counters = run(pipeline, NAMESPACE, errors_dir, output)
+        summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
+        if options.on_invalid == "error":
+            handle_rejects(summary.rejects, "error", output)
+    except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
+        with contextlib.suppress(OSError):
+            storage.remove_tree(work)
+        raise
+    return summary, counters, staged
+
+
 def run_beam(
     selected: str,
     data: str,
@@ -303,25 +340,9 @@ def run_beam(
     batch_report.refuse_losing_trainings(output)  # before anything of OUTPUT is deleted
     work = storage.join(output, WORK_DIR)
     storage.remove_tree(work)
-    run_dir = storage.join(work, uuid.uuid4().hex[:12])
-    errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
-    # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the
-    # batch files under _work/, and they take the earlier batches' place once it has passed (its failure
-    # leaves the earlier batches, made with a secret key that is gone, as they were).
-    staged = storage.join(run_dir, "batches")
-    pipeline = beam.Pipeline(options=beam_options)
-    _ = pipeline | "Batch" >> BatchPipeline(
-        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir, staged
+    summary, counters, staged = _run_pipeline(
+        data_files, selection, data, output, content, options, partitions, bound, beam_options, work
     )
-    try:
-        counters = run(pipeline, NAMESPACE, errors_dir, output)
-        summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
-        if options.on_invalid == "error":
-            handle_rejects(summary.rejects, "error", output)
-    except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
-        with contextlib.suppress(OSError):
-            storage.remove_tree(work)
-        raise
     batch_report.prepare_output(output)
     shards = options.output_shards
     for file in range(shards):

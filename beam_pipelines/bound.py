@@ -12,17 +12,19 @@ import json
 import logging
 import time
 import uuid
+from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-from apache_beam.options.pipeline_options import StandardOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from madp.beam import files
 from madp.beam.bound_contributions import BoundContributions
 from madp.beam.bound_rounds import round_stat
 from madp.beam.pipeline import (
     NAMESPACE,
+    MadpPipelineOptions,
     keeping_input_errors,
     madp_options,
     merge_rejects,
@@ -205,27 +207,29 @@ def _iterations(summary: dict, rounds: int) -> list[dict]:
     ]
 
 
-def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> dict:
-    """`madp bound --runner <Beam runner>`: pipeline runs until the algorithm is done (typically one)."""
-    beam_options = pipeline_options(beam_args)
-    ours = madp_options(beam_options)
-    started = time.perf_counter()
-    input_files = rec.list_input_files(input_path)
-    capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None
-    # Before the earlier selection goes: the first input file's record columns and, against the capacities,
-    # its user ids' type. What the pipeline meets in reading all of it (an invalid row, another file's
-    # columns or types) stops the run with no selection, so that none of an earlier input outlives it.
-    users = record_reading.leading_facts(input_files[0], options.columns).user_type
-    if capacities is not None and users is not None:
-        capacities.typed_as(users)
-    work = storage.join(output, WORK_DIR)
-    storage.remove_tree(work)
-    prepare_output(output)
-    invocation = uuid.uuid4().hex[:12]  # a run's files never meet an earlier invocation's
-    if options.order == "alternate":
-        options = _count_groups(
-            input_files, options, ours.partitions, beam_options, storage.join(work, f"{invocation}-groups")
-        )
+class _PipelineRuns(NamedTuple):
+    """What the pipeline runs of a bound leave: the last run's summary (the selection's counts and the
+    algorithm's state), each run's statistics, the algorithm's control after the last, and the input's rejects."""
+
+    summary: dict
+    runs: list[dict]
+    control: Control
+    rejects: rec.Rejects
+
+
+def _run_pipelines(
+    input_files: list[str],
+    output: str,
+    options: BoundOptions,
+    ours: MadpPipelineOptions,
+    beam_options: PipelineOptions,
+    capacities: Capacities | None,
+    work: str,
+    invocation: str,
+) -> _PipelineRuns:
+    """Pipeline runs until the algorithm is done (typically one), each resuming from the state the one
+    before saved in `work` (under the name of this `invocation`); an input error leaves no partial
+    selection and no work files."""
     control, resume_from = Control(options.duplicates, options.max_rounds), None
     runs: list[dict] = []
     while True:
@@ -269,6 +273,33 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         if control.next == DONE:
             break
         resume_from = storage.join(run_dir, "state")
+    return _PipelineRuns(summary, runs, control, rejects)
+
+
+def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> dict:
+    """`madp bound --runner <Beam runner>`: pipeline runs until the algorithm is done (typically one)."""
+    beam_options = pipeline_options(beam_args)
+    ours = madp_options(beam_options)
+    started = time.perf_counter()
+    input_files = rec.list_input_files(input_path)
+    capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None
+    # Before the earlier selection goes: the first input file's record columns and, against the capacities,
+    # its user ids' type. What the pipeline meets in reading all of it (an invalid row, another file's
+    # columns or types) stops the run with no selection, so that none of an earlier input outlives it.
+    users = record_reading.leading_facts(input_files[0], options.columns).user_type
+    if capacities is not None and users is not None:
+        capacities.typed_as(users)
+    work = storage.join(output, WORK_DIR)
+    storage.remove_tree(work)
+    prepare_output(output)
+    invocation = uuid.uuid4().hex[:12]  # a run's files never meet an earlier invocation's
+    if options.order == "alternate":
+        options = _count_groups(
+            input_files, options, ours.partitions, beam_options, storage.join(work, f"{invocation}-groups")
+        )
+    summary, runs, control, rejects = _run_pipelines(
+        input_files, output, options, ours, beam_options, capacities, work, invocation
+    )
     shards = options.shards(summary.get("input_records", 0))  # as the pipeline counted them
     for shard in range(shards):
         if storage.kind(shard_path(output, shard, shards)) == "missing":  # no record at all

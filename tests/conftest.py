@@ -141,7 +141,7 @@ def masked_crc(data: bytes) -> int:
 def rewrite_batches(output, edit, name: str = "batches-00000-of-00001.tfrecord", drop: int | None = None) -> None:
     """Apply `edit(number, example)` to every example of a batch file (but the one numbered `drop`, left
     out) and reseal the batch report."""
-    from madp.core.verify import _example_class, read_tfrecord
+    from madp.core.verify.tfrecords import _example_class, read_tfrecord
 
     path = os.path.join(output, name)
     example_class = _example_class()

@@ -442,46 +442,12 @@ def make_private(
     >>> for rows in read_steps(batches, ["features", "label"]):
     ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
-    try:  # e.g. optimizer.iterations (a tf.Variable) or its numpy()
-        resumed_at = _step_number(resumed_at)
-    except TypeError:
-        raise InputError(f"resumed_at={resumed_at!r}: the number of steps the interrupted training took") from None
-    if not 0 <= resumed_at <= plan.steps:
-        raise InputError(f"resumed_at={resumed_at}: not a step count of this plan's {plan.steps} steps")
+    resumed_at = _steps_taken(resumed_at, plan)
     # Drawn once per step object (a resumed training draws anew), never written anywhere.
     purpose = "training noise" if not resumed_at else f"training noise, resumed at step {resumed_at}"
     noise_key = SecretKey.for_run(noise_seed, purpose, "--noise-seed")
-    broken = testing_noise_scale != 1.0
-    plan = dataclasses.replace(
-        plan,
-        noise=noise_key.status
-        if not broken
-        else f"scaled by {testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
-        private=noise_key.seed is None
-        and not broken
-        and (plan.sampling != FIXED_SEED or not plan.relies_on_secret_sampling),
-    )
-    if not plan.private:
-        log.warning(
-            "this model is NOT private: %s",
-            "the noise comes from --noise-seed"
-            if noise_key.seed is not None
-            else "its noise is scaled by --testing-only-noise-scale"
-            if broken
-            else "its batches were sampled with a fixed --seed",
-        )
-    noise = plan.noise_multiplier * testing_noise_scale  # the claim stays at sigma
-    query = (
-        DpSgdQuery(plan.clip_norm, noise, noise_key)
-        if plan.mechanism in ("dpsgd", "dpsgd-uls")
-        else BandMfQuery(
-            plan.clip_norm,
-            noise,
-            noise_key,
-            plan.bands,
-            [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
-        )
-    )
+    plan = _with_noise(plan, noise_key, testing_noise_scale)
+    query = _noise_query(plan, noise_key, testing_noise_scale, model)
     ledger = trainings_ledger(plan.trained_on) if plan.private and plan.trained_on else None
     continues = False
     if training is not None and ledger is not None:
@@ -505,6 +471,55 @@ def make_private(
             f"training, so that no other run of it continues from the same checkpoint meanwhile"
         )
     return step
+
+
+def _steps_taken(resumed_at, plan: PrivacyPlan) -> int:
+    """`resumed_at` as a count of the plan's steps: an integer, or e.g. `optimizer.iterations` (a
+    tf.Variable) or its numpy()."""
+    try:
+        steps = _step_number(resumed_at)
+    except TypeError:
+        raise InputError(f"resumed_at={resumed_at!r}: the number of steps the interrupted training took") from None
+    if not 0 <= steps <= plan.steps:
+        raise InputError(f"resumed_at={steps}: not a step count of this plan's {plan.steps} steps")
+    return steps
+
+
+def _with_noise(plan: PrivacyPlan, noise_key: SecretKey, testing_noise_scale: float) -> PrivacyPlan:
+    """The plan as the step's noise makes it: private only with a fresh noise key at full scale, and with
+    secretly sampled batches where the plan relies on the secret sampling; a warning says why a model is not."""
+    broken = testing_noise_scale != 1.0
+    plan = dataclasses.replace(
+        plan,
+        noise=noise_key.status
+        if not broken
+        else f"scaled by {testing_noise_scale:g} for testing (--testing-only-noise-scale) - not private",
+        private=noise_key.seed is None
+        and not broken
+        and (plan.sampling != FIXED_SEED or not plan.relies_on_secret_sampling),
+    )
+    if not plan.private:
+        log.warning(
+            "this model is NOT private: %s",
+            "the noise comes from --noise-seed"
+            if noise_key.seed is not None
+            else "its noise is scaled by --testing-only-noise-scale"
+            if broken
+            else "its batches were sampled with a fixed --seed",
+        )
+    return plan
+
+
+def _noise_query(
+    plan: PrivacyPlan, noise_key: SecretKey, testing_noise_scale: float, model
+) -> DpSgdQuery | BandMfQuery:
+    """The DPQuery that clips each gradient to the plan's clip norm and noises their sum: DP-SGD's z_t, or
+    BandMF's C^-1 z over the model's trainable variables, at sigma times `testing_noise_scale`."""
+    noise = plan.noise_multiplier * testing_noise_scale  # the claim stays at sigma
+    if plan.mechanism in ("dpsgd", "dpsgd-uls"):
+        return DpSgdQuery(plan.clip_norm, noise, noise_key)
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables]
+    return BandMfQuery(plan.clip_norm, noise, noise_key, plan.bands, specs)
 
 
 def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:

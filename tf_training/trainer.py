@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +29,7 @@ from madp.engines.batching import read_selection_file
 from madp.training import (  # the public API; the trainer's own parts: tasks, models, options, outputs, long jobs
     Batches,
     NonPrivateStep,
+    PrivacyPlan,
     PrivateTrainingStep,
     calibrate,
     compute_precision,
@@ -423,20 +424,131 @@ def _settle(output: str, batches_dir: str, stopped: bool) -> None:
         log.warning("%s", settled_text(output, outcome))
 
 
+class _Built(NamedTuple):
+    """The model a training trains, built under its distribution strategy, with its per-row loss and its
+    optimizer; `own_optimizer` is the one a module:function model brought (else None)."""
+
+    model: Any
+    loss_fn: Any
+    optimizer: Any
+    own_optimizer: Any
+
+
+class _Run(NamedTuple):
+    """What every step of a training and its outputs read, fixed once the step is made: `privacy` is the
+    plan the guarantee states (with the composition of earlier trainings on these batches), `planned` this
+    training's own (what a checkpoint must match, and what epsilon spent counts; None without privacy),
+    `evaluation` the --eval-data rows, `replaced` the earlier training's outputs --replace sets aside."""
+
+    batches: Batches
+    output: str
+    options: TrainOptions
+    task: Any
+    built: _Built
+    step: NonPrivateStep | PrivateTrainingStep
+    privacy: PrivacyPlan | None
+    planned: PrivacyPlan | None
+    evaluation: Any
+    checkpoints: Checkpoints | None
+    resumed: int
+    replaced: list[str]
+    published_eval: bool
+    schedule: str
+    user_level: bool
+
+
+@dataclasses.dataclass
+class _RunState:
+    """What the steps of a run have produced so far: the evaluations (`metrics`, a resumed run's from its
+    checkpoint first), the logs (once its first step ran), a task's metrics() that failed (the model trains
+    on, unevaluated), whether a module:function model's loss was found finite on a step's usable rows (madp's
+    own models: a finite loss on the rows their tasks accept), and (x, y, usable rows, step) of the last step
+    this run took: the trained model's check."""
+
+    metrics: list[dict]
+    loss_checked: bool
+    scalars: _Logs | None = None
+    unevaluated: MetricsFailed | None = None
+    last_rows: tuple | None = None
+
+
 def _train(batches: Batches, output: str, options: TrainOptions, started: float) -> dict:
+    """`train` inside its lock and settlement: the checks, the model, the plan and the step, then the steps
+    (`_run_steps`) and the outputs (`_write_outputs`); returns what `madp train` prints."""
     batches_dir = batches.directory
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
-    # The model is named by its files' digest before it is read and checked after: a file swapped
-    # meanwhile would be named but not the one trained from. The path is checked first, so that one
-    # which holds no model is refused before all its files are hashed.
-    public_model = None
-    if options.pretrained is not None and options.mechanism != "none":
-        check_pretrained_path(options.pretrained)
-        public_model = pretrained_is_public(options.pretrained)
+    public_model = _public_model(options)
     # The devices first: TensorFlow fixes them when it first runs an op, and prepare_task reads every step
     strategy = distribution_strategy(options)
     task, skipped = prepare_task(options, batches)
+    built = _build_model(task, strategy, options)
+    interrupted = _resume_point(batches_dir, output, options)
+    # --replace: an earlier training's outputs, replaced once this one has taken its first step (every check
+    # passed, the model traced and ran); files madp does not write are refused here, before the plan is computed.
+    replaced = []
+    if options.replace and interrupted is None:
+        replaced = storage.written_files(output, written_by_training, "madp train")
+    resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
+    needs_checkpoints = options.checkpoint_every or resumed
+    user_level = batches.report.sampler == "users"
+    privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
+    if privacy is not None:
+        privacy = _with_public_inputs(privacy, task, options, public_model)
+    step = _training_step(
+        batches, output, options, built, strategy, privacy, resumed, training, bool(needs_checkpoints)
+    )
+    if isinstance(step, PrivateTrainingStep):
+        privacy = step.plan  # with the composition of earlier trainings on these batches, if any
+    built = built._replace(loss_fn=step.loss_fn)  # for evaluations and statistics too: outputs taken in float32
+    evaluation = task.read_eval(options.eval_data) if options.eval_data else None
+    if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
+        # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
+        _checked_evaluation(task, built.model, built.loss_fn, evaluation, options, "before the first step")
+    checkpoints = Checkpoints(output, built.model, built.optimizer, step, options) if needs_checkpoints else None
+    run = _Run(
+        batches=batches,
+        output=output,
+        options=options,
+        task=task,
+        built=built,
+        step=step,
+        privacy=privacy,
+        planned=step.own_plan if isinstance(step, PrivateTrainingStep) else None,
+        evaluation=evaluation,
+        checkpoints=checkpoints,
+        resumed=resumed,
+        replaced=replaced,
+        published_eval=options.eval_data_public or evaluation is None,
+        schedule=training_defaults(options).lr_schedule,
+        user_level=user_level,
+    )
+    state = _RunState(_resumed_metrics(run, interrupted), loss_checked=not options.user_model)
+    loop_started = time.perf_counter()
+    _run_steps(run, state)
+    entered = isinstance(step, PrivateTrainingStep) and step.ledger is not None
+    _check_trained_model(built.model, built.loss_fn, options, state.last_rows, entered)
+    built.model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
+    without_clock_times(storage.join(output, "model.keras"))  # Keras stamps it with the time it was saved
+    result = _result(run, strategy.num_replicas_in_sync, state.metrics, started, loop_started)
+    _write_outputs(run, state, result, skipped)
+    return result
+
+
+def _public_model(options: TrainOptions) -> str | None:
+    """The assumption that --pretrained is public, naming its files by their digest (None without a
+    pretrained model or without privacy). The model is named before it is read and checked after
+    (`_with_public_inputs`): a file swapped meanwhile would be named but not the one trained from. The
+    path is checked first, so that one which holds no model is refused before all its files are hashed."""
+    if options.pretrained is None or options.mechanism == "none":
+        return None
+    check_pretrained_path(options.pretrained)
+    return pretrained_is_public(options.pretrained)
+
+
+def _build_model(task, strategy, options: TrainOptions) -> _Built:
+    """The task's model and loss, and the optimizer (a module:function model's own, else --optimizer's, of
+    the model's Keras), built under the strategy from --seed, at --mixed-precision's compute precision."""
     replicas = strategy.num_replicas_in_sync
     tf_keras.utils.set_random_seed(options.seed)
     with strategy.scope(), compute_precision(options.mixed_precision):
@@ -448,187 +560,230 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
         optimizer = own_optimizer or default_optimizer(model, options)
     if own_optimizer is not None:
         _refuse_optimizer_flags(options)
-    interrupted = _resume_point(batches_dir, output, options)
-    # --replace: an earlier training's outputs, replaced once this one has taken its first step (every check
-    # passed, the model traced and ran); files madp does not write are refused here, before the plan is computed.
-    replaced = []
-    if options.replace and interrupted is None:
-        replaced = storage.written_files(output, written_by_training, "madp train")
-    resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
-    needs_checkpoints = options.checkpoint_every or resumed
-    user_level = batches.report.sampler == "users"
-    privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
-    if isinstance(task, TextClassifierTask) and not options.labels and privacy is not None:
+    return _Built(model, loss_fn, optimizer, own_optimizer)
+
+
+def _with_public_inputs(privacy: PrivacyPlan, task, options: TrainOptions, public_model: str | None) -> PrivacyPlan:
+    """The plan with the assumptions its guarantee rests on beyond the batches: a text classifier's label
+    set read from the data (refused where the mechanism relies on the secret sampling), and the pretrained
+    model taken as public (its files' digest, refused where they changed while madp read them)."""
+    if isinstance(task, TextClassifierTask) and not options.labels:
         if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
             raise InputError(
                 f"{privacy.mechanism} relies on the secret sampling, and a label set read from the sampled "
                 f"rows would reveal which records were sampled: give the public label set with --labels"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
-    if options.pretrained is not None and public_model is not None and privacy is not None:
+    if options.pretrained is not None and public_model is not None:
         if pretrained_is_public(options.pretrained) != public_model:
             raise InputError(
                 f"--pretrained {options.pretrained}: its files changed while madp read them; train again from "
                 f"files that stay as they are"
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, public_model))
+    return privacy
+
+
+def _training_step(
+    batches: Batches,
+    output: str,
+    options: TrainOptions,
+    built: _Built,
+    strategy,
+    privacy: PrivacyPlan | None,
+    resumed: int,
+    training: str | None,
+    releases_from_checkpoints: bool,
+) -> NonPrivateStep | PrivateTrainingStep:
+    """The step that trains the model on one step's rows: private under `privacy` (which enters the trainings
+    ledger), or non-private without it."""
     # Several replicas get fixed-size shards (one trace; static shapes for TPUs) of the largest step;
     # so does an XLA step, which compiles once per shape.
     fixed = options.distribution != "default" or options.xla
+    replicas = strategy.num_replicas_in_sync
     rows_per_replica = -(-max(batches.max_rows_per_step, 1) // replicas) if fixed else None
-    settings = training_defaults(options)
-    l2, schedule = settings.l2, settings.lr_schedule
-    step: NonPrivateStep | PrivateTrainingStep
+    l2 = training_defaults(options).l2
     if privacy is None:
-        step = make_non_private(
-            model,
-            loss_fn,
-            optimizer,
+        return make_non_private(
+            built.model,
+            built.loss_fn,
+            built.optimizer,
             strategy=strategy,
             rows_per_replica=rows_per_replica,
             jit_compile=options.xla,
             l2=l2,
         )
-    else:
-        step = make_private(
-            model,
-            loss_fn,
-            optimizer,
-            privacy,
-            noise_seed=options.noise_seed,
-            strategy=strategy,
-            rows_per_replica=rows_per_replica,
-            jit_compile=options.xla,
-            testing_noise_scale=options.testing_noise_scale,
-            resumed_at=resumed,
-            training=training,
-            output=output,
-            retrain=options.retrain,
-            # With checkpoints, one precedes every evaluation, and a resume takes the latest.
-            releases_from_checkpoints=bool(needs_checkpoints),
-            l2=l2,
-        )
-        privacy = step.plan  # with the composition of earlier trainings on these batches, if any
-    loss_fn = step.loss_fn  # for evaluations and statistics too: the model's outputs taken in float32
-    # This training's own plan: what a checkpoint must match, and what epsilon spent counts.
-    planned = step.own_plan if isinstance(step, PrivateTrainingStep) else None
-    evaluation = task.read_eval(options.eval_data) if options.eval_data else None
-    if evaluation is not None and options.user_model:  # the user's model, loss and metrics() run once on the
-        # evaluation data before anything trains: one that raises, or gives no finite numbers, stops here
-        _checked_evaluation(task, model, loss_fn, evaluation, options, "before the first step")
-    checkpoints = Checkpoints(output, model, optimizer, step, options) if needs_checkpoints else None
-    metrics: list[dict] = []
-    if checkpoints is not None and interrupted is not None:
-        checkpoints.restore(interrupted, planned)
-        metrics = interrupted["eval"]
-        log.info("resumed at step %d of %d from %s (a fresh noise key)", resumed, batches.steps, checkpoints.directory)
-        missed = not metrics or metrics[-1]["step"] != resumed
-        if evaluation is not None and _evaluates(resumed, batches.steps, options) and missed:
-            # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
-            metrics.append(
-                {
-                    "step": resumed,
-                    **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {resumed}"),
-                }
-            )
-    published_eval = options.eval_data_public or evaluation is None
-    scalars: _Logs | None = None  # once this run's first step ran
-    loop_started = time.perf_counter()
+    return make_private(
+        built.model,
+        built.loss_fn,
+        built.optimizer,
+        privacy,
+        noise_seed=options.noise_seed,
+        strategy=strategy,
+        rows_per_replica=rows_per_replica,
+        jit_compile=options.xla,
+        testing_noise_scale=options.testing_noise_scale,
+        resumed_at=resumed,
+        training=training,
+        output=output,
+        retrain=options.retrain,
+        # With checkpoints, one precedes every evaluation, and a resume takes the latest.
+        releases_from_checkpoints=releases_from_checkpoints,
+        l2=l2,
+    )
+
+
+def _resumed_metrics(run: _Run, interrupted: dict | None) -> list[dict]:
+    """The evaluations a run starts from: none for a fresh run; a resumed one restores its checkpoint and
+    takes its evaluations, with that of the restored step where the interrupted run stopped before it."""
+    if run.checkpoints is None or interrupted is None:
+        return []
+    checkpoints, resumed, steps = run.checkpoints, run.resumed, run.batches.steps
+    checkpoints.restore(interrupted, run.planned)
+    metrics = interrupted["eval"]
+    log.info("resumed at step %d of %d from %s (a fresh noise key)", resumed, steps, checkpoints.directory)
+    missed = not metrics or metrics[-1]["step"] != resumed
+    if run.evaluation is not None and _evaluates(resumed, steps, run.options) and missed:
+        # interrupted between a checkpoint and its evaluation: evaluate the model restored at that step
+        metrics.append({"step": resumed, **_evaluation_at(run, f"at step {resumed}")})
+    return metrics
+
+
+def _evaluation_at(run: _Run, when: str) -> dict:
+    """The task's checked evaluation of the model as it is now on --eval-data (`_checked_evaluation`)."""
+    return _checked_evaluation(run.task, run.built.model, run.built.loss_fn, run.evaluation, run.options, when)
+
+
+def _run_steps(run: _Run, state: _RunState) -> None:
+    """Every step from the one resumed at, each followed by its logs, checkpoint and evaluation; then the
+    logs closed (opened, setting the replaced training aside, where no step was left to run)."""
+    batches, options = run.batches, run.options
     progress = Progress(log, "training", batches.steps, "steps")
     zeroed = zero_out_ids(options.zero_out) if options.zero_out else None
-    unevaluated: MetricsFailed | None = None  # a task's metrics() that failed: the model trains on, unevaluated
-    loss_checked = not options.user_model  # madp's own models: a finite loss on the rows their tasks accept
-    last_rows = None  # (x, y, usable rows, step) of the last step this run took: the trained model's check
-    for index, rows in enumerate(read_steps(batches, step_features(task, batches))):
-        if index < resumed:  # run before the checkpoint resumed from
+    for index, rows in enumerate(read_steps(batches, step_features(run.task, batches))):
+        if index < run.resumed:  # run before the checkpoint resumed from
             continue
         # Every step runs, an empty one too: its noise is part of the mechanism.
         done = index + 1
-        x, y, problems = task.encode(rows)
-        weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
-        if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
-            weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
-        if schedule != "constant":  # by step index: public
-            rate = learning_rate_at(index, batches.steps, options)
-            set_learning_rate(optimizer, rate)
-        logs = _evaluates(done, batches.steps, options)
-        users = rows[USER_FEATURE] if user_level else None
-        statistics = {}  # INTERNAL: the step's rows before its update, no noise
-        usable = weight > 0
-        with user_model_failures(options, f"at step {done}"):
-            if not loss_checked and usable.any():  # before the first update (see _check_trained_model)
-                refuse_non_finite_loss(model, loss_fn, x, y, usable, options, f"step {done}", "this step did not run")
-                loss_checked = True
-            if options.internal_scalars and logs:
-                statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
-            step(x, y, weight, users=users, index=rows["step"])
-        last_rows = (x, y, usable, done)
-        if scalars is None:
-            scalars = _take_output(output, replaced, resumed, options, published_eval)
-        if schedule != "constant" and logs:  # public: the schedule's value
-            scalars.published.scalar("train/learning_rate", rate, done)
-        if scalars.internal is not None:
-            for name, value in statistics.items():
-                scalars.internal.scalar(f"train/{name}", value, done)
-        evaluates = logs and evaluation is not None and unevaluated is None
-        every = options.checkpoint_every
-        if checkpoints is not None and ((every and done % every == 0) or evaluates or done == batches.steps):
-            # Before anything of this step is published (its evaluation): a resumed run never re-does a
-            # step whose model was released, so no step is released twice with different noise.
-            # A copy of an older checkpoint may not continue once the ledger records this one. The last
-            # step's lets a run stopped while writing its outputs write them on --resume, running no step.
-            checkpoints.save(done, metrics, planned, step.checkpointed)
-        if evaluates:
-            try:
-                metrics.append(
-                    {"step": done, **_checked_evaluation(task, model, loss_fn, evaluation, options, f"at step {done}")}
-                )
-            except MetricsFailed as error:
-                unevaluated = MetricsFailed(f"{error} (at step {done})")
-            else:
-                for name in ("loss", task.headline):
-                    scalars.evaluations.scalar(f"eval/{name}", metrics[-1][name], done)
-        if privacy is not None and logs:  # public: a function of the plan and the step count only
-            scalars.published.scalar("privacy/epsilon_spent", epsilon_spent(planned or privacy, done), done)
-        quality = f", eval {task.headline} {metrics[-1][task.headline]:.4f}" if metrics else ""
-        if quality and privacy is None:  # no guarantee covers these figures: the line says so
-            quality += " (non-private: internal)"
-        elif quality and not published_eval:
-            quality += " (--eval-data not declared public: internal)"
-        progress.update(done, quality)
-    if scalars is None:  # no step was left to run: resumed after the last
-        scalars = _take_output(output, replaced, resumed, options, published_eval)
-    scalars.published.close()
+        statistics, rate = _take_step(run, state, index, rows, zeroed)
+        _after_step(run, state, done, statistics, rate)
+        progress.update(done, _quality(run, state.metrics))
+    if state.scalars is None:  # no step was left to run: resumed after the last
+        state.scalars = _take_output(run.output, run.replaced, run.resumed, options, run.published_eval)
+    state.scalars.published.close()
+    if state.scalars.internal is not None:
+        state.scalars.internal.close()
+
+
+def _take_step(run: _Run, state: _RunState, index: int, rows: dict, zeroed: np.ndarray | None) -> tuple[dict, float]:
+    """Step `index` on its rows: the rows a task cannot use (and --zero-out's) weighted 0, the schedule's
+    learning rate set, a module:function model's loss checked before the first update, and, at a logging
+    point with --internal-scalars, the rows' statistics before the update (no noise: INTERNAL). Returns the
+    statistics and the learning rate (NaN for a constant rate, which is not logged)."""
+    batches, options, model, loss_fn = run.batches, run.options, run.built.model, run.built.loss_fn
+    done = index + 1
+    x, y, problems = run.task.encode(rows)
+    weight = np.where(problems == "", rows["weight"], 0).astype(np.float32)  # skipped rows: none unless asked
+    if zeroed is not None:  # the zero-out neighbour: these rows stay in the step with zero gradient
+        weight = np.where(np.isin(rows["id"], zeroed), np.float32(0), weight)
+    rate = float("nan")
+    if run.schedule != "constant":  # by step index: public
+        rate = learning_rate_at(index, batches.steps, options)
+        set_learning_rate(run.built.optimizer, rate)
+    logs = _evaluates(done, batches.steps, options)
+    users = rows[USER_FEATURE] if run.user_level else None
+    statistics = {}  # INTERNAL: the step's rows before its update, no noise
+    usable = weight > 0
+    with user_model_failures(options, f"at step {done}"):
+        if not state.loss_checked and usable.any():  # before the first update (see _check_trained_model)
+            refuse_non_finite_loss(model, loss_fn, x, y, usable, options, f"step {done}", "this step did not run")
+            state.loss_checked = True
+        if options.internal_scalars and logs:
+            statistics = step_statistics(model, loss_fn, x, y, weight, users, options.clip_norm)
+        run.step(x, y, weight, users=users, index=rows["step"])
+    state.last_rows = (x, y, usable, done)
+    return statistics, rate
+
+
+def _after_step(run: _Run, state: _RunState, done: int, statistics: dict, rate: float) -> None:
+    """What follows step `done`: the output taken (after the first step this run took), its scalars logged,
+    its checkpoint, then its evaluation and epsilon spent (published after the checkpoint)."""
+    batches, options = run.batches, run.options
+    logs = _evaluates(done, batches.steps, options)
+    if state.scalars is None:
+        state.scalars = _take_output(run.output, run.replaced, run.resumed, options, run.published_eval)
+    scalars = state.scalars
+    if run.schedule != "constant" and logs:  # public: the schedule's value
+        scalars.published.scalar("train/learning_rate", rate, done)
     if scalars.internal is not None:
-        scalars.internal.close()
-    entered = isinstance(step, PrivateTrainingStep) and step.ledger is not None
-    _check_trained_model(model, loss_fn, options, last_rows, entered)
-    model.save(storage.join(output, "model.keras"))  # TensorFlow's file systems: local, gs://, s3://, hdfs://
-    without_clock_times(storage.join(output, "model.keras"))  # Keras stamps it with the time it was saved
-    result = {
-        "batches": batches_dir,
-        "output": output,
+        for name, value in statistics.items():
+            scalars.internal.scalar(f"train/{name}", value, done)
+    evaluates = logs and run.evaluation is not None and state.unevaluated is None
+    every = options.checkpoint_every
+    if run.checkpoints is not None and ((every and done % every == 0) or evaluates or done == batches.steps):
+        # Before anything of this step is published (its evaluation): a resumed run never re-does a
+        # step whose model was released, so no step is released twice with different noise.
+        # A copy of an older checkpoint may not continue once the ledger records this one. The last
+        # step's lets a run stopped while writing its outputs write them on --resume, running no step.
+        run.checkpoints.save(done, state.metrics, run.planned, run.step.checkpointed)
+    if evaluates:
+        try:
+            state.metrics.append({"step": done, **_evaluation_at(run, f"at step {done}")})
+        except MetricsFailed as error:
+            state.unevaluated = MetricsFailed(f"{error} (at step {done})")
+        else:
+            for name in ("loss", run.task.headline):
+                scalars.evaluations.scalar(f"eval/{name}", state.metrics[-1][name], done)
+    if run.privacy is not None and logs:  # public: a function of the plan and the step count only
+        scalars.published.scalar("privacy/epsilon_spent", epsilon_spent(run.planned or run.privacy, done), done)
+
+
+def _quality(run: _Run, metrics: list[dict]) -> str:
+    """The progress line's latest evaluation, said internal where no guarantee or declaration covers it."""
+    headline = run.task.headline
+    quality = f", eval {headline} {metrics[-1][headline]:.4f}" if metrics else ""
+    if quality and run.privacy is None:  # no guarantee covers these figures: the line says so
+        quality += " (non-private: internal)"
+    elif quality and not run.published_eval:
+        quality += " (--eval-data not declared public: internal)"
+    return quality
+
+
+def _result(run: _Run, replicas: int, metrics: list[dict], started: float, loop_started: float) -> dict:
+    """What `madp train` prints: metrics.json's fields, the timings and the privacy plan."""
+    batches, options, schedule = run.batches, run.options, run.schedule
+    return {
+        "batches": batches.directory,
+        "output": run.output,
         "steps": batches.steps,
         "model": options.model,
         "distribution": options.distribution,
         "replicas": replicas,
         "xla": options.xla,
         "mixed_precision": options.mixed_precision,
-        **_optimizer_fields(own_optimizer, options),
+        **_optimizer_fields(run.built.own_optimizer, options),
         "lr_schedule": schedule,
         **({"warmup_steps": options.warmup_steps} if schedule == "warmup-cosine" else {}),
-        **({"resumed_at": resumed} if resumed else {}),
+        **({"resumed_at": run.resumed} if run.resumed else {}),
         "seed": options.seed,
         "eval_data_public": options.eval_data_public,  # whether the evaluations below may be published
-        **(_text_features(task, options) if isinstance(task, TextClassifierTask) else {}),
-        **_pretrained_fields(task, options),
+        **(_text_features(run.task, options) if isinstance(run.task, TextClassifierTask) else {}),
+        **_pretrained_fields(run.task, options),
         "eval": metrics,
         "final": metrics[-1] if metrics else None,
         "wall_time_s": round(time.perf_counter() - started, 3),
-        "steps_per_s": round((batches.steps - resumed) / (time.perf_counter() - loop_started), 2),
-        "privacy": privacy_json(privacy),
+        "steps_per_s": round((batches.steps - run.resumed) / (time.perf_counter() - loop_started), 2),
+        "privacy": privacy_json(run.privacy),
     }
-    if not published_eval and unevaluated is None:  # computed without noise on records no guarantee covers:
+
+
+def _write_outputs(run: _Run, state: _RunState, result: dict, skipped) -> None:
+    """The trained model's files beside model.keras: the evaluations (internal where --eval-data is not
+    declared public), the timings (internal), metrics.json, the rejected rows (internal) and privacy.json
+    last; then the replaced training and the checkpoints are deleted. `result` gets the internal files'
+    notes. A metrics() that failed is raised last, once the model and its guarantee are written."""
+    output, unevaluated = run.output, state.unevaluated
+    if not run.published_eval and unevaluated is None:  # computed without noise on records no guarantee covers:
         # internal only, not in metrics.json nor in what madp train prints (`evaluation_of(OUTPUT, internal=True)`)
         kept = internal_path(output, EVALUATION_FILE)
         evaluations = {field: result.pop(field) for field in EVALUATION_FIELDS if field in result}
@@ -649,11 +804,10 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     privacy_text = json.dumps(result["privacy"], indent=2, default=list, allow_nan=False)
     storage.write_text(storage.join(output, "privacy.json"), privacy_text)
     drop_replaced(output)
-    if checkpoints is not None:  # done: the secret noise history has no further use
-        storage.remove_tree(checkpoints.directory)
+    if run.checkpoints is not None:  # done: the secret noise history has no further use
+        storage.remove_tree(run.checkpoints.directory)
     if unevaluated is not None:  # the model trained and is kept, with its guarantee; its evaluation failed
         raise InputError(
             f"{unevaluated}; the training ran all its steps: {storage.join(output, 'model.keras')} and privacy.json "
             f"hold its model and guarantee, and no metrics.json is written: fix metrics() and evaluate model.keras"
         )
-    return result

@@ -8,7 +8,7 @@ with upper-case letters, or anything else around or inside one. Reading records 
 them per value (`find_suspects`, vectorized over each users column), so every engine and every
 split of a file finds the same, and `record_reading.check_facts` refuses them over the whole
 input unless `--user-ids` says how to read the ids: `email` (each value's addresses become its
-users: `email_users`) or `as-is`. `madp/core/verify.py` implements the same rules on its own.
+users: `email_users`) or `as-is`. `madp/core/verify/user_ids.py` implements the same rules on its own.
 """
 
 from __future__ import annotations

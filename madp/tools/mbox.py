@@ -361,7 +361,9 @@ def preamble(path: str) -> bytes:
     return b"".join(head)
 
 
-def import_mbox(path: str, output: str) -> dict:
+def _text_before_messages(path: str) -> bytes:
+    """The text of an mbox file before its first 'From ' line; a missing file, or one with no such line, is
+    refused."""
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such mbox file")
     skipped_text = preamble(path)
@@ -370,12 +372,32 @@ def import_mbox(path: str, output: str) -> dict:
             f"{path}: no message: an mbox file starts each message with a 'From ' line (a single "
             f".eml message needs one, e.g. 'From sender@example.com Thu Jan  1 00:00:00 1970')"
         )
-    started = time.perf_counter()
+    return skipped_text
+
+
+def _emptied_records_dir(output: str) -> str:
+    """OUTPUT/records/, without the Parquet files of an earlier import."""
     records_dir = os.path.join(output, "records")
     os.makedirs(records_dir, exist_ok=True)
     for name in os.listdir(records_dir):
         if name.endswith(".parquet"):
             os.remove(os.path.join(records_dir, name))
+    return records_dir
+
+
+def _rejection(message: int | None, reason: str, detail: str, head: bytes) -> str:
+    """A line of rejected.jsonl: the skipped message's index in the mbox (None for text before the first
+    message), why it was skipped, and its first 300 bytes as text."""
+    fields = {"message": message, "reason": reason, "detail": detail, "head": head[:300].decode("utf-8", "replace")}
+    return json.dumps(fields) + "\n"
+
+
+def import_mbox(path: str, output: str) -> dict:
+    """`madp import-mbox`: each message of the mbox file `path` as a record in OUTPUT/records/, the messages
+    skipped (and why) in OUTPUT/rejected.jsonl, and the counts in OUTPUT/report.json, which it returns."""
+    skipped_text = _text_before_messages(path)
+    started = time.perf_counter()
+    records_dir = _emptied_records_dir(output)
     seen_ids: set[str] = set()
     counts = dict.fromkeys(REASONS, 0)
     rows: list[dict] = []
@@ -387,17 +409,8 @@ def import_mbox(path: str, output: str) -> dict:
     ):
         if skipped_text.strip():  # the reader drops it; count and keep it rather than lose it silently
             counts["text_before_first_message"] += 1
-            rejected.write(
-                json.dumps(
-                    {
-                        "message": None,
-                        "reason": "text_before_first_message",
-                        "detail": f"{len(skipped_text)} bytes before the first 'From ' line",
-                        "head": skipped_text[:300].decode("utf-8", "replace"),
-                    }
-                )
-                + "\n"
-            )
+            detail = f"{len(skipped_text)} bytes before the first 'From ' line"
+            rejected.write(_rejection(None, "text_before_first_message", detail, skipped_text))
         for index, key in enumerate(box.iterkeys()):
             messages += 1
             raw = box.get_bytes(key)
@@ -407,17 +420,7 @@ def import_mbox(path: str, output: str) -> dict:
                     raise Skipped("duplicate_message_id", f"Message-ID {record['id'][:200]!r} seen before")
             except Skipped as skip:
                 counts[skip.reason] += 1
-                rejected.write(
-                    json.dumps(
-                        {
-                            "message": index,
-                            "reason": skip.reason,
-                            "detail": skip.detail,
-                            "head": raw[:300].decode("utf-8", "replace"),
-                        }
-                    )
-                    + "\n"
-                )
+                rejected.write(_rejection(index, skip.reason, skip.detail, raw))
                 continue
             seen_ids.add(record["id"])
             rows.append(record)

@@ -17,7 +17,8 @@ from madp.beam.batch import run_beam
 from madp.core import sampling
 from madp.core.errors import InputError
 from madp.core.selection import BoundOptions
-from madp.core.verify import _example_class, _feature_values, read_tfrecord, verify_batches
+from madp.core.verify import read_tfrecord, verify_batches
+from madp.core.verify.tfrecords import _example_class, _feature_values
 from madp.engines.batch_local import run_local
 from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import run_local as bound_local

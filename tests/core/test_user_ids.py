@@ -436,7 +436,7 @@ def test_the_readers_and_the_verifier_find_the_same_signs_and_addresses():
     separators, brackets, quotes, upper case); and a bare address, taken without a parse, is what the
     parse would find."""
     from madp.core import user_ids
-    from madp.core.verify import _addresses, _signs_of
+    from madp.core.verify.user_ids import _addresses, _signs_of
 
     rng = np.random.default_rng(7)
     alphabet = list("aZ9@<>,;. \t\"()|:+'-") + ["\u00a0", "\u2003", "\x1c", "\u00c4", "\u0130", "\u200b", "\uff21"]

@@ -12,7 +12,7 @@ import pytest
 from conftest import reseal_batches, reseal_selection, rewrite_batches, write_records
 
 from madp.cli import main
-from madp.core.verify import _example_class, read_tfrecord
+from madp.core.verify.tfrecords import _example_class, read_tfrecord
 
 
 def run_cli(capsys, *args) -> tuple[int, dict | None, str]:

@@ -152,7 +152,7 @@ def test_a_batch_row_unlike_its_schema_or_a_step_short_of_a_row_is_refused_befor
     from conftest import rewrite_batches
 
     from madp.core.errors import InputError
-    from madp.core.verify import _example_class, _feature_values, read_tfrecord
+    from madp.core.verify.tfrecords import _example_class, _feature_values, read_tfrecord
 
     data = write_records(str(tmp_path / "d.jsonl"), rows(300))
     assert cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")[0] == 0
@@ -222,7 +222,7 @@ def test_jsonl_content_stays_on_its_record(tmp_path, capsys, engine):
         )[0]
         == 0
     )
-    from madp.core.verify import _example_class, _feature_values, read_tfrecord
+    from madp.core.verify.tfrecords import _example_class, _feature_values, read_tfrecord
 
     example = _example_class()
     batched = [example.FromString(p) for p in read_tfrecord(str(tmp_path / "out" / "batches-00000-of-00001.tfrecord"))]

@@ -18,7 +18,7 @@ from reference import reference_siphash24
 from madp.cli import main
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.randomness import SecretKey
-from madp.core.verify import _example_class, _feature_values, read_tfrecord
+from madp.core.verify.tfrecords import _example_class, _feature_values, read_tfrecord
 from madp.engines.batching import record_hashes, user_hashes
 
 MASK = (1 << 64) - 1

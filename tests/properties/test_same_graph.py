@@ -18,7 +18,7 @@ from conftest import reseal_selection, rewrite_batches, write_records
 
 from madp.cli import main
 from madp.core.errors import InputError
-from madp.core.verify import _example_class, read_tfrecord
+from madp.core.verify.tfrecords import _example_class, read_tfrecord
 
 ENGINES = {
     "local": ["--runner", "local"],

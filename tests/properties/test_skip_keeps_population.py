@@ -15,7 +15,7 @@ from conftest import write_records
 
 from madp.cli import main
 from madp.core.hashing import partition_of
-from madp.core.verify import _example_class, _feature_values, read_tfrecord
+from madp.core.verify.tfrecords import _example_class, _feature_values, read_tfrecord
 
 ENGINES = {
     "local": ["--runner", "local"],

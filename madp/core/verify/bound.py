@@ -1,0 +1,124 @@
+"""`madp verify-bound`, and the bound over a selection both verifiers re-derive from the records: each
+user's copies of its selected records against its capacity or the contribution bound."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+import pyarrow.parquet as pq
+
+from madp.core.verify.outputs import _listed_files, _other_users_columns, _selection
+from madp.core.verify.records import _input_files, _json_lines, _readable_rows, _UsersFrom
+from madp.core.verify.user_ids import _Suspects
+
+_SHOWN = 20  # the violations a verifier lists (it counts them all)
+
+
+def _capacities(path: str | None) -> tuple[dict, bool]:
+    """({user: capacity}, whether the users are text): a CSV's user ids are text, matched to the exact
+    text of an input user id; JSON Lines and Parquet ids are typed, matched by type and value. A UTF-8
+    byte order mark at the start of a CSV or JSON Lines file is not part of its first row."""
+    if path is None:
+        return {}, False
+    if path.endswith(".parquet"):
+        table = pq.read_table(path, page_checksum_verification=True)
+        return dict(zip(table.column("user").to_pylist(), table.column("capacity").to_pylist())), False
+    if path.endswith(".csv"):
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            return {r["user"]: int(r["capacity"]) for r in csv.DictReader(handle)}, True
+    rows = [json.loads(line.decode("utf-8")) for line in _json_lines(path)]
+    return {r["user"]: r["capacity"] for r in rows}, False
+
+
+def _selected_not_once(selected: dict, occurrences: Counter, data: str) -> list[str]:
+    """A violation for each selected id that is not one valid record of `data`: no engine selects a record
+    it did not read, nor keeps an id that two rows hold."""
+    return [
+        f"selected id {record_id!r} is not in {data}"
+        if occurrences[record_id] == 0
+        else f"selected id {record_id!r} appears {occurrences[record_id]} times in {data}"
+        for record_id in selected
+        if occurrences[record_id] != 1
+    ]
+
+
+def _contributions(selected: dict, users_of: dict) -> dict:
+    """{user: copies of its selected records in all}, the users of each record as the records say."""
+    contribution: defaultdict = defaultdict(int)
+    for record_id, copies in selected.items():
+        for user in users_of.get(record_id, ()):
+            contribution[user] += copies
+    return contribution
+
+
+def _user_bounds(capacities_path: str | None, max_contributions: int, violations: list[str]):
+    """Each user's bound: its capacity where the capacities file lists it, else `max_contributions`; an
+    unreadable capacities file is a violation (and bounds every user by `max_contributions`)."""
+    try:
+        capacity, text = _capacities(capacities_path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        capacity, text = {}, False
+        violations.append(f"{capacities_path}: not a readable capacities file ({type(error).__name__}: {error})")
+
+    def bound_of(user) -> int:
+        return capacity.get(str(user) if text else user, max_contributions)
+
+    return bound_of
+
+
+def _over_bound(contribution: dict, bound_of) -> list[tuple]:
+    """(user, contribution, bound) of every user over its bound, the largest contribution first."""
+    return sorted(
+        ((user, count, bound_of(user)) for user, count in contribution.items() if count > bound_of(user)),
+        key=lambda v: (-v[1], str(v[0])),
+    )
+
+
+def verify_bound(
+    input_path: str,
+    output: str,
+    max_contributions: int,
+    capacities_path: str | None = None,
+    id_column: str = "id",
+    users_column: str = "users",
+    users_columns: Iterable[str] = (),
+    user_ids: str | None = None,
+) -> dict:
+    """Recompute every user's contribution from the input and OUTPUT/selected (users from `users_column`,
+    or the union of `users_columns`, read as `user_ids` says); list violations."""
+    users_from = _UsersFrom(users_column, users_columns, user_ids)
+    shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
+    missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
+    if missing:
+        return {"ok": False, "violation_count": len(missing), "violations": missing}
+    violations: list[str] = _other_users_columns(output, users_from, "verify-bound")
+    selected = _selection(output, shards, violations)
+
+    users_of: dict = {}
+    occurrences: Counter = Counter()
+    suspects = _Suspects()
+    for path in _input_files(input_path):
+        for record_id, users, _ in _readable_rows(path, id_column, users_from, violations, suspects):
+            if record_id in selected:
+                occurrences[record_id] += 1
+                users_of[record_id] = set(users)
+    violations += suspects.violations()
+    violations += _selected_not_once(selected, occurrences, "the input")
+    contribution = _contributions(selected, users_of)
+    bound_of = _user_bounds(capacities_path, max_contributions, violations)
+    over = _over_bound(contribution, bound_of)
+    violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
+    return {
+        "ok": not violations,
+        "selected_records": sum(selected.values()),
+        "distinct_selected": len(selected),
+        "users_with_selected_records": len(contribution),
+        "max_user_contribution": max(contribution.values(), default=0),
+        "users_over_bound": len(over),
+        "violation_count": len(violations),
+        "violations": violations[:_SHOWN],
+    }
