@@ -30,6 +30,7 @@ from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow, pretrained, text
 from madp.training.batches import Batches, recorded_rows_per_step
+from madp.training.bpe_tokenizer import token_sequences
 from madp.training.data import step_batches
 from madp.training.options import TrainOptions, training_defaults
 
@@ -711,7 +712,7 @@ class CausalLmTask(_TextTask):
         texts = rows[self.options.text_column]
         problems = self.problems(rows)
         usable = np.where(problems == "", texts, b"")
-        x, y = pretrained.token_sequences(self.pretrained.tokenizer, usable, self.options.max_length)
+        x, y = token_sequences(self.pretrained.tokenizer, usable, self.options.max_length)
         return x, y, problems
 
     def read_eval(self, path: str):
