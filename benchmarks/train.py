@@ -59,7 +59,7 @@ def main() -> None:
 
     from madp.accounting.strategies import sqrt_coefficients
     from madp.core.randomness import SecretKey
-    from madp.training.clipping import ghost_clippable
+    from madp.training.ghost_clipping import ghost_clippable
     from madp.training.options import TrainOptions
     from madp.training.queries import BandMfQuery, DpSgdQuery
     from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision

@@ -641,7 +641,8 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
 
 
 def test_lora_starts_as_the_pretrained_model_and_its_adapters_are_ghost_clipped(tiny):
-    from madp.training.clipping import ghost_norms, per_example_gradients, unsupported_layers
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_norms, unsupported_layers
 
     loaded = pretrained.read_pretrained(tiny)
     full, lora = pretrained.pretrained_model(loaded, 12), pretrained.pretrained_model(loaded, 12, lora_rank=2)
@@ -670,7 +671,8 @@ def test_every_weight_is_ghost_clipped_as_per_example_gradients_clip_it(tmp_path
     """Fine-tuning every weight: RMSNorm scales and the token embedding, tied (looked up and the LM
     head, its two gradients summed before the norm) or not, clipped without per-example gradients,
     equal to per-example gradients clipped one by one (padding rows and repeated tokens included)."""
-    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_clipped_sum, ghost_norms
 
     path = write_tiny_gguf(str(tmp_path / "model.gguf"), tied=tied)
     model = pretrained.pretrained_model(pretrained.read_pretrained(path), 10)
@@ -1355,7 +1357,8 @@ def test_mixed_precision_computes_in_bfloat16_and_clips_each_row_in_float32(tmp_
     gradient is formed in float32 from that row alone: its norm is the clip norm to float32 precision,
     and the batch's clipped sum is the sum of the rows' clipped alone (a bfloat16 product over the
     batch would round the sum, so that one row moves it by more than the clip norm)."""
-    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_clipped_sum, ghost_norms
     from madp.training.steps import compute_precision
 
     loaded = pretrained.read_pretrained(write_tiny_gguf(str(tmp_path / "model.gguf"), tied=True))
