@@ -59,7 +59,7 @@ def main() -> None:
 
     from madp.accounting.strategies import sqrt_coefficients
     from madp.core.randomness import SecretKey
-    from madp.training.clipping import ghost_clippable
+    from madp.training.ghost_clipping import ghost_clippable
     from madp.training.options import TrainOptions
     from madp.training.queries import BandMfQuery, DpSgdQuery
     from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision
@@ -90,10 +90,11 @@ def main() -> None:
         build = task.build
     elif args.model == "causal-lm":
         from madp.training import pretrained
+        from madp.training.bpe_tokenizer import token_sequences
 
         loaded = pretrained.read_pretrained(args.pretrained)
         sentences = [f"{ENGLISH[i % len(ENGLISH)]} (text {i})".encode() for i in range(args.batch_size)]
-        inputs, labels = pretrained.token_sequences(loaded.tokenizer, sentences, args.length)
+        inputs, labels = token_sequences(loaded.tokenizer, sentences, args.length)
         build = lambda: (  # noqa: E731
             pretrained.pretrained_model(loaded, args.length, args.lora_rank),
             pretrained.next_token_loss,

@@ -76,7 +76,7 @@ class TrainOptions:
     label: str = "label"
     inputs: tuple[str, ...] | None = None  # the model's input features (None: --features alone)
     task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression,
-    # or module:function: the user's own task (`madp.training.tasks.UserTask`)
+    # or module:function: the user's own task (`madp.training.user_tasks.UserTask`)
     classes: int | None = None  # multiclass: labels are the integers 0..classes-1
     model_path: tuple[str, ...] = ()  # directories searched first for a module:function model
     optimizer: str | None = None  # sgd or adam; None: the model's default (`training_defaults`)

@@ -13,15 +13,12 @@ import numpy as np
 
 from madp.core.errors import InputError, nonnegative
 from madp.training import load_tensorflow
-from madp.training.clipping import (
-    LOSS_NOT_PER_ROW,
-    WRITES_VARIABLES,
+from madp.training.clipping import LOSS_NOT_PER_ROW, WRITES_VARIABLES, per_example_gradients, user_averages
+from madp.training.ghost_clipping import (
     NoFastClipping,
     float32_despite_policy,
     ghost_clipped_sum,
-    per_example_gradients,
     unsupported_layers,
-    user_averages,
 )
 from madp.training.queries import clip_and_sum
 

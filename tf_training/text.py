@@ -109,7 +109,7 @@ def hashed_ngrams(texts, buckets: int, max_tokens: int, order: int, *, prefix: i
 
 
 class Tokenizer(Protocol):
-    """What `TokenFeatures` needs of a tokenizer (`pretrained.BpeTokenizer`): a text's token ids."""
+    """What `TokenFeatures` needs of a tokenizer (`bpe_tokenizer.BpeTokenizer`): a text's token ids."""
 
     def encode(self, text: str | bytes, limit: int | None = None) -> list[int]: ...
 

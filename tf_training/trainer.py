@@ -74,21 +74,16 @@ from madp.training.outputs import (
     written_by_training,
 )
 from madp.training.pretrained import check_pretrained_path
+from madp.training.task_rows import NotFinite, finite_evaluation, read_columns, refuse_non_finite_loss
 from madp.training.tasks import (
     CausalLmTask,
-    MetricsFailed,
-    NotFinite,
     TextClassifierTask,
     default_optimizer,
-    finite_evaluation,
     is_keras3,
-    non_finite_weights,
     prepare_task,
-    read_columns,
-    refuse_non_finite_loss,
     step_features,
-    user_model_failures,
 )
+from madp.training.user_tasks import MetricsFailed, non_finite_weights, user_model_failures
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402

@@ -1,5 +1,7 @@
-"""Reading and validating one input file (JSON Lines, gzipped or not, or Parquet) into a
-`RecordChunk` of its valid rows and the `Rejects` of the others, each with its reason."""
+"""Reading one input file (JSON Lines, gzipped or not, or Parquet), whole or a split of it, into a
+`RecordChunk` of its valid rows and the `Rejects` of the others, each with its reason (the rules:
+`row_validation`), with the content columns the records carry; and the rules over whole files and
+the whole input, judged from every read's facts (`check_facts`)."""
 
 from __future__ import annotations
 
@@ -17,31 +19,21 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from madp.core import storage, user_ids
 from madp.core.errors import InputError
 from madp.core.records import (
-    BAD_ADDRESS,
-    BAD_ID_TYPE,
-    BAD_USER_TYPE,
-    BAD_WEIGHT,
-    EMPTY_USERS,
     INVALID_JSON,
-    MISSING_ID,
-    MISSING_USERS,
-    NON_SCALAR_USER,
-    NULL_USER,
     ROW_KEY_BITS,
     Columns,
     FileResult,
     ReadFacts,
     RecordChunk,
-    Rejects,
     check_same_type,
 )
+from madp.core.row_validation import is_scalar_type, mixed_ids, row_problem, validate_rows
 
 
 class ContentDefault(enum.Enum):
@@ -204,7 +196,7 @@ def read_lines(
     `source` names them in errors and rejects. Rows of a split of a file are numbered from
     `first_row`, the rows of the file before them."""
     table, non_conforming, seen = _read_jsonl(source, lines, columns)
-    result = _validate(table, non_conforming, source, file_index, columns, first_row, seen)
+    result = validate_rows(table, non_conforming, source, file_index, columns, first_row, seen)
     if content is None:
         return result
     objects = [_json_object(line) for line in lines]
@@ -234,7 +226,7 @@ def read_parquet_rows(
     """Parquet rows (a whole file, or the row groups of a split from its row `first_row` on) with the
     columns `parquet_read_columns` names, validated."""
     seen = frozenset(table.column_names)  # a Parquet file's columns are its schema's, rows or not
-    result = _validate(table.select(_wanted(columns)), None, source, file_index, columns, first_row, seen)
+    result = validate_rows(table.select(_wanted(columns)), None, source, file_index, columns, first_row, seen)
     if content is None:
         return result
     names = _other_columns(table.column_names, columns) if content is OTHER_COLUMNS else content
@@ -385,16 +377,12 @@ def _read_jsonl(
     return _parse_jsonl_rows(path, lines, columns)
 
 
-def _is_scalar_type(kind: pa.DataType) -> bool:
-    return pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)
-
-
 def _conforming(table: pa.Table, columns: Columns) -> bool:
     """Whether Arrow typed every record column as the records need (else the rows are parsed one by one)."""
     id_type = table.schema.field(columns.id).type
     users_types = [table.schema.field(name).type for name in columns.user_sources]
     return (
-        _is_scalar_type(id_type)
+        is_scalar_type(id_type)
         and all(_users_type_conforms(kind, columns) for kind in users_types)
         and (
             not columns.weight
@@ -406,12 +394,12 @@ def _conforming(table: pa.Table, columns: Columns) -> bool:
 
 def _users_type_conforms(kind: pa.DataType, columns: Columns) -> bool:
     """A list of user ids; with --users-columns also a scalar one, or all nulls (a column of nulls or
-    empty lists adds no user, which `_users_union` reads as it reads any other)."""
+    empty lists adds no user, which `row_validation._users_union` reads as it reads any other)."""
     if not columns.users_columns:
-        return pa.types.is_list(kind) and _is_scalar_type(kind.value_type)
+        return pa.types.is_list(kind) and is_scalar_type(kind.value_type)
     if pa.types.is_list(kind):
         kind = kind.value_type
-    return _is_scalar_type(kind) or pa.types.is_null(kind)
+    return is_scalar_type(kind) or pa.types.is_null(kind)
 
 
 def _empty_table(columns: Columns) -> pa.Table:
@@ -420,44 +408,6 @@ def _empty_table(columns: Columns) -> pa.Table:
     if columns.weight:
         fields.append(pa.field(columns.weight, pa.float64()))
     return pa.Table.from_pylist([], schema=pa.schema(fields))
-
-
-_INT64 = (-(2**63), 2**63 - 1)
-
-
-def _is_id(value: object) -> bool:
-    """A string, or an integer that fits in 64 bits (JSON booleans are not integers here)."""
-    return isinstance(value, str) or (
-        isinstance(value, int) and not isinstance(value, bool) and _INT64[0] <= value <= _INT64[1]
-    )
-
-
-def _row_problem(obj: dict, columns: Columns) -> str | None:
-    """Why a parsed JSON object cannot be typed as a record, or None (nulls are checked later)."""
-    record_id = obj.get(columns.id)
-    if record_id is not None and not _is_id(record_id):
-        return BAD_ID_TYPE
-    for name in columns.user_sources:
-        if (why := _users_value_problem(obj.get(name), scalar_allowed=bool(columns.users_columns))) is not None:
-            return why
-    weight = obj.get(columns.weight) if columns.weight else None
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
-        return BAD_WEIGHT
-    return None
-
-
-def _users_value_problem(value: object, scalar_allowed: bool) -> str | None:
-    """Why a users column's value is no list of user ids (nor, with `scalar_allowed`, one user id), or
-    None; nulls are judged later (a null list is missing users, a null in a list a null user)."""
-    if value is None:
-        return None
-    if isinstance(value, list):
-        if any(isinstance(u, (list, dict)) for u in value):
-            return NON_SCALAR_USER
-        return None if all(u is None or _is_id(u) for u in value) else BAD_USER_TYPE
-    if not scalar_allowed or isinstance(value, dict):
-        return NON_SCALAR_USER
-    return None if _is_id(value) else BAD_USER_TYPE
 
 
 def _as_user_list(value: object) -> list | None:
@@ -484,7 +434,7 @@ def _parse_jsonl_rows(
             problems[row] = (INVALID_JSON, line.decode("utf-8", "replace"))
         else:
             seen.update(obj)
-            if (why := _row_problem(obj, columns)) is not None:
+            if (why := row_problem(obj, columns)) is not None:
                 problems[row] = (why, obj)
         if row in problems:
             ids.append(None)
@@ -519,13 +469,9 @@ def _as_float(weight: int | float | None) -> float | None:
 def _unify_scalars(values: list, path: str, what: str) -> pa.Array:
     kinds = {type(v) for v in values if v is not None}
     if kinds == {int, str}:
-        raise _mixed_ids(path, what)
+        raise mixed_ids(path, what)
     kind = kinds.pop() if kinds else int
     return pa.array(values, type=pa.string() if kind is str else pa.int64())
-
-
-def _mixed_ids(path: str, what: str) -> InputError:
-    return InputError(f"{path}: {what} ids mix integers and strings; use one type per column")
 
 
 def check_facts(facts: Sequence[ReadFacts], columns: Columns, content: Content = None) -> pa.Schema | None:
@@ -557,7 +503,7 @@ def check_facts(facts: Sequence[ReadFacts], columns: Columns, content: Content =
         source = reads[0].source
         for what, types in (("id", {r.id_type for r in reads}), ("user", {r.user_type for r in reads})):
             if len(types - {None}) > 1:
-                raise _mixed_ids(source, what)
+                raise mixed_ids(source, what)
         seen = [read.columns for read in reads if read.columns is not None]
         if seen:
             _require_columns(source, frozenset().union(*seen), columns)
@@ -610,231 +556,3 @@ def conform_content(chunk: RecordChunk, schema: pa.Schema | None) -> RecordChunk
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
         sources = ", ".join(sorted(chunk.sources.values()))
         raise InputError(f"{sources}: content does not convert to the input's types {schema}: {error}") from error
-
-
-def _cast(values: pa.Array, target: pa.DataType, path: str, what: str) -> pa.Array:
-    try:
-        return values.cast(target)
-    except pa.ArrowInvalid as error:
-        raise InputError(f"{path}: {what} do not fit {target} (64-bit signed integers): {error}") from error
-
-
-def _validate(
-    table: pa.Table,
-    non_conforming: dict[int, tuple[str, object]] | None,
-    path: str,
-    file_index: int,
-    columns: Columns,
-    first_row: int,
-    seen: frozenset[str] | None,
-) -> FileResult:
-    """Valid records and rejected rows of `table` (rows numbered from `first_row`), and their facts
-    (`seen`: the columns some row has, None when no row is an object; a Parquet table's own columns)."""
-    n = len(table)
-    ids = table.column(columns.id).combine_chunks()
-    if pa.types.is_large_string(ids.type):
-        ids = _cast(ids, pa.string(), path, "ids")
-    elif pa.types.is_integer(ids.type):
-        ids = _cast(ids, pa.int64(), path, "ids")
-    elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
-        raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
-    users = _users_union(table, columns, path) if columns.users_columns else _users_list(table, columns.users, path)
-
-    reason = np.full(n, "", dtype=object)
-    for row, (why, _) in (non_conforming or {}).items():
-        reason[row] = why
-    lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
-    user_null_in_row = np.zeros(n, dtype=bool)
-    user_not_text_in_row = np.zeros(n, dtype=bool)
-    flat = pc.list_flatten(users)
-    if len(flat):
-        parents = pc.list_parent_indices(users).to_numpy()
-        np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
-        np.logical_or.at(user_not_text_in_row, parents[_not_utf8(flat)], True)
-    weights = None
-    checks = [
-        (_not_utf8(ids), BAD_ID_TYPE),
-        (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
-        (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
-        (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
-        (user_null_in_row, NULL_USER),
-        (user_not_text_in_row, BAD_USER_TYPE),
-    ]
-    if columns.weight:
-        # integers beyond 2^53 round to the nearest double, as Arrow types a column of integers and floats
-        weights = (
-            table.column(columns.weight).combine_chunks().cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
-        )
-        checks.append((~np.isfinite(weights), BAD_WEIGHT))
-    for failed, why in checks:
-        reason[(reason == "") & failed] = why
-    valid = reason == ""
-    valid_users = users.filter(pa.array(valid))
-    if columns.user_ids == user_ids.EMAIL and pa.types.is_string(valid_users.type.value_type):
-        valid_users, no_address = user_ids.email_users(valid_users)
-        reason[np.flatnonzero(valid)[no_address]] = BAD_ADDRESS
-        valid = reason == ""
-        valid_users = valid_users.filter(pa.array(~no_address))
-
-    rejects = Rejects()
-    for row in np.flatnonzero(~valid).tolist():
-        if non_conforming and row in non_conforming:
-            record = non_conforming[row][1]
-        else:
-            record = _row_as_read(table, int(row))
-        rejects.add(path, first_row + row, reason[row], record)
-
-    rows = first_row + np.flatnonzero(valid).astype(np.int64)
-    offsets, flat_users, removed = _drop_repeated_users(valid_users)
-    chunk = RecordChunk(
-        keys=(np.int64(file_index) << np.int64(ROW_KEY_BITS)) | rows,
-        ids=ids.filter(pa.array(valid)),
-        offsets=offsets,
-        users=flat_users,
-        weights=None if weights is None else weights[valid],
-        sources={file_index: path},
-    )
-    facts = ReadFacts(
-        file_index,
-        path,
-        first_row,
-        seen,
-        ids.type if ids.null_count < n else None,
-        flat.type if flat.null_count < len(flat) else None,
-        suspect_users=_suspect_users(table, columns, valid, path, first_row) if columns.user_ids is None else None,
-    )
-    return FileResult(chunk, rejects, n, removed, facts)
-
-
-def _suspect_users(
-    table: pa.Table, columns: Columns, valid: np.ndarray, path: str, first_row: int
-) -> user_ids.SuspectUserIds | None:
-    """The string user ids of the `valid` rows that show a sign of naming a person under several ids
-    (`user_ids.find_suspects`), each users column on its own, so that a refusal names the column."""
-    read = []
-    for name in columns.user_sources:
-        column = table.column(name).combine_chunks()
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            values, rows = pc.list_flatten(column), pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
-        else:
-            values, rows = column, np.arange(len(column))
-        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-            keep = valid[rows] & values.is_valid().to_numpy(zero_copy_only=False)
-            read.append((name, values.filter(pa.array(keep)), first_row + rows[keep]))
-    return user_ids.find_suspects(path, read)
-
-
-def _users_list(table: pa.Table, name: str, path: str) -> pa.Array:
-    """The users column `name`: lists of int64 or string user ids, or an error naming the file and column."""
-    users = table.column(name).combine_chunks()
-    if pa.types.is_null(users.type):
-        users = pa.nulls(len(table), pa.list_(pa.int64()))
-    if not pa.types.is_list(users.type) and not pa.types.is_large_list(users.type):
-        raise InputError(f"{path}: users column {name!r} has type {users.type}; expected a list")
-    if pa.types.is_large_string(users.type.value_type):
-        users = _cast(users, pa.list_(pa.string()), path, "user ids")
-    elif pa.types.is_integer(users.type.value_type) or pa.types.is_null(users.type.value_type):
-        users = _cast(users, pa.list_(pa.int64()), path, "user ids")
-    elif not pa.types.is_string(users.type.value_type):
-        raise InputError(
-            f"{path}: users column {name!r} holds {users.type.value_type}; expected integer or string user ids"
-        )
-    return users
-
-
-def _users_union(table: pa.Table, columns: Columns, path: str) -> pa.Array:
-    """The users of each row under --users-columns: the values of those columns in their order, each
-    column a user id or a list of them (null, "" and [] adding none; a null in a list is kept, a
-    null_user as in `users`), as lists of int64 or string user ids. Never null: a row without any
-    user has an empty list, rejected as empty_users. Repeats (a sender also in cc) are dropped later,
-    as repeats within `users` are."""
-    parents, values = zip(
-        *(_column_users(table.column(name).combine_chunks(), name, path) for name in columns.users_columns)
-    )
-    kinds = {pa.types.is_integer(v.type) for v in values if not pa.types.is_null(v.type)}
-    if len(kinds) > 1:
-        raise _mixed_ids(path, "user")
-    target = pa.int64() if kinds != {False} else pa.string()
-    flat = pa.concat_arrays([_cast(v, target, path, "user ids") for v in values])
-    parent = np.concatenate(parents)
-    order = np.argsort(parent, kind="stable")  # by row, then by column and position within it
-    counts = np.bincount(parent, minlength=len(table))
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), flat.take(pa.array(order)))
-
-
-def _column_users(column: pa.Array, name: str, path: str) -> tuple[np.ndarray, pa.Array]:
-    """(row of each, user ids) that one --users-columns column adds: its non-empty scalars, or the
-    elements of its lists; an error naming the file and column when it holds neither."""
-    kind = column.type
-    if pa.types.is_null(kind):
-        return np.zeros(0, np.int64), column.slice(0, 0)
-    if _is_scalar_type(kind):
-        if pa.types.is_integer(kind):
-            present = column.is_valid()
-        else:  # a null or an empty string: no user
-            present = pc.not_equal(pc.fill_null(pc.binary_length(column), 0), 0)
-        mask = present.to_numpy(zero_copy_only=False)
-        return np.flatnonzero(mask).astype(np.int64), column.filter(present)
-    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and (
-        _is_scalar_type(kind.value_type) or pa.types.is_null(kind.value_type)
-    ):
-        return pc.list_parent_indices(column).to_numpy().astype(np.int64), pc.list_flatten(column)
-    raise InputError(
-        f"{path}: users column {name!r} (--users-columns) has type {kind}; expected integer or string "
-        f"user ids, or lists of them"
-    )
-
-
-def _not_utf8(values: pa.Array) -> np.ndarray:
-    """True where a string value is not valid UTF-8: a Parquet string column can hold any bytes and
-    Arrow does not check them when reading. Such a value is not a string, and no later stage could
-    write it. Integers are never flagged."""
-    if not pa.types.is_string(values.type):
-        return np.zeros(len(values), dtype=bool)
-    try:
-        values.validate(full=True)  # checks the UTF-8 of the whole column at once
-        return np.zeros(len(values), dtype=bool)
-    except pa.ArrowInvalid:
-        pass
-    return np.array([not _decodes(v) for v in values.cast(pa.binary()).to_pylist()], dtype=bool)
-
-
-def _decodes(value: bytes | None) -> bool:
-    if value is None:
-        return True
-    try:
-        value.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _row_as_read(table: pa.Table, row: int) -> dict:
-    """A table row as written to the rejects file; text that is not UTF-8 is kept as its bytes."""
-    values = {}
-    for name in table.column_names:
-        value = table.column(name)[row]
-        try:
-            values[name] = value.as_py()
-        except UnicodeDecodeError:
-            as_bytes = pa.list_(pa.binary()) if pa.types.is_list(value.type) else pa.binary()
-            values[name] = value.cast(as_bytes).as_py()
-    return values
-
-
-def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int]:
-    """Keep the first occurrence of each user within each record."""
-    flat = pc.list_flatten(users)
-    if len(flat) == 0:
-        return np.zeros(len(users) + 1, dtype=np.int64), flat, 0
-    parents = pc.list_parent_indices(users).to_numpy().astype(np.int64)
-    codes = pc.dictionary_encode(flat).indices.to_numpy().astype(np.int64)
-    order = np.lexsort((np.arange(len(codes)), codes, parents))
-    repeat = np.zeros(len(codes), dtype=bool)
-    same = (parents[order][1:] == parents[order][:-1]) & (codes[order][1:] == codes[order][:-1])
-    repeat[order[1:][same]] = True
-    keep = ~repeat
-    counts = np.bincount(parents[keep], minlength=len(users))
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return offsets, flat.filter(pa.array(keep)), int(repeat.sum())

@@ -31,7 +31,7 @@ sys.path[:0] = [
 ]
 from test_pretrained import learn_merges  # noqa: E402
 
-from madp.training import pretrained  # noqa: E402
+from madp.training import bpe_tokenizer  # noqa: E402
 
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CORPUS = (
@@ -54,7 +54,7 @@ def vocabulary_and_merges(count: int) -> tuple[dict[str, int], list[str]]:
     """Every byte's symbol (id = byte), `count` merges learned from CORPUS's pieces as Llama 3
     pre-tokenizes it, and the special tokens."""
     merges = learn_merges(CORPUS, count, pre_tokenizer="llama-bpe")
-    tokens = list(dict.fromkeys([*pretrained.byte_symbols(), *(m.replace(" ", "") for m in merges)])) + SPECIAL
+    tokens = list(dict.fromkeys([*bpe_tokenizer.byte_symbols(), *(m.replace(" ", "") for m in merges)])) + SPECIAL
     return {token: i for i, token in enumerate(tokens)}, merges
 
 

@@ -17,8 +17,8 @@ import keras  # noqa: E402  (Keras 3)
 
 from madp.core.errors import InputError  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
-from madp.training import clipping, text  # noqa: E402
-from madp.training.clipping import (  # noqa: E402
+from madp.training import clipping, ghost_clipping, norm_formulas, text  # noqa: E402
+from madp.training.ghost_clipping import (  # noqa: E402
     ghost_clippable,
     ghost_clipped_sum,
     ghost_norms,
@@ -107,7 +107,7 @@ def keras_lib(request):
 def kernel_norms(request, monkeypatch):
     """Both ways to a kernel's norms over positions: g_i formed per row, and the ghost norm."""
     if request.param == "ghost":
-        monkeypatch.setattr(clipping, "PER_ROW_LIMIT", 0)
+        monkeypatch.setattr(norm_formulas, "PER_ROW_LIMIT", 0)
 
 
 def test_dense_on_vectors_and_on_sequences(kernel_norms, keras_lib):
@@ -127,19 +127,19 @@ def test_the_dense_stack_path_takes_only_what_it_clips_exactly():
     computed another model). The general path clips them."""
     tf_keras.utils.set_random_seed(1)
     stack = tf_keras.Sequential([tf_keras.Input((4, 4)), layers.Dense(4), layers.Dense(4)])
-    assert not clipping._is_dense_stack(stack)
+    assert not ghost_clipping._is_dense_stack(stack)
     check(stack, *data((4, 4), classes=4), loss=lambda y, out: text.softmax_loss(y, tf.reduce_mean(out, axis=1)))
 
     class Masked(layers.Dense):
         pass
 
     frozen = layers.Dense(4, trainable=False)
-    assert clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
-    assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), Masked(4), layers.Dense(4)]))
-    assert not clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), frozen, layers.Dense(4)]))
+    assert ghost_clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), layers.Dense(4), layers.Dense(4)]))
+    assert not ghost_clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), Masked(4), layers.Dense(4)]))
+    assert not ghost_clipping._is_dense_stack(tf_keras.Sequential([tf_keras.Input((4,)), frozen, layers.Dense(4)]))
     twice = layers.Dense(4)
     stacked_twice = tf_keras.Sequential([tf_keras.Input((4,)), twice, twice, layers.Dense(3)])
-    assert not clipping._is_dense_stack(stacked_twice)
+    assert not ghost_clipping._is_dense_stack(stacked_twice)
     check(stacked_twice, *data((4,)))
 
 
@@ -433,8 +433,8 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
         summed = step.privatized_gradient(x, y, weight)
     assert "per-example gradients" in caplog.text and "scores (8 rows)" in caplog.text
     assert 3 * clip * (1 - 1e-5) <= norm(summed) <= 3 * clip * (1 + 1e-5)
-    with pytest.raises(clipping.NoFastClipping, match=r"scores \(8 rows\)"):
-        clipping.ghost_clipped_sum(reshaped, loss, x, y, weight, clip)
+    with pytest.raises(ghost_clipping.NoFastClipping, match=r"scores \(8 rows\)"):
+        ghost_clipping.ghost_clipped_sum(reshaped, loss, x, y, weight, clip)
 
     any_length = time_steps_as_rows(tf_keras.Input((None, width)))
     step = PrivateStep(any_length, loss, tf_keras.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)
@@ -445,8 +445,10 @@ def test_layers_that_see_several_rows_for_one_example_are_never_clipped_per_row(
         assert 3 * clip * (1 - 1e-5) <= norm(summed) <= 3 * clip * (1 + 1e-5)
     assert "scores (8 rows)" in caplog.text and "scores (unknown rows)" in caplog.text
     unknown = [tf.TensorSpec([None, None, width]), tf.TensorSpec([None]), tf.TensorSpec([None])]
-    ghost = tf.function(lambda *t: clipping.ghost_clipped_sum(any_length, loss, *t, clip), input_signature=unknown)
-    with pytest.raises(clipping.NoFastClipping, match=r"scores \(unknown rows\)"):
+    ghost = tf.function(
+        lambda *t: ghost_clipping.ghost_clipped_sum(any_length, loss, *t, clip), input_signature=unknown
+    )
+    with pytest.raises(ghost_clipping.NoFastClipping, match=r"scores \(unknown rows\)"):
         ghost.get_concrete_function()
 
 
@@ -505,7 +507,7 @@ def test_a_model_that_mixes_its_batchs_rows_moves_the_sum_by_at_most_c_per_examp
     model = BatchMixing.model(keras_lib, kind)
     if kind in ("loss over the batch", "activation over the batch"):
         x = x.reshape(ROWS, -1)
-        assert clipping._is_dense_stack(model) == (keras_lib is tf_keras and kind == "loss over the batch")
+        assert ghost_clipping._is_dense_stack(model) == (keras_lib is tf_keras and kind == "loss over the batch")
     model(x)
     assert ghost_clippable(model)
     step = PrivateStep(model, BatchMixing.loss(kind), keras_lib.optimizers.SGD(0.0), DpSgdQuery(clip, 0.0, KEY), 1.0)

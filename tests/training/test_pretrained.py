@@ -37,7 +37,7 @@ from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
-from madp.training import pretrained  # noqa: E402
+from madp.training import bpe_tokenizer, gguf_file, keras_hub_preset, pretrained  # noqa: E402
 from madp.training import text as text_models  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
@@ -70,8 +70,8 @@ VARIED = [
 
 def learn_merges(text: str, count: int, pre_tokenizer: str = "smollm") -> list[str]:
     """The `count` most frequent adjacent-symbol merges of a text's pre-tokenized pieces, in order."""
-    splitter = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
-    symbols = pretrained.byte_symbols()
+    splitter = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
+    symbols = bpe_tokenizer.byte_symbols()
     words = collections.Counter(tuple(symbols[b] for b in piece.encode()) for piece in splitter.pieces(text))
     merges: list[str] = []
     for _ in range(count):
@@ -164,7 +164,7 @@ def tiny_gguf_metadata(
 ):
     """A GGUFWriter holding the metadata of `write_tiny_gguf`'s model."""
     merges = learn_merges(CORPUS, vocabulary - len(SPECIAL) - 256)
-    tokens = [*SPECIAL, *pretrained.byte_symbols(), *(m.replace(" ", "") for m in merges)]
+    tokens = [*SPECIAL, *bpe_tokenizer.byte_symbols(), *(m.replace(" ", "") for m in merges)]
     assert len(tokens) == vocabulary and len(set(tokens)) == vocabulary
     head_dim = width // heads
     writer = gguf.GGUFWriter(path, architecture)
@@ -182,7 +182,7 @@ def tiny_gguf_metadata(
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([pretrained.CONTROL_TOKEN] * len(SPECIAL) + [1] * (vocabulary - len(SPECIAL)))
+    writer.add_token_types([gguf_file.CONTROL_TOKEN] * len(SPECIAL) + [1] * (vocabulary - len(SPECIAL)))
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -288,7 +288,7 @@ def test_tokenizer_round_trips_varied_text_and_merges_learned_words(tiny):
 
 
 def test_pretokenization_is_gpt2s_with_digits_apart():
-    tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="smollm")
+    tokenizer = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="smollm")
     pieces = list(tokenizer.pieces("I'm 2024's best!!  ok\n\nYes  x 漢字 ½"))
     assert pieces == ["I", "'m", " ", "2", "0", "2", "4", "'s", " best", "!!", " ", " ok", "\n", "\n", "Yes"] + [
         " ",
@@ -297,9 +297,9 @@ def test_pretokenization_is_gpt2s_with_digits_apart():
         " ",
         "½",
     ]
-    gpt2 = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="gpt2")
+    gpt2 = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="gpt2")
     assert list(gpt2.pieces("in 2024!")) == ["in", " 2024", "!"]
-    llama3 = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="llama-bpe")  # numbers by threes, any case
+    llama3 = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer="llama-bpe")  # numbers by threes, any case
     assert list(llama3.pieces("I'M in 1234567!\n\n  (x)")) == ["I", "'M", " in", " ", "123", "456", "7", "!\n\n"] + [
         " ",
         " (",
@@ -327,18 +327,18 @@ def ordinary_texts(count: int, seed: int) -> list[str]:
 def symbol_tokens(merges: list[str]) -> list[str]:
     """A vocabulary that holds the byte symbols and every merge's result."""
     merged = [merge.replace(" ", "") for merge in merges]
-    return list(dict.fromkeys([*SPECIAL, *pretrained.byte_symbols(), *merged]))
+    return list(dict.fromkeys([*SPECIAL, *bpe_tokenizer.byte_symbols(), *merged]))
 
 
-@pytest.mark.parametrize("pre_tokenizer", pretrained.PRE_TOKENIZERS)
+@pytest.mark.parametrize("pre_tokenizer", bpe_tokenizer.PRE_TOKENIZERS)
 def test_tokens_of_ordinary_text_are_gpt2s_byte_level_bpe(pre_tokenizer):
     """On text without a run of more than RUN letters, numbers, symbols or whitespace, the tokens are
     those of the reference (tests/reference.py): the pre-tokenizers' own regexes, runs of any length,
     and GPT-2's merge loop, which scans every pair for each merge."""
-    assert gpt2_byte_symbols() == list(pretrained.byte_symbols())
+    assert gpt2_byte_symbols() == list(bpe_tokenizer.byte_symbols())
     texts = ordinary_texts(400, seed=5)
     merges = learn_merges("".join(texts[:200]), 400, pre_tokenizer)
-    tokenizer = pretrained.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer=pre_tokenizer)
+    tokenizer = bpe_tokenizer.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer=pre_tokenizer)
     for text in texts:
         ids = tokenizer.encode(text)
         assert [tokenizer.tokens[i] for i in ids] == reference_bpe_tokens(text, merges, pre_tokenizer), repr(text)
@@ -357,7 +357,7 @@ def test_merges_follow_gpt2s_rule_whatever_their_order():
             pool.append(first + second)
         rng.shuffle(merges)
         merges = list(dict.fromkeys(merges))
-        tokenizer = pretrained.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer="gpt2")
+        tokenizer = bpe_tokenizer.BpeTokenizer(symbol_tokens(merges), merges, 1, 2, 2, pre_tokenizer="gpt2")
         for _ in range(20):
             text = "".join(rng.choices("abc ", k=rng.randint(1, 40)))
             expected = reference_bpe_tokens(text, merges, "gpt2")
@@ -365,9 +365,9 @@ def test_merges_follow_gpt2s_rule_whatever_their_order():
 
 
 def test_a_run_of_more_than_256_characters_is_pretokenized_in_runs():
-    for pre_tokenizer in pretrained.PRE_TOKENIZERS:
-        tokenizer = pretrained.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
-        run = 256  # pretrained.RUN, as the README gives it
+    for pre_tokenizer in bpe_tokenizer.PRE_TOKENIZERS:
+        tokenizer = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
+        run = 256  # bpe_tokenizer.RUN, as the README gives it
         assert [len(p) for p in tokenizer.pieces("a" * (2 * run + 10))] == [run, run, 10]
         assert [len(p) for p in tokenizer.pieces(" " + "." * (run + 1))] == [run + 1, 1]
         assert max(len(p) for p in tokenizer.pieces(" " * 3 * run + "\n" * 3 * run + "x")) <= 2 * run + 1
@@ -378,9 +378,9 @@ def test_megabytes_of_extra_text_cost_the_tokenizer_no_more_work(tiny, monkeypat
     tokenizer reads only the prefix those tokens can come from (its memory does not grow with the
     rest), merges the same symbols, and gives the same tokens, whether the rest is 1 MB or 4 MB."""
     merged: list[int] = []
-    original = pretrained.BpeTokenizer._merged
+    original = bpe_tokenizer.BpeTokenizer._merged
     monkeypatch.setattr(
-        pretrained.BpeTokenizer, "_merged", lambda self, parts: merged.append(len(parts)) or original(self, parts)
+        bpe_tokenizer.BpeTokenizer, "_merged", lambda self, parts: merged.append(len(parts)) or original(self, parts)
     )
     head = CORPUS.encode()[:20]
 
@@ -389,7 +389,7 @@ def test_megabytes_of_extra_text_cost_the_tokenizer_no_more_work(tiny, monkeypat
         merged.clear()
         tracemalloc.start()
         try:
-            _, targets = pretrained.token_sequences(tokenizer, [text], 64)
+            _, targets = bpe_tokenizer.token_sequences(tokenizer, [text], 64)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -398,15 +398,15 @@ def test_megabytes_of_extra_text_cost_the_tokenizer_no_more_work(tiny, monkeypat
     for rest in (b"x", b" the fox", b" ", b"7", b"!", b"\n"):
         tokens, symbols, peak = work(head + rest * (1_000_000 // len(rest)))
         assert work(head + rest * (4_000_000 // len(rest))) == (tokens, symbols, peak), rest
-        assert peak < 500_000 and symbols <= len(head) + 64 * 4 * (2 * pretrained.RUN + 1), rest
+        assert peak < 500_000 and symbols <= len(head) + 64 * 4 * (2 * bpe_tokenizer.RUN + 1), rest
         assert -1 not in tokens  # the 64 tokens, from the head and the start of the rest
 
 
 def test_token_sequences_start_with_bos_and_mark_the_end():
-    tokenizer = pretrained.BpeTokenizer(
-        [*SPECIAL, *pretrained.byte_symbols()], [], bos=1, eos=2, pad=2, pre_tokenizer="smollm"
+    tokenizer = bpe_tokenizer.BpeTokenizer(
+        [*SPECIAL, *bpe_tokenizer.byte_symbols()], [], bos=1, eos=2, pad=2, pre_tokenizer="smollm"
     )
-    x, y = pretrained.token_sequences(tokenizer, [b"ab", b"abcdef"], 4)
+    x, y = bpe_tokenizer.token_sequences(tokenizer, [b"ab", b"abcdef"], 4)
     a, b, c = (tokenizer.ids[s] for s in "abc")
     assert y.tolist() == [[a, b, -1, -1], [a, b, c, tokenizer.ids["d"]]]
     assert x.tolist() == [[1, a, b, 2], [1, a, b, c]]
@@ -431,7 +431,7 @@ def test_keras_llama_matches_an_independent_numpy_forward_pass(tmp_path, tied):
 def test_the_match_depends_on_undoing_the_converters_permutation(tiny, monkeypatch):
     """Without `_unpermute`, the half-rotating model is a different model: the check above can fail."""
     ids = np.arange(20, 36, dtype=np.int32)[None]
-    monkeypatch.setattr(pretrained, "_unpermute", lambda weight, heads: weight)
+    monkeypatch.setattr(gguf_file, "_unpermute", lambda weight, heads: weight)
     wrong = np.asarray(pretrained.pretrained_model(pretrained.read_pretrained(tiny))(ids))[0]
     assert np.abs(wrong - reference_logits(tiny, ids[0])).max() > 1e-2
 
@@ -640,7 +640,8 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
 
 
 def test_lora_starts_as_the_pretrained_model_and_its_adapters_are_ghost_clipped(tiny):
-    from madp.training.clipping import ghost_norms, per_example_gradients, unsupported_layers
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_norms, unsupported_layers
 
     loaded = pretrained.read_pretrained(tiny)
     full, lora = pretrained.pretrained_model(loaded, 12), pretrained.pretrained_model(loaded, 12, lora_rank=2)
@@ -669,7 +670,8 @@ def test_every_weight_is_ghost_clipped_as_per_example_gradients_clip_it(tmp_path
     """Fine-tuning every weight: RMSNorm scales and the token embedding, tied (looked up and the LM
     head, its two gradients summed before the norm) or not, clipped without per-example gradients,
     equal to per-example gradients clipped one by one (padding rows and repeated tokens included)."""
-    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_clipped_sum, ghost_norms
 
     path = write_tiny_gguf(str(tmp_path / "model.gguf"), tied=tied)
     model = pretrained.pretrained_model(pretrained.read_pretrained(path), 10)
@@ -1002,7 +1004,7 @@ def test_the_gguf_walk_counts_what_the_reader_holds(tmp_path, byte_order):
     held += sum(len(tensor.field.parts) + 1 for tensor in reader.tensors)  # its parts and its data
     last = reader.tensors[-1].field
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        walk = pretrained._GgufWalk(path, data)
+        walk = gguf_file._GgufWalk(path, data)
         walk.walk()
         assert walk.parts == held and walk.at == last.offset + sum(part.nbytes for part in last.parts)
 
@@ -1016,7 +1018,7 @@ def test_a_crafted_preset_is_refused_by_name_before_anything_is_written(text_bat
         path = copied_preset(tmp_path, "huge", ("config.json", lambda c: c["config"].update(vocabulary_size=2**36)))
 
         def edit(store, name, values):
-            if name == pretrained._EMBEDDING:
+            if name == keras_hub_preset._EMBEDDING:
                 store.create_dataset(name, shape=(2**36, 16), dtype="float32", chunks=(1024, 16))
             else:
                 store.create_dataset(name, data=values)
@@ -1254,7 +1256,7 @@ def test_smollm2_tokenizes_english_and_predicts_it(smollm2):
     assert tokenizer.encode("Hello world") == [19556, 905] and len(tokenizer.encode(" the")) == 1
     for text in VARIED:
         assert tokenizer.decode(tokenizer.encode(text)) == text
-    x, y = pretrained.token_sequences(tokenizer, [t.encode() for t in ENGLISH], 64)
+    x, y = bpe_tokenizer.token_sequences(tokenizer, [t.encode() for t in ENGLISH], 64)
     metrics = pretrained.mean_token_loss(model, x, y)
     # measured 2.5 nats/token; Q/K rows left in llama.cpp's order gave 4.4, a random model ln(49152) = 10.8
     assert metrics["loss"] < 3.5, metrics
@@ -1354,7 +1356,8 @@ def test_mixed_precision_computes_in_bfloat16_and_clips_each_row_in_float32(tmp_
     gradient is formed in float32 from that row alone: its norm is the clip norm to float32 precision,
     and the batch's clipped sum is the sum of the rows' clipped alone (a bfloat16 product over the
     batch would round the sum, so that one row moves it by more than the clip norm)."""
-    from madp.training.clipping import ghost_clipped_sum, ghost_norms, per_example_gradients
+    from madp.training.clipping import per_example_gradients
+    from madp.training.ghost_clipping import ghost_clipped_sum, ghost_norms
     from madp.training.steps import compute_precision
 
     loaded = pretrained.read_pretrained(write_tiny_gguf(str(tmp_path / "model.gguf"), tied=True))

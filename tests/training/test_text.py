@@ -29,13 +29,9 @@ from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  #
 from madp.tools.synthetic_text import personal_words  # noqa: E402
 from madp.training import text  # noqa: E402
 from madp.training.batches import open_batches  # noqa: E402
-from madp.training.clipping import (  # noqa: E402
-    _is_dense_stack,
-    ghost_clipped_sum,
-    per_example_gradients,
-    unsupported_layers,
-)
+from madp.training.clipping import per_example_gradients  # noqa: E402
 from madp.training.data import step_batches  # noqa: E402
+from madp.training.ghost_clipping import _is_dense_stack, ghost_clipped_sum, unsupported_layers  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.queries import clip_and_sum  # noqa: E402

@@ -26,7 +26,7 @@ from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.training import calibrate, make_private, open_batches, read_steps  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.queries import DpSgdQuery  # noqa: E402
-from madp.training.tasks import Feature, ModelSchema, user_model  # noqa: E402
+from madp.training.user_tasks import Feature, ModelSchema, user_model  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
