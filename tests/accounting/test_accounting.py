@@ -63,6 +63,7 @@ def test_never_worse_than_group_privacy(k):
     assert epsilon(DpSgd(q, steps, k), sigma, 1e-5) > epsilon(DpSgd(q, steps, 1), sigma, 1e-5)
 
 
+@pytest.mark.slow
 def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
     """Below a noise-to-sensitivity ratio of 0.1 the PLD grid widens as 1 / ratio^2: 1000 steps at
     sigma 1e-3 are accounted in bounded memory (on the fixed grid one step alone outgrew any memory),
@@ -79,6 +80,7 @@ def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
     assert fine < tiny < 1e9
 
 
+@pytest.mark.slow
 def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_above_it():
     """dp_accounting fails to build a mixture of Gaussians at q = 1e-9 below sigma 0.05 (a ValueError
     deep inside it) or of 100,000 contributions (an OverflowError): epsilon names the mechanism and
@@ -94,6 +96,7 @@ def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_abo
         epsilon(DpSgd(0.01, 1000, 100_000), 1.0, 1e-6)
 
 
+@pytest.mark.slow
 def test_an_epsilon_asked_again_is_not_accounted_again(monkeypatch):
     """A privacy loss distribution is built once per process for a mechanism, sigma, delta and grid (a
     training's composition is computed as its step is made and again as it enters the ledger; calibrations
@@ -161,6 +164,7 @@ def test_sigma_moves_as_theory_says():
         *((lambda t=t: calibrate(DpSgd(0.1, 10), 1.0, 1e-5, t), "--tolerance") for t in (0.0, -1.0, math.nan, 1.0)),
     ],
 )
+@pytest.mark.slow
 def test_clear_errors(build, message):
     with pytest.raises(InputError, match=message):
         build()

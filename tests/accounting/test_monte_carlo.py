@@ -152,6 +152,7 @@ def test_directions_share_the_noise_and_do_not_depend_on_each_other():
         sample_log_ratios(process, 0.7, 10, seed=8, directions=("R",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epsilon", [0.5, 1.0, 2.0])
 def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
     """b = 1, one band, k_u = 1 is DP-SGD with Poisson sampling: the estimates bracket the PLD delta."""
@@ -168,6 +169,7 @@ def test_one_band_min_sep_one_is_poisson_dp_sgd(epsilon):
     assert abs(delta - expected) <= 4 * error + 0.02 * expected, (estimates, expected)
 
 
+@pytest.mark.slow
 def test_waiting_time_sampler_matches_a_step_by_step_simulation():
     """Participations per sample, records per participation and gaps, against the rule applied step by step."""
     samples = 300_000
@@ -270,6 +272,7 @@ def quadrature_deltas(process: MinSepProcess, sigma: float, epsilon: float, poin
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epsilon, sigma", [(0.15, 0.7), (0.6, 0.7), (2.5, 0.4)])
 def test_delta_reduction_against_quadrature_and_plain_monte_carlo(epsilon, sigma):
     """DeltaReduction's bounds hold on the exact deltas (quadrature over every output, every participation

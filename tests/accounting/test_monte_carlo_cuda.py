@@ -52,6 +52,7 @@ def test_batches_do_not_change_the_samples(monkeypatch):
     np.testing.assert_array_equal(draw_log_ratios(process, sigma, seeds, indices, device=small), whole)
 
 
+@pytest.mark.slow
 def test_estimates_and_verifications_stop_where_the_cpus_do():
     """The GPU map draws a wave's chunks together and hands each its own log ratios: the statistics, and so
     every estimate and sequential test, are the CPU's (equal up to the rounding of the log ratios)."""

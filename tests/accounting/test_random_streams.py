@@ -23,6 +23,7 @@ def test_normals_fit_the_normal_distribution_on_equiprobable_bins():
     assert abs(draws.mean()) < 5 / np.sqrt(DRAWS) and abs(draws.var() - 1) < 5 * np.sqrt(2 / DRAWS)
 
 
+@pytest.mark.slow
 def test_normals_reach_the_tail_with_the_right_frequency_and_shape():
     """Draws beyond the base layer's edge r come from the tail method alone: P(|z| > r) = 2.6e-4, and given
     that, |z| has the normal's tail (r + Exponential(r), the proposal without its acceptance test, is 0.037 off

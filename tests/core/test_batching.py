@@ -298,6 +298,7 @@ def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tm
     assert check["user_rows_sharing_a_step"] == 0
 
 
+@pytest.mark.slow
 def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
     selected, data = graph_data
     options = dict(steps=60, batch_size=200, sampler="minsep-greedy")
@@ -435,6 +436,7 @@ def test_cli_batch_and_verify_batches_exit_codes(tmp_path, graph_data, capsys):
     assert "--min-sep must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_wide_rows_are_encoded_in_chunks_with_the_same_bytes(graph_data, tmp_path, monkeypatch):
     """Rows are encoded in chunks of about _ENCODE_BYTES (the encoder's index arrays cost 16 bytes per byte):
     a chunk smaller than one row gives the same files byte for byte, and the rows parse."""

@@ -94,6 +94,7 @@ def test_ranges_hold_every_row_once_numbered_as_in_the_whole_file(monkeypatch):
         assert got == expected, (data, split_bytes)
 
 
+@pytest.mark.slow
 def test_split_reads_give_the_whole_files_records_rejects_and_rules():
     rng = random.Random(1)
     errors = 0

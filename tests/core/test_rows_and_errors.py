@@ -141,6 +141,7 @@ def test_parquet_text_that_is_not_utf8_is_a_bad_id_or_user(tmp_path, capsys):
     assert {r["row"] for r in rejected(tmp_path / "b")} == {20, 21}
 
 
+@pytest.mark.slow
 def test_rows_nested_too_deep_are_invalid_not_a_crash(tmp_path, capsys):
     """A row nested ~30k deep crashed Arrow's reader (exit 139) and made the verifier recurse. Rows
     nesting arrays and objects more than 100 deep are invalid_json; 100 deep is fine, and brackets
@@ -184,6 +185,7 @@ def test_hidden_and_underscore_directories_are_skipped_by_engine_and_verifier(tm
     assert report["rejected_total"] == 0 and report["input_records"] == 50
 
 
+@pytest.mark.slow
 def test_a_link_loop_in_an_input_directory_is_an_error_not_a_hang(tmp_path, capsys):
     data = tmp_path / "in"
     (data / "sub").mkdir(parents=True)

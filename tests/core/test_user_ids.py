@@ -342,6 +342,7 @@ def test_a_run_config_reads_every_stage_with_the_bounds_user_ids(tmp_path, capsy
     assert code == 2 and "several_addresses: " in err
 
 
+@pytest.mark.slow
 def test_recommend_k_sweeps_the_graph_of_the_addresses_and_writes_user_ids(tmp_path, capsys):
     data = write_records(str(tmp_path / "export.jsonl"), export(200, seed=5))
     sweep = ["recommend-k", data, *FROM_TO, *"--epsilon 4 --delta 1e-5 --steps 10 --batch-size 4 --k 2,3".split()]

@@ -166,6 +166,7 @@ def test_batch_reads_the_bounds_columns_and_verify_batches_re_derives_them(tmp_p
     assert code == 2 and "is not the graph SELECTED" in err and "--users-columns from,to,cc" in err
 
 
+@pytest.mark.slow
 def test_recommend_k_sweeps_the_same_graph(tmp_path, capsys):
     data = email_records(str(tmp_path / "records.parquet"), records=500)
     sweep = ["recommend-k", data, *"--epsilon 4 --delta 1e-5 --steps 20 --batch-size 20 --k 2".split()]

@@ -145,6 +145,7 @@ def test_set_needs_key_and_value(tmp_path, capsys):
     assert "expected key=value" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path, capsys):
     """DP-SGD on Poisson batches relies on the secret sampling: a second training on them is refused
     unless retrained. A changed train option must not have deleted the finished model first; undone, the
@@ -166,6 +167,7 @@ def test_a_training_the_ledger_refuses_leaves_the_finished_one_in_place(tmp_path
     assert len(os.listdir(train / "logs")) == 1  # the earlier training's events replaced, not mixed in
 
 
+@pytest.mark.slow
 def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished_one_back(
     tmp_path, capsys, caplog, monkeypatch
 ):
@@ -203,6 +205,7 @@ def test_a_replacing_training_that_fails_after_its_first_step_gives_the_finished
     assert statuses(run(capsys, config, *changed))["train"] == "skipped" and snapshot(train) == trained
 
 
+@pytest.mark.slow
 def test_a_replacing_training_killed_leaves_the_finished_one_up_to_date_once_the_option_is_undone(
     tmp_path, capsys, monkeypatch
 ):
@@ -241,6 +244,7 @@ def build(schema):
 """
 
 
+@pytest.mark.slow
 def test_a_new_training_that_cannot_start_leaves_the_finished_one_in_place(tmp_path, capsys):
     """A changed model whose loss is not per row fails at its first step (when the step is traced): the
     finished model, its logs (the new training's event file has the same name) and privacy.json stay, and
@@ -323,6 +327,7 @@ def test_files_of_yours_inside_a_stage_folder_are_never_deleted(tmp_path, capsys
     assert sorted(os.listdir(records)) == ["part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
 
 
+@pytest.mark.slow
 def test_a_stage_folder_another_process_writes_is_left_to_it(tmp_path, capsys, other_process):
     """A standalone `madp train` writing run_dir/train (its lock, logs and a checkpoint): the run stops with
     one error naming it, and nothing of it is deleted."""

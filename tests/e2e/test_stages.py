@@ -153,6 +153,7 @@ def test_a_beam_runner_bounds_as_the_local_engine(records, both, tmp_path):
     assert files_of(tmp_path / "beam") == files_of(both[0] / "bounded")
 
 
+@pytest.mark.slow
 def test_import_madp_imports_no_engine_and_its_steps_none_until_they_run():
     cheap = "import sys, madp; assert not {'apache_beam', 'tensorflow', 'madp.stages'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", cheap], check=True)
@@ -194,6 +195,7 @@ def examples() -> list:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package, name", examples(), ids=lambda value: value)
 def test_the_examples_run_as_written(package, name):
     if name == "train":

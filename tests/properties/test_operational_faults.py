@@ -129,6 +129,7 @@ def test_a_full_disk_under_a_beam_job_is_one_line_and_no_output_passes_for_finis
     assert not [name for name in result["left"] if name.endswith((".parquet", ".tfrecord"))], result["left"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_taking_a_lock_leaves_no_lock(tmp_path):
     """The lock's holder was written after the lock file was created: on a full disk an empty .madp.lock
     stayed, and every later run was refused as "being written by another madp process (an unknown
@@ -143,6 +144,7 @@ def test_a_full_disk_while_taking_a_lock_leaves_no_lock(tmp_path):
     assert "out/report.json" in freed["left"] and "out/.madp.lock" not in freed["left"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_generate_leaves_no_truncated_dataset(tmp_path):
     """A .jsonl was written in place: a full disk was a traceback and left a truncated file that
     `madp bound` would read as the dataset."""
@@ -416,6 +418,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["ended", "twice", "cleanup"])
 def test_a_second_ctrl_c_or_one_after_the_end_is_no_traceback(tmp_path, when):
     """A Ctrl-C while the process waits for the threads of a command that has ended (a second one after the
@@ -457,6 +460,7 @@ def test_a_second_ctrl_c_or_one_after_the_end_is_no_traceback(tmp_path, when):
 @pytest.mark.parametrize(
     "runner", [pytest.param(["--runner", "local"], id="local"), pytest.param(BEAM, marks=pytest.mark.beam, id="beam")]
 )
+@pytest.mark.slow
 def test_a_ctrl_c_as_the_process_tears_down_leaves_the_finished_command_its_status(tmp_path, runner):
     """Once the exit functions have run, CPython gives SIGINT back its default action as it tears the
     interpreter down (longer with Beam loaded): a Ctrl-C there ended the finished command's process by the

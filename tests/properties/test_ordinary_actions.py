@@ -218,6 +218,7 @@ def test_a_batching_that_fails_its_checks_leaves_the_earlier_batches(tmp_path, c
     assert snapshot(batches) == finished and not (batches / "_work").exists()
 
 
+@pytest.mark.slow
 def test_a_fixed_sigma_whose_truncation_eats_delta_is_refused(tmp_path, capsys):
     extra = {
         "batch": {"steps": 50, "batch_size": 40, "max_batch_size": 41, "runner": "local"},
@@ -228,6 +229,7 @@ def test_a_fixed_sigma_whose_truncation_eats_delta_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "calibration.json").exists()
 
 
+@pytest.mark.slow
 def test_the_weight_order_is_an_assumption_of_the_plan(tmp_path, capsys):
     data = tmp_path / "records.jsonl"
     write_records(str(data), [{**row, "w": float(row["id"] % 5)} for row in rows(400)])

@@ -183,6 +183,7 @@ def traced_peak(call) -> tuple[object, int]:
             tracemalloc.stop()
 
 
+@pytest.mark.slow
 def test_many_encoded_words_take_linear_memory(tmp_path, capsys):
     """A Subject of 200,000 RFC 2047 encoded-words (2.8 MB) is decoded in memory linear in its size:
     the email package's parser held the rest of the header per word (a 280 KB Subject took 2.85 GB)."""
@@ -202,6 +203,7 @@ def test_many_encoded_words_take_linear_memory(tmp_path, capsys):
     assert big_peak < 200e6, f"{big_peak / 1e6:.0f} MB for a 2.8 MB Subject"
 
 
+@pytest.mark.slow
 def test_oversized_mime_header_and_message_are_skipped_with_their_reason(tmp_path, capsys):
     """A Content-* header the email package would parse, over MAX_PARSED_HEADER characters, and a message
     of more than MAX_LINES lines or MAX_PARTS parts are skipped, counted and written out; the next is imported."""

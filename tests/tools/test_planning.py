@@ -93,6 +93,7 @@ def test_recommend_k_never_aborts_and_says_what_to_change(emails, capsys):
     assert all(not row["feasible"] and row["problems"] for row in result["sweep"])
 
 
+@pytest.mark.slow
 def test_the_largest_min_sep_reaching_a_batch_size_is_bisected_as_a_scan_finds_it():
     """The min-sep an unreachable batch size is told to use: the largest b below --min-sep whose
     b-min-sep sampling reaches it, found by bisection (a --min-sep of 10^8 hung scanning down from
@@ -182,6 +183,7 @@ def test_run_refuses_an_infeasible_plan_before_bounding(emails, tmp_path, capsys
     check_feasible(plan_stages(load_config(str(config), sets), parser()), parser())  # the proposed B_max passes
 
 
+@pytest.mark.slow
 def test_a_recommendation_at_the_largest_k_swept_says_to_sweep_further(emails, capsys):
     # few steps at a small batch: variance is small, so the proxy still falls at the largest k swept
     code, result, _ = sweep(capsys, emails, "--steps", "4", "--batch-size", "30", "--k", "1,2")
@@ -201,6 +203,7 @@ def _text_emails(path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_recommend_k_plans_a_classifier_on_the_label_column_named(tmp_path, capsys):
     data, config = _text_emails(tmp_path / "text.jsonl"), str(tmp_path / "job.yaml")
     args = ["-q", "recommend-k", data, "--epsilon", "4", "--delta", "1e-5", "--steps", "4", "--batch-size", "10"]

@@ -44,6 +44,7 @@ def test_a_non_private_training_has_no_plan_and_other_json_is_no_plan():
         (BatchOptions(steps=20, batch_size=10, sampler="minsep-greedy", min_sep=3), TrainOptions(epsilon=2.0, bands=2)),
     ],
 )
+@pytest.mark.slow
 def test_a_new_plan_survives_its_json_and_composes_with_its_ledger_entry(tmp_path, batching, training):
     rows = [{"id": i, "users": [i % 100, 1000 + i // 2], "features": [0.1], "label": i % 2} for i in range(300)]
     data = write_records(str(tmp_path / "records.jsonl"), rows)
