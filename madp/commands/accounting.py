@@ -6,8 +6,9 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
 from madp.core.errors import InputError
+from madp.core.options import seed_argument
 
 log = logging.getLogger("madp")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options, seed_argument
+from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
+from madp.core.options import seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
