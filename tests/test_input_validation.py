@@ -95,7 +95,7 @@ def test_parquet_nulls_and_custom_columns(tmp_path):
         }
     )
     pq.write_table(table, tmp_path / "p.parquet")
-    options = BoundOptions(max_contributions=1, on_invalid="skip", columns=Columns("doc", "authors"))
+    options = BoundOptions(max_contributions=1, on_invalid="skip", id_column="doc", users_column="authors")
     report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
     assert report["rejected"] == {"missing_id": 1, "missing_users": 1, "null_user": 1}
     assert report["selected_records"] == 1
@@ -126,10 +126,10 @@ def test_missing_and_unsupported_inputs(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_contributions": 0}, "--max-contributions"),
-        ({"max_contributions": 1, "order": "weight"}, "--weight-column"),
-        ({"max_contributions": 1, "max_rounds": 0}, "--max-rounds"),
-        ({"max_contributions": 1, "on_invalid": "ignore"}, "--on-invalid"),
+        ({"max_contributions": 0}, "^max_contributions must be at least 1"),
+        ({"max_contributions": 1, "order": "weight"}, "^order weight needs weight_column"),
+        ({"max_contributions": 1, "max_rounds": 0}, "^max_rounds must be at least 1"),
+        ({"max_contributions": 1, "on_invalid": "ignore"}, "^on_invalid must be one of error, skip"),
     ],
 )
 def test_bad_options(kwargs, message):

@@ -6,9 +6,10 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import LOCAL, Family, add_columns, columns_of, local_takes_no_beam_options
+from madp.commands.registry import LOCAL, Family, add_options, local_takes_no_beam_options, options_from
 from madp.core.errors import InputError
 from madp.core.options import seed_argument
+from madp.core.records import ColumnOptions
 
 log = logging.getLogger("madp")
 
@@ -82,7 +83,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--text-column", help="the written config's text column (train.text_column; default text, else body)"
     )
-    add_columns(sweep)
+    add_options(sweep, ColumnOptions)
 
 
 def add_mechanism(parser: argparse.ArgumentParser) -> None:
@@ -351,7 +352,7 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
         ks,
         args.order,
         args.seed,
-        columns_of(args),
+        options_from(ColumnOptions, args).columns,
         args.truncation_share,
     )
     written = (args.run_dir, args.model, args.labels, args.text_column, args.label_column)

@@ -10,8 +10,6 @@ from typing import Any, TypeVar
 
 from madp.core.errors import InputError, OptionError
 from madp.core.options import declared, flag_of
-from madp.core.records import Columns, users_columns_of
-from madp.core.user_ids import USER_IDS
 
 LOCAL = "local"
 Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
@@ -138,37 +136,6 @@ def build_parser(families: tuple[Family, ...], description: str) -> Parser:
         family.update({name: each for name in each.handlers})
     parser.commands, parser.family = commands.choices, family
     return parser
-
-
-def add_columns(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
-    parser.add_argument("--users-column", help="column holding the list of user ids (default: users)")
-    parser.add_argument(
-        "--users-columns",
-        metavar="A,B,...",
-        help="columns whose values' union are a record's users, each a user id or a list of them; null, '' "
-        "and [] add none (e.g. from,to,cc of an email export); instead of --users-column",
-    )
-    parser.add_argument(
-        "--user-ids",
-        choices=USER_IDS,
-        help="how string user ids are read: 'email' (each value's e-mail addresses are its users: display "
-        "names, comments and 'mailto:' dropped, split at ',', ';' and '|', lower-cased) or 'as-is'; by default an "
-        "id that may name a person under several ids (surrounding whitespace, or holding '@' and no plain "
-        "lower-case address: 'Ann <ann@x>', 'a@x; b@y', 'ANN@X', 'mailto:ann@x') is an error",
-    )
-
-
-def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
-    """The record columns the options of `add_columns` name; --users-column and --users-columns are two
-    ways to say where the users are, so giving both is an error."""
-    if args.users_columns is not None and args.users_column is not None:
-        raise InputError(
-            f"--users-column {args.users_column} and --users-columns {args.users_columns}: give one of them "
-            f"(--users-columns reads the users from several columns, --users-column from one list column)"
-        )
-    users_columns = users_columns_of(args.users_columns)
-    return Columns(args.id_column, args.users_column or "users", weight, users_columns, args.user_ids)
 
 
 def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:

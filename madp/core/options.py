@@ -83,10 +83,11 @@ class Declared(NamedTuple):
 
 
 def declared(cls: type) -> tuple[Declared, ...]:
-    """The options `cls` declares, in field order (fields not made by `option` are none of them)."""
+    """The options `cls` declares, in the order its __init__ takes them (keyword-only ones, such as a base
+    class's `kw_only` options, last); fields not made by `option` are none of them."""
     hints = typing.get_type_hints(cls)
     found = []
-    for field in dataclasses.fields(cls):
+    for field in sorted(dataclasses.fields(cls), key=lambda field: field.kw_only is True):
         facts = field.metadata.get(METADATA_KEY)
         if facts is None:
             continue
