@@ -1,5 +1,5 @@
-"""The command registry: families of subcommands, the parser built from them, and the arguments several
-families share."""
+"""The command registry: families of subcommands, the parser built from them, the options a dataclass
+declares added to a parser and built from its parsed arguments, and the arguments several families share."""
 
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
         facts = each.option
         where: argparse._ActionsContainer = parser
         if facts.group is not None:
-            where = groups.get(facts.group) or groups.setdefault(facts.group, parser.add_argument_group(facts.group))
+            if facts.group not in groups:
+                groups[facts.group] = parser.add_argument_group(facts.group)
+            where = groups[facts.group]
         settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
         if each.switch:
             settings["action"] = "store_true"
