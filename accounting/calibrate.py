@@ -36,15 +36,54 @@ MIN_TOLERANCE = 1e-9  # calibrate's smallest relative precision of sigma: float6
 def epsilon(
     mechanism: Mechanism, noise_multiplier: float, delta: float, discretization: float = DISCRETIZATION
 ) -> float:
-    """Epsilon of `mechanism` at `noise_multiplier` for `delta` (an upper bound)."""
+    """The epsilon of `mechanism` at `noise_multiplier` for `delta`, by PLD accounting (an upper bound).
+
+    Args:
+        mechanism: a `DpSgd`, `DpSgdUls`, `BandMf` or `BandMfCyclic`.
+        noise_multiplier: sigma, the noise's standard deviation in units of the clip norm.
+        delta: the guarantee's delta, in (0, 1).
+        discretization: the PLD's loss-value grid (coarser: faster, looser).
+
+    Returns:
+        Epsilon, an upper bound of the true one (inf where the accountant finds no finite one).
+
+    Raises:
+        madp.core.errors.InputError: sigma not positive and finite, delta outside (0, 1), or an event the
+            accountant cannot build (`Unaccountable`).
+
+    Example:
+        >>> from madp.accounting import BandMf, coefficients, epsilon
+        >>> mechanism = BandMf(100, min_sep=10, max_participations=10, coefficients=coefficients("sqrt", 100, 4))
+        >>> round(epsilon(mechanism, noise_multiplier=4.0, delta=1e-5), 2)
+        3.34
+    """
     return composed_epsilon(((mechanism, noise_multiplier),), delta, discretization)
 
 
 def composed_epsilon(
     releases: Sequence[tuple[Mechanism, float]], delta: float, discretization: float = DISCRETIZATION
 ) -> float:
-    """Epsilon for `delta` of independent releases, each a mechanism at its noise multiplier, composed
-    (their privacy loss distributions convolved: adaptive composition; an upper bound)."""
+    """The epsilon for `delta` of independent releases, each a mechanism at its noise multiplier, composed
+    (their privacy loss distributions convolved: adaptive composition; an upper bound).
+
+    Args:
+        releases: (mechanism, noise multiplier) pairs, one per release (a training).
+        delta: the composed guarantee's delta, in (0, 1).
+        discretization: the PLD's loss-value grid.
+
+    Returns:
+        The composed epsilon, an upper bound.
+
+    Raises:
+        madp.core.errors.InputError: a sigma not positive and finite, delta outside (0, 1), or events the
+            accountant cannot build.
+
+    Example:
+        >>> from madp.accounting import BandMf, coefficients, composed_epsilon
+        >>> mechanism = BandMf(100, min_sep=10, max_participations=10, coefficients=coefficients("sqrt", 100, 4))
+        >>> round(composed_epsilon([(mechanism, 4.0), (mechanism, 4.0)], delta=1e-5), 2)  # two trainings
+        4.98
+    """
     for _, noise_multiplier in releases:
         if not positive(noise_multiplier):
             raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
@@ -110,6 +149,28 @@ def finite_epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float) 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
+    """What `calibrate` found.
+
+    Args:
+        noise_multiplier: sigma, the smallest (to the tolerance) whose epsilon meets the target.
+        epsilon: the epsilon at that sigma, at most the target.
+        target_epsilon: the target.
+        delta: the guarantee's delta.
+        evaluations: the PLD evaluations the search took.
+
+    Returns:
+        The calibration's immutable record.
+
+    Raises:
+        Nothing: `calibrate` makes it.
+
+    Example:
+        >>> from madp.accounting import BandMf, calibrate, coefficients
+        >>> found = calibrate(BandMf(100, 10, 10, coefficients("sqrt", 100, 4)), target_epsilon=8.0, delta=1e-5)
+        >>> round(found.noise_multiplier, 3), found.epsilon <= found.target_epsilon
+        (1.898, True)
+    """
+
     noise_multiplier: float
     epsilon: float  # achieved at noise_multiplier, <= the target
     target_epsilon: float
@@ -129,6 +190,26 @@ def calibrate(
     Two bisections on sigma (epsilon decreases with sigma): on a 10x coarser PLD grid to 2%, whose
     answer is valid since coarser grids only overestimate epsilon; then on the fine grid just
     below it. The returned sigma is the upper end of the final bracket, so it meets the target.
+
+    Args:
+        mechanism: a `DpSgd`, `DpSgdUls`, `BandMf` or `BandMfCyclic`.
+        target_epsilon: the epsilon to meet, positive and finite.
+        delta: the guarantee's delta, in (0, 1).
+        relative_tolerance: sigma's relative precision, in [1e-9, 1).
+        discretization: the fine PLD grid.
+
+    Returns:
+        A `Calibration`: sigma, the epsilon it achieves (at most the target), the evaluations.
+
+    Raises:
+        madp.core.errors.InputError: a target or delta out of range, a tolerance out of range, or a target
+            no sigma in [0.01, 1000] meets.
+
+    Example:
+        >>> from madp.accounting import BandMf, calibrate, coefficients
+        >>> found = calibrate(BandMf(100, 10, 10, coefficients("sqrt", 100, 4)), target_epsilon=8.0, delta=1e-5)
+        >>> round(found.noise_multiplier, 3), round(found.epsilon, 3)
+        (1.898, 8.0)
     """
     check_target(target_epsilon, delta)
     if not MIN_TOLERANCE <= relative_tolerance < 1:  # NaN too; below it, bisection stalls between adjacent floats

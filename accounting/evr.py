@@ -67,7 +67,31 @@ def default_samples(delta: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MinSepRelease:
-    """What Algorithm 5 released: a noise multiplier (calibrate) or an epsilon (inverse)."""
+    """What Algorithm 5 released: a noise multiplier (calibrate) or an epsilon (inverse).
+
+    Args:
+        value: the released noise multiplier (`calibrate_minsep`) or epsilon (`epsilon_minsep`).
+        verified: whether the Monte Carlo verification passed (False: the formal fallback was released).
+        fallback: the unamplified fallback's value; estimate: the Monte Carlo estimate.
+        ladder, outcomes, samples_used: the candidates tried, from the lowest, and their verifications.
+        samples, estimate_samples: the sample budgets.
+        mechanism_delta, failure_probability, overall_delta: delta*, q, and the guarantee's delta.
+        attempts: runs of this same calibration in the attempts ledger, this one included.
+        reductions: the variance reductions used, per direction.
+
+    Returns:
+        The release's immutable record; `report(sigma_fixed)` is what the outputs state of it.
+
+    Raises:
+        Nothing: `calibrate_minsep` and `epsilon_minsep` make it.
+
+    Example:
+        >>> from madp.accounting import MinSepProcess, calibrate_minsep, coefficients
+        >>> process = MinSepProcess(20, 4, 0.1, 1, tuple(coefficients("sqrt", 20, 2)))
+        >>> release = calibrate_minsep(process, epsilon=4.0, delta=1e-3, seed=0)
+        >>> release.verified, release.value < release.fallback  # amplification: less noise than unamplified
+        (True, True)
+    """
 
     value: float
     verified: bool  # False: the formally accounted fallback was released
@@ -216,7 +240,34 @@ def calibrate_minsep(
 ) -> MinSepRelease:
     """Algorithm 5: the smallest verified noise multiplier for (epsilon, delta). The fallback, released
     when no candidate verifies, is `fallback` (default: unamplified BandMF) calibrated formally at
-    delta*, as Theorem A.1 needs. Verification by betting tests in both directions."""
+    delta*, as Theorem A.1 needs. Verification by betting tests in both directions. Each run is entered
+    in the attempts ledger (`attempts_ledger`: $MADP_ATTEMPTS_LEDGER, else ~/.madp/), since choosing
+    among runs multiplies the failure probability.
+
+    Args:
+        process: the participation process (`MinSepProcess`).
+        epsilon: the target epsilon.
+        delta: the guarantee's delta (delta* and q are shares of it).
+        samples: the most samples one verification draws per direction (None: 4x what the test needs).
+        seed: the seed of the Monte Carlo samples (public).
+        workers: worker processes.
+        remote: a map of the Monte Carlo chunks onto other workers (Beam's, a GPU's; None: local).
+        fallback: the formally accounted mechanism released where verification fails.
+
+    Returns:
+        A `MinSepRelease` whose value is sigma.
+
+    Raises:
+        madp.core.errors.InputError: a target or delta out of range, or a fallback that cannot be
+            calibrated.
+
+    Example:
+        >>> from madp.accounting import MinSepProcess, calibrate_minsep, coefficients
+        >>> process = MinSepProcess(20, 4, 0.1, 1, tuple(coefficients("sqrt", 20, 2)))
+        >>> release = calibrate_minsep(process, epsilon=4.0, delta=1e-3, seed=0)
+        >>> release.verified, round(release.value, 2), round(release.fallback, 2)
+        (True, 0.72, 1.84)
+    """
     mechanism = fallback or unamplified(process)
     return _release(
         process,
@@ -246,7 +297,31 @@ def epsilon_minsep(
     """The smallest epsilon that verifies at `noise_multiplier` (fallback: the formal epsilon of `fallback`,
     default unamplified BandMF, at delta*). Sigma is fixed, so this is no Algorithm 5 release but a
     verified claim: a false epsilon is returned only if a false candidate passes, probability < q; the
-    result states (epsilon, delta*) with that failure probability."""
+    result states (epsilon, delta*) with that failure probability.
+
+    Args:
+        process: the participation process (`MinSepProcess`).
+        noise_multiplier: sigma.
+        delta: the guarantee's delta.
+        samples: the most samples one verification draws per direction (None: 4x what the test needs).
+        seed: the seed of the Monte Carlo samples (public).
+        workers: worker processes.
+        remote: a map of the Monte Carlo chunks onto other workers (None: local).
+        fallback: the formally accounted mechanism whose epsilon is released where verification fails.
+
+    Returns:
+        A `MinSepRelease` whose value is epsilon.
+
+    Raises:
+        madp.core.errors.InputError: sigma or delta out of range.
+
+    Example:
+        >>> from madp.accounting import MinSepProcess, coefficients, epsilon_minsep
+        >>> process = MinSepProcess(20, 4, 0.1, 1, tuple(coefficients("sqrt", 20, 2)))
+        >>> release = epsilon_minsep(process, noise_multiplier=2.0, delta=1e-3, seed=0)
+        >>> release.verified, round(release.value, 2), round(release.fallback, 2)
+        (True, 0.71, 3.61)
+    """
     mechanism = fallback or unamplified(process)
     return _release(
         process,

@@ -56,7 +56,27 @@ def check_contributions(max_contributions: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DpSgd:
-    """Example-level Poisson sampling, up to `max_contributions` records per user."""
+    """DP-SGD with example-level Poisson sampling, up to `max_contributions` records per user: each step is
+    the mixture of Gaussians with sensitivity j ~ Binomial(k, q), self-composed over the steps.
+
+    Args:
+        sampling_prob: q, the probability that a step samples a record (`sampling_probability`).
+        steps: T, the training steps.
+        max_contributions: k, the records one user has at most (the bound of `madp.bound`).
+
+    Returns:
+        The mechanism's immutable description; `event(sigma)` is its dp_accounting event, which
+        `calibrate`, `epsilon` and `composed_epsilon` account.
+
+    Raises:
+        madp.core.errors.InputError: q outside (0, 1], T or k not an integer >= 1.
+
+    Example:
+        >>> from madp.accounting import DpSgd, epsilon, sampling_probability
+        >>> mechanism = DpSgd(sampling_probability(64, 10_000), steps=100, max_contributions=2)
+        >>> round(epsilon(mechanism, noise_multiplier=1.0, delta=1e-5), 2)
+        0.97
+    """
 
     sampling_prob: float
     steps: int
@@ -81,7 +101,23 @@ class DpSgd:
 
 @dataclasses.dataclass(frozen=True)
 class DpSgdUls:
-    """User-level Poisson sampling: each step samples users, one clipped gradient per user."""
+    """DP-SGD with user-level Poisson sampling: each step samples users, one clipped gradient per user.
+
+    Args:
+        user_sampling_prob: the probability that a step samples a user.
+        steps: T, the training steps.
+
+    Returns:
+        The mechanism's immutable description; `event(sigma)` is its dp_accounting event.
+
+    Raises:
+        madp.core.errors.InputError: a probability outside (0, 1], T not an integer >= 1.
+
+    Example:
+        >>> from madp.accounting import DpSgdUls, epsilon
+        >>> round(epsilon(DpSgdUls(user_sampling_prob=0.01, steps=100), noise_multiplier=1.0, delta=1e-5), 2)
+        0.72
+    """
 
     user_sampling_prob: float
     steps: int
@@ -99,7 +135,28 @@ class DpSgdUls:
 
 @dataclasses.dataclass(frozen=True)
 class BandMf:
-    """Unamplified BandMF on (k, b)-min-sep batches with strategy bands `coefficients`."""
+    """BandMF without amplification on (k, b)-min-sep batches (`madp.batch` with min_sep b), with the
+    strategy bands `coefficients`: one Gaussian mechanism whose sensitivity is `sensitivity`.
+
+    Args:
+        steps: T, the training steps.
+        min_sep: b, the steps between two participations of a user (at least the bands).
+        max_participations: k, the steps a user takes part in at most (at most ceil(T / b)).
+        coefficients: the bands of C (`coefficients`), normalized to unit norm.
+        records_per_step: the records of one user in one step at most.
+
+    Returns:
+        The mechanism's immutable description; `event(sigma)` is its dp_accounting event.
+
+    Raises:
+        madp.core.errors.InputError: more bands than b, k out of [1, ceil(T / b)], a count not an integer.
+
+    Example:
+        >>> from madp.accounting import BandMf, coefficients, epsilon
+        >>> mechanism = BandMf(100, min_sep=10, max_participations=10, coefficients=coefficients("sqrt", 100, 4))
+        >>> round(mechanism.sensitivity, 3), round(epsilon(mechanism, noise_multiplier=4.0, delta=1e-5), 2)
+        (3.162, 3.34)
+    """
 
     steps: int
     min_sep: int
@@ -151,6 +208,24 @@ class BandMfCyclic:
     probability `sampling_prob`. An example of the first subset can take part in steps 0, b, 2b,
     ...: ceil(T / b) chances whose rows of C (at most b bands) do not overlap, so the mechanism is
     ceil(T / b) Poisson-subsampled Gaussians with sensitivity one column norm of C.
+
+    Args:
+        sampling_prob: the probability that a step samples an example of its subset.
+        steps: T, the training steps.
+        min_sep: b, the subsets (at least the bands).
+        coefficients: the bands of C (`coefficients`).
+
+    Returns:
+        The mechanism's immutable description; `event(sigma)` is its dp_accounting event.
+
+    Raises:
+        madp.core.errors.InputError: a probability outside (0, 1], more bands than b, T not an integer >= 1.
+
+    Example:
+        >>> from madp.accounting import BandMfCyclic, coefficients, epsilon
+        >>> mechanism = BandMfCyclic(0.1, steps=100, min_sep=4, coefficients=coefficients("sqrt", 100, 4))
+        >>> round(epsilon(mechanism, noise_multiplier=2.0, delta=1e-5), 2)
+        1.19
     """
 
     sampling_prob: float
@@ -176,7 +251,23 @@ Mechanism = DpSgd | DpSgdUls | BandMf | BandMfCyclic
 
 
 def sampling_probability(batch_size: float, dataset_size: int) -> float:
-    """Poisson sampling probability that gives `batch_size` expected rows out of `dataset_size`."""
+    """The Poisson sampling probability that gives `batch_size` expected rows out of `dataset_size`.
+
+    Args:
+        batch_size: the expected rows of a step.
+        dataset_size: the rows sampled from.
+
+    Returns:
+        batch_size / dataset_size.
+
+    Raises:
+        madp.core.errors.InputError: a batch size outside (0, dataset_size], or no rows.
+
+    Example:
+        >>> from madp.accounting import sampling_probability
+        >>> sampling_probability(64, 10_000)
+        0.0064
+    """
     if dataset_size < 1 or not 0 < batch_size <= dataset_size:
         raise OptionError("{batch_size} must be in (0, {dataset_size}], got {0} of {1}", batch_size, dataset_size)
     return batch_size / dataset_size

@@ -50,7 +50,30 @@ DIRECTIONS = ("P", "Q")
 
 @dataclasses.dataclass(frozen=True)
 class MinSepProcess:
-    """One user's participation process: T steps, min-sep b, probability p, up to k_u records."""
+    """One user's participation process under b-min-sep Poisson sampling with BandMF: T steps, min-sep b,
+    probability p, up to k_u records, and the bands of C; what the Monte Carlo accountant samples.
+
+    Args:
+        steps: T, the training steps.
+        min_sep: b, the steps between two participations of a user (at least the bands).
+        sampling_prob: p, the probability that a step samples an eligible record (the batch report's).
+        max_contributions: k_u, the records of one user (the bound of `madp.bound`).
+        coefficients: the bands of C (`coefficients`), non-negative (amplification needs it).
+
+    Returns:
+        The process's immutable description, for `calibrate_minsep` and `epsilon_minsep`.
+
+    Raises:
+        madp.core.errors.InputError: parameters out of range, more bands than b, or bands with negative
+            entries.
+
+    Example:
+        >>> from madp.accounting import MinSepProcess, coefficients
+        >>> process = MinSepProcess(20, min_sep=4, sampling_prob=0.1, max_contributions=1,
+        ...                         coefficients=tuple(coefficients("sqrt", 20, 2)))
+        >>> process.count_log_probs.round(4).tolist()  # log P(j records sampled), j = 0..k_u
+        [-0.1054, -2.3026]
+    """
 
     steps: int
     min_sep: int

@@ -40,6 +40,21 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
     C^-1 is lower-triangular Toeplitz with first column d (an IIR filter of the bands), so
     B = A C^-1 is Toeplitz with first column D = cumsum(d) and ||B||_F^2 = sum_n (T - n) D_n^2.
     Refused, before allocating, where those arrays would not fit in half of this machine's memory.
+
+    Args:
+        coefficients: the bands of C (`coefficients`).
+        steps: T.
+
+    Returns:
+        The error per step, in units of sigma^2 (one band, DP-SGD's noise: (T + 1) / 2).
+
+    Raises:
+        madp.core.errors.InputError: arrays of T entries that would not fit in memory.
+
+    Example:
+        >>> from madp.accounting import coefficients, prefix_sum_mse
+        >>> [round(prefix_sum_mse(coefficients("sqrt", 100, bands), 100), 1) for bands in (1, 4)]
+        [50.5, 16.8]
     """
     check_memory(
         steps * MSE_BYTES_PER_STEP,
@@ -65,6 +80,25 @@ def optimized_coefficients(steps: int, bands: int) -> np.ndarray:
 
 
 def coefficients(strategy: str, steps: int, bands: int) -> np.ndarray:
+    """The bands of a BandMF strategy matrix C, normalized to unit norm (one participation: sensitivity 1).
+
+    Args:
+        strategy: "sqrt" (the banded square root of the prefix-sum matrix) or "optimized" (the banded
+            Toeplitz C of least prefix-sum error for `steps`, found by L-BFGS).
+        steps: T, the training steps.
+        bands: the bands of C, in [1, T] (1: DP-SGD's independent noise).
+
+    Returns:
+        The bands c_0..c_{bands-1}, a float64 array.
+
+    Raises:
+        madp.core.errors.InputError: an unknown strategy, or T or bands out of range.
+
+    Example:
+        >>> from madp.accounting import coefficients
+        >>> coefficients("sqrt", steps=100, bands=3).round(3).tolist()
+        [0.848, 0.424, 0.318]
+    """
     check_bands(steps, bands)
     if strategy == "sqrt":
         return sqrt_coefficients(bands)

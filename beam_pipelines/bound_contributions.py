@@ -43,6 +43,28 @@ RECORDS, SELECTED = "records", "selected"
 
 
 class BoundSelection(typing.NamedTuple):
+    """What `BoundContributions` gives: the selection's shards and what the bounding counted.
+
+    Args:
+        shards: (output shard, pyarrow table of id and copies) elements, every shard at least once; none
+            until the algorithm is done (`control`).
+        shard_count: one int, the output shards.
+        rejects: the `Rejects` of duplicated ids (with extractors, of rows that are not valid records).
+        stats: (name, count) elements, to be summed ("max_" ones maxed).
+        control: one `madp.core.bounding.Control`: the rounds and passes run, and what is left.
+
+    Returns:
+        A NamedTuple of those PCollections (unpack it, or read its fields by name).
+
+    Raises:
+        Nothing itself; the pipeline raises what its steps meet.
+
+    Example::
+
+        bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
+        _ = bound.shards | beam.MapTuple(lambda shard, table: write_my_shard(shard, table))
+    """
+
     shards: beam.PCollection  # (output shard, table of id and copies), every shard at least once; none until done
     shard_count: beam.PCollection  # one int: the output shards (`BoundOptions.shards` of the valid input records)
     rejects: beam.PCollection  # Rejects of duplicated ids (and with extractors, of rows that are not valid records)
@@ -83,8 +105,30 @@ class _FinishRecords(beam.DoFn):
 
 
 class BoundContributions(beam.PTransform):
-    """(file index, RecordChunk) -> BoundSelection, or with `extractors` one's own rows ->
-    BoundSelection; see the module's description for the contract.
+    """Contribution bounding as one transform: (file index, RecordChunk) -> BoundSelection, or with
+    `extractors` one's own rows -> BoundSelection; the module's description gives the contract.
+
+    Args:
+        options: the bounding's options (`madp.core.selection.BoundOptions`: max_contributions, order,
+            seed, duplicates, ...); `group_sizes` set where order is "alternate".
+        partitions: record and user partitions (several per worker core).
+        rounds: iterations unrolled in this pipeline.
+        local_finish_incidences: one worker finishes once at most this many undecided incidences are left.
+        capacities: per-user bounds overriding max_contributions (`madp.core.bounding.Capacities`).
+        control: where an earlier run of the pipeline stopped (None: from the start).
+        resume_from: that run's `state_dir`.
+        state_dir: where the selection so far is written should the rounds not finish here.
+        rejected_before: `Rejects` of rows dropped upstream (on_invalid "error" stops on any).
+        output: the output's name in errors.
+        errors_dir: where an InputError a step meets is kept for the driver.
+        extractors: `RecordExtractors` to read records out of one's own rows (None: the input is chunks).
+
+    Returns:
+        Applied to its input, a `BoundSelection`.
+
+    Raises:
+        madp.core.errors.InputError: order "alternate" without group_sizes, order "weight" with
+            extractors that give no weight; in the pipeline, what the input's rules refuse.
 
     Examples, in a pipeline of one's own::
 

@@ -35,6 +35,26 @@ from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
 
 
 class SampledBatches(typing.NamedTuple):
+    """What `MinSepSample` gives: each batch file's rows, and what the sampling found.
+
+    Args:
+        rows: (batch file index, FileRows) elements, every file of the options.
+        content: one {column: {"dtype", "shape"}} dict, the content's description (the batches' schema).
+        rejects: the `Rejects` of rows dropped here (duplicated ids, invalid content under skip).
+        stats: (name, value) elements for the report.
+
+    Returns:
+        A NamedTuple of those PCollections (unpack it, or read its fields by name).
+
+    Raises:
+        Nothing itself; the pipeline raises what its steps meet.
+
+    Example::
+
+        batches = (records, selection) | MinSepSample(BatchOptions(steps=1000, batch_size=256, min_sep=8), 64)
+        _ = batches.rows | beam.MapTuple(lambda index, rows: write_my_file(index, rows))
+    """
+
     rows: beam.PCollection  # (batch file index, FileRows), every file of the options
     content: beam.PCollection  # one {column: {"dtype", "shape"}}: the content's description
     rejects: beam.PCollection  # Rejects of rows dropped here (duplicated ids, invalid content under skip)
@@ -61,14 +81,40 @@ def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: s
 
 
 class MinSepSample(beam.PTransform):
-    """(records, selection) -> SampledBatches: each batch file's rows, the content's description,
-    the rows rejected here and the summary values. The records are (file index, RecordChunk)
-    elements, or with `extractors` one's own rows, whose content is `content_extractor`'s (the
-    batch files' columns besides id, step and weight). `data` and `output` only name the records and the
-    output (where `--on-invalid skip` puts rejected rows) in errors. With `bound` (a `madp bound`
-    output's graph, `batching.bound_graph`), records whose graph is not the bounded one stop the run
-    before p is calibrated; a selection made in the same pipeline needs no such check. With
-    `errors_dir`, an InputError one of its steps meets is kept there for the driver (`pipeline.run`)."""
+    """b-min-sep Poisson sampling as one transform: (records, selection) -> SampledBatches, each batch
+    file's rows, the content's description, the rows rejected here and the summary values. The records
+    are (file index, RecordChunk) elements, or with `extractors` one's own rows, whose content is
+    `content_extractor`'s (the batch files' columns besides id, step and weight). p is calibrated on the
+    units' |N(e)| histogram in the same pipeline, and the sampling takes it as a side input.
+
+    Args:
+        options: the batching's options (`madp.engines.batching.BatchOptions`, sampler "minsep"): steps,
+            batch_size, min_sep, max_batch_size, seed (None: a fresh secret key), ...
+        partitions: record and user partitions.
+        rejected_before: `Rejects` of rows dropped upstream.
+        data: the records' name in errors.
+        output: the output's name in errors (where on_invalid "skip" puts rejected rows).
+        bound: a `madp bound` output's graph (`batching.bound_graph`): records whose graph is not the
+            bounded one stop the run before p is calibrated; a selection made in the same pipeline needs
+            no such check.
+        errors_dir: where an InputError a step meets is kept for the driver (`pipeline.run`).
+        extractors: `RecordExtractors` with a content_extractor, to read records out of one's own rows.
+
+    Returns:
+        Applied to (records, selection), where the selection is (shard, table of id and copies) elements
+        as `BoundSelection.shards` gives them, a `SampledBatches`.
+
+    Raises:
+        ValueError: a sampler other than "minsep".
+        madp.core.errors.InputError: extractors without a content_extractor; in the pipeline, invalid
+            rows (on_invalid "error"), another graph than `bound`, a batch size the units cannot reach.
+
+    Example::
+
+        chunks, rejects, _ = pipeline | ReadRecords(paths, Columns(), content=OTHER_COLUMNS)
+        bound = chunks | BoundContributions(BoundOptions(max_contributions=4), partitions=64)
+        batches = (chunks, bound.shards) | MinSepSample(BatchOptions(steps=1000, batch_size=256, min_sep=8), 64)
+    """
 
     def __init__(
         self,

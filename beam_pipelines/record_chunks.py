@@ -197,7 +197,27 @@ class ReadRecords(beam.PTransform):
     batch`, through Beam's FileSystems: a file larger than `--input-split-bytes` (an option of the
     pipeline) is read in splits by as many workers, with the same rows, row numbers and results as
     whole (`madp.core.input_splits`). The records go on once the rules over whole files and the whole
-    input hold (mixed id types, a record column in no row, content types)."""
+    input hold (mixed id types, a record column in no row, content types).
+
+    Args:
+        files: the input files (.jsonl, .jsonl.gz, .parquet; local or any file system Beam reads).
+        columns: where a row's id, users and weight are (`madp.core.records.Columns`).
+        errors_dir: where an InputError a step meets is kept for the driver.
+        content: the content columns to carry (`record_reading.OTHER_COLUMNS`: all but the record's; None:
+            none, as bounding reads).
+
+    Returns:
+        Applied to a pipeline, (chunks, rejects, stats): (file index, RecordChunk) elements, the `Rejects`
+        of invalid rows, and (name, count) elements.
+
+    Raises:
+        madp.core.errors.InputError: in the pipeline, an unreadable file or a rule of the whole input
+            broken (invalid rows are rejects, which `BoundContributions` stops on under on_invalid "error").
+
+    Example::
+
+        chunks, rejects, _ = pipeline | ReadRecords(["gs://bucket/records.parquet"], Columns(id="msg"))
+    """
 
     def __init__(
         self,
@@ -239,6 +259,21 @@ class RecordExtractors(typing.NamedTuple):
     weight (`--order weight`) and, for batching, its content (a {column: value} dict of what the batch
     files carry: numbers, strings, lists of them; numpy values are taken as their lists). A row whose
     values are not valid is rejected with the reason a JSON Lines input row would have (README, Input).
+
+    Args:
+        id_extractor: a row's id (an int or a str).
+        users_extractor: a row's users (a list of ints or strs).
+        weight_extractor: a row's weight, for order "weight" (None: none).
+        content_extractor: a row's content, for batching (None: none).
+        user_ids: how string user ids are read ("email", "as-is"; None: an id that may name one person
+            twice is an error).
+
+    Returns:
+        The extractors, for `RecordsFromRows`, `BoundContributions` and `MinSepSample`.
+
+    Raises:
+        madp.core.errors.InputError: in the pipeline, an extractor that fails on a row (naming it and
+            the row); a row whose values are invalid is a reject.
 
     Example (an email: its sender and recipients are its users)::
 
@@ -342,6 +377,18 @@ class RecordsFromRows(beam.PTransform):
     extractors themselves. Chunks for `BoundContributions` are read without content (no
     `content_extractor`, as the bounding reads files): under `on_invalid="skip"` a row whose content
     is invalid is rejected, and content must not decide which records are kept.
+
+    Args:
+        extractors: how to read a record out of a row (`RecordExtractors`).
+        chunks: the chunks the rows go to, in [1, 2^20).
+        errors_dir: where an InputError a step meets is kept for the driver.
+
+    Returns:
+        Applied to the rows, (chunks, rejects, stats): (chunk index, RecordChunk) elements, the
+        `Rejects` of rows that are not valid records, and (name, count) elements.
+
+    Raises:
+        madp.core.errors.InputError: chunks out of range; in the pipeline, an extractor that fails.
 
     Example::
 

@@ -1,4 +1,6 @@
-"""Shared helpers: small graphs written as input files."""
+"""Shared helpers of the suite (small graphs written as input files, crashes, snapshots) and its layout:
+tests/ mirrors the packages (core, accounting, beam, training, tools); properties/ holds the guarantee,
+hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs."""
 
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Test modules import shared helpers (`from conftest import ...`, `from reference import ...`) and each
+# other's (`from test_batching import rows_of`) by their file's name, the name pytest imports them under
+# (test folders are not packages, and file names are unique across them).
+SUITES = ("core", "accounting", "beam", "training", "tools", "properties", "e2e")
+sys.path[:0] = [TESTS, *(os.path.join(TESTS, suite) for suite in SUITES)]
+ROOT = os.path.dirname(TESTS)  # the repository
+DATA = os.path.join(TESTS, "data")  # fixture files
 # As madp.training.load_tensorflow sets it, for the test modules that import Keras 3 (and with it
 # TensorFlow) before madp: TensorFlow reads it when it is imported.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")

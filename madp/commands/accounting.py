@@ -6,10 +6,11 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import LOCAL, Family, add_options, local_takes_no_beam_options, options_from
+from madp.commands.registry import Family, add_options, options_from
 from madp.core.errors import InputError
 from madp.core.options import seed_argument
 from madp.core.records import ColumnOptions
+from madp.stages.arguments import LOCAL, refuse_beam_options_locally
 
 log = logging.getLogger("madp")
 
@@ -241,7 +242,7 @@ def _minsep(args: argparse.Namespace, beam_args: list[str]) -> dict:
     bands = _bands(args)
     process = MinSepProcess(args.steps, args.min_sep, args.sampling_prob, args.max_contributions, bands)
     k_u = args.max_contributions
-    local_takes_no_beam_options(args, beam_args)
+    refuse_beam_options_locally(args.runner, beam_args)
     remote: RemoteMap | None = None
     if args.runner == CUDA:
         if beam_args:
@@ -322,18 +323,10 @@ def _accounting(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     """The sweep as JSON on stdout, its table on stderr; with --write-config, the job of the recommended k."""
-    import os
     import sys
 
-    from madp.tools.recommend import (
-        Sweep,
-        job_config,
-        recommend,
-        table,
-        train_section,
-        write_config,
-        write_sweep,
-    )
+    from madp.stages.recommending import job_config_of, run_recommend_k
+    from madp.tools.recommend import Sweep, table
 
     try:
         ks = tuple(int(k) for k in args.k.split(",") if k.strip())
@@ -355,34 +348,10 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
         options_from(ColumnOptions, args).columns,
         args.truncation_share,
     )
-    written = (args.run_dir, args.model, args.labels, args.text_column, args.label_column)
-    if args.write_config is None and written != (None, None, None, None, "label"):
-        raise InputError(
-            "--run-dir, --model, --labels, --label-column and --text-column describe the config --write-config "
-            "writes: give it"
-        )
-    train = (
-        train_section(args.input, sweep.columns, args.model, args.labels, args.label_column, args.text_column)
-        if args.write_config
-        else None
+    config = job_config_of(
+        args.write_config, args.run_dir, args.model, args.labels, args.label_column, args.text_column
     )
-    result = recommend(args.input, sweep)
-    print(table(result), file=sys.stderr)
-    if args.write_config is None:
-        return result
-    if result["recommended_k"] is None:
-        result.update(ok=False, config=None)
-        log.error("--write-config %s: not written, no swept k is feasible (see the problems above)", args.write_config)
-        return result
-    path = os.path.abspath(args.write_config)
-    run_dir = args.run_dir or os.path.splitext(path)[0] + "-output"
-    data = args.input if "://" in args.input else os.path.abspath(args.input)
-    assert train is not None
-    write_config(path, job_config(result, sweep, data, run_dir, train), result)
-    result["config"] = path
-    write_sweep(run_dir, result)  # `madp report` of the run plots it
-    log.info("wrote %s: `madp run %s` runs the job of k = %d", path, args.write_config, result["recommended_k"])
-    return result
+    return run_recommend_k(args.input, sweep, config, show=lambda result: print(table(result), file=sys.stderr))
 
 
 FAMILY = Family(

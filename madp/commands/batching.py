@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from madp.commands.registry import LOCAL, Family, add_options, local_takes_no_beam_options, options_from
+from madp.commands.registry import Family, add_options, options_from
 from madp.core.records import ColumnOptions
 from madp.engines.batching import BatchOptions
 
@@ -53,33 +53,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """The batch report as printed: batch sizes without the per-step lists (they stay in report.json)."""
-    result = _run_batch(args, beam_args)
+    from madp.stages.batching import run_batch
+
+    result = run_batch(args.selected, args.data, args.output, options_from(BatchOptions, args), args.runner, beam_args)
     for sizes in ("batch_sizes", "written_batch_sizes"):
         result[sizes] = {k: v for k, v in result[sizes].items() if k != "per_step"}
     return result
-
-
-def _run_batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    options = options_from(BatchOptions, args)
-    local_takes_no_beam_options(args, beam_args)
-    if args.runner == LOCAL:
-        from madp.engines.batch_local import run_local
-
-        return run_local(args.selected, args.data, args.output, options)
-    from madp.engines.batch_local import BYTES_PER_SAMPLE
-    from madp.engines.direct_runner import check_direct_runner_memory
-
-    beam_args = ["--runner", args.runner, *beam_args]
-    rows = float(options.sampled_steps) * options.batch_size  # the local engine's estimate, as it samples
-    check_direct_runner_memory(  # before Beam is imported
-        beam_args,
-        "madp batch",
-        rows * BYTES_PER_SAMPLE,
-        f"--steps {options.steps} with --batch-size {options.batch_size:g} sampling about {rows:.3g} rows",
-    )
-    from madp.beam.batch import run_beam
-
-    return run_beam(args.selected, args.data, args.output, options, beam_args)
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from madp.commands.registry import LOCAL, Family, add_options, local_takes_no_beam_options, options_from
+from madp.commands.registry import Family, add_options, options_from
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 
@@ -42,24 +42,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """The bound's report as printed: without its per-round statistics (they stay in report.json)."""
-    result = _run_bound(args, beam_args)
+    from madp.stages.bounding import run_bound
+
+    result = run_bound(args.input, args.output, options_from(BoundOptions, args), args.runner, beam_args)
     return {k: v for k, v in result.items() if k != "per_round"}
-
-
-def _run_bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    options = options_from(BoundOptions, args)
-    local_takes_no_beam_options(args, beam_args)
-    if args.runner == LOCAL:
-        from madp.engines.local_engine import run_local
-
-        return run_local(args.input, args.output, options)
-    from madp.engines.direct_runner import check_direct_runner_memory
-
-    beam_args = ["--runner", args.runner, *beam_args]
-    check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
-    from madp.beam.bound import run_beam
-
-    return run_beam(args.input, args.output, options, beam_args)
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 from madp.core.errors import InputError, OptionError
 from madp.core.options import declared, flag_of
 
-LOCAL = "local"
 Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
 
@@ -138,10 +137,3 @@ def build_parser(families: tuple[Family, ...], description: str) -> Parser:
         family.update({name: each for name in each.handlers})
     parser.commands, parser.family = commands.choices, family
     return parser
-
-
-def local_takes_no_beam_options(args: argparse.Namespace, beam_args: list[str]) -> None:
-    """--runner local runs in this process: a Beam option (madp's --partitions among them) is a mistake
-    to report, not to drop."""
-    if args.runner == LOCAL and beam_args:
-        raise InputError(f"--runner local takes no Beam options (got {' '.join(beam_args)})")

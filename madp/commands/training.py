@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import json
 
 from madp.commands.registry import Family, add_options, options_from
 from madp.training.options import TrainOptions
@@ -19,25 +17,17 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.training.trainer import train
+    from madp.stages.training import run_train
 
-    return train(args.batches, args.output, options_from(TrainOptions, args))
+    return run_train(args.batches, args.output, options_from(TrainOptions, args))
 
 
 def calibrate_batches(args: argparse.Namespace) -> dict:
-    """The privacy plan of training on args.batches with args' privacy options, written to args.output."""
-    from madp.core import storage
-    from madp.training.batches import open_batches
-    from madp.training.plan import NOT_PRIVATE, epsilon_curve, privacy_plan
+    """The privacy plan of training on args.batches with args' privacy options, written to args.output: the
+    calibrate stage of `madp run`, which parses it as a `madp train` command."""
+    from madp.stages.calibrating import calibration_json, run_calibrate
 
-    plan = privacy_plan(open_batches(args.batches), options_from(TrainOptions, args))
-    stated = (
-        {**NOT_PRIVATE, "epsilon_curve": []}  # no plan: no curve either
-        if plan is None
-        else dataclasses.replace(plan, epsilon_curve=epsilon_curve(plan)).to_json()
-    )
-    storage.write_text(args.output, json.dumps(stated, indent=2))
-    return stated
+    return calibration_json(run_calibrate(args.batches, args.output, options_from(TrainOptions, args)))
 
 
 FAMILY = Family(add_parsers, {"train": _train}, {"train": functools.partial(options_from, TrainOptions)})

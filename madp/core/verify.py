@@ -7,7 +7,7 @@ participations, sizes).
 Deliberately shares no code with the reader, the kernels, the engines or the batch writer: it
 re-reads the input with plain pyarrow / json, the batches with protobuf, and counts contributions
 with Python dictionaries. One file on purpose: it imports no other module of madp
-(`tests/test_import_graph.py` checks it), so it is the whole of what a reviewer reads to trust the
+(`tests/properties/test_import_graph.py` checks it), so it is the whole of what a reviewer reads to trust the
 two verifiers.
 """
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from madp.commands.registry import LOCAL, Parser
+from madp.commands.registry import Parser
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.record_reading import missing_columns
 from madp.core.records import list_input_files
 from madp.core.selection import BoundOptions
 from madp.jobs.run_plan import Stage
+from madp.stages.arguments import LOCAL
 from madp.tools.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
 from madp.training.options import TrainOptions
 

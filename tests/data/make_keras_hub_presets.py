@@ -1,4 +1,4 @@
-"""Writes the keras-hub preset fixtures of tests/test_pretrained.py, with keras-hub itself: two tiny
+"""Writes the keras-hub preset fixtures of tests/training/test_pretrained.py, with keras-hub itself: two tiny
 random Llama models saved by `save_to_preset` (`keras_hub_llama`: LlamaBackbone, 2 blocks, tied
 embeddings; `keras_hub_llama3`: Llama3Backbone, 11 blocks, a separate LM head), each with a
 Llama3Tokenizer of a small byte-level BPE vocabulary, and beside them `expected.json`: keras-hub's
@@ -24,7 +24,11 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]
+sys.path[:0] = [
+    os.path.dirname(os.path.dirname(HERE)),
+    os.path.dirname(HERE),
+    os.path.join(os.path.dirname(HERE), "training"),
+]
 from test_pretrained import learn_merges  # noqa: E402
 
 from madp.training import pretrained  # noqa: E402

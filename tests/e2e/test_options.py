@@ -9,6 +9,7 @@ import os
 import pickle
 
 import pytest
+from conftest import ROOT
 
 from madp.accounting.mechanisms import DpSgd
 from madp.cli import main, parser
@@ -22,7 +23,6 @@ from madp.engines.batching import BatchOptions
 from madp.jobs.run_plan import CALIBRATE_KEYS, HOW_ONLY
 from madp.training.options import TrainOptions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_OPTIONS = {BoundOptions: {"group_sizes"}}  # the engines' count of the two groups of --order alternate
 REQUIRED = {  # each command's positional arguments and required options (train's: a privacy option)
     "bound": ["IN", "OUT", "-k", "2"],

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from conftest import write_records
+from conftest import DATA, write_records
 
 from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
@@ -18,8 +18,6 @@ from madp.engines.local_engine import run_local as bound_local
 from madp.training.batches import open_batches
 from madp.training.options import TrainOptions
 from madp.training.plan import NOT_PRIVATE, PrivacyPlan, composition, privacy_plan, stated_plan, to_json
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 @pytest.mark.parametrize("name", ["privacy_composed.json", "calibration_monte_carlo.json"])

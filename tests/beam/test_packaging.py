@@ -12,8 +12,7 @@ import tarfile
 import zipfile
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 @pytest.mark.slow

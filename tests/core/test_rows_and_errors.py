@@ -18,14 +18,13 @@ from inspect import signature
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import reseal_selection, write_records
+from conftest import ROOT, reseal_selection, write_records
 
 from madp.cli import main
 from madp.core import storage
 from madp.core.verify import verify_batches
 
 LOCAL = ["--runner", "local"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(capsys, *args) -> tuple[int, dict | None, str]:

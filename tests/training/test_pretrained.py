@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import DATA
 from reference import gpt2_byte_symbols, reference_bpe_tokens
 
 pytest.importorskip("tensorflow")
@@ -445,14 +446,12 @@ def test_causal_attention_ignores_later_tokens(tiny):
 
 # --- keras-hub presets ---------------------------------------------------------------------------
 
-PRESETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-
 
 @pytest.mark.parametrize("name, layers, tied", [("keras_hub_llama", 2, True), ("keras_hub_llama3", 11, False)])
 def test_a_keras_hub_preset_computes_what_keras_hub_computes(name, layers, tied):
     """keras-hub wrote these presets, and beside them its logits for fixed ids and its token ids for
     test strings (tests/data/make_keras_hub_presets.py); madp reads them without keras-hub."""
-    path = os.path.join(PRESETS, name)
+    path = os.path.join(DATA, name)
     expected = json.load(open(os.path.join(path, "expected.json"), encoding="utf-8"))
     loaded = pretrained.read_pretrained(path)
     assert (loaded.config.layers, loaded.config.tied_output, loaded.config.context_length) == (layers, tied, None)
@@ -471,7 +470,7 @@ def copied_preset(tmp_path, name: str, edit=None, remove: str | None = None) -> 
     import shutil
 
     path = tmp_path / name
-    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), path)
+    shutil.copytree(os.path.join(DATA, "keras_hub_llama"), path)
     if edit:
         file, change = edit
         value = json.load(open(path / file))
@@ -570,7 +569,7 @@ def test_bad_keras_hub_presets_are_clear_errors(tmp_path):
         pretrained.read_pretrained(transposed)
     (tmp_path / "not-h5").mkdir()
     for file in ("config.json", "tokenizer.json"):
-        (tmp_path / "not-h5" / file).write_text(open(os.path.join(PRESETS, "keras_hub_llama", file)).read())
+        (tmp_path / "not-h5" / file).write_text(open(os.path.join(DATA, "keras_hub_llama", file)).read())
     (tmp_path / "not-h5" / "model.weights.h5").write_text("not HDF5")
     with pytest.raises(InputError, match="model.weights.h5 is not a readable HDF5 file"):
         pretrained.read_pretrained(str(tmp_path / "not-h5"))
@@ -1176,7 +1175,7 @@ def test_a_preset_weight_stored_outside_its_weights_file_is_refused(tmp_path, el
     from madp.training import pretrained
 
     preset = str(tmp_path / "preset")
-    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), preset)
+    shutil.copytree(os.path.join(DATA, "keras_hub_llama"), preset)
     key = "layers/llama_layer_norm/vars/0"
     with h5py.File(os.path.join(preset, "model.weights.h5"), "r+") as store:
         values = store[key][()]
@@ -1199,7 +1198,7 @@ def test_a_preset_is_named_by_the_digest_of_its_files_but_hidden_ones(tmp_path):
     from madp.training.plan import pretrained_is_public
 
     preset = str(tmp_path / "preset")
-    shutil.copytree(os.path.join(PRESETS, "keras_hub_llama"), preset)
+    shutil.copytree(os.path.join(DATA, "keras_hub_llama"), preset)
     named = pretrained_is_public(preset)
     os.makedirs(os.path.join(preset, ".cache", "huggingface"))
     open(os.path.join(preset, ".cache", "huggingface", "config.json.metadata"), "w").write("etag")
@@ -1216,7 +1215,7 @@ def test_the_command_line_takes_pretrained(text_batches, tmp_path, capsys):
     assert main(["-q", "train", batches, out, "--model", "causal-lm", "--mechanism", "none",
                  "--pretrained", str(tmp_path / "nothing.gguf")]) != 0  # fmt: skip
     assert "nothing.gguf: no such file" in capsys.readouterr().err
-    preset = os.path.join(PRESETS, "keras_hub_llama")  # a keras-hub preset, fine-tuned with DP-SGD and LoRA
+    preset = os.path.join(DATA, "keras_hub_llama")  # a keras-hub preset, fine-tuned with DP-SGD and LoRA
     assert main(["-q", "train", batches, out, "--model", "causal-lm", "--pretrained", preset, "--lora-rank", "2",
                  "--max-length", "12", "--noise-multiplier", "0.5", "--noise-seed", "1", "--eval-data", evaluation,
                  "--eval-every", "4"]) == 0  # fmt: skip

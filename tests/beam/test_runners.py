@@ -13,6 +13,7 @@ import os
 import apache_beam as beam
 import pytest
 import yaml
+from conftest import ROOT
 
 from madp.beam.batch import BatchPipeline
 from madp.beam.bound import BoundPipeline
@@ -26,7 +27,6 @@ from madp.jobs.run_plan import load_config, plan_stages
 
 pytestmark = [pytest.mark.beam]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "runners", "*.yaml")))
 
 

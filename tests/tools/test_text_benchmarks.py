@@ -9,10 +9,9 @@ import os
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from madp.training.text import hashed_ngrams
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def benchmark(name: str):

@@ -20,12 +20,11 @@ import time
 import uuid
 
 import pytest
-from conftest import crash_at, write_records
+from conftest import ROOT, crash_at, write_records
 
 from madp.cli import main
 from madp.core import errors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEAM = ["--runner", "DirectRunner", "--direct_running_mode", "in_memory", "--partitions", "3"]
 LIMIT = 150 << 20  # a container's 150 MiB
 

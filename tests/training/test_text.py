@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from conftest import ROOT
+
 from madp.core.errors import InputError  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -40,7 +42,6 @@ from madp.training.queries import clip_and_sum  # noqa: E402
 from madp.training.trainer import tf, tf_keras, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LABELS = ("business", "science", "sports", "travel")
 
 

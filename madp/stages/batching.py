@@ -1,0 +1,97 @@
+"""The batching step: a selection and its records in, the training batches as TFRecords out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from madp.engines.batching import BatchOptions
+from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
+
+
+def batch(
+    selected: str,
+    data: str,
+    output: str,
+    *,
+    runner: str = LOCAL,
+    beam_options: Sequence[str] = (),
+    **options: Any,
+) -> dict[str, Any]:
+    """Materialize the training batches of a selection: which records each step trains on, as TFRecords.
+
+    The step `madp batch` runs (b-min-sep Poisson sampling by default; min-sep greedy batches or user
+    sampling), with `output` held (its lock) while it is written: OUTPUT/batches-*.tfrecord, schema.json
+    and report.json, which `madp.calibrate` and `madp.train` read.
+
+    Args:
+        selected: a `madp.bound` output directory (selected/*.parquet and its report).
+        data: the records that were bounded (the same graph: its digest is checked).
+        output: the directory to write; earlier batches there are replaced once the checks have passed.
+        runner: "local" (the in-memory engine, in this process) or a Beam runner name (DirectRunner,
+            PrismRunner, DataflowRunner, ...).
+        beam_options: Beam's pipeline options, argv-style; none with runner "local".
+        **options: the options of `madp batch` by their snake_case names, the fields of
+            `madp.engines.batching.BatchOptions`: steps (T) and batch_size (B), both required; sampler
+            ("minsep", "minsep-greedy", "users"), min_sep (b), warm_up, max_batch_size (B_max), seed
+            (TESTING ONLY: reproducible, not private; default a fresh secret key), content_columns (a
+            tuple), on_invalid, output_shards, ...
+
+    Returns:
+        The batch report (report.json's content) as a dict: sampler, sampling, sampling_probability,
+        expected_batch_size, steps, batch_sizes and written_batch_sizes (with their per_step lists),
+        participation, files (each with its SHA-256), the bound's record, wall_time_s, ...
+
+    Raises:
+        TypeError: an option that `madp batch` does not have (the error lists those it has).
+        madp.core.errors.InputError: bad options, a selection of another graph than `data`, invalid rows
+            (on_invalid "error"), a sampling that does not fit in memory, an output that overlaps an input
+            or that another madp process is writing; the message names the option, file or row.
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> report = madp.batch(
+        ...     f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches",
+        ...     steps=12, batch_size=8, min_sep=2, seed=0,  # seed: reproducible, NOT private
+        ... )
+        >>> report["steps"], round(report["expected_batch_size"], 6), report["participation"]["min_gap"]
+        (12, 8.0, 2)
+    """
+    batch_options = options_of("batch", BatchOptions, options)
+    with writing(output, (selected, data), "batch"):
+        return run_batch(selected, data, output, batch_options, runner, beam_options)
+
+
+def run_batch(
+    selected: str,
+    data: str,
+    output: str,
+    options: BatchOptions,
+    runner: str = LOCAL,
+    beam_options: Sequence[str] = (),
+) -> dict[str, Any]:
+    """`batch` with its options built (`madp batch` builds them from its arguments), on an output its
+    caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
+    refuse_beam_options_locally(runner, beam_options)
+    if runner == LOCAL:
+        from madp.engines.batch_local import run_local
+
+        return run_local(selected, data, output, options)
+    from madp.engines.batch_local import BYTES_PER_SAMPLE
+    from madp.engines.direct_runner import check_direct_runner_memory
+
+    beam_args = beam_arguments(runner, beam_options)
+    rows = float(options.sampled_steps) * options.batch_size  # the local engine's estimate, as it samples
+    check_direct_runner_memory(  # before Beam is imported
+        beam_args,
+        "madp batch",
+        rows * BYTES_PER_SAMPLE,
+        f"--steps {options.steps} with --batch-size {options.batch_size:g} sampling about {rows:.3g} rows",
+    )
+    from madp.beam.batch import run_beam
+
+    return run_beam(selected, data, output, options, beam_args)

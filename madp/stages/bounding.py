@@ -1,0 +1,78 @@
+"""The bounding step: records in, a selection in which no user exceeds its contribution bound out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from madp.core.selection import BoundOptions
+from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
+
+
+def bound(
+    input: str, output: str, *, runner: str = LOCAL, beam_options: Sequence[str] = (), **options: Any
+) -> dict[str, Any]:
+    """Bound each user's contributions: select records so that no user is in more than its bound of them.
+
+    The step `madp bound` runs (round-based unanimous-proposal bounding), with `output` held (its lock)
+    while it is written. The selection is OUTPUT/selected/*.parquet (id, copies) and OUTPUT/report.json;
+    `madp.batch` samples training batches from it.
+
+    Args:
+        input: the records, a .jsonl/.jsonl.gz/.parquet file or a directory of them (local or a URL Beam
+            reads, gs://...), each with an id and its users.
+        output: the directory to write; an earlier bounding there is replaced once the input has passed
+            its checks.
+        runner: "local" (the in-memory engine, in this process) or a Beam runner name (DirectRunner,
+            PrismRunner, DataflowRunner, ...).
+        beam_options: Beam's pipeline options, argv-style (["--project", "p", "--partitions", "64"]);
+            none with runner "local".
+        **options: the options of `madp bound` by their snake_case names, the fields of
+            `madp.core.selection.BoundOptions`: max_contributions (K, required), order ("arity",
+            "hash", "weight", "alternate"), seed, max_rounds, duplicates, capacities, output_shards,
+            on_invalid ("error", "skip"), ...
+
+    Returns:
+        The bounding report (report.json's content) as a dict: contribution_bound, selected_records,
+        distinct_selected, max_user_contribution, rounds, converged, histograms, selection_files (each
+        with its SHA-256), per_round statistics, wall_time_s, ...
+
+    Raises:
+        TypeError: an option that `madp bound` does not have (the error lists those it has).
+        madp.core.errors.InputError: bad options, input rows (--on-invalid error), an output that
+            overlaps the input or that another madp process is writing; the message names the option,
+            file or row.
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> report = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> report["contribution_bound"], report["max_user_contribution"], report["converged"]
+        (3, 3, True)
+        >>> report["input_records"], report["selected_records"]
+        (400, 368)
+    """
+    bound_options = options_of("bound", BoundOptions, options)
+    with writing(output, (input, bound_options.capacities), "bound"):
+        return run_bound(input, output, bound_options, runner, beam_options)
+
+
+def run_bound(
+    input: str, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
+) -> dict[str, Any]:
+    """`bound` with its options built (`madp bound` builds them from its arguments), on an output its
+    caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
+    refuse_beam_options_locally(runner, beam_options)
+    if runner == LOCAL:
+        from madp.engines.local_engine import run_local
+
+        return run_local(input, output, options)
+    from madp.engines.direct_runner import check_direct_runner_memory
+
+    beam_args = beam_arguments(runner, beam_options)
+    check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
+    from madp.beam.bound import run_beam
+
+    return run_beam(input, output, options, beam_args)

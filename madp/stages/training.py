@@ -1,0 +1,63 @@
+"""The training step: a model trained with DP-SGD or DP-BandMF on a batch output, under its privacy plan."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from madp.stages.arguments import options_of, writing
+from madp.training.options import TrainOptions
+
+
+def train(batches: str, output: str, **options: Any) -> dict[str, Any]:
+    """Train a model on the batches, privately (DP-SGD or DP-BandMF) unless mechanism is "none".
+
+    The step `madp train` runs, with `output` held (its lock) while it is written: OUTPUT/model.keras,
+    metrics.json and privacy.json (the plan and whether the model holds it). A private training enters
+    the trainings ledger of the batches' selection, so that a later one on the same selection composes
+    with it. TensorFlow is imported on the first call.
+
+    Args:
+        batches: a `madp.batch` output directory.
+        output: the directory to write.
+        **options: the options of `madp train` by their snake_case names, the fields of
+            `madp.training.options.TrainOptions`: epsilon or noise_multiplier (or calibration, a
+            calibration.json of `madp.calibrate`), delta, mechanism, bands, model ("logreg", "mlp",
+            "text-classifier", "text-lm", "causal-lm", or "module:function"), learning_rate, clip_norm,
+            seed (the model's initialization), noise_seed (TESTING ONLY: not private), eval_data, ...
+
+    Returns:
+        The training's result as a dict: the plan's epsilon and delta, the noise multiplier, steps,
+        the evaluations (published ones only with eval_data_public), the written files, wall_time_s, ...
+
+    Raises:
+        TypeError: an option that `madp train` does not have (the error lists those it has).
+        madp.core.errors.InputError: bad options or batches, a training the ledger refuses (an earlier
+            private training on these batches without retrain), an output that overlaps an input or
+            that another madp process is writing, TensorFlow missing; the message names the option or
+            file.
+
+    Example:
+        >>> import json, madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> result = madp.train(f"{work}/batches", f"{work}/model", epsilon=8, bands=2, eval_every=12)
+        >>> privacy = json.load(open(f"{work}/model/privacy.json"))
+        >>> privacy["mechanism"], privacy["epsilon"] <= 8, privacy["noise"]
+        ('bandmf', True, 'secret key (fresh entropy, never written)')
+    """
+    train_options = options_of("train", TrainOptions, options)
+    paths = (train_options.eval_data, train_options.calibration, train_options.zero_out, train_options.pretrained)
+    with writing(output, (batches, *paths), "train"):
+        return run_train(batches, output, train_options)
+
+
+def run_train(batches: str, output: str, options: TrainOptions) -> dict[str, Any]:
+    """`train` with its options built (`madp train` builds them from its arguments), on an output its
+    caller holds."""
+    from madp.training.trainer import train as train_model
+
+    return train_model(batches, output, options)
