@@ -22,33 +22,36 @@ import numpy as np
 from dp_accounting import dp_event
 from scipy.stats import binom
 
-from madp.core.errors import InputError
+from madp.core.errors import OptionError
 
 
 def check_probability(name: str, value: float) -> None:
+    """The probability parameter `name` is in (0, 1]."""
     if not 0 < value <= 1:
-        raise InputError(f"{name} must be in (0, 1], got {value}")
+        raise OptionError(f"{{{name}}} must be in (0, 1], got {{0}}", value)
 
 
 def check_steps(steps: int) -> None:
     if not isinstance(steps, int) or steps < 1:
-        raise InputError(f"--steps must be an integer >= 1, got {steps}")
+        raise OptionError("{steps} must be an integer >= 1, got {0}", steps)
 
 
 def check_min_sep(min_sep: int, bands: int) -> None:
     """Participations at least `min_sep` apart touch disjoint rows of a C with at most that many bands."""
     if not isinstance(min_sep, int) or min_sep < 1:
-        raise InputError(f"--min-sep must be an integer >= 1, got {min_sep}")
+        raise OptionError("{min_sep} must be an integer >= 1, got {0}", min_sep)
     if bands > min_sep:
-        raise InputError(
-            f"--bands ({bands}) must not exceed --min-sep ({min_sep}): participations closer "
-            f"than the bands overlap in C and these analyses do not hold"
+        raise OptionError(
+            "{bands} ({0}) must not exceed {min_sep} ({1}): participations closer than the bands overlap in C "
+            "and these analyses do not hold",
+            bands,
+            min_sep,
         )
 
 
 def check_contributions(max_contributions: int) -> None:
     if not isinstance(max_contributions, int) or max_contributions < 1:
-        raise InputError(f"--max-contributions must be an integer >= 1, got {max_contributions}")
+        raise OptionError("{max_contributions} must be an integer >= 1, got {0}", max_contributions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,7 @@ class DpSgd:
     name = "dpsgd"
 
     def __post_init__(self) -> None:
-        check_probability("--sampling-prob", self.sampling_prob)
+        check_probability("sampling_prob", self.sampling_prob)
         check_steps(self.steps)
         check_contributions(self.max_contributions)
 
@@ -122,7 +125,7 @@ class DpSgdUls:
     name = "dpsgd-uls"
 
     def __post_init__(self) -> None:
-        check_probability("--user-sampling-prob", self.user_sampling_prob)
+        check_probability("user_sampling_prob", self.user_sampling_prob)
         check_steps(self.steps)
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
@@ -171,12 +174,15 @@ class BandMf:
         check_min_sep(self.min_sep, len(self.coefficients))
         most = 1 + (self.steps - 1) // self.min_sep
         if not isinstance(self.max_participations, int) or not 1 <= self.max_participations <= most:
-            raise InputError(
-                f"--max-participations must be an integer in [1, {most}] for {self.steps} steps at "
-                f"min-sep {self.min_sep}, got {self.max_participations}"
+            raise OptionError(
+                "{max_participations} must be an integer in [1, {0}] for {1} steps at min-sep {2}, got {3}",
+                most,
+                self.steps,
+                self.min_sep,
+                self.max_participations,
             )
         if not isinstance(self.records_per_step, int) or self.records_per_step < 1:
-            raise InputError(f"--records-per-step must be an integer >= 1, got {self.records_per_step}")
+            raise OptionError("{records_per_step} must be an integer >= 1, got {0}", self.records_per_step)
 
     @property
     def sensitivity(self) -> float:
@@ -231,7 +237,7 @@ class BandMfCyclic:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", tuple(float(c) for c in self.coefficients))  # hashable (BandMf)
-        check_probability("--sampling-prob", self.sampling_prob)
+        check_probability("sampling_prob", self.sampling_prob)
         check_steps(self.steps)
         check_min_sep(self.min_sep, len(self.coefficients))  # min_sep: the number of subsets
 
@@ -263,16 +269,16 @@ def sampling_probability(batch_size: float, dataset_size: int) -> float:
         0.0064
     """
     if dataset_size < 1 or not 0 < batch_size <= dataset_size:
-        raise InputError(f"--batch-size must be in (0, --dataset-size], got {batch_size} of {dataset_size}")
+        raise OptionError("{batch_size} must be in (0, {dataset_size}], got {0} of {1}", batch_size, dataset_size)
     return batch_size / dataset_size
 
 
 def check_delta(delta: float) -> None:
     if not 0 < delta < 1:
-        raise InputError(f"--delta must be in (0, 1), got {delta}")
+        raise OptionError("{delta} must be in (0, 1), got {0}", delta)
 
 
 def check_target(epsilon: float, delta: float) -> None:
     if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise InputError(f"--epsilon must be > 0, got {epsilon}")
+        raise OptionError("{epsilon} must be > 0, got {0}", epsilon)
     check_delta(delta)

@@ -84,7 +84,7 @@ class MinSepProcess:
     def __post_init__(self) -> None:
         check_steps(self.steps)
         check_min_sep(self.min_sep, len(self.coefficients))
-        check_probability("--sampling-prob", self.sampling_prob)
+        check_probability("sampling_prob", self.sampling_prob)
         check_contributions(self.max_contributions)
         if min(self.coefficients, default=0.0) < 0:
             raise InputError(

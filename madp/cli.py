@@ -14,9 +14,10 @@ import sys
 import threading
 
 from madp.commands import accounting, batching, bounding, data, report, training
-from madp.commands.registry import Family, Parser, build_parser, read_paths, seed_argument, written_directory
+from madp.commands.registry import Family, Parser, build_parser, error_text, read_paths, written_directory
 from madp.core import storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
+from madp.core.options import seed_argument
 from madp.core.selection import REPORT_FILE
 
 log = logging.getLogger("madp")
@@ -222,7 +223,7 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
         print(f"madp {args.command}: error: {error}; {_after_stop(args)}", file=sys.stderr)
         return 2
     except InputError as error:
-        print(f"madp {args.command}: error: {error}", file=sys.stderr)
+        print(f"madp {args.command}: error: {error_text(error)}", file=sys.stderr)
         return 2
     except Exception as error:
         # A write on a full file system that no layer below turned into a DiskFull (TensorFlow's

@@ -24,6 +24,7 @@ from madp.accounting.calibrate import epsilon
 from madp.accounting.mechanisms import BandMf
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.options import flag_of
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.options import TrainOptions, training_defaults
@@ -248,8 +249,6 @@ class Checkpoints:
 RUN_ONLY_OPTIONS = frozenset(
     {"resume", "replace", "checkpoint_every", "internal_scalars", "mc_workers", "mc_runner", "tpu"}
 )
-# The options whose flags are not their names with dashes
-OTHER_FLAGS = {"testing_noise_scale": "--testing-only-noise-scale"}
 
 
 def training_options(options: TrainOptions) -> dict:
@@ -290,7 +289,7 @@ def refuse_other_options(output: str, state: dict, options: TrainOptions) -> Non
 
 def _as_given(name: str, value) -> str:
     """Option `name` with `value` as its flag gives it: "--learning-rate 0.05", "--retrain", "no --l2"."""
-    flag = OTHER_FLAGS.get(name, "--" + name.replace("_", "-"))
+    flag = flag_of(name)
     if value is None or value is False or value == []:
         return f"no {flag}"
     if value is True:

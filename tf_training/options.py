@@ -5,9 +5,22 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from madp.core.errors import InputError, nonnegative, positive
+from madp.core.errors import OptionError, nonnegative, positive
+from madp.core.options import (
+    CALIBRATE,
+    Checks,
+    Message,
+    check_choices,
+    comma_list,
+    option,
+    refuse_failed,
+    seed_argument,
+)
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
+STRATEGIES = ("sqrt", "optimized")  # BandMF coefficients (`accounting.strategies`)
+OPTIMIZERS = ("sgd", "adam")
+ON_INVALID = ("error", "skip")  # rows a text model cannot use: stop, or train them with weight 0
 DISTRIBUTIONS = ("default", "mirrored", "tpu")
 MC_RUNNERS = ("local", "cuda")  # --mc-runner: worker processes, or one NVIDIA GPU
 TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
@@ -62,68 +75,249 @@ NON_PRIVATE_SCHEDULE_DEFAULTS = {"text-classifier": "cosine"}
 # as well (README "Text defaults, on real text"). Beside a pretrained feature words stay whole (measured so).
 CLASSIFIER_WORD_PREFIX = 6
 
+NUMERIC = "numeric and module:function models"  # --help's argument groups
+TEXT = "text models (text-classifier, text-lm, causal-lm)"
+LONG = "long jobs"
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-    epsilon: float | None = None
-    delta: float = 1e-5
-    noise_multiplier: float | None = None
-    mechanism: str = "auto"
-    bands: int = 1
-    strategy: str = "sqrt"
-    model: str = "logreg"
-    features: str = "features"
-    label: str = "label"
-    inputs: tuple[str, ...] | None = None  # the model's input features (None: --features alone)
-    task: str = "binary"  # binary (one logit), multiclass (--classes logits or probabilities), regression,
-    # or module:function: the user's own task (`madp.training.user_tasks.UserTask`)
-    classes: int | None = None  # multiclass: labels are the integers 0..classes-1
-    model_path: tuple[str, ...] = ()  # directories searched first for a module:function model
-    optimizer: str | None = None  # sgd or adam; None: the model's default (`training_defaults`)
-    learning_rate: float | None = None  # None: the default of the model and optimizer
-    adam_epsilon: float | None = None  # None: Keras' default (KERAS_ADAM_EPSILON)
-    l2: float | None = None  # L2 penalty added to the noised gradient; None: the model's (L2_DEFAULTS)
-    clip_norm: float = 1.0
-    seed: int = 0  # model initialization (public); not the noise
-    noise_seed: int | None = None  # None: fresh secret noise key; an int reproduces (not private)
-    mc_seed: int = 0  # Monte Carlo verification samples (public: they only check the accountant)
-    eval_data: str | None = None
-    eval_data_public: bool = False  # the user declares --eval-data public: only then are evaluations published
-    eval_every: int = 100
-    max_contributions: int | None = None
-    amplified: bool = False
-    mc_samples: int | None = None
-    mc_workers: int = 1
-    mc_runner: str = "local"  # where the Monte Carlo samples are drawn: MC_RUNNERS
-    distribution: str = "default"
-    tpu: str = ""
-    cpu_replicas: int = 1
-    xla: bool = False  # each step compiled by XLA (one device), padded to the largest step's rows
-    mixed_precision: bool = False  # layers compute in bfloat16, weights and clipping in float32
-    calibration: str | None = None
-    zero_out: str | None = None  # file of record ids whose rows train with weight 0 (madp audit)
-    testing_noise_scale: float = 1.0  # TESTING ONLY: scales the noise, not the claim (not private)
-    retrain: bool = False  # train again on batches an earlier private training used (composition stated)
-    text_column: str = "text"  # text models: the feature holding the text
-    labels: tuple[str, ...] | None = None  # text-classifier: the public label set (None: read from the data)
-    max_length: int = 128  # text-classifier: n-grams per text; text-lm: bytes per text; causal-lm: tokens
-    buckets: int = 16384  # text-classifier: rows of the hashed n-gram embedding
-    ngrams: int | None = None  # text-classifier: n-grams of 1 to this many words (None: `ngram_order`)
-    word_prefix: int | None = None  # text-classifier: words cut to this many characters, 0: whole
-    # (None: `word_prefix_length`)
-    width: int | None = None  # text models: embedding width (None: 64)
-    layers: int = 2  # text-lm: Transformer blocks
-    heads: int = 4  # text-lm: attention heads
-    on_invalid: str = "error"  # text models: rows they cannot use stop training, or train with weight 0
-    lr_schedule: str | None = None  # constant, cosine or warmup-cosine, by step index (public); None: the
-    # model's (constant, or NON_PRIVATE_SCHEDULE_DEFAULTS' without privacy)
-    warmup_steps: int = 0  # warmup-cosine: steps of linear warmup
-    checkpoint_every: int | None = None  # steps between checkpoints (OUTPUT/internal/checkpoints/)
-    resume: bool = False  # continue from the last checkpoint of OUTPUT
-    replace: bool = False  # a fresh training replaces an earlier one's outputs in OUTPUT, after its first step
-    pretrained: str | None = None  # causal-lm, text-classifier: a pretrained model's GGUF file or keras-hub preset
-    lora_rank: int = 0  # causal-lm: train LoRA adapters of this rank only (0: every weight)
-    internal_scalars: bool = False  # training loss, clipped fraction, gradient norms to OUTPUT/internal/logs/
+    """The options of `madp train` (each field its `--flag`), checked when built; `madp run` takes the
+    privacy ones in its calibrate section (`CALIBRATE`), the others in its train section."""
+
+    epsilon: float | None = option(None, help="target epsilon: sigma is calibrated to it", section=CALIBRATE)
+    delta: float = option(1e-5, section=CALIBRATE)
+    noise_multiplier: float | None = option(None, help="use this sigma instead (prints its epsilon)", section=CALIBRATE)
+    calibration: str | None = option(
+        None,
+        help="a privacy plan (privacy.json of a run, or the calibrate stage of "
+        "`madp run`) for these batches: its sigma and guarantee are used",
+    )
+    mechanism: str = option(
+        "auto",
+        choices=MECHANISMS,
+        help="auto: DP-SGD for Poisson batches with --min-sep 1 and one band, else BandMF; "
+        "none: the non-private baseline",
+        section=CALIBRATE,
+    )
+    bands: int = option(1, help="BandMF bands of C (1: DP-SGD noise)", section=CALIBRATE)
+    strategy: str = option("sqrt", choices=STRATEGIES, help="BandMF coefficients", section=CALIBRATE)
+    model: str = option(
+        "logreg",
+        help="logreg, mlp, text-classifier, text-lm, causal-lm (--pretrained), or module:function: "
+        "function(schema) returns "
+        "(model, per-row loss) or (model, loss, optimizer), tf_keras or Keras 3",
+    )
+    features: str = option("features", help="feature holding the input of a numeric model")
+    label: str = option("label", aliases=("--label-column",), help="feature holding the label")
+    inputs: tuple[str, ...] | None = option(  # None: --features alone
+        None,
+        parse=comma_list,
+        help="the model's input features F1,F2,... (default --features); several are given as a dict by name",
+        group=NUMERIC,
+    )
+    # binary (one logit), multiclass (--classes logits or probabilities), regression, or module:function:
+    # the user's own task (`madp.training.user_tasks.UserTask`)
+    task: str = option(
+        "binary",
+        help="binary (one logit; accuracy), multiclass (--classes outputs; accuracy), regression (mse, mae), or "
+        "module:function: function(features) returns a task of your own (its features, encode, metrics)",
+        group=NUMERIC,
+    )
+    classes: int | None = option(None, help="--task multiclass: labels are 0..N-1", group=NUMERIC)
+    model_path: tuple[str, ...] = option(
+        (),
+        repeatable=True,
+        metavar="DIR",
+        help="directory searched (before the current directory and PYTHONPATH) for a module:function model; repeatable",
+        group=NUMERIC,
+    )
+    text_column: str = option("text", help="feature holding the text (default text)", group=TEXT)
+    labels: tuple[str, ...] | None = option(
+        None,
+        parse=comma_list,
+        help="text-classifier: the public label set, A,B,... (default: read from the data, which discloses it)",
+        group=TEXT,
+    )
+    max_length: int = option(
+        128, help="word n-grams (classifier), bytes (text-lm) or tokens (causal-lm) per text", group=TEXT
+    )
+    pretrained: str | None = option(
+        None,
+        metavar="PATH",
+        help="a pretrained model (weights and tokenizer) of a Llama architecture, a local GGUF "
+        "file or keras-hub preset directory (LlamaBackbone or Llama3Backbone with a Llama3Tokenizer): "
+        "causal-lm fine-tunes it; text-classifier adds a frozen feature of its token embeddings beside "
+        "the n-grams; `make pretrained` fetches SmolLM2-135M-Instruct as GGUF",
+        group=TEXT,
+    )
+    lora_rank: int = option(
+        0,
+        help="causal-lm: train only LoRA adapters of this rank on the query and value projections "
+        "(default 0: fine-tune every weight)",
+        group=TEXT,
+    )
+    buckets: int = option(16384, help="text-classifier: hash buckets of the n-grams", group=TEXT)
+    ngrams: int | None = option(  # None: `ngram_order`
+        None,
+        help="text-classifier: hash n-grams of 1 to this many words (default 1, words; 2 with --pretrained: "
+        "words and word pairs)",
+        group=TEXT,
+    )
+    word_prefix: int | None = option(  # None: `word_prefix_length`
+        None,
+        help="text-classifier: cut each word to its first N characters before hashing (default 6; 0, and the "
+        "default with --pretrained: whole words)",
+        group=TEXT,
+    )
+    width: int | None = option(None, help="embedding width (default 64)", group=TEXT)
+    layers: int = option(2, help="text-lm: Transformer blocks", group=TEXT)
+    heads: int = option(4, help="text-lm: attention heads", group=TEXT)
+    on_invalid: str = option(
+        "error",
+        choices=ON_INVALID,
+        help="rows a text model cannot use (not UTF-8, no words, label not in --labels): stop, or train "
+        "them with weight 0 and list them in OUTPUT/rejected/",
+        group=TEXT,
+    )
+    retrain: bool = option(  # a permission: privacy.json states the ledger's composition with it or without it
+        False,
+        help="train although an earlier private training used these batches: both models' guarantee is "
+        "then the composition privacy.json states (with secret sampling, far more than twice epsilon)",
+        how_only=True,
+    )
+    optimizer: str | None = option(  # None: the model's default (`training_defaults`)
+        None, choices=OPTIMIZERS, help="default: adam for the text models, sgd for the others"
+    )
+    learning_rate: float | None = option(
+        None, help="default: 0.01 with adam (0.003 for text-lm, 1e-4 for causal-lm), 0.5 with sgd"
+    )
+    adam_epsilon: float | None = option(
+        None,
+        help="Adam's epsilon, added to the root of each coordinate's mean squared gradient: a coordinate "
+        "whose gradients stay below it moves less than the learning rate (default: Keras' 1e-7; "
+        "3e-3 makes text-classifier memorize less in long trainings)",
+    )
+    l2: float | None = option(
+        None,
+        help="L2 penalty: l2 times each weight is added to the step's (noised) mean gradient, outside the "
+        "clipping, so it costs no privacy (default: 3e-4 for text-classifier without --pretrained, else 0)",
+    )
+    clip_norm: float = option(1.0, section=CALIBRATE)
+    seed: int = option(0, parse=seed_argument, help="seed of the model initialization (not of the noise)")
+    noise_seed: int | None = option(  # None: a fresh secret noise key
+        None,
+        parse=seed_argument,
+        help="TESTING ONLY: reproduce the noise from this seed; the model is then not private "
+        "(default: a fresh secret key per run, never written)",
+    )
+    mc_seed: int = option(  # public: the samples only check the accountant
+        0,
+        parse=seed_argument,
+        help="--amplified: seed of the Monte Carlo verification samples (public)",
+        section=CALIBRATE,
+    )
+    eval_data: str | None = option(None, help="records (.jsonl/.parquet) to evaluate on")
+    eval_data_public: bool = option(
+        False,
+        help="--eval-data is public data: only then are the evaluations published (metrics.json, logs/); "
+        "computed without noise, on private records (a hold-out of the same corpus) no guarantee covers "
+        "them, so by default they go to OUTPUT/internal/",
+    )
+    eval_every: int = option(100, help="steps between evaluations")
+    amplified: bool = option(
+        False,
+        help="account b-min-sep Poisson batches with amplification (bandmf-minsep, Monte Carlo "
+        "estimate-verify-release; falls back to unamplified BandMF when verification fails)",
+        section=CALIBRATE,
+    )
+    mc_samples: int | None = option(
+        None,
+        help="--amplified: most Monte Carlo samples one verification "
+        "may draw per direction (default: 4x what the sequential "
+        "test needs at delta 0)",
+        section=CALIBRATE,
+    )
+    mc_workers: int = option(  # every number of workers draws the same Monte Carlo samples (`mc_delta`)
+        1, help="--amplified: worker processes", section=CALIBRATE, how_only=True
+    )
+    mc_runner: str = option(
+        "local",
+        choices=MC_RUNNERS,
+        help="--amplified: where the Monte Carlo samples are drawn: local (default; --mc-workers "
+        "processes) or cuda (one NVIDIA GPU: pip install 'madp[cuda]'; refused where TensorFlow "
+        "trains on a GPU: compute the plan in madp run's calibrate stage)",
+        section=CALIBRATE,
+    )
+    distribution: str = option(
+        "default",
+        choices=DISTRIBUTIONS,
+        help="tf.distribute strategy: default (one device), mirrored (all local GPUs, or "
+        "the logical CPUs of --cpu-replicas), tpu",
+    )
+    tpu: str = option("", help="--distribution tpu: TPU name or grpc:// address ('' = local TPU VM)")
+    cpu_replicas: int = option(
+        1, help="--distribution mirrored without GPUs: split the CPU into this many logical devices"
+    )
+    xla: bool = option(
+        False,
+        help="compile each training step with XLA (one device; every step padded to the largest step's rows)",
+    )
+    mixed_precision: bool = option(
+        False,
+        help="layers compute in bfloat16 (GPUs, TPUs, recent CPUs); weights, losses, the clipping norms and "
+        "the noised sum stay float32",
+    )
+    max_contributions: int | None = option(
+        None,
+        aliases=("-k",),
+        help="K (default: read from the bounding report of the batches' SELECTED)",
+        section=CALIBRATE,
+    )
+    zero_out: str | None = option(
+        None,
+        help="a JSON list of record ids whose rows train with weight 0 (zero "
+        "gradient): the zero-out neighbour of their users (madp audit)",
+    )
+    testing_only_noise_scale: float = option(  # scales the noise, not the claim
+        1.0,
+        help="TESTING ONLY: multiply the noise by this while keeping the claimed guarantee "
+        "(shows that madp audit catches a broken mechanism); the model is not private",
+    )
+    lr_schedule: str | None = option(  # None: the model's (constant, or NON_PRIVATE_SCHEDULE_DEFAULTS')
+        None,
+        choices=SCHEDULES,
+        help="learning rate by step index: constant, cosine decay to 0, or linear warmup then cosine "
+        "(default: constant; cosine for text-classifier without privacy)",
+        group=LONG,
+    )
+    internal_scalars: bool = option(
+        False,
+        help="also log the training loss, clipped fraction and gradient norm at each --eval-every step to "
+        "OUTPUT/internal/logs/ (INTERNAL: computed without noise, not covered by the guarantee)",
+        group=LONG,
+    )
+    warmup_steps: int = option(0, help="--lr-schedule warmup-cosine: warmup steps", group=LONG)
+    checkpoint_every: int | None = option(  # how often progress is saved; a finished training removes them
+        None,
+        help="write a checkpoint every N steps (and at each evaluation) to OUTPUT/internal/checkpoints/ (internal)",
+        group=LONG,
+        how_only=True,
+    )
+    resume: bool = option(  # finishes the interrupted training: its outputs are that training's
+        False,
+        help="continue from OUTPUT's last checkpoint to the same T steps under the same plan (fresh noise key)",
+        group=LONG,
+        how_only=True,
+    )
+    replace: bool = option(
+        False,
+        help="OUTPUT may hold an earlier finished training: its outputs are replaced once this training has "
+        "taken its first step (its checks passed, its model traced and ran); a checkpoint, or a file madp train "
+        "does not write, is refused by name (what madp run's train and baseline stages do); nothing is replaced "
+        "under --resume",
+        group=LONG,
+    )
 
     @property
     def user_model(self) -> bool:
@@ -178,110 +372,139 @@ class TrainOptions:
     def target_epsilon(self) -> float:
         """The epsilon to calibrate sigma for."""
         if self.epsilon is None:
-            raise InputError("give --epsilon (or --noise-multiplier)")
+            raise OptionError("give {epsilon} (or {noise_multiplier})")
         return self.epsilon
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.mechanism in MECHANISMS, f"--mechanism must be one of {MECHANISMS}"),
-            (self.bands >= 1, "--bands must be at least 1"),
-            (self.optimizer in (None, "sgd", "adam"), "--optimizer must be sgd or adam"),
-            (self.learning_rate is None or positive(self.learning_rate), "--learning-rate must be positive and finite"),
-            (self.adam_epsilon is None or positive(self.adam_epsilon), "--adam-epsilon must be positive and finite"),
-            (
-                self.adam_epsilon is None or self.optimizer_name == "adam",
-                "--adam-epsilon sets Adam's epsilon, and this training uses SGD: drop it, or give --optimizer adam",
-            ),
-            (self.l2 is None or nonnegative(self.l2), "--l2 must be 0 or above and finite"),
-            (positive(self.clip_norm), "--clip-norm must be positive and finite"),
-            (self.eval_every >= 1, "--eval-every must be at least 1"),
-            (
-                self.eval_data is not None or not self.eval_data_public,
-                "--eval-data-public needs --eval-data (it declares it public)",
-            ),
+        check_choices(self)
+        for checks in (
+            self._privacy_checks(),
+            self._optimizer_checks(),
+            self._distribution_checks(),
+            self._text_checks(),
+            self._model_checks(),
+            self._schedule_checks(),
+        ):
+            refuse_failed(checks)
+
+    def _privacy_checks(self) -> Checks:
+        return [
+            (self.bands >= 1, "{bands} must be at least 1"),
+            (positive(self.clip_norm), "{clip_norm} must be positive and finite"),
             (
                 self.mechanism == "none"
                 or self.calibration is not None
                 or self.epsilon is not None
                 or self.noise_multiplier is not None,
-                "give --epsilon (sigma is calibrated), --noise-multiplier, or --calibration",
+                "give {epsilon} (sigma is calibrated), {noise_multiplier}, or {calibration}",
             ),
             (
                 self.calibration is None or (self.epsilon is None and self.noise_multiplier is None),
-                "--calibration fixes sigma: drop --epsilon and --noise-multiplier",
+                "{calibration} fixes sigma: drop {epsilon} and {noise_multiplier}",
             ),
             (
                 self.calibration is None or self.mechanism != "none",
-                "--mechanism none trains without privacy, --calibration with the plan's mechanism: give one of them",
+                "{mechanism} none trains without privacy, {calibration} with the plan's mechanism: give one of them",
             ),
             (
                 self.noise_multiplier is None or positive(self.noise_multiplier),
-                "--noise-multiplier must be positive and finite",
+                "{noise_multiplier} must be positive and finite",
             ),
             (
                 not self.amplified or self.mechanism in ("auto", "bandmf"),
-                "--amplified accounts BandMF: use --mechanism auto or bandmf",
+                "{amplified} accounts BandMF: use {mechanism} auto or bandmf",
             ),
-            (self.distribution in DISTRIBUTIONS, f"--distribution must be one of {DISTRIBUTIONS}"),
+            (self.mc_workers >= 1, "{mc_workers} must be at least 1"),
+            (self.mc_runner == "local" or self.mc_workers == 1, "{mc_workers} is for {mc_runner} local"),
+            (positive(self.testing_only_noise_scale), "{testing_only_noise_scale} must be positive and finite"),
+        ]
+
+    def _optimizer_checks(self) -> Checks:
+        return [
+            (self.learning_rate is None or positive(self.learning_rate), "{learning_rate} must be positive and finite"),
+            (self.adam_epsilon is None or positive(self.adam_epsilon), "{adam_epsilon} must be positive and finite"),
+            (
+                self.adam_epsilon is None or self.optimizer_name == "adam",
+                "{adam_epsilon} sets Adam's epsilon, and this training uses SGD: drop it, or give {optimizer} adam",
+            ),
+            (self.l2 is None or nonnegative(self.l2), "{l2} must be 0 or above and finite"),
+            (self.eval_every >= 1, "{eval_every} must be at least 1"),
+            (
+                self.eval_data is not None or not self.eval_data_public,
+                "{eval_data_public} needs {eval_data} (it declares it public)",
+            ),
+        ]
+
+    def _distribution_checks(self) -> Checks:
+        return [
             (
                 self.cpu_replicas >= 1 and (self.cpu_replicas == 1 or self.distribution == "mirrored"),
-                "--cpu-replicas must be at least 1, and above 1 only with --distribution mirrored",
+                "{cpu_replicas} must be at least 1, and above 1 only with {distribution} mirrored",
             ),
             (
                 not self.xla or self.distribution == "default",
-                "--xla compiles the step of one device: use --distribution default (a TPU compiles every step)",
+                "{xla} compiles the step of one device: use {distribution} default (a TPU compiles every step)",
             ),
-            (self.mc_workers >= 1, "--mc-workers must be at least 1"),
-            (self.mc_runner in MC_RUNNERS, f"--mc-runner must be one of {MC_RUNNERS}"),
-            (self.mc_runner == "local" or self.mc_workers == 1, "--mc-workers is for --mc-runner local"),
-            (positive(self.testing_noise_scale), "--testing-only-noise-scale must be positive and finite"),
-            (self.max_length >= 1 and self.buckets >= 2, "--max-length must be at least 1 and --buckets at least 2"),
+        ]
+
+    def _text_checks(self) -> Checks:
+        return [
+            (self.max_length >= 1 and self.buckets >= 2, "{max_length} must be at least 1 and {buckets} at least 2"),
             (
                 self.ngrams is None or 1 <= self.ngrams <= self.max_length,
-                f"--ngrams must be between 1 (words) and --max-length ({self.max_length}): a longer n-gram is never "
-                f"kept, and hashing it costs time",
+                Message(
+                    "{ngrams} must be between 1 (words) and {max_length} ({0}): a longer n-gram is never kept, and "
+                    "hashing it costs time",
+                    (self.max_length,),
+                ),
             ),
-            (self.word_prefix is None or self.word_prefix >= 0, "--word-prefix must be at least 0 (0: whole words)"),
-            (self.width is None or self.width >= 1, "--width must be at least 1"),
+            (self.word_prefix is None or self.word_prefix >= 0, "{word_prefix} must be at least 0 (0: whole words)"),
+            (self.width is None or self.width >= 1, "{width} must be at least 1"),
             (
                 self.layers >= 1 and self.heads >= 1 and (self.width or 64) % self.heads == 0,
-                "--layers and --heads must be at least 1, and --width a multiple of --heads",
+                "{layers} and {heads} must be at least 1, and {width} a multiple of {heads}",
             ),
             (
                 self.labels is None or len(set(self.labels)) == len(self.labels) >= 2,
-                "--labels: at least two distinct labels",
+                "{labels}: at least two distinct labels",
             ),
-            (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
-            (self.task in TASKS or self.user_task, f"--task must be one of {TASKS}, or module:function"),
+        ]
+
+    def _model_checks(self) -> Checks:
+        return [
             (
-                not self.user_task or ":" in self.model,
-                "--task module:function trains a --model module:function (the built-in models have their own tasks)",
+                self.task in TASKS or self.user_task,
+                Message("{task} must be one of {0}, or module:function", (", ".join(TASKS),)),
+            ),
+            (
+                not self.user_task or self.user_model,
+                "{task} module:function trains a {model} module:function (the built-in models have their own tasks)",
             ),
             (
                 (self.task == "multiclass") == (self.classes is not None) and (self.classes or 2) >= 2,
-                "--task multiclass needs --classes N (N >= 2), and --classes needs --task multiclass",
+                "{task} multiclass needs {classes} N (N >= 2), and {classes} needs {task} multiclass",
             ),
-            (self.inputs is None or len(self.inputs) >= 1, "--inputs: at least one feature"),
-            (self.lr_schedule in (None, *SCHEDULES), f"--lr-schedule must be one of {SCHEDULES}"),
-            (
-                self.warmup_steps >= 0 and (self.warmup_steps == 0 or self.lr_schedule == "warmup-cosine"),
-                "--warmup-steps must be at least 0, and above 0 only with --lr-schedule warmup-cosine",
-            ),
-            (self.checkpoint_every is None or self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
+            (self.inputs is None or len(self.inputs) >= 1, "{inputs}: at least one feature"),
             (
                 (self.model == "causal-lm") <= (self.pretrained is not None)
                 and (self.pretrained is None or self.model in ("causal-lm", "text-classifier")),
-                "--model causal-lm needs --pretrained PATH, and --pretrained needs --model causal-lm or "
+                "{model} causal-lm needs {pretrained} PATH, and {pretrained} needs {model} causal-lm or "
                 "text-classifier",
             ),
             (
                 self.lora_rank >= 0 and (self.lora_rank == 0 or self.model == "causal-lm"),
-                "--lora-rank must be at least 0, and above 0 only with --model causal-lm",
+                "{lora_rank} must be at least 0, and above 0 only with {model} causal-lm",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise InputError(message)
+
+    def _schedule_checks(self) -> Checks:
+        return [
+            (
+                self.warmup_steps >= 0 and (self.warmup_steps == 0 or self.lr_schedule == "warmup-cosine"),
+                "{warmup_steps} must be at least 0, and above 0 only with {lr_schedule} warmup-cosine",
+            ),
+            (self.checkpoint_every is None or self.checkpoint_every >= 1, "{checkpoint_every} must be at least 1"),
+        ]
 
 
 class OptimizerSettings(NamedTuple):

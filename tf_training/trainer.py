@@ -617,7 +617,7 @@ def _training_step(
         strategy=strategy,
         rows_per_replica=rows_per_replica,
         jit_compile=options.xla,
-        testing_noise_scale=options.testing_noise_scale,
+        testing_noise_scale=options.testing_only_noise_scale,
         resumed_at=resumed,
         training=training,
         output=output,

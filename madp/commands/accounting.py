@@ -6,8 +6,10 @@ import argparse
 import functools
 import logging
 
-from madp.commands.registry import Family, add_columns, columns_of, seed_argument
+from madp.commands.registry import Family, add_options, options_from
 from madp.core.errors import InputError
+from madp.core.options import seed_argument
+from madp.core.records import ColumnOptions
 from madp.stages.arguments import LOCAL, refuse_beam_options_locally
 
 log = logging.getLogger("madp")
@@ -82,7 +84,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--text-column", help="the written config's text column (train.text_column; default text, else body)"
     )
-    add_columns(sweep)
+    add_options(sweep, ColumnOptions)
 
 
 def add_mechanism(parser: argparse.ArgumentParser) -> None:
@@ -343,7 +345,7 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
         ks,
         args.order,
         args.seed,
-        columns_of(args),
+        options_from(ColumnOptions, args).columns,
         args.truncation_share,
     )
     config = job_config_of(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import Family, seed_argument
+from madp.commands.registry import Family
+from madp.core.options import seed_argument
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:

@@ -1,17 +1,17 @@
-"""The command registry: families of subcommands, the parser built from them, and the arguments several
-families share."""
+"""The command registry: families of subcommands, the parser built from them, the options a dataclass
+declares added to a parser and built from its parsed arguments, and the arguments several families share."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from madp.core.errors import InputError
-from madp.core.records import Columns, users_columns_of
-from madp.core.user_ids import USER_IDS
+from madp.core.errors import InputError, OptionError
+from madp.core.options import declared, flag_of
 
+Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
 
 
@@ -70,6 +70,42 @@ class Parser(argparse.ArgumentParser):
             build(args)
 
 
+def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
+    """Add the options a dataclass declares (`madp.core.options.option`) to a command's parser: each field's
+    flag, aliases, help, choices, type and default, in its argument group if it names one."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for each in declared(declaration):
+        facts = each.option
+        where: argparse._ActionsContainer = parser
+        if facts.group is not None:
+            if facts.group not in groups:
+                groups[facts.group] = parser.add_argument_group(facts.group)
+            where = groups[facts.group]
+        settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
+        if each.switch:
+            settings["action"] = "store_true"
+        else:
+            settings.update(choices=facts.choices, metavar=facts.metavar, type=each.parse)
+            if facts.repeatable:
+                settings["action"] = "append"
+        if each.required:
+            settings["required"] = True
+        else:  # a repeatable option's values are appended to a list
+            settings["default"] = list(each.default) if facts.repeatable else each.default
+        where.add_argument(*each.flags, **settings)
+
+
+def options_from(declaration: type[Declaration], args: argparse.Namespace) -> Declaration:
+    """The dataclass `declaration` of a command's parsed options (checked as it is built)."""
+    values = {each.name: getattr(args, each.name) for each in declared(declaration)}
+    return declaration(**{name: tuple(value) if isinstance(value, list) else value for name, value in values.items()})
+
+
+def error_text(error: InputError) -> str:
+    """An error as the command line says it: an `OptionError` names each parameter by its flag."""
+    return error.named(flag_of) if isinstance(error, OptionError) else str(error)
+
+
 def written_directory(args: argparse.Namespace) -> str | None:
     """The output directory a command writes (held exclusively while it runs); `madp run` holds its run_dir."""
     if args.command in ("bound", "batch", "train", "import-mbox"):
@@ -101,49 +137,3 @@ def build_parser(families: tuple[Family, ...], description: str) -> Parser:
         family.update({name: each for name in each.handlers})
     parser.commands, parser.family = commands.choices, family
     return parser
-
-
-SEED_BOUND = 2**64  # numpy's SeedSequence takes any non-negative integer; above this madp's keys wrap
-
-
-def seed_argument(text: str) -> int:
-    """argparse type of every --seed: an integer in [0, 2^64) (a negative one was a numpy traceback,
-    a larger one reproduced a smaller one's draws)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2^64), got {text!r}") from None
-    if not 0 <= value < SEED_BOUND:
-        raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2^64), got {value}")
-    return value
-
-
-def add_columns(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--id-column", default="id", help="column holding the record id (default: id)")
-    parser.add_argument("--users-column", help="column holding the list of user ids (default: users)")
-    parser.add_argument(
-        "--users-columns",
-        metavar="A,B,...",
-        help="columns whose values' union are a record's users, each a user id or a list of them; null, '' "
-        "and [] add none (e.g. from,to,cc of an email export); instead of --users-column",
-    )
-    parser.add_argument(
-        "--user-ids",
-        choices=USER_IDS,
-        help="how string user ids are read: 'email' (each value's e-mail addresses are its users: display "
-        "names, comments and 'mailto:' dropped, split at ',', ';' and '|', lower-cased) or 'as-is'; by default an "
-        "id that may name a person under several ids (surrounding whitespace, or holding '@' and no plain "
-        "lower-case address: 'Ann <ann@x>', 'a@x; b@y', 'ANN@X', 'mailto:ann@x') is an error",
-    )
-
-
-def columns_of(args: argparse.Namespace, weight: str | None = None) -> Columns:
-    """The record columns the options of `add_columns` name; --users-column and --users-columns are two
-    ways to say where the users are, so giving both is an error."""
-    if args.users_columns is not None and args.users_column is not None:
-        raise InputError(
-            f"--users-column {args.users_column} and --users-columns {args.users_columns}: give one of them "
-            f"(--users-columns reads the users from several columns, --users-column from one list column)"
-        )
-    users_columns = users_columns_of(args.users_columns)
-    return Columns(args.id_column, args.users_column or "users", weight, users_columns, args.user_ids)

@@ -8,11 +8,35 @@ import errno
 import math
 import os
 import re
+import string
+from collections.abc import Callable
 from typing import NamedTuple
 
 
 class InputError(ValueError):
     """Bad input or options, with a message that names the file, row and reason."""
+
+
+class OptionError(InputError):
+    """Bad options, said with their parameters' names: `template` names each by a placeholder, `{epsilon}`,
+    and its values by position, `{0}`. The message (`str`) names the parameters as a Python caller passes
+    them (`epsilon`); the command line renders them as its flags (`named(flag_of)`: `--epsilon`)."""
+
+    def __init__(self, template: str, *values: object):
+        self.template, self.values = template, values
+        super().__init__(self.named(str))
+
+    def named(self, name: Callable[[str], str]) -> str:
+        """The message with each parameter called `name(parameter)`."""
+        parameters = {
+            field: name(field)
+            for _, field, _, _ in string.Formatter().parse(self.template)
+            if field and not field.isdigit()
+        }
+        return self.template.format(*self.values, **parameters)
+
+    def __reduce__(self):  # rebuilt from its template (a worker process's error reaches the driver pickled)
+        return type(self), (self.template, *self.values)
 
 
 class DiskFull(InputError):

@@ -21,7 +21,8 @@ import pyarrow.compute as pc
 
 from madp.core import storage
 from madp.core.columnar import Columnar
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
+from madp.core.options import check_choices, option
 from madp.core.user_ids import USER_IDS, SuspectUserIds
 
 log = logging.getLogger("madp")
@@ -78,15 +79,15 @@ class Columns:
 
     def __post_init__(self) -> None:
         if self.user_ids not in (None, *USER_IDS):
-            raise InputError(f"--user-ids {self.user_ids}: one of {', '.join(USER_IDS)}")
+            raise OptionError("{user_ids} {0}: one of {1}", self.user_ids, ", ".join(USER_IDS))
         names = self.users_columns
         if not names:
             return
         if any(not name for name in names) or len(set(names)) < len(names):
-            raise InputError(f"--users-columns {','.join(names)}: name each column once, none empty")
+            raise OptionError("{users_columns} {0}: name each column once, none empty", ",".join(names))
         clash = [name for name in names if name in (self.id, self.weight)]
         if clash:
-            raise InputError(f"--users-columns: {clash[0]!r} is also the id or weight column")
+            raise OptionError("{users_columns}: {0!r} is also the id or weight column", clash[0])
 
     @property
     def user_sources(self) -> tuple[str, ...]:
@@ -106,6 +107,52 @@ def users_columns_of(names: str | list | tuple | None) -> tuple[str, ...]:
         return ()
     listed = names.split(",") if isinstance(names, str) else [str(name) for name in names]
     return tuple(name.strip() for name in listed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ColumnOptions:
+    """Where a record's id and users are, as the commands that read records take them (`--id-column`,
+    `--users-column` or `--users-columns`, `--user-ids`); `columns` is the `Columns` they name. Keyword
+    arguments, after a subclass's own options."""
+
+    id_column: str = option("id", help="column holding the record id (default: id)")
+    users_column: str | None = option(None, help="column holding the list of user ids (default: users)")
+    users_columns: tuple[str, ...] = option(
+        (),
+        parse=users_columns_of,
+        metavar="A,B,...",
+        help="columns whose values' union are a record's users, each a user id or a list of them; null, '' "
+        "and [] add none (e.g. from,to,cc of an email export); instead of --users-column",
+    )
+    user_ids: str | None = option(
+        None,
+        choices=USER_IDS,
+        help="how string user ids are read: 'email' (each value's e-mail addresses are its users: display "
+        "names, comments and 'mailto:' dropped, split at ',', ';' and '|', lower-cased) or 'as-is'; by default an "
+        "id that may name a person under several ids (surrounding whitespace, or holding '@' and no plain "
+        "lower-case address: 'Ann <ann@x>', 'a@x; b@y', 'ANN@X', 'mailto:ann@x') is an error",
+    )
+
+    def __post_init__(self) -> None:
+        # --users-column and --users-columns are two ways to say where the users are
+        if self.users_columns and self.users_column is not None:
+            raise OptionError(
+                "{users_column} {0} and {users_columns} {1}: give one of them ({users_columns} reads the users "
+                "from several columns, {users_column} from one list column)",
+                self.users_column,
+                ",".join(self.users_columns),
+            )
+        check_choices(self)
+        # built (a subclass's with its weight column), and so checked
+        self.columns  # noqa: B018
+
+    @property
+    def columns(self) -> Columns:
+        return self.record_columns()
+
+    def record_columns(self, weight: str | None = None) -> Columns:
+        """The columns these options name, with a `weight` column if any."""
+        return Columns(self.id_column, self.users_column or "users", weight, self.users_columns, self.user_ids)
 
 
 @dataclasses.dataclass

@@ -20,8 +20,9 @@ from madp.core.bounding import ORDERS, AlternateRuns, Capacities
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
+from madp.core.options import option, refuse_failed, seed_argument
 from madp.core.record_reading import jsonl_lines, parse_row
-from madp.core.records import Columns, Rejects, ignored_input_files
+from madp.core.records import ColumnOptions, Columns, Rejects, ignored_input_files
 from madp.core.reports import BoundParameters, BoundReport, FileEntry, Histograms, RoundStats
 
 SELECTED_DIR = "selected"
@@ -35,39 +36,62 @@ RECORDS_PER_SHARD = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
-class BoundOptions:
-    max_contributions: int
-    order: str = "arity"
-    seed: int = 0
-    max_rounds: int | None = None
-    duplicates: bool = False
-    columns: Columns = Columns()
-    on_invalid: str = "error"
-    capacities: str | None = None
-    output_shards: int | None = None  # None: one per RECORDS_PER_SHARD valid input records (`shards`)
-    arity_threshold: int | None = None  # --order alternate: u, and the run lengths c1 and c2
-    small_run: int | None = None
-    large_run: int | None = None
+class BoundOptions(ColumnOptions):
+    """The options of `madp bound` (each field its `--flag`), checked when built; `group_sizes` is the
+    engines' count, no option."""
+
+    max_contributions: int = option(aliases=("-k",), help="K: records per user at most")
+    order: str = option(
+        "arity",
+        choices=ORDERS,
+        help="universal preference: fewer users first (default), seeded hash, higher weight first, "
+        "or alternate runs of small and large records (bias mitigation)",
+    )
+    weight_column: str | None = option(None, help="column of record weights for --order weight")
+    arity_threshold: int | None = option(  # --order alternate: u, and the run lengths c1 and c2
+        None, help="--order alternate: u, records with at most u users are 'small' (It's my data too, 5.5)"
+    )
+    small_run: int | None = option(None, help="--order alternate: c1, small records per run")
+    large_run: int | None = option(None, help="--order alternate: c2, large records per run")
+    seed: int = option(0, parse=seed_argument, help="seed of the hash that breaks ties in the order")
+    capacities: str | None = option(None, help="file (.csv/.jsonl/.parquet) of rows user, capacity overriding K")
+    max_rounds: int | None = option(None, help="stop after R rounds (default: until converged)")
+    duplicates: bool = option(
+        False, help="with-duplicates variant: passes over residual capacities; records get copies"
+    )
+    on_invalid: str = option(
+        "error",
+        choices=("error", "skip"),
+        help="invalid rows stop the run (default) or are skipped into OUTPUT/rejected/",
+    )
+    output_shards: int | None = option(  # None: one per RECORDS_PER_SHARD valid input records (`shards`)
+        None, help="Parquet files in OUTPUT/selected/ (default: one per 1,000,000 valid input records)"
+    )
     group_sizes: tuple[int, int] | None = None  # records with <= u and > u users; counted by the engines
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         alternate = (self.arity_threshold, self.small_run, self.large_run)
-        if self.order == "alternate" and not all(isinstance(v, int) and v >= 1 for v in alternate):
-            raise InputError("--order alternate needs --arity-threshold, --small-run and --large-run (integers >= 1)")
-        if self.order != "alternate" and any(v is not None for v in alternate):
-            raise InputError("--arity-threshold, --small-run and --large-run apply to --order alternate")
-        if self.max_contributions < 1:
-            raise InputError("--max-contributions must be at least 1")
-        if self.order not in ORDERS:
-            raise InputError(f"--order must be one of {ORDERS}")
-        if self.order == "weight" and not self.columns.weight:
-            raise InputError("--order weight needs --weight-column")
-        if self.max_rounds is not None and self.max_rounds < 1:
-            raise InputError("--max-rounds must be at least 1")
-        if self.on_invalid not in ("error", "skip"):
-            raise InputError("--on-invalid must be 'error' or 'skip'")
-        if self.output_shards is not None and self.output_shards < 1:
-            raise InputError("--output-shards must be at least 1")
+        refuse_failed(
+            [
+                (
+                    self.order != "alternate" or all(isinstance(v, int) and v >= 1 for v in alternate),
+                    "{order} alternate needs {arity_threshold}, {small_run} and {large_run} (integers >= 1)",
+                ),
+                (
+                    self.order == "alternate" or all(v is None for v in alternate),
+                    "{arity_threshold}, {small_run} and {large_run} apply to {order} alternate",
+                ),
+                (self.max_contributions >= 1, "{max_contributions} must be at least 1"),
+                (self.order != "weight" or bool(self.weight_column), "{order} weight needs {weight_column}"),
+                (self.max_rounds is None or self.max_rounds >= 1, "{max_rounds} must be at least 1"),
+                (self.output_shards is None or self.output_shards >= 1, "{output_shards} must be at least 1"),
+            ]
+        )
+
+    @property
+    def columns(self) -> Columns:
+        return self.record_columns(self.weight_column)
 
     def shards(self, input_records: int) -> int:
         """The selection's Parquet files: --output-shards, else one per RECORDS_PER_SHARD valid input

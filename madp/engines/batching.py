@@ -21,6 +21,7 @@ from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
 from madp.core.errors import InputError, positive
 from madp.core.graph_digest import SCHEME, GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
+from madp.core.options import comma_names, option, refuse_failed, seed_argument
 from madp.core.randomness import DETERMINISTIC, SecretKey
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.core.user_ids import USER_IDS
@@ -32,49 +33,71 @@ STRING_STREAMS = 100  # string ids hash under subkey(stream + STRING_STREAMS), i
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchOptions:
-    steps: int
-    batch_size: float
-    sampler: str = "minsep"
-    min_sep: int = 1
-    warm_up: int | None = None
-    max_batch_size: int | None = None
-    find_max_min_sep: bool = False
-    seed: int | None = None  # None: a fresh secret sampling key; an int reproduces (not private)
-    columns: rec.Columns = rec.Columns()
-    content_columns: tuple[str, ...] | None = None
-    on_invalid: str = "error"
-    output_shards: int = 1
+class BatchOptions(rec.ColumnOptions):
+    """The options of `madp batch` (each field its `--flag`), checked when built."""
+
+    steps: int = option(help="T: training steps (batches)")
+    batch_size: float = option(help="B: expected batch size (minsep) or exact batch size (minsep-greedy)")
+    sampler: str = option(
+        "minsep",
+        choices=SAMPLERS,
+        help="minsep: multi-attribution b-min-sep Poisson sampling (default); "
+        "minsep-greedy: deterministic batches of exactly B; users: Poisson sampling of "
+        "users (single-attribution records), B = expected users per step",
+    )
+    min_sep: int = option(1, help="b: steps between a user's participations (default 1: plain Poisson sampling)")
+    warm_up: int | None = option(None, help="minsep: simulated steps dropped first (default b-1: stationary)")
+    max_batch_size: int | None = option(
+        None, help="B_max: truncate larger batches at random, pad smaller ones with weight-0 rows"
+    )
+    find_max_min_sep: bool = option(
+        False, help="minsep-greedy: use the largest b for which the greedy finds a solution"
+    )
+    seed: int | None = option(  # None: a fresh secret sampling key; an int reproduces (not private)
+        None,
+        parse=seed_argument,
+        help="TESTING ONLY: reproduce the sampling from this seed; the batches are then not private "
+        "(default: a fresh secret key per run, never written)",
+    )
+    content_columns: tuple[str, ...] | None = option(
+        None,
+        parse=comma_names,
+        help="comma-separated columns to carry (default: every column of DATA but id, users and weight)",
+    )
+    on_invalid: str = option(
+        "error",
+        choices=("error", "skip"),
+        help="invalid DATA rows: stop (default) or skip them into OUTPUT/rejected/",
+    )
+    output_shards: int = option(1, help="TFRecord files (contiguous step ranges)")
 
     if TYPE_CHECKING:  # set per instance by __post_init__; no field, so never in a report or a repr
         key: ClassVar[SecretKey]
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.sampler in SAMPLERS, f"--sampler must be one of {SAMPLERS}"),
-            (self.steps >= 1, "--steps must be at least 1"),
-            (positive(self.batch_size), "--batch-size must be positive and finite"),
-            (self.min_sep >= 1, "--min-sep must be at least 1 (1 is plain Poisson sampling)"),
-            (self.warm_up is None or self.warm_up >= 0, "--warm-up must be at least 0"),
-            (self.max_batch_size is None or self.max_batch_size >= 1, "--max-batch-size must be at least 1"),
-            (self.output_shards >= 1, "--output-shards must be at least 1"),
-            (self.on_invalid in ("error", "skip"), "--on-invalid must be 'error' or 'skip'"),
-            (
-                self.sampler == "minsep-greedy" or not self.find_max_min_sep,
-                "--find-max-min-sep applies to --sampler minsep-greedy",
-            ),
-            (
-                self.sampler != "users" or self.min_sep == 1,
-                "--sampler users is plain Poisson sampling over users: --min-sep must be 1",
-            ),
-            (
-                self.sampler != "minsep-greedy" or float(self.batch_size).is_integer(),
-                "--batch-size must be an integer for --sampler minsep-greedy (batches have exactly B records)",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InputError(message)
+        super().__post_init__()
+        refuse_failed(
+            [
+                (self.steps >= 1, "{steps} must be at least 1"),
+                (positive(self.batch_size), "{batch_size} must be positive and finite"),
+                (self.min_sep >= 1, "{min_sep} must be at least 1 (1 is plain Poisson sampling)"),
+                (self.warm_up is None or self.warm_up >= 0, "{warm_up} must be at least 0"),
+                (self.max_batch_size is None or self.max_batch_size >= 1, "{max_batch_size} must be at least 1"),
+                (self.output_shards >= 1, "{output_shards} must be at least 1"),
+                (
+                    self.sampler == "minsep-greedy" or not self.find_max_min_sep,
+                    "{find_max_min_sep} applies to {sampler} minsep-greedy",
+                ),
+                (
+                    self.sampler != "users" or self.min_sep == 1,
+                    "{sampler} users is plain Poisson sampling over users: {min_sep} must be 1",
+                ),
+                (
+                    self.sampler != "minsep-greedy" or float(self.batch_size).is_integer(),
+                    "{batch_size} must be an integer for {sampler} minsep-greedy (batches have exactly B records)",
+                ),
+            ]
+        )
         # Drawn once per run (by the driver: Beam workers get it with the pipeline), never reported.
         object.__setattr__(self, "key", SecretKey.for_run(self.seed, "batch sampling", "--seed"))
 

@@ -26,8 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp.accounting.auditing import one_run_audit
-from madp.commands.registry import Parser
-from madp.commands.training import train_options
+from madp.commands.registry import Parser, options_from
 from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
@@ -36,6 +35,7 @@ from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_c
 from madp.core.user_ids import EMAIL
 from madp.jobs import run, run_plan
 from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
+from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan, stated_plan
 
 log = logging.getLogger("madp.audit")
@@ -263,7 +263,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
 
     model_dir = path("baseline" if options.non_private else "train")
     args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
-    scores = canary_scores(_losses(model_dir, args.batches, train_options(args), canaries), canaries)
+    scores = canary_scores(_losses(model_dir, args.batches, options_from(TrainOptions, args), canaries), canaries)
     plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
     delta = float(plan.delta if plan else config["calibrate"].get("delta", 1e-5))

@@ -49,10 +49,10 @@ def check_columns(stages: list[Stage], parser: Parser) -> None:
         if needed is None:
             continue
         carried = batch.content_columns
-        if carried is not None and (left_out := [c for c in needed if c not in carried.split(",")]):
+        if carried is not None and (left_out := [c for c in needed if c not in carried]):
             raise InputError(
                 f"config: the {name} section's model {options.model} reads {', '.join(left_out)}, which the batch "
-                f"section's content_columns ({carried}) leave out of the batches"
+                f"section's content_columns ({','.join(carried)}) leave out of the batches"
             )
         for role, path in (("records", data), ("evaluation data", options.eval_data)):
             if path is None:

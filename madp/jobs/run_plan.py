@@ -24,43 +24,25 @@ from collections.abc import Mapping
 
 import yaml
 
-from madp.commands.registry import CommandParser, Parser, read_paths
+from madp.commands.registry import CommandParser, Parser, error_text, read_paths
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.options import CALIBRATE, how_only_flags, section_keys
 from madp.core.records import users_columns_of
 from madp.core.selection import largest_capacity
 from madp.tools.audit_config import audit_directory, audit_options
+from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.run")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
-CALIBRATE_KEYS = (
-    "epsilon",
-    "delta",
-    "noise_multiplier",
-    "mechanism",
-    "bands",
-    "strategy",
-    "clip_norm",
-    "max_contributions",
-    "amplified",
-    "mc_samples",
-    "mc_workers",
-    "mc_runner",
-    "mc_seed",
-)
+CALIBRATE_KEYS = section_keys(TrainOptions, CALIBRATE)
 INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the realized sampling: never published
 SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "train", "audit", "report")
-# Options of a madp command that say only how a stage reaches its outputs, never what they are, with the number
-# of values each takes: left out of the stage's parameters (`Stage.parameters`, what `madp run` fingerprints), so
-# that a re-run that sets them otherwise finds the outputs up to date instead of training once more.
-HOW_ONLY = {
-    "train": {
-        "--resume": 0,  # finishes the interrupted training: its outputs are that training's
-        "--retrain": 0,  # a permission: privacy.json states the ledger's composition with it or without it
-        "--checkpoint-every": 1,  # how often progress is saved; a finished training removes its checkpoints
-        "--mc-workers": 1,  # every number of workers draws the same Monte Carlo samples (`mc_delta`)
-    }
-}
+# Options of a madp command that say only how a stage reaches its outputs, never what they are, by flag with the
+# number of values each takes (`option(how_only=True)`): left out of the stage's parameters (`Stage.parameters`,
+# what `madp run` fingerprints), so that a re-run that sets them otherwise finds the outputs up to date instead
+# of training once more.
+HOW_ONLY = {"train": how_only_flags(TrainOptions)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,4 +436,4 @@ def _check(parser: Parser, stage: Stage) -> None:
         if not stage.name.startswith("verify-"):  # a verifier writes nothing: its output is the folder it checks
             storage.refuse_overlap(stage.output, [*stage.inputs, *read_paths(args)])
     except InputError as error:
-        raise InputError(f"config {stage.name}: {error}") from error
+        raise InputError(f"config {stage.name}: {error_text(error)}") from error

@@ -336,9 +336,7 @@ def recommend(input_path: str, sweep: Sweep) -> dict:
 def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep, k: int) -> dict[str, Any]:
     kept = {}
     for duplicates in (False, True):
-        options = BoundOptions(
-            max_contributions=k, order=sweep.order, seed=sweep.seed, duplicates=duplicates, columns=sweep.columns
-        )
+        options = BoundOptions(max_contributions=k, order=sweep.order, seed=sweep.seed, duplicates=duplicates)
         kept[duplicates] = bound_records(chunk, options, Capacities(default=k)).copies
     distinct = kept[False] > 0
     after = records_per_user(graph.user_of_incidence, kept[False][graph.record_of_incidence], graph.users)

@@ -83,9 +83,9 @@ def test_one_band_every_step_is_full_batch_dp_sgd():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: BandMf(100, 4, 2, tuple(sqrt_coefficients(8))), "must not exceed --min-sep"),
-        (lambda: BandMf(100, 10, 11, (1.0,)), r"--max-participations must be an integer in \[1, 10\]"),
-        (lambda: BandMf(100, 0, 1, (1.0,)), "--min-sep"),
+        (lambda: BandMf(100, 4, 2, tuple(sqrt_coefficients(8))), "must not exceed min_sep"),
+        (lambda: BandMf(100, 10, 11, (1.0,)), r"^max_participations must be an integer in \[1, 10\]"),
+        (lambda: BandMf(100, 0, 1, (1.0,)), "^min_sep must be an integer >= 1"),
         (lambda: coefficients("sqrt", 10, 11), "--bands"),
         (lambda: coefficients("magic", 10, 2), "--strategy"),
         # arrays of 10^12 steps: refused before allocating (was numpy's MemoryError traceback)
@@ -170,5 +170,5 @@ def test_cyclic_poisson_bandmf():
         )
     )
     assert epsilon(BandMfCyclic(0.2, 41, 4, tuple(c)), 1.3, 1e-5) == pytest.approx(cyclic.get_epsilon(1e-5), rel=1e-9)
-    with pytest.raises(InputError, match="--min-sep"):
+    with pytest.raises(InputError, match="must not exceed min_sep"):
         BandMfCyclic(0.2, 41, 3, tuple(c))

@@ -316,12 +316,12 @@ def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(steps=0, batch_size=5), "--steps must be at least 1"),
-        (dict(steps=5, batch_size=5, min_sep=0), "--min-sep must be at least 1"),
-        (dict(steps=5, batch_size=0), "--batch-size must be positive"),
+        (dict(steps=0, batch_size=5), "^steps must be at least 1"),
+        (dict(steps=5, batch_size=5, min_sep=0), "^min_sep must be at least 1"),
+        (dict(steps=5, batch_size=0), "^batch_size must be positive"),
         (dict(steps=5, batch_size=2.5, sampler="minsep-greedy"), "must be an integer"),
-        (dict(steps=5, batch_size=5, find_max_min_sep=True), "applies to --sampler minsep-greedy"),
-        (dict(steps=5, batch_size=5, max_batch_size=0), "--max-batch-size must be at least 1"),
+        (dict(steps=5, batch_size=5, find_max_min_sep=True), "applies to sampler minsep-greedy"),
+        (dict(steps=5, batch_size=5, max_batch_size=0), "^max_batch_size must be at least 1"),
     ],
 )
 def test_bad_options_are_refused(options, message):

@@ -16,7 +16,7 @@ from madp.core.bounding import (
     preference_rank_order,
 )
 from madp.core.hashing import hash_ids
-from madp.core.records import Columns, RecordChunk
+from madp.core.records import RecordChunk
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import bound_records
 from madp.tools.synthetic import GraphSpec, generate
@@ -52,7 +52,7 @@ def check(chunk, k, order="arity", seed=0, duplicates=False, capacity=None):
         order=order,
         seed=seed,
         duplicates=duplicates,
-        columns=Columns(weight="w" if order == "weight" else None),
+        weight_column="w" if order == "weight" else None,
     )
     capacities = (
         Capacities(k)
@@ -203,9 +203,9 @@ def test_alternate_order_runs_and_bias_mitigation():
 def test_alternate_order_options_are_checked():
     from madp.core.errors import InputError
 
-    with pytest.raises(InputError, match="--order alternate needs"):
+    with pytest.raises(InputError, match="^order alternate needs arity_threshold, small_run and large_run"):
         BoundOptions(max_contributions=2, order="alternate", arity_threshold=1)
-    with pytest.raises(InputError, match="apply to --order alternate"):
+    with pytest.raises(InputError, match="apply to order alternate"):
         BoundOptions(max_contributions=2, small_run=3)
 
 

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import write_records
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
+from madp.core.options import flag_of
 from madp.core.record_reading import read_file
 from madp.core.records import Columns, list_input_files
 from madp.core.selection import BoundOptions
@@ -94,7 +95,7 @@ def test_parquet_nulls_and_custom_columns(tmp_path):
         }
     )
     pq.write_table(table, tmp_path / "p.parquet")
-    options = BoundOptions(max_contributions=1, on_invalid="skip", columns=Columns("doc", "authors"))
+    options = BoundOptions(max_contributions=1, on_invalid="skip", id_column="doc", users_column="authors")
     report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
     assert report["rejected"] == {"missing_id": 1, "missing_users": 1, "null_user": 1}
     assert report["selected_records"] == 1
@@ -125,10 +126,10 @@ def test_missing_and_unsupported_inputs(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_contributions": 0}, "--max-contributions"),
-        ({"max_contributions": 1, "order": "weight"}, "--weight-column"),
-        ({"max_contributions": 1, "max_rounds": 0}, "--max-rounds"),
-        ({"max_contributions": 1, "on_invalid": "ignore"}, "--on-invalid"),
+        ({"max_contributions": 0}, "^max_contributions must be at least 1"),
+        ({"max_contributions": 1, "order": "weight"}, "^order weight needs weight_column"),
+        ({"max_contributions": 1, "max_rounds": 0}, "^max_rounds must be at least 1"),
+        ({"max_contributions": 1, "on_invalid": "ignore"}, "^on_invalid must be one of error, skip"),
     ],
 )
 def test_bad_options(kwargs, message):
@@ -181,13 +182,13 @@ def test_numbers_that_are_not_finite_are_refused_by_name(number, capsys):
     assert main([*accounted, "--noise-multiplier", number]) == 2
     error = capsys.readouterr().err
     assert "--noise-multiplier must be positive and finite" in error and "Traceback" not in error
-    for field in ("learning_rate", "adam_epsilon", "clip_norm", "noise_multiplier", "testing_noise_scale"):
-        flag = "--" + field.replace("_", "-").replace("testing-", "testing-only-")
-        with pytest.raises(InputError, match=f"{flag} must be positive and finite"):
+    for field in ("learning_rate", "adam_epsilon", "clip_norm", "noise_multiplier", "testing_only_noise_scale"):
+        with pytest.raises(OptionError, match=f"^{field} must be positive and finite") as refused:
             TrainOptions(model="text-classifier", epsilon=8.0, **{field: float(number)})
-    with pytest.raises(InputError, match="--l2 must be 0 or above and finite"):
+        assert refused.value.named(flag_of).startswith(f"{flag_of(field)} must be positive and finite")
+    with pytest.raises(InputError, match="^l2 must be 0 or above and finite"):
         TrainOptions(model="text-classifier", epsilon=8.0, l2=float(number))
-    with pytest.raises(InputError, match="--l2 must be 0 or above and finite"):
+    with pytest.raises(InputError, match="^l2 must be 0 or above and finite"):
         TrainOptions(model="text-classifier", epsilon=8.0, l2=-1e-4)
     with pytest.raises(InputError, match="--clip-norm must be positive and finite"):
         Sweep(epsilon=8.0, delta=1e-6, steps=10, batch_size=4.0, clip_norm=float(number))

@@ -9,7 +9,6 @@ import pytest
 from conftest import write_records
 
 from madp.beam.bound import run_beam
-from madp.core.records import Columns
 from madp.core.selection import BoundOptions
 from madp.core.verify import verify_bound
 from madp.engines.local_engine import run_local
@@ -106,7 +105,7 @@ def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, sm
     capacities = tmp_path / "capacities.csv"
     capacities.write_text("user,capacity\n" + "".join(f"u{u},{u % 4}\n" for u in range(0, 400, 3)))
     options = BoundOptions(
-        max_contributions=2, capacities=str(capacities), output_shards=3, order="weight", columns=Columns(weight="w")
+        max_contributions=2, capacities=str(capacities), output_shards=3, order="weight", weight_column="w"
     )
     assert_same(tmp_path, input_path, options, ["--direct_num_workers=1", "--partitions=1"])
     assert verify_bound(input_path, str(tmp_path / "beam"), 2, str(capacities))["ok"]

@@ -93,9 +93,9 @@ def test_learning_rate_schedules():
     warm = rates("warmup-cosine", warmup=4)
     assert warm[:5] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
     assert warm[7] == pytest.approx(0.4 * 0.5 * (1 + math.cos(math.pi * 3 / 6)))
-    with pytest.raises(InputError, match="--warmup-steps"):
+    with pytest.raises(InputError, match="^warmup_steps must be at least 0, and above 0 only with lr_schedule"):
         TrainOptions(mechanism="none", warmup_steps=3)
-    with pytest.raises(InputError, match="--lr-schedule"):
+    with pytest.raises(InputError, match="^lr_schedule must be one of constant, cosine, warmup-cosine"):
         TrainOptions(mechanism="none", lr_schedule="step")
 
 

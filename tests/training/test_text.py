@@ -567,13 +567,13 @@ def test_text_models_default_to_the_optimizer_they_learn_with():
     assert (words.ngram_order, dataclasses.replace(words, pretrained="model.gguf").ngram_order) == (1, 2)
     assert dataclasses.replace(words, ngrams=3, pretrained="model.gguf").ngram_order == 3
     for wrong in (0, 129):  # above --max-length (128): never kept, only slow to hash
-        with pytest.raises(InputError, match=r"--ngrams must be between 1 \(words\) and --max-length \(128\)"):
+        with pytest.raises(InputError, match=r"^ngrams must be between 1 \(words\) and max_length \(128\)"):
             dataclasses.replace(words, ngrams=wrong)
     beside = dataclasses.replace(words, pretrained="model.gguf")
     assert (words.word_prefix_length, beside.word_prefix_length) == (6, 0)  # 6 characters; whole beside it
     assert dataclasses.replace(words, word_prefix=0).word_prefix_length == 0
     assert dataclasses.replace(beside, word_prefix=5).word_prefix_length == 5
-    with pytest.raises(InputError, match="--word-prefix must be at least 0"):
+    with pytest.raises(InputError, match="^word_prefix must be at least 0"):
         dataclasses.replace(words, word_prefix=-1)
     refused = ({"adam_epsilon": 0.0}, "must be positive"), ({"optimizer": "sgd"}, "uses SGD: drop it")
     refused += (({"model": "mlp"}, "uses SGD: drop it"),)  # SGD by default: the flag would be ignored
