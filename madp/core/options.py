@@ -91,19 +91,19 @@ def declared(cls: type) -> tuple[Declared, ...]:
         facts = field.metadata.get(METADATA_KEY)
         if facts is None:
             continue
-        value_type = _value_type(hints[field.name])
-        switch = value_type is bool
+        kind = value_type(hints[field.name])
+        switch = kind is bool
         parse = facts.parse
         if parse is None and not switch and not facts.repeatable:  # a repeatable option's values: strings
-            if value_type not in (int, float, str):
-                raise TypeError(f"{cls.__name__}.{field.name}: a {value_type} option needs parse=")
-            parse = None if value_type is str else value_type
+            if kind not in (int, float, str):
+                raise TypeError(f"{cls.__name__}.{field.name}: a {kind} option needs parse=")
+            parse = None if kind is str else kind
         found.append(Declared(field.name, facts, field.default, switch, parse))
     return tuple(found)
 
 
-def _value_type(hint: Any) -> Any:
-    """`int | None` -> int; a tuple type as `tuple`."""
+def value_type(hint: Any) -> Any:
+    """The type of an option's values: `int | None` -> int; a tuple type as `tuple`."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
     return typing.get_origin(hint) or hint

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.options import value_type
 
 LOCAL = "local"  # the runner of the in-memory engines, in this process; any other name is a Beam runner's
 
@@ -29,7 +31,21 @@ def options_of(step: str, options_class: type[Options], options: Mapping[str, An
             for name in unknown
         ]
         raise TypeError(f"{step}() got unknown options: {', '.join(meant)}; its options are {', '.join(known)}")
-    return options_class(**options)
+    return options_class(**_as_parsed(options_class, options))
+
+
+def _as_parsed(options_class: type, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options as the command line's parser gives them: an int for a float option is a float (`epsilon=8`
+    is 8.0, so that the files a step writes say what the command's say) and a list for a tuple one a tuple."""
+    hints = typing.get_type_hints(options_class)
+    parsed = dict(options)
+    for name, value in options.items():
+        kind = value_type(hints[name])
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            parsed[name] = float(value)
+        elif kind is tuple and isinstance(value, list):
+            parsed[name] = tuple(value)
+    return parsed
 
 
 def refuse_beam_options_locally(runner: str, beam_options: Sequence[str]) -> None:

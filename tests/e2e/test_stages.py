@@ -52,7 +52,8 @@ def both(records, tmp_path_factory):
     api, cli = tmp_path_factory.mktemp("api"), tmp_path_factory.mktemp("cli")
     bound = madp.bound(records, str(api / "bounded"), **SEED_OPTIONS)
     batched = madp.batch(str(api / "bounded"), records, str(api / "batches"), **BATCH_OPTIONS)
-    plan = madp.calibrate(str(api / "batches"), str(api / "calibration.json"), epsilon=8.0, bands=2, clip_norm=0.5)
+    # epsilon=8, an int, as a Python caller writes it: the plan states 8.0, as the command line's float
+    plan = madp.calibrate(str(api / "batches"), str(api / "calibration.json"), epsilon=8, bands=2, clip_norm=0.5)
     flags = ["-k", "3", "--seed", "5", "--order", "hash", "--runner", "local"]
     assert main(["-q", "bound", records, str(cli / "bounded"), *flags]) == 0
     flags = ["--steps", "12", "--batch-size", "8", "--min-sep", "2", "--max-batch-size", "16", "--seed", "0"]
