@@ -39,7 +39,7 @@ def best_of(repeats: int, run) -> tuple[float, float, object]:
 def prepare(directory: str, records: int) -> tuple[str, str]:
     from madp.core.selection import BoundOptions
     from madp.engines.local_engine import run_local as bound
-    from madp.tools.synthetic import GraphSpec, generate, write_dataset
+    from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
     spec = GraphSpec(records=records, graph="skewed", seed=1)
     data = os.path.join(directory, f"records-{records}")

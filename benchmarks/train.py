@@ -75,7 +75,7 @@ def main() -> None:
         keras_lib = tf_keras
     rng = np.random.default_rng(0)
     if args.model in ("text-classifier", "text-lm"):
-        from madp.tools.synthetic_text import TOPICS, documents
+        from madp.tools.data.synthetic_text import TOPICS, documents
 
         texts, topics = documents(np.arange(args.batch_size + 1), rng.integers(0, 10**6, args.batch_size), 0)
         rows = {"text": np.array([t.encode() for t in texts], dtype=object), "label": topics}

@@ -60,7 +60,7 @@ def graph_rows(offsets: np.ndarray, users: np.ndarray, ids=None) -> list[dict]:
 
 @pytest.fixture
 def small_graph():
-    from madp.tools.synthetic import GraphSpec, generate
+    from madp.tools.data.synthetic import GraphSpec, generate
 
     data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
     return graph_rows(data.offsets, data.users)

@@ -326,7 +326,7 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     import sys
 
     from madp.stages.recommending import job_config_of, run_recommend_k
-    from madp.tools.recommend import Sweep, table
+    from madp.tools.planning.recommend import Sweep, table
 
     try:
         ks = tuple(int(k) for k in args.k.split(",") if k.strip())

@@ -51,7 +51,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def _graph_spec(args: argparse.Namespace):
-    from madp.tools.synthetic import GraphSpec
+    from madp.tools.data.synthetic import GraphSpec
 
     return GraphSpec(
         records=args.records,
@@ -67,7 +67,7 @@ def _graph_spec(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.tools.synthetic import generate, write_dataset
+    from madp.tools.data.synthetic import generate, write_dataset
 
     spec = _graph_spec(args)
     return write_dataset(
@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace, unknown: list[str]) -> dict:
 
 
 def _import_mbox(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.tools.mbox import import_mbox
+    from madp.tools.data.mbox import import_mbox
 
     return import_mbox(args.mbox, args.output)
 

@@ -34,7 +34,7 @@ from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
 from madp.core.user_ids import EMAIL
 from madp.jobs import run, run_plan
-from madp.tools.audit_config import AuditOptions, audit_directory, audit_options
+from madp.tools.planning.audit_config import AuditOptions, audit_directory, audit_options
 from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan, stated_plan
 

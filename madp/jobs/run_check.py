@@ -3,7 +3,7 @@ for can be formed on the input's graph, and whether calibration will accept thei
 infeasible plan stops there with the option to change and a value that works, rather than in
 `madp batch` (or calibration) after the bounding.
 
-The check is `madp recommend-k`'s for one k (`madp.tools.recommend.job_feasibility`): the local
+The check is `madp recommend-k`'s for one k (`madp.tools.planning.recommend.job_feasibility`): the local
 engine's bounding kernels on the graph read into memory, then the sampler's own calibration of p and
 the trainer's own truncation delta. The graph is public under the fixed-graph model, so it costs no
 privacy.
@@ -22,7 +22,7 @@ from madp.core.records import list_input_files
 from madp.core.selection import BoundOptions
 from madp.jobs.run_plan import Stage
 from madp.stages.arguments import LOCAL
-from madp.tools.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
+from madp.tools.planning.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
 from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.run")

@@ -30,7 +30,7 @@ from madp.core.errors import InputError
 from madp.core.options import CALIBRATE, how_only_flags, section_keys
 from madp.core.records import users_columns_of
 from madp.core.selection import largest_capacity
-from madp.tools.audit_config import audit_directory, audit_options
+from madp.tools.planning.audit_config import audit_directory, audit_options
 from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.run")

@@ -45,7 +45,7 @@ def bound(
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> report = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)

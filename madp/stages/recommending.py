@@ -10,8 +10,8 @@ from typing import Any
 
 from madp.core.errors import InputError
 from madp.stages.arguments import options_of
-from madp.tools.recommend import Sweep, job_config, recommend, train_section, write_sweep
-from madp.tools.recommend import write_config as write_job_config
+from madp.tools.planning.recommend import Sweep, job_config, recommend, train_section, write_sweep
+from madp.tools.planning.recommend import write_config as write_job_config
 
 log = logging.getLogger("madp")
 
@@ -76,7 +76,7 @@ def recommend_k(
         labels: the public label set of a text-classifier config.
         label_column: the written config's label column.
         text_column: the written config's text column (default text, else body).
-        **options: the sweep's options, the fields of `madp.tools.recommend.Sweep`: epsilon, delta,
+        **options: the sweep's options, the fields of `madp.tools.planning.recommend.Sweep`: epsilon, delta,
             steps (T) and batch_size (B), all required; mechanism ("dpsgd", "bandmf"), min_sep, bands,
             strategy, clip_norm, ks (the bounds to try, a tuple), order, seed, columns,
             truncation_share.
@@ -94,7 +94,7 @@ def recommend_k(
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=1000, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> result = madp.recommend_k(

@@ -22,7 +22,7 @@ import pytest
 import runner_services
 
 from madp.cli import main
-from madp.tools.synthetic import GraphSpec, generate, to_table
+from madp.tools.data.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.beam, pytest.mark.runners]
 

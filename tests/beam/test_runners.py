@@ -115,7 +115,7 @@ def test_direct_runner_in_process_and_in_worker_processes_writes_the_same_bytes(
     partitions, gives the same files."""
     from conftest import write_records
 
-    from madp.tools.synthetic import GraphSpec, generate, to_table
+    from madp.tools.data.synthetic import GraphSpec, generate, to_table
 
     data = write_records(
         str(tmp_path / "records.jsonl"), to_table(generate(GraphSpec(records=3000, features=4, seed=5))).to_pylist()

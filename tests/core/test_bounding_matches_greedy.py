@@ -19,7 +19,7 @@ from madp.core.hashing import hash_ids
 from madp.core.records import RecordChunk
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import bound_records
-from madp.tools.synthetic import GraphSpec, generate
+from madp.tools.data.synthetic import GraphSpec, generate
 
 
 def as_chunk(offsets, users, ids=None, weights=None) -> RecordChunk:

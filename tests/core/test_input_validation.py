@@ -175,7 +175,7 @@ def test_numbers_that_are_not_finite_are_refused_by_name(number, capsys):
     """argparse and YAML read "inf" and "nan" as floats: the accountant crashed on an infinite sigma,
     and training ran to NaN weights at an infinite clip norm or learning rate."""
     from madp.cli import main
-    from madp.tools.recommend import Sweep
+    from madp.tools.planning.recommend import Sweep
     from madp.training.options import TrainOptions
 
     accounted = ["epsilon", "--mechanism", "dpsgd", "--delta", "1e-6", "--steps", "100", "--sampling-prob", "0.01"]

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from madp.core.hashing import hash_ids, partition_of
-from madp.tools.synthetic import GraphSpec, generate
+from madp.tools.data.synthetic import GraphSpec, generate
 
 
 def degrees(data) -> np.ndarray:

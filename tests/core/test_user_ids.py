@@ -389,7 +389,7 @@ def test_import_mbox_writes_user_ids_that_show_no_sign(tmp_path, capsys):
 def test_audit_canaries_are_addresses_where_user_ids_are(tmp_path):
     """Under --user-ids email a canary user that is no address would make its records bad_address."""
     from madp.jobs.audit import plant
-    from madp.tools.audit_config import AuditOptions
+    from madp.tools.planning.audit_config import AuditOptions
 
     rng = np.random.default_rng(0)
     rows = [

@@ -19,7 +19,7 @@ from madp.core.errors import InputError
 from madp.core.record_reading import read_file
 from madp.core.records import Columns
 from madp.core.verify import verify_bound
-from madp.tools.synthetic import GraphSpec, generate, to_table
+from madp.tools.data.synthetic import GraphSpec, generate, to_table
 
 EMAIL = Columns(users_columns=("from", "to", "cc"))
 UNION = ["--users-columns", "from,to,cc"]
@@ -212,7 +212,7 @@ def test_audit_canaries_are_written_in_the_users_columns(tmp_path):
     import numpy as np
 
     from madp.jobs.audit import plant
-    from madp.tools.audit_config import AuditOptions
+    from madp.tools.planning.audit_config import AuditOptions
 
     data = write_records(
         str(tmp_path / "r.parquet"), to_table(generate(GraphSpec(records=300)), "from-to-cc").to_pylist()

@@ -21,7 +21,7 @@ import madp.accounting
 from madp.cli import main, parser
 from madp.commands.training import calibrate_batches
 from madp.core.errors import InputError
-from madp.tools.synthetic import GraphSpec, generate, write_dataset
+from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
 SEED_OPTIONS = {"max_contributions": 3, "seed": 5, "order": "hash"}
 BATCH_OPTIONS = {"steps": 12, "batch_size": 8.0, "min_sep": 2, "max_batch_size": 16, "seed": 0}

@@ -21,7 +21,10 @@ LAYERS = (
         "engines and training (madp/engines, madp.beam: beam_pipelines/, madp.training: tf_training/)",
         ("madp.engines", "madp.beam", "madp.training"),
     ),
-    ("tools (madp/tools): generators, import, report, recommend-k, audit options", ("madp.tools",)),
+    (
+        "tools (madp/tools): data/ (generators, import), planning/ (recommend-k, audit options), report",
+        ("madp.tools",),
+    ),
     (
         "stages (madp/stages): a function per step, the Python API; the madp package, which exports them",
         ("madp", "madp.stages"),

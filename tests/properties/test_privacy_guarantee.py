@@ -30,7 +30,7 @@ from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import run_local as bound_local
-from madp.tools.synthetic import GraphSpec, generate, to_table
+from madp.tools.data.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.beam, pytest.mark.tf]
 

@@ -338,7 +338,7 @@ def test_canaries_are_not_scaled_by_a_median_of_broken_features(tmp_path, audita
 
     from madp.core.records import Columns
     from madp.jobs.audit import plant
-    from madp.tools.audit_config import AuditOptions
+    from madp.tools.planning.audit_config import AuditOptions
 
     source = sorted(glob.glob(str(auditable_records / "records" / "*.parquet")))[0]
     table = pq.read_table(source)

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from madp.cli import main
-from madp.tools.mbox import decoded_header, text_codec
+from madp.tools.data.mbox import decoded_header, text_codec
 
 
 def message(sender, to=None, cc=None, subject="hello", body="text", message_id=None, html=None) -> EmailMessage:

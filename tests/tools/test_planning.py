@@ -19,8 +19,8 @@ from madp.cli import main, parser
 from madp.core import sampling
 from madp.jobs.run_check import check_feasible
 from madp.jobs.run_plan import load_config, plan_stages
-from madp.tools.recommend import largest_min_sep_reaching
-from madp.tools.synthetic import GraphSpec, generate, to_table
+from madp.tools.data.synthetic import GraphSpec, generate, to_table
+from madp.tools.planning.recommend import largest_min_sep_reaching
 
 USERS = ["--users-columns", "from,to,cc"]
 

@@ -13,8 +13,8 @@ from madp.cli import main
 from madp.core import record_reading
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import run_local
-from madp.tools.recommend import Sweep, recommend
-from madp.tools.synthetic import GraphSpec, generate, to_table
+from madp.tools.data.synthetic import GraphSpec, generate, to_table
+from madp.tools.planning.recommend import Sweep, recommend
 
 pytestmark = [pytest.mark.slow]
 

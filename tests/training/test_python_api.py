@@ -25,7 +25,7 @@ from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
-from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.tools.data.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training import PrivacyPlan, calibrate, make_non_private, make_private, open_batches, read_steps  # noqa: E402
 from madp.training.tasks import build_model  # noqa: E402
 

@@ -25,8 +25,8 @@ from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
-from madp.tools.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
-from madp.tools.synthetic_text import personal_words  # noqa: E402
+from madp.tools.data.synthetic import GraphSpec, generate, to_table, write_dataset  # noqa: E402
+from madp.tools.data.synthetic_text import personal_words  # noqa: E402
 from madp.training import text  # noqa: E402
 from madp.training.batches import open_batches  # noqa: E402
 from madp.training.clipping import per_example_gradients  # noqa: E402

@@ -23,7 +23,7 @@ from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions  # noqa: E402
 from madp.engines.local_engine import run_local as bound_local  # noqa: E402
-from madp.tools.synthetic import GraphSpec, generate, to_table  # noqa: E402
+from madp.tools.data.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
 from madp.training.queries import (  # noqa: E402

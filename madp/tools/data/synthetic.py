@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from madp.core import storage
 from madp.core.errors import InputError, check_memory, positive
-from madp.tools.synthetic_text import documents
+from madp.tools.data.synthetic_text import documents
 
 # The skewed process re-reads degrees after every STALENESS fraction of the records drawn so
 # far: this turns the sequential process into O(1/STALENESS * log N) vectorized chunks.
