@@ -34,6 +34,7 @@ from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest, graph_digest
 from madp.core.hashing import partition_of
 from madp.core.routing import split_by_partition
+from madp.core.selection import selection_arrays
 from madp.engines import batching
 from madp.engines.batch_report import merge_counts
 
@@ -108,7 +109,7 @@ class _SplitSelection(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         shard, table = element  # a shard index, or the path of the file it was read from
-        ids, copies = batching.selection_arrays(table, shard if isinstance(shard, str) else f"selection shard {shard}")
+        ids, copies = selection_arrays(table, shard if isinstance(shard, str) else f"selection shard {shard}")
         destination = partition_of(ids, self.partitions) if len(ids) else np.zeros(0, np.int64)
         for part, rows in split_rows(destination):
             yield part, SelectedIds(ids.take(pa.array(rows)), copies[rows])

@@ -24,8 +24,7 @@ from madp.core import storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
-from madp.core.selection import REJECTED_DIR, selection_files
-from madp.engines.batching import read_selection_file
+from madp.core.selection import REJECTED_DIR, read_selection_file, selection_files
 from madp.training import (  # the public API; the trainer's own parts: tasks, models, options, outputs, long jobs
     Batches,
     NonPrivateStep,

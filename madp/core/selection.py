@@ -1,4 +1,5 @@
-"""Bounding outputs shared by both engines: options, capacities, selection files, report."""
+"""Bounding outputs shared by both engines: options, capacities, the selection files (written here, read by
+the batching and the trainer), report."""
 
 from __future__ import annotations
 
@@ -331,6 +332,28 @@ def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int
         shard: sorted_selection(ids.filter(pa.array(shard_of == shard)), copies[shard_of == shard])
         for shard in range(shards)
     }
+
+
+def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
+    """One selection file's ids and copies (`selection_arrays`), read with its checksums."""
+    return selection_arrays(storage.read_parquet(path), path)
+
+
+def selection_arrays(table: pa.Table, where: str) -> tuple[pa.Array, np.ndarray]:
+    """A selection table's ids (integers as int64) and copies, checked: `where` names it in errors."""
+    if not {"id", "copies"} <= set(table.column_names):
+        raise InputError(f"{where}: a selection needs columns id and copies (found {table.column_names})")
+    ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
+    if (
+        ids.null_count
+        or copies.null_count
+        or not pa.types.is_integer(copies.type)
+        or (len(copies) and pc.min(copies).as_py() < 1)
+    ):
+        raise InputError(f"{where}: ids must be present and copies integers >= 1")
+    if pa.types.is_integer(ids.type):
+        ids = ids.cast(pa.int64())
+    return ids, copies.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def write_selection_shard(path: str, table: pa.Table) -> None:

@@ -26,7 +26,7 @@ from madp.core.errors import InputError, check_memory
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
-from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.core.selection import handle_rejects, read_selection_file, selection_files, write_report
 from madp.engines.batch_report import Sampled, participation_stats, prepare_output, refuse_losing_trainings, report
 from madp.engines.batching import (
     USER_SAMPLING_STREAM,
@@ -35,7 +35,6 @@ from madp.engines.batching import (
     check_content,
     check_same_graph,
     join_selection,
-    read_selection_file,
     record_hashes,
     schema,
     skip_invalid_content,

@@ -193,27 +193,6 @@ def check_same_graph(found: GraphDigest, bound: BoundGraph, data: str) -> None:
         )
 
 
-def read_selection_file(path: str) -> tuple[pa.Array, np.ndarray]:
-    return selection_arrays(storage.read_parquet(path), path)
-
-
-def selection_arrays(table: pa.Table, where: str) -> tuple[pa.Array, np.ndarray]:
-    """A selection table's ids (integers as int64) and copies, checked: `where` names it in errors."""
-    if not {"id", "copies"} <= set(table.column_names):
-        raise InputError(f"{where}: a selection needs columns id and copies (found {table.column_names})")
-    ids, copies = table.column("id").combine_chunks(), table.column("copies").combine_chunks()
-    if (
-        ids.null_count
-        or copies.null_count
-        or not pa.types.is_integer(copies.type)
-        or (len(copies) and pc.min(copies).as_py() < 1)
-    ):
-        raise InputError(f"{where}: ids must be present and copies integers >= 1")
-    if pa.types.is_integer(ids.type):
-        ids = ids.cast(pa.int64())
-    return ids, copies.to_numpy(zero_copy_only=False).astype(np.int64)
-
-
 def join_selection(
     chunk: rec.RecordChunk, ids: pa.Array, copies: np.ndarray, data: str
 ) -> tuple[rec.RecordChunk, np.ndarray]:

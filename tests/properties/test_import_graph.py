@@ -127,6 +127,22 @@ def test_the_graph_is_read_from_real_imports():
     assert "madp.stages" in edges["madp"]  # the package's exports, imported in its __getattr__
 
 
+def test_training_imports_no_engine():
+    """madp.training runs on the batch files alone: it reads them, the batch report and the selection files
+    from the core's formats, never from an engine (sideways in the layers, but Beam or a batching's
+    internals are nothing a training needs)."""
+    edges = graph()
+    engines = ("madp.engines", "madp.beam")
+    found = [
+        f"{module} imports {target}"
+        for module, targets in sorted(edges.items())
+        if module == "madp.training" or module.startswith("madp.training.")
+        for target in sorted(targets)
+        if any(target == e or target.startswith(e + ".") for e in engines)
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_each_madp_module_lives_in_the_folder_of_its_layer():
     loose = [
         module
