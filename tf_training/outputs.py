@@ -217,10 +217,10 @@ class Evaluations:
     task names them), the last, and a pretrained model's before the first step (`pretrained_eval`, stated
     by a training from --pretrained only, None where it had no evaluation data)."""
 
-    eval: tuple[Mapping[str, Any], ...]
-    final: Mapping[str, Any] | None
-    pretrained_eval: Mapping[str, Any] | None = None
-    from_pretrained: bool = False  # whether the training states `pretrained_eval`
+    eval: tuple[Mapping[str, Any], ...]  # each evaluation: its step, loss and the task's metrics
+    final: Mapping[str, Any] | None  # the last evaluation
+    pretrained_eval: Mapping[str, Any] | None = None  # the pretrained model's, before the first step
+    from_pretrained: bool = False  # whether the training states `pretrained_eval` (no key of its own)
 
     def to_json(self) -> dict[str, Any]:
         """As metrics.json and OUTPUT/internal/evaluation.json hold them."""
@@ -243,9 +243,9 @@ class TrainingMetrics:
     evaluation data was declared public, ..., in the file's order), and its evaluations where that data was
     public (else `evaluation` says where the internal ones are)."""
 
-    settings: Mapping[str, Any]
-    evaluations: Evaluations | None
-    evaluation: str | None = None
+    settings: Mapping[str, Any]  # what the training ran with, each a key of the file in its order
+    evaluations: Evaluations | None  # where the evaluation data was declared public: its keys, in the file
+    evaluation: str | None = None  # where the internal evaluations are, where they are not here
 
     @property
     def eval_data_public(self) -> bool:

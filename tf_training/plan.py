@@ -293,7 +293,7 @@ class AccountedBatches:
 class Guarantee:
     """An (epsilon, delta) guarantee: the one of a single training, where privacy.json states a composition."""
 
-    epsilon: float
+    epsilon: float  # the single training's epsilon
     delta: float  # everything, the mechanism's delta and truncation's
 
 

@@ -64,9 +64,9 @@ def _parsed(parse, where: str, what: str):
 class FileEntry:
     """A file an output's report lists (`storage.manifest`): its name in the output, size and SHA-256."""
 
-    name: str
-    bytes: int
-    sha256: str
+    name: str  # the file's name in the output (no folder)
+    bytes: int  # its size
+    sha256: str  # its SHA-256, hex
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
@@ -104,22 +104,22 @@ def file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tu
 class BoundParameters:
     """The options the bound ran with, as its report records them (`parameters`)."""
 
-    max_contributions: int
-    order: str = "arity"
+    max_contributions: int  # K: records per user at most
+    order: str = "arity"  # the universal preference: arity, hash, weight or alternate
     arity_threshold: int | None = None  # --order alternate: u, c1, c2 and the two groups' sizes
-    small_run: int | None = None
-    large_run: int | None = None
-    group_sizes: tuple[int, int] | None = None
-    seed: int = 0
-    max_rounds: int | None = None
-    duplicates: bool = False
-    capacities: str | None = None
-    id_column: str = "id"
+    small_run: int | None = None  # c1: small records per run
+    large_run: int | None = None  # c2: large records per run
+    group_sizes: tuple[int, int] | None = None  # records with <= u and > u users, as the engine counted them
+    seed: int = 0  # of the hash that breaks ties in the order
+    max_rounds: int | None = None  # --max-rounds (None: until converged)
+    duplicates: bool = False  # the with-duplicates variant: passes over residual capacities, records get copies
+    capacities: str | None = None  # the file of per-user capacities overriding K
+    id_column: str = "id"  # the records' id column
     users_column: str | None = "users"  # None where --users-columns named them
     users_columns: tuple[str, ...] | None = None  # --users-columns: the users are their union
     user_ids: str | None = None  # --user-ids: how string user ids were read (None: checked)
-    weight_column: str | None = None
-    on_invalid: str = "error"
+    weight_column: str | None = None  # --weight-column (read and validated, and with --order weight the order)
+    on_invalid: str = "error"  # error (invalid rows stop the bound) or skip (into OUTPUT/rejected/)
 
     def to_json(self) -> dict[str, Any]:
         return _lists({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
@@ -141,10 +141,10 @@ class BoundParameters:
 class RoundStats:
     """One round of the bounding: its pass, the records it selected and those still eligible after it."""
 
-    round: int
-    pass_: int
-    selected: int
-    eligible: int
+    round: int  # its number, from 1
+    pass_: int  # its pass (written as `pass`)
+    selected: int  # records (copies) selected in it
+    eligible: int  # records still eligible after it
 
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "pass": self.pass_, "selected": self.selected, "eligible": self.eligible}
@@ -159,10 +159,10 @@ class Histograms:
     """The bound's distributions, {value: count} with string keys: users by their records in the input and
     after bounding, records by their users in the input and among the selected records."""
 
-    records_per_user_input: Mapping[str, int]
-    records_per_user_selected: Mapping[str, int]
-    records_by_users_input: Mapping[str, int]
-    records_by_users_selected: Mapping[str, int]
+    records_per_user_input: Mapping[str, int]  # users by their records in the input
+    records_per_user_selected: Mapping[str, int]  # users by their selected records (copies)
+    records_by_users_input: Mapping[str, int]  # input records by their number of users
+    records_by_users_selected: Mapping[str, int]  # selected records by their number of users
 
     def to_json(self) -> dict[str, Any]:
         return {field.name: dict(getattr(self, field.name)) for field in dataclasses.fields(self)}
@@ -200,27 +200,27 @@ class BoundReport:
     figures and rejects, the rounds and the digest of the graph bounded. Both engines write it; Beam adds its
     partitions and pipeline runs."""
 
-    engine: str
-    input: str
-    parameters: BoundParameters
+    engine: str  # which engine bounded: local, or the Beam runner
+    input: str  # the input records' path
+    parameters: BoundParameters  # the options it ran with
     contribution_bound: int  # K, or a larger listed capacity: what the accountant assumes for every user
-    ignored_files: tuple[str, ...]
-    input_rows: int
-    input_records: int
-    input_users: int
+    ignored_files: tuple[str, ...]  # files of the input folder not read (their suffix)
+    input_rows: int  # rows read
+    input_records: int  # valid records
+    input_users: int  # users of the valid records
     rejected: Mapping[str, int]  # rows dropped (--on-invalid skip), by reason
-    rejected_total: int
-    repeated_users_removed: int
+    rejected_total: int  # rows dropped
+    repeated_users_removed: int  # a user repeated within a record, dropped
     graph_digest: GraphDigest | None  # None in a report of madp before it had one (batching refuses it)
     selected_records: int  # copies
-    distinct_selected: int
-    max_user_contribution: int
-    rounds: int
-    passes: int
-    converged: bool
-    per_round: tuple[RoundStats, ...]
-    histograms: Histograms
-    selection_files: tuple[FileEntry, ...]
+    distinct_selected: int  # records selected at least once
+    max_user_contribution: int  # the most records (copies) one user has in the selection
+    rounds: int  # rounds run
+    passes: int  # passes (more than one with --duplicates)
+    converged: bool  # whether every record was decided (False: stopped at --max-rounds)
+    per_round: tuple[RoundStats, ...]  # each round's figures
+    histograms: Histograms  # the distributions of users and records
+    selection_files: tuple[FileEntry, ...]  # the selection files, with size and SHA-256
     partitions: int | None = None  # Beam: the partitions of each side
     pipeline_runs: tuple[Mapping[str, Any], ...] | None = None  # Beam: each run's iterations and counters
 
@@ -313,13 +313,13 @@ class BoundRecord:
     its users are held to, the largest contribution found, its users, parameters, selection files and graph
     digest, and the rows it dropped (which rows are valid is treated as public)."""
 
-    contribution_bound: int
-    max_user_contribution: int
-    input_users: int
-    parameters: BoundParameters
-    selection_files: tuple[FileEntry, ...]
-    graph_digest: GraphDigest | None
-    rejected: Mapping[str, int]
+    contribution_bound: int  # K, or a larger listed capacity: what the accountant assumes
+    max_user_contribution: int  # the most records one user has in the selection
+    input_users: int  # users of the valid records
+    parameters: BoundParameters  # the bound's options
+    selection_files: tuple[FileEntry, ...]  # the selection files, with size and SHA-256
+    graph_digest: GraphDigest | None  # the bounded graph's digest, which DATA matched
+    rejected: Mapping[str, int]  # rows the bound dropped, by reason
 
     @classmethod
     def of(cls, bound: BoundReport) -> BoundRecord:
@@ -361,16 +361,16 @@ class BoundRecord:
 class BatchParameters:
     """The options the batches were made with, as their report records them (`parameters`)."""
 
-    steps: int
-    batch_size: float
+    steps: int  # T: training steps
+    batch_size: float  # B: expected (minsep) or exact (minsep-greedy) batch size
     min_sep: int  # b (the one found by --find-max-min-sep where it searched)
     batch_size_counts: str  # "records", or "users" for --sampler users
-    warm_up: int
+    warm_up: int  # simulated steps dropped first
     max_batch_size: int | None  # B_max: steps padded and truncated to it
-    seed: int | None
-    output_shards: int
-    on_invalid: str
-    content_columns: tuple[str, ...]
+    seed: int | None  # --seed (None: a fresh secret key)
+    output_shards: int  # TFRecord files
+    on_invalid: str  # error or skip (rows into OUTPUT/rejected/)
+    content_columns: tuple[str, ...]  # the columns carried into the rows
 
     def to_json(self) -> dict[str, Any]:
         """As the report holds them, keys sorted: a privacy plan states them in that order (`AccountedBatches`)."""
@@ -385,10 +385,10 @@ class BatchParameters:
 class SizeSummary:
     """Batch sizes over the steps: mean, standard deviation, extremes and each step's."""
 
-    mean: float
-    std: float
-    min: int
-    max: int
+    mean: float  # mean over the steps
+    std: float  # standard deviation
+    min: int  # the smallest step's
+    max: int  # the largest step's
     per_step: tuple[int, ...] | None  # None in a report of madp before it recorded them
 
     def to_json(self) -> dict[str, Any]:
@@ -408,12 +408,12 @@ class Participation:
     """How the written rows' users take part: their number, the most steps and rows of one user, the
     smallest gap between two of a user's steps and every gap's count."""
 
-    users: int
-    max_participations: int
-    max_rows: int
+    users: int  # users with a written row
+    max_participations: int  # the most steps one user is in
+    max_rows: int  # the most rows one user has
     min_gap: int | None  # None where no user takes part twice
-    user_rows_sharing_a_step: int
-    gap_histogram: Mapping[str, int]
+    user_rows_sharing_a_step: int  # rows of a user beyond its first in a step
+    gap_histogram: Mapping[str, int]  # gaps between a user's consecutive steps: {gap: count}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -457,30 +457,30 @@ class BatchReport:
     `BoundRecord`), how (the sampler, its parameters, p), what they hold (sizes, participations, rejects)
     and the batch files. The trainer's accounting reads it (`Batches.report`)."""
 
-    engine: str
+    engine: str  # which engine batched: local, or the Beam runner
     selected: str  # the bound output the batches were made from (absolute where local)
     data: str  # the records (absolute where local)
     sampler: str  # minsep, minsep-greedy or users
     bound: BoundRecord | None  # None in a report of madp before it recorded the bound
-    parameters: BatchParameters
+    parameters: BatchParameters  # the options it ran with
     sampling: str | None  # what the sampling rests on; None in a report of madp before secret keys (a fixed seed)
     sampling_probability: float | None  # p (Poisson samplers)
-    expected_batch_size: float | None
-    steps: int
-    records: int
-    units: int
+    expected_batch_size: float | None  # the stationary expected batch size at p (Poisson samplers)
+    steps: int  # T
+    records: int  # selected records joined with DATA
+    units: int  # what a step samples from: copies, or users (users sampler)
     batch_sizes: SizeSummary  # sampled, after warm-up
-    relative_error_to_target: float
+    relative_error_to_target: float  # mean sampled batch size over B, minus 1
     written_batch_sizes: SizeSummary  # the real rows each step's file holds
-    warm_up_batch_sizes: tuple[int, ...]
-    truncated_rows: int
-    padding_rows: int
-    records_never_written: int
-    participation: Participation
-    rejected: Mapping[str, int]
-    rejected_total: int
-    files: tuple[FileEntry, ...]
-    wall_time_s: float
+    warm_up_batch_sizes: tuple[int, ...]  # the dropped warm-up steps' sizes
+    truncated_rows: int  # rows cut by --max-batch-size
+    padding_rows: int  # weight-0 rows padding steps to --max-batch-size
+    records_never_written: int  # selected records in no written row
+    participation: Participation  # how the written rows' users take part
+    rejected: Mapping[str, int]  # records left out (--on-invalid skip), by reason
+    rejected_total: int  # records left out
+    files: tuple[FileEntry, ...]  # the batch files, with size and SHA-256
+    wall_time_s: float  # the batching's wall time
     users_per_step: SizeSummary | None = None  # --sampler users: users sampled per step
     min_sep_search: tuple[Mapping[str, Any], ...] | None = None  # --sampler minsep-greedy: the b tried
     k: int | None = None  # --sampler minsep-greedy: the most participations of a record

@@ -13,13 +13,23 @@ from conftest import ROOT
 
 from madp.accounting.mechanisms import DpSgd
 from madp.cli import main, parser
-from madp.commands.reference import DECLARATIONS, REFERENCE, REGENERATE, options_reference
 from madp.commands.registry import error_text, options_from
 from madp.core.errors import InputError, OptionError
 from madp.core.options import declared, flag_of
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
+from madp.jobs.reference import (
+    DECLARATIONS,
+    OUTPUTS,
+    OUTPUTS_REFERENCE,
+    REFERENCE,
+    REGENERATE,
+    field_comments,
+    options_reference,
+    outputs_reference,
+    schemas,
+)
 from madp.jobs.run_plan import CALIBRATE_KEYS, HOW_ONLY
 from madp.training.options import TrainOptions
 
@@ -160,3 +170,35 @@ def test_the_options_reference_is_up_to_date():
     with open(os.path.join(ROOT, REFERENCE), encoding="utf-8") as handle:
         written = handle.read()
     assert written == options_reference(), f"{REFERENCE} is stale: run `{REGENERATE}` from the repository's root"
+
+
+def test_the_outputs_reference_is_up_to_date():
+    with open(os.path.join(ROOT, OUTPUTS_REFERENCE), encoding="utf-8") as handle:
+        written = handle.read()
+    assert written == outputs_reference(), (
+        f"{OUTPUTS_REFERENCE} is stale: run `{REGENERATE}` from the repository's root"
+    )
+
+
+def test_every_field_of_an_output_schema_says_what_it_means():
+    listed = schemas()
+    assert {each.schema for each in OUTPUTS if each.schema} < set(listed)  # the fields' own classes too
+    unexplained = [
+        f"{schema.__qualname__}.{field.name}"
+        for schema in listed
+        for field in dataclasses.fields(schema)
+        if not field_comments(schema).get(field.name)
+    ]
+    assert not unexplained, f"give these fields a comment (docs/reference/outputs.md shows it): {unexplained}"
+
+
+def test_a_field_comment_is_read_from_its_line_or_the_lines_above():
+    @dataclasses.dataclass
+    class Example:
+        plain: int  # on its line
+        # above it,
+        # on two lines
+        spanning: int
+        bare: int = 0
+
+    assert field_comments(Example) == {"plain": "on its line", "spanning": "above it, on two lines", "bare": ""}

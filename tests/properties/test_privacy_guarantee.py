@@ -5,6 +5,7 @@ uses, truncation's delta, and an attacker who reads every published output of a 
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import run_local as bound_local
+from madp.jobs.reference import LAID_OUT_AS, OUTPUTS
 from madp.tools.data.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.beam, pytest.mark.tf]
@@ -254,6 +256,36 @@ def _published_files(run_dir, internal: tuple[str, ...] = INTERNAL) -> list[str]
     return found
 
 
+def declared_published(stage: str, relative: str) -> bool | None:
+    """Whether docs/reference/outputs.md (`madp.jobs.reference.OUTPUTS`) declares the file at `relative` below
+    `stage`'s output published; None where it declares no such file."""
+    for each in OUTPUTS:
+        if each.stage != stage:
+            continue
+        if each.path.endswith("/") and relative.startswith(each.path):
+            inner = True if each.output_of is None else declared_published(each.output_of, relative[len(each.path) :])
+        elif each.output_of is not None and relative == each.path:
+            inner = declared_published(each.output_of, "")  # the stage's output is this file
+        elif each.output_of is None and fnmatch.fnmatchcase(relative, each.path):
+            inner = True
+        else:
+            continue
+        return None if inner is None else each.published and inner
+    return declared_published(LAID_OUT_AS[stage], relative) if stage in LAID_OUT_AS else None
+
+
+def assert_the_outputs_reference_declares_every_file(run_dir) -> None:
+    """Every file of the run is in the outputs reference, which calls published exactly the files the README's
+    threat model (`_published_files`) does."""
+    found = {
+        os.path.relpath(os.path.join(root, name), run_dir) for root, _, files in os.walk(run_dir) for name in files
+    }
+    declared = {relative: declared_published("run", relative.replace(os.sep, "/")) for relative in found}
+    assert not [relative for relative, published in declared.items() if published is None], declared
+    published = {os.path.relpath(path, run_dir) for path in _published_files(run_dir)}
+    assert {relative for relative, is_published in declared.items() if is_published} == published
+
+
 def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
     return "\n".join(open(path, "rb").read().decode("latin-1") for path in _published_files(run_dir, internal))
 
@@ -419,6 +451,7 @@ def test_an_attacker_with_every_published_output_cannot_regenerate_sampling_or_n
     ended = time.time()
     summary = json.loads(capsys.readouterr().out)
     assert_nothing_published_times_the_run_or_shows_its_sampling(tmp_path / "run", summary, started, ended)
+    assert_the_outputs_reference_declares_every_file(tmp_path / "run")
     assert "mean_batch_size" not in summary["results"]["batch"] and summary["results"]["privacy"]["private"] is True
     assert not {"baseline", "private_over_non_private"} & set(summary["results"]), (
         "the non-private baseline is not covered by the guarantee: internal only"
