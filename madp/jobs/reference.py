@@ -365,7 +365,7 @@ def _dataclasses_named(owner: type, annotation: str) -> list[type]:
 
 
 def _schema_section(schema: type) -> list[str]:
-    summary = " ".join(inspect.getdoc(schema).split("\n\n")[0].split())  # the docstring's first paragraph
+    summary = " ".join((inspect.getdoc(schema) or "").split("\n\n")[0].split())  # the docstring's first paragraph
     meanings = field_comments(schema)
     lines = ["", f"### {schema.__name__}", "", f"`{schema.__module__}.{schema.__qualname__}`: {summary}", ""]
     lines += ["| field | type | meaning |", "|---|---|---|"]
@@ -384,12 +384,15 @@ def field_comments(schema: type) -> dict[str, str]:
         if token.type == tokenize.COMMENT
     }
     (definition,) = ast.parse(source).body
+    assert isinstance(definition, ast.ClassDef)
     found = {}
-    for statement in definition.body:  # type: ignore[attr-defined]
+    for statement in definition.body:
         if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
             continue
-        on_line = [comments[n] for n in range(statement.lineno, statement.end_lineno + 1) if n in comments]
-        above, line = [], statement.lineno - 1
+        end = statement.end_lineno or statement.lineno
+        on_line = [comments[n] for n in range(statement.lineno, end + 1) if n in comments]
+        above: list[str] = []
+        line = statement.lineno - 1
         while line in comments and lines[line - 1].lstrip().startswith("#"):
             above.insert(0, comments[line])
             line -= 1
