@@ -21,10 +21,12 @@ from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.reference import (
     DECLARATIONS,
+    LAID_OUT_AS,
     OUTPUTS,
     OUTPUTS_REFERENCE,
     REFERENCE,
     REGENERATE,
+    ROOTS,
     field_comments,
     options_reference,
     outputs_reference,
@@ -178,6 +180,11 @@ def test_the_outputs_reference_is_up_to_date():
     assert written == outputs_reference(), (
         f"{OUTPUTS_REFERENCE} is stale: run `{REGENERATE}` from the repository's root"
     )
+
+
+def test_each_output_is_of_a_stage_the_reference_lists():
+    stages = {each.stage for each in OUTPUTS} | {each.output_of for each in OUTPUTS if each.output_of}
+    assert stages | set(LAID_OUT_AS) | set(LAID_OUT_AS.values()) == set(ROOTS)
 
 
 def test_every_field_of_an_output_schema_says_what_it_means():
