@@ -754,25 +754,21 @@ def make_non_private(
             `l2`.
 
     Example:
-        >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
-        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
-        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
-        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
-        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
-        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
-        >>> from madp.training import load_tensorflow, open_batches, read_steps
+        >>> import numpy as np
+        >>> from madp.training import load_tensorflow, make_non_private
         >>> tf = load_tensorflow()  # TensorFlow with legacy Keras (tf_keras), as madp trains
         >>> import tf_keras
         >>> model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
-        >>> def loss(labels, logits):  # one loss per row
-        ...     labels = tf.cast(labels[:, None], tf.float32)
-        ...     return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
-        >>> from madp.training import make_non_private
+        >>> loss = tf_keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")  # one loss per row
         >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
-        >>> for rows in read_steps(open_batches(f"{work}/batches"), ["features", "label"]):
-        ...     baseline(rows["features"], rows["label"], rows["weight"])
-        >>> int(baseline.optimizer.iterations)  # a step per call
-        12
+        >>> x, y = np.ones((3, 4), np.float32), np.array([[0.0], [1.0], [1.0]], np.float32)
+        >>> baseline(x, y, np.array([1.0, 1.0, 0.0], np.float32))  # the mean over the 2 rows of weight 1
+        >>> int(baseline.optimizer.iterations)
+        1
+
+    On batches, a step per `read_steps` step (no `index`: nothing to account)::
+
+        for rows in read_steps(batches, ["features", "label"]):
+            baseline(rows["features"], rows["label"], rows["weight"])
     """
     return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica, jit_compile, l2)
