@@ -61,7 +61,28 @@ __all__ = [
 
 
 def load_tensorflow():
-    """Import TensorFlow with legacy Keras (tf-keras) and without TF Privacy's eager package import."""
+    """Import TensorFlow with legacy Keras (tf-keras) and without TF Privacy's eager package import.
+
+    As madp trains: TF_USE_LEGACY_KERAS=1 (unless the environment says otherwise), TensorFlow's oneDNN
+    CPU kernels off (TF_ENABLE_ONEDNN_OPTS=1 turns them back on), and TF Privacy's modules imported one
+    by one. Import TensorFlow through it, before Keras, in a program that uses `madp.training`.
+
+    Args:
+        None.
+
+    Returns:
+        The `tensorflow` module.
+
+    Raises:
+        madp.core.errors.InputError: TensorFlow is not installed (the message says how to install it).
+
+    Example:
+        >>> from madp.training import load_tensorflow
+        >>> tf = load_tensorflow()
+        >>> import tf_keras  # legacy Keras, as madp trains
+        >>> int(tf.reduce_sum(tf.ones([2, 3])))
+        6
+    """
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # TensorFlow 2.21's oneDNN CPU kernels corrupted the heap in their thread pool ("free(): invalid

@@ -63,14 +63,45 @@ __all__ = [
 
 
 def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The rows of every step, steps 0..T-1 in order, a step's rows together: per step a dict of arrays
-    (one entry per row) holding `features`, `weight` (1 for a sampled record, 0 for a padding row, whose
-    gradient is then zero) and `step` (each row's step, padding rows' too, which a private step checks:
-    hand it over as `index`). Train on every step, an empty one (arrays of no rows) too: its noise is
-    part of the mechanism. Rows are parsed in blocks, so memory holds a block and one step.
+    """The rows of every step, steps 0..T-1 in order, a step's rows together.
 
-    >>> for rows in read_steps(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+    Train on every step, an empty one (arrays of no rows) too: its noise is part of the mechanism. Rows
+    are parsed in blocks, so memory holds a block and one step. The files are read under a reader's mark
+    on their folder, which keeps a `madp batch` of another process out until the last step is read.
+
+    Args:
+        batches: the batches (`open_batches`).
+        features: the columns to read (schema.json's names, e.g. "features" and "label").
+
+    Returns:
+        An iterator of one dict of arrays per step (one entry per row) holding `features`, `weight` (1
+        for a sampled record, 0 for a padding row, whose gradient is then zero) and `step` (each row's
+        step, padding rows' too, which a private step checks: hand it over as `index`).
+
+    Raises:
+        madp.core.errors.InputError: a feature that is not in the batches or varies in length, batches
+            rewritten since they were opened, or a file whose rows are not the schema's or not in step
+            order; the message names the feature or file.
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> from madp.training import open_batches, read_steps
+        >>> steps = list(read_steps(open_batches(f"{work}/batches"), ["features", "label"]))
+        >>> len(steps), sorted(steps[0]), steps[0]["features"].shape
+        (12, ['features', 'label', 'step', 'weight'], (5, 4))
+        >>> [len(rows["step"]) for rows in steps]  # each step's rows: its sampled records
+        [5, 7, 6, 16, 9, 8, 11, 6, 9, 6, 9, 4]
+
+    With a private step (`make_private`), each step's rows in one call::
+
+        for rows in read_steps(batches, ["features", "label"]):
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
     for _, rows in step_batches(batches, list(features)):
         yield rows
@@ -82,15 +113,45 @@ def _step_number(value) -> int:
 
 
 def steps_dataset(batches: Batches, features: Sequence[str]):
-    """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order, each a dict of
-    tensors [the step's rows, *the feature's shape] holding `features`, `weight` and `step`. Take every
-    element once, in order, whole: no shuffle, filter, repeat, or unbatch and batch again (the plan
-    accounts for each step's rows once, an empty step too); hand its `step` to the step as its `index`,
-    which refuses rows of any step but its next, of several, and other than all of the step's rows.
-    Continuing a training after step k: `.skip(k)`.
+    """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order.
 
-    >>> for rows in steps_dataset(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+    Take every element once, in order, whole: no shuffle, filter, repeat, or unbatch and batch again (the
+    plan accounts for each step's rows once, an empty step too); hand its `step` to the step as its
+    `index`, which refuses rows of any step but its next, of several, and other than all of the step's
+    rows. Continuing a training after step k: `.skip(k)`.
+
+    Args:
+        batches: the batches (`open_batches`).
+        features: the columns to read (schema.json's names, e.g. "features" and "label").
+
+    Returns:
+        A `tf.data.Dataset` whose elements are dicts of tensors [the step's rows, *the feature's shape]
+        holding `features`, `weight` and `step`.
+
+    Raises:
+        madp.core.errors.InputError: a feature that is not in the batches or varies in length (here); as
+            the dataset is iterated, what `read_steps` raises.
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> from madp.training import open_batches, steps_dataset
+        >>> dataset = steps_dataset(open_batches(f"{work}/batches"), ["features", "label"])
+        >>> first = next(iter(dataset))
+        >>> {name: tuple(tensor.shape) for name, tensor in sorted(first.items())}
+        {'features': (5, 4), 'label': (5,), 'step': (5,), 'weight': (5,)}
+        >>> len(list(dataset.skip(10)))  # continuing after step 10
+        2
+
+    With a private step (`make_private`)::
+
+        for rows in steps_dataset(batches, ["features", "label"]):
+            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
     spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
     signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
@@ -103,16 +164,43 @@ def steps_dataset(batches: Batches, features: Sequence[str]):
 
 
 def calibrate(batches: Batches, options: TrainOptions | None = None, **settings: Any) -> PrivacyPlan:
-    """The privacy plan of training on `batches`: the mechanism their reports imply (DP-SGD, BandMF, or
-    DP-SGD over users), sigma from the accountant, and the (epsilon, delta) guarantee. `settings` are
-    `TrainOptions` fields (over `options` where both are given), the options of `madp train`: `epsilon`
-    (calibrate sigma to it) or `noise_multiplier` (sigma fixed, epsilon computed) or `calibration` (a
-    calibration.json or privacy.json computed before), `delta`, `clip_norm`, `bands`, `strategy`,
-    `mechanism`, `amplified`, `max_contributions`.
+    """The privacy plan of training on `batches`: the mechanism, sigma and the (epsilon, delta) guarantee.
 
-    >>> plan = calibrate(open_batches("demo-output/batches"), epsilon=8, delta=1e-5, bands=8)
-    >>> plan.mechanism, plan.noise_multiplier, plan.epsilon, plan.delta  # e.g. bandmf at sigma 1.9, (8, 1e-5)
-    >>> json.dumps(plan.to_json())  # what privacy.json states
+    The mechanism their reports imply (DP-SGD, BandMF, or DP-SGD over users), sigma from the accountant,
+    and the guarantee. Unlike `madp.calibrate`, it takes opened batches and writes nothing.
+
+    Args:
+        batches: the batches (`open_batches`).
+        options: `madp.training.options.TrainOptions` (None: its defaults).
+        **settings: `TrainOptions` fields (over `options` where both are given), the options of `madp
+            train`: `epsilon` (calibrate sigma to it) or `noise_multiplier` (sigma fixed, epsilon computed)
+            or `calibration` (a calibration.json or privacy.json computed before), `delta`, `clip_norm`,
+            `bands`, `strategy`, `mechanism`, `amplified`, `max_contributions`.
+
+    Returns:
+        The `PrivacyPlan` (frozen; `to_json()` is what privacy.json states).
+
+    Raises:
+        TypeError: a setting that is no `TrainOptions` field.
+        madp.core.errors.InputError: mechanism "none" (no plan: use `make_non_private`), bad options
+            (neither or both of epsilon and noise_multiplier, a delta out of range, a `calibration` file
+            that is no plan of these batches, ...), batches whose report the accountant cannot read, or a
+            target the mechanism cannot reach; the message names the option (as its `madp train` flag).
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> from madp.training import calibrate, open_batches
+        >>> plan = calibrate(open_batches(f"{work}/batches"), epsilon=8, delta=1e-5, bands=2)
+        >>> plan.mechanism, plan.steps, plan.epsilon <= 8, plan.delta, round(plan.noise_multiplier, 2)
+        ('bandmf', 12, True, 1e-05, 4.41)
+        >>> plan.to_json()["noise_multiplier"] == plan.noise_multiplier  # what privacy.json states
+        True
     """
     options = TrainOptions(**settings) if options is None else dataclasses.replace(options, **settings)
     plan = plan_for(batches, options)
@@ -128,17 +216,43 @@ def _as_array(values) -> np.ndarray:
 
 class PrivateTrainingStep(PrivateStep):
     """A private training step (`make_private`): `step(x, y, weight, index=rows["step"])` trains on one
-    step's rows (`users=` each row's user too, for user-sampled batches); `plan` is the plan it trains
-    under, with `noise` (where the noise comes from), `private` (whether the model will hold the plan's
-    guarantee) and any composition with earlier trainings on the same selection set; `own_plan` is this
-    training's alone. Each call takes all the rows of the next step of the batches, which `index`, the
-    rows' own `step`, names (`check_index`): its noise is keyed by the step's index, BandMF's depends on
-    the steps before. `training` is its id in the selection's trainings ledger, which it enters once its
-    first noisy gradient is computed, just before that update is applied. `loss_fn` is the loss it
-    trains with, the model's outputs taken in float32 (under mixed precision).
+    step's rows (`users=` each row's user too, for user-sampled batches).
 
-    >>> step(x, y, weight, index=rows["step"])
-    >>> step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
+    Each call takes all the rows of the next step of the batches, which `index`, the rows' own `step`,
+    names (`check_index`): its noise is keyed by the step's index, BandMF's depends on the steps before.
+
+    Args:
+        model: the Keras model it trains.
+        loss: the per-row loss, `loss(y, outputs)`.
+        optimizer: the Keras optimizer that applies the noised gradient.
+        query: the DPQuery that clips and noises (`queries.DpSgdQuery` or `queries.BandMfQuery`).
+        plan: the plan it trains under, any composition with earlier trainings included.
+        own_plan: this training's plan alone.
+        training: its id in the selection's trainings ledger.
+        output: what the ledger says the training writes.
+        strategy: a tf.distribute strategy (None: the default one).
+        rows_per_replica: the rows each replica's share is padded to (None: no padding).
+        jit_compile: whether the step is compiled with XLA.
+        l2: the L2 penalty's coefficient, added outside the clipping.
+
+    Returns:
+        Made by `make_private`, not by hand. `plan` is the plan it trains under, with `noise` (where the
+        noise comes from), `private` (whether the model will hold the plan's guarantee) and any
+        composition with earlier trainings on the same selection set; `own_plan` is this training's
+        alone. `training` is its id in the selection's trainings ledger, which it enters once its first
+        noisy gradient is computed, just before that update is applied. `loss_fn` is the loss it trains
+        with, the model's outputs taken in float32 (under mixed precision). `steps_taken` counts its steps.
+
+    Raises:
+        madp.core.errors.InputError: (from a call) rows that are not all the rows of its next step
+            (`check_index`), a step past the plan's T steps, or a step whose training another
+            continuation took over.
+
+    Example::
+
+        step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
+        step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+        step.plan.private, step.plan.epsilon  # private: True with a fresh noise key
     """
 
     def __init__(
@@ -373,58 +487,25 @@ def make_private(
     validation_data_public: bool = False,
     l2: float = 0.0,
 ) -> PrivateTrainingStep:
-    """The private training step of `model` under `plan`: per step, each row's gradient of `weight *
-    loss(y, model(x))` (each user's average gradient for user-sampled batches) is clipped to
-    `plan.clip_norm`, the sum is noised (DP-SGD's z_t, or BandMF's C^-1 z with `plan.bands`, sigma
-    `plan.noise_multiplier`), divided by the expected batch size (never the step's real size) and
-    applied by `optimizer`.
+    """The private training step of `model` under `plan`: clipped gradients, noised as the plan accounts.
 
-    `model` is a tf_keras or a Keras 3 model and `optimizer` one of the same Keras (a mismatch is an
-    InputError); either clips without per-example gradients where its trainable layers are Dense,
-    EinsumDense, Embedding, LayerNormalization or MultiHeadAttention (`madp.training.clipping`), else
-    with them, naming the other layers in the log. `x` is an array, or a dict of
-    arrays for a model of several inputs. `loss(y, outputs)` returns one loss per row (no reduction),
-    e.g. `tf.nn.sigmoid_cross_entropy_with_logits` or a Keras loss built with `reduction="none"`.
-    `model` and `optimizer` are built under `strategy.scope()` where a tf.distribute `strategy` is given;
-    a call then splits the step's rows over its replicas (a user's rows on one replica), each padded
-    with zero-weight rows to `rows_per_replica` where given (static shapes, for TPUs).
-    `jit_compile=True` compiles the step with XLA (one device only): XLA compiles once per shape, so
-    give `rows_per_replica` (e.g. `batches.max_rows_per_step`) and every step is padded to it. Its
-    noise has the same law, but other draws than without XLA for the same seed. `l2` adds `l2` times
-    each trainable weight to the noised gradient before `optimizer` applies it (an L2 penalty
-    (l2 / 2) ||w||^2, outside the clipping: a function of the weights alone, it costs no privacy).
-
-    The noise key is 128 bits of fresh entropy, drawn here and held in memory only. `noise_seed` derives
-    it from a seed instead, for tests: anyone who knows the seed regenerates the noise, so a warning is
-    logged and the step's plan says `private: False`, as it does for batches sampled with a fixed seed
-    that the plan's amplification relies on. `testing_noise_scale` scales the noise but not the claim
-    (testing only; not private either). Those warnings name the `madp train` options of these settings.
-    `resumed_at=k` continues a training whose first k steps ran in an earlier step object (restore its
-    checkpoint into the model, optimizer and the step's noise state): the step counts from k, and its
-    noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a key
-    derived from the seed and k, reproducible for tests); pass `training=` the interrupted step's
-    `training` id, so that its ledger entry is continued rather than composed with. Release nothing of
-    the model before checkpointing it, and continue from the latest checkpoint: every step a run took
-    after its start may have been released, and running it again with new noise would release it
-    twice. madp cannot see what you write, so the ledger keeps the earliest step a continuation may
-    start at (`resumable_from`): the step after the last run's start, or the step of its latest
-    `step.checkpointed()`; a continuation from an earlier step is refused, and so is a step object
-    whose training another continuation has taken over (at its next call in this process; in another,
-    at its next ledger write: its next `checkpointed()`, else its last step). `releases_from_checkpoints=True`
-    is for a caller that holds the selection's lock for the whole training (`storage.exclusive(batches.selection,
-    ...)`), calls `checkpointed()` after every checkpoint and releases nothing of the model before
-    checkpointing it, as `madp train` does: a run then leaves its start step resumable until its first
-    checkpoint.
+    Per step, each row's gradient of `weight * loss(y, model(x))` (each user's average gradient for
+    user-sampled batches) is clipped to `plan.clip_norm`, the sum is noised (DP-SGD's z_t, or BandMF's
+    C^-1 z with `plan.bands`, sigma `plan.noise_multiplier`), divided by the expected batch size (never
+    the step's real size) and applied by `optimizer`. The model clips without per-example gradients
+    where its trainable layers are Dense, EinsumDense, Embedding, LayerNormalization or
+    MultiHeadAttention (`madp.training.clipping`), else with them, naming the other layers in the log.
 
     Each call names its step by its rows: `step(x, y, weight, index=rows["step"])`, the rows' own step (one
     entry per row, as `read_steps` and `steps_dataset` give them), and the step refuses a number, rows of
     any step but its next, rows of several steps, and other than all the rows the batches hold for that
-    step (`PrivateTrainingStep.check_index`).
-    As a Keras model's `train_step` (`keras_train_step`), `fit` with `validation_data` and a callback that
-    acts on what it measures (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), any
-    callback of your own) is refused: the model fit returns would be chosen by a noiseless statistic of
-    the validation records. `validation_data_public=True` is your word that they are public (no record of
-    a user the guarantee protects), as `madp train --eval-data-public` is.
+    step (`PrivateTrainingStep.check_index`). `x` is an array, or a dict of arrays for a model of several
+    inputs. As a Keras model's `train_step` (`keras_train_step`), `fit` with `validation_data` and a
+    callback that acts on what it measures (EarlyStopping, ReduceLROnPlateau,
+    ModelCheckpoint(save_best_only=True), any callback of your own) is refused: the model fit returns
+    would be chosen by a noiseless statistic of the validation records (see `validation_data_public`).
+
+    The noise key is 128 bits of fresh entropy, drawn here and held in memory only (see `noise_seed`).
 
     The trainings ledger is kept with the selection the batches were made from (`SELECTED/trainings.jsonl`,
     `batches.selection`), shared by every batch output made from it: a private step enters its training
@@ -438,9 +519,89 @@ def make_private(
     batches, which it would re-use, it is refused unless `retrain=True`. Seeded or scaled noise (not
     private) is neither entered nor composed.
 
-    >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
-    >>> for rows in read_steps(batches, ["features", "label"]):
-    ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+    Continuing an interrupted training (`resumed_at`, `training`): release nothing of the model before
+    checkpointing it, and continue from the latest checkpoint: every step a run took after its start may
+    have been released, and running it again with new noise would release it twice. madp cannot see what
+    you write, so the ledger keeps the earliest step a continuation may start at (`resumable_from`): the
+    step after the last run's start, or the step of its latest `step.checkpointed()`; a continuation from
+    an earlier step is refused, and so is a step object whose training another continuation has taken
+    over (at its next call in this process; in another, at its next ledger write: its next
+    `checkpointed()`, else its last step).
+
+    Args:
+        model: a tf_keras or a Keras 3 model, built under `strategy.scope()` where a `strategy` is given.
+        loss: `loss(y, outputs)`, one loss per row (no reduction), e.g.
+            `tf.nn.sigmoid_cross_entropy_with_logits` or a Keras loss built with `reduction="none"`.
+        optimizer: an optimizer of the same Keras as `model` (a mismatch is an InputError), built under
+            `strategy.scope()` where a `strategy` is given.
+        plan: the privacy plan (`calibrate`).
+        noise_seed: derives the noise key from a seed instead, for tests: anyone who knows the seed
+            regenerates the noise, so a warning is logged and the step's plan says `private: False`, as it
+            does for batches sampled with a fixed seed that the plan's amplification relies on. This
+            warning and `testing_noise_scale`'s name the `madp train` options of these settings.
+        strategy: a tf.distribute strategy: a call then splits the step's rows over its replicas (a
+            user's rows on one replica).
+        rows_per_replica: each replica's share is padded with zero-weight rows to it where given (static
+            shapes, for TPUs, and for XLA).
+        jit_compile: True compiles the step with XLA (one device only): XLA compiles once per shape, so
+            give `rows_per_replica` (e.g. `batches.max_rows_per_step`) and every step is padded to it. Its
+            noise has the same law, but other draws than without XLA for the same seed.
+        testing_noise_scale: scales the noise but not the claim (testing only; not private either).
+        resumed_at: k continues a training whose first k steps ran in an earlier step object (restore its
+            checkpoint into the model, optimizer and the step's noise state): the step counts from k, and
+            its noise key is a new one, so no noise draw of the earlier run is reused (with `noise_seed`, a
+            key derived from the seed and k, reproducible for tests). An integer, or e.g.
+            `optimizer.iterations`.
+        training: the interrupted step's `training` id (with `resumed_at`), so that its ledger entry is
+            continued rather than composed with (None: a new training, with a new id).
+        output: what the ledger says the training writes, e.g. where the model will be written.
+        retrain: accept a composition that re-uses the secret sampling of an earlier training on these
+            batches.
+        releases_from_checkpoints: True is for a caller that holds the selection's lock for the whole
+            training (`storage.exclusive(batches.selection, ...)`), calls `checkpointed()` after every
+            checkpoint and releases nothing of the model before checkpointing it, as `madp train` does: a
+            run then leaves its start step resumable until its first checkpoint.
+        validation_data_public: True is your word that `fit`'s validation data are public (no record of a
+            user the guarantee protects), as `madp train --eval-data-public` is.
+        l2: adds `l2` times each trainable weight to the noised gradient before `optimizer` applies it (an
+            L2 penalty (l2 / 2) ||w||^2, outside the clipping: a function of the weights alone, it costs
+            no privacy).
+
+    Returns:
+        The `PrivateTrainingStep`: call it once per step, in order; `step.plan` is the plan it trains
+        under (composed with earlier trainings), `step.own_plan` this training's alone.
+
+    Raises:
+        madp.core.errors.InputError: a model and optimizer of different Keras, a model with trainable
+            BatchNormalization, a negative or infinite `l2`, `resumed_at` that is no step count of the
+            plan, `training=` without `resumed_at` or naming no interrupted training of these batch files
+            (or one continued past `resumed_at`), a composition that re-uses the secret sampling without
+            `retrain=True`, a trainings ledger madp did not write, or `releases_from_checkpoints` without
+            the selection's lock; the message names the parameter, layer or file.
+
+    Example:
+        >>> import madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> from madp.training import load_tensorflow, open_batches, read_steps
+        >>> tf = load_tensorflow()  # TensorFlow with legacy Keras (tf_keras), as madp trains
+        >>> import tf_keras
+        >>> model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+        >>> def loss(labels, logits):  # one loss per row
+        ...     labels = tf.cast(labels[:, None], tf.float32)
+        ...     return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)[:, 0]
+        >>> from madp.training import calibrate, make_private
+        >>> batches = open_batches(f"{work}/batches")
+        >>> plan = calibrate(batches, epsilon=8, delta=1e-5, bands=2)
+        >>> step = make_private(model, loss, tf_keras.optimizers.SGD(0.5), plan)
+        >>> for rows in read_steps(batches, ["features", "label"]):  # every step, in order, named by its rows
+        ...     step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
+        >>> step.steps_taken, step.plan.private, step.plan.epsilon <= 8  # private: a fresh noise key
+        (12, True, True)
     """
     resumed_at = _steps_taken(resumed_at, plan)
     # Drawn once per step object (a resumed training draws anew), never written anywhere.
@@ -572,11 +733,42 @@ def make_non_private(
     jit_compile: bool = False,
     l2: float = 0.0,
 ) -> NonPrivateStep:
-    """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows
-    (`loss` per row, as for `make_private`), no clipping, no noise. Its metrics are internal: no
-    guarantee covers them. `strategy`, `rows_per_replica`, `jit_compile` and `l2` as for `make_private`.
+    """The baseline step, no privacy: the mean of `weight * loss(y, model(x))` over the step's real rows.
 
-    >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
-    >>> baseline(rows["features"], rows["label"], rows["weight"])
+    No clipping, no noise, no ledger entry. Its metrics are internal: no guarantee covers them.
+
+    Args:
+        model: a tf_keras or a Keras 3 model, as for `make_private`.
+        loss: `loss(y, outputs)`, one loss per row, as for `make_private`.
+        optimizer: an optimizer of the same Keras as `model`.
+        strategy: as for `make_private`.
+        rows_per_replica: as for `make_private`.
+        jit_compile: as for `make_private`.
+        l2: as for `make_private`.
+
+    Returns:
+        The `NonPrivateStep`: `baseline(x, y, weight)` trains on one step's rows.
+
+    Raises:
+        madp.core.errors.InputError: a model and optimizer of different Keras, or a negative or infinite
+            `l2`.
+
+    Example:
+        >>> import numpy as np
+        >>> from madp.training import load_tensorflow, make_non_private
+        >>> tf = load_tensorflow()  # TensorFlow with legacy Keras (tf_keras), as madp trains
+        >>> import tf_keras
+        >>> model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+        >>> loss = tf_keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")  # one loss per row
+        >>> baseline = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
+        >>> x, y = np.ones((3, 4), np.float32), np.array([[0.0], [1.0], [1.0]], np.float32)
+        >>> baseline(x, y, np.array([1.0, 1.0, 0.0], np.float32))  # the mean over the 2 rows of weight 1
+        >>> int(baseline.optimizer.iterations)
+        1
+
+    On batches, a step per `read_steps` step (no `index`: nothing to account)::
+
+        for rows in read_steps(batches, ["features", "label"]):
+            baseline(rows["features"], rows["label"], rows["weight"])
     """
     return NonPrivateStep(model, loss, optimizer, strategy, rows_per_replica, jit_compile, l2)

@@ -317,14 +317,43 @@ class Composition:
 class PrivacyPlan:
     """The mechanism, sigma and guarantee of a private training: calibration.json, privacy.json (where the
     trainer adds the noise, whether the model is private, and any composition) and the trainings ledger.
+
     Its JSON (`to_json`) is what users and independent verifiers read: field names and order are that
     file's keys, the fields defaulting to None appear only where set. A non-private training has no plan
     (privacy.json is NOT_PRIVATE). Frozen: change one with `dataclasses.replace`.
 
-    >>> plan = madp.training.calibrate(batches, epsilon=8, delta=1e-5)
-    >>> plan.mechanism, plan.noise_multiplier, plan.epsilon, plan.delta, plan.assumptions
-    >>> PrivacyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
-    True
+    Args:
+        mechanism: dpsgd, dpsgd-uls, bandmf or bandmf-minsep; `parameters` what the accountant accounts.
+        noise_multiplier: sigma; `epsilon` and `delta` the guarantee (`target_epsilon`, `target_delta`
+            what was asked for, `truncation_delta` truncation's share of `delta`).
+        steps: T; with `clip_norm`, `expected_batch_size`, `bands`, `strategy`, `min_sep`, `sampler`,
+            `contribution_bound` and `accounted_batches` what the training and its batches must be.
+        assumptions: what the guarantee rests on, as sentences; with `privacy_unit`,
+            `neighbouring_relation`, `sampling`, `relies_on_secret_sampling` and `accountant` how it is
+            stated. The fields after them (`epsilon_curve`, `calibration`, `noise`, `private`,
+            `single_training`, `composition`, `trained_on`, ...) default to None; each field's comment
+            where it is declared says what it holds.
+
+    Returns:
+        Made by `calibrate` (or `madp.calibrate`), read back by `PrivacyPlan.from_json`, not by hand.
+
+    Raises:
+        ValueError: (`from_json`) data that is no plan madp wrote.
+
+    Example:
+        >>> import json, madp, tempfile
+        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
+        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
+        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
+        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
+        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
+        >>> from madp.training import PrivacyPlan, calibrate, open_batches
+        >>> plan = calibrate(open_batches(f"{work}/batches"), epsilon=8, delta=1e-5, bands=2)
+        >>> plan.mechanism, plan.epsilon <= 8, plan.delta, plan.steps, plan.clip_norm
+        ('bandmf', True, 1e-05, 12, 1.0)
+        >>> PrivacyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+        True
     """
 
     mechanism: str  # dpsgd, dpsgd-uls, bandmf, or bandmf-minsep (BandMF amplified, Monte Carlo accounted)
@@ -397,8 +426,23 @@ class PrivacyPlan:
 def privacy_json(plan: PrivacyPlan | None) -> dict[str, Any]:
     """What privacy.json states of a training under `plan`; of a non-private one (None), that it has no plan.
 
-    >>> privacy_json(None)
-    {'mechanism': 'none', 'private': False}
+    Args:
+        plan: the training's plan (`step.plan`), or None for a non-private training.
+
+    Returns:
+        The JSON-ready dict: the plan's `to_json()`, or {"mechanism": "none", "private": False}.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from madp.training import privacy_json
+        >>> privacy_json(None)
+        {'mechanism': 'none', 'private': False}
+
+    A private training's (`make_private`)::
+
+        json.dumps(privacy_json(step.plan))
     """
     return dict(NOT_PRIVATE) if plan is None else plan.to_json()
 
@@ -538,12 +582,29 @@ def assumptions(report: BatchReport, mechanism: str, k: int | None) -> list[str]
 
 
 def labels_read_from_data(labels: list[str]) -> str:
-    """The assumption a classifier adds to its plan when its label set came from the batches' rows (no
-    --labels): the model and its metrics disclose the set. Where the schedule is secret (Poisson or
-    b-min-sep sampling) a set read from the sampled rows would reveal which records were sampled, so
+    """The assumption a classifier adds to its plan when its label set came from the batches' rows.
+
+    Without --labels, the model and its metrics disclose the set. Where the schedule is secret (Poisson
+    or b-min-sep sampling) a set read from the sampled rows would reveal which records were sampled, so
     give the labels in advance there.
 
-    >>> plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, labels_read_from_data(labels)))
+    Args:
+        labels: the label set read from the rows.
+
+    Returns:
+        The assumption, a sentence for the plan's `assumptions`.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from madp.training import labels_read_from_data
+        >>> labels_read_from_data(["cat", "dog"])
+        "the label set ['cat', 'dog'] was read from the rows of the batches ...; give --labels to fix it in advance"
+
+    Added to a plan::
+
+        plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, labels_read_from_data(labels)))
     """
     return (
         f"the label set {labels} was read from the rows of the batches (no --labels; the schedule is public "
@@ -553,15 +614,35 @@ def labels_read_from_data(labels: list[str]) -> str:
 
 
 def pretrained_is_public(path: str) -> str:
-    """The assumption a training adds when it starts from a pretrained model (--pretrained). It names the
-    model by its SHA-256 (a GGUF file's, as `sha256sum` prints it; a preset directory's over each file's
-    name and SHA-256, `storage.content_digest`, hidden files such as a downloader's cache or .git left
-    out), so that a reader can check which model it was, and a --resume with other files at the same
-    path is under another plan, refused. Take it before reading the model and compare it with one taken
-    after, as `madp train` does, so that it names the files trained from.
+    """The assumption a training adds when it starts from a pretrained model (--pretrained).
 
-    >>> named = pretrained_is_public("SmolLM2-135M-Instruct.Q4_1.gguf")  # before reading the model
-    >>> plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, named))
+    It names the model by its SHA-256 (a GGUF file's, as `sha256sum` prints it; a preset directory's over
+    each file's name and SHA-256, `storage.content_digest`, hidden files such as a downloader's cache or
+    .git left out), so that a reader can check which model it was, and a --resume with other files at the
+    same path is under another plan, refused. Take it before reading the model and compare it with one
+    taken after, as `madp train` does, so that it names the files trained from.
+
+    Args:
+        path: the pretrained model: a GGUF file or a preset directory, local or remote.
+
+    Returns:
+        The assumption, a sentence for the plan's `assumptions` that names `path` and its SHA-256.
+
+    Raises:
+        madp.core.errors.InputError: a path that cannot be read, named in the message.
+
+    Example:
+        >>> import os, tempfile
+        >>> from madp.training import pretrained_is_public
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.gguf")
+        >>> _ = open(path, "wb").write(b"GGUF")
+        >>> named = pretrained_is_public(path)  # before reading the model
+        >>> "SHA-256 b83633aa785344791618f2fddf131b010ea04912a60430760b070bad293f65bd" in named
+        True
+
+    Added to a plan::
+
+        plan = dataclasses.replace(plan, assumptions=(*plan.assumptions, named))
     """
     if storage.kind(path) == "file":
         digest = storage.sha256(path)

@@ -343,15 +343,37 @@ class PrivateStep(_LoweredOnce, _KerasFit):
 
 @contextlib.contextmanager
 def compute_precision(mixed: bool):
-    """Inside, with `mixed`, new layers of tf_keras and of Keras 3 compute in bfloat16 and keep float32
+    """A context in which new Keras layers compute in bfloat16 (mixed precision) where `mixed`.
+
+    Inside, with `mixed`, new layers of tf_keras and of Keras 3 compute in bfloat16 and keep float32
     weights (Keras' mixed_bfloat16 policy); the global policies are restored on leaving. The steps
     take the loss of float32 outputs (`float32_outputs`) and clip in float32: each row's norm and
     the clipped sum come from that row's activations and output gradients cast to float32.
 
-    >>> with compute_precision(True):
-    ...     model = tf_keras.Sequential([tf_keras.layers.Dense(64, "relu"), tf_keras.layers.Dense(1)])
-    >>> step = make_private(model, loss, optimizer, plan, jit_compile=True,
-    ...                     rows_per_replica=batches.max_rows_per_step)  # XLA: one shape, one compilation
+    Args:
+        mixed: whether the layers built inside compute in bfloat16 (False: the context changes nothing).
+
+    Returns:
+        A context manager (`with compute_precision(mixed): ...`).
+
+    Raises:
+        Nothing itself; what the block raises passes through, the policies restored.
+
+    Example:
+        >>> from madp.training import compute_precision, load_tensorflow
+        >>> tf = load_tensorflow()
+        >>> import tf_keras
+        >>> with compute_precision(True):
+        ...     hidden = tf_keras.layers.Dense(64, "relu", input_shape=(4,))
+        ...     model = tf_keras.Sequential([hidden, tf_keras.layers.Dense(1)])
+        >>> model.layers[0].compute_dtype, model.layers[0].dtype  # bfloat16 activations, float32 weights
+        ('bfloat16', 'float32')
+        >>> tf_keras.layers.Dense(1).compute_dtype  # outside: the policy it had
+        'float32'
+
+    Its private step, compiled with XLA (one shape, one compilation)::
+
+        step = make_private(model, loss, optimizer, plan, jit_compile=True, rows_per_replica=batches.max_rows_per_step)
     """
     if not mixed:
         yield
@@ -463,11 +485,30 @@ def _warn_unapplied_regularizers(model) -> None:
 
 class NonPrivateStep(_LoweredOnce, _KerasFit):
     """The baseline (`make_non_private`): `step(x, y, weight)` takes the mean loss over the step's real
-    rows (all replicas together), no clipping, no noise. `loss_fn` is the loss it trains with, the
-    model's outputs taken in float32 (under mixed precision), for evaluating the model the same way.
+    rows (all replicas together), no clipping, no noise.
 
-    >>> step(x, y, weight)
-    >>> float(tf.reduce_mean(step.loss_fn(y_eval, model(x_eval))))
+    Args:
+        model: the Keras model it trains.
+        loss_fn: the per-row loss, `loss_fn(y, outputs)`.
+        optimizer: an optimizer of the same Keras as `model`.
+        strategy: a tf.distribute strategy (None: the default one).
+        rows_per_replica: the rows each replica's share is padded to (None: no padding).
+        jit_compile: whether the step is compiled with XLA.
+        l2: the L2 penalty's coefficient.
+
+    Returns:
+        Made by `make_non_private`, not by hand. `loss_fn` is the loss it trains with, the model's outputs
+        taken in float32 (under mixed precision), for evaluating the model the same way.
+
+    Raises:
+        madp.core.errors.InputError: a model and optimizer of different Keras, or a negative or infinite
+            `l2`.
+
+    Example::
+
+        step = make_non_private(model, loss, tf_keras.optimizers.SGD(0.5))
+        step(x, y, weight)
+        float(tf.reduce_mean(step.loss_fn(y_eval, model(x_eval))))
     """
 
     def __init__(

@@ -96,59 +96,14 @@ def validate_rows(
     """Valid records and rejected rows of `table` (rows numbered from `first_row`), and their facts
     (`seen`: the columns some row has, None when no row is an object; a Parquet table's own columns)."""
     n = len(table)
-    ids = table.column(columns.id).combine_chunks()
-    if pa.types.is_large_string(ids.type):
-        ids = _cast(ids, pa.string(), path, "ids")
-    elif pa.types.is_integer(ids.type):
-        ids = _cast(ids, pa.int64(), path, "ids")
-    elif not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
-        raise InputError(f"{path}: id column {columns.id!r} has type {ids.type}; expected integers or strings")
+    ids = _typed_ids(table.column(columns.id).combine_chunks(), columns.id, path)
     users = _users_union(table, columns, path) if columns.users_columns else _users_list(table, columns.users, path)
-
-    reason = np.full(n, "", dtype=object)
-    for row, (why, _) in (non_conforming or {}).items():
-        reason[row] = why
-    lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
-    user_null_in_row = np.zeros(n, dtype=bool)
-    user_not_text_in_row = np.zeros(n, dtype=bool)
     flat = pc.list_flatten(users)
-    if len(flat):
-        parents = pc.list_parent_indices(users).to_numpy()
-        np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
-        np.logical_or.at(user_not_text_in_row, parents[_not_utf8(flat)], True)
-    weights = None
-    checks = [
-        (_not_utf8(ids), BAD_ID_TYPE),
-        (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
-        (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
-        (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
-        (user_null_in_row, NULL_USER),
-        (user_not_text_in_row, BAD_USER_TYPE),
-    ]
-    if columns.weight:
-        # integers beyond 2^53 round to the nearest double, as Arrow types a column of integers and floats
-        weights = (
-            table.column(columns.weight).combine_chunks().cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
-        )
-        checks.append((~np.isfinite(weights), BAD_WEIGHT))
-    for failed, why in checks:
-        reason[(reason == "") & failed] = why
+    weights = _weights(table, columns.weight) if columns.weight else None
+    reason = _reasons(ids, users, flat, weights, non_conforming)
+    valid_users = _addressed_users(users, reason, columns.user_ids)
     valid = reason == ""
-    valid_users = users.filter(pa.array(valid))
-    if columns.user_ids == user_ids.EMAIL and pa.types.is_string(valid_users.type.value_type):
-        valid_users, no_address = user_ids.email_users(valid_users)
-        reason[np.flatnonzero(valid)[no_address]] = BAD_ADDRESS
-        valid = reason == ""
-        valid_users = valid_users.filter(pa.array(~no_address))
-
-    rejects = Rejects()
-    for row in np.flatnonzero(~valid).tolist():
-        if non_conforming and row in non_conforming:
-            record = non_conforming[row][1]
-        else:
-            record = _row_as_read(table, int(row))
-        rejects.add(path, first_row + row, reason[row], record)
-
+    rejects = _rejects(table, reason, non_conforming, path, first_row)
     rows = first_row + np.flatnonzero(valid).astype(np.int64)
     offsets, flat_users, removed = _drop_repeated_users(valid_users)
     chunk = RecordChunk(
@@ -169,6 +124,88 @@ def validate_rows(
         suspect_users=_suspect_users(table, columns, valid, path, first_row) if columns.user_ids is None else None,
     )
     return FileResult(chunk, rejects, n, removed, facts)
+
+
+def _typed_ids(ids: pa.Array, name: str, path: str) -> pa.Array:
+    """The id column `name` as int64 or string ids (or all null), or an error naming the file and column."""
+    if pa.types.is_large_string(ids.type):
+        return _cast(ids, pa.string(), path, "ids")
+    if pa.types.is_integer(ids.type):
+        return _cast(ids, pa.int64(), path, "ids")
+    if not pa.types.is_string(ids.type) and not pa.types.is_null(ids.type):
+        raise InputError(f"{path}: id column {name!r} has type {ids.type}; expected integers or strings")
+    return ids
+
+
+def _weights(table: pa.Table, name: str) -> np.ndarray:
+    """The weight column `name` as float64, NaN where null (rejected as bad_weight with the infinities)."""
+    # integers beyond 2^53 round to the nearest double, as Arrow types a column of integers and floats
+    return table.column(name).combine_chunks().cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+
+
+def _reasons(
+    ids: pa.Array,
+    users: pa.ListArray,
+    flat: pa.Array,
+    weights: np.ndarray | None,
+    non_conforming: dict[int, tuple[str, object]] | None,
+) -> np.ndarray:
+    """Each row's reason to be rejected, "" for none: its reason from parsing (`non_conforming`), else the
+    first check it fails, in the order of `checks` (`flat`: `users` flattened)."""
+    n = len(ids)
+    reason = np.full(n, "", dtype=object)
+    for row, (why, _) in (non_conforming or {}).items():
+        reason[row] = why
+    lengths = pc.list_value_length(users).to_numpy(zero_copy_only=False)
+    user_null_in_row = np.zeros(n, dtype=bool)
+    user_not_text_in_row = np.zeros(n, dtype=bool)
+    if len(flat):
+        parents = pc.list_parent_indices(users).to_numpy()
+        np.logical_or.at(user_null_in_row, parents[flat.is_null().to_numpy(zero_copy_only=False)], True)
+        np.logical_or.at(user_not_text_in_row, parents[_not_utf8(flat)], True)
+    checks = [
+        (_not_utf8(ids), BAD_ID_TYPE),
+        (ids.is_null().to_numpy(zero_copy_only=False), MISSING_ID),
+        (users.is_null().to_numpy(zero_copy_only=False), MISSING_USERS),
+        (np.nan_to_num(lengths, nan=1) == 0, EMPTY_USERS),
+        (user_null_in_row, NULL_USER),
+        (user_not_text_in_row, BAD_USER_TYPE),
+    ]
+    if weights is not None:
+        checks.append((~np.isfinite(weights), BAD_WEIGHT))
+    for failed, why in checks:
+        reason[(reason == "") & failed] = why
+    return reason
+
+
+def _rejects(
+    table: pa.Table,
+    reason: np.ndarray,
+    non_conforming: dict[int, tuple[str, object]] | None,
+    path: str,
+    first_row: int,
+) -> Rejects:
+    """The rows with a `reason`, each as it was read: a non-conforming row's parsed value, else the table's row."""
+    rejects = Rejects()
+    for row in np.flatnonzero(reason != "").tolist():
+        if non_conforming and row in non_conforming:
+            record = non_conforming[row][1]
+        else:
+            record = _row_as_read(table, int(row))
+        rejects.add(path, first_row + row, reason[row], record)
+    return rejects
+
+
+def _addressed_users(users: pa.ListArray, reason: np.ndarray, user_id_kind: str | None) -> pa.ListArray:
+    """The users of the rows without a `reason`; under --user-ids email, string user ids replaced by the
+    addresses they hold, and a row with a value that holds none given the reason bad_address (in `reason`)."""
+    valid = reason == ""
+    valid_users = users.filter(pa.array(valid))
+    if user_id_kind != user_ids.EMAIL or not pa.types.is_string(valid_users.type.value_type):
+        return valid_users
+    valid_users, no_address = user_ids.email_users(valid_users)
+    reason[np.flatnonzero(valid)[no_address]] = BAD_ADDRESS
+    return valid_users.filter(pa.array(~no_address))
 
 
 def _suspect_users(

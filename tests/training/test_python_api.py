@@ -481,11 +481,12 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
 
 def test_the_command_line_trainer_uses_only_the_public_api():
     """`madp train` imports from madp.training only the package's exported names and the trainer's own
-    parts (its tasks and pretrained models, options, outputs and long jobs): the plan, the batches
-    and the private step reach it through the API a user has."""
+    parts (its tasks, the user's tasks and the rows a task cannot use, pretrained models, options, outputs
+    and long jobs): the plan, the batches and the private step reach it through the API a user has."""
     import ast
 
-    own = {f"madp.training.{name}" for name in ("tasks", "pretrained", "options", "outputs", "long_training")}
+    parts = ("tasks", "user_tasks", "task_rows", "pretrained", "options", "outputs", "long_training")
+    own = {f"madp.training.{name}" for name in parts}
     source = open(os.path.join(os.path.dirname(README), "tf_training", "trainer.py"), encoding="utf-8").read()
     found = {}
     for node in ast.walk(ast.parse(source)):
