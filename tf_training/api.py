@@ -85,7 +85,7 @@ def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, 
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
@@ -134,7 +134,7 @@ def steps_dataset(batches: Batches, features: Sequence[str]):
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
@@ -189,7 +189,7 @@ def calibrate(batches: Batches, options: TrainOptions | None = None, **settings:
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
@@ -581,7 +581,7 @@ def make_private(
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)

@@ -85,7 +85,7 @@ def open_batches(directory: str) -> Batches:
 
     Example:
         >>> import madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> from madp.training import open_batches
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)

@@ -342,7 +342,7 @@ class PrivacyPlan:
 
     Example:
         >>> import json, madp, tempfile
-        >>> from madp.tools.synthetic import GraphSpec, generate, write_dataset
+        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
