@@ -119,14 +119,16 @@ REFUSED = [
 
 def plans() -> dict:
     """The plan of each of `PLANNED`, and the message of each of `REFUSED`, as this checkout makes them."""
-    from madp.cli import parser
     from madp.commands.registry import error_text
     from madp.core.errors import InputError
-    from madp.jobs.run_plan import load_config, plan_stages
+    from madp.jobs.audit import run_audit
+    from madp.jobs.run_plan import Source, load_config, plan_stages
 
     planned = {}
     for config, overrides in PLANNED:
-        stages = plan_stages(load_config(config, overrides), parser(), (config, overrides))
+        stages = plan_stages(
+            load_config(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {}))
+        )
         planned[" ".join([config, *overrides])] = [
             {
                 "name": stage.name,
@@ -140,7 +142,7 @@ def plans() -> dict:
     refused = {}
     for config, overrides in REFUSED:
         with pytest.raises(InputError) as error:
-            plan_stages(load_config(config, overrides), parser(), (config, overrides))
+            plan_stages(load_config(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {})))
         refused[" ".join([config, *overrides])] = error_text(error.value)
     return {"planned": planned, "refused": refused}
 
