@@ -386,15 +386,15 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
     replace = _read("train", TrainOptions, [("replace", True)])
     planned = _read("train", TrainOptions, [("calibration", calibration)])
     trained = _Options(TrainOptions, (*planned, *clip, *section, *replace))
-    output = path("train")
-    make = lambda: Train(batches, output, trained.built)  # noqa: E731
-    plan.add("train", ["train", batches, output, *trained.flags], (batches, calibration, *read), output, make)
+    model = path("train")
+    make = lambda: Train(batches, model, trained.built)  # noqa: E731
+    plan.add("train", ["train", batches, model, *trained.flags], (batches, calibration, *read), model, make)
     if baseline:
         unplanned = _read("train", TrainOptions, [("mechanism", "none")])
         untrained = _Options(TrainOptions, (*unplanned, *section, *replace))
-        output = path("baseline")
-        command = ["train", batches, output, *untrained.flags]
-        plan.add("baseline", command, (batches, *read), output, lambda: Train(batches, output, untrained.built))
+        compared = path("baseline")
+        command = ["train", batches, compared, *untrained.flags]
+        plan.add("baseline", command, (batches, *read), compared, lambda: Train(batches, compared, untrained.built))
 
 
 def _leaves_out(stage: _Planned) -> bool:

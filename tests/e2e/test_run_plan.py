@@ -22,6 +22,7 @@ CONFIGS = sorted(
     if name.endswith(".yaml")
 )
 DEMO = "examples/demo.yaml"
+COMMANDS = {"calibrate": "train", "baseline": "train", "internal-report": "report"}  # by stage, where not its name
 # (config, its --set overrides): each config as it is, and overrides of what the plan renders otherwise
 PLANNED = [(config, []) for config in CONFIGS] + [
     (DEMO, ["train.resume=true"]),
@@ -171,6 +172,63 @@ def test_every_example_and_runner_config_is_recorded(recorded):
 @pytest.mark.parametrize("case", [" ".join([config, *overrides]) for config, overrides in PLANNED])
 def test_a_config_plans_the_recorded_stages(made, recorded, case):
     assert made["planned"][case] == recorded["planned"][case]
+
+
+@pytest.mark.parametrize(("config", "overrides"), PLANNED, ids=[" ".join([c, *o]) for c, o in PLANNED])
+def test_each_stage_runs_what_its_command_says(config, overrides, monkeypatch):
+    """A stage's step (its options built from the config, not from its command) is what `madp` would run
+    for the stage's command: the command line's parser builds the same options from it."""
+    from madp.cli import parser
+    from madp.commands.data import GenerateOptions
+    from madp.commands.registry import options_from
+    from madp.core.records import ColumnOptions
+    from madp.core.selection import BoundOptions
+    from madp.engines.batching import BatchOptions
+    from madp.jobs import run_steps
+    from madp.jobs.audit import run_audit
+    from madp.jobs.run_plan import Source, load_config, plan_stages
+    from madp.training.options import TrainOptions
+
+    monkeypatch.chdir(ROOT)
+    for stage in plan_stages(load_config(config, overrides), Source(config, overrides, run_audit)):
+        args, beam_options = parser().parse_known_args(stage.command)
+        step = stage.step
+        if isinstance(step, run_steps.Generate):
+            assert (step.output, step.options) == (args.output, options_from(GenerateOptions, args))
+        elif isinstance(step, run_steps.Bound):
+            built = options_from(BoundOptions, args)
+            assert (step.input, step.output, step.options) == (args.input, args.output, built)
+            assert (step.runner, list(step.beam_options)) == (args.runner, beam_options)
+        elif isinstance(step, run_steps.Batch):
+            built = options_from(BatchOptions, args)
+            assert (step.selected, step.data, step.output) == (args.selected, args.data, args.output)
+            assert (step.options, step.runner, list(step.beam_options)) == (built, args.runner, beam_options)
+        elif isinstance(step, (run_steps.Calibrate, run_steps.Train)):
+            built = options_from(TrainOptions, args)
+            assert (step.batches, step.output, step.options) == (args.batches, args.output, built)
+            assert isinstance(step, run_steps.Calibrate) == (stage.name == "calibrate")
+        elif isinstance(step, run_steps.VerifyBound):
+            assert (step.input, step.output, step.max_contributions) == (
+                args.input,
+                args.output,
+                args.max_contributions,
+            )
+            assert (step.capacities, step.columns) == (args.capacities, options_from(ColumnOptions, args).columns)
+        elif isinstance(step, run_steps.VerifyBatches):
+            assert (step.output, step.data, step.selected) == (args.output, args.data, args.selected)
+            assert (step.min_sep, step.max_batch_size) == (args.min_sep, args.max_batch_size)
+            assert args.max_participations is None and args.capacities is None
+            assert (step.max_contributions, step.columns) == (
+                args.max_contributions,
+                options_from(ColumnOptions, args).columns,
+            )
+        elif isinstance(step, run_steps.Audit):
+            assert (step.config, list(step.overrides)) == (args.config, args.set)
+        else:
+            assert isinstance(step, run_steps.Report)
+            assert (step.run_dir, step.output, step.internal) == (args.run_dir, args.output, args.internal)
+        assert args.command == COMMANDS.get(stage.name, stage.name)
+        assert beam_options == [] or isinstance(step, (run_steps.Bound, run_steps.Batch))
 
 
 @pytest.mark.parametrize("case", [" ".join([config, *overrides]) for config, overrides in REFUSED])
