@@ -78,9 +78,11 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, unknown: list[str]) -> dict:
+    from madp.jobs.audit import run_audit
     from madp.jobs.run import run
 
-    return run(args.config, args.set, parser(), args.force)
+    # its audit stage is `madp audit CONFIG` with the run's --set overrides and no flags of its own
+    return run(args.config, args.set, lambda config, overrides: run_audit(config, overrides, {}), args.force)
 
 
 def _audit(args: argparse.Namespace, unknown: list[str]) -> dict:
@@ -96,14 +98,14 @@ def _audit(args: argparse.Namespace, unknown: list[str]) -> dict:
         "testing_noise_scale": args.testing_only_noise_scale,
         "seed": args.seed,
     }
-    return run_audit(args.config, args.set, flags, parser(), args.force)
+    return run_audit(args.config, args.set, flags, args.force)
 
 
 JOBS = Family(_add_jobs, {"run": _run, "audit": _audit})
 
 
 def parser() -> Parser:
-    """Every madp command; `madp run` plans and runs its stages (the audit one too) with it."""
+    """Every madp command."""
     return build_parser((*STAGE_FAMILIES, JOBS), DESCRIPTION)
 
 

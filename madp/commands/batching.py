@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 
 from madp.commands.registry import Family, add_options, options_from
 from madp.core.records import ColumnOptions
@@ -84,6 +83,5 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
 FAMILY = Family(
     add_parsers,
     {"batch": _batch, "verify-batches": _verify},
-    {"batch": functools.partial(options_from, BatchOptions)},
-    frozenset({"batch"}),
+    beam_options=frozenset({"batch"}),
 )

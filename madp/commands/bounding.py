@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 
 from madp.commands.registry import Family, add_options, options_from
 from madp.core.records import ColumnOptions
@@ -67,6 +66,5 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
 FAMILY = Family(
     add_parsers,
     {"bound": _bound, "verify-bound": _verify},
-    {"bound": functools.partial(options_from, BoundOptions)},
-    frozenset({"bound"}),
+    beam_options=frozenset({"bound"}),
 )

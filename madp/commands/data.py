@@ -3,44 +3,73 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import TYPE_CHECKING
 
-from madp.commands.registry import Family
-from madp.core.options import seed_argument
+from madp.commands.registry import Family, add_options, options_from
+from madp.core.options import option, seed_argument
+
+if TYPE_CHECKING:  # madp.tools.data.synthetic imports numpy and pyarrow, which the parser does not need
+    from madp.tools.data.synthetic import GraphSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """The options of `madp generate` (each field its `--flag`): the graph and content to draw (`spec`) and
+    how they are written; `madp run`'s generate section takes them, its holdout as a switch."""
+
+    records: int = option()
+    task: str = option(
+        "logistic",
+        choices=("logistic", "text"),
+        help="content: logistic-regression features and a 0/1 label, or topic-labelled texts with "
+        "per-user signatures (default logistic)",
+    )
+    graph: str = option("skewed", choices=("regular", "skewed"))
+    mean_arity: float = option(2.0, help="expected users per record (default 2)")
+    records_per_user: float = option(2.0, help="expected records per user (default 2)")
+    alpha: float = option(1.5, help="skew of the skewed graph (default 1.5)")
+    features: int = option(16, help="dimension of the logistic-regression features")
+    bias_scale: float = option(1.0, help="k: weight of the arity-dependent bias")
+    shards: int = option(4, help="Parquet shards when OUTPUT is a directory")
+    seed: int = option(0, parse=seed_argument)
+    users_as: str = option(
+        "users",
+        choices=("users", "from-to-cc", "both"),
+        help="write the users as a `users` list (default), as an email export holds them (`from` the first "
+        "user, `to` and `cc` lists; read with --users-columns from,to,cc), or both",
+    )
+    holdout: str | None = option(
+        None,
+        help="also write a held-out test set (same task, records not in OUTPUT) to this .parquet or .jsonl file",
+    )
+    holdout_fraction: float = option(0.1, help="fraction of the generated records held out (default 0.1)")
+
+    def __post_init__(self) -> None:
+        self.spec  # noqa: B018 (built, the spec checks the options: a bad one is refused before anything runs)
+
+    @property
+    def spec(self) -> GraphSpec:
+        """What to draw (checked as it is built)."""
+        from madp.tools.data.synthetic import GraphSpec
+
+        return GraphSpec(
+            records=self.records,
+            graph=self.graph,
+            mean_arity=self.mean_arity,
+            records_per_user=self.records_per_user,
+            alpha=self.alpha,
+            features=self.features,
+            bias_scale=self.bias_scale,
+            seed=self.seed,
+            task=self.task,
+        )
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="write a synthetic multi-user dataset (It's my data too, App. C.1)")
     generate.add_argument("output", help="a .jsonl or .parquet file, or a directory for Parquet shards")
-    generate.add_argument("--records", type=int, required=True)
-    generate.add_argument(
-        "--task",
-        choices=("logistic", "text"),
-        default="logistic",
-        help="content: logistic-regression features and a 0/1 label, or topic-labelled texts with "
-        "per-user signatures (default logistic)",
-    )
-    generate.add_argument("--graph", choices=("regular", "skewed"), default="skewed")
-    generate.add_argument("--mean-arity", type=float, default=2.0, help="expected users per record (default 2)")
-    generate.add_argument("--records-per-user", type=float, default=2.0, help="expected records per user (default 2)")
-    generate.add_argument("--alpha", type=float, default=1.5, help="skew of the skewed graph (default 1.5)")
-    generate.add_argument("--features", type=int, default=16, help="dimension of the logistic-regression features")
-    generate.add_argument("--bias-scale", type=float, default=1.0, help="k: weight of the arity-dependent bias")
-    generate.add_argument("--shards", type=int, default=4, help="Parquet shards when OUTPUT is a directory")
-    generate.add_argument("--seed", type=seed_argument, default=0)
-    generate.add_argument(
-        "--users-as",
-        choices=("users", "from-to-cc", "both"),
-        default="users",
-        help="write the users as a `users` list (default), as an email export holds them (`from` the first "
-        "user, `to` and `cc` lists; read with --users-columns from,to,cc), or both",
-    )
-    generate.add_argument(
-        "--holdout",
-        help="also write a held-out test set (same task, records not in OUTPUT) to this .parquet or .jsonl file",
-    )
-    generate.add_argument(
-        "--holdout-fraction", type=float, default=0.1, help="fraction of the generated records held out (default 0.1)"
-    )
+    add_options(generate, GenerateOptions)
 
     mbox = commands.add_parser(
         "import-mbox",
@@ -50,29 +79,20 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     mbox.add_argument("output", help="directory: records/ (Parquet), rejected.jsonl, report.json")
 
 
-def _graph_spec(args: argparse.Namespace):
-    from madp.tools.data.synthetic import GraphSpec
+def generate(output: str, options: GenerateOptions) -> dict:
+    """Draw the records `options` describe and write them to `output` (and the held-out ones to
+    `options.holdout`): what `madp generate` and `madp run`'s generate stage run."""
+    from madp.tools.data.synthetic import generate as draw
+    from madp.tools.data.synthetic import write_dataset
 
-    return GraphSpec(
-        records=args.records,
-        graph=args.graph,
-        mean_arity=args.mean_arity,
-        records_per_user=args.records_per_user,
-        alpha=args.alpha,
-        features=args.features,
-        bias_scale=args.bias_scale,
-        seed=args.seed,
-        task=args.task,
+    spec = options.spec
+    return write_dataset(
+        draw(spec), spec, output, options.shards, options.holdout, options.holdout_fraction, options.users_as
     )
 
 
 def _generate(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.tools.data.synthetic import generate, write_dataset
-
-    spec = _graph_spec(args)
-    return write_dataset(
-        generate(spec), spec, args.output, args.shards, args.holdout, args.holdout_fraction, args.users_as
-    )
+    return generate(args.output, options_from(GenerateOptions, args))
 
 
 def _import_mbox(args: argparse.Namespace, unknown: list[str]) -> dict:
@@ -81,4 +101,4 @@ def _import_mbox(args: argparse.Namespace, unknown: list[str]) -> dict:
     return import_mbox(args.mbox, args.output)
 
 
-FAMILY = Family(add_parsers, {"generate": _generate, "import-mbox": _import_mbox}, {"generate": _graph_spec})
+FAMILY = Family(add_parsers, {"generate": _generate, "import-mbox": _import_mbox})

@@ -17,18 +17,17 @@ Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, argum
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """Subcommands: `add_parsers(subparsers)` adds them; `handlers` runs each; `options` builds (and so
-    validates) a command's options without running it; `beam_options` take unknown arguments for Beam."""
+    """Subcommands: `add_parsers(subparsers)` adds them; `handlers` runs each; `beam_options` take unknown
+    arguments for Beam."""
 
     add_parsers: Callable[[argparse._SubParsersAction], None]
     handlers: Mapping[str, Handler]
-    options: Mapping[str, Callable[[argparse.Namespace], object]] = dataclasses.field(default_factory=dict)
     beam_options: frozenset[str] = frozenset()
 
 
 class CommandParser(argparse.ArgumentParser):
-    """A subcommand's parser that keeps its options by destination, so that `madp run` can map a
-    config key to its option (flag, type, choices) through them; options of its groups included."""
+    """A subcommand's parser that keeps its options by destination (flag, type, choices), options of its
+    groups included."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.options: dict[str, argparse.Action] = {}  # before argparse adds --help
@@ -50,8 +49,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 class Parser(argparse.ArgumentParser):
-    """madp's command line; `commands` maps a name to its subcommand's parser (`madp run` maps config keys
-    to their options), `family` a name to the family that runs it."""
+    """madp's command line; `commands` maps a name to its subcommand's parser, `family` a name to the family
+    that runs it."""
 
     commands: Mapping[str, CommandParser]
     family: Mapping[str, Family]
@@ -62,12 +61,6 @@ class Parser(argparse.ArgumentParser):
 
     def takes_beam_options(self, command: str) -> bool:
         return command in self.family[command].beam_options
-
-    def check_options(self, args: argparse.Namespace) -> None:
-        """Build (and so validate) the options of a parsed command without running it."""
-        build = self.family[args.command].options.get(args.command)
-        if build is not None:
-            build(args)
 
 
 def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
@@ -117,7 +110,7 @@ def written_directory(args: argparse.Namespace) -> str | None:
 
 def read_paths(args: argparse.Namespace) -> list[str]:
     """The inputs of a command that writes a directory: none may be, contain or lie inside its output
-    (the CLI refuses it, and `madp run` for each of its stages before any runs)."""
+    (the CLI refuses it; `madp run` its stages' steps, before any runs: `madp.jobs.run_steps`)."""
     named = {
         "bound": ("input", "capacities"),
         "batch": ("selected", "data"),

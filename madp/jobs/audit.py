@@ -26,14 +26,13 @@ import numpy as np
 import pyarrow as pa
 
 from madp.accounting.auditing import one_run_audit
-from madp.commands.registry import Parser, options_from
 from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
 from madp.core.user_ids import EMAIL
-from madp.jobs import run, run_plan
+from madp.jobs import run, run_plan, run_steps
 from madp.tools.planning.audit_config import AuditOptions, audit_directory, audit_options
 from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan, stated_plan
@@ -199,17 +198,17 @@ def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 # --- the audit job ------------------------------------------------------------------------------
 
 
-def run_audit(config_path: str, overrides: list[str], flags: dict, parser: Parser, force: bool = False) -> dict:
-    """The audit of a config's model; `parser` (every madp command) plans and runs the audit's job."""
+def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool = False) -> dict:
+    """The audit of a config's model: its job (with canaries planted) planned and run."""
     config = run_plan.load_config(config_path, overrides)
     options = audit_options(config, flags)
-    run_plan.plan_stages(copy.deepcopy(config), parser)  # the job itself must be valid
+    run_plan.plan_stages(copy.deepcopy(config))  # the job itself must be valid
     directory = audit_directory(config, options)
     with storage.exclusive(directory, f"audit {config_path}"):
-        return _audit(config_path, config, options, directory, parser, force)
+        return _audit(config_path, config, options, directory, force)
 
 
-def _audit(config_path: str, config: dict, options: AuditOptions, directory: str, parser: Parser, force: bool) -> dict:
+def _audit(config_path: str, config: dict, options: AuditOptions, directory: str, force: bool) -> dict:
     path = lambda name: storage.join(directory, name)  # noqa: E731
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
@@ -226,8 +225,8 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory
         generate = dict(config["generate"])
-        stages = run_plan.plan_stages({"run_dir": directory, "generate": generate}, parser)
-        run.run_stages(directory, config_path, stages, parser, force)
+        stages = run_plan.plan_stages({"run_dir": directory, "generate": generate})
+        run.run_stages(directory, config_path, stages, force)
         real = path("records")
         eval_data = path("test.parquet") if generate.get("holdout") else None
     real_files = list_input_files(real)
@@ -256,14 +255,15 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     }
     stages = [
         s
-        for s in run_plan.plan_stages(job, parser)
+        for s in run_plan.plan_stages(job)
         if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))
     ]
-    run.run_stages(directory, config_path, stages, parser, force)
+    run.run_stages(directory, config_path, stages, force)
 
     model_dir = path("baseline" if options.non_private else "train")
-    args, _ = parser.parse_known_args(next(s for s in stages if s.name in ("train", "baseline")).command)
-    scores = canary_scores(_losses(model_dir, args.batches, options_from(TrainOptions, args), canaries), canaries)
+    trained = next(s.step for s in stages if s.name in ("train", "baseline"))
+    assert isinstance(trained, run_steps.Train)
+    scores = canary_scores(_losses(model_dir, trained.batches, trained.options, canaries), canaries)
     plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
     delta = float(plan.delta if plan else config["calibrate"].get("delta", 1e-5))
@@ -271,7 +271,7 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     return _write(directory, config_path, options, key, canaries, scores, result, plan)
 
 
-def _losses(model_dir: str, batches_dir: str, train_options, canaries: Canaries) -> np.ndarray:
+def _losses(model_dir: str, batches_dir: str, train_options: TrainOptions, canaries: Canaries) -> np.ndarray:
     """Each canary record's loss under the trained model, built for the batches as it trained."""
     from madp.training.batches import open_batches
     from madp.training.tasks import NumericTask

@@ -15,14 +15,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import madp
-from madp.commands.registry import Parser
-from madp.commands.training import calibrate_batches
 from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE, read_batch_report
 from madp.core.errors import CheckFailed, InputError
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
-from madp.jobs.run_plan import Stage, load_config, plan_stages
+from madp.jobs.run_plan import Source, Stage, load_config, plan_stages
+from madp.jobs.run_steps import AuditJob
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.outputs import evaluations_of, replaced_directory, settle_replaced, settled_text
 from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
@@ -96,17 +95,16 @@ def _take_manifest_back(run_dir: str, stage: Stage) -> None:
         storage.remove_file(pending)
 
 
-def _run_stage(run_dir: str, stage: Stage, parser: Parser, current: str) -> dict:
+def _run_stage(run_dir: str, stage: Stage, current: str) -> dict:
     """Run a stage whose output's lock is held. Nothing of its output is deleted for it: the stage itself
     replaces its earlier outputs after its own checks (`madp train --replace`, generate's shards, bound's and
     batch's outputs). Its manifest is set aside first, and back if it stops having changed nothing of it; once
     the stage has run (and its verifier, if it is one, passed), its manifest for the `current` fingerprint is
     written at once: a stop while the inputs are digested again after it (minutes over large inputs) leaves
     it done, not to be run again (a training: a second one, composed with it)."""
-    args, extra = parser.parse_known_args(stage.command)
     _set_manifest_aside(run_dir, stage)
     try:
-        result = calibrate_batches(args) if stage.name == "calibrate" else parser.run(args, extra)
+        result = stage.step.run()
     except BaseException:
         _take_manifest_back(run_dir, stage)
         raise
@@ -171,20 +169,19 @@ def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: b
             return
 
 
-def run(config_path: str, overrides: list[str], parser: Parser, force: bool = False) -> dict:
-    """The job of a config; `parser` (every madp command) plans and runs its stages."""
+def run(config_path: str, overrides: list[str], audit: AuditJob, force: bool = False) -> dict:
+    """The job of a config; `audit` runs its audit stage (`madp audit CONFIG`, `madp.jobs.audit.run_audit`)."""
     config = load_config(config_path, overrides)
-    stages = plan_stages(config, parser, (config_path, overrides))
+    stages = plan_stages(config, Source(config_path, overrides, audit))
     run_dir = config["run_dir"]
     with storage.exclusive(run_dir, f"run {config_path}"):
-        return run_stages(run_dir, config_path, stages, parser, force, lambda: check_feasible(stages, parser))
+        return run_stages(run_dir, config_path, stages, force, lambda: check_feasible(stages))
 
 
 def run_stages(
     run_dir: str,
     config_path: str,
     stages: list[Stage],
-    parser: Parser,
     force: bool,
     before_bounding: Callable[[], None] | None = None,
 ) -> dict:
@@ -212,7 +209,7 @@ def run_stages(
             summary["stages"].append({"stage": stage.name, "status": "skipped"})
             continue
         if stage.name != "generate" and not columns_checked:
-            check_columns(stages, parser)
+            check_columns(stages)
             columns_checked = True
         if stage.name in ("bound", "batch") and before_bounding is not None:
             before_bounding()
@@ -220,7 +217,7 @@ def run_stages(
         log.info("stage %d/%d %s: madp %s", number, len(stages), stage.name, " ".join(stage.command))
         stage_started = time.perf_counter()
         with _writing(stage):
-            result = _run_stage(run_dir, stage, parser, current)
+            result = _run_stage(run_dir, stage, current)
         if result.get("ok") is False:
             raise CheckFailed(
                 f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result

@@ -11,16 +11,15 @@ privacy.
 
 from __future__ import annotations
 
-import argparse
 import logging
 
-from madp.commands.registry import Parser
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.record_reading import missing_columns
 from madp.core.records import list_input_files
-from madp.core.selection import BoundOptions
+from madp.engines.batching import BatchOptions
 from madp.jobs.run_plan import Stage
+from madp.jobs.run_steps import Batch, Bound, Calibrate, Train
 from madp.stages.arguments import LOCAL
 from madp.tools.planning.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
 from madp.training.options import TrainOptions
@@ -30,25 +29,25 @@ log = logging.getLogger("madp.run")
 IN_PROCESS_RUNNERS = (LOCAL, "DirectRunner")
 
 
-def check_columns(stages: list[Stage], parser: Parser) -> None:
+def check_columns(stages: list[Stage]) -> None:
     """Refuse, before the first stage after generate, a config whose training reads a column that the records
     (the batch stage's DATA) or its evaluation data lack, or that the batch stage's --content-columns leaves
     out: it would fail only after bounding, verifying, batching and calibrating. A --task names its columns in
     its code: the trainer checks those against the batches."""
-    commands = {stage.name: stage.command for stage in stages}
-    if "batch" not in commands:
+    steps = {stage.name: stage.step for stage in stages}
+    batch = steps.get("batch")
+    if not isinstance(batch, Batch):
         return
-    batch, _ = parser.parse_known_args(commands["batch"])
     data = list_input_files(batch.data)[0]
     for name in ("train", "baseline"):
-        if name not in commands:
+        training = steps.get(name)
+        if not isinstance(training, Train):
             continue
-        options = parser.family["train"].options["train"](parser.parse_known_args(commands[name])[0])
-        assert isinstance(options, TrainOptions)
+        options = training.options
         needed = options.batch_features
         if needed is None:
             continue
-        carried = batch.content_columns
+        carried = batch.options.content_columns
         if carried is not None and (left_out := [c for c in needed if c not in carried]):
             raise InputError(
                 f"config: the {name} section's model {options.model} reads {', '.join(left_out)}, which the batch "
@@ -67,15 +66,14 @@ def check_columns(stages: list[Stage], parser: Parser) -> None:
                 )
 
 
-def check_feasible(stages: list[Stage], parser: Parser) -> None:
+def check_feasible(stages: list[Stage]) -> None:
     """Refuse, before bounding, a config whose batches cannot be formed or whose truncation calibration
     would refuse; a plan without a bound and a b-min-sep Poisson batch stage has nothing to check."""
-    commands = {stage.name: stage.command for stage in stages}
-    if "bound" not in commands or "batch" not in commands:
+    steps = {stage.name: stage.step for stage in stages}
+    bound, batch, calibrate = steps.get("bound"), steps.get("batch"), steps.get("calibrate")
+    if not isinstance(bound, Bound) or not isinstance(batch, Batch):
         return
-    bound, _ = parser.parse_known_args(commands["bound"])
-    batch, _ = parser.parse_known_args(commands["batch"])
-    if batch.sampler != "minsep":  # the greedy and user sampling check their own sizes as they start
+    if batch.options.sampler != "minsep":  # the greedy and user sampling check their own sizes as they start
         return
     if bound.runner not in IN_PROCESS_RUNNERS:
         log.info(
@@ -84,9 +82,8 @@ def check_feasible(stages: list[Stage], parser: Parser) -> None:
             bound.runner,
         )
         return
-    options = parser.family["bound"].options["bound"](bound)
-    assert isinstance(options, BoundOptions)
-    target = _target(batch, parser.parse_known_args(commands["calibrate"])[0] if "calibrate" in commands else None)
+    options = bound.options
+    target = _target(batch.options, calibrate.options if isinstance(calibrate, Calibrate) else None)
     log.info(
         "checking the plan on the input's graph: k = %d, batches of %g at min-sep %d",
         options.max_contributions,
@@ -101,7 +98,7 @@ def check_feasible(stages: list[Stage], parser: Parser) -> None:
         )
 
 
-def _target(batch: argparse.Namespace, calibrate: argparse.Namespace | None) -> BatchTarget:
+def _target(batch: BatchOptions, calibrate: TrainOptions | None) -> BatchTarget:
     """What the batch and calibrate stages ask: truncation is accounted where `madp train` accounts it,
     amplified DP-SGD on Poisson batches (min-sep 1, one band) or BandMF with --amplified, at the
     target epsilon (a given sigma's epsilon is not known before calibration, which checks it itself)."""

@@ -1,10 +1,12 @@
 """`madp run CONFIG.yaml`, planning: a config becomes the stages it runs, generate -> bound -> batch
 -> calibrate -> train (and audit), each optional (its section present or not).
 
-A section's keys are the long options of the `madp` command the stage runs (`max_contributions:
-3` is `--max-contributions 3`), so the config and the CLI never drift apart; `runner` and
-`beam_options` go to Beam. The whole config is parsed and every stage's options are built before
-anything runs.
+A section's keys are the options of the `madp` command the stage runs, as their declarations say
+(`madp.core.options`: `max_contributions: 3` is `--max-contributions 3`), so the config and the CLI
+never drift apart; `runner` and `beam_options` go to Beam. Each stage carries its step
+(`madp.jobs.run_steps`: the function it runs, with its options built) and its rendering as a `madp`
+command line (the log, the manifests, the fingerprint). The whole config is read and every stage's
+options are built before anything runs.
 
 Run directory layout: records/ and test.parquet (generate), bound/, batches/ (with the
 independent verifiers run after each), calibration.json (the privacy plan the trainer uses),
@@ -16,24 +18,38 @@ with one manifest per finished stage (set aside as STAGE.pending.json while the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
-import logging
-from collections.abc import Mapping
+import functools
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import yaml
 
-from madp.commands.registry import CommandParser, Parser, error_text, read_paths
+from madp.commands.data import GenerateOptions
+from madp.commands.registry import error_text
 from madp.core import storage
 from madp.core.errors import InputError
-from madp.core.options import CALIBRATE, how_only_flags, section_keys
+from madp.core.options import CALIBRATE, Declared, declared, how_only_flags, section_keys
 from madp.core.records import users_columns_of
-from madp.core.selection import largest_capacity
+from madp.core.selection import BoundOptions, largest_capacity
+from madp.engines.batching import BatchOptions
+from madp.jobs.run_steps import (
+    Audit,
+    AuditJob,
+    Batch,
+    Bound,
+    Calibrate,
+    Generate,
+    Report,
+    Step,
+    Train,
+    VerifyBatches,
+    VerifyBound,
+)
 from madp.tools.planning.audit_config import audit_directory, audit_options
 from madp.training.options import TrainOptions
 
-log = logging.getLogger("madp.run")
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
 CALIBRATE_KEYS = section_keys(TrainOptions, CALIBRATE)
 INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the realized sampling: never published
@@ -45,12 +61,23 @@ SECTIONS = ("run_dir", "input", "generate", "bound", "batch", "calibrate", "trai
 HOW_ONLY = {"train": how_only_flags(TrainOptions)}
 
 
+# A command's own options besides its declared ones (what a Beam option may not be, nor a section key name)
+BEAM_STAGE_OPTIONS = {"runner": ("--runner",)}
+HELP_FLAGS = ("-h", "--help")  # argparse's, of every command
+Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
+# Where argparse takes a value for a number, not an option (`argparse.ArgumentParser._negative_number_matcher`)
+NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
+    """A stage of the run: its step, and that step as a `madp` command line."""
+
     name: str
-    command: list[str]  # the `madp` command line it runs
+    command: list[str]  # the `madp` command line of its step: the log line, the manifests, the fingerprint
     inputs: tuple[str, ...]  # paths whose files it reads
     output: str  # the path it writes (a directory, or calibration.json)
+    step: Step  # what it runs, its options built
 
     @property
     def parameters(self) -> list[str]:
@@ -91,16 +118,24 @@ def load_config(path: str, overrides: list[str]) -> dict:
     return config
 
 
-def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | None = None) -> list[Stage]:
-    """Validate the config and return the stages it asks for, in order. `source` (the config file and its
-    `--set` overrides) is what an audit stage re-reads; without it the audit section is only validated."""
+class Source(NamedTuple):
+    """What an audit stage re-reads, the config file and its `--set` overrides, and the audit job it runs."""
+
+    config: str
+    overrides: list[str]
+    audit: AuditJob
+
+
+def plan_stages(config: dict, source: Source | None = None) -> list[Stage]:
+    """Validate the config and return the stages it asks for, in order, each with its options built.
+    Without `source` an audit section is only validated."""
     unknown = sorted(set(config) - set(SECTIONS))
     if unknown:
         raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
     run_dir = config.get("run_dir")
     if not isinstance(run_dir, str) or not run_dir:
         raise InputError("config run_dir: required, the directory of the run's outputs")
-    plan = _Plan(run_dir, parser.commands)
+    plan = _Plan(run_dir)
     data, eval_data = _data_stages(config, plan)
     _bound_stages(config, plan, data)
     _batch_stages(config, plan, data)
@@ -114,22 +149,34 @@ def plan_stages(config: dict, parser: Parser, source: tuple[str, list[str]] | No
     if config.get("audit") is not None:
         directory = audit_directory(config, audit_options(config, {}))
         if source is not None:
-            config_path, overrides = source
-            command = ["audit", config_path, *(flag for o in overrides for flag in ("--set", o))]
-            plan.stages.append(Stage("audit", command, (config_path, data), directory))
+            command = ["audit", source.config, *(flag for o in source.overrides for flag in ("--set", o))]
+            step = Audit(source.config, tuple(source.overrides), source.audit)
+            plan.add("audit", command, (source.config, data), directory, lambda: step)
     report = config.get("report", False)
     if not isinstance(report, bool):
         raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
     if report:
         outputs = tuple(stage.output for stage in plan.stages)
-        plan.stages.append(Stage("report", ["report", run_dir], outputs, plan.path("report.html")))
+        plan.add("report", ["report", run_dir], outputs, plan.path("report.html"), lambda: Report(run_dir))
         if any(_leaves_out(stage) for stage in plan.stages):  # what the published page leaves out
             internal = plan.path(INTERNAL_REPORT)
             command = ["report", run_dir, "--internal", "--output", internal]
-            plan.stages.append(Stage("internal-report", command, outputs, internal))
-    for stage in plan.stages:  # every stage's options parse and build before anything runs
-        _check(parser, stage)
-    return plan.stages
+            plan.add("internal-report", command, outputs, internal, lambda: Report(run_dir, internal, True))
+    return [_checked(stage) for stage in plan.stages]  # every stage's options build before anything runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A stage planned, its options read from the config but not built yet (`make` builds them, `_checked`
+    calls it once the whole config is read)."""
+
+    name: str
+    command: list[str]
+    inputs: tuple[str, ...]
+    output: str
+    make: Callable[[], Step]
+    beam_options: Sequence[str] = ()  # a bound or batch stage's, which may not be
+    own_flags: Sequence[str] = ()  # the options of its command (a bound or batch stage's)
 
 
 @dataclasses.dataclass
@@ -137,11 +184,23 @@ class _Plan:
     """The stages planned so far, and where a run's outputs go."""
 
     run_dir: str
-    commands: Mapping[str, CommandParser]
-    stages: list[Stage] = dataclasses.field(default_factory=list)
+    stages: list[_Planned] = dataclasses.field(default_factory=list)
 
     def path(self, name: str) -> str:
         return storage.join(self.run_dir, name)
+
+    def add(
+        self,
+        name: str,
+        command: list[str],
+        inputs: tuple[str, ...],
+        output: str,
+        make: Callable[[], Step],
+        beam: tuple[Sequence[str], type] | None = None,
+    ) -> None:
+        """Plan a stage; `beam`: its Beam options and the declaration of its command's own options."""
+        beam_options, own = ((), ()) if beam is None else (beam[0], _own_flags(beam[1]))
+        self.stages.append(_Planned(name, command, inputs, output, make, beam_options, own))
 
 
 def _data_stages(config: dict, plan: _Plan) -> tuple[str, str | None]:
@@ -155,11 +214,13 @@ def _data_stages(config: dict, plan: _Plan) -> tuple[str, str | None]:
         holdout = generate.pop("holdout", False)
         if not isinstance(holdout, bool):
             raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
-        data = plan.path("records")
-        extra = ["--holdout", plan.path("test.parquet")] if holdout else []
+        records = plan.path("records")
         eval_data = plan.path("test.parquet") if holdout else None
-        flags = _flags(plan.commands["generate"], "generate", generate)
-        plan.stages.append(Stage("generate", ["generate", data, *flags, *extra], (), data))
+        given = _Options(GenerateOptions, _read("generate", GenerateOptions, generate.items()))
+        if eval_data is not None:
+            given = given.then(_read("generate", GenerateOptions, [("holdout", eval_data)]))
+        plan.add("generate", ["generate", records, *given.flags], (), records, lambda: Generate(records, given.built))
+        data = records
     if not isinstance(data, str) or not data:
         raise InputError("config input: required (the records), unless a generate section makes them")
     return data, eval_data
@@ -169,24 +230,30 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
     bound = _section(config, "bound")
     if bound is None:
         return
-    path = plan.path
-    beam = _beam(bound, "bound")
-    flags = _flags(plan.commands["bound"], "bound", bound, beam=True)
+    output = plan.path("bound")
+    runner, beam_options = _beam(bound, "bound")
+    given = _Options(BoundOptions, _read("bound", BoundOptions, bound.items(), beam=True))
     read = (data, bound["capacities"]) if bound.get("capacities") else (data,)  # an edited capacities file re-runs
-    plan.stages.append(Stage("bound", ["bound", data, path("bound"), *flags, *beam], read, path("bound")))
+    command = ["bound", data, output, *given.flags, "--runner", runner, *beam_options]
+    plan.add(
+        "bound",
+        command,
+        read,
+        output,
+        lambda: Bound(data, output, given.built, runner, beam_options),
+        (beam_options, BoundOptions),
+    )
     if "max_contributions" not in bound:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
     k = ["--max-contributions", str(bound["max_contributions"])]
     capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
-    columns = _pick(flags, ("--id-column", "--users-column", "--users-columns", "--user-ids"))
-    plan.stages.append(
-        Stage(
-            "verify-bound",
-            ["verify-bound", data, path("bound"), *k, *capacities, *columns],
-            (data, path("bound")),
-            path("bound"),
-        )
-    )
+    columns = [token for entry in given.entries if entry.option.name in COLUMN_KEYS for token in entry.flags]
+
+    def verify() -> VerifyBound:
+        options = given.built
+        return VerifyBound(data, output, options.max_contributions, options.capacities or None, options.columns)
+
+    plan.add("verify-bound", ["verify-bound", data, output, *k, *capacities, *columns], (data, output), output, verify)
 
 
 def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
@@ -208,7 +275,7 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
                 f"config batch.{key}: differs from the bound's ({used!r}): batch and verify-batches read the "
                 f"records with the columns the bound read; leave batch.{key} out"
             )
-        columns += [f"--{key.replace('_', '-')}", used]
+        columns.append((key, used))
     if "user_ids" in batch:  # left: the bound section has none
         raise InputError(
             "config batch.user_ids: the bound section says how user ids are read (bound.user_ids): batch and "
@@ -222,28 +289,31 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
             f"the records with the columns the bound read; leave batch.{other[0]} out"
         )
     path = plan.path
-    beam = _beam(batch, "batch")
-    flags = _flags(plan.commands["batch"], "batch", batch, beam=True)
-    plan.stages.append(
-        Stage(
-            "batch",
-            ["batch", path("bound"), data, path("batches"), *flags, *columns, *beam],
-            (path("bound"), data),
-            path("batches"),
-        )
-    )
-    checks = ["--min-sep", str(batch.get("min_sep", 1))]
+    selected, output = path("bound"), path("batches")
+    runner, beam_options = _beam(batch, "batch")
+    given = _Options(BatchOptions, _read("batch", BatchOptions, batch.items(), beam=True))
+    read_columns = _read("batch", BatchOptions, columns)
+    given = given.then(read_columns)
+    command = ["batch", selected, data, output, *given.flags, "--runner", runner, *beam_options]
+    make = lambda: Batch(selected, data, output, given.built, runner, beam_options)  # noqa: E731
+    plan.add("batch", command, (selected, data), output, make, (beam_options, BatchOptions))
+    min_sep = batch.get("min_sep")
+    checks = ["--min-sep", str(1 if min_sep is None else min_sep)]
     if batch.get("max_batch_size"):
         checks += ["--max-batch-size", str(batch["max_batch_size"])]
-    checks += ["--selected", path("bound"), "--max-contributions", str(_contribution_bound(bound))]
-    plan.stages.append(
-        Stage(
-            "verify-batches",
-            ["verify-batches", path("batches"), data, *checks, *columns],
-            (path("batches"), data, path("bound")),
-            path("batches"),
-        )
-    )
+    k = _contribution_bound(bound)
+    checks += ["--selected", selected, "--max-contributions", str(k)]
+    column_flags = [token for entry in read_columns for token in entry.flags]
+
+    def verify() -> VerifyBatches:
+        options = given.built
+        return VerifyBatches(output, data, options.min_sep, options.max_batch_size, selected, k, options.columns)
+
+    command = ["verify-batches", output, data, *checks, *column_flags]
+    plan.add("verify-batches", command, (output, data, selected), output, verify)
+
+
+COLUMN_KEYS = ("id_column", "users_column", "users_columns", "user_ids")  # how the records are read
 
 
 def _bound_columns(bound: dict) -> dict[str, str]:
@@ -281,8 +351,10 @@ def _contribution_bound(bound: dict) -> int:
 def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
     """calibrate (the privacy plan), train with it, and the non-private baseline if asked."""
     path = plan.path
+    batches, calibration = path("batches"), path("calibration.json")
     calibrate = _section(config, "calibrate")
     train = _section(config, "train")
+    privacy: _Options[TrainOptions] | None = None
     if calibrate is not None:
         outside = sorted(set(calibrate) - set(CALIBRATE_KEYS))
         if outside:
@@ -290,9 +362,9 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
                 f"config calibrate: {', '.join(outside)} belong to the train section "
                 f"(calibrate takes {', '.join(CALIBRATE_KEYS)})"
             )
-        flags = _flags(plan.commands["train"], "calibrate", calibrate)
-        command = ["train", path("batches"), path("calibration.json"), *flags]
-        plan.stages.append(Stage("calibrate", command, (path("batches"),), path("calibration.json")))
+        stated = privacy = _Options(TrainOptions, _read("calibrate", TrainOptions, calibrate.items()))
+        command = ["train", batches, calibration, *privacy.flags]
+        plan.add("calibrate", command, (batches,), calibration, lambda: Calibrate(batches, calibration, stated.built))
     if train is None:
         return
     baseline = train.pop("baseline", False)
@@ -301,37 +373,31 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
     inside = sorted(set(train) & set(CALIBRATE_KEYS))
     if inside:
         raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
-    if calibrate is None:
+    if privacy is None:
         raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
     if eval_data and "eval_data" not in train:
         train["eval_data"] = eval_data
-    flags = _flags(plan.commands["train"], "train", train)
-    clip = ["--clip-norm", str(calibrate["clip_norm"])] if "clip_norm" in calibrate else []
+    section = _read("train", TrainOptions, train.items())
+    clip = [entry for entry in privacy.entries if entry.option.name == "clip_norm"]  # the calibrated plan's clipping
     # files the trainings read besides the batches: a pretrained model replaced at the same path re-runs them
     read = tuple(str(train[key]) for key in ("eval_data", "pretrained") if train.get(key))
     # A changed option re-runs a training into the same folder: it replaces the earlier one's outputs
     # itself, once its checks (plan, ledger) pass, and never under resume (`madp train --replace`).
-    flags.append("--replace")
-    plan.stages.append(
-        Stage(
-            "train",
-            ["train", path("batches"), path("train"), "--calibration", path("calibration.json"), *clip, *flags],
-            (path("batches"), path("calibration.json"), *read),
-            path("train"),
-        )
-    )
+    replace = _read("train", TrainOptions, [("replace", True)])
+    planned = _read("train", TrainOptions, [("calibration", calibration)])
+    trained = _Options(TrainOptions, (*planned, *clip, *section, *replace))
+    model = path("train")
+    make = lambda: Train(batches, model, trained.built)  # noqa: E731
+    plan.add("train", ["train", batches, model, *trained.flags], (batches, calibration, *read), model, make)
     if baseline:
-        plan.stages.append(
-            Stage(
-                "baseline",
-                ["train", path("batches"), path("baseline"), "--mechanism", "none", *flags],
-                (path("batches"), *read),
-                path("baseline"),
-            )
-        )
+        unplanned = _read("train", TrainOptions, [("mechanism", "none")])
+        untrained = _Options(TrainOptions, (*unplanned, *section, *replace))
+        compared = path("baseline")
+        command = ["train", batches, compared, *untrained.flags]
+        plan.add("baseline", command, (batches, *read), compared, lambda: Train(batches, compared, untrained.built))
 
 
-def _leaves_out(stage: Stage) -> bool:
+def _leaves_out(stage: _Planned) -> bool:
     """Whether the published page leaves out what this stage makes: a non-private baseline, an audit,
     or evaluations on data not declared public."""
     internal_evaluation = "--eval-data" in stage.command and "--eval-data-public" not in stage.command
@@ -347,63 +413,120 @@ def _section(config: dict, name: str) -> dict | None:
     return dict(value)
 
 
-def _beam(section: dict, name: str) -> list[str]:
+def _beam(section: dict, name: str) -> tuple[str, tuple[str, ...]]:
+    """The section's runner and Beam options (popped)."""
     runner = section.pop("runner", "DirectRunner")
     options = section.pop("beam_options", [])
     if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
         raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--partitions, 32]")
     if runner == "local" and options:
         raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
-    return ["--runner", str(runner), *map(str, options)]
+    return str(runner), tuple(map(str, options))
 
 
-def _flags(parser: CommandParser, section: str, options: dict, beam: bool = False) -> list[str]:
-    """Command-line flags of a section: key -> --key, true -> a flag, lists -> comma-separated. `beam`:
-    the stage also takes Beam options (in beam_options), which an unknown key may have meant."""
-    known = {dest: action for dest, action in parser.options.items() if dest != "help"}
-    flags = []
-    for key, value in options.items():
-        action = known.get(key)
-        if action is None:
+# --- a section's options ------------------------------------------------------------------------
+
+COMMANDS = {GenerateOptions: "generate", BoundOptions: "bound", BatchOptions: "batch", TrainOptions: "train"}
+
+
+class _Entry(NamedTuple):
+    """A config key as its stage takes it: the option it sets, its value as the command line parses the
+    value's text, and its flag (with that text) in the stage's command."""
+
+    option: Declared
+    value: Any
+    flags: tuple[str, ...]
+
+
+def _read(section: str, declaration: type, options: Iterable[tuple[str, Any]], beam: bool = False) -> list[_Entry]:
+    """A section's keys and values as options of `declaration`'s command: a key is an option's name, true
+    a switch given, a list comma-separated, null left out; each value's text is parsed as the option's flag
+    parses it (its declared type, parse and choices). `beam`: the stage also takes Beam options (in
+    beam_options), which an unknown key may have meant."""
+    known = {each.name: each for each in declared(declaration)}
+    entries = []
+    for key, value in options:
+        each = known.get(key)
+        if each is None:
+            names = sorted([*known, *(BEAM_STAGE_OPTIONS if beam else ())])
             hint = "; a Beam option, madp's --partitions among them, goes in beam_options" if beam else ""
             raise InputError(
-                f"config {section}.{key}: not an option of `madp {parser.prog.split()[-1]}` "
-                f"(known: {', '.join(sorted(known))}){hint}"
+                f"config {section}.{key}: not an option of `madp {COMMANDS[declaration]}` "
+                f"(known: {', '.join(names)}){hint}"
             )
-        flag = max(action.option_strings, key=len)
-        if action.nargs == 0:  # a switch (store_true)
+        flag = max(each.flags, key=len)
+        if each.switch:
             if not isinstance(value, bool):
                 raise InputError(f"config {section}.{key}: true or false")
-            flags += [flag] if value else []
+            entries += [_Entry(each, True, (flag,))] if value else []
         elif value is not None:
             text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            convert = action.type if callable(action.type) else str
+            parse = each.parse or str
             try:
-                converted = convert(text)
-            except argparse.ArgumentTypeError as error:  # a type that says what it takes (a seed's range)
+                parsed = parse(text)
+            except argparse.ArgumentTypeError as error:  # a parse that says what it takes (a seed's range)
                 raise InputError(f"config {section}.{key}: {error}") from None
             except ValueError:
-                name = getattr(convert, "__name__", "a value")
+                name = getattr(parse, "__name__", "a value")
                 raise InputError(f"config {section}.{key}: expected {name}, got {value!r}") from None
-            if action.choices and converted not in action.choices:
-                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, action.choices))}, got {value!r}")
-            flags += [flag, text]
-    return flags
+            choices = each.option.choices
+            if choices and parsed not in choices:
+                raise InputError(f"config {section}.{key}: one of {', '.join(map(str, choices))}, got {value!r}")
+            entries.append(_Entry(each, parsed, (flag, text)))
+    return entries
 
 
-def _pick(flags: list[str], names: tuple[str, ...]) -> list[str]:
-    """The (flag, value) pairs of `flags` whose flag is one of `names`."""
-    picked = []
-    for index, flag in enumerate(flags[:-1]):
-        if flag in names:
-            picked += [flag, flags[index + 1]]
-    return picked
+class _Options(Generic[Declaration]):
+    """A stage's options as the config gives them, in the order of its command's flags; `built` once."""
+
+    def __init__(self, declaration: type[Declaration], entries: Iterable[_Entry]) -> None:
+        self.declaration = declaration
+        self.entries = tuple(entries)
+
+    @property
+    def flags(self) -> list[str]:
+        return [token for entry in self.entries for token in entry.flags]
+
+    def then(self, entries: Iterable[_Entry]) -> _Options[Declaration]:
+        return _Options(self.declaration, (*self.entries, *entries))
+
+    @functools.cached_property
+    def built(self) -> Declaration:
+        """The options object (checked as it is built), or an error as the command line gives it: the first
+        value it would take for an option, a required option left out, or what the declaration refuses."""
+        command = COMMANDS[self.declaration]
+        values: dict[str, Any] = {}
+        for entry in self.entries:
+            each = entry.option
+            if len(entry.flags) > 1 and _taken_for_option(entry.flags[1]):
+                raise InputError(f"madp {command}: error: argument {'/'.join(each.flags)}: expected one argument")
+            if each.option.repeatable:  # given once per value
+                values[each.name] = (*values.get(each.name, each.default), entry.value)
+            else:  # given again: the last value holds
+                values[each.name] = entry.value
+        missing = [
+            "/".join(each.flags) for each in declared(self.declaration) if each.required and each.name not in values
+        ]
+        if missing:
+            raise InputError(f"madp {command}: error: the following arguments are required: {', '.join(missing)}")
+        return self.declaration(**values)
 
 
-def _madp_option_in(beam_options: list[str], command: CommandParser) -> str | None:
-    """The first of `beam_options` that argparse would take as an option of the madp command itself
-    (exactly, abbreviated, or a short option with its value attached), if any."""
-    own = [flag for action in command.options.values() for flag in action.option_strings]
+def _own_flags(declaration: type) -> tuple[str, ...]:
+    """The flags of a Beam stage's command: its declared options', its runner's and its help's."""
+    declared_flags = (flag for each in declared(declaration) for flag in each.flags)
+    return (*declared_flags, *(flag for flags in BEAM_STAGE_OPTIONS.values() for flag in flags), *HELP_FLAGS)
+
+
+def _taken_for_option(text: str) -> bool:
+    """Whether the command line takes `text` for an option rather than a value: it starts with '-' but is no
+    negative number, nor holds a space (as argparse reads it)."""
+    return len(text) > 1 and text.startswith("-") and not NEGATIVE_NUMBER.match(text) and " " not in text
+
+
+def _madp_option_in(beam_options: Sequence[str], own: Sequence[str]) -> str | None:
+    """The first of `beam_options` that argparse would take as one of the `own` options of the madp command
+    itself (exactly, abbreviated, or a short option with its value attached), if any."""
     for option in beam_options:
         name = option.split("=", 1)[0]
         if name in own or any(
@@ -413,27 +536,20 @@ def _madp_option_in(beam_options: list[str], command: CommandParser) -> str | No
     return None
 
 
-def _check(parser: Parser, stage: Stage) -> None:
-    if stage.name in ("bound", "batch"):  # `_beam` put --runner RUNNER first, then the section's beam_options
-        beam_options = stage.command[stage.command.index("--runner") + 2 :]
-        option = _madp_option_in([o for o in beam_options if o.startswith("-")], parser.commands[stage.name])
+def _checked(stage: _Planned) -> Stage:
+    """The stage with its step, built: its Beam options none of its command's own, its options as its
+    command builds them, its output apart from what it reads."""
+    if stage.own_flags:
+        option = _madp_option_in([o for o in stage.beam_options if o.startswith("-")], stage.own_flags)
         if option is not None:
             raise InputError(
                 f"config {stage.name}.beam_options: {option} is an option of madp {stage.name}, not of Beam: "
                 f"set it as a key of the {stage.name} section, where the config check sees it"
             )
-    said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said):  # argparse prints its reason, then exits
-            args, extra = parser.parse_known_args(stage.command)
-    except (argparse.ArgumentError, SystemExit) as error:
-        reason = said.getvalue().strip().splitlines()[-1:] or [str(error)]
-        raise InputError(f"config {stage.name}: {reason[0]}") from error
-    if extra and stage.name not in ("bound", "batch"):
-        raise InputError(f"config {stage.name}: unexpected {' '.join(extra)}")
-    try:
-        parser.check_options(args)
+        step = stage.make()
         if not stage.name.startswith("verify-"):  # a verifier writes nothing: its output is the folder it checks
-            storage.refuse_overlap(stage.output, [*stage.inputs, *read_paths(args)])
+            storage.refuse_overlap(stage.output, [*stage.inputs, *step.reads])
     except InputError as error:
         raise InputError(f"config {stage.name}: {error_text(error)}") from error
+    return Stage(stage.name, stage.command, stage.inputs, stage.output, step)

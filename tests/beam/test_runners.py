@@ -19,7 +19,7 @@ from madp.beam.batch import BatchPipeline
 from madp.beam.bound import BoundPipeline
 from madp.beam.monte_carlo import ChunkResults
 from madp.beam.pipeline import pipeline_options
-from madp.cli import main, parser
+from madp.cli import main
 from madp.core.bounding import Control
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
@@ -36,7 +36,7 @@ def test_every_runner_has_a_config():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
 def test_runner_config_is_a_valid_job(config):
-    stages = [stage.name for stage in plan_stages(load_config(config, []), parser())]
+    stages = [stage.name for stage in plan_stages(load_config(config, []))]
     assert stages == ["bound", "verify-bound", "batch", "verify-batches", "calibrate", "train"]
 
 

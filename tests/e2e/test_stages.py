@@ -19,9 +19,9 @@ from conftest import ROOT
 import madp
 import madp.accounting
 import madp.training
-from madp.cli import main, parser
-from madp.commands.training import calibrate_batches
+from madp.cli import main
 from madp.core.errors import InputError
+from madp.jobs.run_plan import plan_stages
 from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
 SEED_OPTIONS = {"max_contributions": 3, "seed": 5, "order": "hash"}
@@ -59,11 +59,11 @@ def both(records, tmp_path_factory):
     assert main(["-q", "bound", records, str(cli / "bounded"), *flags]) == 0
     flags = ["--steps", "12", "--batch-size", "8", "--min-sep", "2", "--max-batch-size", "16", "--seed", "0"]
     assert main(["-q", "batch", str(cli / "bounded"), records, str(cli / "batches"), *flags, "--runner", "local"]) == 0
-    # what `madp run`'s calibrate stage runs: a `madp train` command line, calibrated
-    flags = ["--epsilon", "8", "--bands", "2", "--clip-norm", "0.5"]
-    stated = calibrate_batches(
-        parser().parse_args(["train", str(cli / "batches"), str(cli / "calibration.json"), *flags])
-    )
+    # what `madp run`'s calibrate stage runs, on the run_dir's batches
+    config = {"run_dir": str(cli), "input": records, "calibrate": {"epsilon": 8, "bands": 2, "clip_norm": 0.5}}
+    (calibrate,) = plan_stages(config)
+    assert calibrate.command[-6:] == ["--epsilon", "8", "--bands", "2", "--clip-norm", "0.5"]
+    stated = calibrate.step.run()
     return api, cli, bound, batched, plan, stated
 
 

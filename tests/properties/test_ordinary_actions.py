@@ -61,18 +61,17 @@ def test_an_edit_that_keeps_size_and_time_reruns_the_bound(tmp_path, capsys):
 
 
 def test_records_appended_during_a_stage_are_not_recorded_as_done(tmp_path, capsys, monkeypatch):
-    from madp.commands.registry import Parser
+    from madp.jobs.run_steps import Bound
 
-    real_run = Parser.run
+    real_run = Bound.run
 
-    def run_then_append(self, args, unknown):
-        result = real_run(self, args, unknown)
-        if args.command == "bound":
-            with open(tmp_path / "records.jsonl", "a") as handle:
-                handle.write(json.dumps({"id": 10_000, "users": [1], "features": [0.0, 1.0], "label": 0}) + "\n")
+    def run_then_append(self):
+        result = real_run(self)
+        with open(tmp_path / "records.jsonl", "a") as handle:
+            handle.write(json.dumps({"id": 10_000, "users": [1], "features": [0.0, 1.0], "label": 0}) + "\n")
         return result
 
-    monkeypatch.setattr(Parser, "run", run_then_append)
+    monkeypatch.setattr(Bound, "run", run_then_append)
     code, _, err = run_job(tmp_path, capsys)
     assert code == 2 and "changed while it ran" in err
     assert not (tmp_path / "run" / ".madp" / "bound.json").exists(), "the stage must run again"

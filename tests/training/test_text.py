@@ -507,18 +507,17 @@ def test_imported_mail_trains_a_language_model_on_its_bodies(tmp_path, capsys):
 def test_example_text_jobs_are_valid_configs(name, tmp_path):
     import yaml
 
-    from madp.cli import parser
     from madp.jobs.run_plan import plan_stages
 
     config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
     config["run_dir"] = str(tmp_path)
-    stages = {stage.name: stage.command for stage in plan_stages(config, parser())}
+    stages = {stage.name: stage.command for stage in plan_stages(config)}
     assert {"generate", "bound", "batch", "calibrate", "train", "baseline", "report"} <= set(stages)
     assert stages["generate"][stages["generate"].index("--task") + 1] == "text"
     assert stages["train"][stages["train"].index("--model") + 1] == name
     if name == "text-classifier":  # a pretrained model replaced in place re-runs the trainings that read it
         config["train"]["pretrained"] = str(tmp_path / "model.gguf")
-        inputs = {stage.name: stage.inputs for stage in plan_stages(config, parser())}
+        inputs = {stage.name: stage.inputs for stage in plan_stages(config)}
         assert str(tmp_path / "model.gguf") in inputs["train"] and str(tmp_path / "model.gguf") in inputs["baseline"]
 
 
