@@ -16,7 +16,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from madp.accounting.mechanisms import Mechanism, check_delta, check_target
-from madp.core.errors import InputError, positive
+from madp.core.errors import InputError, OptionError, positive
 
 log = logging.getLogger("madp.accounting")
 
@@ -86,7 +86,7 @@ def composed_epsilon(
     """
     for _, noise_multiplier in releases:
         if not positive(noise_multiplier):
-            raise InputError(f"--noise-multiplier must be positive and finite, got {noise_multiplier}")
+            raise OptionError("{noise_multiplier} must be positive and finite, got {0}", noise_multiplier)
     check_delta(delta)
     return _composed_epsilon(tuple((mechanism, sigma) for mechanism, sigma in releases), delta, discretization)
 
@@ -139,10 +139,12 @@ def finite_epsilon(mechanism: Mechanism, noise_multiplier: float, delta: float) 
     about 1e-15, or sigma is tiny) is an InputError naming both, not an `Infinity` in the output."""
     value = epsilon(mechanism, noise_multiplier, delta)
     if not math.isfinite(value):
-        raise InputError(
-            f"no finite epsilon for {mechanism.name} at --noise-multiplier {noise_multiplier:g} and --delta "
-            f"{delta:g}: the accountant resolves deltas down to about 1e-15 and needs a sigma large enough; "
-            f"raise --delta or --noise-multiplier"
+        raise OptionError(
+            "no finite epsilon for {0} at {noise_multiplier} {1:g} and {delta} {2:g}: the accountant resolves "
+            "deltas down to about 1e-15 and needs a sigma large enough; raise {delta} or {noise_multiplier}",
+            mechanism.name,
+            noise_multiplier,
+            delta,
         )
     return value
 
@@ -213,8 +215,8 @@ def calibrate(
     """
     check_target(target_epsilon, delta)
     if not MIN_TOLERANCE <= relative_tolerance < 1:  # NaN too; below it, bisection stalls between adjacent floats
-        raise InputError(
-            f"--tolerance (sigma's relative precision) must be in [{MIN_TOLERANCE:g}, 1), got {relative_tolerance}"
+        raise OptionError(
+            "{tolerance} (sigma's relative precision) must be in [{0:g}, 1), got {1}", MIN_TOLERANCE, relative_tolerance
         )
     evaluations = 0
 

@@ -17,6 +17,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from conftest import SUITES
+
 _START_SECONDS = 120.0  # a cold start on a busy 2-core machine takes ~10 s; this only catches a hang
 
 # The cluster writes its address once its workers are up, through a rename, so that a reader sees it whole.
@@ -48,7 +50,8 @@ def service_environment() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     source = os.path.dirname(os.path.dirname(os.path.abspath(madp.__file__)))
     tests = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join(path for path in (source, tests, env.get("PYTHONPATH")) if path)
+    suites = [os.path.join(tests, suite) for suite in SUITES]  # the test modules, by file name (conftest)
+    env["PYTHONPATH"] = os.pathsep.join(path for path in (source, tests, *suites, env.get("PYTHONPATH")) if path)
     return env
 
 

@@ -149,23 +149,25 @@ def test_sigma_moves_as_theory_says():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (lambda: DpSgd(0.0, 10), "--sampling-prob"),
-        (lambda: DpSgd(1.5, 10), "--sampling-prob"),
-        (lambda: DpSgd(0.1, 0), "--steps"),
-        (lambda: DpSgd(0.1, 10, 0), "--max-contributions"),
-        (lambda: DpSgdUls(0.1, 2.5), "--steps"),
-        (lambda: calibrate(DpSgd(0.1, 10), 0.0, 1e-5), "--epsilon"),
-        (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "--delta"),
-        (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "--noise-multiplier"),
+        (lambda: DpSgd(0.0, 10), "sampling_prob"),
+        (lambda: DpSgd(1.5, 10), "sampling_prob"),
+        (lambda: DpSgd(0.1, 0), "steps"),
+        (lambda: DpSgd(0.1, 10, 0), "max_contributions"),
+        (lambda: DpSgdUls(0.1, 2.5), "steps"),
+        (lambda: calibrate(DpSgd(0.1, 10), 0.0, 1e-5), "epsilon"),
+        (lambda: calibrate(DpSgd(0.1, 10), 1.0, 1.0), "delta"),
+        (lambda: epsilon(DpSgd(0.1, 10), 0.0, 1e-5), "noise_multiplier"),
         (lambda: calibrate(DpSgd(1.0, 10), 1e-3, 1e-12), "unreachable"),
         # below the delta the accountant resolves, epsilon is infinite: `madp epsilon` printed "Infinity"
-        (lambda: finite_epsilon(DpSgd(0.01, 100), 1.0, 1e-16), "no finite epsilon .* --delta 1e-16"),
+        (lambda: finite_epsilon(DpSgd(0.01, 100), 1.0, 1e-16), "no finite epsilon .* delta 1e-16"),
         # a tolerance of 0 or below, or NaN, never ended the bisection (or ended it at once)
-        *((lambda t=t: calibrate(DpSgd(0.1, 10), 1.0, 1e-5, t), "--tolerance") for t in (0.0, -1.0, math.nan, 1.0)),
+        *((lambda t=t: calibrate(DpSgd(0.1, 10), 1.0, 1e-5, t), "tolerance") for t in (0.0, -1.0, math.nan, 1.0)),
     ],
 )
 @pytest.mark.slow
 def test_clear_errors(build, message):
+    """A Python caller's error names the parameter; the command line's names its flag
+    (test_the_command_line_names_the_flags)."""
     with pytest.raises(InputError, match=message):
         build()
 
@@ -224,6 +226,21 @@ def test_cli_calibrate_then_epsilon(capsys):
     assert checked["epsilon"] == pytest.approx(calibrated["epsilon"]) and checked["epsilon"] <= 0.5
     assert main(["-q", "calibrate", "--mechanism", "dpsgd", "--epsilon", "2", "--delta", "1e-5", "--steps", "3"]) == 2
     assert "--sampling-prob" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, said",
+    [
+        (["calibrate", "--epsilon", "2", "--steps", "0", "--sampling-prob", "0.1"], "--steps must be an integer >= 1"),
+        (["epsilon", "--noise-multiplier", "0", "--steps", "3", "--sampling-prob", "0.1"], "--noise-multiplier must"),
+        (["calibrate", "--epsilon", "2", "--steps", "3", "--sampling-prob", "0.1", "--tolerance", "0"], "--tolerance"),
+    ],
+)
+def test_the_command_line_names_the_flags(arguments, said, capsys):
+    """The accountant's errors name its parameters (test_clear_errors); `madp calibrate` and `madp epsilon`
+    say them as the flags their user typed."""
+    assert main(["-q", *arguments, "--mechanism", "dpsgd", "--delta", "1e-5"]) == 2
+    assert said in capsys.readouterr().err
 
 
 def test_cli_warns_when_delta_exceeds_one_over_population(capsys, caplog):
