@@ -327,7 +327,7 @@ def train_options(args: argparse.Namespace):
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.training import run_train
 
-    return run_train(args.batches, args.output, train_options(args))
+    return run_train(args.batches, args.output, train_options(args)).to_json()
 
 
 def calibrate_batches(args: argparse.Namespace) -> dict:

@@ -20,12 +20,13 @@ FORMAT_VERSION = 1  # of both reports: the keys below; a file without the key is
 VERSION_KEY = "format_version"
 
 
-def check_version(data: Mapping[str, Any], where: str) -> None:
-    """Refuse a report whose `format_version` this madp does not read (a newer madp's, or not a version)."""
-    version = data.get(VERSION_KEY, FORMAT_VERSION)
-    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+def check_version(data: Mapping[str, Any], where: str, current: int = FORMAT_VERSION) -> None:
+    """Refuse a file whose `format_version` this madp does not read (a newer madp's, or not a version): its
+    format's `current` version and those before it are read."""
+    version = data.get(VERSION_KEY, current)
+    if type(version) is not int or not 1 <= version <= current:
         raise InputError(
-            f"{where}: format_version {version!r} is not one this madp reads (it reads {FORMAT_VERSION}): written by "
+            f"{where}: format_version {version!r} is not one this madp reads (it reads {current}): written by "
             f"another madp; read it with that madp, or re-run the stage with this one"
         )
 
@@ -223,10 +224,13 @@ class BoundReport:
     selection_files: tuple[FileEntry, ...]
     partitions: int | None = None  # Beam: the partitions of each side
     pipeline_runs: tuple[Mapping[str, Any], ...] | None = None  # Beam: each run's iterations and counters
+    # The engine's run time, in what a run returns and prints, never in the file: it depends on the machine's
+    # load and on more of the input than the graph (parsing JSON Lines rows reads their content too)
+    wall_time_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The report as its file holds it (written with sorted keys)."""
-        report = {
+        """The report as its file holds it (written with sorted keys), and the wall time where it has one."""
+        report: dict[str, Any] = {
             VERSION_KEY: FORMAT_VERSION,
             "engine": self.engine,
             "input": self.input,
@@ -254,6 +258,8 @@ class BoundReport:
         if self.pipeline_runs is not None:
             report["pipeline_runs"] = _lists(self.pipeline_runs)
         report["selection_files"] = [entry.to_json() for entry in self.selection_files]
+        if self.wall_time_s is not None:
+            report["wall_time_s"] = self.wall_time_s
         return report
 
     @classmethod

@@ -132,7 +132,7 @@ def test_greedy_batches_say_they_need_no_secret(bounded, tmp_path):
         str(tmp_path / "greedy"),
         BatchOptions(steps=20, batch_size=30, sampler="minsep-greedy", min_sep=3),
     )
-    assert report["sampling"] == randomness.DETERMINISTIC
+    assert report.sampling == randomness.DETERMINISTIC
 
 
 # --- the contribution bound -------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     capacities = tmp_path / "capacities.csv"
     capacities.write_text("user,capacity\n3,7\n")
     report = bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=1, capacities=str(capacities)))
-    assert report["contribution_bound"] == 7 and report["max_user_contribution"] == 7
+    assert report.contribution_bound == 7 and report.max_user_contribution == 7
     batch_local(
         str(tmp_path / "bounded"), data, str(tmp_path / "batches"), BatchOptions(steps=50, batch_size=40, seed=1)
     )
@@ -202,13 +202,13 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     )
     batches = open_batches(str(tmp_path / "batches"))
     plan = privacy_plan(batches, TrainOptions(epsilon=3.0, delta=1e-5))
-    rho = 40 * binom.sf(100, report["units"], report["sampling_probability"])  # independent of the plan's code
+    rho = 40 * binom.sf(100, report.units, report.sampling_probability)  # independent of the plan's code
     assert plan.mechanism == "dpsgd" and plan.truncation_delta == pytest.approx(rho * (1 + np.exp(plan.epsilon)))
     assert 0 < plan.truncation_delta < 1e-5 and plan.delta == 1e-5
     from madp.accounting.calibrate import epsilon
     from madp.accounting.mechanisms import DpSgd
 
-    mechanism = DpSgd(report["sampling_probability"], 40, 2)
+    mechanism = DpSgd(report.sampling_probability, 40, 2)
     assert epsilon(mechanism, plan.noise_multiplier, 1e-5 - plan.truncation_delta) <= 3.0
     batch_local(
         str(directory / "bounded"),

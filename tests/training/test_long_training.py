@@ -114,7 +114,7 @@ def test_optimizer_learning_rate_follows_the_schedule(batches, monkeypatch):
     )
     result = trainer.train(out, str(directory / "scheduled"), options)
     assert seen == pytest.approx([learning_rate_at(t, STEPS, options) for t in range(STEPS)], rel=1e-6)
-    assert result["lr_schedule"] == "warmup-cosine" and result["warmup_steps"] == 3
+    assert result.metrics.settings["lr_schedule"] == "warmup-cosine" and result.metrics.settings["warmup_steps"] == 3
     logged = tags(str(directory / "scheduled" / "logs"))["train/learning_rate"]
     assert [step for step, _ in logged] == [4, 8, 12]
 
@@ -162,7 +162,7 @@ def test_tensorboard_scalars_and_the_model_carry_no_clock_time(batches, monkeypa
     with pytest.raises(KeyboardInterrupt):
         trainer.train(out, output, options)
     monkeypatch.undo()
-    plan = stated_plan(trainer.train(out, output, TrainOptions(**{**vars(options), "resume": True}))["privacy"])
+    plan = stated_plan(trainer.train(out, output, TrainOptions(**{**vars(options), "resume": True})).privacy)
     ended = time.time()
     logs = os.path.join(output, "logs")
     names = sorted(os.listdir(logs))
@@ -241,7 +241,7 @@ def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batch
 
     # As madp resumes: a new key for the remaining steps, so their noise (and the model) differ.
     result = trainer.train(out, cut, TrainOptions(**{**vars(options), "resume": True}))
-    assert result["steps"] == STEPS and result["resumed_at"] == 4
+    assert result.metrics.settings["steps"] == STEPS and result.metrics.settings["resumed_at"] == 4
     assert [m["step"] for m in evaluation_of(cut, internal=True)["eval"]] == [4, 8, 12]
     assert not all(np.allclose(a, b) for a, b in zip(weights(whole), weights(cut)))
     assert not os.path.exists(checkpoints)
@@ -386,7 +386,7 @@ def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_p
     [entry] = ledger(copy)
     assert (entry["output"], entry["state"], entry["noise_multiplier"]) == (cut, "started", 1.0)
 
-    after = trainer.train(copy, str(tmp_path / "after"), options)["privacy"]
+    after = trainer.train(copy, str(tmp_path / "after"), options).privacy
     assert after["composition"]["trainings"] == 2 and after["composition"]["outputs"] == [cut]
     assert after["epsilon"] > after["single_training"]["epsilon"]
     assert [t["state"] for t in ledger(copy)] == ["started", "finished"]
@@ -657,7 +657,7 @@ def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(b
     output = str(tmp_path / "model")
     trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))
     shutil.rmtree(output)  # the first model may have been published already: it still counts
-    again = trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))["privacy"]
+    again = trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2)).privacy
     assert again["composition"]["trainings"] == 2
     assert len({t["training"] for t in ledger(copy)}) == 2
 
