@@ -297,6 +297,7 @@ class BoundReport:
                 selection_files=selection_files,
                 partitions=data.get("partitions"),
                 pipeline_runs=None if runs is None else tuple(runs),
+                wall_time_s=data.get("wall_time_s"),
             )
 
         return _parsed(parse, where, "bound")
@@ -596,3 +597,83 @@ class BatchReport:
             return [int(padded_to)] * int(self.steps)
         written = self.written_batch_sizes.per_step
         return None if written is None else [int(rows) for rows in written]
+
+
+# --- madp audit ----------------------------------------------------------------------------------
+
+AUDIT_FORMAT_VERSION = 1  # of audit.json; a file without the key is its predecessor (the same keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryScore:
+    """One canary user of an audit: whether its records were included, and its score (the model's loss)."""
+
+    user: int | str
+    included: bool
+    score: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"user": self.user, "included": self.included, "score": self.score}
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """`madp audit`'s audit.json: the canaries planted and guessed, the lower bound on epsilon measured and
+    what it can measure at most, the claim it checks (the audit model's plan) and the verdict."""
+
+    config: str
+    output: str
+    canaries: int
+    canary_records: int
+    shared_records: int  # canary records shared by two canaries
+    included: int
+    guesses: int
+    correct_guesses: int
+    epsilon_lower_bound: float
+    confidence: float
+    largest_measurable_epsilon: float
+    delta: float
+    claimed_epsilon: float | None  # None for a non-private audit model: no claim to check
+    mechanism: str
+    noise_multiplier: float | None
+    noise: str | None
+    non_private: bool
+    testing_noise_scale: float | None
+    can_refute_claim: bool
+    audit_model_private: bool
+    inclusion: str  # what the canaries' inclusion rests on (a secret key, or a seed)
+    candidates: tuple[int, ...]
+    ok: bool
+    verdict: str
+    per_canary: tuple[CanaryScore, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """audit.json's content."""
+        audit: dict[str, Any] = {VERSION_KEY: AUDIT_FORMAT_VERSION}
+        audit.update({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+        audit.update(candidates=list(self.candidates), per_canary=[one.to_json() for one in self.per_canary])
+        return audit
+
+    def summary(self) -> dict[str, Any]:
+        """What `madp audit` prints (and its error carries): the file's figures without the canaries' scores."""
+        return {key: value for key, value in self.to_json().items() if key not in (VERSION_KEY, "per_canary")}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> AuditReport:
+        """The audit of a parsed audit.json (`where` names it in errors)."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where} is not a madp audit report (a JSON {type(data).__name__}, not an object)")
+        check_version(data, where, AUDIT_FORMAT_VERSION)
+
+        def parse() -> AuditReport:
+            known = {field.name for field in dataclasses.fields(cls)}
+            values = {key: value for key, value in data.items() if key in known}
+            return cls(
+                **{
+                    **values,
+                    "candidates": tuple(data["candidates"]),
+                    "per_canary": tuple(CanaryScore(**one) for one in data["per_canary"]),
+                }
+            )
+
+        return _parsed(parse, where, "audit")

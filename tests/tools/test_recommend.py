@@ -29,27 +29,27 @@ def skewed(tmp_path_factory):
 
 def test_larger_k_keeps_more_and_costs_more_noise(skewed):
     result = recommend(skewed, Sweep(epsilon=4, delta=1e-5, steps=200, batch_size=50, ks=(1, 2, 3, 5, 8)))
-    rows = result["sweep"]
-    assert [row["k"] for row in rows] == [1, 2, 3, 5, 8]
+    rows = result.sweep
+    assert [row.k for row in rows] == [1, 2, 3, 5, 8]
     for smaller, larger in zip(rows, rows[1:]):
-        assert larger["kept_records"] >= smaller["kept_records"]
-        assert larger["kept_records_with_duplicates"] >= smaller["kept_records_with_duplicates"]
-        assert larger["users_capped_fraction"] <= smaller["users_capped_fraction"]
-        assert larger["noise_multiplier"] > smaller["noise_multiplier"]
-    assert all(row["kept_records_with_duplicates"] >= row["kept_records"] for row in rows)
-    assert all(row["epsilon"] <= 4 for row in rows)
+        assert larger.kept_records >= smaller.kept_records
+        assert larger.kept_records_with_duplicates >= smaller.kept_records_with_duplicates
+        assert larger.users_capped_fraction <= smaller.users_capped_fraction
+        assert larger.noise_multiplier > smaller.noise_multiplier
+    assert all(row.kept_records_with_duplicates >= row.kept_records for row in rows)
+    assert all(row.epsilon <= 4 for row in rows)
     # bounding keeps few-user records first: kept records have fewer users than the input's mean
-    assert rows[0]["mean_users_per_kept_record"] < result["input"]["mean_users_per_record"]
-    noise = rows[2]["noise_multiplier"] * 1.0 / 50
-    assert rows[2]["noise_std_over_batch"] == pytest.approx(noise)
+    assert rows[0].mean_users_per_kept_record < result.input.mean_users_per_record
+    noise = rows[2].noise_multiplier * 1.0 / 50
+    assert rows[2].noise_std_over_batch == pytest.approx(noise)
 
 
 def test_kept_counts_are_those_of_madp_bound(skewed, tmp_path):
     result = recommend(skewed, Sweep(epsilon=4, delta=1e-5, steps=50, batch_size=50, ks=(3,)))
     bounded = run_local(skewed, str(tmp_path / "b3"), BoundOptions(max_contributions=3))
-    assert result["sweep"][0]["kept_records"] == bounded["selected_records"]
+    assert result.sweep[0].kept_records == bounded.selected_records
     duplicates = run_local(skewed, str(tmp_path / "d3"), BoundOptions(max_contributions=3, duplicates=True))
-    assert result["sweep"][0]["kept_records_with_duplicates"] == duplicates["selected_records"]
+    assert result.sweep[0].kept_records_with_duplicates == duplicates.selected_records
 
 
 def test_els_median_heuristic_and_recommendation(tmp_path):
@@ -62,13 +62,13 @@ def test_els_median_heuristic_and_recommendation(tmp_path):
             next_id += 1
     data = write_records(str(tmp_path / "single.jsonl"), rows)
     result = recommend(data, Sweep(epsilon=4, delta=1e-3, steps=20, batch_size=5, ks=(1, 2, 4, 8)))
-    assert result["input"]["median_records_per_user"] == float(np.median(counts)) == 3.0
-    assert result["median_heuristic_k"] == 2  # the swept k nearest the median (2 and 4 tie: the smaller)
-    assert [row["median_heuristic"] for row in result["sweep"]] == [False, True, False, False]
-    assert "median user has 3 records" in result["reason"]
-    scored = [row for row in result["sweep"] if row["feasible"]]
-    assert result["recommended_k"] == min(scored, key=lambda row: row["excess_risk"])["k"]
-    kept = {row["k"]: row["kept_records"] for row in result["sweep"]}
+    assert result.input.median_records_per_user == float(np.median(counts)) == 3.0
+    assert result.median_heuristic_k == 2  # the swept k nearest the median (2 and 4 tie: the smaller)
+    assert [row.median_heuristic for row in result.sweep] == [False, True, False, False]
+    assert "median user has 3 records" in result.reason
+    scored = [row for row in result.sweep if row.feasible]
+    assert result.recommended_k == min(scored, key=lambda row: row.excess_risk).k
+    kept = {row.k: row.kept_records for row in result.sweep}
     assert kept == {k: sum(min(c, k) for c in counts) for k in (1, 2, 4, 8)}
 
 
