@@ -448,7 +448,7 @@ def recommend(input_path: str, sweep: Sweep) -> Recommendation:
             if graph.users
             else {},
         ),
-        parameters={**dataclasses.asdict(sweep), "columns": None},
+        parameters={**dataclasses.asdict(sweep), "ks": list(sweep.ks), "columns": None},  # as JSON holds them
         criterion="minimum over the feasible k of bias + variance = (1 - kept fraction of records) + "
         "T (sigma / B)^2 (a proxy of expected excess risk; see madp/tools/recommend.py)",
         sweep=tuple(rows),

@@ -11,9 +11,10 @@ from conftest import write_records
 
 from madp.cli import main
 from madp.core import record_reading
+from madp.core.errors import InputError
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import run_local
-from madp.tools.recommend import Sweep, recommend
+from madp.tools.recommend import SWEEP_FILE, Recommendation, Sweep, recommend, write_sweep
 from madp.tools.synthetic import GraphSpec, generate, to_table
 
 pytestmark = [pytest.mark.slow]
@@ -70,6 +71,24 @@ def test_els_median_heuristic_and_recommendation(tmp_path):
     assert result.recommended_k == min(scored, key=lambda row: row.excess_risk).k
     kept = {row.k: row.kept_records for row in result.sweep}
     assert kept == {k: sum(min(c, k) for c in counts) for k in (1, 2, 4, 8)}
+
+
+def test_the_sweep_reads_back_as_written(skewed, tmp_path):
+    """recommend-k.json (`write_sweep`) holds the sweep's to_json() after its format_version, and reads
+    back as the same sweep; a file of a newer format is refused, naming it."""
+    result = recommend(skewed, Sweep(epsilon=4, delta=1e-5, steps=50, batch_size=1500, ks=(1, 8)))  # k = 1: too few
+    assert any(row.feasible for row in result.sweep) and any(row.excess_risk is None for row in result.sweep)
+    write_sweep(str(tmp_path), result)
+    path = tmp_path / SWEEP_FILE
+    written = json.loads(path.read_text())
+    assert list(written)[0] == "format_version" and written["format_version"] == 1
+    assert written == result.to_json() and Recommendation.from_json(written, str(path)) == result
+    del written["format_version"]  # a sweep of madp before the key: the same keys
+    assert Recommendation.from_json(written, str(path)) == result
+    with pytest.raises(InputError, match=f"{path}: format_version 2 is not one"):
+        Recommendation.from_json({**written, "format_version": 2}, str(path))
+    with pytest.raises(InputError, match=f"{path} is not a madp recommend-k sweep"):
+        Recommendation.from_json({**written, "sweep": [{"k": 1}]}, str(path))
 
 
 def test_the_input_is_read_once(skewed, monkeypatch):
