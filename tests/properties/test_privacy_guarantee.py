@@ -531,7 +531,7 @@ def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_
             str(tmp_path / "batches"),
             str(tmp_path / name),
             TrainOptions(noise_multiplier=1.0, features="features", **options),
-        )["privacy"]
+        ).privacy
         model = tf_keras.models.load_model(str(tmp_path / name / "model.keras"), compile=False)
         return privacy, [w.copy() for w in model.get_weights()]
 

@@ -338,7 +338,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
     out = str(directory / "bandmf")
     train(batches, out, TrainOptions(noise_multiplier=2.0, bands=4, eval_data=data))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
-    assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report["k"]
+    assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report.k
     assert len(privacy["bands"]) == 4
     assert (
         main(
@@ -358,7 +358,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
                 "--min-sep",
                 "4",
                 "--max-participations",
-                str(report["k"]),
+                str(report.k),
             ]
         )
         == 0
@@ -433,10 +433,10 @@ def test_user_sampled_batches_train_with_uls(tmp_path, capsys):
         str(tmp_path / "batches"),
         BatchOptions(seed=0, steps=400, batch_size=15, sampler="users"),
     )
-    assert report["sampling_probability"] == pytest.approx(0.1)
-    assert abs(report["users_per_step"]["mean"] / 15 - 1) < 0.05
+    assert report.sampling_probability == pytest.approx(0.1)
+    assert abs(report.users_per_step.mean / 15 - 1) < 0.05
     # A sampled user brings all its (4) records.
-    assert report["batch_sizes"]["mean"] == pytest.approx(4 * report["users_per_step"]["mean"])
+    assert report.batch_sizes.mean == pytest.approx(4 * report.users_per_step.mean)
     privacy = train(str(tmp_path / "batches"), str(tmp_path / "uls"), TrainOptions(noise_multiplier=1.5)).privacy
     assert privacy["mechanism"] == "dpsgd-uls" and privacy["expected_batch_size"] == 15
     assert (
@@ -594,7 +594,7 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
                 "--steps",
                 "30",
                 "--sampling-prob",
-                str(report["sampling_probability"]),
+                str(report.sampling_probability),
                 "--min-sep",
                 "3",
                 "--bands",
