@@ -298,6 +298,5 @@ def test_a_file_without_a_column_other_files_have_is_named_by_both_engines(tmp_p
     with pytest.raises(InputError, match=message):
         batch_beam(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-beam"), options, ["--partitions=2"])
     chosen = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, content_columns=("x",))
-    assert batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-x"), chosen)["parameters"][
-        "content_columns"
-    ] == ["x"]
+    report = batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-x"), chosen)
+    assert report.parameters.content_columns == ("x",)

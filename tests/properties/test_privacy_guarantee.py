@@ -86,8 +86,8 @@ def test_default_batches_differ_per_run_and_a_seed_reproduces_them(bounded, tmp_
         for i in (1, 2)
     ]
     assert batch_bytes(tmp_path / "default1") != batch_bytes(tmp_path / "default2")
-    assert [r["sampling"] for r in reports] == [SECRET, SECRET]
-    assert all(r["parameters"]["seed"] is None for r in reports)
+    assert [r.sampling for r in reports] == [SECRET, SECRET]
+    assert all(r.parameters.seed is None for r in reports)
     with caplog.at_level("WARNING"):
         seeded = [
             batch_local(
@@ -97,7 +97,7 @@ def test_default_batches_differ_per_run_and_a_seed_reproduces_them(bounded, tmp_
         ]
     assert "NOT private" in caplog.text
     assert batch_bytes(tmp_path / "seeded1") == batch_bytes(tmp_path / "seeded2")
-    assert seeded[0]["sampling"] == FIXED_SEED and seeded[0]["parameters"]["seed"] == 7
+    assert seeded[0].sampling == FIXED_SEED and seeded[0].parameters.seed == 7
 
 
 def test_one_secret_key_gives_the_same_batches_on_both_engines_and_any_worker_count(bounded, tmp_path):
