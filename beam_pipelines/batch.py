@@ -43,6 +43,7 @@ from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
+from madp.core.reports import BatchReport
 from madp.core.selection import handle_rejects, selection_files, write_report
 from madp.engines import batch_local, batch_report, batching
 
@@ -320,7 +321,7 @@ def run_beam(
     output: str,
     options: batching.BatchOptions,
     beam_args: list[str],
-) -> dict:
+) -> BatchReport:
     """`madp batch --runner <Beam runner>`: one pipeline run (`BatchPipeline`), then the report."""
     beam_options = pipeline_options(beam_args)
     if "rounds_per_pipeline" in beam_options.get_all_options(drop_default=True):
@@ -378,7 +379,7 @@ def run_beam(
         started=started,
         partitions=partitions,
         beam_counters=counters,
-    ).to_json()
+    )
     storage.remove_tree(work)
     write_report(output, result)
     return result

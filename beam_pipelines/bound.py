@@ -38,6 +38,7 @@ from madp.core import records as rec
 from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
+from madp.core.reports import BoundReport
 from madp.core.selection import (
     BoundOptions,
     BoundOutcome,
@@ -276,7 +277,7 @@ def _run_pipelines(
     return _PipelineRuns(summary, runs, control, rejects)
 
 
-def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> dict:
+def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: list[str]) -> BoundReport:
     """`madp bound --runner <Beam runner>`: pipeline runs until the algorithm is done (typically one)."""
     beam_options = pipeline_options(beam_args)
     ours = madp_options(beam_options)
@@ -331,9 +332,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         selection_manifest(output, shards),
         partitions=ours.partitions,
         pipeline_runs=runs,
-    ).to_json()
+    )
     storage.remove_tree(work)
     write_report(output, report)
-    # The wall time is printed, not in the published report: it depends on the machine's load and on
-    # more of the input than the graph (parsing JSON Lines rows reads their content too).
-    return {**report, "wall_time_s": round(time.perf_counter() - started, 3)}
+    return dataclasses.replace(report, wall_time_s=round(time.perf_counter() - started, 3))

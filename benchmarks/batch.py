@@ -137,7 +137,7 @@ def main() -> None:
         results["sampling_marginal_us_per_row"] = round(
             1e6 * (scaling[-1]["s"] - scaling[0]["s"]) / max(1, extra_rows), 3
         )
-        results["mean_batch_size"] = report["batch_sizes"]["mean"]
+        results["mean_batch_size"] = report.batch_sizes.mean
     print(json.dumps(results, indent=2))
 
 

@@ -67,10 +67,10 @@ def measure(mode: str, data: str, k: int, output: str) -> dict:
 
         report = run_beam(data, output, options, ["--runner", "DirectRunner"])
     return {
-        "wall_s": report["wall_time_s"],
-        "records": report["input_records"],
-        "selected": report["selected_records"],
-        "rounds": report["rounds"],
+        "wall_s": report.wall_time_s,
+        "records": report.input_records,
+        "selected": report.selected_records,
+        "rounds": report.rounds,
     }
 
 

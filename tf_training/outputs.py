@@ -271,6 +271,34 @@ class TrainingMetrics:
         return cls(settings, Evaluations.from_json(data) if evaluated else None, data.get("evaluation"))
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingResult:
+    """What a training returns and `madp train` prints: its metrics.json (less the file's format_version),
+    its timings (internal/timing.json's, never published), its privacy.json and, where it trained rows with
+    weight 0, where they are listed (internal)."""
+
+    metrics: TrainingMetrics
+    wall_time_s: float
+    steps_per_s: float
+    privacy: Mapping[str, Any]  # privacy.json's content: the plan, or that the training is not private
+    rejected: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As `madp train` prints it."""
+        printed = {key: value for key, value in self.metrics.to_json().items() if key != "format_version"}
+        printed.update(wall_time_s=self.wall_time_s, steps_per_s=self.steps_per_s, privacy=dict(self.privacy))
+        if self.rejected is not None:
+            printed["rejected"] = self.rejected
+        return printed
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str) -> TrainingResult:
+        """The result of a training as printed (`where` names it in errors)."""
+        ours = ("wall_time_s", "steps_per_s", "privacy", "rejected")
+        metrics = TrainingMetrics.from_json({k: v for k, v in data.items() if k not in ours}, where)
+        return cls(metrics, data["wall_time_s"], data["steps_per_s"], data["privacy"], data.get("rejected"))
+
+
 def read_metrics(output: str) -> TrainingMetrics | None:
     """OUTPUT/metrics.json of a training (None where there is none)."""
     path = storage.join(output, METRICS_FILE)

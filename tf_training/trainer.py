@@ -60,6 +60,7 @@ from madp.training.outputs import (
     TIMING_FIELDS,
     TIMING_FILE,
     TrainingMetrics,
+    TrainingResult,
     checkpoints_directory,
     drop_replaced,
     internal_path,
@@ -342,7 +343,7 @@ def _check_trained_model(model, loss_fn, options: TrainOptions, last_rows: tuple
             refuse_non_finite_loss(model, loss_fn, x, y, usable, options, f"step {done} after the training", kept)
 
 
-def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
+def train(batches_dir: str, output: str, options: TrainOptions) -> TrainingResult:
     """Train on a `madp batch` output and write model.keras, metrics.json and privacy.json to `output`.
     A private training holds the lock of the selection the batches were made from (which keeps the
     trainings ledger of every batch output made from it) from its plan to its last step (its entry in
@@ -366,9 +367,11 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> dict:
     try:
         with _settled(output, batches_dir):
             if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
-                return _train(batches, output, options, started)
-            with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
-                return _train(batches, output, options, started)
+                result = _train(batches, output, options, started)
+            else:
+                with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
+                    result = _train(batches, output, options, started)
+            return TrainingResult.from_json(result, f"the training into {output}")
     except (OSError, tf.errors.OpError) as error:
         full = storage.disk_full(getattr(error, "filename", None) or output, error)  # the file, where it is known
         if full is None:

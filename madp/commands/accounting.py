@@ -325,6 +325,7 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     """The sweep as JSON on stdout, its table on stderr; with --write-config, the job of the recommended k."""
     import sys
 
+    from madp.core.reports import VERSION_KEY
     from madp.stages.recommending import job_config_of, run_recommend_k
     from madp.tools.planning.recommend import Sweep, table
 
@@ -351,7 +352,8 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
     config = job_config_of(
         args.write_config, args.run_dir, args.model, args.labels, args.label_column, args.text_column
     )
-    return run_recommend_k(args.input, sweep, config, show=lambda result: print(table(result), file=sys.stderr))
+    result = run_recommend_k(args.input, sweep, config, show=lambda result: print(table(result), file=sys.stderr))
+    return {key: value for key, value in result.to_json().items() if key != VERSION_KEY}  # the file's, not printed
 
 
 FAMILY = Family(

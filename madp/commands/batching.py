@@ -54,7 +54,9 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """The batch report as printed: batch sizes without the per-step lists (they stay in report.json)."""
     from madp.stages.batching import run_batch
 
-    result = run_batch(args.selected, args.data, args.output, options_from(BatchOptions, args), args.runner, beam_args)
+    result = run_batch(
+        args.selected, args.data, args.output, options_from(BatchOptions, args), args.runner, beam_args
+    ).to_json()
     for sizes in ("batch_sizes", "written_batch_sizes"):
         result[sizes] = {k: v for k, v in result[sizes].items() if k != "per_step"}
     return result

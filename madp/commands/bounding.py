@@ -43,7 +43,7 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
     """The bound's report as printed: without its per-round statistics (they stay in report.json)."""
     from madp.stages.bounding import run_bound
 
-    result = run_bound(args.input, args.output, options_from(BoundOptions, args), args.runner, beam_args)
+    result = run_bound(args.input, args.output, options_from(BoundOptions, args), args.runner, beam_args).to_json()
     return {k: v for k, v in result.items() if k != "per_round"}
 
 

@@ -18,7 +18,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def _train(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.training import run_train
 
-    return run_train(args.batches, args.output, options_from(TrainOptions, args))
+    return run_train(args.batches, args.output, options_from(TrainOptions, args)).to_json()
 
 
 FAMILY = Family(add_parsers, {"train": _train})

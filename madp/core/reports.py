@@ -20,12 +20,13 @@ FORMAT_VERSION = 1  # of both reports: the keys below; a file without the key is
 VERSION_KEY = "format_version"
 
 
-def check_version(data: Mapping[str, Any], where: str) -> None:
-    """Refuse a report whose `format_version` this madp does not read (a newer madp's, or not a version)."""
-    version = data.get(VERSION_KEY, FORMAT_VERSION)
-    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+def check_version(data: Mapping[str, Any], where: str, current: int = FORMAT_VERSION) -> None:
+    """Refuse a file whose `format_version` this madp does not read (a newer madp's, or not a version): its
+    format's `current` version and those before it are read."""
+    version = data.get(VERSION_KEY, current)
+    if type(version) is not int or not 1 <= version <= current:
         raise InputError(
-            f"{where}: format_version {version!r} is not one this madp reads (it reads {FORMAT_VERSION}): written by "
+            f"{where}: format_version {version!r} is not one this madp reads (it reads {current}): written by "
             f"another madp; read it with that madp, or re-run the stage with this one"
         )
 
@@ -223,10 +224,13 @@ class BoundReport:
     selection_files: tuple[FileEntry, ...]  # the selection files, with size and SHA-256
     partitions: int | None = None  # Beam: the partitions of each side
     pipeline_runs: tuple[Mapping[str, Any], ...] | None = None  # Beam: each run's iterations and counters
+    # The engine's run time, in what a run returns and prints, never in the file: it depends on the machine's
+    # load and on more of the input than the graph (parsing JSON Lines rows reads their content too)
+    wall_time_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The report as its file holds it (written with sorted keys)."""
-        report = {
+        """The report as its file holds it (written with sorted keys), and the wall time where it has one."""
+        report: dict[str, Any] = {
             VERSION_KEY: FORMAT_VERSION,
             "engine": self.engine,
             "input": self.input,
@@ -254,6 +258,8 @@ class BoundReport:
         if self.pipeline_runs is not None:
             report["pipeline_runs"] = _lists(self.pipeline_runs)
         report["selection_files"] = [entry.to_json() for entry in self.selection_files]
+        if self.wall_time_s is not None:
+            report["wall_time_s"] = self.wall_time_s
         return report
 
     @classmethod
@@ -291,6 +297,7 @@ class BoundReport:
                 selection_files=selection_files,
                 partitions=data.get("partitions"),
                 pipeline_runs=None if runs is None else tuple(runs),
+                wall_time_s=data.get("wall_time_s"),
             )
 
         return _parsed(parse, where, "bound")
@@ -590,3 +597,83 @@ class BatchReport:
             return [int(padded_to)] * int(self.steps)
         written = self.written_batch_sizes.per_step
         return None if written is None else [int(rows) for rows in written]
+
+
+# --- madp audit ----------------------------------------------------------------------------------
+
+AUDIT_FORMAT_VERSION = 1  # of audit.json; a file without the key is its predecessor (the same keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryScore:
+    """One canary user of an audit: whether its records were included, and its score (the model's loss)."""
+
+    user: int | str  # the canary user
+    included: bool  # whether its records were trained on
+    score: float  # its score: the model's loss on its records
+
+    def to_json(self) -> dict[str, Any]:
+        return {"user": self.user, "included": self.included, "score": self.score}
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """`madp audit`'s audit.json: the canaries planted and guessed, the lower bound on epsilon measured and
+    what it can measure at most, the claim it checks (the audit model's plan) and the verdict."""
+
+    config: str  # the audited job's config
+    output: str  # the audit's directory
+    canaries: int  # canary users planted
+    canary_records: int  # their records
+    shared_records: int  # canary records shared by two canaries
+    included: int  # canaries whose records were trained on (the rest zeroed out)
+    guesses: int  # inclusion guesses made
+    correct_guesses: int  # guesses that were right
+    epsilon_lower_bound: float  # epsilon the correct guesses prove at the confidence
+    confidence: float  # the confidence of that lower bound
+    largest_measurable_epsilon: float  # the most this many canaries can prove
+    delta: float  # the delta of the lower bound and the claim
+    claimed_epsilon: float | None  # None for a non-private audit model: no claim to check
+    mechanism: str  # the audit model's mechanism (none: not private)
+    noise_multiplier: float | None  # its sigma
+    noise: str | None  # how its noise key was made (secret, or a seed)
+    non_private: bool  # the audit trained without privacy on purpose
+    testing_noise_scale: float | None  # the testing-only noise scale (not 1: a broken mechanism on purpose)
+    can_refute_claim: bool  # whether the claim lies below largest_measurable_epsilon
+    audit_model_private: bool  # whether the audit model has a privacy plan
+    inclusion: str  # what the canaries' inclusion rests on (a secret key, or a seed)
+    candidates: tuple[Mapping[str, Any], ...]  # every guess plan tried, with its correct guesses and lower bound
+    ok: bool  # false where the lower bound refutes the claim
+    verdict: str  # the outcome in words
+    per_canary: tuple[CanaryScore, ...]  # each canary's score
+
+    def to_json(self) -> dict[str, Any]:
+        """audit.json's content."""
+        audit: dict[str, Any] = {VERSION_KEY: AUDIT_FORMAT_VERSION}
+        audit.update({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+        audit.update(candidates=list(self.candidates), per_canary=[one.to_json() for one in self.per_canary])
+        return audit
+
+    def summary(self) -> dict[str, Any]:
+        """What `madp audit` prints (and its error carries): the file's figures without the canaries' scores."""
+        return {key: value for key, value in self.to_json().items() if key not in (VERSION_KEY, "per_canary")}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> AuditReport:
+        """The audit of a parsed audit.json (`where` names it in errors)."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where} is not a madp audit report (a JSON {type(data).__name__}, not an object)")
+        check_version(data, where, AUDIT_FORMAT_VERSION)
+
+        def parse() -> AuditReport:
+            known = {field.name for field in dataclasses.fields(cls)}
+            values = {key: value for key, value in data.items() if key in known}
+            return cls(
+                **{
+                    **values,
+                    "candidates": tuple(data["candidates"]),
+                    "per_canary": tuple(CanaryScore(**one) for one in data["per_canary"]),
+                }
+            )
+
+        return _parsed(parse, where, "audit")

@@ -24,7 +24,7 @@ from madp.core.hashing import partition_of
 from madp.core.options import option, refuse_failed, seed_argument
 from madp.core.record_reading import jsonl_lines, parse_row
 from madp.core.records import ColumnOptions, Columns, Rejects, ignored_input_files
-from madp.core.reports import BoundParameters, BoundReport, FileEntry, Histograms, RoundStats
+from madp.core.reports import BatchReport, BoundParameters, BoundReport, FileEntry, Histograms, RoundStats
 
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
@@ -360,9 +360,10 @@ def write_selection_shard(path: str, table: pa.Table) -> None:
     storage.write_parquet(table, path)
 
 
-def write_report(output: str, report: dict) -> None:
-    """OUTPUT/report.json (a report's `to_json()`), keys sorted."""
-    storage.write_text(storage.join(output, REPORT_FILE), json.dumps(report, indent=2, sort_keys=True) + "\n")
+def write_report(output: str, report: BoundReport | BatchReport) -> None:
+    """OUTPUT/report.json (the report's `to_json()`), keys sorted."""
+    text = json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n"
+    storage.write_text(storage.join(output, REPORT_FILE), text)
 
 
 def prepare_output(output: str) -> None:

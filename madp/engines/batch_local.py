@@ -26,6 +26,7 @@ from madp.core.errors import InputError, check_memory
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import siphash24
 from madp.core.progress import Progress
+from madp.core.reports import BatchReport
 from madp.core.selection import handle_rejects, read_selection_file, selection_files, write_report
 from madp.engines.batch_report import Sampled, participation_stats, prepare_output, refuse_losing_trainings, report
 from madp.engines.batching import (
@@ -213,7 +214,7 @@ def single_users(dataset: Dataset) -> np.ndarray:
     return dataset.users
 
 
-def run_local(selected: str, data: str, output: str, options: BatchOptions, engine: str = "local") -> dict:
+def run_local(selected: str, data: str, output: str, options: BatchOptions, engine: str = "local") -> BatchReport:
     """`madp batch --runner local`: load, sample, write TFRecords, schema and report."""
     started = time.perf_counter()
     refuse_losing_trainings(output)  # before the work, and again as the earlier batches go (prepare_output)
@@ -288,6 +289,6 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         rejects=dataset.rejects,
         content_columns=dataset.content.column_names,
         started=started,
-    ).to_json()
+    )
     write_report(output, result)
     return result

@@ -13,6 +13,7 @@ from madp.core import records as rec
 from madp.core.bounding import Capacities, Control, build_user_side, preference_keys, run_steps
 from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
+from madp.core.reports import BoundReport
 from madp.core.selection import (
     BoundOptions,
     BoundOutcome,
@@ -106,7 +107,7 @@ def read_input(
     return chunk, rejects, rows_read, removed
 
 
-def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
+def run_local(input_path: str, output: str, options: BoundOptions) -> BoundReport:
     """`madp bound --runner local`: read, validate, bound, write selection and report. An earlier run's
     selection and report are replaced once every check has passed: the capacities, the input's files,
     columns and types, the capacities against its user ids. Invalid rows (--on-invalid error) remove them
@@ -154,7 +155,6 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> dict:
             },
         ),
         selection_manifest(output, shards),
-    ).to_json()
+    )
     write_report(output, report)
-    # printed, not in the published report (as madp.beam.bound.run_beam says why)
-    return {**report, "wall_time_s": round(time.perf_counter() - started, 3)}
+    return dataclasses.replace(report, wall_time_s=round(time.perf_counter() - started, 3))

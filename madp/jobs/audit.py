@@ -31,6 +31,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
+from madp.core.reports import AuditReport, CanaryScore
 from madp.core.user_ids import EMAIL
 from madp.jobs import run, run_plan, run_steps
 from madp.tools.planning.audit_config import AuditOptions, audit_directory, audit_options
@@ -303,43 +304,43 @@ def _write(
             result.canaries,
             result.measurable,
         )
-    audit = {
-        "config": config_path,
-        "output": directory,
-        "canaries": result.canaries,
-        "canary_records": len(canaries.record_ids),
-        "shared_records": sum(len(o) > 1 for o in canaries.owners),
-        "included": int(canaries.included.sum()),
-        "guesses": result.guesses,
-        "correct_guesses": result.correct,
-        "epsilon_lower_bound": round(result.epsilon_lower_bound, 4),
-        "confidence": result.confidence,
-        "largest_measurable_epsilon": round(result.measurable, 4),
-        "delta": result.delta,
-        "claimed_epsilon": claimed,
-        "mechanism": plan.mechanism if plan else "none",
-        "noise_multiplier": plan.noise_multiplier if plan else None,
-        "noise": plan.noise if plan else None,
-        "non_private": options.non_private,
-        "testing_noise_scale": options.testing_noise_scale,
-        "can_refute_claim": claimed is not None and claimed < result.measurable,
-        "audit_model_private": bool(plan and plan.private),
-        "inclusion": key.status,
-        "candidates": list(result.candidates),
-        "ok": not refuted,
-        "verdict": (
+    audit = AuditReport(
+        config=config_path,
+        output=directory,
+        canaries=result.canaries,
+        canary_records=len(canaries.record_ids),
+        shared_records=sum(len(o) > 1 for o in canaries.owners),
+        included=int(canaries.included.sum()),
+        guesses=result.guesses,
+        correct_guesses=result.correct,
+        epsilon_lower_bound=round(result.epsilon_lower_bound, 4),
+        confidence=result.confidence,
+        largest_measurable_epsilon=round(result.measurable, 4),
+        delta=result.delta,
+        claimed_epsilon=claimed,
+        mechanism=plan.mechanism if plan else "none",
+        noise_multiplier=plan.noise_multiplier if plan else None,
+        noise=plan.noise if plan else None,
+        non_private=options.non_private,
+        testing_noise_scale=options.testing_noise_scale,
+        can_refute_claim=claimed is not None and claimed < result.measurable,
+        audit_model_private=bool(plan and plan.private),
+        inclusion=key.status,
+        candidates=tuple(result.candidates),
+        ok=not refuted,
+        verdict=(
             "REFUTED: the measured lower bound exceeds the claimed epsilon"
             if refuted
             else "no claim to check (non-private model)"
             if claimed is None
             else "consistent: the measured lower bound does not exceed the claimed epsilon"
         ),
-        "per_canary": [
-            {"user": user, "included": bool(included), "score": round(float(score), 6)}
+        per_canary=tuple(
+            CanaryScore(user, bool(included), round(float(score), 6))
             for user, included, score in zip(canaries.users, canaries.included, scores)
-        ],
-    }
-    storage.write_text(storage.join(directory, AUDIT_FILE), json.dumps(audit, indent=2))
+        ),
+    )
+    storage.write_text(storage.join(directory, AUDIT_FILE), json.dumps(audit.to_json(), indent=2))
     log.info(
         "audit: %d of %d guesses correct on %d canaries: epsilon >= %.3f at %.0f%% confidence (claimed %s)",
         result.correct,
@@ -354,6 +355,6 @@ def _write(
             f"the audit refutes the claimed guarantee: epsilon >= {result.epsilon_lower_bound:.3f} "
             f"at {100 * result.confidence:.0f}% confidence, above the claimed {claimed} "
             f"(delta {result.delta:g}); see {storage.join(directory, AUDIT_FILE)}",
-            audit,
+            {**audit.summary(), "per_canary": [one.to_json() for one in audit.per_canary]},
         )
-    return {k: v for k, v in audit.items() if k != "per_canary"}
+    return audit.summary()

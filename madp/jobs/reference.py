@@ -24,13 +24,13 @@ from typing import NamedTuple
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE
 from madp.core.options import CALIBRATE, Declared, declared
 from madp.core.records import ColumnOptions
-from madp.core.reports import BatchReport, BoundReport
+from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.audit import AUDIT_FILE, CANARY_FILE, ZERO_OUT_FILE
 from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS
 from madp.jobs.run_plan import INTERNAL_REPORT
-from madp.tools.planning.recommend import SWEEP_FILE
+from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
 from madp.training.options import TrainOptions
 from madp.training.outputs import (
     CHECKPOINTS,
@@ -240,6 +240,7 @@ OUTPUTS = (
         True,
         "the k sweep the config was written from: a function of the graph and "
         "the public parameters only; `madp report` plots it",
+        Recommendation,
     ),
     Output("run", "records/", False, "generate: the records (the private data itself)"),
     Output("run", "test.parquet", False, "generate with holdout: the held-out records, the train section's eval data"),
@@ -286,6 +287,7 @@ OUTPUTS = (
         False,
         "the canaries, guesses, the epsilon lower bound and its confidence, the claim, "
         "every plan tried and each canary's score (published only with the model's claim composed: `madp audit`)",
+        AuditReport,
     ),
 )
 

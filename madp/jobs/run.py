@@ -18,6 +18,7 @@ import madp
 from madp.core import storage
 from madp.core.batch_files import TRAININGS_FILE, read_batch_report
 from madp.core.errors import CheckFailed, InputError
+from madp.core.reports import AuditReport
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Source, Stage, load_config, plan_stages
@@ -29,6 +30,7 @@ from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoin
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
 INTERNAL_RESULTS = "internal-results.json"  # beside baseline/ and batches/: never published
+AUDIT = "audit/audit.json"  # `madp audit`'s, where the run's audit stage wrote it
 TRAININGS = ("train", "baseline")  # the stages that run `madp train`
 
 
@@ -298,20 +300,18 @@ def _results(run_dir: str) -> dict:
     final = None if train is None else train.final
     if final:
         results["train"] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
-    audit = _load(run_dir, "audit/audit.json")
-    if audit and not audit.get("audit_model_private"):
+    stated = _load(run_dir, AUDIT)
+    audit = None if stated is None else AuditReport.from_json(stated, storage.join(run_dir, AUDIT))
+    if audit is not None and not audit.audit_model_private:
         results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
-    elif audit:
+    elif audit is not None:
         results["audit"] = {
-            key: audit[key]
-            for key in (
-                "canaries",
-                "epsilon_lower_bound",
-                "confidence",
-                "largest_measurable_epsilon",
-                "claimed_epsilon",
-                "verdict",
-            )
+            "canaries": audit.canaries,
+            "epsilon_lower_bound": audit.epsilon_lower_bound,
+            "confidence": audit.confidence,
+            "largest_measurable_epsilon": audit.largest_measurable_epsilon,
+            "claimed_epsilon": audit.claimed_epsilon,
+            "verdict": audit.verdict,
         }
         together = published_with_audit(plan, audit)
         if together is not None:  # its figures beside the model release a second training of the records

@@ -55,7 +55,7 @@ class Bound:
     def run(self) -> Result:
         from madp.stages.bounding import run_bound
 
-        return run_bound(self.input, self.output, self.options, self.runner, self.beam_options)
+        return run_bound(self.input, self.output, self.options, self.runner, self.beam_options).to_json()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Batch:
     def run(self) -> Result:
         from madp.stages.batching import run_batch
 
-        return run_batch(self.selected, self.data, self.output, self.options, self.runner, self.beam_options)
+        return run_batch(self.selected, self.data, self.output, self.options, self.runner, self.beam_options).to_json()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class Train:
     def run(self) -> Result:
         from madp.stages.training import run_train
 
-        return run_train(self.batches, self.output, self.options)
+        return run_train(self.batches, self.output, self.options).to_json()
 
 
 def _training_reads(batches: str, options: TrainOptions) -> tuple[str, ...]:

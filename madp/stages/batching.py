@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
 from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
 
@@ -17,7 +18,7 @@ def batch(
     runner: str = LOCAL,
     beam_options: Sequence[str] = (),
     **options: Any,
-) -> dict[str, Any]:
+) -> BatchReport:
     """Materialize the training batches of a selection: which records each step trains on, as TFRecords.
 
     The step `madp batch` runs (b-min-sep Poisson sampling by default; min-sep greedy batches or user
@@ -38,9 +39,10 @@ def batch(
             tuple), on_invalid, output_shards, ...
 
     Returns:
-        The batch report (report.json's content) as a dict: sampler, sampling, sampling_probability,
-        expected_batch_size, steps, batch_sizes and written_batch_sizes (with their per_step lists),
-        participation, files (each with its SHA-256), the bound's record, wall_time_s, ...
+        The batch report, a `madp.core.reports.BatchReport` (frozen; `to_json()` is report.json's
+        content): sampler, sampling, sampling_probability, expected_batch_size, steps, batch_sizes and
+        written_batch_sizes (with their per_step tuples), participation, files (each with its SHA-256),
+        the bound's record, wall_time_s, ...
 
     Raises:
         TypeError: an option that `madp batch` does not have (the error lists those it has).
@@ -58,7 +60,7 @@ def batch(
         ...     f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches",
         ...     steps=12, batch_size=8, min_sep=2, seed=0,  # seed: reproducible, NOT private
         ... )
-        >>> report["steps"], round(report["expected_batch_size"], 6), report["participation"]["min_gap"]
+        >>> report.steps, round(report.expected_batch_size, 6), report.participation.min_gap
         (12, 8.0, 2)
     """
     batch_options = options_of("batch", BatchOptions, options)
@@ -73,7 +75,7 @@ def run_batch(
     options: BatchOptions,
     runner: str = LOCAL,
     beam_options: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> BatchReport:
     """`batch` with its options built (`madp batch` builds them from its arguments), on an output its
     caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)

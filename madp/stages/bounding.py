@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from madp.core.reports import BoundReport
 from madp.core.selection import BoundOptions
 from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
 
 
 def bound(
     input: str, output: str, *, runner: str = LOCAL, beam_options: Sequence[str] = (), **options: Any
-) -> dict[str, Any]:
+) -> BoundReport:
     """Bound each user's contributions: select records so that no user is in more than its bound of them.
 
     The step `madp bound` runs (round-based unanimous-proposal bounding), with `output` held (its lock)
@@ -33,7 +34,8 @@ def bound(
             on_invalid ("error", "skip"), ...
 
     Returns:
-        The bounding report (report.json's content) as a dict: contribution_bound, selected_records,
+        The bounding report, a `madp.core.reports.BoundReport` (frozen; `to_json()` is report.json's
+        content, with the wall time, which the file leaves out): contribution_bound, selected_records,
         distinct_selected, max_user_contribution, rounds, converged, histograms, selection_files (each
         with its SHA-256), per_round statistics, wall_time_s, ...
 
@@ -49,9 +51,9 @@ def bound(
         >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, seed=1)
         >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
         >>> report = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
-        >>> report["contribution_bound"], report["max_user_contribution"], report["converged"]
+        >>> report.contribution_bound, report.max_user_contribution, report.converged
         (3, 3, True)
-        >>> report["input_records"], report["selected_records"]
+        >>> report.input_records, report.selected_records
         (400, 368)
     """
     bound_options = options_of("bound", BoundOptions, options)
@@ -61,7 +63,7 @@ def bound(
 
 def run_bound(
     input: str, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
-) -> dict[str, Any]:
+) -> BoundReport:
     """`bound` with its options built (`madp bound` builds them from its arguments), on an output its
     caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)

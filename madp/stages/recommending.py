@@ -10,7 +10,7 @@ from typing import Any
 
 from madp.core.errors import InputError
 from madp.stages.arguments import options_of
-from madp.tools.planning.recommend import Sweep, job_config, recommend, train_section, write_sweep
+from madp.tools.planning.recommend import Recommendation, Sweep, job_config, recommend, train_section, write_sweep
 from madp.tools.planning.recommend import write_config as write_job_config
 
 log = logging.getLogger("madp")
@@ -59,7 +59,7 @@ def recommend_k(
     label_column: str = "label",
     text_column: str | None = None,
     **options: Any,
-) -> dict[str, Any]:
+) -> Recommendation:
     """Sweep the contribution bound k: records kept against noise at each k, and the k to choose.
 
     The step `madp recommend-k` runs: for each k, bound the input's graph (the local kernels), check that
@@ -82,10 +82,10 @@ def recommend_k(
             truncation_share.
 
     Returns:
-        The sweep as a dict: "sweep" (one row per k: records kept, sigma, the excess risk, feasible, the
-        problems of an infeasible k), "recommended_k" (None where no k is feasible), "reason"; with
-        write_config, "config" (the written path, None where nothing was written) and "ok" False where
-        no config was written.
+        The sweep, a `madp.tools.planning.recommend.Recommendation` (frozen; `to_json()` is recommend-k.json's
+        content): `sweep` (one `SweepRow` per k: records kept, sigma, the excess risk, feasible, the
+        problems of an infeasible k), `recommended_k` (None where no k is feasible), `reason`; with
+        write_config, `config` (the written path, None where nothing was written) and `wrote_config`.
 
     Raises:
         TypeError: an option the sweep does not have (the error lists those it has).
@@ -101,7 +101,7 @@ def recommend_k(
         ...     f"{work}/records.parquet", epsilon=8, delta=1e-5, steps=100, batch_size=16,
         ...     mechanism="bandmf", min_sep=4, bands=2, ks=(1, 2, 4),
         ... )
-        >>> [(row["k"], row["feasible"]) for row in result["sweep"]], result["recommended_k"]
+        >>> [(row.k, row.feasible) for row in result.sweep], result.recommended_k
         ([(1, True), (2, True), (4, True)], 1)
     """
     sweep = options_of("recommend_k", Sweep, options)
@@ -109,8 +109,8 @@ def recommend_k(
 
 
 def run_recommend_k(
-    input: str, sweep: Sweep, config: JobConfig | None, show: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
+    input: str, sweep: Sweep, config: JobConfig | None, show: Callable[[Recommendation], None] | None = None
+) -> Recommendation:
     """`recommend_k` with its sweep built (`madp recommend-k` builds it from its arguments); `show` sees the
     sweep's result before a config is written (the command prints its table)."""
     train = (
@@ -123,16 +123,16 @@ def run_recommend_k(
         show(result)
     if config is None:
         return result
-    if result["recommended_k"] is None:
-        result.update(ok=False, config=None)
+    row = result.recommended
+    if row is None:
         log.error("--write-config %s: not written, no swept k is feasible (see the problems above)", config.path)
-        return result
+        return dataclasses.replace(result, wrote_config=False)
     path = os.path.abspath(config.path)
     run_dir = config.run_dir or os.path.splitext(path)[0] + "-output"
     data = input if "://" in input else os.path.abspath(input)
     assert train is not None  # made with the config
-    write_job_config(path, job_config(result, sweep, data, run_dir, train), result)
-    result["config"] = path
+    write_job_config(path, job_config(row, sweep, data, run_dir, train), row.k)
+    result = dataclasses.replace(result, config=path, wrote_config=True)
     write_sweep(run_dir, result)  # `madp report` of the run plots it
-    log.info("wrote %s: `madp run %s` runs the job of k = %d", path, config.path, result["recommended_k"])
+    log.info("wrote %s: `madp run %s` runs the job of k = %d", path, config.path, row.k)
     return result

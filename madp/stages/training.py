@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from madp.stages.arguments import options_of, writing
 from madp.training.options import TrainOptions
 
+if TYPE_CHECKING:  # madp.training.outputs is light, but the result comes from the trainer, which imports TensorFlow
+    from madp.training.outputs import TrainingResult
 
-def train(batches: str, output: str, **options: Any) -> dict[str, Any]:
+
+def train(batches: str, output: str, **options: Any) -> TrainingResult:
     """Train a model on the batches, privately (DP-SGD or DP-BandMF) unless mechanism is "none".
 
     The step `madp train` runs, with `output` held (its lock) while it is written: OUTPUT/model.keras,
@@ -26,8 +29,10 @@ def train(batches: str, output: str, **options: Any) -> dict[str, Any]:
             seed (the model's initialization), noise_seed (TESTING ONLY: not private), eval_data, ...
 
     Returns:
-        The training's result as a dict: the plan's epsilon and delta, the noise multiplier, steps,
-        the evaluations (published ones only with eval_data_public), the written files, wall_time_s, ...
+        The training's result, a `madp.training.outputs.TrainingResult` (frozen; `to_json()` is what
+        `madp train` prints): `metrics` (metrics.json: the settings it ran with, and the evaluations where
+        eval_data_public), `privacy` (privacy.json: the plan's mechanism, epsilon, delta, noise multiplier,
+        ...), `wall_time_s`, `steps_per_s`.
 
     Raises:
         TypeError: an option that `madp train` does not have (the error lists those it has).
@@ -45,9 +50,12 @@ def train(batches: str, output: str, **options: Any) -> dict[str, Any]:
         >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
         ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
         >>> result = madp.train(f"{work}/batches", f"{work}/model", epsilon=8, bands=2, eval_every=12)
-        >>> privacy = json.load(open(f"{work}/model/privacy.json"))
-        >>> privacy["mechanism"], privacy["epsilon"] <= 8, privacy["noise"]
+        >>> result.privacy == json.load(open(f"{work}/model/privacy.json"))
+        True
+        >>> result.privacy["mechanism"], result.privacy["epsilon"] <= 8, result.privacy["noise"]
         ('bandmf', True, 'secret key (fresh entropy, never written)')
+        >>> result.metrics.settings["steps"], result.metrics.settings["model"]
+        (12, 'logreg')
     """
     train_options = options_of("train", TrainOptions, options)
     paths = (train_options.eval_data, train_options.calibration, train_options.zero_out, train_options.pretrained)
@@ -55,7 +63,7 @@ def train(batches: str, output: str, **options: Any) -> dict[str, Any]:
         return run_train(batches, output, train_options)
 
 
-def run_train(batches: str, output: str, options: TrainOptions) -> dict[str, Any]:
+def run_train(batches: str, output: str, options: TrainOptions) -> TrainingResult:
     """`train` with its options built (`madp train` builds them from its arguments), on an output its
     caller holds."""
     from madp.training.trainer import train as train_model

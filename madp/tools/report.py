@@ -19,12 +19,12 @@ import html
 import io
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
-from madp.core.reports import BatchReport, BoundReport
+from madp.core.reports import AuditReport, BatchReport, BoundReport
+from madp.tools.planning.recommend import Recommendation
 from madp.training.outputs import Evaluations, TrainingMetrics, evaluations_of
 from madp.training.plan import Guarantee, PrivacyPlan, stated_plan
 
@@ -70,8 +70,8 @@ class RunReports:
     train: TrainingMetrics | None = None
     baseline: TrainingMetrics | None = None
     evaluations: Mapping[str, Evaluations] = dataclasses.field(default_factory=dict)  # train, baseline
-    audit: Mapping[str, Any] | None = None  # audit/audit.json
-    recommend: Mapping[str, Any] | None = None  # recommend-k.json
+    audit: AuditReport | None = None  # audit/audit.json
+    recommend: Recommendation | None = None  # recommend-k.json
 
     @property
     def released(self) -> PrivacyPlan | None:
@@ -106,8 +106,8 @@ def _typed(run_dir: str, found: dict[str, dict], internal: bool) -> RunReports:
         train=metrics.get("train"),
         baseline=metrics.get("baseline"),
         evaluations={name: shown for name, shown in evaluations.items() if shown is not None},
-        audit=found.get("audit"),
-        recommend=found.get("recommend"),
+        audit=AuditReport.from_json(found["audit"], where["audit"]) if "audit" in found else None,
+        recommend=Recommendation.from_json(found["recommend"], where["recommend"]) if "recommend" in found else None,
     )
 
 
@@ -146,24 +146,24 @@ def _models(reports: RunReports, internal: bool) -> tuple[str, ...]:
 def shows_audit(reports: RunReports, internal: bool) -> bool:
     """Whether the audit may be on a published page: only if its model was private (its numbers are then a
     second private release of the records, see the page's note), or on an internal page."""
-    return reports.audit is not None and (internal or bool(reports.audit.get("audit_model_private")))
+    return reports.audit is not None and (internal or reports.audit.audit_model_private)
 
 
-def published_with_audit(plan: PrivacyPlan | None, audit: Mapping | None) -> Guarantee | None:
+def published_with_audit(plan: PrivacyPlan | None, audit: AuditReport | None) -> Guarantee | None:
     """The (epsilon, delta) of the model and a private audit published together: the audit trained a second
     model on the same records (and canaries), so its figures beside the model release both trainings.
     Basic composition (the sum of the epsilons and of the deltas) bounds that for any two mechanisms.
     None without a plan or a private audit (a non-private audit is never published)."""
-    if plan is None or not audit or not audit.get("audit_model_private") or audit.get("claimed_epsilon") is None:
+    if plan is None or audit is None or not audit.audit_model_private or audit.claimed_epsilon is None:
         return None
-    return Guarantee(plan.epsilon + float(audit["claimed_epsilon"]), plan.delta + float(audit["delta"]))
+    return Guarantee(plan.epsilon + float(audit.claimed_epsilon), plan.delta + float(audit.delta))
 
 
 def _figures(reports: RunReports, plt, internal: bool) -> list[tuple[str, str, str]]:
     """(title, caption, base64 PNG) of every plot the reports allow (the realized sampling only if
     `shows_sampling` or `internal`)."""
     figures = []
-    if reports.recommend and reports.recommend.get("sweep"):
+    if reports.recommend is not None and reports.recommend.sweep:
         figures.append(_choosing_k(reports.recommend, plt))
     if reports.bound is not None:
         figures += _bound_figures(reports.bound, plt)
@@ -176,7 +176,7 @@ def _figures(reports: RunReports, plt, internal: bool) -> list[tuple[str, str, s
     curves = {name: points for name, points in curves.items() if points}
     if curves:
         figures.append(_training_figure(curves, _pretrained_eval(reports, models), plt))
-    if shows_audit(reports, internal) and reports.audit and reports.audit.get("per_canary"):
+    if shows_audit(reports, internal) and reports.audit is not None and reports.audit.per_canary:
         figures.append(_audit_figure(reports.audit, plt))
     return figures
 
@@ -304,28 +304,28 @@ def _training_figure(curves: dict[str, tuple], start: Mapping | None, plt) -> tu
     )
 
 
-def _audit_figure(audit: Mapping[str, Any], plt) -> tuple[str, str, str]:
+def _audit_figure(audit: AuditReport, plt) -> tuple[str, str, str]:
     """The canaries' scores, included against excluded, and the lower bound they give."""
     figure, axis = plt.subplots(figsize=(7, 4))
     for included, label in ((True, "included"), (False, "excluded (zero gradient)")):
         axis.hist(
-            [c["score"] for c in audit["per_canary"] if c["included"] == included],
+            [c.score for c in audit.per_canary if c.included == included],
             bins=30,
             alpha=0.6,
             label=f"{label} canaries",
         )
     axis.set(xlabel="score (minus the audit model's mean loss on the canary's records)", ylabel="canaries")
     axis.legend()
-    claimed = audit.get("claimed_epsilon")
+    claimed = audit.claimed_epsilon
     png = _png(figure)
     plt.close(figure)
     return (
         "Privacy audit",
-        f"{audit['canaries']} canary users, each included with probability 1/2; "
-        f"{audit['correct_guesses']} of {audit['guesses']} guesses right give epsilon >= "
-        f"{audit['epsilon_lower_bound']:.3g} at {100 * audit['confidence']:.0f}% confidence, against "
+        f"{audit.canaries} canary users, each included with probability 1/2; "
+        f"{audit.correct_guesses} of {audit.guesses} guesses right give epsilon >= "
+        f"{audit.epsilon_lower_bound:.3g} at {100 * audit.confidence:.0f}% confidence, against "
         f"the claimed {'none (non-private)' if claimed is None else f'{claimed:.4g}'}; the audit "
-        f"cannot measure above {audit['largest_measurable_epsilon']:.3g} (audit/audit.json).",
+        f"cannot measure above {audit.largest_measurable_epsilon:.3g} (audit/audit.json).",
         png,
     )
 
@@ -336,34 +336,34 @@ def _pretrained_eval(reports: RunReports, models: tuple[str, ...]) -> Mapping | 
     return next((start for start in found if start), None)
 
 
-def _choosing_k(result: Mapping[str, Any], plt) -> tuple[str, str, str]:
+def _choosing_k(result: Recommendation, plt) -> tuple[str, str, str]:
     """The recommend-k sweep: bias, variance and their sum (the excess-risk proxy) against k, the
     infeasible k marked, the recommended k and the median heuristic's."""
-    rows = result["sweep"]
-    scored = [row for row in rows if row.get("excess_risk") is not None]
+    rows = result.sweep
+    scored = [row for row in rows if row.excess_risk is not None]
+    ks = [row.k for row in scored]
     figure, axis = plt.subplots(figsize=(7, 4))
-    for key, label in (("bias", "bias (1 - kept fraction)"), ("variance", "variance T (sigma/B)^2")):
-        axis.plot([r["k"] for r in scored], [r[key] for r in scored], marker="o", markersize=3, label=label)
-    axis.plot([r["k"] for r in scored], [r["excess_risk"] for r in scored], marker="o", color="black", label="sum")
-    infeasible = [r for r in scored if not r["feasible"]]
+    axis.plot(ks, [r.bias for r in scored], marker="o", markersize=3, label="bias (1 - kept fraction)")
+    axis.plot(ks, [r.variance for r in scored], marker="o", markersize=3, label="variance T (sigma/B)^2")
+    axis.plot(ks, [r.excess_risk for r in scored], marker="o", color="black", label="sum")
+    infeasible = [r for r in scored if not r.feasible]
     if infeasible:
         axis.plot(
-            [r["k"] for r in infeasible],
-            [r["excess_risk"] for r in infeasible],
+            [r.k for r in infeasible],
+            [r.excess_risk for r in infeasible],
             "x",
             color="red",
             markersize=10,
             label="infeasible",
         )
-    if result.get("recommended_k") is not None:
-        axis.axvline(result["recommended_k"], color="green", linestyle="--", label=f"k = {result['recommended_k']}")
-    axis.axvline(result["median_heuristic_k"], color="grey", linestyle=":", label="median heuristic")
+    if result.recommended_k is not None:
+        axis.axvline(result.recommended_k, color="green", linestyle="--", label=f"k = {result.recommended_k}")
+    axis.axvline(result.median_heuristic_k, color="grey", linestyle=":", label="median heuristic")
     axis.set(xscale="log", yscale="log", xlabel="contribution bound k", ylabel="excess-risk proxy")
     axis.legend(fontsize=8)
-    unscored = [str(r["k"]) for r in rows if r.get("excess_risk") is None]
+    unscored = [str(r.k) for r in rows if r.excess_risk is None]
     caption = (
-        f"The sweep of `madp recommend-k` that chose k ({SOURCES['recommend']}): {result['criterion']}. "
-        f"{result['reason']}."
+        f"The sweep of `madp recommend-k` that chose k ({SOURCES['recommend']}): {result.criterion}. {result.reason}."
     )
     if unscored:
         caption += f" No proxy for k = {', '.join(unscored)} (infeasible before the accountant)."
@@ -428,17 +428,17 @@ def _summary(reports: RunReports, internal: bool) -> list[tuple[str, str]]:
         if len(finals) == 2 and all(finals[name].get(metric) for name in finals):
             gap = finals["train"][metric] / finals["baseline"][metric]
             rows.append((f"privacy-utility gap ({metric.replace('_', ' ')}): private / non-private", f"{gap:.3f}"))
-    audit = reports.audit or {}
-    if shows_audit(reports, internal):
-        claimed = audit.get("claimed_epsilon")
+    audit = reports.audit
+    if audit is not None and shows_audit(reports, internal):
+        claimed = audit.claimed_epsilon
         rows += [
             (
                 "audit: measured epsilon lower bound",
-                f"{audit['epsilon_lower_bound']:.4g} ({100 * audit['confidence']:.0f}% confidence, "
-                f"{audit['canaries']} canaries, at most {audit['largest_measurable_epsilon']:.3g} measurable)",
+                f"{audit.epsilon_lower_bound:.4g} ({100 * audit.confidence:.0f}% confidence, "
+                f"{audit.canaries} canaries, at most {audit.largest_measurable_epsilon:.3g} measurable)",
             ),
             ("audit: claimed epsilon", "none (non-private audit model)" if claimed is None else f"{claimed:.4g}"),
-            ("audit: verdict", audit["verdict"]),
+            ("audit: verdict", audit.verdict),
         ]
     return rows
 

@@ -164,7 +164,7 @@ def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
         assert_that(pairs, equal_to(expected), label="Rows")
         assert_that(sampled.rows | beam.Keys(), equal_to([0, 1]), label="EveryFile")
         probability = sampled.stats | beam.Filter(lambda stat: stat[0] == "probability") | beam.Values()
-        assert_that(probability, equal_to([local["sampling_probability"]]), label="P")
+        assert_that(probability, equal_to([local.sampling_probability]), label="P")
         assert_that(sampled.content, equal_to([{"x": {"dtype": "float", "shape": []}}]), label="Content")
         assert_that(sampled.rejects, equal_to([]), label="NoRejects")
 

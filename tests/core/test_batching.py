@@ -131,14 +131,14 @@ def test_minsep_batches_pass_the_verifier_and_hit_the_target(tmp_path, graph_dat
     report = run_local(
         selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=1500, batch_size=40, min_sep=5)
     )
-    assert abs(report["batch_sizes"]["mean"] / 40 - 1) < 0.02
-    assert abs(report["relative_error_to_target"]) < 0.02
-    assert len(report["warm_up_batch_sizes"]) == 4 and len(report["batch_sizes"]["per_step"]) == 1500
+    assert abs(report.batch_sizes.mean / 40 - 1) < 0.02
+    assert abs(report.relative_error_to_target) < 0.02
+    assert len(report.warm_up_batch_sizes) == 4 and len(report.batch_sizes.per_step) == 1500
     check = verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=5)
     assert check["ok"], check["violations"]
-    assert check["min_gap"] >= 5 and check["min_gap"] == report["participation"]["min_gap"]
-    assert check["max_participations"] == report["participation"]["max_participations"]
-    assert check["real_rows"] == sum(report["batch_sizes"]["per_step"])
+    assert check["min_gap"] >= 5 and check["min_gap"] == report.participation.min_gap
+    assert check["max_participations"] == report.participation.max_participations
+    assert check["real_rows"] == sum(report.batch_sizes.per_step)
     # The same batches checked against a larger min-sep, a participation bound or a batch bound fail.
     assert not verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=50)["ok"]
     too_few = verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=5, max_participations=1)
@@ -170,8 +170,8 @@ def test_isolated_record_is_included_with_its_stationary_probability(tmp_path):
     for min_sep in (1, 3):
         out = str(tmp_path / f"out{min_sep}")
         report = run_local(selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=20, min_sep=min_sep))
-        p = report["sampling_probability"]
-        inclusion = report["batch_sizes"]["mean"] / 400
+        p = report.sampling_probability
+        inclusion = report.batch_sizes.mean / 400
         assert inclusion == pytest.approx(p * (1 - p) ** (min_sep - 1), rel=0.02)
         assert verify_batches(out, data, **bound_of(selected), min_sep=min_sep)["ok"]
 
@@ -184,9 +184,9 @@ def test_copies_are_distinct_units(tmp_path):
     pq.write_table(table.set_column(1, "copies", pa.array([3] * len(table), pa.int64())), path)
     reseal_selection(selected)
     report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=2000, batch_size=15))
-    assert report["units"] == 150 and report["sampling_probability"] == pytest.approx(0.1)
+    assert report.units == 150 and report.sampling_probability == pytest.approx(0.1)
     # With min-sep 1 the 3 copies of a record are sampled independently: sometimes together in a step.
-    assert report["participation"]["user_rows_sharing_a_step"] > 0
+    assert report.participation.user_rows_sharing_a_step > 0
 
 
 @pytest.mark.beam
@@ -218,7 +218,7 @@ def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, 
             "units",
             "records",
         ):
-            assert beam[field] == local[field], field
+            assert getattr(beam, field) == getattr(local, field), field
     other_seed = run_local(
         selected,
         data,
@@ -227,7 +227,7 @@ def test_identical_output_across_engines_partitions_shards_and_reruns(tmp_path, 
     )
     assert (
         batch_files(str(tmp_path / "seed6")) != expected
-        and other_seed["sampling_probability"] == local["sampling_probability"]
+        and other_seed.sampling_probability == local.sampling_probability
     )
 
 
@@ -255,7 +255,7 @@ def test_truncation_and_padding_give_exactly_max_batch_size_rows(tmp_path, graph
     for row in rows:
         per_step.setdefault(row["step"][0], []).append(row)
     assert sorted(per_step) == list(range(200))
-    sampled = report["batch_sizes"]["per_step"]
+    sampled = report.batch_sizes.per_step
     for step, step_rows in per_step.items():
         weights = [r["weight"][0] for r in step_rows]
         assert len(step_rows) == 40
@@ -263,8 +263,8 @@ def test_truncation_and_padding_give_exactly_max_batch_size_rows(tmp_path, graph
         assert weights == sorted(weights, reverse=True), "padding after the real rows"
         padding = [r for r in step_rows if r["weight"] == [0.0]]
         assert all(r["x"] == [0.0, 0.0, 0.0] and r["label"] == [0] and r["tag"] == [b""] for r in padding)
-    assert report["truncated_rows"] == sum(max(0, s - 40) for s in sampled) > 0
-    assert report["padding_rows"] == sum(max(0, 40 - s) for s in sampled) > 0
+    assert report.truncated_rows == sum(max(0, s - 40) for s in sampled) > 0
+    assert report.padding_rows == sum(max(0, 40 - s) for s in sampled) > 0
     assert verify_batches(out, data, **bound_of(selected), min_sep=2, max_batch_size=40)["ok"]
 
 
@@ -277,7 +277,7 @@ def test_truncated_record_still_excludes_its_neighbours(tmp_path):
     report = run_local(
         selected, data, out, BatchOptions(seed=0, steps=3000, batch_size=0.17, min_sep=3, max_batch_size=1)
     )
-    assert report["truncated_rows"] > 0
+    assert report.truncated_rows > 0
     check = verify_batches(out, data, **bound_of(selected), min_sep=3, max_batch_size=1)
     assert check["ok"], check["violations"]
 
@@ -291,10 +291,10 @@ def test_greedy_batches_have_exactly_b_records_and_its_k_matches_the_verifier(tm
     report = run_local(
         selected, data, out, BatchOptions(seed=0, steps=100, batch_size=50, sampler="minsep-greedy", min_sep=6)
     )
-    assert report["batch_sizes"]["min"] == report["batch_sizes"]["max"] == 50
-    check = verify_batches(out, data, **bound_of(selected), min_sep=6, max_participations=report["k"])
+    assert report.batch_sizes.min == report.batch_sizes.max == 50
+    check = verify_batches(out, data, **bound_of(selected), min_sep=6, max_participations=report.k)
     assert check["ok"], check["violations"]
-    assert check["max_participations"] == report["k"] <= -(-100 // 6)
+    assert check["max_participations"] == report.k <= -(-100 // 6)
     assert check["user_rows_sharing_a_step"] == 0
 
 
@@ -303,8 +303,8 @@ def test_find_max_min_sep_is_the_last_feasible(tmp_path, graph_data):
     selected, data = graph_data
     options = dict(steps=60, batch_size=200, sampler="minsep-greedy")
     report = run_local(selected, data, str(tmp_path / "out"), BatchOptions(seed=0, find_max_min_sep=True, **options))
-    best = report["parameters"]["min_sep"]
-    assert 1 < best < 60 and report["min_sep_search"][-1] == {"min_sep": best + 1, "feasible": False}
+    best = report.parameters.min_sep
+    assert 1 < best < 60 and report.min_sep_search[-1] == {"min_sep": best + 1, "feasible": False}
     assert verify_batches(str(tmp_path / "out"), data, **bound_of(selected), min_sep=best)["ok"]
     with pytest.raises(InputError, match="no solution .* cannot be filled"):
         run_local(selected, data, str(tmp_path / "x"), BatchOptions(seed=0, min_sep=best + 1, **options))
@@ -363,7 +363,7 @@ def test_null_content_is_an_error_naming_the_record(tmp_path):
     report = run_local(
         selected, data, str(tmp_path / "out"), BatchOptions(seed=0, steps=5, batch_size=5, content_columns=())
     )
-    assert report["parameters"]["content_columns"] == []
+    assert report.parameters.content_columns == ()
 
 
 def test_invalid_rows_are_skipped_and_written_out(tmp_path):
@@ -378,7 +378,7 @@ def test_invalid_rows_are_skipped_and_written_out(tmp_path):
         str(tmp_path / "out"),
         BatchOptions(seed=0, steps=5, batch_size=5, on_invalid="skip"),
     )
-    assert report["rejected"] == {"empty_users": 1}
+    assert report.rejected == {"empty_users": 1}
     assert json.loads(open(tmp_path / "out" / "rejected" / "rejected.jsonl").readline())["record"]["id"] == 99
 
 

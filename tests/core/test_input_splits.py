@@ -233,10 +233,10 @@ def test_beam_reads_large_files_in_splits_with_the_local_results(tmp_path, one_l
     local = bound_local(one_large_file_each, str(tmp_path / "local"), options)
     beam = bound_beam(one_large_file_each, str(tmp_path / "beam"), options, split)
     for name in ("input_rows", "selected_records", "rejected", "per_round"):
-        assert local[name] == beam[name], name
+        assert getattr(local, name) == getattr(beam, name), name
     for name in ("selected/part-00000-of-00001.parquet", "rejected/rejected.jsonl"):
         assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "beam" / name).read_bytes(), name
-    assert beam["pipeline_runs"][0]["beam_counters"]["input_rows"] == local["input_rows"]
+    assert beam.pipeline_runs[0]["beam_counters"]["input_rows"] == local.input_rows
     batch = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, on_invalid="skip")
     batch_local(str(tmp_path / "local"), one_large_file_each, str(tmp_path / "b-local"), batch)
     batch_beam(str(tmp_path / "local"), one_large_file_each, str(tmp_path / "b-beam"), batch, split)
@@ -271,7 +271,7 @@ def test_the_content_columns_are_found_by_the_reads_not_by_the_driver(tmp_path, 
     bound_local(str(directory), str(tmp_path / "bound"), BoundOptions(max_contributions=2))
     options = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, on_invalid="skip")  # rows without "late"
     local = batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-local"), options)
-    assert local["parameters"]["content_columns"] == ["x", "late"]
+    assert local.parameters.content_columns == ("x", "late")
 
     def no_driver_read(path):
         raise AssertionError(f"the driver read {path}")
@@ -279,8 +279,8 @@ def test_the_content_columns_are_found_by_the_reads_not_by_the_driver(tmp_path, 
     monkeypatch.setattr(record_reading, "jsonl_lines", no_driver_read)
     split = ["--direct_running_mode=in_memory", "--partitions=3", "--input-split-bytes=3000"]
     beam = batch_beam(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-beam"), options, split)
-    assert beam["parameters"]["content_columns"] == ["x", "late"]
-    assert beam["rejected"] == local["rejected"] and local["rejected"]["null_content"] > 0
+    assert beam.parameters.content_columns == ("x", "late")
+    assert beam.rejected == local.rejected and local.rejected["null_content"] > 0
     for name in ("batches-00000-of-00001.tfrecord", "schema.json", "rejected/rejected.jsonl"):
         assert (tmp_path / "b-local" / name).read_bytes() == (tmp_path / "b-beam" / name).read_bytes(), name
 
@@ -299,6 +299,5 @@ def test_a_file_without_a_column_other_files_have_is_named_by_both_engines(tmp_p
     with pytest.raises(InputError, match=message):
         batch_beam(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-beam"), options, ["--partitions=2"])
     chosen = BatchOptions(seed=0, steps=30, batch_size=25, min_sep=2, content_columns=("x",))
-    assert batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-x"), chosen)["parameters"][
-        "content_columns"
-    ] == ["x"]
+    report = batch_local(str(tmp_path / "bound"), str(directory), str(tmp_path / "b-x"), chosen)
+    assert report.parameters.content_columns == ("x",)

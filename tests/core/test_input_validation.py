@@ -69,9 +69,9 @@ def test_error_names_file_row_reason_and_totals(tmp_path, bad_input):
 
 def test_skip_writes_and_counts_every_rejected_row(tmp_path, bad_input):
     report = run_local(bad_input, str(tmp_path / "out"), BoundOptions(max_contributions=1, on_invalid="skip"))
-    assert report["rejected"] == EXPECTED and report["rejected_total"] == 16
-    assert report["input_rows"] == 19 and report["input_records"] == 3
-    assert report["repeated_users_removed"] == 1
+    assert report.rejected == EXPECTED and report.rejected_total == 16
+    assert report.input_rows == 19 and report.input_records == 3
+    assert report.repeated_users_removed == 1
     rejected = [json.loads(line) for line in open(tmp_path / "out" / "rejected" / "rejected.jsonl")]
     assert len(rejected) == 16 and {r["file"] for r in rejected} == {bad_input}
     by_row = {r["row"]: r for r in rejected}
@@ -97,8 +97,8 @@ def test_parquet_nulls_and_custom_columns(tmp_path):
     pq.write_table(table, tmp_path / "p.parquet")
     options = BoundOptions(max_contributions=1, on_invalid="skip", id_column="doc", users_column="authors")
     report = run_local(str(tmp_path / "p.parquet"), str(tmp_path / "out"), options)
-    assert report["rejected"] == {"missing_id": 1, "missing_users": 1, "null_user": 1}
-    assert report["selected_records"] == 1
+    assert report.rejected == {"missing_id": 1, "missing_users": 1, "null_user": 1}
+    assert report.selected_records == 1
     with pytest.raises(InputError, match=r"no column \['id', 'users'\] in any row"):
         run_local(str(tmp_path / "p.parquet"), str(tmp_path / "o2"), BoundOptions(max_contributions=1))
     write_records(str(tmp_path / "j.jsonl"), [{"doc": 1, "authors": [1]}])

@@ -5,6 +5,7 @@ options; unknown options named; `import madp` cheap; and every exported name of 
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 import json
@@ -21,6 +22,7 @@ import madp.accounting
 import madp.training
 from madp.cli import main
 from madp.core.errors import InputError
+from madp.core.selection import read_bound_report
 from madp.jobs.run_plan import plan_stages
 from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
@@ -77,9 +79,13 @@ def test_bound_batch_and_calibrate_write_what_the_commands_write(both, capsys):
     assert plan.to_json() == stated == json.loads((api / "calibration.json").read_text())
     assert (plan.mechanism, plan.steps, plan.clip_norm, plan.min_sep) == ("bandmf", 12, 0.5, 2)
     assert len(plan.epsilon_curve) == 9 and plan.epsilon <= 8
-    assert bound["contribution_bound"] == 3 and "per_round" in bound  # the whole report, as report.json
+    # the whole reports, as report.json holds them (the bound's with its wall time, which the file leaves out)
+    assert bound.contribution_bound == 3 and bound.per_round and bound.wall_time_s is not None
+    assert dataclasses.replace(bound, wall_time_s=None) == read_bound_report(str(api / "bounded"))
+    assert batched.to_json() == json.loads((api / "batches" / "report.json").read_text())
     cli_report = json.loads((cli / "batches" / "report.json").read_text())
-    assert batched["batch_sizes"] == cli_report["batch_sizes"] and batched["files"] == cli_report["files"]
+    assert batched.batch_sizes.to_json() == cli_report["batch_sizes"]
+    assert [entry.to_json() for entry in batched.files] == cli_report["files"]
 
 
 def test_calibrate_without_output_writes_nothing_and_a_non_private_training_has_no_plan(both, tmp_path):

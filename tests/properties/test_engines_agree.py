@@ -42,7 +42,7 @@ def assert_same(tmp_path, input_path, options, beam_args):
     local = run_local(input_path, str(tmp_path / "local"), options)
     beam = run_beam(input_path, str(tmp_path / "beam"), options, beam_args)
     for field in SAME_REPORT_FIELDS:
-        assert local[field] == beam[field], field
+        assert getattr(local, field) == getattr(beam, field), field
     assert selection_files(str(tmp_path / "local")) == selection_files(str(tmp_path / "beam"))
     assert not os.path.exists(tmp_path / "beam" / "_work" / "state"), "work files are cleaned up"
     return local, beam
@@ -60,11 +60,11 @@ def sharded_input(tmp_path, small_graph):
 def test_default_direct_runner_two_workers(tmp_path, sharded_input):
     """By default a graph this small is finished by one worker right after it is built: one run."""
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), [])
-    assert beam["converged"] and beam["rounds"] >= 2 and beam["engine"] == "DirectRunner"
-    (run,) = beam["pipeline_runs"]
+    assert beam.converged and beam.rounds >= 2 and beam.engine == "DirectRunner"
+    (run,) = beam.pipeline_runs
     assert run["finished_locally_incidences"] == run["iterations"][0]["active_incidences"] > 0
     for name in ("input_rows", "input_records", "input_users", "selected_records", "distinct_selected"):
-        assert run["beam_counters"][name] == beam[name], name
+        assert run["beam_counters"][name] == getattr(beam, name), name
     assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]
 
 
@@ -73,15 +73,15 @@ def test_rounds_in_the_graph_carry_only_undecided_incidences(tmp_path, sharded_i
     to the undecided incidences, and the counters match the report's rounds."""
     args = ["--local-finish-incidences=0", "--partitions=6"]
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), args)
-    (run,) = beam["pipeline_runs"]
+    (run,) = beam.pipeline_runs
     assert run["finished_locally_incidences"] is None
     active = [one["active_incidences"] for one in run["iterations"]]
-    assert active[0] > active[1] > active[2] and active[len(beam["per_round"])] == 0, active
+    assert active[0] > active[1] > active[2] and active[len(beam.per_round)] == 0, active
     shuffled = [one["shuffled_bytes"] for one in run["iterations"]]
     assert shuffled[2] < 0.2 * shuffled[1], shuffled
     counters = run["beam_counters"]
-    for index, one in enumerate(beam["per_round"], 1):
-        assert counters[f"round_{index:05d}_selected"] == one["selected"]
+    for index, one in enumerate(beam.per_round, 1):
+        assert counters[f"round_{index:05d}_selected"] == one.selected
 
 
 def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
@@ -92,8 +92,8 @@ def test_duplicates_chained_pipelines_in_memory(tmp_path, sharded_input):
         options,
         ["--direct_running_mode=in_memory", "--partitions=3", "--rounds-per-pipeline=2", "--local-finish-incidences=0"],
     )
-    assert local["passes"] > 1 and local["selected_records"] > local["distinct_selected"]
-    assert len(beam["pipeline_runs"]) > 1
+    assert local.passes > 1 and local.selected_records > local.distinct_selected
+    assert len(beam.pipeline_runs) > 1
 
 
 def test_string_ids_weights_capacities_one_partition_sharded_output(tmp_path, small_graph):
@@ -118,7 +118,7 @@ def test_max_rounds_across_pipeline_runs(tmp_path, sharded_input):
         BoundOptions(max_contributions=2, max_rounds=2),
         ["--partitions=2", "--rounds-per-pipeline=1", "--local-finish-incidences=0"],
     )
-    assert local["rounds"] == 2 and not local["converged"]
+    assert local.rounds == 2 and not local.converged
 
 
 def test_invalid_rows_skipped_alike(tmp_path, small_graph):
@@ -126,7 +126,7 @@ def test_invalid_rows_skipped_alike(tmp_path, small_graph):
     input_path = write_records(str(tmp_path / "bad.jsonl"), rows)
     options = BoundOptions(max_contributions=2, on_invalid="skip")
     local, _ = assert_same(tmp_path, input_path, options, ["--partitions=2"])
-    assert local["rejected"] == {"missing_id": 1, "empty_users": 1, "duplicate_id": 2}
+    assert local.rejected == {"missing_id": 1, "empty_users": 1, "duplicate_id": 2}
     assert (
         open(tmp_path / "local" / "rejected" / "rejected.jsonl").read()
         == open(tmp_path / "beam" / "rejected" / "rejected.jsonl").read()
@@ -164,7 +164,7 @@ def test_second_beam_run_into_same_output(tmp_path, small_graph):
     run_beam(first, str(tmp_path / "out"), BoundOptions(max_contributions=2), args)
     again = run_beam(second, str(tmp_path / "out"), BoundOptions(max_contributions=2), args)
     expected = run_local(second, str(tmp_path / "local"), BoundOptions(max_contributions=2))
-    assert again["selected_records"] == expected["selected_records"]
+    assert again.selected_records == expected.selected_records
     assert selection_files(str(tmp_path / "out")) == selection_files(str(tmp_path / "local"))
 
 
@@ -176,7 +176,7 @@ def test_capacities_for_users_without_records(tmp_path):
     capacities.write_text("user,capacity\n" + "".join(f"{u},1\n" for u in range(1, 200)))
     options = BoundOptions(max_contributions=2, capacities=str(capacities))
     local, _ = assert_same(tmp_path, input_path, options, ["--direct_running_mode=in_memory", "--partitions=8"])
-    assert local["selected_records"] == 2
+    assert local.selected_records == 2
 
 
 def test_input_error_inside_a_worker_reads_clearly(tmp_path):
@@ -197,8 +197,8 @@ def test_alternate_order_counts_groups_alike(tmp_path, sharded_input):
     """Beam counts the two groups in a first run; both engines then use the same universal order."""
     options = BoundOptions(max_contributions=2, order="alternate", arity_threshold=1, small_run=30, large_run=10)
     local, beam = assert_same(tmp_path, sharded_input, options, ["--direct_running_mode=in_memory", "--partitions=3"])
-    assert local["parameters"]["group_sizes"] == beam["parameters"]["group_sizes"]
-    assert sum(local["parameters"]["group_sizes"]) == local["input_records"]
+    assert local.parameters.group_sizes == beam.parameters.group_sizes
+    assert sum(local.parameters.group_sizes) == local.input_records
 
 
 def test_runs_continued_then_finished_locally_with_duplicates_and_capacities(tmp_path, small_graph):
@@ -210,7 +210,7 @@ def test_runs_continued_then_finished_locally_with_duplicates_and_capacities(tmp
     options = BoundOptions(max_contributions=3, duplicates=True, capacities=str(capacities))
     args = ["--partitions=4", "--rounds-per-pipeline=2", "--local-finish-incidences=1000"]
     _, beam = assert_same(tmp_path, input_path, options, args)
-    runs = beam["pipeline_runs"]
+    runs = beam.pipeline_runs
     assert len(runs) > 1 and runs[-1]["finished_locally_incidences"] is not None
     assert all(run["finished_locally_incidences"] is None for run in runs[:-1])
 
@@ -228,14 +228,14 @@ def test_a_hot_user_sends_its_partition_a_few_incidences_per_record_partition(tm
     partitions, k = 4, 2
     options = BoundOptions(max_contributions=k, order=order)
     local, beam = assert_same(tmp_path, input_path, options, [f"--partitions={partitions}"])
-    (run,) = beam["pipeline_runs"]
+    (run,) = beam.pipeline_runs
     incidences = sum(len(row["users"]) for row in rows)
     # the hot user's records up to its k-th alone one, per record partition: k with --order arity
     # (records alone come first), about 2 k with --order hash (every other record is alone)
     hot_kept_at_most = partitions * 4 * k
     assert run["certified_dropped_records"] >= 1200 - hot_kept_at_most
     assert run["built_incidences"] <= incidences - (1200 - hot_kept_at_most)
-    assert local["histograms"]["records_per_user_input"]["1200"] == 1
+    assert local.histograms.records_per_user_input["1200"] == 1
     assert verify_bound(input_path, str(tmp_path / "beam"), k)["ok"]
 
 
@@ -246,6 +246,6 @@ def test_the_selection_is_written_in_more_files_as_the_input_grows(tmp_path, sha
 
     monkeypatch.setattr(selection, "RECORDS_PER_SHARD", 1000)
     local, beam = assert_same(tmp_path, sharded_input, BoundOptions(max_contributions=2), ["--partitions=4"])
-    assert local["input_records"] == 3000 and len(selection_files(str(tmp_path / "local"))) == 3
-    assert [f["name"] for f in beam["selection_files"]] == [f"part-0000{i}-of-00003.parquet" for i in range(3)]
+    assert local.input_records == 3000 and len(selection_files(str(tmp_path / "local"))) == 3
+    assert [f.name for f in beam.selection_files] == [f"part-0000{i}-of-00003.parquet" for i in range(3)]
     assert verify_bound(sharded_input, str(tmp_path / "beam"), 2)["ok"]

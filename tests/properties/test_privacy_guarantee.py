@@ -88,8 +88,8 @@ def test_default_batches_differ_per_run_and_a_seed_reproduces_them(bounded, tmp_
         for i in (1, 2)
     ]
     assert batch_bytes(tmp_path / "default1") != batch_bytes(tmp_path / "default2")
-    assert [r["sampling"] for r in reports] == [SECRET, SECRET]
-    assert all(r["parameters"]["seed"] is None for r in reports)
+    assert [r.sampling for r in reports] == [SECRET, SECRET]
+    assert all(r.parameters.seed is None for r in reports)
     with caplog.at_level("WARNING"):
         seeded = [
             batch_local(
@@ -99,7 +99,7 @@ def test_default_batches_differ_per_run_and_a_seed_reproduces_them(bounded, tmp_
         ]
     assert "NOT private" in caplog.text
     assert batch_bytes(tmp_path / "seeded1") == batch_bytes(tmp_path / "seeded2")
-    assert seeded[0]["sampling"] == FIXED_SEED and seeded[0]["parameters"]["seed"] == 7
+    assert seeded[0].sampling == FIXED_SEED and seeded[0].parameters.seed == 7
 
 
 def test_one_secret_key_gives_the_same_batches_on_both_engines_and_any_worker_count(bounded, tmp_path):
@@ -134,7 +134,7 @@ def test_greedy_batches_say_they_need_no_secret(bounded, tmp_path):
         str(tmp_path / "greedy"),
         BatchOptions(steps=20, batch_size=30, sampler="minsep-greedy", min_sep=3),
     )
-    assert report["sampling"] == randomness.DETERMINISTIC
+    assert report.sampling == randomness.DETERMINISTIC
 
 
 # --- the contribution bound -------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     capacities = tmp_path / "capacities.csv"
     capacities.write_text("user,capacity\n3,7\n")
     report = bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=1, capacities=str(capacities)))
-    assert report["contribution_bound"] == 7 and report["max_user_contribution"] == 7
+    assert report.contribution_bound == 7 and report.max_user_contribution == 7
     batch_local(
         str(tmp_path / "bounded"), data, str(tmp_path / "batches"), BatchOptions(steps=50, batch_size=40, seed=1)
     )
@@ -204,13 +204,13 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
     )
     batches = open_batches(str(tmp_path / "batches"))
     plan = privacy_plan(batches, TrainOptions(epsilon=3.0, delta=1e-5))
-    rho = 40 * binom.sf(100, report["units"], report["sampling_probability"])  # independent of the plan's code
+    rho = 40 * binom.sf(100, report.units, report.sampling_probability)  # independent of the plan's code
     assert plan.mechanism == "dpsgd" and plan.truncation_delta == pytest.approx(rho * (1 + np.exp(plan.epsilon)))
     assert 0 < plan.truncation_delta < 1e-5 and plan.delta == 1e-5
     from madp.accounting.calibrate import epsilon
     from madp.accounting.mechanisms import DpSgd
 
-    mechanism = DpSgd(report["sampling_probability"], 40, 2)
+    mechanism = DpSgd(report.sampling_probability, 40, 2)
     assert epsilon(mechanism, plan.noise_multiplier, 1e-5 - plan.truncation_delta) <= 3.0
     batch_local(
         str(directory / "bounded"),
@@ -564,7 +564,7 @@ def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_
             str(tmp_path / "batches"),
             str(tmp_path / name),
             TrainOptions(noise_multiplier=1.0, features="features", **options),
-        )["privacy"]
+        ).privacy
         model = tf_keras.models.load_model(str(tmp_path / name / "model.keras"), compile=False)
         return privacy, [w.copy() for w in model.get_weights()]
 

@@ -14,6 +14,7 @@ import pytest
 from madp import cli
 from madp.accounting.auditing import epsilon_lower_bound, guess_plans, guesses, one_run_audit, p_value
 from madp.core.errors import InputError
+from madp.core.reports import AuditReport
 
 pytestmark = [pytest.mark.tf]
 
@@ -174,6 +175,11 @@ def test_the_non_private_model_is_caught_memorizing(tmp_path, capsys, auditable_
     audit = json.loads((tmp_path / "run" / "audit" / "audit.json").read_text())
     assert len(audit["per_canary"]) == 100 and audit["shared_records"] == 25
     assert sum(c["included"] for c in audit["per_canary"]) == audit["included"]
+    # audit.json read back as written; what the command printed is it without the canaries' scores
+    typed = AuditReport.from_json(audit, "audit.json")
+    assert typed.to_json() == audit and audit["format_version"] == 1 and typed.summary() == result
+    with pytest.raises(InputError, match="audit.json: format_version 2 is not one"):
+        AuditReport.from_json({**audit, "format_version": 2}, "audit.json")
     _excluded_canaries_keep_their_place_in_the_graph_with_zero_gradient(tmp_path / "run" / "audit", auditable_records)
 
 

@@ -114,7 +114,7 @@ def test_optimizer_learning_rate_follows_the_schedule(batches, monkeypatch):
     )
     result = trainer.train(out, str(directory / "scheduled"), options)
     assert seen == pytest.approx([learning_rate_at(t, STEPS, options) for t in range(STEPS)], rel=1e-6)
-    assert result["lr_schedule"] == "warmup-cosine" and result["warmup_steps"] == 3
+    assert result.metrics.settings["lr_schedule"] == "warmup-cosine" and result.metrics.settings["warmup_steps"] == 3
     logged = tags(str(directory / "scheduled" / "logs"))["train/learning_rate"]
     assert [step for step, _ in logged] == [4, 8, 12]
 
@@ -162,7 +162,7 @@ def test_tensorboard_scalars_and_the_model_carry_no_clock_time(batches, monkeypa
     with pytest.raises(KeyboardInterrupt):
         trainer.train(out, output, options)
     monkeypatch.undo()
-    plan = stated_plan(trainer.train(out, output, TrainOptions(**{**vars(options), "resume": True}))["privacy"])
+    plan = stated_plan(trainer.train(out, output, TrainOptions(**{**vars(options), "resume": True})).privacy)
     ended = time.time()
     logs = os.path.join(output, "logs")
     names = sorted(os.listdir(logs))
@@ -241,7 +241,7 @@ def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batch
 
     # As madp resumes: a new key for the remaining steps, so their noise (and the model) differ.
     result = trainer.train(out, cut, TrainOptions(**{**vars(options), "resume": True}))
-    assert result["steps"] == STEPS and result["resumed_at"] == 4
+    assert result.metrics.settings["steps"] == STEPS and result.metrics.settings["resumed_at"] == 4
     assert [m["step"] for m in evaluation_of(cut, internal=True)["eval"]] == [4, 8, 12]
     assert not all(np.allclose(a, b) for a, b in zip(weights(whole), weights(cut)))
     assert not os.path.exists(checkpoints)
@@ -386,7 +386,7 @@ def test_an_interrupted_training_is_composed_with_by_the_next_one(batches, tmp_p
     [entry] = ledger(copy)
     assert (entry["output"], entry["state"], entry["noise_multiplier"]) == (cut, "started", 1.0)
 
-    after = trainer.train(copy, str(tmp_path / "after"), options)["privacy"]
+    after = trainer.train(copy, str(tmp_path / "after"), options).privacy
     assert after["composition"]["trainings"] == 2 and after["composition"]["outputs"] == [cut]
     assert after["epsilon"] > after["single_training"]["epsilon"]
     assert [t["state"] for t in ledger(copy)] == ["started", "finished"]
@@ -423,7 +423,7 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     with pytest.raises(InputError, match="continued or run past step 4 already"):
         trainer.train(copy, backup, TrainOptions(**{**vars(options), "resume": True}))  # would publish step 8 again
     resumed = trainer.train(copy, cut, TrainOptions(**{**vars(options), "resume": True}))
-    assert "composition" not in resumed["privacy"], "a resumed training is not composed with itself"
+    assert "composition" not in resumed.privacy, "a resumed training is not composed with itself"
     [finished] = ledger(copy)
     assert finished["training"] == started["training"] and finished["state"] == "finished"
 
@@ -555,7 +555,7 @@ def test_a_checkpoint_without_the_options_of_its_training_resumes_as_it_did(batc
     with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
         trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "eval_data": None}))
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "learning_rate": 0.05}))
-    assert resumed["resumed_at"] == 4
+    assert resumed.metrics.settings["resumed_at"] == 4
 
 
 def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint_to_continue(
@@ -616,7 +616,8 @@ def test_a_crash_between_a_checkpoint_and_its_ledger_write_leaves_one_checkpoint
         trainer.train(copy, cut, resume)
     monkeypatch.undo()
     resumed = trainer.train(copy, cut, resume)  # from step 8 again: state.json took next_state.json's place
-    assert [entry["step"] for entry in evaluation_of(resumed["output"], internal=True)["eval"]] == [4, 8, 12]
+    written = resumed.metrics.settings["output"]
+    assert [entry["step"] for entry in evaluation_of(written, internal=True)["eval"]] == [4, 8, 12]
     assert ledger(copy)[0]["state"] == "finished"
 
 
@@ -648,7 +649,8 @@ def test_a_crash_at_the_first_checkpoint_resumes_from_it_and_a_damaged_state_is_
     shutil.rmtree(cut + "-damaged")
     os.rename(cut, cut + "-moved")  # its state names the checkpoint files under the old path
     resumed = trainer.train(copy, cut + "-moved", resume)
-    assert [entry["step"] for entry in evaluation_of(resumed["output"], internal=True)["eval"]] == [4, 8, 12]
+    written = resumed.metrics.settings["output"]
+    assert [entry["step"] for entry in evaluation_of(written, internal=True)["eval"]] == [4, 8, 12]
 
 
 def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(batches, tmp_path):
@@ -657,7 +659,7 @@ def test_a_new_training_into_an_earlier_trainings_output_path_composes_with_it(b
     output = str(tmp_path / "model")
     trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))
     shutil.rmtree(output)  # the first model may have been published already: it still counts
-    again = trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2))["privacy"]
+    again = trainer.train(copy, output, TrainOptions(noise_multiplier=1.0, bands=2)).privacy
     assert again["composition"]["trainings"] == 2
     assert len({t["training"] for t in ledger(copy)}) == 2
 
@@ -1028,7 +1030,7 @@ def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_un
         )
     assert {name: content for name, content in snapshot(aside).items() if name != "files.json"} == finished
     resumed = trainer.train(out, output, TrainOptions(**{**vars(replacing), "resume": True}))
-    assert resumed["resumed_at"] == 4 and resumed["learning_rate"] == 0.5
+    assert resumed.metrics.settings["resumed_at"] == 4 and resumed.metrics.settings["learning_rate"] == 0.5
     assert not os.path.exists(aside) and not os.path.exists(os.path.join(output, "internal", "checkpoints"))
 
 
@@ -1114,7 +1116,7 @@ def test_a_training_stopped_while_writing_its_outputs_writes_them_on_resume(batc
     with pytest.raises(InputError, match="pass --resume"):
         trainer.train(copy, output, options)
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True}))
-    assert resumed["resumed_at"] == STEPS and ledger(copy) == [entry]
+    assert resumed.metrics.settings["resumed_at"] == STEPS and ledger(copy) == [entry]
     assert "composition" not in json.load(open(os.path.join(output, "privacy.json")))
     for a, b in zip(weights(output), trained):
         np.testing.assert_array_equal(a, b)

@@ -618,7 +618,7 @@ def test_causal_lm_trains_without_and_with_dpsgd_and_bandmf(text_batches, tiny, 
     )
     out = directory / f"trained-{mechanism}"
     result = train(batches, str(out), options)
-    assert result["privacy"]["mechanism"] == mechanism
+    assert result.privacy["mechanism"] == mechanism
     evaluated = evaluation_of(str(out), internal=True)
     final = evaluated["final"]
     assert final["tokens"] > 100 and math.isfinite(final["loss"])
@@ -699,7 +699,8 @@ def test_lora_trains_the_adapters_only_and_saves_them(text_batches, tiny):
                            eval_every=4, noise_multiplier=0.5, noise_seed=1)  # fmt: skip
     out = directory / "trained-lora"
     result = train(batches, str(out), options)
-    assert result["lora_rank"] == 2 and result["learning_rate"] == 2e-3  # LoRA's default rate
+    settings = result.metrics.settings
+    assert settings["lora_rank"] == 2 and settings["learning_rate"] == 2e-3  # LoRA's default rate
     saved = tf_keras.models.load_model(str(out / "model.keras"), compile=False)
     start = pretrained.pretrained_model(pretrained.read_pretrained(tiny), 16, lora_rank=2)
     for before, after in zip(start.weights, saved.weights, strict=True):
@@ -1135,7 +1136,7 @@ def test_a_resume_with_other_pretrained_files_at_the_same_path_is_refused(text_b
     with pytest.raises(InputError, match=r"another privacy plan \(its assumptions differ"):
         train(batches, out, resumed)
     shutil.copy(tiny, model)  # the files of the interrupted training: it finishes
-    assert train(batches, out, resumed)["resumed_at"] == 2
+    assert train(batches, out, resumed).metrics.settings["resumed_at"] == 2
     assumptions = json.load(open(os.path.join(out, "privacy.json")))["assumptions"]
     assert any(f"{model} (--pretrained, SHA-256 {storage.sha256(tiny)})" in a for a in assumptions)
 
@@ -1395,7 +1396,8 @@ def test_madp_train_xla_mixed_precision_trains_the_causal_lm_and_refuses_several
                            mixed_precision=True)  # fmt: skip
     result = train(batches, str(directory / "trained-xla"), options)
     final = evaluation_of(str(directory / "trained-xla"), internal=True)["final"]
-    assert result["xla"] is True and result["mixed_precision"] is True and math.isfinite(final["loss"])
+    settings = result.metrics.settings
+    assert settings["xla"] is True and settings["mixed_precision"] is True and math.isfinite(final["loss"])
     saved = tf_keras.models.load_model(str(directory / "trained-xla" / "model.keras"), compile=False)
     assert saved.get_layer("blk_0_attn_q").compute_dtype == "bfloat16"
     with pytest.raises(InputError, match="^xla compiles the step of one device"):

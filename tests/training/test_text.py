@@ -316,9 +316,9 @@ def test_text_classifier_learns_with_dpsgd_and_bandmf(text_batches, bands):
     result = train(batches, str(directory / f"classifier-{bands}"), options)
     evaluated = evaluation_of(str(directory / f"classifier-{bands}"), internal=True)["eval"]
     first, last = evaluated[0], evaluated[-1]
-    assert result["privacy"]["mechanism"] == ("dpsgd" if bands == 1 else "bandmf")
+    assert result.privacy["mechanism"] == ("dpsgd" if bands == 1 else "bandmf")
     assert last["loss"] < first["loss"] and last["accuracy"] > 0.5 and last["macro_f1"] > 0.5  # chance: 0.25
-    assert set(last["per_class"]) == set(LABELS) and result["labels"] == list(LABELS)
+    assert set(last["per_class"]) == set(LABELS) and result.metrics.settings["labels"] == list(LABELS)
 
 
 @pytest.mark.slow
@@ -353,13 +353,13 @@ def test_labels_read_from_the_data_are_a_warned_disclosure(text_batches, caplog)
     directory, _, _, batches = text_batches
     options = TrainOptions(model="text-classifier", mechanism="none", buckets=256, learning_rate=0.1)
     result = train(batches, str(directory / "labels-from-data"), options)
-    assert result["labels"] == sorted(LABELS)
+    assert result.metrics.settings["labels"] == sorted(LABELS)
     assert "label set was taken from the data" in caplog.text
     amplified = dataclasses.replace(options, mechanism="auto", noise_multiplier=1.0)  # DP-SGD on Poisson batches
     with pytest.raises(InputError, match="would reveal which records were sampled: give the public label set"):
         train(batches, str(directory / "labels-from-sampled-rows"), amplified)
     unamplified = dataclasses.replace(amplified, bands=2)  # BandMF without amplification: the schedule is public
-    privacy = train(str(directory / "minsep"), str(directory / "labels-from-data-private"), unamplified)["privacy"]
+    privacy = train(str(directory / "minsep"), str(directory / "labels-from-data-private"), unamplified).privacy
     assert any(str(sorted(LABELS)) in a and "treated as public" in a for a in privacy["assumptions"]), (
         "a label set read from the data is part of what the guarantee assumes"
     )
@@ -394,7 +394,7 @@ def test_null_text_is_a_batch_error_or_skipped_and_written_out(bad_text):
         batch_local(
             str(directory / "bounded"), data, str(directory / "refused"), BatchOptions(seed=0, steps=4, batch_size=20)
         )
-    assert report["rejected"] == {"null_content": 1}
+    assert report.rejected == {"null_content": 1}
     rejected = [json.loads(line) for line in open(directory / "batches" / "rejected" / "rejected.jsonl")]
     assert [(r["record"]["id"], r["record"]["column"], r["reason"]) for r in rejected] == [(6, "text", "null_content")]
 

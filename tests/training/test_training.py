@@ -284,7 +284,7 @@ def test_trains_on_poisson_batches_and_reports_the_guarantee(pipeline_data, caps
     )
     assert json.loads(capsys.readouterr().out)["epsilon"] == pytest.approx(privacy["epsilon"], rel=1e-12)
     evaluated = evaluation_of(out, internal=True)  # its eval data was not declared public
-    assert not {"eval", "final"} & set(result) and result["evaluation"].startswith(os.path.join(out, "internal"))
+    assert result.metrics.evaluations is None and result.metrics.evaluation.startswith(os.path.join(out, "internal"))
     assert [m["step"] for m in evaluated["eval"]] == [20, 40, 60] and evaluated["final"]["accuracy"] > 0.6
     assert os.path.exists(os.path.join(out, "model.keras")) and os.listdir(os.path.join(out, "logs"))
 
@@ -305,7 +305,7 @@ def test_evaluations_are_published_only_on_eval_data_declared_public_and_not_the
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert not {"eval", "final"} & set(metrics) and "--eval-data-public" in metrics["evaluation"]
     kept = json.load(open(os.path.join(out, "internal", "evaluation.json")))
-    assert "eval" not in result and [m["step"] for m in kept["eval"]] == [2, 4]
+    assert result.metrics.evaluations is None and [m["step"] for m in kept["eval"]] == [2, 4]
     assert b"eval/" not in _event_bytes(os.path.join(out, "logs"))
     assert b"eval/loss" in _event_bytes(os.path.join(out, "internal", "logs"))
 
@@ -321,7 +321,7 @@ def test_evaluations_are_published_only_on_eval_data_declared_public_and_not_the
     out = str(tmp_path / "public")
     result = train(batches, out, dataclasses.replace(public, eval_data=unseen))
     metrics = json.load(open(os.path.join(out, "metrics.json")))
-    assert metrics["final"] == result["final"] and "evaluation" not in metrics
+    assert metrics["final"] == result.metrics.evaluations.final and "evaluation" not in metrics
     assert b"eval/loss" in _event_bytes(os.path.join(out, "logs"))
     assert not os.path.exists(os.path.join(out, "internal", "evaluation.json"))
 
@@ -338,7 +338,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
     out = str(directory / "bandmf")
     train(batches, out, TrainOptions(noise_multiplier=2.0, bands=4, eval_data=data))
     privacy = json.load(open(os.path.join(out, "privacy.json")))
-    assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report["k"]
+    assert privacy["mechanism"] == "bandmf" and privacy["parameters"]["max_participations"] == report.k
     assert len(privacy["bands"]) == 4
     assert (
         main(
@@ -358,7 +358,7 @@ def test_trains_bandmf_on_greedy_batches_with_the_greedys_k(pipeline_data, capsy
                 "--min-sep",
                 "4",
                 "--max-participations",
-                str(report["k"]),
+                str(report.k),
             ]
         )
         == 0
@@ -370,7 +370,7 @@ def test_bandmf_on_poisson_minsep_batches_counts_k_records_per_step(pipeline_dat
     directory, data = pipeline_data
     batches = str(directory / "minsep")
     batch_local(str(directory / "bounded"), data, batches, BatchOptions(seed=0, steps=30, batch_size=40, min_sep=3))
-    privacy = train(batches, str(directory / "minsep-train"), TrainOptions(noise_multiplier=3.0, bands=3))["privacy"]
+    privacy = train(batches, str(directory / "minsep-train"), TrainOptions(noise_multiplier=3.0, bands=3)).privacy
     assert privacy["parameters"]["records_per_step"] == 2 and privacy["parameters"]["max_participations"] == 10
 
 
@@ -380,7 +380,7 @@ def test_calibrated_sigma_meets_the_target(pipeline_data):
     selection, batches = str(directory / "calibrated-bounded"), str(directory / "calibrated")
     shutil.copytree(str(directory / "bounded"), selection, ignore=shutil.ignore_patterns("trainings.jsonl"))
     batch_local(selection, data, batches, BatchOptions(seed=0, steps=10, batch_size=200, min_sep=2))
-    privacy = train(batches, str(directory / "calibrated-train"), TrainOptions(epsilon=2.0, bands=2))["privacy"]
+    privacy = train(batches, str(directory / "calibrated-train"), TrainOptions(epsilon=2.0, bands=2)).privacy
     assert "composition" not in privacy and privacy["epsilon"] <= 2.0 and privacy["epsilon"] > 1.99
 
 
@@ -433,11 +433,11 @@ def test_user_sampled_batches_train_with_uls(tmp_path, capsys):
         str(tmp_path / "batches"),
         BatchOptions(seed=0, steps=400, batch_size=15, sampler="users"),
     )
-    assert report["sampling_probability"] == pytest.approx(0.1)
-    assert abs(report["users_per_step"]["mean"] / 15 - 1) < 0.05
+    assert report.sampling_probability == pytest.approx(0.1)
+    assert abs(report.users_per_step.mean / 15 - 1) < 0.05
     # A sampled user brings all its (4) records.
-    assert report["batch_sizes"]["mean"] == pytest.approx(4 * report["users_per_step"]["mean"])
-    privacy = train(str(tmp_path / "batches"), str(tmp_path / "uls"), TrainOptions(noise_multiplier=1.5))["privacy"]
+    assert report.batch_sizes.mean == pytest.approx(4 * report.users_per_step.mean)
+    privacy = train(str(tmp_path / "batches"), str(tmp_path / "uls"), TrainOptions(noise_multiplier=1.5)).privacy
     assert privacy["mechanism"] == "dpsgd-uls" and privacy["expected_batch_size"] == 15
     assert (
         main(
@@ -576,7 +576,7 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
     )
     privacy = train(
         batches, str(directory / "amplified-train"), TrainOptions(epsilon=3.0, delta=1e-2, bands=3, amplified=True)
-    )["privacy"]
+    ).privacy
     assert privacy["mechanism"] == "bandmf-minsep" and privacy["monte_carlo"]["verified"]
     assert privacy["noise_multiplier"] < privacy["monte_carlo"]["fallback_noise_multiplier"]
     assert privacy["parameters"]["max_contributions"] == 2 and privacy["delta"] <= 1e-2
@@ -594,7 +594,7 @@ def test_amplified_accounting_matches_an_independent_calibrate_call(pipeline_dat
                 "--steps",
                 "30",
                 "--sampling-prob",
-                str(report["sampling_probability"]),
+                str(report.sampling_probability),
                 "--min-sep",
                 "3",
                 "--bands",

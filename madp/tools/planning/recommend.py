@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +51,7 @@ from madp.core import record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError, positive
+from madp.core.reports import VERSION_KEY, check_version
 from madp.core.selection import BoundOptions, read_capacities
 from madp.engines.local_engine import bound_records, read_input
 
@@ -298,7 +300,131 @@ def read_graph_input(input_path: str, columns: rec.Columns) -> rec.RecordChunk:
     return chunk
 
 
-def recommend(input_path: str, sweep: Sweep) -> dict:
+SWEEP_FORMAT_VERSION = 1  # of recommend-k.json; a file without the key is its predecessor (the same keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepRow:
+    """One k of the sweep: what the bound keeps, what the sampler reaches on it, sigma, the excess-risk proxy's
+    terms (None where the k is infeasible before the accountant), and why it is infeasible, if it is."""
+
+    k: int  # the contribution bound swept
+    kept_records: int  # distinct records the bound at k keeps
+    kept_fraction: float  # kept_records over the input's records
+    kept_records_with_duplicates: int  # records kept counting the with-duplicates variant's copies
+    kept_users: int  # users with at least one kept record
+    kept_users_fraction: float  # kept_users over the input's users
+    users_capped_fraction: float  # users with more than k records (the bound drops some of theirs)
+    users_at_bound_fraction: float  # users left with exactly k records
+    mean_users_per_kept_record: float  # mean number of users of a kept record
+    largest_batch_size: float  # the largest expected batch the sampler reaches at k
+    largest_batch_sampling_probability: float  # the sampling probability that reaches it
+    sampling_probability: float | None  # p at the target batch size (None: infeasible)
+    max_batch_size: int | None  # the truncation of a step's rows the planned job uses (None: none)
+    truncation_delta: float  # the delta the truncation costs
+    noise_multiplier: float | None  # sigma for the target epsilon (None: not accounted)
+    epsilon: float | None  # the epsilon accounted at that sigma
+    noise_std_over_batch: float | None  # sigma times the clip norm over the batch size: the noise per averaged gradient
+    bias: float | None  # the excess-risk proxy's bias term (records the bound drops)
+    variance: float | None  # its variance term (the noise)
+    excess_risk: float | None  # bias plus variance: what the criterion minimizes
+    feasible: bool  # whether the sampler and the accountant can run a job at k
+    problems: tuple[str, ...]  # why not, one line per problem
+    median_heuristic: bool = False  # the swept k nearest the median records per user (ELS, Sec. 6)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "problems": list(self.problems)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SweepRow:
+        return cls(**{**data, "problems": tuple(data["problems"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class SweptInput:
+    """The input's graph as the sweep read it: its records, users and how many records a user has."""
+
+    path: str  # the input swept
+    records: int  # valid input records
+    users: int  # distinct users
+    mean_users_per_record: float  # mean users of a record
+    median_records_per_user: float  # median records of a user
+    records_per_user_quantiles: Mapping[str, float]  # {quantile: records}, e.g. {"0.9": 12.0}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "records_per_user_quantiles": dict(self.records_per_user_quantiles)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SweptInput:
+        return cls(**{**data, "records_per_user_quantiles": dict(data["records_per_user_quantiles"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """What `madp recommend-k` returns, prints and writes beside the run it planned (recommend-k.json): the
+    input, the sweep's options, one row per k, the k the criterion recommends (None where none is feasible)
+    and why, and the median heuristic's k; with --write-config, the config written (None where none was:
+    then `ok` is False)."""
+
+    input: SweptInput  # the input's graph as read
+    parameters: Mapping[str, Any]  # the sweep's options as given (its columns left out)
+    criterion: str  # how the recommended k is chosen
+    sweep: tuple[SweepRow, ...]  # one row per k swept
+    recommended_k: int | None  # the feasible k of least excess risk (None: none feasible)
+    median_heuristic_k: int  # the k the median heuristic gives, for comparison
+    reason: str  # why recommended_k (or none)
+    config: str | None = None  # the madp run config written, its path (None: none asked for, or none feasible)
+    wrote_config: bool | None = None  # None: no config was asked for; False: asked for, none feasible
+
+    @property
+    def recommended(self) -> SweepRow | None:
+        """The row of the recommended k."""
+        return next((row for row in self.sweep if row.k == self.recommended_k), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """recommend-k.json's content: what `madp recommend-k` prints, after the file's format_version."""
+        result: dict[str, Any] = {
+            VERSION_KEY: SWEEP_FORMAT_VERSION,
+            "input": self.input.to_json(),
+            "parameters": dict(self.parameters),
+            "criterion": self.criterion,
+            "sweep": [row.to_json() for row in self.sweep],
+            "recommended_k": self.recommended_k,
+            "median_heuristic_k": self.median_heuristic_k,
+            "reason": self.reason,
+        }
+        if self.wrote_config is False:
+            result.update(ok=False, config=None)
+        elif self.wrote_config:
+            result["config"] = self.config
+        return result
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Recommendation:
+        """The sweep of a parsed recommend-k.json (`where` names it in errors)."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where} is not a madp recommend-k sweep (a JSON {type(data).__name__}, not an object)")
+        check_version(data, where, SWEEP_FORMAT_VERSION)
+        try:
+            return cls(
+                input=SweptInput.from_json(data["input"]),
+                parameters=dict(data["parameters"]),
+                criterion=data["criterion"],
+                sweep=tuple(SweepRow.from_json(row) for row in data["sweep"]),
+                recommended_k=data["recommended_k"],
+                median_heuristic_k=data["median_heuristic_k"],
+                reason=data["reason"],
+                config=data.get("config"),
+                wrote_config=None if "config" not in data else data.get("ok") is not False,
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise InputError(
+                f"{where} is not a madp recommend-k sweep this madp reads ({type(error).__name__}: {error}); "
+                f"run madp recommend-k again"
+            ) from None
+
+
+def recommend(input_path: str, sweep: Sweep) -> Recommendation:
     """The sweep's rows (one per k, feasible or with the reasons it is not), the k the excess-risk
     proxy recommends among the feasible ones, and the median heuristic's k; it never stops at a k."""
     chunk = read_graph_input(input_path, sweep.columns)
@@ -307,33 +433,32 @@ def recommend(input_path: str, sweep: Sweep) -> dict:
     median = float(np.median(before)) if graph.users else 0.0
     log.info("%d records, %d users, median %g records per user", len(chunk), graph.users, median)
     rows = [_row(chunk, graph, before, sweep, k) for k in sorted(set(sweep.ks))]
-    median_k = min(rows, key=lambda row: (abs(row["k"] - median), row["k"]))["k"]
-    for row in rows:
-        row["median_heuristic"] = row["k"] == median_k
-    candidates = [row for row in rows if row["feasible"]]
-    chosen = min(candidates, key=lambda row: (row["excess_risk"], row["k"])) if candidates else None
-    return {
-        "input": {
-            "path": input_path,
-            "records": len(chunk),
-            "users": graph.users,
-            "mean_users_per_record": round(float(graph.arity.mean()), 6) if len(chunk) else 0.0,
-            "median_records_per_user": median,
-            "records_per_user_quantiles": {str(q): float(np.quantile(before, q)) for q in (0.5, 0.9, 0.99, 1.0)}
+    median_k = min(rows, key=lambda row: (abs(row.k - median), row.k)).k
+    rows = [dataclasses.replace(row, median_heuristic=row.k == median_k) for row in rows]
+    candidates = [row for row in rows if row.feasible]
+    chosen = min(candidates, key=lambda row: (_scored(row)[1].total, row.k)) if candidates else None
+    return Recommendation(
+        input=SweptInput(
+            path=input_path,
+            records=len(chunk),
+            users=graph.users,
+            mean_users_per_record=round(float(graph.arity.mean()), 6) if len(chunk) else 0.0,
+            median_records_per_user=median,
+            records_per_user_quantiles={str(q): float(np.quantile(before, q)) for q in (0.5, 0.9, 0.99, 1.0)}
             if graph.users
             else {},
-        },
-        "parameters": {**dataclasses.asdict(sweep), "columns": None},
-        "criterion": "minimum over the feasible k of bias + variance = (1 - kept fraction of records) + "
-        "T (sigma / B)^2 (a proxy of expected excess risk; see madp/tools/recommend.py)",
-        "sweep": rows,
-        "recommended_k": chosen["k"] if chosen else None,
-        "median_heuristic_k": median_k,
-        "reason": _reason(chosen, rows, median, median_k, sweep),
-    }
+        ),
+        parameters={**dataclasses.asdict(sweep), "ks": list(sweep.ks), "columns": None},  # as JSON holds them
+        criterion="minimum over the feasible k of bias + variance = (1 - kept fraction of records) + "
+        "T (sigma / B)^2 (a proxy of expected excess risk; see madp/tools/planning/recommend.py)",
+        sweep=tuple(rows),
+        recommended_k=chosen.k if chosen else None,
+        median_heuristic_k=median_k,
+        reason=_reason(chosen, rows, median, median_k, sweep),
+    )
 
 
-def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep, k: int) -> dict[str, Any]:
+def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep, k: int) -> SweepRow:
     kept = {}
     for duplicates in (False, True):
         options = BoundOptions(max_contributions=k, order=sweep.order, seed=sweep.seed, duplicates=duplicates)
@@ -351,34 +476,34 @@ def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep,
             problems.append(f"calibration: {error}")
     kept_fraction = float(distinct.mean()) if len(chunk) else 0.0
     risk = excess_risk(kept_fraction, sigma, sweep.batch_size, sweep.steps) if sigma is not None else None
-    row = {
-        "k": k,
-        "kept_records": int(distinct.sum()),
-        "kept_fraction": round(kept_fraction, 6),
-        "kept_records_with_duplicates": int(kept[True].sum()),
-        "kept_users": int((after > 0).sum()),
-        "kept_users_fraction": round(float((after > 0).mean()), 6) if graph.users else 0.0,
-        "users_capped_fraction": round(float((before > k).mean()), 6) if graph.users else 0.0,
-        "users_at_bound_fraction": round(float((after == k).mean()), 6) if graph.users else 0.0,
-        "mean_users_per_kept_record": round(float(graph.arity[distinct].mean()), 6) if distinct.any() else 0.0,
-        "largest_batch_size": round(batches.reach.largest, 3),
-        "largest_batch_sampling_probability": batches.reach.probability,
-        "sampling_probability": batches.sampling_probability,
-        "max_batch_size": batches.max_batch_size,
-        "truncation_delta": batches.truncation_delta,
-        "noise_multiplier": sigma,
-        "epsilon": epsilon,
-        "noise_std_over_batch": None if sigma is None else sigma * sweep.clip_norm / sweep.batch_size,
-        "bias": None if risk is None else round(risk.bias, 6),
-        "variance": None if risk is None else round(risk.variance, 6),
-        "excess_risk": None if risk is None else round(risk.total, 6),
-        "feasible": not problems,
-        "problems": problems,
-    }
+    row = SweepRow(
+        k=k,
+        kept_records=int(distinct.sum()),
+        kept_fraction=round(kept_fraction, 6),
+        kept_records_with_duplicates=int(kept[True].sum()),
+        kept_users=int((after > 0).sum()),
+        kept_users_fraction=round(float((after > 0).mean()), 6) if graph.users else 0.0,
+        users_capped_fraction=round(float((before > k).mean()), 6) if graph.users else 0.0,
+        users_at_bound_fraction=round(float((after == k).mean()), 6) if graph.users else 0.0,
+        mean_users_per_kept_record=round(float(graph.arity[distinct].mean()), 6) if distinct.any() else 0.0,
+        largest_batch_size=round(batches.reach.largest, 3),
+        largest_batch_sampling_probability=batches.reach.probability,
+        sampling_probability=batches.sampling_probability,
+        max_batch_size=batches.max_batch_size,
+        truncation_delta=batches.truncation_delta,
+        noise_multiplier=sigma,
+        epsilon=epsilon,
+        noise_std_over_batch=None if sigma is None else sigma * sweep.clip_norm / sweep.batch_size,
+        bias=None if risk is None else round(risk.bias, 6),
+        variance=None if risk is None else round(risk.variance, 6),
+        excess_risk=None if risk is None else round(risk.total, 6),
+        feasible=not problems,
+        problems=tuple(problems),
+    )
     log.info(
         "k = %d: keeps %d records (%.1f%%), sigma %s%s",
         k,
-        row["kept_records"],
+        row.kept_records,
         100 * kept_fraction,
         "-" if sigma is None else f"{sigma:.4g}",
         "" if not problems else f"; infeasible: {'; '.join(problems)}",
@@ -410,75 +535,85 @@ def _noise(sweep: Sweep, k: int, batches: BatchFeasibility) -> tuple[float, floa
     return result.noise_multiplier, result.epsilon
 
 
-def _reason(chosen: dict | None, rows: list[dict], median: float, median_k: int, sweep: Sweep) -> str:
+def _reason(chosen: SweepRow | None, rows: list[SweepRow], median: float, median_k: int, sweep: Sweep) -> str:
     if chosen is None:
         first = rows[0]
-        return f"no swept k is feasible (each row says why), e.g. k = {first['k']}: {first['problems'][0]}"
+        return f"no swept k is feasible (each row says why), e.g. k = {first.k}: {first.problems[0]}"
+    # a feasible row has passed the accountant: its sigma and proxy are there
+    sigma, risk = _scored(chosen)
     text = (
-        f"k = {chosen['k']} has the smallest excess-risk proxy among the feasible k: bias (1 - kept fraction) "
-        f"{chosen['bias']:.3g} + variance (T (sigma/B)^2, sigma {chosen['noise_multiplier']:.3g}) "
-        f"{chosen['variance']:.3g} = {chosen['excess_risk']:.3g}; it keeps {100 * chosen['kept_fraction']:.1f}% "
-        f"of the records with noise std {chosen['noise_std_over_batch']:.3g} of the averaged gradient"
+        f"k = {chosen.k} has the smallest excess-risk proxy among the feasible k: bias (1 - kept fraction) "
+        f"{risk.bias:.3g} + variance (T (sigma/B)^2, sigma {sigma:.3g}) "
+        f"{risk.variance:.3g} = {risk.total:.3g}; it keeps {100 * chosen.kept_fraction:.1f}% "
+        f"of the records with noise std {chosen.noise_std_over_batch:.3g} of the averaged gradient"
     )
-    scored = [row for row in rows if row["excess_risk"] is not None]
+    scored = [row for row in rows if row.excess_risk is not None]
     at = scored.index(chosen)
     for row in scored[max(at - 1, 0) : at] + scored[at + 1 : at + 2]:  # the scored k on either side
+        other_sigma, other = _scored(row)
         text += (
-            f"; k = {row['k']}: {100 * (row['kept_fraction'] - chosen['kept_fraction']):+.1f} points kept, "
-            f"{row['noise_multiplier'] / chosen['noise_multiplier']:.2f}x the noise, risk {row['excess_risk']:.3g}"
+            f"; k = {row.k}: {100 * (row.kept_fraction - chosen.kept_fraction):+.1f} points kept, "
+            f"{other_sigma / sigma:.2f}x the noise, risk {other.total:.3g}"
         )
     text += f"; the median user has {median:g} records (ELS heuristic, Sec. 6: k = {median_k})"
-    if chosen is scored[-1] and len(scored) > 1 and scored[-2]["excess_risk"] > chosen["excess_risk"]:
+    if chosen is scored[-1] and len(scored) > 1 and _scored(scored[-2])[1].total > risk.total:
         text += (
-            f"; k = {chosen['k']} is the largest k swept and the proxy was still falling there: sweep larger "
-            f"k too (--k {','.join(str(row['k']) for row in rows)},{2 * chosen['k']},{4 * chosen['k']})"
+            f"; k = {chosen.k} is the largest k swept and the proxy was still falling there: sweep larger "
+            f"k too (--k {','.join(str(row.k) for row in rows)},{2 * chosen.k},{4 * chosen.k})"
         )
-    infeasible = [row["k"] for row in rows if not row["feasible"]]
+    infeasible = [row.k for row in rows if not row.feasible]
     if infeasible:
         text += f"; infeasible: k = {', '.join(map(str, infeasible))} (see their problems)"
     return text
 
 
+def _scored(row: SweepRow) -> tuple[float, ExcessRisk]:
+    """The sigma and excess-risk proxy of a row the accountant calibrated."""
+    assert row.noise_multiplier is not None and row.bias is not None and row.variance is not None
+    assert row.excess_risk is not None
+    return row.noise_multiplier, ExcessRisk(row.bias, row.variance, row.excess_risk)
+
+
 # --- the table and the config ---------------------------------------------------------------------
 
 
-def table(result: dict) -> str:
+def table(result: Recommendation) -> str:
     """The sweep as a fixed-width table, then the problems of the infeasible rows and the reason."""
     header = ["k", "kept", "kept%", "users", "max E|B|", "p", "B_max", "trunc.delta", "sigma", "sigma C/B"]
     header += ["bias", "variance", "risk", ""]
     lines: list[list[str]] = [header]
-    for row in result["sweep"]:
+    for row in result.sweep:
         marks = []
-        if row["k"] == result["recommended_k"]:
+        if row.k == result.recommended_k:
             marks.append("<- recommended")
-        if row["median_heuristic"]:
+        if row.median_heuristic:
             marks.append("median heuristic")
-        if not row["feasible"]:
+        if not row.feasible:
             marks.append("INFEASIBLE")
         lines.append(
             [
-                str(row["k"]),
-                str(row["kept_records"]),
-                f"{100 * row['kept_fraction']:.1f}",
-                str(row["kept_users"]),
-                f"{math.floor(10 * row['largest_batch_size']) / 10:.1f}",  # as the problems say it: reachable
-                _figure(row["sampling_probability"]),
-                "-" if row["max_batch_size"] is None else str(row["max_batch_size"]),
-                _figure(row["truncation_delta"]),
-                _figure(row["noise_multiplier"]),
-                _figure(row["noise_std_over_batch"]),
-                _figure(row["bias"]),
-                _figure(row["variance"]),
-                _figure(row["excess_risk"]),
+                str(row.k),
+                str(row.kept_records),
+                f"{100 * row.kept_fraction:.1f}",
+                str(row.kept_users),
+                f"{math.floor(10 * row.largest_batch_size) / 10:.1f}",  # as the problems say it: reachable
+                _figure(row.sampling_probability),
+                "-" if row.max_batch_size is None else str(row.max_batch_size),
+                _figure(row.truncation_delta),
+                _figure(row.noise_multiplier),
+                _figure(row.noise_std_over_batch),
+                _figure(row.bias),
+                _figure(row.variance),
+                _figure(row.excess_risk),
                 ", ".join(marks),
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)).rstrip() for line in lines]
-    for row in result["sweep"]:
-        text += [f"k = {row['k']}: {problem}" for problem in row["problems"]]
-    text.append(f"criterion: {result['criterion']}")
-    text.append(f"recommended k = {result['recommended_k']}: {result['reason']}")
+    for row in result.sweep:
+        text += [f"k = {row.k}: {problem}" for problem in row.problems]
+    text.append(f"criterion: {result.criterion}")
+    text.append(f"recommended k = {result.recommended_k}: {result.reason}")
     return "\n".join(text)
 
 
@@ -536,12 +671,11 @@ def train_section(
     return section
 
 
-def job_config(result: dict, sweep: Sweep, input_path: str, run_dir: str, train: dict[str, Any]) -> dict[str, Any]:
-    """The `madp run` config of the recommended k: bound, batch, calibrate and train as the sweep
+def job_config(row: SweepRow, sweep: Sweep, input_path: str, run_dir: str, train: dict[str, Any]) -> dict[str, Any]:
+    """The `madp run` config of the recommended k (its `row`): bound, batch, calibrate and train as the sweep
     checked them (B_max where truncation is accounted: the smallest within the stated share)."""
-    row = next(row for row in result["sweep"] if row["k"] == result["recommended_k"])
     columns = sweep.columns
-    bound: dict[str, Any] = {"max_contributions": row["k"]}
+    bound: dict[str, Any] = {"max_contributions": row.k}
     if columns.id != "id":
         bound["id_column"] = columns.id
     if columns.users_columns:
@@ -557,8 +691,8 @@ def job_config(result: dict, sweep: Sweep, input_path: str, run_dir: str, train:
     bound["runner"] = "local"
     batch_size = int(sweep.batch_size) if float(sweep.batch_size).is_integer() else sweep.batch_size
     batch: dict[str, Any] = {"steps": sweep.steps, "batch_size": batch_size, "min_sep": sweep.min_sep}
-    if row["max_batch_size"] is not None:
-        batch["max_batch_size"] = row["max_batch_size"]
+    if row.max_batch_size is not None:
+        batch["max_batch_size"] = row.max_batch_size
     batch["runner"] = "local"
     calibrate_: dict[str, Any] = {"epsilon": sweep.epsilon, "delta": sweep.delta, "mechanism": sweep.mechanism}
     if sweep.mechanism == "bandmf":
@@ -574,10 +708,10 @@ def job_config(result: dict, sweep: Sweep, input_path: str, run_dir: str, train:
     }
 
 
-def write_config(path: str, config: dict[str, Any], result: dict) -> None:
+def write_config(path: str, config: dict[str, Any], k: int) -> None:
     header = (
-        f"# Written by `madp recommend-k`: k = {result['recommended_k']} by the excess-risk proxy "
-        f"(bias + variance, madp/tools/recommend.py).\n"
+        f"# Written by `madp recommend-k`: k = {k} by the excess-risk proxy "
+        f"(bias + variance, madp/tools/planning/recommend.py).\n"
         f"# `madp run {os.path.basename(path)}` runs it; runner local bounds and batches in this process "
         f"(DirectRunner, DataflowRunner, ... for Beam: see runners/).\n"
     )
@@ -591,11 +725,12 @@ def write_config(path: str, config: dict[str, Any], result: dict) -> None:
 SWEEP_FILE = "recommend-k.json"  # in the run directory of the config written: `madp report` plots it
 
 
-def write_sweep(run_dir: str, result: dict) -> None:
+def write_sweep(run_dir: str, result: Recommendation) -> None:
     """The sweep beside the run it planned (`RUN_DIR/recommend-k.json`). A function of the graph and the
     public parameters only (no content, no sampling), as the bound's report is: `madp report` shows
     its curve on the published page."""
-    storage.write_text(storage.join(run_dir, SWEEP_FILE), json.dumps(result, indent=2, default=str) + "\n")
+    text = json.dumps(result.to_json(), indent=2, default=str) + "\n"
+    storage.write_text(storage.join(run_dir, SWEEP_FILE), text)
 
 
 # --- `madp run`: the same check for one k -----------------------------------------------------------
