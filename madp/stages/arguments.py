@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import numbers
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.core.options import value_type
 
 LOCAL = "local"  # the runner of the in-memory engines, in this process; any other name is a Beam runner's
@@ -34,16 +35,38 @@ def options_of(step: str, options_class: type[Options], options: Mapping[str, An
     return options_class(**_as_parsed(options_class, options))
 
 
+# What a Python value of each option type must be, as the command line's parser would give it.
+_TAKES = {
+    int: ((numbers.Integral,), "an integer"),  # numpy's integers too
+    float: ((numbers.Real,), "a number"),
+    str: ((str,), "a string"),
+    bool: ((bool,), "True or False"),
+    tuple: ((list, tuple), "a list"),
+}
+
+
 def _as_parsed(options_class: type, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options as the command line's parser gives them: an int for a float option is a float (`epsilon=8`
-    is 8.0, so that the files a step writes say what the command's say) and a list for a tuple one a tuple."""
+    """The options as the command line's parser gives them, or an `OptionError` naming the first it would
+    refuse: an int option takes an integer (not a bool, nor a float: `max_contributions=2.5` reached the
+    reports, and a float row limit crashed after the earlier batches were cleared), a float option a number
+    (`epsilon=8` is 8.0, so that the files a step writes say what the command's say), a tuple option a list or
+    tuple (a string would be taken character by character), and None only where the option may be None."""
     hints = typing.get_type_hints(options_class)
     parsed = dict(options)
     for name, value in options.items():
         kind = value_type(hints[name])
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            parsed[name] = float(value)
-        elif kind is tuple and isinstance(value, list):
+        if kind not in _TAKES:  # not a plain value (e.g. a mapping): the dataclass checks it
+            continue
+        accepted, said = _TAKES[kind]
+        if value is None:
+            if type(None) not in typing.get_args(hints[name]):
+                raise OptionError(f"{{{name}}} must be {said}, got None")
+            continue
+        if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
+            raise OptionError(f"{{{name}}} must be {said}, got {{0!r}}", value)
+        if kind in (int, float):  # a numpy number as the Python one JSON writes
+            parsed[name] = kind(value)
+        elif isinstance(value, list):  # a tuple option's list
             parsed[name] = tuple(value)
     return parsed
 

@@ -41,7 +41,7 @@ def calibrate(batches: str, output: str | None = None, **options: Any) -> Privac
         TypeError: an option that `madp train` does not have (the error lists those it has).
         madp.core.errors.InputError: bad options (neither or both of epsilon and noise_multiplier, a
             delta out of range, ...), batches whose report the accountant cannot read, or a target the
-            mechanism cannot reach; the message names the option or file.
+            mechanism cannot reach, or an output inside the batches; the message names the option or file.
 
     Example:
         >>> import madp, tempfile
@@ -57,7 +57,10 @@ def calibrate(batches: str, output: str | None = None, **options: Any) -> Privac
         >>> len(plan.epsilon_curve)  # (sigma, epsilon) from sigma / 2 to 2 sigma
         9
     """
-    return run_calibrate(batches, output, options_of("calibrate", TrainOptions, options))
+    calibrate_options = options_of("calibrate", TrainOptions, options)
+    if output is not None:  # calibration.json inside the batch output would replace one of its files
+        storage.refuse_overlap(output, [batches])
+    return run_calibrate(batches, output, calibrate_options)
 
 
 def run_calibrate(batches: str, output: str | None, options: TrainOptions) -> PrivacyPlan | None:

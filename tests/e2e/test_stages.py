@@ -126,6 +126,33 @@ def test_the_output_is_held_and_kept_apart_from_the_inputs_as_the_command_line_d
     assert not (tmp_path / "out" / ".madp.lock").exists()  # released after the refusal
 
 
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"max_contributions": 2.5}, "max_contributions must be an integer, got 2.5"),
+        ({"max_contributions": True}, "max_contributions must be an integer, got True"),
+        ({"max_contributions": 2, "seed": None}, "seed must be an integer, got None"),
+        ({"max_contributions": 2, "users_columns": "users"}, "users_columns must be a list, got 'users'"),
+    ],
+)
+def test_a_value_the_command_line_would_refuse_is_refused_by_name(records, tmp_path, options, said):
+    """A float, a bool or None for an integer option, a string for a list one: refused before anything is
+    written, as the command line refuses it (a float row limit crashed the batching after it had cleared
+    the earlier batches)."""
+    with pytest.raises(InputError, match=said):
+        madp.bound(records, str(tmp_path / "out"), **options)
+    with pytest.raises(InputError, match="max_batch_size must be an integer, got 4.5"):
+        madp.batch(records, records, str(tmp_path / "out"), steps=3, batch_size=2, max_batch_size=4.5)
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_json_is_never_written_into_the_batches(both):
+    api = both[0]
+    with pytest.raises(InputError, match="overlaps input"):
+        madp.calibrate(str(api / "batches"), str(api / "batches" / "report.json"), epsilon=8, bands=2)
+    assert json.loads((api / "batches" / "report.json").read_text())["files"]  # the batch report, intact
+
+
 @pytest.mark.tf
 @pytest.mark.slow
 def test_train_trains_the_model_madp_train_trains(both, capsys):
