@@ -63,22 +63,18 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.core.verify import verify_batches
+    from madp.stages.batching import run_verify_batches
 
-    columns = options_from(ColumnOptions, args).columns
-    return verify_batches(
+    return run_verify_batches(
         args.output,
         args.data,
-        args.min_sep,
-        args.max_participations,
-        args.max_batch_size,
-        columns.id,
-        columns.users,
+        options_from(ColumnOptions, args).columns,
+        min_sep=args.min_sep,
+        max_participations=args.max_participations,
+        max_batch_size=args.max_batch_size,
         selected=args.selected,
         max_contributions=args.max_contributions,
-        users_columns=columns.users_columns,
-        user_ids=columns.user_ids,
-        capacities_path=args.capacities,
+        capacities=args.capacities,
     )
 
 

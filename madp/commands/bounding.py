@@ -48,19 +48,10 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
 
 
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
-    from madp.core.verify import verify_bound
+    from madp.stages.bounding import run_verify_bound
 
     columns = options_from(ColumnOptions, args).columns
-    return verify_bound(
-        args.input,
-        args.output,
-        args.max_contributions,
-        args.capacities,
-        columns.id,
-        columns.users,
-        columns.users_columns,
-        columns.user_ids,
-    )
+    return run_verify_bound(args.input, args.output, args.max_contributions, args.capacities, columns)
 
 
 FAMILY = Family(

@@ -73,19 +73,9 @@ class VerifyBound:
         return ()
 
     def run(self) -> Result:
-        from madp.core.verify import verify_bound
+        from madp.stages.bounding import run_verify_bound
 
-        columns = self.columns
-        return verify_bound(
-            self.input,
-            self.output,
-            self.max_contributions,
-            self.capacities,
-            columns.id,
-            columns.users,
-            columns.users_columns,
-            columns.user_ids,
-        )
+        return run_verify_bound(self.input, self.output, self.max_contributions, self.capacities, self.columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,21 +117,18 @@ class VerifyBatches:
         return ()
 
     def run(self) -> Result:
-        from madp.core.verify import verify_batches
+        from madp.stages.batching import run_verify_batches
 
-        columns = self.columns
-        return verify_batches(
+        return run_verify_batches(
             self.output,
             self.data,
-            self.min_sep,
-            None,
-            self.max_batch_size,
-            columns.id,
-            columns.users,
+            self.columns,
+            min_sep=self.min_sep,
+            max_participations=None,
+            max_batch_size=self.max_batch_size,
             selected=self.selected,
             max_contributions=self.max_contributions,
-            users_columns=columns.users_columns,
-            user_ids=columns.user_ids,
+            capacities=None,
         )
 
 

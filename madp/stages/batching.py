@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from madp.core.records import Columns
 from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
 from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
@@ -97,3 +98,35 @@ def run_batch(
     from madp.beam.batch import run_beam
 
     return run_beam(selected, data, output, options, beam_args)
+
+
+def run_verify_batches(
+    output: str,
+    data: str,
+    columns: Columns,
+    *,
+    min_sep: int,
+    max_participations: int | None,
+    max_batch_size: int | None,
+    selected: str,
+    max_contributions: int,
+    capacities: str | None,
+) -> dict[str, Any]:
+    """`madp verify-batches` (and `madp run`'s stage of it): the independent verifier's check of the batches at
+    `output` against `data`'s records, read with `columns`, and the selection they were sampled from."""
+    from madp.core.verify import verify_batches
+
+    return verify_batches(
+        output,
+        data,
+        min_sep,
+        max_participations,
+        max_batch_size,
+        columns.id,
+        columns.users,
+        selected=selected,
+        max_contributions=max_contributions,
+        users_columns=columns.users_columns,
+        user_ids=columns.user_ids,
+        capacities_path=capacities,
+    )

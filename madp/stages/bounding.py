@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from madp.core.records import Columns
 from madp.core.reports import BoundReport
 from madp.core.selection import BoundOptions
 from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
@@ -78,3 +79,15 @@ def run_bound(
     from madp.beam.bound import run_beam
 
     return run_beam(input, output, options, beam_args)
+
+
+def run_verify_bound(
+    input: str, output: str, max_contributions: int, capacities: str | None, columns: Columns
+) -> dict[str, Any]:
+    """`madp verify-bound` (and `madp run`'s stage of it): the independent verifier's check that no user of
+    `input`'s records, read with `columns`, is in more of the selection at `output` than its bound."""
+    from madp.core.verify import verify_bound
+
+    return verify_bound(
+        input, output, max_contributions, capacities, columns.id, columns.users, columns.users_columns, columns.user_ids
+    )
