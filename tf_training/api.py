@@ -22,20 +22,14 @@ from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
 from madp.training.data import StepRows, feature_spec, rows_per_step, step_batches
+from madp.training.ledger import FINISHED, STARTED, Ledger, composed_plan, entry_of, record_training, trainings_ledger
 from madp.training.options import TrainOptions
 from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
-    FINISHED,
-    STARTED,
-    Ledger,
     PrivacyPlan,
-    composed_plan,
-    earlier_trainings,
     labels_read_from_data,
     plan_for,
     pretrained_is_public,
     privacy_json,
-    record_training,
-    trainings_ledger,
 )
 from madp.training.queries import BandMfQuery, DpSgdQuery
 from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision, trace  # noqa: F401 (exported)
@@ -445,8 +439,8 @@ class PrivateTrainingStep(PrivateStep):
 
     def _enter_locked(self, ledger: Ledger, state: str, resumable_from: int | None) -> None:
         if self._entered:  # the entry must still be this run's: a continuation may have taken it over
-            entry = next((t for t in earlier_trainings(ledger) if t.get("training") == self.training), {})
-            if entry.get("run") != self.run:
+            entry = entry_of(ledger, self.training)
+            if entry is None or entry.run != self.run:
                 raise InputError(self._superseded())
         else:  # its first entry (a one-step plan's is FINISHED)
             if self.continues:  # again under the lock: another continuation may have entered since
@@ -693,20 +687,20 @@ def _check_continued(ledger: Ledger, training: str, resumed_at: int) -> None:
             f"training={training!r} continues an interrupted training: pass resumed_at (the steps it took), "
             f"or leave training out for a new training (entered and composed on its own)"
         )
-    entry = next((t for t in earlier_trainings(ledger) if t.get("training") == training), None)
+    entry = entry_of(ledger, training)
     if entry is None:
         raise InputError(
             f"training={training!r} is not in the trainings ledger of {ledger.selection}: nothing to continue"
         )
-    if entry.get("batch_files") != ledger.batch_files:
+    if entry.batch_files != ledger.batch_files:
         raise InputError(
             f"training={training!r} trained on other batch files than {ledger.batches} holds now (batched again "
             f"since it started): its later steps would train on another sampling than its first ones, which its "
             f"plan does not account for; continue it on the batches it trained on, or train anew (a new training, "
             f"composed with it)"
         )
-    resumable_from = entry.get("resumable_from", 0)  # entries of madp before 2026-11-27: any step
-    if entry.get("state", FINISHED) != STARTED:
+    resumable_from = entry.resumable_from
+    if entry.state != STARTED:
         if resumed_at == resumable_from:  # from its last step's checkpoint: no step runs again, nothing new
             return  # is released; a run stopped while writing its outputs writes them so
         raise InputError(

@@ -17,6 +17,7 @@ import json
 import math
 import posixpath
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from madp.core.errors import InputError
 from madp.core.options import flag_of
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
+from madp.training.ledger import FINISHED, entry_of, ledger_of
 from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import (
     CHECKPOINTS,
@@ -36,7 +38,7 @@ from madp.training.outputs import (
     internal_path,
     replaced_kept,
 )
-from madp.training.plan import FINISHED, PrivacyPlan, earlier_trainings, ledger_of
+from madp.training.plan import PrivacyPlan
 from madp.training.steps import row_groups
 
 tf = load_tensorflow()
@@ -203,42 +205,42 @@ class Checkpoints:
         self.step_var.assign(done)
         internal_path(self.output, CHECKPOINTS)  # its NOTICE first: never published
         path = self.manager.save(checkpoint_number=done)
-        state = {
-            "step": done,
-            "checkpoint": path,
-            "eval": metrics,
-            "plan": None if plan is None else plan.to_json(),
-            "training": self.training,
-            "run": self.run,  # which run's ledger write makes next_state.json the one to resume from
-            "options": self.options,  # what a resume must give again (`refuse_other_options`)
-        }
-        text = _state_text(state)
+        state = CheckpointState(
+            step=done,
+            checkpoint=path,
+            evaluations=tuple(metrics),
+            plan=None if plan is None else plan.to_json(),
+            training=self.training,
+            run=self.run,
+            options=self.options,
+        )
+        text = state.text()
         storage.write_text(self.next_state_file, text)  # after the files it names
         record()
         storage.write_text(self.state_file, text)
 
-    def restore(self, state: dict, plan: PrivacyPlan | None) -> None:
+    def restore(self, state: CheckpointState, plan: PrivacyPlan | None) -> None:
         """Restore the checkpoint that `state` (`interrupted_state`) names. Refused unless it was written under
         the same plan (which the batches and a --pretrained model's files define too; the options are checked
         before: `refuse_other_options`)."""
         stated = None if plan is None else json.loads(json.dumps(plan.to_json(), default=list))
-        if state["plan"] != stated:
-            was, now = state["plan"] or {}, stated or {}
+        if state.plan != stated:
+            was, now = state.plan or {}, stated or {}
             differing = sorted(key for key in was.keys() | now.keys() if was.get(key) != now.get(key))
             raise InputError(
                 f"--resume: {self.directory} was written under another privacy plan (its {', '.join(differing)} "
                 f"differ: the options, the batches or a --pretrained model's files changed); train afresh"
             )
         # The checkpoint's own name, in this OUTPUT: a copy of OUTPUT resumes its own files, not the original's.
-        path = storage.join(self.directory, posixpath.basename(state["checkpoint"]))
+        path = storage.join(self.directory, posixpath.basename(state.checkpoint))
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except Exception as error:  # TensorFlow's errors, a mismatch, a damaged object graph (a DecodeError)
             raise InputError(f"--resume: cannot restore {path}, which {self.state_file} names: {error}") from error
-        if int(self.step_var.numpy()) != state["step"]:
-            raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state['step']}")
+        if int(self.step_var.numpy()) != state.step:
+            raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state.step}")
         # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
-        storage.write_text(self.state_file, _state_text(state))
+        storage.write_text(self.state_file, state.text())
 
 
 # The TrainOptions fields that say how one run of a training goes, not which training it is: a --resume may
@@ -258,19 +260,19 @@ def training_options(options: TrainOptions) -> dict:
     return json.loads(json.dumps({name: value for name, value in fields.items() if name not in RUN_ONLY_OPTIONS}))
 
 
-def refuse_other_options(output: str, state: dict, options: TrainOptions) -> None:
+def refuse_other_options(output: str, state: CheckpointState, options: TrainOptions) -> None:
     """Refuse a --resume into OUTPUT whose options define another training than the interrupted one (`state`,
     from `interrupted_state`), naming each option that differs by its flag: it would finish that training
     under other settings, and metrics.json would record them as the training's. An option that one of the two
     madp versions has not is not compared. A state without "options" (written by a madp that did not record
     them) is accepted as it was then: its evaluation data is compared (else evaluations kept internal could be
     published) and its plan (`Checkpoints.restore`)."""
-    recorded = state.get("options")
+    recorded = state.options
     if recorded is None:
         evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
-        if state.get("evaluated_on") != evaluated_on:
+        if state.evaluated_on != evaluated_on:
             raise InputError(
-                f"--resume: the interrupted training evaluated with {state.get('evaluated_on')}, not "
+                f"--resume: the interrupted training evaluated with {state.evaluated_on}, not "
                 f"{evaluated_on}: resume with the same --eval-data and --eval-data-public"
             )
         return
@@ -299,20 +301,19 @@ def _as_given(name: str, value) -> str:
     return f"{flag} {','.join(value) if isinstance(value, list) else value}"
 
 
-def interrupted_state(output: str, batches_dir: str) -> dict | None:
+def interrupted_state(output: str, batches_dir: str) -> CheckpointState | None:
     """The state of OUTPUT's checkpoint to resume from, or None if it holds none: next_state.json where a
     crash came between its checkpoint's ledger write and state.json (the ledger's entry names its run and
     step: nothing earlier may continue), else state.json (the ledger has not moved past it). Reads only."""
     directory = checkpoints_directory(output)
     state = _read_state(storage.join(directory, STATE_FILE))
     following = _read_state(storage.join(directory, NEXT_STATE_FILE))
-    if following is None or following.get("training") is None:
+    if following is None or following.training is None:
         return state
-    training = following["training"]
-    if state is not None and state.get("training") != training:
+    if state is not None and state.training != following.training:
         return state
-    entry = next((t for t in earlier_trainings(ledger_of(batches_dir)) if t.get("training") == training), {})
-    if (entry.get("run"), entry.get("resumable_from")) == (following.get("run"), following["step"]):
+    entry = entry_of(ledger_of(batches_dir), following.training)
+    if entry is not None and (entry.run, entry.resumable_from) == (following.run, following.step):
         return following
     return state
 
@@ -323,29 +324,28 @@ def after_stop(output: str, batches_dir: str) -> str:
     as finished (it stopped while writing its outputs) or no checkpoint was kept, a new training."""
     try:
         state = interrupted_state(output, batches_dir)
-        training = None if state is None else state.get("training")  # None: a non-private training
-        ledger = earlier_trainings(ledger_of(batches_dir)) if training is not None else []
+        training = None if state is None else state.training  # None: a non-private training
+        entry = entry_of(ledger_of(batches_dir), training) if training is not None else None
     except InputError as error:  # a damaged state or ledger, which --resume names too
         return f"its checkpoint state cannot be read ({error})"
-    entry = next((t for t in ledger if t.get("training") == training), {})
     fresh = (
         "train again, into a new OUTPUT" if storage.kind(storage.join(output, "logs")) != "missing" else "train again"
     )
     kept = f" ({aside})" if (aside := replaced_kept(output)) else ""
-    if entry.get("state") == FINISHED and state is not None and state["step"] == entry.get("resumable_from"):
-        return (
-            f"the training ran all its steps, but its outputs were not all written or its checkpoint not removed: "
-            f"the same command with --resume writes them from the checkpoint of its last step, running no step "
-            f"again{kept}"
-        )
-    if entry.get("state") == FINISHED:
+    if entry is not None and entry.state == FINISHED:
+        if state is not None and state.step == entry.resumable_from:
+            return (
+                f"the training ran all its steps, but its outputs were not all written or its checkpoint not "
+                f"removed: the same command with --resume writes them from the checkpoint of its last step, running "
+                f"no step again{kept}"
+            )
         return (
             f"the training ran all its steps (the trainings ledger holds it as finished) but {output} was not all "
             f"written, so it cannot be resumed: {fresh} (composed with it)"
         )
     if state is not None:
         return (
-            f"{output} keeps the checkpoint of step {state['step']}: the same command with --resume continues from "
+            f"{output} keeps the checkpoint of step {state.step}: the same command with --resume continues from "
             f"it{kept}"
         )
     if storage.kind(storage.join(output, "privacy.json")) == "file":  # a --replace training's: the one it replaced
@@ -353,11 +353,7 @@ def after_stop(output: str, batches_dir: str) -> str:
     return f"{output} keeps no checkpoint (--checkpoint-every writes them): {fresh}"
 
 
-def _state_text(state: dict) -> str:
-    return json.dumps(state, indent=2, default=list, allow_nan=False)
-
-
-def _is_evaluation(entry) -> bool:
+def _is_evaluation(entry: Any) -> bool:
     """{"step": int, metric: number, ...}, as the trainer appends them."""
     return (
         isinstance(entry, dict)
@@ -366,23 +362,75 @@ def _is_evaluation(entry) -> bool:
     )
 
 
-def _read_state(path: str) -> dict | None:
+@dataclasses.dataclass(frozen=True)
+class CheckpointState:
+    """What OUTPUT/internal/checkpoints/state.json (and next_state.json, `Checkpoints`) says of a checkpoint:
+    the step it holds, its files, the evaluations so far and what a resume must match. Its JSON (`to_json`)
+    is the file's object, its fields in this order; a state an earlier madp wrote lacks `options` and holds
+    `evaluated_on` instead (`refuse_other_options`), and one written before trainings had an id has no
+    `training` nor `run`."""
+
+    step: int  # the steps done: the step the checkpoint holds
+    checkpoint: str  # the checkpoint's path, as TensorFlow's manager named it (its base name is read)
+    evaluations: tuple[dict[str, float], ...]  # "eval": {"step": int, metric: number, ...}, as the trainer took them
+    plan: dict[str, Any] | None  # the plan trained under, as its JSON (None: a non-private training)
+    training: str | None  # the training's id in the trainings ledger (None: a non-private training)
+    run: str | None  # which run's ledger write makes next_state.json the one to resume from
+    options: dict[str, Any] | None  # what a resume must give again (`training_options`)
+    evaluated_on: dict[str, Any] | None = None  # earlier madp: the evaluation data, where it recorded no options
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> CheckpointState:
+        """The state of a parsed state file (`where` names it in errors), its fields checked."""
+        if not (
+            isinstance(data, dict)
+            and type(data.get("step")) is int
+            and isinstance(data.get("checkpoint"), str)
+            and isinstance(data.get("eval"), list)
+            and all(_is_evaluation(entry) for entry in data["eval"])
+            and isinstance(data.get("plan"), dict | None)
+            and isinstance(data.get("options"), dict | None)
+            and all(isinstance(data.get(name), str | None) for name in ("training", "run"))
+        ):
+            raise InputError(f"--resume: {where} is not a checkpoint state madp wrote (a field is missing or mistyped)")
+        return cls(
+            step=data["step"],
+            checkpoint=data["checkpoint"],
+            evaluations=tuple(data["eval"]),
+            plan=data.get("plan"),
+            training=data.get("training"),
+            run=data.get("run"),
+            options=data.get("options"),
+            evaluated_on=data.get("evaluated_on"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The state as its file holds it (`evaluated_on` only where an earlier madp recorded it)."""
+        state = {
+            "step": self.step,
+            "checkpoint": self.checkpoint,
+            "eval": list(self.evaluations),
+            "plan": self.plan,
+            "training": self.training,
+            "run": self.run,
+        }
+        if self.evaluated_on is not None:
+            state["evaluated_on"] = self.evaluated_on
+        if self.options is not None:
+            state["options"] = self.options
+        return state
+
+    def text(self) -> str:
+        """The state file's text."""
+        return json.dumps(self.to_json(), indent=2, default=list, allow_nan=False)
+
+
+def _read_state(path: str) -> CheckpointState | None:
     """A checkpoint state file (its fields checked), or None where there is none."""
     if storage.kind(path) != "file":
         return None
     try:
-        state = json.loads(storage.read_text(path))
+        data = json.loads(storage.read_text(path))
     except (OSError, ValueError) as error:  # not JSON, not UTF-8, unreadable
         raise InputError(f"--resume: cannot read {path} ({error}): not a checkpoint state madp wrote") from error
-    if not (
-        isinstance(state, dict)
-        and type(state.get("step")) is int
-        and isinstance(state.get("checkpoint"), str)
-        and isinstance(state.get("eval"), list)
-        and all(_is_evaluation(entry) for entry in state["eval"])
-        and isinstance(state.get("plan"), dict | None)
-        and isinstance(state.get("options"), dict | None)
-        and all(isinstance(state.get(name), str | None) for name in ("training", "run"))
-    ):
-        raise InputError(f"--resume: {path} is not a checkpoint state madp wrote (a field is missing or mistyped)")
-    return state
+    return CheckpointState.from_json(data, path)

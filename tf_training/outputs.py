@@ -69,6 +69,30 @@ def written_by_training(relative: str) -> bool:
     return any(fnmatch.fnmatchcase(relative, pattern) for pattern in WRITTEN)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplacedListing:
+    """OUTPUT/internal/replaced/files.json: the earlier training a --replace training set aside (`set_aside`).
+    Its JSON (`to_json`) is the file's object, its fields in this order."""
+
+    files: tuple[str, ...]  # the files set aside, as paths below OUTPUT
+    finished_training: str | None  # the digest of its model.keras and privacy.json (`_finished_training`)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": list(self.files), "finished_training": self.finished_training}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> ReplacedListing:
+        """The listing of a parsed files.json (`where` names it in errors)."""
+        files = data.get("files") if isinstance(data, dict) else None
+        if not (
+            isinstance(files, list)
+            and all(isinstance(path, str) for path in files)
+            and isinstance(data.get("finished_training"), str | None)
+        ):
+            raise InputError(f"{where}: not a list of replaced files madp wrote (paths and a digest)")
+        return cls(tuple(files), data.get("finished_training"))
+
+
 def set_aside(output: str, paths: list[str]) -> None:
     """Move the earlier training's files (`paths`, from `storage.written_files`) to OUTPUT/internal/replaced/,
     each at its place below OUTPUT, so that the training replacing it writes into an OUTPUT holding nothing
@@ -80,8 +104,8 @@ def set_aside(output: str, paths: list[str]) -> None:
         return
     relatives = [storage.below(output, path) for path in paths]
     aside = replaced_directory(output)
-    listing = {"files": relatives, "finished_training": _finished_training(output)}
-    storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(listing, indent=2))
+    listing = ReplacedListing(tuple(relatives), _finished_training(output))
+    storage.write_text(storage.join(aside, REPLACED_LIST), json.dumps(listing.to_json(), indent=2))
     storage.move_below(output, aside, relatives)
     internal_path(output, REPLACED)  # the NOTICE, moved aside with the rest, written again
 
@@ -108,9 +132,9 @@ def settle_replaced(output: str) -> str | None:
     if storage.kind(listing) != "file":
         storage.remove_tree(aside)
         return None
-    listed = json.loads(storage.read_text(listing))
-    moved, finished = listed["files"], _finished_training(output)
-    if finished is not None and finished != listed["finished_training"]:
+    listed = ReplacedListing.from_json(json.loads(storage.read_text(listing)), listing)
+    moved, finished = listed.files, _finished_training(output)
+    if finished is not None and finished != listed.finished_training:
         drop_replaced(output)
         return "finished"
     if resumable_checkpoint(output):

@@ -43,6 +43,7 @@ from madp.training import (  # the public API; the trainer's own parts: tasks, m
 )
 from madp.training.long_training import (
     Checkpoints,
+    CheckpointState,
     ScalarLog,
     epsilon_spent,
     interrupted_state,
@@ -234,9 +235,9 @@ def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
     return done % options.eval_every == 0 or done == steps
 
 
-def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> dict | None:
-    """The checkpoint state a --resume continues from (its "step" and the interrupted training's id in the
-    trainings ledger, "training"), once its options are those of the interrupted training
+def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> CheckpointState | None:
+    """The checkpoint state a --resume continues from (its step and the interrupted training's id in the
+    trainings ledger), once its options are those of the interrupted training
     (`refuse_other_options`); None for a fresh run. A fresh run into an output holding a checkpoint is
     refused, and so is one into an output holding another training's logs unless --replace. Reads only."""
     state = interrupted_state(output, batches_dir)
@@ -486,7 +487,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     replaced = []
     if options.replace and interrupted is None:
         replaced = storage.written_files(output, written_by_training, "madp train")
-    resumed, training = (0, None) if interrupted is None else (interrupted["step"], interrupted.get("training"))
+    resumed, training = (0, None) if interrupted is None else (interrupted.step, interrupted.training)
     needs_checkpoints = options.checkpoint_every or resumed
     user_level = batches.report.sampler == "users"
     privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
@@ -630,14 +631,14 @@ def _training_step(
     )
 
 
-def _resumed_metrics(run: _Run, interrupted: dict | None) -> list[dict]:
+def _resumed_metrics(run: _Run, interrupted: CheckpointState | None) -> list[dict]:
     """The evaluations a run starts from: none for a fresh run; a resumed one restores its checkpoint and
     takes its evaluations, with that of the restored step where the interrupted run stopped before it."""
     if run.checkpoints is None or interrupted is None:
         return []
     checkpoints, resumed, steps = run.checkpoints, run.resumed, run.batches.steps
     checkpoints.restore(interrupted, run.planned)
-    metrics = interrupted["eval"]
+    metrics = list(interrupted.evaluations)
     log.info("resumed at step %d of %d from %s (a fresh noise key)", resumed, steps, checkpoints.directory)
     missed = not metrics or metrics[-1]["step"] != resumed
     if run.evaluation is not None and _evaluates(resumed, steps, run.options) and missed:

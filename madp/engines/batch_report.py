@@ -203,7 +203,7 @@ def refuse_losing_trainings(output: str) -> None:
     join the selection's ledger at the next private training on those batches, and a new batching into the
     output before that would delete the only record of them."""
     if storage.kind(storage.join(output, REPORT_FILE)) == "file":  # finished batches, which a training may use
-        from madp.training.plan import refuse_stranding, stranded_checkpoints  # the ledger (no TensorFlow)
+        from madp.training.ledger import refuse_stranding, stranded_checkpoints  # no TensorFlow
 
         refuse_stranding(
             stranded_checkpoints(output),
@@ -224,11 +224,8 @@ def refuse_losing_trainings(output: str) -> None:
         )
 
 
-def _training_ids(ledger: str) -> set:
+def _training_ids(ledger: str) -> set[str | None]:
     """The trainings a ledger file names (none where there is no file)."""
-    if storage.kind(ledger) != "file":
-        return set()
-    try:
-        return {json.loads(line).get("training") for line in storage.read_text(ledger).splitlines() if line.strip()}
-    except (ValueError, AttributeError) as error:
-        raise InputError(f"{ledger}: not a trainings ledger madp wrote ({error})") from None
+    from madp.training.ledger import read_entries  # no TensorFlow
+
+    return {entry.training for entry in read_entries(ledger)}

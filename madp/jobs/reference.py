@@ -31,6 +31,7 @@ from madp.jobs.audit import AUDIT_FILE, CANARY_FILE, ZERO_OUT_FILE
 from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS
 from madp.jobs.run_plan import INTERNAL_REPORT
 from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
+from madp.training.ledger import TrainingEntry
 from madp.training.options import TrainOptions
 from madp.training.outputs import (
     CHECKPOINTS,
@@ -142,7 +143,8 @@ OUTPUTS = (
         TRAININGS_FILE,
         False,
         "the trainings ledger, written by `madp train`: each private training on the selection's batches, its "
-        "output, plan and a digest of the batch files it trained on",
+        "output, plan and a digest of the batch files it trained on, one JSON object a line",
+        TrainingEntry,
     ),
     Output(
         "batch",

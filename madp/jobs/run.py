@@ -24,8 +24,9 @@ from madp.jobs.run_check import check_columns, check_feasible
 from madp.jobs.run_plan import Source, Stage, load_config, plan_stages
 from madp.jobs.run_steps import AuditJob
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
+from madp.training.ledger import refuse_stranding, stranded_checkpoints
 from madp.training.outputs import evaluations_of, replaced_directory, settle_replaced, settled_text
-from madp.training.plan import refuse_stranding, stated_plan, stranded_checkpoints
+from madp.training.plan import stated_plan
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"

@@ -16,8 +16,9 @@ from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import run_local as bound_local
 from madp.training.batches import open_batches
+from madp.training.ledger import TrainingEntry, composition
 from madp.training.options import TrainOptions
-from madp.training.plan import NOT_PRIVATE, PrivacyPlan, composition, privacy_plan, stated_plan, to_json
+from madp.training.plan import NOT_PRIVATE, PrivacyPlan, privacy_plan, stated_plan, to_json
 
 
 @pytest.mark.parametrize("name", ["privacy_composed.json", "calibration_monte_carlo.json"])
@@ -56,9 +57,11 @@ def test_a_new_plan_survives_its_json_and_composes_with_its_ledger_entry(tmp_pat
     assert stated == plan.to_json() and PrivacyPlan.from_json(stated) == plan
     entry = {"output": "first", "mechanism": plan.mechanism, "parameters": to_json(plan.parameters)}
     entry.update(noise_multiplier=plan.noise_multiplier, batch_files="these", truncation_probability=0.0)
-    composed = composition(plan, [entry], "these")
+    composed = composition(plan, [TrainingEntry.from_json(entry, "a ledger")], "these")
     assert composed is not None and composed.trainings == 2, "the same mechanism and parameters compose"
     assert composed.independent_batches is None
-    independent = composition(plan, [{**entry, "batch_files": "other batches"}], "these")
+    independent = composition(
+        plan, [TrainingEntry.from_json({**entry, "batch_files": "other batches"}, "a ledger")], "these"
+    )
     assert independent is not None and independent.independent_batches == 1
     assert plan.epsilon < independent.epsilon <= composed.epsilon * (1 + 1e-6), "a shared sampling costs no less"

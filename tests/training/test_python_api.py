@@ -445,7 +445,7 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
     import tensorflow as tf
     import tf_keras
 
-    from madp.training.plan import earlier_trainings, ledger_of
+    from madp.training.ledger import earlier_trainings, ledger_of
 
     batches_dir = str(demo / "demo-output" / "batches")
     batches = open_batches(batches_dir)
