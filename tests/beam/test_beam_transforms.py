@@ -111,8 +111,8 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
         )
         expected = {}
         for index, one in enumerate(local[:3], 1):
-            expected[round_stat(index, "selected")] = one["selected"]
-            expected[round_stat(index, "eligible")] = one["eligible"]
+            expected[round_stat(index, "selected")] = one.selected
+            expected[round_stat(index, "eligible")] = one.eligible
         assert_that(_totals(counts), equal_to([expected]), label="Counts")
         rounds = progress | beam.Map(lambda last: list(last.control.per_round))
         assert_that(rounds, equal_to([local[:3]]), label="Control")
