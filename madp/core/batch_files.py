@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -130,6 +130,32 @@ def file_rows(
     )
 
 
+class FileCounts(NamedTuple):
+    """A batch file's rows as the report counts them: the real rows of each step of its range, the
+    rows the maximum batch size cut, the padding rows."""
+
+    written: np.ndarray  # per step of the file's range, in order
+    truncated: int
+    padding: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"written": self.written.tolist(), "truncated": int(self.truncated), "padding": int(self.padding)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileCounts:
+        return cls(np.array(data["written"], dtype=np.int64), data["truncated"], data["padding"])
+
+
+class WrittenFile(NamedTuple):
+    """What writing a batch file tells the statistics: its counts; the user (hash) and step of every
+    (written row, user of its record) pair; the record key of every written row."""
+
+    counts: FileCounts
+    user_hashes: np.ndarray
+    user_steps: np.ndarray
+    record_keys: np.ndarray
+
+
 def write_batch_file(
     path: str,
     rows: FileRows,
@@ -137,12 +163,12 @@ def write_batch_file(
     max_batch_size: int | None,
     shapes: dict[str, list],
     write_whole: Callable[[str, Callable[[Any], object]], None] = storage.write_whole,
-) -> dict:
+) -> WrittenFile:
     """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
 
     The file's bytes go through `write_whole(path, write)`, whole or not at all: `storage.write_whole`
     in the local engine, Beam's `FileSystems` (`madp.beam.files.write_whole`) in a Beam worker.
-    Returns per-step real row counts and the written rows' (user, step) and record keys for stats.
+    Returns the file's counts and the written rows' (user, step) pairs and record keys, for the statistics.
     """
     keep = sampling.order_and_truncate(
         rows.steps, sampling.truncation_priority(rows.unit_keys, rows.steps), max_batch_size
@@ -187,14 +213,16 @@ def write_batch_file(
 
     write_whole(path, write)  # never leaves a truncated file (locally, a full disk is a named error)
     owner, flat = incidences_of(rows.user_offsets, keep)
-    return {
-        "written": written,
-        "truncated": len(rows.steps) - len(keep),
-        "padding": int((max_batch_size - written).sum()) if max_batch_size is not None else 0,
-        "user_hashes": rows.users[flat],
-        "user_steps": step[owner],
-        "record_keys": rows.record_keys[keep],
-    }
+    return WrittenFile(
+        FileCounts(
+            written,
+            truncated=len(rows.steps) - len(keep),
+            padding=int((max_batch_size - written).sum()) if max_batch_size is not None else 0,
+        ),
+        user_hashes=rows.users[flat],
+        user_steps=step[owner],
+        record_keys=rows.record_keys[keep],
+    )
 
 
 def write_schema(output: str, described: dict) -> None:

@@ -270,7 +270,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         )
         progress.update(file + 1, f", {batch_file_path(output, file, files)}")
     write_schema(output, schema(dataset.ids.type, described, options))
-    written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
+    written_records = np.unique(np.concatenate([r.record_keys for r in results]))
     result = report(
         options,
         engine,
@@ -281,10 +281,10 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         units=int(dataset.copies.sum()),
         records=len(dataset.copies),
         sampled_sizes=sampled_sizes,
-        files=results,
+        files=[r.counts for r in results],
         records_never_written=len(dataset.copies) - len(written_records),
         participation=participation_stats(
-            np.concatenate([r["user_hashes"] for r in results]), np.concatenate([r["user_steps"] for r in results])
+            np.concatenate([r.user_hashes for r in results]), np.concatenate([r.user_steps for r in results])
         ),
         rejects=dataset.rejects,
         content_columns=dataset.content.column_names,
