@@ -60,7 +60,7 @@ class BatchSummary(Columnar):
 
     histogram: dict[int, int]  # units by |N(e)|
     probability: float  # p, calibrated
-    content: dict[str, dict]  # the content columns' description
+    content: dict[str, batch_files.Feature]  # the content columns' description, by name
     id_type: str  # the records' ids, as Arrow names their type ("int64", "string")
     records: int  # selected records joined
     files: list[batch_files.FileCounts]  # per batch file, in order
@@ -93,7 +93,7 @@ class BatchSummary(Columnar):
             {
                 "histogram": [[int(size), int(units)] for size, units in self.histogram.items()],
                 "probability": self.probability,
-                "content": self.content,
+                "content": {name: feature.to_json() for name, feature in self.content.items()},
                 "id_type": self.id_type,
                 "records": self.records,
                 "files": [counts.to_json() for counts in self.files],
@@ -110,7 +110,7 @@ class BatchSummary(Columnar):
         return cls(
             histogram={int(size): int(units) for size, units in fields["histogram"]},
             probability=float(fields["probability"]),
-            content=fields["content"],
+            content={name: batch_files.Feature.from_json(name, feature) for name, feature in fields["content"].items()},
             id_type=fields["id_type"],
             records=int(fields["records"]),
             files=[batch_files.FileCounts.from_json(counts) for counts in fields["files"]],
@@ -159,7 +159,7 @@ class _WriteFile(beam.DoFn):
             rows,
             batch_files.step_range(file, steps, shards),
             self.options.max_batch_size,
-            batch_files.content_shapes(content),
+            content,
             write_whole=files.write_whole,
         )
         count("written_rows", int(result.counts.written.sum()))

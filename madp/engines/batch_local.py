@@ -14,7 +14,6 @@ from madp.core import records as rec
 from madp.core.batch_files import (
     USER_FEATURE,
     batch_file_path,
-    content_shapes,
     file_of_step,
     file_rows,
     incidences_of,
@@ -265,7 +264,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
                 rows,
                 step_range(file, options.steps, files),
                 options.max_batch_size,
-                content_shapes(described),
+                described,
             )
         )
         progress.update(file + 1, f", {batch_file_path(output, file, files)}")
