@@ -43,7 +43,7 @@ from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
-from madp.core.reports import BatchReport
+from madp.core.reports import BatchReport, Participation
 from madp.core.selection import handle_rejects, selection_files, write_report
 from madp.engines import batch_local, batch_report, batching
 
@@ -60,12 +60,12 @@ class BatchSummary(Columnar):
 
     histogram: dict[int, int]  # units by |N(e)|
     probability: float  # p, calibrated
-    content: dict[str, dict]  # the content columns' description
+    content: dict[str, batch_files.Feature]  # the content columns' description, by name
     id_type: str  # the records' ids, as Arrow names their type ("int64", "string")
     records: int  # selected records joined
-    files: list[dict]  # per batch file, in order: "written" (real rows per step), "truncated", "padding"
+    files: list[batch_files.FileCounts]  # per batch file, in order
     sampled_sizes: np.ndarray  # realized size of every sampled step (warm-up included), before truncation
-    participation: dict  # of the written rows' users (`batch_report.participation_stats`)
+    participation: Participation  # of the written rows' users (`batch_report.participation_stats`)
     written_records: int  # distinct records in some batch file
     rejects: rec.Rejects  # every row rejected: in reading, as a duplicated id, or for its content (skip)
 
@@ -93,15 +93,12 @@ class BatchSummary(Columnar):
             {
                 "histogram": [[int(size), int(units)] for size, units in self.histogram.items()],
                 "probability": self.probability,
-                "content": self.content,
+                "content": {name: feature.to_json() for name, feature in self.content.items()},
                 "id_type": self.id_type,
                 "records": self.records,
-                "files": [
-                    {"written": f["written"].tolist(), "truncated": int(f["truncated"]), "padding": int(f["padding"])}
-                    for f in self.files
-                ],
+                "files": [counts.to_json() for counts in self.files],
                 "sampled_sizes": self.sampled_sizes.tolist(),
-                "participation": self.participation,
+                "participation": self.participation.to_json(),
                 "written_records": self.written_records,
                 "rejects": self.rejects.to_jsonl(),
             }
@@ -113,12 +110,12 @@ class BatchSummary(Columnar):
         return cls(
             histogram={int(size): int(units) for size, units in fields["histogram"]},
             probability=float(fields["probability"]),
-            content=fields["content"],
+            content={name: batch_files.Feature.from_json(name, feature) for name, feature in fields["content"].items()},
             id_type=fields["id_type"],
             records=int(fields["records"]),
-            files=[{**f, "written": np.array(f["written"], dtype=np.int64)} for f in fields["files"]],
+            files=[batch_files.FileCounts.from_json(counts) for counts in fields["files"]],
             sampled_sizes=np.array(fields["sampled_sizes"], dtype=np.int64),
-            participation=fields["participation"],
+            participation=Participation.from_json(fields["participation"]),
             written_records=int(fields["written_records"]),
             rejects=rec.Rejects.from_jsonl(fields["rejects"]),
         )
@@ -162,14 +159,14 @@ class _WriteFile(beam.DoFn):
             rows,
             batch_files.step_range(file, steps, shards),
             self.options.max_batch_size,
-            batch_files.content_shapes(content),
+            content,
             write_whole=files.write_whole,
         )
-        count("written_rows", int(result["written"].sum()))
-        count("truncated_rows", result["truncated"])
-        count("padding_rows", result["padding"])
-        yield summary_value("file", (file, {k: result[k] for k in ("written", "truncated", "padding")}))
-        users, user_steps, records = result["user_hashes"], result["user_steps"], result["record_keys"]
+        count("written_rows", int(result.counts.written.sum()))
+        count("truncated_rows", result.counts.truncated)
+        count("padding_rows", result.counts.padding)
+        yield summary_value("file", (file, result.counts))
+        users, user_steps, records = result.user_hashes, result.user_steps, result.record_keys
         for user_part, at in split_rows(user_partition_of(users, self.partitions)):
             yield beam.pvalue.TaggedOutput("users", (user_part, WrittenUsers(users[at], user_steps[at])))
         for record_part, at in split_rows(record_partition_of(records, self.partitions)):

@@ -28,6 +28,7 @@ from madp.beam.pipeline import (
 from madp.beam.record_chunks import SplitByRecordPartition
 from madp.core import records as rec
 from madp.core import sampling
+from madp.core.batch_files import Feature
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
@@ -200,23 +201,23 @@ def _neighbourhood_histogram(element: tuple[int, Iterable[NeighbourPairs]]):
     yield dict(zip(values.tolist(), counts.tolist()))
 
 
-def _merged_content(described: list[tuple[int, dict]], errors_dir: str | None) -> dict:
+def _merged_content(described: list[tuple[int, dict[str, Feature]]], errors_dir: str | None) -> dict[str, Feature]:
     """The content columns' description over all record partitions that write rows (of all where none
     does, as the local engine describes zero rows): a column whose shape differs between partitions
     is variable-length; one whose type differs is an error. A partition whose records are all left
     out (invalid content) would describe a list column from no rows as variable-length."""
-    merged: dict = {}
+    merged: dict[str, Feature] = {}
     writing = [one for rows, one in described if rows] or [one for _, one in described]
     with keeping_input_errors(errors_dir):
         for one in writing:
             for name, feature in one.items():
-                seen = merged.setdefault(name, dict(feature))
-                if seen["dtype"] != feature["dtype"]:
+                seen = merged.setdefault(name, feature)
+                if seen.dtype != feature.dtype:
                     raise InputError(
-                        f"content column {name!r} is {seen['dtype']} in some records and {feature['dtype']} in others"
+                        f"content column {name!r} is {seen.dtype} in some records and {feature.dtype} in others"
                     )
-                if seen["shape"] != feature["shape"]:
-                    seen["shape"] = [None]
+                if seen.shape != feature.shape:
+                    merged[name] = dataclasses.replace(seen, shape=(None,))
     return merged
 
 
@@ -246,7 +247,7 @@ class JoinSelection(beam.PTransform):
                 "partitions", "content", "rejects", "stats", "digest", main="incidences"
             )
         )
-        # One {column: {"dtype", "shape"}} description, from each partition's (rows written, description)
+        # One {column: Feature} description, from each partition's (rows written, description)
         content = (
             joined.content
             | "ContentOfPartitions" >> beam.combiners.ToList()

@@ -12,7 +12,8 @@ import json
 import logging
 import time
 import uuid
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 import numpy as np
@@ -67,13 +68,74 @@ def _write_shard(element, output: str, shards: int):
     files.write_whole(shard_path(output, shard, shards), lambda handle: storage.parquet_to(handle, selection))
 
 
-def _summary_json(stats: list, control: Control) -> bytes:
-    return json.dumps({**dict(stats), CONTROL: dataclasses.asdict(control)}, sort_keys=True).encode()
+@dataclasses.dataclass(frozen=True)
+class RunCounts:
+    """The figures of a pipeline run that its driver reads, from the run's stats by name: 0 where no
+    step counted one (no record, no local finish...)."""
+
+    input_rows: int = 0
+    input_records: int = 0
+    input_users: int = 0
+    repeated_users_removed: int = 0
+    certified_dropped_records: int = 0
+    built_incidences: int = 0
+    max_user_partition_bytes: int = 0
+    selected_records: int = 0
+    distinct_selected: int = 0
+    max_user_contribution: int = 0
+    finished_locally_incidences: int | None = None  # None where the run finished nothing locally
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int]) -> RunCounts:
+        return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})
 
 
-def _control_of(summary: dict) -> Control:
-    saved = summary[CONTROL]
-    return Control(**{**saved, "per_round": tuple(saved["per_round"])})
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a pipeline run of the bound leaves its driver (SUMMARY under the run's folder): its stats,
+    summed by name (the `max_` ones at their maximum), and the algorithm's control after it. `stats`
+    holds every one (per-round figures, histograms and the graph digest's parts too), `counts` those
+    the driver reads by name."""
+
+    counts: RunCounts
+    stats: Mapping[str, int]
+    control: Control
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int], control: Control) -> RunSummary:
+        return cls(RunCounts.of(stats), dict(stats), control)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.stats, CONTROL: self.control.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunSummary:
+        return cls.of(
+            {name: value for name, value in data.items() if name != CONTROL}, Control.from_json(data[CONTROL])
+        )
+
+    def iterations(self, rounds: int) -> list[dict]:
+        """What each iteration of the run carried: the undecided incidences left after it (after the
+        first saturation, or as built where none runs), and the bytes of arrays its steps sent
+        through shuffles (state and messages)."""
+        active = {0: self.counts.built_incidences} | {
+            index: self.stats[round_stat(index, "active_incidences")]
+            for index in range(rounds + 1)
+            if round_stat(index, "active_incidences") in self.stats
+        }
+        return [
+            {
+                "iteration": index,
+                "active_incidences": left,
+                "shuffled_bytes": self.stats.get(round_stat(index, "shuffled_bytes"), 0),
+            }
+            for index, left in sorted(active.items())
+        ]
+
+
+def _write_summary(stats: list, control: Control, run_dir: str) -> None:
+    summary = RunSummary.of(dict(stats), control).to_json()
+    files.write_bytes(files.FileSystems.join(run_dir, SUMMARY), json.dumps(summary, sort_keys=True).encode())
 
 
 def _aggregate_stats(element):
@@ -139,13 +201,7 @@ class BoundPipeline(beam.PTransform):
             | "GroupStats" >> beam.GroupByKey()
             | "AggregateStats" >> beam.Map(_aggregate_stats)
             | "CollectStats" >> beam.combiners.ToList()
-            | "WriteSummary"
-            >> beam.Map(
-                lambda stats, control: files.write_bytes(
-                    files.FileSystems.join(run_dir, SUMMARY), _summary_json(stats, control)
-                ),
-                beam.pvalue.AsSingleton(bound.control),
-            )
+            | "WriteSummary" >> beam.Map(_write_summary, beam.pvalue.AsSingleton(bound.control), run_dir)
         )
 
 
@@ -189,30 +245,11 @@ def _count_groups(
     return dataclasses.replace(options, group_sizes=(small, large))
 
 
-def _iterations(summary: dict, rounds: int) -> list[dict]:
-    """What each iteration of a pipeline run carried: the undecided incidences left after it (after
-    the first saturation, or as built where none runs), and the bytes of arrays its steps sent
-    through shuffles (state and messages)."""
-    active = {0: summary.get("built_incidences", 0)} | {
-        index: summary[round_stat(index, "active_incidences")]
-        for index in range(rounds + 1)
-        if round_stat(index, "active_incidences") in summary
-    }
-    return [
-        {
-            "iteration": index,
-            "active_incidences": left,
-            "shuffled_bytes": summary.get(round_stat(index, "shuffled_bytes"), 0),
-        }
-        for index, left in sorted(active.items())
-    ]
-
-
 class _PipelineRuns(NamedTuple):
     """What the pipeline runs of a bound leave: the last run's summary (the selection's counts and the
     algorithm's state), each run's statistics, the algorithm's control after the last, and the input's rejects."""
 
-    summary: dict
+    summary: RunSummary
     runs: list[dict]
     control: Control
     rejects: rec.Rejects
@@ -251,7 +288,7 @@ def _run_pipelines(
         )
         try:
             counters = run(pipeline, NAMESPACE, storage.join(run_dir, "input-errors"), output)
-            summary = json.loads(files.read_bytes(storage.join(run_dir, SUMMARY)))
+            summary = RunSummary.from_json(json.loads(files.read_bytes(storage.join(run_dir, SUMMARY))))
             if not runs:  # every run reads the same input: the first one's rejects are all of them
                 rejects = rec.Rejects.from_jsonl(files.read_bytes(storage.join(run_dir, REJECTED)).decode())
                 handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
@@ -259,15 +296,15 @@ def _run_pipelines(
             prepare_output(output)  # no partial selection outlives an error
             storage.remove_tree(work)
             raise
-        rounds_before, control = len(control.per_round), _control_of(summary)
+        rounds_before, control, counts = len(control.per_round), summary.control, summary.counts
         control.log_rounds(rounds_before)
         runs.append(
             {
-                "certified_dropped_records": summary.get("certified_dropped_records", 0),
-                "built_incidences": summary.get("built_incidences", 0),
-                "max_user_partition_bytes": summary.get("max_user_partition_bytes", 0),
-                "iterations": _iterations(summary, ours.rounds_per_pipeline),
-                "finished_locally_incidences": summary.get("finished_locally_incidences"),
+                "certified_dropped_records": counts.certified_dropped_records,
+                "built_incidences": counts.built_incidences,
+                "max_user_partition_bytes": counts.max_user_partition_bytes,
+                "iterations": summary.iterations(ours.rounds_per_pipeline),
+                "finished_locally_incidences": counts.finished_locally_incidences,
                 "beam_counters": counters,
             }
         )
@@ -301,7 +338,8 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     summary, runs, control, rejects = _run_pipelines(
         input_files, output, options, ours, beam_options, capacities, work, invocation
     )
-    shards = options.shards(summary.get("input_records", 0))  # as the pipeline counted them
+    counts = summary.counts
+    shards = options.shards(counts.input_records)  # as the pipeline counted them
     for shard in range(shards):
         if storage.kind(shard_path(output, shard, shards)) == "missing":  # no record at all
             write_selection_shard(
@@ -313,21 +351,17 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
         beam_options.view_as(StandardOptions).runner,
         input_path,
         InputFigures(
-            summary.get("input_rows", 0),
-            summary.get("input_records", 0),
-            summary.get("input_users", 0),
-            rejects,
-            summary.get("repeated_users_removed", 0),
+            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
         ),
-        GraphDigest.from_counts(summary),
+        GraphDigest.from_counts(summary.stats),
         BoundOutcome(
-            selected_records=summary.get("selected_records", 0),
-            distinct_selected=summary.get("distinct_selected", 0),
-            max_user_contribution=summary.get("max_user_contribution", 0),
+            selected_records=counts.selected_records,
+            distinct_selected=counts.distinct_selected,
+            max_user_contribution=counts.max_user_contribution,
             per_round=control.per_round,
             passes=control.passes,
             converged=control.converged,
-            stats=summary,
+            stats=summary.stats,
         ),
         selection_manifest(output, shards),
         partitions=ours.partitions,

@@ -324,17 +324,29 @@ class _Retire(beam.DoFn):
             yield part, state.packed()
 
 
-def _advance(counts: dict, previous: Progress, threshold: int, step_done: bool) -> Progress:
-    return previous.advanced(
-        counts.get("selected", 0), counts.get("eligible", 0), counts.get("active", 0), threshold, step_done
-    )
+class IterationCounts(typing.NamedTuple):
+    """What the partitions counted in an iteration (its "counts" outputs), summed by name: the records
+    it selected, the records still eligible and the undecided incidences left (0 where none counted)."""
+
+    selected: int = 0
+    eligible: int = 0
+    active: int = 0
+
+
+def _advance(counts: IterationCounts, previous: Progress, threshold: int, step_done: bool) -> Progress:
+    return previous.advanced(counts.selected, counts.eligible, counts.active, threshold, step_done)
 
 
 class _Totals(beam.PTransform):
-    """(name, count) pairs -> one {name: total} dict ({} for none)."""
+    """(name, count) pairs -> one IterationCounts of their totals by name."""
 
     def expand(self, pairs):
-        return pairs | "SumByName" >> beam.CombinePerKey(sum) | "AsDict" >> beam.combiners.ToDict()
+        return (
+            pairs
+            | "SumByName" >> beam.CombinePerKey(sum)
+            | "AsDict" >> beam.combiners.ToDict()
+            | "AsCounts" >> beam.Map(lambda totals: IterationCounts(**totals))
+        )
 
 
 class _RetireDead(beam.PTransform):
@@ -478,7 +490,7 @@ class _FinishLocally(beam.DoFn):
         )
         rounds_before = len(progress.control.per_round)
         for records, index in selections:
-            passes = control.per_round[rounds_before + index]["pass"]
+            passes = control.per_round[rounds_before + index].pass_
             for record_part, keys in split_by_partition(side.record_keys[records], record_partition[records]):
                 yield beam.pvalue.TaggedOutput("selected", (record_part, (keys, passes)))
         yield stat("finished_locally_incidences", len(side.inc_record))

@@ -39,7 +39,7 @@ class SampledBatches(typing.NamedTuple):
 
     Args:
         rows: (batch file index, FileRows) elements, every file of the options.
-        content: one {column: {"dtype", "shape"}} dict, the content's description (the batches' schema).
+        content: one {column: Feature} dict, the content's description (the batches' schema).
         rejects: the `Rejects` of rows dropped here (duplicated ids, invalid content under skip).
         stats: (name, value) elements for the report.
 
@@ -56,7 +56,7 @@ class SampledBatches(typing.NamedTuple):
     """
 
     rows: beam.PCollection  # (batch file index, FileRows), every file of the options
-    content: beam.PCollection  # one {column: {"dtype", "shape"}}: the content's description
+    content: beam.PCollection  # one {column: Feature}: the content's description
     rejects: beam.PCollection  # Rejects of rows dropped here (duplicated ids, invalid content under skip)
     stats: beam.PCollection  # (name, value) for the report
 

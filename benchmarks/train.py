@@ -58,6 +58,7 @@ def main() -> None:
     import numpy as np
 
     from madp.accounting.strategies import sqrt_coefficients
+    from madp.core.batch_files import Feature
     from madp.core.randomness import SecretKey
     from madp.training.ghost_clipping import ghost_clippable
     from madp.training.options import TrainOptions
@@ -79,12 +80,12 @@ def main() -> None:
 
         texts, topics = documents(np.arange(args.batch_size + 1), rng.integers(0, 10**6, args.batch_size), 0)
         rows = {"text": np.array([t.encode() for t in texts], dtype=object), "label": topics}
-        schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "bytes", "shape": []}}}
+        features = {name: Feature(name, "bytes", ()) for name in ("text", "label")}
         options = TrainOptions(model=args.model, mechanism="none")
         task = (
-            TextClassifierTask(options, schema, list(TOPICS))
+            TextClassifierTask(options, features, list(TOPICS))
             if args.model == "text-classifier"
-            else ByteLmTask(options, schema)
+            else ByteLmTask(options, features)
         )
         inputs, labels, _ = task.encode(rows)
         build = task.build

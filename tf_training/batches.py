@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from madp.core import storage
-from madp.core.batch_files import batch_files, read_batch_report
+from madp.core.batch_files import BatchSchema, batch_files, read_batch_report, read_schema
 from madp.core.errors import InputError
 from madp.core.reports import BatchReport
 
@@ -19,7 +18,8 @@ class Batches:
     Args:
         directory: the output's directory (local, or gs://, s3://, hdfs://).
         files: its batch files (batches-*.tfrecord), exactly those its report lists.
-        schema: schema.json's content: each column's dtype and shape, and how the rows are ordered.
+        schema: schema.json, checked (`madp.core.batch_files.BatchSchema`): each feature's dtype and shape,
+            and how the rows are ordered.
         report: report.json's content, checked (`madp.core.reports.BatchReport`).
 
     Returns:
@@ -38,7 +38,7 @@ class Batches:
 
     directory: str
     files: tuple[str, ...]
-    schema: dict
+    schema: BatchSchema
     report: BatchReport
 
     @property
@@ -95,7 +95,7 @@ def open_batches(directory: str) -> Batches:
         >>> batches = open_batches(f"{work}/batches")
         >>> batches.steps, batches.expected_batch_size, batches.max_rows_per_step
         (12, 8.0, 16)
-        >>> sorted(batches.schema["features"]), batches.selection == f"{work}/bounded"
+        >>> sorted(batches.schema.features), batches.selection == f"{work}/bounded"
         (['features', 'id', 'label', 'step', 'weight'], True)
     """
     with storage.reading(directory, READER):
@@ -104,8 +104,7 @@ def open_batches(directory: str) -> Batches:
                 f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)"
             )
         files = tuple(batch_files(directory))
-        schema = json.loads(storage.read_text(storage.join(directory, "schema.json")))
-        return Batches(directory, files, schema, read_batch_report(directory))
+        return Batches(directory, files, read_schema(directory), read_batch_report(directory))
 
 
 def unchanged(batches: Batches) -> None:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from madp.core import storage
-from madp.core.batch_files import read_batch_report
+from madp.core.batch_files import BatchSchema, read_batch_report
 from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow
 from madp.training.batches import READER, Batches, open_batches, unchanged
@@ -17,17 +17,17 @@ tf = load_tensorflow()
 _PARSE_ROWS = 8192
 
 
-def feature_spec(schema: dict, names: list[str]) -> dict:
+def feature_spec(schema: BatchSchema, names: list[str]) -> dict:
     """tf.io parsing spec of the named features (fixed shapes dense; varying lengths are refused)."""
     dtypes = {"int64": tf.int64, "float": tf.float32, "bytes": tf.string}
     spec = {}
     for name in names:
-        if name not in schema["features"]:
-            raise InputError(f"feature {name!r} is not in the batches (found {sorted(schema['features'])})")
-        feature = schema["features"][name]
-        if None in feature["shape"]:
+        feature = schema.features.get(name)
+        if feature is None:
+            raise InputError(f"feature {name!r} is not in the batches (found {sorted(schema.features)})")
+        if None in feature.shape:
             raise InputError(f"feature {name!r} has a varying length; the trainer needs fixed shapes")
-        spec[name] = tf.io.FixedLenFeature(feature["shape"], dtypes[feature["dtype"]])
+        spec[name] = tf.io.FixedLenFeature(list(feature.shape), dtypes[feature.dtype])
     return spec
 
 

@@ -16,12 +16,13 @@ names the rows it cannot use, builds the model, and evaluates it on held-out rec
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from madp.core import storage
-from madp.core.batch_files import USER_FEATURE
+from madp.core.batch_files import USER_FEATURE, Feature
 from madp.core.errors import InputError
 from madp.training import load_tensorflow, pretrained, text
 from madp.training.batches import Batches
@@ -38,7 +39,7 @@ from madp.training.task_rows import (
     row_range,
     usable_eval,
 )
-from madp.training.user_tasks import TEXT_MODELS, Feature, ModelSchema, UserTask, user_model
+from madp.training.user_tasks import TEXT_MODELS, ModelSchema, UserTask, user_model
 
 tf = load_tensorflow()
 import tf_keras  # noqa: E402
@@ -89,16 +90,14 @@ class NumericTask:
     """Features in (one array, or a dict of them by name: --inputs), a label out (--task: binary 0/1,
     multiclass 0..N-1, regression); evaluation loss with accuracy, or mean squared and absolute error."""
 
-    def __init__(self, options: TrainOptions, schema: dict):
-        features = schema["features"]
-
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
         def feature(name: str, flag: str) -> Feature:
             found = features.get(name)
-            if found is None or None in found["shape"]:
+            if found is None or None in found.shape:
                 raise InputError(
                     f"{flag} {name!r} must name a fixed-shape feature of the batches (found {sorted(features)})"
                 )
-            return Feature(name, found["dtype"], tuple(int(n) for n in found["shape"]))
+            return found
 
         flag = "--inputs" if options.inputs else "--features"
         inputs = tuple(feature(name, flag) for name in options.input_features)
@@ -182,12 +181,12 @@ class _TextTask:
 
     names: list[str]  # the batch features a step's rows need
 
-    def __init__(self, options: TrainOptions, schema: dict):
-        feature = schema["features"].get(options.text_column)
-        if feature is None or feature["dtype"] != "bytes" or feature["shape"] != []:
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
+        feature = features.get(options.text_column)
+        if feature is None or feature.dtype != "bytes" or feature.shape != ():
             raise InputError(
                 f"--text-column {options.text_column!r} must name a text feature of the batches "
-                f"(one string per record; found {sorted(schema['features'])})"
+                f"(one string per record; found {sorted(features)})"
             )
         self.options = options
         self.verdicts: dict = {}  # record id -> why its text cannot be used ("" where it can)
@@ -212,9 +211,9 @@ class TextClassifierTask(_TextTask):
 
     headline = "accuracy"
 
-    def __init__(self, options: TrainOptions, schema: dict, labels: list[str]):
-        super().__init__(options, schema)
-        if options.label not in schema["features"]:
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature], labels: list[str]):
+        super().__init__(options, features)
+        if options.label not in features:
             raise InputError(f"--label {options.label!r} is not a feature of the batches")
         self.labels = labels
         self.index = {label: i for i, label in enumerate(labels)}
@@ -272,8 +271,8 @@ class ByteLmTask(_TextTask):
 
     headline = "bits_per_byte"
 
-    def __init__(self, options: TrainOptions, schema: dict):
-        super().__init__(options, schema)
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
+        super().__init__(options, features)
         self.names = list(options.batch_features or ())
 
     def build(self):
@@ -303,8 +302,8 @@ class CausalLmTask(_TextTask):
 
     headline = "perplexity"
 
-    def __init__(self, options: TrainOptions, schema: dict):
-        super().__init__(options, schema)
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
+        super().__init__(options, features)
         self.names = list(options.batch_features or ())
         self.pretrained = pretrained.read_pretrained(options.pretrained or "")
         context = self.pretrained.config.context_length
@@ -360,16 +359,16 @@ def prepare_task(options: TrainOptions, batches: Batches):
     batch report records is refused here, not at the step that holds it."""
     task: _TextTask | NumericTask | UserTask
     if options.user_task:
-        task = UserTask(options, batches.schema)
+        task = UserTask(options, batches.schema.features)
     elif options.model not in TEXT_MODELS:
-        task = NumericTask(options, batches.schema)
+        task = NumericTask(options, batches.schema.features)
     elif options.model == "text-lm":
-        task = ByteLmTask(options, batches.schema)
+        task = ByteLmTask(options, batches.schema.features)
     elif options.model == "causal-lm":
-        task = CausalLmTask(options, batches.schema)
+        task = CausalLmTask(options, batches.schema.features)
     else:
         labels = list(options.labels or ()) or _labels_in(options, batches)
-        task = TextClassifierTask(options, batches.schema, labels)
+        task = TextClassifierTask(options, batches.schema.features, labels)
     recorded = batches.report.rows_per_step
     skipped = Skipped()
     for step, rows in step_batches(batches, step_features(task, batches)):

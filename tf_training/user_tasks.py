@@ -13,10 +13,12 @@ import math
 import os
 import reprlib
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from madp.core.batch_files import Feature
 from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow
 from madp.training.options import TrainOptions
@@ -26,15 +28,6 @@ tf = load_tensorflow()
 import tf_keras  # noqa: E402
 
 TEXT_MODELS = ("text-classifier", "text-lm", "causal-lm")  # madp's own text models (`tasks`), beside logreg and mlp
-
-
-@dataclasses.dataclass(frozen=True)
-class Feature:
-    """One feature of the batches, as their schema.json describes it."""
-
-    name: str
-    dtype: str  # "float" (float32), "int64" or "bytes" (strings)
-    shape: tuple[int, ...]  # per row: () a scalar, (16,) a vector
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +47,7 @@ class ModelSchema:
     @property
     def input_dim(self) -> int:
         """The width of the first input (the one-vector models' only dimension)."""
-        return int(np.prod(self.inputs[0].shape, dtype=np.int64))
+        return int(np.prod(np.array(self.inputs[0].shape, dtype=np.int64)))
 
 
 def _returned(value: Any) -> str:
@@ -186,11 +179,9 @@ class UserTask:
     rows decide the published model; `encode` computes each row from that row alone (checked on the
     first rows it encodes, `_refuse_mixed_rows`)."""
 
-    def __init__(self, options: TrainOptions, schema: dict):
+    def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
         self.options = options
-        features = {
-            name: Feature(name, found["dtype"], tuple(found["shape"])) for name, found in schema["features"].items()
-        }
+        features = dict(features)  # the user's function gets a dict of its own (the batches' schema stays as read)
         function = user_function(options.task, "--task", options.model_path)
         self.task = user_call("--task", options.task, f"{options.task.split(':', 1)[1]}(features)", function, features)
         where = f"--task {options.task}"

@@ -6,14 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import posixpath
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from madp.core import sampling, storage, tfrecord
 from madp.core.columnar import Columnar
+from madp.core.errors import InputError
 from madp.core.reports import BatchReport
 from madp.core.selection import REPORT_FILE, read_manifest, read_report
 
@@ -71,7 +72,7 @@ def batch_files(output: str) -> list[str]:
     return files
 
 
-def _padding(value_type: pa.DataType, shape: list, rows: int) -> pa.Array:
+def _padding(value_type: pa.DataType, shape: Sequence[int | None], rows: int) -> pa.Array:
     """`rows` zero values of a content column: 0, 0.0 or empty string, or a list of `shape` of them
     (empty when the length varies)."""
     if is_list(value_type):
@@ -89,8 +90,61 @@ def _padding(value_type: pa.DataType, shape: list, rows: int) -> pa.Array:
     return pa.array(np.zeros(rows), type=pa.float64()).cast(value_type)
 
 
-def content_shapes(described: dict[str, dict]) -> dict[str, list]:
-    return {name: feature["shape"] for name, feature in described.items()}
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One feature of the batches' rows, as their schema.json describes it."""
+
+    name: str
+    dtype: str  # "float" (float32), "int64" or "bytes" (strings)
+    shape: tuple[int | None, ...]  # per row: () a scalar, (16,) a vector, (None,) a list whose length varies
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, name: str, data: Mapping[str, Any]) -> Feature:
+        return cls(name, data["dtype"], tuple(data["shape"]))
+
+
+WEIGHT_NOTE = "1.0 real record, 0.0 padding"  # what schema.json says of the weight feature, for its readers
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchema:
+    """schema.json beside the batch files: every feature of their rows by name (the step, the record's id,
+    its weight, the content columns), the steps, B_max (None where steps are not padded) and that rows
+    are in step order."""
+
+    features: Mapping[str, Feature]
+    steps: int
+    max_batch_size: int | None
+    rows_in_step_order: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "features": {
+                name: {**feature.to_json(), **({"note": WEIGHT_NOTE} if name == "weight" else {})}
+                for name, feature in self.features.items()
+            },
+            "steps": self.steps,
+            "max_batch_size": self.max_batch_size,
+            "rows_in_step_order": self.rows_in_step_order,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> BatchSchema:
+        """The schema of a parsed schema.json (`where` names it in errors)."""
+        try:
+            return cls(
+                features={name: Feature.from_json(name, feature) for name, feature in data["features"].items()},
+                steps=data["steps"],
+                max_batch_size=data["max_batch_size"],
+                rows_in_step_order=data["rows_in_step_order"],
+            )
+        except (KeyError, TypeError, AttributeError) as error:
+            raise InputError(
+                f"{where} is not a batch schema this madp reads ({type(error).__name__}: {error}); re-run madp batch"
+            ) from None
 
 
 @dataclasses.dataclass
@@ -130,19 +184,45 @@ def file_rows(
     )
 
 
+class FileCounts(NamedTuple):
+    """A batch file's rows as the report counts them: the real rows of each step of its range, the
+    rows the maximum batch size cut, the padding rows."""
+
+    written: np.ndarray  # per step of the file's range, in order
+    truncated: int
+    padding: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"written": self.written.tolist(), "truncated": int(self.truncated), "padding": int(self.padding)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileCounts:
+        return cls(np.array(data["written"], dtype=np.int64), data["truncated"], data["padding"])
+
+
+class WrittenFile(NamedTuple):
+    """What writing a batch file tells the statistics: its counts; the user (hash) and step of every
+    (written row, user of its record) pair; the record key of every written row."""
+
+    counts: FileCounts
+    user_hashes: np.ndarray
+    user_steps: np.ndarray
+    record_keys: np.ndarray
+
+
 def write_batch_file(
     path: str,
     rows: FileRows,
     steps: range,
     max_batch_size: int | None,
-    shapes: dict[str, list],
+    content: Mapping[str, Feature],
     write_whole: Callable[[str, Callable[[Any], object]], None] = storage.write_whole,
-) -> dict:
+) -> WrittenFile:
     """Order each step's rows by counter-based priority, keep at most B_max, pad to B_max, write.
 
     The file's bytes go through `write_whole(path, write)`, whole or not at all: `storage.write_whole`
     in the local engine, Beam's `FileSystems` (`madp.beam.files.write_whole`) in a Beam worker.
-    Returns per-step real row counts and the written rows' (user, step) and record keys for stats.
+    Returns the file's counts and the written rows' (user, step) pairs and record keys, for the statistics.
     """
     keep = sampling.order_and_truncate(
         rows.steps, sampling.truncation_priority(rows.unit_keys, rows.steps), max_batch_size
@@ -169,7 +249,7 @@ def write_batch_file(
         }
         padding.update(
             {
-                name: _padding(rows.content.schema.field(name).type, shapes[name], len(pad_steps))
+                name: _padding(rows.content.schema.field(name).type, content[name].shape, len(pad_steps))
                 for name in rows.content.column_names
             }
         )
@@ -187,15 +267,27 @@ def write_batch_file(
 
     write_whole(path, write)  # never leaves a truncated file (locally, a full disk is a named error)
     owner, flat = incidences_of(rows.user_offsets, keep)
-    return {
-        "written": written,
-        "truncated": len(rows.steps) - len(keep),
-        "padding": int((max_batch_size - written).sum()) if max_batch_size is not None else 0,
-        "user_hashes": rows.users[flat],
-        "user_steps": step[owner],
-        "record_keys": rows.record_keys[keep],
-    }
+    return WrittenFile(
+        FileCounts(
+            written,
+            truncated=len(rows.steps) - len(keep),
+            padding=int((max_batch_size - written).sum()) if max_batch_size is not None else 0,
+        ),
+        user_hashes=rows.users[flat],
+        user_steps=step[owner],
+        record_keys=rows.record_keys[keep],
+    )
 
 
-def write_schema(output: str, described: dict) -> None:
-    storage.write_text(storage.join(output, SCHEMA_FILE), json.dumps(described, indent=2, sort_keys=True) + "\n")
+def write_schema(output: str, schema: BatchSchema) -> None:
+    storage.write_text(storage.join(output, SCHEMA_FILE), json.dumps(schema.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+def read_schema(output: str) -> BatchSchema:
+    """The schema of a `madp batch` OUTPUT, checked (`BatchSchema.from_json`)."""
+    path = storage.join(output, SCHEMA_FILE)
+    try:
+        data = json.loads(storage.read_text(path))
+    except ValueError as error:
+        raise InputError(f"{path} is not JSON ({error}); re-run madp batch") from None
+    return BatchSchema.from_json(data, path)

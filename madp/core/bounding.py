@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +27,7 @@ import pyarrow.compute as pc
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.hashing import hash_ids
+from madp.core.reports import RoundStats
 
 ORDERS = ("arity", "hash", "weight", "alternate")
 log = logging.getLogger("madp.bound")
@@ -345,9 +348,19 @@ class Control:
     duplicates: bool
     max_rounds: int | None
     next: str = START_PASS
-    per_round: tuple[dict, ...] = ()
+    per_round: tuple[RoundStats, ...] = ()
     passes: int = 0
     converged: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(self)},
+            "per_round": [one.to_json() for one in self.per_round],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Control:
+        return cls(**{**data, "per_round": tuple(RoundStats.from_json(one) for one in data["per_round"])})
 
     def after(self, selected: int, eligible: int) -> Control:
         if self.next == START_PASS:
@@ -356,7 +369,7 @@ class Control:
             return dataclasses.replace(self, next=self._round_or_stop(), passes=self.passes + 1)
         if self.next != ROUND:
             raise ValueError(f"no step follows {self.next!r}")
-        record = {"round": len(self.per_round) + 1, "pass": self.passes, "selected": selected, "eligible": eligible}
+        record = RoundStats(len(self.per_round) + 1, self.passes, selected, eligible)
         advanced = dataclasses.replace(self, per_round=(*self.per_round, record))
         if eligible:
             return dataclasses.replace(advanced, next=advanced._round_or_stop())
@@ -377,10 +390,10 @@ class Control:
         for one in self.per_round[since:]:
             log.info(
                 "round %d (pass %d): selected %d, %d records still eligible",
-                one["round"],
-                one["pass"],
-                one["selected"],
-                one["eligible"],
+                one.round,
+                one.pass_,
+                one.selected,
+                one.eligible,
             )
 
 

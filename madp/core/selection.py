@@ -407,7 +407,7 @@ class BoundOutcome(NamedTuple):
     selected_records: int
     distinct_selected: int
     max_user_contribution: int
-    per_round: tuple[dict, ...]
+    per_round: tuple[RoundStats, ...]
     passes: int
     converged: bool
     stats: Mapping[str, int]
@@ -462,7 +462,7 @@ def bound_report(
         rounds=len(outcome.per_round),
         passes=outcome.passes,
         converged=outcome.converged,
-        per_round=tuple(RoundStats.from_json(one) for one in outcome.per_round),
+        per_round=outcome.per_round,
         histograms=Histograms.from_json(histograms(outcome.stats)),
         selection_files=tuple(FileEntry(**entry) for entry in selection_files),
         partitions=partitions,

@@ -14,7 +14,6 @@ from madp.core import records as rec
 from madp.core.batch_files import (
     USER_FEATURE,
     batch_file_path,
-    content_shapes,
     file_of_step,
     file_rows,
     incidences_of,
@@ -265,12 +264,12 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
                 rows,
                 step_range(file, options.steps, files),
                 options.max_batch_size,
-                content_shapes(described),
+                described,
             )
         )
         progress.update(file + 1, f", {batch_file_path(output, file, files)}")
     write_schema(output, schema(dataset.ids.type, described, options))
-    written_records = np.unique(np.concatenate([r["record_keys"] for r in results]))
+    written_records = np.unique(np.concatenate([r.record_keys for r in results]))
     result = report(
         options,
         engine,
@@ -281,10 +280,10 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
         units=int(dataset.copies.sum()),
         records=len(dataset.copies),
         sampled_sizes=sampled_sizes,
-        files=results,
+        files=[r.counts for r in results],
         records_never_written=len(dataset.copies) - len(written_records),
         participation=participation_stats(
-            np.concatenate([r["user_hashes"] for r in results]), np.concatenate([r["user_steps"] for r in results])
+            np.concatenate([r.user_hashes for r in results]), np.concatenate([r.user_steps for r in results])
         ),
         rejects=dataset.rejects,
         content_columns=dataset.content.column_names,

@@ -8,13 +8,14 @@ import json
 import os
 import posixpath
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from madp.core import records as rec
 from madp.core import storage
-from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, batch_file_path
+from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, FileCounts, batch_file_path
 from madp.core.errors import InputError
 from madp.core.reports import BatchParameters, BatchReport, BoundRecord, FileEntry, Participation, SizeSummary
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, read_bound_report
@@ -35,17 +36,17 @@ class Sampled:
     sampled_users: np.ndarray | None = None  # users sampler: users per step, what --batch-size targets
 
 
-def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
+def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> Participation:
     """Per-user participations of written rows; exact when all of a user's rows are passed together."""
     if len(steps) == 0:
-        return {
-            "users": 0,
-            "max_participations": 0,
-            "max_rows": 0,
-            "min_gap": None,
-            "user_rows_sharing_a_step": 0,
-            "gap_histogram": {},
-        }
+        return Participation(
+            users=0,
+            max_participations=0,
+            max_rows=0,
+            min_gap=None,
+            user_rows_sharing_a_step=0,
+            gap_histogram={},
+        )
     order = np.lexsort((steps, user_hashes_))
     user, step = user_hashes_[order], steps[order]
     new_user = np.concatenate([[True], user[1:] != user[:-1]])
@@ -55,14 +56,14 @@ def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> dict:
     distinct_user, distinct_step = user[new_pair], step[new_pair]
     same = distinct_user[1:] == distinct_user[:-1]
     gaps = (distinct_step[1:] - distinct_step[:-1])[same]
-    return {
-        "users": int(new_user.sum()),
-        "max_participations": int(participations.max()),
-        "max_rows": int(np.bincount(user_index).max()),
-        "min_gap": int(gaps.min()) if len(gaps) else None,
-        "user_rows_sharing_a_step": int((~new_pair).sum()),
-        "gap_histogram": value_counts(gaps),
-    }
+    return Participation(
+        users=int(new_user.sum()),
+        max_participations=int(participations.max()),
+        max_rows=int(np.bincount(user_index).max()),
+        min_gap=int(gaps.min()) if len(gaps) else None,
+        user_rows_sharing_a_step=int((~new_pair).sum()),
+        gap_histogram=value_counts(gaps),
+    )
 
 
 def value_counts(values: np.ndarray) -> dict[str, int]:
@@ -71,7 +72,7 @@ def value_counts(values: np.ndarray) -> dict[str, int]:
     return {str(int(v)): int(c) for v, c in zip(found, counts)}
 
 
-def merge_counts(histograms: list[dict[Any, int]]) -> dict[Any, int]:
+def merge_counts(histograms: Iterable[Mapping[Any, int]]) -> dict[Any, int]:
     """Summed histograms, by increasing value; the values are integers or their strings (JSON keys)."""
     merged: dict[Any, int] = {}
     for histogram in histograms:
@@ -80,16 +81,17 @@ def merge_counts(histograms: list[dict[Any, int]]) -> dict[Any, int]:
     return dict(sorted(merged.items(), key=lambda item: int(item[0])))
 
 
-def merge_participation_stats(parts: list[dict]) -> dict:
-    gaps = [p["min_gap"] for p in parts if p["min_gap"] is not None]
-    return {
-        "users": sum(p["users"] for p in parts),
-        "max_participations": max((p["max_participations"] for p in parts), default=0),
-        "max_rows": max((p["max_rows"] for p in parts), default=0),
-        "min_gap": min(gaps) if gaps else None,
-        "user_rows_sharing_a_step": sum(p["user_rows_sharing_a_step"] for p in parts),
-        "gap_histogram": merge_counts([p["gap_histogram"] for p in parts]),
-    }
+def merge_participation_stats(parts: list[Participation]) -> Participation:
+    """The participation of users that each appear in one part only (the parts of user partitions)."""
+    gaps = [p.min_gap for p in parts if p.min_gap is not None]
+    return Participation(
+        users=sum(p.users for p in parts),
+        max_participations=max((p.max_participations for p in parts), default=0),
+        max_rows=max((p.max_rows for p in parts), default=0),
+        min_gap=min(gaps) if gaps else None,
+        user_rows_sharing_a_step=sum(p.user_rows_sharing_a_step for p in parts),
+        gap_histogram=merge_counts(p.gap_histogram for p in parts),
+    )
 
 
 def size_summary(sizes: np.ndarray) -> SizeSummary:
@@ -113,9 +115,9 @@ def report(
     units: int,
     records: int,
     sampled_sizes: np.ndarray,
-    files: list[dict],
+    files: list[FileCounts],
     records_never_written: int,
-    participation: dict,
+    participation: Participation,
     rejects: rec.Rejects,
     content_columns: list[str],
     started: float,
@@ -126,7 +128,7 @@ def report(
     `participation` as `participation_stats` gives it; Beam's `partitions` and pipeline counters."""
     warm_up = options.warm_up_steps
     realized = sampled_sizes[warm_up:]
-    written = np.concatenate([f["written"] for f in files])
+    written = np.concatenate([f.written for f in files])
     target = realized if sampled.sampled_users is None else sampled.sampled_users  # what --batch-size counts
     search = sampled.min_sep_search
     return BatchReport(
@@ -157,10 +159,10 @@ def report(
         relative_error_to_target=round(float(target.mean() / options.batch_size - 1.0), 6),
         written_batch_sizes=size_summary(written),  # per step: the rows a private step checks it is given
         warm_up_batch_sizes=tuple(sampled_sizes[:warm_up].tolist()),
-        truncated_rows=sum(f["truncated"] for f in files),
-        padding_rows=sum(f["padding"] for f in files),
+        truncated_rows=sum(f.truncated for f in files),
+        padding_rows=sum(f.padding for f in files),
         records_never_written=records_never_written,
-        participation=Participation.from_json(participation),
+        participation=participation,
         rejected=rejects.counts(),
         rejected_total=len(rejects),
         files=tuple(
@@ -172,7 +174,7 @@ def report(
         wall_time_s=round(time.perf_counter() - started, 3),
         users_per_step=None if sampled.sampled_users is None else size_summary(sampled.sampled_users),
         min_sep_search=None if search is None else tuple(search),
-        k=None if search is None else participation["max_participations"],
+        k=None if search is None else participation.max_participations,
         partitions=partitions,
         beam_counters_per_run=None if beam_counters is None else (beam_counters,),
     )

@@ -9,6 +9,7 @@ units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -17,7 +18,7 @@ import pyarrow.compute as pc
 
 from madp.core import records as rec
 from madp.core import storage, tfrecord
-from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, is_list
+from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, BatchSchema, Feature, is_list
 from madp.core.errors import InputError, positive
 from madp.core.graph_digest import SCHEME, GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
@@ -284,7 +285,7 @@ def writable_rows(valid: np.ndarray, record: np.ndarray) -> np.ndarray:
     return valid[record]
 
 
-def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = None) -> dict[str, dict]:
+def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = None) -> dict[str, Feature]:
     """Feature description of each content column over the records whose rows are written (`valid`,
     default all: rows left out by `skip_invalid_content` must not shape the schema); a null or
     non-finite value in one of them is an error."""
@@ -304,7 +305,7 @@ def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = N
             f"content column {where[row]!r} {problem} for selected record {ids[row].as_py()!r}; fix the "
             f"record, leave the column out with --content-columns, or pass --on-invalid skip"
         )
-    described = {}
+    described: dict[str, Feature] = {}
     for name in content.column_names:
         column = content.column(name).combine_chunks()
         values = pc.list_flatten(column) if is_list(column.type) else column
@@ -312,30 +313,26 @@ def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = N
             kind = tfrecord.feature_kind(values.type)
         except ValueError as error:
             raise InputError(f"content column {name!r}: {error}; leave it out with --content-columns") from error
+        shape: tuple[int | None, ...]
         if pa.types.is_fixed_size_list(column.type):
-            shape = [column.type.list_size]
+            shape = (column.type.list_size,)
         elif is_list(column.type):
             lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-            shape = [int(lengths[0])] if len(lengths) and (lengths == lengths[0]).all() else [None]
+            shape = (int(lengths[0]),) if len(lengths) and (lengths == lengths[0]).all() else (None,)
         else:
-            shape = []
-        described[name] = {"dtype": kind, "shape": shape}
+            shape = ()
+        described[name] = Feature(name, kind, shape)
     return described
 
 
-def schema(id_type: pa.DataType, content: dict[str, dict], options: BatchOptions) -> dict:
+def schema(id_type: pa.DataType, content: Mapping[str, Feature], options: BatchOptions) -> BatchSchema:
     features = {
-        "step": {"dtype": tfrecord.INT64, "shape": []},
-        "id": {"dtype": tfrecord.feature_kind(id_type), "shape": []},
-        "weight": {"dtype": tfrecord.FLOAT, "shape": [], "note": "1.0 real record, 0.0 padding"},
+        "step": Feature("step", tfrecord.INT64, ()),
+        "id": Feature("id", tfrecord.feature_kind(id_type), ()),
+        "weight": Feature("weight", tfrecord.FLOAT, ()),
         **content,
     }
-    return {
-        "features": features,
-        "steps": options.steps,
-        "max_batch_size": options.max_batch_size,
-        "rows_in_step_order": True,
-    }
+    return BatchSchema(features, options.steps, options.max_batch_size)
 
 
 # --- units and users ----------------------------------------------------------------------------

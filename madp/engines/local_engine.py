@@ -13,7 +13,7 @@ from madp.core import records as rec
 from madp.core.bounding import Capacities, Control, build_user_side, preference_keys, run_steps
 from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
-from madp.core.reports import BoundReport
+from madp.core.reports import BoundReport, RoundStats
 from madp.core.selection import (
     BoundOptions,
     BoundOutcome,
@@ -39,7 +39,7 @@ log = logging.getLogger("madp.bound")
 @dataclasses.dataclass
 class BoundResult:
     copies: np.ndarray  # per record of the input chunk
-    rounds: list[dict]  # per round: pass, selected, still-eligible records
+    rounds: list[RoundStats]  # per round: pass, selected, still-eligible records
     passes: int
     converged: bool
     max_user_contribution: int

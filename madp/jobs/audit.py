@@ -277,7 +277,7 @@ def _losses(model_dir: str, batches_dir: str, train_options: TrainOptions, canar
     from madp.training.batches import open_batches
     from madp.training.tasks import NumericTask
 
-    task = NumericTask(train_options, open_batches(batches_dir).schema)
+    task = NumericTask(train_options, open_batches(batches_dir).schema.features)
     model, loss_fn = task.trained(model_dir)
     columns = {name: canaries.table.column(name).to_pylist() for name in task.names}
     x, y, _ = task.encode({**columns, "weight": np.ones(canaries.table.num_rows)})

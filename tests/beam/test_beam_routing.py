@@ -91,7 +91,7 @@ def test_control_passes_and_rounds_as_the_algorithm_goes():
     control = control.after(0, 10)  # a pass starts with 10 records eligible
     assert (control.next, control.passes) == (ROUND, 1)
     control = control.after(6, 4).after(4, 0)  # two rounds end the pass
-    assert control.next == START_PASS and [r["selected"] for r in control.per_round] == [6, 4]
+    assert control.next == START_PASS and [r.selected for r in control.per_round] == [6, 4]
     control = control.after(0, 3).after(1, 2)  # a second pass: max_rounds stops it undecided
     assert (control.next, control.passes, control.converged) == (DONE, 2, False)
     assert Control(duplicates=False, max_rounds=None).after(0, 5).after(5, 0).converged

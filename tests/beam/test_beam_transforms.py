@@ -25,6 +25,7 @@ from madp.beam.min_sep_sample import MinSepSample
 from madp.beam.pipeline import keeping_input_errors, pipeline_options, run
 from madp.beam.record_chunks import ReadRecords, RecordExtractors, RecordsFromRows
 from madp.core import record_reading
+from madp.core.batch_files import Feature
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest, graph_digest
@@ -111,8 +112,8 @@ def test_rounds_select_what_the_in_memory_engine_selects_round_by_round(tmp_path
         )
         expected = {}
         for index, one in enumerate(local[:3], 1):
-            expected[round_stat(index, "selected")] = one["selected"]
-            expected[round_stat(index, "eligible")] = one["eligible"]
+            expected[round_stat(index, "selected")] = one.selected
+            expected[round_stat(index, "eligible")] = one.eligible
         assert_that(_totals(counts), equal_to([expected]), label="Counts")
         rounds = progress | beam.Map(lambda last: list(last.control.per_round))
         assert_that(rounds, equal_to([local[:3]]), label="Control")
@@ -165,7 +166,7 @@ def test_bounding_and_batching_chain_in_one_pipeline_of_ones_own(tmp_path):
         assert_that(sampled.rows | beam.Keys(), equal_to([0, 1]), label="EveryFile")
         probability = sampled.stats | beam.Filter(lambda stat: stat[0] == "probability") | beam.Values()
         assert_that(probability, equal_to([local.sampling_probability]), label="P")
-        assert_that(sampled.content, equal_to([{"x": {"dtype": "float", "shape": []}}]), label="Content")
+        assert_that(sampled.content, equal_to([{"x": Feature("x", "float", ())}]), label="Content")
         assert_that(sampled.rejects, equal_to([]), label="NoRejects")
 
 

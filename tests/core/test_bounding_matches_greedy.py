@@ -126,7 +126,7 @@ def test_max_rounds_stops_early_safely():
     assert len(full.rounds) > 2
     partial = bound_records(chunk, BoundOptions(max_contributions=3, max_rounds=1), Capacities(3))
     assert not partial.converged and len(partial.rounds) == 1
-    assert partial.copies.sum() == full.rounds[0]["selected"]
+    assert partial.copies.sum() == full.rounds[0].selected
     assert np.all(partial.copies <= full.copies), "an early stop selects a subset of the converged result"
     assert partial.max_user_contribution <= 3
 
@@ -134,9 +134,9 @@ def test_max_rounds_stops_early_safely():
 def test_rounds_report_counts():
     data = generate(GraphSpec(records=5000, graph="skewed", seed=4))
     result = check(as_chunk(data.offsets, data.users), 2, duplicates=True)
-    assert sum(r["selected"] for r in result.rounds) == result.copies.sum()
-    assert result.rounds[-1]["eligible"] == 0
-    assert result.passes == max(r["pass"] for r in result.rounds) > 1
+    assert sum(r.selected for r in result.rounds) == result.copies.sum()
+    assert result.rounds[-1].eligible == 0
+    assert result.passes == max(r.pass_ for r in result.rounds) > 1
 
 
 def alternate_reference_order(chunk: RecordChunk, seed: int, u: int, c1: int, c2: int) -> list[int]:
@@ -249,7 +249,7 @@ def test_rejecting_the_certified_records_up_front_changes_rounds_not_the_selecti
     monkeypatch.setattr(Control, "certifies", property(lambda control: False))
     plain = bound_records(chunk, options, Capacities(2))
     np.testing.assert_array_equal(certified.copies, plain.copies)
-    assert certified.rounds[0]["eligible"] < plain.rounds[0]["eligible"]
+    assert certified.rounds[0].eligible < plain.rounds[0].eligible
 
 
 def test_beyond_saturation_counts_records_alone_per_user():

@@ -31,6 +31,7 @@ from reference import gpt2_byte_symbols, reference_bpe_tokens
 pytest.importorskip("tensorflow")
 gguf = pytest.importorskip("gguf")
 
+from madp.core.batch_files import Feature  # noqa: E402
 from madp.core.errors import InputError  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -715,7 +716,7 @@ def test_lora_trains_the_adapters_only_and_saves_them(text_batches, tiny):
 
 def test_the_task_evaluates_the_pretrained_model_before_training(text_batches, tiny):
     _, _, evaluation = text_batches
-    schema = {"features": {"text": {"dtype": "bytes", "shape": []}}}
+    schema = {"text": Feature("text", "bytes", ())}
     task = CausalLmTask(TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=16), schema)
     model, loss = task.build()
     data = task.read_eval(evaluation)
@@ -736,7 +737,7 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
     other = write_tiny_gguf(str(tmp_path / "gpt2.gguf"), architecture="gpt2")
     with pytest.raises(InputError, match="a 'gpt2' model; madp implements the 'llama' architecture only"):
         pretrained.read_pretrained(other)
-    schema = {"features": {"text": {"dtype": "bytes", "shape": []}}}
+    schema = {"text": Feature("text", "bytes", ())}
     too_long = TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=65)
     with pytest.raises(InputError, match="--max-length 65 exceeds the context length of --pretrained \\(64 tokens"):
         CausalLmTask(too_long, schema)
@@ -1078,7 +1079,7 @@ def test_a_pretrained_table_the_feature_cannot_use_is_a_clear_error(tmp_path, cr
     from madp.training.tasks import TextClassifierTask
 
     path = write_tiny_gguf(str(tmp_path / "crafted.gguf"), **crafted)
-    schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "bytes", "shape": []}}}
+    schema = {"text": Feature("text", "bytes", ()), "label": Feature("label", "bytes", ())}
     options = TrainOptions(model="text-classifier", mechanism="none", pretrained=path)
     with pytest.raises(InputError, match=message):
         TextClassifierTask(options, schema, ["a", "b"])

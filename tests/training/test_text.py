@@ -20,6 +20,7 @@ pytest.importorskip("tensorflow")
 
 from conftest import ROOT
 
+from madp.core.batch_files import Feature  # noqa: E402
 from madp.core.errors import InputError  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -271,7 +272,7 @@ def text_batches(tmp_path_factory):
 def test_text_columns_round_trip_through_batch_files(text_batches):
     directory, data, _, batches = text_batches
     written = open_batches(batches)
-    assert written.schema["features"]["text"] == {"dtype": "bytes", "shape": []}
+    assert written.schema.features["text"] == Feature("text", "bytes", ())
     source = pq.read_table(data).to_pydict()
     by_id = {i: (t, label) for i, t, label in zip(source["id"], source["text"], source["label"])}
     seen = set()
@@ -524,7 +525,7 @@ def test_example_text_jobs_are_valid_configs(name, tmp_path):
 def test_string_and_integer_labels_map_to_the_given_label_set():
     from madp.training.tasks import TextClassifierTask
 
-    schema = {"features": {"text": {"dtype": "bytes", "shape": []}, "label": {"dtype": "int64", "shape": []}}}
+    schema = {"text": Feature("text", "bytes", ()), "label": Feature("label", "int64", ())}
     task = TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none"), schema, ["0", "1", "7"])
     assert task.label_indices(np.array([7, 0, 3, 1])).tolist() == [2, 0, -1, 1]
     named = TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none"), schema, ["spam", "ham"])

@@ -366,9 +366,9 @@ def test_make_private_trains_a_keras3_model_on_two_inputs(data, jit_compile):
     import keras
 
     batches = open_batches(str(data / "batches"))
-    features = batches.schema["features"]
+    features = batches.schema.features
     schema = ModelSchema(
-        tuple(Feature(name, "float", tuple(features[name]["shape"])) for name in ("a", "b")),
+        tuple(Feature(name, "float", features[name].shape) for name in ("a", "b")),
         Feature("cls", "int64", ()),
         "multiclass",
         classes=4,
@@ -432,7 +432,7 @@ def test_evaluation_follows_the_task_not_binary_labels():
     from madp.training.options import TrainOptions
     from madp.training.tasks import NumericTask
 
-    schema = {"features": {"x": {"dtype": "float", "shape": [2]}, "y": {"dtype": "float", "shape": []}}}
+    schema = {"x": Feature("x", "float", (2,)), "y": Feature("y", "float", ())}
     task = NumericTask(TrainOptions(mechanism="none", model="m:f", inputs=("x",), label="y", task="regression"), schema)
     x, y = np.array([[1, 2], [3, 4]], np.float32), np.array([1.0, 5.0], np.float32)
     metrics = task.evaluate(lambda x, training: x[:, :1], lambda y, out: (out[:, 0] - y) ** 2, (x, y))
