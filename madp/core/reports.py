@@ -72,18 +72,18 @@ class FileEntry:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
 
-
-def _is_entry(entry: object) -> bool:
-    """A report's file entry as `storage.manifest` writes it: a plain name (no folder, so nothing outside
-    the output is ever read), its size and its SHA-256."""
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("name"), str)
-        and entry["name"] not in ("", ".", "..")
-        and "/" not in entry["name"].replace("\\", "/")
-        and isinstance(entry.get("bytes"), int)
-        and isinstance(entry.get("sha256"), str)
-    )
+    @classmethod
+    def from_json(cls, entry: object) -> FileEntry | None:
+        """The entry as `storage.manifest` writes it: a plain name (no folder, so nothing outside the output is
+        ever read), its size and its SHA-256; None for anything else."""
+        if not isinstance(entry, dict):
+            return None
+        name, size, sha256 = entry.get("name"), entry.get("bytes"), entry.get("sha256")
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name.replace("\\", "/"):
+            return None
+        if not isinstance(size, int) or not isinstance(sha256, str):
+            return None
+        return cls(name, size, sha256)
 
 
 def file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tuple[FileEntry, ...]:
@@ -91,11 +91,12 @@ def file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tu
     listed = data.get(key)
     if not listed:
         raise InputError(f"{where} lists no {key}: re-run madp {what}")
-    if not isinstance(listed, list) or not all(_is_entry(entry) for entry in listed):
+    entries = [FileEntry.from_json(entry) for entry in listed] if isinstance(listed, list) else [None]
+    if None in entries:
         raise InputError(
             f"{where}: {key} is not a list of files (name, bytes, sha256), as madp {what} writes it; re-run madp {what}"
         )
-    return tuple(FileEntry(entry["name"], entry["bytes"], entry["sha256"]) for entry in listed)
+    return tuple(entry for entry in entries if entry is not None)
 
 
 # --- madp bound ----------------------------------------------------------------------------------
