@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 from scipy.stats import binom
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 
 _BISECTIONS = 60
 _EPSILON_CEILING = 100.0  # no audit of m < 1e40 canaries can refute more
@@ -45,7 +45,7 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float) -> float:
     """The largest epsilon that v correct out of r guesses on m canaries refute at `confidence` (0 if none)."""
     if not 0 < confidence < 1:
-        raise InputError(f"--confidence must be in (0, 1), got {confidence}")
+        raise OptionError("{confidence} must be in (0, 1), got {0}", confidence)
     level = 1.0 - confidence
     if p_value(m, r, v, 0.0, delta) >= level:
         return 0.0
