@@ -24,12 +24,13 @@ ORDERS = ("arity", "hash")  # recommend-k's bounding orders
 SWEPT_KS = (1, 2, 3, 4, 6, 8, 12, 16)  # recommend-k's default bounds
 
 
-def bands_option() -> Any:
+# An option field serves one dataclass: a declaration several commands share is a function that makes it.
+def _bands_option() -> Any:
     """--bands of `madp strategy`, `madp calibrate` and `madp epsilon` (none: refused where BandMF needs it)."""
     return option(None, help="bandmf: bands of the strategy matrix C")
 
 
-def strategy_option() -> Any:
+def _strategy_option() -> Any:
     """--strategy of `madp strategy`, `madp calibrate` and `madp epsilon`."""
     return option(
         "sqrt", choices=STRATEGIES, help="bandmf: banded square root (default) or MSE-optimized banded Toeplitz C"
@@ -41,8 +42,8 @@ class StrategyOptions:
     """The options of `madp strategy` (each field its `--flag`): the BandMF strategy of `steps` steps."""
 
     steps: int = option()
-    bands: int | None = bands_option()
-    strategy: str = strategy_option()
+    bands: int | None = _bands_option()
+    strategy: str = _strategy_option()
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -71,8 +72,8 @@ class MechanismOptions:
     user_sampling_prob: float | None = option(None, help="dpsgd-uls: q_user (or --cohort-size)")
     cohort_size: float | None = option(None, help="dpsgd-uls: expected users per step")
     num_users: int | None = option(None, help="dpsgd-uls: users (also enables the delta warning)")
-    bands: int | None = bands_option()
-    strategy: str = strategy_option()
+    bands: int | None = _bands_option()
+    strategy: str = _strategy_option()
     min_sep: int | None = option(None, help="bandmf: b, steps between a user's participations (>= bands)")
     max_participations: int | None = option(None, help="bandmf: k, participations per user")
     records_per_step: int = option(1, help="bandmf: records of one user in one step at most (default 1)")
