@@ -17,11 +17,12 @@ confidence c.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import numpy as np
 from scipy.stats import binom
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 
 _BISECTIONS = 60
 _EPSILON_CEILING = 100.0  # no audit of m < 1e40 canaries can refute more
@@ -45,7 +46,7 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float) -> float:
     """The largest epsilon that v correct out of r guesses on m canaries refute at `confidence` (0 if none)."""
     if not 0 < confidence < 1:
-        raise InputError(f"--confidence must be in (0, 1), got {confidence}")
+        raise OptionError("{confidence} must be in (0, 1), got {0}", confidence)
     level = 1.0 - confidence
     if p_value(m, r, v, 0.0, delta) >= level:
         return 0.0
@@ -71,6 +72,25 @@ def guesses(scores: np.ndarray, included_guesses: int, excluded_guesses: int) ->
     return result
 
 
+class Candidate(NamedTuple):
+    """One guess plan an audit tried: its included and excluded guesses, how many were correct, and the
+    lower bound on epsilon they prove."""
+
+    included_guesses: int
+    excluded_guesses: int
+    correct: int  # v
+    epsilon_lower_bound: float
+
+    @property
+    def guesses(self) -> int:
+        """r: the plan's guesses, both ways."""
+        return self.included_guesses + self.excluded_guesses
+
+    def to_json(self) -> dict[str, Any]:
+        """As audit.json lists it."""
+        return self._asdict()
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditResult:
     canaries: int
@@ -79,7 +99,7 @@ class AuditResult:
     epsilon_lower_bound: float
     confidence: float
     delta: float
-    candidates: tuple[dict, ...]  # every guess plan tried, with its correct guesses and bound
+    candidates: tuple[Candidate, ...]  # every guess plan tried, with its correct guesses and bound
     measurable: float  # the bound had every guess been right: no larger epsilon can be refuted
 
 
@@ -110,21 +130,14 @@ def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confid
     candidates = []
     for plus, minus in plans:
         v = int(np.sum(guesses(scores, plus, minus) == truth))
-        candidates.append(
-            {
-                "included_guesses": plus,
-                "excluded_guesses": minus,
-                "correct": v,
-                "epsilon_lower_bound": epsilon_lower_bound(m, plus + minus, v, delta, each),
-            }
-        )
-    best = max(candidates, key=lambda c: c["epsilon_lower_bound"])
+        candidates.append(Candidate(plus, minus, v, epsilon_lower_bound(m, plus + minus, v, delta, each)))
+    best = max(candidates, key=lambda candidate: candidate.epsilon_lower_bound)
     measurable = max(epsilon_lower_bound(m, r, r, delta, each) for r in {plus + minus for plus, minus in plans})
     return AuditResult(
         canaries=m,
-        guesses=int(best["included_guesses"] + best["excluded_guesses"]),
-        correct=int(best["correct"]),
-        epsilon_lower_bound=best["epsilon_lower_bound"],
+        guesses=int(best.guesses),
+        correct=int(best.correct),
+        epsilon_lower_bound=best.epsilon_lower_bound,
         confidence=confidence,
         delta=delta,
         candidates=tuple(candidates),

@@ -25,7 +25,7 @@ from madp.accounting.monte_carlo import (
     reduced_terms,
     sample_log_ratios,
 )
-from madp.core.errors import InputError
+from madp.core.errors import OptionError
 
 log = logging.getLogger("madp.accounting")
 
@@ -126,7 +126,7 @@ def task_map(workers: int, remote: RemoteMap | None = None):
     """A `ChunkMap`: in this process, in one pool of `workers` processes kept for a whole run, or on
     the cluster `remote` opens (64 tasks a wave)."""
     if workers < 1:
-        raise InputError(f"--workers must be at least 1, got {workers}")
+        raise OptionError("{workers} must be at least 1, got {0}", workers)
     if remote is not None:
         with remote() as mapper:
             yield ChunkMap(mapper, 64)

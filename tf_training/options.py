@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from madp.core.errors import OptionError, nonnegative, positive
 from madp.core.options import (
@@ -74,6 +74,13 @@ NON_PRIVATE_SCHEDULE_DEFAULTS = {"text-classifier": "cosine"}
 # and Debian's packages, and moved it by -0.5 to +0.7 without privacy; 5 and 7 characters did about
 # as well (README "Text defaults, on real text"). Beside a pretrained feature words stay whole (measured so).
 CLASSIFIER_WORD_PREFIX = 6
+
+
+def clip_norm_option() -> Any:
+    """--clip-norm, the bound on each example's gradient norm: `madp train` clips to it, and `madp recommend-k`
+    plans a training with it and writes it into its config's calibrate section."""
+    return option(1.0, section=CALIBRATE)
+
 
 NUMERIC = "numeric and module:function models"  # --help's argument groups
 TEXT = "text models (text-classifier, text-lm, causal-lm)"
@@ -203,7 +210,7 @@ class TrainOptions:
         help="L2 penalty: l2 times each weight is added to the step's (noised) mean gradient, outside the "
         "clipping, so it costs no privacy (default: 3e-4 for text-classifier without --pretrained, else 0)",
     )
-    clip_norm: float = option(1.0, section=CALIBRATE)
+    clip_norm: float = clip_norm_option()
     seed: int = option(0, parse=seed_argument, help="seed of the model initialization (not of the noise)")
     noise_seed: int | None = option(  # None: a fresh secret noise key
         None,

@@ -13,7 +13,7 @@ import io
 import json
 import zipfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from madp.core import storage
 from madp.core.errors import InputError
@@ -235,6 +235,21 @@ METRICS_FILE = "metrics.json"
 METRICS_FORMAT_VERSION = 1  # of metrics.json; a file without it is its predecessor (the same keys)
 
 
+class Evaluation(NamedTuple):
+    """One evaluation on --eval-data, as `Evaluations` holds it in its file: the loss, the task's other
+    metrics by name, and the step it ran after."""
+
+    loss: float
+    metrics: Mapping[str, Any]  # the task's metrics but the loss, named as the task names them
+    step: int | None  # the step it ran after; None: a pretrained model's, before the first step
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Evaluation:
+        """An evaluation of the file (a KeyError where it lacks its loss)."""
+        metrics = {name: value for name, value in data.items() if name not in ("loss", "step")}
+        return cls(data["loss"], metrics, data.get("step"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluations:
     """A training's evaluations on --eval-data: each one (its step, loss and the task's metrics, named as the
@@ -245,6 +260,21 @@ class Evaluations:
     final: Mapping[str, Any] | None  # the last evaluation
     pretrained_eval: Mapping[str, Any] | None = None  # the pretrained model's, before the first step
     from_pretrained: bool = False  # whether the training states `pretrained_eval` (no key of its own)
+
+    @property
+    def points(self) -> tuple[Evaluation, ...]:
+        """Each evaluation, typed."""
+        return tuple(Evaluation.from_json(each) for each in self.eval)
+
+    @property
+    def last(self) -> Evaluation | None:
+        """The last evaluation, typed (None where there is none)."""
+        return Evaluation.from_json(self.final) if self.final else None
+
+    @property
+    def before_training(self) -> Evaluation | None:
+        """A pretrained model's evaluation before the first step, typed (None where there is none)."""
+        return Evaluation.from_json(self.pretrained_eval) if self.pretrained_eval else None
 
     def to_json(self) -> dict[str, Any]:
         """As metrics.json and OUTPUT/internal/evaluation.json hold them."""

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from madp.commands.registry import Family, add_options, options_from
+from madp.core.options import option
 from madp.core.records import ColumnOptions
 from madp.engines.batching import BatchOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBatchesOptions(ColumnOptions):
+    """The options of `madp verify-batches` (each field its `--flag`): what the batches must keep."""
+
+    min_sep: int = option()
+    selected: str = option(
+        help="the `madp bound` output the batches were made from: every real row must be one of its selected "
+        "records, in no step more often than its copies",
+    )
+    max_contributions: int = option(
+        aliases=("-k",),
+        help="K: the contribution bound the training accounts with (the bound's contribution_bound): no user's "
+        "selected records may have more copies in all, whichever the batches hold",
+    )
+    capacities: str | None = option(
+        None,
+        help="the bound's --capacities file: a user it lists may have its capacity in copies instead of K (as "
+        "verify-bound checks it)",
+    )
+    max_participations: int | None = option(None, help="k: steps per user at most")
+    max_batch_size: int | None = option(None, help="B_max: rows per step at most")
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -25,29 +50,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     verify_batches = commands.add_parser("verify-batches", help="independently check batches against the records")
     verify_batches.add_argument("output", help="a `madp batch` output directory")
     verify_batches.add_argument("data", help="the records the batches were made from")
-    verify_batches.add_argument("--min-sep", type=int, required=True)
-    verify_batches.add_argument(
-        "--selected",
-        required=True,
-        help="the `madp bound` output the batches were made from: every real row must be one of its selected "
-        "records, in no step more often than its copies",
-    )
-    verify_batches.add_argument(
-        "--max-contributions",
-        "-k",
-        type=int,
-        required=True,
-        help="K: the contribution bound the training accounts with (the bound's contribution_bound): no user's "
-        "selected records may have more copies in all, whichever the batches hold",
-    )
-    verify_batches.add_argument(
-        "--capacities",
-        help="the bound's --capacities file: a user it lists may have its capacity in copies instead of K (as "
-        "verify-bound checks it)",
-    )
-    verify_batches.add_argument("--max-participations", type=int, help="k: steps per user at most")
-    verify_batches.add_argument("--max-batch-size", type=int, help="B_max: rows per step at most")
-    add_options(verify_batches, ColumnOptions)
+    add_options(verify_batches, VerifyBatchesOptions)
 
 
 def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
@@ -65,16 +68,17 @@ def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.batching import run_verify_batches
 
+    options = options_from(VerifyBatchesOptions, args)
     return run_verify_batches(
         args.output,
         args.data,
-        options_from(ColumnOptions, args).columns,
-        min_sep=args.min_sep,
-        max_participations=args.max_participations,
-        max_batch_size=args.max_batch_size,
-        selected=args.selected,
-        max_contributions=args.max_contributions,
-        capacities=args.capacities,
+        options.columns,
+        min_sep=options.min_sep,
+        max_participations=options.max_participations,
+        max_batch_size=options.max_batch_size,
+        selected=options.selected,
+        max_contributions=options.max_contributions,
+        capacities=options.capacities,
     )
 
 

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from madp.commands.registry import Family, add_options, options_from
+from madp.core.options import option
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBoundOptions(ColumnOptions):
+    """The options of `madp verify-bound` (each field its `--flag`): the bound the output must keep."""
+
+    max_contributions: int = option(aliases=("-k",))
+    capacities: str | None = option(None)
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -34,9 +44,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser("verify-bound", help="independently check a bounding output against its input")
     verify.add_argument("input")
     verify.add_argument("output", help="a `madp bound` output directory")
-    verify.add_argument("--max-contributions", "-k", type=int, required=True)
-    verify.add_argument("--capacities")
-    add_options(verify, ColumnOptions)
+    add_options(verify, VerifyBoundOptions)
 
 
 def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
@@ -50,8 +58,8 @@ def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
 def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.bounding import run_verify_bound
 
-    columns = options_from(ColumnOptions, args).columns
-    return run_verify_bound(args.input, args.output, args.max_contributions, args.capacities, columns)
+    options = options_from(VerifyBoundOptions, args)
+    return run_verify_bound(args.input, args.output, options.max_contributions, options.capacities, options.columns)
 
 
 FAMILY = Family(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -353,6 +354,35 @@ class OutputLocked(InputError):
     """Another process is writing the output directory (or it cannot be written at all)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class LockHolder:
+    """The process a lock or a reader's mark names (`_holder_text`), each value as the file has it: None
+    where the file lacks it (a damaged or foreign file, or none that could be read)."""
+
+    pid: Any = None  # its process id
+    host: Any = None  # the host it runs on
+    thread: Any = None  # the thread that holds the lock
+    command: Any = None  # what it runs
+    since: Any = None  # when it took the lock
+    keeps_content: Any = None  # a truthy value: it changes nothing readers read
+    described: bool = False  # whether the file names pid, host, command and since (a message says them)
+
+    @classmethod
+    def from_json(cls, data: object) -> LockHolder:
+        """The holder a lock file's JSON names; no one where it is not an object."""
+        if not isinstance(data, dict):
+            return cls()
+        return cls(
+            pid=data.get("pid"),
+            host=data.get("host"),
+            thread=data.get("thread"),
+            command=data.get("command"),
+            since=data.get("since"),
+            keeps_content=data.get("keeps_content"),
+            described=all(key in data for key in ("pid", "host", "command", "since")),
+        )
+
+
 def _holder_text(command: str, **fields: object) -> str:
     """What a lock or a reader's mark says of its process: a message names it, `_stale` checks it."""
     return json.dumps(
@@ -421,7 +451,7 @@ def reading(directory: str, reader: str):
         marked = False
     try:
         lock = join(directory, LOCK_FILE)
-        if kind(lock) == "file" and not _stale(lock) and not _ours(lock) and not _holder(lock).get("keeps_content"):
+        if kind(lock) == "file" and not _stale(lock) and not _ours(lock) and not _holder(lock).keeps_content:
             raise OutputLocked(_held(lock))
         yield
     finally:
@@ -498,20 +528,20 @@ def holds(output: str) -> bool:
     """Whether this thread holds OUTPUT's lock (runs inside `exclusive(OUTPUT, ...)`): another thread of
     the process does not, so that two threads never both write what the lock guards."""
     lock = join(output, LOCK_FILE)
-    return kind(lock) == "file" and _ours(lock) and _holder(lock).get("thread") == threading.get_ident()
+    return kind(lock) == "file" and _ours(lock) and _holder(lock).thread == threading.get_ident()
 
 
 def _ours(lock: str) -> bool:
     holder = _holder(lock)
-    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+    return holder.pid == os.getpid() and holder.host == socket.gethostname()
 
 
-def _holder(lock: str) -> dict:
+def _holder(lock: str) -> LockHolder:
+    """Who `lock` (or a reader's mark) names; no one where it cannot be read or is not JSON."""
     try:
-        holder = json.loads(read_text(lock))
+        return LockHolder.from_json(json.loads(read_text(lock)))
     except (OSError, ValueError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
+        return LockHolder()
 
 
 def _take_remote(output: str, lock: str, holder: str) -> str:
@@ -629,14 +659,14 @@ def _write_new(path: str, text: str) -> None:
 
 def _stale(lock: str) -> bool:
     """Whether a local lock's process is gone (same host, no such pid)."""
+    holder = _holder(lock)
+    if holder.host != socket.gethostname():
+        return False
     try:
-        holder = json.loads(read_text(lock))
-        if holder.get("host") != socket.gethostname():
-            return False
-        os.kill(int(holder["pid"]), 0)
+        os.kill(int(holder.pid), 0)
     except ProcessLookupError:
         return True
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, TypeError):  # a pid of no process we may signal, or none
         return False
     return False
 
@@ -650,7 +680,6 @@ def _held(lock: str) -> str:
 
 def _holder_of(lock: str, program: str = "madp ") -> str:
     holder = _holder(lock)
-    try:
-        return f"pid {holder['pid']} on {holder['host']}, `{program}{holder['command']}`, since {holder['since']}"
-    except KeyError:
+    if not holder.described:
         return "an unknown process"
+    return f"pid {holder.pid} on {holder.host}, `{program}{holder.command}`, since {holder.since}"

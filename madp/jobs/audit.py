@@ -326,7 +326,7 @@ def _write(
         can_refute_claim=claimed is not None and claimed < result.measurable,
         audit_model_private=bool(plan and plan.private),
         inclusion=key.status,
-        candidates=tuple(result.candidates),
+        candidates=tuple(candidate.to_json() for candidate in result.candidates),
         ok=not refuted,
         verdict=(
             "REFUTED: the measured lower bound exceeds the claimed epsilon"

@@ -1,7 +1,8 @@
 """The references generated from madp's declarations, each a page a test holds to them:
 
 - docs/reference/options.md: every declared option of `madp bound`, `madp batch` and `madp train` (flag,
-  default, help) with its `madp run` section key, rendered from the options' dataclasses;
+  default, help) with its `madp run` section key, and of the commands `madp run` does not run as stages of
+  their own (the accountant's, the verifiers', the report's), rendered from the options' dataclasses;
 - docs/reference/outputs.md: every file a stage writes (`OUTPUTS`), whether a user may publish it, and
   for the files that are a dataclass's JSON, its fields (name, type, meaning from the field's comment).
 
@@ -21,9 +22,12 @@ import textwrap
 import tokenize
 from typing import NamedTuple
 
+from madp.commands.accounting import CalibrateOptions, EpsilonOptions, RecommendOptions, StrategyOptions
+from madp.commands.batching import VerifyBatchesOptions
+from madp.commands.bounding import VerifyBoundOptions
+from madp.commands.report import ReportOptions
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE
 from madp.core.options import CALIBRATE, Declared, declared
-from madp.core.records import ColumnOptions
 from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
 from madp.engines.batching import BatchOptions
@@ -48,12 +52,22 @@ from madp.training.plan import PrivacyPlan
 REFERENCE = os.path.join("docs", "reference", "options.md")  # from the repository's root
 OUTPUTS_REFERENCE = os.path.join("docs", "reference", "outputs.md")
 DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions))
+# The commands whose options no `madp run` section takes by these names (its verify stages and report
+# are given theirs by the run).
+COMMAND_DECLARATIONS = (
+    ("verify-bound", VerifyBoundOptions),
+    ("verify-batches", VerifyBatchesOptions),
+    ("calibrate", CalibrateOptions),
+    ("epsilon", EpsilonOptions),
+    ("strategy", StrategyOptions),
+    ("recommend-k", RecommendOptions),
+    ("report", ReportOptions),
+)
 REGENERATE = "python -m madp.jobs.reference"
 
 
 def options_reference() -> str:
     """The options reference as Markdown."""
-    columns = ", ".join(f"`{each.flags[0]}`" for each in declared(ColumnOptions))
     lines = [
         "# Options",
         "",
@@ -62,19 +76,28 @@ def options_reference() -> str:
         "A `madp run` section's key is an option's name with underscores (`max_contributions: 3` is",
         "`--max-contributions 3`, `true` a switch). The bound and batch sections also take `runner` and",
         "`beam_options`, the train section `baseline`; a generate section takes `madp generate`'s options",
-        "and `holdout`. `madp verify-bound`, `madp verify-batches` and `madp recommend-k` take the record",
-        f"columns' options of `madp bound`: {columns}.",
+        "and `holdout`. The commands after `madp train` are no `madp run` sections: their options have no keys.",
     ]
     for command, declaration in DECLARATIONS:
         lines += ["", f"## madp {command}", "", "| option | `madp run` key | default | help |", "|---|---|---|---|"]
         lines += [_row(command, each) for each in declared(declaration)]
+    for command, options in COMMAND_DECLARATIONS:
+        lines += ["", f"## madp {command}", "", "| option | default | help |", "|---|---|---|"]
+        lines += [f"| {_flags(each)} | {_default(each)} | {_help(each)} |" for each in declared(options)]
     return "\n".join(lines) + "\n"
 
 
 def _row(command: str, each: Declared) -> str:
     section = CALIBRATE if each.option.section == CALIBRATE else command
-    flags = ", ".join(f"`{flag}`" for flag in each.flags)
-    return f"| {flags} | `{section}.{each.name}` | {_default(each)} | {_cell(each.option.help or '')} |"
+    return f"| {_flags(each)} | `{section}.{each.name}` | {_default(each)} | {_help(each)} |"
+
+
+def _help(each: Declared) -> str:
+    return _cell(each.option.help or "")
+
+
+def _flags(each: Declared) -> str:
+    return ", ".join(f"`{flag}`" for flag in each.flags)
 
 
 def _default(each: Declared) -> str:

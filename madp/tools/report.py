@@ -24,8 +24,8 @@ from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.randomness import DETERMINISTIC
 from madp.core.reports import AuditReport, BatchReport, BoundReport
-from madp.tools.planning.recommend import Recommendation
-from madp.training.outputs import Evaluations, TrainingMetrics, evaluations_of
+from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
+from madp.training.outputs import Evaluation, Evaluations, TrainingMetrics, evaluations_of
 from madp.training.plan import Guarantee, PrivacyPlan, stated_plan
 
 SOURCES = {
@@ -36,7 +36,7 @@ SOURCES = {
     "privacy": "train/privacy.json",
     "baseline": "baseline/metrics.json",
     "audit": "audit/audit.json",
-    "recommend": "recommend-k.json",  # `madp recommend-k --write-config`: the sweep that chose k
+    "recommend": SWEEP_FILE,  # `madp recommend-k --write-config`: the sweep that chose k
 }
 
 
@@ -73,6 +73,29 @@ class RunReports:
     audit: AuditReport | None = None  # audit/audit.json
     recommend: Recommendation | None = None  # recommend-k.json
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, dict], where: str, internal: bool) -> RunReports:
+        """The reports of the run directory `where`, each parsed file of `data` (`_load`: by its name in
+        SOURCES) read as its stage wrote it; the evaluations of data not declared public only where
+        `internal`."""
+        path = {name: storage.join(where, relative) for name, relative in SOURCES.items()}
+        metrics = {
+            name: TrainingMetrics.from_json(data[name], path[name]) for name in ("train", "baseline") if name in data
+        }
+        evaluations = {name: evaluations_of(storage.join(where, name), internal) for name in metrics}
+        return cls(
+            bound=BoundReport.from_json(data["bound"], path["bound"]) if "bound" in data else None,
+            batches=BatchReport.from_json(data["batches"], path["batches"]) if "batches" in data else None,
+            calibration=_plan(data.get("calibration"), "calibration"),
+            privacy_stated=bool(data.get("privacy")),
+            privacy=_plan(data.get("privacy"), "privacy"),
+            train=metrics.get("train"),
+            baseline=metrics.get("baseline"),
+            evaluations={name: shown for name, shown in evaluations.items() if shown is not None},
+            audit=AuditReport.from_json(data["audit"], path["audit"]) if "audit" in data else None,
+            recommend=Recommendation.from_json(data["recommend"], path["recommend"]) if "recommend" in data else None,
+        )
+
     @property
     def released(self) -> PrivacyPlan | None:
         """The plan the trained model states (train/privacy.json), else the one it is to train with."""
@@ -87,28 +110,6 @@ def _plan(stated: dict | None, name: str) -> PrivacyPlan | None:
         return stated_plan(stated)
     except ValueError as error:
         raise InputError(f"{SOURCES[name]}: {error}") from None
-
-
-def _typed(run_dir: str, found: dict[str, dict], internal: bool) -> RunReports:
-    """The run's reports read (`_load`) as the stages wrote them; the evaluations of data not declared
-    public only where `internal`."""
-    where = {name: storage.join(run_dir, relative) for name, relative in SOURCES.items()}
-    metrics = {
-        name: TrainingMetrics.from_json(found[name], where[name]) for name in ("train", "baseline") if name in found
-    }
-    evaluations = {name: evaluations_of(storage.join(run_dir, name), internal) for name in metrics}
-    return RunReports(
-        bound=BoundReport.from_json(found["bound"], where["bound"]) if "bound" in found else None,
-        batches=BatchReport.from_json(found["batches"], where["batches"]) if "batches" in found else None,
-        calibration=_plan(found.get("calibration"), "calibration"),
-        privacy_stated=bool(found.get("privacy")),
-        privacy=_plan(found.get("privacy"), "privacy"),
-        train=metrics.get("train"),
-        baseline=metrics.get("baseline"),
-        evaluations={name: shown for name, shown in evaluations.items() if shown is not None},
-        audit=AuditReport.from_json(found["audit"], where["audit"]) if "audit" in found else None,
-        recommend=Recommendation.from_json(found["recommend"], where["recommend"]) if "recommend" in found else None,
-    )
 
 
 def _png(figure) -> str:
@@ -172,7 +173,7 @@ def _figures(reports: RunReports, plt, internal: bool) -> list[tuple[str, str, s
     if reports.calibration is not None and reports.calibration.epsilon_curve:
         figures.append(_calibration_figure(reports.calibration, plt))
     models = _models(reports, internal)
-    curves = {name: reports.evaluations[name].eval for name in models if name in reports.evaluations}
+    curves = {name: reports.evaluations[name].points for name in models if name in reports.evaluations}
     curves = {name: points for name, points in curves.items() if points}
     if curves:
         figures.append(_training_figure(curves, _pretrained_eval(reports, models), plt))
@@ -196,7 +197,7 @@ def _bound_figures(bound: BoundReport, plt) -> list[tuple[str, str, str]]:
     axis.axvline(k, color="grey", linestyle="--", label=f"K = {k}")
     axis.set(xscale="log", yscale="log", xlabel="records per user", ylabel="users")
     axis.legend()
-    without = hist.records_per_user_selected.get("0", 0)
+    without = dict(zip(*_counts(hist.records_per_user_selected))).get(0, 0)  # users by their records
     figures = [
         (
             "Records per user",
@@ -280,17 +281,17 @@ def _calibration_figure(calibration: PrivacyPlan, plt) -> tuple[str, str, str]:
     return "Sigma and epsilon", f"Epsilon of {calibration.mechanism} as a function of sigma (calibration.json).", png
 
 
-def _training_figure(curves: dict[str, tuple], start: Mapping | None, plt) -> tuple[str, str, str]:
+def _training_figure(curves: dict[str, tuple[Evaluation, ...]], start: Evaluation | None, plt) -> tuple[str, str, str]:
     """Loss and the task's quality metric on the evaluation data, per training shown."""
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    quality = next(m for m in QUALITY_METRICS if m in next(iter(curves.values()))[0])
+    quality = next(m for m in QUALITY_METRICS if m in next(iter(curves.values()))[0].metrics)
     for name, points in curves.items():
-        steps = [p["step"] for p in points]
-        axes[0].plot(steps, [p["loss"] for p in points], label="private" if name == "train" else "non-private")
-        axes[1].plot(steps, [p[quality] for p in points], label="private" if name == "train" else "non-private")
+        steps = [p.step for p in points]
+        axes[0].plot(steps, [p.loss for p in points], label="private" if name == "train" else "non-private")
+        axes[1].plot(steps, [p.metrics[quality] for p in points], label="private" if name == "train" else "non-private")
     if start:  # a pretrained model: what fine-tuning has to beat
-        for axis, metric in zip(axes, ("loss", quality)):
-            axis.axhline(start[metric], color="grey", linestyle="--", label="pretrained, before training")
+        for axis, value in zip(axes, (start.loss, start.metrics[quality])):
+            axis.axhline(value, color="grey", linestyle="--", label="pretrained, before training")
     axes[0].set(xlabel="step", ylabel="eval loss")
     axes[1].set(xlabel="step", ylabel=f"eval {quality.replace('_', ' ')}")
     axes[1].legend()
@@ -330,9 +331,9 @@ def _audit_figure(audit: AuditReport, plt) -> tuple[str, str, str]:
     )
 
 
-def _pretrained_eval(reports: RunReports, models: tuple[str, ...]) -> Mapping | None:
+def _pretrained_eval(reports: RunReports, models: tuple[str, ...]) -> Evaluation | None:
     """A pretrained model's evaluation before training (the same in every training of the run)."""
-    found = (reports.evaluations[name].pretrained_eval for name in models if name in reports.evaluations)
+    found = (reports.evaluations[name].before_training for name in models if name in reports.evaluations)
     return next((start for start in found if start), None)
 
 
@@ -362,9 +363,7 @@ def _choosing_k(result: Recommendation, plt) -> tuple[str, str, str]:
     axis.set(xscale="log", yscale="log", xlabel="contribution bound k", ylabel="excess-risk proxy")
     axis.legend(fontsize=8)
     unscored = [str(r.k) for r in rows if r.excess_risk is None]
-    caption = (
-        f"The sweep of `madp recommend-k` that chose k ({SOURCES['recommend']}): {result.criterion}. {result.reason}."
-    )
+    caption = f"The sweep of `madp recommend-k` that chose k ({SWEEP_FILE}): {result.criterion}. {result.reason}."
     if unscored:
         caption += f" No proxy for k = {', '.join(unscored)} (infeasible before the accountant)."
     png = _png(figure)
@@ -417,16 +416,18 @@ def _summary(reports: RunReports, internal: bool) -> list[tuple[str, str]]:
             rows += [("noise", plan.noise), ("private", "yes" if plan.private else "NO")]
     models = _models(reports, internal)
     shown = {name: reports.evaluations.get(name) for name in models}
-    finals = {name: (evaluations.final if evaluations else None) or {} for name, evaluations in shown.items()}
+    lasts = {name: evaluations.last if evaluations else None for name, evaluations in shown.items()}
+    finals = {name: last.metrics if last else {} for name, last in lasts.items()}
     start = _pretrained_eval(reports, models)
     if start:
-        rows.append(("pretrained model eval loss, before training", f"{start['loss']:.4f}"))
+        rows.append(("pretrained model eval loss, before training", f"{start.loss:.4f}"))
     for metric in QUALITY_METRICS:
         for name, label in (("train", "private"), ("baseline", "non-private (internal)")):
             if finals.get(name, {}).get(metric) is not None:
                 rows.append((f"{label} eval {metric.replace('_', ' ')}", f"{finals[name][metric]:.4f}"))
         if len(finals) == 2 and all(finals[name].get(metric) for name in finals):
-            gap = finals["train"][metric] / finals["baseline"][metric]
+            private, non_private = (finals[name][metric] for name in models)  # models: train, baseline
+            gap = private / non_private
             rows.append((f"privacy-utility gap ({metric.replace('_', ' ')}): private / non-private", f"{gap:.3f}"))
     audit = reports.audit
     if audit is not None and shows_audit(reports, internal):
@@ -482,7 +483,7 @@ def write_report(run_dir: str, output: str | None = None, internal: bool = False
     if not found:
         raise InputError(f"{run_dir}: no reports of a `madp run` found (looked for {', '.join(SOURCES.values())})")
     # evaluations on data not declared public: an internal page's only
-    reports = _typed(run_dir, found, internal)
+    reports = RunReports.from_json(found, run_dir, internal)
     try:
         figures, rows = _figures(reports, plt, internal), _summary(reports, internal)
     except (KeyError, TypeError, IndexError, ValueError) as error:  # an audit or sweep of another version, or edited

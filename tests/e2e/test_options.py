@@ -20,6 +20,7 @@ from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.reference import (
+    COMMAND_DECLARATIONS,
     DECLARATIONS,
     LAID_OUT_AS,
     OUTPUTS,
@@ -51,6 +52,18 @@ def test_each_field_is_one_option_of_its_command_and_each_option_a_field(command
     assert set(flags) == fields
     for each in declared(declaration):
         assert flags[each.name][0] == flag_of(each.name)  # the field is named as its flag
+
+
+@pytest.mark.parametrize("command, declaration", COMMAND_DECLARATIONS)
+def test_the_options_of_a_command_madp_run_does_not_run_are_its_declarations(command, declaration):
+    """Each option of `madp calibrate`, `madp recommend-k`, the verifiers and the report is a field of its
+    declaration, with the field's default (a required one required)."""
+    actions = {dest: action for dest, action in parser().commands[command].options.items() if dest != "help"}
+    assert set(actions) == {each.name for each in declared(declaration)}
+    for each in declared(declaration):
+        action = actions[each.name]
+        assert action.option_strings[0] == flag_of(each.name)
+        assert action.required if each.required else action.default == each.default
 
 
 @pytest.mark.parametrize("command, declaration", DECLARATIONS)
