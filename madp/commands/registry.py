@@ -63,9 +63,11 @@ class Parser(argparse.ArgumentParser):
         return command in self.family[command].beam_options
 
 
-def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
+def add_options(parser: argparse.ArgumentParser, declaration: type, defaults: bool = True) -> None:
     """Add the options a dataclass declares (`madp.core.options.option`) to a command's parser: each field's
-    flag, aliases, help, choices, type and default, in its argument group if it names one."""
+    flag, aliases, help, choices, type and default, in its argument group if it names one. Without `defaults`
+    an option left off the command line is None, a switch's too (the values come from elsewhere, a config
+    section, where not given)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for each in declared(declaration):
         facts = each.option
@@ -77,13 +79,15 @@ def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
         settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
         if each.switch:
             settings["action"] = "store_true"
+            if not defaults:
+                settings["default"] = None
         else:
             settings.update(choices=facts.choices, metavar=facts.metavar, type=each.parse)
             if facts.repeatable:
                 settings["action"] = "append"
         if each.required:
             settings["required"] = True
-        else:  # a repeatable option's values are appended to a list
+        elif defaults:  # a repeatable option's values are appended to a list
             settings["default"] = list(each.default) if facts.repeatable else each.default
         where.add_argument(*each.flags, **settings)
 

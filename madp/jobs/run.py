@@ -21,7 +21,7 @@ from madp.core.errors import CheckFailed, InputError
 from madp.core.reports import AuditReport
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
-from madp.jobs.run_plan import Source, Stage, load_config, plan_stages
+from madp.jobs.run_plan import RunConfig, Source, Stage, stages_of
 from madp.jobs.run_steps import AuditJob
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.outputs import evaluations_of, replaced_directory, settle_replaced, settled_text
@@ -173,11 +173,10 @@ def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: b
 
 def run(config_path: str, overrides: list[str], audit: AuditJob, force: bool = False) -> dict:
     """The job of a config; `audit` runs its audit stage (`madp audit CONFIG`, `madp.jobs.audit.run_audit`)."""
-    config = load_config(config_path, overrides)
-    stages = plan_stages(config, Source(config_path, overrides, audit))
-    run_dir = config["run_dir"]
-    with storage.exclusive(run_dir, f"run {config_path}"):
-        return run_stages(run_dir, config_path, stages, force, lambda: check_feasible(stages))
+    config = RunConfig.read(config_path, overrides)
+    stages = stages_of(config, Source(config_path, overrides, audit))
+    with storage.exclusive(config.run_dir, f"run {config_path}"):
+        return run_stages(config.run_dir, config_path, stages, force, lambda: check_feasible(stages))
 
 
 def run_stages(
