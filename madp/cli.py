@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.jobs.run import run
 
     # its audit stage is `madp audit CONFIG` with the run's --set overrides and no flags of its own
-    return run(args.config, args.set, lambda config, overrides: run_audit(config, overrides, {}), args.force)
+    return run(args.config, args.set, lambda config, overrides: run_audit(config, overrides, {}), args.force).to_json()
 
 
 def _audit(args: argparse.Namespace, unknown: list[str]) -> dict:
@@ -215,8 +215,8 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
             raise
         print(f"madp {args.command}: error: {full}; {_after_stop(args)}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, sort_keys=True))
-    return 1 if result.get("ok") is False else 0
+    print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def run_audit(config_path: str, overrides: list[str], given: Mapping[str, Any], 
     given): its job (with canaries planted) planned and run."""
     config = run_plan.RunConfig.read(config_path, overrides)
     options = run_plan.audited(config, given)
-    planned = {stage.name: stage.step for stage in run_plan.stages_of(config)}  # the job itself must be valid
+    planned = run_plan.stages_of(config)  # the job itself must be valid
     directory = audit_directory(config.run_dir, options)
     with storage.exclusive(directory, f"audit {config_path}"):
         return _audit(config_path, config, planned, options, directory, force)
@@ -214,18 +214,18 @@ def run_audit(config_path: str, overrides: list[str], given: Mapping[str, Any], 
 def _audit(
     config_path: str,
     config: run_plan.RunConfig,
-    planned: Mapping[str, run_steps.Step],
+    planned: list[run_plan.Stage],
     options: AuditOptions,
     directory: str,
     force: bool,
 ) -> dict:
-    """The audit job, in `directory`, of the config whose stages' steps are `planned` (by stage name)."""
+    """The audit job, in `directory`, of the config whose stages are `planned`."""
     path = lambda name: storage.join(directory, name)  # noqa: E731
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
-    bound, calibrate, trained = planned["bound"], planned["calibrate"], planned["train"]
-    assert isinstance(bound, run_steps.Bound) and isinstance(calibrate, run_steps.Calibrate)
-    assert isinstance(trained, run_steps.Train) and config.train is not None  # `run_plan.audited` requires them
+    bound, calibrate = run_plan.step_of(planned, run_steps.Bound), run_plan.step_of(planned, run_steps.Calibrate)
+    trained = run_plan.step_of(planned, run_steps.Train)  # the train stage's, planned before the baseline's
+    assert bound and calibrate and trained and config.train  # `run_plan.audited` requires their sections
     real = config.input
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory

@@ -28,7 +28,7 @@ from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.audit import AUDIT_FILE, CANARY_FILE, ZERO_OUT_FILE
-from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS
+from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS, InternalResults
 from madp.jobs.run_plan import INTERNAL_REPORT
 from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
 from madp.training.options import TrainOptions
@@ -268,6 +268,7 @@ OUTPUTS = (
         False,
         "the baseline's metrics, the private-over-non-private ratio, the internal "
         "evaluations and each stage's wall time",
+        InternalResults,
     ),
     Output("run", SWEEP_FILE, True, "where `madp recommend-k` wrote the config: its sweep (recommend-k, above)"),
     Output("run", "audit/", False, "the audit stage's directory", output_of="audit"),

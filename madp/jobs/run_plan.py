@@ -239,6 +239,14 @@ def _train(section: dict) -> TrainSection:
     return TrainSection(tuple(section.items()), baseline)
 
 
+StepKind = TypeVar("StepKind")
+
+
+def step_of(stages: Sequence[Stage], kind: type[StepKind]) -> StepKind | None:
+    """The step of the first of the stages that runs a `kind` step (the bound stage's `Bound`), if any."""
+    return next((stage.step for stage in stages if isinstance(stage.step, kind)), None)
+
+
 def load_config(path: str, overrides: list[str]) -> dict:
     """The YAML config with `--set key.sub=value` overrides (values parsed as YAML)."""
     try:
