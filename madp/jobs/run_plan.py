@@ -112,7 +112,7 @@ class Section:
 
     @property
     def sets_nothing(self) -> bool:
-        """Whether the section is empty (`{}` in the config)."""
+        """Whether the section sets no option and leaves `madp run`'s own keys at their defaults (`{}`)."""
         return self == type(self)()
 
     def value(self, name: str) -> Any:
@@ -161,7 +161,7 @@ class RunConfig:
     batch: BeamSection | None = None
     calibrate: Section | None = None
     train: TrainSection | None = None
-    audit: Mapping[str, Any] | None = None  # `madp.tools.planning.audit_config.audit_options` reads it
+    audit: Section | None = None  # its keys: `AuditOptions`' (`madp.tools.planning.audit_config.audit_options`)
     report: bool = False
 
     @classmethod
@@ -195,7 +195,7 @@ class RunConfig:
             batch=None if batch is None else _beam(batch, "batch"),
             calibrate=None if calibrate is None else Section(tuple(calibrate.items())),
             train=None if train is None else _train(train),
-            audit=None if audit is None else dict(audit or {}),
+            audit=None if audit is None else Section(tuple((audit or {}).items())),
             report=report,
         )
 
@@ -337,7 +337,7 @@ def audited(config: RunConfig, given: Mapping[str, Any]) -> AuditOptions:
             f"config train.inputs {inputs}: the audit plants its canaries in one features vector; "
             f"a model of several inputs cannot be audited"
         )
-    return audit_options(config.audit or {}, given)
+    return audit_options(dict(config.audit.options) if config.audit else {}, given)
 
 
 @dataclasses.dataclass(frozen=True)
