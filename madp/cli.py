@@ -14,11 +14,20 @@ import sys
 import threading
 
 from madp.commands import accounting, batching, bounding, data, report, training
-from madp.commands.registry import Family, Parser, build_parser, error_text, read_paths, written_directory
+from madp.commands.registry import (
+    Family,
+    Parser,
+    add_options,
+    build_parser,
+    error_text,
+    read_paths,
+    written_directory,
+)
 from madp.core import storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
-from madp.core.options import seed_argument
+from madp.core.options import declared
 from madp.core.selection import REPORT_FILE
+from madp.tools.planning.audit_config import AuditOptions
 
 log = logging.getLogger("madp")
 DESCRIPTION = (
@@ -53,27 +62,7 @@ def _add_jobs(commands: argparse._SubParsersAction) -> None:
     audit.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)"
     )
-    audit.add_argument("--canaries", type=int, help="m: canary users (default 1000)")
-    audit.add_argument("--confidence", type=float, help="of the lower bound (default 0.95)")
-    audit.add_argument(
-        "--canary-norm", type=float, help="canary feature norm, in real records' median norms (default 10)"
-    )
-    audit.add_argument("--shared", type=float, help="fraction of canaries sharing a record with another (default 0.5)")
-    audit.add_argument("--output", help="directory of the audit's data, model and audit.json (default RUN_DIR/audit)")
-    audit.add_argument(
-        "--non-private",
-        action="store_true",
-        default=None,
-        help="train the audit model without privacy: what the audit can see when nothing protects",
-    )
-    audit.add_argument(
-        "--testing-only-noise-scale",
-        type=float,
-        help="TESTING ONLY: scale the audit model's noise while keeping the claim; the audit must fail",
-    )
-    audit.add_argument(
-        "--seed", type=seed_argument, help="TESTING ONLY: reproduce canaries and inclusion (default: secret)"
-    )
+    add_options(audit, AuditOptions, defaults=False)  # the audit section gives the defaults
     audit.add_argument("--force", action="store_true", help="re-run every stage of the audit's job")
 
 
@@ -82,23 +71,14 @@ def _run(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.jobs.run import run
 
     # its audit stage is `madp audit CONFIG` with the run's --set overrides and no flags of its own
-    return run(args.config, args.set, lambda config, overrides: run_audit(config, overrides, {}), args.force)
+    return run(args.config, args.set, lambda config, overrides: run_audit(config, overrides, {}), args.force).to_json()
 
 
 def _audit(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.jobs.audit import run_audit
 
-    flags = {
-        "canaries": args.canaries,
-        "confidence": args.confidence,
-        "canary_norm": args.canary_norm,
-        "shared": args.shared,
-        "output": args.output,
-        "non_private": args.non_private,
-        "testing_noise_scale": args.testing_only_noise_scale,
-        "seed": args.seed,
-    }
-    return run_audit(args.config, args.set, flags, args.force)
+    given = {each.name: getattr(args, each.name) for each in declared(AuditOptions)}
+    return run_audit(args.config, args.set, given, args.force)
 
 
 JOBS = Family(_add_jobs, {"run": _run, "audit": _audit})
@@ -235,8 +215,8 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
             raise
         print(f"madp {args.command}: error: {full}; {_after_stop(args)}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2, sort_keys=True))
-    return 1 if result.get("ok") is False else 0
+    print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

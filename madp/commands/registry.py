@@ -12,7 +12,24 @@ from madp.core.errors import InputError, OptionError
 from madp.core.options import declared, flag_of
 
 Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
-Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> result
+Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> its JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandResult:
+    """What a command prints, a JSON object, and whether it passed: `ok` is false where an independent
+    verifier found an output wrong (the command then exits 1, and `madp run` stops)."""
+
+    printed: Mapping[str, Any]
+    ok: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.printed)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CommandResult:
+        """A command's printed object; a verifier's says whether it passed in its `ok` key."""
+        return cls(data, data.get("ok") is not False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +72,19 @@ class Parser(argparse.ArgumentParser):
     commands: Mapping[str, CommandParser]
     family: Mapping[str, Family]
 
-    def run(self, args: argparse.Namespace, unknown: list[str]) -> dict:
-        """Run one parsed command (`unknown`: the arguments left for Beam); its result as printed."""
-        return self.family[args.command].handlers[args.command](args, unknown)
+    def run(self, args: argparse.Namespace, unknown: list[str]) -> CommandResult:
+        """Run one parsed command (`unknown`: the arguments left for Beam); its result."""
+        return CommandResult.from_json(self.family[args.command].handlers[args.command](args, unknown))
 
     def takes_beam_options(self, command: str) -> bool:
         return command in self.family[command].beam_options
 
 
-def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
+def add_options(parser: argparse.ArgumentParser, declaration: type, defaults: bool = True) -> None:
     """Add the options a dataclass declares (`madp.core.options.option`) to a command's parser: each field's
-    flag, aliases, help, choices, type and default, in its argument group if it names one."""
+    flag, aliases, help, choices, type and default, in its argument group if it names one. Without `defaults`
+    an option left off the command line is None, a switch's too (the values come from elsewhere, a config
+    section, where not given)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for each in declared(declaration):
         facts = each.option
@@ -77,13 +96,15 @@ def add_options(parser: argparse.ArgumentParser, declaration: type) -> None:
         settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
         if each.switch:
             settings["action"] = "store_true"
+            if not defaults:
+                settings["default"] = None
         else:
             settings.update(choices=facts.choices, metavar=facts.metavar, type=each.parse)
             if facts.repeatable:
                 settings["action"] = "append"
         if each.required:
             settings["required"] = True
-        else:  # a repeatable option's values are appended to a list
+        elif defaults:  # a repeatable option's values are appended to a list
             settings["default"] = list(each.default) if facts.repeatable else each.default
         where.add_argument(*each.flags, **settings)
 

@@ -33,6 +33,7 @@ class Option:
     repeatable: bool = False
     section: str | None = None
     how_only: bool = False
+    flag: str | None = None
 
 
 def option(
@@ -47,6 +48,7 @@ def option(
     repeatable: bool = False,
     section: str | None = None,
     how_only: bool = False,
+    flag: str | None = None,
 ) -> Any:
     """A dataclass field that is a command-line option, `--NAME-WITH-DASHES` (`flag_of`), with `default`
     (none: a required option). `aliases`: further flags (`-k`); `choices`: the values it takes (checked
@@ -54,8 +56,9 @@ def option(
     field's type, int, float or str); a bool field is a switch; `repeatable`: given once per value, a
     tuple; `group`: the title of its argument group in --help; `section`: the `madp run` section that
     takes it where not the command's own (`CALIBRATE`); `how_only`: says only how a stage reaches its
-    outputs, never what they are, so `madp run` leaves it out of the stage's fingerprint."""
-    facts = Option(help, aliases, choices, parse, metavar, group, repeatable, section, how_only)
+    outputs, never what they are, so `madp run` leaves it out of the stage's fingerprint; `flag`: its flag
+    where not the field's name with dashes (a config key that a longer flag spells out)."""
+    facts = Option(help, aliases, choices, parse, metavar, group, repeatable, section, how_only, flag)
     return dataclasses.field(default=default, metadata={METADATA_KEY: facts})
 
 
@@ -75,7 +78,7 @@ class Declared(NamedTuple):
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return (flag_of(self.name), *self.option.aliases)
+        return (self.option.flag or flag_of(self.name), *self.option.aliases)
 
     @property
     def required(self) -> bool:

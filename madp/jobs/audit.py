@@ -17,10 +17,11 @@ and model. The job's own outputs are never touched.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,11 +31,11 @@ from madp.core import storage
 from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
-from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files, users_columns_of
+from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files
 from madp.core.reports import AuditReport, CanaryScore
 from madp.core.user_ids import EMAIL
 from madp.jobs import run, run_plan, run_steps
-from madp.tools.planning.audit_config import AuditOptions, audit_directory, audit_options
+from madp.tools.planning.audit_config import AuditOptions, audit_directory
 from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan, stated_plan
 
@@ -199,39 +200,42 @@ def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 # --- the audit job ------------------------------------------------------------------------------
 
 
-def run_audit(config_path: str, overrides: list[str], flags: dict, force: bool = False) -> dict:
-    """The audit of a config's model: its job (with canaries planted) planned and run."""
-    config = run_plan.load_config(config_path, overrides)
-    options = audit_options(config, flags)
-    run_plan.plan_stages(copy.deepcopy(config))  # the job itself must be valid
-    directory = audit_directory(config, options)
+def run_audit(config_path: str, overrides: list[str], given: Mapping[str, Any], force: bool = False) -> dict:
+    """The audit of a config's model (`given`: the audit's options from the command line, None where not
+    given): its job (with canaries planted) planned and run."""
+    config = run_plan.RunConfig.read(config_path, overrides)
+    options = run_plan.audited(config, given)
+    planned = run_plan.stages_of(config)  # the job itself must be valid
+    directory = audit_directory(config.run_dir, options)
     with storage.exclusive(directory, f"audit {config_path}"):
-        return _audit(config_path, config, options, directory, force)
+        return _audit(config_path, config, planned, options, directory, force)
 
 
-def _audit(config_path: str, config: dict, options: AuditOptions, directory: str, force: bool) -> dict:
+def _audit(
+    config_path: str,
+    config: run_plan.RunConfig,
+    planned: list[run_plan.Stage],
+    options: AuditOptions,
+    directory: str,
+    force: bool,
+) -> dict:
+    """The audit job, in `directory`, of the config whose stages are `planned`."""
     path = lambda name: storage.join(directory, name)  # noqa: E731
     key = SecretKey.for_run(options.seed, "audit canaries", "--seed")
     rng = np.random.default_rng(list(key.words))
-    train = dict(config["train"])
-    bound = config["bound"]
-    columns = Columns(
-        bound.get("id_column") or "id",
-        bound.get("users_column") or "users",
-        None,
-        users_columns_of(bound.get("users_columns")),
-        bound.get("user_ids"),
-    )
-    real = config.get("input")
+    bound, calibrate = run_plan.step_of(planned, run_steps.Bound), run_plan.step_of(planned, run_steps.Calibrate)
+    trained = run_plan.step_of(planned, run_steps.Train)  # the train stage's, planned before the baseline's
+    assert bound and calibrate and trained and config.train  # `run_plan.audited` requires their sections
+    real = config.input
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory
-        generate = dict(config["generate"])
-        stages = run_plan.plan_stages({"run_dir": directory, "generate": generate})
-        run.run_stages(directory, config_path, stages, force)
+        generated = run_plan.RunConfig(run_dir=directory, generate=config.generate)
+        run.run_stages(directory, config_path, run_plan.stages_of(generated), force)
         real = path("records")
-        eval_data = path("test.parquet") if generate.get("holdout") else None
+        eval_data = path("test.parquet") if config.generate and config.generate.holdout else None
     real_files = list_input_files(real)
-    canaries = plant(real_files, columns, train.get("features", "features"), train.get("label", "label"), options, rng)
+    features, label = trained.options.features, trained.options.label
+    canaries = plant(real_files, bound.options.columns, features, label, options, rng)
     inputs = path("input")
     storage.clear_directory(inputs)
     for index, source in enumerate(real_files):
@@ -240,34 +244,35 @@ def _audit(config_path: str, config: dict, options: AuditOptions, directory: str
     storage.write_parquet(canaries.table, storage.join(inputs, CANARY_FILE))
     storage.write_text(path(ZERO_OUT_FILE), json.dumps(zeroed_records(canaries)))
 
-    train.pop("baseline", None)
-    if eval_data and "eval_data" not in train:
-        train["eval_data"] = eval_data
-    train["zero_out"] = path(ZERO_OUT_FILE)
+    train = config.train
+    if eval_data and "eval_data" not in train.names:
+        train = train.with_options((("eval_data", eval_data),))
+    train = train.with_options((("zero_out", path(ZERO_OUT_FILE)),))
     if options.testing_noise_scale != 1.0:
-        train["testing_only_noise_scale"] = options.testing_noise_scale
-    job = {
-        "run_dir": directory,
-        "input": inputs,
-        "bound": config["bound"],
-        "batch": config["batch"],
-        "calibrate": config["calibrate"],
-        "train": {**train, "baseline": options.non_private},
-    }
+        train = train.with_options((("testing_only_noise_scale", options.testing_noise_scale),))
+    job = dataclasses.replace(
+        config,
+        run_dir=directory,
+        input=inputs,
+        generate=None,
+        train=dataclasses.replace(train, baseline=options.non_private),
+        audit=None,
+        report=False,
+    )
     stages = [
         s
-        for s in run_plan.plan_stages(job)
+        for s in run_plan.stages_of(job)
         if s.name not in (("calibrate", "train") if options.non_private else ("baseline",))
     ]
     run.run_stages(directory, config_path, stages, force)
 
     model_dir = path("baseline" if options.non_private else "train")
-    trained = next(s.step for s in stages if s.name in ("train", "baseline"))
-    assert isinstance(trained, run_steps.Train)
-    scores = canary_scores(_losses(model_dir, trained.batches, trained.options, canaries), canaries)
+    audited = next(s.step for s in stages if s.name in ("train", "baseline"))
+    assert isinstance(audited, run_steps.Train)
+    scores = canary_scores(_losses(model_dir, audited.batches, audited.options, canaries), canaries)
     plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
-    delta = float(plan.delta if plan else config["calibrate"].get("delta", 1e-5))
+    delta = float(plan.delta if plan else calibrate.options.delta)
     result = one_run_audit(scores, canaries.included, delta, options.confidence)
     return _write(directory, config_path, options, key, canaries, scores, result, plan)
 

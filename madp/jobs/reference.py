@@ -32,8 +32,9 @@ from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.audit import AUDIT_FILE, CANARY_FILE, ZERO_OUT_FILE
-from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS
+from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS, InternalResults
 from madp.jobs.run_plan import INTERNAL_REPORT
+from madp.tools.planning.audit_config import AuditOptions
 from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
 from madp.training.ledger import TrainingEntry
 from madp.training.options import TrainOptions
@@ -51,7 +52,7 @@ from madp.training.plan import PrivacyPlan
 
 REFERENCE = os.path.join("docs", "reference", "options.md")  # from the repository's root
 OUTPUTS_REFERENCE = os.path.join("docs", "reference", "outputs.md")
-DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions))
+DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions), ("audit", AuditOptions))
 # The commands whose options no `madp run` section takes by these names (its verify stages and report
 # are given theirs by the run).
 COMMAND_DECLARATIONS = (
@@ -76,7 +77,8 @@ def options_reference() -> str:
         "A `madp run` section's key is an option's name with underscores (`max_contributions: 3` is",
         "`--max-contributions 3`, `true` a switch). The bound and batch sections also take `runner` and",
         "`beam_options`, the train section `baseline`; a generate section takes `madp generate`'s options",
-        "and `holdout`. The commands after `madp train` are no `madp run` sections: their options have no keys.",
+        "and `holdout`; the audit section gives `madp audit` its defaults. The commands after `madp audit` are no",
+        "`madp run` sections: their options have no keys.",
     ]
     for command, declaration in DECLARATIONS:
         lines += ["", f"## madp {command}", "", "| option | `madp run` key | default | help |", "|---|---|---|---|"]
@@ -293,6 +295,7 @@ OUTPUTS = (
         False,
         "the baseline's metrics, the private-over-non-private ratio, the internal "
         "evaluations and each stage's wall time",
+        InternalResults,
     ),
     Output("run", SWEEP_FILE, True, "where `madp recommend-k` wrote the config: its sweep (recommend-k, above)"),
     Output("run", "audit/", False, "the audit stage's directory", output_of="audit"),

@@ -7,6 +7,7 @@ re-runs all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -15,24 +16,144 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import madp
+from madp.commands.registry import CommandResult
 from madp.core import storage
-from madp.core.batch_files import TRAININGS_FILE, read_batch_report
+from madp.core.batch_files import TRAININGS_FILE, BatchReport, read_batch_report
 from madp.core.errors import CheckFailed, InputError
-from madp.core.reports import AuditReport
+from madp.core.reports import AuditReport, BoundReport
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
-from madp.jobs.run_plan import Source, Stage, load_config, plan_stages
+from madp.jobs.run_plan import RunConfig, Source, Stage, stages_of
 from madp.jobs.run_steps import AuditJob
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.ledger import refuse_stranding, stranded_checkpoints
 from madp.training.outputs import evaluations_of, replaced_directory, settle_replaced, settled_text
-from madp.training.plan import stated_plan
+from madp.training.plan import Guarantee, PrivacyPlan, stated_plan
 
 log = logging.getLogger("madp.run")
 MANIFESTS = ".madp"
 INTERNAL_RESULTS = "internal-results.json"  # beside baseline/ and batches/: never published
 AUDIT = "audit/audit.json"  # `madp audit`'s, where the run's audit stage wrote it
 TRAININGS = ("train", "baseline")  # the stages that run `madp train`
+
+
+# The figures of the privacy plan and of the audit that the results show
+PRIVACY_FIGURES = ("mechanism", "noise_multiplier", "epsilon", "delta", "contribution_bound", "sampling")
+AUDIT_FIGURES = (
+    "canaries",
+    "epsilon_lower_bound",
+    "confidence",
+    "largest_measurable_epsilon",
+    "claimed_epsilon",
+    "verdict",
+)
+
+
+def _figures(report: object, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(report, name) for name in names}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResults:
+    """The figures a user looks at first, from the run's reports (the summary's `results`): only what the
+    guarantee covers. `sampling_shown`: the batches' realized mean size may be published (`shows_sampling`);
+    `audit_with_the_model`: the guarantee of the model and the audit model published together."""
+
+    bound: BoundReport | None
+    batches: BatchReport | None
+    sampling_shown: bool
+    plan: PrivacyPlan | None
+    train: Mapping[str, Any] | None  # the published last evaluation, per-class figures left out
+    audit: AuditReport | None
+    audit_with_the_model: Guarantee | None
+
+    def to_json(self) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        if self.bound is not None:
+            results["bound"] = {
+                "input_records": self.bound.input_records,
+                "selected_records": self.bound.selected_records,
+            }
+        if self.batches is not None:
+            results["batch"] = {"sampling_probability": self.batches.sampling_probability}
+            if self.sampling_shown:
+                results["batch"]["mean_batch_size"] = self.batches.batch_sizes.mean
+        plan = self.plan
+        if plan is not None:
+            results["privacy"] = {
+                **_figures(plan, PRIVACY_FIGURES),
+                **({} if plan.noise is None else {"noise": plan.noise, "private": plan.private}),  # a trained model's
+            }
+        if self.train is not None:
+            results["train"] = dict(self.train)
+        audit = self.audit
+        if audit is not None and not audit.audit_model_private:
+            results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
+        elif audit is not None:
+            results["audit"] = _figures(audit, AUDIT_FIGURES)
+            together = self.audit_with_the_model
+            if together is not None:  # its figures beside the model release a second training of the records
+                results["audit"]["published_with_the_model"] = {
+                    "epsilon": together.epsilon,
+                    "delta": together.delta,
+                    "composition": "the model's and the audit model's guarantees summed (basic composition): "
+                    "what publishing this summary or the audit's figures beside the model costs",
+                }
+        return results
+
+
+@dataclasses.dataclass(frozen=True)
+class InternalResults:
+    """RUN_DIR/internal-results.json: what the operator compares but nobody may publish, each figure left out
+    where the run has none (the wall times depend on the realized sampling and the records' content)."""
+
+    train: Mapping[str, Any] | None  # the private model's last evaluation, on data not declared public
+    baseline: Mapping[str, Any] | None  # the non-private model's last evaluation
+    private_over_non_private: Mapping[str, float] | None  # the private model's quality metrics over the baseline's
+    wall_time_s: Mapping[str, float]  # seconds each stage that ran took, and the total
+
+    def to_json(self) -> dict[str, Any]:
+        figures = {
+            "train": self.train,
+            "baseline": self.baseline,
+            "private_over_non_private": self.private_over_non_private,
+        }
+        return {
+            **{name: dict(value) for name, value in figures.items() if value is not None},
+            "wall_time_s": dict(self.wall_time_s),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class StageStatus:
+    """What a run did with a stage: `ran`, or `skipped` (up to date)."""
+
+    stage: str
+    status: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"stage": self.stage, "status": self.status}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What `madp run` prints: its config and run directory, each stage's status, the results, and where the
+    internal ones are."""
+
+    config: str
+    run_dir: str
+    stages: tuple[StageStatus, ...]
+    results: RunResults
+    internal: str  # internal-results.json, and that it may not be published
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "run_dir": self.run_dir,
+            "stages": [stage.to_json() for stage in self.stages],
+            "results": self.results.to_json(),
+            "internal": self.internal,
+        }
 
 
 def fingerprint(stage: Stage) -> str:
@@ -68,14 +189,51 @@ def _pending(run_dir: str, stage: Stage) -> str:
     return storage.join(run_dir, MANIFESTS, f"{stage.name}.pending.json")
 
 
+@dataclasses.dataclass(frozen=True)
+class StageManifest:
+    """RUN_DIR/.madp/STAGE.json: a stage's last successful run, its command and its fingerprint."""
+
+    stage: str
+    command: list[str]
+    fingerprint: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "command": self.command, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_json(cls, data: Any) -> StageManifest | None:
+        """The manifest a manifest file's JSON holds (None where it records no fingerprint: the stage runs
+        again)."""
+        if not isinstance(data, dict) or data.get("fingerprint") is None:
+            return None
+        return cls(data.get("stage", ""), data.get("command", []), data["fingerprint"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingManifest:
+    """RUN_DIR/.madp/STAGE.pending.json: a running stage's manifest set aside, with the content digest of the
+    output it describes (`_take_manifest_back`)."""
+
+    manifest: str  # the manifest's text
+    output: str  # `storage.content_digest` of the stage's output
+
+    def to_json(self) -> dict[str, str]:
+        return {"manifest": self.manifest, "output": self.output}
+
+    @classmethod
+    def from_json(cls, data: Any) -> PendingManifest:
+        """Raises KeyError or TypeError where `data` is no pending manifest."""
+        return cls(data["manifest"], data["output"])
+
+
 def _set_manifest_aside(run_dir: str, stage: Stage) -> None:
     """Before the stage runs, its manifest goes, so that a stage stopped half-way is never taken for done. It
     is kept as pending, with its output's content digest, for `_take_manifest_back`."""
     manifest = _manifest(run_dir, stage)
     if storage.kind(manifest) != "file":
         return
-    pending = {"manifest": storage.read_text(manifest), "output": storage.content_digest(stage.output)}
-    storage.write_text(_pending(run_dir, stage), json.dumps(pending))
+    pending = PendingManifest(storage.read_text(manifest), storage.content_digest(stage.output))
+    storage.write_text(_pending(run_dir, stage), json.dumps(pending.to_json()))
     storage.remove_file(manifest)
 
 
@@ -88,17 +246,16 @@ def _take_manifest_back(run_dir: str, stage: Stage) -> None:
     if storage.kind(pending) != "file":
         return
     try:
-        kept = json.loads(storage.read_text(pending))
-        manifest, output = kept["manifest"], kept["output"]
+        kept = PendingManifest.from_json(json.loads(storage.read_text(pending)))
     except (ValueError, TypeError, KeyError):
         log.warning("%s is damaged (truncated?): stage %s is not taken for done", pending, stage.name)
         return
-    if storage.content_digest(stage.output) == output:
-        storage.write_text(_manifest(run_dir, stage), manifest)
+    if storage.content_digest(stage.output) == kept.output:
+        storage.write_text(_manifest(run_dir, stage), kept.manifest)
         storage.remove_file(pending)
 
 
-def _run_stage(run_dir: str, stage: Stage, current: str) -> dict:
+def _run_stage(run_dir: str, stage: Stage, current: str) -> CommandResult:
     """Run a stage whose output's lock is held. Nothing of its output is deleted for it: the stage itself
     replaces its earlier outputs after its own checks (`madp train --replace`, generate's shards, bound's and
     batch's outputs). Its manifest is set aside first, and back if it stops having changed nothing of it; once
@@ -107,15 +264,13 @@ def _run_stage(run_dir: str, stage: Stage, current: str) -> dict:
     it done, not to be run again (a training: a second one, composed with it)."""
     _set_manifest_aside(run_dir, stage)
     try:
-        result = stage.step.run()
+        result = CommandResult.from_json(stage.step.run())
     except BaseException:
         _take_manifest_back(run_dir, stage)
         raise
-    if result.get("ok") is not False:
-        storage.write_text(
-            _manifest(run_dir, stage),
-            json.dumps({"stage": stage.name, "command": stage.command, "fingerprint": current}, indent=2),
-        )
+    if result.ok:
+        manifest = StageManifest(stage.name, stage.command, current)
+        storage.write_text(_manifest(run_dir, stage), json.dumps(manifest.to_json(), indent=2))
         storage.remove_file(_pending(run_dir, stage))
     return result
 
@@ -146,7 +301,8 @@ def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
     except ValueError:
         log.warning("%s is damaged (truncated?): stage %s runs again", manifest, stage.name)
         return False
-    return isinstance(recorded, dict) and recorded.get("fingerprint") == current
+    last = StageManifest.from_json(recorded)
+    return last is not None and last.fingerprint == current
 
 
 def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: bool) -> None:
@@ -172,13 +328,12 @@ def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: b
             return
 
 
-def run(config_path: str, overrides: list[str], audit: AuditJob, force: bool = False) -> dict:
+def run(config_path: str, overrides: list[str], audit: AuditJob, force: bool = False) -> RunSummary:
     """The job of a config; `audit` runs its audit stage (`madp audit CONFIG`, `madp.jobs.audit.run_audit`)."""
-    config = load_config(config_path, overrides)
-    stages = plan_stages(config, Source(config_path, overrides, audit))
-    run_dir = config["run_dir"]
-    with storage.exclusive(run_dir, f"run {config_path}"):
-        return run_stages(run_dir, config_path, stages, force, lambda: check_feasible(stages))
+    config = RunConfig.read(config_path, overrides)
+    stages = stages_of(config, Source(config_path, overrides, audit))
+    with storage.exclusive(config.run_dir, f"run {config_path}"):
+        return run_stages(config.run_dir, config_path, stages, force, lambda: check_feasible(stages))
 
 
 def run_stages(
@@ -187,13 +342,13 @@ def run_stages(
     stages: list[Stage],
     force: bool,
     before_bounding: Callable[[], None] | None = None,
-) -> dict:
+) -> RunSummary:
     """Run the stages that are not up to date; a run that would re-make the batches an interrupted training's
     checkpoint trained on is refused before any stage runs, the columns the training reads are checked before
     the first stage after generate (which may make the input) that runs, and `before_bounding` (the plan's
     feasibility check) once, before the first bound or batch stage that runs."""
     _refuse_remaking_trained_batches(run_dir, stages, force)
-    summary: dict[str, Any] = {"config": config_path, "run_dir": run_dir, "stages": []}
+    ran: list[StageStatus] = []
     # Wall times depend on the realized (secret) sampling and the records' content: internal only
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -209,7 +364,7 @@ def run_stages(
                 len(stages),
                 stage.name,
             )
-            summary["stages"].append({"stage": stage.name, "status": "skipped"})
+            ran.append(StageStatus(stage.name, "skipped"))
             continue
         if stage.name != "generate" and not columns_checked:
             check_columns(stages)
@@ -221,9 +376,11 @@ def run_stages(
         stage_started = time.perf_counter()
         with _writing(stage):
             result = _run_stage(run_dir, stage, current)
-        if result.get("ok") is False:
+        if not result.ok:
+            printed = result.to_json()
             raise CheckFailed(
-                f"stage {stage.name}: the independent verifier failed: {json.dumps(result, default=str)[:2000]}", result
+                f"stage {stage.name}: the independent verifier failed: {json.dumps(printed, default=str)[:2000]}",
+                printed,
             )
         if fingerprint(stage) != current:
             storage.remove_file(_manifest(run_dir, stage))
@@ -231,14 +388,13 @@ def run_stages(
                 f"stage {stage.name}: its inputs ({', '.join(stage.inputs)}) changed while it ran, so its outputs "
                 f"describe neither version; nothing is recorded as done: run again once they stay put"
             )
-        summary["stages"].append({"stage": stage.name, "status": "ran"})
+        ran.append(StageStatus(stage.name, "ran"))
         timings[stage.name] = round(time.perf_counter() - stage_started, 3)
     timings["total"] = round(time.perf_counter() - started, 3)
-    summary["results"] = _results(run_dir)
     path = storage.join(run_dir, INTERNAL_RESULTS)
-    storage.write_text(path, json.dumps({**_internal_results(run_dir), "wall_time_s": timings}, indent=2))
-    summary["internal"] = f"{path}: figures the guarantee does not cover (do not publish)"
-    return summary
+    storage.write_text(path, json.dumps(_internal_results(run_dir, timings).to_json(), indent=2))
+    internal = f"{path}: figures the guarantee does not cover (do not publish)"
+    return RunSummary(config_path, run_dir, tuple(ran), _results(run_dir), internal)
 
 
 def _load(run_dir: str, name: str) -> dict | None:
@@ -256,70 +412,41 @@ def _final(output: str, internal: bool) -> Mapping[str, Any]:
     return (evaluations.final if evaluations is not None else None) or {}
 
 
-def _internal_results(run_dir: str) -> dict:
+def _internal_results(run_dir: str, wall_time_s: Mapping[str, float]) -> InternalResults:
     """What the operator compares but nobody may publish: the non-private baseline saw the records
     without noise, so its metrics (and their ratio to the private model's) are not covered by the
     guarantee."""
     train, baseline = (_final(storage.join(run_dir, name), internal=True) for name in ("train", "baseline"))
-    internal: dict[str, Any] = {}
-    if train and not evaluations_of(storage.join(run_dir, "train"), internal=False):
-        internal["train"] = {k: v for k, v in train.items() if k != "per_class"}  # --eval-data not public
+    internal_train = None
+    if train and not evaluations_of(storage.join(run_dir, "train"), internal=False):  # --eval-data not public
+        internal_train = _without_per_class(train)
     if not baseline:
-        return internal
-    internal["baseline"] = {k: v for k, v in baseline.items() if k != "per_class"}
-    gap = {m: train[m] / baseline[m] for m in QUALITY_METRICS if train.get(m) and baseline.get(m)}
-    if gap:
-        internal["private_over_non_private"] = {m: round(v, 4) for m, v in gap.items()}
-    return internal
+        return InternalResults(internal_train, None, None, wall_time_s)
+    gap = {m: round(train[m] / baseline[m], 4) for m in QUALITY_METRICS if train.get(m) and baseline.get(m)}
+    return InternalResults(internal_train, _without_per_class(baseline), gap or None, wall_time_s)
 
 
-def _results(run_dir: str) -> dict:
+def _without_per_class(evaluation: Mapping[str, Any]) -> dict[str, Any]:
+    """An evaluation's figures but its per-class ones (those are in metrics.json)."""
+    return {k: v for k, v in evaluation.items() if k != "per_class"}
+
+
+def _results(run_dir: str) -> RunResults:
     """The figures a user looks at first, from the run's reports: only what the guarantee covers."""
-
     bound = read_bound_report(storage.join(run_dir, "bound")) if _has_report(run_dir, "bound") else None
     batches = read_batch_report(storage.join(run_dir, "batches")) if _has_report(run_dir, "batches") else None
     privacy = _load(run_dir, "train/privacy.json") or _load(run_dir, "calibration.json")
     train = evaluations_of(storage.join(run_dir, "train"), internal=False)  # on public eval data only
-    results: dict[str, dict[str, Any]] = {}
-    if bound is not None:
-        results["bound"] = {"input_records": bound.input_records, "selected_records": bound.selected_records}
     plan = stated_plan(privacy) if privacy else None
-    if batches is not None:
-        results["batch"] = {"sampling_probability": batches.sampling_probability}
-        if shows_sampling(plan, batches):  # else the realized sizes stay internal
-            results["batch"]["mean_batch_size"] = batches.batch_sizes.mean
-    if plan is not None:
-        results["privacy"] = {
-            "mechanism": plan.mechanism,
-            "noise_multiplier": plan.noise_multiplier,
-            "epsilon": plan.epsilon,
-            "delta": plan.delta,
-            "contribution_bound": plan.contribution_bound,
-            "sampling": plan.sampling,
-            **({} if plan.noise is None else {"noise": plan.noise, "private": plan.private}),  # a trained model's
-        }
     final = None if train is None else train.final
-    if final:
-        results["train"] = {k: v for k, v in final.items() if k != "per_class"}  # per class: metrics.json
     stated = _load(run_dir, AUDIT)
     audit = None if stated is None else AuditReport.from_json(stated, storage.join(run_dir, AUDIT))
-    if audit is not None and not audit.audit_model_private:
-        results["audit"] = {"internal": "the audit model is not private: see audit/audit.json"}
-    elif audit is not None:
-        results["audit"] = {
-            "canaries": audit.canaries,
-            "epsilon_lower_bound": audit.epsilon_lower_bound,
-            "confidence": audit.confidence,
-            "largest_measurable_epsilon": audit.largest_measurable_epsilon,
-            "claimed_epsilon": audit.claimed_epsilon,
-            "verdict": audit.verdict,
-        }
-        together = published_with_audit(plan, audit)
-        if together is not None:  # its figures beside the model release a second training of the records
-            results["audit"]["published_with_the_model"] = {
-                "epsilon": together.epsilon,
-                "delta": together.delta,
-                "composition": "the model's and the audit model's guarantees summed (basic composition): "
-                "what publishing this summary or the audit's figures beside the model costs",
-            }
-    return results
+    return RunResults(
+        bound=bound,
+        batches=batches,
+        sampling_shown=batches is not None and shows_sampling(plan, batches),  # else the realized sizes stay internal
+        plan=plan,
+        train=_without_per_class(final) if final else None,  # per class: metrics.json
+        audit=audit,
+        audit_with_the_model=published_with_audit(plan, audit) if audit is not None else None,
+    )

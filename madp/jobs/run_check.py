@@ -18,7 +18,7 @@ from madp.core.errors import InputError
 from madp.core.record_reading import missing_columns
 from madp.core.records import list_input_files
 from madp.engines.batching import BatchOptions
-from madp.jobs.run_plan import Stage
+from madp.jobs.run_plan import Stage, step_of
 from madp.jobs.run_steps import Batch, Bound, Calibrate, Train
 from madp.stages.arguments import LOCAL
 from madp.tools.planning.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
@@ -34,13 +34,11 @@ def check_columns(stages: list[Stage]) -> None:
     (the batch stage's DATA) or its evaluation data lack, or that the batch stage's --content-columns leaves
     out: it would fail only after bounding, verifying, batching and calibrating. A --task names its columns in
     its code: the trainer checks those against the batches."""
-    steps = {stage.name: stage.step for stage in stages}
-    batch = steps.get("batch")
-    if not isinstance(batch, Batch):
+    batch = step_of(stages, Batch)
+    if batch is None:
         return
     data = list_input_files(batch.data)[0]
-    for name in ("train", "baseline"):
-        training = steps.get(name)
+    for name, training in ((stage.name, stage.step) for stage in stages):  # train, and baseline
         if not isinstance(training, Train):
             continue
         options = training.options
@@ -69,9 +67,8 @@ def check_columns(stages: list[Stage]) -> None:
 def check_feasible(stages: list[Stage]) -> None:
     """Refuse, before bounding, a config whose batches cannot be formed or whose truncation calibration
     would refuse; a plan without a bound and a b-min-sep Poisson batch stage has nothing to check."""
-    steps = {stage.name: stage.step for stage in stages}
-    bound, batch, calibrate = steps.get("bound"), steps.get("batch"), steps.get("calibrate")
-    if not isinstance(bound, Bound) or not isinstance(batch, Batch):
+    bound, batch, calibrate = step_of(stages, Bound), step_of(stages, Batch), step_of(stages, Calibrate)
+    if bound is None or batch is None:
         return
     if batch.options.sampler != "minsep":  # the greedy and user sampling check their own sizes as they start
         return
@@ -83,7 +80,7 @@ def check_feasible(stages: list[Stage]) -> None:
         )
         return
     options = bound.options
-    target = _target(batch.options, calibrate.options if isinstance(calibrate, Calibrate) else None)
+    target = _target(batch.options, None if calibrate is None else calibrate.options)
     log.info(
         "checking the plan on the input's graph: k = %d, batches of %g at min-sep %d",
         options.max_contributions,

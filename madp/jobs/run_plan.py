@@ -21,8 +21,8 @@ import argparse
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Generic, NamedTuple, Self, TypeVar
 
 import yaml
 
@@ -31,7 +31,7 @@ from madp.commands.registry import error_text
 from madp.core import storage
 from madp.core.errors import InputError
 from madp.core.options import CALIBRATE, Declared, declared, how_only_flags, section_keys
-from madp.core.records import users_columns_of
+from madp.core.records import Columns, users_columns_of
 from madp.core.selection import BoundOptions, largest_capacity
 from madp.engines.batching import BatchOptions
 from madp.jobs.run_steps import (
@@ -47,7 +47,7 @@ from madp.jobs.run_steps import (
     VerifyBatches,
     VerifyBound,
 )
-from madp.tools.planning.audit_config import audit_directory, audit_options
+from madp.tools.planning.audit_config import AuditOptions, audit_directory, audit_options
 from madp.training.options import TrainOptions
 
 # Keys of the calibrate section: the privacy options of `madp train`; the rest of them are the train section's.
@@ -95,6 +95,158 @@ class Stage:
         return kept
 
 
+Items = tuple[tuple[str, Any], ...]  # a section's keys and values, in the config's order
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A stage's section: its keys, each an option of the stage's `madp` command by name, with their
+    values as the config gives them (a list for a comma-separated option, true for a switch given)."""
+
+    options: Items = ()
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The options the section sets."""
+        return frozenset(name for name, _ in self.options)
+
+    @property
+    def sets_nothing(self) -> bool:
+        """Whether the section sets no option and leaves `madp run`'s own keys at their defaults (`{}`)."""
+        return self == type(self)()
+
+    def value(self, name: str) -> Any:
+        """The value the section gives option `name` as the config writes it (None: not given), for a check
+        made before the section's options are read (`audited`)."""
+        return next((value for key, value in reversed(self.options) if key == name), None)
+
+    def with_options(self, options: Items) -> Self:
+        """The section with `options` set: an option it gives takes the new value in its place, the others
+        follow its own."""
+        return dataclasses.replace(self, options=tuple({**dict(self.options), **dict(options)}.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateSection(Section):
+    """The generate section; `holdout`: also write run_dir/test.parquet, the held-out records."""
+
+    holdout: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BeamSection(Section):
+    """A bound or batch section: the stage runs on `runner`, with `beam_options` for Beam."""
+
+    runner: str = "DirectRunner"
+    beam_options: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(Section):
+    """The train section; `baseline`: also train a non-private model on the same batches."""
+
+    baseline: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A `madp run` config: where the run writes, its records (`input`, or a generate section that makes
+    them), the section of each stage it runs (None: not run), the audit section's keys and whether the run
+    ends with its report page."""
+
+    run_dir: str
+    input: str | None = None
+    generate: GenerateSection | None = None
+    bound: BeamSection | None = None
+    batch: BeamSection | None = None
+    calibrate: Section | None = None
+    train: TrainSection | None = None
+    audit: Section | None = None  # its keys: `AuditOptions`' (`madp.tools.planning.audit_config.audit_options`)
+    report: bool = False
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunConfig:
+        """The config of a YAML document's mapping, its top level and `madp run`'s own keys checked."""
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+        run_dir = data.get("run_dir")
+        if not isinstance(run_dir, str) or not run_dir:
+            raise InputError("config run_dir: required, the directory of the run's outputs")
+        generate, bound, batch, calibrate, train = (
+            _mapping(data, name) for name in ("generate", "bound", "batch", "calibrate", "train")
+        )
+        records = data.get("input")
+        if generate is not None and records is not None:
+            raise InputError("config input: give either input or a generate section, not both")
+        if generate is None and (not isinstance(records, str) or not records):
+            raise InputError("config input: required (the records), unless a generate section makes them")
+        audit = data.get("audit")
+        if audit is not None and not isinstance(audit or {}, dict):
+            raise InputError("config audit: a mapping of options (canaries, confidence, ...)")
+        report = data.get("report", False)
+        if not isinstance(report, bool):
+            raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
+        return cls(
+            run_dir=run_dir,
+            input=records,
+            generate=None if generate is None else _generate(generate),
+            bound=None if bound is None else _beam(bound, "bound"),
+            batch=None if batch is None else _beam(batch, "batch"),
+            calibrate=None if calibrate is None else Section(tuple(calibrate.items())),
+            train=None if train is None else _train(train),
+            audit=None if audit is None else Section(tuple((audit or {}).items())),
+            report=report,
+        )
+
+    @classmethod
+    def read(cls, path: str, overrides: list[str]) -> RunConfig:
+        """The config of a YAML file with `--set` overrides."""
+        return cls.from_json(load_config(path, overrides))
+
+
+def _mapping(data: Mapping[str, Any], name: str) -> dict | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InputError(f"config {name}: a mapping of options")
+    return dict(value)
+
+
+def _generate(section: dict) -> GenerateSection:
+    holdout = section.pop("holdout", False)
+    if not isinstance(holdout, bool):
+        raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
+    return GenerateSection(tuple(section.items()), holdout)
+
+
+def _beam(section: dict, name: str) -> BeamSection:
+    """A bound or batch section, its runner and Beam options taken out."""
+    runner = section.pop("runner", "DirectRunner")
+    options = section.pop("beam_options", [])
+    if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
+        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--partitions, 32]")
+    if runner == "local" and options:
+        raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
+    return BeamSection(tuple(section.items()), str(runner), tuple(map(str, options)))
+
+
+def _train(section: dict) -> TrainSection:
+    baseline = section.pop("baseline", False)
+    if not isinstance(baseline, bool):
+        raise InputError("config train.baseline: true or false (also trains a non-private model)")
+    return TrainSection(tuple(section.items()), baseline)
+
+
+StepKind = TypeVar("StepKind")
+
+
+def step_of(stages: Sequence[Stage], kind: type[StepKind]) -> StepKind | None:
+    """The step of the first of the stages that runs a `kind` step (the bound stage's `Bound`), if any."""
+    return next((stage.step for stage in stages if isinstance(stage.step, kind)), None)
+
+
 def load_config(path: str, overrides: list[str]) -> dict:
     """The YAML config with `--set key.sub=value` overrides (values parsed as YAML)."""
     try:
@@ -126,36 +278,33 @@ class Source(NamedTuple):
     audit: AuditJob
 
 
-def plan_stages(config: dict, source: Source | None = None) -> list[Stage]:
+def plan_stages(config: Mapping[str, Any], source: Source | None = None) -> list[Stage]:
+    """The stages of a config as its YAML maps it (`load_config`): `stages_of` its `RunConfig`."""
+    return stages_of(RunConfig.from_json(config), source)
+
+
+def stages_of(config: RunConfig, source: Source | None = None) -> list[Stage]:
     """Validate the config and return the stages it asks for, in order, each with its options built.
     Without `source` an audit section is only validated."""
-    unknown = sorted(set(config) - set(SECTIONS))
-    if unknown:
-        raise InputError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
-    run_dir = config.get("run_dir")
-    if not isinstance(run_dir, str) or not run_dir:
-        raise InputError("config run_dir: required, the directory of the run's outputs")
+    run_dir = config.run_dir
     plan = _Plan(run_dir)
     data, eval_data = _data_stages(config, plan)
-    _bound_stages(config, plan, data)
-    _batch_stages(config, plan, data)
+    bound = _bound_stages(config, plan, data)
+    _batch_stages(config, plan, data, bound)
     _training_stages(config, plan, eval_data)
-    if isinstance(config.get("input"), str):  # a stage would replace, or read back, the user's records
+    if config.input is not None:  # a stage would replace, or read back, the user's records
         for stage in plan.stages:
             try:
-                storage.refuse_overlap(stage.output, [config["input"]])
+                storage.refuse_overlap(stage.output, [config.input])
             except InputError as error:
                 raise InputError(f"config input: stage {stage.name}: {error}") from None
-    if config.get("audit") is not None:
-        directory = audit_directory(config, audit_options(config, {}))
+    if config.audit is not None:
+        directory = audit_directory(run_dir, audited(config, {}))
         if source is not None:
             command = ["audit", source.config, *(flag for o in source.overrides for flag in ("--set", o))]
             step = Audit(source.config, tuple(source.overrides), source.audit)
             plan.add("audit", command, (source.config, data), directory, lambda: step)
-    report = config.get("report", False)
-    if not isinstance(report, bool):
-        raise InputError("config report: true or false (writes run_dir/report.html from the run's reports)")
-    if report:
+    if config.report:
         outputs = tuple(stage.output for stage in plan.stages)
         plan.add("report", ["report", run_dir], outputs, plan.path("report.html"), lambda: Report(run_dir))
         if any(_leaves_out(stage) for stage in plan.stages):  # what the published page leaves out
@@ -163,6 +312,32 @@ def plan_stages(config: dict, source: Source | None = None) -> list[Stage]:
             command = ["report", run_dir, "--internal", "--output", internal]
             plan.add("internal-report", command, outputs, internal, lambda: Report(run_dir, internal, True))
     return [_checked(stage) for stage in plan.stages]  # every stage's options build before anything runs
+
+
+TEXT_MODELS = ("text-classifier", "text-lm", "causal-lm")  # models madp audit cannot score canaries with
+
+
+def audited(config: RunConfig, given: Mapping[str, Any]) -> AuditOptions:
+    """The options of the audit of the config's model: its audit section's, overridden by the options `given`
+    on the command line (those not None); the model must be one the audit can plant canaries in."""
+    bound, batch, calibrate, train = config.bound, config.batch, config.calibrate, config.train
+    if any(section is None or section.sets_nothing for section in (bound, batch, calibrate, train)) or train is None:
+        raise InputError(
+            "config: an audit trains the config's model, so it needs bound, batch, calibrate and train sections"
+        )
+    model = train.value("model")
+    if str(model or "") in TEXT_MODELS:
+        raise InputError(
+            f"config train.model {model}: madp audit scores canaries with a numeric model "
+            f"(logreg, mlp, module:function); text models cannot be audited yet"
+        )
+    inputs = train.value("inputs") or ()  # a list, or `a,b` as its flag takes it
+    if len(inputs if isinstance(inputs, list) else str(inputs).split(",")) > 1:
+        raise InputError(
+            f"config train.inputs {inputs}: the audit plants its canaries in one features vector; "
+            f"a model of several inputs cannot be audited"
+        )
+    return audit_options(dict(config.audit.options) if config.audit else {}, given)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,37 +378,31 @@ class _Plan:
         self.stages.append(_Planned(name, command, inputs, output, make, beam_options, own))
 
 
-def _data_stages(config: dict, plan: _Plan) -> tuple[str, str | None]:
+def _data_stages(config: RunConfig, plan: _Plan) -> tuple[str, str | None]:
     """(the records, the held-out records or None): the config's input, or a generate stage."""
-    generate = _section(config, "generate")
-    data = config.get("input")
-    eval_data = None
-    if generate is not None:
-        if data is not None:
-            raise InputError("config input: give either input or a generate section, not both")
-        holdout = generate.pop("holdout", False)
-        if not isinstance(holdout, bool):
-            raise InputError("config generate.holdout: true or false (writes run_dir/test.parquet)")
-        records = plan.path("records")
-        eval_data = plan.path("test.parquet") if holdout else None
-        given = _Options(GenerateOptions, _read("generate", GenerateOptions, generate.items()))
-        if eval_data is not None:
-            given = given.then(_read("generate", GenerateOptions, [("holdout", eval_data)]))
-        plan.add("generate", ["generate", records, *given.flags], (), records, lambda: Generate(records, given.built))
-        data = records
-    if not isinstance(data, str) or not data:
-        raise InputError("config input: required (the records), unless a generate section makes them")
-    return data, eval_data
+    generate = config.generate
+    if generate is None:
+        assert config.input is not None  # `RunConfig.from_json` requires one of them
+        return config.input, None
+    records = plan.path("records")
+    eval_data = plan.path("test.parquet") if generate.holdout else None
+    given = _Options(GenerateOptions, _read("generate", GenerateOptions, generate.options))
+    if eval_data is not None:
+        given = given.then(_read("generate", GenerateOptions, [("holdout", eval_data)]))
+    plan.add("generate", ["generate", records, *given.flags], (), records, lambda: Generate(records, given.built))
+    return records, eval_data
 
 
-def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
-    bound = _section(config, "bound")
+def _bound_stages(config: RunConfig, plan: _Plan, data: str) -> _Options[BoundOptions] | None:
+    """bound, then verify-bound; the bound's options as the section gives them (None: no bound section)."""
+    bound = config.bound
     if bound is None:
-        return
+        return None
     output = plan.path("bound")
-    runner, beam_options = _beam(bound, "bound")
-    given = _Options(BoundOptions, _read("bound", BoundOptions, bound.items(), beam=True))
-    read = (data, bound["capacities"]) if bound.get("capacities") else (data,)  # an edited capacities file re-runs
+    runner, beam_options = bound.runner, bound.beam_options
+    given = _Options(BoundOptions, _read("bound", BoundOptions, bound.options, beam=True))
+    capacities = given.flags_of("capacities") if given.value("capacities") else []
+    read = (data, capacities[1]) if capacities else (data,)  # an edited capacities file re-runs
     command = ["bound", data, output, *given.flags, "--runner", runner, *beam_options]
     plan.add(
         "bound",
@@ -243,10 +412,9 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
         lambda: Bound(data, output, given.built, runner, beam_options),
         (beam_options, BoundOptions),
     )
-    if "max_contributions" not in bound:
+    if "max_contributions" not in bound.names:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
-    k = ["--max-contributions", str(bound["max_contributions"])]
-    capacities = ["--capacities", bound["capacities"]] if bound.get("capacities") else []
+    k = given.flags_of("max_contributions")
     columns = [token for entry in given.entries if entry.option.name in COLUMN_KEYS for token in entry.flags]
 
     def verify() -> VerifyBound:
@@ -254,34 +422,35 @@ def _bound_stages(config: dict, plan: _Plan, data: str) -> None:
         return VerifyBound(data, output, options.max_contributions, options.capacities or None, options.columns)
 
     plan.add("verify-bound", ["verify-bound", data, output, *k, *capacities, *columns], (data, output), output, verify)
+    return given
 
 
-def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
+def _batch_stages(config: RunConfig, plan: _Plan, data: str, bound: _Options[BoundOptions] | None) -> None:
     """batch, then verify-batches against the bound's selection and contribution bound; both read the
     records with the bound's id and users columns and its user_ids (a batch section may only repeat them)."""
-    batch = _section(config, "batch")
+    batch = config.batch
     if batch is None:
         return
-    bound = _section(config, "bound")
     if bound is None:
         raise InputError(
             "config batch: needs a bound section (the batches are made from its selection, and verify-batches "
             "checks them against its contribution bound)"
         )
+    given_keys = dict(batch.options)
     columns = []
     for key, used in _bound_columns(bound).items():
-        if key in batch and _column_value(key, batch.pop(key)) != used:
+        if key in given_keys and _column_value(key, given_keys.pop(key)) != used:
             raise InputError(
                 f"config batch.{key}: differs from the bound's ({used!r}): batch and verify-batches read the "
                 f"records with the columns the bound read; leave batch.{key} out"
             )
         columns.append((key, used))
-    if "user_ids" in batch:  # left: the bound section has none
+    if "user_ids" in given_keys:  # left: the bound section has none
         raise InputError(
             "config batch.user_ids: the bound section says how user ids are read (bound.user_ids): batch and "
             "verify-batches read them as the bound did; leave batch.user_ids out"
         )
-    other = sorted({"users_column", "users_columns"} & set(batch))  # left: the users option the bound did not use
+    other = sorted({"users_column", "users_columns"} & set(given_keys))  # left: the users option the bound did not use
     if other:
         bound_key = next(key for key in _bound_columns(bound) if key != "id_column")
         raise InputError(
@@ -290,17 +459,16 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
         )
     path = plan.path
     selected, output = path("bound"), path("batches")
-    runner, beam_options = _beam(batch, "batch")
-    given = _Options(BatchOptions, _read("batch", BatchOptions, batch.items(), beam=True))
+    runner, beam_options = batch.runner, batch.beam_options
+    given = _Options(BatchOptions, _read("batch", BatchOptions, given_keys.items(), beam=True))
     read_columns = _read("batch", BatchOptions, columns)
     given = given.then(read_columns)
     command = ["batch", selected, data, output, *given.flags, "--runner", runner, *beam_options]
     make = lambda: Batch(selected, data, output, given.built, runner, beam_options)  # noqa: E731
     plan.add("batch", command, (selected, data), output, make, (beam_options, BatchOptions))
-    min_sep = batch.get("min_sep")
-    checks = ["--min-sep", str(1 if min_sep is None else min_sep)]
-    if batch.get("max_batch_size"):
-        checks += ["--max-batch-size", str(batch["max_batch_size"])]
+    checks = given.flags_of("min_sep") or ["--min-sep", str(given.default("min_sep"))]
+    if given.value("max_batch_size"):
+        checks += given.flags_of("max_batch_size")
     k = _contribution_bound(bound)
     checks += ["--selected", selected, "--max-contributions", str(k)]
     column_flags = [token for entry in read_columns for token in entry.flags]
@@ -316,15 +484,16 @@ def _batch_stages(config: dict, plan: _Plan, data: str) -> None:
 COLUMN_KEYS = ("id_column", "users_column", "users_columns", "user_ids")  # how the records are read
 
 
-def _bound_columns(bound: dict) -> dict[str, str]:
+def _bound_columns(bound: _Options[BoundOptions]) -> dict[str, str]:
     """The bound section's id column and its users option (users_column, or users_columns as
-    `a,b,c`), with their defaults, and its user_ids when given: how batch and verify-batches must read
-    the records."""
-    users = "users_columns" if bound.get("users_columns") is not None else "users_column"
-    default = {"id_column": "id", "users_column": "users"}
-    given = {key: bound[key] if bound.get(key) is not None else default.get(key) for key in ("id_column", users)}
-    if bound.get("user_ids") is not None:
-        given["user_ids"] = bound["user_ids"]
+    `a,b,c`), with their defaults (the columns `Columns` names where the options name none), and its
+    user_ids when given: how batch and verify-batches must read the records."""
+    users = "users_columns" if bound.value("users_columns") is not None else "users_column"
+    read = Columns()  # the columns read where the options name none
+    default = {"id_column": read.id, "users_column": read.users}
+    given = {key: default[key] if bound.value(key) is None else bound.value(key) for key in ("id_column", users)}
+    if bound.value("user_ids") is not None:
+        given["user_ids"] = bound.value("user_ids")
     return {key: _column_value(key, value) for key, value in given.items()}
 
 
@@ -335,52 +504,49 @@ def _column_value(key: str, value: object) -> str:
     return str(value)
 
 
-def _contribution_bound(bound: dict) -> int:
+def _contribution_bound(bound: _Options[BoundOptions]) -> int:
     """What training accounts with: the bound section's K, or its largest capacity if larger (as
     `madp bound` reports it in `contribution_bound`)."""
+    k = bound.value("max_contributions")
+    if k is None:
+        raise InputError("config bound.max_contributions: required, an integer (the contribution bound K)")
+    capacities = bound.value("capacities")
     try:
-        k = int(bound["max_contributions"])
-    except (KeyError, TypeError, ValueError):
-        raise InputError("config bound.max_contributions: required, an integer (the contribution bound K)") from None
-    try:
-        return largest_capacity(k, str(bound["capacities"]) if bound.get("capacities") else None)
+        return largest_capacity(k, capacities or None)
     except InputError as error:
         raise InputError(f"config bound.capacities: {error}") from error
 
 
-def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
+def _training_stages(config: RunConfig, plan: _Plan, eval_data: str | None) -> None:
     """calibrate (the privacy plan), train with it, and the non-private baseline if asked."""
     path = plan.path
     batches, calibration = path("batches"), path("calibration.json")
-    calibrate = _section(config, "calibrate")
-    train = _section(config, "train")
+    calibrate, train = config.calibrate, config.train
     privacy: _Options[TrainOptions] | None = None
     if calibrate is not None:
-        outside = sorted(set(calibrate) - set(CALIBRATE_KEYS))
+        outside = sorted(calibrate.names - set(CALIBRATE_KEYS))
         if outside:
             raise InputError(
                 f"config calibrate: {', '.join(outside)} belong to the train section "
                 f"(calibrate takes {', '.join(CALIBRATE_KEYS)})"
             )
-        stated = privacy = _Options(TrainOptions, _read("calibrate", TrainOptions, calibrate.items()))
+        stated = privacy = _Options(TrainOptions, _read("calibrate", TrainOptions, calibrate.options))
         command = ["train", batches, calibration, *privacy.flags]
         plan.add("calibrate", command, (batches,), calibration, lambda: Calibrate(batches, calibration, stated.built))
     if train is None:
         return
-    baseline = train.pop("baseline", False)
-    if not isinstance(baseline, bool):
-        raise InputError("config train.baseline: true or false (also trains a non-private model)")
-    inside = sorted(set(train) & set(CALIBRATE_KEYS))
+    inside = sorted(train.names & set(CALIBRATE_KEYS))
     if inside:
         raise InputError(f"config train: {', '.join(inside)} belong to the calibrate section")
     if privacy is None:
         raise InputError("config train: needs a calibrate section (the privacy plan it trains with)")
-    if eval_data and "eval_data" not in train:
-        train["eval_data"] = eval_data
-    section = _read("train", TrainOptions, train.items())
+    if eval_data and "eval_data" not in train.names:
+        train = train.with_options((("eval_data", eval_data),))
+    section = _read("train", TrainOptions, train.options)
     clip = [entry for entry in privacy.entries if entry.option.name == "clip_norm"]  # the calibrated plan's clipping
     # files the trainings read besides the batches: a pretrained model replaced at the same path re-runs them
-    read = tuple(str(train[key]) for key in ("eval_data", "pretrained") if train.get(key))
+    given = _Options(TrainOptions, section)
+    read = tuple(text for name in ("eval_data", "pretrained") if given.value(name) for text in given.flags_of(name)[1:])
     # A changed option re-runs a training into the same folder: it replaces the earlier one's outputs
     # itself, once its checks (plan, ledger) pass, and never under resume (`madp train --replace`).
     replace = _read("train", TrainOptions, [("replace", True)])
@@ -389,7 +555,7 @@ def _training_stages(config: dict, plan: _Plan, eval_data: str | None) -> None:
     model = path("train")
     make = lambda: Train(batches, model, trained.built)  # noqa: E731
     plan.add("train", ["train", batches, model, *trained.flags], (batches, calibration, *read), model, make)
-    if baseline:
+    if train.baseline:
         unplanned = _read("train", TrainOptions, [("mechanism", "none")])
         untrained = _Options(TrainOptions, (*unplanned, *section, *replace))
         compared = path("baseline")
@@ -402,26 +568,6 @@ def _leaves_out(stage: _Planned) -> bool:
     or evaluations on data not declared public."""
     internal_evaluation = "--eval-data" in stage.command and "--eval-data-public" not in stage.command
     return stage.name in ("baseline", "audit") or (stage.name == "train" and internal_evaluation)
-
-
-def _section(config: dict, name: str) -> dict | None:
-    value = config.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise InputError(f"config {name}: a mapping of options")
-    return dict(value)
-
-
-def _beam(section: dict, name: str) -> tuple[str, tuple[str, ...]]:
-    """The section's runner and Beam options (popped)."""
-    runner = section.pop("runner", "DirectRunner")
-    options = section.pop("beam_options", [])
-    if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
-        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--partitions, 32]")
-    if runner == "local" and options:
-        raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
-    return str(runner), tuple(map(str, options))
 
 
 # --- a section's options ------------------------------------------------------------------------
@@ -489,6 +635,30 @@ class _Options(Generic[Declaration]):
 
     def then(self, entries: Iterable[_Entry]) -> _Options[Declaration]:
         return _Options(self.declaration, (*self.entries, *entries))
+
+    def _last(self, name: str) -> _Entry | None:
+        """The entry of the declared option `name` that holds (the last given), if any."""
+        if name not in self._names:
+            raise KeyError(f"{name}: no option of {self.declaration.__name__}")
+        return next((entry for entry in reversed(self.entries) if entry.option.name == name), None)
+
+    @functools.cached_property
+    def _names(self) -> frozenset[str]:
+        return frozenset(each.name for each in declared(self.declaration))
+
+    def value(self, name: str) -> Any:
+        """The value of option `name` as its flag parses it (None: not given), before the options are built."""
+        entry = self._last(name)
+        return None if entry is None else entry.value
+
+    def flags_of(self, name: str) -> list[str]:
+        """Option `name`'s flag and value's text as the stage's command gives them ([]: not given)."""
+        entry = self._last(name)
+        return [] if entry is None else list(entry.flags)
+
+    def default(self, name: str) -> Any:
+        """Option `name`'s declared default."""
+        return next(each.default for each in declared(self.declaration) if each.name == name)
 
     @functools.cached_property
     def built(self) -> Declaration:
