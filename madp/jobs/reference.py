@@ -52,7 +52,9 @@ from madp.training.plan import PrivacyPlan
 
 REFERENCE = os.path.join("docs", "reference", "options.md")  # from the repository's root
 OUTPUTS_REFERENCE = os.path.join("docs", "reference", "outputs.md")
-DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions), ("audit", AuditOptions))
+DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions))
+# madp audit's options: a config's audit section gives their defaults, its flags override them.
+AUDIT_DECLARATION = ("audit", AuditOptions)
 # The commands whose options no `madp run` section takes by these names (its verify stages and report
 # are given theirs by the run).
 COMMAND_DECLARATIONS = (
@@ -80,7 +82,7 @@ def options_reference() -> str:
         "and `holdout`; the audit section gives `madp audit` its defaults. The commands after `madp audit` are no",
         "`madp run` sections: their options have no keys.",
     ]
-    for command, declaration in DECLARATIONS:
+    for command, declaration in (*DECLARATIONS, AUDIT_DECLARATION):
         lines += ["", f"## madp {command}", "", "| option | `madp run` key | default | help |", "|---|---|---|---|"]
         lines += [_row(command, each) for each in declared(declaration)]
     for command, options in COMMAND_DECLARATIONS:
