@@ -159,7 +159,7 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     sigma = 5.0  # a given sigma: one PLD evaluation each (calibrating k = 7 to an epsilon is seconds per sigma tried)
     plan = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5))
     assert plan.contribution_bound == 7 and plan.parameters.max_contributions == 7
-    with pytest.raises(InputError, match="--max-contributions 1 is below"):
+    with pytest.raises(InputError, match="^max_contributions 1 is below"):
         privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=1))
     nine = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=9))
     assert nine.contribution_bound == 9 and nine.epsilon > plan.epsilon

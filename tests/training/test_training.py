@@ -390,6 +390,11 @@ def test_cli_train_refuses_bad_options(pipeline_data, capsys):
     assert "not a `madp batch` output" in capsys.readouterr().err
     assert main(["-q", "train", str(directory / "poisson"), str(directory / "x")]) == 2
     assert "--epsilon" in capsys.readouterr().err
+    fixed_sigma = ["-q", "train", str(directory / "poisson"), str(directory / "x"), "--noise-multiplier", "1.2"]
+    assert (
+        main([*fixed_sigma, "--max-contributions", "1"]) == 2
+    )  # the plan's refusal, by its flag (Python: by its name)
+    assert "--max-contributions 1 is below what the batches were made from" in capsys.readouterr().err
     # a plan and "no privacy" at once: which was meant is not for madp to guess
     plan = str(directory / "plan.json")
     args = ["-q", "train", str(directory / "poisson"), str(directory / "x"), "--calibration", plan]
