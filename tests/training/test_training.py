@@ -26,6 +26,7 @@ from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.data.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
+from madp.training.preparation import tf_keras  # noqa: E402
 from madp.training.queries import (  # noqa: E402
     BandMfQuery,
     DpSgdQuery,
@@ -35,7 +36,7 @@ from madp.training.queries import (  # noqa: E402
 )
 from madp.training.steps import PrivateStep  # noqa: E402
 from madp.training.tasks import build_model  # noqa: E402
-from madp.training.trainer import tf, tf_keras, train  # noqa: E402
+from madp.training.trainer import tf, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
