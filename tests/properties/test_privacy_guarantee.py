@@ -552,7 +552,8 @@ def test_an_attacker_finds_no_clock_time_sampling_figure_or_digest_in_a_run_with
 def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_path):
     pytest.importorskip("tensorflow")
     from madp.training.options import TrainOptions
-    from madp.training.trainer import tf_keras, train
+    from madp.training.preparation import tf_keras
+    from madp.training.trainer import train
 
     directory, data = bounded
     batch_local(
