@@ -62,11 +62,11 @@ def main() -> None:
     from madp.core.randomness import SecretKey
     from madp.training.ghost_clipping import ghost_clippable
     from madp.training.options import TrainOptions
+    from madp.training.preparation import tf, tf_keras
     from madp.training.queries import BandMfQuery, DpSgdQuery
     from madp.training.steps import NonPrivateStep, PrivateStep, compute_precision
     from madp.training.tasks import ByteLmTask, TextClassifierTask, build_model
     from madp.training.text import softmax_loss
-    from madp.training.trainer import tf, tf_keras
 
     if args.keras3:
         import keras
@@ -192,8 +192,8 @@ def transformer_classifier(vocabulary: int, length: int, width: int, heads: int,
     """Of `keras_lib`'s layers (the tf_keras or the Keras 3 module): token and position embeddings
     (Keras 3: token embeddings only, madp's PositionEmbedding being a tf_keras layer), one pre-norm
     encoder block (attention, a 4x-wide GELU layer), mean pooling, a softmax layer."""
+    from madp.training.preparation import tf_keras
     from madp.training.text import PositionEmbedding
-    from madp.training.trainer import tf_keras
 
     layers = keras_lib.layers
     inputs = keras_lib.Input((length,), dtype="int32")

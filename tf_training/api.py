@@ -1,7 +1,7 @@
 """The public Python API of `madp.training` (the package re-exports these names; its docstring has the
-whole example): read a `madp batch` output step by step, calibrate the privacy plan of training on it,
-and make a Keras model's training step private under that plan. `madp train` (`trainer.py`) is built
-on `calibrate`, `make_private` and `make_non_private`.
+whole example): read a `madp batch` output step by step (`read_steps`, `steps_dataset`: `data.py`),
+calibrate the privacy plan of training on it, and make a Keras model's training step private under that
+plan. `madp train` (`trainer.py`) is built on `calibrate`, `make_private` and `make_non_private`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import operator
 import uuid
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
 from madp.training.batches import Batches, open_batches
-from madp.training.data import StepRows, feature_spec, rows_per_step, step_batches
+from madp.training.data import StepRows, read_steps, rows_per_step, steps_dataset
 from madp.training.ledger import FINISHED, STARTED, Ledger, composed_plan, entry_of, record_training, trainings_ledger
 from madp.training.options import TrainOptions
 from madp.training.plan import (  # noqa: F401 (PrivacyPlan and the assumptions: exported)
@@ -56,105 +55,9 @@ __all__ = [
 ]
 
 
-def read_steps(batches: Batches, features: Sequence[str]) -> Iterator[dict[str, np.ndarray]]:
-    """The rows of every step, steps 0..T-1 in order, a step's rows together.
-
-    Train on every step, an empty one (arrays of no rows) too: its noise is part of the mechanism. Rows
-    are parsed in blocks, so memory holds a block and one step. The files are read under a reader's mark
-    on their folder, which keeps a `madp batch` of another process out until the last step is read.
-
-    Args:
-        batches: the batches (`open_batches`).
-        features: the columns to read (schema.json's names, e.g. "features" and "label").
-
-    Returns:
-        An iterator of one dict of arrays per step (one entry per row) holding `features`, `weight` (1
-        for a sampled record, 0 for a padding row, whose gradient is then zero) and `step` (each row's
-        step, padding rows' too, which a private step checks: hand it over as `index`).
-
-    Raises:
-        madp.core.errors.InputError: a feature that is not in the batches or varies in length, batches
-            rewritten since they were opened, or a file whose rows are not the schema's or not in step
-            order; the message names the feature or file.
-
-    Example:
-        >>> import madp, tempfile
-        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
-        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
-        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
-        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
-        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
-        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
-        >>> from madp.training import open_batches, read_steps
-        >>> steps = list(read_steps(open_batches(f"{work}/batches"), ["features", "label"]))
-        >>> len(steps), sorted(steps[0]), steps[0]["features"].shape
-        (12, ['features', 'label', 'step', 'weight'], (5, 4))
-        >>> [len(rows["step"]) for rows in steps]  # each step's rows: its sampled records
-        [5, 7, 6, 16, 9, 8, 11, 6, 9, 6, 9, 4]
-
-    With a private step (`make_private`), each step's rows in one call::
-
-        for rows in read_steps(batches, ["features", "label"]):
-            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
-    """
-    for _, rows in step_batches(batches, list(features)):
-        yield rows
-
-
 def _step_number(value) -> int:
     """A step count given as an integer, a numpy integer or a scalar tensor (TypeError else)."""
     return operator.index(value.numpy() if hasattr(value, "numpy") else value)
-
-
-def steps_dataset(batches: Batches, features: Sequence[str]):
-    """`read_steps` as a `tf.data.Dataset`: one element per step, steps 0..T-1 in order.
-
-    Take every element once, in order, whole: no shuffle, filter, repeat, or unbatch and batch again (the
-    plan accounts for each step's rows once, an empty step too); hand its `step` to the step as its
-    `index`, which refuses rows of any step but its next, of several, and other than all of the step's
-    rows. Continuing a training after step k: `.skip(k)`.
-
-    Args:
-        batches: the batches (`open_batches`).
-        features: the columns to read (schema.json's names, e.g. "features" and "label").
-
-    Returns:
-        A `tf.data.Dataset` whose elements are dicts of tensors [the step's rows, *the feature's shape]
-        holding `features`, `weight` and `step`.
-
-    Raises:
-        madp.core.errors.InputError: a feature that is not in the batches or varies in length (here); as
-            the dataset is iterated, what `read_steps` raises.
-
-    Example:
-        >>> import madp, tempfile
-        >>> from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
-        >>> work, spec = tempfile.mkdtemp(), GraphSpec(records=400, features=4, seed=1)
-        >>> _ = write_dataset(generate(spec), spec, f"{work}/records.parquet", shards=1)
-        >>> _ = madp.bound(f"{work}/records.parquet", f"{work}/bounded", max_contributions=3)
-        >>> _ = madp.batch(f"{work}/bounded", f"{work}/records.parquet", f"{work}/batches", steps=12,
-        ...                batch_size=8, min_sep=2, seed=0)  # seed: reproducible, NOT private
-        >>> from madp.training import open_batches, steps_dataset
-        >>> dataset = steps_dataset(open_batches(f"{work}/batches"), ["features", "label"])
-        >>> first = next(iter(dataset))
-        >>> {name: tuple(tensor.shape) for name, tensor in sorted(first.items())}
-        {'features': (5, 4), 'label': (5,), 'step': (5,), 'weight': (5,)}
-        >>> len(list(dataset.skip(10)))  # continuing after step 10
-        2
-
-    With a private step (`make_private`)::
-
-        for rows in steps_dataset(batches, ["features", "label"]):
-            step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
-    """
-    spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
-    signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
-
-    def steps():
-        for _, rows in step_batches(batches, list(features)):
-            yield rows
-
-    return tf.data.Dataset.from_generator(steps, output_signature=signature)
 
 
 def calibrate(batches: Batches, options: TrainOptions | None = None, **settings: Any) -> PrivacyPlan:
@@ -179,7 +82,8 @@ def calibrate(batches: Batches, options: TrainOptions | None = None, **settings:
         madp.core.errors.InputError: mechanism "none" (no plan: use `make_non_private`), bad options
             (neither or both of epsilon and noise_multiplier, a delta out of range, a `calibration` file
             that is no plan of these batches, ...), batches whose report the accountant cannot read, or a
-            target the mechanism cannot reach; the message names the option (as its `madp train` flag).
+            target the mechanism cannot reach; the message names the option (`max_contributions`; the
+            option of another step by its flag: `madp batch --max-batch-size`).
 
     Example:
         >>> import madp, tempfile

@@ -4,7 +4,8 @@ Per step: per-example gradients of the weighted loss (padding rows have weight 0
 gradient), clipped and summed by the DPQuery, noised (z_t or BandMF's C^-1 z), divided by the
 *expected* batch size, then handed to the optimizer. The mechanism and its parameters come from
 the batches' report and the bounding report, and sigma from the accountant, so the delivered
-guarantee describes the data it was trained on.
+guarantee describes the data it was trained on. What is checked and built before the first step (the
+devices, the model, a resume's checkpoint) is `preparation.py`; here are the loop and its outputs.
 """
 
 from __future__ import annotations
@@ -17,27 +18,22 @@ import time
 from typing import Any, NamedTuple
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from madp.core import storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
-from madp.core.selection import REJECTED_DIR, read_selection_file, selection_files
+from madp.core.selection import REJECTED_DIR
 from madp.training import (  # the public API; the trainer's own parts: tasks, models, options, outputs, long jobs
     Batches,
     NonPrivateStep,
     PrivacyPlan,
     PrivateTrainingStep,
     calibrate,
-    compute_precision,
-    labels_read_from_data,
     load_tensorflow,
     make_non_private,
     make_private,
     open_batches,
-    pretrained_is_public,
     privacy_json,
     read_steps,
 )
@@ -48,7 +44,6 @@ from madp.training.long_training import (
     epsilon_spent,
     interrupted_state,
     learning_rate_at,
-    refuse_other_options,
     set_learning_rate,
     step_statistics,
 )
@@ -56,7 +51,6 @@ from madp.training.options import TrainOptions, training_defaults
 from madp.training.outputs import (
     EVALUATION_FIELDS,
     EVALUATION_FILE,
-    INTERNAL_DIR,
     METRICS_FILE,
     TIMING_FIELDS,
     TIMING_FILE,
@@ -66,7 +60,6 @@ from madp.training.outputs import (
     drop_replaced,
     internal_path,
     replaced_directory,
-    replaced_kept,
     set_aside,
     settle_replaced,
     settled_text,
@@ -74,129 +67,23 @@ from madp.training.outputs import (
     write_metrics,
     written_by_training,
 )
-from madp.training.pretrained import check_pretrained_path
-from madp.training.task_rows import NotFinite, finite_evaluation, read_columns, refuse_non_finite_loss
-from madp.training.tasks import (
-    CausalLmTask,
-    TextClassifierTask,
-    default_optimizer,
-    is_keras3,
-    prepare_task,
-    step_features,
+from madp.training.preparation import (
+    Built,
+    build_model_and_optimizer,
+    check_public_eval_data,
+    distribution_strategy,
+    public_model_assumption,
+    resume_point,
+    with_public_inputs,
+    zero_out_ids,
 )
+from madp.training.task_rows import NotFinite, finite_evaluation, refuse_non_finite_loss
+from madp.training.tasks import CausalLmTask, TextClassifierTask, prepare_task, step_features
 from madp.training.user_tasks import MetricsFailed, non_finite_weights, user_model_failures
 
 tf = load_tensorflow()
-import tf_keras  # noqa: E402
 
 log = logging.getLogger("madp.train")
-
-
-# --- inputs -------------------------------------------------------------------------------------
-
-
-def zero_out_ids(path: str) -> np.ndarray:
-    """The record ids of a `--zero-out` file (a JSON list), as the batches' `id` feature holds them."""
-    try:
-        ids = json.loads(storage.read_text(path))
-    except (OSError, ValueError) as error:
-        raise InputError(f"--zero-out {path}: {error}") from error
-    if not isinstance(ids, list) or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
-        raise InputError(f"--zero-out {path}: expected a JSON list of record ids (integers or strings)")
-    if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
-        return np.array([str(i).encode() for i in ids], dtype=object)
-    return np.array(ids, dtype=np.int64)
-
-
-def distribution_strategy(options: TrainOptions):
-    """The tf.distribute strategy of `--distribution`: default (one device), mirrored, or tpu."""
-    if options.distribution == "default":
-        return tf.distribute.get_strategy()
-    if options.distribution == "mirrored":
-        if options.cpu_replicas > 1:
-            if tf.config.list_physical_devices("GPU"):
-                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
-            cpu = tf.config.list_physical_devices("CPU")[0]
-            try:
-                tf.config.set_logical_device_configuration(
-                    cpu, [tf.config.LogicalDeviceConfiguration()] * options.cpu_replicas
-                )
-            except RuntimeError:  # TensorFlow already started: only the same split can be used
-                pass
-            devices = [device.name for device in tf.config.list_logical_devices("CPU")]
-            if len(devices) != options.cpu_replicas:
-                raise InputError(
-                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
-                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
-                )
-            return tf.distribute.MirroredStrategy(devices)
-        return tf.distribute.MirroredStrategy()
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=options.tpu)
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
-    return tf.distribute.TPUStrategy(resolver)
-
-
-def check_public_eval_data(path: str, batches: Batches) -> None:
-    """--eval-data-public is the user's word that the evaluation data is public; refuse it where the data
-    shows otherwise: a path that is, holds or lies inside the records the batches were made from or the
-    bound selection, or a record id the bound selected (by the bound's id column, where the evaluation
-    data has it). Evaluations on those are computed without noise on the trained users' records."""
-    for role, source in (
-        ("the records the batches were made from", batches.report.data),
-        ("the bound selection", batches.report.selected),
-    ):
-        if source and storage.overlaps(path, source):
-            raise InputError(
-                f"--eval-data-public: --eval-data {path} overlaps {role} ({source}): evaluations on the "
-                f"trained records are not public; evaluate on public data, or leave --eval-data-public out "
-                f"(the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
-            )
-    bound = batches.report.bound
-    column = "id" if bound is None else bound.parameters.id_column
-    ids = _column_if_present(path, column)
-    if ids is None or not batches.report.selected:
-        return
-    try:
-        shards = selection_files(batches.report.selected)
-    except InputError as error:  # batches copied without their bound output: the paths are all it checks
-        log.warning("--eval-data-public: the eval records' ids were not checked against the selection: %s", error)
-        return
-    candidates = None  # the eval ids, as the selection's type (the same in every shard)
-    for shard in shards:
-        selected, _ = read_selection_file(shard)
-        if candidates is None:
-            try:
-                candidates = pa.array([i for i in ids if i is not None]).cast(selected.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-                return  # ids of another type than the bound's: none is a selected record
-        shared = candidates.filter(pc.is_in(candidates, value_set=selected))
-        if len(shared):
-            raise InputError(
-                f"--eval-data-public: --eval-data {path} holds {len(shared)} record(s) the bound selected for "
-                f"training ({column} {shared[0].as_py()!r}, ...): evaluations on them are not public; leave "
-                f"--eval-data-public out (the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
-            )
-
-
-def _column_if_present(path: str, column: str) -> list | None:
-    """Column `column` of an evaluation file, or None where it has no such column."""
-    if path.endswith(".parquet") or storage.kind(path) == "directory":
-        present = column in storage.parquet_columns(path)
-    else:
-        first = next((line for line in storage.read_text(path).splitlines() if line.strip()), "{}")
-        try:
-            row = json.loads(first)
-        except ValueError as error:
-            raise InputError(f"--eval-data {path}: its first line is not a JSON object ({error})") from error
-        present = isinstance(row, dict) and column in row
-    return read_columns(path, [column])[column] if present else None
-
-
-# --- the run ------------------------------------------------------------------------------------
 
 
 def _checked_evaluation(task, model, loss_fn, data, options: TrainOptions, when: str) -> dict:
@@ -233,52 +120,6 @@ def _take_output(output: str, replaced: list[str], resumed: int, options: TrainO
 def _evaluates(done: int, steps: int, options: TrainOptions) -> bool:
     """Whether step `done` (1-based) is an evaluation and logging point."""
     return done % options.eval_every == 0 or done == steps
-
-
-def _resume_point(batches_dir: str, output: str, options: TrainOptions) -> CheckpointState | None:
-    """The checkpoint state a --resume continues from (its step and the interrupted training's id in the
-    trainings ledger), once its options are those of the interrupted training
-    (`refuse_other_options`); None for a fresh run. A fresh run into an output holding a checkpoint is
-    refused, and so is one into an output holding another training's logs unless --replace. Reads only."""
-    state = interrupted_state(output, batches_dir)
-    if not options.resume:
-        checkpoints = checkpoints_directory(output)
-        if state is not None or (options.replace and storage.kind(checkpoints) != "missing"):
-            kept = replaced_kept(output)
-            raise InputError(
-                f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
-                f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
-                f"compose with it: the trainings ledger holds it since its first noisy update){'; ' * bool(kept)}{kept}"
-            )
-        if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
-            raise InputError(
-                f"{output} holds the logs of an earlier training (published with its model): train into a "
-                f"new OUTPUT, so that no folder mixes two trainings' figures, or replace that training (--replace)"
-            )
-        return None
-    if state is None:
-        raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
-    refuse_other_options(output, state, options)
-    return state
-
-
-def _refuse_optimizer_flags(options: TrainOptions) -> None:
-    """The flags that build madp's optimizer would be silently ignored by a model that brings its own."""
-    given = [
-        flag
-        for flag, value in (
-            ("--optimizer", options.optimizer),
-            ("--learning-rate", options.learning_rate),
-            ("--adam-epsilon", options.adam_epsilon),
-            ("--lr-schedule", options.lr_schedule),
-        )
-        if value is not None
-    ]
-    if given:
-        raise InputError(
-            f"{', '.join(given)}: this model brings its own optimizer, which these would not change: drop them, "
-            f"or return (model, loss) without an optimizer"
-        )
 
 
 def _optimizer_fields(own_optimizer, options: TrainOptions) -> dict:
@@ -422,16 +263,6 @@ def _settle(output: str, batches_dir: str, stopped: bool) -> None:
         log.warning("%s", settled_text(output, outcome))
 
 
-class _Built(NamedTuple):
-    """The model a training trains, built under its distribution strategy, with its per-row loss and its
-    optimizer; `own_optimizer` is the one a module:function model brought (else None)."""
-
-    model: Any
-    loss_fn: Any
-    optimizer: Any
-    own_optimizer: Any
-
-
 class _Run(NamedTuple):
     """What every step of a training and its outputs read, fixed once the step is made: `privacy` is the
     plan the guarantee states (with the composition of earlier trainings on these batches), `planned` this
@@ -442,7 +273,7 @@ class _Run(NamedTuple):
     output: str
     options: TrainOptions
     task: Any
-    built: _Built
+    built: Built
     step: NonPrivateStep | PrivateTrainingStep
     privacy: PrivacyPlan | None
     planned: PrivacyPlan | None
@@ -476,12 +307,12 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     batches_dir = batches.directory
     if options.eval_data and options.eval_data_public:
         check_public_eval_data(options.eval_data, batches)
-    public_model = _public_model(options)
+    public_model = public_model_assumption(options)
     # The devices first: TensorFlow fixes them when it first runs an op, and prepare_task reads every step
     strategy = distribution_strategy(options)
     task, skipped = prepare_task(options, batches)
-    built = _build_model(task, strategy, options)
-    interrupted = _resume_point(batches_dir, output, options)
+    built = build_model_and_optimizer(task, strategy, options)
+    interrupted = resume_point(batches_dir, output, options)
     # --replace: an earlier training's outputs, replaced once this one has taken its first step (every check
     # passed, the model traced and ran); files madp does not write are refused here, before the plan is computed.
     replaced = []
@@ -492,7 +323,7 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     user_level = batches.report.sampler == "users"
     privacy = None if options.mechanism == "none" else calibrate(batches, options)  # None: non-private
     if privacy is not None:
-        privacy = _with_public_inputs(privacy, task, options, public_model)
+        privacy = with_public_inputs(privacy, task, options, public_model)
     step = _training_step(
         batches, output, options, built, strategy, privacy, resumed, training, bool(needs_checkpoints)
     )
@@ -533,60 +364,11 @@ def _train(batches: Batches, output: str, options: TrainOptions, started: float)
     return result
 
 
-def _public_model(options: TrainOptions) -> str | None:
-    """The assumption that --pretrained is public, naming its files by their digest (None without a
-    pretrained model or without privacy). The model is named before it is read and checked after
-    (`_with_public_inputs`): a file swapped meanwhile would be named but not the one trained from. The
-    path is checked first, so that one which holds no model is refused before all its files are hashed."""
-    if options.pretrained is None or options.mechanism == "none":
-        return None
-    check_pretrained_path(options.pretrained)
-    return pretrained_is_public(options.pretrained)
-
-
-def _build_model(task, strategy, options: TrainOptions) -> _Built:
-    """The task's model and loss, and the optimizer (a module:function model's own, else --optimizer's, of
-    the model's Keras), built under the strategy from --seed, at --mixed-precision's compute precision."""
-    replicas = strategy.num_replicas_in_sync
-    tf_keras.utils.set_random_seed(options.seed)
-    with strategy.scope(), compute_precision(options.mixed_precision):
-        model, loss_fn = task.build()
-        if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
-            raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
-        # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
-        own_optimizer = getattr(task, "optimizer", None)
-        optimizer = own_optimizer or default_optimizer(model, options)
-    if own_optimizer is not None:
-        _refuse_optimizer_flags(options)
-    return _Built(model, loss_fn, optimizer, own_optimizer)
-
-
-def _with_public_inputs(privacy: PrivacyPlan, task, options: TrainOptions, public_model: str | None) -> PrivacyPlan:
-    """The plan with the assumptions its guarantee rests on beyond the batches: a text classifier's label
-    set read from the data (refused where the mechanism relies on the secret sampling), and the pretrained
-    model taken as public (its files' digest, refused where they changed while madp read them)."""
-    if isinstance(task, TextClassifierTask) and not options.labels:
-        if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
-            raise InputError(
-                f"{privacy.mechanism} relies on the secret sampling, and a label set read from the sampled "
-                f"rows would reveal which records were sampled: give the public label set with --labels"
-            )
-        privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
-    if options.pretrained is not None and public_model is not None:
-        if pretrained_is_public(options.pretrained) != public_model:
-            raise InputError(
-                f"--pretrained {options.pretrained}: its files changed while madp read them; train again from "
-                f"files that stay as they are"
-            )
-        privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, public_model))
-    return privacy
-
-
 def _training_step(
     batches: Batches,
     output: str,
     options: TrainOptions,
-    built: _Built,
+    built: Built,
     strategy,
     privacy: PrivacyPlan | None,
     resumed: int,

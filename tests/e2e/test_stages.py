@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import pydoc
+import re
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ import madp
 import madp.accounting
 import madp.training
 from madp.cli import main
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.core.selection import read_bound_report
 from madp.jobs.run_plan import plan_stages
 from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
@@ -151,6 +152,21 @@ def test_calibration_json_is_never_written_into_the_batches(both):
     with pytest.raises(InputError, match="overlaps input"):
         madp.calibrate(str(api / "batches"), str(api / "batches" / "report.json"), epsilon=8, bands=2)
     assert json.loads((api / "batches" / "report.json").read_text())["files"]  # the batch report, intact
+
+
+def test_a_plan_refused_names_the_parameters_as_a_python_caller_passes_them(both):
+    """The command line says `--max-contributions 1 is below ...` (test_training's refusals)."""
+    api = both[0]
+    with pytest.raises(OptionError, match="^max_contributions 1 is below what the batches were made from"):
+        madp.calibrate(str(api / "batches"), noise_multiplier=2.0, bands=2, max_contributions=1)
+
+
+@pytest.mark.tf
+def test_train_refuses_a_calibration_for_another_clip_norm_by_the_parameters_names(both, tmp_path):
+    calibration = str(both[0] / "calibration.json")
+    said = rf"^calibration {re.escape(calibration)} is for clip norm 0.5, not clip_norm 1.0$"
+    with pytest.raises(OptionError, match=said):
+        madp.train(str(both[0] / "batches"), str(tmp_path / "model"), calibration=calibration, clip_norm=1.0)
 
 
 @pytest.mark.tf

@@ -159,7 +159,7 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     sigma = 5.0  # a given sigma: one PLD evaluation each (calibrating k = 7 to an epsilon is seconds per sigma tried)
     plan = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5))
     assert plan.contribution_bound == 7 and plan.parameters.max_contributions == 7
-    with pytest.raises(InputError, match="--max-contributions 1 is below"):
+    with pytest.raises(InputError, match="^max_contributions 1 is below"):
         privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=1))
     nine = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=9))
     assert nine.contribution_bound == 9 and nine.epsilon > plan.epsilon
@@ -552,7 +552,8 @@ def test_an_attacker_finds_no_clock_time_sampling_figure_or_digest_in_a_run_with
 def test_a_noise_seed_reproduces_training_and_marks_it_not_private(bounded, tmp_path):
     pytest.importorskip("tensorflow")
     from madp.training.options import TrainOptions
-    from madp.training.trainer import tf_keras, train
+    from madp.training.preparation import tf_keras
+    from madp.training.trainer import train
 
     directory, data = bounded
     batch_local(

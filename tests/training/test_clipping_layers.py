@@ -24,9 +24,9 @@ from madp.training.ghost_clipping import (  # noqa: E402
     ghost_norms,
     unsupported_layers,
 )
+from madp.training.preparation import tf, tf_keras  # noqa: E402
 from madp.training.queries import DpSgdQuery  # noqa: E402
 from madp.training.steps import PrivateStep  # noqa: E402
-from madp.training.trainer import tf, tf_keras  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 ROWS = 10

@@ -42,8 +42,9 @@ from madp.training import bpe_tokenizer, gguf_file, keras_hub_preset, pretrained
 from madp.training import text as text_models  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
+from madp.training.preparation import tf_keras  # noqa: E402
 from madp.training.tasks import CausalLmTask  # noqa: E402
-from madp.training.trainer import tf, tf_keras, train  # noqa: E402
+from madp.training.trainer import tf, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 SMOLLM2 = os.environ.get(

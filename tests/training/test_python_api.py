@@ -481,19 +481,21 @@ def test_a_model_xla_cannot_compile_is_refused_under_xla_before_the_training_ent
 
 def test_the_command_line_trainer_uses_only_the_public_api():
     """`madp train` imports from madp.training only the package's exported names and the trainer's own
-    parts (its tasks, the user's tasks and the rows a task cannot use, pretrained models, options, outputs
-    and long jobs): the plan, the batches and the private step reach it through the API a user has."""
+    parts (its tasks, the user's tasks and the rows a task cannot use, pretrained models, options, outputs,
+    long jobs, and what it checks and builds before the first step): the plan, the batches and the private
+    step reach it through the API a user has."""
     import ast
 
-    parts = ("tasks", "user_tasks", "task_rows", "pretrained", "options", "outputs", "long_training")
+    parts = ("tasks", "user_tasks", "task_rows", "pretrained", "options", "outputs", "long_training", "preparation")
     own = {f"madp.training.{name}" for name in parts}
-    source = open(os.path.join(os.path.dirname(README), "tf_training", "trainer.py"), encoding="utf-8").read()
     found = {}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("madp.training"):
-            found.setdefault(node.module, set()).update(alias.name for alias in node.names)
-        elif isinstance(node, ast.Import):
-            assert not any(alias.name.startswith("madp.training") for alias in node.names)
+    for module in ("trainer.py", "preparation.py"):  # the loop, and what it checks and builds before it
+        source = open(os.path.join(os.path.dirname(README), "tf_training", module), encoding="utf-8").read()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("madp.training"):
+                found.setdefault(node.module, set()).update(alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("madp.training") for alias in node.names)
     assert found["madp.training"] <= set(madp.training.__all__), found["madp.training"] - set(madp.training.__all__)
     assert set(found) - {"madp.training"} <= own, set(found) - {"madp.training"} - own
     assert {"calibrate", "make_private", "make_non_private", "read_steps"} <= found["madp.training"]

@@ -35,8 +35,9 @@ from madp.training.data import step_batches  # noqa: E402
 from madp.training.ghost_clipping import _is_dense_stack, ghost_clipped_sum, unsupported_layers  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
+from madp.training.preparation import tf_keras  # noqa: E402
 from madp.training.queries import clip_and_sum  # noqa: E402
-from madp.training.trainer import tf, tf_keras, train  # noqa: E402
+from madp.training.trainer import tf, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 LABELS = ("business", "science", "sports", "travel")

@@ -26,6 +26,7 @@ from madp.engines.local_engine import run_local as bound_local  # noqa: E402
 from madp.tools.data.synthetic import GraphSpec, generate, to_table  # noqa: E402
 from madp.training.options import TrainOptions  # noqa: E402
 from madp.training.outputs import evaluation_of  # noqa: E402
+from madp.training.preparation import tf_keras  # noqa: E402
 from madp.training.queries import (  # noqa: E402
     BandMfQuery,
     DpSgdQuery,
@@ -35,7 +36,7 @@ from madp.training.queries import (  # noqa: E402
 )
 from madp.training.steps import PrivateStep  # noqa: E402
 from madp.training.tasks import build_model  # noqa: E402
-from madp.training.trainer import tf, tf_keras, train  # noqa: E402
+from madp.training.trainer import tf, train  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
@@ -390,6 +391,11 @@ def test_cli_train_refuses_bad_options(pipeline_data, capsys):
     assert "not a `madp batch` output" in capsys.readouterr().err
     assert main(["-q", "train", str(directory / "poisson"), str(directory / "x")]) == 2
     assert "--epsilon" in capsys.readouterr().err
+    fixed_sigma = ["-q", "train", str(directory / "poisson"), str(directory / "x"), "--noise-multiplier", "1.2"]
+    assert (
+        main([*fixed_sigma, "--max-contributions", "1"]) == 2
+    )  # the plan's refusal, by its flag (Python: by its name)
+    assert "--max-contributions 1 is below what the batches were made from" in capsys.readouterr().err
     # a plan and "no privacy" at once: which was meant is not for madp to guess
     plan = str(directory / "plan.json")
     args = ["-q", "train", str(directory / "poisson"), str(directory / "x"), "--calibration", plan]
