@@ -118,7 +118,7 @@ def _import_dask_runner() -> None:
         raise InputError(f"the Dask runner needs dask.distributed ({error}): pip install -e '.[runners]'") from error
 
 
-def unknown_beam_args(beam_args: list[str]) -> list[str]:
+def _unknown_beam_args(beam_args: list[str]) -> list[str]:
     """The flags among `beam_args` that no Beam pipeline option defines (Beam would drop them silently)."""
     if any(arg.startswith("--dask_") for arg in beam_args):
         _import_dask_runner()
@@ -141,7 +141,7 @@ def unknown_beam_args(beam_args: list[str]) -> list[str]:
 def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     """The user's Beam options, with our defaults where the user set none; a flag that is neither a
     madp option nor a Beam option (a typo such as --min_sep) is an error, not silently dropped."""
-    unknown = unknown_beam_args(beam_args)
+    unknown = _unknown_beam_args(beam_args)
     if unknown:
         raise InputError(
             f"unrecognized option(s) {' '.join(unknown)}: neither an option of this command "

@@ -91,7 +91,7 @@ def _pieces_pattern(pre_tokenizer: str) -> re.Pattern:
     return re.compile(rf"{contractions}|{words}| ?[{numbers}]{run}|{symbols}|[{ws}]{run}(?![^{ws}])|[{ws}]{run}")
 
 
-def text_prefix(text: str | bytes, characters: int) -> str:
+def _text_prefix(text: str | bytes, characters: int) -> str:
     """The first `characters` characters of a text (UTF-8 bytes decoded, what is not UTF-8 as U+FFFD),
     reading at most UTF8_WIDTH x characters + 3 bytes of it: a character takes at most UTF8_WIDTH
     bytes, and a character the cut splits (at most 3 bytes) lies past the characters kept."""
@@ -142,7 +142,7 @@ class BpeTokenizer:
         and matching it reads at most PIECE_READ characters from its start: the first `limit` pieces, and
         their tokens, are the same in the text and in that prefix."""
         if limit is not None:
-            text = text_prefix(text, limit * PIECE_READ)
+            text = _text_prefix(text, limit * PIECE_READ)
         elif not isinstance(text, str):
             text = bytes(text).decode("utf-8", errors="replace")
         ids: list[int] = []

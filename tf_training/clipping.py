@@ -64,12 +64,12 @@ def each_example(model, one, examples):
     bias on an inner axis), as the log says. Each example runs through the model as a batch of its own
     either way, so nothing the model's call does across its batch (a transpose, a reshape, a statistic
     over the rows) can bring one example's values into another's, except through a variable the call
-    writes, which is refused (`written_variables`)."""
+    writes, which is refused (`_written_variables`)."""
     signature: list = []
 
     def traced(example):
         outputs = one(example)
-        written = written_variables(model)
+        written = _written_variables(model)
         if written:
             raise InputError(
                 f"model {model.name} {WRITES_VARIABLES}: {', '.join(written)} (a statistic of the data kept across "
@@ -89,7 +89,7 @@ def each_example(model, one, examples):
         return tf.map_fn(one, examples, fn_output_signature=signature[0])
 
 
-def written_variables(model) -> list[str]:
+def _written_variables(model) -> list[str]:
     """The names of the variables of `model` (random generators' seed states aside) that an op of the
     graph being traced writes: a layer's running statistic (as BatchNormalization's) assigned in its call."""
     seeds = {

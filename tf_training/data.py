@@ -19,7 +19,7 @@ tf = load_tensorflow()
 _PARSE_ROWS = 8192
 
 
-def feature_spec(schema: BatchSchema, names: list[str]) -> dict:
+def _feature_spec(schema: BatchSchema, names: list[str]) -> dict:
     """tf.io parsing spec of the named features (fixed shapes dense; varying lengths are refused)."""
     dtypes = {"int64": tf.int64, "float": tf.float32, "bytes": tf.string}
     spec = {}
@@ -48,7 +48,7 @@ def step_batches(batches: Batches, names: list[str]):
 
 
 def _steps(batches: Batches, names: list[str]):
-    spec = feature_spec(batches.schema, sorted(set(names) | {"step", "weight"}))
+    spec = _feature_spec(batches.schema, sorted(set(names) | {"step", "weight"}))
     empty = {name: np.zeros((0, *feature.shape), feature.dtype.as_numpy_dtype) for name, feature in spec.items()}
     carry, next_step = empty, 0
     for path in batches.files:
@@ -200,7 +200,7 @@ def steps_dataset(batches: Batches, features: Sequence[str]):
         for rows in steps_dataset(batches, ["features", "label"]):
             step(rows["features"], rows["label"], rows["weight"], index=rows["step"])
     """
-    spec = feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
+    spec = _feature_spec(batches.schema, sorted(set(features) | {"step", "weight"}))
     signature = {name: tf.TensorSpec([None, *feature.shape], feature.dtype) for name, feature in spec.items()}
 
     def steps():

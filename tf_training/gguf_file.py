@@ -1,8 +1,8 @@
 """A Llama-architecture model in a GGUF file (llama.cpp's format), read without llama.cpp:
-`read_gguf` checks its header's layout (`check_gguf_layout`) before the gguf package reads it, then
+`read_gguf` checks its header's layout (`_check_gguf_layout`) before the gguf package reads it, then
 its metadata's types and sizes against the tensors it stores, and gives its configuration, its
 byte-level BPE tokenizer (the vocabulary and merges of its `tokenizer.ggml.*` metadata) and, read when
-loaded, its weights: each tensor dequantized to float32 with the `gguf` package (`gguf_weights`).
+loaded, its weights: each tensor dequantized to float32 with the `gguf` package (`_gguf_weights`).
 
 GGUF facts this relies on: a 2-D tensor of GGUF shape [n_in, n_out] is stored row-major as a numpy
 array [n_out, n_in] (PyTorch's Linear layout; a Keras kernel is its transpose), and llama.cpp's
@@ -76,11 +76,11 @@ def read_gguf(path: str) -> Pretrained:
     _check_gguf_tensors(path, config, tensors)
     check_model_memory(path, config)
     return Pretrained(
-        path, config, _tokenizer(path, fields, tokens), functools.partial(gguf_weights, path, tensors, config)
+        path, config, _tokenizer(path, fields, tokens), functools.partial(_gguf_weights, path, tensors, config)
     )
 
 
-def gguf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+def _gguf_tensor_shapes(config: LlamaConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors a GGUF file of the architecture holds, by name: their shape in numpy's order
     ([n_out, n_in], GGUF's dimensions reversed) and the metadata that gives it."""
     c = config
@@ -125,7 +125,7 @@ def _check_gguf_tensors(path: str, config: LlamaConfig, tensors: dict[str, Any])
             f"--pretrained {path}: llama.block_count is {config.layers}, but the file holds the tensors of "
             f"{len(blocks)} blocks ({held})"
         )
-    for name, (shape, given_by) in gguf_tensor_shapes(config).items():
+    for name, (shape, given_by) in _gguf_tensor_shapes(config).items():
         found = tensors.get(name)
         if found is None:
             raise InputError(f"--pretrained {path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
@@ -148,7 +148,7 @@ def check_gguf_file(path: str) -> None:
 
 def _open_gguf(path: str):
     check_gguf_file(path)
-    check_gguf_layout(path)
+    _check_gguf_layout(path)
     try:
         import gguf
     except ImportError as error:
@@ -178,7 +178,7 @@ MOST_ARRAY_ELEMENTS = 65_536  # in an array of another key (real files: tags, la
 _MOST_NESTED = 8  # arrays within arrays
 
 
-def check_gguf_layout(path: str) -> None:
+def _check_gguf_layout(path: str) -> None:
     """Refuse by name, before gguf.GGUFReader reads a GGUF file, what would hang it with growing memory:
     it makes a numpy view of every array element (`_READER_BYTES_PER_PART`), so that a 16 MB file of one
     array of 2 million empty strings held it for half a minute and 3 GB. Walks the header (magic, version,
@@ -194,7 +194,7 @@ def check_gguf_layout(path: str) -> None:
 
 
 class _GgufWalk:
-    """One walk of `check_gguf_layout`: where it is in the file, and the parts the reader will hold."""
+    """One walk of `_check_gguf_layout`: where it is in the file, and the parts the reader will hold."""
 
     def __init__(self, path: str, data: mmap.mmap):
         self.path, self.data, self.at, self.parts = path, data, 4, 0  # past the magic, checked before
@@ -420,7 +420,7 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dict[str, list[np.ndarray]]:
+def _gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> dict[str, list[np.ndarray]]:
     """The weights of each layer of `llama_model`, by layer name, from the GGUF tensors (by name)."""
     import gguf
 

@@ -9,7 +9,7 @@ Each example's forward pass runs with those layers' calls tapped (`_tapped`: the
 computed from the layer's weights, recording its input and its output before any activation), its
 backward pass gives the loss gradients d_i at those outputs (not at the weights), vectorized over
 the batch as per-example gradients are (each example a batch of its own, so no call can mix rows:
-`gradient_pieces`), and each variable's per-example gradient g_i is a product of a row's inputs and
+`_gradient_pieces`), and each variable's per-example gradient g_i is a product of a row's inputs and
 output gradients, so its norm comes from them alone (`norm_formulas`). The clipped sum is then
 formed from the same inputs and output gradients scaled by the rows' clip factors, without a second
 backward pass (TF Privacy's fast-gradient-clipping registry gives the norms, then backpropagates a
@@ -319,7 +319,7 @@ def _tapped(layers: list, calls: dict[int, list]) -> Iterator[None]:
             object.__delattr__(layer, "call")
 
 
-def gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
+def _gradient_pieces(model, loss_fn, x, y, weight) -> list[Piece]:
     """Each example's forward pass through `model` with its trainable layers tapped (`_tapped`) and
     its backward pass to their outputs z (not to the weights), vectorized over the examples
     (`each_example`), then each trainable variable's piece. An example's loss is weight_i loss_i, so a
@@ -387,7 +387,7 @@ class NoFastClipping(Exception):
 
 def ghost_norms(model, loss_fn, x, y, weight):
     """||g_i|| for every row: the square root of the pieces' squares summed over the variables."""
-    return piece_norms(gradient_pieces(model, loss_fn, x, y, weight))
+    return piece_norms(_gradient_pieces(model, loss_fn, x, y, weight))
 
 
 def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
@@ -395,7 +395,7 @@ def ghost_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip):
     output gradients (the module docstring's norms); a variable no call reached gets zeros."""
     if _is_dense_stack(model) and not isinstance(x, dict) and tf.TensorShape(x.shape).rank == 2:
         return _dense_stack_clipped_sum(model, loss_fn, x, y, weight, l2_norm_clip)
-    pieces = gradient_pieces(model, loss_fn, x, y, weight)
+    pieces = _gradient_pieces(model, loss_fn, x, y, weight)
     norms = piece_norms(pieces)
     factor = tf.minimum(1.0, l2_norm_clip / tf.maximum(norms, 1e-30))
     sums = {id(piece.variable): piece.clipped_sum(factor) for piece in pieces}

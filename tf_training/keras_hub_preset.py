@@ -1,7 +1,7 @@
 """A Llama-architecture model in a keras-hub preset directory (what `save_to_preset` writes), read
 without keras-hub: `read_preset` checks its config.json, its tokenizer (`assets/tokenizer/`) and the
 outline of its `model.weights.h5` before any model is built, and gives its configuration, its
-byte-level BPE tokenizer and, read when loaded with h5py, its weights (`preset_weights`).
+byte-level BPE tokenizer and, read when loaded with h5py, its weights (`_preset_weights`).
 
 Preset facts this relies on (keras-hub 0.32's LlamaBackbone and Llama3Backbone): `config.json` names
 the backbone class and its sizes; `model.weights.h5` holds each layer's variables under
@@ -86,7 +86,7 @@ def read_preset(path: str) -> Pretrained:
         )
     check_model_memory(path, config)
     tokenizer = _preset_tokenizer(path, config.vocabulary)
-    return Pretrained(path, config, tokenizer, functools.partial(preset_weights, path, config))
+    return Pretrained(path, config, tokenizer, functools.partial(_preset_weights, path, config))
 
 
 def _config_number(path: str, config: dict, key: str, default: float | None = None, whole: bool = True) -> Any:
@@ -217,7 +217,7 @@ def _float32(dataset) -> np.ndarray:
     return values.astype(np.float32)
 
 
-def preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]]:
+def _preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray]]:
     """The weights of each layer of `llama_model`, by layer name, from a preset's model.weights.h5:
     each dataset must have exactly the shape keras-hub gives it (attention kernels [width, heads,
     head_dim], the output projection [heads, head_dim, width]), reshaped to madp's Dense kernels."""

@@ -74,7 +74,7 @@ def set_learning_rate(optimizer, value: float) -> None:
 _SCALAR = tf.compat.v1.SummaryMetadata(plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
 
 
-def events_file_name(first_step: int) -> str:
+def _events_file_name(first_step: int) -> str:
     """The name of the event file of a training that starts after step `first_step` (0, or the step a
     --resume continues from): TensorBoard reads any name holding "tfevents", and the files of a resumed
     training sort after the ones before it."""
@@ -83,7 +83,7 @@ def events_file_name(first_step: int) -> str:
 
 class ScalarLog:
     """TensorBoard scalars in an event file of madp's own, with no clock time anywhere: every event's
-    wall_time is its step, and the file is named by the step it starts at (`events_file_name`).
+    wall_time is its step, and the file is named by the step it starts at (`_events_file_name`).
 
     tf.summary's writer stamps each event with the time it was written (to the microsecond) and names
     its file by the time it started, the host and the process id. Published beside the model, those
@@ -94,7 +94,7 @@ class ScalarLog:
 
     def __init__(self, directory: str, first_step: int = 0) -> None:
         tf.io.gfile.makedirs(directory)
-        self._file = tf.io.TFRecordWriter(storage.join(directory, events_file_name(first_step)))
+        self._file = tf.io.TFRecordWriter(storage.join(directory, _events_file_name(first_step)))
         self._write(tf.compat.v1.Event(wall_time=float(first_step), file_version="brain.Event:2"))
 
     def scalar(self, tag: str, value: float, step: int) -> None:
@@ -166,7 +166,7 @@ class Checkpoints:
     """OUTPUT/internal/checkpoints/: model, optimizer, the step reached and, for a private step, the
     query's step counter and BandMF's noise history - never the noise key (`_state.key` is left out).
     state.json beside them holds the step, the evaluations so far, the (public) plan and the options
-    that define the training (`training_options`), which a resume must match, and the training's id
+    that define the training (`_training_options`), which a resume must match, and the training's id
     in the trainings ledger, whose entry a resume continues.
 
     Why a resumed private run keeps the guarantee: steps 0..k-1 ran with key K1, the remaining steps
@@ -186,7 +186,7 @@ class Checkpoints:
     def __init__(self, output: str, model, optimizer, step, options: TrainOptions) -> None:
         self.output = output
         self.directory = checkpoints_directory(output)  # written at the first save, not before
-        self.options = training_options(options)
+        self.options = _training_options(options)
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
         objects = {"model": model, "optimizer": optimizer, "steps_done": self.step_var}
         state = getattr(step, "_state", None)
@@ -253,7 +253,7 @@ RUN_ONLY_OPTIONS = frozenset(
 )
 
 
-def training_options(options: TrainOptions) -> dict:
+def _training_options(options: TrainOptions) -> dict:
     """The options that define a training, as state.json records them: every TrainOptions field but
     RUN_ONLY_OPTIONS, by name, as JSON values."""
     fields = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
@@ -276,7 +276,7 @@ def refuse_other_options(output: str, state: CheckpointState, options: TrainOpti
                 f"{evaluated_on}: resume with the same --eval-data and --eval-data-public"
             )
         return
-    given = training_options(options)
+    given = _training_options(options)
     differing = [name for name, value in given.items() if name in recorded and recorded[name] != value]
     if differing:
         each = ", ".join(
@@ -376,7 +376,7 @@ class CheckpointState:
     plan: dict[str, Any] | None  # the plan trained under, as its JSON (None: a non-private training)
     training: str | None  # the training's id in the trainings ledger (None: a non-private training)
     run: str | None  # which run's ledger write makes next_state.json the one to resume from
-    options: dict[str, Any] | None  # what a resume must give again (`training_options`)
+    options: dict[str, Any] | None  # what a resume must give again (`_training_options`)
     evaluated_on: dict[str, Any] | None = None  # earlier madp: the evaluation data, where it recorded no options
 
     @classmethod

@@ -137,7 +137,7 @@ def settle_replaced(output: str) -> str | None:
     if finished is not None and finished != listed.finished_training:
         drop_replaced(output)
         return "finished"
-    if resumable_checkpoint(output):
+    if _resumable_checkpoint(output):
         return "kept"
     newer = [
         path
@@ -185,7 +185,7 @@ def replaced_directory(output: str) -> str:
     return storage.join(output, INTERNAL_DIR, REPLACED)
 
 
-def resumable_checkpoint(output: str) -> bool:
+def _resumable_checkpoint(output: str) -> bool:
     """Whether OUTPUT/internal/checkpoints/ holds a checkpoint's state, which a --resume reads: a first
     checkpoint cut short (a full disk, a kill) leaves its files and no state."""
     directory = checkpoints_directory(output)

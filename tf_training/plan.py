@@ -69,7 +69,7 @@ def _check_selection_unchanged(batches: Batches, bound: BoundRecord | None) -> N
         )
 
 
-def warn_delta(delta: float, batches: Batches) -> None:
+def _warn_delta(delta: float, batches: Batches) -> None:
     users = None if batches.report.bound is None else batches.report.bound.input_users
     if users and delta > 1 / users:
         log.warning("delta %g exceeds 1/%d users: a mechanism could release one user's data in the clear", delta, users)
@@ -94,7 +94,7 @@ def truncation_delta(batches: Batches, epsilon_: float) -> float:
     )
 
 
-def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
+def _mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, ...], k: int | None) -> Mechanism:
     """The accounting mechanism the batches and options imply.
 
     - b-min-sep Poisson batches with b = 1 and one band: DP-SGD with example-level sampling and up
@@ -159,7 +159,7 @@ def _with_truncation(options: TrainOptions, delivered: float, delta: float, trun
     return delta + share
 
 
-def noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation) -> tuple[float, float, float]:
+def _noise_multiplier_for(mechanism: Mechanism, options: TrainOptions, truncation) -> tuple[float, float, float]:
     """(sigma, epsilon, delta of the released guarantee); `truncation(epsilon)` is the delta truncation adds."""
     if options.noise_multiplier is not None:
         delivered = finite_epsilon(mechanism, options.noise_multiplier, options.delta)
@@ -179,7 +179,7 @@ def _warn_override(options: TrainOptions, delivered: float, delta: float) -> Non
     )
 
 
-def amplified_noise_multiplier(
+def _amplified_noise_multiplier(
     batches: Batches, options: TrainOptions, unamplified_: BandMf, truncation
 ) -> tuple[float, float, float, MinSepProcess, dict]:
     """(sigma, epsilon, delta, the process accounted, Monte Carlo details) for b-min-sep Poisson batches with
@@ -459,12 +459,12 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     for a non-private training."""
     if options.mechanism == "none":
         return None
-    warn_delta(options.delta, batches)
+    _warn_delta(options.delta, batches)
     report = batches.report
     user_level = report.sampler == "users"
     bands = tuple(strategy_coefficients(options.strategy, batches.steps, options.bands).tolist())
     k = None if user_level else contribution_bound(batches, options.max_contributions)
-    mechanism = mechanism_for(batches, options, bands, k)
+    mechanism = _mechanism_for(batches, options, bands, k)
     if options.amplified and not isinstance(mechanism, BandMf):
         raise OptionError(
             "{amplified} accounts BandMF on b-min-sep batches; these batches train as {0}", mechanism.name
@@ -476,11 +476,11 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     monte_carlo = None
     if options.amplified:
         assert isinstance(mechanism, BandMf)  # refused above otherwise
-        sigma, delivered, delta, parameters, monte_carlo = amplified_noise_multiplier(
+        sigma, delivered, delta, parameters, monte_carlo = _amplified_noise_multiplier(
             batches, options, mechanism, truncation
         )
     else:
-        sigma, delivered, delta = noise_multiplier_for(mechanism, options, truncation)
+        sigma, delivered, delta = _noise_multiplier_for(mechanism, options, truncation)
     return PrivacyPlan(
         mechanism=name,
         parameters=parameters,

@@ -77,7 +77,7 @@ class RmsNorm(tf_keras.layers.Layer):
         return {**super().get_config(), "epsilon": self.epsilon}
 
 
-def rotary_angles(length, head_dim: int, base: float):
+def _rotary_angles(length, head_dim: int, base: float):
     """(cos, sin) [length, head_dim] of position p and frequency base^(-2i/head_dim), i < head_dim/2,
     repeated for the two halves of a head that are rotated together."""
     frequencies = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -86,7 +86,7 @@ def rotary_angles(length, head_dim: int, base: float):
     return tf.cos(angles), tf.sin(angles)
 
 
-def rotate_halves(x, cos, sin):
+def _rotate_halves(x, cos, sin):
     """RoPE in Hugging Face's layout: x * cos + (-x2, x1) * sin, with x1, x2 the halves of a head."""
     first, second = tf.split(x, 2, axis=-1)
     cos, sin = tf.cast(cos, x.dtype), tf.cast(sin, x.dtype)  # bfloat16 under mixed precision
@@ -108,10 +108,10 @@ class RotaryCausalAttention(tf_keras.layers.Layer):
         queries, keys, values = inputs
         length = tf.shape(queries)[1]
         group = self.heads // self.kv_heads
-        cos, sin = rotary_angles(length, self.head_dim, self.rope_base)
+        cos, sin = _rotary_angles(length, self.head_dim, self.rope_base)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        q = rotate_halves(tf.reshape(queries, [-1, length, self.heads, self.head_dim]), cos, sin)
-        k = rotate_halves(tf.reshape(keys, [-1, length, self.kv_heads, self.head_dim]), cos, sin)
+        q = _rotate_halves(tf.reshape(queries, [-1, length, self.heads, self.head_dim]), cos, sin)
+        k = _rotate_halves(tf.reshape(keys, [-1, length, self.kv_heads, self.head_dim]), cos, sin)
         v = tf.reshape(values, [-1, length, self.kv_heads, self.head_dim])
         q = tf.reshape(q, [-1, length, self.kv_heads, group, self.head_dim])  # head h = (h // group, h % group)
         scores = tf.einsum("nqkgd,nskd->nkgqs", q, k) / math.sqrt(self.head_dim)
@@ -261,15 +261,15 @@ def next_token_loss(targets, logits):
     return tf.reduce_sum(entropy * present, axis=-1) / tf.maximum(tf.reduce_sum(present, axis=-1), 1.0)
 
 
-def token_metrics(total_nats: float, total_tokens: int) -> dict:
+def _token_metrics(total_nats: float, total_tokens: int) -> dict:
     """Mean next-token loss in nats and perplexity exp(loss), over `total_tokens` tokens."""
     nats = total_nats / max(total_tokens, 1)
     return {"loss": round(nats, 6), "perplexity": round(text.perplexity(nats), 4), "tokens": total_tokens}
 
 
 def mean_token_loss(model, inputs: np.ndarray, targets: np.ndarray, rows_at_once: int = 8) -> dict:
-    """`token_metrics` of a model on (inputs, targets), a few rows at a time (logits are [rows, T, V])."""
-    return token_metrics(*text.summed_sequence_loss(model, next_token_loss, inputs, targets, rows_at_once))
+    """`_token_metrics` of a model on (inputs, targets), a few rows at a time (logits are [rows, T, V])."""
+    return _token_metrics(*text.summed_sequence_loss(model, next_token_loss, inputs, targets, rows_at_once))
 
 
 def greedy_continuation(model, tokenizer: BpeTokenizer, prompt: str, new_tokens: int) -> str:

@@ -43,7 +43,7 @@ class Pretrained:
     layer_weights: Callable[[], dict[str, list[np.ndarray]]]
 
 
-def parameter_count(config: LlamaConfig) -> int:
+def _parameter_count(config: LlamaConfig) -> int:
     """The number of weights of `llama_model(config)` (LoRA adapters aside)."""
     c = config
     q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
@@ -65,7 +65,7 @@ def check_model_memory(path: str, config: LlamaConfig) -> None:
     """Refuse, before any model is built, a model whose float32 weights and their copy read from the
     file would fill more than half of this machine's memory (a file can state sizes that its bytes
     do not hold: quantized, or GGUF tensors that share their bytes)."""
-    parameters = parameter_count(config)
+    parameters = _parameter_count(config)
     check_memory(
         8 * parameters,
         f"--pretrained {path}: its {parameters:,} weights in float32, with their copy read from the file, hold",

@@ -73,7 +73,7 @@ class _LoweredOnce:
 
     def lower_once(self, function, inputs: tuple) -> None:
         if self._xla and id(function) not in self._lowered:
-            refuse_what_xla_cannot_compile(function, self.model, inputs)
+            _refuse_what_xla_cannot_compile(function, self.model, inputs)
             self._lowered.add(id(function))
 
 
@@ -165,7 +165,7 @@ def refuse_model_selection(model) -> None:
         )
 
 
-def refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
+def _refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
     """Lower an XLA-compiled step at its first inputs to XLA's HLO (a trace: no step runs, no noise is
     drawn, no weight changes; TensorFlow runs one eager random op to find the device, which moves its
     global unseeded draws, not the training noise's own key): a model with an op XLA has no kernel
@@ -235,8 +235,8 @@ class PrivateStep(_LoweredOnce, _KerasFit):
                 sorted({layer.compute_dtype for layer in model.layers} - {"float32"}),
             )
         self.rows_per_replica = rows_per_replica
-        self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
-        self._privatized = compiled_by_xla(self._noised, jit_compile, self.strategy)
+        self._replica_step = _compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
+        self._privatized = _compiled_by_xla(self._noised, jit_compile, self.strategy)
         self._xla, self._lowered = jit_compile, set()
         # TensorFloat-32 (Ampere and later GPUs) rounds float32 products' inputs to 10 bits: a row's
         # contribution to the clipped sum would then differ from the one its norm was taken of.
@@ -404,7 +404,7 @@ def float32_outputs(loss_fn):
     return loss
 
 
-def compiled_by_xla(function, jit_compile: bool, strategy):
+def _compiled_by_xla(function, jit_compile: bool, strategy):
     """`function` (a replica's step) compiled by XLA into one program where `jit_compile`, else as is
     (traced into the caller's tf.function). XLA can fuse the clipping's elementwise work with its
     matrix products (whether that is faster depends on the device: README, XLA and mixed precision),
@@ -527,7 +527,7 @@ class NonPrivateStep(_LoweredOnce, _KerasFit):
         self.legacy_optimizer = _matching_optimizer(model, optimizer)
         self.strategy = strategy or tf.distribute.get_strategy()
         self.rows_per_replica = rows_per_replica
-        self._replica_step = compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
+        self._replica_step = _compiled_by_xla(self._apply_replica, jit_compile, self.strategy)
         self._xla, self._lowered = jit_compile, set()
 
     def __call__(self, x, y, weight, users=None, index=None) -> None:

@@ -47,7 +47,7 @@ import tf_keras  # noqa: E402
 log = logging.getLogger("madp.train")
 
 
-def binary_logistic_loss(labels, logits):
+def _binary_logistic_loss(labels, logits):
     """Per-example loss of a one-logit binary classifier."""
     return tf.nn.sigmoid_cross_entropy_with_logits(
         labels=tf.cast(tf.reshape(labels, [-1]), tf.float32), logits=tf.reshape(logits, [-1])
@@ -57,11 +57,11 @@ def binary_logistic_loss(labels, logits):
 def build_model(name: str, input_dim: int, model_path: tuple[str, ...] = ()):
     """(Keras model, per-example loss) of `logreg`, `mlp`, or (a one-vector binary schema) module:function."""
     if name == "logreg":
-        return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), binary_logistic_loss
+        return tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(input_dim,))]), _binary_logistic_loss
     if name == "mlp":
         return tf_keras.Sequential(
             [tf_keras.layers.Dense(64, activation="relu", input_shape=(input_dim,)), tf_keras.layers.Dense(1)]
-        ), binary_logistic_loss
+        ), _binary_logistic_loss
     schema = ModelSchema((Feature("features", "float", (input_dim,)),), Feature("label", "float", ()), "binary")
     return user_model(name, schema, model_path)[:2]
 
@@ -230,7 +230,7 @@ class TextClassifierTask(_TextTask):
 
     def label_indices(self, values) -> np.ndarray:
         """Each label's index in the label list, -1 where it is not in it."""
-        return np.array([self.index.get(label_text(v), -1) for v in values], dtype=np.int32)
+        return np.array([self.index.get(_label_text(v), -1) for v in values], dtype=np.int32)
 
     def problems(self, rows: dict) -> np.ndarray:
         return self._problems_and_labels(rows)[0]
@@ -340,7 +340,7 @@ class CausalLmTask(_TextTask):
         return pretrained.mean_token_loss(model, x, y)
 
 
-def label_text(value) -> str:
+def _label_text(value) -> str:
     """A label as the text --labels gives it: strings as they are, integers in decimal."""
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -399,7 +399,7 @@ def _labels_in(options: TrainOptions, batches: Batches) -> list[str]:
     found: set[str] = set()
     for _, rows in step_batches(batches, [options.text_column, options.label, "weight"]):
         usable = (rows["weight"] > 0) & (text.text_problems(rows[options.text_column]) == "")
-        found.update(label_text(v) for v in rows[options.label][usable])
+        found.update(_label_text(v) for v in rows[options.label][usable])
     if not found:
         raise InputError(f"the batches hold no usable row with a label in {options.label!r}")
     labels = sorted(found)

@@ -229,7 +229,7 @@ class EmbeddingBag(tf_keras.layers.Layer):
         return cls(**{"normalization": "mean", **config})
 
 
-def gradient_times(x, scale: float):
+def _gradient_times(x, scale: float):
     """x, whose gradient is multiplied by `scale` on its way back."""
 
     @tf.custom_gradient
@@ -262,8 +262,8 @@ class ScaledGradientDense(tf_keras.layers.Dense):
 
     def call(self, inputs):
         x = tf.cast(inputs, self.compute_dtype)
-        z = tf.tensordot(x, gradient_times(self.kernel, self.gradient_scale), [[x.shape.rank - 1], [0]])
-        z = z + gradient_times(self.bias, self.gradient_scale) if self.use_bias else z
+        z = tf.tensordot(x, _gradient_times(self.kernel, self.gradient_scale), [[x.shape.rank - 1], [0]])
+        z = z + _gradient_times(self.bias, self.gradient_scale) if self.use_bias else z
         return self.activation(z) if self.activation is not None else z
 
     def get_config(self) -> dict:
@@ -292,7 +292,7 @@ def softmax_loss(labels, logits):
     )
 
 
-def next_byte_loss(targets, logits):
+def _next_byte_loss(targets, logits):
     """Per-example mean next-byte cross-entropy (nats) over the example's bytes (targets >= 0)."""
     targets = tf.cast(targets, tf.int32)
     present = tf.cast(targets >= 0, tf.float32)
@@ -340,7 +340,7 @@ def byte_lm(max_length: int, dimension: int, layers: int, heads: int):
         hidden = tf_keras.layers.Dense(4 * dimension, activation="gelu")(tf_keras.layers.LayerNormalization()(x))
         x = x + tf_keras.layers.Dense(dimension)(hidden)
     logits = tf_keras.layers.Dense(BYTE_VOCABULARY)(tf_keras.layers.LayerNormalization()(x))
-    return tf_keras.Model(inputs, logits), next_byte_loss
+    return tf_keras.Model(inputs, logits), _next_byte_loss
 
 
 # --- evaluation ---------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 `ModelSchema` of the batches' features) and `--task module:function` (`UserTask`: how a step's rows
 become the model's inputs and labels, and the evaluation's metrics), each call of it checked, and
 what it raises or returns wrong an InputError naming the function, without a traceback
-(`user_call`, `user_model_failures`)."""
+(`_user_call`, `user_model_failures`)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _returned(value: Any) -> str:
     return f"{type(value).__name__} {reprlib.repr(value)}"
 
 
-def user_call(flag: str, spec: str, call: str, function, *args, error: type[InputError] = InputError):
+def _user_call(flag: str, spec: str, call: str, function, *args, error: type[InputError] = InputError):
     """`function(*args)`, a function of the user's code (`flag spec`, called as `call`): an exception it
     raises is an `error` that names the function and the exception, on one line (no traceback)."""
     try:
@@ -64,7 +64,7 @@ def user_call(flag: str, spec: str, call: str, function, *args, error: type[Inpu
         raise error(f"{flag} {spec}: {call} raised {one_line(failure)}") from None
 
 
-def user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
+def _user_function(spec: str, flag: str, model_path: tuple[str, ...] = ()):
     """The function of `module:function` (`--model`, `--task`). The module is looked up in `model_path`,
     then the current directory, then sys.path (PYTHONPATH); an import failure is an InputError naming it."""
     module_name, function_name = spec.split(":", 1)
@@ -93,7 +93,7 @@ def user_model(name: str, schema: ModelSchema, model_path: tuple[str, ...] = ())
     if ":" not in name:
         raise InputError(f"--model must be logreg, mlp, {', '.join(TEXT_MODELS)} or module:function, got {name!r}")
     call = f"{name.split(':', 1)[1]}(schema)"
-    built = user_call("--model", name, call, user_function(name, "--model", model_path), schema)
+    built = _user_call("--model", name, call, _user_function(name, "--model", model_path), schema)
     if isinstance(built, tuple) and len(built) in (2, 3):
         model, loss, optimizer = (*built, None)[:3]
     else:
@@ -182,8 +182,8 @@ class UserTask:
     def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
         self.options = options
         features = dict(features)  # the user's function gets a dict of its own (the batches' schema stays as read)
-        function = user_function(options.task, "--task", options.model_path)
-        self.task = user_call("--task", options.task, f"{options.task.split(':', 1)[1]}(features)", function, features)
+        function = _user_function(options.task, "--task", options.model_path)
+        self.task = _user_call("--task", options.task, f"{options.task.split(':', 1)[1]}(features)", function, features)
         where = f"--task {options.task}"
         for name in ("encode", "metrics"):
             if not callable(getattr(self.task, name, None)):
@@ -211,7 +211,7 @@ class UserTask:
         return model, loss
 
     def _call(self, call: str, function, *args, error: type[InputError] = InputError):
-        return user_call("--task", self.options.task, call, function, *args, error=error)
+        return _user_call("--task", self.options.task, call, function, *args, error=error)
 
     def problems(self, rows: dict) -> np.ndarray:
         count = len(rows[self.names[0]])

@@ -178,7 +178,7 @@ class Capacities:
         user_ids = self.listed[0]
         if self.text_ids:
             if pa.types.is_integer(target):
-                return pa.array([canonical_integer(text) for text in user_ids.to_pylist()], pa.int64())
+                return pa.array([_canonical_integer(text) for text in user_ids.to_pylist()], pa.int64())
             return user_ids
         if pa.types.is_integer(user_ids.type) != pa.types.is_integer(target):
             raise InputError(
@@ -199,7 +199,7 @@ class Capacities:
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def canonical_integer(text: str) -> int | None:
+def _canonical_integer(text: str) -> int | None:
     """The int64 that `text` writes in canonical decimal ("7", "-12"; not "007", "+7" or " 7"), else None."""
     if not text or text != text.strip() or text.startswith("+"):
         return None

@@ -16,14 +16,14 @@ import pyarrow as pa
 _ARRAYS = (np.ndarray, pa.Array, pa.ChunkedArray, pa.Table, pa.RecordBatch)
 
 
-def held_bytes(value: object) -> int:
+def _held_bytes(value: object) -> int:
     """The bytes `value` holds: an array's or table's buffers, or `sys.getsizeof` of anything else
     (a nested `Columnar` included)."""
     return value.nbytes if isinstance(value, _ARRAYS) else sys.getsizeof(value)
 
 
 class Columnar:
-    """A dataclass of arrays (and small values) whose size is its fields' `held_bytes`.
+    """A dataclass of arrays (and small values) whose size is its fields' `_held_bytes`.
 
     >>> import sys, dataclasses, numpy as np
     >>> @dataclasses.dataclass
@@ -34,4 +34,4 @@ class Columnar:
     """
 
     def __sizeof__(self) -> int:
-        return object.__sizeof__(self) + sum(held_bytes(value) for value in vars(self).values())
+        return object.__sizeof__(self) + sum(_held_bytes(value) for value in vars(self).values())

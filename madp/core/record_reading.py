@@ -100,7 +100,7 @@ def decompressed(path: str, data: bytes) -> bytes:
         raise InputError(f"{path}: not a readable gzip file: {error}") from error
 
 
-def nesting_depth(line: bytes) -> int:
+def _nesting_depth(line: bytes) -> int:
     """How deep arrays and objects nest in a JSON row: brackets counted outside strings only."""
     brackets = _STRING.sub(b"", line).translate(None, _ALL_BUT_BRACKETS)
     if not brackets:
@@ -110,7 +110,7 @@ def nesting_depth(line: bytes) -> int:
 
 
 def _too_deep(line: bytes) -> bool:
-    return line.count(b"[") + line.count(b"{") > MAX_DEPTH and nesting_depth(line) > MAX_DEPTH
+    return line.count(b"[") + line.count(b"{") > MAX_DEPTH and _nesting_depth(line) > MAX_DEPTH
 
 
 def parse_row(line: bytes) -> Any:  # a JSON value, as json.loads gives it

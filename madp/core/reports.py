@@ -86,7 +86,7 @@ class FileEntry:
         return cls(name, size, sha256)
 
 
-def file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tuple[FileEntry, ...]:
+def _file_entries(data: Mapping[str, Any], key: str, where: str, what: str) -> tuple[FileEntry, ...]:
     """The files a report lists under `key`, checked: a non-empty list of plain names with sizes and SHA-256."""
     listed = data.get(key)
     if not listed:
@@ -269,7 +269,7 @@ class BoundReport:
         if not isinstance(data, dict):
             raise InputError(f"{where} is not a madp bound report (a JSON {type(data).__name__}, not an object)")
         check_version(data, where)
-        selection_files = file_entries(data, "selection_files", where, "bound")
+        selection_files = _file_entries(data, "selection_files", where, "bound")
         _refuse_missing(data, BOUND_REPORT_KEYS, where, "bound")
 
         def parse() -> BoundReport:
@@ -359,7 +359,7 @@ class BoundRecord:
             data["max_user_contribution"],
             data["input_users"],
             BoundParameters.from_json(data["parameters"]),
-            file_entries(data, "selection_files", f"{where} (its bound)", "bound"),
+            _file_entries(data, "selection_files", f"{where} (its bound)", "bound"),
             _graph_digest(data.get("graph_digest")),
             dict(data.get("rejected", {})),
         )
@@ -542,7 +542,7 @@ class BatchReport:
         if not isinstance(data, dict):
             raise InputError(f"{where} is not a madp batch report (a JSON {type(data).__name__}, not an object)")
         check_version(data, where)
-        files = file_entries(data, "files", where, "batch")
+        files = _file_entries(data, "files", where, "batch")
         _refuse_missing(data, BATCH_REPORT_KEYS, where, "batch")
 
         def parse() -> BatchReport:

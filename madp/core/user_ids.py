@@ -125,11 +125,11 @@ def find_suspects(source: str, read: list[tuple[str, pa.Array, np.ndarray]]) -> 
         return None
     examples.sort(key=lambda found: found[:2])
     return SuspectUserIds(
-        tuple((sign, n) for sign, n in counts.items() if n), first_examples(found for _, _, found in examples)
+        tuple((sign, n) for sign, n in counts.items() if n), _first_examples(found for _, _, found in examples)
     )
 
 
-def first_examples(examples) -> tuple[Suspect, ...]:
+def _first_examples(examples) -> tuple[Suspect, ...]:
     """The first `EXAMPLES` of each sign among `examples` (in the order given)."""
     kept: dict[str, list[Suspect]] = {sign: [] for sign in SIGNS}
     for found in examples:
@@ -146,7 +146,7 @@ def refusal(suspects: list[SuspectUserIds]) -> str | None:
             counts[sign] += n
     if not any(counts.values()):
         return None
-    examples = first_examples(found for read in suspects for found in read.examples)
+    examples = _first_examples(found for read in suspects for found in read.examples)
     parts = []
     for sign, n in counts.items():
         if n:

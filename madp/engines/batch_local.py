@@ -101,7 +101,7 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     histogram = sampling.size_histogram(neighbourhoods[record_of_unit])
     probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
     total = options.sampled_steps
-    check_fits(probability * len(keys) * total, options)
+    _check_fits(probability * len(keys) * total, options)
     unit, step = sampling.sampled_steps(keys, probability, total)
     record = record_of_unit[unit]
     owner, flat = incidences_of(dataset.offsets, record)
@@ -121,7 +121,7 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
 BYTES_PER_SAMPLE = 200
 
 
-def check_fits(expected_rows: float, options: BatchOptions) -> None:
+def _check_fits(expected_rows: float, options: BatchOptions) -> None:
     """Refuse, before allocating, a sampling whose rows cannot fit in this machine's memory."""
     check_memory(
         expected_rows * BYTES_PER_SAMPLE,
@@ -133,7 +133,7 @@ def check_fits(expected_rows: float, options: BatchOptions) -> None:
 def greedy_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     """Alg. 4; with --find-max-min-sep, the largest b before the first failure, trying b = 1, 2, ..."""
     n, batch = len(dataset.copies), int(options.batch_size)
-    check_fits(float(options.steps) * batch, options)
+    _check_fits(float(options.steps) * batch, options)
     if batch > n:
         raise InputError(
             f"--batch-size {batch} is larger than the {n} selected records: a batch cannot hold a record twice"
@@ -176,11 +176,11 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     """User-level Poisson sampling (ELS paper's ULS) for single-attribution records: each step
     samples every user with probability q = B / users (geometric gaps keyed by (seed, user)),
     and a sampled user brings all its units."""
-    distinct, user_of_record = np.unique(single_users(dataset), return_inverse=True)
+    distinct, user_of_record = np.unique(_single_users(dataset), return_inverse=True)
     if not 0 < options.batch_size <= len(distinct):
         raise InputError(f"--batch-size (users per step) must be in (0, {len(distinct)}] for --sampler users")
     probability = options.batch_size / len(distinct)
-    check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
+    _check_fits(probability * float(dataset.copies.sum()) * options.steps, options)
     # Keyed over the whole user id: `distinct` are `user_hashes`, keyed for string users, injective for integers.
     user_keys = siphash24(options.key.subkey(USER_SAMPLING_STREAM), distinct)
     user, step = sampling.sampled_steps(user_keys, probability, options.steps)
@@ -201,7 +201,7 @@ def user_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     )
 
 
-def single_users(dataset: Dataset) -> np.ndarray:
+def _single_users(dataset: Dataset) -> np.ndarray:
     """The user of each record, which must have exactly one (user-level sampling)."""
     arity = np.diff(dataset.offsets)
     if (arity != 1).any():
@@ -224,7 +224,7 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
                 f"--sampler users adds a feature {USER_FEATURE!r}: leave the content column "
                 f"{USER_FEATURE!r} out with --content-columns"
             )
-        dataset.content = dataset.content.append_column(USER_FEATURE, pa.array(single_users(dataset).view(np.int64)))
+        dataset.content = dataset.content.append_column(USER_FEATURE, pa.array(_single_users(dataset).view(np.int64)))
     described = check_content(dataset.content, dataset.ids, dataset.valid)
     samplers = {"minsep": minsep_rows, "minsep-greedy": greedy_rows, "users": user_rows}
     sampled = samplers[options.sampler](dataset, options)

@@ -94,7 +94,7 @@ def merge_participation_stats(parts: list[Participation]) -> Participation:
     )
 
 
-def size_summary(sizes: np.ndarray) -> SizeSummary:
+def _size_summary(sizes: np.ndarray) -> SizeSummary:
     return SizeSummary(
         mean=round(float(sizes.mean()), 4) if len(sizes) else 0.0,
         std=round(float(sizes.std()), 4) if len(sizes) else 0.0,
@@ -155,9 +155,9 @@ def report(
         steps=options.steps,
         records=records,
         units=units,
-        batch_sizes=size_summary(realized),
+        batch_sizes=_size_summary(realized),
         relative_error_to_target=round(float(target.mean() / options.batch_size - 1.0), 6),
-        written_batch_sizes=size_summary(written),  # per step: the rows a private step checks it is given
+        written_batch_sizes=_size_summary(written),  # per step: the rows a private step checks it is given
         warm_up_batch_sizes=tuple(sampled_sizes[:warm_up].tolist()),
         truncated_rows=sum(f.truncated for f in files),
         padding_rows=sum(f.padding for f in files),
@@ -172,7 +172,7 @@ def report(
             )
         ),
         wall_time_s=round(time.perf_counter() - started, 3),
-        users_per_step=None if sampled.sampled_users is None else size_summary(sampled.sampled_users),
+        users_per_step=None if sampled.sampled_users is None else _size_summary(sampled.sampled_users),
         min_sep_search=None if search is None else tuple(search),
         k=None if search is None else participation.max_participations,
         partitions=partitions,

@@ -226,7 +226,7 @@ def join_selection(
     return selected, copies[order]
 
 
-def content_problems(content: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+def _content_problems(content: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """(reason, column) per row where a content value cannot be trained on ("" where all can): a
     null (the value, or one inside its list), or a NaN or infinite float, or one beyond float32's
     range, which the batches would hold as infinite (a NaN model)."""
@@ -261,14 +261,14 @@ def _rows_of_values(column: pa.Array, flags: np.ndarray) -> np.ndarray:
 
 def skip_invalid_content(chunk: rec.RecordChunk, rejects: rec.Rejects) -> np.ndarray:
     """`--on-invalid skip`: which selected records of `chunk` can be written (True); those with
-    `content_problems` are added to `rejects`. They stay in the sampling population (|N(e)|, p, and
+    `_content_problems` are added to `rejects`. They stay in the sampling population (|N(e)|, p, and
     min-sep exclusion of their users) and only their rows are left out of the batches
     (`writable_rows`), so p and the schedule are functions of the graph only, never of content. A
     left-out row is the zero-gradient record of the neighbouring relation: the accounting holds."""
     # Nothing to check; a table without columns may not hold its row count.
     if chunk.content is None or not chunk.content.num_columns:
         return np.ones(len(chunk), dtype=bool)
-    reason, where = content_problems(chunk.content)
+    reason, where = _content_problems(chunk.content)
     bad = reason != ""
     for row in np.flatnonzero(bad).tolist():
         users = chunk.users[int(chunk.offsets[row]) : int(chunk.offsets[row + 1])].to_pylist()
@@ -297,7 +297,7 @@ def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = N
                 f"content column {name!r} has the name of a batch feature {RESERVED_FEATURES}; "
                 f"choose the columns with --content-columns"
             )
-    reason, where = content_problems(content)
+    reason, where = _content_problems(content)
     if (reason != "").any():
         row = int(np.flatnonzero(reason != "")[0])
         problem = "is null" if reason[row] == rec.NULL_CONTENT else "holds a NaN, infinite or beyond-float32 value"

@@ -97,7 +97,7 @@ def plant(
             f"example's squared gradient norm can overflow float32, in which the model trains: clipping would give "
             f"them no weight and the audit would measure nothing; use a smaller --canary-norm (default 10)"
         )
-    pattern = canary_patterns(rng, m, len(owners) - m, width) * norm
+    pattern = _canary_patterns(rng, m, len(owners) - m, width) * norm
     labels = np.asarray(sample.column(label).to_numpy(zero_copy_only=False))
     chosen = rng.choice(np.unique(labels), size=len(owners))
     table = _content_table(sample, names, features, label, pattern, chosen, len(owners))
@@ -109,7 +109,7 @@ def plant(
     return Canaries(users=canary_users, included=included, record_ids=record_ids, owners=owners, table=table)
 
 
-def canary_patterns(rng: np.random.Generator, own: int, shared: int, width: int) -> np.ndarray:
+def _canary_patterns(rng: np.random.Generator, own: int, shared: int, width: int) -> np.ndarray:
     """Unit-norm random feature patterns: the `own` records' mutually orthogonal where width allows (a random
     orthonormal basis: one canary's gradient then has no component along another's in a linear model), the
     `shared` records' random signs."""
@@ -177,7 +177,7 @@ def _content_table(
     return pa.table(arrays)
 
 
-def zeroed_records(canaries: Canaries) -> list:
+def _zeroed_records(canaries: Canaries) -> list:
     """Ids of the canary records with an excluded owner: the zero-out neighbour replaces them."""
     return [
         rid
@@ -186,7 +186,7 @@ def zeroed_records(canaries: Canaries) -> list:
     ]
 
 
-def canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
+def _canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
     """Each canary's score: minus the mean loss of its records (a memorized canary has a low loss)."""
     total = np.zeros(len(canaries.users))
     count = np.zeros(len(canaries.users))
@@ -242,7 +242,7 @@ def _audit(
         suffix = next(s for s in INPUT_SUFFIXES if source.endswith(s))
         storage.link_or_copy(source, storage.join(inputs, f"records-{index:05d}{suffix}"))
     storage.write_parquet(canaries.table, storage.join(inputs, CANARY_FILE))
-    storage.write_text(path(ZERO_OUT_FILE), json.dumps(zeroed_records(canaries)))
+    storage.write_text(path(ZERO_OUT_FILE), json.dumps(_zeroed_records(canaries)))
 
     train = config.train
     if eval_data and "eval_data" not in train.names:
@@ -269,7 +269,7 @@ def _audit(
     model_dir = path("baseline" if options.non_private else "train")
     audited = next(s.step for s in stages if s.name in ("train", "baseline"))
     assert isinstance(audited, run_steps.Train)
-    scores = canary_scores(_losses(model_dir, audited.batches, audited.options, canaries), canaries)
+    scores = _canary_scores(_losses(model_dir, audited.batches, audited.options, canaries), canaries)
     plan = stated_plan(json.loads(storage.read_text(storage.join(model_dir, "privacy.json"))))
     # The claim's delta (truncation included); the calibrate section's for a non-private audit model.
     delta = float(plan.delta if plan else calibrate.options.delta)

@@ -239,7 +239,7 @@ def _set_manifest_aside(run_dir: str, stage: Stage) -> None:
 
 def _take_manifest_back(run_dir: str, stage: Stage) -> None:
     """The manifest set aside for a run of the stage that stopped (an error, Ctrl-C, or killed with no clean-up:
-    taken back by the next run's `up_to_date`), back where the output is still byte for byte the one it
+    taken back by the next run's `_up_to_date`), back where the output is still byte for byte the one it
     describes: a stage refused by its own checks (the ledger, a checkpoint to resume, a file of the user's), or
     a training that gave the finished one back, leaves those outputs up to date for what they were made from."""
     pending = _pending(run_dir, stage)
@@ -288,7 +288,7 @@ def _settle_replaced_training(stage: Stage) -> None:
         log.warning("stage %s: %s", stage.name, said)
 
 
-def up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
+def _up_to_date(run_dir: str, stage: Stage, current: str) -> bool:
     """Whether the stage's outputs exist and its last successful run had the `current` fingerprint (its manifest,
     or the one a stopped run of it set aside, where its output is still the one that describes)."""
     manifest = _manifest(run_dir, stage)
@@ -317,7 +317,7 @@ def _refuse_remaking_trained_batches(run_dir: str, stages: list[Stage], force: b
     held = stranded_checkpoints(batches, [stage.output for stage in stages if stage.name in TRAININGS])
     for stage in stages if held else []:
         remakes = not stage.name.startswith("verify-")  # a verifier changes nothing the training read
-        if remakes and (force or not up_to_date(run_dir, stage, fingerprint(stage))):
+        if remakes and (force or not _up_to_date(run_dir, stage, fingerprint(stage))):
             why = "--force re-runs every stage" if force else "its options, inputs or outputs changed since it ran"
             refuse_stranding(
                 held,
@@ -357,7 +357,7 @@ def run_stages(
         current = fingerprint(stage)  # taken before the stage reads anything, checked again after it
         if stage.name in TRAININGS:
             _settle_replaced_training(stage)
-        if not force and up_to_date(run_dir, stage, current):
+        if not force and _up_to_date(run_dir, stage, current):
             log.info(
                 "stage %d/%d %s: outputs up to date (same parameters and inputs), skipped; --force re-runs",
                 number,

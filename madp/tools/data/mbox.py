@@ -138,13 +138,13 @@ def text_codec(charset: str) -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def without_surrogates(text: str) -> str:
+def _without_surrogates(text: str) -> str:
     """`text` with each lone surrogate (from UTF-7, unicode_escape, ...) replaced by U+FFFD, as
     Parquet strings are UTF-8."""
     return _SURROGATE.sub("\ufffd", text)
 
 
-def unfolded(value: str) -> str:
+def _unfolded(value: str) -> str:
     """A raw header value on one line (RFC 5322 2.2.3: line breaks removed), its 8-bit bytes read
     as UTF-8 (RFC 6532) with U+FFFD for bytes that are not, as email.policy.default does."""
     value = value.replace("\r", "").replace("\n", "")
@@ -156,7 +156,7 @@ def unfolded(value: str) -> str:
 _ENCODED_WORD = re.compile(r"=\?([^?\s]+)\?([bBqQ])\?([^?\s]*)\?=", re.ASCII)
 
 
-def decoded_word(charset: str, encoding: str, text: str) -> str | None:
+def _decoded_word(charset: str, encoding: str, text: str) -> str | None:
     """The text of one RFC 2047 encoded-word (4.1 B: base64, padding optional; 4.2 Q: "_" is a
     space, "=XX" a byte), or None when it is not one (non-ASCII or bad base64). Bytes in an
     unknown charset are read as UTF-8, as email.policy.default does."""
@@ -177,12 +177,12 @@ def decoded_header(value: str) -> str:
     """An unstructured header (Subject) as text, in one pass and linear memory: unfolded, each
     encoded-word replaced by its text and the whitespace between two adjacent encoded-words
     dropped (RFC 2047 6.2); what is not a valid encoded-word is kept as written."""
-    value = unfolded(value)
+    value = _unfolded(value)
     pieces: list[str] = []
     position = 0
     after_word = False
     for match in _ENCODED_WORD.finditer(value):
-        text = decoded_word(*match.groups())
+        text = _decoded_word(*match.groups())
         if text is None:
             continue  # left as written: it is part of the next gap
         gap = value[position : match.start()]
@@ -191,10 +191,10 @@ def decoded_header(value: str) -> str:
         pieces.append(text)
         position, after_word = match.end(), True
     pieces.append(value[position:])
-    return without_surrogates("".join(pieces))
+    return _without_surrogates("".join(pieces))
 
 
-def normalized_address(text: str) -> str:
+def _normalized_address(text: str) -> str:
     """One address as a user id: whitespace runs as one space, none beside "@" or "." (RFC 5322's
     obsolete syntax allows it there: "bob @ example.com" is bob@example.com), trimmed, lower-cased.
     Two spellings of one mailbox may stay two users; normalizing only merges, never splits."""
@@ -220,8 +220,8 @@ def _scan_addresses(value: str, literal: frozenset[str]) -> tuple[list[str], str
     quoted = False
 
     def finish() -> None:
-        found = [normalized_address(_route_stripped(angle)) for angle in angles]
-        found = [address for address in found if address] or [normalized_address("".join(text))]
+        found = [_normalized_address(_route_stripped(angle)) for angle in angles]
+        found = [address for address in found if address] or [_normalized_address("".join(text))]
         addresses.extend(address for address in found if address)
         text.clear()
         angles.clear()
@@ -269,14 +269,14 @@ def _route_stripped(angle: str) -> str:
     return angle.partition(":")[2] if angle.lstrip().startswith("@") and ":" in angle else angle
 
 
-def address_list(value: str) -> list[str]:
+def _address_list(value: str) -> list[str]:
     """The addresses of one address-list header (RFC 5322 3.4), normalized_address'ed, in order,
     in linear time: the addr-spec in angle brackets when there is one, else the text without its
     comments (an address without "@", "bob", is a user too); a group's display name and empty
     entries ("undisclosed-recipients:;") give none. A comment, quoted string or angle bracket
     never closed would swallow the addresses after it: the header is read again with that opener
     as a plain character (at most three passes)."""
-    value = unfolded(value)
+    value = _unfolded(value)
     literal: frozenset[str] = frozenset()
     while True:
         addresses, unclosed = _scan_addresses(value, literal)
@@ -285,10 +285,10 @@ def address_list(value: str) -> list[str]:
         literal |= {unclosed}
 
 
-def header_date(value: str) -> str:
+def _header_date(value: str) -> str:
     """The Date header as email.policy.default shows it (RFC 5322 form when it parses, else as
     written), so that fallback ids stay what they were; only short values are parsed."""
-    value = unfolded(value)
+    value = _unfolded(value)
     if len(value) > 256:
         return value
     try:
@@ -297,7 +297,7 @@ def header_date(value: str) -> str:
         return value
 
 
-def plain_text(message: email.message.EmailMessage) -> str:
+def _plain_text(message: email.message.EmailMessage) -> str:
     """The plain-text body ('' when the message has only other parts), its bytes decoded in its
     charset (us-ascii when it names none) as the email package's get_content does."""
     part = message.get_body(preferencelist=("plain",))
@@ -312,10 +312,10 @@ def plain_text(message: email.message.EmailMessage) -> str:
     payload = part.get_payload(decode=True)
     if not isinstance(payload, bytes):
         return ""
-    return without_surrogates(payload.decode(codec, "replace"))
+    return _without_surrogates(payload.decode(codec, "replace"))
 
 
-def message_record(raw: bytes) -> dict:
+def _message_record(raw: bytes) -> dict:
     """One message's bytes as a record, or Skipped with the reason it cannot be one."""
     lines = raw.count(b"\n") + raw.count(b"\r") - raw.count(b"\r\n")  # the parser breaks lines at all three
     if lines > MAX_LINES:
@@ -328,20 +328,20 @@ def message_record(raw: bytes) -> dict:
         raise
     except Exception as error:  # noqa: BLE001  (any message the email package cannot split is unusable)
         raise Skipped("unparseable", f"{type(error).__name__}: {str(error)[:200]}") from None
-    senders = [address for name, value in headers if name in SENDER_FIELDS for address in address_list(value)]
+    senders = [address for name, value in headers if name in SENDER_FIELDS for address in _address_list(value)]
     if not senders:
         has_from = any(name in SENDER_FIELDS for name, _ in headers)
         raise Skipped("no_sender", "no address in From" if has_from else "no From header")
     users = dict.fromkeys(senders)  # senders first, then the others in header order, each once
     for name, value in headers:
         if name in ADDRESS_FIELDS and name not in SENDER_FIELDS:
-            users.update(dict.fromkeys(address_list(value)))
+            users.update(dict.fromkeys(_address_list(value)))
     first = {name: value for name, value in reversed(headers)}  # the first instance of each header
     subject = decoded_header(first.get("subject", ""))
-    message_id = unfolded(first.get("message-id", "")).strip().strip("<>").strip()
-    date = header_date(first.get("date", ""))
+    message_id = _unfolded(first.get("message-id", "")).strip().strip("<>").strip()
+    date = _header_date(first.get("date", ""))
     try:
-        body = plain_text(message)
+        body = _plain_text(message)
     except (LookupError, UnicodeError, ValueError, RecursionError) as error:
         raise Skipped("undecodable_body", f"{type(error).__name__}: {str(error)[:200]}") from None
     if not message_id:
@@ -415,7 +415,7 @@ def import_mbox(path: str, output: str) -> dict:
             messages += 1
             raw = box.get_bytes(key)
             try:
-                record = message_record(raw)
+                record = _message_record(raw)
                 if record["id"] in seen_ids:
                     raise Skipped("duplicate_message_id", f"Message-ID {record['id'][:200]!r} seen before")
             except Skipped as skip:

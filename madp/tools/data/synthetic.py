@@ -94,7 +94,7 @@ def arities(rng: np.random.Generator, size: int, mean_arity: float) -> np.ndarra
     return 1 + rng.poisson(mean_arity - 1.0, size=size)
 
 
-def regular_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _regular_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Probabilistic regular graph: arity, then that many distinct users uniformly at random."""
     arity = np.minimum(arities(rng, spec.records, spec.mean_arity), spec.users)
     offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
@@ -108,7 +108,7 @@ def regular_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray
     return _drop_repeats(offsets, parents, users)
 
 
-def skewed_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _skewed_graph(spec: GraphSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Preferential process of App. C.1: P(user j) proportional to (1 + d_j)^alpha.
 
     Users not yet seen all have weight 1, so a draw either opens the next new user or picks a
@@ -171,7 +171,7 @@ def _drop_repeats(offsets: np.ndarray, parents: np.ndarray, users: np.ndarray) -
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), users[keep]
 
 
-def logistic_content(spec: GraphSpec, arity: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _logistic_content(spec: GraphSpec, arity: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Features z ~ N(0, I/d); label ~ Bernoulli(sigmoid(k1 <2/(1+k) (a + k|e| b), z>))."""
     scale = 1.0 / np.sqrt(spec.features)
     base = rng.normal(0.0, scale, spec.features)
@@ -185,12 +185,12 @@ def logistic_content(spec: GraphSpec, arity: np.ndarray, rng: np.random.Generato
 
 def generate(spec: GraphSpec) -> SyntheticData:
     rng = np.random.default_rng(spec.seed)
-    make_graph = regular_graph if spec.graph == "regular" else skewed_graph
+    make_graph = _regular_graph if spec.graph == "regular" else _skewed_graph
     offsets, users = make_graph(spec, rng)
     if spec.task == "text":
         texts, topics = documents(offsets, users, spec.seed)
         return SyntheticData(offsets=offsets, users=users, features=None, labels=topics, texts=texts)
-    features, labels = logistic_content(spec, np.diff(offsets), rng)
+    features, labels = _logistic_content(spec, np.diff(offsets), rng)
     return SyntheticData(offsets=offsets, users=users, features=features, labels=labels)
 
 
@@ -210,14 +210,14 @@ def to_table(data: SyntheticData, users_as: str = "users") -> pa.Table:
     if users_as != "from-to-cc":
         records["users"] = pa.ListArray.from_arrays(pa.array(data.offsets, pa.int32()), pa.array(data.users))
     if users_as != "users":
-        records.update(email_columns(data.offsets, data.users))
+        records.update(_email_columns(data.offsets, data.users))
     if data.features is None:
         return pa.table({**records, "text": pa.array(data.texts, pa.string()), "label": pa.array(data.labels.tolist())})
     features = pa.FixedSizeListArray.from_arrays(pa.array(data.features.ravel()), data.features.shape[1])
     return pa.table({**records, "features": features, "label": pa.array(data.labels)})
 
 
-def email_columns(offsets: np.ndarray, users: np.ndarray) -> dict[str, pa.Array]:
+def _email_columns(offsets: np.ndarray, users: np.ndarray) -> dict[str, pa.Array]:
     """`from`, `to` and `cc` of records whose users are users[offsets[i]:offsets[i + 1]]: the first user
     sends, the first half of the others (rounded up) are in to, the rest in cc; a record with id % 8 == 3
     also has its sender in cc (a repeat the union counts once)."""

@@ -123,12 +123,12 @@ class Graph(NamedTuple):
         return np.repeat(np.arange(len(self.arity), dtype=np.int64), self.arity)
 
 
-def graph_of(chunk: rec.RecordChunk) -> Graph:
+def _graph_of(chunk: rec.RecordChunk) -> Graph:
     users = pc.dictionary_encode(chunk.users).indices.to_numpy(zero_copy_only=False).astype(np.int64)
     return Graph(chunk.arity, users, int(users.max()) + 1 if len(users) else 0)
 
 
-def neighbourhood_histogram(graph: Graph, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _neighbourhood_histogram(graph: Graph, copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(|N(e)|, units) of the selection `copies`, as `madp batch` calibrates p with: only selected
     records enter the pairs, so a hub user's cost is k^2 rather than its degree squared."""
     selected = copies > 0
@@ -157,7 +157,7 @@ def largest_min_sep_reaching(target: float, sizes: np.ndarray, counts: np.ndarra
     return low
 
 
-def batch_feasibility(graph: Graph, copies: np.ndarray, k: int, target: BatchTarget) -> BatchFeasibility:
+def _batch_feasibility(graph: Graph, copies: np.ndarray, k: int, target: BatchTarget) -> BatchFeasibility:
     """Whether `target`'s batches can be formed on the selection `copies` (bounded at k), from the
     graph only, with the sampler's own calibration; each problem names the option to change and a
     value that works."""
@@ -165,7 +165,7 @@ def batch_feasibility(graph: Graph, copies: np.ndarray, k: int, target: BatchTar
     if units == 0:
         problem = f"k = {k} keeps no record: raise {names.max_contributions}"
         return BatchFeasibility(0, sampling.Reach(0.0, 0.0), None, target.max_batch_size, 0.0, (problem,))
-    sizes, counts = neighbourhood_histogram(graph, copies)
+    sizes, counts = _neighbourhood_histogram(graph, copies)
     reach = sampling.largest_expected_batch_size(sizes, counts, target.min_sep)
     if target.batch_size > reach.largest:
         return BatchFeasibility(
@@ -289,7 +289,7 @@ def records_per_user(user_index: np.ndarray, weights: np.ndarray, users: int) ->
     return np.bincount(user_index, weights=weights, minlength=users).astype(np.int64)
 
 
-def read_graph_input(input_path: str, columns: rec.Columns) -> rec.RecordChunk:
+def _read_graph_input(input_path: str, columns: rec.Columns) -> rec.RecordChunk:
     chunk, rejects, _, _ = read_input(input_path, columns)
     if len(rejects):
         raise InputError(
@@ -427,8 +427,8 @@ class Recommendation:
 def recommend(input_path: str, sweep: Sweep) -> Recommendation:
     """The sweep's rows (one per k, feasible or with the reasons it is not), the k the excess-risk
     proxy recommends among the feasible ones, and the median heuristic's k; it never stops at a k."""
-    chunk = read_graph_input(input_path, sweep.columns)
-    graph = graph_of(chunk)
+    chunk = _read_graph_input(input_path, sweep.columns)
+    graph = _graph_of(chunk)
     before = records_per_user(graph.user_of_incidence, np.ones(len(graph.user_of_incidence)), graph.users)
     median = float(np.median(before)) if graph.users else 0.0
     log.info("%d records, %d users, median %g records per user", len(chunk), graph.users, median)
@@ -465,7 +465,7 @@ def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep,
         kept[duplicates] = bound_records(chunk, options, Capacities(default=k)).copies
     distinct = kept[False] > 0
     after = records_per_user(graph.user_of_incidence, kept[False][graph.record_of_incidence], graph.users)
-    batches = batch_feasibility(graph, kept[False], k, sweep.target)
+    batches = _batch_feasibility(graph, kept[False], k, sweep.target)
     problems = list(batches.problems)
     sigma: float | None = None
     epsilon: float | None = None
@@ -737,7 +737,7 @@ def write_sweep(run_dir: str, result: Recommendation) -> None:
 
 
 def job_feasibility(input_path: str, options: BoundOptions, target: BatchTarget) -> BatchFeasibility | None:
-    """What `batch_feasibility` says of the selection `madp bound` will make with `options` (the local
+    """What `_batch_feasibility` says of the selection `madp bound` will make with `options` (the local
     engine's kernels: the engines select alike); None where the input has invalid rows the bound
     would stop at (its own error names them)."""
     chunk, rejects, _, _ = read_input(input_path, options.columns)
@@ -746,4 +746,4 @@ def job_feasibility(input_path: str, options: BoundOptions, target: BatchTarget)
     k = options.max_contributions
     capacities = read_capacities(options.capacities, k) if options.capacities else Capacities(default=k)
     copies = bound_records(chunk, options, capacities).copies
-    return batch_feasibility(graph_of(chunk), copies, k, target)
+    return _batch_feasibility(_graph_of(chunk), copies, k, target)
