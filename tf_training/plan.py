@@ -21,7 +21,7 @@ from madp.accounting.mechanisms import BandMf, DpSgd, DpSgdUls, Mechanism
 from madp.accounting.monte_carlo import MinSepProcess
 from madp.accounting.strategies import coefficients as strategy_coefficients
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.core.randomness import FIXED_SEED
 from madp.core.reports import BatchReport, BoundRecord
 from madp.core.selection import REPORT_FILE, read_bound_report
@@ -40,16 +40,18 @@ def contribution_bound(batches: Batches, override: int | None) -> int:
     _check_selection_unchanged(batches, bound)
     recorded = None if bound is None else max(bound.contribution_bound, bound.max_user_contribution)
     if override is not None and recorded is not None and override < recorded:
-        raise InputError(
-            f"--max-contributions {override} is below what the batches were made from: users may "
-            f"have up to {recorded} records in {batches.report.selected} (its bound report); "
-            f"the guarantee would not hold"
+        raise OptionError(
+            "{max_contributions} {0} is below what the batches were made from: users may have up to {1} records "
+            "in {2} (its bound report); the guarantee would not hold",
+            override,
+            recorded,
+            batches.report.selected,
         )
     if override is not None:
         return override
     if recorded is None:
-        raise InputError(
-            f"the batches record no bounding report of {batches.report.selected}: give --max-contributions"
+        raise OptionError(
+            "the batches record no bounding report of {0}: give {max_contributions}", batches.report.selected
         )
     return recorded
 
@@ -103,7 +105,7 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
     report, steps = batches.report, batches.steps
     if report.sampler == "users":
         if len(bands) > 1 or options.mechanism == "bandmf":
-            raise InputError("user-level (--sampler users) batches train with DP-SGD: use --bands 1")
+            raise OptionError("user-level (--sampler users) batches train with DP-SGD: use {bands} 1")
         return DpSgdUls(_probability(batches), steps)
     if k is None:
         raise ValueError("record-level batches are accounted with their contribution bound k")
@@ -112,10 +114,10 @@ def mechanism_for(batches: Batches, options: TrainOptions, bands: tuple[float, .
         if options.mechanism in ("auto", "dpsgd") and min_sep == 1 and len(bands) == 1:
             return DpSgd(_probability(batches), steps, k)
         if options.mechanism == "dpsgd":
-            raise InputError("--mechanism dpsgd needs --min-sep 1 batches and --bands 1")
+            raise OptionError("{mechanism} dpsgd needs --min-sep 1 batches and {bands} 1")
         return BandMf(steps, min_sep, 1 + (steps - 1) // min_sep, bands, records_per_step=k)
     if options.mechanism == "dpsgd":
-        raise InputError("--mechanism dpsgd needs Poisson (minsep) batches; greedy batches are accounted as BandMF")
+        raise OptionError("{mechanism} dpsgd needs Poisson (minsep) batches; greedy batches are accounted as BandMF")
     if report.k is None:
         raise InputError(f"{batches.directory}: its report records no k of the greedy batches: batch again")
     return BandMf(steps, min_sep, int(report.k), bands, records_per_step=1)
@@ -145,10 +147,14 @@ def _with_truncation(options: TrainOptions, delivered: float, delta: float, trun
     is no guarantee, whatever epsilon says)."""
     share = truncation(delivered)
     if share >= truncation_bound.REFUSED_SHARE * options.delta:
-        raise InputError(
-            f"--noise-multiplier {options.noise_multiplier:g} delivers epsilon {delivered:.4g}, but truncation "
-            f"at --max-batch-size adds delta {share:.3g} to the {options.delta:g} asked for (steps over B_max "
-            f"are too likely): raise --max-batch-size in madp batch, or drop it"
+        raise OptionError(
+            "{noise_multiplier} {0:g} delivers epsilon {1:.4g}, but truncation at --max-batch-size adds delta "
+            "{2:.3g} to the {3:g} asked for (steps over B_max are too likely): raise --max-batch-size in madp "
+            "batch, or drop it",
+            options.noise_multiplier,
+            delivered,
+            share,
+            options.delta,
         )
     return delta + share
 
@@ -179,7 +185,7 @@ def amplified_noise_multiplier(
     """(sigma, epsilon, delta, the process accounted, Monte Carlo details) for b-min-sep Poisson batches with
     amplification (`bandmf-minsep`: estimate-verify-release, unamplified BandMF when verification fails)."""
     if batches.report.sampler != "minsep":
-        raise InputError("--amplified needs b-min-sep Poisson batches (--sampler minsep)")
+        raise OptionError("{amplified} needs b-min-sep Poisson batches (--sampler minsep)")
     process = MinSepProcess(
         unamplified_.steps,
         unamplified_.min_sep,
@@ -460,7 +466,9 @@ def privacy_plan(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     k = None if user_level else contribution_bound(batches, options.max_contributions)
     mechanism = mechanism_for(batches, options, bands, k)
     if options.amplified and not isinstance(mechanism, BandMf):
-        raise InputError(f"--amplified accounts BandMF on b-min-sep batches; these batches train as {mechanism.name}")
+        raise OptionError(
+            "{amplified} accounts BandMF on b-min-sep batches; these batches train as {0}", mechanism.name
+        )
     name = "bandmf-minsep" if options.amplified else mechanism.name
     amplified = name in AMPLIFIED
     truncation = (lambda eps: truncation_delta(batches, eps)) if amplified else (lambda eps: 0.0)
@@ -668,17 +676,21 @@ def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     stated = json.loads(storage.read_text(options.calibration))
     # Compared as JSON before it is read as a plan: a file of another shape is for other batches too.
     if stated.get("accounted_batches") != to_json(accounted_batches(batches.report)):
-        raise InputError(
-            f"--calibration {options.calibration} accounts for other batches than {batches.directory} "
-            f"(their sampler, steps, sampling probability, units, parameters or bound differ): calibrate again"
+        raise OptionError(
+            "{calibration} {0} accounts for other batches than {1} (their sampler, steps, sampling probability, "
+            "units, parameters or bound differ): calibrate again",
+            options.calibration,
+            batches.directory,
         )
     try:
         plan = PrivacyPlan.from_json(stated)
     except ValueError as error:
-        raise InputError(f"--calibration {options.calibration}: {error}") from None
+        raise OptionError("{calibration} {0}: {1}", options.calibration, error) from None
     if plan.clip_norm != options.clip_norm:
-        raise InputError(
-            f"--calibration {options.calibration} is for clip norm {plan.clip_norm}, "
-            f"not --clip-norm {options.clip_norm}"
+        raise OptionError(
+            "{calibration} {0} is for clip norm {1}, not {clip_norm} {2}",
+            options.calibration,
+            plan.clip_norm,
+            options.clip_norm,
         )
     return dataclasses.replace(plan, calibration=options.calibration, trained_on=batches.directory)
