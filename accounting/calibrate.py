@@ -105,18 +105,24 @@ def _composed_epsilon(releases: tuple[tuple[Mechanism, float], ...], delta: floa
         accountant.compose(event)
         return float(accountant.get_epsilon(delta))
     except (ValueError, OverflowError, MemoryError) as error:  # dp_accounting's own failure, a traceback otherwise
-        accounted = " composed with ".join(f"{m.name} at --noise-multiplier {s:g}" for m, s in releases)
+        # each release's name and sigma are values {2i} and {2i+1}; dp_accounting's error follows them
+        accounted = " composed with ".join(
+            f"{{{2 * index}}} at {{noise_multiplier}} {{{2 * index + 1}:g}}" for index in range(len(releases))
+        )
+        failure = 2 * len(releases)
         raise Unaccountable(
-            f"the PLD accountant cannot account {accounted} "
-            f"(dp_accounting: {type(error).__name__}: {error}); raise --noise-multiplier or the sampling "
-            f"probability, or lower --max-contributions or --steps"
+            f"the PLD accountant cannot account {accounted} (dp_accounting: {{{failure}}}: {{{failure + 1}}}); "
+            "raise {noise_multiplier} or the sampling probability, or lower {max_contributions} or {steps}",
+            *(value for mechanism, sigma in releases for value in (mechanism.name, sigma)),
+            type(error).__name__,
+            str(error),
         ) from None
 
 
-class Unaccountable(InputError):
+class Unaccountable(OptionError):
     """dp_accounting could not build or compose an event's privacy loss distribution, on some extreme
     ones: a mixture of Gaussians at a sampling probability of 1e-9 and sigma 0.04 or below (a
-    ValueError), at --max-contributions 100000 (an OverflowError), 10^9 steps (out of memory)."""
+    ValueError), at max_contributions 100000 (an OverflowError), 10^9 steps (out of memory)."""
 
 
 def smallest_noise_ratio(event: dp_event.DpEvent) -> float:

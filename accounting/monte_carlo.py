@@ -43,7 +43,7 @@ from madp.accounting.random_streams import (
     standard_normals,
     uniform,
 )
-from madp.core.errors import InputError, positive
+from madp.core.errors import InputError, OptionError, positive
 
 DIRECTIONS = ("P", "Q")
 
@@ -87,10 +87,11 @@ class MinSepProcess:
         check_probability("sampling_prob", self.sampling_prob)
         check_contributions(self.max_contributions)
         if min(self.coefficients, default=0.0) < 0:
-            raise InputError(
-                f"b-min-sep amplification (Theorem 6.1 of the b-min-sep paper) needs a non-negative "
-                f"strategy matrix C; these bands have negative entries {self.coefficients}: use "
-                f"--strategy sqrt, or account without amplification"
+            raise OptionError(
+                "b-min-sep amplification (Theorem 6.1 of the b-min-sep paper) needs a non-negative "
+                "strategy matrix C; these bands have negative entries {0}: use {strategy} sqrt, or account "
+                "without amplification",
+                self.coefficients,
             )
 
     @property

@@ -10,7 +10,7 @@ import numpy as np
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
-from madp.core.errors import InputError, check_memory
+from madp.core.errors import OptionError, check_memory
 
 STRATEGIES = ("sqrt", "optimized")
 # Bytes per step prefix_sum_mse holds at its peak (float64 arrays of T entries; 23 measured at T = 1e8).
@@ -19,9 +19,9 @@ MSE_BYTES_PER_STEP = 40
 
 def check_bands(steps: int, bands: int) -> None:
     if not isinstance(steps, int) or not 1 <= steps < 2**63:
-        raise InputError(f"--steps must be an integer in [1, 2^63), got {steps}")
+        raise OptionError("{steps} must be an integer in [1, 2^63), got {0}", steps)
     if not isinstance(bands, int) or not 1 <= bands <= steps:
-        raise InputError(f"--bands must be an integer in [1, --steps], got {bands}")
+        raise OptionError("{bands} must be an integer in [1, {steps}], got {0}", bands)
 
 
 def sqrt_coefficients(bands: int) -> np.ndarray:
@@ -104,4 +104,4 @@ def coefficients(strategy: str, steps: int, bands: int) -> np.ndarray:
         return sqrt_coefficients(bands)
     if strategy == "optimized":
         return optimized_coefficients(steps, bands)
-    raise InputError(f"--strategy must be one of {STRATEGIES}, got {strategy!r}")
+    raise OptionError("{strategy} must be one of {0}, got {1!r}", STRATEGIES, strategy)

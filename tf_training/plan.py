@@ -685,7 +685,7 @@ def plan_for(batches: Batches, options: TrainOptions) -> PrivacyPlan | None:
     try:
         plan = PrivacyPlan.from_json(stated)
     except ValueError as error:
-        raise OptionError("{calibration} {0}: {1}", options.calibration, str(error)) from None
+        raise OptionError("{calibration} {0}: {1}", options.calibration, error) from None
     if plan.clip_norm != options.clip_norm:
         raise OptionError(
             "{calibration} {0} is for clip norm {1}, not {clip_norm} {2}",

@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.training import load_tensorflow
 from madp.training.options import TrainOptions
 
@@ -32,7 +32,7 @@ def read_columns(path: str, names: list[str]) -> dict[str, list]:
     rows = [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
     missing = [name for name in names if rows and name not in rows[0]]
     if missing:
-        raise InputError(f"--eval-data {path}: no column {missing} (found {sorted(rows[0])})")
+        raise OptionError("{eval_data} {0}: no column {1} (found {2})", path, missing, sorted(rows[0]))
     return {name: [row.get(name) for row in rows] for name in names}
 
 
@@ -58,7 +58,9 @@ def row_range(x, start: int, stop: int):
 def usable_eval(path: str, x, y: np.ndarray, problems: np.ndarray):
     usable = problems == ""
     if not usable.any():
-        raise InputError(f"--eval-data {path}: no usable row ({dict(zip(*np.unique(problems, return_counts=True)))})")
+        raise OptionError(
+            "{eval_data} {0}: no usable row ({1})", path, dict(zip(*np.unique(problems, return_counts=True)))
+        )
     if not usable.all():
         reasons = {str(k): int(v) for k, v in zip(*np.unique(problems[~usable], return_counts=True))}
         log.warning("--eval-data %s: %d rows left out of the evaluation: %s", path, int((~usable).sum()), reasons)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from madp.core.batch_files import Feature
-from madp.core.errors import InputError, one_line
+from madp.core.errors import InputError, OptionError, one_line
 from madp.training import load_tensorflow
 from madp.training.options import TrainOptions
 from madp.training.task_rows import EVAL_ROWS, NUMPY_DTYPES, eval_texts, non_finite_rows, read_columns, row_range
@@ -294,7 +294,8 @@ class UserTask:
         rows = {name: self._array(name, values) for name, values in read_columns(path, self.names).items()}
         x, y, problems = self.encode(rows)
         if (problems != "").any():
-            raise InputError(f"--eval-data {path}: {int((problems != '').sum())} rows: {problems[problems != ''][0]}")
+            bad = problems != ""
+            raise OptionError("{eval_data} {0}: {1} rows: {2}", path, int(bad.sum()), problems[bad][0])
         self.refuse_non_finite(x, y, np.ones(len(problems), bool), f"--eval-data {path}")
         return x, y
 

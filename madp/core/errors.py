@@ -20,7 +20,8 @@ class InputError(ValueError):
 class OptionError(InputError):
     """Bad options, said with their parameters' names: `template` names each by a placeholder, `{epsilon}`,
     and its values by position, `{0}`. The message (`str`) names the parameters as a Python caller passes
-    them (`epsilon`); the command line renders them as its flags (`named(flag_of)`: `--epsilon`)."""
+    them (`epsilon`); the command line renders them as its flags (`named(flag_of)`: `--epsilon`). A value
+    that is an OptionError (the error one wraps) names its parameters the same way."""
 
     def __init__(self, template: str, *values: object):
         self.template, self.values = template, values
@@ -33,7 +34,8 @@ class OptionError(InputError):
             for _, field, _, _ in string.Formatter().parse(self.template)
             if field and not field.isdigit()
         }
-        return self.template.format(*self.values, **parameters)
+        values = (value.named(name) if isinstance(value, OptionError) else value for value in self.values)
+        return self.template.format(*values, **parameters)
 
     def __reduce__(self):  # rebuilt from its template (a worker process's error reaches the driver pickled)
         return type(self), (self.template, *self.values)

@@ -57,7 +57,7 @@ class GraphDigest:
         return {"scheme": SCHEME, "digest": self.hex, "records": self.records, "incidences": self.incidences}
 
     @classmethod
-    def from_report(cls, value: object) -> GraphDigest:
+    def from_json(cls, value: object) -> GraphDigest:
         """A report's `graph_digest`; ValueError when it is not one of this scheme."""
         if not isinstance(value, dict) or value.get("scheme") != SCHEME:
             raise ValueError(f"not a graph digest of scheme {SCHEME}")

@@ -307,7 +307,7 @@ class BoundReport:
 def _graph_digest(value: object) -> GraphDigest | None:
     """A report's graph digest; None where it has none of this scheme (`madp batch` refuses that bound)."""
     try:
-        return GraphDigest.from_report(value)
+        return GraphDigest.from_json(value)
     except ValueError:
         return None
 

@@ -81,19 +81,25 @@ def test_a_tiny_sigma_is_accounted_on_a_wider_grid_that_still_bounds_epsilon():
 
 
 @pytest.mark.slow
-def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_above_it():
+def test_an_event_the_accountant_cannot_build_is_named_and_calibration_stops_above_it(capsys):
     """dp_accounting fails to build a mixture of Gaussians at q = 1e-9 below sigma 0.05 (a ValueError
     deep inside it) or of 100,000 contributions (an OverflowError): epsilon names the mechanism and
     sigma instead, and calibration, which searches down while the target is met, keeps the smallest
     sigma the accountant did account."""
     mechanism = DpSgd(1e-9, 1000, 1)
-    with pytest.raises(Unaccountable, match="cannot account dpsgd at --noise-multiplier 0.03"):
+    with pytest.raises(Unaccountable, match="cannot account dpsgd at noise_multiplier 0.03"):
         epsilon(mechanism, 0.03, 1e-6)
     result = calibrate(mechanism, 8.0, 1e-6)
     assert result.noise_multiplier > 0.03 and result.epsilon <= 8.0
     assert epsilon(mechanism, result.noise_multiplier, 1e-6) == result.epsilon
-    with pytest.raises(Unaccountable, match="OverflowError.*lower --max-contributions"):  # math range error
+    with pytest.raises(Unaccountable, match="OverflowError.*lower max_contributions or steps$"):  # math range error
         epsilon(DpSgd(0.01, 1000, 100_000), 1.0, 1e-6)
+    dpsgd = ["--mechanism", "dpsgd", "--sampling-prob", "1e-9", "--steps", "1000", "--delta", "1e-6"]
+    assert main(["-q", "epsilon", *dpsgd, "--noise-multiplier", "0.03"]) == 2  # the command line names its flags
+    said = capsys.readouterr().err
+    remedy = "raise --noise-multiplier or the sampling probability, or lower --max-contributions or --steps"
+    assert said.startswith("madp epsilon: error: the PLD accountant cannot account dpsgd at --noise-multiplier 0.03 ")
+    assert said.endswith(f"; {remedy}\n")
 
 
 @pytest.mark.slow
@@ -116,7 +122,7 @@ def test_an_epsilon_asked_again_is_not_accounted_again(monkeypatch):
     assert epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-6) > first and len(built) == 4
     assert epsilon(DpSgdUls(0.0123, 17), 1.1, 1e-5, discretization=1e-2) >= first and len(built) == 5
     for _ in range(2):
-        with pytest.raises(Unaccountable, match="cannot account dpsgd at --noise-multiplier 0.031"):
+        with pytest.raises(Unaccountable, match="cannot account dpsgd at noise_multiplier 0.031"):
             epsilon(DpSgd(1e-9, 999, 1), 0.031, 1e-6)
     assert len(built) == 7
 

@@ -18,6 +18,7 @@ from madp.accounting.mechanisms import DpSgdUls
 from madp.accounting.monte_carlo import MinSepProcess
 from madp.cli import main
 from madp.core.errors import InputError
+from madp.core.options import flag_of
 
 POISSON = MinSepProcess(30, 1, 0.1, 1, (1.0,))  # b = 1, one band, k_u = 1: DP-SGD with Poisson sampling
 
@@ -196,8 +197,10 @@ def test_epsilon_at_fixed_sigma_is_stated_as_a_claim_with_its_failure_probabilit
 
 
 def test_non_negative_strategy_is_required_for_amplification():
-    with pytest.raises(InputError, match="non-negative"):
+    with pytest.raises(InputError, match="non-negative") as refused:
         MinSepProcess(30, 2, 0.1, 1, (1.0, -0.2))
+    assert str(refused.value).endswith(": use strategy sqrt, or account without amplification")  # a Python caller
+    assert refused.value.named(flag_of).endswith(": use --strategy sqrt, or account without amplification")  # the CLI
 
 
 def poisson_delta(sigma: float, target_epsilon: float, sampling_prob: float = 0.1) -> float:

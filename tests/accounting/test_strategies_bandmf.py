@@ -86,8 +86,9 @@ def test_one_band_every_step_is_full_batch_dp_sgd():
         (lambda: BandMf(100, 4, 2, tuple(sqrt_coefficients(8))), "must not exceed min_sep"),
         (lambda: BandMf(100, 10, 11, (1.0,)), r"^max_participations must be an integer in \[1, 10\]"),
         (lambda: BandMf(100, 0, 1, (1.0,)), "^min_sep must be an integer >= 1"),
-        (lambda: coefficients("sqrt", 10, 11), "--bands"),
-        (lambda: coefficients("magic", 10, 2), "--strategy"),
+        (lambda: coefficients("sqrt", 10, 11), r"^bands must be an integer in \[1, steps\], got 11$"),
+        (lambda: coefficients("sqrt", 0, 1), r"^steps must be an integer in \[1, 2\^63\), got 0$"),
+        (lambda: coefficients("magic", 10, 2), r"^strategy must be one of \('sqrt', 'optimized'\), got 'magic'$"),
         # arrays of 10^12 steps: refused before allocating (was numpy's MemoryError traceback)
         (lambda: coefficients("optimized", 10**12, 8), r"--steps 1000000000000: the prefix-sum MSE .* GiB"),
         (lambda: prefix_sum_mse(sqrt_coefficients(8), 10**12), "use fewer --steps"),
@@ -150,6 +151,8 @@ def test_cli_strategy_and_bandmf(capsys):
         == 2
     )
     assert "bandmf needs --bands, --min-sep and --max-participations" in capsys.readouterr().err
+    assert main(["-q", "strategy", "--steps", "10", "--bands", "11"]) == 2
+    assert "madp strategy: error: --bands must be an integer in [1, --steps], got 11\n" in capsys.readouterr().err
 
 
 def test_cyclic_poisson_bandmf():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -192,3 +193,14 @@ def test_numbers_that_are_not_finite_are_refused_by_name(number, capsys):
         TrainOptions(model="text-classifier", epsilon=8.0, l2=-1e-4)
     with pytest.raises(InputError, match="--clip-norm must be positive and finite"):
         Sweep(epsilon=8.0, delta=1e-6, steps=10, batch_size=4.0, clip_norm=float(number))
+
+
+def test_an_option_error_that_wraps_another_names_its_parameters_alike():
+    """An OptionError holding the error it wraps as a value (a calibration file's bad bands) renders that
+    error's parameters as it renders its own: names for a Python caller, flags on the command line, also
+    after travelling pickled from a worker."""
+    inner = OptionError("{bands} must be an integer in [1, {steps}], got {0}", 11)
+    outer = OptionError("{calibration} {0}: {1}", "plan.json", inner)
+    assert str(outer) == "calibration plan.json: bands must be an integer in [1, steps], got 11"
+    said = "--calibration plan.json: --bands must be an integer in [1, --steps], got 11"
+    assert outer.named(flag_of) == said and pickle.loads(pickle.dumps(outer)).named(flag_of) == said

@@ -26,6 +26,7 @@ from madp.cli import main
 from madp.core import randomness
 from madp.core.errors import InputError
 from madp.core.hashing import siphash24
+from madp.core.options import flag_of
 from madp.core.randomness import FIXED_SEED, SECRET, SecretKey
 from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
@@ -159,8 +160,9 @@ def test_the_accountant_uses_the_largest_capacity_and_refuses_a_smaller_k(tmp_pa
     sigma = 5.0  # a given sigma: one PLD evaluation each (calibrating k = 7 to an epsilon is seconds per sigma tried)
     plan = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5))
     assert plan.contribution_bound == 7 and plan.parameters.max_contributions == 7
-    with pytest.raises(InputError, match="^max_contributions 1 is below"):
+    with pytest.raises(InputError, match="^max_contributions 1 is below") as refused:
         privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=1))
+    assert refused.value.named(flag_of).startswith("--max-contributions 1 is below")  # as the command line says it
     nine = privacy_plan(batches, TrainOptions(noise_multiplier=sigma, delta=1e-5, max_contributions=9))
     assert nine.contribution_bound == 9 and nine.epsilon > plan.epsilon
     with caplog.at_level("WARNING"):

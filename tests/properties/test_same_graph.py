@@ -94,7 +94,7 @@ def test_graph_digest_depends_on_the_graph_only():
             pa.array(part_users),
         )
     assert total == whole
-    assert GraphDigest.from_report(whole.to_report()) == whole
+    assert GraphDigest.from_json(whole.to_report()) == whole
     assert GraphDigest.from_counts(whole.to_counts()) == whole and max(whole.to_counts().values()) < 2**32
     # One user moved to another record, two records' user sets swapped, a string id for an integer one.
     moved = users.copy()

@@ -740,7 +740,7 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
         pretrained.read_pretrained(other)
     schema = {"text": Feature("text", "bytes", ())}
     too_long = TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=65)
-    with pytest.raises(InputError, match="--max-length 65 exceeds the context length of --pretrained \\(64 tokens"):
+    with pytest.raises(InputError, match="^max_length 65 exceeds the context length of pretrained \\(64 tokens"):
         CausalLmTask(too_long, schema)
     with pytest.raises(InputError, match="^model causal-lm needs pretrained"):
         TrainOptions(model="causal-lm", mechanism="none")

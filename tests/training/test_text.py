@@ -439,7 +439,7 @@ def test_unusable_text_stops_training_or_trains_with_weight_zero(bad_text, caplo
     message = str(refused.value)
     for record, reason in ((3, text.NOT_UTF8), (4, text.EMPTY_TEXT), (5, text.UNKNOWN_LABEL)):
         assert f"record {record} " in message and reason in message
-    assert "--on-invalid skip" in message
+    assert "pass on_invalid skip" in message
     out = directory / "skipped-train"
     train(batches, str(out), TrainOptions(on_invalid="skip", **options))
     counts = json.load(open(out / "rejected" / "counts.json"))
@@ -533,7 +533,7 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
     assert named.label_indices(np.array([b"ham", b"spam", b"eggs"], dtype=object)).tolist() == [1, 0, -1]
     rows = {"text": np.array([b"buy now", b"hello"], dtype=object), "label": np.array([b"spam", b"eggs"], dtype=object)}
     assert named.problems(rows).tolist() == ["", text.UNKNOWN_LABEL]
-    with pytest.raises(InputError, match="--text-column 'body' must name a text feature"):
+    with pytest.raises(InputError, match="^text_column 'body' must name a text feature"):
         TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none", text_column="body"), schema, ["a"])
 
 

@@ -50,7 +50,8 @@ from madp.accounting.truncation import REFUSED_SHARE, smallest_max_batch_size, t
 from madp.core import record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.bounding import Capacities
-from madp.core.errors import InputError, positive
+from madp.core.errors import InputError, OptionError, positive
+from madp.core.options import flag_of
 from madp.core.reports import VERSION_KEY, check_version
 from madp.core.selection import BoundOptions, read_capacities
 from madp.engines.local_engine import bound_records, read_input
@@ -472,6 +473,8 @@ def _row(chunk: rec.RecordChunk, graph: Graph, before: np.ndarray, sweep: Sweep,
     if batches.sampling_probability is not None or sweep.mechanism == "bandmf":  # BandMF's sigma needs no p
         try:
             sigma, epsilon = _noise(sweep, k, batches)
+        except OptionError as error:  # the file names options by their flags, as the command line does
+            problems.append(f"calibration: {error.named(flag_of)}")
         except InputError as error:
             problems.append(f"calibration: {error}")
     kept_fraction = float(distinct.mean()) if len(chunk) else 0.0
