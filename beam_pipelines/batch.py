@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from madp.beam import files
-from madp.beam.batch_join import record_partition_of, split_rows, summary_value, user_partition_of
-from madp.beam.min_sep_sample import MinSepSample, histogram_arrays
+from madp.beam.batch_join import summary_value
+from madp.beam.min_sep_sample import MinSepSample
 from madp.beam.pipeline import (
     NAMESPACE,
     count,
@@ -41,6 +41,7 @@ from madp.beam.pipeline import (
 from madp.beam.record_chunks import ReadRecords
 from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
+from madp.core.batch_steps import WrittenUsers, histogram_arrays, written_by_partition, written_record_count
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.reports import BatchReport, Participation
@@ -136,17 +137,10 @@ def _selection_table(path: str, errors_dir: str | None) -> tuple[str, pa.Table]:
             raise InputError(f"{path}: not a readable Parquet file ({error})") from error
 
 
-@dataclasses.dataclass(frozen=True)
-class WrittenUsers(Columnar):
-    """The (user, step) pairs of written rows, sent to the user's partition."""
-
-    users: np.ndarray
-    steps: np.ndarray
-
-
 @beam.typehints.with_input_types(tuple[int, batch_files.FileRows], dict)
 class _WriteFile(beam.DoFn):
-    """Order, truncate, pad and write one batch file; written rows go on to the statistics."""
+    """Order, truncate, pad and write one batch file (`batch_files.write_batch_file`); written rows go
+    on to the statistics (`batch_steps.written_by_partition`)."""
 
     def __init__(self, output: str, options: batching.BatchOptions, partitions: int):
         self.output, self.options, self.partitions = output, options, partitions
@@ -166,23 +160,21 @@ class _WriteFile(beam.DoFn):
         count("truncated_rows", result.counts.truncated)
         count("padding_rows", result.counts.padding)
         yield summary_value("file", (file, result.counts))
-        users, user_steps, records = result.user_hashes, result.user_steps, result.record_keys
-        for user_part, at in split_rows(user_partition_of(users, self.partitions)):
-            yield beam.pvalue.TaggedOutput("users", (user_part, WrittenUsers(users[at], user_steps[at])))
-        for record_part, at in split_rows(record_partition_of(records, self.partitions)):
-            yield beam.pvalue.TaggedOutput("records", (record_part, records[at]))
+        written = written_by_partition(result, self.partitions)
+        for users in written.users:
+            yield beam.pvalue.TaggedOutput("users", users)
+        for records in written.records:
+            yield beam.pvalue.TaggedOutput("records", records)
 
 
 def _participation(element: tuple[int, Iterable[WrittenUsers]]):
     _, pieces = element
-    pieces = list(pieces)
-    users, steps = np.concatenate([p.users for p in pieces]), np.concatenate([p.steps for p in pieces])
-    yield "participation", batch_report.participation_stats(users, steps)
+    yield "participation", batch_report.participation_of(pieces)
 
 
 def _written_records(element: tuple[int, Iterable[np.ndarray]]):
     _, keys = element
-    yield "written_records", len(np.unique(np.concatenate(list(keys))))
+    yield "written_records", written_record_count(list(keys))
 
 
 @beam.typehints.with_input_types(tuple[int, batch_files.FileRows])

@@ -11,12 +11,9 @@ keyed by the receiving partition; each join is a CoGroupByKey or a GroupByKey on
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import apache_beam as beam
-import numpy as np
-import pyarrow as pa
 
 from madp.beam.pipeline import (
     Chunk,
@@ -27,61 +24,20 @@ from madp.beam.pipeline import (
 )
 from madp.beam.record_chunks import SplitByRecordPartition
 from madp.core import records as rec
-from madp.core import sampling
 from madp.core.batch_files import Feature
-from madp.core.columnar import Columnar
-from madp.core.errors import InputError
+from madp.core.batch_steps import (
+    Incidences,
+    NeighbourPairs,
+    SelectedIds,
+    merged_content,
+    neighbour_pairs_by_record,
+    neighbourhood_histogram,
+    split_selection,
+)
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest, graph_digest
-from madp.core.hashing import partition_of
-from madp.core.routing import split_by_partition
-from madp.core.selection import selection_arrays
 from madp.engines import batching
 from madp.engines.batch_report import merge_counts
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectedIds(Columnar):
-    """Selected ids sent to their record partition, with their copies (aligned)."""
-
-    ids: pa.Array
-    copies: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinedPartition(Columnar):
-    """A record partition's selected records, joined with their copies and keyed: all that the
-    sampling and the writing need of them. Aligned per record but `users` (CSR by `offsets`)."""
-
-    ids: pa.Array
-    copies: np.ndarray
-    offsets: np.ndarray
-    users: np.ndarray  # keyed hashes of the records' users (uint64)
-    content: pa.Table
-    record_keys: np.ndarray  # keyed hashes of the ids (uint64)
-    valid: np.ndarray  # False: invalid content, sampled like any record but its rows left out
-
-
-@dataclasses.dataclass(frozen=True)
-class Incidences(Columnar):
-    """(user, record) incidences sent to the user's partition: the record's key and copies per incidence."""
-
-    users: np.ndarray
-    record_keys: np.ndarray
-    copies: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class NeighbourPairs(Columnar):
-    """(record, neighbour) pairs sent to the record's partition: both keys and the neighbour's copies."""
-
-    owners: np.ndarray
-    neighbours: np.ndarray
-    neighbour_copies: np.ndarray
-
-
-def user_partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
-    return (hashes % np.uint64(partitions)).astype(np.int64)
 
 
 def summary_value(name: str, value) -> beam.pvalue.TaggedOutput:
@@ -90,19 +46,11 @@ def summary_value(name: str, value) -> beam.pvalue.TaggedOutput:
     return beam.pvalue.TaggedOutput("stats", (name, value))
 
 
-def record_partition_of(record_keys: np.ndarray, partitions: int) -> np.ndarray:
-    return partition_of(record_keys.view(np.int64), partitions)
-
-
-def split_rows(destination: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
-    """(partition, the row indices sent to it) for each partition in `destination`, rows in order."""
-    return split_by_partition(np.arange(len(destination)), destination)
-
-
 @beam.typehints.with_input_types(SelectionTable)
 @beam.typehints.with_output_types(tuple[int, SelectedIds])
 class _SplitSelection(beam.DoFn):
-    """A selection table -> (record partition, its ids and copies) for each partition it has ids of."""
+    """A selection table -> (record partition, its ids and copies) for each partition it has ids of
+    (`batch_steps.split_selection`)."""
 
     def __init__(self, partitions: int, errors_dir: str | None):
         self.partitions, self.errors_dir = partitions, errors_dir
@@ -110,115 +58,65 @@ class _SplitSelection(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         shard, table = element  # a shard index, or the path of the file it was read from
-        ids, copies = selection_arrays(table, shard if isinstance(shard, str) else f"selection shard {shard}")
-        destination = partition_of(ids, self.partitions) if len(ids) else np.zeros(0, np.int64)
-        for part, rows in split_rows(destination):
-            yield part, SelectedIds(ids.take(pa.array(rows)), copies[rows])
+        yield from split_selection(shard, table, self.partitions)
 
 
 @beam.typehints.with_output_types(tuple[int, Incidences])
 class _JoinSelection(beam.DoFn):
     """A record partition's records and selected ids -> its JoinedPartition ("partitions"), and its
-    incidences sent to their user partitions (main)."""
+    incidences sent to their user partitions (main) (`batching.join_partition`); the records' graph
+    digest, the rejected rows, the content's description and summary values."""
 
     def __init__(self, options: batching.BatchOptions, data: str, partitions: int, errors_dir: str | None):
         self.options, self.data, self.partitions, self.errors_dir = options, data, partitions, errors_dir
 
     @keeps_input_errors
     def process(self, element):
-        part, grouped = element
+        part, (records, selection) = element
+        selection = list(selection)
         rejects = rec.Rejects()
-        chunk = merged_records(grouped["records"], rejects) if grouped["records"] else None
+        chunk = merged_records(records, rejects) if records else None
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
         if chunk is not None:  # the partition's part of DATA's graph, before the join and any content check
             yield beam.pvalue.TaggedOutput("digest", graph_digest(chunk.ids, chunk.offsets, chunk.users))
-        selection = list(grouped["selection"])
-        if selection:
-            yield from self._join(part, chunk, selection)
-
-    def _join(self, part: int, chunk: rec.RecordChunk | None, selection: list):
-        ids = pa.concat_arrays([s.ids for s in selection])
-        copies = np.concatenate([s.copies for s in selection])
-        if chunk is None:
-            raise InputError(
-                f"{len(ids)} selected ids are not valid records of {self.data} "
-                f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
-            )
-        chunk, copies = batching.join_selection(chunk, ids, copies, self.data)
-        valid = np.ones(len(copies), dtype=bool)  # under --on-invalid error, check_content refuses invalid content
-        if self.options.on_invalid == "skip":
-            content_rejects = rec.Rejects()
-            valid = batching.skip_invalid_content(chunk, content_rejects)
-            if len(content_rejects):
-                yield beam.pvalue.TaggedOutput("rejects", content_rejects)
+        if not selection:
+            return
+        result = batching.join_partition(chunk, selection, self.options, self.data, self.partitions)
+        if len(result.rejects):
+            yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         # (records whose rows are written, their content's description)
-        described = batching.check_content(chunk.content, chunk.ids, valid)
-        yield beam.pvalue.TaggedOutput("content", (int(valid.sum()), described))
-        yield summary_value("records", len(copies))
-        yield summary_value("id_type", chunk.ids.type)
-        users = batching.user_hashes(chunk.users, self.options.key)
-        record_keys = batching.record_hashes(chunk.ids, self.options.key)
-        joined = JoinedPartition(chunk.ids, copies, chunk.offsets, users, chunk.content, record_keys, valid)
-        yield beam.pvalue.TaggedOutput("partitions", (part, joined))
-        record_of_incidence = np.repeat(np.arange(len(copies)), np.diff(chunk.offsets))
-        for user_part, rows in split_rows(user_partition_of(users, self.partitions)):
-            record = record_of_incidence[rows]
-            yield user_part, Incidences(users[rows], record_keys[record], copies[record])
+        yield beam.pvalue.TaggedOutput("content", (result.written_records, result.content))
+        yield summary_value("records", result.records)
+        yield summary_value("id_type", result.id_type)
+        yield beam.pvalue.TaggedOutput("partitions", (part, result.joined))
+        yield from result.incidences
 
 
 @beam.typehints.with_input_types(tuple[int, Iterable[Incidences]])
 @beam.typehints.with_output_types(tuple[int, NeighbourPairs])
 class _NeighbourPairs(beam.DoFn):
-    """Within a user partition: the (record, neighbour) pairs its users make, sent to the record's partition."""
+    """Within a user partition: the (record, neighbour) pairs its users make, sent to the record's
+    partition (`batch_steps.neighbour_pairs_by_record`)."""
 
     def __init__(self, partitions: int):
         self.partitions = partitions
 
     def process(self, element):
         _, pieces = element
-        pieces = list(pieces)
-        users = np.concatenate([p.users for p in pieces])
-        record_keys = np.concatenate([p.record_keys for p in pieces])
-        copies = np.concatenate([p.copies for p in pieces])
-        keys, first, local = np.unique(record_keys, return_index=True, return_inverse=True)
-        for owner, neighbour in sampling.neighbour_pairs(local.ravel(), users):
-            owner_keys, neighbour_keys, neighbour_copies = keys[owner], keys[neighbour], copies[first[neighbour]]
-            for part, rows in split_rows(record_partition_of(owner_keys, self.partitions)):
-                yield part, NeighbourPairs(owner_keys[rows], neighbour_keys[rows], neighbour_copies[rows])
+        yield from neighbour_pairs_by_record(pieces, self.partitions)
 
 
 def _neighbourhood_histogram(element: tuple[int, Iterable[NeighbourPairs]]):
-    """A record partition's units counted by |N(e)|, from the pairs its records' users formed."""
+    """A record partition's units counted by |N(e)| (`batch_steps.neighbourhood_histogram`)."""
     _, pieces = element
-    pieces = list(pieces)
-    sizes, units = sampling.neighbourhood_sizes_of_pairs(
-        np.concatenate([p.owners for p in pieces]),
-        np.concatenate([p.neighbours for p in pieces]),
-        np.concatenate([p.neighbour_copies for p in pieces]),
-    )
-    values, counts = sampling.size_histogram(np.repeat(sizes, units))
-    yield dict(zip(values.tolist(), counts.tolist()))
+    yield neighbourhood_histogram(pieces)
 
 
 def _merged_content(described: list[tuple[int, dict[str, Feature]]], errors_dir: str | None) -> dict[str, Feature]:
-    """The content columns' description over all record partitions that write rows (of all where none
-    does, as the local engine describes zero rows): a column whose shape differs between partitions
-    is variable-length; one whose type differs is an error. A partition whose records are all left
-    out (invalid content) would describe a list column from no rows as variable-length."""
-    merged: dict[str, Feature] = {}
-    writing = [one for rows, one in described if rows] or [one for _, one in described]
+    """The content columns' description over all record partitions (`batch_steps.merged_content`)."""
     with keeping_input_errors(errors_dir):
-        for one in writing:
-            for name, feature in one.items():
-                seen = merged.setdefault(name, feature)
-                if seen.dtype != feature.dtype:
-                    raise InputError(
-                        f"content column {name!r} is {seen.dtype} in some records and {feature.dtype} in others"
-                    )
-                if seen.shape != feature.shape:
-                    merged[name] = dataclasses.replace(seen, shape=(None,))
-    return merged
+        return merged_content(described)
 
 
 @beam.typehints.with_input_types(Chunk, SelectionTable)
@@ -235,12 +133,13 @@ class JoinSelection(beam.PTransform):
         records, selection = inputs
         partitions, errors_dir = self.partitions, self.errors_dir
         joined = (
-            {
+            # per record partition: (its RecordChunks, its SelectedIds)
+            (
                 # (record partition, RecordChunk): a file's records in the partition
-                "records": records | "SplitRecords" >> beam.ParDo(SplitByRecordPartition(partitions)),
+                records | "SplitRecords" >> beam.ParDo(SplitByRecordPartition(partitions)),
                 # (record partition, SelectedIds): a selection table's ids in the partition
-                "selection": selection | "SplitSelection" >> beam.ParDo(_SplitSelection(partitions, errors_dir)),
-            }
+                selection | "SplitSelection" >> beam.ParDo(_SplitSelection(partitions, errors_dir)),
+            )
             | "GroupRecordPartitions" >> beam.CoGroupByKey()
             | "Join"
             >> beam.ParDo(_JoinSelection(self.options, self.data, partitions, errors_dir)).with_outputs(

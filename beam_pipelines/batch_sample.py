@@ -10,154 +10,92 @@ survivors' join is a CoGroupByKey of each record partition with its samples and 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import apache_beam as beam
 import numpy as np
-import pyarrow as pa
 
-from madp.beam.batch_join import JoinedPartition, split_rows, summary_value, user_partition_of
+from madp.beam.batch_join import summary_value
 from madp.beam.pipeline import count
-from madp.core import batch_files, sampling
-from madp.core.columnar import Columnar
-from madp.engines.batching import BatchOptions, writable_rows
+from madp.core import batch_files
+from madp.core.batch_steps import (
+    JoinedPartition,
+    SampledIncidences,
+    Samples,
+    Units,
+    block_users,
+    gathered_file_rows,
+    rows_of_file,
+    sample_partition,
+    survivors,
+    units_of,
+)
+from madp.engines.batching import BatchOptions
 
-
-@dataclasses.dataclass(frozen=True)
-class Units(Columnar):
-    """What the sampling needs of a joined record partition: its records' keys and copies (its
-    units) and their users (CSR), without the ids and content that only the survivors' rows need."""
-
-    record_keys: np.ndarray
-    copies: np.ndarray
-    offsets: np.ndarray
-    users: np.ndarray
+FileRowsOf = tuple[int, tuple[int, batch_files.FileRows]]  # (batch file, (record partition, its rows there))
 
 
 def _units(element: tuple[int, JoinedPartition]) -> tuple[int, Units]:
     part, partition = element
-    return part, Units(partition.record_keys, partition.copies, partition.offsets, partition.users)
-
-
-@dataclasses.dataclass(frozen=True)
-class Samples(Columnar):
-    """A record partition's sampled (unit, step) pairs: the record index and unit key of each."""
-
-    record: np.ndarray
-    keys: np.ndarray
-    step: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledIncidences(Columnar):
-    """(user, step) incidences of a record partition's samples, sent to the user's partition."""
-
-    source: int  # the record partition the samples are of
-    users: np.ndarray
-    steps: np.ndarray
-    samples: np.ndarray  # index of each incidence's sample among its partition's Samples
-
-
-FileRowsOf = tuple[int, tuple[int, batch_files.FileRows]]  # (batch file, (record partition, its rows there))
+    return part, units_of(partition)
 
 
 @beam.typehints.with_input_types(tuple[int, Units], float)
 @beam.typehints.with_output_types(tuple[int, Samples])
 class _SamplePartition(beam.DoFn):
-    """Alg. 3 line 3 for a record partition; each sample's users go to their user partitions."""
+    """Alg. 3 line 3 for a record partition; each sample's users go to their user partitions
+    (`batch_steps.sample_partition`)."""
 
     def __init__(self, options: BatchOptions, partitions: int):
         self.options, self.partitions = options, partitions
 
     def process(self, element, probability: float):
         part, units = element
-        record_of_unit, keys = sampling.unit_keys(units.record_keys, units.copies)
-        unit, step = sampling.sampled_steps(keys, probability, self.options.sampled_steps)
-        record = record_of_unit[unit]
-        count("units", len(keys))
-        count("sampled_unit_steps", len(unit))
-        yield part, Samples(record, keys[unit], step)
-        owner, flat = batch_files.incidences_of(units.offsets, record)
-        users = units.users[flat]
-        for user_part, rows in split_rows(user_partition_of(users, self.partitions)):
-            incidences = SampledIncidences(part, users[rows], step[owner[rows]], owner[rows])
-            yield beam.pvalue.TaggedOutput("incidences", (user_part, incidences))
+        sampled = sample_partition(part, units, probability, self.options.sampled_steps, self.partitions)
+        count("units", sampled.units)
+        count("sampled_unit_steps", sampled.sampled_unit_steps)
+        yield part, sampled.samples
+        for incidences in sampled.incidences:
+            yield beam.pvalue.TaggedOutput("incidences", incidences)
 
 
 @beam.typehints.with_input_types(tuple[int, Iterable[SampledIncidences]])
 @beam.typehints.with_output_types(tuple[int, np.ndarray])
 class _BlockUsers(beam.DoFn):
-    """Alg. 3 line 4 within a user partition; excluded samples go back to their record partitions."""
+    """Alg. 3 line 4 within a user partition; excluded samples go back to their record partitions
+    (`batch_steps.block_users`)."""
 
     def __init__(self, min_sep: int):
         self.min_sep = min_sep
 
     def process(self, element):
         _, pieces = element
-        pieces = sorted(pieces, key=lambda p: p.source)  # one order, whatever order the runner delivered
-        users = np.concatenate([p.users for p in pieces])
-        steps = np.concatenate([p.steps for p in pieces])
-        samples = np.concatenate([p.samples for p in pieces])
-        source = np.concatenate([np.full(len(p.users), p.source, np.int64) for p in pieces])
-        blocked = sampling.blocked_user_steps(users, steps, self.min_sep)
-        excluded_samples, excluded_source = samples[blocked], source[blocked]
-        for part, rows in split_rows(excluded_source):
-            yield part, excluded_samples[rows]
+        yield from block_users(pieces, self.min_sep)
 
 
 @beam.typehints.with_output_types(FileRowsOf)
 class _Survivors(beam.DoFn):
     """Alg. 3 line 5 for a record partition; survivors after warm-up go to their batch files, but for
-    the rows of records with invalid content (`--on-invalid skip`), which were sampled like any."""
+    the rows of records with invalid content (`--on-invalid skip`), which were sampled like any
+    (`batch_steps.survivors`)."""
 
     def __init__(self, options: BatchOptions):
         self.options = options
 
     def process(self, element):
-        part, grouped = element
-        (partition,), (samples,) = grouped["partition"], grouped["samples"]
-        survive = np.ones(len(samples.step), dtype=bool)
-        for excluded in grouped["excluded"]:
-            survive[excluded] = False
-        count("excluded_by_min_sep", int((~survive).sum()))
-        record, keys, step = samples.record[survive], samples.keys[survive], samples.step[survive]
-        warm_up, steps, files = self.options.warm_up_steps, self.options.steps, self.options.output_shards
-        yield summary_value("sampled_sizes", np.bincount(step, minlength=self.options.sampled_steps))
-        # After warm-up, the rows of records with valid content (the others were sampled and excluded like any).
-        kept = (step >= warm_up) & writable_rows(partition.valid, record)
-        record, keys, step = record[kept], keys[kept], step[kept] - warm_up
-        file_of_row = batch_files.file_of_step(step, steps, files)
-        for file in range(files):  # every file hears from every partition, so empty files are written
-            mine = np.flatnonzero(file_of_row == file)
-            rows = batch_files.file_rows(
-                partition.ids,
-                partition.content,
-                partition.offsets,
-                partition.users,
-                partition.record_keys,
-                record[mine],
-                keys[mine],
-                step[mine],
-            )
-            yield file, (part, rows)
+        part, ((partition,), (samples,), excluded) = element
+        options = self.options
+        kept = survivors(partition, samples, excluded, options.warm_up_steps, options.steps, options.output_shards)
+        count("excluded_by_min_sep", kept.excluded)
+        yield summary_value("sampled_sizes", kept.sampled_sizes)
+        for file in range(options.output_shards):  # every file hears from every partition, so empty files are written
+            yield file, (part, rows_of_file(partition, kept.written, file))
 
 
 def _file_rows(element: tuple[int, Iterable[tuple[int, batch_files.FileRows]]]) -> tuple[int, batch_files.FileRows]:
-    """A batch file's rows from every record partition, in partition order (whatever order the
-    runner delivered them in), as one FileRows."""
+    """A batch file's rows from every record partition, as one FileRows (`batch_steps.gathered_file_rows`)."""
     file, by_partition = element
-    pieces = [rows for _, rows in sorted(by_partition, key=lambda item: item[0])]
-    base = np.cumsum([0] + [int(p.user_offsets[-1]) for p in pieces[:-1]])
-    return file, batch_files.FileRows(
-        steps=np.concatenate([p.steps for p in pieces]),
-        unit_keys=np.concatenate([p.unit_keys for p in pieces]),
-        record_keys=np.concatenate([p.record_keys for p in pieces]),
-        ids=pa.concat_arrays([p.ids for p in pieces]),
-        content=pa.concat_tables([p.content for p in pieces]),
-        user_offsets=np.concatenate([[0]] + [p.user_offsets[1:] + b for p, b in zip(pieces, base)]).astype(np.int64),
-        users=np.concatenate([p.users for p in pieces]),
-    )
+    return file, gathered_file_rows(by_partition)
 
 
 @beam.typehints.with_input_types(tuple[int, JoinedPartition])
@@ -189,14 +127,15 @@ class SampleBatches(beam.PTransform):
             | "BlockUsers" >> beam.ParDo(_BlockUsers(options.min_sep))
         )
         # (batch file, (record partition, FileRows of its surviving rows in the file))
-        survivors = (
-            {"partition": joined, "samples": sampled.samples, "excluded": excluded}
+        survived = (
+            # per record partition: (its JoinedPartition, its Samples, its excluded samples from each user partition)
+            (joined, sampled.samples, excluded)
             | "GroupSamplesByRecord" >> beam.CoGroupByKey()
             | "DropExcluded" >> beam.ParDo(_Survivors(options)).with_outputs("stats", main="rows")
         )
         rows = (
-            survivors.rows
+            survived.rows
             | "GroupRowsByFile" >> beam.GroupByKey()
             | "GatherFileRows" >> beam.Map(_file_rows).with_output_types(tuple[int, batch_files.FileRows])
         )
-        return rows, survivors.stats
+        return rows, survived.stats

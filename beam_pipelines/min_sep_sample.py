@@ -21,7 +21,6 @@ from __future__ import annotations
 import typing
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.typehints.decorators import IOTypeHints
 
 from madp.beam.batch_join import JoinSelection, NeighbourhoodHistogram
@@ -29,6 +28,7 @@ from madp.beam.batch_sample import SampleBatches
 from madp.beam.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
 from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import sampling
+from madp.core.batch_steps import histogram_arrays
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
@@ -59,12 +59,6 @@ class SampledBatches(typing.NamedTuple):
     content: beam.PCollection  # one {column: Feature}: the content's description
     rejects: beam.PCollection  # Rejects of rows dropped here (duplicated ids, invalid content under skip)
     stats: beam.PCollection  # (name, value) for the report
-
-
-def histogram_arrays(histogram: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The {|N(e)|: units} histogram as (sizes, counts), sizes increasing, as the kernels take it."""
-    sizes = np.array(sorted(histogram), dtype=np.int64)
-    return sizes, np.array([histogram[s] for s in sizes.tolist()], dtype=np.int64)
 
 
 def _calibrated(histogram: dict, options: BatchOptions, errors_dir: str | None) -> float:

@@ -6,15 +6,12 @@ alike: read and validated from input files, then handed to their record partitio
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import typing
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import BeamIOError, CompressionTypes
@@ -24,8 +21,17 @@ from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, 
 from madp.core import input_splits, record_reading
 from madp.core import records as rec
 from madp.core.errors import InputError
-from madp.core.hashing import partition_of
-from madp.core.input_splits import InputSplit, count_rows, jsonl_splits, parquet_splits, range_bytes
+from madp.core.input_splits import (
+    InputSplit,
+    jsonl_splits,
+    parquet_split_table,
+    parquet_splits,
+    range_bytes,
+    read_split,
+    row_count,
+    row_groups,
+)
+from madp.core.record_reading import shown_row
 
 
 @beam.typehints.with_input_types(tuple[int, str])
@@ -44,11 +50,7 @@ class _PlanSplits(beam.DoFn):
                 yield from jsonl_splits(index, path, size, self.split_bytes)
             return
         with _parquet(path) as (parquet, size):
-            metadata = parquet.metadata
-            groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
-            yield from parquet_splits(
-                index, path, size, [(g.num_rows, g.total_byte_size) for g in groups], self.split_bytes
-            )
+            yield from parquet_splits(index, path, size, row_groups(parquet.metadata), self.split_bytes)
 
 
 @contextlib.contextmanager
@@ -97,8 +99,8 @@ class _CountRows(beam.DoFn):
 
     @keeps_input_errors
     def process(self, split):
-        if split.first_row is None:
-            yield (split.file_index, split.start), count_rows(_range(split), split.start == 0)
+        if split.counted:
+            yield row_count(split, _range(split))
 
 
 @beam.typehints.with_input_types(InputSplit, dict[tuple[int, int], int])
@@ -119,17 +121,10 @@ class _ReadSplit(beam.DoFn):
         first_row = input_splits.first_row(split, self._before)
         if split.path.endswith(".parquet"):
             with _parquet(split.path, split.file_size) as (parquet, _):
-                names = record_reading.parquet_read_columns(
-                    split.path, parquet.schema_arrow.names, self.columns, self.content
-                )
-                table = parquet.read_row_groups(range(split.start, split.stop), columns=names)
-            read = record_reading.read_parquet_rows(
-                table, split.path, split.file_index, self.columns, self.content, first_row
-            )
+                rows = parquet_split_table(parquet, split, self.columns, self.content)
         else:
-            lines = record_reading.jsonl_rows(_range(split), split.start == 0)
-            read = record_reading.read_lines(lines, split.path, split.file_index, self.columns, self.content, first_row)
-        yield from _read_outputs(split.file_index, read)
+            rows = _range(split)
+        yield from _read_outputs(split.file_index, read_split(split, rows, self.columns, self.content, first_row))
 
 
 def _read_outputs(index: int, result: rec.FileResult):
@@ -177,16 +172,15 @@ class _Checked(beam.PTransform):
 @beam.typehints.with_input_types(Chunk)
 @beam.typehints.with_output_types(Chunk)
 class SplitByRecordPartition(beam.DoFn):
-    """(file index, chunk) -> (record partition, the chunk's records in it), by id hash."""
+    """(file index, chunk) -> (record partition, the chunk's records in it), by id hash
+    (`records.by_record_partition`)."""
 
     def __init__(self, partitions: int):
         self.partitions = partitions
 
     def process(self, element):
         _, chunk = element
-        partition = partition_of(chunk.ids, self.partitions) if len(chunk) else np.zeros(0, np.int64)
-        for part in np.unique(partition):
-            yield int(part), rec.take(chunk, partition == part)
+        yield from rec.by_record_partition(chunk, self.partitions)
 
 
 class ReadRecords(beam.PTransform):
@@ -303,12 +297,14 @@ class RecordExtractors(typing.NamedTuple):
             record[WEIGHT] = self._extract("weight_extractor", row)
         content = self._extract("content_extractor", row) if self.content_extractor else {}
         if not isinstance(content, Mapping):
-            raise InputError(f"content_extractor gave a {type(content).__name__}, not a dict, on the row {_shown(row)}")
+            raise InputError(
+                f"content_extractor gave a {type(content).__name__}, not a dict, on the row {shown_row(row)}"
+            )
         clash = sorted(set(content) & {ID, USERS, WEIGHT})
         if clash:
             raise InputError(
                 f"content_extractor gave a column named {clash[0]!r}, a name the record's own values take, "
-                f"on the row {_shown(row)}"
+                f"on the row {shown_row(row)}"
             )
         return {**record, **content}
 
@@ -316,36 +312,13 @@ class RecordExtractors(typing.NamedTuple):
         try:
             return getattr(self, name)(row)
         except Exception as error:  # the user's function: any error it raises is theirs to see, with the row
-            raise InputError(f"{name} failed on the row {_shown(row)}: {error!r}") from error
-
-
-def _shown(row) -> str:
-    """A row as an error names it: its first 300 characters."""
-    return str(row)[:300]
-
-
-def _json_value(value):
-    """json.dumps' fallback: a numpy array or scalar as its list or number; anything else is an error."""
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not a JSON value")
+            raise InputError(f"{name} failed on the row {shown_row(row)}: {error!r}") from error
 
 
 def _as_line(row, extractors: RecordExtractors, chunks: int, errors_dir: str | None) -> tuple[int, bytes]:
-    """A row as (chunk, its record as one JSON line); the chunk is a hash of the line, so it does not
-    depend on how the runner bundles the rows. A lone surrogate stays in the line as bytes that are
-    not UTF-8, which reading rejects as `invalid_json`, as it does in a file."""
+    """A row as (chunk, its record as one JSON line) (`record_reading.record_line`)."""
     with keeping_input_errors(errors_dir):
-        record = extractors.record(row)
-        try:
-            text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_value)
-        except (TypeError, ValueError) as error:
-            raise InputError(
-                f"a row's record is not JSON (ids, users and content must be numbers, strings or lists of them; "
-                f"decode bytes to str in content_extractor): {error}: on the row {_shown(row)}"
-            ) from error
-    line = text.encode("utf-8", "surrogatepass")
-    return zlib.crc32(line) % chunks, line
+        return record_reading.record_line(extractors.record(row), chunks, row)
 
 
 @beam.typehints.with_output_types(Chunk)
@@ -358,10 +331,7 @@ class _ReadLines(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         index, lines = element
-        source = f"rows of chunk {index}"
-        yield from _read_outputs(
-            index, record_reading.read_lines(sorted(lines), source, index, self.columns, self.content)
-        )
+        yield from _read_outputs(index, record_reading.read_row_chunk(index, lines, self.columns, self.content))
 
 
 class RecordsFromRows(beam.PTransform):

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from typing import BinaryIO, NamedTuple
 
-from madp.core.record_reading import jsonl_rows
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from madp.core import record_reading
+from madp.core.record_reading import Content, jsonl_rows
+from madp.core.records import Columns, FileResult
 
 _BLOCK = 1 << 20  # bytes read at a time past a range's end, to finish its last row
 
@@ -30,6 +35,12 @@ class InputSplit(NamedTuple):
     stop: int
     first_row: int | None
     file_size: int  # bytes when planned: a file that changes while it is read is an error
+
+    @property
+    def counted(self) -> bool:
+        """Whether the rows before it are counted in a first pass (`row_count`): a JSON Lines range
+        after the first."""
+        return self.first_row is None
 
 
 def jsonl_splits(file_index: int, path: str, size: int, split_bytes: int) -> list[InputSplit]:
@@ -96,6 +107,35 @@ def _through_line_feed(handle: BinaryIO, limit: int | None, into: bytearray | No
         if end >= 0:
             return consumed, True
     return consumed, False
+
+
+def row_groups(metadata: pq.FileMetaData) -> list[tuple[int, int]]:
+    """(rows, bytes) of each row group of a Parquet file, as `parquet_splits` takes them."""
+    groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
+    return [(g.num_rows, g.total_byte_size) for g in groups]
+
+
+def row_count(split: InputSplit, data: bytes) -> tuple[tuple[int, int], int]:
+    """The first pass over a `counted` range, its bytes `data`: ((file index, start), its rows),
+    from which `first_rows` numbers the rows of every range as in the whole file."""
+    return (split.file_index, split.start), count_rows(data, split.start == 0)
+
+
+def parquet_split_table(parquet: pq.ParquetFile, split: InputSplit, columns: Columns, content: Content) -> pa.Table:
+    """A Parquet split's row groups, with the columns `parquet_read_columns` names."""
+    names = record_reading.parquet_read_columns(split.path, parquet.schema_arrow.names, columns, content)
+    return parquet.read_row_groups(range(split.start, split.stop), columns=names)
+
+
+def read_split(
+    split: InputSplit, rows: pa.Table | bytes, columns: Columns, content: Content, first_row: int
+) -> FileResult:
+    """A split read and validated as its part of the whole file: a Parquet split's rows (`parquet_split_table`)
+    or a JSON Lines range's bytes, numbered from `first_row` (`first_row` gives it)."""
+    if isinstance(rows, pa.Table):
+        return record_reading.read_parquet_rows(rows, split.path, split.file_index, columns, content, first_row)
+    lines = jsonl_rows(rows, split.start == 0)
+    return record_reading.read_lines(lines, split.path, split.file_index, columns, content, first_row)
 
 
 def count_rows(data: bytes, at_file_start: bool) -> int:

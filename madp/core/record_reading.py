@@ -14,7 +14,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -202,6 +202,41 @@ def read_lines(
     objects = [_json_object(line) for line in lines]
     names = _other_columns(_object_keys(objects), columns) if content is OTHER_COLUMNS else content
     return _with_content(result, _read_content(source, objects, names), first_row)
+
+
+def _json_value(value):
+    """json.dumps' fallback: a numpy array or scalar as its list or number; anything else is an error."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def shown_row(row: object) -> str:
+    """One's own row as an error names it: its first 300 characters."""
+    return str(row)[:300]
+
+
+def record_line(record: Mapping[str, Any], chunks: int, row: object) -> tuple[int, bytes]:
+    """One's own row's record (a JSON Lines row's keys and values; `row`: the row, which errors show)
+    as (chunk, one JSON line): the chunk of `chunks` is a hash of the line, so it does not depend on
+    how a runner bundles the rows. A lone surrogate stays in the line as bytes that are not UTF-8,
+    which reading rejects as `invalid_json`, as it does in a file."""
+    try:
+        text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_json_value)
+    except (TypeError, ValueError) as error:
+        raise InputError(
+            f"a row's record is not JSON (ids, users and content must be numbers, strings or lists of them; "
+            f"decode bytes to str in content_extractor): {error}: on the row {shown_row(row)}"
+        ) from error
+    line = text.encode("utf-8", "surrogatepass")
+    return zlib.crc32(line) % chunks, line
+
+
+def read_row_chunk(index: int, lines: Iterable[bytes], columns: Columns, content: Content = None) -> FileResult:
+    """A chunk of one's own rows, each as its record's JSON line (`madp.beam.record_chunks.RecordsFromRows`),
+    read and validated as a JSON Lines file of them in the order of their JSON, so that the result is
+    the same whatever order they came in; rejects name the chunk and a row's place in that order."""
+    return read_lines(sorted(lines), f"rows of chunk {index}", index, columns, content)
 
 
 def parquet_read_columns(path: str, found: list[str], columns: Columns, content: Content = None) -> list[str]:

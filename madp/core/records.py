@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from madp.core import storage
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError, OptionError
+from madp.core.hashing import partition_of
 from madp.core.options import check_choices, option
 from madp.core.user_ids import USER_IDS, SuspectUserIds
 
@@ -344,6 +345,13 @@ def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
         sources=chunk.sources,
         content=None if chunk.content is None else chunk.content.take(pa.array(index)),
     )
+
+
+def by_record_partition(chunk: RecordChunk, partitions: int) -> list[tuple[int, RecordChunk]]:
+    """(record partition, the chunk's records in it, in chunk order) for each partition it has
+    records of, by id hash (`partition_of`): the records' side of every join on the record partition."""
+    partition = partition_of(chunk.ids, partitions) if len(chunk) else np.zeros(0, np.int64)
+    return [(int(part), take(chunk, partition == part)) for part in np.unique(partition)]
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:

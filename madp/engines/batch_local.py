@@ -11,15 +11,14 @@ import pyarrow as pa
 
 from madp.core import record_reading, sampling
 from madp.core import records as rec
-from madp.core.batch_files import (
-    USER_FEATURE,
-    batch_file_path,
-    file_of_step,
-    file_rows,
-    incidences_of,
-    step_range,
-    write_batch_file,
-    write_schema,
+from madp.core.batch_files import USER_FEATURE, batch_file_path, step_range, write_batch_file, write_schema
+from madp.core.batch_steps import (
+    JoinedPartition,
+    Samples,
+    rows_of_file,
+    sample_incidences,
+    sampled_units,
+    written_samples,
 )
 from madp.core.errors import InputError, check_memory
 from madp.core.graph_digest import graph_digest
@@ -39,7 +38,6 @@ from madp.engines.batching import (
     schema,
     skip_invalid_content,
     user_hashes,
-    writable_rows,
 )
 
 log = logging.getLogger("madp.batch")
@@ -102,15 +100,14 @@ def minsep_rows(dataset: Dataset, options: BatchOptions) -> Sampled:
     probability = sampling.calibrate_probability(options.batch_size, *histogram, options.min_sep)
     total = options.sampled_steps
     _check_fits(probability * len(keys) * total, options)
-    unit, step = sampling.sampled_steps(keys, probability, total)
-    record = record_of_unit[unit]
-    owner, flat = incidences_of(dataset.offsets, record)
-    blocked = sampling.blocked_user_steps(dataset.users[flat], step[owner], options.min_sep)
-    survive = ~sampling.excluded_samples(owner, blocked, len(unit))
+    samples = sampled_units(record_of_unit, keys, probability, total)
+    users, steps, owner = sample_incidences(dataset.offsets, dataset.users, samples)
+    blocked = sampling.blocked_user_steps(users, steps, options.min_sep)
+    survive = ~sampling.excluded_samples(owner, blocked, len(samples.step))
     return Sampled(
-        record[survive],
-        keys[unit[survive]],
-        step[survive],
+        samples.record[survive],
+        samples.keys[survive],
+        samples.step[survive],
         options.min_sep,
         probability,
         sampling.expected_batch_size(probability, *histogram, options.min_sep),
@@ -236,28 +233,26 @@ def run_local(selected: str, data: str, output: str, options: BatchOptions, engi
     warm_up = options.warm_up_steps
     sampled_sizes = np.bincount(sampled.step, minlength=options.steps + warm_up)
     # After warm-up, the rows of records with valid content (the others were sampled and excluded like any).
-    kept = (sampled.step >= warm_up) & writable_rows(dataset.valid, sampled.record)
-    record, keys, step = sampled.record[kept], sampled.keys[kept], sampled.step[kept] - warm_up
+    files = options.output_shards
+    written = written_samples(
+        dataset.valid, Samples(sampled.record, sampled.keys, sampled.step), warm_up, options.steps, files
+    )
 
     prepare_output(output)
     handle_rejects(dataset.rejects, options.on_invalid, output)
-    record_keys = record_hashes(dataset.ids, options.key)
-    files = options.output_shards
-    file_of_row = file_of_step(step, options.steps, files)
+    joined = JoinedPartition(
+        dataset.ids,
+        dataset.copies,
+        dataset.offsets,
+        dataset.users,
+        dataset.content,
+        record_hashes(dataset.ids, options.key),
+        dataset.valid,
+    )
     results = []
     progress = Progress(log, "writing batch files", files, "files")
     for file in range(files):
-        mine = np.flatnonzero(file_of_row == file)
-        rows = file_rows(
-            dataset.ids,
-            dataset.content,
-            dataset.offsets,
-            dataset.users,
-            record_keys,
-            record[mine],
-            keys[mine],
-            step[mine],
-        )
+        rows = rows_of_file(joined, written, file)
         results.append(
             write_batch_file(
                 batch_file_path(output, file, files),

@@ -16,6 +16,7 @@ import numpy as np
 from madp.core import records as rec
 from madp.core import storage
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, FileCounts, batch_file_path
+from madp.core.batch_steps import WrittenUsers
 from madp.core.errors import InputError
 from madp.core.reports import BatchParameters, BatchReport, BoundRecord, FileEntry, Participation, SizeSummary
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, read_bound_report
@@ -64,6 +65,13 @@ def participation_stats(user_hashes_: np.ndarray, steps: np.ndarray) -> Particip
         user_rows_sharing_a_step=int((~new_pair).sum()),
         gap_histogram=value_counts(gaps),
     )
+
+
+def participation_of(pieces: Iterable[WrittenUsers]) -> Participation:
+    """`participation_stats` of a user partition's written (user, step) pairs, sent from every batch
+    file (`batch_steps.written_by_partition`): exact, as all of each user's pairs are there."""
+    pieces = list(pieces)
+    return participation_stats(np.concatenate([p.users for p in pieces]), np.concatenate([p.steps for p in pieces]))
 
 
 def value_counts(values: np.ndarray) -> dict[str, int]:

@@ -9,8 +9,8 @@ units (one per copy) -> sampled (unit, step) rows -> per step: order, truncate, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from madp.core import records as rec
 from madp.core import storage, tfrecord
 from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, BatchSchema, Feature, is_list
+from madp.core.batch_steps import Incidences, JoinedPartition, SelectedIds, incidences_by_user_partition
 from madp.core.errors import InputError, positive
 from madp.core.graph_digest import SCHEME, GraphDigest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
@@ -263,7 +264,7 @@ def skip_invalid_content(chunk: rec.RecordChunk, rejects: rec.Rejects) -> np.nda
     """`--on-invalid skip`: which selected records of `chunk` can be written (True); those with
     `_content_problems` are added to `rejects`. They stay in the sampling population (|N(e)|, p, and
     min-sep exclusion of their users) and only their rows are left out of the batches
-    (`writable_rows`), so p and the schedule are functions of the graph only, never of content. A
+    (`batch_steps.writable_rows`), so p and the schedule are functions of the graph only, never of content. A
     left-out row is the zero-gradient record of the neighbouring relation: the accounting holds."""
     # Nothing to check; a table without columns may not hold its row count.
     if chunk.content is None or not chunk.content.num_columns:
@@ -275,14 +276,6 @@ def skip_invalid_content(chunk: rec.RecordChunk, rejects: rec.Rejects) -> np.nda
         record = {"id": chunk.ids[row].as_py(), "users": users, "column": where[row]}
         rejects.add(*chunk.source(row), reason[row], record)
     return ~bad
-
-
-def writable_rows(valid: np.ndarray, record: np.ndarray) -> np.ndarray:
-    """Which sampled rows (by record index) go into the batches: those of records with valid content,
-    taken after sampling and exclusion and before truncation. A step then writes a subset of the
-    units it sampled, so it is truncated no more often than if all were written, and the README's
-    rho <= T Pr[Binomial(U, p) > B_max] still holds."""
-    return valid[record]
 
 
 def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = None) -> dict[str, Feature]:
@@ -367,3 +360,58 @@ def user_hashes(users: pa.Array, key: SecretKey) -> np.ndarray:
     if pa.types.is_integer(users.type):
         return hash_ids(users, 0, purpose=USER_STREAM)
     return keyed_id_hashes(users, key, USER_STREAM)
+
+
+# --- the join, one record partition at a time ----------------------------------------------------
+
+
+class JoinedRecords(NamedTuple):
+    """What `join_partition` gives for a record partition: its joined records (kept there), their
+    incidences by user partition, and what the report and the schema need of them."""
+
+    joined: JoinedPartition
+    incidences: list[tuple[int, Incidences]]
+    rejects: rec.Rejects  # records left out for their content (--on-invalid skip)
+    written_records: int  # records whose rows are written (valid content)
+    content: dict[str, Feature]  # the content's description over those records
+    records: int  # selected records joined
+    id_type: pa.DataType
+
+
+def join_partition(
+    chunk: rec.RecordChunk | None,
+    selection: Sequence[SelectedIds],
+    options: BatchOptions,
+    data: str,
+    partitions: int,
+) -> JoinedRecords:
+    """The join of b-min-sep batching over a bound selection, for one record partition: its valid
+    records (`chunk`, None where it has none) joined with the selected ids sent to it (`join_selection`),
+    their content checked (`check_content`; under --on-invalid skip, invalid content is left out of the
+    rows, `skip_invalid_content`) and their ids and users keyed; the (user, record) incidences go to
+    the users' partitions, where the neighbourhoods are formed."""
+    ids = pa.concat_arrays([s.ids for s in selection])
+    copies = np.concatenate([s.copies for s in selection])
+    if chunk is None:
+        raise InputError(
+            f"{len(ids)} selected ids are not valid records of {data} "
+            f"(e.g. {ids[0].as_py()!r}): was SELECTED bounded from this data?"
+        )
+    chunk, copies = join_selection(chunk, ids, copies, data)
+    rejects = rec.Rejects()
+    valid = np.ones(len(copies), dtype=bool)  # under --on-invalid error, check_content refuses invalid content
+    if options.on_invalid == "skip":
+        valid = skip_invalid_content(chunk, rejects)
+    described = check_content(chunk.content, chunk.ids, valid)
+    users = user_hashes(chunk.users, options.key)
+    record_keys = record_hashes(chunk.ids, options.key)
+    joined = JoinedPartition(chunk.ids, copies, chunk.offsets, users, chunk.content, record_keys, valid)
+    return JoinedRecords(
+        joined,
+        incidences_by_user_partition(joined, partitions),
+        rejects,
+        int(valid.sum()),
+        described,
+        len(copies),
+        chunk.ids.type,
+    )

@@ -193,12 +193,12 @@ def test_every_element_of_arrays_is_sized_by_its_arrays():
     import pyarrow as pa
 
     from madp.beam import batch, batch_join, batch_sample, bound_build, bound_rounds
-    from madp.core import batch_files, bounding, records
+    from madp.core import batch_files, batch_steps, bounding, records
     from madp.core.columnar import Columnar
 
     travelling = [
         cls
-        for module in (batch, batch_join, batch_sample, bound_build, bound_rounds)
+        for module in (batch, batch_join, batch_sample, batch_steps, bound_build, bound_rounds)
         for cls in _dataclasses_of_arrays(module)
     ]
     travelling += [batch_files.FileRows, bounding.UserSide, records.RecordChunk]
