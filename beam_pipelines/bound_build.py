@@ -110,7 +110,7 @@ def _build_user_partition(element, default: int, errors_dir: str | None):
         built = build_user_partition(part, batches, capacities)
         yield stat("input_users", built.input_users)
         for name, value in built.input_stats.items():
-            yield beam.pvalue.TaggedOutput("stats", (name, value))  # users all of whose records were dropped too
+            yield beam.pvalue.TaggedOutput("stats", (name, value))  # with the users the certificate left no record
         if built.state is not None:
             yield beam.pvalue.TaggedOutput("counts", ("eligible", int(built.state.owned().sum())))
             yield beam.pvalue.TaggedOutput("counts", ("active", built.state.incidences))
