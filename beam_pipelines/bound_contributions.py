@@ -25,7 +25,6 @@ import typing
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 import pyarrow as pa
 from apache_beam.typehints.decorators import IOTypeHints
 
@@ -35,6 +34,7 @@ from madp.beam.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSat
 from madp.beam.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
 from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import storage
+from madp.core.bound_steps import record_selection
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
 from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards
@@ -85,12 +85,7 @@ class _FinishRecords(beam.DoFn):
         part, values = element
         grouped = by_kind(values)
         (records,) = grouped[RECORDS]
-        copies, in_pass = records.copies.copy(), records.in_pass & (control.passes == self.passes_at_start)
-        for keys, passes in grouped.get(SELECTED, []):
-            where = np.searchsorted(records.keys, keys)
-            copies[where] += 1
-            if passes == control.passes:
-                in_pass[where] = True
+        copies, in_pass = record_selection(records, grouped.get(SELECTED, []), control, self.passes_at_start)
         if control.next != DONE and self.state_dir is not None:
             table = pa.table({"key": records.keys, "copies": copies, "in_pass": in_pass})
             files.write_whole(state_path(self.state_dir, part), lambda handle: storage.parquet_to(handle, table))
@@ -212,7 +207,7 @@ class BoundContributions(beam.PTransform):
         # one Control: the local finish hears the last progress whether or not it finishes
         finished, control, finish_stats = progress | "FinishLocally" >> FinishLocally((*handed, finish))
         stats.append(finish_stats)
-        # (record partition, (RECORDS, RecordPartition) or (SELECTED, (keys, pass)))
+        # (record partition, (RECORDS, RecordPartition) or (SELECTED, SelectedKeys))
         tagged: list[Any] = [records | "TagRecords" >> beam.MapTuple(lambda part, r: (part, (RECORDS, r)))]
         tagged.extend(
             selected | f"TagSelected{index}" >> beam.MapTuple(lambda part, s: (part, (SELECTED, s)))

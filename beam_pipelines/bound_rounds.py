@@ -1,5 +1,7 @@
 """The steps of Alg. 1 on user partitions, as Beam transforms: each user partition's state travels
-through the graph as one element, and only what can still change travels on.
+through the graph as one element, and only what can still change travels on. Each step is a function
+of `madp.core.bound_steps` (partition and messages in, partitions, messages and counts out); a DoFn
+here unpacks its element, calls the step and emits the result as tagged outputs and counters.
 
   iteration i:  users --proposals--> records --accepted--> users --dead--> co-owners' user partitions
 
@@ -16,161 +18,32 @@ worker: from there the local kernels finish it in one keyed step (`FinishLocally
 
 from __future__ import annotations
 
-import dataclasses
-import pickle
-import typing
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 
 from madp.beam.pipeline import by_kind, stat
-from madp.core.bounding import (
-    DONE,
-    ROUND,
-    START_PASS,
-    Control,
-    UserSide,
-    certified_rejections,
-    compact,
-    consume,
-    local_mask,
-    merge_sides,
-    propose,
-    retire,
-    run_steps,
+from madp.core.bound_steps import (
+    NO_USERS,
+    IterationCounts,
+    Progress,
+    SelectedKeys,
+    UserPartition,
+    consume_in_partition,
+    finish_locally,
+    propose_to_record_partitions,
+    retire_in_partition,
+    select_unanimous,
 )
-from madp.core.columnar import Columnar
-from madp.core.routing import csr_rows, split_by_partition, take_csr
+from madp.core.bounding import DONE, START_PASS, Control
 from madp.core.selection import user_distribution_stats
 
 STATE, ACCEPTED, DEAD, PROGRESS = "state", "accepted", "dead", "progress"
-NO_USERS = np.zeros(0, np.int64)
-
-
-def narrowed(values: np.ndarray) -> np.ndarray:
-    """Integers in the narrowest dtype that holds them all (int8 ... int64, or unsigned where none is
-    negative): what travels is smaller, and the receiver casts back."""
-    if not len(values):
-        return values.astype(np.uint8)
-    dtype = np.result_type(np.min_scalar_type(values.min()), np.min_scalar_type(values.max()))
-    # a negative and a value above int64's half give float64: keep those as they are
-    return values.astype(dtype) if dtype.kind in "iu" and dtype.itemsize < values.dtype.itemsize else values
-
-
-class NarrowedWhenPickled(Columnar):
-    """A dataclass of arrays whose integer arrays named in `WORKING_DTYPES` travel `narrowed` (Beam
-    pickles the elements it has no coder for) and are cast back to those dtypes on arrival."""
-
-    WORKING_DTYPES: typing.ClassVar[dict[str, type]] = {}
-
-    def __getstate__(self) -> dict:
-        narrow = self.WORKING_DTYPES
-        return {name: narrowed(value) if name in narrow else value for name, value in vars(self).items()}
-
-    def __setstate__(self, state: dict) -> None:
-        vars(self).update({name: state[name].astype(dtype) for name, dtype in self.WORKING_DTYPES.items()})
-        vars(self).update({name: value for name, value in state.items() if name not in self.WORKING_DTYPES})
 
 
 def round_stat(iteration: int, what: str) -> str:
     return f"round_{iteration:05d}_{what}"
-
-
-@dataclasses.dataclass
-class UserPartition(Columnar):
-    """A user partition's part of the algorithm: its users' incidences (`side`) and, per record of
-    `side.record_keys`, its number of users, its record partition, and (CSR, ascending) the user
-    partitions its users are in (to tell them of its death; the lowest one counts it)."""
-
-    part: int
-    side: UserSide
-    arity: np.ndarray
-    record_partition: np.ndarray
-    peer_offsets: np.ndarray
-    peers: np.ndarray
-
-    def __getstate__(self) -> dict:
-        """The compact form the runner carries (Beam pickles elements it has no coder for): what the
-        kernels derive again is left out (each incidence's user, from the users' incidence counts),
-        every integer array takes the narrowest dtype that holds its values (`narrowed`: a key,
-        count, arity or partition number is often one or two bytes), flags 1 bit."""
-        side = self.side
-        return {
-            "part": self.part,
-            "user_incidences": narrowed(np.diff(np.append(side.first_incidence, len(side.inc_user)))),
-            "inc_record": narrowed(side.inc_record),
-            "record_keys": narrowed(side.record_keys),
-            "residual": narrowed(side.residual),
-            "capacity": narrowed(side.capacity),
-            "eligible": np.packbits(side.eligible),
-            "arity": narrowed(self.arity),
-            "record_partition": narrowed(self.record_partition),
-            "peer_counts": narrowed(np.diff(self.peer_offsets)),
-            "peers": narrowed(self.peers),
-        }
-
-    def packed(self) -> bytes:
-        """The compact form as one bytes value, as partitions travel between steps: a runner groups
-        bytes without decoding them, where it would unpickle and pickle an object at every grouping."""
-        return pickle.dumps(self.__getstate__(), protocol=pickle.HIGHEST_PROTOCOL)
-
-    @staticmethod
-    def unpacked(data: bytes) -> UserPartition:
-        partition = UserPartition.__new__(UserPartition)
-        partition.__setstate__(pickle.loads(data))
-        return partition
-
-    def __setstate__(self, state: dict) -> None:
-        """The working dtypes back: int64 for the kernels' arrays, int32 for the routing columns."""
-        counts = state["user_incidences"].astype(np.int64)
-        first_incidence = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        incidences = int(counts.sum())
-        self.part = state["part"]
-        self.side = UserSide(
-            inc_user=np.repeat(np.arange(len(counts), dtype=np.int64), counts),
-            inc_record=state["inc_record"].astype(np.int64),
-            record_keys=state["record_keys"].astype(np.int64),
-            first_incidence=first_incidence,
-            residual=state["residual"].astype(np.int64),
-            capacity=state["capacity"].astype(np.int64),
-            eligible=np.unpackbits(state["eligible"], count=incidences).astype(bool),
-        )
-        self.arity = state["arity"].astype(np.int32)
-        self.record_partition = state["record_partition"].astype(np.int32)
-        self.peer_offsets = np.concatenate([[0], np.cumsum(state["peer_counts"], dtype=np.int64)]).astype(np.int64)
-        self.peers = state["peers"].astype(np.int32)
-
-    def owned(self) -> np.ndarray:
-        """Per record, whether this is the lowest user partition among its users'."""
-        return self.peers[self.peer_offsets[:-1]] == self.part
-
-    def undecided(self) -> np.ndarray:
-        """Per record, whether it is still eligible (after a retire step, all of a record's incidences agree)."""
-        return np.bincount(self.side.inc_record[self.side.eligible], minlength=len(self.arity)) > 0
-
-    def compacted(self, keep: np.ndarray) -> tuple[UserPartition, np.ndarray]:
-        """Only the incidences `keep` marks; (the partition, the final contributions of the users dropped)."""
-        side, records, users = compact(self.side, keep)
-        offsets, peers = take_csr(self.peer_offsets, self.peers, np.flatnonzero(records))
-        partition = UserPartition(self.part, side, self.arity[records], self.record_partition[records], offsets, peers)
-        return partition, self.side.contribution[~users]
-
-
-class Progress(typing.NamedTuple):
-    """The algorithm after an iteration: its control, and whether the state goes to one worker
-    (`finish_locally`: few incidences are left), or went there already (`handed_over`)."""
-
-    control: Control
-    finish_locally: bool = False
-    handed_over: bool = False
-
-    def advanced(self, selected: int, eligible: int, active: int, threshold: int, step_done: bool) -> Progress:
-        if self.handed_over or self.finish_locally:
-            return self._replace(handed_over=True, finish_locally=False)
-        step_done = step_done and self.control.next != DONE  # an iteration after the end does nothing
-        control = self.control.after(selected, eligible) if step_done else self.control
-        return Progress(control, finish_locally=control.next != DONE and active <= threshold)
 
 
 def _contribution_stats(contribution: np.ndarray):
@@ -206,16 +79,12 @@ class _Propose(beam.DoFn):
         self.iteration = iteration
 
     def process(self, element):
-        part, state = element[0], UserPartition.unpacked(element[1])
-        counts = np.bincount(state.side.inc_record[propose(state.side)], minlength=len(state.arity))
-        records = np.flatnonzero(counts)
-        shuffled = len(element[1])  # the packed partition, on to the join with its acceptances
-        for record_part, index in split_by_partition(records, state.record_partition[records]):
-            message = (part, state.side.record_keys[index], narrowed(counts[index]), narrowed(state.arity[index]))
-            shuffled += sum(a.nbytes for a in message[1:])
-            yield beam.pvalue.TaggedOutput("proposals", (record_part, message))
-        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled)
-        yield part, (STATE, element[1])
+        proposed = propose_to_record_partitions(UserPartition.unpacked(element[1]))
+        for record_part, batch in proposed.batches:
+            yield beam.pvalue.TaggedOutput("proposals", (record_part, batch))
+        # the packed partition goes on to the join with its acceptances
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), len(element[1]) + proposed.message_bytes)
+        yield element[0], (STATE, element[1])
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -227,29 +96,19 @@ class _Select(beam.DoFn):
         self.iteration = iteration
 
     def process(self, element, progress: Progress):
-        record_part, messages = element
-        if progress.control.next == ROUND and not (progress.finish_locally or progress.handed_over):
-            yield from self._select(record_part, messages, progress)
-
-    def _select(self, record_part: int, messages, progress: Progress):
-        messages = sorted(messages, key=lambda m: m[0])  # whatever order the runner delivered them in
-        sources = np.concatenate([np.full(len(m[1]), m[0], np.int64) for m in messages])
-        keys, counts, arity = (np.concatenate([m[i] for m in messages]) for i in (1, 2, 3))
-        distinct, inverse = np.unique(keys, return_inverse=True)
-        proposed_by = np.bincount(inverse, weights=counts, minlength=len(distinct)).astype(np.int64)
-        users_of = np.zeros(len(distinct), np.int64)
-        users_of[inverse] = arity
-        unanimous_records = proposed_by == users_of
-        selected, accepted = distinct[unanimous_records], unanimous_records[inverse]
-        yield stat(round_stat(self.iteration, "selected"), len(selected))
-        yield beam.pvalue.TaggedOutput("counts", ("selected", len(selected)))
-        if len(selected):
-            yield beam.pvalue.TaggedOutput("selected", (record_part, (selected, progress.control.passes)))
-        shuffled = 0
-        for user_part, keys_there in split_by_partition(keys[accepted], sources[accepted]):
-            shuffled += keys_there.nbytes
-            yield _send(ACCEPTED, user_part, keys_there)
-        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled)
+        record_part, batches = element
+        if not progress.selects:
+            return
+        selection = select_unanimous(batches)
+        yield stat(round_stat(self.iteration, "selected"), len(selection.selected))
+        yield beam.pvalue.TaggedOutput("counts", ("selected", len(selection.selected)))
+        if len(selection.selected):
+            yield beam.pvalue.TaggedOutput(
+                "selected", (record_part, SelectedKeys(selection.selected, progress.control.passes))
+            )
+        for user_part, keys in selection.accepted:
+            yield _send(ACCEPTED, user_part, keys)
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), selection.message_bytes)
 
 
 def _messages(grouped: dict, tag: str) -> np.ndarray:
@@ -275,23 +134,13 @@ class _Consume(beam.DoFn):
             yield from self._consume(part, state, grouped, progress) if departure is None else departure
 
     def _consume(self, part: int, state: UserPartition, grouped: dict, progress: Progress):
-        side = state.side
-        if progress.control.next == START_PASS:
-            side.eligible[:] = True
-        dead = consume(side, local_mask(side.record_keys, _messages(grouped, ACCEPTED)))
-        if self.certify:
-            dead |= certified_rejections(side, state.arity)
-        retire(side, dead)
-        rows, positions = csr_rows(state.peer_offsets, np.flatnonzero(dead))
-        peers = state.peers[positions]
-        elsewhere = peers != part
-        shuffled = 0
-        for user_part, keys in split_by_partition(side.record_keys[rows[elsewhere]], peers[elsewhere]):
-            shuffled += keys.nbytes
+        pass_start = progress.control.next == START_PASS
+        consumed = consume_in_partition(state, _messages(grouped, ACCEPTED), pass_start, self.certify)
+        for user_part, keys in consumed.dead_elsewhere:
             yield _send(DEAD, user_part, keys)
         packed = state.packed()
-        yield stat(round_stat(self.iteration, "shuffled_bytes"), shuffled + len(packed))
-        yield part, (STATE, (packed, dead))
+        yield stat(round_stat(self.iteration, "shuffled_bytes"), consumed.message_bytes + len(packed))
+        yield part, (STATE, (packed, consumed.dead))
 
 
 @beam.typehints.with_output_types(tuple[int, Any])
@@ -307,30 +156,15 @@ class _Retire(beam.DoFn):
         part, values = element
         grouped = by_kind(values)
         ((packed, dead),) = grouped[STATE]
-        state = UserPartition.unpacked(packed)
-        remote = local_mask(state.side.record_keys, _messages(grouped, DEAD))
-        retire(state.side, remote)
-        dead = dead | remote
-        eligible = int((state.undecided() & state.owned()).sum())
-        yield stat(round_stat(self.iteration, "eligible"), eligible)
-        yield beam.pvalue.TaggedOutput("counts", ("eligible", eligible))
-        keep = ~dead[state.side.inc_record] if self.duplicates else state.side.eligible.copy()
-        state, gone = state.compacted(keep)
-        yield from _contribution_stats(gone)
-        active = len(state.side.inc_record)
+        retired = retire_in_partition(UserPartition.unpacked(packed), dead, _messages(grouped, DEAD), self.duplicates)
+        yield stat(round_stat(self.iteration, "eligible"), retired.eligible)
+        yield beam.pvalue.TaggedOutput("counts", ("eligible", retired.eligible))
+        yield from _contribution_stats(retired.departed_contributions)
+        active = retired.state.incidences
         yield stat(round_stat(self.iteration, "active_incidences"), active)
         yield beam.pvalue.TaggedOutput("counts", ("active", active))
-        if len(state.side.residual):
-            yield part, state.packed()
-
-
-class IterationCounts(typing.NamedTuple):
-    """What the partitions counted in an iteration (its "counts" outputs), summed by name: the records
-    it selected, the records still eligible and the undecided incidences left (0 where none counted)."""
-
-    selected: int = 0
-    eligible: int = 0
-    active: int = 0
+        if retired.stays:
+            yield part, retired.state.packed()
 
 
 def _advance(counts: IterationCounts, previous: Progress, threshold: int, step_done: bool) -> Progress:
@@ -370,8 +204,8 @@ class _RetireDead(beam.PTransform):
 class Iteration(beam.PTransform):
     """One step of the algorithm on the user partitions: a round (proposals, unanimous selection,
     saturation), or a pass start (saturation only); (user partition, packed UserPartition) and the last
-    Progress in; the partitions, the new Progress, the selected records (record partition, (keys,
-    pass)) and the partitions handed to the local finish out."""
+    Progress in; the partitions, the new Progress, the selected records (record partition,
+    SelectedKeys) and the partitions handed to the local finish out."""
 
     def __init__(self, iteration: int, duplicates: bool, threshold: int):
         super().__init__()
@@ -380,12 +214,11 @@ class Iteration(beam.PTransform):
     def expand(self, inputs):
         users, progress = inputs
         last = beam.pvalue.AsSingleton(progress)
-        # (user partition, (STATE, packed UserPartition));
-        # proposals: (record partition, (user partition, keys, counts, arity))
+        # (user partition, (STATE, packed UserPartition)); proposals: (record partition, ProposalBatch)
         routed = users | "Propose" >> beam.ParDo(_Propose(self.iteration)).with_outputs(
             "proposals", "stats", main="state"
         )
-        # accepted: (user partition, (ACCEPTED, keys)); selected: (record partition, (keys, pass))
+        # accepted: (user partition, (ACCEPTED, keys)); selected: (record partition, SelectedKeys)
         selected = (
             routed.proposals
             | "GroupProposals" >> beam.GroupByKey()
@@ -471,36 +304,12 @@ class _FinishLocally(beam.DoFn):
             yield beam.pvalue.TaggedOutput("control", progress.control)
 
     def _finish(self, progress: Progress, grouped: dict):
-        states = sorted(map(UserPartition.unpacked, grouped.get(STATE, [])), key=lambda state: state.part)
-        side, positions = merge_sides([state.side for state in states] or [_empty_side()])
-        arity = np.zeros(len(side.record_keys), np.int64)
-        record_partition = np.zeros(len(side.record_keys), np.int64)
-        for state, where in zip(states, positions):
-            arity[where], record_partition[where] = state.arity, state.record_partition
-        undecided = np.bincount(side.inc_record[side.eligible], minlength=len(arity)) > 0
-        control = progress.control
-        selections: list[tuple[np.ndarray, int]] = []
-        control = run_steps(
-            side,
-            arity,
-            undecided,
-            control,
-            lambda selected: selections.append((np.flatnonzero(selected), len(selections))),
-            log_rounds=False,
-        )
-        rounds_before = len(progress.control.per_round)
-        for records, index in selections:
-            passes = control.per_round[rounds_before + index].pass_
-            for record_part, keys in split_by_partition(side.record_keys[records], record_partition[records]):
-                yield beam.pvalue.TaggedOutput("selected", (record_part, (keys, passes)))
-        yield stat("finished_locally_incidences", len(side.inc_record))
-        yield from _contribution_stats(side.contribution)
-        yield beam.pvalue.TaggedOutput("control", control)
-
-
-def _empty_side() -> UserSide:
-    empty = np.zeros(0, np.int64)
-    return UserSide(empty, empty, empty, empty, empty, empty, np.zeros(0, bool))
+        finished = finish_locally(list(map(UserPartition.unpacked, grouped.get(STATE, []))), progress.control)
+        for record_part, selected in finished.selected:
+            yield beam.pvalue.TaggedOutput("selected", (record_part, selected))
+        yield stat("finished_locally_incidences", finished.incidences)
+        yield from _contribution_stats(finished.contribution)
+        yield beam.pvalue.TaggedOutput("control", finished.control)
 
 
 class AfterLastRound(beam.PTransform):
@@ -515,20 +324,16 @@ class AfterLastRound(beam.PTransform):
         return last.finish, last.stats
 
 
-def _after_last_route(progress: Progress) -> Progress:
-    return progress._replace(handed_over=True, finish_locally=False) if progress.finish_locally else progress
-
-
 class FinishLocally(beam.PTransform):
     """The partitions handed over (0, (STATE, packed UserPartition)) and the last iteration's Progress ->
-    the records selected from there (record partition, (keys, pass)), the final Control (one) and stats."""
+    the records selected from there (record partition, SelectedKeys), the final Control (one) and stats."""
 
     def __init__(self, handed: tuple[beam.PCollection, ...]):
         super().__init__()
         self.handed = handed
 
     def expand(self, progress):
-        final = progress | "AfterLastRoute" >> beam.Map(_after_last_route)
+        final = progress | "AfterLastRoute" >> beam.Map(lambda last: last.handed_on())
         finished = (
             (final | "KeyProgress" >> beam.Map(lambda p: (0, (PROGRESS, p))), *self.handed)
             | "Gather" >> beam.Flatten()

@@ -219,9 +219,11 @@ def propose(users: UserSide) -> np.ndarray:
     return eligible & (rank <= users.residual[users.inc_user])
 
 
-def unanimous(proposals: np.ndarray, arity: np.ndarray) -> np.ndarray:
-    """Alg. 1 line 8: records proposed by all their users (proposals: local record indices)."""
-    return np.bincount(proposals, minlength=len(arity)) == arity
+def unanimous(proposals: np.ndarray, arity: np.ndarray, proposers: np.ndarray | None = None) -> np.ndarray:
+    """Alg. 1 line 8: records proposed by all their users. `proposals` are local record indices, one
+    per proposal, or with `proposers` one per proposing partition, `proposers` saying how many of the
+    record's users there proposed it (the record side of partitioned engines sums them)."""
+    return np.bincount(proposals, weights=proposers, minlength=len(arity)) == arity
 
 
 def consume(users: UserSide, accepted: np.ndarray) -> np.ndarray:
@@ -237,6 +239,23 @@ def consume(users: UserSide, accepted: np.ndarray) -> np.ndarray:
     dead = np.zeros(len(users.record_keys), dtype=bool)
     dead[users.inc_record[users.eligible & saturated]] = True
     users.eligible &= ~saturated
+    return dead
+
+
+def consume_and_retire(
+    users: UserSide, accepted: np.ndarray, arity: np.ndarray, pass_start: bool, certify: bool
+) -> np.ndarray:
+    """The user side of one step of Alg. 1 (lines 9-13): at a pass start (Alg. 3) every record of the
+    pass is eligible again and `accepted` is empty; the users take their `accepted` records (mask over
+    `users.record_keys`) and their saturated users' records are retired, with, where `certify`, the
+    records the saturation certificate rejects (`certified_rejections`). Returns the retired records'
+    mask, for the co-owners in other partitions to retire too."""
+    if pass_start:
+        users.eligible[:] = True
+    dead = consume(users, accepted)
+    if certify:
+        dead |= certified_rejections(users, arity)
+    retire(users, dead)
     return dead
 
 
@@ -415,18 +434,15 @@ def run_steps(
     """
     while control.next != DONE:
         accepted = np.zeros(len(arity), dtype=bool)
-        if control.next == START_PASS:
-            users.eligible[:] = True
+        pass_start = control.next == START_PASS
+        if pass_start:
             undecided = np.ones(len(arity), dtype=bool)
         else:
             accepted = unanimous(users.inc_record[propose(users)], arity)
             undecided &= ~accepted
             if on_selected is not None:
                 on_selected(accepted)
-        dead = consume(users, accepted)
-        if control.certifies:
-            dead |= certified_rejections(users, arity)
-        retire(users, dead)
+        dead = consume_and_retire(users, accepted, arity, pass_start, control.certifies)
         undecided &= ~dead
         rounds_before = len(control.per_round)
         control = control.after(int(accepted.sum()), int(undecided.sum()))

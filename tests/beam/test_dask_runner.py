@@ -192,13 +192,13 @@ def test_every_element_of_arrays_is_sized_by_its_arrays():
     import numpy as np
     import pyarrow as pa
 
-    from madp.beam import batch, batch_join, batch_sample, bound_build, bound_rounds
-    from madp.core import batch_files, batch_steps, bounding, records
+    from madp.beam import batch, batch_join, batch_sample
+    from madp.core import batch_files, batch_steps, bound_steps, bounding, records
     from madp.core.columnar import Columnar
 
     travelling = [
         cls
-        for module in (batch, batch_join, batch_sample, batch_steps, bound_build, bound_rounds)
+        for module in (batch, batch_join, batch_sample, batch_steps, bound_steps)
         for cls in _dataclasses_of_arrays(module)
     ]
     travelling += [batch_files.FileRows, bounding.UserSide, records.RecordChunk]
@@ -206,6 +206,6 @@ def test_every_element_of_arrays_is_sized_by_its_arrays():
     assert [cls.__name__ for cls in travelling if not issubclass(cls, Columnar)] == []
 
     keys = np.arange(100_000, dtype=np.int64)
-    partition = bound_build.RecordPartition(3, keys, pa.array(keys), keys, keys, np.zeros(len(keys), bool))
+    partition = bound_steps.RecordPartition(3, keys, pa.array(keys), keys, keys, np.zeros(len(keys), bool))
     arrays = 4 * keys.nbytes + len(keys)
     assert arrays < dask.sizeof.sizeof([(3, partition)]) < arrays + 1000
