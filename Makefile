@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report,runners]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)

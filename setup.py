@@ -42,9 +42,6 @@ setup(
         "report": ["matplotlib>=3.8"],
         # --runner cuda of madp calibrate / epsilon (bandmf-minsep): the Monte Carlo samples on an NVIDIA GPU
         "cuda": ["numba-cuda[cu13]>=0.30", "cupy-cuda13x>=13"],
-        # Beam's DaskRunner: dask and distributed in the versions Beam supports (>=2024.4.2 for 2.77),
-        # for the runner tier of the tests (tests/beam/test_runner_tier.py)
-        "runners": ["apache-beam[dask]==2.77.*"],
     },
     entry_points={"console_scripts": ["madp=madp.cli:main"]},
 )

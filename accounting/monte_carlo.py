@@ -344,8 +344,8 @@ def _direct_dots(noise, kernel, steps, dots):
 
 class _Workspace(NamedTuple):
     """The arrays a batch of `rows` samples works in, allocated once per draw: where workers return freed
-    memory to the system at once (Dask's workers set MALLOC_TRIM_THRESHOLD_), allocating them per batch
-    made every batch fault its pages in again, at 3.5x the cost."""
+    memory to the system at once (a low MALLOC_TRIM_THRESHOLD_), allocating them per batch made every
+    batch fault its pages in again, at 3.5x the cost."""
 
     noise: np.ndarray  # [rows, width]: z, zero past the horizon
     spectrum: np.ndarray  # [rows, width // 2 + 1]: rfft(z) conj(rfft(c / sigma)) (FFT dots only)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import logging
 import uuid
 from typing import Any
 
@@ -37,15 +36,8 @@ from madp.core.errors import InputError
 from madp.core.records import RecordChunk
 from madp.core.selection import handle_rejects
 
-log = logging.getLogger("madp.beam")
-
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
 MIN_SPLIT_BYTES = 1024
-
-# Beam's DaskRunner, by the name a user gives it (Beam knows it by its class only), and madp's own,
-# which runs in its place (see beam_pipelines/dask_runner.py for what Beam's gets wrong).
-BEAM_DASK_RUNNERS = ("DaskRunner", "apache_beam.runners.dask.dask_runner.DaskRunner")
-MADP_DASK_RUNNER = "madp.beam.dask_runner.DaskRunner"
 
 # The element types where our transforms meet (a user's pipeline included), checked by Beam when the
 # graph is built (pipeline type checking, on unless --no_pipeline_type_check) and giving the
@@ -109,19 +101,8 @@ def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
     return ours
 
 
-def _import_dask_runner() -> None:
-    """Imports madp's Dask runner, and so Beam's Dask options (they exist once their module is
-    imported); dask is an optional extra."""
-    try:
-        import madp.beam.dask_runner  # noqa: F401
-    except ImportError as error:
-        raise InputError(f"the Dask runner needs dask.distributed ({error}): pip install -e '.[runners]'") from error
-
-
 def _unknown_beam_args(beam_args: list[str]) -> list[str]:
     """The flags among `beam_args` that no Beam pipeline option defines (Beam would drop them silently)."""
-    if any(arg.startswith("--dask_") for arg in beam_args):
-        _import_dask_runner()
     parser = argparse.ArgumentParser(allow_abbrev=False)
     seen, classes = set(), [PipelineOptions]
     while classes:
@@ -161,20 +142,6 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
         options.view_as(StandardOptions).runner = "DirectRunner"
         if "default_sdk_harness_log_level" not in explicit:
             options.view_as(WorkerOptions).default_sdk_harness_log_level = "WARNING"
-    elif options.view_as(StandardOptions).runner in BEAM_DASK_RUNNERS:
-        _import_dask_runner()
-        log.info(
-            "runner: madp's DaskRunner (%s) in place of Beam's, which mixes up the outputs of multi-output "
-            "steps and skips all sinks but one",
-            MADP_DASK_RUNNER,
-        )
-        options.view_as(StandardOptions).runner = MADP_DASK_RUNNER
-        if "npartitions" not in explicit and "partition_size" not in explicit:
-            from apache_beam.runners.dask.dask_runner import DaskOptions
-
-            # the tasks of each Create, and so of the steps after it: madp's units of work (Beam's
-            # default makes one task of a Create of fewer than 128 elements)
-            options.view_as(DaskOptions).npartitions = madp_options(options).partitions
     return options
 
 
@@ -283,7 +250,7 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str, output: str | 
         raise
     try:
         counters = result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]
-    except NotImplementedError:  # a runner that keeps no metrics (Beam's DaskRunner)
+    except NotImplementedError:  # a runner that keeps no metrics
         return {}
     return {c.key.metric.name: int(c.committed if c.committed is not None else c.attempted) for c in counters}
 

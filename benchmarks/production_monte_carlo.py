@@ -7,7 +7,7 @@ readable line:
     python benchmarks/production_monte_carlo.py kernel [--reference]   # us per sample, one core
     python benchmarks/production_monte_carlo.py gpu --kernel-samples 262144   # us per sample, one GPU
     python benchmarks/production_monte_carlo.py samples --sigma S --delta D [--workers N] [--plain]
-    python benchmarks/production_monte_carlo.py scaling --workers 1,2 [--chunks C] [--runner dask]
+    python benchmarks/production_monte_carlo.py scaling --workers 1,2 [--chunks C]
     python benchmarks/production_monte_carlo.py calibrate --delta 1e-6 [--workers N | --runner cuda]
     python benchmarks/production_monte_carlo.py project --delta 1.3e-8 --ratio R --us-per-sample U
     python benchmarks/production_monte_carlo.py epsilon-reuse --sigma 0.5 --delta 1e-4
@@ -19,8 +19,7 @@ FFT dots alone: the ratio no kernel of this design can beat, were everything aft
 (`--runner cuda`) against ours on one core of the same machine. `samples` runs one
 verification, at the first candidate's level, and reports the samples it drew with madp's variance
 reduction (monte_carlo.DeltaReduction) or, with `--plain`, on P's and Q's own samples. `scaling` times
-the same chunks over 1..N worker processes (`--runner dask`: as Beam pipelines on madp's DaskRunner over
-a local dask.distributed cluster of N workers, each call one pipeline, as `madp calibrate --runner` runs).
+the same chunks over 1..N worker processes.
 `calibrate` runs `madp calibrate`'s estimate-verify-release. `project` states the CPU time of one
 verification at the paper's delta from a measured ratio of samples drawn to the all-zero minimum.
 `epsilon-reuse` runs `madp epsilon` with and without the estimates' reuse of chunk tails across epsilon.
@@ -29,7 +28,6 @@ verification at the paper's delta from a measured ratio of samples drawn to the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -218,41 +216,21 @@ def samples_needed(sigma: float, delta: float, workers: int, plain: bool) -> Non
     )
 
 
-@contextlib.contextmanager
-def dask_map(workers: int):
-    """A map over chunk tasks that runs each call as a Beam pipeline on madp's DaskRunner, over a local
-    dask.distributed cluster of `workers` single-threaded worker processes."""
-    from dask.distributed import LocalCluster
-
-    from madp.beam.monte_carlo import BeamTaskMap
-
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
-        with BeamTaskMap(["--runner", "DaskRunner", f"--dask_client_address={cluster.scheduler_address}"]) as mapper:
-            yield mapper
-
-
-def scaling(worker_counts: list[int], chunks: int, sigma: float, runner: str) -> None:
+def scaling(worker_counts: list[int], chunks: int, sigma: float) -> None:
     tasks = [ChunkTask(PRODUCTION, sigma, EPSILON, CHUNK, chunk_seed((0, 9), n), ("P",), None) for n in range(chunks)]
     chunk_statistics(ChunkTask(PRODUCTION, sigma, EPSILON, 8, 1, ("P",)))  # compiled (and cached) before timing
     timings = {}
     for workers in worker_counts:
-        if runner == "dask":
-            with dask_map(workers) as mapper:
-                mapper(chunk_statistics, tasks[:workers])  # workers up, kernels loaded: not timed
-                started = time.perf_counter()
-                mapper(chunk_statistics, tasks)
-                timings[workers] = time.perf_counter() - started
-        else:
-            started = time.perf_counter()
-            with task_map(workers) as mapper:
-                list(mapper.map(chunk_statistics, tasks))
-            timings[workers] = time.perf_counter() - started
+        started = time.perf_counter()
+        with task_map(workers) as mapper:
+            list(mapper.map(chunk_statistics, tasks))
+        timings[workers] = time.perf_counter() - started
     for workers, wall in timings.items():
         report(
-            f"{runner}: {workers} workers, {chunks} chunks of {CHUNK} P samples in {wall:.1f} s, speed-up "
+            f"local: {workers} workers, {chunks} chunks of {CHUNK} P samples in {wall:.1f} s, speed-up "
             f"{timings[worker_counts[0]] / wall:.2f}x over {worker_counts[0]}",
             part="scaling",
-            runner=runner,
+            runner="local",
             workers=workers,
             chunks=chunks,
             wall_s=wall,
@@ -361,10 +339,9 @@ def main() -> None:
     parser.add_argument("--us-per-sample", type=float, help="project: measured us per P sample, one core")
     parser.add_argument(
         "--runner",
-        choices=("local", "dask", "cuda"),
+        choices=("local", "cuda"),
         default="local",
-        help="scaling: local worker processes (pool start included) or Beam pipelines on a dask.distributed "
-        "cluster; calibrate: local worker processes or the GPU (cuda)",
+        help="calibrate: local worker processes or the GPU (cuda)",
     )
     args = parser.parse_args()
     if args.runner == "cuda" and args.part != "calibrate":
@@ -377,7 +354,7 @@ def main() -> None:
     elif args.part == "samples":
         samples_needed(args.sigma, args.delta, counts[0], args.plain)
     elif args.part == "scaling":
-        scaling(counts, args.chunks, args.sigma, args.runner)
+        scaling(counts, args.chunks, args.sigma)
     elif args.part == "epsilon-reuse":
         epsilon_reuse(args.sigma, args.delta)
     elif args.part == "project":

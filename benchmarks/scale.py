@@ -7,23 +7,16 @@ worker, `--partitions` scaled with the size). Each run is a child process; a thr
 resident memory of the child and of every process below it every 0.2 s, so the peak of the driver
 and of the largest worker are reported apart. The bounding's report gives, per iteration of the
 pipeline run, the undecided incidences left and the bytes of arrays its steps sent through shuffles.
-With `--dask-workers N`, the bounding also runs on madp's DaskRunner, on a cluster of N worker
-processes (one thread each) started for the size, whose largest peak is reported; with
-`--records-per-dask-worker R` instead, the cluster has one worker per R records (at least 2), so the
-workers scale with the data as the partitions do. `--skip-direct` leaves the DirectRunner out.
 
     python benchmarks/scale.py [--sizes 1000000,10000000] [--records-per-partition 250000] [--only bound]
-        [--dask-workers 2 | --records-per-dask-worker 500000] [--skip-direct] [--local-finish-incidences N]
-        [--records-per-file R]
+        [--local-finish-incidences N] [--records-per-file R]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,9 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def child(job: str, runner: str, args: list[str], workers_of: int | None = None) -> dict:
+def child(job: str, runner: str, args: list[str]) -> dict:
     """`madp JOB ... --runner RUNNER` in a child process: wall time, peak memory of the driver and of
-    the largest process below it, or below `workers_of` (a cluster's worker processes) when given."""
+    the largest process below it."""
     command = [sys.executable, "-m", "madp.cli", "-q", job, *args, "--runner", runner]
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -45,7 +38,7 @@ def child(job: str, runner: str, args: list[str], workers_of: int | None = None)
 
     def sample() -> None:
         while not done.is_set():
-            workers = _descendants(process.pid if workers_of is None else workers_of)
+            workers = _descendants(process.pid)
             for pid in [process.pid, *workers]:
                 peaks[pid] = max(peaks.get(pid, 0), _rss_kb(pid))
             done.wait(0.2)
@@ -64,32 +57,6 @@ def child(job: str, runner: str, args: list[str], workers_of: int | None = None)
         "largest_worker_peak_mb": round(max(workers, default=0) / 1024),
         "median_worker_peak_mb": round(sorted(workers)[len(workers) // 2] / 1024) if workers else 0,
     }
-
-
-@contextlib.contextmanager
-def dask_cluster(workers: int):
-    """A dask scheduler and `workers` worker processes (one thread each), as subprocesses: (address,
-    the pid whose descendants are the workers)."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    dask = os.path.join(os.path.dirname(sys.executable), "dask")
-    scheduler = subprocess.Popen(
-        [dask, "scheduler", "--port", str(port), "--no-dashboard"], env=env, stderr=subprocess.DEVNULL
-    )
-    worker = subprocess.Popen(
-        [dask, "worker", f"localhost:{port}", "--nworkers", str(workers), "--nthreads", "1", "--no-dashboard"],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        time.sleep(8)  # the scheduler and the workers up
-        yield f"localhost:{port}", worker.pid
-    finally:
-        for process in (worker, scheduler):
-            process.terminate()
-            process.wait()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -123,10 +90,6 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000000,10000000")
     parser.add_argument("--records-per-partition", type=int, default=250_000)
     parser.add_argument("--only", choices=("bound", "batch"))
-    dask_workers = parser.add_mutually_exclusive_group()
-    dask_workers.add_argument("--dask-workers", type=int, default=0, help="also bound on madp's DaskRunner")
-    dask_workers.add_argument("--records-per-dask-worker", type=int, default=0, help="as many Dask workers as scale")
-    parser.add_argument("--skip-direct", action="store_true", help="no DirectRunner runs (the local and Dask ones)")
     parser.add_argument("--local-finish-incidences", type=int, help="passed to the Beam runs (default: madp's)")
     parser.add_argument("--records-per-file", type=int, help="Parquet input files scaled (default: 4 files)")
     args = parser.parse_args()
@@ -150,46 +113,21 @@ def main() -> None:
             if args.only in (None, "bound"):
                 bound = ["bound", data]
                 row["bound_local"] = child(bound[0], "local", [data, os.path.join(work, "bound-local"), "-k", "3"])
-                report = json.load(open(os.path.join(work, "bound-local", "report.json")))
-                if not args.skip_direct:
-                    row["bound_direct"] = child(
-                        bound[0], "DirectRunner", [data, os.path.join(work, "bound-direct"), "-k", "3", *beam]
-                    )
-                    direct = json.load(open(os.path.join(work, "bound-direct", "report.json")))
-                    row["bound_iterations"] = [run["iterations"] for run in direct["pipeline_runs"]]
-                    row["bound_finished_locally"] = [
-                        run["finished_locally_incidences"] for run in direct["pipeline_runs"]
-                    ]
-                workers = args.dask_workers or (
-                    args.records_per_dask_worker and max(2, size // args.records_per_dask_worker)
+                row["bound_direct"] = child(
+                    bound[0], "DirectRunner", [data, os.path.join(work, "bound-direct"), "-k", "3", *beam]
                 )
-                if workers:
-                    row["dask_workers"] = workers
-                    with dask_cluster(workers) as (address, pid):
-                        dask = [data, os.path.join(work, "bound-dask"), "-k", "3", *beam]
-                        row["bound_dask"] = child("bound", "DaskRunner", [*dask, "--dask_client_address", address], pid)
-                    dask_report = json.load(open(os.path.join(work, "bound-dask", "report.json")))
-                    assert dask_report["selected_records"] == report["selected_records"], (
-                        "the DaskRunner must select what local does"
-                    )
-                    row["dask_runs"] = [
-                        {
-                            "finished_locally_incidences": run["finished_locally_incidences"],
-                            "max_user_partition_bytes": run.get("max_user_partition_bytes"),
-                            "certified_dropped_records": run.get("certified_dropped_records"),
-                        }
-                        for run in dask_report["pipeline_runs"]
-                    ]
+                direct = json.load(open(os.path.join(work, "bound-direct", "report.json")))
+                row["bound_iterations"] = [run["iterations"] for run in direct["pipeline_runs"]]
+                row["bound_finished_locally"] = [run["finished_locally_incidences"] for run in direct["pipeline_runs"]]
             if args.only in (None, "batch"):
                 selected = os.path.join(work, "bound-local")
                 if not os.path.exists(selected):
                     child("bound", "local", [data, selected, "-k", "3"])
                 batch = [selected, data, "--steps", "1000", "--batch-size", "1000", "--min-sep", "4"]
                 row["batch_local"] = child("batch", "local", [*batch[:2], os.path.join(work, "b-local"), *batch[2:]])
-                if not args.skip_direct:
-                    row["batch_direct"] = child(
-                        "batch", "DirectRunner", [*batch[:2], os.path.join(work, "b-direct"), *batch[2:], *beam]
-                    )
+                row["batch_direct"] = child(
+                    "batch", "DirectRunner", [*batch[:2], os.path.join(work, "b-direct"), *batch[2:], *beam]
+                )
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"\n{'records':>12}{'job':>7}{'local s':>9}{'direct s':>10}{'ratio':>7}{'driver MB':>11}{'worker MB':>11}")
@@ -202,14 +140,6 @@ def main() -> None:
                     f"{direct['wall_s'] / local['wall_s']:>7.1f}{direct['driver_peak_mb']:>11}"
                     f"{direct['largest_worker_peak_mb']:>11}"
                 )
-        if "bound_dask" in row:
-            dask, local = row["bound_dask"], row["bound_local"]
-            print(
-                f"{row['records']:>12,}{'bound':>7}{local['wall_s']:>9.1f}{dask['wall_s']:>10.1f}"
-                f"{dask['wall_s'] / local['wall_s']:>7.1f}{dask['driver_peak_mb']:>11}"
-                f"{dask['largest_worker_peak_mb']:>11}"
-                f"  (DaskRunner, {row['dask_workers']} workers)"
-            )
         for run in row.get("bound_iterations", []):
             first = next((one["shuffled_bytes"] for one in run if one["iteration"] == 1), None)
             for one in run:

@@ -66,15 +66,6 @@ def small_graph():
     return graph_rows(data.offsets, data.users)
 
 
-@pytest.fixture(scope="session")
-def dask_cluster():
-    """A dask.distributed cluster of two worker processes, for the tests of the DaskRunner."""
-    import runner_services
-
-    with runner_services.dask_cluster(workers=2) as cluster:
-        yield cluster
-
-
 @pytest.fixture(autouse=True)
 def attempts_ledger(tmp_path_factory, monkeypatch):
     """Monte Carlo calibrations record themselves in a ledger: one per test, not the user's."""

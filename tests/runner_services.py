@@ -1,9 +1,8 @@
 """The local services of the runner tier, each in processes of its own that a test session starts and
-always stops: Beam's Python job service with an external worker pool (the PortableRunner), and a
-dask.distributed cluster of worker processes (the DaskRunner).
+always stops: Beam's Python job service with an external worker pool (the PortableRunner).
 
 Every service runs in a new session, so that stopping it stops the processes it started too (the
-worker pool's SDK workers, the cluster's worker processes) and nothing else.
+worker pool's SDK workers) and nothing else.
 """
 
 from __future__ import annotations
@@ -21,29 +20,11 @@ from conftest import SUITES
 
 _START_SECONDS = 120.0  # a cold start on a busy 2-core machine takes ~10 s; this only catches a hang
 
-# The cluster writes its address once its workers are up, through a rename, so that a reader sees it whole.
-_DASK_CLUSTER = """
-import os, sys, time
-from dask.distributed import LocalCluster
-
-address_file, workers, memory_limit = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-cluster = LocalCluster(
-    n_workers=workers, processes=True, threads_per_worker=1, dashboard_address=None, memory_limit=memory_limit
-)
-cluster.wait_for_workers(workers)
-with open(address_file + ".tmp", "w") as handle:
-    handle.write(cluster.scheduler_address)
-os.rename(address_file + ".tmp", address_file)
-while True:
-    time.sleep(3600)
-"""
-
 
 def service_environment() -> dict[str, str]:
     """The services' environment: `python` is this interpreter (the worker pool starts each SDK worker
     as `python -c ...` from PATH), and madp and the test modules are imported from the tests' source
-    tree, so that workers (and Dask's scheduler, which unpickles the task graph) unpickle our DoFns
-    and the tests' with the driver's code."""
+    tree, so that workers unpickle our DoFns and the tests' with the driver's code."""
     import madp
 
     env = dict(os.environ)
@@ -162,44 +143,3 @@ def portable_services() -> Iterator[list[str]]:
         finally:
             for service in services:
                 service.stop()
-
-
-class DaskCluster:
-    """A dask.distributed LocalCluster of `workers` single-threaded worker processes, started in a
-    process of its own (as `dask scheduler` and `dask worker` would be), so that stopping it stops
-    whatever a failed run left running. A worker past `memory_limit` is restarted by its nanny, so
-    that a run whose graph explodes fails (KilledWorker) instead of taking the machine's memory."""
-
-    def __init__(self, directory: str, workers: int = 2, memory_limit: str = "3GiB"):
-        self.directory, self.workers, self.memory_limit = directory, workers, memory_limit
-        self.address = self._start()
-
-    def _start(self) -> str:
-        address_file = os.path.join(self.directory, "scheduler.address")
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(address_file)
-        self._service = Service(
-            "dask_cluster",
-            [sys.executable, "-c", _DASK_CLUSTER, address_file, str(self.workers), self.memory_limit],
-            self.directory,
-        )
-        return self._service.wait_for(lambda: _file_text(address_file))
-
-    def replace(self) -> None:
-        """A fresh cluster: what a failed run left running (tasks that a worker's client keeps
-        resubmitting, computing side inputs) is stopped with the old one."""
-        self._service.stop()
-        self.address = self._start()
-
-    def stop(self) -> None:
-        self._service.stop()
-
-
-@contextlib.contextmanager
-def dask_cluster(workers: int = 2) -> Iterator[DaskCluster]:
-    with tempfile.TemporaryDirectory(prefix="madp-dask-") as directory:
-        cluster = DaskCluster(directory, workers)
-        try:
-            yield cluster
-        finally:
-            cluster.stop()

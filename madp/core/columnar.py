@@ -1,9 +1,9 @@
 """Elements made of arrays, sized by the bytes of their arrays.
 
 `sys.getsizeof` of a plain object counts its header only: a record partition of 60 MB of arrays
-measures 56 bytes. Runners and schedulers that size the elements they hold to place, balance and
-spill work (Dask's `sizeof`, which falls back to `sys.getsizeof`) then see no cost in moving one,
-and move it where a task is idle rather than run the task where its data is.
+measures 56 bytes. Runners and schedulers that size the elements they hold by `sys.getsizeof` to
+place, balance and spill work then see no cost in moving one, and move it where a task is idle
+rather than run the task where its data is.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Three runners, one pipeline: `madp bound` and `madp batch` write the same selection and batch files,
-byte for byte, as `--runner local` on Beam's PortableRunner (the Python job service, SDK workers in
-processes an external worker pool starts) and on `--runner DaskRunner` (madp's own, in place of
-Beam's: beam_pipelines/dask_runner.py) on a dask.distributed cluster of two worker processes, each
-input file (Parquet and JSON Lines) read in several splits. The DirectRunner's agreement is tested
-in test_engines_agree.py, test_runners.py and test_input_splits.py.
+"""On Beam's PortableRunner (the Python job service, SDK workers in processes an external worker pool
+starts), `madp bound` and `madp batch` write the same selection and batch files, byte for byte, as
+`--runner local`, each input file (Parquet and JSON Lines) read in several splits. The DirectRunner's
+agreement is tested in test_engines_agree.py, test_runners.py and test_input_splits.py.
 
 Each run has a deadline: a runner that hangs or whose graph explodes fails its test with a
 TimeoutError instead of holding the tier, which must stay within a few minutes on two cores.
@@ -27,7 +25,7 @@ from madp.tools.data.synthetic import GraphSpec, generate, to_table
 pytestmark = [pytest.mark.beam, pytest.mark.runners]
 
 RECORDS = 20_000
-PARTITIONS = "2"  # one per worker process of either runner
+PARTITIONS = "2"
 SPLIT = "--input-split-bytes=200000"  # each input file read in several splits
 BOUND = ["-k", "3", "--output-shards", "2"]
 BATCH = ["--steps", "30", "--batch-size", "400", "--min-sep", "3", "--output-shards", "2", "--seed", "11"]
@@ -51,18 +49,11 @@ def deadline(seconds: float, what: str):
         signal.signal(signal.SIGALRM, previous)
 
 
-_FAILED = pytest.StashKey[bool]()  # on a test: its madp run raised or failed
-
-
-def madp(args: list[str], request, capsys) -> None:
-    """`madp ARGS` through the CLI, within the deadline; a failure is noted on the test."""
-    try:
-        with deadline(RUN_SECONDS, f"madp {args[0]} on {request.node.callspec.id}"):
-            code = main(["-q", *args])
-        assert code == 0, capsys.readouterr().err[-3000:]
-    except BaseException:
-        request.node.stash[_FAILED] = True
-        raise
+def madp(args: list[str], capsys) -> None:
+    """`madp ARGS` through the CLI, within the deadline."""
+    with deadline(RUN_SECONDS, f"madp {args[0]} on the PortableRunner"):
+        code = main(["-q", *args])
+    assert code == 0, capsys.readouterr().err[-3000:]
     capsys.readouterr()
 
 
@@ -105,38 +96,27 @@ def portable_options():
         yield options
 
 
-@pytest.fixture(params=["portable", "dask", "dask-40-partitions"])
-def runner_options(request):
-    """The Beam options of each runner; a failed Dask run leaves a fresh cluster to the next test,
-    not one still busy with the abandoned run. With 40 partitions, madp's DaskRunner shuffles in
-    two stages (above 32)."""
-    if request.param == "portable":
-        yield [*request.getfixturevalue("portable_options"), f"--partitions={PARTITIONS}", SPLIT]
-        return
-    cluster = request.getfixturevalue("dask_cluster")
-    partitions = "40" if request.param == "dask-40-partitions" else PARTITIONS
-    # madp runs its own DaskRunner in place of Beam's, with --partitions tasks per Create
-    yield ["--runner=DaskRunner", f"--dask_client_address={cluster.address}", f"--partitions={partitions}", SPLIT]
-    if request.node.stash.get(_FAILED, False):
-        cluster.replace()
+@pytest.fixture
+def runner_options(portable_options):
+    """The PortableRunner's Beam options."""
+    return [*portable_options, f"--partitions={PARTITIONS}", SPLIT]
 
 
-def test_bound_writes_the_local_selection(runner_options, local_outputs, tmp_path, capsys, request):
+def test_bound_writes_the_local_selection(runner_options, local_outputs, tmp_path, capsys):
     data, bound, _ = local_outputs
     output = str(tmp_path / "bound")
-    madp(["bound", data, output, *BOUND, *runner_options], request, capsys)
+    madp(["bound", data, output, *BOUND, *runner_options], capsys)
     assert_same_files(os.path.join(output, "selected"), os.path.join(bound, "selected"), ".parquet")
 
 
-def test_batch_writes_the_local_batches(runner_options, local_outputs, tmp_path, capsys, request):
+def test_batch_writes_the_local_batches(runner_options, local_outputs, tmp_path, capsys):
     data, bound, batches = local_outputs
     output = str(tmp_path / "batches")
-    madp(["batch", bound, data, output, *BATCH, *runner_options], request, capsys)
+    madp(["batch", bound, data, output, *BATCH, *runner_options], capsys)
     assert_same_files(output, batches, ".tfrecord")
 
 
-@pytest.mark.parametrize("runner_options", ["portable", "dask"], indirect=True)
-def test_ones_own_rows_in_ones_own_pipeline_give_the_local_results(runner_options, tmp_path, request):
+def test_ones_own_rows_in_ones_own_pipeline_give_the_local_results(runner_options, tmp_path):
     """The exported transforms on rows that are not madp's, with their extractors, in a pipeline of
     one's own: the in-memory engines' selection and batch rows on the same records in a file."""
     import apache_beam as beam
@@ -166,12 +146,8 @@ def test_ones_own_rows_in_ones_own_pipeline_give_the_local_results(runner_option
     _ = sampled.rows | "WriteRows" >> beam.MapTuple(
         lambda _, file_rows: write("rows-", zip(file_rows.steps.tolist(), file_rows.ids.to_pylist()))
     )
-    try:
-        with deadline(RUN_SECONDS, f"a pipeline of one's own on {request.node.callspec.id}"):
-            run(pipeline, "madp", str(tmp_path / "errors"))
-    except BaseException:
-        request.node.stash[_FAILED] = True
-        raise
+    with deadline(RUN_SECONDS, "a pipeline of one's own on the PortableRunner"):
+        run(pipeline, "madp", str(tmp_path / "errors"))
 
     def found_pairs(prefix: str) -> list[tuple[int, int]]:
         paths = [os.path.join(found, name) for name in os.listdir(found) if name.startswith(prefix)]
@@ -187,21 +163,19 @@ MONTE_CARLO = [
 ]  # fmt: skip
 
 
-@pytest.fixture(params=["portable", "dask"])
-def accounting_runner(request):
-    """`madp calibrate`'s Beam options for each runner (its Monte Carlo chunks are a pipeline per wave)."""
-    if request.param == "portable":
-        return ["--runner", "PortableRunner", *request.getfixturevalue("portable_options")]
-    return ["--runner", "DaskRunner", f"--dask_client_address={request.getfixturevalue('dask_cluster').address}"]
+@pytest.fixture
+def accounting_runner(portable_options):
+    """`madp calibrate`'s Beam options on the PortableRunner (its Monte Carlo chunks are a pipeline per wave)."""
+    return ["--runner", "PortableRunner", *portable_options]
 
 
-def test_monte_carlo_calibration_releases_the_local_sigma(accounting_runner, request, capsys, tmp_path, monkeypatch):
+def test_monte_carlo_calibration_releases_the_local_sigma(accounting_runner, capsys, tmp_path, monkeypatch):
     """Every chunk is seeded by its place and read in seed order, so a calibration on a runner estimates,
     verifies and releases what the local one does, sample for sample."""
     monkeypatch.setenv("MADP_ATTEMPTS_LEDGER", str(tmp_path / "attempts.jsonl"))
     assert main(["-q", "calibrate", *MONTE_CARLO]) == 0
     local = json.loads(capsys.readouterr().out)
-    with deadline(RUN_SECONDS, f"madp calibrate on {request.node.callspec.id}"):
+    with deadline(RUN_SECONDS, "madp calibrate on the PortableRunner"):
         code = main(["-q", "calibrate", *MONTE_CARLO, *accounting_runner])
     assert code == 0, capsys.readouterr().err[-3000:]
     remote = json.loads(capsys.readouterr().out)

@@ -13,12 +13,13 @@ import os
 import apache_beam as beam
 import pytest
 import yaml
+from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineState
 from conftest import ROOT
 
 from madp.beam.batch import BatchPipeline
 from madp.beam.bound import BoundPipeline
 from madp.beam.monte_carlo import ChunkResults
-from madp.beam.pipeline import pipeline_options
+from madp.beam.pipeline import pipeline_options, run
 from madp.cli import main
 from madp.core.bounding import Control
 from madp.core.selection import BoundOptions
@@ -227,3 +228,23 @@ def test_madp_runs_beams_direct_runner_without_its_first_try_on_prism(monkeypatc
     monkeypatch.setattr(fn_runner.FnApiRunner, "run_pipeline", functools.partialmethod(recorded, ran))
     run(built, "madp", "unused-errors-dir")
     assert tried == [] and ran == [built]
+
+
+class _NoMetrics(PipelineResult):
+    def __init__(self):
+        super().__init__(PipelineState.DONE)
+
+    def wait_until_finish(self, duration=None):
+        return self.state
+
+    def metrics(self):
+        raise NotImplementedError
+
+
+class _RunnerWithoutMetrics(PipelineRunner):
+    def run_pipeline(self, pipeline, options):
+        return _NoMetrics()
+
+
+def test_a_runner_without_metrics_gives_no_counters(tmp_path):
+    assert run(beam.Pipeline(runner=_RunnerWithoutMetrics()), "madp", str(tmp_path)) == {}
