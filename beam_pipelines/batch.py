@@ -28,7 +28,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from madp.beam import files
 from madp.beam.batch_join import summary_value
-from madp.beam.job_servers import prepare_job_server
+from madp.beam.job_servers import prepare_runner
 from madp.beam.min_sep_sample import MinSepSample
 from madp.beam.pipeline import (
     NAMESPACE,
@@ -322,7 +322,7 @@ def run_beam(
         return batch_local.run_local(
             selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)"
         )
-    prepare_job_server(beam_options)
+    prepare_runner(beam_options)
     started = time.perf_counter()
     data_files = rec.list_input_files(data)
     # the columns named, or every other column the pipeline's reads find: the driver reads no data

@@ -23,7 +23,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from madp.beam import files
 from madp.beam.bound_contributions import BoundContributions
 from madp.beam.bound_rounds import round_stat
-from madp.beam.job_servers import prepare_job_server
+from madp.beam.job_servers import prepare_runner
 from madp.beam.pipeline import (
     NAMESPACE,
     MadpPipelineOptions,
@@ -319,7 +319,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     """`madp bound --runner <Beam runner>`: pipeline runs until the algorithm is done (typically one)."""
     beam_options = pipeline_options(beam_args)
     ours = madp_options(beam_options)
-    prepare_job_server(beam_options)
+    prepare_runner(beam_options)
     started = time.perf_counter()
     input_files = rec.list_input_files(input_path)
     capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None

@@ -32,6 +32,7 @@ from apache_beam.options.pipeline_options import (
 )
 from apache_beam.runners.portability.flink_runner import MAGIC_HOST_NAMES, FlinkJarJobServer, FlinkRunner
 from apache_beam.runners.portability.spark_runner import SparkJarJobServer, SparkRunner
+from apache_beam.runners.runner import create_runner
 from apache_beam.utils.subprocess_server import JavaJarServer
 
 from madp.core.errors import InputError
@@ -81,10 +82,12 @@ JAR_JOB_SERVERS = (
 )
 
 
-def prepare_job_server(options: PipelineOptions) -> None:
-    """Before a job on `options` starts work: where its runner will start Beam's job server on this machine,
-    find the Java launcher and fetch the job server's jar into Beam's cache (unless there already), or
-    raise an InputError naming the option that fixes it. Other runners, and a given `--job_endpoint`, pass."""
+def prepare_runner(options: PipelineOptions) -> None:
+    """Before a job on `options` starts work: refuse a runner Beam does not know, and where the runner will
+    start Beam's job server on this machine, find the Java launcher and fetch the job server's jar into
+    Beam's cache (unless there already); each an InputError naming the option that fixes it. Other
+    runners, and a given `--job_endpoint`, pass."""
+    _check_runner_name(options.view_as(StandardOptions).runner)
     if options.view_as(PortableOptions).job_endpoint:
         return
     runner = options.view_as(StandardOptions).runner or ""
@@ -92,6 +95,18 @@ def prepare_job_server(options: PipelineOptions) -> None:
         if server.named_by(runner) and not server.uploads_uber_jar(options):
             _check_java(server, options)
             _fetch_jar(server, options)
+
+
+def _check_runner_name(runner: str | None) -> None:
+    """A runner name Beam resolves (its own names, or a PipelineRunner subclass by its qualified name), as
+    Beam does when the pipeline is built: there, an unknown one is a traceback after the output was
+    cleared."""
+    if not runner:
+        return  # Beam's default
+    try:
+        create_runner(runner)
+    except (ValueError, ImportError, AttributeError) as error:
+        raise InputError(f"--runner {runner}: {error} ('local' is madp's in-process engine)") from None
 
 
 def _check_java(server: JarJobServer, options: PipelineOptions) -> None:

@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import GoogleCloudOptions
 
-from madp.beam.job_servers import prepare_job_server
+from madp.beam.job_servers import prepare_runner
 from madp.beam.pipeline import flush_data_by_size, pipeline_options, without_prism
 
 log = logging.getLogger("madp.accounting")
@@ -47,7 +47,7 @@ class BeamTaskMap:
 
     def __init__(self, beam_args: list[str]):
         self._options = pipeline_options(beam_args)
-        prepare_job_server(self._options)
+        prepare_runner(self._options)
         self._local = None
         self._results_dir = self._options.view_as(GoogleCloudOptions).temp_location
         if not self._results_dir:

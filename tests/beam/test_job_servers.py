@@ -14,7 +14,7 @@ import yaml
 from apache_beam.utils.subprocess_server import JavaJarServer
 from conftest import ROOT, write_records
 
-from madp.beam.job_servers import prepare_job_server
+from madp.beam.job_servers import prepare_runner
 from madp.beam.pipeline import pipeline_options
 from madp.cli import main
 from madp.core.errors import InputError
@@ -112,12 +112,19 @@ def test_a_given_jar_that_does_not_exist_is_named(bounded, tmp_path, capsys):
         ["--runner", "FlinkRunner", "--job_endpoint", "localhost:8099"],
         ["--runner", "FlinkRunner", "--flink_master", "flink:8081", "--flink_submit_uber_jar"],
         ["--runner", "SparkRunner", "--spark_submit_uber_jar", "--spark_rest_url", "http://spark:6066"],
-        ["--runner", "DataflowRunner"],
         ["--runner", "DirectRunner"],
+        ["--runner", "PrismRunner"],
     ],
 )
 def test_runners_that_start_no_job_server_here_need_nothing_of_this_machine(options, maven_without_runners):
-    prepare_job_server(pipeline_options(options))  # would fail on the fetch
+    prepare_runner(pipeline_options(options))  # would fail on the fetch
+
+
+def test_a_runner_beam_does_not_know_is_one_line_naming_runner(bounded, capsys):
+    records, output, report = bounded
+    err = _refused(["-q", "bound", records, output, "-k", "1", "--runner", "DaskRunner"], capsys, output, report)
+    assert err.startswith("madp bound: error: --runner DaskRunner: Unexpected pipeline runner: DaskRunner.")
+    assert "('local' is madp's in-process engine)" in err
 
 
 @pytest.mark.parametrize("config", ["flink.yaml", "spark.yaml"])
@@ -128,4 +135,4 @@ def test_the_runner_configs_go_as_far_as_the_job_server(config, maven_without_ru
         section = yaml.safe_load(open(os.path.join(ROOT, "runners", config)))[stage]
         beam_args = ["--runner", section["runner"], *map(str, section["beam_options"])]
         with pytest.raises(InputError, match=f"pass {JAR_OPTIONS[section['runner']]} PATH"):
-            prepare_job_server(pipeline_options([*beam_args, "--jar_cache_dir", str(tmp_path)]))
+            prepare_runner(pipeline_options([*beam_args, "--jar_cache_dir", str(tmp_path)]))
