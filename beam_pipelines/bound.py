@@ -92,7 +92,7 @@ class RunCounts:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSummary:
+class PipelineRunSummary:
     """What a pipeline run of the bound leaves its driver (SUMMARY under the run's folder): its stats,
     summed by name (the `max_` ones at their maximum), and the algorithm's control after it. `stats`
     holds every one (per-round figures, histograms and the graph digest's parts too), `counts` those
@@ -103,14 +103,14 @@ class RunSummary:
     control: Control
 
     @classmethod
-    def of(cls, stats: Mapping[str, int], control: Control) -> RunSummary:
+    def of(cls, stats: Mapping[str, int], control: Control) -> PipelineRunSummary:
         return cls(RunCounts.of(stats), dict(stats), control)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.stats, CONTROL: self.control.to_json()}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunSummary:
+    def from_json(cls, data: Mapping[str, Any]) -> PipelineRunSummary:
         return cls.of(
             {name: value for name, value in data.items() if name != CONTROL}, Control.from_json(data[CONTROL])
         )
@@ -135,7 +135,7 @@ class RunSummary:
 
 
 def _write_summary(stats: list, control: Control, run_dir: str) -> None:
-    summary = RunSummary.of(dict(stats), control).to_json()
+    summary = PipelineRunSummary.of(dict(stats), control).to_json()
     files.write_bytes(files.FileSystems.join(run_dir, SUMMARY), json.dumps(summary, sort_keys=True).encode())
 
 
@@ -250,7 +250,7 @@ class _PipelineRuns(NamedTuple):
     """What the pipeline runs of a bound leave: the last run's summary (the selection's counts and the
     algorithm's state), each run's statistics, the algorithm's control after the last, and the input's rejects."""
 
-    summary: RunSummary
+    summary: PipelineRunSummary
     runs: list[dict]
     control: Control
     rejects: rec.Rejects
@@ -289,7 +289,7 @@ def _run_pipelines(
         )
         try:
             counters = run(pipeline, NAMESPACE, storage.join(run_dir, "input-errors"), output)
-            summary = RunSummary.from_json(json.loads(files.read_bytes(storage.join(run_dir, SUMMARY))))
+            summary = PipelineRunSummary.from_json(json.loads(files.read_bytes(storage.join(run_dir, SUMMARY))))
             if not runs:  # every run reads the same input: the first one's rejects are all of them
                 rejects = rec.Rejects.from_jsonl(files.read_bytes(storage.join(run_dir, REJECTED)).decode())
                 handle_rejects(rejects, options.on_invalid, output)  # under error, the run stopped on them
