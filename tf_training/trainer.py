@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError
 from madp.core.progress import Progress
@@ -211,7 +211,9 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> TrainingResul
             if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
                 result = _train(batches, output, options, started)
             else:
-                with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
+                with output_lock.exclusive(
+                    selection, f"train {output} (holds the trainings ledger)", keeps_content=True
+                ):
                     result = _train(batches, output, options, started)
             return TrainingResult.from_json(result, f"the training into {output}")
     except (OSError, tf.errors.OpError) as error:

@@ -509,17 +509,18 @@ def test_imported_mail_trains_a_language_model_on_its_bodies(tmp_path, capsys):
 def test_example_text_jobs_are_valid_configs(name, tmp_path):
     import yaml
 
-    from madp.jobs.run_plan import plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import stages_of
 
     config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
     config["run_dir"] = str(tmp_path)
-    stages = {stage.name: stage.command for stage in plan_stages(config)}
+    stages = {stage.name: stage.command for stage in stages_of(RunConfig.from_json(config))}
     assert {"generate", "bound", "batch", "calibrate", "train", "baseline", "report"} <= set(stages)
     assert stages["generate"][stages["generate"].index("--task") + 1] == "text"
     assert stages["train"][stages["train"].index("--model") + 1] == name
     if name == "text-classifier":  # a pretrained model replaced in place re-runs the trainings that read it
         config["train"]["pretrained"] = str(tmp_path / "model.gguf")
-        inputs = {stage.name: stage.inputs for stage in plan_stages(config)}
+        inputs = {stage.name: stage.inputs for stage in stages_of(RunConfig.from_json(config))}
         assert str(tmp_path / "model.gguf") in inputs["train"] and str(tmp_path / "model.gguf") in inputs["baseline"]
 
 
