@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from madp.core import storage
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.core.selection import read_selection_file, selection_files
 from madp.training import (  # the public API, as the trainer uses it
     Batches,
@@ -43,9 +43,9 @@ def zero_out_ids(path: str) -> np.ndarray:
     try:
         ids = json.loads(storage.read_text(path))
     except (OSError, ValueError) as error:
-        raise InputError(f"--zero-out {path}: {error}") from error
+        raise OptionError("{zero_out} {0}: {1}", path, str(error)) from error
     if not isinstance(ids, list) or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids):
-        raise InputError(f"--zero-out {path}: expected a JSON list of record ids (integers or strings)")
+        raise OptionError("{zero_out} {0}: expected a JSON list of record ids (integers or strings)", path)
     if any(isinstance(i, str) for i in ids):  # string ids arrive from the TFRecords as bytes
         return np.array([str(i).encode() for i in ids], dtype=object)
     return np.array(ids, dtype=np.int64)
@@ -58,7 +58,9 @@ def distribution_strategy(options: TrainOptions):
     if options.distribution == "mirrored":
         if options.cpu_replicas > 1:
             if tf.config.list_physical_devices("GPU"):
-                raise InputError("--cpu-replicas splits the CPU of a machine without GPUs; mirrored uses the GPUs here")
+                raise OptionError(
+                    "{cpu_replicas} splits the CPU of a machine without GPUs; mirrored uses the GPUs here"
+                )
             cpu = tf.config.list_physical_devices("CPU")[0]
             try:
                 tf.config.set_logical_device_configuration(
@@ -68,9 +70,11 @@ def distribution_strategy(options: TrainOptions):
                 pass
             devices = [device.name for device in tf.config.list_logical_devices("CPU")]
             if len(devices) != options.cpu_replicas:
-                raise InputError(
-                    f"--cpu-replicas {options.cpu_replicas}: TensorFlow already started with "
-                    f"{len(devices)} CPU device(s) in this process; train in a fresh process"
+                raise OptionError(
+                    "{cpu_replicas} {0}: TensorFlow already started with {1} CPU device(s) in this process; "
+                    "train in a fresh process",
+                    options.cpu_replicas,
+                    len(devices),
                 )
             return tf.distribute.MirroredStrategy(devices)
         return tf.distribute.MirroredStrategy()
@@ -79,7 +83,9 @@ def distribution_strategy(options: TrainOptions):
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        raise InputError(f"--distribution tpu: no TPU at {options.tpu or 'this machine'!r} ({error})") from error
+        raise OptionError(
+            "{distribution} tpu: no TPU at {0!r} ({1})", options.tpu or "this machine", str(error)
+        ) from error
     return tf.distribute.TPUStrategy(resolver)
 
 
@@ -93,10 +99,14 @@ def check_public_eval_data(path: str, batches: Batches) -> None:
         ("the bound selection", batches.report.selected),
     ):
         if source and storage.overlaps(path, source):
-            raise InputError(
-                f"--eval-data-public: --eval-data {path} overlaps {role} ({source}): evaluations on the "
-                f"trained records are not public; evaluate on public data, or leave --eval-data-public out "
-                f"(the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
+            raise OptionError(
+                "{eval_data_public}: {eval_data} {0} overlaps {1} ({2}): evaluations on the trained records are "
+                "not public; evaluate on public data, or leave {eval_data_public} out (the evaluations then go to "
+                "OUTPUT/{3}/)",
+                path,
+                role,
+                source,
+                INTERNAL_DIR,
             )
     bound = batches.report.bound
     column = "id" if bound is None else bound.parameters.id_column
@@ -118,10 +128,15 @@ def check_public_eval_data(path: str, batches: Batches) -> None:
                 return  # ids of another type than the bound's: none is a selected record
         shared = candidates.filter(pc.is_in(candidates, value_set=selected))
         if len(shared):
-            raise InputError(
-                f"--eval-data-public: --eval-data {path} holds {len(shared)} record(s) the bound selected for "
-                f"training ({column} {shared[0].as_py()!r}, ...): evaluations on them are not public; leave "
-                f"--eval-data-public out (the evaluations then go to OUTPUT/{INTERNAL_DIR}/)"
+            raise OptionError(
+                "{eval_data_public}: {eval_data} {0} holds {1} record(s) the bound selected for training ({2} {3!r}, "
+                "...): evaluations on them are not public; leave {eval_data_public} out (the evaluations then go "
+                "to OUTPUT/{4}/)",
+                path,
+                len(shared),
+                column,
+                shared[0].as_py(),
+                INTERNAL_DIR,
             )
 
 
@@ -134,7 +149,7 @@ def _column_if_present(path: str, column: str) -> list | None:
         try:
             row = json.loads(first)
         except ValueError as error:
-            raise InputError(f"--eval-data {path}: its first line is not a JSON object ({error})") from error
+            raise OptionError("{eval_data} {0}: its first line is not a JSON object ({1})", path, str(error)) from error
         present = isinstance(row, dict) and column in row
     return read_columns(path, [column])[column] if present else None
 
@@ -149,19 +164,23 @@ def resume_point(batches_dir: str, output: str, options: TrainOptions) -> Checkp
         checkpoints = checkpoints_directory(output)
         if state is not None or (options.replace and storage.kind(checkpoints) != "missing"):
             kept = replaced_kept(output)
-            raise InputError(
-                f"{output} holds a checkpoint of an interrupted training ({checkpoints}): pass --resume to finish "
-                f"it (madp run: train.resume: true), or move it away to train afresh (a new training would "
-                f"compose with it: the trainings ledger holds it since its first noisy update){'; ' * bool(kept)}{kept}"
+            raise OptionError(
+                "{0} holds a checkpoint of an interrupted training ({1}): pass {resume} to finish it (madp run: "
+                "train.resume: true), or move it away to train afresh (a new training would compose with it: the "
+                "trainings ledger holds it since its first noisy update){2}",
+                output,
+                checkpoints,
+                f"; {kept}" if kept else "",
             )
         if storage.kind(storage.join(output, "logs")) != "missing" and not options.replace:
-            raise InputError(
-                f"{output} holds the logs of an earlier training (published with its model): train into a "
-                f"new OUTPUT, so that no folder mixes two trainings' figures, or replace that training (--replace)"
+            raise OptionError(
+                "{0} holds the logs of an earlier training (published with its model): train into a new OUTPUT, so "
+                "that no folder mixes two trainings' figures, or replace that training ({replace})",
+                output,
             )
         return None
     if state is None:
-        raise InputError(f"--resume: {output} holds no checkpoint (train with --checkpoint-every N)")
+        raise OptionError("{resume}: {0} holds no checkpoint (train with {checkpoint_every} N)", output)
     refuse_other_options(output, state, options)
     return state
 
@@ -183,16 +202,18 @@ def with_public_inputs(privacy: PrivacyPlan, task, options: TrainOptions, public
     model taken as public (its files' digest, refused where they changed while madp read them)."""
     if isinstance(task, TextClassifierTask) and not options.labels:
         if privacy.relies_on_secret_sampling:  # a label only unsampled records hold would be missing
-            raise InputError(
-                f"{privacy.mechanism} relies on the secret sampling, and a label set read from the sampled "
-                f"rows would reveal which records were sampled: give the public label set with --labels"
+            raise OptionError(
+                "{0} relies on the secret sampling, and a label set read from the sampled rows would reveal which "
+                "records were sampled: give the public label set with {labels}",
+                privacy.mechanism,
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, labels_read_from_data(task.labels)))
     if options.pretrained is not None and public_model is not None:
         if pretrained_is_public(options.pretrained) != public_model:
-            raise InputError(
-                f"--pretrained {options.pretrained}: its files changed while madp read them; train again from "
-                f"files that stay as they are"
+            raise OptionError(
+                "{pretrained} {0}: its files changed while madp read them; train again from files that stay as "
+                "they are",
+                options.pretrained,
             )
         privacy = dataclasses.replace(privacy, assumptions=(*privacy.assumptions, public_model))
     return privacy
@@ -216,7 +237,7 @@ def build_model_and_optimizer(task, strategy, options: TrainOptions) -> Built:
     with strategy.scope(), compute_precision(options.mixed_precision):
         model, loss_fn = task.build()
         if is_keras3(model) and replicas > 1:  # its optimizer would need Keras 3's own distribution
-            raise InputError(f"--model {options.model} is a Keras 3 model: train it with --distribution default")
+            raise OptionError("{model} {0} is a Keras 3 model: train it with {distribution} default", options.model)
         # A module:function model may bring its optimizer; else --optimizer, of the model's Keras.
         own_optimizer = getattr(task, "optimizer", None)
         optimizer = own_optimizer or default_optimizer(model, options)
@@ -226,19 +247,20 @@ def build_model_and_optimizer(task, strategy, options: TrainOptions) -> Built:
 
 
 def _refuse_optimizer_flags(options: TrainOptions) -> None:
-    """The flags that build madp's optimizer would be silently ignored by a model that brings its own."""
+    """The options that build madp's optimizer would be silently ignored by a model that brings its own."""
     given = [
-        flag
-        for flag, value in (
-            ("--optimizer", options.optimizer),
-            ("--learning-rate", options.learning_rate),
-            ("--adam-epsilon", options.adam_epsilon),
-            ("--lr-schedule", options.lr_schedule),
+        name
+        for name, value in (
+            ("optimizer", options.optimizer),
+            ("learning_rate", options.learning_rate),
+            ("adam_epsilon", options.adam_epsilon),
+            ("lr_schedule", options.lr_schedule),
         )
         if value is not None
     ]
     if given:
-        raise InputError(
-            f"{', '.join(given)}: this model brings its own optimizer, which these would not change: drop them, "
-            f"or return (model, loss) without an optimizer"
+        placed = ", ".join(f"{{{name}}}" for name in given)
+        raise OptionError(
+            f"{placed}: this model brings its own optimizer, which these would not change: drop them, "
+            "or return (model, loss) without an optimizer"
         )

@@ -276,6 +276,7 @@ def test_an_interrupted_training_is_resumed_and_its_checkpoint_never_cleared(tmp
     assert main(["-q", "run", config]) == 2  # a fresh training: the checkpoint is the user's to resume or drop
     err = capsys.readouterr().err
     assert "holds a checkpoint of an interrupted training" in err and "train.resume: true" in err
+    assert "pass --resume to finish it" in err  # the command line names the option by its flag
     assert json.load(open(state))["step"] == 10
     batches, bound = snapshot(tmp_path / "run" / "batches"), snapshot(tmp_path / "run" / "bound")
     for change, stage in (

@@ -225,7 +225,7 @@ def test_interrupted_run_resumes_with_a_fresh_key_and_no_noise_key_written(batch
         assert "key" not in name.lower()
         value = tf.train.load_variable(checkpoint, name)
         assert not (np.shape(value) == key.shape and np.array_equal(value, key))
-    with pytest.raises(InputError, match="--resume"):  # a fresh run would lose track of the interrupted one
+    with pytest.raises(InputError, match="pass resume"):  # a fresh run would lose track of the interrupted one
         trainer.train(out, cut, options)
 
     # Resumed with the interrupted run's own key, the result is the uninterrupted model: the checkpoint
@@ -1113,7 +1113,7 @@ def test_a_training_stopped_while_writing_its_outputs_writes_them_on_resume(batc
     assert entry["state"] == "finished" and not os.path.exists(os.path.join(output, "privacy.json"))
     trained = weights(output)  # written before it stopped
     assert "--resume writes them from the checkpoint of its last step" in after_stop(output, copy)
-    with pytest.raises(InputError, match="pass --resume"):
+    with pytest.raises(InputError, match="pass resume"):
         trainer.train(copy, output, options)
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True}))
     assert resumed.metrics.settings["resumed_at"] == STEPS and ledger(copy) == [entry]
