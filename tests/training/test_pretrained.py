@@ -957,7 +957,7 @@ def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text
         nested_arrays(str(tmp_path / "deep.gguf"), 5000): "metadata 'general.deep' nests arrays more than 8 deep",
     }.items():
         start = time.perf_counter()
-        with pytest.raises(InputError, match=re.escape(f"--pretrained {path}: ") + ".*" + re.escape(message)):
+        with pytest.raises(InputError, match=re.escape(f"pretrained {path}: ") + ".*" + re.escape(message)):
             pretrained.read_pretrained(path)
         assert time.perf_counter() - start < 0.5, path
 
