@@ -19,13 +19,12 @@ from madp.commands.registry import (
     Parser,
     add_options,
     build_parser,
-    error_text,
     read_paths,
     written_directory,
 )
 from madp.core import output_lock, storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
-from madp.core.options import declared
+from madp.core.options import declared, error_text
 from madp.core.selection import REPORT_FILE
 from madp.tools.planning.audit_config import AuditOptions
 

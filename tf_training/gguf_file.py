@@ -172,7 +172,7 @@ def _open_gguf(path: str):
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, EOFError) as error:  # truncated or corrupt
         raise OptionError(
-            "{pretrained} {0}: unreadable GGUF file ({1}: {2})", path, type(error).__name__, error
+            "{pretrained} {0}: unreadable GGUF file ({1}: {2})", path, type(error).__name__, str(error)
         ) from None
 
 
@@ -466,7 +466,7 @@ def _gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> di
         try:
             values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
         except NotImplementedError as error:  # a type gguf cannot dequantize (an integer tensor, say)
-            raise OptionError("{pretrained} {0}: tensor {1!r} cannot be read ({2})", path, name, error) from None
+            raise OptionError("{pretrained} {0}: tensor {1!r} cannot be read ({2})", path, name, str(error)) from None
         shape = tuple(int(n) for n in reversed(found.shape.tolist()))
         return finite_weights(path, f"tensor {name!r}", np.asarray(values, dtype=np.float32).reshape(shape))
 

@@ -215,7 +215,9 @@ def _open_h5(path: str):
     try:
         return h5py.File(os.path.join(path, "model.weights.h5"), "r")
     except OSError as error:
-        raise OptionError("{pretrained} {0}: model.weights.h5 is not a readable HDF5 file ({1})", path, error) from None
+        raise OptionError(
+            "{pretrained} {0}: model.weights.h5 is not a readable HDF5 file ({1})", path, str(error)
+        ) from None
 
 
 def _float32(dataset) -> np.ndarray:

@@ -25,10 +25,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from madp.commands.data import GenerateOptions
-from madp.commands.registry import error_text
 from madp.core import storage
 from madp.core.errors import InputError
-from madp.core.options import CALIBRATE, Declared, declared, how_only_flags, section_keys
+from madp.core.options import CALIBRATE, Declared, declared, error_text, how_only_flags, section_keys
 from madp.core.records import Columns, users_columns_of
 from madp.core.selection import BoundOptions, largest_capacity
 from madp.engines.batching import BatchOptions

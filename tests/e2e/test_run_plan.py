@@ -120,8 +120,8 @@ REFUSED = [
 
 def plans() -> dict:
     """The plan of each of `PLANNED`, and the message of each of `REFUSED`, as this checkout makes them."""
-    from madp.commands.registry import error_text
     from madp.core.errors import InputError
+    from madp.core.options import error_text
     from madp.jobs.audit import run_audit
     from madp.jobs.run_config import RunConfig
     from madp.jobs.run_plan import Source, stages_of
