@@ -23,7 +23,7 @@ import numpy as np
 
 from madp.core import storage
 from madp.core.batch_files import USER_FEATURE, Feature
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.training import load_tensorflow, pretrained, text
 from madp.training.batches import Batches
 from madp.training.bpe_tokenizer import token_sequences
@@ -105,7 +105,7 @@ class NumericTask:
         if options.model in ("logreg", "mlp") and (
             len(inputs) != 1 or len(inputs[0].shape) != 1 or options.task != "binary"
         ):
-            raise InputError(f"--model {options.model} takes one vector feature and --task binary")
+            raise OptionError("{model} {0} takes one vector feature and {task} binary", options.model)
         self.options, self.input_dim = options, self.schema.input_dim
         self.names = list(options.batch_features or ())
         self.headline = "mse" if options.task == "regression" else "accuracy"
@@ -156,7 +156,7 @@ class NumericTask:
             problems = self.problems({**columns, "weight": y})
             bad = problems != ""
             if bad.any():
-                raise InputError(f"--eval-data {path}: {int(bad.sum())} rows: {problems[bad][0]}")
+                raise OptionError("{eval_data} {0}: {1} rows: {2}", path, int(bad.sum()), problems[bad][0])
         return x, y
 
     def evaluate(self, model, loss_fn, data) -> dict:
@@ -184,9 +184,10 @@ class _TextTask:
     def __init__(self, options: TrainOptions, features: Mapping[str, Feature]):
         feature = features.get(options.text_column)
         if feature is None or feature.dtype != "bytes" or feature.shape != ():
-            raise InputError(
-                f"--text-column {options.text_column!r} must name a text feature of the batches "
-                f"(one string per record; found {sorted(features)})"
+            raise OptionError(
+                "{text_column} {0!r} must name a text feature of the batches (one string per record; found {1})",
+                options.text_column,
+                sorted(features),
             )
         self.options = options
         self.verdicts: dict = {}  # record id -> why its text cannot be used ("" where it can)
@@ -214,7 +215,7 @@ class TextClassifierTask(_TextTask):
     def __init__(self, options: TrainOptions, features: Mapping[str, Feature], labels: list[str]):
         super().__init__(options, features)
         if options.label not in features:
-            raise InputError(f"--label {options.label!r} is not a feature of the batches")
+            raise OptionError("{label} {0!r} is not a feature of the batches", options.label)
         self.labels = labels
         self.index = {label: i for i, label in enumerate(labels)}
         self.names = list(options.batch_features or ())
@@ -308,8 +309,8 @@ class CausalLmTask(_TextTask):
         self.pretrained = pretrained.read_pretrained(options.pretrained or "")
         context = self.pretrained.config.context_length
         if context is not None and options.max_length > context:  # RoPE positions it never saw
-            raise InputError(
-                f"--max-length {options.max_length} exceeds the context length of --pretrained ({context} tokens)"
+            raise OptionError(
+                "{max_length} {0} exceeds the context length of {pretrained} ({1} tokens)", options.max_length, context
             )
         self.model = None
         self.pretrained_eval: dict | None = None

@@ -21,7 +21,7 @@ import numpy as np
 
 from madp.core import output_lock, storage
 from madp.core.batch_files import USER_FEATURE
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.core.options import error_text
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR
@@ -200,10 +200,10 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> TrainingResul
     _settle(output, batches_dir, stopped=False)
     if options.amplified and options.mc_runner == "cuda" and not options.calibration:
         if tf.config.list_physical_devices("GPU"):  # cupy's arrays would compete with TensorFlow's for it
-            raise InputError(
-                "--mc-runner cuda: TensorFlow trains on this machine's GPU and holds it while madp train "
+            raise OptionError(
+                "{mc_runner} cuda: TensorFlow trains on this machine's GPU and holds it while madp train "
                 "accounts; compute the plan first (madp run's calibrate stage, with mc_runner: cuda) and "
-                "train with it (--calibration)"
+                "train with it ({calibration})"
             )
     batches = open_batches(batches_dir)
     selection = batches.selection

@@ -24,6 +24,7 @@ from conftest import crash_at, snapshot, write_records  # noqa: E402
 import madp.training.api as api  # noqa: E402
 import madp.training.trainer as trainer  # noqa: E402
 from madp.core.errors import DiskFull, InputError  # noqa: E402
+from madp.core.options import error_text  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -552,8 +553,9 @@ def test_a_checkpoint_without_the_options_of_its_training_resumes_as_it_did(batc
         del state["options"]
         with open(state_file, "w") as handle:
             json.dump({**state, "evaluated_on": {"eval_data": data, "eval_data_public": False}}, handle)
-    with pytest.raises(InputError, match="resume with the same eval_data and eval_data_public"):
+    with pytest.raises(InputError, match="resume with the same eval_data and eval_data_public") as refused:
         trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "eval_data": None}))
+    assert error_text(refused.value).endswith("resume with the same --eval-data and --eval-data-public")
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "learning_rate": 0.05}))
     assert resumed.metrics.settings["resumed_at"] == 4
 

@@ -22,6 +22,7 @@ from conftest import ROOT
 
 from madp.core.batch_files import Feature  # noqa: E402
 from madp.core.errors import InputError  # noqa: E402
+from madp.core.options import error_text  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
@@ -534,8 +535,9 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
     assert named.label_indices(np.array([b"ham", b"spam", b"eggs"], dtype=object)).tolist() == [1, 0, -1]
     rows = {"text": np.array([b"buy now", b"hello"], dtype=object), "label": np.array([b"spam", b"eggs"], dtype=object)}
     assert named.problems(rows).tolist() == ["", text.UNKNOWN_LABEL]
-    with pytest.raises(InputError, match="--text-column 'body' must name a text feature"):
+    with pytest.raises(InputError, match="text_column 'body' must name a text feature") as refused:
         TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none", text_column="body"), schema, ["a"])
+    assert error_text(refused.value).startswith("--text-column 'body' must name")  # as the command line says it
 
 
 def test_text_models_default_to_the_optimizer_they_learn_with():
