@@ -19,13 +19,12 @@ from madp.commands.registry import (
     Parser,
     add_options,
     build_parser,
-    error_text,
     read_paths,
     written_directory,
 )
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
-from madp.core.options import declared
+from madp.core.options import declared, error_text
 from madp.core.selection import REPORT_FILE
 from madp.tools.planning.audit_config import AuditOptions
 
@@ -192,7 +191,7 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
     try:
         if output:
             storage.refuse_overlap(output, read_paths(args))
-        with storage.exclusive(output, args.command) if output else contextlib.nullcontext():
+        with output_lock.exclusive(output, args.command) if output else contextlib.nullcontext():
             result = madp.run(args, unknown)
     except KeyboardInterrupt:
         stop.say()

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from madp.core import storage
+from madp.core import output_lock
 from madp.core.errors import InputError
 from madp.core.randomness import FIXED_SEED, SecretKey
 from madp.training import load_tensorflow
@@ -317,20 +317,20 @@ class PrivateTrainingStep(PrivateStep):
         rewrite it from a stale read; held by another process, this step does not run (call it again later)."""
         ledger = self.ledger
         if ledger is not None:
-            if self.releases_from_checkpoints and not storage.holds(ledger.selection):
+            if self.releases_from_checkpoints and not output_lock.holds(ledger.selection):
                 raise InputError(
                     f"releases_from_checkpoints: this thread no longer holds the lock of {ledger.selection}; a "
                     f"continuation from the same checkpoint could run meanwhile (this step did not run)"
                 )
             held = (
                 contextlib.nullcontext()
-                if storage.holds(ledger.selection)
-                else storage.exclusive(ledger.selection, LEDGER_WRITER, keeps_content=True)
+                if output_lock.holds(ledger.selection)
+                else output_lock.exclusive(ledger.selection, LEDGER_WRITER, keeps_content=True)
             )
             try:
                 with held:
                     self._enter_locked(ledger, state, resumable_from)
-            except storage.OutputLocked as error:
+            except output_lock.OutputLocked as error:
                 undone = (
                     "its checkpoint was not recorded"
                     if resumable_from is not None
@@ -456,7 +456,7 @@ def make_private(
         retrain: accept a composition that re-uses the secret sampling of an earlier training on these
             batches.
         releases_from_checkpoints: True is for a caller that holds the selection's lock for the whole
-            training (`storage.exclusive(batches.selection, ...)`), calls `checkpointed()` after every
+            training (`output_lock.exclusive(batches.selection, ...)`), calls `checkpointed()` after every
             checkpoint and releases nothing of the model before checkpointing it, as `madp train` does: a
             run then leaves its start step resumable until its first checkpoint.
         validation_data_public: True is your word that `fit`'s validation data are public (no record of a
@@ -524,9 +524,9 @@ def make_private(
     step.ledger = ledger
     if plan.trained_on:
         step.step_rows = rows_per_step(plan.trained_on)
-    if releases_from_checkpoints and ledger is not None and not storage.holds(ledger.selection):
+    if releases_from_checkpoints and ledger is not None and not output_lock.holds(ledger.selection):
         raise InputError(
-            f"releases_from_checkpoints: hold the lock of {ledger.selection} (storage.exclusive) for the whole "
+            f"releases_from_checkpoints: hold the lock of {ledger.selection} (output_lock.exclusive) for the whole "
             f"training, so that no other run of it continues from the same checkpoint meanwhile"
         )
     return step

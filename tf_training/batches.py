@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.batch_files import BatchSchema, batch_files, read_batch_report, read_schema
 from madp.core.errors import InputError
 from madp.core.reports import BatchReport
@@ -98,7 +98,7 @@ def open_batches(directory: str) -> Batches:
         >>> sorted(batches.schema.features), batches.selection == f"{work}/bounded"
         (['features', 'id', 'label', 'step', 'weight'], True)
     """
-    with storage.reading(directory, READER):
+    with output_lock.reading(directory, READER):
         if storage.kind(storage.join(directory, "schema.json")) != "file":
             raise InputError(
                 f"{directory}: not a `madp batch` output (needs batches-*.tfrecord, schema.json, report.json)"
@@ -110,7 +110,7 @@ def open_batches(directory: str) -> Batches:
 def unchanged(batches: Batches) -> None:
     """Refuse batches that a `madp batch` rewrote since `open_batches` read them (their report, which lists
     every file's SHA-256, differs): their files are no longer those of the report they were opened with.
-    Call it under a reader's mark (`storage.reading`), which then keeps any writer out while they are read."""
+    Call it under a reader's mark (`output_lock.reading`), which then keeps any writer out while they are read."""
     if read_batch_report(batches.directory) != batches.report:
         raise InputError(
             f"{batches.directory}: rewritten since it was opened (its report.json changed: a `madp batch` wrote "

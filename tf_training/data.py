@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from madp.core import storage
+from madp.core import output_lock
 from madp.core.batch_files import BatchSchema, read_batch_report
 from madp.core.errors import InputError, one_line
 from madp.training import load_tensorflow
@@ -42,7 +42,7 @@ def step_batches(batches: Batches, names: list[str]):
     until the last step is read (or the iteration is closed), and only if they are still those of the
     report they were opened with: a training never reads a mix of two batchings.
     """
-    with storage.reading(batches.directory, READER):
+    with output_lock.reading(batches.directory, READER):
         unchanged(batches)
         yield from _steps(batches, names)
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from madp.core.errors import InputError, check_memory, memory_limit
+from madp.core.errors import InputError, OptionError, check_memory, memory_limit
 from madp.training.bpe_tokenizer import PRE_TOKENIZERS, BpeTokenizer, check_vocabulary
 from madp.training.pretrained_files import (
     LlamaConfig,
@@ -48,8 +48,11 @@ def read_gguf(path: str) -> Pretrained:
     fields = _Fields(path, reader)
     architecture = fields.text("general.architecture")
     if architecture != ARCHITECTURE:
-        raise InputError(
-            f"--pretrained {path}: a {architecture!r} model; madp implements the {ARCHITECTURE!r} architecture only"
+        raise OptionError(
+            "{pretrained} {0}: a {1!r} model; madp implements the {2!r} architecture only",
+            path,
+            architecture,
+            ARCHITECTURE,
         )
     tokens = fields.texts("tokenizer.ggml.tokens")
     width, heads = fields.whole("llama.embedding_length"), fields.whole("llama.attention.head_count")
@@ -69,9 +72,11 @@ def read_gguf(path: str) -> Pretrained:
     )
     check_sizes(path, config)
     if len(tokens) != config.vocabulary:
-        raise InputError(
-            f"--pretrained {path}: llama.vocab_size is {config.vocabulary}, but tokenizer.ggml.tokens lists "
-            f"{len(tokens)} tokens"
+        raise OptionError(
+            "{pretrained} {0}: llama.vocab_size is {1}, but tokenizer.ggml.tokens lists {2} tokens",
+            path,
+            config.vocabulary,
+            len(tokens),
         )
     _check_gguf_tensors(path, config, tensors)
     check_model_memory(path, config)
@@ -121,29 +126,39 @@ def _check_gguf_tensors(path: str, config: LlamaConfig, tensors: dict[str, Any])
     blocks = sorted({int(found.group(1)) for name in tensors if (found := _BLOCK_TENSOR.match(name))})
     if len(blocks) != config.layers or blocks[-1] != config.layers - 1:  # distinct: blocks 0 to block_count - 1
         held = f"blocks {blocks[:5]}{' ...' if len(blocks) > 5 else ''}" if blocks else "no block"
-        raise InputError(
-            f"--pretrained {path}: llama.block_count is {config.layers}, but the file holds the tensors of "
-            f"{len(blocks)} blocks ({held})"
+        raise OptionError(
+            "{pretrained} {0}: llama.block_count is {1}, but the file holds the tensors of {2} blocks ({3})",
+            path,
+            config.layers,
+            len(blocks),
+            held,
         )
     for name, (shape, given_by) in _gguf_tensor_shapes(config).items():
         found = tensors.get(name)
         if found is None:
-            raise InputError(f"--pretrained {path}: no tensor {name!r} (a {ARCHITECTURE} model has one)")
+            raise OptionError("{pretrained} {0}: no tensor {1!r} (a {2} model has one)", path, name, ARCHITECTURE)
         stored = tuple(int(n) for n in reversed(found.shape.tolist()))
         if stored != shape:
-            raise InputError(
-                f"--pretrained {path}: tensor {name!r} has shape {stored}, where the metadata gives {shape}: {given_by}"
+            raise OptionError(
+                "{pretrained} {0}: tensor {1!r} has shape {2}, where the metadata gives {3}: {4}",
+                path,
+                name,
+                stored,
+                shape,
+                given_by,
             )
 
 
 def check_gguf_file(path: str) -> None:
     """That `path` is a file that starts as a GGUF file does (reading its first 4 bytes only)."""
     if not os.path.isfile(path):
-        raise InputError(f"--pretrained {path}: no such file (a local .gguf file; `make pretrained` fetches one)")
+        raise OptionError("{pretrained} {0}: no such file (a local .gguf file; `make pretrained` fetches one)", path)
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != GGUF_MAGIC:
-        raise InputError(f"--pretrained {path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+        raise OptionError(
+            "{pretrained} {0}: not a GGUF file (it starts with {1!r}, not {2!r})", path, magic, GGUF_MAGIC
+        )
 
 
 def _open_gguf(path: str):
@@ -156,7 +171,9 @@ def _open_gguf(path: str):
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, EOFError) as error:  # truncated or corrupt
-        raise InputError(f"--pretrained {path}: unreadable GGUF file ({type(error).__name__}: {error})") from None
+        raise OptionError(
+            "{pretrained} {0}: unreadable GGUF file ({1}: {2})", path, type(error).__name__, str(error)
+        ) from None
 
 
 # GGUF's layout, as the gguf package reads it: value types by number (GGUFValueType), the bytes of
@@ -206,9 +223,11 @@ class _GgufWalk:
     def walk(self) -> None:
         version = self.number(4, "its header")
         if version not in _GGUF_VERSIONS:
-            raise InputError(
-                f"--pretrained {self.path}: unreadable GGUF file (version {version}; the gguf package reads "
-                f"versions {', '.join(map(str, _GGUF_VERSIONS))})"
+            raise OptionError(
+                "{pretrained} {0}: unreadable GGUF file (version {1}; the gguf package reads versions {2})",
+                self.path,
+                version,
+                ", ".join(map(str, _GGUF_VERSIONS)),
             )
         tensors, entries = self.number(8, "its header"), self.number(8, "its header")
         counts = f"its {entries:,} metadata entries and {tensors:,} tensors"
@@ -233,12 +252,18 @@ class _GgufWalk:
             self.parts += 2
         elif kind == _GGUF_ARRAY:
             if depth == _MOST_NESTED:
-                raise InputError(f"--pretrained {self.path}: {where} nests arrays more than {_MOST_NESTED} deep")
+                raise OptionError(
+                    "{pretrained} {0}: {1} nests arrays more than {2} deep", self.path, where, _MOST_NESTED
+                )
             element, count = self.number(4, where), self.number(8, where)
             self.array(element, count, key, depth)
         else:
-            raise InputError(f"--pretrained {self.path}: unreadable GGUF file ({where} has value type {kind}, "
-                             "which GGUF does not define)")  # fmt: skip
+            raise OptionError(
+                "{pretrained} {0}: unreadable GGUF file ({1} has value type {2}, which GGUF does not define)",
+                self.path,
+                where,
+                kind,
+            )
 
     def array(self, element: int, count: int, key: str, depth: int) -> None:
         """Skip the `count` elements of type `element` of an array of metadata `key`, counting their parts."""
@@ -246,10 +271,13 @@ class _GgufWalk:
         least = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}.get(element, _GGUF_FIXED_BYTES.get(element, 1))
         self.fits(count * least, where)
         if count > MOST_ARRAY_ELEMENTS and key not in _TOKENIZER_ARRAYS:
-            raise InputError(
-                f"--pretrained {self.path}: {where}; madp reads at most {MOST_ARRAY_ELEMENTS:,} in an array "
-                f"outside the tokenizer's ({', '.join(sorted(_TOKENIZER_ARRAYS))}): the gguf package makes an "
-                "object of each"
+            raise OptionError(
+                "{pretrained} {0}: {1}; madp reads at most {2:,} in an array outside the tokenizer's "
+                "({3}): the gguf package makes an object of each",
+                self.path,
+                where,
+                MOST_ARRAY_ELEMENTS,
+                ", ".join(sorted(_TOKENIZER_ARRAYS)),
             )
         own_parts = 1 if element in _GGUF_FIXED_BYTES else 2 if element == _GGUF_STRING else 0  # arrays: their own
         self.hold(2 + count * own_parts, where)
@@ -287,9 +315,12 @@ class _GgufWalk:
 
     def fits(self, size: int, what: str) -> None:
         if size > len(self.data) - self.at:
-            raise InputError(
-                f"--pretrained {self.path}: unreadable GGUF file ({what}: past the end of its "
-                f"{len(self.data):,} bytes; a truncated or crafted file)"
+            raise OptionError(
+                "{pretrained} {0}: unreadable GGUF file ({1}: past the end of its {2:,} bytes; a truncated "
+                "or crafted file)",
+                self.path,
+                what,
+                len(self.data),
             )
 
     def hold(self, parts: int, what: str) -> None:
@@ -343,7 +374,7 @@ class _Fields:
         return self._get(key, default, _INTEGER_TYPES, "an array of integers", array=True)[1]
 
     def wrong(self, key: str, what: str, needed: str) -> InputError:
-        return InputError(f"--pretrained {self.path}: {key} is {what}, not {needed}")
+        return OptionError("{pretrained} {0}: {1} is {2}, not {3}", self.path, key, what, needed)
 
     def _get(self, key: str, default: Any, kinds: tuple[str, ...], needed: str, array: bool = False) -> tuple:
         """(True, the key's value) if its type (GGUFValueType's name; its items' for an array) is one
@@ -351,7 +382,7 @@ class _Fields:
         field = self.fields.get(key)
         if field is None:
             if default is self._REQUIRED:
-                raise InputError(f"--pretrained {self.path}: the GGUF metadata has no {key!r}")
+                raise OptionError("{pretrained} {0}: the GGUF metadata has no {1!r}", self.path, key)
             return False, default
         types = [kind.name for kind in field.types]
         shaped = types[:1] == ["ARRAY"] and len(types) == 2 if array else len(types) == 1
@@ -378,9 +409,13 @@ def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
     symbol and every merge in its vocabulary (`check_vocabulary`), so that any text tokenizes."""
     model, pre = fields.text("tokenizer.ggml.model"), fields.text("tokenizer.ggml.pre", "gpt2")
     if model != "gpt2" or pre not in PRE_TOKENIZERS:
-        raise InputError(
-            f"--pretrained {path}: tokenizer {model!r} with pre-tokenizer {pre!r}; madp implements byte-level "
-            f"BPE ('gpt2') with the pre-tokenizers {list(PRE_TOKENIZERS)}"
+        raise OptionError(
+            "{pretrained} {0}: tokenizer {1!r} with pre-tokenizer {2!r}; madp implements byte-level "
+            "BPE ('gpt2') with the pre-tokenizers {3}",
+            path,
+            model,
+            pre,
+            list(PRE_TOKENIZERS),
         )
     types = fields.wholes("tokenizer.ggml.token_type", [])
     eos = fields.whole("tokenizer.ggml.eos_token_id", least=0)
@@ -397,7 +432,7 @@ def _tokenizer(path: str, fields: _Fields, tokens: list[str]) -> BpeTokenizer:
     check_vocabulary(
         set(tokens),
         merges,
-        lambda why: InputError(f"--pretrained {path}: {why}"),
+        lambda why: OptionError("{pretrained} {0}: {1}", path, why),
         "tokenizer.ggml.tokens",
         "tokenizer.ggml.merges entry",
     )
@@ -431,7 +466,7 @@ def _gguf_weights(path: str, tensors: dict[str, Any], config: LlamaConfig) -> di
         try:
             values = gguf.quants.dequantize(np.asarray(found.data), found.tensor_type)
         except NotImplementedError as error:  # a type gguf cannot dequantize (an integer tensor, say)
-            raise InputError(f"--pretrained {path}: tensor {name!r} cannot be read ({error})") from None
+            raise OptionError("{pretrained} {0}: tensor {1!r} cannot be read ({2})", path, name, str(error)) from None
         shape = tuple(int(n) for n in reversed(found.shape.tolist()))
         return finite_weights(path, f"tensor {name!r}", np.asarray(values, dtype=np.float32).reshape(shape))
 

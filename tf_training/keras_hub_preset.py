@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from madp.core.errors import InputError
+from madp.core.errors import InputError, OptionError
 from madp.training.bpe_tokenizer import BpeTokenizer, check_vocabulary
 from madp.training.pretrained_files import (
     LlamaConfig,
@@ -45,18 +45,22 @@ def read_preset(path: str) -> Pretrained:
     tokenizer are checked here, before any model is built."""
     backbone = preset_json(path, "config.json")
     if backbone.get("class_name") not in PRESET_BACKBONES:
-        raise InputError(
-            f"--pretrained {path}: a {backbone.get('class_name')!r} preset; madp reads the keras-hub backbones "
-            f"{list(PRESET_BACKBONES)}"
+        raise OptionError(
+            "{pretrained} {0}: a {1!r} preset; madp reads the keras-hub backbones {2}",
+            path,
+            backbone.get("class_name"),
+            list(PRESET_BACKBONES),
         )
     c = backbone.get("config")
     if not isinstance(c, dict):
-        raise InputError(f"--pretrained {path}: config.json has no backbone configuration ('config')")
+        raise OptionError("{pretrained} {0}: config.json has no backbone configuration ('config')", path)
     scaled = {key: c.get(key) for key in ("rope_position_scaling_factor", "rope_frequency_adjustment_factor")}
     if scaled["rope_position_scaling_factor"] not in (None, 1, 1.0) or scaled["rope_frequency_adjustment_factor"]:
-        raise InputError(f"--pretrained {path}: RoPE scaling ({scaled}) is not implemented; madp's RoPE is unscaled")
+        raise OptionError(
+            "{pretrained} {0}: RoPE scaling ({1}) is not implemented; madp's RoPE is unscaled", path, scaled
+        )
     if not os.path.isfile(os.path.join(path, "model.weights.h5")):
-        raise InputError(f"--pretrained {path}: no model.weights.h5 (sharded preset weights are not read)")
+        raise OptionError("{pretrained} {0}: no model.weights.h5 (sharded preset weights are not read)", path)
     blocks, tied, embedding = _weights_outline(path)
     number = functools.partial(_config_number, path, c)
     width, heads = number("hidden_dim"), number("num_query_heads")
@@ -76,13 +80,19 @@ def read_preset(path: str) -> Pretrained:
     )
     check_sizes(path, config)
     if blocks != config.layers:
-        raise InputError(
-            f"--pretrained {path}: model.weights.h5 holds {blocks} decoder blocks, config.json says {config.layers}"
+        raise OptionError(
+            "{pretrained} {0}: model.weights.h5 holds {1} decoder blocks, config.json says {2}",
+            path,
+            blocks,
+            config.layers,
         )
     if embedding != (config.vocabulary, config.width):  # before a model of the configured size is built
-        raise InputError(
-            f"--pretrained {path}: {_EMBEDDING} has shape {embedding}, config.json says "
-            f"{(config.vocabulary, config.width)}"
+        raise OptionError(
+            "{pretrained} {0}: {1} has shape {2}, config.json says {3}",
+            path,
+            _EMBEDDING,
+            embedding,
+            (config.vocabulary, config.width),
         )
     check_model_memory(path, config)
     tokenizer = _preset_tokenizer(path, config.vocabulary)
@@ -98,7 +108,7 @@ def _config_number(path: str, config: dict, key: str, default: float | None = No
         if value == int(value):
             return int(value)
     kind = "a positive whole number" if whole else "a positive finite number"
-    raise InputError(f"--pretrained {path}: config.json {key} is {value!r}, not {kind}")
+    raise OptionError("{pretrained} {0}: config.json {1} is {2!r}, not {3}", path, key, value, kind)
 
 
 def preset_json(path: str, name: str) -> dict:
@@ -107,11 +117,11 @@ def preset_json(path: str, name: str) -> dict:
         with open(os.path.join(path, name), encoding="utf-8") as handle:
             value = json.load(handle)
     except FileNotFoundError:
-        raise InputError(f"--pretrained {path}: a directory without {name} (not a keras-hub preset)") from None
+        raise OptionError("{pretrained} {0}: a directory without {1} (not a keras-hub preset)", path, name) from None
     except (OSError, ValueError, RecursionError) as error:
-        raise InputError(f"--pretrained {path}: unreadable {name} ({type(error).__name__})") from None
+        raise OptionError("{pretrained} {0}: unreadable {1} ({2})", path, name, type(error).__name__) from None
     if not isinstance(value, dict):
-        raise InputError(f"--pretrained {path}: {name} is not a JSON object")
+        raise OptionError("{pretrained} {0}: {1} is not a JSON object", path, name)
     return value
 
 
@@ -123,20 +133,23 @@ def _preset_tokenizer(path: str, model_vocabulary: int) -> BpeTokenizer:
     tokenizer = preset_json(path, "tokenizer.json")
     assets = os.path.join(path, "assets", "tokenizer")
     if tokenizer.get("class_name") != PRESET_TOKENIZER:
-        raise InputError(
-            f"--pretrained {path}: a {tokenizer.get('class_name')!r} tokenizer; madp reads keras-hub's "
-            f"{PRESET_TOKENIZER} (byte-level BPE; SentencePiece tokenizers are not implemented)"
+        raise OptionError(
+            "{pretrained} {0}: a {1!r} tokenizer; madp reads keras-hub's {2} (byte-level BPE; "
+            "SentencePiece tokenizers are not implemented)",
+            path,
+            tokenizer.get("class_name"),
+            PRESET_TOKENIZER,
         )
     settings = tokenizer.get("config")
     settings = settings if isinstance(settings, dict) else {}
     if settings.get("add_prefix_space"):
-        raise InputError(f"--pretrained {path}: a tokenizer with add_prefix_space is not implemented")
+        raise OptionError("{pretrained} {0}: a tokenizer with add_prefix_space is not implemented", path)
     special = settings.get("unsplittable_tokens", [LLAMA3_BOS, LLAMA3_EOS])
     if not isinstance(special, list) or not all(isinstance(token, str) for token in special):
-        raise InputError(f"--pretrained {path}: tokenizer.json unsplittable_tokens is not a list of strings")
+        raise OptionError("{pretrained} {0}: tokenizer.json unsplittable_tokens is not a list of strings", path)
 
     def bad(why: str) -> InputError:
-        return InputError(f"--pretrained {path}: {assets}: {why}")
+        return OptionError("{pretrained} {0}: {1}: {2}", path, assets, why)
 
     try:
         with open(os.path.join(assets, "vocabulary.json"), encoding="utf-8") as handle:
@@ -202,7 +215,9 @@ def _open_h5(path: str):
     try:
         return h5py.File(os.path.join(path, "model.weights.h5"), "r")
     except OSError as error:
-        raise InputError(f"--pretrained {path}: model.weights.h5 is not a readable HDF5 file ({error})") from None
+        raise OptionError(
+            "{pretrained} {0}: model.weights.h5 is not a readable HDF5 file ({1})", path, str(error)
+        ) from None
 
 
 def _float32(dataset) -> np.ndarray:
@@ -229,20 +244,26 @@ def _preset_weights(path: str, config: LlamaConfig) -> dict[str, list[np.ndarray
         def read(key: str, stored: tuple[int, ...], shape: tuple[int, ...] | None = None) -> list[np.ndarray]:
             found = store.get(key)
             if not isinstance(found, h5py.Dataset):
-                raise InputError(f"--pretrained {path}: model.weights.h5 has no dataset {key!r}")
+                raise OptionError("{pretrained} {0}: model.weights.h5 has no dataset {1!r}", path, key)
             # The preset's digest covers its files' bytes: a weight read from elsewhere (an external
             # link, external or virtual storage) could change while the digest does not.
             if found.file.filename != store.filename or found.external or found.is_virtual:
-                raise InputError(
-                    f"--pretrained {path}: {key} in model.weights.h5 is stored in another file; a preset's "
-                    f"weights must lie in model.weights.h5 itself"
+                raise OptionError(
+                    "{pretrained} {0}: {1} in model.weights.h5 is stored in another file; a preset's weights "
+                    "must lie in model.weights.h5 itself",
+                    path,
+                    key,
                 )
             if tuple(found.shape) != stored:
-                raise InputError(f"--pretrained {path}: {key} has shape {tuple(found.shape)}, expected {stored}")
+                raise OptionError(
+                    "{pretrained} {0}: {1} has shape {2}, expected {3}", path, key, tuple(found.shape), stored
+                )
             try:
                 values = _float32(found)
             except (TypeError, ValueError, OSError, KeyError) as error:
-                raise InputError(f"--pretrained {path}: unreadable {key} in model.weights.h5 ({error})") from None
+                raise OptionError(
+                    "{pretrained} {0}: unreadable {1} in model.weights.h5 ({2})", path, key, error
+                ) from None
             return [finite_weights(path, f"{key} in model.weights.h5", values).reshape(shape or stored)]
 
         q, kv, d = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.head_dim

@@ -24,8 +24,8 @@ import numpy as np
 from madp.accounting.calibrate import epsilon
 from madp.accounting.mechanisms import BandMf
 from madp.core import storage
-from madp.core.errors import InputError
-from madp.core.options import flag_of
+from madp.core.errors import InputError, OptionError
+from madp.core.options import error_text
 from madp.training import load_tensorflow
 from madp.training.clipping import user_averages
 from madp.training.ledger import FINISHED, entry_of, ledger_of
@@ -227,18 +227,24 @@ class Checkpoints:
         if state.plan != stated:
             was, now = state.plan or {}, stated or {}
             differing = sorted(key for key in was.keys() | now.keys() if was.get(key) != now.get(key))
-            raise InputError(
-                f"--resume: {self.directory} was written under another privacy plan (its {', '.join(differing)} "
-                f"differ: the options, the batches or a --pretrained model's files changed); train afresh"
+            raise OptionError(
+                "{resume}: {0} was written under another privacy plan (its {1} differ: the options, the "
+                "batches or a {pretrained} model's files changed); train afresh",
+                self.directory,
+                ", ".join(differing),
             )
         # The checkpoint's own name, in this OUTPUT: a copy of OUTPUT resumes its own files, not the original's.
         path = storage.join(self.directory, posixpath.basename(state.checkpoint))
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except Exception as error:  # TensorFlow's errors, a mismatch, a damaged object graph (a DecodeError)
-            raise InputError(f"--resume: cannot restore {path}, which {self.state_file} names: {error}") from error
+            raise OptionError(
+                "{resume}: cannot restore {0}, which {1} names: {2}", path, self.state_file, str(error)
+            ) from error
         if int(self.step_var.numpy()) != state.step:
-            raise InputError(f"--resume: {path} holds step {int(self.step_var.numpy())}, not step {state.step}")
+            raise OptionError(
+                "{resume}: {0} holds step {1}, not step {2}", path, int(self.step_var.numpy()), state.step
+            )
         # Resumed from next_state.json: it becomes state.json, which the next crash falls back on
         storage.write_text(self.state_file, state.text())
 
@@ -262,18 +268,20 @@ def _training_options(options: TrainOptions) -> dict:
 
 def refuse_other_options(output: str, state: CheckpointState, options: TrainOptions) -> None:
     """Refuse a --resume into OUTPUT whose options define another training than the interrupted one (`state`,
-    from `interrupted_state`), naming each option that differs by its flag: it would finish that training
-    under other settings, and metrics.json would record them as the training's. An option that one of the two
-    madp versions has not is not compared. A state without "options" (written by a madp that did not record
-    them) is accepted as it was then: its evaluation data is compared (else evaluations kept internal could be
-    published) and its plan (`Checkpoints.restore`)."""
+    from `interrupted_state`), naming each option that differs (by its flag on the command line, by its name
+    for a Python caller): it would finish that training under other settings, and metrics.json would record
+    them as the training's. An option that one of the two madp versions has not is not compared. A state
+    without "options" (written by a madp that did not record them) is accepted as it was then: its evaluation
+    data is compared (else evaluations kept internal could be published) and its plan (`Checkpoints.restore`)."""
     recorded = state.options
     if recorded is None:
         evaluated_on = {"eval_data": options.eval_data, "eval_data_public": options.eval_data_public}
         if state.evaluated_on != evaluated_on:
-            raise InputError(
-                f"--resume: the interrupted training evaluated with {state.evaluated_on}, not "
-                f"{evaluated_on}: resume with the same --eval-data and --eval-data-public"
+            raise OptionError(
+                "{resume}: the interrupted training evaluated with {0}, not {1}: resume with the same "
+                "{eval_data} and {eval_data_public}",
+                state.evaluated_on,
+                evaluated_on,
             )
         return
     given = _training_options(options)
@@ -282,23 +290,32 @@ def refuse_other_options(output: str, state: CheckpointState, options: TrainOpti
         each = ", ".join(
             f"{_as_given(name, recorded[name])} (this run: {_as_given(name, given[name])})" for name in differing
         )
-        raise InputError(
-            f"--resume continues the interrupted training in {output}, which ran with other options than this run: "
-            f"{each}. Resume with its options, or move {checkpoints_directory(output)} away to train afresh "
-            f"(the trainings ledger keeps the interrupted training, and a new one composes with it)"
+        raise OptionError(
+            "{resume} continues the interrupted training in {0}, which ran with other options than this run: "
+            + each
+            + ". Resume with its options, or move {1} away to train afresh (the trainings ledger keeps the "
+            "interrupted training, and a new one composes with it)",
+            output,
+            checkpoints_directory(output),
         )
 
 
 def _as_given(name: str, value) -> str:
-    """Option `name` with `value` as its flag gives it: "--learning-rate 0.05", "--retrain", "no --l2"."""
-    flag = flag_of(name)
+    """Option `name` with `value` as its flag gives it, in an `OptionError`'s template (the option by its
+    placeholder, the value as text): "{learning_rate} 0.05", "{retrain}", "no {l2}"."""
+    option = f"{{{name}}}"
     if value is None or value is False or value == []:
-        return f"no {flag}"
+        return f"no {option}"
     if value is True:
-        return flag
+        return option
     if name == "model_path":  # repeated
-        return " ".join(f"{flag} {directory}" for directory in value)
-    return f"{flag} {','.join(value) if isinstance(value, list) else value}"
+        return " ".join(f"{option} {_literal(directory)}" for directory in value)
+    return f"{option} {_literal(','.join(value) if isinstance(value, list) else value)}"
+
+
+def _literal(value) -> str:
+    """A value's text as an `OptionError`'s template holds it: braces doubled, so that it reads as written."""
+    return str(value).replace("{", "{{").replace("}", "}}")
 
 
 def interrupted_state(output: str, batches_dir: str) -> CheckpointState | None:
@@ -327,7 +344,7 @@ def after_stop(output: str, batches_dir: str) -> str:
         training = None if state is None else state.training  # None: a non-private training
         entry = entry_of(ledger_of(batches_dir), training) if training is not None else None
     except InputError as error:  # a damaged state or ledger, which --resume names too
-        return f"its checkpoint state cannot be read ({error})"
+        return f"its checkpoint state cannot be read ({error_text(error)})"
     fresh = (
         "train again, into a new OUTPUT" if storage.kind(storage.join(output, "logs")) != "missing" else "train again"
     )
@@ -392,7 +409,9 @@ class CheckpointState:
             and isinstance(data.get("options"), dict | None)
             and all(isinstance(data.get(name), str | None) for name in ("training", "run"))
         ):
-            raise InputError(f"--resume: {where} is not a checkpoint state madp wrote (a field is missing or mistyped)")
+            raise OptionError(
+                "{resume}: {0} is not a checkpoint state madp wrote (a field is missing or mistyped)", where
+            )
         return cls(
             step=data["step"],
             checkpoint=data["checkpoint"],
@@ -432,5 +451,7 @@ def _read_state(path: str) -> CheckpointState | None:
     try:
         data = json.loads(storage.read_text(path))
     except (OSError, ValueError) as error:  # not JSON, not UTF-8, unreadable
-        raise InputError(f"--resume: cannot read {path} ({error}): not a checkpoint state madp wrote") from error
+        raise OptionError(
+            "{resume}: cannot read {0} ({1}): not a checkpoint state madp wrote", path, str(error)
+        ) from error
     return CheckpointState.from_json(data, path)

@@ -245,7 +245,7 @@ def build_model_and_optimizer(task, strategy, options: TrainOptions) -> Built:
 
 
 def _refuse_optimizer_flags(options: TrainOptions) -> None:
-    """The flags that build madp's optimizer would be silently ignored by a model that brings its own."""
+    """The options that build madp's optimizer would be silently ignored by a model that brings its own."""
     given = [
         f"{{{name}}}"
         for name in ("optimizer", "learning_rate", "adam_epsilon", "lr_schedule")

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from madp.core.errors import InputError
+from madp.core.errors import OptionError
 from madp.training import load_tensorflow, text
 from madp.training.bpe_tokenizer import BpeTokenizer
 from madp.training.gguf_file import check_gguf_file, read_gguf
@@ -238,9 +238,12 @@ def load_weights(model, pretrained: Pretrained) -> None:
         layer = layer.base if isinstance(layer, LoraDense) else layer  # the adapters keep their initialization
         expected = [tuple(w.shape) for w in layer.get_weights()]
         if expected != [v.shape for v in values]:
-            raise InputError(
-                f"--pretrained {pretrained.path}: layer {name} expects shapes {expected}, "
-                f"the file holds {[v.shape for v in values]}"
+            raise OptionError(
+                "{pretrained} {0}: layer {1} expects shapes {2}, the file holds {3}",
+                pretrained.path,
+                name,
+                expected,
+                [v.shape for v in values],
             )
         layer.set_weights(values)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from madp.core.errors import InputError, check_memory
+from madp.core.errors import OptionError, check_memory
 from madp.training.bpe_tokenizer import BpeTokenizer
 
 
@@ -56,9 +56,9 @@ def check_sizes(path: str, config: LlamaConfig) -> None:
     of K/V heads, heads that make up the width, an even head size."""
     sizes = (config.vocabulary, config.layers, config.width, config.hidden, config.heads, config.kv_heads)
     if min(sizes) < 1 or config.heads % config.kv_heads or config.head_dim * config.heads != config.width:
-        raise InputError(f"--pretrained {path}: inconsistent sizes {config}")
+        raise OptionError("{pretrained} {0}: inconsistent sizes {1}", path, config)
     if config.head_dim % 2:  # RoPE rotates the two halves of a head
-        raise InputError(f"--pretrained {path}: an odd head size {config.head_dim}")
+        raise OptionError("{pretrained} {0}: an odd head size {1}", path, config.head_dim)
 
 
 def check_model_memory(path: str, config: LlamaConfig) -> None:
@@ -77,5 +77,5 @@ def finite_weights(path: str, name: str, values: np.ndarray) -> np.ndarray:
     """Weights as read from a file, refused where one is NaN or infinite: the model would compute NaN
     for every row, and DP-SGD, whose clipping gives such a row no weight, would train it on noise alone."""
     if not np.isfinite(values).all():
-        raise InputError(f"--pretrained {path}: {name} holds NaN or infinite values")
+        raise OptionError("{pretrained} {0}: {1} holds NaN or infinite values", path, name)
     return values

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from madp.core.errors import InputError, nonnegative
+from madp.core.errors import InputError, OptionError, nonnegative
 from madp.training import load_tensorflow
 from madp.training.clipping import LOSS_NOT_PER_ROW, WRITES_VARIABLES, per_example_gradients, user_averages
 from madp.training.ghost_clipping import (
@@ -178,9 +178,10 @@ def _refuse_what_xla_cannot_compile(function, model, inputs: tuple) -> None:
         if "unsupported operations" not in str(error):  # not XLA's refusal (a tracing error): TensorFlow's own
             raise
         reason = str(error).removeprefix("Failed getting HLO text: ").strip("'\"").split("{{node")[0]
-        raise InputError(
-            f"--xla: XLA cannot compile the steps of model {model.name}: {reason.strip()[:400]}; "
-            f"train it without --xla (this step did not run)"
+        raise OptionError(
+            "{xla}: XLA cannot compile the steps of model {0}: {1}; train it without {xla} (this step did not run)",
+            model.name,
+            reason.strip()[:400],
         ) from None
 
 

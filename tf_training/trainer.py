@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.batch_files import USER_FEATURE
 from madp.core.errors import InputError, OptionError
+from madp.core.options import error_text
 from madp.core.progress import Progress
 from madp.core.selection import REJECTED_DIR
 from madp.training import (  # the public API; the trainer's own parts: tasks, models, options, outputs, long jobs
@@ -211,7 +212,9 @@ def train(batches_dir: str, output: str, options: TrainOptions) -> TrainingResul
             if options.mechanism == "none" or not selection or storage.kind(selection) != "directory":
                 result = _train(batches, output, options, started)
             else:
-                with storage.exclusive(selection, f"train {output} (holds the trainings ledger)", keeps_content=True):
+                with output_lock.exclusive(
+                    selection, f"train {output} (holds the trainings ledger)", keeps_content=True
+                ):
                     result = _train(batches, output, options, started)
             return TrainingResult.from_json(result, f"the training into {output}")
     except (OSError, tf.errors.OpError) as error:
@@ -257,7 +260,8 @@ def _settle(output: str, batches_dir: str, stopped: bool) -> None:
         outcome = settle_replaced(output)
     except Exception as error:  # the files stay where they are (a damaged state: --resume names it)
         aside = replaced_directory(output)
-        log.warning("%s: the training a --replace training set aside in %s is not settled (%s)", output, aside, error)
+        said = error_text(error)  # a damaged checkpoint state's OptionError, as the command line names it
+        log.warning("%s: the training a --replace training set aside in %s is not settled (%s)", output, aside, said)
         return
     if outcome == "restored" or (outcome == "kept" and stopped):
         log.warning("%s", settled_text(output, outcome))

@@ -8,8 +8,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from madp.core.errors import InputError, OptionError
-from madp.core.options import declared, flag_of
+from madp.core.options import declared
 
 Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> its JSON
@@ -113,11 +112,6 @@ def options_from(declaration: type[Declaration], args: argparse.Namespace) -> De
     """The dataclass `declaration` of a command's parsed options (checked as it is built)."""
     values = {each.name: getattr(args, each.name) for each in declared(declaration)}
     return declaration(**{name: tuple(value) if isinstance(value, list) else value for name, value in values.items()})
-
-
-def error_text(error: InputError) -> str:
-    """An error as the command line says it: an `OptionError` names each parameter by its flag."""
-    return error.named(flag_of) if isinstance(error, OptionError) else str(error)
 
 
 def written_directory(args: argparse.Namespace) -> str | None:

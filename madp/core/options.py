@@ -67,6 +67,11 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def error_text(error: BaseException) -> str:
+    """An error as the command line says it: an `OptionError` names each parameter by its flag."""
+    return error.named(flag_of) if isinstance(error, OptionError) else str(error)
+
+
 class Declared(NamedTuple):
     """One declared option of a dataclass, its type resolved."""
 

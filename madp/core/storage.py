@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import hashlib
-import json
-import logging
 import os
 import posixpath
-import random
 import shutil
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +16,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from madp.core.errors import DiskFull, InputError, full_disk_reason, size_text
-
-log = logging.getLogger("madp.storage")
 
 
 def _resolve(path: str) -> tuple[pafs.FileSystem, str]:
@@ -110,11 +100,11 @@ def write_text(path: str, text: str) -> None:
     write_whole(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
-_TEMPORARY_SUFFIX = ".tmp"  # of write_whole's hidden temporaries, .NAME.<random>.tmp
+TEMPORARY_SUFFIX = ".tmp"  # of write_whole's hidden temporaries, .NAME.<random>.tmp, and the output lock's
 
 
 def _is_temporary(name: str) -> bool:
-    return name.startswith(".") and name.endswith(_TEMPORARY_SUFFIX)
+    return name.startswith(".") and name.endswith(TEMPORARY_SUFFIX)
 
 
 def write_whole(path: str, write: Callable[[Any], object]) -> None:
@@ -123,7 +113,7 @@ def write_whole(path: str, write: Callable[[Any], object]) -> None:
     take for a finished output. An OSError is an InputError naming the output (a `DiskFull` on a full
     file system); the temporary is removed, on an interruption (Ctrl-C) too."""
     directory, name = (posixpath if "://" in path else os.path).split(path)
-    temporary = join(directory, f".{name}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}")
+    temporary = join(directory, f".{name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}")
     filesystem, resolved = _resolve(path)
     try:
         with open_output(temporary) as handle:
@@ -229,6 +219,11 @@ def _local_files(root: str, recursive: bool, skip_hidden: bool) -> list[str]:
 def _identity(directory: str) -> tuple[int, int]:
     status = os.stat(directory)
     return status.st_dev, status.st_ino
+
+
+# The output lock's file (`madp.core.output_lock`): it, its claims and its readers' marks (names that start with
+# it) are no content of the folder they lie in.
+LOCK_FILE = ".madp.lock"
 
 
 def content_digest(path: str, ignore: tuple[str, ...] = (), skip_hidden: bool = False) -> str:
@@ -345,133 +340,6 @@ def remove_file(path: str) -> None:
         filesystem.delete_file(resolved)
 
 
-LOCK_FILE = ".madp.lock"
-CLAIM_PREFIX = LOCK_FILE + ".claim-"  # a remote writer's claim to the lock (`_take_remote`)
-READER_PREFIX = LOCK_FILE + ".reader-"  # a reader's mark (`reading`): writers are refused while it is there
-
-
-class OutputLocked(InputError):
-    """Another process is writing the output directory (or it cannot be written at all)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LockHolder:
-    """The process a lock or a reader's mark names (`_holder_text`), each value as the file has it: None
-    where the file lacks it (a damaged or foreign file, or none that could be read)."""
-
-    pid: Any = None  # its process id
-    host: Any = None  # the host it runs on
-    thread: Any = None  # the thread that holds the lock
-    command: Any = None  # what it runs
-    since: Any = None  # when it took the lock
-    keeps_content: Any = None  # a truthy value: it changes nothing readers read
-    described: bool = False  # whether the file names pid, host, command and since (a message says them)
-
-    @classmethod
-    def from_json(cls, data: object) -> LockHolder:
-        """The holder a lock file's JSON names; no one where it is not an object."""
-        if not isinstance(data, dict):
-            return cls()
-        return cls(
-            pid=data.get("pid"),
-            host=data.get("host"),
-            thread=data.get("thread"),
-            command=data.get("command"),
-            since=data.get("since"),
-            keeps_content=data.get("keeps_content"),
-            described=all(key in data for key in ("pid", "host", "command", "since")),
-        )
-
-
-def _holder_text(command: str, **fields: object) -> str:
-    """What a lock or a reader's mark says of its process: a message names it, `_stale` checks it."""
-    return json.dumps(
-        {
-            "pid": os.getpid(),
-            "thread": threading.get_ident(),
-            "host": socket.gethostname(),
-            "command": command,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            **fields,
-        }
-    )
-
-
-@contextlib.contextmanager
-def exclusive(output: str, command: str, keeps_content: bool = False):
-    """Hold OUTPUT/.madp.lock while `command` writes OUTPUT, so that a second writer is refused
-    instead of mixing its files with ours; an OUTPUT inside a directory another process holds (a stage
-    folder of a running `madp run`) is refused too, and so is one that a reader of another process is
-    reading (`reading`: a training on batches). `keeps_content`: the holder changes nothing that readers
-    read (the trainings ledger of batches, which no reader's data includes), so readers go on meanwhile.
-    Local directories lock atomically, the lock created whole with its holder (`_create_whole`); a lock
-    left by a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
-    it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
-    one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
-    if kind(output) == "file":
-        raise OutputLocked(f"{output} is a file; the output must be a directory")
-    lock = join(output, LOCK_FILE)
-    holder = _holder_text(command, **({"keeps_content": True} if keeps_content else {}))
-    try:
-        _refuse_enclosing_writer(output)
-        claim = None
-        if "://" in output:
-            claim = _take_remote(output, lock, holder)
-        else:
-            _take_local(output, lock, holder)
-    except PermissionError as error:
-        raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
-    try:
-        if not keeps_content:  # after taking the lock: a reader that marked before we took it is seen here
-            _refuse_readers(output)
-        yield
-    finally:
-        remove_file(lock)
-        if claim is not None:
-            remove_file(claim)  # after the lock: a crash between them leaves the output refused, not open
-
-
-@contextlib.contextmanager
-def reading(directory: str, reader: str):
-    """Hold a reader's mark (DIRECTORY/.madp.lock.reader-<random>) while `reader` reads DIRECTORY, so that
-    a writer of another process (`exclusive`: `madp batch` rewriting the batches) is refused instead of
-    changing the files under it; a DIRECTORY that another process holds to write it is refused. The
-    reader marks before it looks for the lock and the writer takes the lock before it looks for marks, so
-    of the two at least one sees the other. Readers never refuse each other, and a process never refuses
-    itself (a training holds its batches' lock to write their ledger while it reads them). Where the mark
-    cannot be written (read-only storage) the reader goes on, with a warning, after the lock's check."""
-    if kind(directory) != "directory":  # nothing to read: the reader's own error says so
-        yield
-        return
-    mark, marked = join(directory, f"{READER_PREFIX}{uuid.uuid4().hex}"), True
-    try:
-        write_text(mark, _holder_text(reader))
-    except InputError as error:
-        log.warning("%s: a writer started meanwhile would not be refused (%s)", directory, error)
-        marked = False
-    try:
-        lock = join(directory, LOCK_FILE)
-        if kind(lock) == "file" and not _stale(lock) and not _ours(lock) and not _holder(lock).keeps_content:
-            raise OutputLocked(_held(lock))
-        yield
-    finally:
-        if marked:
-            remove_file(mark)
-
-
-def _refuse_readers(output: str) -> None:
-    """Refuse a writer of OUTPUT while a live reader of another process marks it (`reading`); a mark left
-    by a killed process on this host is removed."""
-    for mark in _listed(output, READER_PREFIX):
-        if _stale(mark):
-            remove_file(mark)
-        elif not _ours(mark):
-            raise OutputLocked(
-                f"{output} is being read by another madp process ({_holder_of(mark, '')}); wait for it, or if "
-                f"none is running remove {mark}"
-            )
-
-
 def _absolute(path: str) -> str:
     """A path for comparing places: local paths resolved (links followed), URIs as written, no trailing /."""
     return path.rstrip("/") if "://" in path else os.path.realpath(path)
@@ -496,190 +364,3 @@ def refuse_overlap(output: str, inputs: list[str]) -> None:
                 f"output {output} overlaps input {path} (one is, or lies inside, the other): "
                 f"write the output to a directory of its own"
             )
-
-
-def _enclosing_locks(output: str) -> list[str]:
-    """The lock files of the directories above OUTPUT (a `madp run` holds its run_dir's). A local OUTPUT's
-    are those above it as given and above where its links lead: a link inside a running `madp run`'s
-    run_dir, and a link elsewhere to one of its stage folders, both find that run's lock."""
-    if "://" in output:
-        scheme, rest = output.split("://", 1)
-        parts = rest.rstrip("/").split("/")
-        return [f"{scheme}://{'/'.join(parts[:i])}/{LOCK_FILE}" for i in range(len(parts) - 1, 0, -1)]
-    locks: dict[str, None] = {}  # in order, once each
-    for directory in (os.path.abspath(output), os.path.realpath(output)):
-        while (parent := os.path.dirname(directory)) != directory:
-            directory = parent
-            locks[os.path.join(directory, LOCK_FILE)] = None
-    return list(locks)
-
-
-def _refuse_enclosing_writer(output: str) -> None:
-    """OUTPUT inside a directory that another live madp process holds (a stage folder of a running
-    `madp run`) is that process's to write: a second writer would change what it trains on."""
-    for lock in _enclosing_locks(output):
-        if kind(lock) != "file" or _stale(lock):
-            continue
-        if not _ours(lock):
-            raise OutputLocked(_held(lock))
-
-
-def holds(output: str) -> bool:
-    """Whether this thread holds OUTPUT's lock (runs inside `exclusive(OUTPUT, ...)`): another thread of
-    the process does not, so that two threads never both write what the lock guards."""
-    lock = join(output, LOCK_FILE)
-    return kind(lock) == "file" and _ours(lock) and _holder(lock).thread == threading.get_ident()
-
-
-def _ours(lock: str) -> bool:
-    holder = _holder(lock)
-    return holder.pid == os.getpid() and holder.host == socket.gethostname()
-
-
-def _holder(lock: str) -> LockHolder:
-    """Who `lock` (or a reader's mark) names; no one where it cannot be read or is not JSON."""
-    try:
-        return LockHolder.from_json(json.loads(read_text(lock)))
-    except (OSError, ValueError):
-        return LockHolder()
-
-
-def _take_remote(output: str, lock: str, holder: str) -> str:
-    """Take a remote OUTPUT's lock; the claim to remove at release. pyarrow's object-store filesystems
-    have no create-if-absent, so a writer writes a claim of its own (LOCK_FILE.claim-<random>), then
-    lists the claims, and holds the lock only if its claim is the only one; else it withdraws it. Two
-    writers cannot both pass where writes and listings are strongly consistent (GCS, S3 since 2020,
-    HDFS): each wrote its claim before it listed, so whichever listed last saw the other's. Writers that
-    see each other all withdraw, wait a random while (doubling) and try again, _CLAIM_TRIES times in
-    all. The claim stays until release, so a later writer is refused even before LOCK_FILE (the holder,
-    for messages and `holds`) is written. Claims are told apart by name: pyarrow lists hdfs:// paths
-    without their host."""
-    holders: dict[str, str] = {}  # other claims by name: their holders, read before withdrawing
-    tries: dict[str, int] = {}  # on how many tries each was seen
-    for attempt in range(_CLAIM_TRIES):
-        if kind(lock) == "file":
-            raise OutputLocked(_held(lock) + f" (and its claim {CLAIM_PREFIX}*)")
-        name = f"{CLAIM_PREFIX}{uuid.uuid4().hex}"
-        claim = join(output, name)
-        try:
-            write_text(claim, holder)
-            claims = _listed(output, CLAIM_PREFIX)
-            others = [posixpath.basename(path) for path in claims if posixpath.basename(path) != name]
-            if not others:
-                write_text(lock, holder)
-                return claim
-            for other in others:
-                holders.setdefault(other, _holder_of(join(output, other)))
-                tries[other] = tries.get(other, 0) + 1
-            remove_file(claim)
-        except BaseException as error:  # a claim left behind would refuse every later writer
-            with contextlib.suppress(OSError, InputError):
-                remove_file(claim)
-            if isinstance(error, OSError):
-                raise OutputLocked(f"cannot take the lock of {output}: {error}") from error
-            raise
-        if attempt + 1 < _CLAIM_TRIES:
-            time.sleep(random.uniform(0.2, 1.0) * 2**attempt)
-    lasting = [other for other in others if tries[other] == _CLAIM_TRIES]
-    named = "; ".join(f"{join(output, other)} ({holders[other]})" for other in lasting or others)
-    if lasting:
-        raise OutputLocked(
-            f"{output} is claimed by another madp process through {_CLAIM_TRIES} tries: {named}. Wait for it, "
-            f"or if none is running (a killed process left its claim) remove it"
-        )
-    raise OutputLocked(
-        f"other madp processes were taking the lock of {output} at the same time as this one, on each of "
-        f"{_CLAIM_TRIES} tries ({named}): start again"
-    )
-
-
-_CLAIM_TRIES = 5  # waits of 0.2-1 s, doubling: at most 15 s in all
-
-
-def _listed(output: str, prefix: str) -> list[str]:
-    """The files directly in OUTPUT whose names start with `prefix` (writers' claims, readers' marks)."""
-    try:
-        listed = list_files(output, recursive=False)
-    except (OSError, InputError) as error:
-        raise OutputLocked(f"cannot list {output} to take its lock: {error}") from error
-    return [path for path in listed if posixpath.basename(path).startswith(prefix)]
-
-
-def _take_local(output: str, lock: str, holder: str) -> None:
-    os.makedirs(output, exist_ok=True)
-    for _ in range(2):
-        try:
-            _create_whole(lock, holder)
-        except FileExistsError:
-            if not _stale(lock):
-                raise OutputLocked(_held(lock)) from None
-            os.remove(lock)  # its process died (a killed run): the output is ours to redo
-            continue
-        return
-    raise OutputLocked(_held(lock))
-
-
-def _create_whole(path: str, text: str) -> None:
-    """Create the local file `path` holding `text`, or raise FileExistsError where it exists, so that a lock
-    file always names its holder: `text` is written to a file of its own, which is then linked to `path` (a
-    link fails where the name exists). A write that fails (a full disk: a `DiskFull` naming `path`) leaves
-    no file."""
-    written = f"{path}.{uuid.uuid4().hex}{_TEMPORARY_SUFFIX}"
-    try:
-        _write_new(written, text)
-        try:
-            os.link(written, path)
-        except OSError as error:
-            if error.errno not in _NO_HARD_LINKS:
-                raise
-            _write_new(path, text)  # a file system without hard links: created exclusively, then written
-    except OSError as error:
-        full = disk_full(path, error)
-        if full is None:
-            raise
-        raise full from error
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(written)
-
-
-_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)  # what os.link raises where links are unsupported
-
-
-def _write_new(path: str, text: str) -> None:
-    """Create `path` (FileExistsError where it exists) holding `text`; a write that fails removes it."""
-    with open(path, "x", encoding="utf-8") as handle:
-        try:
-            handle.write(text)
-            handle.flush()
-        except BaseException:
-            os.remove(path)
-            raise
-
-
-def _stale(lock: str) -> bool:
-    """Whether a local lock's process is gone (same host, no such pid)."""
-    holder = _holder(lock)
-    if holder.host != socket.gethostname():
-        return False
-    try:
-        os.kill(int(holder.pid), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, TypeError):  # a pid of no process we may signal, or none
-        return False
-    return False
-
-
-def _held(lock: str) -> str:
-    return (
-        f"{posixpath.dirname(lock) or '.'} is being written by another madp process ({_holder_of(lock)}); wait "
-        f"for it, or if none is running remove {lock}"
-    )
-
-
-def _holder_of(lock: str, program: str = "madp ") -> str:
-    holder = _holder(lock)
-    if not holder.described:
-        return "an unknown process"
-    return f"pid {holder.pid} on {holder.host}, `{program}{holder.command}`, since {holder.since}"

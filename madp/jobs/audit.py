@@ -27,14 +27,14 @@ import numpy as np
 import pyarrow as pa
 
 from madp.accounting.auditing import one_run_audit
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.errors import CheckFailed, InputError
 from madp.core.randomness import SecretKey
 from madp.core.record_reading import content_columns, read_file
 from madp.core.records import INPUT_SUFFIXES, Columns, list_input_files
 from madp.core.reports import AuditReport, CanaryScore
 from madp.core.user_ids import EMAIL
-from madp.jobs import run, run_plan, run_steps
+from madp.jobs import run, run_config, run_plan, run_steps
 from madp.tools.planning.audit_config import AuditOptions, audit_directory
 from madp.training.options import TrainOptions
 from madp.training.plan import PrivacyPlan, stated_plan
@@ -203,17 +203,17 @@ def _canary_scores(losses: np.ndarray, canaries: Canaries) -> np.ndarray:
 def run_audit(config_path: str, overrides: list[str], given: Mapping[str, Any], force: bool = False) -> dict:
     """The audit of a config's model (`given`: the audit's options from the command line, None where not
     given): its job (with canaries planted) planned and run."""
-    config = run_plan.RunConfig.read(config_path, overrides)
-    options = run_plan.audited(config, given)
+    config = run_config.RunConfig.read(config_path, overrides)
+    options = run_config.audited(config, given)
     planned = run_plan.stages_of(config)  # the job itself must be valid
     directory = audit_directory(config.run_dir, options)
-    with storage.exclusive(directory, f"audit {config_path}"):
+    with output_lock.exclusive(directory, f"audit {config_path}"):
         return _audit(config_path, config, planned, options, directory, force)
 
 
 def _audit(
     config_path: str,
-    config: run_plan.RunConfig,
+    config: run_config.RunConfig,
     planned: list[run_plan.Stage],
     options: AuditOptions,
     directory: str,
@@ -225,11 +225,11 @@ def _audit(
     rng = np.random.default_rng(list(key.words))
     bound, calibrate = run_plan.step_of(planned, run_steps.Bound), run_plan.step_of(planned, run_steps.Calibrate)
     trained = run_plan.step_of(planned, run_steps.Train)  # the train stage's, planned before the baseline's
-    assert bound and calibrate and trained and config.train  # `run_plan.audited` requires their sections
+    assert bound and calibrate and trained and config.train  # `run_config.audited` requires their sections
     real = config.input
     eval_data = None
     if real is None:  # generate the same records into the audit's own directory
-        generated = run_plan.RunConfig(run_dir=directory, generate=config.generate)
+        generated = run_config.RunConfig(run_dir=directory, generate=config.generate)
         run.run_stages(directory, config_path, run_plan.stages_of(generated), force)
         real = path("records")
         eval_data = path("test.parquet") if config.generate and config.generate.holdout else None

@@ -17,13 +17,14 @@ from typing import Any
 
 import madp
 from madp.commands.registry import CommandResult
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.batch_files import TRAININGS_FILE, BatchReport, read_batch_report
 from madp.core.errors import CheckFailed, InputError
 from madp.core.reports import AuditReport, BoundReport
 from madp.core.selection import REPORT_FILE, read_bound_report
 from madp.jobs.run_check import check_columns, check_feasible
-from madp.jobs.run_plan import RunConfig, Source, Stage, stages_of
+from madp.jobs.run_config import RunConfig
+from madp.jobs.run_plan import Source, Stage, stages_of
 from madp.jobs.run_steps import AuditJob
 from madp.tools.report import QUALITY_METRICS, published_with_audit, shows_sampling
 from madp.training.ledger import refuse_stranding, stranded_checkpoints
@@ -176,8 +177,8 @@ def _writing(stage: Stage):
     if stage.name == "audit" or stage.output.endswith((".json", ".html")):
         return contextlib.nullcontext()
     if stage.name.startswith("verify-"):
-        return storage.reading(stage.output, f"madp run stage {stage.name}")
-    return storage.exclusive(stage.output, f"run stage {stage.name}")
+        return output_lock.reading(stage.output, f"madp run stage {stage.name}")
+    return output_lock.exclusive(stage.output, f"run stage {stage.name}")
 
 
 def _manifest(run_dir: str, stage: Stage) -> str:
@@ -332,7 +333,7 @@ def run(config_path: str, overrides: list[str], audit: AuditJob, force: bool = F
     """The job of a config; `audit` runs its audit stage (`madp audit CONFIG`, `madp.jobs.audit.run_audit`)."""
     config = RunConfig.read(config_path, overrides)
     stages = stages_of(config, Source(config_path, overrides, audit))
-    with storage.exclusive(config.run_dir, f"run {config_path}"):
+    with output_lock.exclusive(config.run_dir, f"run {config_path}"):
         return run_stages(config.run_dir, config_path, stages, force, lambda: check_feasible(stages))
 
 

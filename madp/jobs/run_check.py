@@ -3,7 +3,7 @@ for can be formed on the input's graph, and whether calibration will accept thei
 infeasible plan stops there with the option to change and a value that works, rather than in
 `madp batch` (or calibration) after the bounding.
 
-The check is `madp recommend-k`'s for one k (`madp.tools.planning.recommend.job_feasibility`): the local
+The check is `madp recommend-k`'s for one k (`madp.tools.planning.feasibility.job_feasibility`): the local
 engine's bounding kernels on the graph read into memory, then the sampler's own calibration of p and
 the trainer's own truncation delta. The graph is public under the fixed-graph model, so it costs no
 privacy.
@@ -21,7 +21,7 @@ from madp.engines.batching import BatchOptions
 from madp.jobs.run_plan import Stage, step_of
 from madp.jobs.run_steps import Batch, Bound, Calibrate, Train
 from madp.stages.arguments import LOCAL
-from madp.tools.planning.recommend import CONFIG_KEYS, BatchTarget, job_feasibility
+from madp.tools.planning.feasibility import CONFIG_KEYS, BatchTarget, job_feasibility
 from madp.training.options import TrainOptions
 
 log = logging.getLogger("madp.run")

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from madp.core import storage
+from madp.core import output_lock, storage
 from madp.core.errors import InputError, OptionError
 from madp.core.options import value_type
 
@@ -88,5 +88,5 @@ def writing(output: str, inputs: Sequence[str | None], step: str) -> Iterator[No
     """Hold `output` (its lock) while `step` writes it, as the command line does, once it is known to
     overlap none of the `inputs` (those not None), which a step replacing its output could delete."""
     storage.refuse_overlap(output, [path for path in inputs if path is not None])
-    with storage.exclusive(output, step):
+    with output_lock.exclusive(output, step):
         yield

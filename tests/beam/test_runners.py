@@ -24,7 +24,8 @@ from madp.cli import main
 from madp.core.bounding import Control
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions
-from madp.jobs.run_plan import load_config, plan_stages
+from madp.jobs.run_config import RunConfig
+from madp.jobs.run_plan import stages_of
 
 pytestmark = [pytest.mark.beam]
 
@@ -37,7 +38,7 @@ def test_every_runner_has_a_config():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
 def test_runner_config_is_a_valid_job(config):
-    stages = [stage.name for stage in plan_stages(load_config(config, []))]
+    stages = [stage.name for stage in stages_of(RunConfig.read(config, []))]
     assert stages == ["bound", "verify-bound", "batch", "verify-batches", "calibrate", "train"]
 
 

@@ -303,7 +303,8 @@ def test_batch_reads_user_ids_as_the_bound_did_and_verify_batches_re_derives_the
 
 
 def test_a_run_config_reads_every_stage_with_the_bounds_user_ids(tmp_path, capsys):
-    from madp.jobs.run_plan import plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import stages_of
 
     data = write_records(str(tmp_path / "export.jsonl"), export(200, seed=4))
     config = {
@@ -312,7 +313,7 @@ def test_a_run_config_reads_every_stage_with_the_bounds_user_ids(tmp_path, capsy
         "bound": {"max_contributions": K, "users_columns": ["from", "to"], "user_ids": "email", "runner": "local"},
         "batch": {"steps": 20, "batch_size": 4, "min_sep": 2, "seed": 1, "runner": "local"},
     }
-    stages = {stage.name: stage.command for stage in plan_stages(json.loads(json.dumps(config)))}
+    stages = {stage.name: stage.command for stage in stages_of(RunConfig.from_json(json.loads(json.dumps(config))))}
     for name in ("bound", "verify-bound", "batch", "verify-batches"):
         assert stages[name][stages[name].index("--user-ids") + 1] == "email", name
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
@@ -326,15 +327,15 @@ def test_a_run_config_reads_every_stage_with_the_bounds_user_ids(tmp_path, capsy
     ):
         changed = {**config, "batch": {**config["batch"], **batch}}
         if message is None:
-            plan_stages(changed)
+            stages_of(RunConfig.from_json(changed))
         else:
             with pytest.raises(InputError, match=message):
-                plan_stages(changed)
+                stages_of(RunConfig.from_json(changed))
     unbound = {**config, "bound": {k: v for k, v in config["bound"].items() if k != "user_ids"}}
     with pytest.raises(InputError, match="config batch.user_ids: the bound section says how user ids are read"):
-        plan_stages({**unbound, "batch": {**config["batch"], "user_ids": "email"}})
+        stages_of(RunConfig.from_json({**unbound, "batch": {**config["batch"], "user_ids": "email"}}))
     with pytest.raises(InputError, match="config bound.user_ids: one of email, as-is, got 'lower'"):
-        plan_stages({**config, "bound": {**config["bound"], "user_ids": "lower"}})
+        stages_of(RunConfig.from_json({**config, "bound": {**config["bound"], "user_ids": "lower"}}))
     # Without user_ids the run stops at the bound, naming the signs.
     (tmp_path / "unbound.yaml").write_text(yaml.safe_dump({**unbound, "run_dir": str(tmp_path / "run2")}))
     code, _, err = cli(capsys, "run", tmp_path / "unbound.yaml")

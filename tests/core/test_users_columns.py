@@ -249,7 +249,8 @@ def test_run_config_with_users_columns_end_to_end(tmp_path, capsys):
 def test_a_run_reads_and_verifies_with_the_bounds_users_columns(tmp_path):
     """verify-bound, batch and verify-batches get the bound's --users-columns; a batch section may repeat
     them, not name others."""
-    from madp.jobs.run_plan import plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import stages_of
 
     config = {
         "run_dir": str(tmp_path / "run"),
@@ -257,13 +258,13 @@ def test_a_run_reads_and_verifies_with_the_bounds_users_columns(tmp_path):
         "bound": {"max_contributions": 2, "users_columns": ["from", "to", "cc"]},
         "batch": {"steps": 30, "batch_size": 15, "users_columns": "from,to,cc"},
     }
-    stages = {stage.name: stage.command for stage in plan_stages(dict(config))}
+    stages = {stage.name: stage.command for stage in stages_of(RunConfig.from_json(dict(config)))}
     for name in ("bound", "verify-bound", "batch", "verify-batches"):
         assert stages[name][stages[name].index("--users-columns") + 1] == "from,to,cc"
         assert "--users-column" not in stages[name]
     config["batch"] = {**config["batch"], "users_columns": ["from", "to"]}
     with pytest.raises(InputError, match=r"config batch.users_columns: differs from the bound's \('from,to,cc'\)"):
-        plan_stages(dict(config))
+        stages_of(RunConfig.from_json(dict(config)))
     config["batch"] = {"steps": 30, "batch_size": 15, "users_column": "users"}
     with pytest.raises(InputError, match="config batch.users_column: the bound reads the users with users_columns"):
-        plan_stages(dict(config))
+        stages_of(RunConfig.from_json(dict(config)))

@@ -120,15 +120,16 @@ REFUSED = [
 
 def plans() -> dict:
     """The plan of each of `PLANNED`, and the message of each of `REFUSED`, as this checkout makes them."""
-    from madp.commands.registry import error_text
     from madp.core.errors import InputError
+    from madp.core.options import error_text
     from madp.jobs.audit import run_audit
-    from madp.jobs.run_plan import Source, load_config, plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import Source, stages_of
 
     planned = {}
     for config, overrides in PLANNED:
-        stages = plan_stages(
-            load_config(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {}))
+        stages = stages_of(
+            RunConfig.read(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {}))
         )
         planned[" ".join([config, *overrides])] = [
             {
@@ -143,7 +144,7 @@ def plans() -> dict:
     refused = {}
     for config, overrides in REFUSED:
         with pytest.raises(InputError) as error:
-            plan_stages(load_config(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {})))
+            stages_of(RunConfig.read(config, overrides), Source(config, overrides, lambda *job: run_audit(*job, {})))
         refused[" ".join([config, *overrides])] = error_text(error.value)
     return {"planned": planned, "refused": refused}
 
@@ -186,11 +187,12 @@ def test_each_stage_runs_what_its_command_says(config, overrides, monkeypatch):
     from madp.engines.batching import BatchOptions
     from madp.jobs import run_steps
     from madp.jobs.audit import run_audit
-    from madp.jobs.run_plan import Source, load_config, plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import Source, stages_of
     from madp.training.options import TrainOptions
 
     monkeypatch.chdir(ROOT)
-    for stage in plan_stages(load_config(config, overrides), Source(config, overrides, run_audit)):
+    for stage in stages_of(RunConfig.read(config, overrides), Source(config, overrides, run_audit)):
         args, beam_options = parser().parse_known_args(stage.command)
         step = stage.step
         if isinstance(step, run_steps.Generate):

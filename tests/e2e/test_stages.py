@@ -24,7 +24,8 @@ import madp.training
 from madp.cli import main
 from madp.core.errors import InputError, OptionError
 from madp.core.selection import read_bound_report
-from madp.jobs.run_plan import plan_stages
+from madp.jobs.run_config import RunConfig
+from madp.jobs.run_plan import stages_of
 from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
 SEED_OPTIONS = {"max_contributions": 3, "seed": 5, "order": "hash"}
@@ -64,7 +65,7 @@ def both(records, tmp_path_factory):
     assert main(["-q", "batch", str(cli / "bounded"), records, str(cli / "batches"), *flags, "--runner", "local"]) == 0
     # what `madp run`'s calibrate stage runs, on the run_dir's batches
     config = {"run_dir": str(cli), "input": records, "calibrate": {"epsilon": 8, "bands": 2, "clip_norm": 0.5}}
-    (calibrate,) = plan_stages(config)
+    (calibrate,) = stages_of(RunConfig.from_json(config))
     assert calibrate.command[-6:] == ["--epsilon", "8", "--bands", "2", "--clip-norm", "0.5"]
     stated = calibrate.step.run()
     return api, cli, bound, batched, plan, stated

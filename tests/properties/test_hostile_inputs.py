@@ -17,7 +17,7 @@ import pytest
 from conftest import held_by, reseal_batches, write_records
 
 from madp.cli import main
-from madp.core import storage
+from madp.core import output_lock, storage
 
 ENGINES = {
     "local": ["--runner", "local"],
@@ -267,20 +267,20 @@ def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
     seen = {}
 
     def other_thread():
-        seen["holds"] = storage.holds(folder)
+        seen["holds"] = output_lock.holds(folder)
         try:
-            with storage.exclusive(folder, "another thread"):
+            with output_lock.exclusive(folder, "another thread"):
                 seen["took"] = True
-        except storage.OutputLocked:
+        except output_lock.OutputLocked:
             seen["took"] = False
 
-    assert not storage.holds(folder)
-    with storage.exclusive(folder, "train"):
-        assert storage.holds(folder)
+    assert not output_lock.holds(folder)
+    with output_lock.exclusive(folder, "train"):
+        assert output_lock.holds(folder)
         thread = threading.Thread(target=other_thread)
         thread.start()
         thread.join()
-    assert seen == {"holds": False, "took": False} and not storage.holds(folder)
+    assert seen == {"holds": False, "took": False} and not output_lock.holds(folder)
 
 
 @pytest.fixture
@@ -325,14 +325,14 @@ def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_p
 
     def writer(command: str) -> None:
         try:
-            with storage.exclusive(folder, command):
+            with output_lock.exclusive(folder, command):
                 with counting:
                     holding[0] += 1
                     most[0] = max(most[0], holding[0])
                 time.sleep(0.5)  # still held while the other lists the claims
                 with counting:
                     holding[0] -= 1
-        except storage.OutputLocked as error:
+        except output_lock.OutputLocked as error:
             refused.append(str(error))
 
     threads = [threading.Thread(target=writer, args=(command,)) for command in ("train", "train (a sweep)")]
@@ -346,24 +346,24 @@ def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_p
     assert os.listdir(tmp_path / "bucket" / "batches") == []  # every claim withdrawn or released
     (tmp_path / "bucket" / "batches" / "steps.txt").write_text("1")
     free = storage.content_digest(folder)
-    with storage.exclusive(folder, "train"):
+    with output_lock.exclusive(folder, "train"):
         assert storage.content_digest(folder) == free  # what a reader reads: not the lock nor its claim
-        with pytest.raises(storage.OutputLocked, match="`madp train`"):
-            with storage.exclusive(folder, "train (a sweep)"):
+        with pytest.raises(output_lock.OutputLocked, match="`madp train`"):
+            with output_lock.exclusive(folder, "train (a sweep)"):
                 pass
-    (tmp_path / "bucket" / "batches" / f"{storage.CLAIM_PREFIX}killed").write_text(
+    (tmp_path / "bucket" / "batches" / f"{output_lock.CLAIM_PREFIX}killed").write_text(
         json.dumps({"pid": 1, "host": "elsewhere", "command": "train", "since": "then"})
     )
-    monkeypatch.setattr(storage.random, "uniform", lambda low, high: 0.001)  # the waits between tries
-    with pytest.raises(storage.OutputLocked, match=f"{folder}/{storage.CLAIM_PREFIX}killed.*remove it"):
-        with storage.exclusive(folder, "train"):
+    monkeypatch.setattr(output_lock.random, "uniform", lambda low, high: 0.001)  # the waits between tries
+    with pytest.raises(output_lock.OutputLocked, match=f"{folder}/{output_lock.CLAIM_PREFIX}killed.*remove it"):
+        with output_lock.exclusive(folder, "train"):
             pass
-    assert sorted(os.listdir(tmp_path / "bucket" / "batches")) == [f"{storage.CLAIM_PREFIX}killed", "steps.txt"]
+    assert sorted(os.listdir(tmp_path / "bucket" / "batches")) == [f"{output_lock.CLAIM_PREFIX}killed", "steps.txt"]
 
 
 def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(100))
-    with storage.exclusive(str(tmp_path / "b"), "bound (another run)"):
+    with output_lock.exclusive(str(tmp_path / "b"), "bound (another run)"):
         code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
         assert code == 2 and "being written by another madp process" in err and "bound (another run)" in err
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -15,14 +15,17 @@ from conftest import ROOT
 # functions of madp.stages (it imports them on first use, inside its __getattr__, which the graph reads
 # like any import), so it sits in their layer: a module below may not import `madp` itself.
 LAYERS = (
-    ("core (madp/core): errors, records, storage, hashing, kernels, file formats, verifiers", ("madp.core",)),
+    (
+        "core (madp/core): errors, records, storage, the output lock, hashing, kernels, file formats, verifiers",
+        ("madp.core",),
+    ),
     ("accounting (madp.accounting: accounting/)", ("madp.accounting",)),
     (
         "engines and training (madp/engines, madp.beam: beam_pipelines/, madp.training: tf_training/)",
         ("madp.engines", "madp.beam", "madp.training"),
     ),
     (
-        "tools (madp/tools): data/ (generators, import), planning/ (recommend-k, audit options), report",
+        "tools (madp/tools): data/ (generators, import), planning/ (recommend-k, feasibility, audit options), report",
         ("madp.tools",),
     ),
     (

@@ -290,7 +290,8 @@ def test_run_batches_with_the_bounds_users_column(tmp_path, capsys):
 
 
 def test_run_checks_the_batches_against_the_contribution_bound_and_the_selection(tmp_path):
-    from madp.jobs.run_plan import plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import stages_of
 
     (tmp_path / "caps.csv").write_text("user,capacity\n7,5\n8,1\n")
     config = {
@@ -299,7 +300,7 @@ def test_run_checks_the_batches_against_the_contribution_bound_and_the_selection
         "bound": {"max_contributions": 2, "capacities": str(tmp_path / "caps.csv"), "id_column": "rid"},
         "batch": {"steps": 10, "batch_size": 5, "id_column": "rid"},
     }
-    stages = {stage.name: stage.command for stage in plan_stages(config)}
+    stages = {stage.name: stage.command for stage in stages_of(RunConfig.from_json(config))}
     verify = stages["verify-batches"]
     assert verify[verify.index("--max-contributions") + 1] == "5"  # the largest capacity, what training assumes
     assert verify[verify.index("--selected") + 1] == str(tmp_path / "run" / "bound")
@@ -308,4 +309,4 @@ def test_run_checks_the_batches_against_the_contribution_bound_and_the_selection
         assert stages[name][stages[name].index("--users-column") + 1] == "users"
     del config["bound"]
     with pytest.raises(InputError, match="config batch: needs a bound section"):
-        plan_stages(config)
+        stages_of(RunConfig.from_json(config))

@@ -18,9 +18,10 @@ from madp.accounting.truncation import smallest_max_batch_size, truncation_delta
 from madp.cli import main
 from madp.core import sampling
 from madp.jobs.run_check import check_feasible
-from madp.jobs.run_plan import load_config, plan_stages
+from madp.jobs.run_config import RunConfig
+from madp.jobs.run_plan import stages_of
 from madp.tools.data.synthetic import GraphSpec, generate, to_table
-from madp.tools.planning.recommend import largest_min_sep_reaching
+from madp.tools.planning.feasibility import largest_min_sep_reaching
 
 USERS = ["--users-columns", "from,to,cc"]
 
@@ -180,7 +181,7 @@ def test_run_refuses_an_infeasible_plan_before_bounding(emails, tmp_path, capsys
     assert not (run_dir / "bound").exists()
     fix = int(err.split("use batch.max_batch_size >= ")[1].split()[0])
     sets = ["batch.min_sep=1", "calibrate.bands=1", f"batch.max_batch_size={fix}"]
-    check_feasible(plan_stages(load_config(str(config), sets)))  # the proposed B_max passes
+    check_feasible(stages_of(RunConfig.read(str(config), sets)))  # the proposed B_max passes
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from conftest import crash_at, snapshot, write_records  # noqa: E402
 import madp.training.api as api  # noqa: E402
 import madp.training.trainer as trainer  # noqa: E402
 from madp.core.errors import DiskFull, InputError  # noqa: E402
+from madp.core.options import error_text  # noqa: E402
 from madp.core.randomness import SecretKey  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
@@ -404,7 +405,7 @@ def test_a_resumed_training_continues_its_own_entry(batches, tmp_path, monkeypat
     [started] = ledger(copy)
     unseen = write_records(str(tmp_path / "unseen.jsonl"), [{"id": 10**9, "features": [0.0] * 8, "label": 1}])
     public = TrainOptions(**{**vars(options), "resume": True, "eval_data": unseen, "eval_data_public": True})
-    with pytest.raises(InputError, match=r"no --eval-data-public \(this run: --eval-data-public\)"):
+    with pytest.raises(InputError, match=r"no eval_data_public \(this run: eval_data_public\)"):
         trainer.train(copy, cut, public)  # it would publish the evaluations kept internal so far
     backup = str(tmp_path / "backup")
     shutil.copytree(cut, backup)  # the checkpoint of step 4
@@ -552,8 +553,9 @@ def test_a_checkpoint_without_the_options_of_its_training_resumes_as_it_did(batc
         del state["options"]
         with open(state_file, "w") as handle:
             json.dump({**state, "evaluated_on": {"eval_data": data, "eval_data_public": False}}, handle)
-    with pytest.raises(InputError, match="resume with the same --eval-data and --eval-data-public"):
+    with pytest.raises(InputError, match="resume with the same eval_data and eval_data_public") as refused:
         trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "eval_data": None}))
+    assert error_text(refused.value).endswith("resume with the same --eval-data and --eval-data-public")
     resumed = trainer.train(copy, output, TrainOptions(**{**vars(options), "resume": True, "learning_rate": 0.05}))
     assert resumed.metrics.settings["resumed_at"] == 4
 
@@ -1024,7 +1026,7 @@ def test_a_replacing_training_stopped_with_a_checkpoint_keeps_the_earlier_one_un
     assert "checkpoint of step 4" in said and f"{aside} keeps the training it replaces" in said
     with pytest.raises(InputError, match=re.escape(f"; {aside} keeps the training it replaces until it finishes")):
         trainer.train(out, output, replacing)  # a fresh run
-    with pytest.raises(InputError, match=r"--learning-rate 0.5 \(this run: no --learning-rate\)"):
+    with pytest.raises(InputError, match=r"learning_rate 0.5 \(this run: no learning_rate\)"):
         trainer.train(
             out, output, TrainOptions(**{**vars(options), "replace": True, "checkpoint_every": 4, "resume": True})
         )

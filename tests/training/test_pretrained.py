@@ -33,6 +33,7 @@ gguf = pytest.importorskip("gguf")
 
 from madp.core.batch_files import Feature  # noqa: E402
 from madp.core.errors import InputError  # noqa: E402
+from madp.core.options import error_text  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
@@ -740,8 +741,11 @@ def test_bad_pretrained_inputs_are_clear_errors(tmp_path, tiny):
         pretrained.read_pretrained(other)
     schema = {"text": Feature("text", "bytes", ())}
     too_long = TrainOptions(model="causal-lm", pretrained=tiny, mechanism="none", max_length=65)
-    with pytest.raises(InputError, match="^max_length 65 exceeds the context length of pretrained \\(64 tokens"):
+    with pytest.raises(
+        InputError, match="max_length 65 exceeds the context length of pretrained \\(64 tokens"
+    ) as refused:
         CausalLmTask(too_long, schema)
+    assert error_text(refused.value).startswith("--max-length 65 exceeds the context length of --pretrained (64")
     with pytest.raises(InputError, match="^model causal-lm needs pretrained"):
         TrainOptions(model="causal-lm", mechanism="none")
     with pytest.raises(InputError, match="pretrained needs model causal-lm"):
@@ -957,7 +961,7 @@ def test_gguf_metadata_that_would_hang_the_reader_is_refused_by_key_at_once(text
         nested_arrays(str(tmp_path / "deep.gguf"), 5000): "metadata 'general.deep' nests arrays more than 8 deep",
     }.items():
         start = time.perf_counter()
-        with pytest.raises(InputError, match=re.escape(f"--pretrained {path}: ") + ".*" + re.escape(message)):
+        with pytest.raises(InputError, match=re.escape(f"pretrained {path}: ") + ".*" + re.escape(message)):
             pretrained.read_pretrained(path)
         assert time.perf_counter() - start < 0.5, path
 

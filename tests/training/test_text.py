@@ -22,6 +22,7 @@ from conftest import ROOT
 
 from madp.core.batch_files import Feature  # noqa: E402
 from madp.core.errors import InputError  # noqa: E402
+from madp.core.options import error_text  # noqa: E402
 from madp.core.selection import BoundOptions  # noqa: E402
 from madp.engines.batch_local import run_local as batch_local  # noqa: E402
 from madp.engines.batching import BatchOptions  # noqa: E402
@@ -509,17 +510,18 @@ def test_imported_mail_trains_a_language_model_on_its_bodies(tmp_path, capsys):
 def test_example_text_jobs_are_valid_configs(name, tmp_path):
     import yaml
 
-    from madp.jobs.run_plan import plan_stages
+    from madp.jobs.run_config import RunConfig
+    from madp.jobs.run_plan import stages_of
 
     config = yaml.safe_load(open(os.path.join(ROOT, "examples", f"{name}.yaml")))
     config["run_dir"] = str(tmp_path)
-    stages = {stage.name: stage.command for stage in plan_stages(config)}
+    stages = {stage.name: stage.command for stage in stages_of(RunConfig.from_json(config))}
     assert {"generate", "bound", "batch", "calibrate", "train", "baseline", "report"} <= set(stages)
     assert stages["generate"][stages["generate"].index("--task") + 1] == "text"
     assert stages["train"][stages["train"].index("--model") + 1] == name
     if name == "text-classifier":  # a pretrained model replaced in place re-runs the trainings that read it
         config["train"]["pretrained"] = str(tmp_path / "model.gguf")
-        inputs = {stage.name: stage.inputs for stage in plan_stages(config)}
+        inputs = {stage.name: stage.inputs for stage in stages_of(RunConfig.from_json(config))}
         assert str(tmp_path / "model.gguf") in inputs["train"] and str(tmp_path / "model.gguf") in inputs["baseline"]
 
 
@@ -533,8 +535,9 @@ def test_string_and_integer_labels_map_to_the_given_label_set():
     assert named.label_indices(np.array([b"ham", b"spam", b"eggs"], dtype=object)).tolist() == [1, 0, -1]
     rows = {"text": np.array([b"buy now", b"hello"], dtype=object), "label": np.array([b"spam", b"eggs"], dtype=object)}
     assert named.problems(rows).tolist() == ["", text.UNKNOWN_LABEL]
-    with pytest.raises(InputError, match="^text_column 'body' must name a text feature"):
+    with pytest.raises(InputError, match="text_column 'body' must name a text feature") as refused:
         TextClassifierTask(TrainOptions(model="text-classifier", mechanism="none", text_column="body"), schema, ["a"])
+    assert error_text(refused.value).startswith("--text-column 'body' must name")  # as the command line says it
 
 
 def test_text_models_default_to_the_optimizer_they_learn_with():
