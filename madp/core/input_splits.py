@@ -1,5 +1,5 @@
 """Splits of input files, so that many workers read one large file, each split read and validated
-on its own (`record_reading.read_lines` and `read_parquet_rows` from the split's first row) and
+on its own (`record_reading.read_jsonl` and `read_parquet_rows` from the split's first row) and
 the rules over a whole file judged afterwards from every split's facts (`record_reading.check_facts`):
 
 - an uncompressed JSON Lines file in byte ranges of about `split_bytes`: a row belongs to the range
@@ -134,8 +134,7 @@ def read_split(
     or a JSON Lines range's bytes, numbered from `first_row` (`first_row` gives it)."""
     if isinstance(rows, pa.Table):
         return record_reading.read_parquet_rows(rows, split.path, split.file_index, columns, content, first_row)
-    lines = jsonl_rows(rows, split.start == 0)
-    return record_reading.read_lines(lines, split.path, split.file_index, columns, content, first_row)
+    return record_reading.read_jsonl(rows, split.path, split.file_index, columns, content, first_row, split.start == 0)
 
 
 def count_rows(data: bytes, at_file_start: bool) -> int:

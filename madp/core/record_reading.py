@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import gzip
 import io
+import itertools
 import json
 import math
 import re
@@ -140,10 +141,10 @@ def _is_unicode(value: object) -> bool:
     return True
 
 
-def _arrow_may_read(lines: list[bytes], joined: bytes) -> bool:
-    """Whether Arrow's reader sees `lines` as the row rules do: Arrow reads invalid UTF-8 into its
-    strings, takes a lone CR for a line end, refuses lone surrogates and crashes on deep nesting, so
-    files with any of these are parsed row by row."""
+def _arrow_may_read(joined: bytes) -> bool:
+    """Whether Arrow's reader sees the rows of `joined` (rows joined by LF) as the row rules do: Arrow
+    reads invalid UTF-8 into its strings, takes a lone CR for a line end, refuses lone surrogates and
+    crashes on deep nesting, so rows with any of these are parsed row by row."""
     if b"\r" in joined or _SURROGATE_ESCAPE.search(joined):
         return False
     if not joined.isascii():
@@ -154,7 +155,7 @@ def _arrow_may_read(lines: list[bytes], joined: bytes) -> bool:
     openers = joined.translate(None, _ALL_BUT_OPENERS_AND_NEWLINES)  # per line, only its [ and {
     if not re.search(rb"[\[{]{%d}" % (MAX_DEPTH + 1), openers):
         return True
-    return not any(_too_deep(line) for line in lines)
+    return not any(_too_deep(line) for line in joined.split(b"\n"))  # no CR: LF alone ends the rows
 
 
 def _arrow_json(lines: list[bytes]) -> pa.Table | None:
@@ -165,7 +166,7 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
     if not all(line.lstrip().startswith(b"{") and line.rstrip().endswith(b"}") for line in lines):
         return None
     joined = b"\n".join(lines)
-    if not _arrow_may_read(lines, joined):
+    if not _arrow_may_read(joined):
         return None
     try:
         table = pa_json.read_json(io.BytesIO(joined))
@@ -174,14 +175,79 @@ def _arrow_json(lines: list[bytes]) -> pa.Table | None:
     return table if len(table) == len(lines) else None
 
 
+_SLICE = 1 << 22  # bytes searched for line ends at a time: masks of this size reuse memory
+
+
+def _plain_records(data: bytes, source: str, columns: Columns) -> pa.Table | None:
+    """The record columns of JSON Lines bytes whose every row is one object on a line of its own, LF
+    ended, with no blank line (a file as programs write it), read by Arrow at once as the row-by-row
+    parse reads them (`_parse_jsonl_rows`), or None where Arrow may not read them (`_arrow_may_read`).
+
+    Arrow reads every row with the types the row-by-row parse gives the leading rows' record columns,
+    and refuses a value of another type, so a table it gives holds the values and types that parse
+    gives; None where it refuses one, where a leading row is not a record's, or where every row of a
+    record column is null or lacks it (that a row has the column then rests on keys this read skips).
+    The other columns are not read: their values, typed or not, have no say in the records."""
+    if not data.startswith(b"{") or not data.endswith((b"}", b"}\n")) or not _arrow_may_read(data):
+        return None
+    as_array = np.frombuffer(data, np.uint8)
+    line_ends = np.concatenate(  # in slices: no mask as large as the data
+        [start + np.flatnonzero(as_array[start : start + _SLICE] == ord("\n")) for start in range(0, len(data), _SLICE)]
+    )
+    row_starts = line_ends[: len(line_ends) - data.endswith(b"\n")] + 1
+    if not (as_array[line_ends - 1] == ord("}")).all() or not (as_array[row_starts] == ord("{")).all():
+        return None
+    rows = len(row_starts) + 1
+    leading = [line.removesuffix(b"\n") for line in itertools.islice(io.BytesIO(data), LEADING_ROWS)]
+    try:
+        typed, problems, _ = _parse_jsonl_rows(source, leading, columns)
+    except InputError:  # ids that mix types: the row-by-row parse of all rows names the file
+        return None
+    if problems:
+        return None
+    try:
+        options = pa_json.ParseOptions(explicit_schema=typed.schema, unexpected_field_behavior="ignore")
+        table = pa_json.read_json(pa.BufferReader(data), parse_options=options)
+    except pa.ArrowInvalid:
+        return None
+    if len(table) != rows or any(column.null_count == rows for column in table.columns):
+        return None
+    return table
+
+
 def read_file(path: str, file_index: int, columns: Columns, content: Content = None) -> FileResult:
     """Read one whole input file and split it into valid records and rejected rows; with `content`,
     also carry those columns of the valid records. The rules over a whole file and over the whole
     input are the caller's to check, once every file is read: `check_facts`."""
     if not path.endswith(".parquet"):
-        return read_lines(jsonl_lines(path), path, file_index, columns, content)  # one read for records and content
+        return read_jsonl(_file_bytes(path), path, file_index, columns, content)
     names = parquet_read_columns(path, storage.parquet_columns(path), columns, content)
     return read_parquet_rows(storage.read_parquet(path, names), path, file_index, columns, content)
+
+
+def read_jsonl(
+    data: bytes,
+    source: str,
+    file_index: int,
+    columns: Columns,
+    content: Content = None,
+    first_row: int = 0,
+    at_file_start: bool = True,
+) -> FileResult:
+    """JSON Lines bytes (a whole file's, or a split's whole rows: `at_file_start` as `jsonl_rows` takes it)
+    read and validated as `read_lines` reads their rows: at once where Arrow may read all of them
+    (`_plain_records`), else row by row. The facts of a read at once name the record columns only, the
+    columns the rules over whole files look at without `content`.
+
+    Not at once with `content`, whose columns Arrow's reader would type, nor with a weight column: a
+    rejected row shows an integer weight as Arrow types a whole file that it reads (an integer) or as
+    the row-by-row parse does (a float), and which of the two reads a file rests on all its columns."""
+    if content is None and not columns.weight:
+        bom = at_file_start and data.startswith(codecs.BOM_UTF8)
+        table = _plain_records(data[len(codecs.BOM_UTF8) :] if bom else data, source, columns)
+        if table is not None:
+            return validate_rows(table, None, source, file_index, columns, first_row, frozenset(table.column_names))
+    return read_lines(jsonl_rows(data, at_file_start), source, file_index, columns, content, first_row)
 
 
 def read_lines(
@@ -289,7 +355,9 @@ def content_columns(path: str, columns: Columns) -> tuple[str, ...]:
     return _other_columns(names, columns)
 
 
-LEADING_ROWS = 1000  # `missing_columns`: rows of a JSON Lines file read before the whole of it
+# Rows of a JSON Lines file read before the whole of it: by `missing_columns`, and by `_plain_records`
+# to type the record columns.
+LEADING_ROWS = 1000
 
 
 def missing_columns(path: str, names: Iterable[str]) -> list[str]:

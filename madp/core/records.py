@@ -229,7 +229,9 @@ class ReadFacts(NamedTuple):
     file_index: int
     source: str
     first_row: int  # of the rows read, in the file
-    columns: frozenset[str] | None  # the columns some row has; None when no row is a JSON object
+    # the columns some row has (of a JSON Lines read at once, the record's only: `record_reading.read_jsonl`);
+    # None when no row is a JSON object
+    columns: frozenset[str] | None
     id_type: pa.DataType | None  # of the non-null ids of the rows read (valid or not); None: none
     user_type: pa.DataType | None  # likewise of their user ids
     content: pa.Schema | None = None  # the content columns some row has, with their types as read

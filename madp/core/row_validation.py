@@ -108,7 +108,7 @@ def validate_rows(
     offsets, flat_users, removed = _drop_repeated_users(valid_users)
     chunk = RecordChunk(
         keys=(np.int64(file_index) << np.int64(ROW_KEY_BITS)) | rows,
-        ids=ids.filter(pa.array(valid)),
+        ids=ids if valid.all() else ids.filter(pa.array(valid)),
         offsets=offsets,
         users=flat_users,
         weights=None if weights is None else weights[valid],
@@ -173,8 +173,11 @@ def _reasons(
     ]
     if weights is not None:
         checks.append((~np.isfinite(weights), BAD_WEIGHT))
+    unset = reason == ""
     for failed, why in checks:
-        reason[(reason == "") & failed] = why
+        first = unset & failed
+        reason[first] = why
+        unset &= ~first
     return reason
 
 
@@ -200,7 +203,7 @@ def _addressed_users(users: pa.ListArray, reason: np.ndarray, user_id_kind: str 
     """The users of the rows without a `reason`; under --user-ids email, string user ids replaced by the
     addresses they hold, and a row with a value that holds none given the reason bad_address (in `reason`)."""
     valid = reason == ""
-    valid_users = users.filter(pa.array(valid))
+    valid_users = users if valid.all() else users.filter(pa.array(valid))
     if user_id_kind != user_ids.EMAIL or not pa.types.is_string(valid_users.type.value_type):
         return valid_users
     valid_users, no_address = user_ids.email_users(valid_users)
@@ -331,12 +334,23 @@ def _drop_repeated_users(users: pa.ListArray) -> tuple[np.ndarray, pa.Array, int
     if len(flat) == 0:
         return np.zeros(len(users) + 1, dtype=np.int64), flat, 0
     parents = pc.list_parent_indices(users).to_numpy().astype(np.int64)
-    codes = pc.dictionary_encode(flat).indices.to_numpy().astype(np.int64)
-    order = np.lexsort((np.arange(len(codes)), codes, parents))
+    codes = _user_codes(flat, len(users))
+    key = parents * (int(codes.max()) + 1) + codes  # by record, then by user (records x users < 2^63 in memory)
+    order = np.argsort(key, kind="stable")  # a record's repeats of a user in their order in it
     repeat = np.zeros(len(codes), dtype=bool)
-    same = (parents[order][1:] == parents[order][:-1]) & (codes[order][1:] == codes[order][:-1])
-    repeat[order[1:][same]] = True
+    repeat[order[1:][key[order][1:] == key[order][:-1]]] = True
     keep = ~repeat
     counts = np.bincount(parents[keep], minlength=len(users))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return offsets, flat.filter(pa.array(keep)), int(repeat.sum())
+
+
+def _user_codes(flat: pa.Array, records: int) -> np.ndarray:
+    """Per user id, a number from 0, equal where the ids are: an integer id's offset from the smallest,
+    where records times their span fits a sort key in 64 bits, else its index in the distinct ids."""
+    if pa.types.is_integer(flat.type) and flat.null_count == 0:
+        values = flat.to_numpy()
+        low, high = int(values.min()), int(values.max())
+        if records * (high - low + 1) < 2**63:
+            return values - np.int64(low)
+    return pc.dictionary_encode(flat).indices.to_numpy().astype(np.int64)

@@ -10,6 +10,7 @@ import errno
 import gzip
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,9 @@ import pytest
 from conftest import ROOT, reseal_selection, write_records
 
 from madp.cli import main
-from madp.core import storage
+from madp.core import record_reading, storage
+from madp.core.errors import InputError
+from madp.core.records import Columns, FileResult
 from madp.core.verify import verify_batches
 
 LOCAL = ["--runner", "local"]
@@ -233,6 +236,69 @@ def test_the_verifier_reads_no_file_outside_the_output(tmp_path, capsys):
             capsys, "batch", tmp_path / "b", data, tmp_path / "o", "--steps", "3", "--batch-size", "5", *LOCAL
         )
         assert code == 2 and "selection_files is not a list of files" in err
+
+
+def hostile_jsonl(rng: random.Random) -> bytes:
+    """JSON Lines bytes of one-line objects, their record values mostly of one type and sometimes not,
+    other columns of changing types; at times with rows Arrow may not read at once."""
+    strings = rng.random() < 0.4
+    odd = rng.choice([0.0, 0.02, 0.2])
+    lines = []
+    for i in range(rng.choice([1, 5, 60, 1500])):
+        if strings:
+            record_id = b'"r%d"' % i
+            odd_ids = [b'"r1"', b"null", b'"\\u00e9"', b'""', b"7"]
+            users = rng.choice([b'["a@x.org","b"]', b'["c","c"]', b'["Bob <b@y.com>"]'])
+        else:
+            record_id = b"%d" % i
+            odd_ids = [b"null", b"-0", b"1", b"1.5", b"true", b"%d" % 2**63]
+            users = rng.choice([b"[%d,%d]" % (i % 7, i % 11), b"[1,1,2]", b"[%d,%d]" % (-(2**63), 2**63 - 1)])
+        if rng.random() < odd:
+            record_id = rng.choice(odd_ids)
+        if rng.random() < odd:
+            users = rng.choice([b"[]", b"null", b"[null]", b"[[1]]", b'[1,"a"]', b'"x"', b"[%d]" % 2**64])
+        other = rng.choice([b"", b',"x":1', b',"x":"a"', b',"x":{"a":[1]}', b',"x":1,"x":2', b',"t":"\xc3\xa9"'])
+        cc = rng.choice([b',"from":"a@b.c","to":["d@e.f"],"cc":[]', b',"from":["q"],"to":[],"cc":[null]', b""])
+        line = b'{"id":%s,"users":%s%s%s}' % (record_id, users, other, cc)
+        lines.append(line.replace(b'"id":%s,' % record_id, b"") if rng.random() < odd / 4 else line)
+    if rng.random() < 0.2:
+        hostile = [b"", b" ", b"not json", b'{"id":1} {"id":2}', b'{"id":1,', b"\xff{}", b'{"t":"\\ud800"}', b"[" * 120]
+        lines.insert(rng.randrange(len(lines) + 1), rng.choice(hostile))
+    return (b"\xef\xbb\xbf" if rng.random() < 0.1 else b"") + b"\n".join(lines) + rng.choice([b"", b"\n", b"\r\n"])
+
+
+def read_or_error(read, *args) -> object:
+    try:
+        return read(*args)
+    except InputError as error:
+        return str(error)
+
+
+def test_rows_read_at_once_give_the_records_rejects_and_facts_of_rows_read_one_by_one():
+    """`read_jsonl` reads a file's record columns at once where Arrow may (`_plain_records`), with the
+    types the row-by-row parse gives its leading rows: the same records, rejects (each as read) and
+    errors as `read_lines`, which reads the file's rows one by one where Arrow cannot type them."""
+    rng = random.Random(3)
+    at_once = 0
+    for _ in range(150):
+        data = hostile_jsonl(rng)
+        for columns in (Columns(), Columns(user_ids="email"), Columns(users_columns=("from", "to", "cc"))):
+            expected = read_or_error(record_reading.read_lines, record_reading.jsonl_rows(data), "f", 0, columns)
+            got = read_or_error(record_reading.read_jsonl, data, "f", 0, columns)
+            at_once += record_reading._plain_records(data.removeprefix(b"\xef\xbb\xbf"), "f", columns) is not None
+            if isinstance(expected, str):
+                assert got == expected, data
+                continue
+            assert isinstance(got, FileResult), got
+            chunk, wanted = got.chunk, {columns.id, *columns.user_sources}
+            assert chunk.keys.tolist() == expected.chunk.keys.tolist(), data
+            assert chunk.ids.equals(expected.chunk.ids) and chunk.users.equals(expected.chunk.users), data
+            assert chunk.offsets.tolist() == expected.chunk.offsets.tolist(), data
+            assert vars(got.rejects) == vars(expected.rejects), data
+            assert (got.rows_read, got.repeated_users_removed) == (expected.rows_read, expected.repeated_users_removed)
+            assert got.facts._replace(columns=None) == expected.facts._replace(columns=None), data
+            assert got.facts.columns & wanted == expected.facts.columns & wanted, data  # what check_facts reads
+    assert at_once > 50, at_once  # of 450 reads
 
 
 # --- Section 5: clear errors -------------------------------------------------------------------
