@@ -94,7 +94,7 @@ def _padding(value_type: pa.DataType, shape: Sequence[int | None], rows: int) ->
 class Feature:
     """One feature of the batches' rows, as their schema.json describes it."""
 
-    name: str
+    name: str  # its key in schema.json's features
     dtype: str  # "float" (float32), "int64" or "bytes" (strings)
     shape: tuple[int | None, ...]  # per row: () a scalar, (16,) a vector, (None,) a list whose length varies
 
@@ -115,10 +115,10 @@ class BatchSchema:
     its weight, the content columns), the steps, B_max (None where steps are not padded) and that rows
     are in step order."""
 
-    features: Mapping[str, Feature]
-    steps: int
-    max_batch_size: int | None
-    rows_in_step_order: bool = True
+    features: Mapping[str, Feature]  # each feature of a row by its name: step, id, weight, the content columns
+    steps: int  # T: the steps the batch files hold
+    max_batch_size: int | None  # B_max: rows per step at most (None: steps are not padded)
+    rows_in_step_order: bool = True  # the rows of step t come before those of step t + 1
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -26,7 +26,7 @@ from madp.commands.accounting import CalibrateOptions, EpsilonOptions, Recommend
 from madp.commands.batching import VerifyBatchesOptions
 from madp.commands.bounding import VerifyBoundOptions
 from madp.commands.report import ReportOptions
-from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE
+from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, BatchSchema
 from madp.core.options import CALIBRATE, Declared, declared
 from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
@@ -179,7 +179,7 @@ OUTPUTS = (
         False,
         "the batches: each step's rows (tf.train.Example) in step order; they reveal the realized sampling",
     ),
-    Output("batch", SCHEMA_FILE, False, "the rows' features (dtype and shape), the steps and B_max"),
+    Output("batch", SCHEMA_FILE, False, "the rows' features (dtype and shape), the steps and B_max", BatchSchema),
     Output(
         "batch",
         REPORT_FILE,
