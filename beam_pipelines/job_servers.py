@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 from urllib.error import HTTPError, URLError
 
+import grpc
 from apache_beam.options.pipeline_options import (
     FlinkRunnerOptions,
     JobServerOptions,
@@ -85,10 +86,12 @@ JAR_JOB_SERVERS = (
 def prepare_runner(options: PipelineOptions) -> None:
     """Before a job on `options` starts work: refuse a runner Beam does not know, and where the runner will
     start Beam's job server on this machine, find the Java launcher and fetch the job server's jar into
-    Beam's cache (unless there already); each an InputError naming the option that fixes it. Other
-    runners, and a given `--job_endpoint`, pass."""
+    Beam's cache (unless there already), or with a given `--job_endpoint`, wait for it to answer; each an
+    InputError naming the option that fixes it. Other runners pass."""
     _check_runner_name(options.view_as(StandardOptions).runner)
-    if options.view_as(PortableOptions).job_endpoint:
+    portable = options.view_as(PortableOptions)
+    if portable.job_endpoint:
+        _check_endpoint(portable.job_endpoint, portable.job_server_timeout)
         return
     runner = options.view_as(StandardOptions).runner or ""
     for server in JAR_JOB_SERVERS:
@@ -107,6 +110,21 @@ def _check_runner_name(runner: str | None) -> None:
         create_runner(runner)
     except (ValueError, ImportError, AttributeError) as error:
         raise InputError(f"--runner {runner}: {error} ('local' is madp's in-process engine)") from None
+
+
+def _check_endpoint(endpoint: str, timeout_s: int) -> None:
+    """A job server answers at `endpoint` within `timeout_s` (`--job_server_timeout`), checked before the job
+    clears its output: where none does, Beam's submission fails later with a gRPC traceback."""
+    if endpoint == "embed":  # Beam's job service in this process
+        return
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise InputError(
+                f"--job_endpoint {endpoint}: no job server answered there within {timeout_s} s "
+                "(--job_server_timeout): start it, or leave --job_endpoint out for the runner to start one"
+            ) from None
 
 
 def _check_java(server: JarJobServer, options: PipelineOptions) -> None:

@@ -5,10 +5,13 @@ registry without Beam's runner artifacts answers: nothing goes to the network.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.server
 import os
+import socket
 import threading
 
+import grpc
 import pytest
 import yaml
 from apache_beam.utils.subprocess_server import JavaJarServer
@@ -109,7 +112,6 @@ def test_a_given_jar_that_does_not_exist_is_named(bounded, tmp_path, capsys):
 @pytest.mark.parametrize(
     "options",
     [
-        ["--runner", "FlinkRunner", "--job_endpoint", "localhost:8099"],
         ["--runner", "FlinkRunner", "--flink_master", "flink:8081", "--flink_submit_uber_jar"],
         ["--runner", "SparkRunner", "--spark_submit_uber_jar", "--spark_rest_url", "http://spark:6066"],
         ["--runner", "DirectRunner"],
@@ -136,3 +138,26 @@ def test_the_runner_configs_go_as_far_as_the_job_server(config, maven_without_ru
         beam_args = ["--runner", section["runner"], *map(str, section["beam_options"])]
         with pytest.raises(InputError, match=f"pass {JAR_OPTIONS[section['runner']]} PATH"):
             prepare_runner(pipeline_options([*beam_args, "--jar_cache_dir", str(tmp_path)]))
+
+
+def test_a_job_endpoint_where_no_job_server_answers_is_one_line(bounded, capsys):
+    records, output, report = bounded
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("localhost", 0))
+        port = unused.getsockname()[1]
+    args = ["-q", "bound", records, output, "-k", "1", "--runner", "FlinkRunner", "--job_endpoint", f"localhost:{port}"]
+    err = _refused([*args, "--job_server_timeout", "1"], capsys, output, report)
+    assert err == (
+        f"madp bound: error: --job_endpoint localhost:{port}: no job server answered there within 1 s "
+        "(--job_server_timeout): start it, or leave --job_endpoint out for the runner to start one\n"
+    )
+
+
+def test_a_job_endpoint_that_answers_needs_nothing_else_of_this_machine(maven_without_runners):
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    try:
+        prepare_runner(pipeline_options(["--runner", "FlinkRunner", "--job_endpoint", f"localhost:{port}"]))
+    finally:
+        server.stop(None)
