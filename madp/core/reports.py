@@ -20,9 +20,12 @@ FORMAT_VERSION = 1  # of both reports: the keys below; a file without the key is
 VERSION_KEY = "format_version"
 
 
-def check_version(data: Mapping[str, Any], where: str, current: int = FORMAT_VERSION) -> None:
-    """Refuse a file whose `format_version` this madp does not read (a newer madp's, or not a version): its
-    format's `current` version and those before it are read."""
+def check_format(data: Any, where: str, what: str, current: int = FORMAT_VERSION) -> None:
+    """Refuse a parsed file that is not a JSON object (`what` names what it should be, e.g. "bound report"),
+    or whose `format_version` this madp does not read (a newer madp's, or not a version): its format's
+    `current` version and those before it are read."""
+    if not isinstance(data, dict):
+        raise InputError(f"{where} is not a madp {what} (a JSON {type(data).__name__}, not an object)")
     version = data.get(VERSION_KEY, current)
     if type(version) is not int or not 1 <= version <= current:
         raise InputError(
@@ -266,9 +269,7 @@ class BoundReport:
     @classmethod
     def from_json(cls, data: Any, where: str) -> BoundReport:
         """The report of a parsed report.json (`where` names it in errors)."""
-        if not isinstance(data, dict):
-            raise InputError(f"{where} is not a madp bound report (a JSON {type(data).__name__}, not an object)")
-        check_version(data, where)
+        check_format(data, where, "bound report")
         selection_files = _file_entries(data, "selection_files", where, "bound")
         _refuse_missing(data, BOUND_REPORT_KEYS, where, "bound")
 
@@ -539,9 +540,7 @@ class BatchReport:
     @classmethod
     def from_json(cls, data: Any, where: str) -> BatchReport:
         """The report of a parsed report.json (`where` names it in errors)."""
-        if not isinstance(data, dict):
-            raise InputError(f"{where} is not a madp batch report (a JSON {type(data).__name__}, not an object)")
-        check_version(data, where)
+        check_format(data, where, "batch report")
         files = _file_entries(data, "files", where, "batch")
         _refuse_missing(data, BATCH_REPORT_KEYS, where, "batch")
 
@@ -662,9 +661,7 @@ class AuditReport:
     @classmethod
     def from_json(cls, data: Any, where: str) -> AuditReport:
         """The audit of a parsed audit.json (`where` names it in errors)."""
-        if not isinstance(data, dict):
-            raise InputError(f"{where} is not a madp audit report (a JSON {type(data).__name__}, not an object)")
-        check_version(data, where, AUDIT_FORMAT_VERSION)
+        check_format(data, where, "audit report", AUDIT_FORMAT_VERSION)
 
         def parse() -> AuditReport:
             known = {field.name for field in dataclasses.fields(cls)}

@@ -52,7 +52,7 @@ from madp.core import records as rec
 from madp.core.bounding import Capacities
 from madp.core.errors import InputError, OptionError, positive
 from madp.core.options import flag_of
-from madp.core.reports import VERSION_KEY, check_version
+from madp.core.reports import VERSION_KEY, check_format
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import bound_records, read_input
 from madp.tools.planning.feasibility import (
@@ -258,9 +258,7 @@ class Recommendation:
     @classmethod
     def from_json(cls, data: Any, where: str) -> Recommendation:
         """The sweep of a parsed recommend-k.json (`where` names it in errors)."""
-        if not isinstance(data, dict):
-            raise InputError(f"{where} is not a madp recommend-k sweep (a JSON {type(data).__name__}, not an object)")
-        check_version(data, where, SWEEP_FORMAT_VERSION)
+        check_format(data, where, "recommend-k sweep", SWEEP_FORMAT_VERSION)
         try:
             return cls(
                 input=SweptInput.from_json(data["input"]),
