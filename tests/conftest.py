@@ -1,6 +1,7 @@
 """Shared helpers of the suite (small graphs written as input files, crashes, snapshots) and its layout:
 tests/ mirrors the packages (core, accounting, beam, training, tools); properties/ holds the guarantee,
-hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs."""
+hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs. Under CI=true
+a skipped test fails the run (ci_skips)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from ci_skips import register as register_ci_skips
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Test modules import shared helpers (`from conftest import ...`, `from reference import ...`) and each
@@ -27,6 +29,10 @@ DATA = os.path.join(TESTS, "data")  # fixture files
 # As madp.training.load_tensorflow sets it, for the test modules that import Keras 3 (and with it
 # TensorFlow) before madp: TensorFlow reads it when it is imported.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def pytest_configure(config):
+    register_ci_skips(config)
 
 
 def write_records(path: str, rows: list[dict]) -> str:

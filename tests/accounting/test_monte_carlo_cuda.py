@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 import pytest
+from ci_skips import NEEDS_A_GPU
 
 import madp.accounting.mc_delta as mc_delta
 from madp.accounting.monte_carlo import MinSepProcess, sample_log_ratios
@@ -95,7 +96,7 @@ def gpu_present() -> bool:
         return False
 
 
-gpu = pytest.mark.skipif(not gpu_present(), reason="needs cupy, numba-cuda and an NVIDIA GPU")
+gpu = pytest.mark.skipif(not gpu_present(), reason=f"{NEEDS_A_GPU}: an NVIDIA one, with cupy and numba-cuda")
 
 
 @gpu
