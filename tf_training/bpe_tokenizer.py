@@ -39,6 +39,22 @@ def byte_symbols() -> tuple[str, ...]:
 
 
 @functools.cache
+def text_bytes() -> frozenset[int]:
+    """The bytes that text can hold: those of the UTF-8 of every assigned character but the controls,
+    and of the controls that are Unicode whitespace (tab, newline, ...). A vocabulary may lack the others (the other
+    C0 controls, the bytes UTF-8 never uses, the lead bytes of unassigned planes), as SmolLM2's does:
+    its tokenizer, as Hugging Face's and llama.cpp's, drops them from a text."""
+    found: set[int] = set()
+    whitespace = re.compile(f"[{WHITESPACE}]")
+    for code in range(sys.maxunicode + 1):
+        character = chr(code)
+        category = unicodedata.category(character)
+        if category != "Cn" and (category != "Cc" or whitespace.match(character)):
+            found.update(character.encode("utf-8", errors="surrogatepass"))
+    return frozenset(found)
+
+
+@functools.cache
 def _character_class(prefix: str) -> str:
     """A regex character class body of every code point whose Unicode category starts with `prefix`
     (L: letters, N: numbers): what \\p{L} and \\p{N} of the tokenizer's regex match; Python's re has
@@ -122,6 +138,8 @@ class BpeTokenizer:
             raise ValueError(f"pre-tokenizer {pre_tokenizer!r}, not one of {PRE_TOKENIZERS}")
         self.bos, self.eos, self.pad, self.pre_tokenizer, self.control = bos, eos, pad, pre_tokenizer, control
         self.byte_of = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+        # the bytes without a symbol in the vocabulary (`check_vocabulary` allows only bytes text never holds)
+        self._dropped = bytes(byte for byte, symbol in enumerate(byte_symbols()) if symbol not in self.ids)
         self._cache: dict[str, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
@@ -169,6 +187,7 @@ class BpeTokenizer:
         if found is None:
             symbols = byte_symbols()
             data = piece.encode("utf-8", errors="surrogatepass")  # a lone surrogate: its bytes, as any byte
+            data = data.translate(None, self._dropped)
             found = tuple(self.ids[part] for part in self._merged([symbols[b] for b in data]))
             if len(self._cache) < 1 << 20:  # bounded: a corpus of distinct pieces must not exhaust memory
                 self._cache[piece] = found
@@ -231,10 +250,12 @@ def token_sequences(tokenizer: BpeTokenizer, texts, max_length: int) -> tuple[np
 def check_vocabulary(
     vocabulary: Container[str], merges: Sequence[str], bad: Callable[[str], InputError], tokens: str, merge: str
 ) -> None:
-    """That a byte-level BPE vocabulary holds the symbol of every byte, and every merge is two of its
-    tokens whose merge it holds too: else a text would tokenize to a symbol that has no id. `tokens`
-    and `merge` name where the vocabulary and a merge come from, for the error."""
-    missing = [symbol for symbol in byte_symbols() if symbol not in vocabulary]
+    """That a byte-level BPE vocabulary holds the symbol of every byte that text holds (`text_bytes`; the
+    tokenizer drops the others), and every merge is two of its tokens whose merge it holds too: else a
+    text would tokenize to a symbol that has no id. `tokens` and `merge` name where the vocabulary and
+    a merge come from, for the error."""
+    symbols = byte_symbols()
+    missing = [symbols[byte] for byte in sorted(text_bytes()) if symbols[byte] not in vocabulary]
     if missing:
         raise bad(f"{tokens} lacks the symbols of {len(missing)} bytes (e.g. {missing[0]!r})")
     for number, pair in enumerate(merges, 1):

@@ -348,6 +348,21 @@ def test_tokens_of_ordinary_text_are_gpt2s_byte_level_bpe(pre_tokenizer):
         assert tokenizer.encode(text.encode("utf-8"), limit=7) == ids[:7]
 
 
+def test_bytes_text_never_holds_may_lack_a_symbol_and_are_dropped():
+    """A vocabulary without the symbols of control bytes (SmolLM2's lacks 21 such bytes) loads, and its
+    tokenizer drops those bytes from a text, as Hugging Face's and llama.cpp's do; a vocabulary without
+    a byte that text holds (',') is refused."""
+    symbols = bpe_tokenizer.byte_symbols()
+    vocabulary = [token for token in symbol_tokens([]) if token not in (symbols[0x04], symbols[0xFF])]
+    refused = []
+    bpe_tokenizer.check_vocabulary(set(vocabulary), [], refused.append, "tokens", "merge")
+    assert not refused and {0x04, 0xFF, 0xC0} <= set(range(256)) - bpe_tokenizer.text_bytes()
+    tokenizer = bpe_tokenizer.BpeTokenizer(vocabulary, [], 1, 2, 2, pre_tokenizer="gpt2")
+    assert tokenizer.decode(tokenizer.encode("a\x04b, c\n")) == "ab, c\n"
+    with pytest.raises(InputError, match="lacks the symbols of 1 bytes \\(e.g. ','\\)"):
+        bpe_tokenizer.check_vocabulary(set(vocabulary) - {","}, [], InputError, "tokens", "merge")
+
+
 def test_merges_follow_gpt2s_rule_whatever_their_order():
     """Merge tables in random orders (a merge before the ones that make its parts, too): the merges the
     heap finds are GPT-2's, the lowest rank at every place left to right, then again."""
