@@ -36,6 +36,9 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3.6"],  # make test: a worker process per core
         "lint": ["ruff==0.17.*", "mypy==2.4.*"],
         "gcp": ["apache-beam[gcp]==2.77.*"],
+        # Beam's file systems for s3:// and hdfs:// (the workers', and madp train's copy of batches there)
+        "aws": ["apache-beam[aws]==2.77.*"],
+        "hadoop": ["apache-beam[hadoop]==2.77.*"],
         # tensorflow-privacy==0.9.0 also, installed with --no-deps (its pins break TF 2.21; see Makefile)
         # gguf: reads (and the tests write) the GGUF files of pretrained models (--model causal-lm)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*", "gguf>=0.17,<1"],
