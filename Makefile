@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test test-fast lint bench clean pretrained
+.PHONY: demo test test-fast lint bench clean pretrained prism
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report,spark]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -49,8 +49,14 @@ demo: $(STAMP)
 		      f'per user (k = {p[\"contribution_bound\"]}), private: {p[\"private\"]};', \
 		      'report: $(DEMO)/report.html (internal: $(DEMO)/internal-report.html)')"
 
+# Beam's Prism runner for the runner tier (tests/beam/test_prism_tier.py), built with Go once per Beam
+# version into ~/.cache/madp/prism/VERSION/ (MADP_PRISM_CACHE=DIR for another folder): about 2 minutes
+# the first time, then taken from there. Without Go it says so and the tier skips; under CI=true it fails.
+prism: $(STAMP)
+	$(BIN)/python tests/runner_services.py prism
+
 # One worker process per core (at most 4), each taking whole test files (their module fixtures once)
-test: lint
+test: lint prism
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
