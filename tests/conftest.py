@@ -1,6 +1,8 @@
-"""Shared helpers of the suite (small graphs written as input files, crashes, snapshots) and its layout:
-tests/ mirrors the packages (core, accounting, beam, training, tools); properties/ holds the guarantee,
-hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs."""
+"""Shared helpers of the suite (small graphs written as input files, crashes, snapshots), the runner
+tier's engines as session fixtures (the Prism binary, a Spark standalone cluster), and the suite's
+layout: tests/ mirrors the packages (core, accounting, beam, training, tools), spark/ runs on the Spark
+cluster; properties/ holds the guarantee, hostile-input, engines-agree and layering suites, e2e/ the
+command-line runs of whole jobs."""
 
 from __future__ import annotations
 

@@ -34,6 +34,13 @@ from typing import NamedTuple
 from conftest import SUITES
 
 _START_SECONDS = 120.0  # a cold start on a busy 2-core machine takes ~10 s; this only catches a hang
+# Beam's worker pool logs its port at INFO on the root logger, which has no handler of its own: the
+# line shows only where an import happened to log a warning first (none does with the gcp extra
+# installed), so the pool runs with a handler.
+_WORKER_POOL = (
+    "import logging, sys; logging.basicConfig(level=logging.INFO); "
+    "from apache_beam.runners.worker import worker_pool_main; worker_pool_main.main(sys.argv)"
+)
 PRISM_CACHE_VARIABLE = "MADP_PRISM_CACHE"  # the folder of the Prism binaries, one folder per Beam version
 PRISM_PACKAGE = "github.com/apache/beam/sdks/v2/go/cmd/prism"
 
@@ -191,7 +198,7 @@ def portable_services() -> Iterator[list[str]]:
             services.append(
                 Service(
                     "worker_pool",
-                    [sys.executable, "-m", "apache_beam.runners.worker.worker_pool_main", "--service_port=0"],
+                    [sys.executable, "-c", _WORKER_POOL, "--service_port=0"],
                     directory,
                 )
             )
