@@ -228,8 +228,7 @@ class SparkCluster(NamedTuple):
 
     def state(self) -> dict:
         """The master's view: its workers (`aliveworkers`), applications and their cores."""
-        with urllib.request.urlopen(f"{self.web_ui}/json/", timeout=10) as answer:
-            return json.load(answer)
+        return loopback_json(f"{self.web_ui}/json/")
 
     def log_tails(self, lines: int = 30) -> str:
         """The end of every log of the cluster, the executors' stderr included: what a failure shows."""
@@ -260,9 +259,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Straight to the local services: an HTTP proxy of the environment does not reach this machine's loopback
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def loopback_json(url: str):
+    """The JSON a service of this machine answers at `url` (a Spark master's or driver's web UI)."""
+    with _LOOPBACK.open(url, timeout=10) as answer:
+        return json.load(answer)
+
+
 def _answers(url: str) -> bool:
     try:
-        urllib.request.urlopen(url, timeout=5).close()
+        _LOOPBACK.open(url, timeout=5).close()
     except (urllib.error.URLError, ConnectionError, TimeoutError):  # not listening yet
         return False
     return True
@@ -293,7 +302,7 @@ def spark_cluster(workers: int = 2, cores: int = 1, memory: str = "2g") -> Itera
                 environment,
             )
             services.append(master)
-            master.wait_for(lambda: _answers(f"{web_ui}/json/") and web_ui)
+            master.wait_for(lambda: web_ui if _answers(f"{web_ui}/json/") else None)
             for number in range(workers):
                 work = os.path.join(directory, f"worker-{number}")
                 worker_command = ["org.apache.spark.deploy.worker.Worker", "--cores", str(cores), "--memory", memory]

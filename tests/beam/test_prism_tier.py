@@ -100,7 +100,7 @@ def assert_same_rejects_and_report(output: str, expected: str) -> None:
 
 @pytest.mark.beam
 @pytest.mark.runners
-def test_bound_on_prism_writes_the_local_selection_and_rejects(records, local_outputs, prism_options, tmp_path, capsys):
+def test_bound_on_prism_writes_the_local_selection_and_rejects(prism_options, records, local_outputs, tmp_path, capsys):
     bound, _ = local_outputs
     output = str(tmp_path / "bound")
     on_prism(["bound", records, output, *BOUND, *prism_options], capsys)
@@ -110,7 +110,7 @@ def test_bound_on_prism_writes_the_local_selection_and_rejects(records, local_ou
 
 @pytest.mark.beam
 @pytest.mark.runners
-def test_batch_on_prism_writes_the_local_batches_and_rejects(records, local_outputs, prism_options, tmp_path, capsys):
+def test_batch_on_prism_writes_the_local_batches_and_rejects(prism_options, records, local_outputs, tmp_path, capsys):
     bound, batches = local_outputs
     output = str(tmp_path / "batches")
     on_prism(["batch", bound, records, output, *BATCH, *prism_options], capsys)

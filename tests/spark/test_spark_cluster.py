@@ -12,10 +12,8 @@ the driver sees the lost executor and the failed task, where madp's Spark engine
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import urllib.request
 
 import pytest
 import runner_services
@@ -51,9 +49,7 @@ def spark(spark_master):
 def status(spark, path: str):
     """An answer of the driver's status REST API for this application."""
     context = spark.sparkContext
-    url = f"{context.uiWebUrl}/api/v1/applications/{context.applicationId}/{path}"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return json.load(answer)
+    return runner_services.loopback_json(f"{context.uiWebUrl}/api/v1/applications/{context.applicationId}/{path}")
 
 
 def executor_rows(spark) -> list[dict]:
