@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test test-fast lint bench clean pretrained chromium
+.PHONY: demo test test-fast lint bench clean pretrained chromium prism
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report,gcp]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report,gcp,spark]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -57,9 +57,15 @@ chromium:
 		{ $(APT_CHROMIUM) || { apt-get update -q && $(APT_CHROMIUM); }; }; } || \
 		{ echo "make test needs Chromium on PATH (Debian: apt-get install chromium, as root)"; exit 1; }
 
+# Beam's Prism runner for the runner tier (tests/beam/test_prism_tier.py), built with Go once per Beam
+# version into ~/.cache/madp/prism/VERSION/ (MADP_PRISM_CACHE=DIR for another folder): about 2 minutes
+# the first time, then taken from there. Without Go it says so and the tier skips; under CI=true it fails.
+prism: $(STAMP)
+	$(BIN)/python tests/runner_services.py prism
+
 # One worker process per core (at most 4), each taking whole test files (their module fixtures once).
 # -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU": tests/ci_skips.py).
-test: lint $(SMOLLM2) chromium
+test: lint $(SMOLLM2) chromium prism
 	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)

@@ -1,16 +1,20 @@
-"""Shared helpers of the suite (small graphs written as input files, crashes, snapshots) and its layout:
-tests/ mirrors the packages (core, accounting, beam, training, tools); properties/ holds the guarantee,
-hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs. Under CI=true
-a skipped test fails the run (ci_skips)."""
+"""Shared helpers of the suite (small graphs written as input files, crashes, snapshots), the runner
+tier's engines as session fixtures (the Prism binary, a Spark standalone cluster), and the suite's
+layout: tests/ mirrors the packages (core, accounting, beam, training, tools), spark/ runs on the Spark
+cluster; properties/ holds the guarantee, hostile-input, engines-agree and layering suites, e2e/ the
+command-line runs of whole jobs. Under CI=true a skipped test fails the run (ci_skips)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -22,7 +26,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Test modules import shared helpers (`from conftest import ...`, `from reference import ...`) and each
 # other's (`from test_batching import rows_of`) by their file's name, the name pytest imports them under
 # (test folders are not packages, and file names are unique across them).
-SUITES = ("core", "accounting", "beam", "training", "tools", "properties", "e2e")
+SUITES = ("core", "accounting", "beam", "spark", "training", "tools", "properties", "e2e")
 sys.path[:0] = [TESTS, *(os.path.join(TESTS, suite) for suite in SUITES)]
 ROOT = os.path.dirname(TESTS)  # the repository
 DATA = os.path.join(TESTS, "data")  # fixture files
@@ -70,6 +74,58 @@ def small_graph():
 
     data = generate(GraphSpec(records=3000, graph="skewed", records_per_user=3.0, seed=7))
     return graph_rows(data.offsets, data.users)
+
+
+def engine_unavailable(reason: str) -> NoReturn:
+    """Skip a runner-tier test whose engine this machine lacks, but fail it under CI (CI=true), where the
+    tier must run."""
+    import runner_services
+
+    if runner_services.tier_required():
+        pytest.fail(f"{reason}: CI runs the runner tier (CI=true)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def prism_location() -> str:
+    """The path of Beam's Prism runner for the installed Beam, from its cache or built there (`make
+    prism` builds it before the tests, runner_services.prism_binary)."""
+    import runner_services
+
+    try:
+        return runner_services.prism_binary()
+    except runner_services.EngineUnavailable as missing:
+        engine_unavailable(str(missing))
+
+
+@pytest.fixture(scope="session")
+def spark_cluster():
+    """A Spark standalone cluster for the session: a master and two workers of one core and 2 GB each,
+    on loopback, stopped with all its processes at the end (runner_services.spark_cluster). A failing
+    test that uses it shows the end of the cluster's logs."""
+    import runner_services
+
+    if importlib.util.find_spec("pyspark") is None:
+        engine_unavailable("pyspark is not installed (pip install -e '.[spark]')")
+    if shutil.which("java") is None:
+        engine_unavailable("no `java` on PATH to run a Spark cluster (Java 17 or newer)")
+    with runner_services.spark_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def spark_master(spark_cluster) -> str:
+    """The URL of the session's Spark cluster (spark://127.0.0.1:PORT)."""
+    return spark_cluster.master_url
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    cluster = getattr(item, "funcargs", {}).get("spark_cluster")
+    if report.failed and cluster is not None:
+        report.sections.append(("Spark cluster logs", cluster.log_tails()))
 
 
 @pytest.fixture(autouse=True)
