@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from madp.commands.registry import Family, add_options, options_from
+from madp.core.errors import OptionError
 from madp.core.options import option
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
@@ -17,6 +18,15 @@ class VerifyBoundOptions(ColumnOptions):
 
     max_contributions: int = option(aliases=("-k",))
     capacities: str | None = option(None)
+    buckets: int | None = option(
+        None,
+        help="check the input in this many buckets on disk, one in memory at a time (default one per 128 MiB of input)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.buckets is not None and self.buckets < 1:
+            raise OptionError("--buckets must be at least 1")
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -59,7 +69,9 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.bounding import run_verify_bound
 
     options = options_from(VerifyBoundOptions, args)
-    return run_verify_bound(args.input, args.output, options.max_contributions, options.capacities, options.columns)
+    return run_verify_bound(
+        args.input, args.output, options.max_contributions, options.capacities, options.columns, options.buckets
+    )
 
 
 FAMILY = Family(

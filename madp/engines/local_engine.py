@@ -6,8 +6,10 @@ import dataclasses
 import gzip
 import logging
 import time
+import zlib
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from madp.core import record_reading, storage
@@ -100,7 +102,15 @@ CLUSTER_RUNNERS = (
 def estimated_rows(path: str) -> int:
     """About how many rows an input file holds, before it is read: a Parquet file's row count (its
     metadata), a JSON Lines file's size over the bytes per line of its first MiB (a gzipped one's,
-    compressed bytes over the lines they held)."""
+    compressed bytes over the lines they held); 0 for a file that cannot be read so far, which the reader
+    then names."""
+    try:
+        return _estimated_rows(path)
+    except (OSError, EOFError, zlib.error, pa.ArrowInvalid):
+        return 0
+
+
+def _estimated_rows(path: str) -> int:
     if path.endswith(".parquet"):
         with storage.open_input(path) as handle:
             return pq.ParquetFile(handle).metadata.num_rows

@@ -100,7 +100,7 @@ def verify_batches(
     placed = _place_rows(batched, records, copies_of, data_path, selected, violations)
     violations += _user_identity_problems(batched.user_values, records.users_of)
     # The bound over the whole selection, whatever the batches sampled of it.
-    violations += _selected_not_once(copies_of, records.occurrences, data_path)
+    violations += [violation for _, violation in _selected_not_once(copies_of, records.occurrences, data_path)]
     contribution = _contributions(copies_of, records.users_of)
     over = _over_bound(contribution, _user_bounds(capacities_path, max_contributions, violations))
     violations += _over_bound_problems(over, copies_of, records.users_of, max_contributions)
