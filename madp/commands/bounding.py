@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from madp.commands.registry import Family, add_options, options_from
 from madp.core.errors import OptionError
@@ -12,21 +13,31 @@ from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 
 
+def buckets_option() -> Any:
+    """The verifiers' --buckets: in how many parts they check the records, one in memory at a time."""
+    return option(
+        None,
+        help="check the records in this many buckets on disk, one in memory at a time (default one per 128 MiB "
+        "of them)",
+    )
+
+
+def check_buckets(buckets: int | None) -> None:
+    if buckets is not None and buckets < 1:
+        raise OptionError("--buckets must be at least 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifyBoundOptions(ColumnOptions):
     """The options of `madp verify-bound` (each field its `--flag`): the bound the output must keep."""
 
     max_contributions: int = option(aliases=("-k",))
     capacities: str | None = option(None)
-    buckets: int | None = option(
-        None,
-        help="check the input in this many buckets on disk, one in memory at a time (default one per 128 MiB of input)",
-    )
+    buckets: int | None = buckets_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.buckets is not None and self.buckets < 1:
-            raise OptionError("--buckets must be at least 1")
+        check_buckets(self.buckets)
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import NamedTuple
 
 import pyarrow.parquet as pq
@@ -52,15 +52,6 @@ def _selected_not_once(selected: Iterable, occurrences: Counter, data: str) -> l
     ]
 
 
-def _contributions(selected: dict, users_of: dict) -> dict:
-    """{user: copies of its selected records in all}, the users of each record as the records say."""
-    contribution: defaultdict = defaultdict(int)
-    for record_id, copies in selected.items():
-        for user in users_of.get(record_id, ()):
-            contribution[user] += copies
-    return contribution
-
-
 def _user_bounds(capacities_path: str | None, max_contributions: int, violations: list[str]):
     """Each user's bound: its capacity where the capacities file lists it, else `max_contributions`; an
     unreadable capacities file is a violation (and bounds every user by `max_contributions`)."""
@@ -86,23 +77,26 @@ def _over_bound(contribution: dict, bound_of) -> list[tuple]:
 
 class _BucketedSelection(NamedTuple):
     """The selection joined with the records a bucket of ids at a time: its totals, the violations of ids
-    that are not one record (by the position of their first entry), and each user's copies of the selected
-    records it is in, in `contributions`' buckets by user."""
+    that are not one record (by the position of their first entry), each user's (user, copies, id) of the
+    selected records it is in, in `contributions`' buckets by user, and the copies of the selected ids among
+    those asked for (`_join_selection`'s `kept`)."""
 
     selected_records: int
     distinct_selected: int
     not_once: list[tuple[int, str]]
     contributions: _Buckets
+    kept_copies: dict
 
 
 def _join_selection(
-    selection: _Buckets, rows: _Buckets, selected: str, data: str, problems: list
+    selection: _Buckets, rows: _Buckets, selected: str, data: str, problems: list, kept: Container = ()
 ) -> _BucketedSelection:
     """The selection's entries (`selection`, bucketed by id) joined with the records' (id, users) (`rows`, the
     same buckets), one bucket in memory at a time; an id selected twice a problem (`_copies_of`)."""
     contributions = _Buckets(selection.count, os.path.dirname(selection.paths[0]), "contributions")
     selected_records = distinct = 0
     not_once: list[tuple[int, str]] = []
+    kept_copies: dict = {}
     for bucket in range(selection.count):
         copies_of, first = _copies_of(selection.items(bucket), selected, problems)
         occurrences: Counter = Counter()
@@ -114,10 +108,36 @@ def _join_selection(
         not_once += [(first[record_id], v) for record_id, v in _selected_not_once(copies_of, occurrences, data)]
         for record_id, copies in copies_of.items():
             for user in users_of.get(record_id, ()):
-                contributions.put(user, (user, copies))
+                contributions.put(user, (user, copies, record_id))
+            if record_id in kept:
+                kept_copies[record_id] = copies
         selected_records += sum(copies_of.values())
         distinct += len(copies_of)
-    return _BucketedSelection(selected_records, distinct, not_once, contributions)
+    return _BucketedSelection(selected_records, distinct, not_once, contributions, kept_copies)
+
+
+class _UserTotals(NamedTuple):
+    """Of the users of the selected records: how many, the largest contribution, and (user, contribution,
+    bound) of each over its bound, the largest contribution first."""
+
+    users: int
+    most: int
+    over: list[tuple]
+
+
+def _user_totals(contributions: _Buckets, bound_of) -> _UserTotals:
+    """Each user's contribution (`_join_selection`'s buckets by user), a bucket of users at a time."""
+    users = most = 0
+    over: list[tuple] = []
+    for bucket in range(contributions.count):
+        contribution: defaultdict = defaultdict(int)
+        for user, copies, _ in contributions.items(bucket):
+            contribution[user] += copies
+        users += len(contribution)
+        most = max(most, max(contribution.values(), default=0))
+        over += _over_bound(contribution, bound_of)
+    over.sort(key=lambda v: (-v[1], str(v[0])))
+    return _UserTotals(users, most, over)
 
 
 def verify_bound(
@@ -157,27 +177,17 @@ def verify_bound(
                 rows.put(record_id, (record_id, users))
         joined = _join_selection(selection, rows, output, "the input", problems)
         capacity_problems: list[str] = []
-        bound_of = _user_bounds(capacities_path, max_contributions, capacity_problems)
-        users = most = 0
-        over: list[tuple] = []
-        for bucket in range(bucket_count):
-            contribution: defaultdict = defaultdict(int)
-            for user, copies in joined.contributions.items(bucket):
-                contribution[user] += copies
-            users += len(contribution)
-            most = max(most, max(contribution.values(), default=0))
-            over += _over_bound(contribution, bound_of)
-    over.sort(key=lambda v: (-v[1], str(v[0])))
+        totals = _user_totals(joined.contributions, _user_bounds(capacities_path, max_contributions, capacity_problems))
     violations += _in_order(problems) + read_problems + suspects.violations() + _in_order(joined.not_once)
     violations += capacity_problems
-    violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
+    violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in totals.over]
     return {
         "ok": not violations,
         "selected_records": joined.selected_records,
         "distinct_selected": joined.distinct_selected,
-        "users_with_selected_records": users,
-        "max_user_contribution": most,
-        "users_over_bound": len(over),
+        "users_with_selected_records": totals.users,
+        "max_user_contribution": totals.most,
+        "users_over_bound": len(totals.over),
         "violation_count": len(violations),
         "violations": violations[:_SHOWN],
     }

@@ -48,7 +48,7 @@ class _Buckets:
         self.held[bucket] = []
 
     def items(self, bucket: int) -> Iterator:
-        """The items of a bucket in the order put; its file removed once read."""
+        """The items of a bucket in the order put (read again, the same)."""
         if os.path.exists(self.paths[bucket]):
             with open(self.paths[bucket], "rb") as handle:
                 while True:
@@ -56,6 +56,4 @@ class _Buckets:
                         yield from pickle.load(handle)
                     except EOFError:
                         break
-            os.remove(self.paths[bucket])
-        held, self.held[bucket] = self.held[bucket], []
-        yield from held
+        yield from self.held[bucket]
