@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from madp.commands.bounding import buckets_option, check_buckets
 from madp.commands.registry import Family, add_options, options_from
 from madp.core.options import option
 from madp.core.records import ColumnOptions
@@ -32,6 +33,11 @@ class VerifyBatchesOptions(ColumnOptions):
     )
     max_participations: int | None = option(None, help="k: steps per user at most")
     max_batch_size: int | None = option(None, help="B_max: rows per step at most")
+    buckets: int | None = buckets_option()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_buckets(self.buckets)
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -79,6 +85,7 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
         selected=options.selected,
         max_contributions=options.max_contributions,
         capacities=options.capacities,
+        buckets=options.buckets,
     )
 
 

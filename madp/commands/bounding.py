@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from madp.commands.registry import Family, add_options, options_from
+from madp.core.errors import OptionError
 from madp.core.options import option
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
+
+
+def buckets_option() -> Any:
+    """The verifiers' --buckets: in how many parts they check the records, one in memory at a time."""
+    return option(
+        None,
+        help="check the records in this many buckets on disk, one in memory at a time (default one per 128 MiB "
+        "of them)",
+    )
+
+
+def check_buckets(buckets: int | None) -> None:
+    if buckets is not None and buckets < 1:
+        raise OptionError("--buckets must be at least 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +33,11 @@ class VerifyBoundOptions(ColumnOptions):
 
     max_contributions: int = option(aliases=("-k",))
     capacities: str | None = option(None)
+    buckets: int | None = buckets_option()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_buckets(self.buckets)
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -59,7 +80,9 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
     from madp.stages.bounding import run_verify_bound
 
     options = options_from(VerifyBoundOptions, args)
-    return run_verify_bound(args.input, args.output, options.max_contributions, options.capacities, options.columns)
+    return run_verify_bound(
+        args.input, args.output, options.max_contributions, options.capacities, options.columns, options.buckets
+    )
 
 
 FAMILY = Family(

@@ -82,12 +82,10 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 def generate(output: str, options: GenerateOptions) -> dict:
     """Draw the records `options` describe and write them to `output` (and the held-out ones to
     `options.holdout`): what `madp generate` and `madp run`'s generate stage run."""
-    from madp.tools.data.synthetic import generate as draw
-    from madp.tools.data.synthetic import write_dataset
+    from madp.tools.data.synthetic import write_generated
 
-    spec = options.spec
-    return write_dataset(
-        draw(spec), spec, output, options.shards, options.holdout, options.holdout_fraction, options.users_as
+    return write_generated(
+        options.spec, output, options.shards, options.holdout, options.holdout_fraction, options.users_as
     )
 
 

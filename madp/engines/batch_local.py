@@ -64,7 +64,7 @@ def load(selected: str, data: str, options: BatchOptions, output: str) -> Datase
     names = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection_paths = selection_files(selected)
     bound = bound_graph(selected)
-    chunk, rejects, _, _ = read_input(data, bound.columns(options.columns), names)
+    chunk, rejects, _, _ = read_input(data, bound.columns(options.columns), names, "madp batch --runner local")
     if options.on_invalid == "error":
         handle_rejects(rejects, options.on_invalid, output)
     found = graph_digest(chunk.ids, chunk.offsets, chunk.users)  # of DATA's valid records, selected or not

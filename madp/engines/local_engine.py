@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import logging
 import time
+import zlib
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from madp.core import record_reading
+from madp.core import record_reading, storage
 from madp.core import records as rec
 from madp.core.bounding import Capacities, Control, build_user_side, preference_keys, run_steps
+from madp.core.errors import check_memory
 from madp.core.graph_digest import graph_digest
 from madp.core.progress import Progress
 from madp.core.reports import BoundReport, RoundStats
@@ -85,12 +90,62 @@ def bound_records(chunk: rec.RecordChunk, options: BoundOptions, capacities: Cap
     )
 
 
+# Peak resident bytes of the local engine per input record: `madp bound --runner local` on 10M records with
+# 16 features peaked at 3.9 GB.
+BYTES_PER_RECORD = 390
+_SAMPLED_BYTES = 1 << 20  # the start of a JSON Lines file read to tell its bytes per row
+CLUSTER_RUNNERS = (
+    "--runner pyspark (Spark, on any cluster) or a Beam runner (--runner DataflowRunner, FlinkRunner, ...)"
+)
+
+
+def estimated_rows(path: str) -> int:
+    """About how many rows an input file holds, before it is read: a Parquet file's row count (its
+    metadata), a JSON Lines file's size over the bytes per line of its first MiB (a gzipped one's,
+    compressed bytes over the lines they held); 0 for a file that cannot be read so far, which the reader
+    then names."""
+    try:
+        return _estimated_rows(path)
+    except (OSError, EOFError, zlib.error, pa.ArrowInvalid):
+        return 0
+
+
+def _estimated_rows(path: str) -> int:
+    if path.endswith(".parquet"):
+        with storage.open_input(path) as handle:
+            return pq.ParquetFile(handle).metadata.num_rows
+    with storage.open_input(path) as handle:
+        if path.endswith(".gz"):
+            with gzip.GzipFile(fileobj=handle) as unzipped:
+                lines = unzipped.read(_SAMPLED_BYTES).count(b"\n")
+            sampled = handle.tell()
+        else:
+            sample = handle.read(_SAMPLED_BYTES)
+            lines, sampled = sample.count(b"\n"), len(sample)
+    return round(storage.size(path) * max(lines, 1) / max(sampled, 1))
+
+
+def check_local_memory(files: list[str], input_path: str, job: str) -> None:
+    """Refuse, before reading, an input that the local engine (`job`, e.g. "madp bound --runner local")
+    could not hold in this machine's memory (`errors.check_memory`, at BYTES_PER_RECORD per row), naming
+    the engines that can."""
+    rows = sum(estimated_rows(path) for path in files)
+    check_memory(
+        rows * BYTES_PER_RECORD,
+        f"{job} on about {rows:,} records ({input_path}) holds",
+        f"run it with {CLUSTER_RUNNERS}",
+    )
+
+
 def read_input(
-    input_path: str, columns: rec.Columns, content: record_reading.Content = None
+    input_path: str, columns: rec.Columns, content: record_reading.Content = None, job: str | None = None
 ) -> tuple[rec.RecordChunk, rec.Rejects, int, int]:
     """All valid records of the input (with `content` columns), the rejected rows, rows read and
-    repeated users removed."""
+    repeated users removed; with `job` (the command that reads them), an input past this machine's memory
+    is refused first (`check_local_memory`)."""
     files = rec.list_input_files(input_path)
+    if job is not None:
+        check_local_memory(files, input_path, job)
     chunks, facts, rejects, rows_read, removed = [], [], rec.Rejects(), 0, 0
     progress = Progress(log, "reading input", len(files), "files")
     for index, path in enumerate(files):
@@ -119,7 +174,7 @@ def run_local(input_path: str, output: str, options: BoundOptions) -> BoundRepor
         if options.capacities
         else Capacities(default=options.max_contributions)
     )
-    chunk, rejects, rows_read, removed = read_input(input_path, options.columns)
+    chunk, rejects, rows_read, removed = read_input(input_path, options.columns, job="madp bound --runner local")
     if options.capacities and len(chunk.users):  # a capacity names a user of the input's id type only
         capacities.typed_as(chunk.users.type)
     if options.on_invalid == "error" and len(rejects):

@@ -111,9 +111,11 @@ def run_verify_batches(
     selected: str,
     max_contributions: int,
     capacities: str | None,
+    buckets: int | None = None,
 ) -> dict[str, Any]:
     """`madp verify-batches` (and `madp run`'s stage of it): the independent verifier's check of the batches at
-    `output` against `data`'s records, read with `columns`, and the selection they were sampled from."""
+    `output` against `data`'s records, read with `columns`, and the selection they were sampled from; in
+    `buckets` on disk (None: by the records' size)."""
     from madp.core.verify import verify_batches
 
     return verify_batches(
@@ -129,4 +131,5 @@ def run_verify_batches(
         users_columns=columns.users_columns,
         user_ids=columns.user_ids,
         capacities_path=capacities,
+        buckets=buckets,
     )

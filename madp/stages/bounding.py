@@ -82,12 +82,26 @@ def run_bound(
 
 
 def run_verify_bound(
-    input: str, output: str, max_contributions: int, capacities: str | None, columns: Columns
+    input: str,
+    output: str,
+    max_contributions: int,
+    capacities: str | None,
+    columns: Columns,
+    buckets: int | None = None,
 ) -> dict[str, Any]:
     """`madp verify-bound` (and `madp run`'s stage of it): the independent verifier's check that no user of
-    `input`'s records, read with `columns`, is in more of the selection at `output` than its bound."""
+    `input`'s records, read with `columns`, is in more of the selection at `output` than its bound; in
+    `buckets` on disk (None: by the input's size)."""
     from madp.core.verify import verify_bound
 
     return verify_bound(
-        input, output, max_contributions, capacities, columns.id, columns.users, columns.users_columns, columns.user_ids
+        input,
+        output,
+        max_contributions,
+        capacities,
+        columns.id,
+        columns.users,
+        columns.users_columns,
+        columns.user_ids,
+        buckets,
     )

@@ -13,6 +13,7 @@ trust the two verifiers:
 - `records`: the input records, read by the README's row rules; `user_ids`: what a string user id
   shows and the addresses it holds (--user-ids email);
 - `outputs`: a madp output's report.json, the files it lists (sizes and SHA-256), the selection;
+- `buckets`: items partitioned by a hash of a key into buckets on disk, one held in memory at a time;
 - `bound`: `verify_bound`, and the bound over a selection that both verifiers check;
 - `tfrecords`: TFRecord files and their tf.train.Example rows, read with protobuf alone;
 - `batch_rows`: the batch files' rows, checked by what the batch format says of each;

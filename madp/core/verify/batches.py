@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -15,29 +16,39 @@ from madp.core.verify.batch_rows import (
     _read_batches,
     _user_identity_problems,
 )
-from madp.core.verify.bound import _SHOWN, _contributions, _over_bound, _selected_not_once, _user_bounds
-from madp.core.verify.outputs import _listed_files, _other_users_columns, _report, _selection
+from madp.core.verify.bound import _SHOWN, _join_selection, _user_bounds, _user_totals
+from madp.core.verify.buckets import _bucket_count, _Buckets
+from madp.core.verify.outputs import (
+    _copies_of,
+    _in_order,
+    _listed_files,
+    _other_users_columns,
+    _report,
+    _selection_entries,
+)
 from madp.core.verify.records import _input_files, _readable_rows, _UsersFrom
 from madp.core.verify.user_ids import _Suspects
 
 
 class _Inputs(NamedTuple):
     """What verify-batches reads before the rows: the listed batch files, their report and layout, and the
-    selection's {id: copies}."""
+    selection's entries in buckets by id."""
 
     files: list[str]
     report: dict
     layout: _Layout | None
-    copies_of: dict
+    selection: _Buckets
 
 
 class _Records(NamedTuple):
-    """DATA as the verifier reads it for the selected and batched records: each one's users, the rows that
-    hold its id, and (violation, rows) for each batched content that is not its record's."""
+    """DATA as the verifier reads it for the batched records: each one's users, the rows that hold its id,
+    and (violation, rows) for each batched content that is not its record's; every record's (id, users) in
+    buckets by id, for the bound over the selection."""
 
     users_of: dict
     occurrences: Counter
     other_content: list[tuple[str, int]]
+    rows: _Buckets
 
 
 class _Placed(NamedTuple):
@@ -71,6 +82,7 @@ def verify_batches(
     users_columns: Iterable[str] = (),
     user_ids: str | None = None,
     capacities_path: str | None = None,
+    buckets: int | None = None,
 ) -> dict:
     """Re-read the batches, the records and the selection they were made from; list every violation:
     of the bound (a user whose selected records have more than `max_contributions` copies in all, or
@@ -84,26 +96,33 @@ def verify_batches(
     is re-derived, never taken from the batch report. A record's users are `users_column`'s list, or
     the union of `users_columns`, read as `user_ids` says.
 
-    Memory: the selection's ids, the users of the selected and batched records, a step per real row, and
-    16 bytes per content feature of each distinct batched (record, content); DATA and the batch files
-    are streamed (a Parquet batch of rows, a line, a TFRecord and a 1 MiB block at a time)."""
+    Memory: the users of the batched records, a step per real row, and 16 bytes per content feature of
+    each distinct batched (record, content); of the selection and DATA's records, one bucket of `buckets`
+    (by default one per 128 MiB of DATA) on disk under a temporary folder, as verify-bound holds them; DATA
+    and the batch files are streamed (a Parquet batch of rows, a line, a TFRecord and a 1 MiB block at a
+    time)."""
     users_from = _UsersFrom(users_column, users_columns, user_ids)
     problems: list[str] = []
-    inputs = _read_inputs(output, data_path, selected, users_from, problems)
-    layout, copies_of = inputs.layout, inputs.copies_of
-    if problems or layout is None:
-        return {"ok": False, "violation_count": len(problems), "violations": problems}
-    violations: list[str] = []
-    batched = _read_batches(layout, inputs.report.get("sampler") == "users", violations)
-    violations += _padding_problems(layout, batched)
-    records = _read_records(data_path, id_column, users_from, copies_of, batched, violations)
-    placed = _place_rows(batched, records, copies_of, data_path, selected, violations)
-    violations += _user_identity_problems(batched.user_values, records.users_of)
-    # The bound over the whole selection, whatever the batches sampled of it.
-    violations += _selected_not_once(copies_of, records.occurrences, data_path)
-    contribution = _contributions(copies_of, records.users_of)
-    over = _over_bound(contribution, _user_bounds(capacities_path, max_contributions, violations))
-    violations += _over_bound_problems(over, copies_of, records.users_of, max_contributions)
+    with tempfile.TemporaryDirectory(prefix="madp-verify-batches-") as folder:
+        selection = _Buckets(_bucket_count(_input_files(data_path), buckets), folder, "selected")
+        inputs = _read_inputs(output, data_path, selected, users_from, problems, selection)
+        layout = inputs.layout
+        if problems or layout is None:
+            return {"ok": False, "violation_count": len(problems), "violations": problems}
+        violations: list[str] = []
+        batched = _read_batches(layout, inputs.report.get("sampler") == "users", violations)
+        violations += _padding_problems(layout, batched)
+        records = _read_records(
+            data_path, id_column, users_from, _Buckets(selection.count, folder, "rows"), batched, violations
+        )
+        # The bound over the whole selection, whatever the batches sampled of it.
+        joined = _join_selection(selection, records.rows, selected, data_path, [], batched.steps_of)
+        placed = _place_rows(batched, records, joined.kept_copies, data_path, selected, violations)
+        violations += _user_identity_problems(batched.user_values, records.users_of)
+        violations += _in_order(joined.not_once)
+        totals = _user_totals(joined.contributions, _user_bounds(capacities_path, max_contributions, violations))
+        violations += _over_bound_problems(totals.over, joined.contributions, max_contributions)
+    over = totals.over
     participations = _participations(placed.steps_of_user, min_sep, max_participations, violations)
     if max_batch_size is not None:
         violations += [
@@ -128,17 +147,20 @@ def verify_batches(
         "content_features": list(batched.content_names),
         "rows_with_other_content": sum(rows for _, rows in records.other_content),
         "contribution_bound": max_contributions,
-        "max_user_contribution": max(contribution.values(), default=0),
+        "max_user_contribution": totals.most,
         "users_over_bound": len(over),
         "violation_count": len(violations),
         "violations": violations[:_SHOWN],
     }
 
 
-def _read_inputs(output: str, data_path: str, selected: str, users_from: _UsersFrom, problems: list[str]) -> _Inputs:
+def _read_inputs(
+    output: str, data_path: str, selected: str, users_from: _UsersFrom, problems: list[str], selection: _Buckets
+) -> _Inputs:
     """The batch files OUTPUT/report.json lists (checked against their sizes and digests) and their layout,
-    and the selection of the bound output `selected`; what leaves them unread or unknown is a problem, as
-    are missing records and users columns other than the bound's."""
+    and the selection of the bound output `selected`, put in `selection`'s buckets by id; what leaves them
+    unread or unknown is a problem (an id selected twice found a bucket at a time), as are missing records
+    and users columns other than the bound's."""
     files, listing_problems = _listed_files(
         output, "files", "", lambda name: os.path.basename(name).startswith("batches-") and name.endswith(".tfrecord")
     )
@@ -149,9 +171,14 @@ def _read_inputs(output: str, data_path: str, selected: str, users_from: _UsersF
     problems += [f"no records at {data_path}"] if not os.path.exists(data_path) else []
     shards, selection_problems = _listed_files(selected, "selection_files", "selected", lambda name: True)
     problems += selection_problems
-    copies_of = _selection(selected, shards, problems)
+    entries: list[tuple[int, int, str]] = []
+    for entry in _selection_entries(selected, shards, entries):
+        selection.put(entry[1], entry)
+    for bucket in range(selection.count):
+        _copies_of(selection.items(bucket), selected, entries)
+    problems += _in_order(entries)
     problems += _other_users_columns(selected, users_from, "verify-batches") if not selection_problems else []
-    return _Inputs(files, report, layout, copies_of)
+    return _Inputs(files, report, layout, selection)
 
 
 def _padding_problems(layout: _Layout, batched: _Batched) -> list[str]:
@@ -169,11 +196,11 @@ def _padding_problems(layout: _Layout, batched: _Batched) -> list[str]:
 
 
 def _read_records(
-    data_path: str, id_column: str, users_from: _UsersFrom, copies_of: dict, batched: _Batched, violations: list[str]
+    data_path: str, id_column: str, users_from: _UsersFrom, rows: _Buckets, batched: _Batched, violations: list[str]
 ) -> _Records:
-    """DATA, streamed: the users of the selected and batched records, and the content of the batched checked
-    against their rows'; an unreadable file, a string user id showing a sign (without --user-ids) and each
-    other content are violations."""
+    """DATA, streamed: every record's (id, users) put in `rows`' buckets, the users of the batched records, and
+    the content of the batched checked against their rows'; an unreadable file, a string user id showing a sign
+    (without --user-ids) and each other content are violations."""
     users_of: dict = {}
     occurrences: Counter = Counter()
     other_content = []
@@ -182,21 +209,23 @@ def _read_records(
         for record_id, users, values in _readable_rows(
             path, id_column, users_from, violations, suspects, batched.content_names
         ):
-            if record_id in copies_of or record_id in batched.steps_of:
+            rows.put(record_id, (record_id, users))
+            if record_id in batched.steps_of:
                 occurrences[record_id] += 1
                 users_of[record_id] = set(users)
                 if occurrences[record_id] == 1 and record_id in batched.content:
                     other_content += _other_content(record_id, values, batched, data_path)
     violations += suspects.violations()
     violations += [violation for violation, _ in other_content]
-    return _Records(users_of, occurrences, other_content)
+    return _Records(users_of, occurrences, other_content, rows)
 
 
 def _place_rows(
     batched: _Batched, records: _Records, copies_of: dict, data_path: str, selected: str, violations: list[str]
 ) -> _Placed:
     """Each batched record's rows given to its users' steps; a violation for an id DATA lacks or holds twice,
-    one the selection lacks, and a record in more rows of a step than its copies."""
+    one the selection lacks (`copies_of`: the batched ids it selects), and a record in more rows of a step
+    than its copies."""
     users_of, occurrences = records.users_of, records.occurrences
     rows_of_record_in_step: Counter = Counter()
     steps_of_user: defaultdict = defaultdict(list)
@@ -228,13 +257,15 @@ def _place_rows(
     return _Placed(steps_of_user, unknown, unselected)
 
 
-def _over_bound_problems(over: list[tuple], copies_of: dict, users_of: dict, max_contributions: int) -> list[str]:
-    """A violation for each user over its bound in the selection, naming its first selected records."""
+def _over_bound_problems(over: list[tuple], contributions: _Buckets, max_contributions: int) -> list[str]:
+    """A violation for each user over its bound in the selection, naming its first selected records (of the
+    (user, copies, id) in `contributions`' buckets)."""
     over_users = {user for user, _, _ in over}
     records_of_user: defaultdict = defaultdict(list)
-    for record_id in copies_of:
-        for user in users_of.get(record_id, set()) & over_users:
-            records_of_user[user].append(record_id)
+    for bucket in range(contributions.count if over_users else 0):
+        for user, _, record_id in contributions.items(bucket):
+            if user in over_users:
+                records_of_user[user].append(record_id)
     return [
         f"user {user!r} has {count} records (copies counted) in the selection, over "
         f"{f'the contribution bound {bound}' if bound == max_contributions else f'its capacity {bound}'}: "

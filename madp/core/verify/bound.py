@@ -6,12 +6,15 @@ from __future__ import annotations
 import csv
 import json
 import os
+import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
+from typing import NamedTuple
 
 import pyarrow.parquet as pq
 
-from madp.core.verify.outputs import _listed_files, _other_users_columns, _selection
+from madp.core.verify.buckets import _bucket_count, _Buckets
+from madp.core.verify.outputs import _copies_of, _in_order, _listed_files, _other_users_columns, _selection_entries
 from madp.core.verify.records import _input_files, _json_lines, _readable_rows, _UsersFrom
 from madp.core.verify.user_ids import _Suspects
 
@@ -34,25 +37,19 @@ def _capacities(path: str | None) -> tuple[dict, bool]:
     return {r["user"]: r["capacity"] for r in rows}, False
 
 
-def _selected_not_once(selected: dict, occurrences: Counter, data: str) -> list[str]:
-    """A violation for each selected id that is not one valid record of `data`: no engine selects a record
-    it did not read, nor keeps an id that two rows hold."""
+def _selected_not_once(selected: Iterable, occurrences: Counter, data: str) -> list[tuple[object, str]]:
+    """(id, violation) for each selected id that is not one valid record of `data`: no engine selects a
+    record it did not read, nor keeps an id that two rows hold."""
     return [
-        f"selected id {record_id!r} is not in {data}"
-        if occurrences[record_id] == 0
-        else f"selected id {record_id!r} appears {occurrences[record_id]} times in {data}"
+        (
+            record_id,
+            f"selected id {record_id!r} is not in {data}"
+            if occurrences[record_id] == 0
+            else f"selected id {record_id!r} appears {occurrences[record_id]} times in {data}",
+        )
         for record_id in selected
         if occurrences[record_id] != 1
     ]
-
-
-def _contributions(selected: dict, users_of: dict) -> dict:
-    """{user: copies of its selected records in all}, the users of each record as the records say."""
-    contribution: defaultdict = defaultdict(int)
-    for record_id, copies in selected.items():
-        for user in users_of.get(record_id, ()):
-            contribution[user] += copies
-    return contribution
 
 
 def _user_bounds(capacities_path: str | None, max_contributions: int, violations: list[str]):
@@ -78,6 +75,71 @@ def _over_bound(contribution: dict, bound_of) -> list[tuple]:
     )
 
 
+class _BucketedSelection(NamedTuple):
+    """The selection joined with the records a bucket of ids at a time: its totals, the violations of ids
+    that are not one record (by the position of their first entry), each user's (user, copies, id) of the
+    selected records it is in, in `contributions`' buckets by user, and the copies of the selected ids among
+    those asked for (`_join_selection`'s `kept`)."""
+
+    selected_records: int
+    distinct_selected: int
+    not_once: list[tuple[int, str]]
+    contributions: _Buckets
+    kept_copies: dict
+
+
+def _join_selection(
+    selection: _Buckets, rows: _Buckets, selected: str, data: str, problems: list, kept: Container = ()
+) -> _BucketedSelection:
+    """The selection's entries (`selection`, bucketed by id) joined with the records' (id, users) (`rows`, the
+    same buckets), one bucket in memory at a time; an id selected twice a problem (`_copies_of`)."""
+    contributions = _Buckets(selection.count, os.path.dirname(selection.paths[0]), "contributions")
+    selected_records = distinct = 0
+    not_once: list[tuple[int, str]] = []
+    kept_copies: dict = {}
+    for bucket in range(selection.count):
+        copies_of, first = _copies_of(selection.items(bucket), selected, problems)
+        occurrences: Counter = Counter()
+        users_of: dict = {}
+        for record_id, users in rows.items(bucket):
+            if record_id in copies_of:
+                occurrences[record_id] += 1
+                users_of[record_id] = set(users)
+        not_once += [(first[record_id], v) for record_id, v in _selected_not_once(copies_of, occurrences, data)]
+        for record_id, copies in copies_of.items():
+            for user in users_of.get(record_id, ()):
+                contributions.put(user, (user, copies, record_id))
+            if record_id in kept:
+                kept_copies[record_id] = copies
+        selected_records += sum(copies_of.values())
+        distinct += len(copies_of)
+    return _BucketedSelection(selected_records, distinct, not_once, contributions, kept_copies)
+
+
+class _UserTotals(NamedTuple):
+    """Of the users of the selected records: how many, the largest contribution, and (user, contribution,
+    bound) of each over its bound, the largest contribution first."""
+
+    users: int
+    most: int
+    over: list[tuple]
+
+
+def _user_totals(contributions: _Buckets, bound_of) -> _UserTotals:
+    """Each user's contribution (`_join_selection`'s buckets by user), a bucket of users at a time."""
+    users = most = 0
+    over: list[tuple] = []
+    for bucket in range(contributions.count):
+        contribution: defaultdict = defaultdict(int)
+        for user, copies, _ in contributions.items(bucket):
+            contribution[user] += copies
+        users += len(contribution)
+        most = max(most, max(contribution.values(), default=0))
+        over += _over_bound(contribution, bound_of)
+    over.sort(key=lambda v: (-v[1], str(v[0])))
+    return _UserTotals(users, most, over)
+
+
 def verify_bound(
     input_path: str,
     output: str,
@@ -87,38 +149,45 @@ def verify_bound(
     users_column: str = "users",
     users_columns: Iterable[str] = (),
     user_ids: str | None = None,
+    buckets: int | None = None,
 ) -> dict:
     """Recompute every user's contribution from the input and OUTPUT/selected (users from `users_column`,
-    or the union of `users_columns`, read as `user_ids` says); list violations."""
+    or the union of `users_columns`, read as `user_ids` says); list violations.
+
+    Memory: one bucket of `buckets` (by default one per 128 MiB of input), on disk under a temporary
+    folder: the selection and the records by a hash of their id, then each user's copies by a hash of the
+    user; the capacities and the violations."""
     users_from = _UsersFrom(users_column, users_columns, user_ids)
     shards, missing = _listed_files(output, "selection_files", "selected", lambda name: True)
     missing += [f"no input at {input_path}"] if not os.path.exists(input_path) else []
     if missing:
         return {"ok": False, "violation_count": len(missing), "violations": missing}
     violations: list[str] = _other_users_columns(output, users_from, "verify-bound")
-    selected = _selection(output, shards, violations)
-
-    users_of: dict = {}
-    occurrences: Counter = Counter()
-    suspects = _Suspects()
-    for path in _input_files(input_path):
-        for record_id, users, _ in _readable_rows(path, id_column, users_from, violations, suspects):
-            if record_id in selected:
-                occurrences[record_id] += 1
-                users_of[record_id] = set(users)
-    violations += suspects.violations()
-    violations += _selected_not_once(selected, occurrences, "the input")
-    contribution = _contributions(selected, users_of)
-    bound_of = _user_bounds(capacities_path, max_contributions, violations)
-    over = _over_bound(contribution, bound_of)
-    violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in over]
+    files = _input_files(input_path)
+    with tempfile.TemporaryDirectory(prefix="madp-verify-bound-") as folder:
+        bucket_count = _bucket_count(files, buckets)
+        selection, rows = _Buckets(bucket_count, folder, "selected"), _Buckets(bucket_count, folder, "rows")
+        problems: list[tuple[int, int, str]] = []
+        for entry in _selection_entries(output, shards, problems):
+            selection.put(entry[1], entry)
+        read_problems: list[str] = []
+        suspects = _Suspects()
+        for path in files:
+            for record_id, users, _ in _readable_rows(path, id_column, users_from, read_problems, suspects):
+                rows.put(record_id, (record_id, users))
+        joined = _join_selection(selection, rows, output, "the input", problems)
+        capacity_problems: list[str] = []
+        totals = _user_totals(joined.contributions, _user_bounds(capacities_path, max_contributions, capacity_problems))
+    violations += _in_order(problems) + read_problems + suspects.violations() + _in_order(joined.not_once)
+    violations += capacity_problems
+    violations += [f"user {user!r} contributes {count} records, bound {bound}" for user, count, bound in totals.over]
     return {
         "ok": not violations,
-        "selected_records": sum(selected.values()),
-        "distinct_selected": len(selected),
-        "users_with_selected_records": len(contribution),
-        "max_user_contribution": max(contribution.values(), default=0),
-        "users_over_bound": len(over),
+        "selected_records": joined.selected_records,
+        "distinct_selected": joined.distinct_selected,
+        "users_with_selected_records": totals.users,
+        "max_user_contribution": totals.most,
+        "users_over_bound": len(totals.over),
         "violation_count": len(violations),
         "violations": violations[:_SHOWN],
     }

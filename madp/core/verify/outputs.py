@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 
 import pyarrow.parquet as pq
 
@@ -125,26 +126,53 @@ def _listed_files(output: str, key: str, folder: str, counts) -> tuple[list[str]
     return paths, problems
 
 
-def _selection(selected: str, shards: list[str], violations: list[str]) -> dict:
-    """{id: copies} of a bound output's selection `shards` (those its report lists: `_listed_files`);
-    an unreadable shard, an id that is no string or 64-bit integer, a repeated id or copies that are not
-    a positive integer (then counted as 0) is a violation."""
-    copies_of: dict = {}
+def _selection_entries(selected: str, shards: list[str], problems: list[tuple[int, int, str]]) -> Iterator[tuple]:
+    """(position, id, copies) of each entry of a bound output's selection `shards` (those its report lists:
+    `_listed_files`), in order. An unreadable shard, an id that is no string or 64-bit integer (left out), or
+    copies that are not a positive integer (then 0) is a problem (position, 1, violation); an id selected
+    twice is found by `_copies_of`, at (position, 0)."""
+    position = 0
     for shard in shards:
+        position += 1
         try:
             table = pq.read_table(shard, columns=["id", "copies"], page_checksum_verification=True)
             ids, all_copies = _column_values(table.column("id")), table.column("copies").to_pylist()
         except (OSError, ValueError, KeyError) as error:
-            violations.append(f"{shard}: not a readable selection ({error})")
+            problems.append((position, 1, f"{shard}: not a readable selection ({error})"))
             continue
         for record_id, copies in zip(ids, all_copies):
+            position += 1
             if not _scalar(record_id):  # a list, a null, or text that is not UTF-8
-                violations.append(f"selected id {record_id!r} is not a string or a 64-bit integer")
+                problems.append((position, 1, f"selected id {record_id!r} is not a string or a 64-bit integer"))
                 continue
-            if record_id in copies_of:
-                violations.append(f"id {record_id!r} is selected twice in {selected}/selected")
             if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
-                violations.append(f"id {record_id!r} has invalid copies {copies!r} in {selected}/selected")
+                problems.append((position, 1, f"id {record_id!r} has invalid copies {copies!r} in {selected}/selected"))
                 copies = 0
-            copies_of[record_id] = copies
+            yield position, record_id, copies
+
+
+def _copies_of(entries: Iterable[tuple], selected: str, problems: list[tuple[int, int, str]]) -> tuple[dict, dict]:
+    """({id: copies}, {id: position of its first entry}) of selection entries (`_selection_entries`), an id
+    selected twice a problem at the position of its second entry (its copies the last entry's)."""
+    copies_of: dict = {}
+    first: dict = {}
+    for position, record_id, copies in entries:
+        if record_id in copies_of:
+            problems.append((position, 0, f"id {record_id!r} is selected twice in {selected}/selected"))
+        else:
+            first[record_id] = position
+        copies_of[record_id] = copies
+    return copies_of, first
+
+
+def _in_order(problems: list[tuple]) -> list[str]:
+    """The violations of (position, ..., violation) problems, by position."""
+    return [problem[-1] for problem in sorted(problems)]
+
+
+def _selection(selected: str, shards: list[str], violations: list[str]) -> dict:
+    """{id: copies} of a bound output's selection `shards`, its problems (`_selection_entries`) violations."""
+    problems: list[tuple[int, int, str]] = []
+    copies_of, _ = _copies_of(_selection_entries(selected, shards, problems), selected, problems)
+    violations += _in_order(problems)
     return copies_of

@@ -43,9 +43,12 @@ def personal_words(users: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray
     return name.astype(object), phrase.astype(object)
 
 
-def documents(offsets: np.ndarray, users: np.ndarray, seed: int) -> tuple[list[str], np.ndarray]:
-    """(text, topic) of every record whose users are users[offsets[i]:offsets[i + 1]]."""
-    rng = np.random.default_rng([seed, 3])
+def documents(
+    offsets: np.ndarray, users: np.ndarray, seed: int, part: tuple[int, ...] = ()
+) -> tuple[list[str], np.ndarray]:
+    """(text, topic) of every record whose users are users[offsets[i]:offsets[i + 1]]; `part` names the
+    stream of a part of a draw made part by part."""
+    rng = np.random.default_rng([seed, 3, *part])
     topics = np.array(list(TOPICS), dtype=object)
     topic_words = np.array([words.split() for words in TOPICS.values()], dtype=object)
     records = len(offsets) - 1
