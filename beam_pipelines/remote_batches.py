@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import posixpath
-import shlex
 from collections.abc import Sequence
 
 from apache_beam.io.filesystem import BeamIOError, CompressionTypes, FileSystem
@@ -37,24 +36,15 @@ CLIENTS = {
     "hdfs": ("hdfs", "hadoop"),
     "azfs": ("azure.storage.blob", "azure"),
 }
-# Where `madp train` and `madp run` copy batches at a URL, and the Beam options of their file system
-# (`--hdfs_host NAMENODE ...`): environment variables, beside the training's own options
-FOLDER_VARIABLE, OPTIONS_VARIABLE = "MADP_BATCHES_CACHE", "MADP_FILE_SYSTEM_OPTIONS"
 _BLOCK = 1 << 22  # bytes read and written at a time
 
 
 def default_copy_folder(url: str) -> str:
-    """Where the batches at `url` are copied unless the caller names a folder: one folder per URL under
-    $MADP_BATCHES_CACHE, else the user's cache ($XDG_CACHE_HOME/madp/batches or ~/.cache/madp/batches), so
-    that a second training on the same batches copies only what changed."""
+    """Where the batches at `url` are copied unless the training names a folder (`--batches-copy`): one
+    folder per URL in the user's cache ($XDG_CACHE_HOME/madp/batches or ~/.cache/madp/batches), so that a
+    second training on the same batches copies only what changed."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    root = os.environ.get(FOLDER_VARIABLE) or os.path.join(cache, "madp", "batches")
-    return os.path.join(root, hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
-
-
-def environment_options() -> tuple[str, ...]:
-    """The Beam pipeline options of the file systems that $MADP_FILE_SYSTEM_OPTIONS gives, as one string."""
-    return tuple(shlex.split(os.environ.get(OPTIONS_VARIABLE, "")))
+    return os.path.join(cache, "madp", "batches", hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
 
 
 def copy_batches(url: str, folder: str, file_system_options: Sequence[str] = ()) -> str:

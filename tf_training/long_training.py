@@ -253,9 +253,21 @@ class Checkpoints:
 # give others. resume and replace: what this run does with OUTPUT; checkpoint_every: how often it saves;
 # internal_scalars: the internal diagnostics of the steps this run takes, no part of the model nor of what is
 # published; mc_workers and mc_runner: where the accountant draws its Monte Carlo samples (the plan they give is
-# compared on its own: `Checkpoints.restore`); tpu: the address of the TPU (--distribution is compared).
+# compared on its own: `Checkpoints.restore`); tpu: the address of the TPU (--distribution is compared);
+# batches_copy and file_system_options: where batches at a URL are copied and how their file system is reached
+# (the batches themselves are compared by their SHA-256s).
 RUN_ONLY_OPTIONS = frozenset(
-    {"resume", "replace", "checkpoint_every", "internal_scalars", "mc_workers", "mc_runner", "tpu"}
+    {
+        "resume",
+        "replace",
+        "checkpoint_every",
+        "internal_scalars",
+        "mc_workers",
+        "mc_runner",
+        "tpu",
+        "batches_copy",
+        "file_system_options",
+    }
 )
 
 

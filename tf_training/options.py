@@ -15,6 +15,7 @@ from madp.core.options import (
     option,
     refuse_failed,
     seed_argument,
+    shell_words,
 )
 
 MECHANISMS = ("auto", "dpsgd", "bandmf", "none")
@@ -85,6 +86,7 @@ def clip_norm_option() -> Any:
 NUMERIC = "numeric and module:function models"  # --help's argument groups
 TEXT = "text models (text-classifier, text-lm, causal-lm)"
 LONG = "long jobs"
+AT_A_URL = "batches at a URL (gs://, s3://, hdfs://: TensorFlow reads none of them, so they are copied first)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +327,26 @@ class TrainOptions:
         "under --resume",
         group=LONG,
     )
+    # Where the batches come from, not which they are: the copy is checked against the batch report's SHA-256s,
+    # which identify the batches in the trainings ledger
+    batches_copy: str | None = option(  # None: `madp.beam.remote_batches.default_copy_folder`
+        None,
+        metavar="DIR",
+        help="the local folder batches at a URL are copied to (each file checked) before the training reads "
+        "them; a second training copies only what changed (default: a folder per URL in "
+        "$XDG_CACHE_HOME/madp/batches, else ~/.cache/madp/batches)",
+        group=AT_A_URL,
+        how_only=True,
+    )
+    file_system_options: tuple[str, ...] = option(
+        (),
+        parse=shell_words,
+        metavar="'OPTIONS'",
+        help="the Beam pipeline options of the URL's file system, quoted as one argument and split as a shell "
+        "line, e.g. '--hdfs_host NAMENODE --hdfs_port 9870 --hdfs_user madp'",
+        group=AT_A_URL,
+        how_only=True,
+    )
 
     @property
     def user_model(self) -> bool:
@@ -374,6 +396,12 @@ class TrainOptions:
     def input_features(self) -> tuple[str, ...]:
         """The features a numeric model reads: --inputs, else --features."""
         return self.inputs or (self.features,)
+
+    @property
+    def paths_beside_batches(self) -> tuple[str | None, ...]:
+        """The local paths a training reads besides its batches (None: not given), the copy of batches at a
+        URL among them: none may be, hold or lie inside its output."""
+        return (self.eval_data, self.calibration, self.zero_out, self.pretrained, self.batches_copy)
 
     @property
     def target_epsilon(self) -> float:

@@ -129,7 +129,7 @@ def read_paths(args: argparse.Namespace) -> list[str]:
     named = {
         "bound": ("input", "capacities"),
         "batch": ("selected", "data"),
-        "train": ("batches", "eval_data", "calibration", "zero_out", "pretrained"),
+        "train": ("batches", "eval_data", "calibration", "zero_out", "pretrained", "batches_copy"),
         "import-mbox": ("mbox",),
     }.get(args.command, ())
     return [value for name in named if isinstance(value := getattr(args, name, None), str)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import types
 import typing
 from collections.abc import Callable
@@ -162,6 +163,15 @@ def comma_list(text: str) -> tuple[str, ...]:
 def comma_names(text: str) -> tuple[str, ...]:
     """`A,B,,C` as a tuple of its non-empty items."""
     return tuple(item for item in text.split(",") if item)
+
+
+def shell_words(text: str) -> tuple[str, ...]:
+    """`--a 1 --b 'x y'` split as a shell splits a command line: options meant for another program (Beam's)
+    given as one value, which quoting keeps from being taken for madp's own."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as error:  # shlex's: an unclosed quotation, a trailing escape
+        raise argparse.ArgumentTypeError(f"options split as a shell line, got {text!r}: {error}") from None
 
 
 SEED_BOUND = 2**64  # numpy's SeedSequence takes any non-negative integer; above this madp's keys wrap

@@ -170,7 +170,7 @@ class Train:
 
 
 def _training_reads(batches: str, options: TrainOptions) -> tuple[str, ...]:
-    return _given(batches, options.eval_data, options.calibration, options.zero_out, options.pretrained)
+    return _given(batches, *options.paths_beside_batches)
 
 
 @dataclasses.dataclass(frozen=True)

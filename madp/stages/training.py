@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from madp.stages.arguments import options_of, writing
@@ -12,7 +11,7 @@ if TYPE_CHECKING:  # madp.training.outputs is light, but the result comes from t
     from madp.training.outputs import TrainingResult
 
 
-def train(batches: str, output: str, batches_copy: BatchesCopy | None = None, **options: Any) -> TrainingResult:
+def train(batches: str, output: str, **options: Any) -> TrainingResult:
     """Train a model on the batches, privately (DP-SGD or DP-BandMF) unless mechanism is "none".
 
     The step `madp train` runs, with `output` held (its lock) while it is written: OUTPUT/model.keras,
@@ -21,7 +20,8 @@ def train(batches: str, output: str, batches_copy: BatchesCopy | None = None, **
     with it. TensorFlow is imported on the first call.
 
     Args:
-        batches: a `madp.batch` output directory.
+        batches: a `madp.batch` output directory, or its URL (gs://, s3://, hdfs://: copied to the local
+            folder batches_copy first, through the file system that file_system_options set up).
         output: the directory to write.
         **options: the options of `madp train` by their snake_case names, the fields of
             `madp.training.options.TrainOptions`: epsilon or noise_multiplier (or calibration, a
@@ -59,37 +59,26 @@ def train(batches: str, output: str, batches_copy: BatchesCopy | None = None, **
         (12, 'logreg')
     """
     train_options = options_of("train", TrainOptions, options)
-    paths = (train_options.eval_data, train_options.calibration, train_options.zero_out, train_options.pretrained)
-    with writing(output, (batches, *paths), "train"):
-        return run_train(batches, output, train_options, batches_copy or BatchesCopy())
+    with writing(output, (batches, *train_options.paths_beside_batches), "train"):
+        return run_train(batches, output, train_options)
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchesCopy:
-    """Where batches at a URL (gs://, s3://, hdfs://: TensorFlow reads none of them) are copied before the
-    training, and the Beam pipeline options their file system is set up with (`--hdfs_host`, ...)."""
-
-    folder: str | None = None  # None: a folder per URL in the user's cache (`remote_batches.default_copy_folder`)
-    file_system_options: tuple[str, ...] = ()
-
-
-def run_train(batches: str, output: str, options: TrainOptions, copy: BatchesCopy = BatchesCopy()) -> TrainingResult:
+def run_train(batches: str, output: str, options: TrainOptions) -> TrainingResult:
     """`train` with its options built (`madp train` builds them from its arguments), on an output its
     caller holds. Batches at a URL are copied to a local folder first (`local_batches`), and the training
     reads the copy."""
     from madp.training.trainer import train as train_model
 
-    return train_model(local_batches(batches, copy), output, options)
+    return train_model(local_batches(batches, options), output, options)
 
 
-def local_batches(batches: str, copy: BatchesCopy) -> str:
-    """The batches as a local folder: `batches` itself, or for a URL its copy, made through Beam's file
-    systems and checked against the batch report (`madp.beam.remote_batches.copy_batches`). `madp train` and
-    `madp run` take the folder and the options from the environment (`remote_batches.FOLDER_VARIABLE`,
-    `OPTIONS_VARIABLE`), as their options are the training's own."""
+def local_batches(batches: str, options: TrainOptions) -> str:
+    """The batches as a local folder: `batches` itself, or for a URL its copy in --batches-copy, made through
+    Beam's file systems set up with --file-system-options and checked against the batch report
+    (`madp.beam.remote_batches.copy_batches`)."""
     if "://" not in batches:
         return batches
-    from madp.beam.remote_batches import copy_batches, default_copy_folder, environment_options  # Beam only here
+    from madp.beam.remote_batches import copy_batches, default_copy_folder  # Beam only here
 
-    folder = copy.folder or default_copy_folder(batches)
-    return copy_batches(batches, folder, copy.file_system_options or environment_options())
+    folder = options.batches_copy or default_copy_folder(batches)
+    return copy_batches(batches, folder, options.file_system_options)

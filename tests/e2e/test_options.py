@@ -99,7 +99,16 @@ def test_run_reads_its_sections_and_how_only_options_from_the_declaration():
         "mc_runner",
         "mc_seed",
     }
-    assert HOW_ONLY == {"train": {"--resume": 0, "--retrain": 0, "--checkpoint-every": 1, "--mc-workers": 1}}
+    assert HOW_ONLY == {
+        "train": {
+            "--resume": 0,
+            "--retrain": 0,
+            "--checkpoint-every": 1,
+            "--mc-workers": 1,
+            "--batches-copy": 1,
+            "--file-system-options": 1,
+        }
+    }
 
 
 @pytest.mark.parametrize(
