@@ -35,7 +35,6 @@ from madp.beam.pipeline import (
     count,
     keeping_input_errors,
     madp_options,
-    merge_rejects,
     pipeline_options,
     run,
 )
@@ -257,7 +256,7 @@ class BatchPipeline(beam.PTransform):
         rejects = (
             (read_rejects, sampled.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
             | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
         )
         content = sampled.content | "NamedContent" >> beam.Map(lambda c: ("content", c))

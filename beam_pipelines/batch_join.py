@@ -20,7 +20,6 @@ from madp.beam.pipeline import (
     SelectionTable,
     keeping_input_errors,
     keeps_input_errors,
-    merged_records,
 )
 from madp.beam.record_chunks import SplitByRecordPartition
 from madp.core import records as rec
@@ -75,7 +74,7 @@ class _JoinSelection(beam.DoFn):
         part, (records, selection) = element
         selection = list(selection)
         rejects = rec.Rejects()
-        chunk = merged_records(records, rejects) if records else None
+        chunk = rec.merged_records(records, rejects) if records else None
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
         if chunk is not None:  # the partition's part of DATA's graph, before the join and any content check
