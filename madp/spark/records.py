@@ -73,6 +73,7 @@ class SparkRecords(NamedTuple):
 
 def _planned_splits(sc: SparkContext, files: list[str], split_bytes: int, errors_dir: str) -> list[InputSplit]:
     """Every input file's splits, planned on the executors (a Parquet file's footer read there)."""
+
     def plan(listed: tuple[int, str]) -> list[InputSplit]:
         index, path = listed
         return input_splits.plan_splits(index, path, split_bytes, input_splits.STORAGE)

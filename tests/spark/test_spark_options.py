@@ -66,17 +66,14 @@ def test_missing_or_old_java_is_one_error_naming_java_17(monkeypatch, tmp_path):
     with pytest.raises(InputError, match=r"^--runner pyspark needs Java 17 or newer: no java found"):
         session.check_java()
     old = tmp_path / "java"
-    old.write_text('#!/bin/sh\necho \'openjdk version "11.0.2" 2019-01-15\' >&2\n')
+    old.write_text("#!/bin/sh\necho 'openjdk version \"11.0.2\" 2019-01-15' >&2\n")
     old.chmod(0o755)
     with pytest.raises(InputError, match=r'needs Java 17 or newer: .*java is openjdk version "11.0.2"'):
         session.check_java()
 
 
 def test_madp_spark_imports_no_apache_beam():
-    code = (
-        "import sys, madp.spark, madp.spark.session, madp.spark.records; "
-        "print('apache_beam' in sys.modules)"
-    )
+    code = "import sys, madp.spark, madp.spark.session, madp.spark.records; print('apache_beam' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": ROOT}
     said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert said.stdout.strip() == "False"
