@@ -11,7 +11,7 @@ $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report]'
+	$(BIN)/pip install --quiet -e '.[test,lint,train,report,spark]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -53,9 +53,9 @@ demo: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests
 
-# Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
+# Kernels, accounting and input validation: no Beam pipeline, no Spark job, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not beam and not tf and not slow" tests
+	$(BIN)/python -m pytest -q -m "not beam and not spark and not tf and not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -32,12 +32,12 @@ from madp.beam.pipeline import (
     count,
     keeping_input_errors,
     madp_options,
-    merge_rejects,
     pipeline_options,
     run,
 )
 from madp.beam.record_chunks import ReadRecords
 from madp.core import batch_files, record_reading, storage
+from madp.core import records as rec
 from madp.core.batch_steps import WrittenUsers, written_by_partition, written_record_count
 from madp.core.errors import InputError
 from madp.core.reports import BatchReport
@@ -184,7 +184,7 @@ class BatchPipeline(beam.PTransform):
         rejects = (
             (read_rejects, sampled.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
             | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
         )
         content = sampled.content | "NamedContent" >> beam.Map(lambda c: ("content", c))

@@ -29,8 +29,6 @@ from madp.beam.pipeline import (
     MadpPipelineOptions,
     keeping_input_errors,
     madp_options,
-    merge_rejects,
-    merged_records,
     pipeline_options,
     run,
 )
@@ -53,6 +51,7 @@ from madp.core.selection import (
     selection_manifest,
     shard_path,
     sorted_selection,
+    stat_total,
     write_report,
     write_selection_shard,
 )
@@ -141,7 +140,7 @@ def _write_summary(stats: list, control: Control, run_dir: str) -> None:
 
 def _aggregate_stats(element):
     name, values = element
-    return name, (max(values) if name.startswith("max_") else sum(values))
+    return name, stat_total(name, values)
 
 
 class BoundPipeline(beam.PTransform):
@@ -192,7 +191,7 @@ class BoundPipeline(beam.PTransform):
         _ = (
             (read_rejects, bound.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
             | "WriteRejects"
             >> beam.Map(lambda r: files.write_bytes(files.FileSystems.join(run_dir, REJECTED), r.to_jsonl().encode()))
         )
@@ -230,7 +229,7 @@ class GroupSizes(beam.PTransform):
 def _group_sizes(chunks, errors_dir: str, threshold: int) -> tuple[int, int]:
     """A record partition's records with at most `threshold` users and with more."""
     with keeping_input_errors(errors_dir):  # ids of two types in two files
-        return group_sizes(merged_records(chunks, rec.Rejects()).arity, threshold)
+        return group_sizes(rec.merged_records(chunks, rec.Rejects()).arity, threshold)
 
 
 def _count_groups(

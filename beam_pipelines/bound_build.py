@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from madp.beam import files
 from madp.beam.bound_rounds import round_stat
-from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
+from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, stat
 from madp.beam.record_chunks import RecordPartitions
 from madp.core import records as rec
 from madp.core.bound_steps import build_user_partition, capacities_by_partition, split_record_partition
@@ -80,7 +80,7 @@ class _BuildRecordPartition(beam.DoFn):
     def process(self, element):
         part, chunks = element
         rejects = rec.Rejects()
-        chunk = merged_records(chunks, rejects)
+        chunk = rec.merged_records(chunks, rejects)
         if len(rejects):
             yield beam.pvalue.TaggedOutput("rejects", rejects)
             yield stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))

@@ -31,12 +31,13 @@ from apache_beam.typehints.decorators import IOTypeHints
 from madp.beam import files
 from madp.beam.bound_build import BuildSides, state_path
 from madp.beam.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
-from madp.beam.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
+from madp.beam.pipeline import Chunk, StopOnInvalidRows, stat
 from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import storage
 from madp.core.bound_steps import record_selection
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
+from madp.core.routing import by_kind
 from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards
 
 RECORDS, SELECTED = "records", "selected"

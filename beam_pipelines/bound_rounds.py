@@ -23,7 +23,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from madp.beam.pipeline import by_kind, stat
+from madp.beam.pipeline import stat
 from madp.core.bound_steps import (
     NO_USERS,
     IterationCounts,
@@ -37,6 +37,7 @@ from madp.core.bound_steps import (
     select_unanimous,
 )
 from madp.core.bounding import DONE, START_PASS, Control
+from madp.core.routing import by_kind
 from madp.core.selection import user_distribution_stats
 
 STATE, ACCEPTED, DEAD, PROGRESS = "state", "accepted", "dead", "progress"

@@ -1,5 +1,5 @@
 """Shared helpers of the suite (small graphs written as input files, crashes, snapshots) and its layout:
-tests/ mirrors the packages (core, accounting, beam, training, tools); properties/ holds the guarantee,
+tests/ mirrors the packages (core, accounting, beam, spark, training, tools); properties/ holds the guarantee,
 hostile-input, engines-agree and layering suites, e2e/ the command-line runs of whole jobs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Test modules import shared helpers (`from conftest import ...`, `from reference import ...`) and each
 # other's (`from test_batching import rows_of`) by their file's name, the name pytest imports them under
 # (test folders are not packages, and file names are unique across them).
-SUITES = ("core", "accounting", "beam", "training", "tools", "properties", "e2e")
+SUITES = ("core", "accounting", "beam", "spark", "training", "tools", "properties", "e2e")
 sys.path[:0] = [TESTS, *(os.path.join(TESTS, suite) for suite in SUITES)]
 ROOT = os.path.dirname(TESTS)  # the repository
 DATA = os.path.join(TESTS, "data")  # fixture files

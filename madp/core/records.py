@@ -247,6 +247,12 @@ class FileResult:
     repeated_users_removed: int
     facts: ReadFacts
 
+    def stats(self) -> dict[str, int]:
+        """What the read counts for the run's summary, by name: rows read, rejected rows by reason,
+        repeated users removed from records."""
+        rejected = {f"rejected_{reason}": count for reason, count in self.rejects.counts().items()}
+        return {"input_rows": self.rows_read, **rejected, "repeated_users_removed": self.repeated_users_removed}
+
 
 def list_input_files(path: str) -> list[str]:
     """The input files of a path: the file itself, or every .jsonl, .jsonl.gz or .parquet file below a

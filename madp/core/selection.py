@@ -8,7 +8,7 @@ import dataclasses
 import io
 import json
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -147,6 +147,12 @@ def record_distribution_stats(arity: np.ndarray, copies: np.ndarray) -> dict[str
         **_named_counts(HISTOGRAMS["records_by_users_input"], arity),
         **_named_counts(HISTOGRAMS["records_by_users_selected"], arity[copies > 0]),
     }
+
+
+def stat_total(name: str, values: Iterable[int]) -> int:
+    """A count that the steps of a partitioned engine sent under `name`, over them all: summed, or the
+    largest of a `max_` one."""
+    return max(values) if name.startswith("max_") else sum(values)
 
 
 def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
