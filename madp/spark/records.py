@@ -124,11 +124,18 @@ def read_records(
     return SparkRecords(chunks, rejects, summed_stats([stats for _, _, stats in read_facts]))
 
 
+def partition_key(part: int) -> int:
+    """The Spark partition of a value keyed by its record or user partition: partition p in Spark
+    partition p. One function for every shuffle keyed so, so that RDDs grouped by it are joined
+    without another shuffle (Spark compares partitioners by their function)."""
+    return part
+
+
 def record_partitions(chunks: RDD, partitions: int) -> RDD:
     """(file index, RecordChunk) -> (record partition, [RecordChunk, ...]: its records, by input chunk),
     record partition p in Spark partition p."""
     return (
         chunks.flatMap(lambda element: rec.by_record_partition(element[1], partitions))
-        .groupByKey(numPartitions=partitions, partitionFunc=lambda part: part)
+        .groupByKey(numPartitions=partitions, partitionFunc=partition_key)
         .mapValues(list)
     )

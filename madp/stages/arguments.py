@@ -15,7 +15,8 @@ from madp.core import output_lock, storage
 from madp.core.errors import InputError, OptionError
 from madp.core.options import value_type
 
-LOCAL = "local"  # the runner of the in-memory engines, in this process; any other name is a Beam runner's
+LOCAL = "local"  # the runner of the in-memory engines, in this process
+SPARK = "pyspark"  # madp's engine on Apache Spark (`madp.spark`), not Beam's SparkRunner; any other name is Beam's
 
 Options = TypeVar("Options")
 
