@@ -15,8 +15,7 @@ from madp.core import output_lock, storage
 from madp.core.errors import InputError, OptionError
 from madp.core.options import value_type
 
-LOCAL = "local"  # the runner of the in-memory engines, in this process
-SPARK = "pyspark"  # madp's engine on Apache Spark (`madp.spark`), not Beam's SparkRunner; any other name is Beam's
+LOCAL = "local"  # the runner of the in-memory engines, in this process; any other name is a Beam runner's
 
 Options = TypeVar("Options")
 

@@ -8,7 +8,8 @@ from typing import Any
 from madp.core.records import Columns
 from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
-from madp.stages.arguments import LOCAL, SPARK, beam_arguments, options_of, refuse_beam_options_locally, writing
+from madp.spark.session import RUNNER as SPARK
+from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
 
 
 def batch(
