@@ -16,13 +16,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import apache_beam as beam
-import numpy as np
-import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from madp.beam import files
 from madp.beam.bound_contributions import BoundContributions
-from madp.beam.bound_rounds import round_stat
 from madp.beam.job_servers import prepare_runner
 from madp.beam.pipeline import (
     NAMESPACE,
@@ -35,6 +32,7 @@ from madp.beam.pipeline import (
 from madp.beam.record_chunks import ReadRecords, RecordPartitions
 from madp.core import record_reading, storage
 from madp.core import records as rec
+from madp.core.bound_steps import round_stat
 from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
@@ -43,17 +41,18 @@ from madp.core.selection import (
     BoundOptions,
     BoundOutcome,
     InputFigures,
+    RunCounts,
     bound_report,
     group_sizes,
     handle_rejects,
     prepare_output,
     read_capacities,
     selection_manifest,
+    selection_shard,
     shard_path,
-    sorted_selection,
     stat_total,
+    write_missing_shards,
     write_report,
-    write_selection_shard,
 )
 
 log = logging.getLogger("madp.bound")
@@ -63,31 +62,8 @@ SUMMARY, REJECTED, CONTROL = "summary.json", "rejected.jsonl", "control"
 
 def _write_shard(element, output: str, shards: int):
     shard, tables = element
-    table = pa.concat_tables(tables)
-    selection = sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+    selection = selection_shard(tables)
     files.write_whole(shard_path(output, shard, shards), lambda handle: storage.parquet_to(handle, selection))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCounts:
-    """The figures of a pipeline run that its driver reads, from the run's stats by name: 0 where no
-    step counted one (no record, no local finish...)."""
-
-    input_rows: int = 0
-    input_records: int = 0
-    input_users: int = 0
-    repeated_users_removed: int = 0
-    certified_dropped_records: int = 0
-    built_incidences: int = 0
-    max_user_partition_bytes: int = 0
-    selected_records: int = 0
-    distinct_selected: int = 0
-    max_user_contribution: int = 0
-    finished_locally_incidences: int | None = None  # None where the run finished nothing locally
-
-    @classmethod
-    def of(cls, stats: Mapping[str, int]) -> RunCounts:
-        return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,12 +317,7 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     )
     counts = summary.counts
     shards = options.shards(counts.input_records)  # as the pipeline counted them
-    for shard in range(shards):
-        if storage.kind(shard_path(output, shard, shards)) == "missing":  # no record at all
-            write_selection_shard(
-                shard_path(output, shard, shards),
-                sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
-            )
+    write_missing_shards(output, shards)
     report = bound_report(
         options,
         beam_options.view_as(StandardOptions).runner,

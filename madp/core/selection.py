@@ -331,6 +331,22 @@ def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
     return pa.table({"id": ids.take(order), "copies": pa.array(copies[order.to_numpy()], type=pa.int64())})
 
 
+def write_missing_shards(output: str, shards: int) -> None:
+    """Write each of the `shards` output shards that no partition wrote (no record at all) empty."""
+    for shard in range(shards):
+        if storage.kind(shard_path(output, shard, shards)) == "missing":
+            write_selection_shard(
+                shard_path(output, shard, shards), sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64))
+            )
+
+
+def selection_shard(tables: list[pa.Table]) -> pa.Table:
+    """One output shard from the parts of it that the partitions of a partitioned engine selected: as
+    the local engine writes it (`sorted_selection`)."""
+    table = pa.concat_tables(tables)
+    return sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+
+
 def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int, pa.Table]:
     """The selection split into output shards by id hash."""
     shard_of = partition_of(ids, shards) if len(ids) else np.zeros(0, dtype=np.int64)
@@ -474,3 +490,25 @@ def bound_report(
         partitions=partitions,
         pipeline_runs=None if pipeline_runs is None else tuple(pipeline_runs),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCounts:
+    """The figures of a partitioned engine's run (a Beam pipeline run, a Spark job) that its driver
+    reads, from the run's stats by name: 0 where no step counted one (no record, no local finish...)."""
+
+    input_rows: int = 0
+    input_records: int = 0
+    input_users: int = 0
+    repeated_users_removed: int = 0
+    certified_dropped_records: int = 0
+    built_incidences: int = 0
+    max_user_partition_bytes: int = 0
+    selected_records: int = 0
+    distinct_selected: int = 0
+    max_user_contribution: int = 0
+    finished_locally_incidences: int | None = None  # None where the run finished nothing locally
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int]) -> RunCounts:
+        return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})

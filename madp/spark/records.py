@@ -53,6 +53,12 @@ def raising_kept_errors(errors_dir: str) -> Iterator[None]:
         raise error from None
 
 
+def by_part(part: int) -> int:
+    """Spark's partition of a user or record partition: its own number. One function object for every
+    shuffle, so Spark sees one partitioner and a join keeps in place what is partitioned already."""
+    return part
+
+
 def summed_stats(counts: list[dict[str, int]]) -> dict[str, int]:
     """Counts the tasks sent, by name: summed, or the largest of a `max_` one (`selection.stat_total`)."""
     by_name: dict[str, list[int]] = {}
@@ -129,6 +135,6 @@ def record_partitions(chunks: RDD, partitions: int) -> RDD:
     record partition p in Spark partition p."""
     return (
         chunks.flatMap(lambda element: rec.by_record_partition(element[1], partitions))
-        .groupByKey(numPartitions=partitions, partitionFunc=lambda part: part)
+        .groupByKey(partitions, by_part)
         .mapValues(list)
     )
