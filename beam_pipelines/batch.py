@@ -45,11 +45,10 @@ from madp.core.batch_steps import WrittenUsers, histogram_arrays, written_by_par
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.reports import BatchReport, Participation
-from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.core.selection import WORK_DIR, handle_rejects, selection_files, write_report
 from madp.engines import batch_local, batch_report, batching
 
 log = logging.getLogger("madp.batch")
-WORK_DIR = "_work"
 SUMMARY = "summary.json"
 INPUT_ERRORS = "input-errors"
 

@@ -35,16 +35,14 @@ from madp.core import records as rec
 from madp.core.bound_steps import round_stat
 from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
-from madp.core.graph_digest import GraphDigest
 from madp.core.reports import BoundReport
 from madp.core.selection import (
+    WORK_DIR,
     BoundOptions,
-    BoundOutcome,
-    InputFigures,
     RunCounts,
-    bound_report,
     group_sizes,
     handle_rejects,
+    partitioned_bound_report,
     prepare_output,
     read_capacities,
     selection_manifest,
@@ -56,7 +54,6 @@ from madp.core.selection import (
 )
 
 log = logging.getLogger("madp.bound")
-WORK_DIR = "_work"
 SUMMARY, REJECTED, CONTROL = "summary.json", "rejected.jsonl", "control"
 
 
@@ -274,16 +271,7 @@ def _run_pipelines(
             raise
         rounds_before, control, counts = len(control.per_round), summary.control, summary.counts
         control.log_rounds(rounds_before)
-        runs.append(
-            {
-                "certified_dropped_records": counts.certified_dropped_records,
-                "built_incidences": counts.built_incidences,
-                "max_user_partition_bytes": counts.max_user_partition_bytes,
-                "iterations": summary.iterations(ours.rounds_per_pipeline),
-                "finished_locally_incidences": counts.finished_locally_incidences,
-                "beam_counters": counters,
-            }
-        )
+        runs.append({**counts.run_figures(summary.iterations(ours.rounds_per_pipeline)), "beam_counters": counters})
         if control.next == DONE:
             break
         resume_from = storage.join(run_dir, "state")
@@ -315,29 +303,12 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     summary, runs, control, rejects = _run_pipelines(
         input_files, output, options, ours, beam_options, capacities, work, invocation
     )
-    counts = summary.counts
-    shards = options.shards(counts.input_records)  # as the pipeline counted them
+    shards = options.shards(summary.counts.input_records)  # as the pipeline counted them
     write_missing_shards(output, shards)
-    report = bound_report(
-        options,
-        beam_options.view_as(StandardOptions).runner,
-        input_path,
-        InputFigures(
-            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
-        ),
-        GraphDigest.from_counts(summary.stats),
-        BoundOutcome(
-            selected_records=counts.selected_records,
-            distinct_selected=counts.distinct_selected,
-            max_user_contribution=counts.max_user_contribution,
-            per_round=control.per_round,
-            passes=control.passes,
-            converged=control.converged,
-            stats=summary.stats,
-        ),
-        selection_manifest(output, shards),
-        partitions=ours.partitions,
-        pipeline_runs=runs,
+    runner = beam_options.view_as(StandardOptions).runner
+    manifest = selection_manifest(output, shards)
+    report = partitioned_bound_report(
+        options, runner, input_path, summary.stats, rejects, control, manifest, ours.partitions, runs
     )
     storage.remove_tree(work)
     write_report(output, report)

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from madp.core import storage
-from madp.core.bounding import ORDERS, AlternateRuns, Capacities
+from madp.core.bounding import ORDERS, AlternateRuns, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
@@ -29,6 +29,9 @@ from madp.core.reports import BatchReport, BoundParameters, BoundReport, FileEnt
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
 REPORT_FILE = "report.json"
+WORK_DIR = (
+    "_work"  # a partitioned engine's files while it runs (kept errors, checkpoints, attempts), removed at the end
+)
 _ERROR_EXAMPLES = 10
 
 
@@ -512,3 +515,51 @@ class RunCounts:
     @classmethod
     def of(cls, stats: Mapping[str, int]) -> RunCounts:
         return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})
+
+    def run_figures(self, iterations: list[dict]) -> dict:
+        """What the report's `pipeline_runs` give of a run: its build's counts, `iterations` (each one's
+        undecided incidences left, and on Beam the bytes it shuffled) and its local finish."""
+        return {
+            "certified_dropped_records": self.certified_dropped_records,
+            "built_incidences": self.built_incidences,
+            "max_user_partition_bytes": self.max_user_partition_bytes,
+            "iterations": iterations,
+            "finished_locally_incidences": self.finished_locally_incidences,
+        }
+
+
+def partitioned_bound_report(
+    options: BoundOptions,
+    engine: str,
+    input_path: str,
+    stats: Mapping[str, int],
+    rejects: Rejects,
+    control: Control,
+    selection_files: list[dict],
+    partitions: int,
+    runs: list[dict],
+) -> BoundReport:
+    """The report of a partitioned engine's bound (Beam's pipeline runs, Spark's job) from the stats its
+    steps sent, summed by name (`RunCounts`: the last run's), every rejected row and the final control."""
+    counts = RunCounts.of(stats)
+    return bound_report(
+        options,
+        engine,
+        input_path,
+        InputFigures(
+            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
+        ),
+        GraphDigest.from_counts(stats),
+        BoundOutcome(
+            selected_records=counts.selected_records,
+            distinct_selected=counts.distinct_selected,
+            max_user_contribution=counts.max_user_contribution,
+            per_round=control.per_round,
+            passes=control.passes,
+            converged=control.converged,
+            stats=stats,
+        ),
+        selection_files,
+        partitions=partitions,
+        pipeline_runs=runs,
+    )

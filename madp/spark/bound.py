@@ -52,17 +52,15 @@ from madp.core.bound_steps import (
 )
 from madp.core.bounding import DONE, START_PASS, Capacities, Control
 from madp.core.errors import InputError
-from madp.core.graph_digest import GraphDigest
 from madp.core.reports import BoundReport
 from madp.core.routing import by_kind, messages_of
 from madp.core.selection import (
+    WORK_DIR,
     BoundOptions,
-    BoundOutcome,
-    InputFigures,
     RunCounts,
-    bound_report,
     group_sizes,
     handle_rejects,
+    partitioned_bound_report,
     prepare_output,
     read_capacities,
     selection_manifest,
@@ -73,7 +71,7 @@ from madp.core.selection import (
     write_report,
 )
 from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions, summed_stats
-from madp.spark.session import RUNNER, WORK_DIR, SparkOptions, spark_session
+from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
@@ -333,7 +331,7 @@ class _SparkBound:
         """The record partitions' selections and counts; their shards written to OUTPUT; the shards."""
         from pyspark import StorageLevel
 
-        shards = self.options.shards(self.stats.get("input_records", 0))
+        shards = self.options.shards(RunCounts.of(self.stats).input_records)
         tagged = [records.mapValues(lambda r: (RECORDS, r))]
         tagged.extend(selected.mapValues(lambda s: (SELECTED, s)) for selected in self.selected)
 
@@ -372,11 +370,12 @@ def _bound_on_spark(
     spark_options: SparkOptions,
     capacities: Capacities | None,
     run_dir: str,
+    checkpoints: str,
 ) -> tuple[_SparkBound, BoundOptions, Control, rec.Rejects, int]:
-    """The bounding's Spark jobs: (the job's counts, the options as run, the final control, every
-    rejected row, the output shards)."""
+    """The bounding's Spark jobs, its work files under `run_dir` and its checkpoints under `checkpoints`:
+    (the job's counts, the options as run, the final control, every rejected row, the output shards)."""
     job = _SparkBound(sc, options, spark_options, capacities, run_dir)
-    sc.setCheckpointDir(spark_options.checkpoint_dir or storage.join(run_dir, "checkpoints"))
+    sc.setCheckpointDir(checkpoints)
     threshold = spark_options.local_finish_incidences
     with raising_kept_errors(job.errors_dir):
         parts, rejects = job.read(input_files)
@@ -422,50 +421,31 @@ def run_spark(input_path: str, output: str, options: BoundOptions, spark_options
     work = storage.join(output, WORK_DIR)
     storage.remove_tree(work)
     prepare_output(output)
-    run_dir = storage.join(work, uuid.uuid4().hex[:12])
+    invocation = uuid.uuid4().hex[:12]  # a run's files never meet an earlier one's
+    run_dir = storage.join(work, invocation)
+    checkpoints = storage.join(spark_options.checkpoint_dir or run_dir, f"checkpoints-{invocation}")
     try:
         with spark_session(spark_options) as spark:
             job, options, control, rejects, shards = _bound_on_spark(
-                spark.sparkContext, input_files, output, options, spark_options, capacities, run_dir
+                spark.sparkContext, input_files, output, options, spark_options, capacities, run_dir, checkpoints
             )
     except InputError:
         prepare_output(output)  # no partial selection outlives an error
         storage.remove_tree(work)
         raise
+    finally:
+        storage.remove_tree(checkpoints)
     handle_rejects(rejects, options.on_invalid, output)
     write_missing_shards(output, shards)
     counts = RunCounts.of(job.stats)
-    report = bound_report(
-        options,
-        RUNNER,
-        input_path,
-        InputFigures(
-            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
-        ),
-        GraphDigest.from_counts(job.stats),
-        BoundOutcome(
-            selected_records=counts.selected_records,
-            distinct_selected=counts.distinct_selected,
-            max_user_contribution=counts.max_user_contribution,
-            per_round=control.per_round,
-            passes=control.passes,
-            converged=control.converged,
-            stats=job.stats,
-        ),
-        selection_manifest(output, shards),
-        partitions=spark_options.partitions,
-        pipeline_runs=[
-            {
-                "certified_dropped_records": counts.certified_dropped_records,
-                "built_incidences": counts.built_incidences,
-                "max_user_partition_bytes": counts.max_user_partition_bytes,
-                "iterations": [
-                    {"iteration": index, "active_incidences": left}
-                    for index, left in sorted(({0: counts.built_incidences} | job.active).items())
-                ],
-                "finished_locally_incidences": counts.finished_locally_incidences,
-            }
-        ],
+    iterations = [
+        {"iteration": index, "active_incidences": left}
+        for index, left in sorted(({0: counts.built_incidences} | job.active).items())
+    ]
+    manifest = selection_manifest(output, shards)
+    runs = [counts.run_figures(iterations)]
+    report = partitioned_bound_report(
+        options, RUNNER, input_path, job.stats, rejects, control, manifest, spark_options.partitions, runs
     )
     storage.remove_tree(work)
     write_report(output, report)
