@@ -37,7 +37,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bound.add_argument(
         "--runner",
         default="DirectRunner",
-        help="'local' (in-process) or a Beam runner: DirectRunner (default), DataflowRunner, "
+        help="'local' (in-process), 'pyspark' (madp on Apache Spark: --spark-master URL, --spark-conf "
+        "KEY=VALUE, --partitions P, ...) or a Beam runner: DirectRunner (default), DataflowRunner, "
         "FlinkRunner, SparkRunner, ...",
     )
 

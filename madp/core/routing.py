@@ -47,6 +47,11 @@ def take_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), values[positions]
 
 
+def messages_of(grouped: dict[str, list], kind: str) -> np.ndarray:
+    """The key arrays of one kind met at a partition (`by_kind`), end to end (none: empty)."""
+    return np.concatenate(grouped[kind]) if kind in grouped else np.zeros(0, np.int64)
+
+
 def by_kind(values: Iterable[tuple[str, Any]]) -> dict[str, list]:
     """A partition's messages, met at their destination tagged (kind, payload), as kind -> [payloads]."""
     grouped: dict[str, list] = {}

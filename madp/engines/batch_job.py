@@ -24,11 +24,10 @@ from madp.core import records as rec
 from madp.core.batch_steps import histogram_arrays
 from madp.core.columnar import Columnar
 from madp.core.reports import BatchReport, Participation
-from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.core.selection import WORK_DIR, handle_rejects, selection_files, write_report
 from madp.engines import batch_report, batching
 
 log = logging.getLogger("madp.batch")
-WORK_DIR = "_work"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ from madp.core.selection import handle_rejects
 from madp.engines import batch_local, batch_report, batching
 from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 from madp.engines.batch_report import merge_counts
-from madp.spark.records import kept, partition_key, raising_kept_errors, read_records, record_partitions
+from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 log = logging.getLogger("madp.batch")
@@ -68,7 +68,7 @@ KEPT = StorageLevel.MEMORY_AND_DISK  # a partition's state that several later st
 
 def grouped(rdd: RDD, partitions: int) -> RDD:
     """(partition, its values) of (partition, value) pairs, partition p in Spark partition p."""
-    return rdd.groupByKey(partitions, partition_key)
+    return rdd.groupByKey(partitions, by_part)
 
 
 def cogrouped(partitions: int, *keyed: RDD) -> RDD:
@@ -76,7 +76,7 @@ def cogrouped(partitions: int, *keyed: RDD) -> RDD:
     partitioned so already (`grouped`, `records.record_partitions`) is not shuffled again."""
 
     def tagged(index: int, rdd: RDD) -> RDD:
-        return rdd.partitionBy(partitions, partition_key).mapValues(lambda value: (index, value))
+        return rdd.partitionBy(partitions, by_part).mapValues(lambda value: (index, value))
 
     union = tagged(0, keyed[0])
     for index, rdd in enumerate(keyed[1:], start=1):

@@ -53,6 +53,12 @@ def raising_kept_errors(errors_dir: str) -> Iterator[None]:
         raise error from None
 
 
+def by_part(part: int) -> int:
+    """Spark's partition of a user or record partition: its own number. One function object for every
+    shuffle, so Spark sees one partitioner and a join keeps in place what is partitioned already."""
+    return part
+
+
 def summed_stats(counts: list[dict[str, int]]) -> dict[str, int]:
     """Counts the tasks sent, by name: summed, or the largest of a `max_` one (`selection.stat_total`)."""
     by_name: dict[str, list[int]] = {}
@@ -124,18 +130,11 @@ def read_records(
     return SparkRecords(chunks, rejects, summed_stats([stats for _, _, stats in read_facts]))
 
 
-def partition_key(part: int) -> int:
-    """The Spark partition of a value keyed by its record or user partition: partition p in Spark
-    partition p. One function for every shuffle keyed so, so that RDDs grouped by it are joined
-    without another shuffle (Spark compares partitioners by their function)."""
-    return part
-
-
 def record_partitions(chunks: RDD, partitions: int) -> RDD:
     """(file index, RecordChunk) -> (record partition, [RecordChunk, ...]: its records, by input chunk),
     record partition p in Spark partition p."""
     return (
         chunks.flatMap(lambda element: rec.by_record_partition(element[1], partitions))
-        .groupByKey(numPartitions=partitions, partitionFunc=partition_key)
+        .groupByKey(partitions, by_part)
         .mapValues(list)
     )

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 RUNNER = "pyspark"  # the runner name of madp's Spark engine (not Beam's SparkRunner)
 MIN_JAVA = 17
-WORK_DIR = "_work"  # under OUTPUT: the job's temporary files (checkpoints, kept errors), removed at the end
 PYTHON_SETTINGS = (("spark.pyspark.python", "PYSPARK_PYTHON"), ("spark.pyspark.driver.python", "PYSPARK_DRIVER_PYTHON"))
 QUIET_SETTINGS = {"spark.ui.showConsoleProgress": "false"}  # progress bars between madp's lines on stderr
 

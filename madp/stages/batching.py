@@ -8,8 +8,7 @@ from typing import Any
 from madp.core.records import Columns
 from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
-from madp.spark.session import RUNNER as SPARK
-from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
+from madp.stages.arguments import LOCAL, PYSPARK, beam_arguments, options_of, refuse_beam_options_locally, writing
 
 
 def batch(
@@ -34,8 +33,9 @@ def batch(
         runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
             caller's active SparkSession, or one built from the options) or a Beam runner name
             (DirectRunner, PrismRunner, DataflowRunner, ...).
-        beam_options: Beam's pipeline options, argv-style; with runner "pyspark" the Spark options
-            (["--spark-master", "spark://host:7077", "--partitions", "64"]); none with runner "local".
+        beam_options: Beam's pipeline options, argv-style; with runner "pyspark" those of
+            `madp.spark.session.SparkOptions` (["--spark-master", "spark://host:7077", "--partitions",
+            "64"]); none with runner "local".
         **options: the options of `madp batch` by their snake_case names, the fields of
             `madp.engines.batching.BatchOptions`: steps (T) and batch_size (B), both required; sampler
             ("minsep", "minsep-greedy", "users"), min_sep (b), warm_up, max_batch_size (B_max), seed
@@ -87,7 +87,7 @@ def run_batch(
         from madp.engines.batch_local import run_local
 
         return run_local(selected, data, output, options)
-    if runner == SPARK:
+    if runner == PYSPARK:
         from madp.spark.batch import run_spark
         from madp.spark.session import spark_options
 
