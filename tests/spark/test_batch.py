@@ -1,6 +1,7 @@
 """`madp batch --runner pyspark`: the batch files, schema.json and rejects byte for byte those of
 `--runner local`, the input (Parquet of several row groups, JSON Lines with bad rows) read in several
-splits; a run without --seed, whose key no Spark setting holds; the CLI; and a `madp run` config."""
+splits; a run without --seed, whose key no Spark setting holds; the CLI; and a `madp run` config that
+bounds and batches on Spark."""
 
 from __future__ import annotations
 
@@ -126,14 +127,14 @@ def test_the_cli_on_a_spark_master_replaces_earlier_batches(spark, local, tmp_pa
     assert_local_files(output, batches)
 
 
-def test_a_run_config_batches_on_spark(spark, tmp_path, capsys):
+def test_a_run_config_bounds_and_batches_on_spark(spark, tmp_path, capsys):
     config = {
         "run_dir": str(tmp_path / "run"),
-        "generate": {"records": 1500, "features": 3, "seed": 4},
-        "bound": {"max_contributions": 2, "runner": "local"},
+        "generate": {"records": 600, "features": 3, "seed": 4},
+        "bound": {"max_contributions": 2, "runner": "pyspark", "beam_options": ["--partitions", "2"]},
         "batch": {
-            "steps": 10,
-            "batch_size": 30,
+            "steps": 8,
+            "batch_size": 20,
             "min_sep": 2,
             "seed": 1,
             "runner": "pyspark",
@@ -145,5 +146,5 @@ def test_a_run_config_batches_on_spark(spark, tmp_path, capsys):
     assert main(["-q", "run", str(path)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert {stage["stage"]: stage["status"] for stage in summary["stages"]}["verify-batches"] == "ran"
-    report = json.load(open(tmp_path / "run" / "batches" / "report.json"))
-    assert report["engine"] == "pyspark"
+    for stage in ("bound", "batches"):
+        assert json.load(open(tmp_path / "run" / stage / "report.json"))["engine"] == "pyspark"
