@@ -51,8 +51,10 @@ from madp.core.batch_steps import (
     written_by_partition,
     written_record_count,
 )
+from madp.core.errors import InputError
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest
+from madp.core.options import declared
 from madp.core.reports import BatchReport
 from madp.core.selection import handle_rejects
 from madp.engines import batch_local, batch_report, batching
@@ -62,6 +64,8 @@ from madp.spark.records import by_part, kept, raising_kept_errors, read_records,
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 log = logging.getLogger("madp.batch")
+# SparkOptions of the bounding's rounds alone
+BOUNDING_ONLY = ("checkpoint_dir", "checkpoint_every", "local_finish_incidences")
 INPUT_ERRORS = "input-errors"  # under the run's folder in OUTPUT/_work: InputErrors the tasks met
 KEPT = StorageLevel.MEMORY_AND_DISK  # a partition's state that several later steps read
 
@@ -295,6 +299,13 @@ def run_spark(
 ) -> BatchReport:
     """`madp batch --runner pyspark`: the Spark jobs (in the caller's active SparkSession, or one built
     from `spark_options`), then the batch files committed, the rejects, schema and report written."""
+    bounding_only = [
+        each.flags[0]
+        for each in declared(SparkOptions)
+        if each.name in BOUNDING_ONLY and getattr(spark_options, each.name) != each.default
+    ]
+    if bounding_only:
+        raise InputError(f"{', '.join(bounding_only)}: options of madp bound, not of madp batch (it runs no rounds)")
     if options.sampler != "minsep":
         log.warning("--sampler %s runs in this process, not on Spark", options.sampler)
         return batch_local.run_local(

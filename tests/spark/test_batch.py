@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from madp.cli import main
+from madp.core.errors import InputError
 from madp.core.randomness import SECRET
 from madp.engines.batching import BatchOptions
 from madp.tools.data.synthetic import GraphSpec, generate, to_table
@@ -148,3 +149,12 @@ def test_a_run_config_bounds_and_batches_on_spark(spark, tmp_path, capsys):
     assert {stage["stage"]: stage["status"] for stage in summary["stages"]}["verify-batches"] == "ran"
     for stage in ("bound", "batches"):
         assert json.load(open(tmp_path / "run" / stage / "report.json"))["engine"] == "pyspark"
+
+
+def test_the_bounding_s_own_spark_options_are_refused(tmp_path):
+    from madp.spark.batch import run_spark
+    from madp.spark.session import spark_options
+
+    options = BatchOptions(steps=2, batch_size=1)
+    with pytest.raises(InputError, match="--spark-checkpoint-every: options of madp bound, not of madp batch"):
+        run_spark("bound", "data", str(tmp_path / "out"), options, spark_options(["--spark-checkpoint-every", "3"]))
