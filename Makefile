@@ -68,9 +68,9 @@ prism: $(STAMP)
 test: lint $(SMOLLM2) chromium prism
 	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
 
-# Kernels, accounting and input validation: no Beam pipeline, no TensorFlow, no slow test (~30 s)
+# Kernels, accounting and input validation: no Beam pipeline, no Spark job, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not beam and not tf and not slow" tests
+	$(BIN)/python -m pytest -q -m "not beam and not spark and not tf and not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -43,7 +43,7 @@ setup(
         # gguf: reads (and the tests write) the GGUF files of pretrained models (--model causal-lm)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*", "gguf>=0.17,<1"],
         "report": ["matplotlib>=3.8"],
-        # the runner tier's Spark standalone cluster (its jars and bin/spark-class; Java 17 or newer)
+        # --runner pyspark: madp on Apache Spark (needs Java 17 or newer)
         "spark": ["pyspark==4.3.*"],
         # --runner cuda of madp calibrate / epsilon (bandmf-minsep): the Monte Carlo samples on an NVIDIA GPU
         "cuda": ["numba-cuda[cu13]>=0.30", "cupy-cuda13x>=13"],

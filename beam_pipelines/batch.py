@@ -12,9 +12,6 @@ the runner.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -35,92 +32,22 @@ from madp.beam.pipeline import (
     count,
     keeping_input_errors,
     madp_options,
-    merge_rejects,
     pipeline_options,
     run,
 )
 from madp.beam.record_chunks import ReadRecords
-from madp.core import batch_files, record_reading, sampling, storage
+from madp.core import batch_files, record_reading, storage
 from madp.core import records as rec
-from madp.core.batch_steps import WrittenUsers, histogram_arrays, written_by_partition, written_record_count
-from madp.core.columnar import Columnar
+from madp.core.batch_steps import WrittenUsers, written_by_partition, written_record_count
 from madp.core.errors import InputError
-from madp.core.reports import BatchReport, Participation
-from madp.core.selection import handle_rejects, selection_files, write_report
+from madp.core.reports import BatchReport
+from madp.core.selection import handle_rejects
 from madp.engines import batch_local, batch_report, batching
+from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 
 log = logging.getLogger("madp.batch")
-WORK_DIR = "_work"
 SUMMARY = "summary.json"
 INPUT_ERRORS = "input-errors"
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchSummary(Columnar):
-    """What a `BatchPipeline` run tells its driver for the report. It travels as JSON, never pickle:
-    the file lies under OUTPUT, and a pickle planted there would run code in the driver."""
-
-    histogram: dict[int, int]  # units by |N(e)|
-    probability: float  # p, calibrated
-    content: dict[str, batch_files.Feature]  # the content columns' description, by name
-    id_type: str  # the records' ids, as Arrow names their type ("int64", "string")
-    records: int  # selected records joined
-    files: list[batch_files.FileCounts]  # per batch file, in order
-    sampled_sizes: np.ndarray  # realized size of every sampled step (warm-up included), before truncation
-    participation: Participation  # of the written rows' users (`batch_report.participation_stats`)
-    written_records: int  # distinct records in some batch file
-    rejects: rec.Rejects  # every row rejected: in reading, as a duplicated id, or for its content (skip)
-
-    @classmethod
-    def of(cls, values: Iterable[tuple[str, object]], sampled_steps: int) -> BatchSummary:
-        """The summary of the pipeline's (name, value) summary values."""
-        named: dict[str, list] = {}
-        for name, value in values:
-            named.setdefault(name, []).append(value)
-        return cls(
-            histogram=named["histogram"][0],
-            probability=named["probability"][0],
-            content=named["content"][0],
-            id_type=str(named["id_type"][0]),
-            records=sum(named.get("records", [])),
-            files=[counts for _, counts in sorted(named.get("file", []), key=lambda item: item[0])],
-            sampled_sizes=np.sum(named.get("sampled_sizes", [np.zeros(sampled_steps, np.int64)]), axis=0),
-            participation=batch_report.merge_participation_stats(named.get("participation", [])),
-            written_records=sum(named.get("written_records", [])),
-            rejects=named["rejects"][0],
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "histogram": [[int(size), int(units)] for size, units in self.histogram.items()],
-                "probability": self.probability,
-                "content": {name: feature.to_json() for name, feature in self.content.items()},
-                "id_type": self.id_type,
-                "records": self.records,
-                "files": [counts.to_json() for counts in self.files],
-                "sampled_sizes": self.sampled_sizes.tolist(),
-                "participation": self.participation.to_json(),
-                "written_records": self.written_records,
-                "rejects": self.rejects.to_jsonl(),
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> BatchSummary:
-        fields = json.loads(text)
-        return cls(
-            histogram={int(size): int(units) for size, units in fields["histogram"]},
-            probability=float(fields["probability"]),
-            content={name: batch_files.Feature.from_json(name, feature) for name, feature in fields["content"].items()},
-            id_type=fields["id_type"],
-            records=int(fields["records"]),
-            files=[batch_files.FileCounts.from_json(counts) for counts in fields["files"]],
-            sampled_sizes=np.array(fields["sampled_sizes"], dtype=np.int64),
-            participation=Participation.from_json(fields["participation"]),
-            written_records=int(fields["written_records"]),
-            rejects=rec.Rejects.from_jsonl(fields["rejects"]),
-        )
 
 
 def _write_summary(values: list[tuple[str, object]], path: str, sampled_steps: int) -> str:
@@ -257,7 +184,7 @@ class BatchPipeline(beam.PTransform):
         rejects = (
             (read_rejects, sampled.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
             | "NamedRejects" >> beam.Map(lambda r: ("rejects", r))
         )
         content = sampled.content | "NamedContent" >> beam.Map(lambda c: ("content", c))
@@ -270,39 +197,41 @@ class BatchPipeline(beam.PTransform):
 
 
 def _run_pipeline(
-    data_files: list[str],
-    selection: list[str],
+    inputs: JobInputs,
     data: str,
     output: str,
-    content: record_reading.Content,
     options: batching.BatchOptions,
     partitions: int,
-    bound: batching.BoundGraph,
     beam_options: PipelineOptions,
-    work: str,
-) -> tuple[BatchSummary, dict, str]:
-    """The pipeline run (`BatchPipeline`) that writes the batch files under `work`: its summary, Beam's
-    counters and the folder of the staged batch files. A failure removes `work` and leaves OUTPUT as it was."""
-    run_dir = storage.join(work, uuid.uuid4().hex[:12])
+) -> tuple[JobRun, dict]:
+    """The pipeline run (`BatchPipeline`) that writes the batch files under the inputs' `work`: what it
+    gives the driver, and Beam's counters. A failure removes `work` and leaves OUTPUT as it was."""
+    run_dir = storage.join(inputs.work, uuid.uuid4().hex[:12])
     errors_dir, summary_path = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, SUMMARY)
-    # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows): it writes the
-    # batch files under _work/, and they take the earlier batches' place once it has passed (its failure
-    # leaves the earlier batches, made with a secret key that is gone, as they were).
+    # The pipeline checks what the driver does not read (DATA's columns, its graph, its rows).
     staged = storage.join(run_dir, "batches")
     pipeline = beam.Pipeline(options=beam_options)
     _ = pipeline | "Batch" >> BatchPipeline(
-        data_files, selection, data, output, content, options, partitions, summary_path, bound, errors_dir, staged
+        inputs.data_files,
+        inputs.selection,
+        data,
+        output,
+        inputs.content,
+        options,
+        partitions,
+        summary_path,
+        inputs.bound,
+        errors_dir,
+        staged,
     )
-    try:
+    with removed_on_failure(inputs.work):
         counters = run(pipeline, NAMESPACE, errors_dir, output)
         summary = BatchSummary.from_json(files.read_bytes(summary_path).decode())
         if options.on_invalid == "error":
             handle_rejects(summary.rejects, "error", output)
-    except BaseException:  # a failed check, a full disk, Ctrl-C: the staged files go, the earlier batches stay
-        with contextlib.suppress(OSError):
-            storage.remove_tree(work)
-        raise
-    return summary, counters, staged
+    shards = options.output_shards
+    staged_files = [batch_files.batch_file_path(staged, file, shards) for file in range(shards)]
+    return JobRun(summary, staged_files, inputs.work), counters
 
 
 def run_beam(
@@ -324,53 +253,7 @@ def run_beam(
         )
     prepare_runner(beam_options)
     started = time.perf_counter()
-    data_files = rec.list_input_files(data)
-    # the columns named, or every other column the pipeline's reads find: the driver reads no data
-    content = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
-    selection = selection_files(selected)
-    bound = batching.bound_graph(selected)  # DATA's graph is checked against it in the pipeline
-    batch_report.refuse_losing_trainings(output)  # before anything of OUTPUT is deleted
-    work = storage.join(output, WORK_DIR)
-    storage.remove_tree(work)
-    summary, counters, staged = _run_pipeline(
-        data_files, selection, data, output, content, options, partitions, bound, beam_options, work
-    )
-    batch_report.prepare_output(output)
-    shards = options.output_shards
-    for file in range(shards):
-        files.move(batch_files.batch_file_path(staged, file, shards), batch_files.batch_file_path(output, file, shards))
-    handle_rejects(summary.rejects, options.on_invalid, output)  # skipped rows: OUTPUT/rejected/
-    probability = summary.probability
-    log.info("calibrated p = %.6g for an expected batch size of %g", probability, options.batch_size)
-    sizes, counts = histogram_arrays(summary.histogram)
-    batch_files.write_schema(output, batching.schema(pa.type_for_alias(summary.id_type), summary.content, options))
-    sampled = batch_report.Sampled(
-        np.zeros(0, np.int64),
-        np.zeros(0, np.uint64),
-        np.zeros(0, np.int64),
-        options.min_sep,
-        probability,
-        sampling.expected_batch_size(probability, sizes, counts, options.min_sep),
-    )
-    result = batch_report.report(
-        options,
-        beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner,
-        selected,
-        data,
-        output,
-        sampled=sampled,
-        units=int(counts.sum()),
-        records=summary.records,
-        sampled_sizes=summary.sampled_sizes,
-        files=summary.files,
-        records_never_written=summary.records - summary.written_records,
-        participation=summary.participation,
-        rejects=summary.rejects,
-        content_columns=list(summary.content),
-        started=started,
-        partitions=partitions,
-        beam_counters=counters,
-    )
-    storage.remove_tree(work)
-    write_report(output, result)
-    return result
+    inputs = job_inputs(selected, data, output, options)
+    job, counters = _run_pipeline(inputs, data, output, options, partitions, beam_options)
+    runner = beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner
+    return commit(selected, data, output, options, job, files.move, runner, started, partitions, counters)

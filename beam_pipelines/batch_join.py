@@ -20,10 +20,8 @@ from madp.beam.pipeline import (
     SelectionTable,
     keeping_input_errors,
     keeps_input_errors,
-    merged_records,
 )
 from madp.beam.record_chunks import SplitByRecordPartition
-from madp.core import records as rec
 from madp.core.batch_files import Feature
 from madp.core.batch_steps import (
     Incidences,
@@ -35,7 +33,7 @@ from madp.core.batch_steps import (
     split_selection,
 )
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
-from madp.core.graph_digest import GraphDigest, graph_digest
+from madp.core.graph_digest import GraphDigest
 from madp.engines import batching
 from madp.engines.batch_report import merge_counts
 
@@ -64,8 +62,8 @@ class _SplitSelection(beam.DoFn):
 @beam.typehints.with_output_types(tuple[int, Incidences])
 class _JoinSelection(beam.DoFn):
     """A record partition's records and selected ids -> its JoinedPartition ("partitions"), and its
-    incidences sent to their user partitions (main) (`batching.join_partition`); the records' graph
-    digest, the rejected rows, the content's description and summary values."""
+    incidences sent to their user partitions (main) (`batching.join_record_partition`); the records'
+    graph digest, the rejected rows, the content's description and summary values."""
 
     def __init__(self, options: batching.BatchOptions, data: str, partitions: int, errors_dir: str | None):
         self.options, self.data, self.partitions, self.errors_dir = options, data, partitions, errors_dir
@@ -73,16 +71,14 @@ class _JoinSelection(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         part, (records, selection) = element
-        selection = list(selection)
-        rejects = rec.Rejects()
-        chunk = merged_records(records, rejects) if records else None
-        if len(rejects):
-            yield beam.pvalue.TaggedOutput("rejects", rejects)
-        if chunk is not None:  # the partition's part of DATA's graph, before the join and any content check
-            yield beam.pvalue.TaggedOutput("digest", graph_digest(chunk.ids, chunk.offsets, chunk.users))
-        if not selection:
+        found = batching.join_record_partition(list(records), list(selection), self.options, self.data, self.partitions)
+        if len(found.rejects):
+            yield beam.pvalue.TaggedOutput("rejects", found.rejects)
+        if found.digest is not None:
+            yield beam.pvalue.TaggedOutput("digest", found.digest)
+        result = found.joined
+        if result is None:
             return
-        result = batching.join_partition(chunk, selection, self.options, self.data, self.partitions)
         if len(result.rejects):
             yield beam.pvalue.TaggedOutput("rejects", result.rejects)
         # (records whose rows are written, their content's description)

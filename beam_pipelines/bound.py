@@ -16,79 +16,51 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import apache_beam as beam
-import numpy as np
-import pyarrow as pa
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from madp.beam import files
 from madp.beam.bound_contributions import BoundContributions
-from madp.beam.bound_rounds import round_stat
 from madp.beam.job_servers import prepare_runner
 from madp.beam.pipeline import (
     NAMESPACE,
     MadpPipelineOptions,
     keeping_input_errors,
     madp_options,
-    merge_rejects,
-    merged_records,
     pipeline_options,
     run,
 )
 from madp.beam.record_chunks import ReadRecords, RecordPartitions
 from madp.core import record_reading, storage
 from madp.core import records as rec
+from madp.core.bound_steps import round_stat
 from madp.core.bounding import DONE, Capacities, Control
 from madp.core.errors import InputError
-from madp.core.graph_digest import GraphDigest
 from madp.core.reports import BoundReport
 from madp.core.selection import (
+    WORK_DIR,
     BoundOptions,
-    BoundOutcome,
-    InputFigures,
-    bound_report,
+    RunCounts,
     group_sizes,
     handle_rejects,
+    partitioned_bound_report,
     prepare_output,
     read_capacities,
     selection_manifest,
+    selection_shard,
     shard_path,
-    sorted_selection,
+    stat_total,
+    write_missing_shards,
     write_report,
-    write_selection_shard,
 )
 
 log = logging.getLogger("madp.bound")
-WORK_DIR = "_work"
 SUMMARY, REJECTED, CONTROL = "summary.json", "rejected.jsonl", "control"
 
 
 def _write_shard(element, output: str, shards: int):
     shard, tables = element
-    table = pa.concat_tables(tables)
-    selection = sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+    selection = selection_shard(tables)
     files.write_whole(shard_path(output, shard, shards), lambda handle: storage.parquet_to(handle, selection))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunCounts:
-    """The figures of a pipeline run that its driver reads, from the run's stats by name: 0 where no
-    step counted one (no record, no local finish...)."""
-
-    input_rows: int = 0
-    input_records: int = 0
-    input_users: int = 0
-    repeated_users_removed: int = 0
-    certified_dropped_records: int = 0
-    built_incidences: int = 0
-    max_user_partition_bytes: int = 0
-    selected_records: int = 0
-    distinct_selected: int = 0
-    max_user_contribution: int = 0
-    finished_locally_incidences: int | None = None  # None where the run finished nothing locally
-
-    @classmethod
-    def of(cls, stats: Mapping[str, int]) -> RunCounts:
-        return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +113,7 @@ def _write_summary(stats: list, control: Control, run_dir: str) -> None:
 
 def _aggregate_stats(element):
     name, values = element
-    return name, (max(values) if name.startswith("max_") else sum(values))
+    return name, stat_total(name, values)
 
 
 class BoundPipeline(beam.PTransform):
@@ -192,7 +164,7 @@ class BoundPipeline(beam.PTransform):
         _ = (
             (read_rejects, bound.rejects)
             | "AllRejects" >> beam.Flatten()
-            | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
             | "WriteRejects"
             >> beam.Map(lambda r: files.write_bytes(files.FileSystems.join(run_dir, REJECTED), r.to_jsonl().encode()))
         )
@@ -230,7 +202,7 @@ class GroupSizes(beam.PTransform):
 def _group_sizes(chunks, errors_dir: str, threshold: int) -> tuple[int, int]:
     """A record partition's records with at most `threshold` users and with more."""
     with keeping_input_errors(errors_dir):  # ids of two types in two files
-        return group_sizes(merged_records(chunks, rec.Rejects()).arity, threshold)
+        return group_sizes(rec.merged_records(chunks, rec.Rejects()).arity, threshold)
 
 
 def _count_groups(
@@ -299,16 +271,7 @@ def _run_pipelines(
             raise
         rounds_before, control, counts = len(control.per_round), summary.control, summary.counts
         control.log_rounds(rounds_before)
-        runs.append(
-            {
-                "certified_dropped_records": counts.certified_dropped_records,
-                "built_incidences": counts.built_incidences,
-                "max_user_partition_bytes": counts.max_user_partition_bytes,
-                "iterations": summary.iterations(ours.rounds_per_pipeline),
-                "finished_locally_incidences": counts.finished_locally_incidences,
-                "beam_counters": counters,
-            }
-        )
+        runs.append({**counts.run_figures(summary.iterations(ours.rounds_per_pipeline)), "beam_counters": counters})
         if control.next == DONE:
             break
         resume_from = storage.join(run_dir, "state")
@@ -340,34 +303,12 @@ def run_beam(input_path: str, output: str, options: BoundOptions, beam_args: lis
     summary, runs, control, rejects = _run_pipelines(
         input_files, output, options, ours, beam_options, capacities, work, invocation
     )
-    counts = summary.counts
-    shards = options.shards(counts.input_records)  # as the pipeline counted them
-    for shard in range(shards):
-        if storage.kind(shard_path(output, shard, shards)) == "missing":  # no record at all
-            write_selection_shard(
-                shard_path(output, shard, shards),
-                sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64)),
-            )
-    report = bound_report(
-        options,
-        beam_options.view_as(StandardOptions).runner,
-        input_path,
-        InputFigures(
-            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
-        ),
-        GraphDigest.from_counts(summary.stats),
-        BoundOutcome(
-            selected_records=counts.selected_records,
-            distinct_selected=counts.distinct_selected,
-            max_user_contribution=counts.max_user_contribution,
-            per_round=control.per_round,
-            passes=control.passes,
-            converged=control.converged,
-            stats=summary.stats,
-        ),
-        selection_manifest(output, shards),
-        partitions=ours.partitions,
-        pipeline_runs=runs,
+    shards = options.shards(summary.counts.input_records)  # as the pipeline counted them
+    write_missing_shards(output, shards)
+    runner = beam_options.view_as(StandardOptions).runner
+    manifest = selection_manifest(output, shards)
+    report = partitioned_bound_report(
+        options, runner, input_path, summary.stats, rejects, control, manifest, ours.partitions, runs
     )
     storage.remove_tree(work)
     write_report(output, report)

@@ -28,13 +28,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from madp.beam import files
-from madp.beam.bound_rounds import round_stat
-from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, merged_records, stat
+from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, stat
 from madp.beam.record_chunks import RecordPartitions
-from madp.core import records as rec
-from madp.core.bound_steps import build_user_partition, capacities_by_partition, split_record_partition
+from madp.core.bound_steps import build_record_partition, build_user_partition, capacities_by_partition
 from madp.core.bounding import Capacities
-from madp.core.graph_digest import graph_digest
 from madp.core.selection import BoundOptions
 
 
@@ -79,24 +76,16 @@ class _BuildRecordPartition(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         part, chunks = element
-        rejects = rec.Rejects()
-        chunk = merged_records(chunks, rejects)
-        if len(rejects):
-            yield beam.pvalue.TaggedOutput("rejects", rejects)
-            yield stat(f"rejected_{rec.DUPLICATE_ID}", len(rejects))
-        yield stat("input_records", len(chunk))
+        resume_from = self.resume_from
+        saved = None if resume_from is None else lambda keys: _saved_selection(resume_from, part, keys)
+        built = build_record_partition(part, chunks, self.options, self.partitions, self.capacities, saved)
+        if len(built.rejects):
+            yield beam.pvalue.TaggedOutput("rejects", built.rejects)
+        yield from (stat(name, count) for name, count in built.counted.items())
         # The bounded graph's digest, summed over partitions like the counts (no Beam counter: not a count).
-        for name, value in graph_digest(chunk.ids, chunk.offsets, chunk.users).to_counts().items():
-            yield beam.pvalue.TaggedOutput("stats", (name, value))
-        selection = np.zeros(len(chunk), dtype=np.int64), np.zeros(len(chunk), dtype=bool)
-        if self.resume_from is not None:
-            selection = _saved_selection(self.resume_from, part, chunk.keys)
-        split = split_record_partition(part, chunk, selection, self.options, self.partitions, self.capacities)
-        yield part, split.records
-        if split.certified_dropped is not None:
-            yield stat("certified_dropped_records", split.certified_dropped)
-        for user_part, incidences in split.incidences:
-            yield stat(round_stat(0, "shuffled_bytes"), incidences.nbytes)
+        yield from (beam.pvalue.TaggedOutput("stats", pair) for pair in built.distribution.items())
+        yield part, built.split.records
+        for user_part, incidences in built.split.incidences:
             yield beam.pvalue.TaggedOutput("incidences", (user_part, incidences))
 
 
@@ -108,15 +97,13 @@ def _build_user_partition(element, default: int, errors_dir: str | None):
             return
         capacities = grouped["capacities"][0] if grouped["capacities"] else Capacities(default)
         built = build_user_partition(part, batches, capacities)
-        yield stat("input_users", built.input_users)
         for name, value in built.input_stats.items():
             yield beam.pvalue.TaggedOutput("stats", (name, value))  # with the users the certificate left no record
+        packed = b"" if built.state is None else built.state.packed()
+        yield from (stat(name, count) for name, count in built.counted(len(packed)).items())
         if built.state is not None:
             yield beam.pvalue.TaggedOutput("counts", ("eligible", int(built.state.owned().sum())))
             yield beam.pvalue.TaggedOutput("counts", ("active", built.state.incidences))
-            yield stat("built_incidences", built.state.incidences)
-            packed = built.state.packed()
-            yield stat("max_user_partition_bytes", len(packed))  # the largest element of the rounds' state
             yield part, packed
 
 

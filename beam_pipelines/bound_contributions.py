@@ -31,13 +31,14 @@ from apache_beam.typehints.decorators import IOTypeHints
 from madp.beam import files
 from madp.beam.bound_build import BuildSides, state_path
 from madp.beam.bound_rounds import DONE, AfterLastRound, FinishLocally, FirstSaturation, Iteration, Progress
-from madp.beam.pipeline import Chunk, StopOnInvalidRows, by_kind, stat
+from madp.beam.pipeline import Chunk, StopOnInvalidRows, stat
 from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
 from madp.core import storage
-from madp.core.bound_steps import record_selection
+from madp.core.bound_steps import finish_record_partition
 from madp.core.bounding import Capacities, Control
 from madp.core.errors import InputError
-from madp.core.selection import BoundOptions, record_distribution_stats, selection_shards
+from madp.core.routing import by_kind
+from madp.core.selection import BoundOptions
 
 RECORDS, SELECTED = "records", "selected"
 
@@ -85,18 +86,15 @@ class _FinishRecords(beam.DoFn):
         part, values = element
         grouped = by_kind(values)
         (records,) = grouped[RECORDS]
-        copies, in_pass = record_selection(records, grouped.get(SELECTED, []), control, self.passes_at_start)
+        finished = finish_record_partition(records, grouped.get(SELECTED, []), control, self.passes_at_start, shards)
         if control.next != DONE and self.state_dir is not None:
+            copies, in_pass = finished.selection
             table = pa.table({"key": records.keys, "copies": copies, "in_pass": in_pass})
             files.write_whole(state_path(self.state_dir, part), lambda handle: storage.parquet_to(handle, table))
-        yield stat("selected_records", copies.sum())
-        yield stat("distinct_selected", (copies > 0).sum())
-        for name, count in record_distribution_stats(records.arity, copies).items():
+        yield from (stat(name, count) for name, count in finished.counted.items())
+        for name, count in finished.distribution.items():
             yield beam.pvalue.TaggedOutput("stats", (name, count))  # summed into histograms; no Beam counter each
-        if control.next == DONE:  # else the next pipeline run writes the selection
-            selected = copies > 0
-            # Empty tables too: they carry the id type, so a shard no partition fills is still typed right.
-            yield from selection_shards(records.ids.filter(pa.array(selected)), copies[selected], shards).items()
+        yield from finished.shards.items()  # none until done: the next pipeline run writes the selection
 
 
 class BoundContributions(beam.PTransform):

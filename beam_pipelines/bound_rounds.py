@@ -23,35 +23,31 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from madp.beam.pipeline import by_kind, stat
+from madp.beam.pipeline import stat
 from madp.core.bound_steps import (
-    NO_USERS,
     IterationCounts,
     Progress,
     SelectedKeys,
     UserPartition,
     consume_in_partition,
+    contribution_stats,
     finish_locally,
     propose_to_record_partitions,
     retire_in_partition,
+    round_stat,
     select_unanimous,
 )
 from madp.core.bounding import DONE, START_PASS, Control
-from madp.core.selection import user_distribution_stats
+from madp.core.routing import by_kind, messages_of
 
 STATE, ACCEPTED, DEAD, PROGRESS = "state", "accepted", "dead", "progress"
 
 
-def round_stat(iteration: int, what: str) -> str:
-    return f"round_{iteration:05d}_{what}"
-
-
 def _contribution_stats(contribution: np.ndarray):
-    """The final contributions of users leaving the state, for the report's histogram and maximum."""
-    if len(contribution):
-        yield stat("max_user_contribution", int(contribution.max()))
-        for name, value in user_distribution_stats(NO_USERS, contribution).items():
-            yield beam.pvalue.TaggedOutput("stats", (name, value))
+    """The final contributions of users leaving the state, for the report's histogram and maximum
+    (`bound_steps.contribution_stats`; none a Beam counter)."""
+    for name, value in contribution_stats(contribution).items():
+        yield beam.pvalue.TaggedOutput("stats", (name, value))
 
 
 def _departure(state: UserPartition, progress: Progress) -> list | None:
@@ -111,10 +107,6 @@ class _Select(beam.DoFn):
         yield stat(round_stat(self.iteration, "shuffled_bytes"), selection.message_bytes)
 
 
-def _messages(grouped: dict, tag: str) -> np.ndarray:
-    return np.concatenate(grouped[tag]) if tag in grouped else np.zeros(0, np.int64)
-
-
 @beam.typehints.with_output_types(tuple[int, Any])
 class _Consume(beam.DoFn):
     """A user partition, by the last progress: when done, it leaves (its users' contributions are
@@ -135,7 +127,7 @@ class _Consume(beam.DoFn):
 
     def _consume(self, part: int, state: UserPartition, grouped: dict, progress: Progress):
         pass_start = progress.control.next == START_PASS
-        consumed = consume_in_partition(state, _messages(grouped, ACCEPTED), pass_start, self.certify)
+        consumed = consume_in_partition(state, messages_of(grouped, ACCEPTED), pass_start, self.certify)
         for user_part, keys in consumed.dead_elsewhere:
             yield _send(DEAD, user_part, keys)
         packed = state.packed()
@@ -156,7 +148,7 @@ class _Retire(beam.DoFn):
         part, values = element
         grouped = by_kind(values)
         ((packed, dead),) = grouped[STATE]
-        retired = retire_in_partition(UserPartition.unpacked(packed), dead, _messages(grouped, DEAD), self.duplicates)
+        retired = retire_in_partition(UserPartition.unpacked(packed), dead, messages_of(grouped, DEAD), self.duplicates)
         yield stat(round_stat(self.iteration, "eligible"), retired.eligible)
         yield beam.pvalue.TaggedOutput("counts", ("eligible", retired.eligible))
         yield from _contribution_stats(retired.departed_contributions)

@@ -27,11 +27,9 @@ from madp.beam.batch_join import JoinSelection, NeighbourhoodHistogram
 from madp.beam.batch_sample import SampleBatches
 from madp.beam.pipeline import Chunk, SelectionTable, StopOnInvalidRows, keeping_input_errors
 from madp.beam.record_chunks import RecordExtractors, RecordsFromRows
-from madp.core import sampling
-from madp.core.batch_steps import histogram_arrays
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
-from madp.engines.batching import BatchOptions, BoundGraph, check_same_graph
+from madp.engines.batching import BatchOptions, BoundGraph, calibrated_probability, check_same_graph
 
 
 class SampledBatches(typing.NamedTuple):
@@ -64,7 +62,7 @@ class SampledBatches(typing.NamedTuple):
 def _calibrated(histogram: dict, options: BatchOptions, errors_dir: str | None) -> float:
     """p for the target expected batch size, on the |N(e)| histogram of all units."""
     with keeping_input_errors(errors_dir):  # no record, or a batch size above the units
-        return sampling.calibrate_probability(options.batch_size, *histogram_arrays(histogram), options.min_sep)
+        return calibrated_probability(histogram, options)
 
 
 def _same_graph(histogram: dict, digest: GraphDigest, bound: BoundGraph, data: str, errors_dir: str | None) -> dict:

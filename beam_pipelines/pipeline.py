@@ -12,9 +12,7 @@ errors; it is looked at for one failure only, a full file system, which no step 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import uuid
 from typing import Any
 
 import apache_beam as beam
@@ -30,14 +28,15 @@ from apache_beam.options.pipeline_options import (
 from apache_beam.runners.direct.direct_runner import SwitchingDirectRunner
 
 from madp.beam import files
+from madp.core import kept_errors, storage
 from madp.core import records as rec
-from madp.core import storage
 from madp.core.errors import InputError
+from madp.core.options import add_options
+from madp.core.partitioning import PartitionOptions
 from madp.core.records import RecordChunk
 from madp.core.selection import handle_rejects
 
 NAMESPACE = "madp"  # of every Beam counter of our pipelines
-MIN_SPLIT_BYTES = 1024
 
 # The element types where our transforms meet (a user's pipeline included), checked by Beam when the
 # graph is built (pipeline type checking, on unless --no_pipeline_type_check) and giving the
@@ -52,13 +51,7 @@ class MadpPipelineOptions(PipelineOptions):
 
     @classmethod
     def _add_argparse_args(cls, parser) -> None:
-        parser.add_argument(
-            "--partitions",
-            type=int,
-            default=16,
-            help="madp: record and user partitions, the columnar units of work the runner spreads over "
-            "workers (use several per worker core, and enough that one fits a worker's memory)",
-        )
+        add_options(parser, PartitionOptions)
         parser.add_argument(
             "--rounds-per-pipeline",
             "--rounds_per_pipeline",
@@ -67,37 +60,14 @@ class MadpPipelineOptions(PipelineOptions):
             default=10,
             help="madp bound: iterations of the bounding (rounds, pass starts) unrolled in one pipeline run",
         )
-        parser.add_argument(
-            "--input-split-bytes",
-            "--input_split_bytes",
-            dest="input_split_bytes",
-            type=int,
-            default=64 << 20,
-            help="madp: an uncompressed JSON Lines or a Parquet input file larger than this is read in "
-            "splits of about this size, by as many workers (a gzipped file is read whole)",
-        )
-        parser.add_argument(
-            "--local-finish-incidences",
-            "--local_finish_incidences",
-            dest="local_finish_incidences",
-            type=int,
-            default=2_000_000,
-            help="madp bound: once at most this many undecided incidences are left, one worker finishes "
-            "the bounding with the local kernels (about 60 bytes each)",
-        )
 
 
 def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
-    """Our options among `options`, checked."""
+    """Our options among `options`, checked (`PartitionOptions`' checks)."""
     ours = options.view_as(MadpPipelineOptions)
     if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
         raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
-    if ours.input_split_bytes < MIN_SPLIT_BYTES:
-        raise InputError(
-            f"--input-split-bytes must be at least {MIN_SPLIT_BYTES}: tiny splits read a file many times over"
-        )
-    if ours.local_finish_incidences < 0:
-        raise InputError("--local-finish-incidences must be at least 0")
+    PartitionOptions(ours.partitions, ours.input_split_bytes, ours.local_finish_incidences)
     return ours
 
 
@@ -145,16 +115,10 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
     return options
 
 
-@contextlib.contextmanager
 def keeping_input_errors(errors_dir: str | None):
-    """Around a step's work: an InputError raised in it is written under `errors_dir` (when there is
-    one: a pipeline of one's own may leave it out and see the runner's exception), then raised."""
-    try:
-        yield
-    except InputError as error:
-        if errors_dir is not None:
-            files.write_bytes(files.FileSystems.join(errors_dir, f"{uuid.uuid4().hex}.txt"), str(error).encode())
-        raise
+    """Around a step's work: an InputError raised in it is written under `errors_dir` through Beam's
+    FileSystems (`kept_errors.keeping_input_errors`), then raised."""
+    return kept_errors.keeping_input_errors(errors_dir, files.write_bytes, files.FileSystems.join)
 
 
 def keeps_input_errors(process):
@@ -239,9 +203,9 @@ def run(pipeline: beam.Pipeline, namespace: str, errors_dir: str, output: str | 
     except Exception as error:
         if _interrupted(error):  # Ctrl-C in a step run in this process, which the runner re-raises as its own error
             raise KeyboardInterrupt from error
-        messages = sorted(files.read_bytes(path).decode() for path in files.files_under(errors_dir))
-        if messages:
-            raise InputError(messages[0]) from error
+        kept = kept_errors.kept_input_error(files.read_bytes(path).decode() for path in files.files_under(errors_dir))
+        if kept is not None:
+            raise kept from error
         # A worker's write failed, and so would writing its error down: the runner's error is all there
         # is (relayed as text by the DirectRunner), read for the file system's errno or its message only.
         full = storage.disk_full(output or errors_dir, error)
@@ -297,30 +261,8 @@ class StopOnInvalidRows(beam.PTransform):
 
     def expand(self, elements):
         every_reject = (
-            self.rejects | "EveryReject" >> beam.Flatten() | "MergeRejects" >> beam.CombineGlobally(merge_rejects)
+            self.rejects | "EveryReject" >> beam.Flatten() | "MergeRejects" >> beam.CombineGlobally(rec.merge_rejects)
         )
         return elements | "UnlessRejected" >> beam.Map(
             _unless_rejected, beam.pvalue.AsSingleton(every_reject), self.output, self.errors_dir
         )
-
-
-def by_kind(values) -> dict:
-    """Grouped values tagged (kind, value), as kind -> [values]."""
-    grouped: dict = {}
-    for kind, value in values:
-        grouped.setdefault(kind, []).append(value)
-    return grouped
-
-
-def merged_records(chunks, rejects: rec.Rejects) -> rec.RecordChunk:
-    """A record partition's chunks as one chunk in key order (whatever order the runner delivered
-    them in); its duplicated ids go to `rejects`."""
-    chunks = sorted(chunks, key=lambda c: int(c.keys[0]))
-    return rec.reject_duplicates(rec.merge_chunks(chunks), rejects)
-
-
-def merge_rejects(batches) -> rec.Rejects:
-    merged = rec.Rejects()
-    for batch in batches:
-        merged.extend(batch)
-    return merged

@@ -5,15 +5,11 @@ alike: read and validated from input files, then handed to their record partitio
 
 from __future__ import annotations
 
-import contextlib
-import os
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import apache_beam as beam
-import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.io.filesystem import BeamIOError, CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
@@ -21,17 +17,16 @@ from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, 
 from madp.core import input_splits, record_reading
 from madp.core import records as rec
 from madp.core.errors import InputError
-from madp.core.input_splits import (
-    InputSplit,
-    jsonl_splits,
-    parquet_split_table,
-    parquet_splits,
-    range_bytes,
-    read_split,
-    row_count,
-    row_groups,
-)
+from madp.core.input_splits import FileAccess, InputSplit, count_split, plan_splits, read_planned_split
 from madp.core.record_reading import shown_row
+
+
+def _beam_open(path: str):
+    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+# Input files through Beam's FileSystems: the file systems the runner is set up with.
+BEAM_FILES = FileAccess(_beam_open, (OSError, BeamIOError))
 
 
 @beam.typehints.with_input_types(tuple[int, str])
@@ -45,47 +40,7 @@ class _PlanSplits(beam.DoFn):
     @keeps_input_errors
     def process(self, element):
         index, path = element
-        if not path.endswith(".parquet"):
-            with _opened(path) as (_, size):
-                yield from jsonl_splits(index, path, size, self.split_bytes)
-            return
-        with _parquet(path) as (parquet, size):
-            yield from parquet_splits(index, path, size, row_groups(parquet.metadata), self.split_bytes)
-
-
-@contextlib.contextmanager
-def _opened(path: str, planned_size: int | None = None):
-    """(binary handle, size) of a file opened through Beam's FileSystems; an unreadable file, or one
-    whose size is no longer `planned_size`, is an error naming it."""
-    try:
-        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as handle:
-            size = handle.seek(0, os.SEEK_END)  # not FileSystems.match, which globs a path's [ ] * ?
-            if planned_size is not None and size != planned_size:
-                raise InputError(f"{path}: changed while it was read ({size} bytes, {planned_size} when planned)")
-            handle.seek(0)
-            yield handle, size
-    except (OSError, BeamIOError) as error:
-        raise InputError(f"{path}: cannot be read ({error})") from error
-
-
-@contextlib.contextmanager
-def _parquet(path: str, planned_size: int | None = None):
-    """(ParquetFile, size) of a Parquet file opened through Beam's FileSystems, its pages checked
-    against their checksums; an unreadable file is an error naming it."""
-    with _opened(path, planned_size) as (handle, size):
-        try:
-            yield pq.ParquetFile(handle, page_checksum_verification=True), size
-        except (pa.ArrowInvalid, OSError) as error:
-            raise InputError(f"{path}: not a readable Parquet file ({error})") from error
-
-
-def _range(split: InputSplit) -> bytes:
-    """A JSON Lines split's bytes, read through Beam's FileSystems (a whole .gz file decompressed)."""
-    with _opened(split.path, split.file_size) as (handle, _):
-        if split.first_row is None:
-            return range_bytes(handle, split.start, split.stop)
-        data = handle.read()
-    return record_reading.decompressed(split.path, data)
+        yield from plan_splits(index, path, self.split_bytes, BEAM_FILES)
 
 
 @beam.typehints.with_input_types(InputSplit)
@@ -100,7 +55,7 @@ class _CountRows(beam.DoFn):
     @keeps_input_errors
     def process(self, split):
         if split.counted:
-            yield row_count(split, _range(split))
+            yield count_split(split, BEAM_FILES)
 
 
 @beam.typehints.with_input_types(InputSplit, dict[tuple[int, int], int])
@@ -119,20 +74,14 @@ class _ReadSplit(beam.DoFn):
         if counts is not self._counts:
             self._counts, self._before = counts, input_splits.first_rows(counts)
         first_row = input_splits.first_row(split, self._before)
-        if split.path.endswith(".parquet"):
-            with _parquet(split.path, split.file_size) as (parquet, _):
-                rows = parquet_split_table(parquet, split, self.columns, self.content)
-        else:
-            rows = _range(split)
-        yield from _read_outputs(split.file_index, read_split(split, rows, self.columns, self.content, first_row))
+        result = read_planned_split(split, self.columns, self.content, first_row, BEAM_FILES)
+        yield from _read_outputs(split.file_index, result)
 
 
 def _read_outputs(index: int, result: rec.FileResult):
     """A read chunk's outputs: (index, chunk), its rejected rows (a "rejects" output), counts ("stats")
     and facts ("facts")."""
-    yield stat("input_rows", result.rows_read)
-    yield from (stat(f"rejected_{reason}", count) for reason, count in result.rejects.counts().items())
-    yield stat("repeated_users_removed", result.repeated_users_removed)
+    yield from (stat(name, count) for name, count in result.stats().items())
     yield beam.pvalue.TaggedOutput("facts", result.facts)
     if len(result.rejects):
         yield beam.pvalue.TaggedOutput("rejects", result.rejects)

@@ -17,14 +17,13 @@ from madp.commands import accounting, batching, bounding, data, report, training
 from madp.commands.registry import (
     Family,
     Parser,
-    add_options,
     build_parser,
     read_paths,
     written_directory,
 )
 from madp.core import output_lock, storage
 from madp.core.errors import CheckFailed, DiskFull, InputError
-from madp.core.options import declared, error_text
+from madp.core.options import add_options, declared, error_text
 from madp.core.selection import REPORT_FILE
 from madp.tools.planning.audit_config import AuditOptions
 

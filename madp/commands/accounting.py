@@ -8,9 +8,9 @@ import functools
 import logging
 from typing import Any
 
-from madp.commands.registry import Family, add_options, options_from
+from madp.commands.registry import Family
 from madp.core.errors import OptionError
-from madp.core.options import check_choices, comma_names, option, seed_argument
+from madp.core.options import add_options, check_choices, comma_names, option, options_from, seed_argument
 from madp.core.records import ColumnOptions
 from madp.stages.arguments import LOCAL, refuse_beam_options_locally
 from madp.training.options import STRATEGIES, clip_norm_option

@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 
 from madp.commands.bounding import buckets_option, check_buckets
-from madp.commands.registry import Family, add_options, options_from
-from madp.core.options import option
+from madp.commands.registry import Family
+from madp.core.options import add_options, option, options_from
 from madp.core.records import ColumnOptions
 from madp.engines.batching import BatchOptions
 
@@ -45,13 +45,19 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         "batch",
         help="materialize training batches as TFRecords (b-min-sep Poisson sampling or min-sep greedy)",
         description="Unknown options are passed to Beam (e.g. --project ..., --temp_location ...), among "
-        "them madp's own --partitions P (record and user partitions, default 16).",
+        "them madp's own --partitions P (record and user partitions, default 16); with --runner pyspark they "
+        "are the Spark options (--spark-master, --spark-conf KEY=VALUE, --partitions, --input-split-bytes).",
     )
     batch.add_argument("selected", help="a `madp bound` output directory (selected/*.parquet: id, copies)")
     batch.add_argument("data", help="the records: a .jsonl/.parquet file or a directory of them")
     batch.add_argument("output", help="output directory: batches-*.tfrecord, schema.json, report.json")
     add_options(batch, BatchOptions)
-    batch.add_argument("--runner", default="DirectRunner", help="'local' (in-process) or a Beam runner name")
+    batch.add_argument(
+        "--runner",
+        default="DirectRunner",
+        help="'local' (in-process), 'pyspark' (madp on Apache Spark: --spark-master, --spark-conf, --partitions, "
+        "--input-split-bytes) or a Beam runner name",
+    )
 
     verify_batches = commands.add_parser("verify-batches", help="independently check batches against the records")
     verify_batches.add_argument("output", help="a `madp batch` output directory")

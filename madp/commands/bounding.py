@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 from typing import Any
 
-from madp.commands.registry import Family, add_options, options_from
+from madp.commands.registry import Family
 from madp.core.errors import OptionError
-from madp.core.options import option
+from madp.core.options import add_options, option, options_from
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 
@@ -58,7 +58,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     bound.add_argument(
         "--runner",
         default="DirectRunner",
-        help="'local' (in-process) or a Beam runner: DirectRunner (default), DataflowRunner, "
+        help="'local' (in-process), 'pyspark' (madp on Apache Spark: --spark-master URL, --spark-conf "
+        "KEY=VALUE, --partitions P, ...) or a Beam runner: DirectRunner (default), DataflowRunner, "
         "FlinkRunner, SparkRunner, ...",
     )
 

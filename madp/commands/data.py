@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from madp.commands.registry import Family, add_options, options_from
-from madp.core.options import option, seed_argument
+from madp.commands.registry import Family
+from madp.core.options import add_options, option, options_from, seed_argument
 
 if TYPE_CHECKING:  # madp.tools.data.synthetic imports numpy and pyarrow, which the parser does not need
     from madp.tools.data.synthetic import GraphSpec

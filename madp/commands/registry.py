@@ -1,16 +1,14 @@
-"""The command registry: families of subcommands, the parser built from them, the options a dataclass
-declares added to a parser and built from its parsed arguments, and the arguments several families share."""
+"""The command registry: families of subcommands, the parser built from them, and the arguments several
+families share (the options a dataclass declares are added to a parser and built from its parsed arguments
+by `madp.core.options.add_options` and `options_from`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
-from madp.core.options import declared
-
-Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> its JSON
 
 
@@ -77,41 +75,6 @@ class Parser(argparse.ArgumentParser):
 
     def takes_beam_options(self, command: str) -> bool:
         return command in self.family[command].beam_options
-
-
-def add_options(parser: argparse.ArgumentParser, declaration: type, defaults: bool = True) -> None:
-    """Add the options a dataclass declares (`madp.core.options.option`) to a command's parser: each field's
-    flag, aliases, help, choices, type and default, in its argument group if it names one. Without `defaults`
-    an option left off the command line is None, a switch's too (the values come from elsewhere, a config
-    section, where not given)."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for each in declared(declaration):
-        facts = each.option
-        where: argparse._ActionsContainer = parser
-        if facts.group is not None:
-            if facts.group not in groups:
-                groups[facts.group] = parser.add_argument_group(facts.group)
-            where = groups[facts.group]
-        settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
-        if each.switch:
-            settings["action"] = "store_true"
-            if not defaults:
-                settings["default"] = None
-        else:
-            settings.update(choices=facts.choices, metavar=facts.metavar, type=each.parse)
-            if facts.repeatable:
-                settings["action"] = "append"
-        if each.required:
-            settings["required"] = True
-        elif defaults:  # a repeatable option's values are appended to a list
-            settings["default"] = list(each.default) if facts.repeatable else each.default
-        where.add_argument(*each.flags, **settings)
-
-
-def options_from(declaration: type[Declaration], args: argparse.Namespace) -> Declaration:
-    """The dataclass `declaration` of a command's parsed options (checked as it is built)."""
-    values = {each.name: getattr(args, each.name) for each in declared(declaration)}
-    return declaration(**{name: tuple(value) if isinstance(value, list) else value for name, value in values.items()})
 
 
 def written_directory(args: argparse.Namespace) -> str | None:

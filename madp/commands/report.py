@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from madp.commands.registry import Family, add_options, options_from
-from madp.core.options import option
+from madp.commands.registry import Family
+from madp.core.options import add_options, option, options_from
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from madp.commands.registry import Family, add_options, options_from
+from madp.commands.registry import Family
+from madp.core.options import add_options, options_from
 from madp.training.options import TrainOptions
 
 

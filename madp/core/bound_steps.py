@@ -51,11 +51,34 @@ from madp.core.bounding import (
     unanimous,
 )
 from madp.core.columnar import Columnar
+from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
 from madp.core.routing import csr_rows, distinct_partitions, split_by_partition, take_csr
-from madp.core.selection import BoundOptions, alternate_runs, user_distribution_stats
+from madp.core.selection import (
+    BoundOptions,
+    alternate_runs,
+    record_distribution_stats,
+    selection_shards,
+    user_distribution_stats,
+)
 
 NO_USERS = np.zeros(0, np.int64)
+
+
+def round_stat(iteration: int, what: str) -> str:
+    """The name of a per-iteration count (iteration 0: the build and the first saturation)."""
+    return f"round_{iteration:05d}_{what}"
+
+
+def contribution_stats(contribution: np.ndarray) -> dict[str, int]:
+    """The final contributions of users leaving the state, for the report's histogram and maximum
+    (none where no user leaves)."""
+    if not len(contribution):
+        return {}
+    return {
+        "max_user_contribution": int(contribution.max()),
+        **user_distribution_stats(NO_USERS, contribution),
+    }
 
 
 def narrowed(values: np.ndarray) -> np.ndarray:
@@ -511,6 +534,45 @@ def _certified(
     )
 
 
+class BuiltRecordPartition(typing.NamedTuple):
+    """A record partition built from its input chunks (`build_record_partition`): the split
+    (`split_record_partition`), the duplicated ids rejected, and its counts by name: `counted`, the
+    figures an engine may also keep as counters, and `distribution`, the graph digest's parts
+    (summed over partitions like the counts, but no count of anything)."""
+
+    split: RecordPartitionSplit
+    rejects: rec.Rejects
+    counted: dict[str, int]
+    distribution: dict[str, int]
+
+
+def build_record_partition(
+    part: int,
+    chunks: typing.Iterable[rec.RecordChunk],
+    options: BoundOptions,
+    partitions: int,
+    capacities: Capacities,
+    saved_selection: typing.Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+) -> BuiltRecordPartition:
+    """Record partition `part` from its records' input chunks (in any order): merged in key order, its
+    duplicated ids rejected, the bounded graph's digest taken, and split (`split_record_partition`)
+    from the selection so far, `saved_selection(keys)` where an earlier run left one (else none)."""
+    rejects = rec.Rejects()
+    chunk = rec.merged_records(chunks, rejects)
+    counted = {f"rejected_{rec.DUPLICATE_ID}": len(rejects)} if len(rejects) else {}
+    counted["input_records"] = len(chunk)
+    distribution = graph_digest(chunk.ids, chunk.offsets, chunk.users).to_counts()
+    selection = np.zeros(len(chunk), dtype=np.int64), np.zeros(len(chunk), dtype=bool)
+    if saved_selection is not None:
+        selection = saved_selection(chunk.keys)
+    split = split_record_partition(part, chunk, selection, options, partitions, capacities)
+    if split.certified_dropped is not None:
+        counted["certified_dropped_records"] = split.certified_dropped
+    if split.incidences:
+        counted[round_stat(0, "shuffled_bytes")] = sum(incidences.nbytes for _, incidences in split.incidences)
+    return BuiltRecordPartition(split, rejects, counted, distribution)
+
+
 def capacities_by_partition(capacities: Capacities, partitions: int) -> typing.Iterator[tuple[int, Capacities]]:
     """Each capacity to the user partition of every user id it can match: its own typed id, or for a
     CSV text id both the string and (if it writes one canonically) the integer; the partition matches
@@ -544,6 +606,17 @@ class BuiltUserPartition(typing.NamedTuple):
     state: UserPartition | None
     input_users: int
     input_stats: dict[str, int]
+
+    def counted(self, packed_bytes: int) -> dict[str, int]:
+        """Its counts by name, the partition packed into `packed_bytes` (the largest element of the
+        rounds' state is the report's `max_user_partition_bytes`)."""
+        if self.state is None:
+            return {"input_users": self.input_users}
+        return {
+            "input_users": self.input_users,
+            "built_incidences": self.state.incidences,
+            "max_user_partition_bytes": packed_bytes,
+        }
 
 
 def build_user_partition(part: int, batches: list[Incidences], capacities: Capacities) -> BuiltUserPartition:
@@ -625,3 +698,30 @@ def record_selection(
         if pass_ == control.passes:
             in_pass[where] = True
     return RecordSelection(copies, in_pass)
+
+
+class FinishedRecords(typing.NamedTuple):
+    """A record partition at the end of a run (`finish_record_partition`): its selection, its counts
+    (`counted`: selected copies and distinct records; `distribution`: the records' histograms) and,
+    where the algorithm is done, its part of each output shard (empty tables too: they carry the id
+    type, so a shard no partition fills is still typed right)."""
+
+    selection: RecordSelection
+    counted: dict[str, int]
+    distribution: dict[str, int]
+    shards: dict[int, pa.Table]
+
+
+def finish_record_partition(
+    records: RecordPartition, selections: list[SelectedKeys], control: Control, passes_at_start: int, shards: int
+) -> FinishedRecords:
+    """A record partition's selection from every round's (`record_selection`), counted, and split into
+    the `shards` output shards once `control` is done."""
+    selection = record_selection(records, selections, control, passes_at_start)
+    copies = selection.copies
+    counted = {"selected_records": int(copies.sum()), "distinct_selected": int((copies > 0).sum())}
+    parts: dict[int, pa.Table] = {}
+    if control.next == DONE:
+        selected = copies > 0
+        parts = selection_shards(records.ids.filter(pa.array(selected)), copies[selected], shards)
+    return FinishedRecords(selection, counted, record_distribution_stats(records.arity, copies), parts)

@@ -12,12 +12,17 @@ the rules over a whole file judged afterwards from every split's facts (`record_
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import BinaryIO, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from madp.core import record_reading
+from madp.core import record_reading, storage
+from madp.core.errors import InputError
 from madp.core.record_reading import Content, jsonl_rows
 from madp.core.records import Columns, FileResult
 
@@ -156,3 +161,79 @@ def first_rows(counts: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]
 def first_row(split: InputSplit, before: dict[tuple[int, int], int]) -> int:
     """The rows of the split's file before it: its own `first_row`, or from `first_rows`."""
     return split.first_row if split.first_row is not None else before[(split.file_index, split.start)]
+
+
+class FileAccess(NamedTuple):
+    """How an engine's workers open input files: `open(path)`, a context manager of a seekable binary
+    handle, and the errors it raises where a file cannot be read (each an InputError naming the file).
+    `STORAGE` opens them as `madp.core.storage` does (local paths and the URLs pyarrow reads)."""
+
+    open: Callable[[str], AbstractContextManager]
+    errors: tuple[type[BaseException], ...] = (OSError,)
+
+
+STORAGE = FileAccess(storage.open_input)
+
+
+@contextlib.contextmanager
+def opened(path: str, access: FileAccess, planned_size: int | None = None) -> Iterator[tuple[BinaryIO, int]]:
+    """(binary handle, size) of an input file; an unreadable file, or one whose size is no longer
+    `planned_size`, is an error naming it."""
+    try:
+        with access.open(path) as handle:
+            size = handle.seek(0, os.SEEK_END)  # not a listing, which may glob a path's [ ] * ?
+            if planned_size is not None and size != planned_size:
+                raise InputError(f"{path}: changed while it was read ({size} bytes, {planned_size} when planned)")
+            handle.seek(0)
+            yield handle, size
+    except access.errors as error:
+        raise InputError(f"{path}: cannot be read ({error})") from error
+
+
+@contextlib.contextmanager
+def parquet_opened(
+    path: str, access: FileAccess, planned_size: int | None = None
+) -> Iterator[tuple[pq.ParquetFile, int]]:
+    """(ParquetFile, size) of a Parquet input file, its pages checked against their checksums; an
+    unreadable file is an error naming it."""
+    with opened(path, access, planned_size) as (handle, size):
+        try:
+            yield pq.ParquetFile(handle, page_checksum_verification=True), size
+        except (pa.ArrowInvalid, OSError) as error:
+            raise InputError(f"{path}: not a readable Parquet file ({error})") from error
+
+
+def plan_splits(file_index: int, path: str, split_bytes: int, access: FileAccess) -> list[InputSplit]:
+    """An input file's splits, from its size or its Parquet row groups."""
+    if not path.endswith(".parquet"):
+        with opened(path, access) as (_, size):
+            return jsonl_splits(file_index, path, size, split_bytes)
+    with parquet_opened(path, access) as (parquet, size):
+        return parquet_splits(file_index, path, size, row_groups(parquet.metadata), split_bytes)
+
+
+def split_range(split: InputSplit, access: FileAccess) -> bytes:
+    """A JSON Lines split's bytes (a whole .gz file decompressed)."""
+    with opened(split.path, access, split.file_size) as (handle, _):
+        if split.first_row is None:
+            return range_bytes(handle, split.start, split.stop)
+        data = handle.read()
+    return record_reading.decompressed(split.path, data)
+
+
+def count_split(split: InputSplit, access: FileAccess) -> tuple[tuple[int, int], int]:
+    """The first pass over a `counted` range: ((file index, start), its rows) (`row_count`)."""
+    return row_count(split, split_range(split, access))
+
+
+def read_planned_split(
+    split: InputSplit, columns: Columns, content: Content, first_row: int, access: FileAccess
+) -> FileResult:
+    """A planned split read and validated as its part of the whole file (`read_split`), its rows
+    numbered from `first_row` (`first_row` gives it)."""
+    if split.path.endswith(".parquet"):
+        with parquet_opened(split.path, access, split.file_size) as (parquet, _):
+            rows: pa.Table | bytes = parquet_split_table(parquet, split, columns, content)
+    else:
+        rows = split_range(split, access)
+    return read_split(split, rows, columns, content, first_row)

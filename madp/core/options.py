@@ -1,9 +1,10 @@
 """One declaration per option: a command's options are the fields of a frozen dataclass, each declared
 with `option(...)`, which keeps its command-line facts (help, aliases, choices, how text is parsed,
-its argument group, its `madp run` section) in the field's metadata beside its one default. The
-commands layer turns a declaration into argparse options and parsed arguments back into the dataclass
-(`madp.commands.registry.add_options`, `options_from`); `madp run` reads the section facts; a Python
-caller just builds the dataclass. An option's flag is its field's name with dashes (`flag_of`)."""
+its argument group, its `madp run` section) in the field's metadata beside its one default. A
+declaration becomes argparse options, and parsed arguments the dataclass again (`add_options`,
+`options_from`: the commands' parsers, and an engine's own trailing options); `madp run` reads the
+section facts; a Python caller just builds the dataclass. An option's flag is its field's name with
+dashes (`flag_of`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import shlex
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from madp.core.errors import OptionError
 
@@ -187,3 +188,41 @@ def seed_argument(text: str) -> int:
     if not 0 <= value < SEED_BOUND:
         raise argparse.ArgumentTypeError(f"a seed is an integer in [0, 2^64), got {value}")
     return value
+
+
+Declaration = TypeVar("Declaration")  # a dataclass of options (`option`)
+
+
+def add_options(parser: argparse.ArgumentParser, declaration: type, defaults: bool = True) -> None:
+    """Add the options a dataclass declares (`madp.core.options.option`) to a command's parser: each field's
+    flag, aliases, help, choices, type and default, in its argument group if it names one. Without `defaults`
+    an option left off the command line is None, a switch's too (the values come from elsewhere, a config
+    section, where not given)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for each in declared(declaration):
+        facts = each.option
+        where: argparse._ActionsContainer = parser
+        if facts.group is not None:
+            if facts.group not in groups:
+                groups[facts.group] = parser.add_argument_group(facts.group)
+            where = groups[facts.group]
+        settings: dict[str, Any] = {"dest": each.name, "help": facts.help}
+        if each.switch:
+            settings["action"] = "store_true"
+            if not defaults:
+                settings["default"] = None
+        else:
+            settings.update(choices=facts.choices, metavar=facts.metavar, type=each.parse)
+            if facts.repeatable:
+                settings["action"] = "append"
+        if each.required:
+            settings["required"] = True
+        elif defaults:  # a repeatable option's values are appended to a list
+            settings["default"] = list(each.default) if facts.repeatable else each.default
+        where.add_argument(*each.flags, **settings)
+
+
+def options_from(declaration: type[Declaration], args: argparse.Namespace) -> Declaration:
+    """The dataclass `declaration` of a command's parsed options (checked as it is built)."""
+    values = {each.name: getattr(args, each.name) for each in declared(declaration)}
+    return declaration(**{name: tuple(value) if isinstance(value, list) else value for name, value in values.items()})

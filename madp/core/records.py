@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -246,6 +247,12 @@ class FileResult:
     repeated_users_removed: int
     facts: ReadFacts
 
+    def stats(self) -> dict[str, int]:
+        """What the read counts for the run's summary, by name: rows read, rejected rows by reason,
+        repeated users removed from records."""
+        rejected = {f"rejected_{reason}": count for reason, count in self.rejects.counts().items()}
+        return {"input_rows": self.rows_read, **rejected, "repeated_users_removed": self.repeated_users_removed}
+
 
 def list_input_files(path: str) -> list[str]:
     """The input files of a path: the file itself, or every .jsonl, .jsonl.gz or .parquet file below a
@@ -363,3 +370,18 @@ def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
         users = chunk.users[int(chunk.offsets[i]) : int(chunk.offsets[i + 1])].to_pylist()
         rejects.add(*chunk.source(int(i)), DUPLICATE_ID, {"id": chunk.ids[int(i)].as_py(), "users": users})
     return take(chunk, ~duplicated) if duplicated.any() else chunk
+
+
+def merged_records(chunks: Iterable[RecordChunk], rejects: Rejects) -> RecordChunk:
+    """A record partition's chunks as one chunk in key order (whatever order the engine delivered
+    them in); its duplicated ids go to `rejects`."""
+    ordered = sorted(chunks, key=lambda c: int(c.keys[0]))
+    return reject_duplicates(merge_chunks(ordered), rejects)
+
+
+def merge_rejects(batches: Iterable[Rejects]) -> Rejects:
+    """The rejected rows of every batch, as one `Rejects`."""
+    merged = Rejects()
+    for batch in batches:
+        merged.extend(batch)
+    return merged

@@ -202,10 +202,10 @@ BOUND_REPORT_KEYS = (
 @dataclasses.dataclass(frozen=True)
 class BoundReport:
     """`madp bound`'s OUTPUT/report.json: the selection files, the bound every user is held to, the input's
-    figures and rejects, the rounds and the digest of the graph bounded. Both engines write it; Beam adds its
-    partitions and pipeline runs."""
+    figures and rejects, the rounds and the digest of the graph bounded. Every engine writes it; Beam and
+    Spark add their partitions and runs."""
 
-    engine: str  # which engine bounded: local, or the Beam runner
+    engine: str  # which engine bounded: local, pyspark, or the Beam runner
     input: str  # the input records' path
     parameters: BoundParameters  # the options it ran with
     contribution_bound: int  # K, or a larger listed capacity: what the accountant assumes for every user
@@ -226,8 +226,9 @@ class BoundReport:
     per_round: tuple[RoundStats, ...]  # each round's figures
     histograms: Histograms  # the distributions of users and records
     selection_files: tuple[FileEntry, ...]  # the selection files, with size and SHA-256
-    partitions: int | None = None  # Beam: the partitions of each side
-    pipeline_runs: tuple[Mapping[str, Any], ...] | None = None  # Beam: each run's iterations and counters
+    partitions: int | None = None  # Beam and Spark: the partitions of each side
+    # Beam: each pipeline run's iterations and counters; Spark: its one job's iterations
+    pipeline_runs: tuple[Mapping[str, Any], ...] | None = None
     # The engine's run time, in what a run returns and prints, never in the file: it depends on the machine's
     # load and on more of the input than the graph (parsing JSON Lines rows reads their content too)
     wall_time_s: float | None = None

@@ -6,7 +6,8 @@ list (offsets, partitions ascending), so any number of partitions fits in arity-
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -44,3 +45,16 @@ def take_csr(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple
     _, positions = csr_rows(offsets, rows)
     counts = np.diff(offsets)[rows]
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), values[positions]
+
+
+def messages_of(grouped: dict[str, list], kind: str) -> np.ndarray:
+    """The key arrays of one kind met at a partition (`by_kind`), end to end (none: empty)."""
+    return np.concatenate(grouped[kind]) if kind in grouped else np.zeros(0, np.int64)
+
+
+def by_kind(values: Iterable[tuple[str, Any]]) -> dict[str, list]:
+    """A partition's messages, met at their destination tagged (kind, payload), as kind -> [payloads]."""
+    grouped: dict[str, list] = {}
+    for kind, value in values:
+        grouped.setdefault(kind, []).append(value)
+    return grouped

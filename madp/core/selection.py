@@ -8,7 +8,7 @@ import dataclasses
 import io
 import json
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from madp.core import storage
-from madp.core.bounding import ORDERS, AlternateRuns, Capacities
+from madp.core.bounding import ORDERS, AlternateRuns, Capacities, Control
 from madp.core.errors import InputError
 from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
@@ -29,6 +29,9 @@ from madp.core.reports import BatchReport, BoundParameters, BoundReport, FileEnt
 SELECTED_DIR = "selected"
 REJECTED_DIR = "rejected"
 REPORT_FILE = "report.json"
+WORK_DIR = (
+    "_work"  # a partitioned engine's files while it runs (kept errors, checkpoints, attempts), removed at the end
+)
 _ERROR_EXAMPLES = 10
 
 
@@ -147,6 +150,12 @@ def record_distribution_stats(arity: np.ndarray, copies: np.ndarray) -> dict[str
         **_named_counts(HISTOGRAMS["records_by_users_input"], arity),
         **_named_counts(HISTOGRAMS["records_by_users_selected"], arity[copies > 0]),
     }
+
+
+def stat_total(name: str, values: Iterable[int]) -> int:
+    """A count that the steps of a partitioned engine sent under `name`, over them all: summed, or the
+    largest of a `max_` one."""
+    return max(values) if name.startswith("max_") else sum(values)
 
 
 def _named_counts(prefix: str, values: np.ndarray) -> dict[str, int]:
@@ -325,6 +334,22 @@ def sorted_selection(ids: pa.Array, copies: np.ndarray) -> pa.Table:
     return pa.table({"id": ids.take(order), "copies": pa.array(copies[order.to_numpy()], type=pa.int64())})
 
 
+def write_missing_shards(output: str, shards: int) -> None:
+    """Write each of the `shards` output shards that no partition wrote (no record at all) empty."""
+    for shard in range(shards):
+        if storage.kind(shard_path(output, shard, shards)) == "missing":
+            write_selection_shard(
+                shard_path(output, shard, shards), sorted_selection(pa.array([], pa.int64()), np.zeros(0, np.int64))
+            )
+
+
+def selection_shard(tables: list[pa.Table]) -> pa.Table:
+    """One output shard from the parts of it that the partitions of a partitioned engine selected: as
+    the local engine writes it (`sorted_selection`)."""
+    table = pa.concat_tables(tables)
+    return sorted_selection(table["id"].combine_chunks(), table["copies"].to_numpy())
+
+
 def selection_shards(ids: pa.Array, copies: np.ndarray, shards: int) -> dict[int, pa.Table]:
     """The selection split into output shards by id hash."""
     shard_of = partition_of(ids, shards) if len(ids) else np.zeros(0, dtype=np.int64)
@@ -467,4 +492,74 @@ def bound_report(
         selection_files=tuple(FileEntry(**entry) for entry in selection_files),
         partitions=partitions,
         pipeline_runs=None if pipeline_runs is None else tuple(pipeline_runs),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCounts:
+    """The figures of a partitioned engine's run (a Beam pipeline run, a Spark job) that its driver
+    reads, from the run's stats by name: 0 where no step counted one (no record, no local finish...)."""
+
+    input_rows: int = 0
+    input_records: int = 0
+    input_users: int = 0
+    repeated_users_removed: int = 0
+    certified_dropped_records: int = 0
+    built_incidences: int = 0
+    max_user_partition_bytes: int = 0
+    selected_records: int = 0
+    distinct_selected: int = 0
+    max_user_contribution: int = 0
+    finished_locally_incidences: int | None = None  # None where the run finished nothing locally
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int]) -> RunCounts:
+        return cls(**{field.name: stats[field.name] for field in dataclasses.fields(cls) if field.name in stats})
+
+    def run_figures(self, iterations: list[dict]) -> dict:
+        """What the report's `pipeline_runs` give of a run: its build's counts, `iterations` (each one's
+        undecided incidences left, and on Beam the bytes it shuffled) and its local finish."""
+        return {
+            "certified_dropped_records": self.certified_dropped_records,
+            "built_incidences": self.built_incidences,
+            "max_user_partition_bytes": self.max_user_partition_bytes,
+            "iterations": iterations,
+            "finished_locally_incidences": self.finished_locally_incidences,
+        }
+
+
+def partitioned_bound_report(
+    options: BoundOptions,
+    engine: str,
+    input_path: str,
+    stats: Mapping[str, int],
+    rejects: Rejects,
+    control: Control,
+    selection_files: list[dict],
+    partitions: int,
+    runs: list[dict],
+) -> BoundReport:
+    """The report of a partitioned engine's bound (Beam's pipeline runs, Spark's job) from the stats its
+    steps sent, summed by name (`RunCounts`: the last run's), every rejected row and the final control."""
+    counts = RunCounts.of(stats)
+    return bound_report(
+        options,
+        engine,
+        input_path,
+        InputFigures(
+            counts.input_rows, counts.input_records, counts.input_users, rejects, counts.repeated_users_removed
+        ),
+        GraphDigest.from_counts(stats),
+        BoundOutcome(
+            selected_records=counts.selected_records,
+            distinct_selected=counts.distinct_selected,
+            max_user_contribution=counts.max_user_contribution,
+            per_round=control.per_round,
+            passes=control.passes,
+            converged=control.converged,
+            stats=stats,
+        ),
+        selection_files,
+        partitions=partitions,
+        pipeline_runs=runs,
     )

@@ -286,19 +286,25 @@ def remove_written(output: str, paths: list[str]) -> None:
     _remove_emptied_folders(filesystem, root, paths)
 
 
+def move_file(source: str, target: str) -> None:
+    """Put the file `source` in place of `target`, replacing a file there: a rename on a local disk; a
+    copy and a delete on an object store."""
+    filesystem, origin = _resolve(source)
+    destination = _resolve(target)[1]
+    filesystem.create_dir(posixpath.dirname(destination), recursive=True)
+    if "://" in source:  # not every object store's `move` moves a file
+        filesystem.copy_file(origin, destination)
+        filesystem.delete_file(origin)
+    else:
+        filesystem.move(origin, destination)
+
+
 def move_below(source: str, target: str, relatives: list[str]) -> None:
-    """Move the files at `relatives` (paths below folder `source`) to the same paths below folder `target`,
-    replacing a file there, then remove the folders below `source` this leaves empty. A rename on a local
-    disk; a copy and a delete on an object store."""
+    """Move the files at `relatives` (paths below folder `source`) to the same paths below folder `target`
+    (`move_file`), then remove the folders below `source` this leaves empty."""
     filesystem, root = _resolve(source)
     for relative in relatives:
-        origin, destination = _resolve(join(source, relative))[1], _resolve(join(target, relative))[1]
-        filesystem.create_dir(posixpath.dirname(destination), recursive=True)
-        if "://" in source:  # not every object store's `move` moves a file
-            filesystem.copy_file(origin, destination)
-            filesystem.delete_file(origin)
-        else:
-            filesystem.move(origin, destination)
+        move_file(join(source, relative), join(target, relative))
     _remove_emptied_folders(filesystem, root, [join(source, relative) for relative in relatives])
 
 

@@ -17,11 +17,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from madp.core import records as rec
-from madp.core import storage, tfrecord
+from madp.core import sampling, storage, tfrecord
 from madp.core.batch_files import PADDING_ID, RESERVED_FEATURES, BatchSchema, Feature, is_list
-from madp.core.batch_steps import Incidences, JoinedPartition, SelectedIds, incidences_by_user_partition
+from madp.core.batch_steps import (
+    Incidences,
+    JoinedPartition,
+    SelectedIds,
+    histogram_arrays,
+    incidences_by_user_partition,
+)
 from madp.core.errors import InputError, positive
-from madp.core.graph_digest import SCHEME, GraphDigest
+from madp.core.graph_digest import SCHEME, GraphDigest, graph_digest
 from madp.core.hashing import hash_ids, id_words, siphash24, siphash24_bytes
 from madp.core.options import comma_names, option, refuse_failed, seed_argument
 from madp.core.randomness import DETERMINISTIC, SecretKey
@@ -318,6 +324,11 @@ def check_content(content: pa.Table, ids: pa.Array, valid: np.ndarray | None = N
     return described
 
 
+def calibrated_probability(histogram: dict[int, int], options: BatchOptions) -> float:
+    """p for the options' expected batch size, on the {|N(e)|: units} histogram of all units."""
+    return sampling.calibrate_probability(options.batch_size, *histogram_arrays(histogram), options.min_sep)
+
+
 def schema(id_type: pa.DataType, content: Mapping[str, Feature], options: BatchOptions) -> BatchSchema:
     features = {
         "step": Feature("step", tfrecord.INT64, ()),
@@ -415,3 +426,29 @@ def join_partition(
         len(copies),
         chunk.ids.type,
     )
+
+
+class RecordPartitionJoin(NamedTuple):
+    """What `join_record_partition` gives for a record partition: its rows rejected as duplicated ids,
+    its part of DATA's graph, and its join (None where no selected id is sent to it)."""
+
+    rejects: rec.Rejects  # records whose id another record has
+    digest: GraphDigest | None  # of its valid records, selected or not (None: it has none)
+    joined: JoinedRecords | None
+
+
+def join_record_partition(
+    chunks: Sequence[rec.RecordChunk],
+    selection: Sequence[SelectedIds],
+    options: BatchOptions,
+    data: str,
+    partitions: int,
+) -> RecordPartitionJoin:
+    """A record partition's records (the chunks every read sent it, merged whatever their order, their
+    duplicated ids rejected) and the selected ids sent to it: the graph digest of its records, taken
+    before the join and any content check, and the join (`join_partition`)."""
+    rejects = rec.Rejects()
+    chunk = rec.merged_records(chunks, rejects) if chunks else None
+    digest = None if chunk is None else graph_digest(chunk.ids, chunk.offsets, chunk.users)
+    joined = join_partition(chunk, selection, options, data, partitions) if selection else None
+    return RecordPartitionJoin(rejects, digest, joined)

@@ -14,8 +14,10 @@ from typing import Any, TypeVar
 from madp.core import output_lock, storage
 from madp.core.errors import InputError, OptionError
 from madp.core.options import value_type
+from madp.spark.session import RUNNER
 
-LOCAL = "local"  # the runner of the in-memory engines, in this process; any other name is a Beam runner's
+LOCAL = "local"  # the runner of the in-memory engines, in this process
+PYSPARK = RUNNER  # madp's Spark engine (`madp.spark`); any other runner name is a Beam runner's
 
 Options = TypeVar("Options")
 

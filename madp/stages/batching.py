@@ -8,7 +8,7 @@ from typing import Any
 from madp.core.records import Columns
 from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
-from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
+from madp.stages.arguments import LOCAL, PYSPARK, beam_arguments, options_of, refuse_beam_options_locally, writing
 
 
 def batch(
@@ -30,9 +30,12 @@ def batch(
         selected: a `madp.bound` output directory (selected/*.parquet and its report).
         data: the records that were bounded (the same graph: its digest is checked).
         output: the directory to write; earlier batches there are replaced once the checks have passed.
-        runner: "local" (the in-memory engine, in this process) or a Beam runner name (DirectRunner,
-            PrismRunner, DataflowRunner, ...).
-        beam_options: Beam's pipeline options, argv-style; none with runner "local".
+        runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
+            caller's active SparkSession, or one built from the options) or a Beam runner name
+            (DirectRunner, PrismRunner, DataflowRunner, ...).
+        beam_options: Beam's pipeline options, argv-style; with runner "pyspark" those of
+            `madp.spark.session.SparkOptions` (["--spark-master", "spark://host:7077", "--partitions",
+            "64"]); none with runner "local".
         **options: the options of `madp batch` by their snake_case names, the fields of
             `madp.engines.batching.BatchOptions`: steps (T) and batch_size (B), both required; sampler
             ("minsep", "minsep-greedy", "users"), min_sep (b), warm_up, max_batch_size (B_max), seed
@@ -78,12 +81,17 @@ def run_batch(
     beam_options: Sequence[str] = (),
 ) -> BatchReport:
     """`batch` with its options built (`madp batch` builds them from its arguments), on an output its
-    caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
+    caller holds: the report of the local engine, of the Spark jobs or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)
     if runner == LOCAL:
         from madp.engines.batch_local import run_local
 
         return run_local(selected, data, output, options)
+    if runner == PYSPARK:
+        from madp.spark.batch import run_spark
+        from madp.spark.session import spark_options
+
+        return run_spark(selected, data, output, options, spark_options(beam_options))
     from madp.engines.batch_local import BYTES_PER_SAMPLE
     from madp.engines.direct_runner import check_direct_runner_memory
 

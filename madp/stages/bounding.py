@@ -8,7 +8,14 @@ from typing import Any
 from madp.core.records import Columns
 from madp.core.reports import BoundReport
 from madp.core.selection import BoundOptions
-from madp.stages.arguments import LOCAL, beam_arguments, options_of, refuse_beam_options_locally, writing
+from madp.stages.arguments import (
+    LOCAL,
+    PYSPARK,
+    beam_arguments,
+    options_of,
+    refuse_beam_options_locally,
+    writing,
+)
 
 
 def bound(
@@ -25,10 +32,12 @@ def bound(
             reads, gs://...), each with an id and its users.
         output: the directory to write; an earlier bounding there is replaced once the input has passed
             its checks.
-        runner: "local" (the in-memory engine, in this process) or a Beam runner name (DirectRunner,
+        runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
+            caller's active SparkSession, or one madp builds) or a Beam runner name (DirectRunner,
             PrismRunner, DataflowRunner, ...).
-        beam_options: Beam's pipeline options, argv-style (["--project", "p", "--partitions", "64"]);
-            none with runner "local".
+        beam_options: the runner's options, argv-style: Beam's pipeline options (["--project", "p",
+            "--partitions", "64"]), or with "pyspark" those of `madp.spark.session.SparkOptions`
+            (["--spark-master", "spark://host:7077", "--partitions", "64"]); none with runner "local".
         **options: the options of `madp bound` by their snake_case names, the fields of
             `madp.core.selection.BoundOptions`: max_contributions (K, required), order ("arity",
             "hash", "weight", "alternate"), seed, max_rounds, duplicates, capacities, output_shards,
@@ -66,12 +75,17 @@ def run_bound(
     input: str, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
 ) -> BoundReport:
     """`bound` with its options built (`madp bound` builds them from its arguments), on an output its
-    caller holds: the report of the local engine or of the Beam pipeline on `runner`."""
+    caller holds: the report of the local engine, of the Spark jobs, or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)
     if runner == LOCAL:
         from madp.engines.local_engine import run_local
 
         return run_local(input, output, options)
+    if runner == PYSPARK:
+        from madp.spark.bound import run_spark
+        from madp.spark.session import spark_options
+
+        return run_spark(input, output, options, spark_options(beam_options))
     from madp.engines.direct_runner import check_direct_runner_memory
 
     beam_args = beam_arguments(runner, beam_options)

@@ -193,7 +193,7 @@ def test_a_file_that_changes_while_read_is_an_error(tmp_path):
     with open(path, "a") as handle:
         handle.write('{"id": 100, "users": [1]}\n')
     with pytest.raises(InputError, match="r.jsonl: changed while it was read"):
-        record_chunks._range(split)
+        input_splits.split_range(split, record_chunks.BEAM_FILES)
 
 
 def test_parquet_splits_are_runs_of_row_groups_with_their_first_rows():

@@ -13,9 +13,8 @@ from conftest import ROOT
 
 from madp.accounting.mechanisms import DpSgd
 from madp.cli import main, parser
-from madp.commands.registry import options_from
 from madp.core.errors import InputError, OptionError
-from madp.core.options import declared, error_text, flag_of
+from madp.core.options import declared, error_text, flag_of, options_from
 from madp.core.records import ColumnOptions
 from madp.core.selection import BoundOptions
 from madp.engines.batching import BatchOptions

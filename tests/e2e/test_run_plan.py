@@ -181,7 +181,7 @@ def test_each_stage_runs_what_its_command_says(config, overrides, monkeypatch):
     for the stage's command: the command line's parser builds the same options from it."""
     from madp.cli import parser
     from madp.commands.data import GenerateOptions
-    from madp.commands.registry import options_from
+    from madp.core.options import options_from
     from madp.core.records import ColumnOptions
     from madp.core.selection import BoundOptions
     from madp.engines.batching import BatchOptions

@@ -114,7 +114,7 @@ def test_a_python_caller_gives_the_copy_and_the_file_system_options_as_options(b
 
 def test_madp_run_takes_them_in_the_train_section_and_leaves_them_out_of_the_fingerprint(monkeypatch):
     from madp.cli import parser
-    from madp.commands.registry import options_from
+    from madp.core.options import options_from
     from madp.jobs.run_config import RunConfig
     from madp.jobs.run_plan import stages_of
     from madp.training.options import TrainOptions

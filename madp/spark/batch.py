@@ -1,0 +1,318 @@
+"""`madp batch --runner pyspark`: b-min-sep Poisson sampling (Alg. 3) natively on Apache Spark, as RDD
+operations that call the batching's steps (`madp.core.batch_steps`, `batching.join_record_partition`)
+on whole columnar partitions, each keyed by the partition that receives it (partition i of every
+shuffle holds key i):
+
+  records, selection shards -> record partitions (join) -> user partitions (neighbour pairs)
+      -> record partitions (|N(e)| histogram; p calibrated in the driver) -> record partitions (samples)
+      -> user partitions (blocked (user, step)) -> record partitions (survivors) -> batch files
+
+The driver reads back only control values: the join's (graph digest, rejects, content description),
+the histogram, the realized sizes per step, each written file's name and counts, and the
+participation statistics. The secret sampling key (`BatchOptions.key`, a run without --seed)
+travels inside the closures of the join and sampling tasks only: no Spark conf, broadcast or log line
+holds it.
+
+A task that writes a batch file writes it under a name of its own attempt and returns that name; the
+driver moves the winners into place once every job has passed (`batch_job.commit`), so a retried or
+speculative task leaves neither a partial nor a duplicate file, and a failed run leaves the earlier
+batches as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+from pyspark import RDD, SparkContext, StorageLevel, TaskContext
+
+from madp.core import batch_files, storage
+from madp.core import records as rec
+from madp.core.batch_files import Feature, FileCounts
+from madp.core.batch_steps import (
+    JoinedPartition,
+    SampledPartition,
+    Survivors,
+    WrittenRouting,
+    block_users,
+    gathered_file_rows,
+    merged_content,
+    neighbour_pairs_by_record,
+    neighbourhood_histogram,
+    rows_of_file,
+    sample_partition,
+    split_selection,
+    survivors,
+    units_of,
+    written_by_partition,
+    written_record_count,
+)
+from madp.core.errors import InputError
+from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
+from madp.core.graph_digest import GraphDigest
+from madp.core.options import declared
+from madp.core.reports import BatchReport
+from madp.core.selection import handle_rejects
+from madp.engines import batch_local, batch_report, batching
+from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
+from madp.engines.batch_report import merge_counts
+from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions
+from madp.spark.session import RUNNER, SparkOptions, spark_session
+
+log = logging.getLogger("madp.batch")
+# SparkOptions of the bounding's rounds alone
+BOUNDING_ONLY = ("checkpoint_dir", "checkpoint_every", "local_finish_incidences")
+INPUT_ERRORS = "input-errors"  # under the run's folder in OUTPUT/_work: InputErrors the tasks met
+KEPT = StorageLevel.MEMORY_AND_DISK  # a partition's state that several later steps read
+
+
+def grouped(rdd: RDD, partitions: int) -> RDD:
+    """(partition, its values) of (partition, value) pairs, partition p in Spark partition p."""
+    return rdd.groupByKey(partitions, by_part)
+
+
+def cogrouped(partitions: int, *keyed: RDD) -> RDD:
+    """(partition, (a list of the values of each of `keyed`)), partition p in Spark partition p; an RDD
+    partitioned so already (`grouped`, `records.record_partitions`) is not shuffled again."""
+
+    def tagged(index: int, rdd: RDD) -> RDD:
+        return rdd.partitionBy(partitions, by_part).mapValues(lambda value: (index, value))
+
+    union = tagged(0, keyed[0])
+    for index, rdd in enumerate(keyed[1:], start=1):
+        union = union.union(tagged(index, rdd))
+
+    sources = len(keyed)  # the closure below must hold no RDD
+
+    def by_source(values: Iterable[tuple[int, Any]]) -> tuple[list, ...]:
+        lists: tuple[list, ...] = tuple([] for _ in range(sources))
+        for index, value in values:
+            lists[index].append(value)
+        return lists
+
+    return grouped(union, partitions).mapValues(by_source)
+
+
+# --- the join and the histogram ------------------------------------------------------------------
+
+
+class JoinFacts(NamedTuple):
+    """What the driver reads of a record partition's join: control values and the rows it rejected."""
+
+    digest: GraphDigest | None  # of its valid records (None: it has none)
+    rejects: rec.Rejects  # duplicated ids; invalid content under --on-invalid skip
+    described: tuple[int, dict[str, Feature]] | None  # (records written, content description), where joined
+    records: int  # selected records joined
+    id_type: str | None  # the ids' Arrow type, where joined
+
+
+def join_facts(found: batching.RecordPartitionJoin) -> JoinFacts:
+    joined = found.joined
+    if joined is None:
+        return JoinFacts(found.digest, found.rejects, None, 0, None)
+    rejects = rec.merge_rejects([found.rejects, joined.rejects])
+    described = (joined.written_records, joined.content)
+    return JoinFacts(found.digest, rejects, described, joined.records, str(joined.id_type))
+
+
+def joined_partitions(
+    sc: SparkContext,
+    records: RDD,
+    selection: list[str],
+    options: batching.BatchOptions,
+    data: str,
+    errors_dir: str,
+) -> RDD:
+    """(record partition, RecordPartitionJoin) of every record partition that has records or selected
+    ids: its records (`records.record_partitions`) and the ids each selection shard (a task each) sends
+    it, joined (`batching.join_record_partition`)."""
+    partitions = records.getNumPartitions()
+
+    def split(path: str) -> list:
+        return split_selection(path, storage.read_parquet(path), partitions)
+
+    def join(sources: tuple[list, list]) -> batching.RecordPartitionJoin:
+        chunks, selected = sources  # chunks: the partition's list of RecordChunks, where it has records
+        return batching.join_record_partition(chunks[0] if chunks else [], selected, options, data, partitions)
+
+    ids = sc.parallelize(selection, max(1, len(selection))).flatMap(kept(errors_dir, split))
+    return cogrouped(partitions, records, ids).mapValues(kept(errors_dir, join))
+
+
+def neighbourhood_sizes(joined: RDD, partitions: int) -> dict[int, int]:
+    """{|N(e)|: units} over all units (Alg. 3 line 1): the incidences go to their user partitions, the
+    pairs their users make to the records' partitions, where each counts its units."""
+    incidences = joined.flatMap(lambda item: [] if item[1].joined is None else item[1].joined.incidences)
+    pairs = grouped(incidences, partitions).flatMap(lambda item: neighbour_pairs_by_record(item[1], partitions))
+    counted = grouped(pairs, partitions).map(lambda item: neighbourhood_histogram(item[1]))
+    return counted.fold({}, lambda first, second: merge_counts([first, second]))
+
+
+# --- sampling, exclusion, survivors, files ---------------------------------------------------------
+
+
+def surviving(joined: RDD, probability: float, options: batching.BatchOptions, partitions: int) -> tuple[RDD, RDD]:
+    """(record partition, (JoinedPartition, Survivors)) of each joined record partition: its units
+    sampled (Alg. 3 line 3), their users blocked within their partitions (line 4), what survives
+    (line 5); and the samples, kept until the caller has computed the survivors. Only the units
+    (`units_of`) are sampled: the content stays in its Spark partition until the survivors' rows."""
+    steps, min_sep = options.sampled_steps, options.min_sep
+    warm_up, training, files = options.warm_up_steps, options.steps, options.output_shards
+    selected = joined.filter(lambda item: item[1].joined is not None).mapValues(lambda found: found.joined.joined)
+
+    def sample(item: tuple[int, JoinedPartition]) -> tuple[int, SampledPartition]:
+        part, partition = item
+        return part, sample_partition(part, units_of(partition), probability, steps, partitions)
+
+    sampled = selected.map(sample, preservesPartitioning=True).persist(KEPT)
+    incidences = sampled.flatMap(lambda item: item[1].incidences)
+    excluded = grouped(incidences, partitions).flatMap(lambda item: block_users(item[1], min_sep))
+
+    def survive(sources: tuple[list, list, list]) -> tuple[JoinedPartition, Survivors]:
+        (partition,), (samples,), excluded_pieces = sources
+        return partition, survivors(partition, samples.samples, excluded_pieces, warm_up, training, files)
+
+    return cogrouped(partitions, selected, sampled, excluded).mapValues(survive), sampled
+
+
+class WrittenFile(NamedTuple):
+    """A batch file a task wrote: the name its attempt wrote it under, its counts, and its rows' users
+    and records by partition (for the statistics over all files)."""
+
+    file: int
+    path: str
+    counts: FileCounts
+    routing: WrittenRouting
+
+
+def attempt_path(staged: str, file: int, files: int) -> str:
+    """Where this task attempt writes batch file `file`: a name no other attempt (a retry, a speculative
+    copy, a recomputation) writes."""
+    task = TaskContext.get()
+    assert task is not None, "a batch file is written in a Spark task"
+    final = batch_files.batch_file_path(staged, file, files)
+    return f"{final}.attempt-{task.partitionId()}-{task.attemptNumber()}-{task.taskAttemptId()}"
+
+
+def written_files(
+    survived: RDD,
+    staged: str,
+    options: batching.BatchOptions,
+    content: dict[str, Feature],
+    partitions: int,
+    errors_dir: str,
+) -> RDD:
+    """WrittenFile of every batch file, each written under `staged` by a task, from every record
+    partition's rows in it (`batch_steps.gathered_file_rows`, `batch_files.write_batch_file`)."""
+    files, steps, max_batch_size = options.output_shards, options.steps, options.max_batch_size
+
+    def rows_by_file(item: tuple[int, tuple[JoinedPartition, Survivors]]) -> list:
+        part, (partition, kept_samples) = item
+        # every file hears from every partition, so empty files are written
+        return [(file, (part, rows_of_file(partition, kept_samples.written, file))) for file in range(files)]
+
+    def write(item: tuple[int, Iterable]) -> WrittenFile:
+        file, pieces = item
+        path = attempt_path(staged, file, files)
+        result = batch_files.write_batch_file(
+            path, gathered_file_rows(pieces), batch_files.step_range(file, steps, files), max_batch_size, content
+        )
+        return WrittenFile(file, path, result.counts, written_by_partition(result, partitions))
+
+    return grouped(survived.flatMap(rows_by_file), files).map(kept(errors_dir, write))
+
+
+# --- the jobs --------------------------------------------------------------------------------------
+
+
+def _jobs(
+    sc: SparkContext,
+    inputs: JobInputs,
+    data: str,
+    output: str,
+    options: batching.BatchOptions,
+    spark_options: SparkOptions,
+) -> JobRun:
+    """The Spark jobs that sample and write the batch files under the inputs' `work`: what the driver
+    commits once they have all passed."""
+    partitions = spark_options.partitions
+    run_dir = storage.join(inputs.work, uuid.uuid4().hex[:12])
+    errors_dir, staged = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, "batches")
+    columns = inputs.bound.columns(options.columns)
+    read = read_records(sc, inputs.data_files, columns, spark_options.input_split_bytes, errors_dir, inputs.content)
+    if options.on_invalid == "error":  # before the join, as the local engine stops
+        handle_rejects(read.rejects, "error", output)
+    records = record_partitions(read.chunks, partitions)
+    joined = joined_partitions(sc, records, inputs.selection, options, data, errors_dir).persist(KEPT)
+    kept_rdds = [joined]
+    try:
+        with raising_kept_errors(errors_dir):
+            facts = joined.values().map(join_facts).collect()
+            histogram = neighbourhood_sizes(joined, partitions)
+        digest = sum((f.digest for f in facts if f.digest is not None), EMPTY_GRAPH)
+        batching.check_same_graph(digest, inputs.bound, data)  # the records must be the graph bounded
+        probability = batching.calibrated_probability(histogram, options)
+        rejects = rec.merge_rejects([read.rejects, *(f.rejects for f in facts)])
+        if options.on_invalid == "error":  # before anything is sampled
+            handle_rejects(rejects, "error", output)
+        content = merged_content(f.described for f in facts if f.described is not None)
+        survived, sampled = surviving(joined, probability, options, partitions)
+        survived = survived.persist(KEPT)
+        kept_rdds += [sampled, survived]
+        zero = np.zeros(options.sampled_steps, np.int64)
+        with raising_kept_errors(errors_dir):
+            sampled_sizes = survived.map(lambda item: item[1][1].sampled_sizes).fold(zero, np.add)
+            sampled.unpersist()
+            joined.unpersist()  # the survivors hold what the files need of the joined partitions
+            written = written_files(survived, staged, options, content, partitions, errors_dir).persist(KEPT)
+            kept_rdds.append(written)
+            files = sorted(written.map(lambda w: (w.file, w.path, w.counts)).collect())
+            survived.unpersist()
+            users = grouped(written.flatMap(lambda w: w.routing.users), partitions)
+            participation = users.map(lambda item: batch_report.participation_of(item[1])).collect()
+            keys = grouped(written.flatMap(lambda w: w.routing.records), partitions)
+            written_records = keys.map(lambda item: written_record_count(list(item[1]))).sum()
+    finally:
+        for rdd in kept_rdds:
+            rdd.unpersist()
+    summary = BatchSummary(
+        histogram=histogram,
+        probability=probability,
+        content=content,
+        id_type=next(f.id_type for f in facts if f.id_type is not None),
+        records=sum(f.records for f in facts),
+        files=[counts for _, _, counts in files],
+        sampled_sizes=sampled_sizes,
+        participation=batch_report.merge_participation_stats(participation),
+        written_records=int(written_records),
+        rejects=rejects,
+    )
+    return JobRun(summary, [path for _, path, _ in files], inputs.work)
+
+
+def run_spark(
+    selected: str, data: str, output: str, options: batching.BatchOptions, spark_options: SparkOptions
+) -> BatchReport:
+    """`madp batch --runner pyspark`: the Spark jobs (in the caller's active SparkSession, or one built
+    from `spark_options`), then the batch files committed, the rejects, schema and report written."""
+    bounding_only = [
+        each.flags[0]
+        for each in declared(SparkOptions)
+        if each.name in BOUNDING_ONLY and getattr(spark_options, each.name) != each.default
+    ]
+    if bounding_only:
+        raise InputError(f"{', '.join(bounding_only)}: options of madp bound, not of madp batch (it runs no rounds)")
+    if options.sampler != "minsep":
+        log.warning("--sampler %s runs in this process, not on Spark", options.sampler)
+        return batch_local.run_local(
+            selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)"
+        )
+    started = time.perf_counter()
+    inputs = job_inputs(selected, data, output, options)
+    with removed_on_failure(inputs.work), spark_session(spark_options) as spark:
+        job = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
+    return commit(selected, data, output, options, job, storage.move_file, RUNNER, started, spark_options.partitions)

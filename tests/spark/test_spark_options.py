@@ -1,0 +1,84 @@
+"""`--runner pyspark`'s options and the checks made before Spark starts: no SparkSession here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from madp.core.errors import InputError
+from madp.spark import session
+from madp.spark.session import SparkOptions, spark_options
+
+
+def test_trailing_arguments_are_the_spark_options():
+    parsed = spark_options(
+        ["--spark-master", "local[2]", "--spark-conf", "spark.executor.memory=2g", "--spark-conf", "a.b=c=d"]
+        + ["--partitions", "4", "--input_split_bytes", "2048", "--spark-checkpoint-every", "3"]
+    )
+    assert parsed == SparkOptions(
+        partitions=4,
+        input_split_bytes=2048,
+        master="local[2]",
+        conf=("spark.executor.memory=2g", "a.b=c=d"),
+        checkpoint_every=3,
+    )
+    assert parsed.settings == {"spark.executor.memory": "2g", "a.b": "c=d"}
+    assert spark_options([]) == SparkOptions()
+
+
+@pytest.mark.parametrize(
+    "arguments, said",
+    [
+        (["--spark-conf", "spark.executor.memory"], "a Spark property is KEY=VALUE"),
+        (["--min_sep", "2"], "unrecognized option(s) --min_sep 2: not an option of --runner pyspark"),
+        (["--partitions"], "--partitions: expected one argument"),
+        (["--partitions", "0"], "--partitions must be at least 1"),
+        (["--input-split-bytes", "10"], "--input-split-bytes must be at least 1024"),
+        (["--spark-checkpoint-every", "0"], "--spark-checkpoint-every must be at least 1"),
+    ],
+)
+def test_a_wrong_option_is_one_error_naming_it(arguments, said):
+    with pytest.raises(InputError) as raised:
+        spark_options(arguments)
+    assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_python_caller_s_wrong_property_is_refused():
+    with pytest.raises(InputError, match="--spark-conf: a Spark property is KEY=VALUE"):
+        SparkOptions(conf=("no equals sign",))
+
+
+def test_madp_runs_its_executors_on_this_python_unless_told(monkeypatch):
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.delenv("PYSPARK_DRIVER_PYTHON", raising=False)
+    settings = session.session_settings(SparkOptions(conf=("spark.pyspark.python=./env/bin/python",)))
+    assert settings["spark.pyspark.python"] == "./env/bin/python"
+    assert settings["spark.pyspark.driver.python"] == sys.executable
+
+
+def test_missing_or_old_java_is_one_error_naming_java_17(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(InputError, match=r"^--runner pyspark needs Java 17 or newer: no java found"):
+        session.check_java()
+    old = tmp_path / "java"
+    old.write_text("#!/bin/sh\necho 'openjdk version \"11.0.2\" 2019-01-15' >&2\n")
+    old.chmod(0o755)
+    with pytest.raises(InputError, match=r'needs Java 17 or newer: .*java is openjdk version "11.0.2"'):
+        session.check_java()
+
+
+def test_madp_spark_imports_no_apache_beam():
+    code = (
+        "import importlib, pkgutil, sys, madp.spark\n"
+        "for module in pkgutil.iter_modules(madp.spark.__path__, 'madp.spark.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "print('apache_beam' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert said.stdout.strip() == "False"
