@@ -111,7 +111,7 @@ def spark_options(arguments: Sequence[str]) -> SparkOptions:
 def check_java() -> None:
     """Spark's JVM needs Java 17 or newer, run as PySpark runs it (JAVA_HOME's, else `java` on PATH):
     where it is missing or older, one error naming the requirement."""
-    home = os.environ.get("JAVA_HOME")
+    home = os.getenv("JAVA_HOME")
     java = os.path.join(home, "bin", "java") if home else shutil.which("java")
     if java is None or not os.path.exists(java):
         raise InputError(f"--runner {RUNNER} needs Java {MIN_JAVA} or newer: no java found (JAVA_HOME or PATH)")
