@@ -169,6 +169,7 @@ def spark_session(options: SparkOptions) -> Iterator[SparkSession]:
     builder = SparkSession.builder.master(options.master).appName("madp")
     for key, value in settings.items():
         builder = builder.config(key, value)
+    before = _spark_properties()
     with _python_environment(settings):
         session = builder.getOrCreate()
     try:
@@ -176,3 +177,24 @@ def spark_session(options: SparkOptions) -> Iterator[SparkSession]:
         yield session
     finally:
         session.stop()
+        _clear_spark_properties(before)
+
+
+def _spark_properties() -> set[str]:
+    """The `spark.*` Java system properties of this process's Spark JVM (none before it is started)."""
+    from pyspark import SparkContext
+
+    jvm = SparkContext._jvm
+    if jvm is None:
+        return set()
+    return {str(key) for key in jvm.java.lang.System.getProperties().keySet() if str(key).startswith("spark.")}
+
+
+def _clear_spark_properties(before: set[str]) -> None:
+    """Removes the `spark.*` system properties set since `before`: the JVM that starts the first SparkContext
+    of a process keeps that context's settings as system properties, which every later session of the
+    process would take as its defaults (a later session of the caller's would run with madp's settings)."""
+    from pyspark import SparkContext
+
+    for key in _spark_properties() - before:
+        SparkContext._jvm.java.lang.System.clearProperty(key)  # type: ignore[union-attr]  # started by now

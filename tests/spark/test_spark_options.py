@@ -11,7 +11,7 @@ from conftest import ROOT
 
 from madp.core.errors import InputError
 from madp.spark import session
-from madp.spark.session import SparkOptions, spark_options
+from madp.spark.session import SparkOptions, spark_options, spark_session
 
 
 def test_trailing_arguments_are_the_spark_options():
@@ -82,3 +82,20 @@ def test_madp_spark_imports_no_apache_beam():
     env = {**os.environ, "PYTHONPATH": ROOT}
     said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert said.stdout.strip() == "False"
+
+
+@pytest.mark.spark
+def test_a_session_madp_built_leaves_its_settings_to_no_later_session():
+    """Spark's JVM keeps the first context's settings as system properties, the defaults of every later
+    session in the process: a session madp built and stopped takes its settings with it."""
+    from pyspark.sql import SparkSession
+
+    assert SparkSession.getActiveSession() is None  # else madp runs in it, as in a caller's
+    with spark_session(SparkOptions(master="local[1]", conf=("spark.madp.test=1", "spark.ui.enabled=false"))):
+        pass
+    later = SparkSession.builder.master("local[1]").appName("later").getOrCreate()
+    try:
+        assert later.sparkContext.getConf().get("spark.madp.test") is None
+        assert later.sparkContext.uiWebUrl is not None  # the UI madp turned off is on again
+    finally:
+        later.stop()
