@@ -253,7 +253,7 @@ def run_beam(
         )
     prepare_runner(beam_options)
     started = time.perf_counter()
-    inputs = job_inputs(selected, data, output, options)
+    inputs = job_inputs(selected, rec.list_input_files(data), output, options)
     job, counters = _run_pipeline(inputs, data, output, options, partitions, beam_options)
     runner = beam_options.view_as(beam.options.pipeline_options.StandardOptions).runner
     return commit(selected, data, output, options, job, files.move, runner, started, partitions, counters)

@@ -62,6 +62,14 @@ REJECT_REASONS = (
 )
 
 ROW_KEY_BITS = 40  # record key = file index << 40 | row: unique without any global pass
+# The input a report names for a Spark DataFrame of records (`madp.spark.dataframe`), where a path
+# would be; its partition p reads as the input file of index p, named `dataframe_partition(p)`.
+DATAFRAME = "<DataFrame>"
+
+
+def dataframe_partition(index: int) -> str:
+    """The source that rejects and errors name for partition `index` of a DataFrame input."""
+    return f"{DATAFRAME} partition {index}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,10 +109,9 @@ class JobInputs(NamedTuple):
     work: str  # OUTPUT/_work: where the job writes, emptied
 
 
-def job_inputs(selected: str, data: str, output: str, options: batching.BatchOptions) -> JobInputs:
-    """The job's inputs, once OUTPUT may be replaced (`batch_report.refuse_losing_trainings`, before
-    anything of it is deleted)."""
-    data_files = rec.list_input_files(data)
+def job_inputs(selected: str, data_files: list[str], output: str, options: batching.BatchOptions) -> JobInputs:
+    """The job's inputs (DATA's files, none for a DataFrame), once OUTPUT may be replaced
+    (`batch_report.refuse_losing_trainings`, before anything of it is deleted)."""
     content = record_reading.OTHER_COLUMNS if options.content_columns is None else options.content_columns
     selection = selection_files(selected)
     bound = batching.bound_graph(selected)

@@ -189,8 +189,9 @@ def report(
 
 
 def _absolute(path: str) -> str:
-    """Local paths absolute, so that later stages (the trainer) find the inputs from anywhere."""
-    return path if "://" in path else os.path.abspath(path)
+    """Local paths absolute, so that later stages (the trainer) find the inputs from anywhere; a DataFrame
+    input is named as it is (`records.DATAFRAME`)."""
+    return path if "://" in path or path == rec.DATAFRAME else os.path.abspath(path)
 
 
 def prepare_output(output: str) -> None:

@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from pyspark import RDD, SparkContext, StorageLevel, TaskContext
@@ -60,8 +60,12 @@ from madp.core.selection import handle_rejects
 from madp.engines import batch_local, batch_report, batching
 from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 from madp.engines.batch_report import merge_counts
-from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions
+from madp.spark.dataframe import as_dataframe, input_name, read_input
+from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 log = logging.getLogger("madp.batch")
 # SparkOptions of the bounding's rounds alone
@@ -232,29 +236,32 @@ def written_files(
 def _jobs(
     sc: SparkContext,
     inputs: JobInputs,
-    data: str,
+    data: str | DataFrame,
     output: str,
     options: batching.BatchOptions,
     spark_options: SparkOptions,
 ) -> JobRun:
-    """The Spark jobs that sample and write the batch files under the inputs' `work`: what the driver
-    commits once they have all passed."""
+    """The Spark jobs that sample and write the batch files under the inputs' `work` from the records
+    DATA (its files, or a DataFrame): what the driver commits once they have all passed."""
     partitions = spark_options.partitions
     run_dir = storage.join(inputs.work, uuid.uuid4().hex[:12])
     errors_dir, staged = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, "batches")
     columns = inputs.bound.columns(options.columns)
-    read = read_records(sc, inputs.data_files, columns, spark_options.input_split_bytes, errors_dir, inputs.content)
+    frame = as_dataframe(data)
+    source = inputs.data_files if frame is None else frame
+    read = read_input(sc, source, columns, spark_options.input_split_bytes, errors_dir, inputs.content)
+    data_name = input_name(data)
     if options.on_invalid == "error":  # before the join, as the local engine stops
         handle_rejects(read.rejects, "error", output)
     records = record_partitions(read.chunks, partitions)
-    joined = joined_partitions(sc, records, inputs.selection, options, data, errors_dir).persist(KEPT)
+    joined = joined_partitions(sc, records, inputs.selection, options, data_name, errors_dir).persist(KEPT)
     kept_rdds = [joined]
     try:
         with raising_kept_errors(errors_dir):
             facts = joined.values().map(join_facts).collect()
             histogram = neighbourhood_sizes(joined, partitions)
         digest = sum((f.digest for f in facts if f.digest is not None), EMPTY_GRAPH)
-        batching.check_same_graph(digest, inputs.bound, data)  # the records must be the graph bounded
+        batching.check_same_graph(digest, inputs.bound, data_name)  # the records must be the graph bounded
         probability = batching.calibrated_probability(histogram, options)
         rejects = rec.merge_rejects([read.rejects, *(f.rejects for f in facts)])
         if options.on_invalid == "error":  # before anything is sampled
@@ -295,10 +302,11 @@ def _jobs(
 
 
 def run_spark(
-    selected: str, data: str, output: str, options: batching.BatchOptions, spark_options: SparkOptions
+    selected: str, data: str | DataFrame, output: str, options: batching.BatchOptions, spark_options: SparkOptions
 ) -> BatchReport:
-    """`madp batch --runner pyspark`: the Spark jobs (in the caller's active SparkSession, or one built
-    from `spark_options`), then the batch files committed, the rejects, schema and report written."""
+    """`madp batch --runner pyspark`: the Spark jobs on the records DATA, a path or a DataFrame
+    (`madp.spark.dataframe`), in the DataFrame's session, the caller's active SparkSession or one built
+    from `spark_options`; then the batch files committed, the rejects, schema and report written."""
     bounding_only = [
         each.flags[0]
         for each in declared(SparkOptions)
@@ -307,12 +315,17 @@ def run_spark(
     if bounding_only:
         raise InputError(f"{', '.join(bounding_only)}: options of madp bound, not of madp batch (it runs no rounds)")
     if options.sampler != "minsep":
+        if as_dataframe(data) is not None:
+            raise InputError(f"--sampler {options.sampler} runs in this process: its DATA is a path, not a DataFrame")
         log.warning("--sampler %s runs in this process, not on Spark", options.sampler)
         return batch_local.run_local(
-            selected, data, output, options, engine=f"local ({options.sampler} runs in the driver)"
+            selected, str(data), output, options, engine=f"local ({options.sampler} runs in the driver)"
         )
     started = time.perf_counter()
-    inputs = job_inputs(selected, data, output, options)
-    with removed_on_failure(inputs.work), spark_session(spark_options) as spark:
+    frame = as_dataframe(data)
+    inputs = job_inputs(selected, rec.list_input_files(str(data)) if frame is None else [], output, options)
+    with removed_on_failure(inputs.work), spark_session(spark_options, frame) as spark:
         job = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
-    return commit(selected, data, output, options, job, storage.move_file, RUNNER, started, spark_options.partitions)
+    return commit(
+        selected, input_name(data), output, options, job, storage.move_file, RUNNER, started, spark_options.partitions
+    )

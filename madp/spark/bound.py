@@ -70,11 +70,13 @@ from madp.core.selection import (
     write_missing_shards,
     write_report,
 )
-from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions, summed_stats
+from madp.spark.dataframe import as_dataframe, input_name, read_input, user_id_type
+from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
+    from pyspark.sql import DataFrame
 
 log = logging.getLogger("madp.bound")
 STATE, ACCEPTED, DEAD, INCIDENCES, CAPACITIES, RECORDS, SELECTED = (
@@ -209,11 +211,10 @@ class _SparkBound:
         self.stats = summed_stats([self.stats, totals[1]])
         return totals[0]
 
-    def read(self, input_files: list[str]) -> tuple[RDD, rec.Rejects]:
-        """The record partitions, (record partition, [RecordChunk, ...]), and the read's rejects."""
-        read = read_records(
-            self.sc, input_files, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir
-        )
+    def read(self, source: list[str] | DataFrame) -> tuple[RDD, rec.Rejects]:
+        """The record partitions, (record partition, [RecordChunk, ...]), of the input files or DataFrame
+        `source`, and the read's rejects."""
+        read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
         return record_partitions(read.chunks, self.partitions), read.rejects
 
@@ -364,7 +365,7 @@ class _SparkBound:
 
 def _bound_on_spark(
     sc: SparkContext,
-    input_files: list[str],
+    source: list[str] | DataFrame,
     output: str,
     options: BoundOptions,
     spark_options: SparkOptions,
@@ -372,13 +373,14 @@ def _bound_on_spark(
     run_dir: str,
     checkpoints: str,
 ) -> tuple[_SparkBound, BoundOptions, Control, rec.Rejects, int]:
-    """The bounding's Spark jobs, its work files under `run_dir` and its checkpoints under `checkpoints`:
-    (the job's counts, the options as run, the final control, every rejected row, the output shards)."""
+    """The bounding's Spark jobs on the input files or DataFrame `source`, its work files under `run_dir`
+    and its checkpoints under `checkpoints`: (the job's counts, the options as run, the final control,
+    every rejected row, the output shards)."""
     job = _SparkBound(sc, options, spark_options, capacities, run_dir)
     sc.setCheckpointDir(checkpoints)
     threshold = spark_options.local_finish_incidences
     with raising_kept_errors(job.errors_dir):
-        parts, rejects = job.read(input_files)
+        parts, rejects = job.read(source)
         if options.order == "alternate":
             small, large = job.group_sizes(parts)
             options = job.options = dataclasses.replace(options, group_sizes=(small, large))
@@ -408,14 +410,20 @@ def _bound_on_spark(
     return job, options, control, rejects, shards
 
 
-def run_spark(input_path: str, output: str, options: BoundOptions, spark_options: SparkOptions) -> BoundReport:
-    """`madp bound --runner pyspark`: the bounding's Spark jobs in the caller's active SparkSession or
-    one built from `spark_options`; the same selection files, byte for byte, as `--runner local`."""
+def run_spark(input: str | DataFrame, output: str, options: BoundOptions, spark_options: SparkOptions) -> BoundReport:
+    """`madp bound --runner pyspark`: the bounding's Spark jobs on the input path or DataFrame `input`
+    (`madp.spark.dataframe`), in the DataFrame's session, the caller's active SparkSession or one built
+    from `spark_options`; the same selection files, byte for byte, as `--runner local`."""
     started = time.perf_counter()
-    input_files = rec.list_input_files(input_path)
+    frame = as_dataframe(input)
+    files = rec.list_input_files(str(input)) if frame is None else []
     capacities = read_capacities(options.capacities, options.max_contributions) if options.capacities else None
-    # Before the earlier selection goes: the first input file's user ids' type against the capacities.
-    users = record_reading.leading_facts(input_files[0], options.columns).user_type
+    # Before the earlier selection goes: the input's user ids' type (its first file's) against the capacities.
+    if frame is None:
+        users = record_reading.leading_facts(files[0], options.columns).user_type
+    else:
+        users = user_id_type(frame, options.columns)
+    source = files if frame is None else frame
     if capacities is not None and users is not None:
         capacities.typed_as(users)
     work = storage.join(output, WORK_DIR)
@@ -425,9 +433,9 @@ def run_spark(input_path: str, output: str, options: BoundOptions, spark_options
     run_dir = storage.join(work, invocation)
     checkpoints = storage.join(spark_options.checkpoint_dir or run_dir, f"checkpoints-{invocation}")
     try:
-        with spark_session(spark_options) as spark:
+        with spark_session(spark_options, frame) as spark:
             job, options, control, rejects, shards = _bound_on_spark(
-                spark.sparkContext, input_files, output, options, spark_options, capacities, run_dir, checkpoints
+                spark.sparkContext, source, output, options, spark_options, capacities, run_dir, checkpoints
             )
     except InputError:
         prepare_output(output)  # no partial selection outlives an error
@@ -445,7 +453,7 @@ def run_spark(input_path: str, output: str, options: BoundOptions, spark_options
     manifest = selection_manifest(output, shards)
     runs = [counts.run_figures(iterations)]
     report = partitioned_bound_report(
-        options, RUNNER, input_path, job.stats, rejects, control, manifest, spark_options.partitions, runs
+        options, RUNNER, input_name(input), job.stats, rejects, control, manifest, spark_options.partitions, runs
     )
     storage.remove_tree(work)
     write_report(output, report)

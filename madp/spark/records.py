@@ -111,17 +111,27 @@ def read_records(
         madp.core.errors.InputError: an unreadable file, a rule over whole files or the whole input broken
             (invalid rows are rejects, which the caller handles under --on-invalid).
     """
-    from pyspark import StorageLevel
-
     with raising_kept_errors(errors_dir):
         splits = _planned_splits(sc, files, split_bytes, errors_dir)
         before = _first_rows(sc, splits, errors_dir)
 
-        def read(split: InputSplit) -> rec.FileResult:
-            first_row = input_splits.first_row(split, before)
-            return input_splits.read_planned_split(split, columns, content, first_row, input_splits.STORAGE)
+    def read(split: InputSplit) -> rec.FileResult:
+        first_row = input_splits.first_row(split, before)
+        return input_splits.read_planned_split(split, columns, content, first_row, input_splits.STORAGE)
 
-        results = sc.parallelize(splits, len(splits)).map(kept(errors_dir, read)).persist(StorageLevel.MEMORY_AND_DISK)
+    return checked_reads(sc.parallelize(splits, len(splits)).map(kept(errors_dir, read)), columns, errors_dir, content)
+
+
+def checked_reads(
+    results: RDD, columns: rec.Columns, errors_dir: str, content: record_reading.Content = None
+) -> SparkRecords:
+    """The input from `results`, the FileResult of each of its reads (a file's split, a DataFrame's
+    partition), once the rules over whole files and the whole input have passed on the driver
+    (`record_reading.check_facts`): their valid records conformed to the input's content types."""
+    from pyspark import StorageLevel
+
+    results = results.persist(StorageLevel.MEMORY_AND_DISK)
+    with raising_kept_errors(errors_dir):
         read_facts = results.map(lambda result: (result.facts, result.rejects, result.stats())).collect()
     schema = record_reading.check_facts([facts for facts, _, _ in read_facts], columns, content)
     rejects = rec.merge_rejects(rejects for _, rejects, _ in read_facts)

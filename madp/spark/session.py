@@ -20,7 +20,7 @@ from madp.core.options import add_options, declared, option, options_from
 from madp.core.partitioning import PartitionOptions
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 RUNNER = "pyspark"  # the runner name of madp's Spark engine (not Beam's SparkRunner)
 MIN_JAVA = 17
@@ -155,12 +155,13 @@ def _python_environment(settings: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def spark_session(options: SparkOptions) -> Iterator[SparkSession]:
-    """The caller's active SparkSession (left running), or one built from `options` (Java checked
-    first), its console quiet (log level WARN), stopped at the end."""
+def spark_session(options: SparkOptions, frame: DataFrame | None = None) -> Iterator[SparkSession]:
+    """The session of the input DataFrame `frame`, else the caller's active SparkSession (either left
+    running), or one built from `options` (Java checked first), its console quiet (log level WARN),
+    stopped at the end."""
     from pyspark.sql import SparkSession
 
-    active = SparkSession.getActiveSession()
+    active = SparkSession.getActiveSession() if frame is None else frame.sparkSession
     if active is not None:
         yield active
         return

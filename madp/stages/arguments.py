@@ -80,6 +80,24 @@ def refuse_beam_options_locally(runner: str, beam_options: Sequence[str]) -> Non
         raise InputError(f"--runner local takes no Beam options (got {' '.join(beam_options)})")
 
 
+def input_paths(records: Any) -> list[str]:
+    """The paths a step's records are read from, which its output must not overlap: the path given, or
+    the files a Spark DataFrame of records reads (none where it was built otherwise)."""
+    from madp.spark.dataframe import as_dataframe, input_files
+
+    frame = as_dataframe(records)
+    return [records] if frame is None else input_files(frame)
+
+
+def records_path(records: Any, runner: str) -> str:
+    """The path of a step's records on `runner`, not "pyspark": a DataFrame is read on "pyspark" only."""
+    from madp.spark.dataframe import as_dataframe
+
+    if as_dataframe(records) is not None:
+        raise InputError(f"a DataFrame of records is read with runner={PYSPARK!r}, not runner={runner!r}")
+    return str(records)
+
+
 def beam_arguments(runner: str, beam_options: Sequence[str]) -> list[str]:
     """The argv-style options of a Beam pipeline on `runner` (not `LOCAL`)."""
     return ["--runner", runner, *beam_options]

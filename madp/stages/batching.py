@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from madp.core.records import Columns
 from madp.core.reports import BatchReport
 from madp.engines.batching import BatchOptions
-from madp.stages.arguments import LOCAL, PYSPARK, beam_arguments, options_of, refuse_beam_options_locally, writing
+from madp.stages.arguments import (
+    LOCAL,
+    PYSPARK,
+    beam_arguments,
+    input_paths,
+    options_of,
+    records_path,
+    refuse_beam_options_locally,
+    writing,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 
 def batch(
     selected: str,
-    data: str,
+    data: str | DataFrame,
     output: str,
     *,
     runner: str = LOCAL,
@@ -28,7 +40,9 @@ def batch(
 
     Args:
         selected: a `madp.bound` output directory (selected/*.parquet and its report).
-        data: the records that were bounded (the same graph: its digest is checked).
+        data: the records that were bounded (the same graph: its digest is checked): their path, or with
+            runner "pyspark" a Spark DataFrame of them, read as `madp.bound` reads one (the report's data
+            is "<DataFrame>"); its other columns are the content, as a file's.
         output: the directory to write; earlier batches there are replaced once the checks have passed.
         runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
             caller's active SparkSession, or one built from the options) or a Beam runner name
@@ -68,13 +82,13 @@ def batch(
         (12, 8.0, 2)
     """
     batch_options = options_of("batch", BatchOptions, options)
-    with writing(output, (selected, data), "batch"):
+    with writing(output, (selected, *input_paths(data)), "batch"):
         return run_batch(selected, data, output, batch_options, runner, beam_options)
 
 
 def run_batch(
     selected: str,
-    data: str,
+    data: str | DataFrame,
     output: str,
     options: BatchOptions,
     runner: str = LOCAL,
@@ -83,15 +97,16 @@ def run_batch(
     """`batch` with its options built (`madp batch` builds them from its arguments), on an output its
     caller holds: the report of the local engine, of the Spark jobs or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)
-    if runner == LOCAL:
-        from madp.engines.batch_local import run_local
-
-        return run_local(selected, data, output, options)
     if runner == PYSPARK:
         from madp.spark.batch import run_spark
         from madp.spark.session import spark_options
 
         return run_spark(selected, data, output, options, spark_options(beam_options))
+    path = records_path(data, runner)
+    if runner == LOCAL:
+        from madp.engines.batch_local import run_local
+
+        return run_local(selected, path, output, options)
     from madp.engines.batch_local import BYTES_PER_SAMPLE
     from madp.engines.direct_runner import check_direct_runner_memory
 
@@ -105,7 +120,7 @@ def run_batch(
     )
     from madp.beam.batch import run_beam
 
-    return run_beam(selected, data, output, options, beam_args)
+    return run_beam(selected, path, output, options, beam_args)
 
 
 def run_verify_batches(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from madp.core.records import Columns
 from madp.core.reports import BoundReport
@@ -12,14 +12,19 @@ from madp.stages.arguments import (
     LOCAL,
     PYSPARK,
     beam_arguments,
+    input_paths,
     options_of,
+    records_path,
     refuse_beam_options_locally,
     writing,
 )
 
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
 
 def bound(
-    input: str, output: str, *, runner: str = LOCAL, beam_options: Sequence[str] = (), **options: Any
+    input: str | DataFrame, output: str, *, runner: str = LOCAL, beam_options: Sequence[str] = (), **options: Any
 ) -> BoundReport:
     """Bound each user's contributions: select records so that no user is in more than its bound of them.
 
@@ -29,7 +34,11 @@ def bound(
 
     Args:
         input: the records, a .jsonl/.jsonl.gz/.parquet file or a directory of them (local or a URL Beam
-            reads, gs://...), each with an id and its users.
+            reads, gs://...), each with an id and its users; or with runner "pyspark", a Spark DataFrame
+            of them, run in its own session: its rows are read as a Parquet file's are, with the same
+            rules, rejects and counts, row r of partition p named "<DataFrame> partition p", row r
+            (`madp.spark.dataframe`; the report's input is "<DataFrame>"). Where it reads files, the
+            output must not overlap them.
         output: the directory to write; an earlier bounding there is replaced once the input has passed
             its checks.
         runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
@@ -67,32 +76,33 @@ def bound(
         (400, 368)
     """
     bound_options = options_of("bound", BoundOptions, options)
-    with writing(output, (input, bound_options.capacities), "bound"):
+    with writing(output, (*input_paths(input), bound_options.capacities), "bound"):
         return run_bound(input, output, bound_options, runner, beam_options)
 
 
 def run_bound(
-    input: str, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
+    input: str | DataFrame, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
 ) -> BoundReport:
     """`bound` with its options built (`madp bound` builds them from its arguments), on an output its
     caller holds: the report of the local engine, of the Spark jobs, or of the Beam pipeline on `runner`."""
     refuse_beam_options_locally(runner, beam_options)
-    if runner == LOCAL:
-        from madp.engines.local_engine import run_local
-
-        return run_local(input, output, options)
     if runner == PYSPARK:
         from madp.spark.bound import run_spark
         from madp.spark.session import spark_options
 
         return run_spark(input, output, options, spark_options(beam_options))
+    path = records_path(input, runner)
+    if runner == LOCAL:
+        from madp.engines.local_engine import run_local
+
+        return run_local(path, output, options)
     from madp.engines.direct_runner import check_direct_runner_memory
 
     beam_args = beam_arguments(runner, beam_options)
     check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
     from madp.beam.bound import run_beam
 
-    return run_beam(input, output, options, beam_args)
+    return run_beam(path, output, options, beam_args)
 
 
 def run_verify_bound(
