@@ -39,10 +39,11 @@ PIECE_BYTES = 1 << 26  # a partition's pickled read crosses the JVM in pieces: n
 
 def as_dataframe(value: object) -> DataFrame | None:
     """`value` where it is a PySpark DataFrame, else None (pyspark not imported where the caller has none)."""
-    sql = sys.modules.get("pyspark.sql")
-    if sql is not None and isinstance(value, sql.DataFrame):
-        return value
-    return None
+    if "pyspark.sql" not in sys.modules:
+        return None
+    from pyspark.sql import DataFrame
+
+    return value if isinstance(value, DataFrame) else None
 
 
 def input_name(input: object) -> str:
