@@ -127,5 +127,7 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, spark):
     monkeypatch.chdir(tmp_path)
     spec = GraphSpec(records=2000, seed=1)
     write_dataset(generate(spec), spec, str(tmp_path / "records.parquet"), shards=1)
+    # Spark's JVM resolves a relative path against its own working folder, which chdir does not move
+    example = example.replace('"records.parquet"', repr(str(tmp_path / "records.parquet")))
     exec(compile(example, "README", "exec"), {"__name__": "example"})
     assert os.path.exists(tmp_path / "batches" / "report.json")
