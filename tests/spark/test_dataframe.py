@@ -127,7 +127,9 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, spark):
     monkeypatch.chdir(tmp_path)
     spec = GraphSpec(records=2000, seed=1)
     write_dataset(generate(spec), spec, str(tmp_path / "records.parquet"), shards=1)
-    # Spark's JVM resolves a relative path against its own working folder, which chdir does not move
-    example = example.replace('"records.parquet"', repr(str(tmp_path / "records.parquet")))
+    # Spark's JVM and its Python workers resolve a relative path against their own working folder, which
+    # chdir does not move: the example's paths, absolute
+    for name in ("records.parquet", "bounded", "batches"):
+        example = example.replace(f'"{name}"', repr(str(tmp_path / name)))
     exec(compile(example, "README", "exec"), {"__name__": "example"})
     assert os.path.exists(tmp_path / "batches" / "report.json")
