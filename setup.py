@@ -43,8 +43,8 @@ setup(
         # gguf: reads (and the tests write) the GGUF files of pretrained models (--model causal-lm)
         "train": ["tensorflow-cpu==2.21.*", "tf-keras==2.21.*", "tensorboard==2.21.*", "gguf>=0.17,<1"],
         "report": ["matplotlib>=3.8"],
-        # --runner pyspark: madp on Apache Spark (needs Java 17 or newer)
-        "spark": ["pyspark==4.3.*"],
+        # --runner pyspark: madp on Apache Spark (Java 17 or newer); pandas: PySpark's mapInArrow (DataFrame input)
+        "spark": ["pyspark==4.3.*", "pandas>=2.2"],
         # --runner cuda of madp calibrate / epsilon (bandmf-minsep): the Monte Carlo samples on an NVIDIA GPU
         "cuda": ["numba-cuda[cu13]>=0.30", "cupy-cuda13x>=13"],
     },

@@ -109,18 +109,6 @@ def _unpickled(rows: Iterable[Row]) -> list[rec.FileResult]:
     return [pickle.loads(data)] if data else []
 
 
-def _map_in_arrow(frame: DataFrame, function: Callable, schema: str) -> DataFrame:
-    """`frame.mapInArrow(function, schema)`, built as PySpark 4.3 builds it less its check for pandas:
-    its `mapInArrow` makes the UDF with `pandas_udf`, which requires pandas though Arrow's path uses none."""
-    from pyspark.sql import DataFrame
-    from pyspark.sql.udf import UserDefinedFunction
-    from pyspark.util import PythonEvalType
-
-    udf = UserDefinedFunction(function, returnType=schema, evalType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)
-    column = udf(*[frame[name] for name in frame.columns])
-    return DataFrame(frame._jdf.mapInArrow(column._jc, False, None), frame.sparkSession)
-
-
 def read_frame(
     frame: DataFrame, columns: rec.Columns, errors_dir: str, content: record_reading.Content = None
 ) -> SparkRecords:
@@ -134,7 +122,7 @@ def read_frame(
     schema = arrow_schema(frame)
     names = checked_columns(schema, columns, content)
     reader = _partition_reader(pa.schema([schema.field(name) for name in names]), columns, content, errors_dir)
-    results = _map_in_arrow(frame.select(*names), reader, "piece binary").rdd.mapPartitions(_unpickled)
+    results = frame.select(*names).mapInArrow(reader, "piece binary").rdd.mapPartitions(_unpickled)
     return checked_reads(results, columns, errors_dir, content)
 
 
