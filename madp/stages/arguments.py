@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import difflib
 import numbers
+import os
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -96,6 +97,12 @@ def records_path(records: Any, runner: str) -> str:
     if as_dataframe(records) is not None:
         raise InputError(f"a DataFrame of records is read with runner={PYSPARK!r}, not runner={runner!r}")
     return str(records)
+
+
+def cluster_path(path: Any) -> Any:
+    """A path as every Spark executor reads it: a local path made absolute (an executor of a cluster runs
+    in a folder of its own, where a relative path names another file), a URL or a DataFrame as given."""
+    return os.path.abspath(path) if isinstance(path, str) and "://" not in path else path
 
 
 def beam_arguments(runner: str, beam_options: Sequence[str]) -> list[str]:

@@ -12,6 +12,7 @@ from madp.stages.arguments import (
     LOCAL,
     PYSPARK,
     beam_arguments,
+    cluster_path,
     input_paths,
     options_of,
     records_path,
@@ -101,7 +102,9 @@ def run_batch(
         from madp.spark.batch import run_spark
         from madp.spark.session import spark_options
 
-        return run_spark(selected, data, output, options, spark_options(beam_options))
+        return run_spark(
+            cluster_path(selected), cluster_path(data), cluster_path(output), options, spark_options(beam_options)
+        )
     path = records_path(data, runner)
     if runner == LOCAL:
         from madp.engines.batch_local import run_local

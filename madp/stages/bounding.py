@@ -12,6 +12,7 @@ from madp.stages.arguments import (
     LOCAL,
     PYSPARK,
     beam_arguments,
+    cluster_path,
     input_paths,
     options_of,
     records_path,
@@ -90,7 +91,7 @@ def run_bound(
         from madp.spark.bound import run_spark
         from madp.spark.session import spark_options
 
-        return run_spark(input, output, options, spark_options(beam_options))
+        return run_spark(cluster_path(input), cluster_path(output), options, spark_options(beam_options))
     path = records_path(input, runner)
     if runner == LOCAL:
         from madp.engines.local_engine import run_local

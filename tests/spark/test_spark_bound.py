@@ -118,9 +118,12 @@ def test_an_error_met_on_an_executor_is_the_one_line_the_local_engine_prints(tmp
     assert str(local.value).split(" (")[0] == str(on_spark.value).split(" (")[0]
 
 
-def test_the_command_line(tmp_path, spark, records, capsys):
+def test_the_command_line(tmp_path, spark, records, capsys, monkeypatch):
+    """Paths relative to the folder the command runs in, which is not the executors' (theirs is the one the
+    session started in, on a cluster one of their own)."""
     output = str(tmp_path / "out")
-    argv = ["bound", records, output, "-k", "2", "--on-invalid", "skip", "--runner", "pyspark"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["bound", os.path.relpath(records), "out", "-k", "2", "--on-invalid", "skip", "--runner", "pyspark"]
     assert main([*argv, "--spark-master", "local[2]", "--partitions", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["engine"] == "pyspark" and printed["selected_records"] > 0
