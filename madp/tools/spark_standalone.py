@@ -124,10 +124,11 @@ class SparkCluster(NamedTuple):
                 tails.append(f"--- {os.path.relpath(path, self.directory)}\n" + "".join(log.readlines()[-lines:]))
         return "\n".join(tails)
 
-    def executors(self, running_python: bool = False) -> list[int]:
+    def executors(self, running_python: bool = False, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
         """The pids of the cluster's executor JVMs (each a child of one of its workers), those with a
-        PySpark worker process under them only where `running_python`."""
-        found = processes()
+        PySpark worker process under them only where `running_python`; from `table` (`processes()`'s)
+        where given, else from the processes now."""
+        found = processes() if table is None else table
         worker_pids = {worker.process.pid for worker in self.workers}
         executors = [
             pid for pid, (parent, command) in found.items() if parent in worker_pids and EXECUTOR_CLASS in command
