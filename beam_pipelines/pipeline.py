@@ -65,9 +65,10 @@ class MadpPipelineOptions(PipelineOptions):
 def madp_options(options: PipelineOptions) -> MadpPipelineOptions:
     """Our options among `options`, checked (`PartitionOptions`' checks)."""
     ours = options.view_as(MadpPipelineOptions)
-    if ours.partitions < 1 or ours.rounds_per_pipeline < 1:
+    if (ours.partitions is not None and ours.partitions < 1) or ours.rounds_per_pipeline < 1:
         raise InputError("--partitions and --rounds-per-pipeline must be at least 1")
-    PartitionOptions(ours.partitions, ours.input_split_bytes, ours.local_finish_incidences)
+    checked = PartitionOptions(ours.partitions, ours.input_split_bytes, ours.local_finish_incidences)
+    ours.partitions = checked.partitions_for(None)  # a Beam graph is built before its input is read
     return ours
 
 

@@ -101,15 +101,17 @@ def prism_location() -> str:
 @pytest.fixture(scope="session")
 def spark_cluster():
     """A Spark standalone cluster for the session: a master and two workers of one core and 2 GB each,
-    on loopback, stopped with all its processes at the end (runner_services.spark_cluster). A failing
-    test that uses it shows the end of the cluster's logs."""
+    on loopback, stopped with all its processes at the end (madp.tools.spark_standalone.spark_cluster,
+    run with the services' environment). A failing test that uses it shows the end of the cluster's logs."""
     import runner_services
+
+    from madp.tools import spark_standalone
 
     if importlib.util.find_spec("pyspark") is None:
         engine_unavailable("pyspark is not installed (pip install -e '.[spark]')")
     if shutil.which("java") is None:
         engine_unavailable("no `java` on PATH to run a Spark cluster (Java 17 or newer)")
-    with runner_services.spark_cluster() as cluster:
+    with spark_standalone.spark_cluster(environment=runner_services.service_environment()) as cluster:
         yield cluster
 
 

@@ -1,6 +1,7 @@
 """The engines of the runner tier. Local services, each in processes of its own that a test session
 starts and always stops: Beam's Python job service with an external worker pool (the PortableRunner),
-and a Spark standalone cluster of a master and two one-core workers (pyspark's own jars and scripts).
+and a Spark standalone cluster of a master and two one-core workers (pyspark's own jars and scripts,
+started by `madp.tools.spark_standalone` with the services' environment).
 And Beam's Prism runner, a Go binary built once per Beam version into a cache folder
 (`python tests/runner_services.py prism`, which `make prism` and `make test` run, builds it and
 prints its path).
@@ -16,24 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterator
 
 from conftest import SUITES
 
-_START_SECONDS = 120.0  # a cold start on a busy 2-core machine takes ~10 s; this only catches a hang
+from madp.tools.spark_standalone import Service, SparkCluster, logged_after
+
 # Beam's worker pool logs its port at INFO on the root logger, which has no handler of its own: the
 # line shows only where an import happened to log a warning first (none does with the gcp extra
 # installed), so the pool runs with a handler.
@@ -106,71 +103,8 @@ def service_environment() -> dict[str, str]:
     return env
 
 
-class Service:
-    """One process started in a session of its own, its output in a log file."""
-
-    def __init__(self, name: str, command: list[str], directory: str, environment: dict[str, str] | None = None):
-        self.name = name
-        self.log = os.path.join(directory, f"{name}.log")
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**service_environment(), **(environment or {})},
-                cwd=directory,
-                start_new_session=True,
-            )
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log, errors="replace") as log:
-            return "".join(log.readlines()[-lines:])
-
-    def wait_for(self, ready: Callable[[], str | None]) -> str:
-        """`ready()`'s answer once it has one; an error with the log if the service dies or hangs first."""
-        start = time.monotonic()
-        while time.monotonic() - start < _START_SECONDS:
-            answer = ready()
-            if answer:
-                return answer
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not start in {_START_SECONDS:.0f} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """Stop the service and every process of its session: politely, then for good."""
-        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return  # the whole group is gone
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                continue
-            if not _group_alive(self.process.pid):
-                return
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _file_text(path: str) -> str | None:
     return open(path).read().strip() if os.path.exists(path) else None
-
-
-def _logged_after(service: Service, marker: str) -> str | None:
-    """The word after `marker` in the service's log, once it is there."""
-    with open(service.log, errors="replace") as log:
-        text = log.read()
-    return text.split(marker, 1)[1].split()[0] if marker in text else None
 
 
 @contextlib.contextmanager
@@ -180,6 +114,7 @@ def portable_services() -> Iterator[list[str]]:
     runs each job with one SDK worker, a process the pool starts."""
     with tempfile.TemporaryDirectory(prefix="madp-portable-") as directory:
         services: list[Service] = []
+        environment = service_environment()
         try:
             port_file = os.path.join(directory, "job_service.port")
             services.append(
@@ -193,6 +128,7 @@ def portable_services() -> Iterator[list[str]]:
                         f"--port_file={port_file}",
                     ],
                     directory,
+                    environment,
                 )
             )
             services.append(
@@ -200,10 +136,11 @@ def portable_services() -> Iterator[list[str]]:
                     "worker_pool",
                     [sys.executable, "-c", _WORKER_POOL, "--service_port=0"],
                     directory,
+                    environment,
                 )
             )
             job_port = services[0].wait_for(lambda: _file_text(port_file))
-            pool = services[1].wait_for(lambda: _logged_after(services[1], "worker pool servicer at port:"))
+            pool = services[1].wait_for(lambda: logged_after(services[1], "worker pool servicer at port:"))
             yield [
                 "--runner=PortableRunner",
                 f"--job_endpoint=localhost:{job_port}",
@@ -213,147 +150,6 @@ def portable_services() -> Iterator[list[str]]:
         finally:
             for service in services:
                 service.stop()
-
-
-class SparkCluster(NamedTuple):
-    """A running Spark standalone cluster: the URL jobs are submitted to, the master's web UI (its state
-    as JSON at /json/), its processes, and the folder of their logs and the workers' work folders (each
-    executor's stdout and stderr)."""
-
-    master_url: str
-    web_ui: str
-    master: Service
-    workers: list[Service]
-    directory: str
-
-    def state(self) -> dict:
-        """The master's view: its workers (`aliveworkers`), applications and their cores."""
-        return loopback_json(f"{self.web_ui}/json/")
-
-    def log_tails(self, lines: int = 30) -> str:
-        """The end of every log of the cluster, the executors' stderr included: what a failure shows."""
-        logs = [service.log for service in (self.master, *self.workers)]
-        logs += sorted(
-            os.path.join(root, name)
-            for root, _, names in os.walk(self.directory)
-            for name in names
-            if name == "stderr"  # an executor's, under its worker's work folder: app-ID/EXECUTOR/stderr
-        )
-        tails = []
-        for path in logs:
-            with open(path, errors="replace") as log:
-                tails.append(f"--- {os.path.relpath(path, self.directory)}\n" + "".join(log.readlines()[-lines:]))
-        return "\n".join(tails)
-
-
-def spark_home() -> str:
-    """The installed pyspark's folder: it ships Spark's jars and bin/spark-class."""
-    import pyspark
-
-    return os.path.dirname(os.path.abspath(pyspark.__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-# Straight to the local services: an HTTP proxy of the environment does not reach this machine's loopback
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def loopback_json(url: str):
-    """The JSON a service of this machine answers at `url` (a Spark master's or driver's web UI)."""
-    with _LOOPBACK.open(url, timeout=10) as answer:
-        return json.load(answer)
-
-
-def _answers(url: str) -> bool:
-    try:
-        _LOOPBACK.open(url, timeout=5).close()
-    except (urllib.error.URLError, ConnectionError, TimeoutError):  # not listening yet
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def spark_cluster(workers: int = 2, cores: int = 1, memory: str = "2g") -> Iterator[SparkCluster]:
-    """A master and `workers` workers of `cores` cores and `memory` each, on 127.0.0.1 and free ports,
-    started from the installed pyspark (Java 17 or newer on PATH); yields the cluster once every worker
-    has registered with the master, and stops all its processes (executors and their Python workers
-    included) on leaving, even on failure."""
-    with tempfile.TemporaryDirectory(prefix="madp-spark-") as directory:
-        spark_class = os.path.join(spark_home(), "bin", "spark-class")
-        environment = {
-            "SPARK_HOME": spark_home(),
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_LOCAL_DIRS": os.path.join(directory, "local"),  # shuffle and spill files
-        }
-        port, web_port = free_port(), free_port()
-        master_url, web_ui = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{web_port}"
-        services: list[Service] = []
-        try:
-            master_command = ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port)]
-            master = Service(
-                "master",
-                [spark_class, *master_command, "--webui-port", str(web_port)],
-                directory,
-                environment,
-            )
-            services.append(master)
-            master.wait_for(lambda: web_ui if _answers(f"{web_ui}/json/") else None)
-            for number in range(workers):
-                work = os.path.join(directory, f"worker-{number}")
-                worker_command = ["org.apache.spark.deploy.worker.Worker", "--cores", str(cores), "--memory", memory]
-                services.append(
-                    Service(
-                        f"worker-{number}",
-                        # port 0: a free port of the worker's choosing, web UI included (all would take 8081)
-                        [spark_class, *worker_command, "--work-dir", work, "--webui-port", "0", master_url],
-                        directory,
-                        environment,
-                    )
-                )
-            for worker in services[1:]:
-                worker.wait_for(lambda worker=worker: _logged_after(worker, "Successfully registered with master"))
-            yield SparkCluster(master_url, web_ui, master, services[1:], directory)
-        finally:
-            for service in reversed(services):
-                service.stop()
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """Every process of this machine: its parent's pid and its command line (from /proc)."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # after the command's name, the state
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # it ended while we read
-            continue
-        found[int(entry)] = (parent, command)
-    return found
-
-
-def executors(cluster: SparkCluster, running_python: bool = False) -> list[int]:
-    """The pids of the cluster's executor JVMs (CoarseGrainedExecutorBackend, each a child of one of its
-    workers), those with a PySpark worker process under them only where `running_python`."""
-    processes = _processes()
-    worker_pids = {worker.process.pid for worker in cluster.workers}
-    found = [
-        pid
-        for pid, (parent, command) in processes.items()
-        if parent in worker_pids and "CoarseGrainedExecutorBackend" in command
-    ]
-    if running_python:
-        python_parents = {parent for parent, command in processes.values() if "pyspark.daemon" in command}
-        found = [pid for pid in found if pid in python_parents]
-    return sorted(found)
 
 
 class ExecutorKill:
@@ -378,7 +174,7 @@ def executor_killed(
     def watch() -> None:
         start = time.monotonic()
         while not finished.is_set() and time.monotonic() - start < patience:
-            busy = executors(cluster, running_python=True)
+            busy = cluster.executors(running_python=True)
             if busy:
                 if finished.wait(after_seconds):
                     return

@@ -9,6 +9,11 @@ from madp.core.errors import InputError
 from madp.core.options import option
 
 MIN_SPLIT_BYTES = 1024
+DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read; the least on Spark
+# On Spark, without --partitions: one partition per this many input rows, so that a partition's
+# elements keep their size as the input grows (the largest packed user partition of 250,000 skewed
+# records is about 9 MB) instead of growing with it to hundreds of MB at 100M records.
+RECORDS_PER_PARTITION = 250_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,10 +22,12 @@ class PartitionOptions:
     Beam's style, taken too): record and user partitions, the size of an input file's splits, and when
     one worker finishes the bounding. Checked as built."""
 
-    partitions: int = option(
-        16,
+    partitions: int | None = option(
+        None,
         help="madp: record and user partitions, the columnar units of work the runner spreads over "
-        "workers (use several per worker core, and enough that one fits a worker's memory)",
+        "workers (use several per worker core, and enough that one fits a worker's memory; default: "
+        f"{DEFAULT_PARTITIONS} on Beam; on Spark one per {RECORDS_PER_PARTITION:,} input rows, at least "
+        f"{DEFAULT_PARTITIONS})",
     )
     input_split_bytes: int = option(
         64 << 20,
@@ -36,7 +43,7 @@ class PartitionOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.partitions < 1:
+        if self.partitions is not None and self.partitions < 1:
             raise InputError("--partitions must be at least 1")
         if self.input_split_bytes < MIN_SPLIT_BYTES:
             raise InputError(
@@ -44,3 +51,11 @@ class PartitionOptions:
             )
         if self.local_finish_incidences < 0:
             raise InputError("--local-finish-incidences must be at least 0")
+
+    def partitions_for(self, records: int | None) -> int:
+        """The partitions of a job: --partitions where given; else, for an input of `records` rows,
+        one per RECORDS_PER_PARTITION of them, and DEFAULT_PARTITIONS where the count is not
+        known before the job is built (`records` None) or gives fewer."""
+        if self.partitions is not None:
+            return self.partitions
+        return max(DEFAULT_PARTITIONS, -(-(records or 0) // RECORDS_PER_PARTITION))

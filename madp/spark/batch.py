@@ -56,7 +56,7 @@ from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest
 from madp.core.options import declared
 from madp.core.reports import BatchReport
-from madp.core.selection import handle_rejects
+from madp.core.selection import RunCounts, handle_rejects
 from madp.engines import batch_local, batch_report, batching
 from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 from madp.engines.batch_report import merge_counts
@@ -240,10 +240,10 @@ def _jobs(
     output: str,
     options: batching.BatchOptions,
     spark_options: SparkOptions,
-) -> JobRun:
+) -> tuple[JobRun, int]:
     """The Spark jobs that sample and write the batch files under the inputs' `work` from the records
-    DATA (its files, or a DataFrame): what the driver commits once they have all passed."""
-    partitions = spark_options.partitions
+    DATA (its files, or a DataFrame): what the driver commits once they have all passed, and the
+    partitions they ran in."""
     run_dir = storage.join(inputs.work, uuid.uuid4().hex[:12])
     errors_dir, staged = storage.join(run_dir, INPUT_ERRORS), storage.join(run_dir, "batches")
     columns = inputs.bound.columns(options.columns)
@@ -253,6 +253,7 @@ def _jobs(
     data_name = input_name(data)
     if options.on_invalid == "error":  # before the join, as the local engine stops
         handle_rejects(read.rejects, "error", output)
+    partitions = spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
     records = record_partitions(read.chunks, partitions)
     joined = joined_partitions(sc, records, inputs.selection, options, data_name, errors_dir).persist(KEPT)
     kept_rdds = [joined]
@@ -298,7 +299,7 @@ def _jobs(
         written_records=int(written_records),
         rejects=rejects,
     )
-    return JobRun(summary, [path for _, path, _ in files], inputs.work)
+    return JobRun(summary, [path for _, path, _ in files], inputs.work), partitions
 
 
 def run_spark(
@@ -325,7 +326,5 @@ def run_spark(
     frame = as_dataframe(data)
     inputs = job_inputs(selected, rec.list_input_files(str(data)) if frame is None else [], output, options)
     with removed_on_failure(inputs.work), spark_session(spark_options, frame) as spark:
-        job = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
-    return commit(
-        selected, input_name(data), output, options, job, storage.move_file, RUNNER, started, spark_options.partitions
-    )
+        job, partitions = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
+    return commit(selected, input_name(data), output, options, job, storage.move_file, RUNNER, started, partitions)

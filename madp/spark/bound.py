@@ -198,10 +198,7 @@ class _SparkBound:
     selected: list[RDD] = dataclasses.field(default_factory=list)  # (record partition, SelectedKeys) of each step
     active: dict[int, int] = dataclasses.field(default_factory=dict)  # undecided incidences after each iteration
     steps: int = 0
-
-    @property
-    def partitions(self) -> int:
-        return self.spark_options.partitions
+    partitions: int = 0  # once the input is read: --partitions, or as many as its size asks for
 
     @property
     def errors_dir(self) -> str:
@@ -216,6 +213,7 @@ class _SparkBound:
         `source`, and the read's rejects."""
         read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
+        self.partitions = self.spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
         return record_partitions(read.chunks, self.partitions), read.rejects
 
     def group_sizes(self, parts: RDD) -> tuple[int, int]:
@@ -453,7 +451,7 @@ def run_spark(input: str | DataFrame, output: str, options: BoundOptions, spark_
     manifest = selection_manifest(output, shards)
     runs = [counts.run_figures(iterations)]
     report = partitioned_bound_report(
-        options, RUNNER, input_name(input), job.stats, rejects, control, manifest, spark_options.partitions, runs
+        options, RUNNER, input_name(input), job.stats, rejects, control, manifest, job.partitions, runs
     )
     storage.remove_tree(work)
     write_report(output, report)

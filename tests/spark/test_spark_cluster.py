@@ -18,6 +18,8 @@ import time
 import pytest
 import runner_services
 
+from madp.tools.spark_standalone import loopback_json
+
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 JOB_SECONDS = 180  # a hung job fails its test instead of holding the tier
@@ -49,7 +51,7 @@ def spark(spark_master):
 def status(spark, path: str):
     """An answer of the driver's status REST API for this application."""
     context = spark.sparkContext
-    return runner_services.loopback_json(f"{context.uiWebUrl}/api/v1/applications/{context.applicationId}/{path}")
+    return loopback_json(f"{context.uiWebUrl}/api/v1/applications/{context.applicationId}/{path}")
 
 
 def executor_rows(spark) -> list[dict]:
@@ -77,7 +79,7 @@ def test_a_job_survives_a_lost_executor_and_the_driver_sees_it(spark, spark_clus
     with runner_services.executor_killed(spark_cluster, after_seconds=1.0) as kill:
         grouped = context.parallelize(range(96), 12).map(slowly_keyed).groupByKey().mapValues(sum).collect()
     assert dict(grouped) == {key: sum(range(key, 96, 7)) for key in range(7)}
-    assert kill.pid not in runner_services.executors(spark_cluster), "the killed executor still runs"
+    assert kill.pid not in spark_cluster.executors(), "the killed executor still runs"
 
     lost = [row["removeReason"] for row in executor_rows(spark) if not row["isActive"]]
     assert len(lost) == 1 and "exited with code 137" in lost[0], executor_rows(spark)  # 128 + SIGKILL

@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
+from madp.core import partitioning
 from madp.core.errors import InputError
 from madp.spark import session
 from madp.spark.session import SparkOptions, spark_options, spark_session
@@ -45,6 +46,15 @@ def test_a_wrong_option_is_one_error_naming_it(arguments, said):
     with pytest.raises(InputError) as raised:
         spark_options(arguments)
     assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_without_partitions_a_job_takes_one_per_share_of_its_input_rows():
+    per = partitioning.RECORDS_PER_PARTITION
+    assert SparkOptions().partitions_for(1_000) == partitioning.DEFAULT_PARTITIONS  # never fewer
+    assert SparkOptions().partitions_for(40 * per) == 40
+    assert SparkOptions().partitions_for(40 * per + 1) == 41  # no partition holds more than its share
+    assert SparkOptions(partitions=4).partitions_for(40 * per) == 4  # --partitions decides where given
+    assert SparkOptions().partitions_for(None) == partitioning.DEFAULT_PARTITIONS  # Beam's: input unread
 
 
 def test_a_python_caller_s_wrong_property_is_refused():
