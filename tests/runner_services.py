@@ -279,7 +279,7 @@ def _answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def spark_cluster(workers: int = 2, cores: int = 1, memory: str = "2g") -> Iterator[SparkCluster]:
-    """A master and `workers` workers of `cores` cores and `memory` each, on 127.0.0.1 and free ports,
+    """A master and `workers` workers of `cores` cores and `memory` each, on loopback addresses and free ports,
     started from the installed pyspark (Java 17 or newer on PATH); yields the cluster once every worker
     has registered with the master, and stops all its processes (executors and their Python workers
     included) on leaving, even on failure."""
@@ -306,13 +306,17 @@ def spark_cluster(workers: int = 2, cores: int = 1, memory: str = "2g") -> Itera
             for number in range(workers):
                 work = os.path.join(directory, f"worker-{number}")
                 worker_command = ["org.apache.spark.deploy.worker.Worker", "--cores", str(cores), "--memory", memory]
+                # A loopback address of its own (127.0.0.2, ...): Spark runs a task's speculative copy on
+                # another host than the task's, so on one host it never would
+                host = f"127.0.0.{number + 2}"
                 services.append(
                     Service(
                         f"worker-{number}",
                         # port 0: a free port of the worker's choosing, web UI included (all would take 8081)
-                        [spark_class, *worker_command, "--work-dir", work, "--webui-port", "0", master_url],
+                        [spark_class, *worker_command, "--host", host, "--work-dir", work, "--webui-port", "0"]
+                        + [master_url],
                         directory,
-                        environment,
+                        {**environment, "SPARK_LOCAL_IP": host},
                     )
                 )
             for worker in services[1:]:
@@ -323,36 +327,48 @@ def spark_cluster(workers: int = 2, cores: int = 1, memory: str = "2g") -> Itera
                 service.stop()
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """Every process of this machine: its parent's pid and its command line (from /proc)."""
+class _Process(NamedTuple):
+    parent: int  # its parent's pid
+    computing: bool  # on a CPU or waiting for one (state R), not asleep
+    command: str  # its command line
+
+
+def _processes() -> dict[int, _Process]:
+    """Every process of this machine, by pid (from /proc)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # after the command's name, the state
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]  # after the command's name
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # it ended while we read
             continue
-        found[int(entry)] = (parent, command)
+        found[int(entry)] = _Process(int(parent), state == "R", command)
     return found
 
 
-def executors(cluster: SparkCluster, running_python: bool = False) -> list[int]:
+def executors(cluster: SparkCluster, running_python: bool = False, computing: bool = False) -> list[int]:
     """The pids of the cluster's executor JVMs (CoarseGrainedExecutorBackend, each a child of one of its
-    workers), those with a PySpark worker process under them only where `running_python`."""
+    workers), those with a PySpark worker process under them only where `running_python`, and only those
+    with one computing (a task running in it) where `computing`."""
     processes = _processes()
     worker_pids = {worker.process.pid for worker in cluster.workers}
     found = [
         pid
-        for pid, (parent, command) in processes.items()
-        if parent in worker_pids and "CoarseGrainedExecutorBackend" in command
+        for pid, process in processes.items()
+        if process.parent in worker_pids and "CoarseGrainedExecutorBackend" in process.command
     ]
+    # an executor starts PySpark's daemon, which forks a Python worker (the same command) for its tasks
+    daemons = {pid: process for pid, process in processes.items() if "pyspark.daemon" in process.command}
     if running_python:
-        python_parents = {parent for parent, command in processes.values() if "pyspark.daemon" in command}
-        found = [pid for pid in found if pid in python_parents]
+        found = [pid for pid in found if pid in {daemon.parent for daemon in daemons.values()}]
+    if computing:
+        workers = [process for process in daemons.values() if process.parent in daemons]
+        busy = {daemons[worker.parent].parent for worker in workers if worker.computing}
+        found = [pid for pid in found if pid in busy]
     return sorted(found)
 
 
@@ -365,30 +381,34 @@ class ExecutorKill:
 
 @contextlib.contextmanager
 def executor_killed(
-    cluster: SparkCluster, after_seconds: float = 1.0, patience: float = 300.0
+    cluster: SparkCluster, after_seconds: float = 1.0, patience: float = 300.0, mid_task: bool = False
 ) -> Iterator[ExecutorKill]:
     """Kill one executor JVM of the cluster (SIGKILL, as a lost machine or the OOM killer does) while the
     block runs a job on it: `after_seconds` after an executor first runs Python work (a PySpark worker
-    under it), so that tasks are running there and their results are lost with it. Yields the kill (its
-    `pid` set once done); leaving the block without an exception fails if no executor was killed (the
-    job ended before any ran Python work: make it run longer)."""
+    under it), so that tasks are running there and their results are lost with it; where `mid_task`, at
+    the first moment after that when one of its Python workers computes, so that a task fails with it.
+    Yields the kill (its `pid` set once done); leaving the block without an exception fails if no
+    executor was killed (the job ended before any ran Python work: make it run longer)."""
     kill = ExecutorKill()
     finished = threading.Event()
 
     def watch() -> None:
-        start = time.monotonic()
+        start, due = time.monotonic(), False
         while not finished.is_set() and time.monotonic() - start < patience:
-            busy = executors(cluster, running_python=True)
-            if busy:
+            targets = executors(cluster, running_python=True, computing=due and mid_task)
+            if targets and not due:  # the first Python work: the kill is due `after_seconds` later
+                due = True
                 if finished.wait(after_seconds):
                     return
+                continue
+            if targets:
                 try:
-                    os.kill(busy[0], signal.SIGKILL)
+                    os.kill(targets[0], signal.SIGKILL)
                 except ProcessLookupError:  # it ended meanwhile: take another
                     continue
-                kill.pid = busy[0]
+                kill.pid = targets[0]
                 return
-            time.sleep(0.05)
+            time.sleep(0.01 if due else 0.05)
 
     killer = threading.Thread(target=watch, name="executor-killer", daemon=True)
     killer.start()

@@ -60,6 +60,7 @@ from madp.core.selection import handle_rejects
 from madp.engines import batch_local, batch_report, batching
 from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 from madp.engines.batch_report import merge_counts
+from madp.spark.faults import fault_watch
 from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
@@ -314,5 +315,8 @@ def run_spark(
     started = time.perf_counter()
     inputs = job_inputs(selected, data, output, options)
     with removed_on_failure(inputs.work), spark_session(spark_options) as spark:
-        job = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
-    return commit(selected, data, output, options, job, storage.move_file, RUNNER, started, spark_options.partitions)
+        with fault_watch(spark.sparkContext, "madp batch") as watch:
+            job = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
+            faults = watch.faults()
+    partitions = spark_options.partitions
+    return commit(selected, data, output, options, job, storage.move_file, RUNNER, started, partitions, faults=faults)

@@ -70,6 +70,7 @@ from madp.core.selection import (
     write_missing_shards,
     write_report,
 )
+from madp.spark.faults import fault_watch
 from madp.spark.records import by_part, kept, raising_kept_errors, read_records, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
@@ -425,10 +426,11 @@ def run_spark(input_path: str, output: str, options: BoundOptions, spark_options
     run_dir = storage.join(work, invocation)
     checkpoints = storage.join(spark_options.checkpoint_dir or run_dir, f"checkpoints-{invocation}")
     try:
-        with spark_session(spark_options) as spark:
+        with spark_session(spark_options) as spark, fault_watch(spark.sparkContext, "madp bound") as watch:
             job, options, control, rejects, shards = _bound_on_spark(
                 spark.sparkContext, input_files, output, options, spark_options, capacities, run_dir, checkpoints
             )
+            faults = watch.faults()
     except InputError:
         prepare_output(output)  # no partial selection outlives an error
         storage.remove_tree(work)
@@ -447,6 +449,7 @@ def run_spark(input_path: str, output: str, options: BoundOptions, spark_options
     report = partitioned_bound_report(
         options, RUNNER, input_path, job.stats, rejects, control, manifest, spark_options.partitions, runs
     )
+    report = dataclasses.replace(report, spark_faults=faults)
     storage.remove_tree(work)
     write_report(output, report)
     return dataclasses.replace(report, wall_time_s=round(time.perf_counter() - started, 3))
