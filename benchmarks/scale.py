@@ -64,11 +64,11 @@ def _descendants(root: int, parents: dict[int, int]) -> set[int]:
 def roles(driver: int, cluster: SparkCluster | None) -> dict[str, set[int]]:
     """The processes of each role now (see the module's docstring)."""
     found = processes()
-    parents = {pid: parent for pid, (parent, _) in found.items()}
+    parents = {pid: process.parent for pid, process in found.items()}
     below_driver = _descendants(driver, parents)
     by_role = {
         "driver_python": {driver},
-        "driver_jvm": {pid for pid in below_driver if "java" in found[pid][1].split(" ", 1)[0]},
+        "driver_jvm": {pid for pid in below_driver if "java" in found[pid].command.split(" ", 1)[0]},
         "executor_jvms": set(),
         "python_workers": set(),
     }

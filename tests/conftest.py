@@ -1,8 +1,9 @@
 """Shared helpers of the suite (small graphs written as input files, crashes, snapshots), the runner
-tier's engines as session fixtures (the Prism binary, a Spark standalone cluster), and the suite's
-layout: tests/ mirrors the packages (core, accounting, beam, training, tools), spark/ runs on the Spark
-cluster; properties/ holds the guarantee, hostile-input, engines-agree and layering suites, e2e/ the
-command-line runs of whole jobs. Under CI=true a skipped test fails the run (ci_skips)."""
+tier's engines as session fixtures (the Prism binary, a Spark standalone cluster) with its records and
+their local outputs, and the suite's layout: tests/ mirrors the packages (core, accounting, beam,
+training, tools), spark/ runs on the Spark cluster; properties/ holds the guarantee, hostile-input,
+engines-agree and layering suites, e2e/ the command-line runs of whole jobs. Under CI=true a skipped
+test fails the run (ci_skips)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,77 @@ def spark_cluster():
 def spark_master(spark_cluster) -> str:
     """The URL of the session's Spark cluster (spark://127.0.0.1:PORT)."""
     return spark_cluster.master_url
+
+
+# The runner tier's data set and what it checks on every engine (Prism, tests/beam/test_prism_tier.py;
+# Spark's standalone cluster, tests/spark/test_spark_cluster.py): `madp generate`'s 20k skewed records,
+# a Parquet file of many row groups and a JSON Lines file with invalid rows, each read in several splits.
+TIER_RECORDS = 20_000
+TIER_ROW_GROUP = 500  # the Parquet half in 20 row groups
+TIER_SKIP = ["--on-invalid", "skip"]
+TIER_BOUND = ["-k", "3", "--output-shards", "2", *TIER_SKIP]
+TIER_BATCH = ["--steps", "30", "--batch-size", "400", "--min-sep", "3", "--output-shards", "2", "--seed", "11"]
+TIER_BATCH += TIER_SKIP
+# Each file read in several splits (the Parquet file in 4, the JSON Lines file in 15), on 2 partitions
+TIER_SPLITS = ["--partitions=2", "--input-split-bytes=100000"]
+# What a report says of the run and its engine rather than of the data
+RUN_FACTS = ("beam_counters_per_run", "engine", "partitions", "pipeline_runs", "spark_faults", "wall_time_s")
+
+
+def invalid_rows(valid: list[dict]) -> list[dict]:
+    """A row without an id, one whose users are not a list of ids, and a second row of a valid row's id."""
+    return [
+        {"users": [1, 2], "features": [0.0] * 4, "label": 0},
+        {"id": 10**9, "users": "seven", "features": [0.0] * 4, "label": 1},
+        dict(valid[3]),
+    ]
+
+
+@pytest.fixture(scope="session")
+def tier_records(tmp_path_factory) -> str:
+    """The runner tier's records: half as Parquet in row groups of 500, half as JSON Lines with invalid
+    rows in its middle and at its end."""
+    from madp.cli import main
+
+    directory = tmp_path_factory.mktemp("tier-records")
+    generated = str(directory / "generated.parquet")
+    graph = ["--records", str(TIER_RECORDS), "--graph", "skewed", "--features", "4", "--seed", "13"]
+    assert main(["-q", "generate", generated, *graph]) == 0
+    table = pq.read_table(generated)
+    data = str(directory / "records")
+    os.mkdir(data)
+    half = TIER_RECORDS // 2
+    pq.write_table(table.slice(0, half), os.path.join(data, "a.parquet"), row_group_size=TIER_ROW_GROUP)
+    rows = table.slice(half).to_pylist()
+    bad = invalid_rows(rows)
+    with open(os.path.join(data, "b.jsonl"), "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in [*rows[: half // 2], *bad[:2], *rows[half // 2 :], bad[2]])
+    return data
+
+
+@pytest.fixture(scope="session")
+def tier_local_outputs(tier_records, tmp_path_factory) -> tuple[str, str]:
+    """`--runner local`'s bound and batch outputs of the tier's records: what every engine of the tier
+    must write."""
+    from madp.cli import main
+
+    directory = tmp_path_factory.mktemp("tier-local")
+    bound, batches = str(directory / "bound"), str(directory / "batches")
+    assert main(["-q", "bound", tier_records, bound, *TIER_BOUND, "--runner", "local"]) == 0
+    assert main(["-q", "batch", bound, tier_records, batches, *TIER_BATCH, "--runner", "local"]) == 0
+    return bound, batches
+
+
+def assert_same_rejects_and_report(output: str, expected: str) -> None:
+    """The rejected rows of an engine's output and its report as the local run's (`expected`), but for
+    what a report says of the run and its engine (`RUN_FACTS`)."""
+    rejected = snapshot(os.path.join(expected, "rejected"))
+    assert rejected, "the local run rejected no row: the input's invalid rows test nothing"
+    assert snapshot(os.path.join(output, "rejected")) == rejected
+    report, wanted = (json.load(open(os.path.join(path, "report.json"))) for path in (output, expected))
+    assert report["rejected"] == wanted["rejected"] == {"duplicate_id": 2, "missing_id": 1, "non_scalar_user": 1}
+    differing = sorted(key for key in report.keys() | wanted.keys() if report.get(key) != wanted.get(key))
+    assert set(differing) <= set(RUN_FACTS), f"the reports differ in {differing}"
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -161,30 +161,34 @@ class ExecutorKill:
 
 @contextlib.contextmanager
 def executor_killed(
-    cluster: SparkCluster, after_seconds: float = 1.0, patience: float = 300.0
+    cluster: SparkCluster, after_seconds: float = 1.0, patience: float = 300.0, mid_task: bool = False
 ) -> Iterator[ExecutorKill]:
     """Kill one executor JVM of the cluster (SIGKILL, as a lost machine or the OOM killer does) while the
     block runs a job on it: `after_seconds` after an executor first runs Python work (a PySpark worker
-    under it), so that tasks are running there and their results are lost with it. Yields the kill (its
-    `pid` set once done); leaving the block without an exception fails if no executor was killed (the
-    job ended before any ran Python work: make it run longer)."""
+    under it), so that tasks are running there and their results are lost with it; where `mid_task`, at
+    the first moment after that when one of its Python workers computes, so that a task fails with it.
+    Yields the kill (its `pid` set once done); leaving the block without an exception fails if no
+    executor was killed (the job ended before any ran Python work: make it run longer)."""
     kill = ExecutorKill()
     finished = threading.Event()
 
     def watch() -> None:
-        start = time.monotonic()
+        start, due = time.monotonic(), False
         while not finished.is_set() and time.monotonic() - start < patience:
-            busy = cluster.executors(running_python=True)
-            if busy:
+            targets = cluster.executors(running_python=True, computing=due and mid_task)
+            if targets and not due:  # the first Python work: the kill is due `after_seconds` later
+                due = True
                 if finished.wait(after_seconds):
                     return
+                continue
+            if targets:
                 try:
-                    os.kill(busy[0], signal.SIGKILL)
+                    os.kill(targets[0], signal.SIGKILL)
                 except ProcessLookupError:  # it ended meanwhile: take another
                     continue
-                kill.pid = busy[0]
+                kill.pid = targets[0]
                 return
-            time.sleep(0.05)
+            time.sleep(0.01 if due else 0.05)
 
     killer = threading.Thread(target=watch, name="executor-killer", daemon=True)
     killer.start()

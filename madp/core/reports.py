@@ -177,6 +177,23 @@ class Histograms:
         return cls(**{field.name: dict(data[field.name]) for field in dataclasses.fields(cls)})
 
 
+@dataclasses.dataclass(frozen=True)
+class SparkFaults:
+    """What Spark's driver saw fail under a `--runner pyspark` run and recovered from (the outputs are
+    those of a run without it), as its status REST API tells it while the Spark UI is on: None where
+    unknown (the UI off, or its API unreadable), never a guessed 0."""
+
+    executors_lost: int | None  # executors removed during the run other than by the driver (a killed JVM, a lost host)
+    tasks_retried: int | None  # task attempts of the run's jobs that failed and were run again
+
+    def to_json(self) -> dict[str, Any]:
+        return {"executors_lost": self.executors_lost, "tasks_retried": self.tasks_retried}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SparkFaults:
+        return cls(data["executors_lost"], data["tasks_retried"])
+
+
 BOUND_REPORT_KEYS = (
     "engine",
     "input",
@@ -229,6 +246,7 @@ class BoundReport:
     partitions: int | None = None  # Beam and Spark: the partitions of each side
     # Beam: each pipeline run's iterations and counters; Spark: its one job's iterations
     pipeline_runs: tuple[Mapping[str, Any], ...] | None = None
+    spark_faults: SparkFaults | None = None  # Spark: the executors lost and tasks retried under the run
     # The engine's run time, in what a run returns and prints, never in the file: it depends on the machine's
     # load and on more of the input than the graph (parsing JSON Lines rows reads their content too)
     wall_time_s: float | None = None
@@ -262,6 +280,8 @@ class BoundReport:
         report["histograms"] = self.histograms.to_json()
         if self.pipeline_runs is not None:
             report["pipeline_runs"] = _lists(self.pipeline_runs)
+        if self.spark_faults is not None:
+            report["spark_faults"] = self.spark_faults.to_json()
         report["selection_files"] = [entry.to_json() for entry in self.selection_files]
         if self.wall_time_s is not None:
             report["wall_time_s"] = self.wall_time_s
@@ -275,7 +295,7 @@ class BoundReport:
         _refuse_missing(data, BOUND_REPORT_KEYS, where, "bound")
 
         def parse() -> BoundReport:
-            runs = data.get("pipeline_runs")
+            runs, faults = data.get("pipeline_runs"), data.get("spark_faults")
             return cls(
                 engine=data["engine"],
                 input=data["input"],
@@ -300,6 +320,7 @@ class BoundReport:
                 selection_files=selection_files,
                 partitions=data.get("partitions"),
                 pipeline_runs=None if runs is None else tuple(runs),
+                spark_faults=None if faults is None else SparkFaults.from_json(faults),
                 wall_time_s=data.get("wall_time_s"),
             )
 
@@ -467,7 +488,7 @@ class BatchReport:
     `BoundRecord`), how (the sampler, its parameters, p), what they hold (sizes, participations, rejects)
     and the batch files. The trainer's accounting reads it (`Batches.report`)."""
 
-    engine: str  # which engine batched: local, or the Beam runner
+    engine: str  # which engine batched: local, pyspark, or the Beam runner
     selected: str  # the bound output the batches were made from (absolute where local)
     data: str  # the records (absolute where local)
     sampler: str  # minsep, minsep-greedy or users
@@ -494,8 +515,9 @@ class BatchReport:
     users_per_step: SizeSummary | None = None  # --sampler users: users sampled per step
     min_sep_search: tuple[Mapping[str, Any], ...] | None = None  # --sampler minsep-greedy: the b tried
     k: int | None = None  # --sampler minsep-greedy: the most participations of a record
-    partitions: int | None = None  # Beam: the partitions
+    partitions: int | None = None  # Beam and Spark: the partitions
     beam_counters_per_run: tuple[Mapping[str, Any], ...] | None = None  # Beam: the pipeline's counters
+    spark_faults: SparkFaults | None = None  # Spark: the executors lost and tasks retried under the run
 
     def to_json(self) -> dict[str, Any]:
         """The report as its file holds it (written with sorted keys)."""
@@ -536,6 +558,8 @@ class BatchReport:
             report["partitions"] = self.partitions
         if self.beam_counters_per_run is not None:
             report["beam_counters_per_run"] = _lists(self.beam_counters_per_run)
+        if self.spark_faults is not None:
+            report["spark_faults"] = self.spark_faults.to_json()
         return report
 
     @classmethod
@@ -546,8 +570,9 @@ class BatchReport:
         _refuse_missing(data, BATCH_REPORT_KEYS, where, "batch")
 
         def parse() -> BatchReport:
-            bound, users, search, counters = (
-                data.get(key) for key in ("bound", "users_per_step", "min_sep_search", "beam_counters_per_run")
+            bound, users, search, counters, faults = (
+                data.get(key)
+                for key in ("bound", "users_per_step", "min_sep_search", "beam_counters_per_run", "spark_faults")
             )
             return cls(
                 engine=data["engine"],
@@ -579,6 +604,7 @@ class BatchReport:
                 k=data.get("k"),
                 partitions=data.get("partitions"),
                 beam_counters_per_run=None if counters is None else tuple(counters),
+                spark_faults=None if faults is None else SparkFaults.from_json(faults),
             )
 
         return _parsed(parse, where, "batch")

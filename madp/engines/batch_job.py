@@ -23,7 +23,7 @@ from madp.core import batch_files, record_reading, sampling, storage
 from madp.core import records as rec
 from madp.core.batch_steps import histogram_arrays
 from madp.core.columnar import Columnar
-from madp.core.reports import BatchReport, Participation
+from madp.core.reports import BatchReport, Participation, SparkFaults
 from madp.core.selection import WORK_DIR, handle_rejects, selection_files, write_report
 from madp.engines import batch_report, batching
 
@@ -152,9 +152,11 @@ def commit(
     started: float,
     partitions: int,
     counters: dict | None = None,
+    faults: SparkFaults | None = None,
 ) -> BatchReport:
     """The passed job's batch files in place of the earlier batches (each staged file `move`d to its
-    name), the rejects, schema.json and report.json written; `work` removed."""
+    name), the rejects, schema.json and report.json written (with Beam's `counters`, or what Spark's
+    job recovered from, `faults`); `work` removed."""
     summary = run.summary
     batch_report.prepare_output(output)
     shards = options.output_shards
@@ -191,6 +193,7 @@ def commit(
         started=started,
         partitions=partitions,
         beam_counters=counters,
+        spark_faults=faults,
     )
     storage.remove_tree(run.work)
     write_report(output, result)

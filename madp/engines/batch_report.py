@@ -18,7 +18,15 @@ from madp.core import storage
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, FileCounts, batch_file_path
 from madp.core.batch_steps import WrittenUsers
 from madp.core.errors import InputError
-from madp.core.reports import BatchParameters, BatchReport, BoundRecord, FileEntry, Participation, SizeSummary
+from madp.core.reports import (
+    BatchParameters,
+    BatchReport,
+    BoundRecord,
+    FileEntry,
+    Participation,
+    SizeSummary,
+    SparkFaults,
+)
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, read_bound_report
 from madp.engines.batching import BatchOptions
 
@@ -131,9 +139,11 @@ def report(
     started: float,
     partitions: int | None = None,
     beam_counters: dict | None = None,
+    spark_faults: SparkFaults | None = None,
 ) -> BatchReport:
     """The report both engines write; `sampled_sizes` (per step, before truncation) includes warm-up;
-    `participation` as `participation_stats` gives it; Beam's `partitions` and pipeline counters."""
+    `participation` as `participation_stats` gives it; Beam's `partitions` and pipeline counters, or what
+    Spark's job recovered from."""
     warm_up = options.warm_up_steps
     realized = sampled_sizes[warm_up:]
     written = np.concatenate([f.written for f in files])
@@ -185,6 +195,7 @@ def report(
         k=None if search is None else participation.max_participations,
         partitions=partitions,
         beam_counters_per_run=None if beam_counters is None else (beam_counters,),
+        spark_faults=spark_faults,
     )
 
 

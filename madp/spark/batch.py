@@ -61,6 +61,7 @@ from madp.engines import batch_local, batch_report, batching
 from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_inputs, removed_on_failure
 from madp.engines.batch_report import merge_counts
 from madp.spark.dataframe import as_dataframe, input_name, read_input
+from madp.spark.faults import fault_watch
 from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
@@ -326,5 +327,9 @@ def run_spark(
     frame = as_dataframe(data)
     inputs = job_inputs(selected, rec.list_input_files(str(data)) if frame is None else [], output, options)
     with removed_on_failure(inputs.work), spark_session(spark_options, frame) as spark:
-        job, partitions = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
-    return commit(selected, input_name(data), output, options, job, storage.move_file, RUNNER, started, partitions)
+        with fault_watch(spark.sparkContext, "madp batch") as watch:
+            job, partitions = _jobs(spark.sparkContext, inputs, data, output, options, spark_options)
+            faults = watch.faults()
+    return commit(
+        selected, input_name(data), output, options, job, storage.move_file, RUNNER, started, partitions, faults=faults
+    )

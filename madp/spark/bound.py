@@ -71,6 +71,7 @@ from madp.core.selection import (
     write_report,
 )
 from madp.spark.dataframe import as_dataframe, input_name, read_input, user_id_type
+from madp.spark.faults import fault_watch
 from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
@@ -431,10 +432,11 @@ def run_spark(input: str | DataFrame, output: str, options: BoundOptions, spark_
     run_dir = storage.join(work, invocation)
     checkpoints = storage.join(spark_options.checkpoint_dir or run_dir, f"checkpoints-{invocation}")
     try:
-        with spark_session(spark_options, frame) as spark:
+        with spark_session(spark_options, frame) as spark, fault_watch(spark.sparkContext, "madp bound") as watch:
             job, options, control, rejects, shards = _bound_on_spark(
                 spark.sparkContext, source, output, options, spark_options, capacities, run_dir, checkpoints
             )
+            faults = watch.faults()
     except InputError:
         prepare_output(output)  # no partial selection outlives an error
         storage.remove_tree(work)
@@ -453,6 +455,7 @@ def run_spark(input: str | DataFrame, output: str, options: BoundOptions, spark_
     report = partitioned_bound_report(
         options, RUNNER, input_name(input), job.stats, rejects, control, manifest, job.partitions, runs
     )
+    report = dataclasses.replace(report, spark_faults=faults)
     storage.remove_tree(work)
     write_report(output, report)
     return dataclasses.replace(report, wall_time_s=round(time.perf_counter() - started, 3))

@@ -1,6 +1,6 @@
 """A Spark standalone cluster on this machine, for a laptop, a benchmark or a test: a master and N workers
 started from the installed pyspark's own jars and `bin/spark-class` (Java 17 or newer on PATH), on
-127.0.0.1 and free ports, each in a session of its own so that stopping it stops the processes it
+loopback addresses and free ports, each in a session of its own so that stopping it stops the processes it
 started too (a worker's executors and their Python workers) and nothing else.
 
     python -m madp.tools.spark_standalone [--workers 2] [--cores 1] [--memory 3g]
@@ -124,18 +124,29 @@ class SparkCluster(NamedTuple):
                 tails.append(f"--- {os.path.relpath(path, self.directory)}\n" + "".join(log.readlines()[-lines:]))
         return "\n".join(tails)
 
-    def executors(self, running_python: bool = False, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    def executors(
+        self, running_python: bool = False, computing: bool = False, table: dict[int, Process] | None = None
+    ) -> list[int]:
         """The pids of the cluster's executor JVMs (each a child of one of its workers), those with a
-        PySpark worker process under them only where `running_python`; from `table` (`processes()`'s)
-        where given, else from the processes now."""
+        PySpark worker process under them only where `running_python`, and only those with one computing
+        (a task running in it) where `computing`; from `table` (`processes()`'s) where given, else from
+        the processes now."""
         found = processes() if table is None else table
         worker_pids = {worker.process.pid for worker in self.workers}
         executors = [
-            pid for pid, (parent, command) in found.items() if parent in worker_pids and EXECUTOR_CLASS in command
+            pid for pid, process in found.items() if process.parent in worker_pids and EXECUTOR_CLASS in process.command
         ]
+        # an executor starts PySpark's daemon, which forks a Python worker (the same command) for its tasks
+        daemons = {pid: process for pid, process in found.items() if "pyspark.daemon" in process.command}
         if running_python:
-            python_parents = {parent for parent, command in found.values() if "pyspark.daemon" in command}
-            executors = [pid for pid in executors if pid in python_parents]
+            executors = [pid for pid in executors if pid in {daemon.parent for daemon in daemons.values()}]
+        if computing:
+            busy = {
+                daemons[worker.parent].parent
+                for worker in daemons.values()
+                if worker.parent in daemons and worker.computing
+            }
+            executors = [pid for pid in executors if pid in busy]
         return sorted(executors)
 
 
@@ -174,7 +185,8 @@ def _answers(url: str) -> bool:
 def spark_cluster(
     workers: int = 2, cores: int = 1, memory: str = "2g", environment: dict[str, str] | None = None
 ) -> Iterator[SparkCluster]:
-    """A master and `workers` workers of `cores` cores and `memory` each, on 127.0.0.1 and free ports;
+    """A master (127.0.0.1) and `workers` workers (127.0.0.2, ...) of `cores` cores and `memory` each, on
+    free ports;
     yields the cluster once every worker has registered with the master, and stops all its processes
     (executors and their Python workers included) on leaving, even on failure. The processes run with
     `environment` (this process's by default): the executors' Python workers inherit it, a PYTHONPATH
@@ -203,13 +215,17 @@ def spark_cluster(
             for number in range(workers):
                 work = os.path.join(directory, f"worker-{number}")
                 worker_command = ["org.apache.spark.deploy.worker.Worker", "--cores", str(cores), "--memory", memory]
+                # A loopback address of its own (127.0.0.2, ...): Spark runs a task's speculative copy on
+                # another host than the task's, so on one host it never would
+                host = f"127.0.0.{number + 2}"
                 services.append(
                     Service(
                         f"worker-{number}",
                         # port 0: a free port of the worker's choosing, web UI included (all would take 8081)
-                        [spark_class, *worker_command, "--work-dir", work, "--webui-port", "0", master_url],
+                        [spark_class, *worker_command, "--host", host, "--work-dir", work, "--webui-port", "0"]
+                        + [master_url],
                         directory,
-                        cluster_environment,
+                        {**cluster_environment, "SPARK_LOCAL_IP": host},
                     )
                 )
             for worker in services[1:]:
@@ -220,20 +236,28 @@ def spark_cluster(
                 service.stop()
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """Every process of this machine: its parent's pid and its command line (from /proc)."""
+class Process(NamedTuple):
+    """A process of this machine, as /proc shows it."""
+
+    parent: int  # its parent's pid
+    computing: bool  # on a CPU or waiting for one (state R), not asleep
+    command: str  # its command line
+
+
+def processes() -> dict[int, Process]:
+    """Every process of this machine, by pid (from /proc)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # after the command's name, the state
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]  # after the command's name
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # it ended while we read
             continue
-        found[int(entry)] = (parent, command)
+        found[int(entry)] = Process(int(parent), state == "R", command)
     return found
 
 

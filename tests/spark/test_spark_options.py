@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 from conftest import ROOT
 
 from madp.core import partitioning
 from madp.core.errors import InputError
+from madp.core.reports import SparkFaults
 from madp.spark import session
 from madp.spark.session import SparkOptions, spark_options, spark_session
 
@@ -109,3 +113,33 @@ def test_a_session_madp_built_leaves_its_settings_to_no_later_session():
         assert later.sparkContext.uiWebUrl is not None  # the UI madp turned off is on again
     finally:
         later.stop()
+
+
+class _Context(NamedTuple):
+    """What a fault watch reads of a SparkContext."""
+
+    uiWebUrl: str | None
+    applicationId: str = "app-1"
+
+    def addJobTag(self, tag: str) -> None:
+        pass
+
+    def removeJobTag(self, tag: str) -> None:
+        pass
+
+
+def test_with_the_spark_ui_off_or_unanswering_executor_losses_are_unknown_not_zero(caplog):
+    from madp.spark.faults import UNKNOWN, fault_watch
+
+    caplog.set_level(logging.INFO, "madp.spark")
+    assert UNKNOWN == SparkFaults(executors_lost=None, tasks_retried=None)
+    with fault_watch(_Context(None), "madp bound") as watch:
+        assert watch.faults() == UNKNOWN
+    assert "madp bound: the Spark UI is off: executors lost and tasks retried unknown" in caplog.text
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        with fault_watch(_Context(f"http://127.0.0.1:{closed.getsockname()[1]}"), "madp batch") as watch:
+            assert watch.faults() == UNKNOWN
+    assert "madp batch: the Spark UI's status API gave no answer" in caplog.text
+    report = {"executors_lost": None, "tasks_retried": None}
+    assert SparkFaults.from_json(report) == UNKNOWN and UNKNOWN.to_json() == report
