@@ -109,6 +109,12 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
                 f"step writes while it sends, and so loses elements (runners/README.md, DirectRunner); leave "
                 f"the experiment out, as madp's batch pipelines need no timed flush"
             )
+    if options.view_as(StandardOptions).runner == "PrismRunner":
+        # Beam keeps one Prism job server per process, made with the options of the first job that asked
+        # for it (a Beam DirectRunner job asks first, without --prism_location): each madp job starts its own
+        debug = options.view_as(DebugOptions)
+        if not debug.lookup_experiment("disable_prism_server_singleton"):
+            debug.add_experiment("disable_prism_server_singleton")
     if options.view_as(StandardOptions).runner in (None, "DirectRunner"):
         options.view_as(StandardOptions).runner = "DirectRunner"
         if "default_sdk_harness_log_level" not in explicit:

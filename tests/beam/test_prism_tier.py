@@ -53,6 +53,12 @@ def on_prism(args: list[str], capsys) -> None:
 def test_bound_on_prism_writes_the_local_selection_and_rejects(
     prism_options, tier_records, tier_local_outputs, tmp_path, capsys
 ):
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from apache_beam.runners.portability.prism_runner import PrismRunner
+
+    # Beam shares one Prism job server per process, made with the options of the first job that asks for
+    # it (as a Beam DirectRunner job does, without --prism_location): madp's Prism jobs start their own
+    PrismRunner().default_job_server(PipelineOptions([]))
     bound, _ = tier_local_outputs
     output = str(tmp_path / "bound")
     on_prism(["bound", tier_records, output, *TIER_BOUND, *prism_options], capsys)
