@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-output
 
-.PHONY: demo test test-fast lint bench clean pretrained chromium prism
+.PHONY: demo test test-fast lint docs bench clean pretrained chromium prism
 
 $(STAMP): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,lint,train,report,gcp,spark]'
+	$(BIN)/pip install --quiet -e '.[test,lint,docs,train,report,gcp,spark]'
 	# TF Privacy pins dp-accounting 0.4 and old TF packages; its query modules work on TF 2.21 without them.
 	$(BIN)/pip install --quiet --no-deps tensorflow-privacy==0.9.0
 	touch $(STAMP)
@@ -65,12 +65,17 @@ prism: $(STAMP)
 
 # One worker process per core (at most 4), each taking whole test files (their module fixtures once).
 # -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU": tests/ci_skips.py).
-test: lint $(SMOLLM2) chromium prism
+test: lint docs $(SMOLLM2) chromium prism
 	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no Spark job, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not beam and not spark and not tf and not slow" tests
+
+# The documentation site (docs/, Sphinx with MyST) into build/docs/: offline, a warning (a broken link, a
+# reference to a missing name) fails it. Open build/docs/index.html.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -n -q -b html docs build/docs
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

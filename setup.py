@@ -35,6 +35,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3.6"],  # make test: a worker process per core
         "lint": ["ruff==0.17.*", "mypy==2.4.*"],
+        "docs": ["sphinx==8.2.*", "myst-parser==5.*", "furo>=2025.12"],  # make docs
         "gcp": ["apache-beam[gcp]==2.77.*"],
         # Beam's file systems for s3:// and hdfs:// (the workers', and madp train's copy of batches there)
         "aws": ["apache-beam[aws]==2.77.*"],
