@@ -171,7 +171,7 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
     madp = parser()
     args, unknown = madp.parse_known_args(argv)
     stop.args = args
-    if unknown and not madp.takes_beam_options(args.command):
+    if unknown and not madp.takes_runner_options(args.command):
         madp.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,

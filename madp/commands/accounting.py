@@ -12,7 +12,7 @@ from madp.commands.registry import Family
 from madp.core.errors import OptionError
 from madp.core.options import add_options, check_choices, comma_names, option, options_from, seed_argument
 from madp.core.records import ColumnOptions
-from madp.stages.arguments import LOCAL, refuse_beam_options_locally
+from madp.stages.arguments import LOCAL, refuse_runner_options_locally
 from madp.training.options import STRATEGIES, clip_norm_option
 
 log = logging.getLogger("madp")
@@ -278,7 +278,7 @@ def _probability(
     return sampling_probability(expected, population)
 
 
-def _minsep(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]) -> dict:
+def _minsep(options: CalibrateOptions | EpsilonOptions, runner_options: list[str]) -> dict:
     """BandMF with b-min-sep Poisson sampling: Algorithm 5, unamplified BandMF as the fallback."""
     import time
 
@@ -291,11 +291,11 @@ def _minsep(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]) ->
     started = time.perf_counter()
     bands = _coefficients(options.strategy, options.steps, options.bands)
     process = MinSepProcess(options.steps, options.min_sep, options.sampling_prob, options.max_contributions, bands)
-    refuse_beam_options_locally(options.runner, beam_args)
+    refuse_runner_options_locally(options.runner, runner_options)
     remote: RemoteMap | None = None
     if options.runner == CUDA:
-        if beam_args:
-            raise OptionError("{runner} cuda takes no Beam options (got {0})", " ".join(beam_args))
+        if runner_options:
+            raise OptionError("{runner} cuda takes no runner options (got {0})", " ".join(runner_options))
         if options.workers != 1:
             raise OptionError("{workers} is for {runner} local: {runner} cuda draws every sample on one GPU")
         from madp.accounting.monte_carlo_cuda import gpu_task_map
@@ -304,7 +304,7 @@ def _minsep(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]) ->
     elif options.runner != LOCAL:
         from madp.beam.monte_carlo import BeamTaskMap
 
-        remote = functools.partial(BeamTaskMap, ["--runner", options.runner, *beam_args])
+        remote = functools.partial(BeamTaskMap, ["--runner", options.runner, *runner_options])
     if isinstance(options, CalibrateOptions):
         result = calibrate_minsep(
             process, options.epsilon, options.delta, options.samples, options.seed, options.workers, remote
@@ -335,16 +335,16 @@ def _minsep(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]) ->
     }
 
 
-def _accounting(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]) -> dict:
+def _accounting(options: CalibrateOptions | EpsilonOptions, runner_options: list[str]) -> dict:
     """What `madp calibrate` (sigma for the target epsilon) or `madp epsilon` (epsilon at the given sigma)
-    prints; `beam_args`: the Beam options of bandmf-minsep's Monte Carlo samples."""
+    prints; `runner_options`: the options of the Beam runner that draws bandmf-minsep's Monte Carlo samples."""
     from madp.accounting.calibrate import calibrate, finite_epsilon
 
     if options.mechanism == "bandmf-minsep":
-        return _minsep(options, beam_args)
-    if options.runner != LOCAL or beam_args:
+        return _minsep(options, runner_options)
+    if options.runner != LOCAL or runner_options:
         raise OptionError(
-            "{runner} and Beam options apply to bandmf-minsep only (got {0} {1})", options.runner, beam_args
+            "{runner} and runner options apply to bandmf-minsep only (got {0} {1})", options.runner, runner_options
         )
     mechanism = _mechanism(options)
     result = {
@@ -374,12 +374,12 @@ def _accounting(options: CalibrateOptions | EpsilonOptions, beam_args: list[str]
     }
 
 
-def _calibrate(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    return _accounting(options_from(CalibrateOptions, args), beam_args)
+def _calibrate(args: argparse.Namespace, runner_options: list[str]) -> dict:
+    return _accounting(options_from(CalibrateOptions, args), runner_options)
 
 
-def _epsilon(args: argparse.Namespace, beam_args: list[str]) -> dict:
-    return _accounting(options_from(EpsilonOptions, args), beam_args)
+def _epsilon(args: argparse.Namespace, runner_options: list[str]) -> dict:
+    return _accounting(options_from(EpsilonOptions, args), runner_options)
 
 
 def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
@@ -422,5 +422,5 @@ def _recommend(args: argparse.Namespace, unknown: list[str]) -> dict:
 FAMILY = Family(
     add_parsers,
     {"calibrate": _calibrate, "epsilon": _epsilon, "strategy": _strategy, "recommend-k": _recommend},
-    beam_options=frozenset({"calibrate", "epsilon"}),
+    runner_options=frozenset({"calibrate", "epsilon"}),
 )

@@ -65,12 +65,12 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     add_options(verify_batches, VerifyBatchesOptions)
 
 
-def _batch(args: argparse.Namespace, beam_args: list[str]) -> dict:
+def _batch(args: argparse.Namespace, runner_options: list[str]) -> dict:
     """The batch report as printed: batch sizes without the per-step lists (they stay in report.json)."""
     from madp.stages.batching import run_batch
 
     result = run_batch(
-        args.selected, args.data, args.output, options_from(BatchOptions, args), args.runner, beam_args
+        args.selected, args.data, args.output, options_from(BatchOptions, args), args.runner, runner_options
     ).to_json()
     for sizes in ("batch_sizes", "written_batch_sizes"):
         result[sizes] = {k: v for k, v in result[sizes].items() if k != "per_step"}
@@ -98,5 +98,5 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
 FAMILY = Family(
     add_parsers,
     {"batch": _batch, "verify-batches": _verify},
-    beam_options=frozenset({"batch"}),
+    runner_options=frozenset({"batch"}),
 )

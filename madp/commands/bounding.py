@@ -69,11 +69,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     add_options(verify, VerifyBoundOptions)
 
 
-def _bound(args: argparse.Namespace, beam_args: list[str]) -> dict:
+def _bound(args: argparse.Namespace, runner_options: list[str]) -> dict:
     """The bound's report as printed: without its per-round statistics (they stay in report.json)."""
     from madp.stages.bounding import run_bound
 
-    result = run_bound(args.input, args.output, options_from(BoundOptions, args), args.runner, beam_args).to_json()
+    result = run_bound(args.input, args.output, options_from(BoundOptions, args), args.runner, runner_options).to_json()
     return {k: v for k, v in result.items() if k != "per_round"}
 
 
@@ -89,5 +89,5 @@ def _verify(args: argparse.Namespace, unknown: list[str]) -> dict:
 FAMILY = Family(
     add_parsers,
     {"bound": _bound, "verify-bound": _verify},
-    beam_options=frozenset({"bound"}),
+    runner_options=frozenset({"bound"}),
 )

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for Beam) -> its JSON
+Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for the runner) -> its JSON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +31,12 @@ class CommandResult:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """Subcommands: `add_parsers(subparsers)` adds them; `handlers` runs each; `beam_options` take unknown
-    arguments for Beam."""
+    """Subcommands: `add_parsers(subparsers)` adds them; `handlers` runs each; `runner_options`: those that
+    take unknown arguments as their runner's options."""
 
     add_parsers: Callable[[argparse._SubParsersAction], None]
     handlers: Mapping[str, Handler]
-    beam_options: frozenset[str] = frozenset()
+    runner_options: frozenset[str] = frozenset()
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -70,11 +70,11 @@ class Parser(argparse.ArgumentParser):
     family: Mapping[str, Family]
 
     def run(self, args: argparse.Namespace, unknown: list[str]) -> CommandResult:
-        """Run one parsed command (`unknown`: the arguments left for Beam); its result."""
+        """Run one parsed command (`unknown`: the arguments left for its runner); its result."""
         return CommandResult.from_json(self.family[args.command].handlers[args.command](args, unknown))
 
-    def takes_beam_options(self, command: str) -> bool:
-        return command in self.family[command].beam_options
+    def takes_runner_options(self, command: str) -> bool:
+        return command in self.family[command].runner_options
 
 
 def written_directory(args: argparse.Namespace) -> str | None:

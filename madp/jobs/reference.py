@@ -78,7 +78,7 @@ def options_reference() -> str:
         "",
         "A `madp run` section's key is an option's name with underscores (`max_contributions: 3` is",
         "`--max-contributions 3`, `true` a switch). The bound and batch sections also take `runner` and",
-        "`beam_options`: `runner: pyspark` runs the stage on Apache Spark, its Spark options in `beam_options`",
+        "`runner_options`: `runner: pyspark` runs the stage on Apache Spark, its Spark options in `runner_options`",
         '(`[--spark-master, "spark://host:7077", --partitions, "64"]`); the train section takes `baseline`;',
         "a generate section takes `madp generate`'s options",
         "and `holdout`; the audit section gives `madp audit` its defaults. The commands after `madp audit` are no",

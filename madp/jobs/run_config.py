@@ -1,5 +1,5 @@
 """`madp run CONFIG.yaml`, its config: the YAML file (with `--set` overrides) read into a `RunConfig`, the
-section of each stage it runs, `madp run`'s own keys in them (`runner`, `beam_options`, `holdout`, `baseline`)
+section of each stage it runs, `madp run`'s own keys in them (`runner`, `runner_options`, `holdout`, `baseline`)
 taken out and checked; the other keys of a section stay as the config gives them, read as the options of the
 stage's `madp` command when the stages are planned (`madp.jobs.run_plan`)."""
 
@@ -55,11 +55,12 @@ class GenerateSection(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class BeamSection(Section):
-    """A bound or batch section: the stage runs on `runner`, with `beam_options` for Beam."""
+class RunnerSection(Section):
+    """A bound or batch section: the stage runs on `runner` (a Beam runner, "pyspark" or "local"), given
+    `runner_options`, the runner's own options argv-style (Beam's pipeline options, or madp's Spark options)."""
 
     runner: str = "DirectRunner"
-    beam_options: tuple[str, ...] = ()
+    runner_options: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +79,8 @@ class RunConfig:
     run_dir: str
     input: str | None = None
     generate: GenerateSection | None = None
-    bound: BeamSection | None = None
-    batch: BeamSection | None = None
+    bound: RunnerSection | None = None
+    batch: RunnerSection | None = None
     calibrate: Section | None = None
     train: TrainSection | None = None
     audit: Section | None = None  # its keys: `AuditOptions`' (`madp.tools.planning.audit_config.audit_options`)
@@ -112,8 +113,8 @@ class RunConfig:
             run_dir=run_dir,
             input=records,
             generate=None if generate is None else _generate(generate),
-            bound=None if bound is None else _beam(bound, "bound"),
-            batch=None if batch is None else _beam(batch, "batch"),
+            bound=None if bound is None else _runner_section(bound, "bound"),
+            batch=None if batch is None else _runner_section(batch, "batch"),
             calibrate=None if calibrate is None else Section(tuple(calibrate.items())),
             train=None if train is None else _train(train),
             audit=None if audit is None else Section(tuple((audit or {}).items())),
@@ -142,15 +143,20 @@ def _generate(section: dict) -> GenerateSection:
     return GenerateSection(tuple(section.items()), holdout)
 
 
-def _beam(section: dict, name: str) -> BeamSection:
-    """A bound or batch section, its runner and Beam options taken out."""
+def _runner_section(section: dict, name: str) -> RunnerSection:
+    """A bound or batch section, its runner and runner options taken out."""
+    if "beam_options" in section:  # a config written for Beam alone: an error naming the key, not a second name
+        raise InputError(
+            f"config {name}.beam_options: the runner's options (Beam's or Spark's) go in {name}.runner_options; "
+            f"rename the key"
+        )
     runner = section.pop("runner", "DirectRunner")
-    options = section.pop("beam_options", [])
+    options = section.pop("runner_options", [])
     if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
-        raise InputError(f"config {name}.beam_options: a list of Beam options, e.g. [--partitions, 32]")
+        raise InputError(f"config {name}.runner_options: a list of the runner's options, e.g. [--partitions, 32]")
     if runner == "local" and options:
-        raise InputError(f"config {name}.beam_options: runner local takes no Beam options")
-    return BeamSection(tuple(section.items()), str(runner), tuple(map(str, options)))
+        raise InputError(f"config {name}.runner_options: runner local takes no runner options")
+    return RunnerSection(tuple(section.items()), str(runner), tuple(map(str, options)))
 
 
 def _train(section: dict) -> TrainSection:

@@ -3,7 +3,7 @@
 
 A section's keys are the options of the `madp` command the stage runs, as their declarations say
 (`madp.core.options`: `max_contributions: 3` is `--max-contributions 3`), so the config and the CLI
-never drift apart; `runner` and `beam_options` go to Beam. Each stage carries its step
+never drift apart; `runner` and `runner_options` say where a bound or batch stage runs. Each stage carries its step
 (`madp.jobs.run_steps`: the function it runs, with its options built) and its rendering as a `madp`
 command line (the log, the manifests, the fingerprint). The whole config is read and every stage's
 options are built before anything runs.
@@ -58,8 +58,8 @@ INTERNAL_REPORT = "internal-report.html"  # the page with the baseline and the r
 HOW_ONLY = {"train": how_only_flags(TrainOptions)}
 
 
-# A command's own options besides its declared ones (what a Beam option may not be, nor a section key name)
-BEAM_STAGE_OPTIONS = {"runner": ("--runner",)}
+# A command's own options besides its declared ones (what a runner option may not be, nor a section key name)
+RUNNER_STAGE_OPTIONS = {"runner": ("--runner",)}
 HELP_FLAGS = ("-h", "--help")  # argparse's, of every command
 Declaration = TypeVar("Declaration")  # a dataclass of options (`madp.core.options.option`)
 # Where argparse takes a value for a number, not an option (`argparse.ArgumentParser._negative_number_matcher`)
@@ -149,7 +149,7 @@ class _Planned:
     inputs: tuple[str, ...]
     output: str
     make: Callable[[], Step]
-    beam_options: Sequence[str] = ()  # a bound or batch stage's, which may not be
+    runner_options: Sequence[str] = ()  # a bound or batch stage's, which may not be
     own_flags: Sequence[str] = ()  # the options of its command (a bound or batch stage's)
 
 
@@ -170,11 +170,11 @@ class _Plan:
         inputs: tuple[str, ...],
         output: str,
         make: Callable[[], Step],
-        beam: tuple[Sequence[str], type] | None = None,
+        runner: tuple[Sequence[str], type] | None = None,
     ) -> None:
-        """Plan a stage; `beam`: its Beam options and the declaration of its command's own options."""
-        beam_options, own = ((), ()) if beam is None else (beam[0], _own_flags(beam[1]))
-        self.stages.append(_Planned(name, command, inputs, output, make, beam_options, own))
+        """Plan a stage; `runner`: its runner options and the declaration of its command's own options."""
+        runner_options, own = ((), ()) if runner is None else (runner[0], _own_flags(runner[1]))
+        self.stages.append(_Planned(name, command, inputs, output, make, runner_options, own))
 
 
 def _data_stages(config: RunConfig, plan: _Plan) -> tuple[str, str | None]:
@@ -198,18 +198,18 @@ def _bound_stages(config: RunConfig, plan: _Plan, data: str) -> _Options[BoundOp
     if bound is None:
         return None
     output = plan.path("bound")
-    runner, beam_options = bound.runner, bound.beam_options
-    given = _Options(BoundOptions, _read("bound", BoundOptions, bound.options, beam=True))
+    runner, runner_options = bound.runner, bound.runner_options
+    given = _Options(BoundOptions, _read("bound", BoundOptions, bound.options, takes_runner_options=True))
     capacities = given.flags_of("capacities") if given.value("capacities") else []
     read = (data, capacities[1]) if capacities else (data,)  # an edited capacities file re-runs
-    command = ["bound", data, output, *given.flags, "--runner", runner, *beam_options]
+    command = ["bound", data, output, *given.flags, "--runner", runner, *runner_options]
     plan.add(
         "bound",
         command,
         read,
         output,
-        lambda: Bound(data, output, given.built, runner, beam_options),
-        (beam_options, BoundOptions),
+        lambda: Bound(data, output, given.built, runner, runner_options),
+        (runner_options, BoundOptions),
     )
     if "max_contributions" not in bound.names:
         raise InputError("config bound.max_contributions: required (the contribution bound K)")
@@ -258,13 +258,13 @@ def _batch_stages(config: RunConfig, plan: _Plan, data: str, bound: _Options[Bou
         )
     path = plan.path
     selected, output = path("bound"), path("batches")
-    runner, beam_options = batch.runner, batch.beam_options
-    given = _Options(BatchOptions, _read("batch", BatchOptions, given_keys.items(), beam=True))
+    runner, runner_options = batch.runner, batch.runner_options
+    given = _Options(BatchOptions, _read("batch", BatchOptions, given_keys.items(), takes_runner_options=True))
     read_columns = _read("batch", BatchOptions, columns)
     given = given.then(read_columns)
-    command = ["batch", selected, data, output, *given.flags, "--runner", runner, *beam_options]
-    make = lambda: Batch(selected, data, output, given.built, runner, beam_options)  # noqa: E731
-    plan.add("batch", command, (selected, data), output, make, (beam_options, BatchOptions))
+    command = ["batch", selected, data, output, *given.flags, "--runner", runner, *runner_options]
+    make = lambda: Batch(selected, data, output, given.built, runner, runner_options)  # noqa: E731
+    plan.add("batch", command, (selected, data), output, make, (runner_options, BatchOptions))
     checks = given.flags_of("min_sep") or ["--min-sep", str(given.default("min_sep"))]
     if given.value("max_batch_size"):
         checks += given.flags_of("max_batch_size")
@@ -383,21 +383,23 @@ class _Entry(NamedTuple):
     flags: tuple[str, ...]
 
 
-def _read(section: str, declaration: type, options: Iterable[tuple[str, Any]], beam: bool = False) -> list[_Entry]:
+def _read(
+    section: str, declaration: type, options: Iterable[tuple[str, Any]], takes_runner_options: bool = False
+) -> list[_Entry]:
     """A section's keys and values as options of `declaration`'s command: a key is an option's name, true
     a switch given, a list comma-separated, null left out; each value's text is parsed as the option's flag
-    parses it (its declared type, parse and choices). `beam`: the stage also takes Beam options (in
-    beam_options), which an unknown key may have meant."""
+    parses it (its declared type, parse and choices). `takes_runner_options`: the stage also takes its
+    runner's options (in runner_options), which an unknown key may have meant."""
     known = {each.name: each for each in declared(declaration)}
     entries = []
     for key, value in options:
         each = known.get(key)
         if each is None:
-            names = sorted([*known, *(BEAM_STAGE_OPTIONS if beam else ())])
-            hint = "; a Beam option, madp's --partitions among them, goes in beam_options" if beam else ""
+            names = sorted([*known, *(RUNNER_STAGE_OPTIONS if takes_runner_options else ())])
+            hint = "; a runner option, madp's --partitions among them, goes in runner_options"
             raise InputError(
                 f"config {section}.{key}: not an option of `madp {COMMANDS[declaration]}` "
-                f"(known: {', '.join(names)}){hint}"
+                f"(known: {', '.join(names)}){hint if takes_runner_options else ''}"
             )
         flag = max(each.flags, key=len)
         if each.switch:
@@ -482,9 +484,9 @@ class _Options(Generic[Declaration]):
 
 
 def _own_flags(declaration: type) -> tuple[str, ...]:
-    """The flags of a Beam stage's command: its declared options', its runner's and its help's."""
+    """The flags of a bound or batch stage's command: its declared options', its runner's and its help's."""
     declared_flags = (flag for each in declared(declaration) for flag in each.flags)
-    return (*declared_flags, *(flag for flags in BEAM_STAGE_OPTIONS.values() for flag in flags), *HELP_FLAGS)
+    return (*declared_flags, *(flag for flags in RUNNER_STAGE_OPTIONS.values() for flag in flags), *HELP_FLAGS)
 
 
 def _taken_for_option(text: str) -> bool:
@@ -493,10 +495,10 @@ def _taken_for_option(text: str) -> bool:
     return len(text) > 1 and text.startswith("-") and not NEGATIVE_NUMBER.match(text) and " " not in text
 
 
-def _madp_option_in(beam_options: Sequence[str], own: Sequence[str]) -> str | None:
-    """The first of `beam_options` that argparse would take as one of the `own` options of the madp command
+def _madp_option_in(runner_options: Sequence[str], own: Sequence[str]) -> str | None:
+    """The first of `runner_options` that argparse would take as one of the `own` options of the madp command
     itself (exactly, abbreviated, or a short option with its value attached), if any."""
-    for option in beam_options:
+    for option in runner_options:
         name = option.split("=", 1)[0]
         if name in own or any(
             flag.startswith(name) if name.startswith("--") else name.startswith(flag) for flag in own if len(name) > 1
@@ -506,14 +508,14 @@ def _madp_option_in(beam_options: Sequence[str], own: Sequence[str]) -> str | No
 
 
 def _checked(stage: _Planned) -> Stage:
-    """The stage with its step, built: its Beam options none of its command's own, its options as its
+    """The stage with its step, built: its runner options none of its command's own, its options as its
     command builds them, its output apart from what it reads."""
     if stage.own_flags:
-        option = _madp_option_in([o for o in stage.beam_options if o.startswith("-")], stage.own_flags)
+        option = _madp_option_in([o for o in stage.runner_options if o.startswith("-")], stage.own_flags)
         if option is not None:
             raise InputError(
-                f"config {stage.name}.beam_options: {option} is an option of madp {stage.name}, not of Beam: "
-                f"set it as a key of the {stage.name} section, where the config check sees it"
+                f"config {stage.name}.runner_options: {option} is an option of madp {stage.name}, not of the "
+                f"runner: set it as a key of the {stage.name} section, where the config check sees it"
             )
     try:
         step = stage.make()

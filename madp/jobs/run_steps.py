@@ -40,13 +40,13 @@ class Generate:
 
 @dataclasses.dataclass(frozen=True)
 class Bound:
-    """`madp bound`: the selection of `input`'s records at `output`, on `runner` (with its Beam options)."""
+    """`madp bound`: the selection of `input`'s records at `output`, on `runner` (with its runner options)."""
 
     input: str
     output: str
     options: BoundOptions
     runner: str
-    beam_options: tuple[str, ...]
+    runner_options: tuple[str, ...]
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -55,7 +55,7 @@ class Bound:
     def run(self) -> Result:
         from madp.stages.bounding import run_bound
 
-        return run_bound(self.input, self.output, self.options, self.runner, self.beam_options).to_json()
+        return run_bound(self.input, self.output, self.options, self.runner, self.runner_options).to_json()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Batch:
     output: str
     options: BatchOptions
     runner: str
-    beam_options: tuple[str, ...]
+    runner_options: tuple[str, ...]
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -96,7 +96,9 @@ class Batch:
     def run(self) -> Result:
         from madp.stages.batching import run_batch
 
-        return run_batch(self.selected, self.data, self.output, self.options, self.runner, self.beam_options).to_json()
+        return run_batch(
+            self.selected, self.data, self.output, self.options, self.runner, self.runner_options
+        ).to_json()
 
 
 @dataclasses.dataclass(frozen=True)

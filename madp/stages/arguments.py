@@ -1,5 +1,5 @@
 """What every step function does with its arguments: its options, given as keyword arguments, into the
-step's options dataclass; its runner and Beam options; the output it writes, held while it writes it."""
+step's options dataclass; its runner and runner options; the output it writes, held while it writes it."""
 
 from __future__ import annotations
 
@@ -19,19 +19,25 @@ from madp.spark.session import RUNNER
 
 LOCAL = "local"  # the runner of the in-memory engines, in this process
 PYSPARK = RUNNER  # madp's Spark engine (`madp.spark`); any other runner name is a Beam runner's
+RUNNER_KEYWORDS = ("runner", "runner_options")  # the keywords of a step function that runs on a runner
 
 Options = TypeVar("Options")
 
 
-def options_of(step: str, options_class: type[Options], options: Mapping[str, Any]) -> Options:
+def options_of(
+    step: str, options_class: type[Options], options: Mapping[str, Any], keywords: Sequence[str] = ()
+) -> Options:
     """`options_class(**options)`, where a keyword that is none of its fields is a TypeError naming it, the
-    closest field, and every field `step` takes (an options dataclass's own TypeError names only the first
-    unknown keyword, and not what was meant)."""
+    closest field or other keyword of the step function (`keywords`, such as `runner_options`), and every
+    field `step` takes (an options dataclass's own TypeError names only the first unknown keyword, and not
+    what was meant)."""
     known = [field.name for field in dataclasses.fields(options_class) if field.init]  # type: ignore[arg-type]
     unknown = sorted(set(options) - set(known))
     if unknown:
         meant = [
-            f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1)) else name
+            f"{name} (did you mean {close[0]}?)"
+            if (close := difflib.get_close_matches(name, [*known, *keywords], 1))
+            else name
             for name in unknown
         ]
         raise TypeError(f"{step}() got unknown options: {', '.join(meant)}; its options are {', '.join(known)}")
@@ -74,11 +80,11 @@ def _as_parsed(options_class: type, options: Mapping[str, Any]) -> dict[str, Any
     return parsed
 
 
-def refuse_beam_options_locally(runner: str, beam_options: Sequence[str]) -> None:
-    """--runner local runs in this process: a Beam option (madp's --partitions among them) is a mistake
+def refuse_runner_options_locally(runner: str, runner_options: Sequence[str]) -> None:
+    """--runner local runs in this process: a runner option (madp's --partitions among them) is a mistake
     to report, not to drop."""
-    if runner == LOCAL and beam_options:
-        raise InputError(f"--runner local takes no Beam options (got {' '.join(beam_options)})")
+    if runner == LOCAL and runner_options:
+        raise InputError(f"--runner local takes no runner options (got {' '.join(runner_options)})")
 
 
 def input_paths(records: Any) -> list[str]:
@@ -105,9 +111,9 @@ def cluster_path(path: Any) -> Any:
     return os.path.abspath(path) if isinstance(path, str) and "://" not in path else path
 
 
-def beam_arguments(runner: str, beam_options: Sequence[str]) -> list[str]:
-    """The argv-style options of a Beam pipeline on `runner` (not `LOCAL`)."""
-    return ["--runner", runner, *beam_options]
+def beam_arguments(runner: str, runner_options: Sequence[str]) -> list[str]:
+    """The argv-style options of a Beam pipeline on `runner` (a Beam runner's name), its `runner_options`."""
+    return ["--runner", runner, *runner_options]
 
 
 @contextlib.contextmanager

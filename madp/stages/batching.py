@@ -11,12 +11,13 @@ from madp.engines.batching import BatchOptions
 from madp.stages.arguments import (
     LOCAL,
     PYSPARK,
+    RUNNER_KEYWORDS,
     beam_arguments,
     cluster_path,
     input_paths,
     options_of,
     records_path,
-    refuse_beam_options_locally,
+    refuse_runner_options_locally,
     writing,
 )
 
@@ -30,7 +31,7 @@ def batch(
     output: str,
     *,
     runner: str = LOCAL,
-    beam_options: Sequence[str] = (),
+    runner_options: Sequence[str] = (),
     **options: Any,
 ) -> BatchReport:
     """Materialize the training batches of a selection: which records each step trains on, as TFRecords.
@@ -48,8 +49,8 @@ def batch(
         runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
             caller's active SparkSession, or one built from the options) or a Beam runner name
             (DirectRunner, PrismRunner, DataflowRunner, ...).
-        beam_options: Beam's pipeline options, argv-style; with runner "pyspark" those of
-            `madp.spark.session.SparkOptions` (["--spark-master", "spark://host:7077", "--partitions",
+        runner_options: the runner's options, argv-style: Beam's pipeline options, or with "pyspark" those
+            of `madp.spark.session.SparkOptions` (["--spark-master", "spark://host:7077", "--partitions",
             "64"]); none with runner "local".
         **options: the options of `madp batch` by their snake_case names, the fields of
             `madp.engines.batching.BatchOptions`: steps (T) and batch_size (B), both required; sampler
@@ -82,9 +83,9 @@ def batch(
         >>> report.steps, round(report.expected_batch_size, 6), report.participation.min_gap
         (12, 8.0, 2)
     """
-    batch_options = options_of("batch", BatchOptions, options)
+    batch_options = options_of("batch", BatchOptions, options, RUNNER_KEYWORDS)
     with writing(output, (selected, *input_paths(data)), "batch"):
-        return run_batch(selected, data, output, batch_options, runner, beam_options)
+        return run_batch(selected, data, output, batch_options, runner, runner_options)
 
 
 def run_batch(
@@ -93,17 +94,17 @@ def run_batch(
     output: str,
     options: BatchOptions,
     runner: str = LOCAL,
-    beam_options: Sequence[str] = (),
+    runner_options: Sequence[str] = (),
 ) -> BatchReport:
     """`batch` with its options built (`madp batch` builds them from its arguments), on an output its
     caller holds: the report of the local engine, of the Spark jobs or of the Beam pipeline on `runner`."""
-    refuse_beam_options_locally(runner, beam_options)
+    refuse_runner_options_locally(runner, runner_options)
     if runner == PYSPARK:
         from madp.spark.batch import run_spark
         from madp.spark.session import spark_options
 
         return run_spark(
-            cluster_path(selected), cluster_path(data), cluster_path(output), options, spark_options(beam_options)
+            cluster_path(selected), cluster_path(data), cluster_path(output), options, spark_options(runner_options)
         )
     path = records_path(data, runner)
     if runner == LOCAL:
@@ -113,7 +114,7 @@ def run_batch(
     from madp.engines.batch_local import BYTES_PER_SAMPLE
     from madp.engines.direct_runner import check_direct_runner_memory
 
-    beam_args = beam_arguments(runner, beam_options)
+    beam_args = beam_arguments(runner, runner_options)
     rows = float(options.sampled_steps) * options.batch_size  # the local engine's estimate, as it samples
     check_direct_runner_memory(  # before Beam is imported
         beam_args,

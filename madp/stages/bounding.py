@@ -11,12 +11,13 @@ from madp.core.selection import BoundOptions
 from madp.stages.arguments import (
     LOCAL,
     PYSPARK,
+    RUNNER_KEYWORDS,
     beam_arguments,
     cluster_path,
     input_paths,
     options_of,
     records_path,
-    refuse_beam_options_locally,
+    refuse_runner_options_locally,
     writing,
 )
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def bound(
-    input: str | DataFrame, output: str, *, runner: str = LOCAL, beam_options: Sequence[str] = (), **options: Any
+    input: str | DataFrame, output: str, *, runner: str = LOCAL, runner_options: Sequence[str] = (), **options: Any
 ) -> BoundReport:
     """Bound each user's contributions: select records so that no user is in more than its bound of them.
 
@@ -45,7 +46,7 @@ def bound(
         runner: "local" (the in-memory engine, in this process), "pyspark" (madp on Apache Spark: the
             caller's active SparkSession, or one madp builds) or a Beam runner name (DirectRunner,
             PrismRunner, DataflowRunner, ...).
-        beam_options: the runner's options, argv-style: Beam's pipeline options (["--project", "p",
+        runner_options: the runner's options, argv-style: Beam's pipeline options (["--project", "p",
             "--partitions", "64"]), or with "pyspark" those of `madp.spark.session.SparkOptions`
             (["--spark-master", "spark://host:7077", "--partitions", "64"]); none with runner "local".
         **options: the options of `madp bound` by their snake_case names, the fields of
@@ -76,22 +77,22 @@ def bound(
         >>> report.input_records, report.selected_records
         (400, 368)
     """
-    bound_options = options_of("bound", BoundOptions, options)
+    bound_options = options_of("bound", BoundOptions, options, RUNNER_KEYWORDS)
     with writing(output, (*input_paths(input), bound_options.capacities), "bound"):
-        return run_bound(input, output, bound_options, runner, beam_options)
+        return run_bound(input, output, bound_options, runner, runner_options)
 
 
 def run_bound(
-    input: str | DataFrame, output: str, options: BoundOptions, runner: str = LOCAL, beam_options: Sequence[str] = ()
+    input: str | DataFrame, output: str, options: BoundOptions, runner: str = LOCAL, runner_options: Sequence[str] = ()
 ) -> BoundReport:
     """`bound` with its options built (`madp bound` builds them from its arguments), on an output its
     caller holds: the report of the local engine, of the Spark jobs, or of the Beam pipeline on `runner`."""
-    refuse_beam_options_locally(runner, beam_options)
+    refuse_runner_options_locally(runner, runner_options)
     if runner == PYSPARK:
         from madp.spark.bound import run_spark
         from madp.spark.session import spark_options
 
-        return run_spark(cluster_path(input), cluster_path(output), options, spark_options(beam_options))
+        return run_spark(cluster_path(input), cluster_path(output), options, spark_options(runner_options))
     path = records_path(input, runner)
     if runner == LOCAL:
         from madp.engines.local_engine import run_local
@@ -99,7 +100,7 @@ def run_bound(
         return run_local(path, output, options)
     from madp.engines.direct_runner import check_direct_runner_memory
 
-    beam_args = beam_arguments(runner, beam_options)
+    beam_args = beam_arguments(runner, runner_options)
     check_direct_runner_memory(beam_args, "madp bound")  # before Beam is imported
     from madp.beam.bound import run_beam
 

@@ -163,7 +163,7 @@ def test_runner_options_are_checked(capsys):
         )
         == 2
     )
-    assert "--runner local takes no Beam options" in capsys.readouterr().err
+    assert "--runner local takes no runner options" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_runner_cuda_without_a_gpu_is_a_clear_error(capsys):
     assert main(arguments) == 2
     assert "Monte Carlo on a GPU (--runner cuda, --mc-runner cuda) needs cupy" in capsys.readouterr().err
     assert main([*arguments, "--direct_num_workers", "2"]) == 2
-    assert "--runner cuda takes no Beam options" in capsys.readouterr().err
+    assert "--runner cuda takes no runner options" in capsys.readouterr().err
     assert main([*arguments, "--workers", "2"]) == 2
     assert "--workers is for --runner local" in capsys.readouterr().err
 

@@ -135,7 +135,7 @@ def test_the_runner_configs_go_as_far_as_the_job_server(config, maven_without_ru
     local registry does not have: their stages stop there, naming the jar's option."""
     for stage in ("bound", "batch"):
         section = yaml.safe_load(open(os.path.join(ROOT, "runners", config)))[stage]
-        beam_args = ["--runner", section["runner"], *map(str, section["beam_options"])]
+        beam_args = ["--runner", section["runner"], *map(str, section["runner_options"])]
         with pytest.raises(InputError, match=f"pass {JAR_OPTIONS[section['runner']]} PATH"):
             prepare_runner(pipeline_options([*beam_args, "--jar_cache_dir", str(tmp_path)]))
 

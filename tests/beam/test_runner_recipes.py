@@ -34,12 +34,12 @@ def test_the_recipes_are_there():
 
 
 @pytest.mark.parametrize("config", RECIPES, ids=os.path.basename)
-def test_a_recipe_plans_and_its_beam_options_are_beams(config):
+def test_a_recipe_plans_and_its_runner_options_are_beams(config):
     stages = stages_of(RunConfig.read(config, []))
     assert [stage.name for stage in stages][:4] == PREPARATION
     for name in ("bound", "batch"):
         section = yaml.safe_load(open(config))[name]
-        beam_args = ["--runner", section["runner"], *map(str, section["beam_options"])]
+        beam_args = ["--runner", section["runner"], *map(str, section["runner_options"])]
         assert _unknown_beam_args(beam_args) == []
         pipeline_options(beam_args)  # madp's own checks of them
 
@@ -58,7 +58,7 @@ def test_the_prep_only_config_stops_before_training():
 )
 def test_the_storage_options_are_those_of_beams_file_system(recipe, options_class, used):
     section = yaml.safe_load(open(os.path.join(ROOT, "runners", "recipes", recipe)))["bound"]
-    given = {str(option) for option in section["beam_options"] if str(option).startswith("--")}
+    given = {str(option) for option in section["runner_options"] if str(option).startswith("--")}
     prefix = "--s3_" if options_class is S3Options else "--hdfs_"
     assert {flag for flag in given if flag.startswith(prefix)} == used
     assert used <= _flags(options_class)

@@ -81,7 +81,7 @@ def _stage_pipelines(beam_args: list[str], work: str) -> dict[str, beam.Pipeline
 @pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
 def test_every_stage_pipeline_constructs_and_serializes_with_the_runners_options(config, tmp_path):
     section = yaml.safe_load(open(config))["bound"]
-    beam_args = ["--runner", section["runner"], *map(str, section.get("beam_options", []))]
+    beam_args = ["--runner", section["runner"], *map(str, section.get("runner_options", []))]
     for name, pipeline in _stage_pipelines(beam_args, str(tmp_path)).items():
         proto = pipeline.to_runner_api()  # pickles every DoFn and closure, as submission would
         labels = {transform.unique_name for transform in proto.components.transforms.values()}
@@ -96,7 +96,7 @@ def test_dataflow_dry_run_produces_the_job_graph(tmp_path):
         reason="the Beam GCP extra (pip install -e '.[gcp]') is not installed",
     )
     section = yaml.safe_load(open(os.path.join(ROOT, "runners", "dataflow.yaml")))["bound"]
-    beam_args = ["--runner", "DataflowRunner", *map(str, section["beam_options"]), "--dry_run", "True"]
+    beam_args = ["--runner", "DataflowRunner", *map(str, section["runner_options"]), "--dry_run", "True"]
     pipeline = _stage_pipelines(beam_args, str(tmp_path))["bound"]
     result = pipeline.run()  # --dry_run: the job description is built, nothing is submitted
     job = json.loads(str(result.job))
@@ -125,19 +125,19 @@ def test_direct_runner_in_process_and_in_worker_processes_writes_the_same_bytes(
     digests = []
     modes = (("in_memory", "4", "1"), ("multi_processing", "7", "1"), ("multi_processing", "5", "2"))
     for mode, partitions, workers in modes:
-        beam_options = ["--partitions", partitions, "--direct_running_mode", mode, "--direct_num_workers", workers]
+        runner_options = ["--partitions", partitions, "--direct_running_mode", mode, "--direct_num_workers", workers]
         name = f"{mode}-{workers}"
         config = {
             "run_dir": str(tmp_path / f"run-{name}"),
             "input": data,
-            "bound": {"max_contributions": 2, "beam_options": beam_options},
+            "bound": {"max_contributions": 2, "runner_options": runner_options},
             "batch": {
                 "steps": 40,
                 "batch_size": 60,
                 "min_sep": 3,
                 "output_shards": 2,
                 "seed": 9,
-                "beam_options": beam_options,
+                "runner_options": runner_options,
             },
         }
         path = tmp_path / f"job-{name}.yaml"

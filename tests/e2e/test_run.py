@@ -127,8 +127,12 @@ def test_an_input_reruns_its_stage_when_its_content_changes(tmp_path, capsys):
         ({"train__epsilon": 2}, "config train: epsilon belong to the calibrate section"),
         ({"calibrate": None}, "config train: needs a calibrate section"),
         ({"generate__holdout": "yes"}, "config generate.holdout: true or false"),
-        ({"bound__beam_options": "--x"}, "config bound.beam_options: a list"),
-        ({"bound__partitions": 8}, "a Beam option, madp's --partitions among them, goes in beam_options"),
+        ({"bound__runner_options": "--x"}, "config bound.runner_options: a list of the runner's options"),
+        ({"bound__partitions": 8}, "a runner option, madp's --partitions among them, goes in runner_options"),
+        (
+            {"batch__runner": "DirectRunner", "batch__beam_options": ["--partitions", "2"]},
+            "config batch.beam_options: the runner's options (Beam's or Spark's) go in batch.runner_options",
+        ),
         ({"extra": {"a": 1}}, "config: unknown key(s) extra"),
     ],
 )

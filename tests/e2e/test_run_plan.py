@@ -28,14 +28,17 @@ PLANNED = [(config, []) for config in CONFIGS] + [
     (DEMO, ["train.resume=true"]),
     (DEMO, ["train.retrain=true", "train.checkpoint_every=50"]),
     (DEMO, ["train.resume=false", "train.checkpoint_every=10", "calibrate.mc_workers=2", "calibrate.mc_runner=local"]),
-    (DEMO, ["bound.runner=local", "bound.beam_options=[]", "batch.runner=local"]),
+    (DEMO, ["bound.runner=local", "bound.runner_options=[]", "batch.runner=local"]),
     (
         DEMO,
-        ["bound.beam_options=[--partitions, 4, --rounds-per-pipeline, '3']", "batch.beam_options=[--partitions, 2]"],
+        [
+            "bound.runner_options=[--partitions, 4, --rounds-per-pipeline, '3']",
+            "batch.runner_options=[--partitions, 2]",
+        ],
     ),
     (
         DEMO,
-        ["bound.runner=FlinkRunner", "batch.runner=PrismRunner", "batch.beam_options=[--environment_type=LOOPBACK]"],
+        ["bound.runner=FlinkRunner", "batch.runner=PrismRunner", "batch.runner_options=[--environment_type=LOOPBACK]"],
     ),
     (DEMO, ["bound.users_columns=[from, to, cc]", "batch.content_columns=[features, label]", "batch.seed=7"]),
     (
@@ -69,7 +72,7 @@ PLANNED = [(config, []) for config in CONFIGS] + [
     (DEMO, ["train=null", "report=false"]),
     (DEMO, ["calibrate=null", "train=null", "batch=null"]),
     ("examples/text-classifier.yaml", ["train.labels=[a, b, c]", "train.width=32", "train.xla=false"]),
-    (DEMO, ["batch.beam_options=[-k3]", "train.label=-x y", "train.features=-1"]),
+    (DEMO, ["batch.runner_options=[-k3]", "train.label=-x y", "train.features=-1"]),
     ("runners/direct.yaml", ["bound.capacities=tests/data/capacities.csv", "batch.min_sep=1", "calibrate.bands=1"]),
     ("runners/direct.yaml", ["bound.users_column=people", "batch.users_column=people", "train.resume=true"]),
 ]
@@ -85,9 +88,9 @@ REFUSED = [
     (DEMO, ["bound.partitions=8"]),
     (DEMO, ["bound.max_contributions=0"]),
     (DEMO, ["bound.max_contributions=null"]),
-    (DEMO, ["bound.beam_options=[--max-contrib, 2]"]),
-    (DEMO, ["bound.beam_options=[--runner, local]"]),
-    (DEMO, ["bound.beam_options=[-k3]"]),
+    (DEMO, ["bound.runner_options=[--max-contrib, 2]"]),
+    (DEMO, ["bound.runner_options=[--runner, local]"]),
+    (DEMO, ["bound.runner_options=[-k3]"]),
     (DEMO, ["bound.runner=local"]),
     (DEMO, ["bound.users_column=a", "bound.users_columns=[b, c]"]),
     (DEMO, ["batch.id_column=other"]),
@@ -193,18 +196,18 @@ def test_each_stage_runs_what_its_command_says(config, overrides, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     for stage in stages_of(RunConfig.read(config, overrides), Source(config, overrides, run_audit)):
-        args, beam_options = parser().parse_known_args(stage.command)
+        args, runner_options = parser().parse_known_args(stage.command)
         step = stage.step
         if isinstance(step, run_steps.Generate):
             assert (step.output, step.options) == (args.output, options_from(GenerateOptions, args))
         elif isinstance(step, run_steps.Bound):
             built = options_from(BoundOptions, args)
             assert (step.input, step.output, step.options) == (args.input, args.output, built)
-            assert (step.runner, list(step.beam_options)) == (args.runner, beam_options)
+            assert (step.runner, list(step.runner_options)) == (args.runner, runner_options)
         elif isinstance(step, run_steps.Batch):
             built = options_from(BatchOptions, args)
             assert (step.selected, step.data, step.output) == (args.selected, args.data, args.output)
-            assert (step.options, step.runner, list(step.beam_options)) == (built, args.runner, beam_options)
+            assert (step.options, step.runner, list(step.runner_options)) == (built, args.runner, runner_options)
         elif isinstance(step, (run_steps.Calibrate, run_steps.Train)):
             built = options_from(TrainOptions, args)
             assert (step.batches, step.output, step.options) == (args.batches, args.output, built)
@@ -230,7 +233,7 @@ def test_each_stage_runs_what_its_command_says(config, overrides, monkeypatch):
             assert isinstance(step, run_steps.Report)
             assert (step.run_dir, step.output, step.internal) == (args.run_dir, args.output, args.internal)
         assert args.command == COMMANDS.get(stage.name, stage.name)
-        assert beam_options == [] or isinstance(step, (run_steps.Bound, run_steps.Batch))
+        assert runner_options == [] or isinstance(step, (run_steps.Bound, run_steps.Batch))
 
 
 @pytest.mark.parametrize("case", [" ".join([config, *overrides]) for config, overrides in REFUSED])

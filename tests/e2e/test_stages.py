@@ -109,8 +109,16 @@ def test_calibrate_without_output_writes_nothing_and_a_non_private_training_has_
         (lambda r, out: madp.calibrate(out, epsilom=8), "epsilom (did you mean epsilon?)"),
         (lambda r, out: madp.train(r, out, no_such_option=1), "no_such_option;"),
         (lambda r, out: madp.recommend_k(r, epsilon=1, delta=1e-5, steps=2, batch_size=1, k=(1,)), "k (did"),
+        (
+            lambda r, out: madp.bound(r, out, max_contributions=2, beam_options=["--partitions", "2"]),
+            "beam_options (did you mean runner_options?)",
+        ),
+        (
+            lambda r, out: madp.batch(r, r, out, steps=3, batch_size=2, beam_options=["--partitions", "2"]),
+            "beam_options (did you mean runner_options?)",
+        ),
     ],
-    ids=["bound", "batch", "calibrate", "train", "recommend_k"],
+    ids=["bound", "batch", "calibrate", "train", "recommend_k", "bound-beam_options", "batch-beam_options"],
 )
 def test_an_unknown_option_is_named_with_the_options_the_step_has(records, tmp_path, call, meant):
     with pytest.raises(TypeError, match=r"\(\) got unknown options: ") as raised:
@@ -123,8 +131,8 @@ def test_an_unknown_option_is_named_with_the_options_the_step_has(records, tmp_p
 def test_the_output_is_held_and_kept_apart_from_the_inputs_as_the_command_line_does(records, tmp_path):
     with pytest.raises(InputError, match="overlaps input"):
         madp.bound(records, os.path.dirname(records), max_contributions=2)
-    with pytest.raises(InputError, match="--runner local takes no Beam options"):
-        madp.bound(records, str(tmp_path / "out"), max_contributions=2, beam_options=["--partitions", "2"])
+    with pytest.raises(InputError, match="--runner local takes no runner options"):
+        madp.bound(records, str(tmp_path / "out"), max_contributions=2, runner_options=["--partitions", "2"])
     assert not (tmp_path / "out" / ".madp.lock").exists()  # released after the refusal
 
 
@@ -200,7 +208,7 @@ def test_train_trains_the_model_madp_train_trains(both, capsys):
 @pytest.mark.beam
 def test_a_beam_runner_bounds_as_the_local_engine(records, both, tmp_path):
     madp.bound(
-        records, str(tmp_path / "beam"), runner="DirectRunner", beam_options=["--partitions", "2"], **SEED_OPTIONS
+        records, str(tmp_path / "beam"), runner="DirectRunner", runner_options=["--partitions", "2"], **SEED_OPTIONS
     )
     assert files_of(tmp_path / "beam") == files_of(both[0] / "bounded")
 

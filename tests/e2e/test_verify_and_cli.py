@@ -88,12 +88,12 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     code, _, err = run_cli(
         capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--project", "x"
     )
-    assert code == 2 and "takes no Beam options" in err
+    assert code == 2 and "takes no runner options" in err
     code, _, err = run_cli(
         capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--runner", "local", "--partitions", "3"
     )
-    assert code == 2 and "takes no Beam options (got --partitions 3)" in err
-    # madp's own Beam options are checked by the driver before any pipeline runs
+    assert code == 2 and "takes no runner options (got --partitions 3)" in err
+    # madp's own runner options are checked by the driver before any pipeline runs
     code, _, err = run_cli(capsys, "bound", str(bad), str(tmp_path / "out"), "-k", "2", "--partitions", "0")
     assert code == 2 and "--partitions and --rounds-per-pipeline must be at least 1" in err
     code, _, err = run_cli(

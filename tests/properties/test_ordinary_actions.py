@@ -1,5 +1,5 @@
 """Ordinary actions that must not break a printed guarantee (issue: every guarantee holds under what users
-plausibly do): an input edited behind `madp run`'s back, a Beam option that overrides a checked key, a
+plausibly do): an input edited behind `madp run`'s back, a runner option that overrides a checked key, a
 second writer inside a running job, an output that overlaps its input, a failed re-run, a fixed sigma
 whose truncation eats delta, a Monte Carlo calibration retried under another request, realized sampling
 in logs, and a second training on the same secret batches. All through the command line."""
@@ -77,11 +77,11 @@ def test_records_appended_during_a_stage_are_not_recorded_as_done(tmp_path, caps
     assert not (tmp_path / "run" / ".madp" / "bound.json").exists(), "the stage must run again"
 
 
-def test_a_beam_option_cannot_override_a_checked_key(tmp_path, capsys):
-    bound = {"max_contributions": 2, "runner": "DirectRunner", "beam_options": ["--max-contributions", "50"]}
+def test_a_runner_option_cannot_override_a_checked_key(tmp_path, capsys):
+    bound = {"max_contributions": 2, "runner": "DirectRunner", "runner_options": ["--max-contributions", "50"]}
     code, _, err = run_job(tmp_path, capsys, {"bound": bound})
-    assert code == 2 and "bound.beam_options: --max-contributions is an option of madp bound" in err
-    bound["beam_options"] = ["--max-contrib=50"]  # argparse would take the abbreviation too
+    assert code == 2 and "bound.runner_options: --max-contributions is an option of madp bound" in err
+    bound["runner_options"] = ["--max-contrib=50"]  # argparse would take the abbreviation too
     code, _, err = run_job(tmp_path, capsys, {"bound": bound})
     assert code == 2 and "--max-contrib is an option of madp bound" in err
     assert not (tmp_path / "run" / "bound").exists()

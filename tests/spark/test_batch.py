@@ -132,14 +132,14 @@ def test_a_run_config_bounds_and_batches_on_spark(spark, tmp_path, capsys):
     config = {
         "run_dir": str(tmp_path / "run"),
         "generate": {"records": 600, "features": 3, "seed": 4},
-        "bound": {"max_contributions": 2, "runner": "pyspark", "beam_options": ["--partitions", "2"]},
+        "bound": {"max_contributions": 2, "runner": "pyspark", "runner_options": ["--partitions", "2"]},
         "batch": {
             "steps": 8,
             "batch_size": 20,
             "min_sep": 2,
             "seed": 1,
             "runner": "pyspark",
-            "beam_options": ["--partitions", "2"],
+            "runner_options": ["--partitions", "2"],
         },
     }
     path = tmp_path / "job.yaml"

@@ -87,7 +87,9 @@ def files_of(directory: str) -> dict[str, bytes]:
 def test_a_dataframe_bounds_and_batches_as_its_file_does(tmp_path, records, frame):
     options = {"max_contributions": 2, "order": "hash", "seed": 3, "on_invalid": "skip"}
     local = madp.bound(records, str(tmp_path / "local"), **options)
-    spark = madp.bound(frame, str(tmp_path / "spark"), runner="pyspark", beam_options=["--partitions", "3"], **options)
+    spark = madp.bound(
+        frame, str(tmp_path / "spark"), runner="pyspark", runner_options=["--partitions", "3"], **options
+    )
     assert files_of(str(tmp_path / "local" / "selected")) == files_of(str(tmp_path / "spark" / "selected"))
     assert local.rejected == spark.rejected == BAD_REASONS
     assert (local.input_rows, local.graph_digest) == (spark.input_rows, spark.graph_digest)

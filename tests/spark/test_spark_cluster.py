@@ -64,9 +64,9 @@ def test_a_run_config_on_the_cluster_with_speculation_writes_the_local_files(spa
         config = {
             "run_dir": str(tmp_path / runner),
             "generate": {"records": 2000, "features": 3, "seed": 4},
-            "bound": {"max_contributions": 2, "runner": runner, "beam_options": bound_options},
+            "bound": {"max_contributions": 2, "runner": runner, "runner_options": bound_options},
             "batch": {"steps": 8, "batch_size": 60, "min_sep": 2, "seed": 1, "runner": runner}
-            | {"beam_options": batch_options},
+            | {"runner_options": batch_options},
         }
         path = tmp_path / f"{runner}.yaml"
         path.write_text(yaml.safe_dump(config))
