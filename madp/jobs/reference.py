@@ -91,7 +91,13 @@ COMMAND_DECLARATIONS = (
 )
 REGENERATE = "python docs/_ext/madp_reference.py"
 # The modules that define the errors madp reports (`InputError` and its subclasses; a test finds any other).
-ERROR_MODULES = ("madp.core.errors", "madp.core.output_lock")
+ERROR_MODULES = (
+    "madp.core.errors",
+    "madp.core.output_lock",
+    "madp.accounting.calibrate",
+    "madp.training.task_rows",
+    "madp.training.user_tasks",
+)
 USAGE_WIDTH = 100  # the usage lines' width, whatever the terminal's
 # The packages whose exported names (`__all__`) are the Python API, each with what it is for.
 API_PACKAGES = (
