@@ -46,7 +46,7 @@ def prefix_sum_mse(coefficients: np.ndarray, steps: int) -> float:
         steps: T.
 
     Returns:
-        The error per step, in units of sigma^2 (one band, DP-SGD's noise: (T + 1) / 2).
+        The error per step, in units of sigma^2 ((T + 1) / 2 with one band, DP-SGD's noise).
 
     Raises:
         madp.core.errors.InputError: arrays of T entries that would not fit in memory.

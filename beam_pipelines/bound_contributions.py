@@ -51,14 +51,14 @@ class BoundSelection(typing.NamedTuple):
             until the algorithm is done (`control`).
         shard_count: one int, the output shards.
         rejects: the `Rejects` of duplicated ids (with extractors, of rows that are not valid records).
-        stats: (name, count) elements, to be summed ("max_" ones maxed).
+        stats: (name, count) elements, to be summed (`max_` ones maxed).
         control: one `madp.core.bounding.Control`: the rounds and passes run, and what is left.
 
     Returns:
         A NamedTuple of those PCollections (unpack it, or read its fields by name).
 
     Raises:
-        Nothing itself; the pipeline raises what its steps meet.
+        Nothing: the pipeline raises what its steps meet.
 
     Example::
 

@@ -45,7 +45,7 @@ class SampledBatches(typing.NamedTuple):
         A NamedTuple of those PCollections (unpack it, or read its fields by name).
 
     Raises:
-        Nothing itself; the pipeline raises what its steps meet.
+        Nothing: the pipeline raises what its steps meet.
 
     Example::
 
@@ -77,7 +77,7 @@ class MinSepSample(beam.PTransform):
     file's rows, the content's description, the rows rejected here and the summary values. The records
     are (file index, RecordChunk) elements, or with `extractors` one's own rows, whose content is
     `content_extractor`'s (the batch files' columns besides id, step and weight). p is calibrated on the
-    units' |N(e)| histogram in the same pipeline, and the sampling takes it as a side input.
+    units' `|N(e)|` histogram in the same pipeline, and the sampling takes it as a side input.
 
     Args:
         options: the batching's options (`madp.engines.batching.BatchOptions`, sampler "minsep"): steps,

@@ -150,7 +150,7 @@ class ReadRecords(beam.PTransform):
             none, as bounding reads).
 
     Returns:
-        Applied to a pipeline, (chunks, rejects, stats): (file index, RecordChunk) elements, the `Rejects`
+        Applied to a pipeline, (chunks, rejects, stats), that is (file index, RecordChunk) elements, the `Rejects`
         of invalid rows, and (name, count) elements.
 
     Raises:
@@ -303,7 +303,7 @@ class RecordsFromRows(beam.PTransform):
         errors_dir: where an InputError a step meets is kept for the driver.
 
     Returns:
-        Applied to the rows, (chunks, rejects, stats): (chunk index, RecordChunk) elements, the
+        Applied to the rows, (chunks, rejects, stats), that is (chunk index, RecordChunk) elements, the
         `Rejects` of rows that are not valid records, and (name, count) elements.
 
     Raises:

@@ -15,6 +15,10 @@ import threading
 
 from madp.commands import accounting, batching, bounding, data, report, training
 from madp.commands.registry import (
+    ERROR,
+    FAILED,
+    INTERRUPTED,
+    PASSED,
     Family,
     Parser,
     build_parser,
@@ -134,7 +138,7 @@ class _Stop:
             self.say()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130 if self.code is None else self.code)
+        os._exit(INTERRUPTED.code if self.code is None else self.code)
 
     def say(self) -> None:
         assert self.args is not None
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return stop.code
     finally:
         if stop.code is None:  # a traceback: its status
-            stop.code = 1
+            stop.code = FAILED.code
         if ours and argv is not None:
             signal.signal(signal.SIGINT, previous)
 
@@ -194,17 +198,17 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
             result = madp.run(args, unknown)
     except KeyboardInterrupt:
         stop.say()
-        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+        return INTERRUPTED.code
     except CheckFailed as error:
         print(json.dumps(error.result, indent=2, sort_keys=True, default=str))
         print(f"madp {args.command}: FAILED: {error}", file=sys.stderr)
-        return 1
+        return FAILED.code
     except DiskFull as error:
         print(f"madp {args.command}: error: {error}; {_after_stop(args)}", file=sys.stderr)
-        return 2
+        return ERROR.code
     except InputError as error:
         print(f"madp {args.command}: error: {error_text(error)}", file=sys.stderr)
-        return 2
+        return ERROR.code
     except Exception as error:
         # A write on a full file system that no layer below turned into a DiskFull (TensorFlow's
         # summaries, checkpoints and model, a file written by a library).
@@ -212,9 +216,9 @@ def _main(argv: list[str] | None, stop: _Stop) -> int:
         if full is None:
             raise
         print(f"madp {args.command}: error: {full}; {_after_stop(args)}", file=sys.stderr)
-        return 2
+        return ERROR.code
     print(json.dumps(result.to_json(), indent=2, sort_keys=True))
-    return 0 if result.ok else 1
+    return PASSED.code if result.ok else FAILED.code
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 tier's engines as session fixtures (the Prism binary, a Spark standalone cluster) with its records and
 their local outputs, and the suite's layout: tests/ mirrors the packages (core, accounting, beam,
 training, tools), spark/ runs on the Spark cluster; properties/ holds the guarantee, hostile-input,
-engines-agree and layering suites, e2e/ the command-line runs of whole jobs. Under CI=true a skipped
+engines-agree and layering suites, e2e/ the command-line runs of whole jobs, docs/ the documentation site's
+build, its generated reference and its pages' code blocks. Under CI=true a skipped
 test fails the run (ci_skips)."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Test modules import shared helpers (`from conftest import ...`, `from reference import ...`) and each
 # other's (`from test_batching import rows_of`) by their file's name, the name pytest imports them under
 # (test folders are not packages, and file names are unique across them).
-SUITES = ("core", "accounting", "beam", "spark", "training", "tools", "properties", "e2e")
+SUITES = ("core", "accounting", "beam", "spark", "training", "tools", "properties", "e2e", "docs")
 sys.path[:0] = [TESTS, *(os.path.join(TESTS, suite) for suite in SUITES)]
 ROOT = os.path.dirname(TESTS)  # the repository
 DATA = os.path.join(TESTS, "data")  # fixture files

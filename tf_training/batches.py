@@ -17,7 +17,7 @@ class Batches:
 
     Args:
         directory: the output's directory (local, or gs://, s3://, hdfs://).
-        files: its batch files (batches-*.tfrecord), exactly those its report lists.
+        files: its batch files (`batches-*.tfrecord`), exactly those its report lists.
         schema: schema.json, checked (`madp.core.batch_files.BatchSchema`): each feature's dtype and shape,
             and how the rows are ordered.
         report: report.json's content, checked (`madp.core.reports.BatchReport`).
@@ -28,7 +28,7 @@ class Batches:
         `madp bound` output whose trainings ledger its private trainings enter).
 
     Raises:
-        Nothing itself: `open_batches` checks what it reads.
+        Nothing: `open_batches` checks what it reads.
 
     Example::
 

@@ -172,7 +172,7 @@ def steps_dataset(batches: Batches, features: Sequence[str]):
         features: the columns to read (schema.json's names, e.g. "features" and "label").
 
     Returns:
-        A `tf.data.Dataset` whose elements are dicts of tensors [the step's rows, *the feature's shape]
+        A `tf.data.Dataset` whose elements are dicts of tensors `[the step's rows, *the feature's shape]`
         holding `features`, `weight` and `step`.
 
     Raises:

@@ -432,7 +432,7 @@ def privacy_json(plan: PrivacyPlan | None) -> dict[str, Any]:
         plan: the training's plan (`step.plan`), or None for a non-private training.
 
     Returns:
-        The JSON-ready dict: the plan's `to_json()`, or {"mechanism": "none", "private": False}.
+        The JSON-ready dict, the plan's `to_json()` or {"mechanism": "none", "private": False}.
 
     Raises:
         Nothing.

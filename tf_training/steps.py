@@ -355,10 +355,10 @@ def compute_precision(mixed: bool):
         mixed: whether the layers built inside compute in bfloat16 (False: the context changes nothing).
 
     Returns:
-        A context manager (`with compute_precision(mixed): ...`).
+        A context manager, entered as `with compute_precision(mixed)`.
 
     Raises:
-        Nothing itself; what the block raises passes through, the policies restored.
+        Nothing: what the block raises passes through, the policies restored.
 
     Example:
         >>> from madp.training import compute_precision, load_tensorflow

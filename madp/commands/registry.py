@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 Handler = Callable[[argparse.Namespace, list[str]], dict]  # (parsed args, arguments left for the runner) -> its JSON
 
@@ -27,6 +27,36 @@ class CommandResult:
     def from_json(cls, data: Mapping[str, Any]) -> CommandResult:
         """A command's printed object; a verifier's says whether it passed in its `ok` key."""
         return cls(data, data.get("ok") is not False)
+
+
+class ExitStatus(NamedTuple):
+    """An exit status of the `madp` command line: when a command ends with it, and what it prints."""
+
+    code: int
+    when: str
+    prints: str
+
+
+PASSED = ExitStatus(0, "the command finished and every check passed", "its result, a JSON object, on stdout")
+FAILED = ExitStatus(
+    1,
+    "an independent verifier found an output wrong (its result's `ok` is false; `madp run` stops there), a "
+    "check raised `CheckFailed` (an audit whose claim the canaries refute), or madp failed (a Python traceback)",
+    "the check's result on stdout; on a `CheckFailed`, `madp COMMAND: FAILED: WHY` on stderr",
+)
+ERROR = ExitStatus(
+    2,
+    "bad input, options, config or outputs (an `InputError`: a missing or invalid file, an option out of range, an "
+    "output another madp command holds), a full disk, or a command line argparse refuses",
+    "`madp COMMAND: error: WHY`, one line on stderr that names the file, row, option or output; after a full disk, "
+    "what was kept and how to go on",
+)
+INTERRUPTED = ExitStatus(
+    130,
+    "Ctrl-C (SIGINT) stopped it: 128 + SIGINT, as a shell reports such a command",
+    "`madp COMMAND: interrupted: WHAT WAS KEPT`, one line on stderr saying how to go on",
+)
+EXIT_STATUSES = (PASSED, FAILED, ERROR, INTERRUPTED)
 
 
 @dataclasses.dataclass(frozen=True)

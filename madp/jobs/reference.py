@@ -1,18 +1,28 @@
-"""The references generated from madp's declarations, each a page a test holds to them:
+"""The references generated from madp's declarations, each a page under docs/reference/ that the docs' build
+(docs/_ext/madp_reference.py) and a test hold to them:
 
-- docs/reference/options.md: every declared option of `madp bound`, `madp batch` and `madp train` (flag,
-  default, help) with its `madp run` section key, and of the commands `madp run` does not run as stages of
-  their own (the accountant's, the verifiers', the report's), rendered from the options' dataclasses;
-- docs/reference/outputs.md: every file a stage writes (`OUTPUTS`), whether a user may publish it, and
-  for the files that are a dataclass's JSON, its fields (name, type, meaning from the field's comment).
+- options.md: every `madp` command (usage, description, each argument and option with its default and help),
+  rendered from the command line's argparse parsers, each option with its `madp run` config key;
+- config.md: every key of a `madp run` config, section by section, from `RunConfig`, its sections' own keys
+  and the options' declarations each section reads;
+- outputs.md: every file a stage writes (`OUTPUTS`), whether a user may publish it, and for the files that are
+  a dataclass's JSON, its fields (name, type, meaning from the field's comment);
+- errors.md: the command line's exit statuses (`EXIT_STATUSES`) and the errors a user meets (`InputError`
+  and its subclasses, with their docstrings);
+- api.md: the Python API, an autodoc entry for each name that `madp`, `madp.training`, `madp.accounting` and
+  `madp.beam` export (`__all__`).
 
-It sits with the jobs since it describes every stage's outputs, the jobs' too. `python -m
-madp.jobs.reference` writes both pages again; a test fails while either is stale."""
+It sits with the jobs since it describes every stage's outputs and `madp run`'s config. The command line's
+parser is a layer above, so `pages` is given it: `python docs/_ext/madp_reference.py` writes every page again.
+"""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import builtins
 import dataclasses
+import importlib
 import inspect
 import io
 import os
@@ -20,19 +30,25 @@ import re
 import sys
 import textwrap
 import tokenize
+import typing
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from madp.commands.accounting import CalibrateOptions, EpsilonOptions, RecommendOptions, StrategyOptions
 from madp.commands.batching import VerifyBatchesOptions
 from madp.commands.bounding import VerifyBoundOptions
+from madp.commands.data import GenerateOptions
+from madp.commands.registry import EXIT_STATUSES, Parser
 from madp.commands.report import ReportOptions
 from madp.core.batch_files import SCHEMA_FILE, TRAININGS_FILE, BatchSchema
+from madp.core.errors import InputError
 from madp.core.options import CALIBRATE, Declared, declared
 from madp.core.reports import AuditReport, BatchReport, BoundReport
 from madp.core.selection import REJECTED_DIR, REPORT_FILE, SELECTED_DIR, BoundOptions
 from madp.engines.batching import BatchOptions
 from madp.jobs.audit import AUDIT_FILE, CANARY_FILE, ZERO_OUT_FILE
 from madp.jobs.run import INTERNAL_RESULTS, MANIFESTS, InternalResults
+from madp.jobs.run_config import RunConfig, Section
 from madp.jobs.run_plan import INTERNAL_REPORT
 from madp.tools.planning.audit_config import AuditOptions
 from madp.tools.planning.recommend import SWEEP_FILE, Recommendation
@@ -50,11 +66,18 @@ from madp.training.outputs import (
 )
 from madp.training.plan import PrivacyPlan
 
-REFERENCE = os.path.join("docs", "reference", "options.md")  # from the repository's root
-OUTPUTS_REFERENCE = os.path.join("docs", "reference", "outputs.md")
+PAGES = os.path.join("docs", "reference")  # from the repository's root
+REFERENCE = os.path.join(PAGES, "options.md")
+CONFIG_REFERENCE = os.path.join(PAGES, "config.md")
+OUTPUTS_REFERENCE = os.path.join(PAGES, "outputs.md")
+ERRORS_REFERENCE = os.path.join(PAGES, "errors.md")
+API_REFERENCE = os.path.join(PAGES, "api.md")
+# The `madp run` sections that are a command's options, by the command: the declaration its keys are read as.
 DECLARATIONS = (("bound", BoundOptions), ("batch", BatchOptions), ("train", TrainOptions))
 # madp audit's options: a config's audit section gives their defaults, its flags override them.
 AUDIT_DECLARATION = ("audit", AuditOptions)
+GENERATE_DECLARATION = ("generate", GenerateOptions)
+SECTION_DECLARATIONS = dict((GENERATE_DECLARATION, *DECLARATIONS, AUDIT_DECLARATION, (CALIBRATE, TrainOptions)))
 # The commands whose options no `madp run` section takes by these names (its verify stages and report
 # are given theirs by the run).
 COMMAND_DECLARATIONS = (
@@ -66,44 +89,128 @@ COMMAND_DECLARATIONS = (
     ("recommend-k", RecommendOptions),
     ("report", ReportOptions),
 )
-REGENERATE = "python -m madp.jobs.reference"
+REGENERATE = "python docs/_ext/madp_reference.py"
+# The modules that define the errors madp reports (`InputError` and its subclasses; a test finds any other).
+ERROR_MODULES = (
+    "madp.core.errors",
+    "madp.core.output_lock",
+    "madp.accounting.calibrate",
+    "madp.training.task_rows",
+    "madp.training.user_tasks",
+)
+USAGE_WIDTH = 100  # the usage lines' width, whatever the terminal's
+# The packages whose exported names (`__all__`) are the Python API, each with what it is for.
+API_PACKAGES = (
+    ("madp", "the steps, one function each, as the commands run them"),
+    ("madp.training", "training on materialized batches: reading them, the privacy plan, the private step"),
+    ("madp.accounting", "the accountant: mechanisms, calibration, epsilon, Monte Carlo accounting"),
+    ("madp.beam", "bounding and batching as Apache Beam transforms, for a pipeline of one's own"),
+)
 
 
-def options_reference() -> str:
-    """The options reference as Markdown."""
+def pages(madp: Parser) -> dict[str, str]:
+    """Every generated page by its path from the repository's root; `madp`: the command line's parser."""
+    return {
+        REFERENCE: options_reference(madp),
+        CONFIG_REFERENCE: config_reference(),
+        OUTPUTS_REFERENCE: outputs_reference(),
+        ERRORS_REFERENCE: errors_reference(),
+        API_REFERENCE: api_reference(),
+    }
+
+
+def _generated(what: str) -> str:
+    return f"Generated from {what} by `{REGENERATE}`: edit those, not this page."
+
+
+# --- the commands and their options ------------------------------------------------------------------
+
+
+def options_reference(madp: Parser) -> str:
+    """Every command of the parser `madp` as Markdown: its usage, description, arguments and options."""
     lines = [
-        "# Options",
+        "# Commands and options",
         "",
-        f"Generated from the options' declarations by `{REGENERATE}`: edit those, not this page.",
+        _generated("the command line's parsers (`madp.cli.parser`)"),
         "",
-        "A `madp run` section's key is an option's name with underscores (`max_contributions: 3` is",
-        "`--max-contributions 3`, `true` a switch). The bound and batch sections also take `runner` and",
-        "`runner_options`: `runner: pyspark` runs the stage on Apache Spark, its Spark options in `runner_options`",
-        '(`[--spark-master, "spark://host:7077", --partitions, "64"]`); the train section takes `baseline`;',
-        "a generate section takes `madp generate`'s options",
-        "and `holdout`; the audit section gives `madp audit` its defaults. The commands after `madp audit` are no",
-        "`madp run` sections: their options have no keys.",
+        "A `madp run` config key is an option's name with underscores (`max_contributions: 3` is",
+        "`--max-contributions 3`, `true` a switch), in the section the key column names; the [config",
+        "reference](config.md) lists every key, those that are no option too. Commands with no key",
+        "column are no `madp run` section. Where a command ends and what it prints: [errors](errors.md).",
+        "",
+        "## madp",
+        "",
+        madp.description or "",
+        "",
+        *_usage(madp),
+        "",
+        *_options_table("", madp),
+        "",
+        "| command | what it does |",
+        "|---|---|",
     ]
-    for command, declaration in (*DECLARATIONS, AUDIT_DECLARATION):
-        lines += ["", f"## madp {command}", "", "| option | `madp run` key | default | help |", "|---|---|---|---|"]
-        lines += [_row(command, each) for each in declared(declaration)]
-    for command, options in COMMAND_DECLARATIONS:
-        lines += ["", f"## madp {command}", "", "| option | default | help |", "|---|---|---|"]
-        lines += [f"| {_flags(each)} | {_default(each)} | {_help(each)} |" for each in declared(options)]
+    lines += [f"| [{name}](#madp-{name}) | {_cell(summary)} |" for name, summary in _summaries(madp).items()]
+    for name, command in madp.commands.items():
+        lines += ["", f"## madp {name}", "", _summaries(madp)[name] + ".", ""]
+        if command.description:
+            lines += [command.description, ""]
+        lines += _usage(command)
+        arguments = [action for action in command._actions if not action.option_strings]
+        if arguments:
+            lines += ["", "| argument | help |", "|---|---|"]
+            lines += [f"| `{action.dest.upper()}` | {_cell(action.help or '')} |" for action in arguments]
+        lines += ["", *_options_table(name, command)]
     return "\n".join(lines) + "\n"
 
 
-def _row(command: str, each: Declared) -> str:
-    section = CALIBRATE if each.option.section == CALIBRATE else command
-    return f"| {_flags(each)} | `{section}.{each.name}` | {_default(each)} | {_help(each)} |"
+def _summaries(madp: Parser) -> dict[str, str]:
+    """Each command's one-line help, as `madp --help` lists it."""
+    (commands,) = (action for action in madp._actions if isinstance(action, argparse._SubParsersAction))
+    return {action.dest: action.help or "" for action in commands._choices_actions}
 
 
-def _help(each: Declared) -> str:
-    return _cell(each.option.help or "")
+def _usage(command: argparse.ArgumentParser) -> list[str]:
+    formatter = argparse.HelpFormatter(command.prog, width=USAGE_WIDTH)
+    formatter.add_usage(command.usage, command._actions, command._mutually_exclusive_groups)
+    return ["```text", formatter.format_help().strip(), "```"]
 
 
-def _flags(each: Declared) -> str:
-    return ", ".join(f"`{flag}`" for flag in each.flags)
+def _options_table(name: str, command: argparse.ArgumentParser) -> list[str]:
+    """The command's options: flags, `madp run` key (for a command a section runs), default and help."""
+    section = SECTION_DECLARATIONS.get(name)
+    known = dict((*DECLARATIONS, AUDIT_DECLARATION, GENERATE_DECLARATION, *COMMAND_DECLARATIONS))
+    declarations = {each.name: each for each in declared(known[name])} if name in known else {}
+    options = [action for action in command._actions if action.option_strings]
+    if section is None:
+        rows = ["| option | default | help |", "|---|---|---|"]
+    else:
+        rows = ["| option | `madp run` key | default | help |", "|---|---|---|---|"]
+    for action in options:
+        flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
+        each = declarations.get(action.dest)
+        default = _default(each) if each is not None else _argparse_default(action)
+        cells = [flags, default, _cell(action.help or "")]
+        if section is not None:
+            cells.insert(1, _key(name, action.dest, each))
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _key(command: str, name: str, each: Declared | None) -> str:
+    """The `madp run` key of a command's option, if a section takes it."""
+    if each is not None:
+        return f"`{CALIBRATE if each.option.section == CALIBRATE else command}.{name}`"
+    if name in _own_keys(command):
+        return f"`{command}.{name}`"
+    return ""
+
+
+def _argparse_default(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if action.default in (None, False, [], argparse.SUPPRESS):
+        return ""
+    return f"`{action.default}`"
 
 
 def _default(each: Declared) -> str:
@@ -115,7 +222,196 @@ def _default(each: Declared) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+# --- madp run's config ---------------------------------------------------------------------------------
+
+
+def _section_class(name: str) -> type[Section] | None:
+    """The class of `RunConfig`'s section `name` (None: a key that is no section)."""
+    hint = {field.name: field.type for field in dataclasses.fields(RunConfig)}[name]
+    found = re.match(r"(\w+) \| None$", str(hint))
+    section = getattr(sys.modules[RunConfig.__module__], found.group(1)) if found else None
+    return section if isinstance(section, type) and issubclass(section, Section) else None
+
+
+def _own_keys(name: str) -> dict[str, dataclasses.Field]:
+    """The keys that section `name` takes besides its command's options (`runner`), as its class's fields."""
+    section = _section_class(name) if name in SECTION_DECLARATIONS else None
+    if section is None:
+        return {}
+    return {field.name: field for field in dataclasses.fields(section) if field.name != "options"}
+
+
+def _section_options(name: str) -> Iterator[Declared]:
+    """The declared options that section `name` reads (train's privacy options are calibrate's)."""
+    own = _own_keys(name)
+    for each in declared(SECTION_DECLARATIONS[name]):
+        in_calibrate = each.option.section == CALIBRATE
+        if each.name not in own and in_calibrate == (name == CALIBRATE):
+            yield each
+
+
+def config_reference() -> str:
+    """Every key of a `madp run` config as Markdown: the top level's, then each section's."""
+    meanings = field_comments(RunConfig)
+    lines = [
+        "# madp run config",
+        "",
+        _generated("`madp.jobs.run_config.RunConfig`, its sections and the options' declarations"),
+        "",
+        "A config is a YAML mapping; `madp run CONFIG.yaml --set SECTION.KEY=VALUE` overrides a key (the value",
+        "read as YAML). A section present runs its stage; a section's key is its command's option by name",
+        "([commands and options](options.md)), a list for a comma-separated or repeatable option, `true` for a",
+        "switch. A key left out takes the option's default.",
+        "",
+        "| key | meaning |",
+        "|---|---|",
+    ]
+    for field in dataclasses.fields(RunConfig):
+        name = f"[`{field.name}`](#{field.name})" if field.name in SECTION_DECLARATIONS else f"`{field.name}`"
+        lines.append(f"| {name} | {_cell(meanings[field.name])} |")
+    for field in dataclasses.fields(RunConfig):
+        if field.name not in SECTION_DECLARATIONS:
+            continue
+        lines += ["", f"## {field.name}", "", "| key | flag | default | meaning |", "|---|---|---|---|"]
+        for key, own in _own_keys(field.name).items():
+            meaning = field_comments(_section_class(field.name) or Section)[key]
+            shown = f"`{list(own.default) if isinstance(own.default, tuple) else own.default}`"
+            lines.append(f"| `{key}` |  | {shown} | {_cell(meaning)} |")
+        for each in _section_options(field.name):
+            lines.append(f"| `{each.name}` | `{each.flags[0]}` | {_default(each)} | {_cell(each.option.help or '')} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- exit statuses and errors -------------------------------------------------------------------------
+
+
+def errors_reference() -> str:
+    """The command line's exit statuses and the errors it reports, as Markdown."""
+    lines = [
+        "# Errors and exit statuses",
+        "",
+        _generated("`madp.commands.registry.EXIT_STATUSES` and the error classes' docstrings"),
+        "",
+        "| status | when | prints |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {each.code} | {_cell(each.when)} | {_cell(each.prints)} |" for each in EXIT_STATUSES]
+    lines += [
+        "",
+        "## Errors",
+        "",
+        "Every error madp reports to a user is an `InputError` (a `ValueError`), raised by the Python API as by",
+        "the command line, which prints it as one line and exits 2 (a `CheckFailed`: 1). Its message names the",
+        "file, row, option or output and says why; a Python caller's names the parameters as keyword arguments,",
+        "the command line's as flags.",
+        "",
+        "```{eval-rst}",
+    ]
+    for error in _error_classes():
+        lines += [f".. autoexception:: {error.__module__}.{error.__qualname__}", "   :show-inheritance:", ""]
+    lines[-1] = "```"
+    return "\n".join(lines) + "\n"
+
+
+def _error_classes() -> list[type]:
+    """`InputError` and its subclasses in `ERROR_MODULES`, each after its base."""
+    defined = [
+        each
+        for module in map(importlib.import_module, ERROR_MODULES)
+        for each in vars(module).values()
+        if isinstance(each, type) and issubclass(each, InputError) and each.__module__ == module.__name__
+    ]
+    found: list[type] = []
+
+    def visit(error: type) -> None:
+        found.append(error)
+        for each in defined:
+            if each.__bases__[0] is error:
+                visit(each)
+
+    visit(InputError)
+    return found
+
+
+# --- the Python API -----------------------------------------------------------------------------------
+
+
+def api_reference() -> str:
+    """The Python API page: an autodoc entry for every name each of `API_PACKAGES` exports, then one for each
+    madp class their annotations name (what they take and return), so that every reference resolves."""
+    lines = [
+        "# Python API",
+        "",
+        _generated("each package's `__all__` and the names' docstrings"),
+        "",
+        "[Use madp from Python](../how-to/python-api.md) shows them at work; [the types](#types) they take",
+        "and return follow them.",
+    ]
+    exported = []
+    for package, summary in API_PACKAGES:
+        module = importlib.import_module(package)
+        lines += ["", f"## {package}", "", f"{summary[0].upper()}{summary[1:]}.", "", "```{eval-rst}"]
+        lines += [f".. currentmodule:: {package}", ""]
+        for name in module.__all__:
+            exported.append(getattr(module, name))
+            lines += [f".. {_autodoc_kind(exported[-1])}:: {name}", ""]
+        lines[-1] = "```"
+    lines += ["", "## Types", "", "The classes the names above take and return.", "", "```{eval-rst}"]
+    for each in _named_types(exported):
+        lines += [f".. autoclass:: {each.__module__}.{each.__qualname__}", ""]
+    lines[-1] = "```"
+    return "\n".join(lines) + "\n"
+
+
+def _autodoc_kind(value: object) -> str:
+    return "autoclass" if inspect.isclass(value) else "autofunction"
+
+
+class _Names(dict):
+    """The names an annotation of a module's object is evaluated with: the module's own, madp's classes (a
+    module may import one only for type checking), the builtins; any other name is `typing.Any`."""
+
+    def __init__(self, module: str, classes: dict[str, type]) -> None:
+        super().__init__()
+        self.sources = (vars(sys.modules[module]), classes, vars(builtins))
+
+    def __missing__(self, name: str) -> object:
+        return next((source[name] for source in self.sources if name in source), typing.Any)
+
+
+def _named_types(exported: list[object]) -> list[type]:
+    """The madp classes that the annotations of `exported` name, and of those classes, each once, by module."""
+    classes = {
+        value.__name__: value
+        for module in list(sys.modules.values())
+        if module is not None and module.__name__.startswith("madp.")
+        for value in list(vars(module).values())
+        if inspect.isclass(value) and value.__module__.startswith("madp.")
+    }
+    found: list[type] = []
+    pending = list(exported)
+    while pending:
+        annotated = pending.pop(0)
+        names = _Names(annotated.__module__, classes)  # type: ignore[attr-defined]
+        hints = dict(typing.get_type_hints(annotated, localns=names)) if inspect.isclass(annotated) else {}
+        function = annotated.__init__ if inspect.isclass(annotated) else annotated
+        hints.update(typing.get_type_hints(function, localns=names))
+        for each in (kind for hint in hints.values() for kind in _kinds(hint)):
+            if each.__module__.startswith("madp.") and each not in found and each not in exported:
+                found.append(each)
+                pending.append(each)
+    return sorted(found, key=lambda each: (each.__module__, each.__qualname__))
+
+
+def _kinds(hint: object) -> Iterator[type]:
+    """The classes a type hint names, its arguments' too."""
+    if inspect.isclass(hint):
+        yield hint
+    for argument in typing.get_args(hint):
+        yield from _kinds(argument)
 
 
 # --- the outputs ---------------------------------------------------------------------------------
@@ -123,7 +419,7 @@ def _cell(text: str) -> str:
 
 class Output(NamedTuple):
     """A file (or, ending in "/", a folder) a stage writes below its output: `path` as `fnmatch` matches
-    it, whether a user may publish it (the README's "What may be published, and what is internal"), what it
+    it, whether a user may publish it (docs/privacy.md: what may be published, and what is internal), what it
     holds, the dataclass whose `to_json()` it is (None where it is no dataclass's), and the stage whose
     output a folder is (its files are that stage's, published only where both say so)."""
 
@@ -333,7 +629,7 @@ def outputs_reference() -> str:
         f"files are the JSON of, by `{REGENERATE}`: edit those, not this page.",
         "",
         "**published**: a user may publish it (covered by the guarantee, or a function of the public graph and",
-        "parameters); **internal**: never publish it (README: Privacy guarantee, what may be published). A",
+        "parameters); **internal**: never publish it ([privacy and threat model](../privacy.md)). A",
         "folder's files are of its kind; one that is another stage's output links to that stage's table, and a",
         "file there is published only where both say so. A JSON file typed below holds its class's `to_json()`:",
         "the class's fields by name (a report's `format_version` beside them), except where a meaning says",
@@ -432,10 +728,3 @@ def field_comments(schema: type) -> dict[str, str]:
             line -= 1
         found[statement.target.id] = on_line[0] if on_line else " ".join(above)
     return found
-
-
-if __name__ == "__main__":
-    for path, page in ((REFERENCE, options_reference()), (OUTPUTS_REFERENCE, outputs_reference())):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(page)

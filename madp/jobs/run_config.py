@@ -51,7 +51,7 @@ class Section:
 class GenerateSection(Section):
     """The generate section; `holdout`: also write run_dir/test.parquet, the held-out records."""
 
-    holdout: bool = False
+    holdout: bool = False  # also write run_dir/test.parquet, the held-out records (the train section's eval data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,8 @@ class RunnerSection(Section):
     """A bound or batch section: the stage runs on `runner` (a Beam runner, "pyspark" or "local"), given
     `runner_options`, the runner's own options argv-style (Beam's pipeline options, or madp's Spark options)."""
 
-    runner: str = "DirectRunner"
+    runner: str = "DirectRunner"  # the stage's runner: local (in memory), pyspark, or a Beam runner by name
+    # the runner's options, a list: Beam's (`[--partitions, 32]`), or Spark's with runner pyspark
     runner_options: tuple[str, ...] = ()
 
 
@@ -67,7 +68,7 @@ class RunnerSection(Section):
 class TrainSection(Section):
     """The train section; `baseline`: also train a non-private model on the same batches."""
 
-    baseline: bool = False
+    baseline: bool = False  # also train a non-private model on the same batches (run_dir/baseline/, internal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +77,15 @@ class RunConfig:
     them), the section of each stage it runs (None: not run), the audit section's keys and whether the run
     ends with its report page."""
 
-    run_dir: str
-    input: str | None = None
-    generate: GenerateSection | None = None
-    bound: RunnerSection | None = None
-    batch: RunnerSection | None = None
-    calibrate: Section | None = None
-    train: TrainSection | None = None
-    audit: Section | None = None  # its keys: `AuditOptions`' (`madp.tools.planning.audit_config.audit_options`)
-    report: bool = False
+    run_dir: str  # the directory of the run's outputs (required)
+    input: str | None = None  # the records (a file or folder of .jsonl/.parquet/.csv), unless generate makes them
+    generate: GenerateSection | None = None  # synthetic records instead of input: `madp generate`'s options
+    bound: RunnerSection | None = None  # contribution bounding: `madp bound`'s options
+    batch: RunnerSection | None = None  # the training batches: `madp batch`'s options
+    calibrate: Section | None = None  # the privacy plan: `madp train`'s privacy options
+    train: TrainSection | None = None  # the private model: `madp train`'s other options
+    audit: Section | None = None  # an audit of the trained model: `madp audit`'s options (`AuditOptions`)
+    report: bool = False  # true: end with run_dir/report.html (and internal-report.html), `madp report`'s pages
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunConfig:

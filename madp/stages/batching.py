@@ -37,11 +37,11 @@ def batch(
     """Materialize the training batches of a selection: which records each step trains on, as TFRecords.
 
     The step `madp batch` runs (b-min-sep Poisson sampling by default; min-sep greedy batches or user
-    sampling), with `output` held (its lock) while it is written: OUTPUT/batches-*.tfrecord, schema.json
+    sampling), with `output` held (its lock) while it is written: `OUTPUT/batches-*.tfrecord`, schema.json
     and report.json, which `madp.calibrate` and `madp.train` read.
 
     Args:
-        selected: a `madp.bound` output directory (selected/*.parquet and its report).
+        selected: a `madp.bound` output directory (`selected/*.parquet` and its report).
         data: the records that were bounded (the same graph: its digest is checked): their path, or with
             runner "pyspark" a Spark DataFrame of them, read as `madp.bound` reads one (the report's data
             is "<DataFrame>"); its other columns are the content, as a file's.

@@ -31,7 +31,7 @@ def bound(
     """Bound each user's contributions: select records so that no user is in more than its bound of them.
 
     The step `madp bound` runs (round-based unanimous-proposal bounding), with `output` held (its lock)
-    while it is written. The selection is OUTPUT/selected/*.parquet (id, copies) and OUTPUT/report.json;
+    while it is written. The selection is `OUTPUT/selected/*.parquet` (id, copies) and OUTPUT/report.json;
     `madp.batch` samples training batches from it.
 
     Args:
