@@ -26,6 +26,11 @@ RUNNER = "pyspark"  # the runner name of madp's Spark engine (not Beam's SparkRu
 MIN_JAVA = 17
 PYTHON_SETTINGS = (("spark.pyspark.python", "PYSPARK_PYTHON"), ("spark.pyspark.driver.python", "PYSPARK_DRIVER_PYTHON"))
 QUIET_SETTINGS = {"spark.ui.showConsoleProgress": "false"}  # progress bars between madp's lines on stderr
+# The loggers that print a failed task's whole Python and Java stack trace (the executor's, which a local
+# master shows on the console, and the driver's task set's): madp reports what failed itself, an InputError
+# as its one line, lost executors and retried tasks as a warning (`faults.fault_watch`), and any other
+# failure is raised with Spark's trace in it.
+TASK_FAILURE_LOGGERS = ("org.apache.spark.executor.Executor", "org.apache.spark.scheduler.TaskSetManager")
 
 
 def conf_setting(text: str) -> str:
@@ -163,7 +168,8 @@ def spark_session(options: SparkOptions, frame: DataFrame | None = None) -> Iter
 
     active = SparkSession.getActiveSession() if frame is None else frame.sparkSession
     if active is not None:
-        yield active
+        with _task_failures_unlogged(active):
+            yield active
         return
     check_java()
     settings = session_settings(options)
@@ -175,10 +181,27 @@ def spark_session(options: SparkOptions, frame: DataFrame | None = None) -> Iter
         session = builder.getOrCreate()
     try:
         session.sparkContext.setLogLevel("WARN")
-        yield session
+        with _task_failures_unlogged(session):
+            yield session
     finally:
         session.stop()
         _clear_spark_properties(before)
+
+
+@contextlib.contextmanager
+def _task_failures_unlogged(session: SparkSession) -> Iterator[None]:
+    """While madp's job runs: the `TASK_FAILURE_LOGGERS` off (a failed task's trace would come before
+    madp's one-line error), then at their levels again (a caller's session keeps its logging)."""
+    jvm = session.sparkContext._jvm
+    log4j = jvm.org.apache.logging.log4j  # type: ignore[union-attr]  # a started context has its JVM
+    levels = {name: log4j.LogManager.getLogger(name).getLevel() for name in TASK_FAILURE_LOGGERS}
+    for name in TASK_FAILURE_LOGGERS:
+        log4j.core.config.Configurator.setLevel(name, log4j.Level.OFF)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            log4j.core.config.Configurator.setLevel(name, level)
 
 
 def _spark_properties() -> set[str]:

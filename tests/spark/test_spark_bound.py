@@ -18,7 +18,7 @@ from madp.core.errors import InputError
 from madp.core.selection import BoundOptions
 from madp.engines.local_engine import run_local
 from madp.spark.bound import run_spark
-from madp.spark.session import SparkOptions, spark_options, spark_session
+from madp.spark.session import TASK_FAILURE_LOGGERS, SparkOptions, spark_options, spark_session
 
 pytestmark = [pytest.mark.spark]
 
@@ -116,6 +116,22 @@ def test_an_error_met_on_an_executor_is_the_one_line_the_local_engine_prints(tmp
         run_spark(str(tmp_path / "input"), str(tmp_path / "spark"), BoundOptions(max_contributions=1), SparkOptions())
     assert "broken.parquet: not a readable Parquet file" in str(on_spark.value) and "\n" not in str(on_spark.value)
     assert str(local.value).split(" (")[0] == str(on_spark.value).split(" (")[0]
+
+
+def test_no_failed_task_s_trace_is_logged_while_madp_runs_in_a_caller_s_session(spark):
+    """Spark's executor and task set log a failed task's whole Python and Java stack trace (a local master's
+    executor on the console): madp's one-line error would come after it. Off while madp's job runs in the
+    caller's session, at the caller's levels again after it."""
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+
+    def levels() -> list[str]:
+        return [str(log4j.LogManager.getLogger(name).getLevel()) for name in TASK_FAILURE_LOGGERS]
+
+    for name in TASK_FAILURE_LOGGERS:  # as a caller's session logs them
+        log4j.core.config.Configurator.setLevel(name, log4j.Level.WARN)
+    with spark_session(SparkOptions()) as session:
+        assert session is spark and levels() == ["OFF", "OFF"]
+    assert levels() == ["WARN", "WARN"]
 
 
 def test_the_command_line(tmp_path, spark, records, capsys, monkeypatch):
