@@ -297,17 +297,16 @@ def test_the_examples_run_as_written(package, name):
 
 @pytest.mark.tf
 @pytest.mark.slow
-def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
+def test_the_python_api_page_example_runs_as_written(tmp_path, monkeypatch, capsys):
     import re
 
     pytest.importorskip("tensorflow")
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "madp.bound(" in block]
+    page = open(os.path.join(ROOT, "docs", "how-to", "python-api.md"), encoding="utf-8").read()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "madp.bound(" in block]
     monkeypatch.chdir(tmp_path)
     assert main(["-q", "generate", "records.parquet", "--records", "5000"]) == 0
     capsys.readouterr()
-    exec(compile(example, "README", "exec"), {"__name__": "example"})
+    exec(compile(example, "python-api.md", "exec"), {"__name__": "example"})
     selected, expected_batch_size, sigma, epsilon = capsys.readouterr().out.split()
     assert int(selected) > 0 and float(expected_batch_size) == pytest.approx(32) and float(epsilon) <= 8
     privacy = json.loads((tmp_path / "out" / "model" / "privacy.json").read_text())

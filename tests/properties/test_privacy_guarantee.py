@@ -231,7 +231,7 @@ def test_truncation_of_poisson_batches_is_accounted_in_delta(bounded, tmp_path):
 # --- the attacker who reads every published output ---------------------------------------------------
 
 
-INTERNAL = (  # README: threat model
+INTERNAL = (  # docs/privacy.md: the threat model
     "audit",
     "baseline",
     "batches",
@@ -244,7 +244,7 @@ INTERNAL = (  # README: threat model
 
 def _published_files(run_dir, internal: tuple[str, ...] = INTERNAL) -> list[str]:
     """Every output a user may publish or share: the model, metrics, reports, privacy.json, report.html,
-    the TensorBoard logs; not what the README's threat model calls internal (`internal`: the audit's
+    the TensorBoard logs; not what the threat model (docs/privacy.md) calls internal (`internal`: the audit's
     second model and its data, the non-private baseline, the batches and their report, the trainings
     ledger, the internal page and results) nor rejected/ folders."""
     found = []
@@ -277,8 +277,8 @@ def declared_published(stage: str, relative: str) -> bool | None:
 
 
 def assert_the_outputs_reference_declares_every_file(run_dir) -> None:
-    """Every file of the run is in the outputs reference, which calls published exactly the files the README's
-    threat model (`_published_files`) does."""
+    """Every file of the run is in the outputs reference, which calls published exactly the files the threat
+    model (docs/privacy.md, `_published_files`) does."""
     found = {
         os.path.relpath(os.path.join(root, name), run_dir) for root, _, files in os.walk(run_dir) for name in files
     }
@@ -292,7 +292,7 @@ def _published_text(run_dir, internal: tuple[str, ...] = INTERNAL) -> str:
     return "\n".join(open(path, "rb").read().decode("latin-1") for path in _published_files(run_dir, internal))
 
 
-# What batches/report.json says of the realized sampling (README: internal, like the batches)
+# What batches/report.json says of the realized sampling (docs/privacy.md: internal, like the batches)
 REALIZED_SAMPLING = {
     "batch_sizes",
     "written_batch_sizes",

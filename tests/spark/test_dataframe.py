@@ -120,12 +120,11 @@ def test_a_column_of_another_type_is_one_error_naming_it(tmp_path, frame):
         madp.bound(frame, str(tmp_path / "out"), max_contributions=2)
 
 
-def test_the_readme_example_runs(tmp_path, monkeypatch, spark):
+def test_the_spark_page_example_runs(tmp_path, monkeypatch, spark):
     from madp.tools.data.synthetic import GraphSpec, generate, write_dataset
 
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("## Spark (`--runner pyspark`)\n", 1)[1].split("\n## ", 1)[0]
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "DataFrame" in block]
+    page = open(os.path.join(ROOT, "docs", "how-to", "spark.md"), encoding="utf-8").read()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "DataFrame" in block]
     monkeypatch.chdir(tmp_path)
     spec = GraphSpec(records=2000, seed=1)
     write_dataset(generate(spec), spec, str(tmp_path / "records.parquet"), shards=1)
@@ -133,5 +132,5 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, spark):
     # chdir does not move: the example's paths, absolute
     for name in ("records.parquet", "bounded", "batches"):
         example = example.replace(f'"{name}"', repr(str(tmp_path / name)))
-    exec(compile(example, "README", "exec"), {"__name__": "example"})
+    exec(compile(example, "spark.md", "exec"), {"__name__": "example"})
     assert os.path.exists(tmp_path / "batches" / "report.json")

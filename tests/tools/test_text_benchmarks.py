@@ -1,4 +1,4 @@
-"""The text benchmarks' own parts (their figures are in the README, "Text defaults"): the PyPI corpus
+"""The text benchmarks' own parts (their figures are on docs/benchmarks.md, "Text models"): the PyPI corpus
 builder of benchmarks/text_corpus.py (who owns a package, what its text is, which packages become
 records, on hand-written metadata, no network) and the rows of benchmarks/text_defaults.py's linear
 model (the L2-normalized presence vector of the hashed n-grams, as ids and weights)."""

@@ -385,7 +385,7 @@ def test_merges_follow_gpt2s_rule_whatever_their_order():
 def test_a_run_of_more_than_256_characters_is_pretokenized_in_runs():
     for pre_tokenizer in bpe_tokenizer.PRE_TOKENIZERS:
         tokenizer = bpe_tokenizer.BpeTokenizer([], [], 0, 0, 0, pre_tokenizer=pre_tokenizer)
-        run = 256  # bpe_tokenizer.RUN, as the README gives it
+        run = 256  # bpe_tokenizer.RUN, as docs/how-to/text-models.md gives it
         assert [len(p) for p in tokenizer.pieces("a" * (2 * run + 10))] == [run, run, 10]
         assert [len(p) for p in tokenizer.pieces(" " + "." * (run + 1))] == [run + 1, 1]
         assert max(len(p) for p in tokenizer.pieces(" " * 3 * run + "\n" * 3 * run + "x")) <= 2 * run + 1

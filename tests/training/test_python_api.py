@@ -1,4 +1,4 @@
-"""The Python API of madp.training: the README's example runs as written, and a step made by
+"""The Python API of madp.training: the examples of its how-to pages run as written, and a step made by
 `make_private` (or `make_non_private`) trains the same model, under the same plan, as `madp train`."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from madp.training.tasks import build_model  # noqa: E402
 
 pytestmark = [pytest.mark.tf]
 
-README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs", "how-to")
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,20 @@ def demo(tmp_path_factory):
     return directory
 
 
-def readme_example() -> str:
-    section = open(README, encoding="utf-8").read().split("## Use madp from Python\n", 1)[1].split("\n## ", 1)[0]
-    blocks = [block for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if "madp.training" in block]
-    assert len(blocks) == 2, "the section holds the madp.training example and its fit"
-    return "\n".join(blocks)
+def page_blocks(page: str) -> list[str]:
+    """The python blocks of a how-to page that use madp.training."""
+    text = open(os.path.join(DOCS, page), encoding="utf-8").read()
+    return [block for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "madp.training" in block]
+
+
+def docs_example() -> str:
+    """The training loop of docs/how-to/python-api.md, then the fit of docs/how-to/keras-model.md, on
+    batches of the demo's selection in out/batches, as the pages make them (4-min-sep: the pages' bands)."""
+    (loop,) = page_blocks("python-api.md")
+    (fit,) = page_blocks("keras-model.md")
+    if not os.path.exists("out/batches"):
+        batch_local("bounded", "records.jsonl", "out/batches", BatchOptions(seed=0, steps=24, batch_size=32, min_sep=4))
+    return loop + "\n" + fit
 
 
 def docstring_example() -> str:
@@ -63,13 +72,13 @@ def docstring_example() -> str:
     return textwrap.dedent(re.match(r"(?:(?: {4}.*)?\n)+", after).group(0))
 
 
-@pytest.mark.parametrize("example", [readme_example, docstring_example], ids=["README", "docstring"])
+@pytest.mark.parametrize("example", [docs_example, docstring_example], ids=["docs", "docstring"])
 def test_the_examples_run_as_written(demo, example, monkeypatch, capsys):
     monkeypatch.chdir(demo)
     exec(compile(example(), example.__name__, "exec"), {"__name__": "example"})
     out = capsys.readouterr().out
     assert "True" in out  # private: a fresh noise key, batches without amplification
-    assert example is docstring_example or "both trainings: (" in out  # the README's fit composes
+    assert example is docstring_example or "every private training on this selection: (" in out  # the fit composes
 
 
 def test_the_package_exports_the_api_and_imports_tensorflow_only_for_it():
@@ -490,7 +499,7 @@ def test_the_command_line_trainer_uses_only_the_public_api():
     own = {f"madp.training.{name}" for name in parts}
     found = {}
     for module in ("trainer.py", "preparation.py"):  # the loop, and what it checks and builds before it
-        source = open(os.path.join(os.path.dirname(README), "tf_training", module), encoding="utf-8").read()
+        source = open(os.path.join(ROOT, "tf_training", module), encoding="utf-8").read()
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("madp.training"):
                 found.setdefault(node.module, set()).update(alias.name for alias in node.names)
