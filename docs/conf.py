@@ -1,10 +1,7 @@
 """Sphinx configuration of madp's documentation site (`make docs` builds it into build/docs/)."""
 
-import os
 import pathlib
 import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # autodoc imports TensorFlow: its start-up lines say nothing here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
