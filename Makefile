@@ -65,7 +65,7 @@ prism: $(STAMP)
 
 # One worker process per core (at most 4), each taking whole test files (their module fixtures once).
 # -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU": tests/ci_skips.py).
-test: lint docs $(SMOLLM2) chromium prism
+test: lint $(SMOLLM2) chromium prism
 	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no Spark job, no TensorFlow, no slow test (~30 s)
@@ -73,7 +73,8 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not beam and not spark and not tf and not slow" tests
 
 # The documentation site (docs/, Sphinx with MyST) into build/docs/: offline, a warning (a broken link, a
-# reference to a missing name) fails it. Open build/docs/index.html.
+# reference to a missing name) fails it. Open build/docs/index.html. `make test` builds it so too
+# (tests/docs/test_docs_build.py) and runs the pages' code blocks (tests/docs/test_code_blocks.py).
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -n -q -b html docs build/docs
 

@@ -54,7 +54,10 @@ def blocks(page: str, text: str) -> list[Block]:
         end = index + 1
         while end < len(lines) and not re.match(rf"^ *{fence[0]}{{{len(fence)},}}\s*$", lines[end]):
             end += 1
-        body = "\n".join(line[indent:] if line[:indent].isspace() else line.lstrip() for line in lines[index + 1 : end])
+        # the fence's indentation off each line (a block in a list item); a line indented less, all of it
+        body = "\n".join(
+            line[indent:] if not line[:indent].strip() else line.lstrip() for line in lines[index + 1 : end]
+        )
         language = opening["info"].strip().split(" ")[0].strip("{}").lower()
         file, not_run = _mark(page, lines, index)
         found.append(Block(language, body + "\n" if body else "", index + 2, file, not_run))

@@ -18,21 +18,10 @@ PAGES = sorted(
     for pattern in ("README.md", "docs/tutorials/*.md", "docs/how-to/*.md")
     for path in glob.glob(os.path.join(ROOT, pattern))
 )
-# Pages whose blocks predate the convention (their files and clusters are not the page's to make): an expected
-# failure, strict, so that the test fails as soon as they run, and the mark is taken off.
-PREDATES_THE_CONVENTION = {"README.md": "its blocks read files no block writes (mail.mbox, emails.jsonl, demo-output)"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "page",
-    [
-        pytest.param(page, marks=pytest.mark.xfail(strict=True, raises=BlockFailed, reason=why))
-        if (why := PREDATES_THE_CONVENTION.get(page))
-        else page
-        for page in PAGES
-    ],
-)
+@pytest.mark.parametrize("page", PAGES)
 def test_the_code_blocks_of_a_page_run(page, tmp_path):
     with open(os.path.join(ROOT, page), encoding="utf-8") as handle:
         run_page(page, handle.read(), str(tmp_path), ROOT)
@@ -41,7 +30,8 @@ def test_the_code_blocks_of_a_page_run(page, tmp_path):
 FAKE = """# A page
 
 ```python
-answer = 6 * 7
+for factor in (6,):  # an indented line keeps its indentation
+    answer = factor * 7
 ```
 
 <!-- file: job.yaml -->

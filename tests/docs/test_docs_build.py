@@ -1,5 +1,5 @@
 """The documentation site builds as `make docs` builds it (warnings as errors, every reference resolved),
-within a minute, and its search works offline: the index the build writes finds a command."""
+and its search works offline: the index the build writes finds a command."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import ROOT
@@ -18,14 +17,11 @@ from madp.jobs.reference import API_PACKAGES
 
 pytestmark = pytest.mark.docs
 
-BUILD_LIMIT_S = 60
-
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The site built into a temporary directory, as the Makefile's docs target builds it."""
     output = tmp_path_factory.mktemp("site")
-    started = time.monotonic()
     built = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", "docs", str(output)],
         cwd=ROOT,
@@ -33,18 +29,17 @@ def site(tmp_path_factory):
         text=True,
     )
     assert built.returncode == 0, built.stderr[-5000:]  # -W: a warning fails it
-    return output, time.monotonic() - started
+    return output
 
 
 @pytest.mark.slow
-def test_the_site_builds_without_a_warning_within_a_minute(site):
-    _, seconds = site
-    assert seconds < BUILD_LIMIT_S, f"the docs build took {seconds:.0f} s"
+def test_the_site_builds_without_a_warning(site):
+    assert os.path.isfile(site / "index.html")
 
 
 @pytest.mark.slow
 def test_the_search_index_finds_a_command_offline(site):
-    output, _ = site
+    output = site
     with open(output / "searchindex.js", encoding="utf-8") as handle:
         text = handle.read()
     index = json.loads(text[text.index("(") + 1 : text.rindex(")")])  # Search.setIndex({...})
@@ -58,7 +53,7 @@ def test_the_search_index_finds_a_command_offline(site):
 
 @pytest.mark.slow
 def test_every_exported_name_and_command_is_on_the_built_site(site):
-    output, _ = site
+    output = site
     api = (output / "reference" / "api.html").read_text(encoding="utf-8")
     for package, _ in API_PACKAGES:
         for name in importlib.import_module(package).__all__:

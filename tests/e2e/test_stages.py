@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 import madp
 import madp.accounting
@@ -293,21 +292,3 @@ def test_the_examples_run_as_written(package, name):
     assert test.examples, f"{package}.{name} has no example to run"
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
-
-
-@pytest.mark.tf
-@pytest.mark.slow
-def test_the_python_api_page_example_runs_as_written(tmp_path, monkeypatch, capsys):
-    import re
-
-    pytest.importorskip("tensorflow")
-    page = open(os.path.join(ROOT, "docs", "how-to", "python-api.md"), encoding="utf-8").read()
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "madp.bound(" in block]
-    monkeypatch.chdir(tmp_path)
-    assert main(["-q", "generate", "records.parquet", "--records", "5000"]) == 0
-    capsys.readouterr()
-    exec(compile(example, "python-api.md", "exec"), {"__name__": "example"})
-    selected, expected_batch_size, sigma, epsilon = capsys.readouterr().out.split()
-    assert int(selected) > 0 and float(expected_batch_size) == pytest.approx(32) and float(epsilon) <= 8
-    privacy = json.loads((tmp_path / "out" / "model" / "privacy.json").read_text())
-    assert privacy["noise_multiplier"] == float(sigma) and privacy["private"] is True
