@@ -106,8 +106,8 @@ def pipeline_options(beam_args: list[str]) -> PipelineOptions:
         if name == "data_buffer_time_limit_ms" and value.strip() not in ("", "0"):
             raise InputError(
                 f"--experiments {experiment}: Beam's timed flush of the SDK workers' data plane clears what a "
-                f"step writes while it sends, and so loses elements (runners/README.md, DirectRunner); leave "
-                f"the experiment out, as madp's batch pipelines need no timed flush"
+                f"step writes while it sends, and so loses elements (docs/how-to/run-on-a-cluster.md, "
+                f"DirectRunner); leave the experiment out, as madp's batch pipelines need no timed flush"
             )
     if options.view_as(StandardOptions).runner == "PrismRunner":
         # Beam keeps one Prism job server per process, made with the options of the first job that asked

@@ -201,7 +201,8 @@ class RecordExtractors(typing.NamedTuple):
     of a row that give its id (an int or a str), its users (a list of ints or strs), optionally its
     weight (`--order weight`) and, for batching, its content (a {column: value} dict of what the batch
     files carry: numbers, strings, lists of them; numpy values are taken as their lists). A row whose
-    values are not valid is rejected with the reason a JSON Lines input row would have (README, Input).
+    values are not valid is rejected with the reason a JSON Lines input row would have (docs/how-to/your-data.md,
+    Invalid rows).
 
     Args:
         id_extractor: a row's id (an int or a str).
@@ -231,7 +232,7 @@ class RecordExtractors(typing.NamedTuple):
     users_extractor: Callable[[Any], list]
     weight_extractor: Callable[[Any], float] | None = None
     content_extractor: Callable[[Any], Mapping[str, Any]] | None = None
-    user_ids: str | None = None  # how string user ids are read, as `--user-ids` says (README, Input)
+    user_ids: str | None = None  # how string user ids are read, as `--user-ids` says (docs/how-to/your-data.md)
 
     @property
     def columns(self) -> rec.Columns:
@@ -288,7 +289,7 @@ class RecordsFromRows(beam.PTransform):
     the `RecordExtractors` that read a record out of each -> the (chunk index, RecordChunk) elements
     that `BoundContributions` and `MinSepSample` take, the `Rejects` of rows that are not valid
     records, and counts: each row's record is read and validated exactly as a row of a JSON Lines
-    input file (README, Input), with the content when `content_extractor` is given. Rows go to
+    input file (docs/how-to/your-data.md), with the content when `content_extractor` is given. Rows go to
     `chunks` chunks by a hash of their record, each chunk ordered by its records' JSON, so the chunks,
     and every result, are the same whatever the runner's bundling; chunk indices are 0..chunks-1
     (records from `ReadRecords` in the same pipeline would need other indices). Rejected rows name

@@ -6,7 +6,7 @@ out), `label` the section it is filed under (Library, Core and Builtins, Tests, 
 Documentation, C API, Windows, Security, Tools/Demos, macOS: 11 classes, about 10,000 items of
 Python 3.5 to 3.11), and `users` the people the item credits ("Patch by A and B.", "Contributed by
 C.", ...). About a quarter of the items credit someone; an item that credits nobody is its own
-single owner (`item:<id>`), which the README states wherever a figure comes from this corpus.
+single owner (`item:<id>`), which docs/benchmarks.md states wherever a figure comes from this corpus.
 
 `--source debian`: the source packages of Debian 12 (bookworm, main), from the archive's index files
 (`Sources.xz`; `Translation-en.xz` for the descriptions). Each source package is a record: `text`

@@ -27,15 +27,15 @@ MC_RUNNERS = ("local", "cuda")  # --mc-runner: worker processes, or one NVIDIA G
 TASKS = ("binary", "multiclass", "regression")  # what a numeric or module:function model predicts
 SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
 # What --optimizer and --learning-rate default to, per model (`training_defaults`). The text
-# classifier's were chosen on CPython's changelog (benchmarks/text_defaults.py, README "Text
-# defaults, on real text"): Adam at 0.01 came within a point of a linear model on the same n-grams
-# (SGD at 0.5: 2.4 points below it). The language model's are those its README figures were
-# measured with (examples/text-lm.yaml).
+# classifier's were chosen on CPython's changelog (benchmarks/text_defaults.py, docs/history.md,
+# "Choosing the text defaults on real text"): Adam at 0.01 came within a point of a linear model on the same n-grams
+# (SGD at 0.5: 2.4 points below it). The language model's are those its figures (docs/benchmarks.md, Text
+# models) were measured with (examples/text-lm.yaml).
 # The pretrained causal LM's rate is a common one for fine-tuning with Adam (not tuned here): the
 # from-scratch rates would move it far from its pretrained weights in a few steps. Its LoRA adapters
 # (--lora-rank) start at zero and take a higher one: 2e-3, chosen on CPython's changelog (at batch
 # 256, 40 steps, it beat 1e-3 without privacy and with DP-SGD) and confirmed on Debian's package
-# descriptions (README "The papers' multi-attribution experiment").
+# descriptions (docs/benchmarks.md, "The papers' multi-attribution experiment").
 # The classifier beside a pretrained feature (text-classifier --pretrained) takes Adam at 0.03, chosen
 # on CPython's changelog at epsilon 8 (0.642 and 0.636 accuracy in two runs, against 0.603 at 0.01).
 # Adam's epsilon (--adam-epsilon, added to the root of a coordinate's mean squared gradient) keeps
@@ -43,7 +43,7 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")  # --lr-schedule
 # gradients stay below it moves less than the learning rate, so a rare n-gram's row learns slowly):
 # after 1000 steps of 256 it lifted the classifier on four real corpora without privacy (1.5 to 11
 # points), but it learns more slowly in the first few hundred steps, privately throughout them
-# (README "Text defaults, on real text"), so it is not the default.
+# (docs/history.md, "Choosing the text defaults on real text"), so it is not the default.
 OPTIMIZER_DEFAULTS = {"text-classifier": "adam", "text-lm": "adam", "causal-lm": "adam"}
 LEARNING_RATE_DEFAULTS = {
     ("text-lm", "adam"): 0.003,
@@ -57,14 +57,14 @@ KERAS_ADAM_EPSILON = 1e-7  # what tf_keras and Keras 3 default to
 # An L2 penalty (--l2: l2 times each weight added to the step's noised mean gradient) of 3e-4 keeps
 # the text classifier from memorizing rare words without privacy and, unlike --adam-epsilon 3e-3,
 # does not slow its first steps: chosen on a second sample of PyPI's packages, CPython's changelog
-# and Debian's packages (README "Text defaults, on real text"); the classifier beside a pretrained
+# and Debian's packages (docs/history.md, "Choosing the text defaults on real text"); the classifier beside a pretrained
 # feature was measured without one, and keeps none. Keyed as LEARNING_RATE_DEFAULTS' models.
 L2_DEFAULTS = {"text-classifier": 3e-4}
 # Without privacy the text classifier's rate decays by a cosine to 0 (--lr-schedule cosine): its
 # accuracy stops rising within a few hundred steps at a constant rate, while the steps' sampling noise
 # keeps the weights moving; the decay lets them settle (after 1000 steps of 256, +1 to +2 points on a
-# second sample of PyPI's packages and CPython's changelog, -1 on Debian's packages: README "Text
-# defaults, on real text"). With DP-SGD the rate stays constant: the noise then sums over the steps,
+# second sample of PyPI's packages and CPython's changelog, -1 on Debian's packages: docs/history.md,
+# "Choosing the text defaults on real text"). With DP-SGD the rate stays constant: the noise then sums over the steps,
 # so with sum_t r_t of signal against sqrt(sum_t r_t^2) of noise a constant rate is the best (Cauchy-
 # Schwarz), and a cosine lost 2 points privately on the changelog. Keyed as LEARNING_RATE_DEFAULTS.
 NON_PRIVATE_SCHEDULE_DEFAULTS = {"text-classifier": "cosine"}
@@ -73,7 +73,8 @@ NON_PRIVATE_SCHEDULE_DEFAULTS = {"text-classifier": "cosine"}
 # DP-SGD's noise gathers their signal. At epsilon 8 it lifted accuracy by 0.7 to 1.9 points (the mean
 # of two noise seeds) on a second sample of PyPI's packages, CPython's changelog (1000 and 250 steps)
 # and Debian's packages, and moved it by -0.5 to +0.7 without privacy; 5 and 7 characters did about
-# as well (README "Text defaults, on real text"). Beside a pretrained feature words stay whole (measured so).
+# as well (docs/history.md, "Choosing the text defaults on real text"). Beside a pretrained feature words
+# stay whole (measured so).
 CLASSIFIER_WORD_PREFIX = 6
 
 
@@ -199,7 +200,9 @@ class TrainOptions:
         None, choices=OPTIMIZERS, help="default: adam for the text models, sgd for the others"
     )
     learning_rate: float | None = option(
-        None, help="default: 0.01 with adam (0.003 for text-lm, 1e-4 for causal-lm), 0.5 with sgd"
+        None,
+        help="default: 0.01 with adam (0.003 for text-lm, 0.03 for text-classifier --pretrained, 1e-4 for "
+        "causal-lm, 2e-3 for causal-lm --lora-rank), 0.5 with sgd",
     )
     adam_epsilon: float | None = option(
         None,
@@ -297,7 +300,7 @@ class TrainOptions:
         None,
         choices=SCHEDULES,
         help="learning rate by step index: constant, cosine decay to 0, or linear warmup then cosine "
-        "(default: constant; cosine for text-classifier without privacy)",
+        "(default: constant; cosine for text-classifier without --pretrained and without privacy)",
         group=LONG,
     )
     internal_scalars: bool = option(
@@ -365,11 +368,11 @@ class TrainOptions:
 
     @property
     def ngram_order(self) -> int:
-        """--ngrams, else words alone (1), or words and word pairs (2) beside a --pretrained feature
-        (measured so). With word pairs the plain classifier learned less on three real corpora (README
-        "Text defaults, on real text"): a text's n n-grams weigh 1 / sqrt(n) each in its bag, so pairs
-        shrink its words' gradients while the noise on the bag stays the same, and the pairs, mostly
-        in one text each, are memorized without privacy."""
+        """--ngrams, else words alone (1), or words and word pairs (2) beside a --pretrained feature (measured so).
+        With word pairs the plain classifier learned less on three real corpora (docs/history.md, "Choosing the text
+        defaults on real text"): a text's n n-grams weigh 1 / sqrt(n) each in its bag, so pairs shrink its words'
+        gradients while the noise on the bag stays the same, and the pairs, mostly in one text each, are memorized
+        without privacy."""
         return self.ngrams or (1 if self.pretrained is None else 2)
 
     @property

@@ -408,7 +408,7 @@ def float32_outputs(loss_fn):
 def _compiled_by_xla(function, jit_compile: bool, strategy):
     """`function` (a replica's step) compiled by XLA into one program where `jit_compile`, else as is
     (traced into the caller's tf.function). XLA can fuse the clipping's elementwise work with its
-    matrix products (whether that is faster depends on the device: README, XLA and mixed precision),
+    matrix products (whether that is faster depends on the device: docs/how-to/train.md, XLA and mixed precision),
     and compiles once per shape: its callers pad every step to one size (`rows_per_replica`). One
     device only: a replica function under a MirroredStrategy all-reduces across devices, which XLA
     cannot hold in one program, and TPUs compile everything anyway."""

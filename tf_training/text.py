@@ -37,22 +37,21 @@ _LETTER_OR_DIGIT = re.compile(r"[^\W_]")  # what str.isalnum accepts, searched i
 RARE_TOKEN_RANK = 1000  # TokenFeatures: token t weighs t / (t + RARE_TOKEN_RANK)
 COMMON_DIRECTIONS = 3  # TokenFeatures: the principal directions of the embeddings left out
 NGRAMS, PRETRAINED = "ngrams", "pretrained"  # the classifier's inputs with --pretrained
-# The classifier's bag width (--width). 64 rather than 32 (the default until the second revision of
-# 2026-11-29): under DP-SGD at epsilon 8 it lifted accuracy by 0.2 to 1.6 points (the mean of two
-# noise seeds) on a second sample of PyPI's packages, CPython's changelog (1000 and 250 steps) and
-# Debian's packages, and changed it by at most 0.2 without privacy (README "Text defaults, on real text").
+# The classifier's bag width (--width). 64 rather than 32: under DP-SGD at epsilon 8 it lifted accuracy
+# by 0.2 to 1.6 points (the mean of two noise seeds) on a second sample of PyPI's packages, CPython's
+# changelog (1000 and 250 steps) and Debian's packages, and changed it by at most 0.2 without privacy
+# (docs/history.md, "Choosing the text defaults on real text").
 CLASSIFIER_WIDTH = 64
-# The gradient of the classifier's softmax layer counts half in each example's clipped gradient and in
-# the step (`ScaledGradientDense`; its output is unchanged): under DP-SGD most examples' gradients are
-# clipped, the layer's few weights (width x classes) learn from every example while each bag row learns
-# only from the texts that hold its n-gram, so the clip norm goes further on the bag. At epsilon 8 after
-# 1000 steps of 256 it lifted accuracy by 0.3 to 0.4 points (the mean of two noise seeds) on a second
-# sample of PyPI's packages, CPython's changelog and Debian's packages, and moved it by -0.2 on the
-# changelog after 250 steps; 0.35 did about as well after 1000 steps and worse after 250 (-0.7), 0.7
-# gained 0.1 to 0.3 on all four (README "Text defaults, on real text"). Adam, the default, moves each
-# weight by the ratio of its gradient's running mean to its root mean square, which a constant factor
-# leaves as it was: without privacy only the L2 penalty (--l2), added to the halved gradient, weighs
-# twice as much on the layer (-0.6 to +0.4 points on the same corpora).
+# The gradient of the classifier's softmax layer counts half in each example's clipped gradient and in the step
+# (`ScaledGradientDense`; its output is unchanged): under DP-SGD most examples' gradients are clipped, the layer's
+# few weights (width x classes) learn from every example while each bag row learns only from the texts that hold its
+# n-gram, so the clip norm goes further on the bag. At epsilon 8 after 1000 steps of 256 it lifted accuracy by 0.3
+# to 0.4 points (the mean of two noise seeds) on a second sample of PyPI's packages, CPython's changelog and
+# Debian's packages, and moved it by -0.2 on the changelog after 250 steps; 0.35 did about as well after 1000 steps
+# and worse after 250 (-0.7), 0.7 gained 0.1 to 0.3 on all four (docs/history.md, "Choosing the text defaults on
+# real text"). Adam, the default, moves each weight by the ratio of its gradient's running mean to its root mean
+# square, which a constant factor leaves as it was: without privacy only the L2 penalty (--l2), added to the halved
+# gradient, weighs twice as much on the layer (-0.6 to +0.4 points on the same corpora).
 CLASSIFIER_HEAD_GRADIENT_SCALE = 0.5
 # The bytes of a text the classifier reads per n-gram it keeps (`hashed_ngrams`): an English word and its
 # separator take about 6; a run of CJK characters between two punctuation marks, tens.
@@ -310,7 +309,7 @@ def text_classifier(buckets: int, dimension: int, max_tokens: int, classes: int,
     Why not the bag of `dimension` into one softmax layer beside the feature: under DP-SGD's noise
     the bag's rows drift, its output grows into a random vector larger than the unit feature, and
     clipping, which scales by the softmax layer's input norm, then shrinks what the feature teaches
-    (CPython's changelog, epsilon 8: 0.611 and 0.593 in two runs; this form: see the README)."""
+    (CPython's changelog, epsilon 8: 0.611 and 0.593 in two runs; this form: docs/benchmarks.md, Text models)."""
     if pretrained_width:
         ngrams = tf_keras.Input(shape=(max_tokens,), dtype=tf.int32, name=NGRAMS)
         features = tf_keras.Input(shape=(pretrained_width,), dtype=tf.float32, name=PRETRAINED)

@@ -187,7 +187,9 @@ class UserTask:
         where = f"--task {options.task}"
         for name in ("encode", "metrics"):
             if not callable(getattr(self.task, name, None)):
-                raise InputError(f"{where}: the task it returned has no {name}() (see the README's own tasks)")
+                raise InputError(
+                    f"{where}: the task it returned has no {name}() (see docs/how-to/train.md, A model of your own)"
+                )
         names = getattr(self.task, "features", None)
         if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
             raise InputError(f"{where}: the task's features must be a list of batch feature names")

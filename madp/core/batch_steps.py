@@ -282,8 +282,8 @@ def block_users(pieces: Iterable[SampledIncidences], min_sep: int) -> list[tuple
 def writable_rows(valid: np.ndarray, record: np.ndarray) -> np.ndarray:
     """Which sampled rows (by record index) go into the batches: those of records with valid content,
     taken after sampling and exclusion and before truncation. A step then writes a subset of the
-    units it sampled, so it is truncated no more often than if all were written, and the README's
-    rho <= T Pr[Binomial(U, p) > B_max] still holds."""
+    units it sampled, so it is truncated no more often than if all were written, and the bound
+    rho <= T Pr[Binomial(U, p) > B_max] (docs/concepts/min-sep-batching.md) still holds."""
     return valid[record]
 
 

@@ -6,7 +6,7 @@ duplicated ids, each record's users without repeats) into its report; `madp batc
 over DATA and refuses DATA whose graph differs, since the contribution bound holds for the bounded
 graph only. It is an integrity check against using other data (or other id and users columns) by
 mistake, not a cryptographic commitment: string ids pass through an unkeyed 64-bit hash, and
-whoever can write an OUTPUT directory can rewrite its report anyway (README, Security). `madp
+whoever can write an OUTPUT directory can rewrite its report anyway (docs/privacy.md, Security). `madp
 verify-batches` re-derives the bound from the records and the batches without it.
 
 Each record contributes, in each of two independent lanes, the element hash

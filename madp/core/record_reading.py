@@ -50,7 +50,8 @@ OTHER_COLUMNS = ContentDefault.OTHER_COLUMNS
 # The content a read carries: the columns named, every other column (OTHER_COLUMNS), or none (None).
 Content = tuple[str, ...] | Literal[ContentDefault.OTHER_COLUMNS] | None
 
-# The row rules of the README's Input section. The verifier implements them on its own (verify.py).
+# The row rules of docs/how-to/your-data.md (What a JSON Lines row is, Invalid rows). The verifier
+# implements them on its own (madp/core/verify/records.py).
 # Arrays and objects nested deeper make a row invalid_json: Arrow's reader crashes (a segfault) on a
 # row nested ~30k deep and json recurses until Python's limit, so neither may see such a row.
 MAX_DEPTH = 100
@@ -63,15 +64,15 @@ _ALL_BUT_OPENERS_AND_NEWLINES = bytes(b for b in range(256) if b not in b"[{\n")
 
 
 def jsonl_lines(path: str) -> list[bytes]:
-    """The rows of a JSON Lines file by the README's row rules (`jsonl_rows`)."""
+    """The rows of a JSON Lines file by the row rules (`jsonl_rows`)."""
     return jsonl_rows(_file_bytes(path))
 
 
 def jsonl_rows(data: bytes, at_file_start: bool = True) -> list[bytes]:
-    """The rows of JSON Lines bytes by the README's row rules: a UTF-8 byte order mark at byte 0 of the
-    (decompressed) file removed (`at_file_start`: `data` begins there); rows end at LF, one CR before it
-    removed (LF and CRLF files read the same; a lone CR ends nothing); lines of only spaces, tabs and
-    CRs skipped. Row numbers in errors and rejects count these rows from 0."""
+    """The rows of JSON Lines bytes by the row rules (docs/how-to/your-data.md, What a JSON Lines row is): a UTF-8
+    byte order mark at byte 0 of the (decompressed) file removed (`at_file_start`: `data` begins there); rows end at
+    LF, one CR before it removed (LF and CRLF files read the same; a lone CR ends nothing); lines of only spaces,
+    tabs and CRs skipped. Row numbers in errors and rejects count these rows from 0."""
     if at_file_start and data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     if b"\r" not in data:

@@ -1,4 +1,4 @@
-"""The README's row rules that make a row a record or a reject, by reason: a JSON object's values
+"""The row rules that make a row a record or a reject, by reason (docs/how-to/your-data.md): a JSON object's values
 typed as a record's (`row_problem`), then the rows of a table read from any format
 (`validate_rows`): ids, users (one list column, or the union of --users-columns), weights, user ids
 as e-mail addresses, repeated users dropped, and string user ids that may name one person twice

@@ -10,7 +10,7 @@ with Python dictionaries. Its modules import no other module of madp, only each 
 (`tests/properties/test_import_graph.py` checks it), so this package is the whole of what a reviewer reads to
 trust the two verifiers:
 
-- `records`: the input records, read by the README's row rules; `user_ids`: what a string user id
+- `records`: the input records, read by the row rules of docs/how-to/your-data.md; `user_ids`: what a string user id
   shows and the addresses it holds (--user-ids email);
 - `outputs`: a madp output's report.json, the files it lists (sizes and SHA-256), the selection;
 - `buckets`: items partitioned by a hash of a key into buckets on disk, one held in memory at a time;

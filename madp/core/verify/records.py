@@ -1,5 +1,5 @@
-"""The input records as the verifiers read them, by the README's row rules alone: the input files of a
-path, each row's id, users and content, the rows no engine keeps left out; and where a record's users are
+"""The input records as the verifiers read them, by the row rules of docs/how-to/your-data.md alone: the input
+files of a path, each row's id, users and content, the rows no engine keeps left out; and where a record's users are
 (`_UsersFrom`)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from madp.core.verify.user_ids import _addresses, _Suspects
 
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _HIDDEN = (".", "_")  # names skipped below an input directory, of files and of directories
-_MAX_DEPTH = 100  # the README's row rules: a row nesting arrays and objects deeper is invalid
+_MAX_DEPTH = 100  # the row rules: a row nesting arrays and objects deeper is invalid
 _INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -178,10 +178,10 @@ def _readable_rows(
 
 
 def _json_lines(path: str):
-    """The rows of a JSON Lines file by the README's row rules, one at a time: a UTF-8 byte order mark
-    only at byte 0 of the (gunzipped) file; a row ends at LF, a CR just before it dropped (a lone CR
-    ends nothing); rows of only spaces, tabs and CRs skipped. An empty .gz is unreadable, not an empty
-    file."""
+    """The rows of a JSON Lines file by the row rules (docs/how-to/your-data.md, What a JSON Lines row is), one at a
+    time: a UTF-8 byte order mark only at byte 0 of the (gunzipped) file; a row ends at LF, a CR just before it
+    dropped (a lone CR ends nothing); rows of only spaces, tabs and CRs skipped. An empty .gz is unreadable, not an
+    empty file."""
     if path.endswith(".gz") and os.path.getsize(path) == 0:
         raise ValueError("an empty gzip file (0 bytes)")
     with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as handle:

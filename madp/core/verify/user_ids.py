@@ -8,7 +8,8 @@ import unicodedata
 from collections import Counter, defaultdict
 from email.utils import getaddresses
 
-# The signs that a string user id may name a person who is also written another way (README, Input).
+# The signs that a string user id may name a person who is also written another way (docs/how-to/your-data.md,
+# User ids written as e-mail addresses).
 _SIGNS = {
     "several_addresses": "several addresses in one value",
     "display_name": "an address in angle brackets",
