@@ -62,7 +62,7 @@ not run
 
 def test_the_runner_runs_a_page_in_order_in_one_directory_and_one_namespace(tmp_path):
     ran = run_page("fake.md", FAKE.format(repo=ROOT), str(tmp_path), ROOT)
-    assert ran == ["fake.md:4", "fake.md:9", "fake.md:13", "fake.md:18"]
+    assert ran == ["fake.md:4", "fake.md:10", "fake.md:14", "fake.md:19"]
     with open(tmp_path / "work" / "job.yaml", encoding="utf-8") as handle:
         assert handle.read() == "run_dir: out\n"  # the file block, written
 
