@@ -63,10 +63,13 @@ chromium:
 prism: $(STAMP)
 	$(BIN)/python tests/runner_services.py prism
 
-# One worker process per core (at most 4), each taking whole test files (their module fixtures once).
-# -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU": tests/ci_skips.py).
+# One worker process more than cores (at most 4: a third of the suite's time waits on JVMs, Spark clusters and
+# subprocesses), each taking whole test files (their module fixtures once; tests/conftest.py starts the
+# longest first). -rs says why a test skipped; under CI=true a skip fails the run (but "needs a GPU":
+# tests/ci_skips.py).
+TEST_WORKERS := $(shell nproc | awk '{ print ($$1 < 4 ? $$1 + 1 : 4) }')
 test: lint $(SMOLLM2) chromium prism
-	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 --dist loadfile tests
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests
 
 # Kernels, accounting and input validation: no Beam pipeline, no Spark job, no TensorFlow, no slow test (~30 s)
 test-fast: $(STAMP)

@@ -37,8 +37,29 @@ DATA = os.path.join(TESTS, "data")  # fixture files
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
+# The longest test files (one to four minutes each on 2 cores), started first: under `--dist loadfile` a
+# file runs whole on one worker, and a long one started last would run alone while the other workers idle.
+LONGEST_FIRST = (
+    "training/test_pretrained.py",
+    "docs/test_code_blocks.py",
+    "spark/test_spark_cluster.py",
+    "properties/test_privacy_guarantee.py",
+    "training/test_text.py",
+    "tools/test_planning.py",
+    "spark/test_dataframe.py",
+    "tools/test_audit.py",
+    "beam/test_runner_tier.py",
+    "accounting/test_accounting.py",
+)
+
+
 def pytest_configure(config):
     register_ci_skips(config)
+
+
+def pytest_collection_modifyitems(items):
+    first = {os.path.join(TESTS, name): rank for rank, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(str(item.path), len(first)))  # stable: the rest in their order
 
 
 def write_records(path: str, rows: list[dict]) -> str:
