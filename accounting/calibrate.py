@@ -104,7 +104,9 @@ def _composed_epsilon(releases: tuple[tuple[Mechanism, float], ...], delta: floa
     try:
         accountant.compose(event)
         return float(accountant.get_epsilon(delta))
-    except (ValueError, OverflowError, MemoryError) as error:  # dp_accounting's own failure, a traceback otherwise
+    # dp_accounting's own failure, a traceback otherwise; a TypeError where one of its searches found no point
+    # and returned None (the tail of a mixture of Gaussians whose mass all but sits at its largest sensitivity)
+    except (ValueError, TypeError, OverflowError, MemoryError) as error:
         # each release's name and sigma are values {2i} and {2i+1}; dp_accounting's error follows them
         accounted = " composed with ".join(
             f"{{{2 * index}}} at {{noise_multiplier}} {{{2 * index + 1}:g}}" for index in range(len(releases))
@@ -122,7 +124,8 @@ def _composed_epsilon(releases: tuple[tuple[Mechanism, float], ...], delta: floa
 class Unaccountable(OptionError):
     """dp_accounting could not build or compose an event's privacy loss distribution, on some extreme
     ones: a mixture of Gaussians at a sampling probability of 1e-9 and sigma 0.04 or below (a
-    ValueError), at max_contributions 100000 (an OverflowError), 10^9 steps (out of memory)."""
+    ValueError), at max_contributions 100000 (an OverflowError), 10^9 steps (out of memory), at a
+    sampling probability within 1e-15 of 1 and some sigmas (a TypeError)."""
 
 
 def smallest_noise_ratio(event: dp_event.DpEvent) -> float:

@@ -2,7 +2,8 @@
 
 - `DpSgd`: DP-SGD with example-level Poisson sampling (probability q) where a user owns up to k
   records: one step is the mixture of Gaussians with sensitivity j ~ Binomial(k, q) (ELS paper,
-  Thm. 1), self-composed over T steps; accounted with PLD only.
+  Thm. 1), self-composed over T steps; accounted with PLD only. At q = 1 (every record in every step)
+  there is no amplification: T Gaussian mechanisms of sensitivity k, one of sensitivity sqrt(T) k.
 - `DpSgdUls`: DP-SGD with user-level Poisson sampling (probability q_user) and one clipped
   gradient per user: PoissonSampled(q_user, Gaussian(sigma)) over T steps.
 - `BandMf`: BandMF without amplification on (k, b)-min-sep batches (each user in at most k
@@ -57,7 +58,8 @@ def check_contributions(max_contributions: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class DpSgd:
     """DP-SGD with example-level Poisson sampling, up to `max_contributions` records per user: each step is
-    the mixture of Gaussians with sensitivity j ~ Binomial(k, q), self-composed over the steps.
+    the mixture of Gaussians with sensitivity j ~ Binomial(k, q), self-composed over the steps; at q = 1, the
+    Gaussian mechanism of sensitivity k composed over the steps (one of sensitivity sqrt(T) k).
 
     Args:
         sampling_prob: q, the probability that a step samples a record (`sampling_probability`).
@@ -91,6 +93,11 @@ class DpSgd:
 
     def event(self, noise_multiplier: float) -> dp_event.DpEvent:
         k = self.max_contributions
+        if self.sampling_prob == 1:
+            # Every record in every step: no amplification, T Gaussian mechanisms of sensitivity k, which compose
+            # exactly into one of sensitivity sqrt(T) k. (dp_accounting's mixture with all its mass on k fails at
+            # some sigmas: its tail search starts on the answer, misses it by a rounding and returns None.)
+            return dp_event.GaussianDpEvent(noise_multiplier / (k * math.sqrt(self.steps)))
         one_step = dp_event.MixtureOfGaussiansDpEvent(
             standard_deviation=noise_multiplier,
             sensitivities=[float(j) for j in range(k + 1)],

@@ -8,7 +8,8 @@ import math
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
-from scipy.stats import binom
+from scipy.optimize import brentq
+from scipy.stats import binom, norm
 
 from madp.accounting.calibrate import (
     DISCRETIZATION,
@@ -125,6 +126,39 @@ def test_an_epsilon_asked_again_is_not_accounted_again(monkeypatch):
         with pytest.raises(Unaccountable, match="cannot account dpsgd at noise_multiplier 0.031"):
             epsilon(DpSgd(1e-9, 999, 1), 0.031, 1e-6)
     assert len(built) == 7
+
+
+def exact_gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact epsilon at `delta` of the Gaussian mechanism whose sensitivity is `mu` times its noise
+    (Balle and Wang 2018, Thm. 8): delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu), solved for
+    eps; the second term in log space, where e^eps alone overflows."""
+
+    def excess(eps: float) -> float:
+        return norm.cdf(mu / 2 - eps / mu) - math.exp(eps + norm.logcdf(-mu / 2 - eps / mu)) - delta
+
+    return brentq(excess, 0.0, mu * mu + 10 * mu, xtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("k", "steps", "sigma"), [(4, 5, 0.5285933102414113), (1, 5, 0.8096258668682517), (4, 20, 20.0), (2, 300, 6.0)]
+)
+def test_every_record_in_every_step_is_the_gaussian_mechanism_composed(k, steps, sigma):
+    """At q = 1 no step samples: T Gaussian mechanisms of sensitivity k and noise sigma, whose privacy losses
+    compose exactly into that of one Gaussian of sensitivity sqrt(T) k. The PLD's epsilon is that one's, at
+    most a grid step above (pessimistic), on the plan's grid and the curve's. (dp_accounting's mixture of
+    Gaussians at q = 1 failed with a TypeError at the first two sigmas: its tail search returned None.)"""
+    exact = exact_gaussian_epsilon(math.sqrt(steps) * k / sigma, 1e-5)
+    for grid in (DISCRETIZATION, 1e-2):
+        assert exact <= epsilon(DpSgd(1.0, steps, k), sigma, 1e-5, grid) <= exact + grid
+
+
+def test_a_search_that_fails_inside_the_accountant_is_named():
+    """Within 1e-15 of q = 1 the mixture keeps a second sensitivity, and dp_accounting's tail search still
+    starts on its answer at some sigmas and fails on the None it returns (a TypeError): named, as the
+    accountant's other failures are, never a traceback."""
+    failed = r"cannot account dpsgd at noise_multiplier 0.528593 \(dp_accounting: TypeError: unsupported operand"
+    with pytest.raises(Unaccountable, match=failed):
+        epsilon(DpSgd(1 - 2**-53, 5, 4), 0.5285933102414113, 1e-5)
 
 
 @pytest.mark.slow

@@ -6,15 +6,19 @@ the first; a Monte Carlo calibration with its epsilon curve)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
 from conftest import DATA, write_records
 
+from madp.accounting.calibrate import epsilon
+from madp.accounting.mechanisms import DpSgd
 from madp.core.selection import BoundOptions
 from madp.engines.batch_local import run_local as batch_local
 from madp.engines.batching import BatchOptions
 from madp.engines.local_engine import run_local as bound_local
+from madp.stages.calibrating import run_calibrate
 from madp.training.batches import open_batches
 from madp.training.ledger import TrainingEntry, composition
 from madp.training.options import TrainOptions
@@ -65,3 +69,24 @@ def test_a_new_plan_survives_its_json_and_composes_with_its_ledger_entry(tmp_pat
     )
     assert independent is not None and independent.independent_batches == 1
     assert plan.epsilon < independent.epsilon <= composed.epsilon * (1 + 1e-6), "a shared sampling costs no less"
+
+
+def test_batches_of_every_record_in_every_step_are_calibrated_with_their_curve(tmp_path):
+    """Batches at --min-sep 1 whose batch size is every selected copy sample at p = 1: `madp run`'s calibrate
+    stage accounts them without amplification, T Gaussian mechanisms of sensitivity k (DP-SGD at q = 1), its
+    sigma-epsilon curve included, which passes sigma 0.5286 where dp_accounting's mixture of Gaussians raised a
+    TypeError; with a target epsilon too, and the curve read back from calibration.json."""
+    rows = [{"id": i, "users": [i % 16, 100 + i // 2], "features": [0.1], "label": i % 2} for i in range(64)]
+    data = write_records(str(tmp_path / "records.jsonl"), rows)
+    bound = bound_local(data, str(tmp_path / "bounded"), BoundOptions(max_contributions=4))
+    every_copy = BatchOptions(steps=5, batch_size=bound.selected_records, seed=1)
+    batch_local(str(tmp_path / "bounded"), data, str(tmp_path / "batches"), every_copy)
+    sigma = 2 * 0.5285933102414113  # the curve starts at sigma / 2
+    output = str(tmp_path / "calibration.json")
+    plan = run_calibrate(str(tmp_path / "batches"), output, TrainOptions(noise_multiplier=sigma))
+    assert plan is not None and plan.parameters == DpSgd(1.0, 5, 4) and plan.epsilon_curve is not None
+    assert plan.epsilon_curve[0] == (sigma / 2, epsilon(DpSgd(1.0, 5, 4), sigma / 2, 1e-5, discretization=1e-2))
+    assert len(plan.epsilon_curve) == 9 and all(math.isfinite(e) for _, e in plan.epsilon_curve)
+    assert PrivacyPlan.from_json(json.loads(open(output).read())) == plan
+    calibrated = run_calibrate(str(tmp_path / "batches"), None, TrainOptions(epsilon=20.0))
+    assert calibrated is not None and calibrated.epsilon <= 20.0 and calibrated.epsilon_curve is not None
