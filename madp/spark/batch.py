@@ -62,7 +62,7 @@ from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_
 from madp.engines.batch_report import merge_counts
 from madp.spark.dataframe import as_dataframe, input_name, read_input
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions
+from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -85,11 +85,7 @@ def cogrouped(partitions: int, *keyed: RDD) -> RDD:
     partitioned so already (`grouped`, `records.record_partitions`) is not shuffled again."""
 
     def tagged(index: int, rdd: RDD) -> RDD:
-        return rdd.partitionBy(partitions, by_part).mapValues(lambda value: (index, value))
-
-    union = tagged(0, keyed[0])
-    for index, rdd in enumerate(keyed[1:], start=1):
-        union = union.union(tagged(index, rdd))
+        return rdd.mapValues(lambda value: (index, value))
 
     sources = len(keyed)  # the closure below must hold no RDD
 
@@ -99,7 +95,7 @@ def cogrouped(partitions: int, *keyed: RDD) -> RDD:
             lists[index].append(value)
         return lists
 
-    return grouped(union, partitions).mapValues(by_source)
+    return gathered(partitions, *(tagged(index, rdd) for index, rdd in enumerate(keyed))).mapValues(by_source)
 
 
 # --- the join and the histogram ------------------------------------------------------------------

@@ -72,7 +72,7 @@ from madp.core.selection import (
 )
 from madp.spark.dataframe import as_dataframe, input_name, read_input, user_id_type
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions, summed_stats
+from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -266,7 +266,7 @@ class _SparkBound:
         self.steps += 0 if first else 1
         partitions, duplicates = self.partitions, self.options.duplicates
         pass_start, certify, selects = progress.control.next == START_PASS, first and not duplicates, not first
-        accepted = self.sc.emptyRDD()
+        messages: list[RDD] = []  # the acceptances, where the step selects
         selected_counts = self.sc.emptyRDD()
         if selects and progress.selects:
             passes = progress.control.passes
@@ -283,16 +283,14 @@ class _SparkBound:
             )
             self.selected.append(selected)
             selected_counts = selected.values().map(lambda s: (IterationCounts(selected=len(s.keys)), {}))
-            accepted = selections.flatMap(lambda e: [(user, (ACCEPTED, keys)) for user, keys in e[1].accepted])
-        joined = state.mapValues(lambda packed: (STATE, packed)).union(accepted).groupByKey(partitions, by_part)
+            messages.append(selections.flatMap(lambda e: [(user, (ACCEPTED, keys)) for user, keys in e[1].accepted]))
+        joined = gathered(partitions, state.mapValues(lambda packed: (STATE, packed)), *messages)
         consumed = joined.flatMapValues(lambda values: _consume(values, pass_start, certify)).persist(
             StorageLevel.MEMORY_AND_DISK
         )
         dead = consumed.flatMap(lambda e: [(user, (DEAD, keys)) for user, keys in e[1].dead_elsewhere])
         retired = (
-            consumed.mapValues(lambda c: (STATE, (c.packed, c.dead)))
-            .union(dead)
-            .groupByKey(partitions, by_part)
+            gathered(partitions, consumed.mapValues(lambda c: (STATE, (c.packed, c.dead))), dead)
             .flatMapValues(lambda values: _retire(values, duplicates))
             .persist(StorageLevel.MEMORY_AND_DISK)
         )
@@ -340,12 +338,7 @@ class _SparkBound:
             (part_records,) = grouped[RECORDS]
             return finish_record_partition(part_records, grouped.get(SELECTED, []), control, passes_at_start, shards)
 
-        finished = (
-            self.sc.union(tagged)
-            .groupByKey(self.partitions, by_part)
-            .mapValues(finish)
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
+        finished = gathered(self.partitions, *tagged).mapValues(finish).persist(StorageLevel.MEMORY_AND_DISK)
         stats = finished.values().map(lambda f: {**f.counted, **f.distribution}).collect()
         self.stats = summed_stats([self.stats, *stats])
         attempts = storage.join(self.run_dir, "attempts")

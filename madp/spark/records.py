@@ -59,6 +59,17 @@ def by_part(part: int) -> int:
     return part
 
 
+def gathered(partitions: int, *keyed: RDD) -> RDD:
+    """(partition, its values) of the (partition, value) pairs of every RDD of `keyed`, partition p in
+    Spark partition p. Only what is not partitioned so already crosses a shuffle: an RDD that a shuffle
+    by `by_part` left in place (a step's state, the record partitions) is read where it is, and only the
+    messages sent to it move."""
+    from pyspark import RDD
+
+    union = functools.reduce(RDD.union, [rdd.partitionBy(partitions, by_part) for rdd in keyed])
+    return union.groupByKey(partitions, by_part)
+
+
 def summed_stats(counts: list[dict[str, int]]) -> dict[str, int]:
     """Counts the tasks sent, by name: summed, or the largest of a `max_` one (`selection.stat_total`)."""
     by_name: dict[str, list[int]] = {}
