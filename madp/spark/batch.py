@@ -257,6 +257,7 @@ def _jobs(
     try:
         with raising_kept_errors(errors_dir):
             facts = joined.values().map(join_facts).collect()
+            read.reads.unpersist()  # the joined partitions hold the records
             histogram = neighbourhood_sizes(joined, partitions)
         digest = sum((f.digest for f in facts if f.digest is not None), EMPTY_GRAPH)
         batching.check_same_graph(digest, inputs.bound, data_name)  # the records must be the graph bounded

@@ -209,13 +209,13 @@ class _SparkBound:
         self.stats = summed_stats([self.stats, totals[1]])
         return totals[0]
 
-    def read(self, source: list[str] | DataFrame) -> tuple[RDD, rec.Rejects]:
+    def read(self, source: list[str] | DataFrame) -> tuple[RDD, rec.Rejects, RDD]:
         """The record partitions, (record partition, [RecordChunk, ...]), of the input files or DataFrame
-        `source`, and the read's rejects."""
+        `source`, the read's rejects, and the persisted reads (`SparkRecords.reads`)."""
         read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
         self.partitions = self.spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
-        return record_partitions(read.chunks, self.partitions), read.rejects
+        return record_partitions(read.chunks, self.partitions), read.rejects, read.reads
 
     def group_sizes(self, parts: RDD) -> tuple[int, int]:
         """--order alternate: records with at most u users and with more, as the bounding sees them."""
@@ -372,7 +372,7 @@ def _bound_on_spark(
     sc.setCheckpointDir(checkpoints)
     threshold = spark_options.local_finish_incidences
     with raising_kept_errors(job.errors_dir):
-        parts, rejects = job.read(source)
+        parts, rejects, reads = job.read(source)
         if options.order == "alternate":
             small, large = job.group_sizes(parts)
             options = job.options = dataclasses.replace(options, group_sizes=(small, large))
@@ -380,6 +380,7 @@ def _bound_on_spark(
                 "--order alternate: %d records with at most %d users, %d with more", small, options.alternate[0], large
             )
         records, state, duplicates, counts = job.build(parts)
+        reads.unpersist()  # the record partitions are built from them
         rejects = rec.merge_rejects([rejects, duplicates])
         if options.on_invalid == "error":  # before any round
             handle_rejects(rejects, options.on_invalid, output)
