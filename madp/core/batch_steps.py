@@ -311,7 +311,17 @@ def written_samples(valid: np.ndarray, survivors: Samples, warm_up: int, steps: 
 def rows_of_file(joined: JoinedPartition, written: WrittenSamples, file: int) -> FileRows:
     """The rows of batch file `file` that `written`'s samples of the partition make (unordered:
     `write_batch_file` orders, truncates and pads each step)."""
-    mine = np.flatnonzero(written.file == file)
+    return _rows_of(joined, written, np.flatnonzero(written.file == file))
+
+
+def rows_of_steps(joined: JoinedPartition, written: WrittenSamples, steps: range) -> FileRows:
+    """The rows of the training steps `steps`, a part of one batch file's range, that `written`'s samples
+    of the partition make: `write_batch_file` writes of them the bytes those steps have in the whole file
+    (a file's rows go in step order, each step truncated and padded on its own)."""
+    return _rows_of(joined, written, np.flatnonzero((written.step >= steps.start) & (written.step < steps.stop)))
+
+
+def _rows_of(joined: JoinedPartition, written: WrittenSamples, mine: np.ndarray) -> FileRows:
     return batch_files.file_rows(
         joined.ids,
         joined.content,

@@ -5,7 +5,8 @@ shuffle holds key i):
 
   records, selection shards -> record partitions (join) -> user partitions (neighbour pairs)
       -> record partitions (|N(e)| histogram; p calibrated in the driver) -> record partitions (samples)
-      -> user partitions (blocked (user, step)) -> record partitions (survivors) -> batch files
+      -> user partitions (blocked (user, step)) -> record partitions (survivors)
+      -> pieces of the batch files (runs of their steps, written in parallel) -> batch files (joined)
 
 The driver reads back only control values: the join's (graph digest, rejects, content description),
 the histogram, the realized sizes per step, each written file's name and counts, and the
@@ -13,10 +14,10 @@ participation statistics. The secret sampling key (`BatchOptions.key`, a run wit
 travels inside the closures of the join and sampling tasks only: no Spark conf, broadcast or log line
 holds it.
 
-A task that writes a batch file writes it under a name of its own attempt and returns that name; the
-driver moves the winners into place once every job has passed (`batch_job.commit`), so a retried or
-speculative task leaves neither a partial nor a duplicate file, and a failed run leaves the earlier
-batches as they were.
+A task that writes a batch file (or a piece of one) writes it under a name of its own attempt and
+returns that name; the driver moves the winners into place once every job has passed
+(`batch_job.commit`), so a retried or speculative task leaves neither a partial nor a duplicate file,
+and a failed run leaves the earlier batches as they were.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from madp.core.batch_steps import (
     merged_content,
     neighbour_pairs_by_record,
     neighbourhood_histogram,
-    rows_of_file,
+    rows_of_steps,
     sample_partition,
     split_selection,
     survivors,
@@ -62,7 +63,7 @@ from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_
 from madp.engines.batch_report import merge_counts
 from madp.spark.dataframe import as_dataframe, input_name, read_input
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions
+from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ log = logging.getLogger("madp.batch")
 BOUNDING_ONLY = ("checkpoint_dir", "checkpoint_every", "local_finish_incidences")
 INPUT_ERRORS = "input-errors"  # under the run's folder in OUTPUT/_work: InputErrors the tasks met
 KEPT = StorageLevel.MEMORY_AND_DISK  # a partition's state that several later steps read
+COPY_BYTES = 1 << 24  # a batch file's pieces are joined in reads of this size
 
 
 def grouped(rdd: RDD, partitions: int) -> RDD:
@@ -85,11 +87,7 @@ def cogrouped(partitions: int, *keyed: RDD) -> RDD:
     partitioned so already (`grouped`, `records.record_partitions`) is not shuffled again."""
 
     def tagged(index: int, rdd: RDD) -> RDD:
-        return rdd.partitionBy(partitions, by_part).mapValues(lambda value: (index, value))
-
-    union = tagged(0, keyed[0])
-    for index, rdd in enumerate(keyed[1:], start=1):
-        union = union.union(tagged(index, rdd))
+        return rdd.mapValues(lambda value: (index, value))
 
     sources = len(keyed)  # the closure below must hold no RDD
 
@@ -99,7 +97,7 @@ def cogrouped(partitions: int, *keyed: RDD) -> RDD:
             lists[index].append(value)
         return lists
 
-    return grouped(union, partitions).mapValues(by_source)
+    return gathered(partitions, *(tagged(index, rdd) for index, rdd in enumerate(keyed))).mapValues(by_source)
 
 
 # --- the join and the histogram ------------------------------------------------------------------
@@ -194,6 +192,16 @@ class WrittenFile(NamedTuple):
     routing: WrittenRouting
 
 
+class WrittenPiece(NamedTuple):
+    """A piece of a batch file a task wrote (`file_pieces`): its number, the name its attempt wrote it
+    under, and the counts and routing of its steps."""
+
+    piece: int
+    path: str
+    counts: FileCounts
+    routing: WrittenRouting
+
+
 def attempt_path(staged: str, file: int, files: int) -> str:
     """Where this task attempt writes batch file `file`: a name no other attempt (a retry, a speculative
     copy, a recomputation) writes."""
@@ -201,6 +209,18 @@ def attempt_path(staged: str, file: int, files: int) -> str:
     assert task is not None, "a batch file is written in a Spark task"
     final = batch_files.batch_file_path(staged, file, files)
     return f"{final}.attempt-{task.partitionId()}-{task.attemptNumber()}-{task.taskAttemptId()}"
+
+
+def file_pieces(files: int, steps: int, partitions: int) -> list[tuple[int, range]]:
+    """(file, its steps) of every piece of the batch files, in order: each file's steps in runs, about
+    `partitions` runs over all files and at least one a file, which tasks write in parallel."""
+    per_file = max(1, partitions // files)
+    pieces = []
+    for file in range(files):
+        whole = batch_files.step_range(file, steps, files)
+        cuts = min(per_file, max(1, len(whole)))
+        pieces += [(file, whole[len(whole) * cut // cuts : len(whole) * (cut + 1) // cuts]) for cut in range(cuts)]
+    return pieces
 
 
 def written_files(
@@ -211,24 +231,54 @@ def written_files(
     partitions: int,
     errors_dir: str,
 ) -> RDD:
-    """WrittenFile of every batch file, each written under `staged` by a task, from every record
-    partition's rows in it (`batch_steps.gathered_file_rows`, `batch_files.write_batch_file`)."""
-    files, steps, max_batch_size = options.output_shards, options.steps, options.max_batch_size
+    """WrittenFile of every batch file, each written under `staged` by a task from its pieces (`file_pieces`):
+    tasks of their own write a piece each, from every record partition's rows of its steps
+    (`batch_steps.rows_of_steps`, `gathered_file_rows`, `batch_files.write_batch_file`: the bytes those
+    steps have in the whole file), and the file's task joins them in step order."""
+    files, max_batch_size = options.output_shards, options.max_batch_size
+    pieces = file_pieces(files, options.steps, partitions)
+    pieces_dir = storage.join(staged, "pieces")
 
-    def rows_by_file(item: tuple[int, tuple[JoinedPartition, Survivors]]) -> list:
+    def rows_by_piece(item: tuple[int, tuple[JoinedPartition, Survivors]]) -> list:
         part, (partition, kept_samples) = item
-        # every file hears from every partition, so empty files are written
-        return [(file, (part, rows_of_file(partition, kept_samples.written, file))) for file in range(files)]
+        # every piece hears from every partition, so empty files are written
+        return [
+            (piece, (part, rows_of_steps(partition, kept_samples.written, steps)))
+            for piece, (_, steps) in enumerate(pieces)
+        ]
 
-    def write(item: tuple[int, Iterable]) -> WrittenFile:
-        file, pieces = item
+    def write_piece(item: tuple[int, Iterable]) -> tuple[int, WrittenPiece]:
+        piece, rows = item
+        file, steps = pieces[piece]
+        path = attempt_path(pieces_dir, piece, len(pieces))
+        result = batch_files.write_batch_file(path, gathered_file_rows(rows), steps, max_batch_size, content)
+        return file, WrittenPiece(piece, path, result.counts, written_by_partition(result, partitions))
+
+    def join(item: tuple[int, Iterable[WrittenPiece]]) -> WrittenFile:
+        file, written = item
+        in_order = sorted(written, key=lambda piece: piece.piece)
+
+        def write(handle: Any) -> None:
+            for piece in in_order:
+                with storage.open_input(piece.path) as source:
+                    while chunk := source.read(COPY_BYTES):
+                        handle.write(chunk)
+
         path = attempt_path(staged, file, files)
-        result = batch_files.write_batch_file(
-            path, gathered_file_rows(pieces), batch_files.step_range(file, steps, files), max_batch_size, content
+        storage.write_whole(path, write)
+        counts = FileCounts(
+            np.concatenate([piece.counts.written for piece in in_order]),
+            truncated=sum(piece.counts.truncated for piece in in_order),
+            padding=sum(piece.counts.padding for piece in in_order),
         )
-        return WrittenFile(file, path, result.counts, written_by_partition(result, partitions))
+        routing = WrittenRouting(
+            [pair for piece in in_order for pair in piece.routing.users],
+            [pair for piece in in_order for pair in piece.routing.records],
+        )
+        return WrittenFile(file, path, counts, routing)
 
-    return grouped(survived.flatMap(rows_by_file), files).map(kept(errors_dir, write))
+    written_pieces = grouped(survived.flatMap(rows_by_piece), len(pieces)).map(kept(errors_dir, write_piece))
+    return grouped(written_pieces, files).map(kept(errors_dir, join))
 
 
 # --- the jobs --------------------------------------------------------------------------------------
@@ -261,6 +311,7 @@ def _jobs(
     try:
         with raising_kept_errors(errors_dir):
             facts = joined.values().map(join_facts).collect()
+            read.reads.unpersist()  # the joined partitions hold the records
             histogram = neighbourhood_sizes(joined, partitions)
         digest = sum((f.digest for f in facts if f.digest is not None), EMPTY_GRAPH)
         batching.check_same_graph(digest, inputs.bound, data_name)  # the records must be the graph bounded

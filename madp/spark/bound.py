@@ -72,7 +72,7 @@ from madp.core.selection import (
 )
 from madp.spark.dataframe import as_dataframe, input_name, read_input, user_id_type
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, kept, raising_kept_errors, record_partitions, summed_stats
+from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -209,13 +209,13 @@ class _SparkBound:
         self.stats = summed_stats([self.stats, totals[1]])
         return totals[0]
 
-    def read(self, source: list[str] | DataFrame) -> tuple[RDD, rec.Rejects]:
+    def read(self, source: list[str] | DataFrame) -> tuple[RDD, rec.Rejects, RDD]:
         """The record partitions, (record partition, [RecordChunk, ...]), of the input files or DataFrame
-        `source`, and the read's rejects."""
+        `source`, the read's rejects, and the persisted reads (`SparkRecords.reads`)."""
         read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
         self.partitions = self.spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
-        return record_partitions(read.chunks, self.partitions), read.rejects
+        return record_partitions(read.chunks, self.partitions), read.rejects, read.reads
 
     def group_sizes(self, parts: RDD) -> tuple[int, int]:
         """--order alternate: records with at most u users and with more, as the bounding sees them."""
@@ -266,7 +266,7 @@ class _SparkBound:
         self.steps += 0 if first else 1
         partitions, duplicates = self.partitions, self.options.duplicates
         pass_start, certify, selects = progress.control.next == START_PASS, first and not duplicates, not first
-        accepted = self.sc.emptyRDD()
+        messages: list[RDD] = []  # the acceptances, where the step selects
         selected_counts = self.sc.emptyRDD()
         if selects and progress.selects:
             passes = progress.control.passes
@@ -283,16 +283,14 @@ class _SparkBound:
             )
             self.selected.append(selected)
             selected_counts = selected.values().map(lambda s: (IterationCounts(selected=len(s.keys)), {}))
-            accepted = selections.flatMap(lambda e: [(user, (ACCEPTED, keys)) for user, keys in e[1].accepted])
-        joined = state.mapValues(lambda packed: (STATE, packed)).union(accepted).groupByKey(partitions, by_part)
+            messages.append(selections.flatMap(lambda e: [(user, (ACCEPTED, keys)) for user, keys in e[1].accepted]))
+        joined = gathered(partitions, state.mapValues(lambda packed: (STATE, packed)), *messages)
         consumed = joined.flatMapValues(lambda values: _consume(values, pass_start, certify)).persist(
             StorageLevel.MEMORY_AND_DISK
         )
         dead = consumed.flatMap(lambda e: [(user, (DEAD, keys)) for user, keys in e[1].dead_elsewhere])
         retired = (
-            consumed.mapValues(lambda c: (STATE, (c.packed, c.dead)))
-            .union(dead)
-            .groupByKey(partitions, by_part)
+            gathered(partitions, consumed.mapValues(lambda c: (STATE, (c.packed, c.dead))), dead)
             .flatMapValues(lambda values: _retire(values, duplicates))
             .persist(StorageLevel.MEMORY_AND_DISK)
         )
@@ -340,12 +338,7 @@ class _SparkBound:
             (part_records,) = grouped[RECORDS]
             return finish_record_partition(part_records, grouped.get(SELECTED, []), control, passes_at_start, shards)
 
-        finished = (
-            self.sc.union(tagged)
-            .groupByKey(self.partitions, by_part)
-            .mapValues(finish)
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
+        finished = gathered(self.partitions, *tagged).mapValues(finish).persist(StorageLevel.MEMORY_AND_DISK)
         stats = finished.values().map(lambda f: {**f.counted, **f.distribution}).collect()
         self.stats = summed_stats([self.stats, *stats])
         attempts = storage.join(self.run_dir, "attempts")
@@ -379,7 +372,7 @@ def _bound_on_spark(
     sc.setCheckpointDir(checkpoints)
     threshold = spark_options.local_finish_incidences
     with raising_kept_errors(job.errors_dir):
-        parts, rejects = job.read(source)
+        parts, rejects, reads = job.read(source)
         if options.order == "alternate":
             small, large = job.group_sizes(parts)
             options = job.options = dataclasses.replace(options, group_sizes=(small, large))
@@ -387,6 +380,7 @@ def _bound_on_spark(
                 "--order alternate: %d records with at most %d users, %d with more", small, options.alternate[0], large
             )
         records, state, duplicates, counts = job.build(parts)
+        reads.unpersist()  # the record partitions are built from them
         rejects = rec.merge_rejects([rejects, duplicates])
         if options.on_invalid == "error":  # before any round
             handle_rejects(rejects, options.on_invalid, output)

@@ -59,6 +59,17 @@ def by_part(part: int) -> int:
     return part
 
 
+def gathered(partitions: int, *keyed: RDD) -> RDD:
+    """(partition, its values) of the (partition, value) pairs of every RDD of `keyed`, partition p in
+    Spark partition p. Only what is not partitioned so already crosses a shuffle: an RDD that a shuffle
+    by `by_part` left in place (a step's state, the record partitions) is read where it is, and only the
+    messages sent to it move."""
+    from pyspark import RDD
+
+    union = functools.reduce(RDD.union, [rdd.partitionBy(partitions, by_part) for rdd in keyed])
+    return union.groupByKey(partitions, by_part)
+
+
 def summed_stats(counts: list[dict[str, int]]) -> dict[str, int]:
     """Counts the tasks sent, by name: summed, or the largest of a `max_` one (`selection.stat_total`)."""
     by_name: dict[str, list[int]] = {}
@@ -70,11 +81,14 @@ def summed_stats(counts: list[dict[str, int]]) -> dict[str, int]:
 
 class SparkRecords(NamedTuple):
     """The input read on Spark: (file index, RecordChunk) of its valid records (conformed to the input's
-    content types), the rejected rows, and the read's counts by name (`FileResult.stats`, summed)."""
+    content types), the rejected rows, the read's counts by name (`FileResult.stats`, summed), and the
+    reads the chunks come from, persisted: the caller releases them (`unpersist`) once a job has grouped
+    the chunks into their partitions, where they would hold every record in the executors' storage."""
 
     chunks: RDD
     rejects: rec.Rejects
     stats: dict[str, int]
+    reads: RDD
 
 
 def _planned_splits(sc: SparkContext, files: list[str], split_bytes: int, errors_dir: str) -> list[InputSplit]:
@@ -137,7 +151,7 @@ def checked_reads(
     rejects = rec.merge_rejects(rejects for _, rejects, _ in read_facts)
     conform = kept(errors_dir, record_reading.conform_content)
     chunks = results.map(lambda result: (result.facts.file_index, conform(result.chunk, schema)))
-    return SparkRecords(chunks, rejects, summed_stats([stats for _, _, stats in read_facts]))
+    return SparkRecords(chunks, rejects, summed_stats([stats for _, _, stats in read_facts]), results)
 
 
 def record_partitions(chunks: RDD, partitions: int) -> RDD:

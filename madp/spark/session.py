@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 RUNNER = "pyspark"  # the runner name of madp's Spark engine (not Beam's SparkRunner)
 MIN_JAVA = 17
 PYTHON_SETTINGS = (("spark.pyspark.python", "PYSPARK_PYTHON"), ("spark.pyspark.driver.python", "PYSPARK_DRIVER_PYTHON"))
-QUIET_SETTINGS = {"spark.ui.showConsoleProgress": "false"}  # progress bars between madp's lines on stderr
+# madp's defaults for a session it builds, where the user sets none: no progress bars between madp's lines
+# on stderr; Python workers forked with madp's modules imported (`madp.spark.daemon`)
+DEFAULT_SETTINGS = {"spark.ui.showConsoleProgress": "false", "spark.python.daemon.module": "madp.spark.daemon"}
 # The loggers that print a failed task's whole Python and Java stack trace (the executor's, which a local
 # master shows on the console, and the driver's task set's): madp reports what failed itself, an InputError
 # as its one line, lost executors and retried tasks as a warning (`faults.fault_watch`), and any other
@@ -135,9 +137,9 @@ def check_java() -> None:
 
 def session_settings(options: SparkOptions) -> dict[str, str]:
     """The properties of a session madp builds: the user's, with this Python on the driver and the
-    executors (where neither the properties nor PySpark's environment variables name one) and Spark's
-    console progress bars off (unless set)."""
-    settings = {**QUIET_SETTINGS, **options.settings}
+    executors (where neither the properties nor PySpark's environment variables name one), and
+    `DEFAULT_SETTINGS` where the user sets none of theirs."""
+    settings = {**DEFAULT_SETTINGS, **options.settings}
     for key, variable in PYTHON_SETTINGS:
         if key not in settings and not os.environ.get(variable):
             settings[key] = sys.executable

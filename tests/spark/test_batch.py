@@ -101,6 +101,24 @@ def test_batch_files_schema_and_rejects_are_the_local_ones(spark, local, tmp_pat
     assert report["rejected"] == expected["rejected"] and report["rejected_total"] >= 4
 
 
+def test_files_written_in_pieces_by_tasks_of_their_own_are_the_local_ones(spark, local, tmp_path):
+    from madp.spark.batch import file_pieces
+
+    assert file_pieces(2, 20, 7) == [(0, range(0, 3)), (0, range(3, 6)), (0, range(6, 10))] + [
+        (1, range(10, 13)),
+        (1, range(13, 16)),
+        (1, range(16, 20)),
+    ]
+    data, bound, batches = local
+    output = str(tmp_path / "batches")
+    madp("batch", bound, data, output, *BATCH, *SKIP, "--seed", "5", "--runner", "pyspark", "--partitions", "7")
+    assert_local_files(output, batches)
+    report, expected = (json.load(open(os.path.join(d, "report.json"))) for d in (output, batches))
+    for key in ("written_batch_sizes", "truncated_rows", "padding_rows", "records_never_written", "participation"):
+        assert report[key] == expected[key], key
+    assert report["files"] == expected["files"]  # names, sizes and SHA-256
+
+
 def test_without_a_seed_the_run_works_and_no_spark_setting_holds_the_key(spark, local, tmp_path, caplog):
     from madp.spark.batch import run_spark
     from madp.spark.session import spark_options

@@ -74,6 +74,45 @@ def test_madp_runs_its_executors_on_this_python_unless_told(monkeypatch):
     assert settings["spark.pyspark.driver.python"] == sys.executable
 
 
+def test_madp_forks_its_python_workers_with_its_modules_imported_unless_told():
+    assert session.session_settings(SparkOptions())["spark.python.daemon.module"] == "madp.spark.daemon"
+    told = SparkOptions(conf=("spark.python.daemon.module=pyspark.daemon",))
+    assert session.session_settings(told)["spark.python.daemon.module"] == "pyspark.daemon"
+
+
+def test_workers_forked_from_madp_s_python_daemon_use_numpy_and_pyarrow():
+    """PySpark's daemon forks a Python worker per task, and a forked child has only the thread that forked
+    it: the threads that `madp.spark.daemon`'s imports start (OpenBLAS's, jemalloc's) are re-made in
+    children that multiply matrices and allocate and compute Arrow arrays, several at once."""
+    code = """
+import os, sys
+import madp.spark.daemon
+import numpy as np, pyarrow as pa, pyarrow.compute as pc
+assert "pandas" not in sys.modules
+
+def work():
+    matrix = np.random.default_rng(1).random((200, 200))
+    table = pa.table({"x": pa.array(np.arange(1_000_000)), "y": pa.array(np.arange(1_000_000) % 7)})
+    grouped = table.group_by("y").aggregate([("x", "sum")])
+    return (matrix @ matrix).sum() > 0 and pc.sum(table["x"]).as_py() > 0 and grouped.num_rows == 7
+
+children = []
+for _ in range(4):
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if all(work() for _ in range(3)) else 3)
+    children.append(child)
+print(len(os.listdir("/proc/self/task")), [os.waitpid(child, 0)[1] for child in children])
+"""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    said = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=120
+    )
+    threads, statuses = said.stdout.split(" ", 1)
+    assert int(threads) > 1  # the daemon forks from several threads: the test is of something
+    assert statuses.strip() == "[0, 0, 0, 0]"
+
+
 def test_missing_or_old_java_is_one_error_naming_java_17(monkeypatch, tmp_path):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
