@@ -5,8 +5,11 @@ each job against `--runner local` in the same run.
 For each size: generate the skewed graph (`madp generate --graph skewed`), bound it (K = 3) and batch
 the selection (T = 1000, B = 1000, b = 4, `--seed 1` so that both engines draw the same batches), once
 with `--runner local` and once with `--runner pyspark` on the cluster, and check that both wrote the
-same files byte for byte. Each job is a child process; a thread samples, every 0.2 s, the resident
-memory and CPU time of every process of each role, told apart by command line and parentage:
+same files byte for byte. Where the local engine refuses a size up front (its memory check: 100M records
+on this machine), Spark runs alone and `madp verify-bound` and `madp verify-batches` check its outputs
+instead (in buckets on disk; timed and measured as jobs of their own). Each job is a child process; a
+thread samples, every 0.2 s, the resident memory and CPU time of every process of each role, told apart
+by command line and parentage:
 
 - driver Python: the `madp` process itself (the local engine's only process);
 - driver JVM: the Java process below it (PySpark's gateway, SparkSubmit);
@@ -47,6 +50,9 @@ SAMPLE_SECONDS = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # a seed, so that both engines draw the same batches (without one, each run draws a secret key of its own)
 BATCH_ARGUMENTS = ["--steps", "1000", "--batch-size", "1000", "--min-sep", "4", "--seed", "1"]
+MAX_CONTRIBUTIONS = "3"
+JOBS = ("bound", "batch")
+MEMORY_REFUSAL = "in memory, more than half of"  # `check_memory`'s refusal of an input too large to hold
 
 
 def _descendants(root: int, parents: dict[int, int]) -> set[int]:
@@ -114,6 +120,21 @@ class Run(NamedTuple):
         return {"wall_s": self.wall_s, "peak_mb": self.peak_mb, "sum_mb": self.sum_mb, "cpu_s": self.cpu_s}
 
 
+class JobFailed(Exception):
+    """A job that exited with an error: its exit status and the end of its stderr."""
+
+    def __init__(self, command: str, returncode: int, stderr: str):
+        super().__init__(f"{command} failed with exit status {returncode}:\n{stderr}")
+        self.stderr = stderr
+
+    @property
+    def refused_for_memory(self) -> str | None:
+        """The error line where the job refused its input up front as too large to hold
+        (`madp.core.errors.check_memory`), else None."""
+        lines = [line for line in self.stderr.splitlines() if MEMORY_REFUSAL in line]
+        return lines[-1] if lines else None
+
+
 def run_job(job: str, arguments: list[str], runner: list[str], cluster: SparkCluster | None) -> Run:
     """`madp JOB ARGUMENTS --runner ...` in a child process, its roles' memory sampled as it runs."""
     command = [sys.executable, "-m", "madp.cli", "-q", job, *arguments, *runner]
@@ -142,7 +163,7 @@ def run_job(job: str, arguments: list[str], runner: list[str], cluster: SparkClu
     done.set()
     sampler.join()
     if process.returncode:
-        raise SystemExit(f"madp {job} {' '.join(runner)} failed:\n{err.decode(errors='replace')[-4000:]}")
+        raise JobFailed(f"madp {job} {' '.join(runner)}", process.returncode, err.decode(errors="replace")[-4000:])
     return Run(
         round(wall, 2),
         {role: round(kb / 1024) for role, kb in peak.items()},
@@ -151,22 +172,25 @@ def run_job(job: str, arguments: list[str], runner: list[str], cluster: SparkClu
     )
 
 
-def spark_runner(cluster: SparkCluster, events: str, executor_memory: str, partitions: int | None) -> list[str]:
-    """The options of a `--runner pyspark` job on the cluster, its event log kept under `events`."""
+def spark_runner(cluster: SparkCluster, events: str | None, args: argparse.Namespace) -> list[str]:
+    """The options of a `--runner pyspark` job on the cluster, its event log kept under `events` (if any)."""
     settings = [
-        f"spark.executor.memory={executor_memory}",
+        f"spark.executor.memory={args.executor_memory}",
         "spark.driver.host=127.0.0.1",
-        "spark.eventLog.enabled=true",
-        f"spark.eventLog.dir=file://{events}",
-        "spark.eventLog.rolling.enabled=false",  # one plain file of JSON lines
-        "spark.eventLog.compress=false",
         "spark.scheduler.minRegisteredResourcesRatio=1.0",  # both executors take part from the first stage
         "spark.scheduler.maxRegisteredResourcesWaitingTime=60s",
     ]
+    if events:
+        settings += [
+            "spark.eventLog.enabled=true",
+            f"spark.eventLog.dir=file://{events}",
+            "spark.eventLog.rolling.enabled=false",  # one plain file of JSON lines
+            "spark.eventLog.compress=false",
+        ]
     options = ["--runner", "pyspark", "--spark-master", cluster.master_url]
     for setting in settings:
         options += ["--spark-conf", setting]
-    return options + (["--partitions", str(partitions)] if partitions else [])
+    return options + (["--partitions", str(args.partitions)] if args.partitions else [])
 
 
 def _events(folder: str) -> Iterator[dict]:
@@ -251,28 +275,50 @@ def measure(size: int, work: str, cluster: SparkCluster, args: argparse.Namespac
         stdout=subprocess.DEVNULL,
     )
     row: dict = {"records": size}
-    selection = os.path.join(work, "bound-local")
+    outputs = {job: {engine: os.path.join(work, f"{job}-{engine}") for engine in ("local", "spark")} for job in JOBS}
     jobs = {
-        "bound": lambda output: [data, output, "-k", "3"],
-        "batch": lambda output: [selection, data, output, *BATCH_ARGUMENTS],
+        "bound": lambda output: [data, output, "-k", MAX_CONTRIBUTIONS],
+        "batch": lambda output: [selection(), data, output, *BATCH_ARGUMENTS],
     }
+    verifications = {
+        "bound": lambda: [data, outputs["bound"]["spark"], "-k", MAX_CONTRIBUTIONS],
+        "batch": lambda: (
+            [outputs["batch"]["spark"], data, "--selected", selection(), "-k", MAX_CONTRIBUTIONS]
+            + ["--min-sep", BATCH_ARGUMENTS[BATCH_ARGUMENTS.index("--min-sep") + 1]]
+        ),
+    }
+
+    def selection() -> str:
+        """The selection the batching reads: the local engine's, or Spark's where the local one refused."""
+        return next(path for path in outputs["bound"].values() if os.path.isdir(path))
+
     if args.only == "batch":  # the selection it reads, untimed
-        run_job("bound", jobs["bound"](selection), ["--runner", "local"], None)
-    for job in [args.only] if args.only else list(jobs):
-        arguments = jobs[job]
-        local_output, spark_output = os.path.join(work, f"{job}-local"), os.path.join(work, f"{job}-spark")
-        local = run_job(job, arguments(local_output), ["--runner", "local"], None)
+        try:
+            run_job("bound", jobs["bound"](outputs["bound"]["local"]), ["--runner", "local"], None)
+        except JobFailed as failed:
+            if not failed.refused_for_memory:
+                raise
+            run_job("bound", jobs["bound"](outputs["bound"]["spark"]), spark_runner(cluster, None, args), cluster)
+    for job in [args.only] if args.only else JOBS:
+        arguments, output = jobs[job], outputs[job]
+        one: dict = {}
+        try:
+            one["local"] = run_job(job, arguments(output["local"]), ["--runner", "local"], None).to_json()
+        except JobFailed as failed:
+            if not failed.refused_for_memory:
+                raise
+            one["local"] = {"refused": failed.refused_for_memory}
         events = os.path.join(work, f"events-{job}")
         os.makedirs(events)
-        runner = spark_runner(cluster, events, args.executor_memory, args.partitions)
-        spark = run_job(job, arguments(spark_output), runner, cluster)
-        row[job] = {
-            "local": local.to_json(),
-            "spark": spark.to_json(),
-            "ratio": round(spark.wall_s / local.wall_s, 2),
-            "same_files": same_files(local_output, spark_output),
-            "stages": stage_profile(events),
-        }
+        spark = run_job(job, arguments(output["spark"]), spark_runner(cluster, events, args), cluster)
+        one["spark"] = spark.to_json()
+        if "refused" in one["local"]:
+            one["verified"] = run_job(f"verify-{job}", verifications[job](), [], None).to_json()
+        else:
+            one["ratio"] = round(spark.wall_s / one["local"]["wall_s"], 2)
+            one["same_files"] = same_files(output["local"], output["spark"])
+        one["stages"] = stage_profile(events)
+        row[job] = one
     return row
 
 
@@ -280,17 +326,25 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'records':>12}{'job':>7}{'local s':>9}{'spark s':>9}{'ratio':>7}{'same':>6}", end="")
     print(f"{'local MB':>10}" + "".join(f"{role + ' MB':>18}" for role in ROLES))
     for row in rows:
-        for job in ("bound", "batch"):
-            if job not in row:
-                continue
+        for job in [job for job in JOBS if job in row]:
             one = row[job]
             local, spark = one["local"], one["spark"]
-            print(
-                f"{row['records']:>12,}{job:>7}{local['wall_s']:>9.1f}{spark['wall_s']:>9.1f}{one['ratio']:>6.1f}x"
-                f"{'yes' if one['same_files'] else 'NO':>6}{local['peak_mb']['driver_python']:>10,}",
-                end="",
-            )
+            if "refused" in local:
+                print(f"{row['records']:>12,}{job:>7}{'refused':>9}{spark['wall_s']:>9.1f}{'':>19}", end="")
+            else:
+                print(
+                    f"{row['records']:>12,}{job:>7}{local['wall_s']:>9.1f}{spark['wall_s']:>9.1f}{one['ratio']:>6.1f}x"
+                    f"{'yes' if one['same_files'] else 'NO':>6}{local['peak_mb']['driver_python']:>10,}",
+                    end="",
+                )
             print("".join(f"{spark['peak_mb'][role]:>10,} ({spark['sum_mb'][role]:>5,})" for role in ROLES))
+            if "refused" in local:
+                verified = one["verified"]
+                print(f"{'':>19}local: {local['refused']}")
+                print(
+                    f"{'':>19}verify-{job} passed: {verified['wall_s']:.1f} s, "
+                    f"peak {verified['peak_mb']['driver_python']:,} MB"
+                )
             for stage in one["stages"][:5]:
                 print(
                     f"{'':>19}stage {stage['stage']:>3} {stage['name'][:30]:<30} {stage['tasks']:>4} tasks "

@@ -488,14 +488,14 @@ def split_record_partition(
     user_partition = partition_of(chunk.users, partitions) if len(chunk.users) else NO_USERS
     peer_offsets, peers = distinct_partitions(arity, user_partition, partitions)
     batches = []
-    for user_part in np.unique(user_partition):
-        here = user_partition == user_part
-        mine = here & ~dropped[record_of_incidence]
+    sent = ~dropped[record_of_incidence]
+    for user_part, here in split_by_partition(np.arange(len(user_partition)), user_partition):
+        mine = here[sent[here]]
         kept, record = np.unique(record_of_incidence[mine], return_inverse=True)
         offsets, their_peers = take_csr(peer_offsets, peers, kept)
-        counted = pc.value_counts(chunk.users.filter(pa.array(here & ~mine))).flatten()
+        counted = pc.value_counts(chunk.users.take(pa.array(here[~sent[here]]))).flatten()
         incidences = Incidences(
-            users=chunk.users.filter(pa.array(mine)),
+            users=chunk.users.take(pa.array(mine)),
             record=record,
             record_keys=chunk.keys[kept],
             arity=arity[kept],
@@ -509,7 +509,7 @@ def split_record_partition(
             dropped_users=counted[0],
             dropped_counts=counted[1].to_numpy(),
         )
-        batches.append((int(user_part), incidences))
+        batches.append((user_part, incidences))
     return RecordPartitionSplit(records, None if options.duplicates else int(dropped.sum()), batches)
 
 

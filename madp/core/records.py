@@ -25,6 +25,7 @@ from madp.core.columnar import Columnar
 from madp.core.errors import InputError, OptionError
 from madp.core.hashing import partition_of
 from madp.core.options import check_choices, option
+from madp.core.routing import split_by_partition
 from madp.core.user_ids import USER_IDS, SuspectUserIds
 
 log = logging.getLogger("madp")
@@ -347,9 +348,8 @@ def duplicate_id_mask(ids: pa.Array) -> np.ndarray:
     return np.bincount(codes)[codes] > 1
 
 
-def take(chunk: RecordChunk, mask: np.ndarray) -> RecordChunk:
-    """The records of `chunk` where `mask` is true, users and all."""
-    index = np.flatnonzero(mask)
+def take(chunk: RecordChunk, index: np.ndarray) -> RecordChunk:
+    """The records of `chunk` at the positions `index` (in that order), users and all."""
     arity = chunk.arity[index]
     offsets = np.concatenate([[0], np.cumsum(arity)]).astype(np.int64)
     flat_index = np.repeat(chunk.offsets[:-1][index], arity) + (np.arange(offsets[-1]) - np.repeat(offsets[:-1], arity))
@@ -368,7 +368,7 @@ def by_record_partition(chunk: RecordChunk, partitions: int) -> list[tuple[int, 
     """(record partition, the chunk's records in it, in chunk order) for each partition it has
     records of, by id hash (`partition_of`): the records' side of every join on the record partition."""
     partition = partition_of(chunk.ids, partitions) if len(chunk) else np.zeros(0, np.int64)
-    return [(int(part), take(chunk, partition == part)) for part in np.unique(partition)]
+    return [(part, take(chunk, rows)) for part, rows in split_by_partition(np.arange(len(chunk)), partition)]
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
@@ -377,7 +377,7 @@ def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:
     for i in np.flatnonzero(duplicated):
         users = chunk.users[int(chunk.offsets[i]) : int(chunk.offsets[i + 1])].to_pylist()
         rejects.add(*chunk.source(int(i)), DUPLICATE_ID, {"id": chunk.ids[int(i)].as_py(), "users": users})
-    return take(chunk, ~duplicated) if duplicated.any() else chunk
+    return take(chunk, np.flatnonzero(~duplicated)) if duplicated.any() else chunk
 
 
 def merged_records(chunks: Iterable[RecordChunk], rejects: Rejects) -> RecordChunk:

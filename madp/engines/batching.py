@@ -228,7 +228,7 @@ def join_selection(
     index = position.to_numpy(zero_copy_only=False).astype(np.int64)
     mask = np.zeros(len(chunk), dtype=bool)
     mask[index] = True
-    selected = rec.take(chunk, mask)  # in chunk order; `copies` follows it
+    selected = rec.take(chunk, np.flatnonzero(mask))  # in chunk order; `copies` follows it
     order = np.argsort(index, kind="stable")
     return selected, copies[order]
 

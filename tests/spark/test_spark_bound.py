@@ -134,6 +134,12 @@ def test_no_failed_task_s_trace_is_logged_while_madp_runs_in_a_caller_s_session(
     assert levels() == ["WARN", "WARN"]
 
 
+def test_the_jvm_of_a_session_madp_built_compiles_at_the_jit_s_first_tier_only(spark):
+    """madp's default (`spark.driver.extraJavaOptions`) reached the JVM it started: its own arguments say so."""
+    runtime = spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+    assert "-XX:TieredStopAtLevel=1" in list(runtime.getInputArguments())
+
+
 def test_the_command_line(tmp_path, spark, records, capsys, monkeypatch):
     """Paths relative to the folder the command runs in, which is not the executors' (theirs is the one the
     session started in, on a cluster one of their own)."""

@@ -80,6 +80,13 @@ def test_madp_forks_its_python_workers_with_its_modules_imported_unless_told():
     assert session.session_settings(told)["spark.python.daemon.module"] == "pyspark.daemon"
 
 
+def test_madp_s_jvms_compile_at_the_jit_s_first_tier_unless_told():
+    settings = session.session_settings(SparkOptions())
+    assert settings["spark.driver.extraJavaOptions"] == settings["spark.executor.extraJavaOptions"] == session.C1_ONLY
+    told = session.session_settings(SparkOptions(conf=("spark.executor.extraJavaOptions=-Dx=1",)))
+    assert told["spark.executor.extraJavaOptions"] == "-Dx=1" and told["spark.driver.extraJavaOptions"] == session.C1_ONLY
+
+
 def test_workers_forked_from_madp_s_python_daemon_use_numpy_and_pyarrow():
     """PySpark's daemon forks a Python worker per task, and a forked child has only the thread that forked
     it: the threads that `madp.spark.daemon`'s imports start (OpenBLAS's, jemalloc's) are re-made in
