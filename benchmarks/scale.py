@@ -267,14 +267,9 @@ def same_files(first: str, second: str) -> bool:
 def measure(size: int, work: str, cluster: SparkCluster, args: argparse.Namespace) -> dict:
     """Both jobs at one size, each with `--runner local` and on the cluster."""
     data = os.path.join(work, "records")
-    subprocess.run(
-        [sys.executable, "-m", "madp.cli", "-q", "generate", data, "--records", str(size)]
-        + ["--graph", "skewed", "--seed", "1", "--features", "4", "--shards", str(max(4, size // 2_500_000))],
-        check=True,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
-    row: dict = {"records": size}
+    generate = [data, "--records", str(size), "--graph", "skewed", "--seed", "1", "--features", "4"]
+    generated = run_job("generate", [*generate, "--shards", str(max(4, size // 2_500_000))], [], None)
+    row: dict = {"records": size, "generate": generated.to_json()}
     outputs = {job: {engine: os.path.join(work, f"{job}-{engine}") for engine in ("local", "spark")} for job in JOBS}
     jobs = {
         "bound": lambda output: [data, output, "-k", MAX_CONTRIBUTIONS],
@@ -326,6 +321,11 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'records':>12}{'job':>7}{'local s':>9}{'spark s':>9}{'ratio':>7}{'same':>6}", end="")
     print(f"{'local MB':>10}" + "".join(f"{role + ' MB':>18}" for role in ROLES))
     for row in rows:
+        generated = row["generate"]
+        print(
+            f"{row['records']:>12,}{'generate':>9} {generated['wall_s']:.1f} s, "
+            f"peak {generated['peak_mb']['driver_python']:,} MB"
+        )
         for job in [job for job in JOBS if job in row]:
             one = row[job]
             local, spark = one["local"], one["spark"]

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from pyspark import RDD, SparkContext, StorageLevel, TaskContext
+from pyspark import RDD, SparkContext, TaskContext
 
 from madp.core import batch_files, storage
 from madp.core import records as rec
@@ -63,7 +63,7 @@ from madp.engines.batch_job import BatchSummary, JobInputs, JobRun, commit, job_
 from madp.engines.batch_report import merge_counts
 from madp.spark.dataframe import as_dataframe, input_name, read_input
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions
+from madp.spark.records import KEPT, by_part, gathered, kept, raising_kept_errors, record_partitions
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ log = logging.getLogger("madp.batch")
 # SparkOptions of the bounding's rounds alone
 BOUNDING_ONLY = ("checkpoint_dir", "checkpoint_every", "local_finish_incidences")
 INPUT_ERRORS = "input-errors"  # under the run's folder in OUTPUT/_work: InputErrors the tasks met
-KEPT = StorageLevel.MEMORY_AND_DISK  # a partition's state that several later steps read
 COPY_BYTES = 1 << 24  # a batch file's pieces are joined in reads of this size
 
 

@@ -10,7 +10,7 @@ Spark moves the partitions and every step is a function of `madp.core.bound_step
           partition and the selection shards written
 
 The driver drives the rounds: each step's counts come back as one small value (IterationCounts and the
-summed stats) and `Progress.advanced` decides the next. Each step's state is persisted (memory and disk)
+summed stats) and `Progress.advanced` decides the next. Each step's state is persisted (`KEPT`: on disk)
 and the one before released once the new one is materialized; every `checkpoint_every` steps a reliable
 checkpoint bounds the lineage. A user or record partition p lives in Spark partition p throughout, so a
 step's joins move its messages, not its state. The driver holds only control values and counts.
@@ -72,7 +72,7 @@ from madp.core.selection import (
 )
 from madp.spark.dataframe import as_dataframe, input_name, read_input, user_id_type
 from madp.spark.faults import fault_watch
-from madp.spark.records import by_part, gathered, kept, raising_kept_errors, record_partitions, summed_stats
+from madp.spark.records import KEPT, by_part, gathered, kept, raising_kept_errors, record_partitions, summed_stats
 from madp.spark.session import RUNNER, SparkOptions, spark_session
 
 if TYPE_CHECKING:
@@ -230,7 +230,6 @@ class _SparkBound:
     def build(self, parts: RDD) -> tuple[RDD, RDD, rec.Rejects, IterationCounts]:
         """Both sides: the record partitions (record partition, RecordPartition), the state (user
         partition, packed UserPartition), the duplicated ids rejected, and the state's counts."""
-        from pyspark import StorageLevel
 
         options, partitions = self.options, self.partitions
         capacities = self.capacities or Capacities(options.max_contributions)
@@ -239,17 +238,17 @@ class _SparkBound:
             part, chunks = element
             return part, build_record_partition(part, chunks, options, partitions, capacities)
 
-        built = parts.map(kept(self.errors_dir, build_records), True).persist(StorageLevel.MEMORY_AND_DISK)
+        built = parts.map(kept(self.errors_dir, build_records), True).persist(KEPT)
         sides = built.values().map(lambda b: (b.rejects if len(b.rejects) else None, {**b.counted, **b.distribution}))
         read_sides = sides.collect()
         duplicates = rec.merge_rejects(rejects for rejects, _ in read_sides if rejects is not None)
         self.stats = summed_stats([self.stats, *(stats for _, stats in read_sides)])
-        records = built.mapValues(lambda b: b.split.records).persist(StorageLevel.MEMORY_AND_DISK)
+        records = built.mapValues(lambda b: b.split.records).persist(KEPT)
         incidences = built.flatMap(lambda e: [(user, (INCIDENCES, batch)) for user, batch in e[1].split.incidences])
         listed = [] if self.capacities is None else list(capacities_by_partition(self.capacities, partitions))
         tagged = incidences.union(self.sc.parallelize([(p, (CAPACITIES, c)) for p, c in listed], 1))
         build_users = kept(self.errors_dir, lambda e: _build_users(e, options.max_contributions))
-        users = tagged.groupByKey(partitions, by_part).flatMap(build_users, True).persist(StorageLevel.MEMORY_AND_DISK)
+        users = tagged.groupByKey(partitions, by_part).flatMap(build_users, True).persist(KEPT)
         counts = self._count(users.values().map(lambda b: b.totals).fold(NO_TOTALS, _added))
         records.count()  # materialized from the build's cache, which goes
         built.unpersist()
@@ -261,7 +260,6 @@ class _SparkBound:
         a pass start (saturation only); `first`, the first saturation (no proposals; without duplicates
         the saturation certificate's rejections too). The state after it, the persisted RDD it comes
         from (the driver releases it once the next is built), and what the step counted."""
-        from pyspark import StorageLevel
 
         self.steps += 0 if first else 1
         partitions, duplicates = self.partitions, self.options.duplicates
@@ -274,25 +272,23 @@ class _SparkBound:
             selections = (
                 proposals.groupByKey(partitions, by_part)
                 .mapValues(lambda batches: select_unanimous(list(batches)))
-                .persist(StorageLevel.MEMORY_AND_DISK)
+                .persist(KEPT)
             )
             selected = (
                 selections.mapValues(lambda s: SelectedKeys(s.selected, passes))
                 .filter(lambda e: len(e[1].keys) > 0)
-                .persist(StorageLevel.MEMORY_AND_DISK)
+                .persist(KEPT)
             )
             self.selected.append(selected)
             selected_counts = selected.values().map(lambda s: (IterationCounts(selected=len(s.keys)), {}))
             messages.append(selections.flatMap(lambda e: [(user, (ACCEPTED, keys)) for user, keys in e[1].accepted]))
         joined = gathered(partitions, state.mapValues(lambda packed: (STATE, packed)), *messages)
-        consumed = joined.flatMapValues(lambda values: _consume(values, pass_start, certify)).persist(
-            StorageLevel.MEMORY_AND_DISK
-        )
+        consumed = joined.flatMapValues(lambda values: _consume(values, pass_start, certify)).persist(KEPT)
         dead = consumed.flatMap(lambda e: [(user, (DEAD, keys)) for user, keys in e[1].dead_elsewhere])
         retired = (
             gathered(partitions, consumed.mapValues(lambda c: (STATE, (c.packed, c.dead))), dead)
             .flatMapValues(lambda values: _retire(values, duplicates))
-            .persist(StorageLevel.MEMORY_AND_DISK)
+            .persist(KEPT)
         )
         if self.steps and self.steps % self.spark_options.checkpoint_every == 0:
             retired.checkpoint()  # reliable: the lineage restarts here, a lost executor's blocks are read back
@@ -307,7 +303,6 @@ class _SparkBound:
     def finish(self, state: RDD, progress: Progress) -> Control:
         """The end of the rounds: where the algorithm is done, the users left give their contributions;
         where little is left, one task finishes it (`finish_locally`)."""
-        from pyspark import StorageLevel
 
         if progress.control.next == DONE:
             contributions = state.values().map(
@@ -317,7 +312,7 @@ class _SparkBound:
             return progress.control
         control = progress.control
         finished = state.values().coalesce(1).mapPartitions(lambda packed: _finish_locally(packed, control))
-        finished = finished.persist(StorageLevel.MEMORY_AND_DISK)
+        finished = finished.persist(KEPT)
         ((final, incidences, stats),) = finished.map(
             lambda f: (f.control, f.incidences, contribution_stats(f.contribution))
         ).collect()
@@ -327,7 +322,6 @@ class _SparkBound:
 
     def write_selection(self, records: RDD, control: Control, passes_at_start: int, output: str) -> int:
         """The record partitions' selections and counts; their shards written to OUTPUT; the shards."""
-        from pyspark import StorageLevel
 
         shards = self.options.shards(RunCounts.of(self.stats).input_records)
         tagged = [records.mapValues(lambda r: (RECORDS, r))]
@@ -338,7 +332,7 @@ class _SparkBound:
             (part_records,) = grouped[RECORDS]
             return finish_record_partition(part_records, grouped.get(SELECTED, []), control, passes_at_start, shards)
 
-        finished = gathered(self.partitions, *tagged).mapValues(finish).persist(StorageLevel.MEMORY_AND_DISK)
+        finished = gathered(self.partitions, *tagged).mapValues(finish).persist(KEPT)
         stats = finished.values().map(lambda f: {**f.counted, **f.distribution}).collect()
         self.stats = summed_stats([self.stats, *stats])
         attempts = storage.join(self.run_dir, "attempts")
