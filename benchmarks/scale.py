@@ -285,7 +285,7 @@ def measure(size: int, work: str, cluster: SparkCluster, args: argparse.Namespac
 
     def selection() -> str:
         """The selection the batching reads: the local engine's, or Spark's where the local one refused."""
-        return next(path for path in outputs["bound"].values() if os.path.isdir(path))
+        return next(path for path in outputs["bound"].values() if os.path.exists(os.path.join(path, "report.json")))
 
     if args.only == "batch":  # the selection it reads, untimed
         try:
