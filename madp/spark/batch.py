@@ -77,7 +77,9 @@ COPY_BYTES = 1 << 24  # a batch file's pieces are joined in reads of this size
 
 
 def grouped(rdd: RDD, partitions: int) -> RDD:
-    """(partition, its values) of (partition, value) pairs, partition p in Spark partition p."""
+    """(partition, its values) of (partition, value) pairs, partition p in Spark partition p. Each map
+    task's values are combined by partition before they cross, which `gathered` (for RDDs partitioned so
+    already) does not: in its place the 10M-record batching took 11% more CPU time."""
     return rdd.groupByKey(partitions, by_part)
 
 

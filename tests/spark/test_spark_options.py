@@ -84,7 +84,8 @@ def test_madp_s_jvms_compile_at_the_jit_s_first_tier_unless_told():
     settings = session.session_settings(SparkOptions())
     assert settings["spark.driver.extraJavaOptions"] == settings["spark.executor.extraJavaOptions"] == session.C1_ONLY
     told = session.session_settings(SparkOptions(conf=("spark.executor.extraJavaOptions=-Dx=1",)))
-    assert told["spark.executor.extraJavaOptions"] == "-Dx=1" and told["spark.driver.extraJavaOptions"] == session.C1_ONLY
+    assert told["spark.executor.extraJavaOptions"] == "-Dx=1"
+    assert told["spark.driver.extraJavaOptions"] == session.C1_ONLY
 
 
 def test_workers_forked_from_madp_s_python_daemon_use_numpy_and_pyarrow():
