@@ -30,7 +30,7 @@ from madp.core.batch_files import Feature, FileRows, WrittenFile
 from madp.core.columnar import Columnar
 from madp.core.errors import InputError
 from madp.core.hashing import partition_of
-from madp.core.routing import split_by_partition
+from madp.core.routing import split_rows
 from madp.core.selection import selection_arrays
 
 
@@ -42,11 +42,6 @@ def user_partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
 def record_partition_of(record_keys: np.ndarray, partitions: int) -> np.ndarray:
     """The record partition of each record key (uint64): that of its id, as `partition_of` gives it."""
     return partition_of(record_keys.view(np.int64), partitions)
-
-
-def split_rows(destination: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """(partition, the row indices sent to it) for each partition in `destination`, rows in order."""
-    return split_by_partition(np.arange(len(destination)), destination)
 
 
 # --- the partitions and the messages between them --------------------------------------------------

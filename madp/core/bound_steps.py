@@ -53,7 +53,7 @@ from madp.core.bounding import (
 from madp.core.columnar import Columnar
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
-from madp.core.routing import csr_rows, distinct_partitions, split_by_partition, take_csr
+from madp.core.routing import csr_rows, distinct_partitions, split_by_partition, split_rows, take_csr
 from madp.core.selection import (
     BoundOptions,
     alternate_runs,
@@ -489,11 +489,12 @@ def split_record_partition(
     peer_offsets, peers = distinct_partitions(arity, user_partition, partitions)
     batches = []
     sent = ~dropped[record_of_incidence]
-    for user_part, here in split_by_partition(np.arange(len(user_partition)), user_partition):
-        mine = here[sent[here]]
+    for user_part, here in split_rows(user_partition):
+        sent_here = sent[here]
+        mine = here[sent_here]
         kept, record = np.unique(record_of_incidence[mine], return_inverse=True)
         offsets, their_peers = take_csr(peer_offsets, peers, kept)
-        counted = pc.value_counts(chunk.users.take(pa.array(here[~sent[here]]))).flatten()
+        counted = pc.value_counts(chunk.users.take(pa.array(here[~sent_here]))).flatten()
         incidences = Incidences(
             users=chunk.users.take(pa.array(mine)),
             record=record,

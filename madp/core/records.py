@@ -25,7 +25,7 @@ from madp.core.columnar import Columnar
 from madp.core.errors import InputError, OptionError
 from madp.core.hashing import partition_of
 from madp.core.options import check_choices, option
-from madp.core.routing import split_by_partition
+from madp.core.routing import split_rows
 from madp.core.user_ids import USER_IDS, SuspectUserIds
 
 log = logging.getLogger("madp")
@@ -368,7 +368,7 @@ def by_record_partition(chunk: RecordChunk, partitions: int) -> list[tuple[int, 
     """(record partition, the chunk's records in it, in chunk order) for each partition it has
     records of, by id hash (`partition_of`): the records' side of every join on the record partition."""
     partition = partition_of(chunk.ids, partitions) if len(chunk) else np.zeros(0, np.int64)
-    return [(part, take(chunk, rows)) for part, rows in split_by_partition(np.arange(len(chunk)), partition)]
+    return [(part, take(chunk, rows)) for part, rows in split_rows(partition)]
 
 
 def reject_duplicates(chunk: RecordChunk, rejects: Rejects) -> RecordChunk:

@@ -20,6 +20,11 @@ def split_by_partition(keys: np.ndarray, partition: np.ndarray) -> Iterator[tupl
         yield int(part), chunk
 
 
+def split_rows(destination: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(partition, the row indices sent to it) for each partition in `destination`, rows in order."""
+    return split_by_partition(np.arange(len(destination)), destination)
+
+
 def distinct_partitions(arity: np.ndarray, partition: np.ndarray, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR (offsets, partitions) of the distinct partitions among each record's users, ascending;
     `partition` has one entry per incidence, records in order, `arity` incidences each."""
