@@ -9,11 +9,15 @@ from madp.core.errors import InputError
 from madp.core.options import option
 
 MIN_SPLIT_BYTES = 1024
-DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read; the least on Spark
-# On Spark, without --partitions: one partition per this many input rows, so that a partition's
-# elements keep their size as the input grows (the largest packed user partition of 250,000 skewed
-# records is about 9 MB) instead of growing with it to hundreds of MB at 100M records.
-RECORDS_PER_PARTITION = 250_000
+DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read
+# On Spark, without --partitions: one partition per this many input rows, so that a partition's elements
+# keep their size as the input grows (the largest packed user partition of 1,000,000 skewed records is
+# about 36 MB) instead of growing with it; and at least TASKS_PER_CORE per core of the cluster. Not fewer
+# rows: every PySpark task costs about 50 ms of CPU whatever it holds (a task's Python worker set up, its
+# functions sent), and a bounding runs some 15 stages of one task per partition; at 10M records 10
+# partitions bound and batched in 123 s where 40 took 180 s, the Python workers' peaks as large.
+RECORDS_PER_PARTITION = 1_000_000
+TASKS_PER_CORE = 2  # Spark's tuning guide: 2-3 tasks per core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +31,7 @@ class PartitionOptions:
         help="madp: record and user partitions, the columnar units of work the runner spreads over "
         "workers (use several per worker core, and enough that one fits a worker's memory; default: "
         f"{DEFAULT_PARTITIONS} on Beam; on Spark one per {RECORDS_PER_PARTITION:,} input rows, at least "
-        f"{DEFAULT_PARTITIONS})",
+        f"{TASKS_PER_CORE} per core of the cluster)",
     )
     input_split_bytes: int = option(
         64 << 20,
@@ -52,10 +56,13 @@ class PartitionOptions:
         if self.local_finish_incidences < 0:
             raise InputError("--local-finish-incidences must be at least 0")
 
-    def partitions_for(self, records: int | None) -> int:
-        """The partitions of a job: --partitions where given; else, for an input of `records` rows,
-        one per RECORDS_PER_PARTITION of them, and DEFAULT_PARTITIONS where the count is not
-        known before the job is built (`records` None) or gives fewer."""
+    def partitions_for(self, records: int | None, cores: int | None = None) -> int:
+        """The partitions of a job: --partitions where given; else, for an input of `records` rows on a
+        cluster of `cores` cores (Spark's default parallelism), one per RECORDS_PER_PARTITION rows and
+        at least TASKS_PER_CORE per core; DEFAULT_PARTITIONS where neither is known before the job is
+        built (Beam's graph)."""
         if self.partitions is not None:
             return self.partitions
-        return max(DEFAULT_PARTITIONS, -(-(records or 0) // RECORDS_PER_PARTITION))
+        if records is None or cores is None:
+            return DEFAULT_PARTITIONS
+        return max(TASKS_PER_CORE * cores, -(-records // RECORDS_PER_PARTITION))

@@ -23,6 +23,7 @@ and a failed run leaves the earlier batches as they were.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterable
@@ -74,6 +75,10 @@ log = logging.getLogger("madp.batch")
 BOUNDING_ONLY = ("checkpoint_dir", "checkpoint_every", "local_finish_incidences")
 INPUT_ERRORS = "input-errors"  # under the run's folder in OUTPUT/_work: InputErrors the tasks met
 COPY_BYTES = 1 << 24  # a batch file's pieces are joined in reads of this size
+# A task writes a piece of at most about this many of the batches' expected rows, however few partitions
+# the input has: the batches' T x B rows do not grow with the input (1M records in 4 partitions, T = B =
+# 1000: pieces of 250,000 rows took a Python worker to 744 MB)
+ROWS_PER_PIECE = 100_000
 
 
 def grouped(rdd: RDD, partitions: int) -> RDD:
@@ -212,10 +217,16 @@ def attempt_path(staged: str, file: int, files: int) -> str:
     return f"{final}.attempt-{task.partitionId()}-{task.attemptNumber()}-{task.taskAttemptId()}"
 
 
-def file_pieces(files: int, steps: int, partitions: int) -> list[tuple[int, range]]:
+def piece_runs(expected_rows: float, partitions: int) -> int:
+    """How many pieces the batch files are written in: one per partition, and more where a piece would
+    hold more than ROWS_PER_PIECE of the batches' `expected_rows`."""
+    return max(partitions, math.ceil(expected_rows / ROWS_PER_PIECE))
+
+
+def file_pieces(files: int, steps: int, runs: int) -> list[tuple[int, range]]:
     """(file, its steps) of every piece of the batch files, in order: each file's steps in runs, about
-    `partitions` runs over all files and at least one a file, which tasks write in parallel."""
-    per_file = max(1, partitions // files)
+    `runs` runs over all files and at least one a file, which tasks write in parallel."""
+    per_file = max(1, runs // files)
     pieces = []
     for file in range(files):
         whole = batch_files.step_range(file, steps, files)
@@ -237,7 +248,7 @@ def written_files(
     (`batch_steps.rows_of_steps`, `gathered_file_rows`, `batch_files.write_batch_file`: the bytes those
     steps have in the whole file), and the file's task joins them in step order."""
     files, max_batch_size = options.output_shards, options.max_batch_size
-    pieces = file_pieces(files, options.steps, partitions)
+    pieces = file_pieces(files, options.steps, piece_runs(options.steps * options.batch_size, partitions))
     pieces_dir = storage.join(staged, "pieces")
 
     def rows_by_piece(item: tuple[int, tuple[JoinedPartition, Survivors]]) -> list:
@@ -305,7 +316,7 @@ def _jobs(
     data_name = input_name(data)
     if options.on_invalid == "error":  # before the join, as the local engine stops
         handle_rejects(read.rejects, "error", output)
-    partitions = spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
+    partitions = spark_options.partitions_for(RunCounts.of(read.stats).input_rows, sc.defaultParallelism)
     records = record_partitions(read.chunks, partitions)
     joined = joined_partitions(sc, records, inputs.selection, options, data_name, errors_dir).persist(KEPT)
     kept_rdds = [joined]

@@ -214,7 +214,8 @@ class _SparkBound:
         `source`, the read's rejects, and the persisted reads (`SparkRecords.reads`)."""
         read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
-        self.partitions = self.spark_options.partitions_for(RunCounts.of(read.stats).input_rows)
+        rows = RunCounts.of(read.stats).input_rows
+        self.partitions = self.spark_options.partitions_for(rows, self.sc.defaultParallelism)
         return record_partitions(read.chunks, self.partitions), read.rejects, read.reads
 
     def group_sizes(self, parts: RDD) -> tuple[int, int]:

@@ -102,7 +102,10 @@ def test_batch_files_schema_and_rejects_are_the_local_ones(spark, local, tmp_pat
 
 
 def test_files_written_in_pieces_by_tasks_of_their_own_are_the_local_ones(spark, local, tmp_path):
-    from madp.spark.batch import file_pieces
+    from madp.spark.batch import ROWS_PER_PIECE, file_pieces, piece_runs
+
+    assert piece_runs(1000 * 1000, partitions=4) == -(-1000 * 1000 // ROWS_PER_PIECE)  # bounded by the rows
+    assert piece_runs(20 * 30.5, partitions=7) == 7  # one per partition at least
 
     assert file_pieces(2, 20, 7) == [(0, range(0, 3)), (0, range(3, 6)), (0, range(6, 10))] + [
         (1, range(10, 13)),

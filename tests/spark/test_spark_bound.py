@@ -140,6 +140,15 @@ def test_the_jvm_of_a_session_madp_built_compiles_at_the_jit_s_first_tier_only(s
     assert "-XX:TieredStopAtLevel=1" in list(runtime.getInputArguments())
 
 
+def test_without_partitions_a_small_input_takes_two_per_core_and_groups_without_spilling(tmp_path, spark, records):
+    """madp's defaults reached the session and the job: two partitions per core of local[2], and the Python
+    workers' spill threshold at 2 GB."""
+    options = BoundOptions(max_contributions=2, on_invalid="skip")
+    report = run_spark(records, str(tmp_path / "spark"), options, SparkOptions())
+    assert spark.sparkContext.defaultParallelism == 2 and report.partitions == 4
+    assert spark.sparkContext.getConf().get("spark.python.worker.memory") == "2g"
+
+
 def test_the_command_line(tmp_path, spark, records, capsys, monkeypatch):
     """Paths relative to the folder the command runs in, which is not the executors' (theirs is the one the
     session started in, on a cluster one of their own)."""

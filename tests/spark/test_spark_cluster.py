@@ -56,6 +56,7 @@ def test_a_run_config_on_the_cluster_with_speculation_writes_the_local_files(spa
     assert SparkSession.getActiveSession() is None, "a session is active: madp would not build its own"
     spark = ["--spark-master", spark_cluster.master_url, "--partitions", "2", "--input-split-bytes", "20000"]
     speculative = ["spark.speculation=true", "spark.speculation.quantile=0.5", "spark.speculation.multiplier=1"]
+    speculative.append("spark.speculation.minTaskRuntime=0ms")  # not only tasks over 100 ms: few are, here
     outputs = {}
     for runner, bound_options, batch_options in (
         ("local", [], []),

@@ -52,12 +52,13 @@ def test_a_wrong_option_is_one_error_naming_it(arguments, said):
     assert said in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_without_partitions_a_job_takes_one_per_share_of_its_input_rows():
-    per = partitioning.RECORDS_PER_PARTITION
-    assert SparkOptions().partitions_for(1_000) == partitioning.DEFAULT_PARTITIONS  # never fewer
-    assert SparkOptions().partitions_for(40 * per) == 40
-    assert SparkOptions().partitions_for(40 * per + 1) == 41  # no partition holds more than its share
-    assert SparkOptions(partitions=4).partitions_for(40 * per) == 4  # --partitions decides where given
+def test_without_partitions_a_job_takes_one_per_share_of_its_input_rows_and_two_per_core():
+    per, least = partitioning.RECORDS_PER_PARTITION, partitioning.TASKS_PER_CORE
+    assert SparkOptions().partitions_for(1_000, cores=2) == 2 * least  # a small input: every core busy
+    assert SparkOptions().partitions_for(1_000, cores=50) == 50 * least
+    assert SparkOptions().partitions_for(40 * per, cores=2) == 40
+    assert SparkOptions().partitions_for(40 * per + 1, cores=2) == 41  # no partition holds more than its share
+    assert SparkOptions(partitions=4).partitions_for(40 * per, cores=2) == 4  # --partitions decides where given
     assert SparkOptions().partitions_for(None) == partitioning.DEFAULT_PARTITIONS  # Beam's: input unread
 
 
@@ -86,6 +87,12 @@ def test_madp_s_jvms_compile_at_the_jit_s_first_tier_unless_told():
     told = session.session_settings(SparkOptions(conf=("spark.executor.extraJavaOptions=-Dx=1",)))
     assert told["spark.executor.extraJavaOptions"] == "-Dx=1"
     assert told["spark.driver.extraJavaOptions"] == session.C1_ONLY
+
+
+def test_madp_s_python_workers_group_without_spilling_below_2_gb_unless_told():
+    assert session.session_settings(SparkOptions())["spark.python.worker.memory"] == "2g"
+    told = SparkOptions(conf=("spark.python.worker.memory=512m",))
+    assert session.session_settings(told)["spark.python.worker.memory"] == "512m"
 
 
 def test_workers_forked_from_madp_s_python_daemon_use_numpy_and_pyarrow():
