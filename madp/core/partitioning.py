@@ -12,8 +12,8 @@ MIN_SPLIT_BYTES = 1024
 DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read
 # On Spark, without --partitions: one partition per this many input rows, so that a partition's elements
 # keep their size as the input grows (the largest packed user partition of 1,000,000 skewed records is
-# about 36 MB) instead of growing with it; and at least TASKS_PER_CORE per core of the cluster. Not fewer
-# rows: every PySpark task costs about 50 ms of CPU whatever it holds (a task's Python worker set up, its
+# about 30 MB) instead of growing with it; and at least TASKS_PER_CORE per core of the cluster. Not fewer
+# rows: every PySpark task costs about 50-60 ms of CPU whatever it holds (a task's Python worker set up, its
 # functions sent), and a bounding runs some 15 stages of one task per partition; at 10M records 10
 # partitions bound and batched in 123 s where 40 took 180 s, the Python workers' peaks as large.
 RECORDS_PER_PARTITION = 1_000_000
