@@ -87,17 +87,20 @@ def exclusive(output: str, command: str, keeps_content: bool = False):
     Local directories lock atomically, the lock created whole with its holder (`_create_whole`); a lock
     left by a killed process on this host is taken over. On remote storage (gs://, s3://, hdfs://) a writer takes
     it by a claim of its own (`_take_remote`), so that of two writers started at the same instant at most
-    one passes; a lock or claim left there by a killed process is removed by hand (the error names it)."""
+    one passes; a lock or claim left there by a killed process is removed by hand (the error names it).
+    A local OUTPUT folder that taking the lock created and the command left empty (it failed before
+    writing: an input refused, a bad option) is removed with the lock."""
     if storage.kind(output) == "file":
         raise OutputLocked(f"{output} is a file; the output must be a directory")
     lock = storage.join(output, LOCK_FILE)
     holder = _holder_text(command, **({"keeps_content": True} if keeps_content else {}))
     try:
         _refuse_enclosing_writer(output)
-        claim = None
+        claim, created = None, False
         if "://" in output:
             claim = _take_remote(output, lock, holder)
         else:
+            created = not os.path.exists(output)
             _take_local(output, lock, holder)
     except PermissionError as error:
         raise OutputLocked(f"cannot write {output}: {error.strerror or error}") from error
@@ -109,6 +112,9 @@ def exclusive(output: str, command: str, keeps_content: bool = False):
         storage.remove_file(lock)
         if claim is not None:
             storage.remove_file(claim)  # after the lock: a crash between them leaves the output refused, not open
+        if created:
+            with contextlib.suppress(OSError):  # not empty: the command wrote there
+                os.rmdir(output)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from conftest import held_by, reseal_batches, write_records
 
 from madp.cli import main
 from madp.core import output_lock, storage
+from madp.core.errors import InputError
 
 ENGINES = {
     "local": ["--runner", "local"],
@@ -151,7 +152,6 @@ def test_a_batch_row_unlike_its_schema_or_a_step_short_of_a_row_is_refused_befor
     first: it refuses either by name before both; a Python loop meets the first as an error naming the file."""
     from conftest import rewrite_batches
 
-    from madp.core.errors import InputError
     from madp.core.verify.tfrecords import _example_class, _feature_values, read_tfrecord
 
     data = write_records(str(tmp_path / "d.jsonl"), rows(300))
@@ -256,6 +256,18 @@ def test_capacities_match_user_ids_by_type_and_exact_text(tmp_path, capsys, engi
         "local",
     )
     assert code == 2 and "same id type" in err
+
+
+def test_a_folder_the_lock_made_goes_with_it_where_the_command_left_it_empty(tmp_path):
+    made, kept, existing = (str(tmp_path / name) for name in ("made", "kept", "existing"))
+    with pytest.raises(InputError), output_lock.exclusive(made, "bound"):
+        raise InputError("refused before writing")
+    with output_lock.exclusive(kept, "bound"):
+        open(os.path.join(kept, "report.json"), "w").close()
+    os.makedirs(existing)
+    with output_lock.exclusive(existing, "bound"):
+        pass
+    assert not os.path.exists(made) and os.listdir(kept) == ["report.json"] and os.listdir(existing) == []
 
 
 def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
@@ -363,6 +375,7 @@ def test_two_writers_of_a_remote_output_started_at_once_never_both_hold_it(tmp_p
 
 def test_a_second_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
     data = write_records(str(tmp_path / "d.jsonl"), rows(100))
+    (tmp_path / "b").mkdir()  # kept after the first writer's lock: a folder it did not make
     with output_lock.exclusive(str(tmp_path / "b"), "bound (another run)"):
         code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", "--runner", "local")
         assert code == 2 and "being written by another madp process" in err and "bound (another run)" in err
@@ -402,7 +415,6 @@ def test_a_training_never_reads_batches_while_they_are_rewritten(tmp_path, capsy
     takes no lock of its own, and the Python API); a reader's mark refuses a `madp batch` of another
     process; and batches rewritten between opening and reading them are refused, never read as a mix."""
     pytest.importorskip("tensorflow")
-    from madp.core.errors import InputError
     from madp.training import open_batches, read_steps
 
     data = write_records(str(tmp_path / "d.jsonl"), rows(300))
