@@ -75,10 +75,16 @@ def test_madp_runs_its_executors_on_this_python_unless_told(monkeypatch):
     assert settings["spark.pyspark.driver.python"] == sys.executable
 
 
-def test_madp_forks_its_python_workers_with_its_modules_imported_unless_told():
-    assert session.session_settings(SparkOptions())["spark.python.daemon.module"] == "madp.spark.daemon"
-    told = SparkOptions(conf=("spark.python.daemon.module=pyspark.daemon",))
-    assert session.session_settings(told)["spark.python.daemon.module"] == "pyspark.daemon"
+@pytest.mark.parametrize(
+    "key, madps, users",
+    [
+        ("spark.python.daemon.module", "madp.spark.daemon", "pyspark.daemon"),  # workers forked with madp imported
+        ("spark.python.worker.memory", "2g", "512m"),  # the workers' groupings spill above 2 GB
+    ],
+)
+def test_a_default_of_madp_s_holds_unless_told(key, madps, users):
+    assert session.session_settings(SparkOptions())[key] == madps
+    assert session.session_settings(SparkOptions(conf=(f"{key}={users}",)))[key] == users
 
 
 def test_madp_s_jvms_compile_at_the_jit_s_first_tier_unless_told():
@@ -87,12 +93,6 @@ def test_madp_s_jvms_compile_at_the_jit_s_first_tier_unless_told():
     told = session.session_settings(SparkOptions(conf=("spark.executor.extraJavaOptions=-Dx=1",)))
     assert told["spark.executor.extraJavaOptions"] == "-Dx=1"
     assert told["spark.driver.extraJavaOptions"] == session.C1_ONLY
-
-
-def test_madp_s_python_workers_group_without_spilling_below_2_gb_unless_told():
-    assert session.session_settings(SparkOptions())["spark.python.worker.memory"] == "2g"
-    told = SparkOptions(conf=("spark.python.worker.memory=512m",))
-    assert session.session_settings(told)["spark.python.worker.memory"] == "512m"
 
 
 def test_workers_forked_from_madp_s_python_daemon_use_numpy_and_pyarrow():
