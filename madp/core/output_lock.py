@@ -266,10 +266,12 @@ def _listed(output: str, prefix: str) -> list[str]:
 
 
 def _take_local(output: str, lock: str, holder: str) -> None:
-    os.makedirs(output, exist_ok=True)
-    for _ in range(2):
+    for _ in range(3):
+        os.makedirs(output, exist_ok=True)
         try:
             _create_whole(lock, holder)
+        except FileNotFoundError:  # a writer that had made OUTPUT removed it, empty, on leaving: make it again
+            continue
         except FileExistsError:
             if not _stale(lock):
                 raise OutputLocked(_held(lock)) from None

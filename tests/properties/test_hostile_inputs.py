@@ -270,6 +270,21 @@ def test_a_folder_the_lock_made_goes_with_it_where_the_command_left_it_empty(tmp
     assert not os.path.exists(made) and os.listdir(kept) == ["report.json"] and os.listdir(existing) == []
 
 
+def test_a_writer_takes_the_lock_of_a_folder_another_removed_as_it_took_it(tmp_path, monkeypatch):
+    """The folder is removed, empty, by a writer that made it (leaving) between the makedirs and the lock of
+    another: that one makes it again and takes the lock."""
+    output, create_whole = str(tmp_path / "out"), output_lock._create_whole
+
+    def after_the_folder_went(path: str, text: str) -> None:
+        monkeypatch.setattr(output_lock, "_create_whole", create_whole)
+        os.rmdir(output)
+        create_whole(path, text)
+
+    monkeypatch.setattr(output_lock, "_create_whole", after_the_folder_went)
+    with output_lock.exclusive(output, "bound"):
+        assert output_lock.holds(output)
+
+
 def test_a_lock_is_held_by_the_thread_that_took_it(tmp_path):
     """What the lock guards (the trainings ledger) is read and written by whoever `holds` it: another
     thread of the same process does not, so it takes the lock itself and is refused while it is held."""
