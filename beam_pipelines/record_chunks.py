@@ -17,7 +17,7 @@ from madp.beam.pipeline import Chunk, keeping_input_errors, keeps_input_errors, 
 from madp.core import input_splits, record_reading
 from madp.core import records as rec
 from madp.core.errors import InputError
-from madp.core.input_splits import FileAccess, InputSplit, count_split, plan_splits, read_planned_split
+from madp.core.input_splits import FileAccess, InputSplit, count_split, plan_splits, read_planned_pieces
 from madp.core.record_reading import shown_row
 
 
@@ -74,8 +74,8 @@ class _ReadSplit(beam.DoFn):
         if counts is not self._counts:
             self._counts, self._before = counts, input_splits.first_rows(counts)
         first_row = input_splits.first_row(split, self._before)
-        result = read_planned_split(split, self.columns, self.content, first_row, BEAM_FILES)
-        yield from _read_outputs(split.file_index, result)
+        for result in read_planned_pieces(split, self.columns, self.content, first_row, BEAM_FILES):
+            yield from _read_outputs(split.file_index, result)
 
 
 def _read_outputs(index: int, result: rec.FileResult):

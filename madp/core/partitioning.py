@@ -15,7 +15,10 @@ DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read
 # about 30 MB) instead of growing with it; and at least TASKS_PER_CORE per core of the cluster. Not fewer
 # rows: every PySpark task costs about 50-60 ms of CPU whatever it holds (a task's Python worker set up, its
 # functions sent), and a bounding runs some 15 stages of one task per partition; at 10M records 10
-# partitions bound and batched in 123 s where 40 took 180 s, the Python workers' peaks as large.
+# partitions bound and batched in 123 s where 40 took 180 s. Nor fewer per partition: a shuffle moves a
+# block from every partition to every other, partitions squared, each costing the executors' JVMs about
+# as much as its bytes: at 100M records on two cores, 200 partitions bound in 1,103 s where 100 took
+# 762 s, though with about half the Python workers' peak (450 MB against 849).
 RECORDS_PER_PARTITION = 1_000_000
 TASKS_PER_CORE = 2  # Spark's tuning guide: 2-3 tasks per core
 

@@ -398,10 +398,10 @@ def _leading_rows(path: str) -> list[bytes]:
 
 
 def leading_facts(path: str, columns: Columns) -> ReadFacts:
-    """What the first rows of an input file show (its first LEADING_ROWS JSON Lines rows, or its first
-    Parquet row group, read as the whole file is): a driver's cheap look at the input, its id and user id
-    types, before a pipeline reads all of it. A record column that no row of the file has is an InputError,
-    as reading the whole file says it."""
+    """What the first rows of an input file show (its first LEADING_ROWS rows, read as the whole file is):
+    a driver's cheap look at the input, its id and user id types, before a pipeline reads all of it; never
+    a whole row group, which a Parquet writer may make of millions of rows. A record column that no row of
+    the file has is an InputError, as reading the whole file says it."""
     _require_columns(path, _present_columns(path, _wanted(columns)), columns)
     if not path.endswith(".parquet"):
         return read_lines(_leading_rows(path), path, 0, columns).facts
@@ -409,10 +409,11 @@ def leading_facts(path: str, columns: Columns) -> ReadFacts:
         with storage.open_input(path) as handle:
             parquet = pq.ParquetFile(handle, page_checksum_verification=True)
             names = parquet_read_columns(path, parquet.schema_arrow.names, columns)
-            if parquet.num_row_groups:
-                table = parquet.read_row_group(0, columns=names)
-            else:
-                table = parquet.schema_arrow.empty_table().select(names)
+            batches = (
+                parquet.iter_batches(LEADING_ROWS, row_groups=[0], columns=names) if parquet.num_row_groups else ()
+            )
+            leading = next(iter(batches), None)
+            table = parquet.schema_arrow.empty_table().select(names) if leading is None else pa.table(leading)
     except (pa.ArrowInvalid, OSError) as error:
         raise InputError(f"{path}: not a readable Parquet file ({error})") from error
     return read_parquet_rows(table, path, 0, columns).facts

@@ -1,7 +1,7 @@
 """The input on Spark, read with madp's own readers exactly as Beam's `record_chunks.ReadRecords` reads
 it: each file planned into splits (`input_splits.plan_splits`), the rows of a JSON Lines file's later
 ranges counted first so rows are numbered as in the whole file, each split read and validated on an
-executor (`input_splits.read_planned_split`), and the rules over the whole input judged on the driver
+executor in pieces (`input_splits.read_planned_pieces`), and the rules over the whole input judged on the driver
 from every split's facts (`record_reading.check_facts`) before any record goes on. Then the records
 are grouped into their record partitions by id hash (`records.by_record_partition`).
 
@@ -138,11 +138,13 @@ def read_records(
         splits = _planned_splits(sc, files, split_bytes, errors_dir)
         before = _first_rows(sc, splits, errors_dir)
 
-    def read(split: InputSplit) -> rec.FileResult:
-        first_row = input_splits.first_row(split, before)
-        return input_splits.read_planned_split(split, columns, content, first_row, input_splits.STORAGE)
+    def read(split: InputSplit) -> Iterator[rec.FileResult]:
+        with keeping_input_errors(errors_dir):  # around the pieces as they are read, not their generator's making
+            first_row = input_splits.first_row(split, before)
+            yield from input_splits.read_planned_pieces(split, columns, content, first_row, input_splits.STORAGE)
 
-    return checked_reads(sc.parallelize(splits, len(splits)).map(kept(errors_dir, read)), columns, errors_dir, content)
+    pieces = sc.parallelize(splits, len(splits)).flatMap(read)
+    return checked_reads(pieces, columns, errors_dir, content)
 
 
 def checked_reads(

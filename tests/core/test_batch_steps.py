@@ -206,9 +206,9 @@ def test_a_split_reads_as_its_part_of_the_whole_file(tmp_path):
     before = input_splits.first_rows(counts)
     keys = []
     for split in splits:
-        part = input_splits.range_bytes(open(path, "rb"), split.start, split.stop)
-        read = input_splits.read_split(split, part, rec.Columns(), None, input_splits.first_row(split, before))
-        keys += read.chunk.keys.tolist()
+        first_row = input_splits.first_row(split, before)
+        for piece in input_splits.read_planned_pieces(split, rec.Columns(), None, first_row, input_splits.STORAGE, 40):
+            keys += piece.chunk.keys.tolist()
     assert keys == record_reading.read_file(path, 0, rec.Columns()).chunk.keys.tolist()
     chunk = record_reading.read_row_chunk(3, list(reversed(lines)), rec.Columns())
     assert chunk.chunk.ids.to_pylist() == sorted(range(30), key=lambda i: lines[i])

@@ -49,9 +49,10 @@ def hostile_bytes(rng: random.Random, rows: int) -> bytes:
     return BOM + data if rng.random() < 0.3 else data
 
 
-def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None):
-    """What the Beam reading does with one file, in process: count, read each range, check the facts
-    (given in reverse: their order must not matter)."""
+def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None, piece_bytes=None):
+    """What the engines' reading does with one file, in process: count, read each range (row by row;
+    with `piece_bytes`, in pieces as a worker reads them), check the facts (given in reverse: their
+    order must not matter)."""
     columns = columns or Columns()
     splits = jsonl_splits(0, "f.jsonl", len(data), split_bytes)
     counts = {
@@ -60,8 +61,15 @@ def read_in_splits(data: bytes, split_bytes: int, columns=None, content=None):
         if s.first_row is None
     }
     before = first_rows(counts)
+    in_memory = input_splits.FileAccess(lambda _: io.BytesIO(data))
     results = []
     for split in splits:
+        if piece_bytes is not None:
+            pieces = input_splits.read_planned_pieces(
+                split, columns, content, first_row(split, before), in_memory, piece_bytes
+            )
+            results.extend(pieces)
+            continue
         data_of = range_bytes(io.BytesIO(data), split.start, split.stop) if split.first_row is None else data
         lines = record_reading.jsonl_rows(data_of, split.start == 0)
         results.append(record_reading.read_lines(lines, "f.jsonl", 0, columns, content, first_row(split, before)))
@@ -101,17 +109,18 @@ def test_split_reads_give_the_whole_files_records_rejects_and_rules():
     for _ in range(150):
         data = hostile_bytes(rng, rng.randint(1, 30))
         split_bytes = rng.randint(1, max(1, len(data)))
+        piece_bytes = rng.choice([None, rng.randint(1, max(1, split_bytes))])
         try:
             expected, expected_schema = whole(data, content=("x",))
         except InputError as error:
             errors += 1
             with pytest.raises(InputError, match=r"^f\.jsonl: ") as raised:
-                read_in_splits(data, split_bytes, content=("x",))
+                read_in_splits(data, split_bytes, content=("x",), piece_bytes=piece_bytes)
             mixes = ("ids mix", "mixes types")  # two mixes in one file: either may be met first
             if not (any(m in str(error) for m in mixes) and any(m in str(raised.value) for m in mixes)):
                 assert str(raised.value) == str(error)
             continue
-        results, schema = read_in_splits(data, split_bytes, content=("x",))
+        results, schema = read_in_splits(data, split_bytes, content=("x",), piece_bytes=piece_bytes)
         assert schema == expected_schema, data
         keys = np.concatenate([r.chunk.keys for r in results])
         assert keys.tolist() == expected.chunk.keys.tolist(), (data, split_bytes)
@@ -207,6 +216,38 @@ def test_parquet_splits_are_runs_of_row_groups_with_their_first_rows():
     assert jsonl_splits(0, "a.jsonl.gz", 10**9, 10) == [input_splits.InputSplit(0, "a.jsonl.gz", 0, 10**9, 0, 10**9)]
 
 
+def test_a_parquet_split_read_in_pieces_smaller_than_its_row_groups_reads_as_the_whole_file(tmp_path):
+    rows = [
+        {"id": None if i % 53 == 0 else i, "users": [] if i % 41 == 0 else [i % 7, i % 11], "x": i / 2}
+        for i in range(1000)
+    ]
+    path = str(tmp_path / "p.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=150)
+    expected = record_reading.read_file(path, 0, Columns(), ("x",))
+    for split_bytes, piece_bytes in [(1, 10**9), (3000, 500), (10**9, 64)]:
+        splits = input_splits.plan_splits(0, path, split_bytes, input_splits.STORAGE)
+        pieces = [
+            piece
+            for split in splits
+            for piece in input_splits.read_planned_pieces(
+                split, Columns(), ("x",), split.first_row, input_splits.STORAGE, piece_bytes
+            )
+        ]
+        assert max(piece.rows_read for piece in pieces) <= (150 if piece_bytes > 10**6 else 60), piece_bytes
+        schema = record_reading.check_facts([piece.facts for piece in pieces], Columns(), ("x",))
+        assert schema == record_reading.check_facts([expected.facts], Columns(), ("x",))
+        assert np.concatenate([p.chunk.keys for p in pieces]).tolist() == expected.chunk.keys.tolist()
+        assert pa.concat_tables([p.chunk.content for p in pieces]).equals(expected.chunk.content)
+        rejects = [(row, why) for p in pieces for row, why in zip(p.rejects.row, p.rejects.reason)]
+        assert rejects == list(zip(expected.rejects.row, expected.rejects.reason)) and len(rejects) == 43
+        assert sum(p.rows_read for p in pieces) == expected.rows_read == 1000
+    empty = str(tmp_path / "empty.parquet")
+    pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), empty)
+    (split,) = input_splits.plan_splits(0, empty, 1, input_splits.STORAGE)
+    (piece,) = input_splits.read_planned_pieces(split, Columns(), ("x",), 0, input_splits.STORAGE, 64)
+    assert piece.rows_read == 0 and piece.facts.columns == frozenset(["id", "users", "x"])
+
+
 @pytest.fixture
 def one_large_file_each(tmp_path, small_graph):
     """A JSON Lines file with hostile rows and a Parquet file of many row groups, in one input."""
@@ -227,7 +268,8 @@ def one_large_file_each(tmp_path, small_graph):
 
 
 @pytest.mark.beam
-def test_beam_reads_large_files_in_splits_with_the_local_results(tmp_path, one_large_file_each):
+def test_beam_reads_large_files_in_splits_with_the_local_results(tmp_path, one_large_file_each, monkeypatch):
+    monkeypatch.setattr(input_splits, "PIECE_BYTES", 700)  # each split in several pieces (in this process)
     split = ["--direct_running_mode=in_memory", "--partitions=3", "--input-split-bytes=3000"]
     options = BoundOptions(max_contributions=2, on_invalid="skip")
     local = bound_local(one_large_file_each, str(tmp_path / "local"), options)

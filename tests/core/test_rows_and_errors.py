@@ -435,3 +435,21 @@ def test_an_unreadable_input_file_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(storage, "open_input", open_input)
     code, _, err = cli(capsys, "bound", data, tmp_path / "b", "-k", "2", *LOCAL)
     assert code == 2 and "d.jsonl: cannot be read (Permission denied)" in err, err
+
+
+def test_the_drivers_look_at_a_parquet_file_reads_its_leading_rows_not_its_first_row_group(tmp_path, monkeypatch):
+    path = str(tmp_path / "one-group.parquet")
+    rows = [{"id": i, "users": [f"u{i % 9}"]} for i in range(5 * record_reading.LEADING_ROWS)]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=len(rows))
+    read = record_reading.read_parquet_rows
+    seen: list[int] = []
+    monkeypatch.setattr(
+        record_reading, "read_parquet_rows", lambda table, *a: seen.append(len(table)) or read(table, *a)
+    )
+    facts = record_reading.leading_facts(path, Columns())
+    assert seen == [record_reading.LEADING_ROWS]
+    assert (facts.id_type, facts.user_type) == (pa.int64(), pa.string())
+    no_groups = str(tmp_path / "no-groups.parquet")
+    pq.ParquetWriter(no_groups, pa.Table.from_pylist(rows).schema).close()
+    assert pq.ParquetFile(no_groups).num_row_groups == 0
+    assert record_reading.leading_facts(no_groups, Columns()).columns == frozenset(["id", "users"])
