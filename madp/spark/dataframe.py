@@ -1,6 +1,7 @@
 """A Spark DataFrame of records as the input of `--runner pyspark` (`madp.bound(frame, ...)`,
-`madp.batch(selected, frame, ...)`): each of its partitions goes to the executors as Arrow and is read
-by the function a Parquet split goes through (`record_reading.read_parquet_rows`), with the same row
+`madp.batch(selected, frame, ...)`): each of its partitions goes to the executors as Arrow and is read,
+in pieces as Spark's batches come, by the function a Parquet split goes through
+(`record_reading.read_parquet_rows`), with the same row
 rules, reject reasons and counts; the rules over the whole input are judged on the driver from every
 partition's facts, as for files (`records.checked_reads`). Then the same engine path as files.
 
@@ -18,6 +19,7 @@ column that is missing, or not of a record column's type, is one error naming it
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -26,15 +28,16 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 
-from madp.core import record_reading
+from madp.core import input_splits, record_reading
 from madp.core import records as rec
-from madp.spark.records import SparkRecords, checked_reads, kept, read_records
+from madp.core.kept_errors import keeping_input_errors
+from madp.spark.records import SparkRecords, checked_reads, read_records
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
     from pyspark.sql import DataFrame, Row
 
-PIECE_BYTES = 1 << 26  # a partition's pickled read crosses the JVM in pieces: no value near Arrow's 2 GiB
+CROSSING_BYTES = 1 << 26  # a pickled read crosses the JVM in binary values of this size: none near Arrow's 2 GiB
 
 
 def as_dataframe(value: object) -> DataFrame | None:
@@ -80,33 +83,65 @@ def input_files(frame: DataFrame) -> list[str]:
     return [urlparse(uri).path if uri.startswith("file:") else uri for uri in frame.inputFiles()]
 
 
+def partition_pieces(
+    batches: Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    index: int,
+    columns: rec.Columns,
+    content: record_reading.Content,
+    piece_bytes: int | None = None,
+) -> Iterator[rec.FileResult]:
+    """DataFrame partition `index`'s rows, as Spark's Arrow `batches` of `schema` come, read as a Parquet
+    split's in pieces of about `piece_bytes` (None: `input_splits.PIECE_BYTES`), rows numbered from the
+    partition's first; at least one piece, empty where the partition has no row."""
+    piece_bytes = piece_bytes or input_splits.PIECE_BYTES
+    source = rec.dataframe_partition(index)
+    held: list[pa.RecordBatch] = []
+    held_bytes, first_row = 0, 0
+    for batch in batches:
+        held.append(batch)
+        held_bytes += batch.nbytes
+        if held_bytes >= piece_bytes:
+            table = pa.Table.from_batches(held, schema)
+            yield record_reading.read_parquet_rows(table, source, index, columns, content, first_row)
+            held, held_bytes, first_row = [], 0, first_row + len(table)
+    if held or not first_row:  # the rest, or an empty partition's facts (its columns, their types)
+        table = pa.Table.from_batches(held, schema)
+        yield record_reading.read_parquet_rows(table, source, index, columns, content, first_row)
+
+
+def pickled(number: int, result: rec.FileResult) -> pa.RecordBatch:
+    """A partition's `number`-th FileResult as rows of (`number`, a piece of its pickle) that cross the
+    JVM (`unpickled` reads them back)."""
+    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    pieces = [data[at : at + CROSSING_BYTES] for at in range(0, len(data), CROSSING_BYTES)]
+    numbers = pa.array([number] * len(pieces), pa.int64())
+    return pa.RecordBatch.from_arrays([numbers, pa.array(pieces, pa.binary())], names=["result", "piece"])
+
+
+def unpickled(rows: Iterable[Row]) -> Iterator[rec.FileResult]:
+    """A partition's FileResults from the rows `pickled` made of them, in order (none where Spark ran no
+    task on an empty partition)."""
+    for _, pieces in itertools.groupby(rows, key=lambda row: row.result):
+        yield pickle.loads(b"".join(row.piece for row in pieces))
+
+
 def _partition_reader(
     schema: pa.Schema, columns: rec.Columns, content: record_reading.Content, errors_dir: str
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The task of `mapInArrow` over the DataFrame's partitions: a partition's rows (the columns read, of
-    `schema`) read as a Parquet split's, its FileResult pickled in pieces of a binary column."""
-
-    def read_partition(table: pa.Table, index: int) -> rec.FileResult:
-        return record_reading.read_parquet_rows(table, rec.dataframe_partition(index), index, columns, content)
+    `schema`) read in pieces (`partition_pieces`), each piece's FileResult `pickled`."""
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
         task = TaskContext.get()
         assert task is not None, "a DataFrame's partition is read in a Spark task"
-        table = pa.Table.from_batches(list(batches), schema)
-        result = kept(errors_dir, read_partition)(table, task.partitionId())
-        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-        pieces = [data[at : at + PIECE_BYTES] for at in range(0, len(data), PIECE_BYTES)]
-        yield pa.RecordBatch.from_arrays([pa.array(pieces, pa.binary())], names=["piece"])
+        with keeping_input_errors(errors_dir):
+            results = partition_pieces(batches, schema, task.partitionId(), columns, content)
+            yield from itertools.starmap(pickled, enumerate(results))
 
     return read
-
-
-def _unpickled(rows: Iterable[Row]) -> list[rec.FileResult]:
-    """A partition's FileResult from its pieces (none where Spark ran no task on an empty partition)."""
-    data = b"".join(row.piece for row in rows)
-    return [pickle.loads(data)] if data else []
 
 
 def read_frame(
@@ -122,7 +157,7 @@ def read_frame(
     schema = arrow_schema(frame)
     names = checked_columns(schema, columns, content)
     reader = _partition_reader(pa.schema([schema.field(name) for name in names]), columns, content, errors_dir)
-    results = frame.select(*names).mapInArrow(reader, "piece binary").rdd.mapPartitions(_unpickled)
+    results = frame.select(*names).mapInArrow(reader, "result long, piece binary").rdd.mapPartitions(unpickled)
     return checked_reads(results, columns, errors_dir, content)
 
 

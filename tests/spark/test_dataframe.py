@@ -134,3 +134,31 @@ def test_the_spark_page_example_runs(tmp_path, monkeypatch, spark):
         example = example.replace(f'"{name}"', repr(str(tmp_path / name)))
     exec(compile(example, "spark.md", "exec"), {"__name__": "example"})
     assert os.path.exists(tmp_path / "batches" / "report.json")
+
+
+def test_a_partition_is_read_in_pieces_that_cross_the_jvm_and_read_back_as_it_whole(records, monkeypatch):
+    from collections import namedtuple
+
+    from madp.core import record_reading
+    from madp.core import records as rec
+    from madp.spark import dataframe
+
+    table = pq.read_table(records)
+    content = ("label", "text")
+    whole = record_reading.read_parquet_rows(table, rec.dataframe_partition(3), 3, rec.Columns(), content)
+    batches = table.to_batches(max_chunksize=13)
+    pieces = list(dataframe.partition_pieces(batches, table.schema, 3, rec.Columns(), content, piece_bytes=500))
+    assert len(pieces) > 10 and sum(p.rows_read for p in pieces) == whole.rows_read == len(table)
+    monkeypatch.setattr(dataframe, "CROSSING_BYTES", 1000)  # each piece's pickle in several rows
+    Row = namedtuple("Row", ["result", "piece"])
+    crossed = [dataframe.pickled(number, piece) for number, piece in enumerate(pieces)]
+    rows = [Row(*values) for batch in crossed for values in zip(*batch.to_pydict().values())]
+    assert len(rows) > 2 * len(pieces)
+    back = list(dataframe.unpickled(rows))
+    assert [b.chunk.keys.tolist() for b in back] == [p.chunk.keys.tolist() for p in pieces]
+    assert sum((b.chunk.keys.tolist() for b in back), []) == whole.chunk.keys.tolist()
+    assert pa.concat_tables([b.chunk.content for b in back]).equals(whole.chunk.content)
+    rejects = [(row, why) for b in back for row, why in zip(b.rejects.row, b.rejects.reason)]
+    assert rejects == list(zip(whole.rejects.row, whole.rejects.reason)) and len(rejects) == 4
+    (empty,) = dataframe.partition_pieces([], table.schema, 3, rec.Columns(), content)
+    assert empty.rows_read == 0 and empty.facts.columns == frozenset(table.column_names)
