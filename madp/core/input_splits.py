@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO, NamedTuple
 
@@ -266,13 +266,34 @@ def read_planned_pieces(
         names = record_reading.parquet_read_columns(split.path, parquet.schema_arrow.names, columns, content)
         groups = range(split.start, split.stop)
         rows = parquet_piece_rows(parquet.metadata, groups, piece_bytes)
-        read = 0
-        for batch in parquet.iter_batches(rows, row_groups=groups, columns=names) if groups else ():
-            table = pa.Table.from_batches([batch])
-            yield record_reading.read_parquet_rows(
-                table, split.path, split.file_index, columns, content, first_row + read
-            )
-            read += len(table)
-        if not read:  # no row: the split's facts (its columns, their types) still count
-            table = parquet.read_row_groups(groups, columns=names)
-            yield record_reading.read_parquet_rows(table, split.path, split.file_index, columns, content, first_row)
+        batches = parquet.iter_batches(rows, row_groups=groups, columns=names) if groups else ()
+        schema = pa.schema([parquet.schema_arrow.field(name) for name in names])
+        yield from arrow_pieces(batches, schema, split.path, split.file_index, columns, content, first_row, piece_bytes)
+
+
+def arrow_pieces(
+    batches: Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    source: str,
+    file_index: int,
+    columns: Columns,
+    content: Content,
+    first_row: int,
+    piece_bytes: int,
+) -> Iterator[FileResult]:
+    """Arrow `batches` of `schema` (a Parquet split's, a DataFrame partition's), as they come, read and
+    validated as Parquet rows (`record_reading.read_parquet_rows`) in pieces of about `piece_bytes`, rows
+    numbered from `first_row` on; at least one piece, empty where there is no row (its facts, the columns
+    and their types, still count)."""
+    held: list[pa.RecordBatch] = []
+    held_bytes, read = 0, 0
+    for batch in batches:
+        held.append(batch)
+        held_bytes += batch.nbytes
+        if held_bytes >= piece_bytes:
+            table = pa.Table.from_batches(held, schema)
+            yield record_reading.read_parquet_rows(table, source, file_index, columns, content, first_row + read)
+            held, held_bytes, read = [], 0, read + len(table)
+    if held or not read:
+        table = pa.Table.from_batches(held, schema)
+        yield record_reading.read_parquet_rows(table, source, file_index, columns, content, first_row + read)

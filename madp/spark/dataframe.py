@@ -1,8 +1,7 @@
 """A Spark DataFrame of records as the input of `--runner pyspark` (`madp.bound(frame, ...)`,
 `madp.batch(selected, frame, ...)`): each of its partitions goes to the executors as Arrow and is read,
-in pieces as Spark's batches come, by the function a Parquet split goes through
-(`record_reading.read_parquet_rows`), with the same row
-rules, reject reasons and counts; the rules over the whole input are judged on the driver from every
+in pieces as Spark's batches come, as a Parquet split is (`input_splits.arrow_pieces`), with the same
+row rules, reject reasons and counts; the rules over the whole input are judged on the driver from every
 partition's facts, as for files (`records.checked_reads`). Then the same engine path as files.
 
 Rows are numbered within their partition: row r of the DataFrame's partition p (in Spark's order of
@@ -83,33 +82,6 @@ def input_files(frame: DataFrame) -> list[str]:
     return [urlparse(uri).path if uri.startswith("file:") else uri for uri in frame.inputFiles()]
 
 
-def partition_pieces(
-    batches: Iterable[pa.RecordBatch],
-    schema: pa.Schema,
-    index: int,
-    columns: rec.Columns,
-    content: record_reading.Content,
-    piece_bytes: int | None = None,
-) -> Iterator[rec.FileResult]:
-    """DataFrame partition `index`'s rows, as Spark's Arrow `batches` of `schema` come, read as a Parquet
-    split's in pieces of about `piece_bytes` (None: `input_splits.PIECE_BYTES`), rows numbered from the
-    partition's first; at least one piece, empty where the partition has no row."""
-    piece_bytes = piece_bytes or input_splits.PIECE_BYTES
-    source = rec.dataframe_partition(index)
-    held: list[pa.RecordBatch] = []
-    held_bytes, first_row = 0, 0
-    for batch in batches:
-        held.append(batch)
-        held_bytes += batch.nbytes
-        if held_bytes >= piece_bytes:
-            table = pa.Table.from_batches(held, schema)
-            yield record_reading.read_parquet_rows(table, source, index, columns, content, first_row)
-            held, held_bytes, first_row = [], 0, first_row + len(table)
-    if held or not first_row:  # the rest, or an empty partition's facts (its columns, their types)
-        table = pa.Table.from_batches(held, schema)
-        yield record_reading.read_parquet_rows(table, source, index, columns, content, first_row)
-
-
 def pickled(number: int, result: rec.FileResult) -> pa.RecordBatch:
     """A partition's `number`-th FileResult as rows of (`number`, a piece of its pickle) that cross the
     JVM (`unpickled` reads them back)."""
@@ -130,7 +102,8 @@ def _partition_reader(
     schema: pa.Schema, columns: rec.Columns, content: record_reading.Content, errors_dir: str
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The task of `mapInArrow` over the DataFrame's partitions: a partition's rows (the columns read, of
-    `schema`) read in pieces (`partition_pieces`), each piece's FileResult `pickled`."""
+    `schema`) read as a Parquet split's, in pieces as Spark's batches come (`input_splits.arrow_pieces`),
+    each piece's FileResult `pickled`."""
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -138,7 +111,9 @@ def _partition_reader(
         task = TaskContext.get()
         assert task is not None, "a DataFrame's partition is read in a Spark task"
         with keeping_input_errors(errors_dir):
-            results = partition_pieces(batches, schema, task.partitionId(), columns, content)
+            index = task.partitionId()
+            source, piece_bytes = rec.dataframe_partition(index), input_splits.PIECE_BYTES
+            results = input_splits.arrow_pieces(batches, schema, source, index, columns, content, 0, piece_bytes)
             yield from itertools.starmap(pickled, enumerate(results))
 
     return read

@@ -139,7 +139,7 @@ def test_the_spark_page_example_runs(tmp_path, monkeypatch, spark):
 def test_a_partition_is_read_in_pieces_that_cross_the_jvm_and_read_back_as_it_whole(records, monkeypatch):
     from collections import namedtuple
 
-    from madp.core import record_reading
+    from madp.core import input_splits, record_reading
     from madp.core import records as rec
     from madp.spark import dataframe
 
@@ -147,7 +147,8 @@ def test_a_partition_is_read_in_pieces_that_cross_the_jvm_and_read_back_as_it_wh
     content = ("label", "text")
     whole = record_reading.read_parquet_rows(table, rec.dataframe_partition(3), 3, rec.Columns(), content)
     batches = table.to_batches(max_chunksize=13)
-    pieces = list(dataframe.partition_pieces(batches, table.schema, 3, rec.Columns(), content, piece_bytes=500))
+    source = rec.dataframe_partition(3)
+    pieces = list(input_splits.arrow_pieces(batches, table.schema, source, 3, rec.Columns(), content, 0, 500))
     assert len(pieces) > 10 and sum(p.rows_read for p in pieces) == whole.rows_read == len(table)
     monkeypatch.setattr(dataframe, "CROSSING_BYTES", 1000)  # each piece's pickle in several rows
     Row = namedtuple("Row", ["result", "piece"])
@@ -160,5 +161,5 @@ def test_a_partition_is_read_in_pieces_that_cross_the_jvm_and_read_back_as_it_wh
     assert pa.concat_tables([b.chunk.content for b in back]).equals(whole.chunk.content)
     rejects = [(row, why) for b in back for row, why in zip(b.rejects.row, b.rejects.reason)]
     assert rejects == list(zip(whole.rejects.row, whole.rejects.reason)) and len(rejects) == 4
-    (empty,) = dataframe.partition_pieces([], table.schema, 3, rec.Columns(), content)
+    (empty,) = input_splits.arrow_pieces([], table.schema, source, 3, rec.Columns(), content, 0, 500)
     assert empty.rows_read == 0 and empty.facts.columns == frozenset(table.column_names)
