@@ -50,7 +50,7 @@ from madp.core.bounding import (
     run_steps,
     unanimous,
 )
-from madp.core.columnar import Columnar
+from madp.core.columnar import Columnar, dense_codes
 from madp.core.graph_digest import graph_digest
 from madp.core.hashing import partition_of
 from madp.core.routing import csr_rows, distinct_partitions, split_by_partition, split_rows, take_csr
@@ -481,7 +481,7 @@ def split_record_partition(
     primary, tie = preference_keys(
         chunk.ids, arity, options.order, options.seed, chunk.weights, alternate_runs(options)
     )
-    record_of_incidence = np.repeat(np.arange(n), arity)
+    record_of_incidence = np.repeat(np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), arity)
     dropped = np.zeros(n, dtype=bool)
     if not options.duplicates:
         dropped = _certified(chunk, record_of_incidence, (primary, tie), capacities)
@@ -523,16 +523,10 @@ def _certified(
     """The records of a record partition that the saturation certificate rejects."""
     if not len(chunk.users):
         return np.zeros(len(chunk), dtype=bool)
-    encoded = pc.dictionary_encode(chunk.users)
+    codes, distinct = dense_codes(chunk.users)
     rank = np.empty(len(chunk), np.int64)
     rank[preference_rank_order(*order, chunk.keys)] = np.arange(len(chunk))
-    return certified_records(
-        encoded.indices.to_numpy().astype(np.int64),
-        record_of_incidence,
-        rank,
-        chunk.arity,
-        capacities.lookup(encoded.dictionary),
-    )
+    return certified_records(codes, record_of_incidence, rank, chunk.arity, capacities.lookup(distinct))
 
 
 class BuiltRecordPartition(typing.NamedTuple):
@@ -668,14 +662,12 @@ def _concat_csr(batches: list[Incidences]) -> tuple[np.ndarray, np.ndarray]:
 def _input_degrees(batches: list[Incidences]) -> tuple[np.ndarray, int]:
     """(records per user in the input, users with no incidence left after the certificate) of the
     users of these batches: the incidences sent and the counts of those dropped."""
-    users = pa.concat_arrays([b.users for b in batches] + [b.dropped_users for b in batches])
-    counts = np.concatenate(
-        [np.ones(len(b.users), np.int64) for b in batches] + [b.dropped_counts for b in batches], dtype=np.int64
-    )
-    encoded = pc.dictionary_encode(users)
-    codes = encoded.indices.to_numpy().astype(np.int64)
-    users_sent = len(np.unique(codes[: sum(len(b.users) for b in batches)]))
-    degree = np.bincount(codes, weights=counts, minlength=len(encoded.dictionary)).astype(np.int64)
+    sent = sum(len(b.users) for b in batches)
+    codes, distinct = dense_codes(pa.concat_arrays([b.users for b in batches] + [b.dropped_users for b in batches]))
+    degree = np.bincount(codes[:sent], minlength=len(distinct))
+    users_sent = int(np.count_nonzero(degree))
+    dropped = np.concatenate([b.dropped_counts for b in batches], dtype=np.int64)
+    degree += np.bincount(codes[sent:], weights=dropped, minlength=len(distinct)).astype(np.int64)
     return degree, len(degree) - users_sent
 
 

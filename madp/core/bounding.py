@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from madp.core.columnar import Columnar
+from madp.core.columnar import Columnar, dense_codes
 from madp.core.errors import InputError
 from madp.core.hashing import hash_ids
 from madp.core.reports import RoundStats
@@ -131,9 +131,7 @@ def build_user_side(
     """
     rank = np.empty(len(record_keys), dtype=np.int64)
     rank[preference_rank_order(*record_order, record_keys)] = np.arange(len(record_keys))
-    encoded = pc.dictionary_encode(inc_user_ids)
-    user_codes = encoded.indices.to_numpy().astype(np.int64)
-    user_ids = encoded.dictionary
+    user_codes, user_ids = dense_codes(inc_user_ids)
     if len(user_ids) * max(len(record_keys), 1) < 2**62:
         order = np.argsort(user_codes * len(record_keys) + rank[inc_record])
     else:
@@ -273,11 +271,11 @@ def beyond_saturation(inc_user: np.ndarray, alone: np.ndarray, capacity: np.ndar
     """
     if not len(inc_user):
         return np.zeros(0, dtype=bool)
-    alone_seen = np.cumsum(alone, dtype=np.int64)
+    alone_before = np.cumsum(alone, dtype=np.int64)
+    alone_before -= alone
     starts = np.concatenate([[0], np.flatnonzero(inc_user[1:] != inc_user[:-1]) + 1])
-    before_user = np.repeat(alone_seen[starts] - alone[starts], np.diff(np.append(starts, len(inc_user))))
-    alone_before = alone_seen - alone - before_user  # records alone strictly earlier, same user
-    return alone_before >= capacity[inc_user]
+    alone_before -= np.repeat(alone_before[starts], np.diff(np.append(starts, len(inc_user))))
+    return alone_before >= capacity[inc_user]  # records alone strictly earlier, same user, against u's capacity
 
 
 def certified_rejections(users: UserSide, arity: np.ndarray) -> np.ndarray:
@@ -295,8 +293,9 @@ def certified_records(
     go to the users' partitions): per incidence its user code and record, per record its preference
     rank and arity, per user code its capacity -> mask over records."""
     order = np.lexsort((rank[inc_record], user_codes))
-    beyond = beyond_saturation(user_codes[order], arity[inc_record[order]] == 1, capacity)
-    return np.bincount(inc_record[order][beyond], minlength=len(arity)) > 0
+    inc_record = inc_record[order]
+    beyond = beyond_saturation(user_codes[order], arity[inc_record] == 1, capacity)
+    return np.bincount(inc_record[beyond], minlength=len(arity)) > 0
 
 
 def retire(users: UserSide, dead: np.ndarray) -> None:

@@ -33,6 +33,7 @@ _LANES = ((0x243F6A8885A308D3, 0x13198A2E03707344), (0xA4093822299F31D0, 0x082EF
 # Mixed into the constants by the ids' type, so that integer id 7 and string id "7" differ.
 _INTEGER_TAG, _STRING_TAG = 0x452821E638D01377, 0xBE5466CF34E90C6C
 _HALF = 32  # lanes travel as 32-bit halves where partial digests are summed as plain integers
+_BLOCK_RECORDS = 1 << 16  # records digested at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +100,19 @@ def _tag(values: pa.Array) -> int:
 
 def graph_digest(ids: pa.Array, offsets: np.ndarray, users: pa.Array) -> GraphDigest:
     """The digest of records `ids` whose users are `users[offsets[i]:offsets[i + 1]]` (CSR, no user
-    twice in a record, as `records.RecordChunk` holds them)."""
-    if len(ids) == 0:
-        return EMPTY
+    twice in a record, as `records.RecordChunk` holds them): the sum of its blocks' digests, so that
+    its temporaries are a block's, whatever the partition's size."""
     offsets = np.asarray(offsets, dtype=np.int64)
+    digest = EMPTY
+    for start in range(0, len(ids), _BLOCK_RECORDS):
+        end = min(start + _BLOCK_RECORDS, len(ids))
+        first, last = int(offsets[start]), int(offsets[end])
+        digest += _block_digest(ids[start:end], offsets[start : end + 1] - first, users[first:last])
+    return digest
+
+
+def _block_digest(ids: pa.Array, offsets: np.ndarray, users: pa.Array) -> GraphDigest:
+    """The digest of records `ids` with users `users[offsets[i]:offsets[i + 1]]`, offsets from 0."""
     record_words, user_words = id_words(ids), id_words(users) if len(users) else np.zeros(0, np.uint64)
     record_tag, user_tag = _tag(ids), _tag(users)
     lanes = []
@@ -114,4 +124,4 @@ def graph_digest(ids: pa.Array, offsets: np.ndarray, users: pa.Array) -> GraphDi
             record_hash = splitmix64(record_words ^ np.uint64(record_constant ^ record_tag))
             element = splitmix64(record_hash + splitmix64(user_sets))
             lanes.append(int(np.sum(element, dtype=np.uint64)))
-    return GraphDigest((lanes[0], lanes[1]), len(ids), int(offsets[-1] - offsets[0]))
+    return GraphDigest((lanes[0], lanes[1]), len(ids), int(offsets[-1]))

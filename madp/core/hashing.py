@@ -19,13 +19,22 @@ _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
 
 
-def splitmix64(x: np.ndarray | np.uint64) -> np.ndarray:
-    """SplitMix64 finalizer (Steele et al. 2014): a bijection on uint64 with full avalanche."""
-    with np.errstate(over="ignore"):  # wrap-around multiplication is the point
-        z = np.asarray(x, dtype=np.uint64) + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+def splitmix64(x: np.ndarray | np.uint64 | int, out: np.ndarray | None = None) -> np.ndarray:
+    """SplitMix64 finalizer (Steele et al. 2014): a bijection on uint64 with full avalanche, wrapping
+    modulo 2^64. In place on its result (or on `out`, which may be `x` itself) with one temporary: a
+    partition's hashes take two arrays of its length, not one per operation. Plain numpy, not a
+    compiled kernel: the first compiled call loads LLVM into the worker (about 90 MB)."""
+    values = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # wrap-around addition and multiplication are the point
+        z = np.add(values, _GOLDEN, out=np.empty_like(values) if out is None else out)
+        shifted = np.empty_like(z)
+        for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            np.right_shift(z, np.uint64(shift), out=shifted)
+            np.bitwise_xor(z, shifted, out=z)
+            np.multiply(z, np.uint64(multiplier), out=z)
+        np.right_shift(z, np.uint64(31), out=shifted)
+        np.bitwise_xor(z, shifted, out=z)
+    return z if z.ndim else z[()]  # a scalar for a scalar
 
 
 def _binary_buffers(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +76,8 @@ def _as_array(ids: pa.Array | pa.ChunkedArray | np.ndarray) -> pa.Array:
 
 
 def id_words(ids: pa.Array | np.ndarray) -> np.ndarray:
-    """One uint64 per id: an integer id's two's complement bits, a string id's (unkeyed) FNV-1a hash."""
+    """One uint64 per id, in a new array: an integer id's two's complement bits, a string id's
+    (unkeyed) FNV-1a hash."""
     ids = _as_array(ids)
     if pa.types.is_integer(ids.type):
         return ids.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
@@ -77,7 +87,9 @@ def id_words(ids: pa.Array | np.ndarray) -> np.ndarray:
 def hash_ids(ids: pa.Array | np.ndarray, seed: int, purpose: int = 0) -> np.ndarray:
     """Seeded uint64 hash of integer or string ids; `purpose` gives independent streams."""
     key = splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ splitmix64(np.uint64(purpose)))
-    return splitmix64(id_words(ids) ^ key)
+    words = id_words(ids)
+    np.bitwise_xor(words, key, out=words)
+    return splitmix64(words, out=words)
 
 
 def siphash24(key: tuple[int, int], words: np.ndarray) -> np.ndarray:

@@ -10,16 +10,18 @@ from madp.core.options import option
 
 MIN_SPLIT_BYTES = 1024
 DEFAULT_PARTITIONS = 16  # Beam's, whose graph is built before the input is read
-# On Spark, without --partitions: one partition per this many input rows, so that a partition's elements
-# keep their size as the input grows (the largest packed user partition of 1,000,000 skewed records is
-# about 30 MB) instead of growing with it; and at least TASKS_PER_CORE per core of the cluster. Not fewer
-# rows: every PySpark task costs about 50-60 ms of CPU whatever it holds (a task's Python worker set up, its
-# functions sent), and a bounding runs some 15 stages of one task per partition; at 10M records 10
-# partitions bound and batched in 123 s where 40 took 180 s. Nor fewer per partition: a shuffle moves a
+# On Spark, without --partitions: one partition per so many input rows, so that a partition's elements
+# and a task's memory keep their size as the input grows instead of growing with it; and at least
+# TASKS_PER_CORE per core of the cluster. Each job takes as many rows as its own tasks' memory allows,
+# and no fewer: every PySpark task costs about 50-60 ms of CPU whatever it holds (a task's Python worker
+# set up, its functions sent), a job runs some 15 stages of one task per partition, and a shuffle moves a
 # block from every partition to every other, partitions squared, each costing the executors' JVMs about
-# as much as its bytes: at 100M records on two cores, 200 partitions bound in 1,103 s where 100 took
-# 762 s, though with about half the Python workers' peak (450 MB against 849).
-RECORDS_PER_PARTITION = 1_000_000
+# as much as its bytes. The bounding's build holds about 0.35 KB per record in a Python worker: at 10M
+# records 15 partitions peaked at 400 MB and bound in 72 s, 10 at 495 MB in 65 s; at 100M, 143 bound in
+# 793 s. The batching holds less per record, and its shuffles cost more per partition: at 100M, 143
+# partitions batched in 572 s where 100 took 398 s.
+BOUND_RECORDS_PER_PARTITION = 700_000
+BATCH_RECORDS_PER_PARTITION = 1_000_000
 TASKS_PER_CORE = 2  # Spark's tuning guide: 2-3 tasks per core
 
 
@@ -33,7 +35,8 @@ class PartitionOptions:
         None,
         help="madp: record and user partitions, the columnar units of work the runner spreads over "
         "workers (use several per worker core, and enough that one fits a worker's memory; default: "
-        f"{DEFAULT_PARTITIONS} on Beam; on Spark one per {RECORDS_PER_PARTITION:,} input rows, at least "
+        f"{DEFAULT_PARTITIONS} on Beam; on Spark one per {BOUND_RECORDS_PER_PARTITION:,} input rows for madp "
+        f"bound and {BATCH_RECORDS_PER_PARTITION:,} for madp batch, at least "
         f"{TASKS_PER_CORE} per core of the cluster)",
     )
     input_split_bytes: int = option(
@@ -59,13 +62,13 @@ class PartitionOptions:
         if self.local_finish_incidences < 0:
             raise InputError("--local-finish-incidences must be at least 0")
 
-    def partitions_for(self, records: int | None, cores: int | None = None) -> int:
+    def partitions_for(self, records: int | None, cores: int | None = None, rows_each: int | None = None) -> int:
         """The partitions of a job: --partitions where given; else, for an input of `records` rows on a
-        cluster of `cores` cores (Spark's default parallelism), one per RECORDS_PER_PARTITION rows and
-        at least TASKS_PER_CORE per core; DEFAULT_PARTITIONS where neither is known before the job is
-        built (Beam's graph)."""
+        cluster of `cores` cores (Spark's default parallelism), one per `rows_each` rows (the job's
+        `*_RECORDS_PER_PARTITION`) and at least TASKS_PER_CORE per core; DEFAULT_PARTITIONS where these
+        are not known before the job is built (Beam's graph)."""
         if self.partitions is not None:
             return self.partitions
-        if records is None or cores is None:
+        if records is None or cores is None or rows_each is None:
             return DEFAULT_PARTITIONS
-        return max(TASKS_PER_CORE * cores, -(-records // RECORDS_PER_PARTITION))
+        return max(TASKS_PER_CORE * cores, -(-records // rows_each))

@@ -18,10 +18,9 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from madp.core import storage
-from madp.core.columnar import Columnar
+from madp.core.columnar import Columnar, dense_codes
 from madp.core.errors import InputError, OptionError
 from madp.core.hashing import partition_of
 from madp.core.options import check_choices, option
@@ -344,7 +343,7 @@ def duplicate_id_mask(ids: pa.Array) -> np.ndarray:
     """True for every record whose id occurs more than once (all occurrences: none is preferred)."""
     if len(ids) == 0:
         return np.zeros(0, dtype=bool)
-    codes = pc.dictionary_encode(ids).indices.to_numpy()
+    codes, _ = dense_codes(ids)
     return np.bincount(codes)[codes] > 1
 
 

@@ -57,6 +57,7 @@ from madp.core.errors import InputError
 from madp.core.graph_digest import EMPTY as EMPTY_GRAPH
 from madp.core.graph_digest import GraphDigest
 from madp.core.options import declared
+from madp.core.partitioning import BATCH_RECORDS_PER_PARTITION
 from madp.core.reports import BatchReport
 from madp.core.selection import RunCounts, handle_rejects
 from madp.engines import batch_local, batch_report, batching
@@ -316,7 +317,8 @@ def _jobs(
     data_name = input_name(data)
     if options.on_invalid == "error":  # before the join, as the local engine stops
         handle_rejects(read.rejects, "error", output)
-    partitions = spark_options.partitions_for(RunCounts.of(read.stats).input_rows, sc.defaultParallelism)
+    rows = RunCounts.of(read.stats).input_rows
+    partitions = spark_options.partitions_for(rows, sc.defaultParallelism, BATCH_RECORDS_PER_PARTITION)
     records = record_partitions(read.chunks, partitions)
     joined = joined_partitions(sc, records, inputs.selection, options, data_name, errors_dir).persist(KEPT)
     kept_rdds = [joined]

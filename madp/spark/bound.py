@@ -34,7 +34,6 @@ import numpy as np
 from madp.core import record_reading, storage
 from madp.core import records as rec
 from madp.core.bound_steps import (
-    BuiltRecordPartition,
     IterationCounts,
     Progress,
     SelectedKeys,
@@ -52,6 +51,7 @@ from madp.core.bound_steps import (
 )
 from madp.core.bounding import DONE, START_PASS, Capacities, Control
 from madp.core.errors import InputError
+from madp.core.partitioning import BOUND_RECORDS_PER_PARTITION
 from madp.core.reports import BoundReport
 from madp.core.routing import by_kind, messages_of
 from madp.core.selection import (
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 log = logging.getLogger("madp.bound")
-STATE, ACCEPTED, DEAD, INCIDENCES, CAPACITIES, RECORDS, SELECTED = (
+STATE, ACCEPTED, DEAD, INCIDENCES, CAPACITIES, RECORDS, SELECTED, COUNTED = (
     "state",
     "accepted",
     "dead",
@@ -88,6 +88,7 @@ STATE, ACCEPTED, DEAD, INCIDENCES, CAPACITIES, RECORDS, SELECTED = (
     "capacities",
     "records",
     "selected",
+    "counted",
 )
 Totals = tuple[IterationCounts, dict[str, int]]  # what a step's partitions counted, summed
 NO_TOTALS: Totals = (IterationCounts(), {})
@@ -215,7 +216,8 @@ class _SparkBound:
         read = read_input(self.sc, source, self.options.columns, self.spark_options.input_split_bytes, self.errors_dir)
         self.stats = summed_stats([self.stats, read.stats])
         rows = RunCounts.of(read.stats).input_rows
-        self.partitions = self.spark_options.partitions_for(rows, self.sc.defaultParallelism)
+        cores = self.sc.defaultParallelism
+        self.partitions = self.spark_options.partitions_for(rows, cores, BOUND_RECORDS_PER_PARTITION)
         return record_partitions(read.chunks, self.partitions), read.rejects, read.reads
 
     def group_sizes(self, parts: RDD) -> tuple[int, int]:
@@ -235,17 +237,25 @@ class _SparkBound:
         options, partitions = self.options, self.partitions
         capacities = self.capacities or Capacities(options.max_contributions)
 
-        def build_records(element: tuple[int, list]) -> tuple[int, BuiltRecordPartition]:
+        def build_records(element: tuple[int, list]) -> list[tuple[int, tuple[str, Any]]]:
             part, chunks = element
-            return part, build_record_partition(part, chunks, options, partitions, capacities)
+            built = build_record_partition(part, chunks, options, partitions, capacities)
+            counted = (built.rejects if len(built.rejects) else None, {**built.counted, **built.distribution})
+            return [
+                (part, (COUNTED, counted)),
+                (part, (RECORDS, built.split.records)),
+                *((part, (INCIDENCES, batch)) for batch in built.split.incidences),
+            ]
 
-        built = parts.map(kept(self.errors_dir, build_records), True).persist(KEPT)
-        sides = built.values().map(lambda b: (b.rejects if len(b.rejects) else None, {**b.counted, **b.distribution}))
-        read_sides = sides.collect()
+        # (record partition, (kind, value)): a partition's parts as elements of their own, so that a task
+        # pickles or reads back one of them at a time, never the whole partition built
+        built = parts.flatMap(kept(self.errors_dir, build_records), True).persist(KEPT)
+        of_kind = lambda kind: built.filter(lambda e: e[1][0] == kind).mapValues(lambda v: v[1])  # noqa: E731
+        read_sides = of_kind(COUNTED).values().collect()
         duplicates = rec.merge_rejects(rejects for rejects, _ in read_sides if rejects is not None)
         self.stats = summed_stats([self.stats, *(stats for _, stats in read_sides)])
-        records = built.mapValues(lambda b: b.split.records).persist(KEPT)
-        incidences = built.flatMap(lambda e: [(user, (INCIDENCES, batch)) for user, batch in e[1].split.incidences])
+        records = of_kind(RECORDS).persist(KEPT)
+        incidences = of_kind(INCIDENCES).map(lambda e: (e[1][0], (INCIDENCES, e[1][1])))
         listed = [] if self.capacities is None else list(capacities_by_partition(self.capacities, partitions))
         tagged = incidences.union(self.sc.parallelize([(p, (CAPACITIES, c)) for p, c in listed], 1))
         build_users = kept(self.errors_dir, lambda e: _build_users(e, options.max_contributions))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from madp.core.hashing import hash_ids, partition_of
+from madp.core.columnar import dense_codes
+from madp.core.hashing import hash_ids, partition_of, splitmix64
 from madp.tools.data.synthetic import GraphSpec, generate
 
 
@@ -52,3 +53,22 @@ def test_hashes_are_stable_and_seeded():
     assert len(np.unique(ints)) == 1000
     parts = partition_of(np.arange(10000), 4)
     assert set(parts.tolist()) == {0, 1, 2, 3} and np.bincount(parts).min() > 2300
+
+
+def test_splitmix64_is_the_reference_generator_in_place_or_not():
+    """The reference SplitMix64 stream from state 0 (Steele et al.'s outputs), as arrays, scalars and
+    written into its own input."""
+    golden = 0x9E3779B97F4A7C15
+    states = np.array([0, golden, 2 * golden % 2**64], dtype=np.uint64)
+    expected = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert splitmix64(states).tolist() == expected and states[1] == golden
+    assert int(splitmix64(golden)) == expected[1] and isinstance(splitmix64(np.uint64(0)), np.uint64)
+    assert splitmix64(states, out=states) is states and states.tolist() == expected
+
+
+def test_dense_codes_give_each_distinct_id_one_code():
+    for values in (pa.array([7, -3, 7, 2**40, -3]), pa.array(["b", "a", "b", ""]), pa.array([], pa.int64())):
+        codes, distinct = dense_codes(values)
+        assert distinct.take(pa.array(codes, pa.int64())).equals(values) and len(distinct) == len(
+            set(values.to_pylist())
+        )

@@ -53,12 +53,13 @@ def test_a_wrong_option_is_one_error_naming_it(arguments, said):
 
 
 def test_without_partitions_a_job_takes_one_per_share_of_its_input_rows_and_two_per_core():
-    per, least = partitioning.RECORDS_PER_PARTITION, partitioning.TASKS_PER_CORE
-    assert SparkOptions().partitions_for(1_000, cores=2) == 2 * least  # a small input: every core busy
-    assert SparkOptions().partitions_for(1_000, cores=50) == 50 * least
-    assert SparkOptions().partitions_for(40 * per, cores=2) == 40
-    assert SparkOptions().partitions_for(40 * per + 1, cores=2) == 41  # no partition holds more than its share
-    assert SparkOptions(partitions=4).partitions_for(40 * per, cores=2) == 4  # --partitions decides where given
+    least = partitioning.TASKS_PER_CORE
+    for per in (partitioning.BOUND_RECORDS_PER_PARTITION, partitioning.BATCH_RECORDS_PER_PARTITION):
+        assert SparkOptions().partitions_for(1_000, 2, per) == 2 * least  # a small input: every core busy
+        assert SparkOptions().partitions_for(1_000, 50, per) == 50 * least
+        assert SparkOptions().partitions_for(40 * per, 2, per) == 40
+        assert SparkOptions().partitions_for(40 * per + 1, 2, per) == 41  # no partition holds more than its share
+        assert SparkOptions(partitions=4).partitions_for(40 * per, 2, per) == 4  # --partitions decides where given
     assert SparkOptions().partitions_for(None) == partitioning.DEFAULT_PARTITIONS  # Beam's: input unread
 
 
