@@ -23,7 +23,7 @@ from madp.core.graph_digest import GraphDigest
 from madp.core.hashing import partition_of
 from madp.core.options import option, refuse_failed, seed_argument
 from madp.core.record_reading import jsonl_lines, parse_row
-from madp.core.records import ColumnOptions, Columns, Rejects, ignored_input_files
+from madp.core.records import ColumnOptions, Columns, Rejects, duplicate_id_mask, ignored_input_files
 from madp.core.reports import BatchReport, BoundParameters, BoundReport, FileEntry, Histograms, RoundStats
 
 SELECTED_DIR = "selected"
@@ -197,8 +197,7 @@ def read_capacities(path: str, default: int) -> Capacities:
         )
     ]
     present = np.flatnonzero(~missing_user)
-    codes = pc.dictionary_encode(users.take(pa.array(present))).indices.to_numpy()
-    problems += [(row, "user listed twice") for row in present[np.bincount(codes)[codes] > 1]] if len(codes) else []
+    problems += [(row, "user listed twice") for row in present[duplicate_id_mask(users.take(pa.array(present)))]]
     if problems:
         listed = "; ".join(f"row {row}: {why}" for row, why in sorted(problems)[:_ERROR_EXAMPLES])
         raise InputError(f"{path}: {len(problems)} invalid capacity rows: {listed}")

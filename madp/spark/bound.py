@@ -250,7 +250,10 @@ class _SparkBound:
         # (record partition, (kind, value)): a partition's parts as elements of their own, so that a task
         # pickles or reads back one of them at a time, never the whole partition built
         built = parts.flatMap(kept(self.errors_dir, build_records), True).persist(KEPT)
-        of_kind = lambda kind: built.filter(lambda e: e[1][0] == kind).mapValues(lambda v: v[1])  # noqa: E731
+
+        def of_kind(kind: str) -> RDD:
+            return built.filter(lambda e: e[1][0] == kind).mapValues(lambda v: v[1])
+
         read_sides = of_kind(COUNTED).values().collect()
         duplicates = rec.merge_rejects(rejects for rejects, _ in read_sides if rejects is not None)
         self.stats = summed_stats([self.stats, *(stats for _, stats in read_sides)])
